@@ -1,0 +1,519 @@
+//! The typed messages. Every frame carries a request id; all frames of one
+//! request (its stream) share that id, in both directions.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One frame from the host (client) to the agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClientFrame {
+    /// Request id chosen by the client; unique among its open requests.
+    pub id: u64,
+    pub body: ClientMessage,
+}
+
+/// One frame from the agent to the host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServerFrame {
+    /// The id of the request this frame answers.
+    pub id: u64,
+    pub body: ServerMessage,
+}
+
+/// What the host asks. Messages marked "(stream input)" go to a request that
+/// is still open under the same id; all others open a new request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ClientMessage {
+    /// Version handshake; answered by `Hello`.
+    Hello,
+    /// Start a process and stream its output: `Started`, `Output`*, `Exited`.
+    Exec(ExecRequest),
+    /// Run a process to completion and answer once with `RunResult`.
+    Run(ExecRequest),
+    /// (stream input) Bytes for the stdin of an `Exec` or `DockerRun`.
+    Stdin {
+        #[serde(with = "crate::b64")]
+        data: Vec<u8>,
+    },
+    /// (stream input) Close the process's stdin.
+    StdinClose,
+    /// (stream input) Send a signal (number, e.g. 15) to the process.
+    Signal {
+        signal: i32,
+        /// Signal the whole process group instead of only the process.
+        #[serde(default)]
+        group: bool,
+    },
+    /// (stream input) Abort: kills a running process group, or drops a
+    /// half-written upload (its temporary file is removed).
+    Cancel,
+    /// Read a file: `Data`* then `End`.
+    ReadFile {
+        path: String,
+        #[serde(default)]
+        offset: u64,
+        #[serde(default)]
+        length: Option<u64>,
+    },
+    /// Write a file: answered by `Ready`; then send `Data`* and `End`;
+    /// finished by `Written`.
+    WriteFile(WriteFileRequest),
+    /// (stream input) A chunk of an upload (`WriteFile`, `TarUpload`).
+    Data {
+        #[serde(with = "crate::b64")]
+        data: Vec<u8>,
+    },
+    /// (stream input) The upload is complete.
+    End,
+    /// File metadata: `Stat`.
+    Stat {
+        path: String,
+        /// Follow a final symlink (stat) or describe the link itself (lstat).
+        #[serde(default = "default_true")]
+        follow_symlinks: bool,
+    },
+    /// Directory entries, sorted by name: `List`.
+    List { path: String },
+    /// Create a directory: `Ok`.
+    Mkdir {
+        path: String,
+        /// Create missing parents too, and accept an existing directory.
+        #[serde(default)]
+        parents: bool,
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+    /// Remove a file, symlink or directory: `Ok`.
+    Remove {
+        path: String,
+        /// Remove a non-empty directory with its contents.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// rename(2) within one file system: `Ok`.
+    Move { from: String, to: String },
+    /// A tar archive of a directory (or one file): `Data`* then `End`.
+    TarDownload { path: String },
+    /// Unpack a tar archive into a directory (created if missing): `Ready`,
+    /// then `Data`* and `End` from the client, finished by `Written`.
+    TarUpload { path: String },
+    /// Set the wall clock (CLOCK_REALTIME): `Applied`.
+    SetTime { unix_seconds: i64, nanos: u32 },
+    /// Mix a fresh seed into the kernel RNG (RNDADDENTROPY): `Applied`.
+    Reseed {
+        #[serde(with = "crate::b64")]
+        seed: Vec<u8>,
+    },
+    /// New hostname and/or /etc/machine-id: `Applied`.
+    SetIdentity {
+        #[serde(default)]
+        hostname: Option<String>,
+        #[serde(default)]
+        machine_id: Option<String>,
+    },
+    /// Health and simple metrics: `Health`.
+    Health,
+    /// Start dockerd if it is not answering yet: `DockerReady`.
+    DockerEnsure {
+        /// How long to wait for the daemon socket (default 180 s).
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+        /// Extra dockerd flags, used only when the agent starts dockerd.
+        #[serde(default)]
+        extra_args: Vec<String>,
+    },
+    /// Run a container through the docker CLI; streams like `Exec`.
+    DockerRun(DockerRunRequest),
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// What to execute.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Command {
+    /// argv[0] is looked up in PATH when it has no slash.
+    Argv(Vec<String>),
+    /// Run with `/bin/sh -c`.
+    Shell(String),
+}
+
+/// A process to start. Defaults: inherit the agent's environment (plus a
+/// default PATH), cwd `/`, the agent's user, no timeout, no output cap.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub command: Command,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Variables set on top of the base environment.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Start from an empty environment instead of the agent's.
+    #[serde(default)]
+    pub clear_env: bool,
+    /// User name or numeric uid, looked up in the guest's /etc/passwd.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Hard timeout: SIGTERM to the process group, then SIGKILL after the grace period.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Time between SIGTERM and SIGKILL (default 2000 ms).
+    #[serde(default)]
+    pub kill_grace_ms: Option<u64>,
+    /// Cap on stdout + stderr bytes kept or sent; the rest is read and dropped.
+    #[serde(default)]
+    pub output_limit_bytes: Option<u64>,
+    /// Memory limit for the cgroup the process runs in (when cgroups are available).
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    /// Keep stdin open for `Stdin` frames (Exec). Otherwise stdin is /dev/null.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Stdin contents for `Run` (written, then closed).
+    #[serde(default, with = "crate::b64::option")]
+    pub stdin_data: Option<Vec<u8>>,
+}
+
+impl ExecRequest {
+    /// An argv command with all defaults.
+    pub fn argv<I, S>(argv: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::new(Command::Argv(argv.into_iter().map(Into::into).collect()))
+    }
+
+    /// A `/bin/sh -c` command with all defaults.
+    pub fn shell(script: impl Into<String>) -> Self {
+        Self::new(Command::Shell(script.into()))
+    }
+
+    fn new(command: Command) -> Self {
+        Self {
+            command,
+            cwd: None,
+            env: BTreeMap::new(),
+            clear_env: false,
+            user: None,
+            timeout_ms: None,
+            kill_grace_ms: None,
+            output_limit_bytes: None,
+            memory_limit_bytes: None,
+            stdin: false,
+            stdin_data: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WriteFileRequest {
+    pub path: String,
+    /// Permission bits; default: those of the file being replaced, else 0644.
+    #[serde(default)]
+    pub mode: Option<u32>,
+    /// Write a temporary file in the same directory, fsync, rename (default true).
+    #[serde(default = "default_true")]
+    pub atomic: bool,
+    /// Create missing parent directories.
+    #[serde(default)]
+    pub make_parents: bool,
+}
+
+impl WriteFileRequest {
+    pub fn new(path: impl Into<String>) -> Self {
+        Self { path: path.into(), mode: None, atomic: true, make_parents: false }
+    }
+}
+
+/// `docker run --rm` of an image, through the docker CLI in the guest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DockerRunRequest {
+    pub image: String,
+    /// Command and arguments after the image (empty: the image's default).
+    #[serde(default)]
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub workdir: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// `--network` value, e.g. "none" or "host"; default: docker's default.
+    #[serde(default)]
+    pub network: Option<String>,
+    /// More `docker run` flags, placed before the image.
+    #[serde(default)]
+    pub extra_args: Vec<String>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub kill_grace_ms: Option<u64>,
+    #[serde(default)]
+    pub output_limit_bytes: Option<u64>,
+    /// Keep stdin open (`docker run -i`) for `Stdin` frames.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Start dockerd first if it is not running (default true).
+    #[serde(default = "default_true")]
+    pub ensure_daemon: bool,
+}
+
+impl DockerRunRequest {
+    pub fn new(image: impl Into<String>, command: Vec<String>) -> Self {
+        Self {
+            image: image.into(),
+            command,
+            env: BTreeMap::new(),
+            workdir: None,
+            user: None,
+            network: None,
+            extra_args: Vec::new(),
+            timeout_ms: None,
+            kill_grace_ms: None,
+            output_limit_bytes: None,
+            stdin: false,
+            ensure_daemon: true,
+        }
+    }
+}
+
+/// What the agent answers. Every request ends with exactly one terminal
+/// message (see [`ServerMessage::is_terminal`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServerMessage {
+    Hello { agent_version: String, protocol_version: u32 },
+    /// The process started (Exec, DockerRun).
+    Started { pid: u32 },
+    /// A chunk of stdout or stderr. `seq` counts chunks of both streams in order, from 0.
+    Output {
+        stream: OutputStream,
+        seq: u64,
+        #[serde(with = "crate::b64")]
+        data: Vec<u8>,
+    },
+    /// The process ended (Exec, DockerRun).
+    Exited(ExitStatus),
+    /// Everything from a `Run`.
+    RunResult {
+        #[serde(with = "crate::b64")]
+        stdout: Vec<u8>,
+        #[serde(with = "crate::b64")]
+        stderr: Vec<u8>,
+        status: ExitStatus,
+    },
+    /// A chunk of a download (ReadFile, TarDownload), `seq` from 0.
+    Data {
+        seq: u64,
+        #[serde(with = "crate::b64")]
+        data: Vec<u8>,
+    },
+    /// The download is complete; `bytes` in total.
+    End { bytes: u64 },
+    /// The upload may start.
+    Ready,
+    /// The upload is stored; `bytes` received.
+    Written { bytes: u64 },
+    Stat(FileInfo),
+    List { entries: Vec<FileInfo> },
+    Ok,
+    /// Result of a post-restore fixup. `applied` is false when the agent was
+    /// told not to apply it (e.g. `--no-set-clock`); `detail` says what happened.
+    Applied { applied: bool, detail: String },
+    Health(Health),
+    DockerReady {
+        /// True when this request started dockerd, false when it already answered.
+        started: bool,
+        waited_ms: u64,
+    },
+    /// The request failed; terminal.
+    Error(ErrorInfo),
+}
+
+impl ServerMessage {
+    /// True for the message that ends a request.
+    pub fn is_terminal(&self) -> bool {
+        !matches!(
+            self,
+            Self::Started { .. } | Self::Output { .. } | Self::Data { .. } | Self::Ready
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ExitStatus {
+    /// Exit code when the process exited normally.
+    pub code: Option<i32>,
+    /// Signal number when a signal ended the process.
+    pub signal: Option<i32>,
+    /// The hard timeout fired (and the process group was killed).
+    pub timed_out: bool,
+    /// The kernel OOM killer killed a process of this exec (see `oom_detection`).
+    pub oom_killed: bool,
+    /// How OOM kills were detected for this exec.
+    pub oom_detection: OomDetection,
+    /// Output beyond `output_limit_bytes` was dropped.
+    pub truncated: bool,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    pub duration_ms: u64,
+}
+
+impl ExitStatus {
+    /// Exited with code 0, no timeout.
+    pub fn success(&self) -> bool {
+        self.code == Some(0) && !self.timed_out
+    }
+}
+
+/// Where the OOM verdict came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OomDetection {
+    /// `oom_kill` in memory.events of the exec's own cgroup v2: exact.
+    CgroupV2,
+    /// `oom_kill` in memory.oom_control of the exec's own cgroup v1: exact.
+    CgroupV1,
+    /// No cgroup: the process died of SIGKILL while the system-wide
+    /// /proc/vmstat `oom_kill` counter rose. A strong hint, not proof.
+    KernelCounter,
+    /// Nothing to go on.
+    #[default]
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileInfo {
+    /// Last path component.
+    pub name: String,
+    pub path: String,
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (including setuid/setgid/sticky).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+    /// The target, for a symlink.
+    #[serde(default)]
+    pub link_target: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Health {
+    pub agent_version: String,
+    pub protocol_version: u32,
+    pub pid: u32,
+    /// The agent runs as PID 1 (init) of its PID namespace.
+    pub is_init: bool,
+    pub uptime_seconds: f64,
+    pub load: [f64; 3],
+    pub memory: MemoryInfo,
+    pub disk: DiskInfo,
+    pub running_processes: u64,
+}
+
+/// From /proc/meminfo, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryInfo {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    pub available_bytes: u64,
+}
+
+/// statvfs of `/`, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskInfo {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    pub available_bytes: u64,
+}
+
+/// A failed request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    /// errno name (e.g. "ENOENT") for system errors, else a short kind
+    /// ("bad_request", "unknown_request", "internal").
+    pub code: String,
+    /// The errno value, for system errors.
+    #[serde(default)]
+    pub errno: Option<i32>,
+    /// Human-readable, names the input: "open /x/y: No such file or directory".
+    pub message: String,
+}
+
+impl std::fmt::Display for ErrorInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.message)
+    }
+}
+
+impl ErrorInfo {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self { code: "bad_request".into(), errno: None, message: message.into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_round_trips_with_defaults_filled() {
+        let json = r#"{"id":7,"body":{"op":"exec","command":{"argv":["echo","hi"]}}}"#;
+        let frame: ClientFrame = serde_json::from_str(json).expect("parse");
+        assert_eq!(frame.id, 7);
+        assert_eq!(frame.body, ClientMessage::Exec(ExecRequest::argv(["echo", "hi"])));
+        let back = serde_json::to_string(&frame).expect("serialize");
+        let again: ClientFrame = serde_json::from_str(&back).expect("reparse");
+        assert_eq!(again, frame);
+    }
+
+    #[test]
+    fn binary_data_is_base64() {
+        let frame = ServerFrame {
+            id: 1,
+            body: ServerMessage::Output { stream: OutputStream::Stderr, seq: 3, data: b"\x00\xffhi".to_vec() },
+        };
+        let json = serde_json::to_string(&frame).expect("serialize");
+        assert!(json.contains(r#""data":"AP9oaQ==""#), "{json}");
+        assert_eq!(serde_json::from_str::<ServerFrame>(&json).expect("parse"), frame);
+    }
+
+    #[test]
+    fn terminal_messages() {
+        assert!(!ServerMessage::Ready.is_terminal());
+        assert!(!ServerMessage::Started { pid: 1 }.is_terminal());
+        assert!(ServerMessage::Ok.is_terminal());
+        assert!(ServerMessage::Error(ErrorInfo::bad_request("x")).is_terminal());
+    }
+
+    #[test]
+    fn unknown_op_is_rejected() {
+        let err = serde_json::from_str::<ClientFrame>(r#"{"id":1,"body":{"op":"fly"}}"#);
+        assert!(err.is_err());
+    }
+}
