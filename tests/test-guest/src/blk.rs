@@ -1,0 +1,224 @@
+//! Polled virtio-blk driver: one request in flight, three-descriptor chains
+//! (header, data, status), plus the deliberately malformed chains of `hostile`.
+
+use crate::io::{pause, Deadline};
+use crate::virtio::{Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE};
+
+pub const DEVICE_ID: u32 = 2;
+pub const SECTOR: usize = 512;
+/// Sectors per request for the bulk commands; also the data buffer size.
+pub const MAX_SECTORS_PER_REQUEST: usize = 8;
+pub const DATA_SIZE: usize = SECTOR * MAX_SECTORS_PER_REQUEST;
+
+const F_RO: u64 = 1 << 5;
+const F_FLUSH: u64 = 1 << 9;
+
+const T_IN: u32 = 0;
+const T_OUT: u32 = 1;
+const T_FLUSH: u32 = 4;
+const T_GET_ID: u32 = 8;
+pub const ID_BYTES: usize = 20;
+
+const REQUEST_TIMEOUT_MS: u64 = 5000;
+/// How long a hostile chain is given before the device is reset.
+const HOSTILE_WAIT_MS: u64 = 50;
+
+/// Header, status and data buffers of one block device, shared with the device.
+#[repr(C, align(4096))]
+pub struct BlkDma {
+    pub ring: RingPage,
+    pub data: [u8; DATA_SIZE],
+    header: [u8; 16],
+    status: [u8; 16],
+}
+
+impl BlkDma {
+    pub const ZERO: BlkDma = BlkDma { ring: RingPage::ZERO, data: [0; DATA_SIZE], header: [0; 16], status: [0; 16] };
+}
+
+pub struct Blk {
+    transport: Transport,
+    ready: bool,
+    features: u64,
+    queue: Queue,
+}
+
+#[derive(Clone, Copy)]
+pub enum Hostile {
+    OutOfBounds,
+    Loop,
+    Long,
+    WrongDirection,
+    BadNext,
+    BadAvail,
+}
+
+impl Hostile {
+    pub fn parse(word: &[u8]) -> Option<Hostile> {
+        Some(match word {
+            b"oob" => Hostile::OutOfBounds,
+            b"loop" => Hostile::Loop,
+            b"long" => Hostile::Long,
+            b"dir" => Hostile::WrongDirection,
+            b"badnext" => Hostile::BadNext,
+            b"badavail" => Hostile::BadAvail,
+            _ => return None,
+        })
+    }
+}
+
+/// Outcome of one request: the device's status byte (0 = OK) or a driver-side failure.
+pub type Status = Result<u8, &'static str>;
+
+impl Blk {
+    pub const fn new(base: usize) -> Blk {
+        Blk { transport: Transport { base }, ready: false, features: 0, queue: Queue::empty() }
+    }
+
+    /// Initialises the device on first use (and again after a hostile test).
+    pub fn ensure_ready(&mut self, dma: &mut BlkDma, tpm: u64) -> Result<(), &'static str> {
+        if self.ready {
+            return Ok(());
+        }
+        let features =
+            self.transport.begin_init(tpm, DEVICE_ID, F_RO | F_FLUSH, &mut [&mut self.queue], &mut [&mut dma.ring])?;
+        self.transport.finish_init()?;
+        self.features = features;
+        self.ready = true;
+        Ok(())
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.transport.config_u64(0)
+    }
+    pub fn read_only(&self) -> bool {
+        self.features & F_RO != 0
+    }
+    pub fn has_flush(&self) -> bool {
+        self.features & F_FLUSH != 0
+    }
+
+    fn write_header(dma: &mut BlkDma, kind: u32, sector: u64) {
+        dma.header[0..4].copy_from_slice(&kind.to_le_bytes());
+        dma.header[4..8].copy_from_slice(&0u32.to_le_bytes());
+        dma.header[8..16].copy_from_slice(&sector.to_le_bytes());
+        // A value the device never writes, so a missing status write is visible.
+        dma.status[0] = 0xff;
+    }
+
+    /// Sends one request whose data is `data_len` bytes at the start of `dma.data`
+    /// (none when 0) and waits for its completion. The guest sends what it is asked
+    /// to, even to a read-only device or one without flush: the device's answer is
+    /// what the tests check.
+    fn request(&mut self, dma: &mut BlkDma, tpm: u64, kind: u32, sector: u64, data_len: usize) -> Status {
+        Self::write_header(dma, kind, sector);
+        let device_writes = kind == T_IN || kind == T_GET_ID;
+        let header = dma.header.as_ptr() as u64;
+        let status = dma.status.as_ptr() as u64;
+        let q = &mut self.queue;
+        if data_len == 0 {
+            q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+            q.set_desc(1, status, 1, DESC_F_WRITE, 0);
+        } else {
+            let data_flags = DESC_F_NEXT | if device_writes { DESC_F_WRITE } else { 0 };
+            q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+            q.set_desc(1, dma.data.as_ptr() as u64, data_len as u32, data_flags, 2);
+            q.set_desc(2, status, 1, DESC_F_WRITE, 0);
+        }
+        q.push(0);
+        self.transport.notify(&self.queue);
+        let deadline = Deadline::after_ms(tpm, REQUEST_TIMEOUT_MS);
+        loop {
+            if let Some((id, _len)) = self.queue.pop_used() {
+                if id != 0 {
+                    return Err("unexpected-used-id");
+                }
+                // SAFETY: the status byte is shared with the device, which has finished.
+                return Ok(unsafe { core::ptr::read_volatile(dma.status.as_ptr()) });
+            }
+            if deadline.passed() {
+                // The queue is now out of step with the device: start over next time.
+                self.ready = false;
+                return Err("timeout");
+            }
+            pause();
+        }
+    }
+
+    /// Reads `sectors` (1..=8) sectors into `dma.data`.
+    pub fn read(&mut self, dma: &mut BlkDma, tpm: u64, sector: u64, sectors: usize) -> Status {
+        self.request(dma, tpm, T_IN, sector, sectors.min(MAX_SECTORS_PER_REQUEST) * SECTOR)
+    }
+
+    /// Writes the first `sectors` (1..=8) sectors of `dma.data`.
+    pub fn write(&mut self, dma: &mut BlkDma, tpm: u64, sector: u64, sectors: usize) -> Status {
+        self.request(dma, tpm, T_OUT, sector, sectors.min(MAX_SECTORS_PER_REQUEST) * SECTOR)
+    }
+
+    pub fn flush(&mut self, dma: &mut BlkDma, tpm: u64) -> Status {
+        self.request(dma, tpm, T_FLUSH, 0, 0)
+    }
+
+    /// Reads the device id string into the first 20 bytes of `dma.data`.
+    pub fn get_id(&mut self, dma: &mut BlkDma, tpm: u64) -> Status {
+        dma.data[..ID_BYTES].fill(0);
+        self.request(dma, tpm, T_GET_ID, 0, ID_BYTES)
+    }
+
+    /// Posts a malformed chain, notifies, gives the device a moment, then resets the
+    /// device and sets it up again.
+    pub fn hostile(&mut self, dma: &mut BlkDma, tpm: u64, kind: Hostile, beyond_memory: u64) -> Result<(), &'static str> {
+        Self::write_header(dma, T_IN, 0);
+        let header = dma.header.as_ptr() as u64;
+        let data = dma.data.as_ptr() as u64;
+        let status = dma.status.as_ptr() as u64;
+        let q = &mut self.queue;
+        let size = q.size;
+        let mut bump_avail = true;
+        match kind {
+            Hostile::OutOfBounds => {
+                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+                q.set_desc(1, beyond_memory, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
+                q.set_desc(2, status, 1, DESC_F_WRITE, 0);
+            }
+            Hostile::Loop => {
+                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 0);
+            }
+            Hostile::Long => {
+                for i in 0..size {
+                    let (addr, len, flags) = if i == 0 { (header, 16, DESC_F_NEXT) } else { (data, 16, DESC_F_NEXT | DESC_F_WRITE) };
+                    q.set_desc(i, addr, len, flags, (i + 1) % size);
+                }
+            }
+            Hostile::WrongDirection => {
+                q.set_desc(0, header, 16, DESC_F_NEXT | DESC_F_WRITE, 1);
+                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
+                q.set_desc(2, status, 1, 0, 0);
+            }
+            Hostile::BadNext => {
+                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 0);
+                q.set_desc_raw_next(1, size.wrapping_add(5));
+            }
+            Hostile::BadAvail => {
+                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
+                q.set_desc(2, status, 1, DESC_F_WRITE, 0);
+                let jumped = q.avail_idx().wrapping_add(size).wrapping_add(3);
+                q.publish_avail_idx(jumped);
+                bump_avail = false;
+            }
+        }
+        if bump_avail {
+            q.push(0);
+        }
+        self.transport.notify(&self.queue);
+        let deadline = Deadline::after_ms(tpm, HOSTILE_WAIT_MS);
+        while !deadline.passed() {
+            pause();
+        }
+        self.ready = false;
+        self.ensure_ready(dma, tpm)
+    }
+}

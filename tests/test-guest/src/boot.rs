@@ -1,0 +1,157 @@
+//! What the VMM hands over: the Linux `boot_params` zero page (command line, e820 map)
+//! and the virtio-mmio devices announced on the command line.
+
+use crate::io::{parse_u64, split_word};
+use crate::virtio::{mmio_read32, REG_DEVICE_ID, REG_MAGIC, VIRTIO_MAGIC};
+
+const E820_ENTRIES_OFFSET: usize = 0x1e8;
+const CMD_LINE_PTR_OFFSET: usize = 0x228;
+const CMDLINE_SIZE_OFFSET: usize = 0x238;
+const E820_TABLE_OFFSET: usize = 0x2d0;
+const E820_ENTRY_SIZE: usize = 20;
+const E820_MAX_ENTRIES: usize = 128;
+/// The guest reads at most this much of the command line.
+const CMDLINE_MAX: usize = 4096;
+
+pub const MAX_DEVICES: usize = 16;
+
+#[derive(Clone, Copy)]
+pub struct E820Entry {
+    pub addr: u64,
+    pub size: u64,
+    pub kind: u32,
+}
+
+#[derive(Clone, Copy)]
+pub struct MmioDevice {
+    pub addr: u64,
+    pub irq: u64,
+    /// `None` when the window's magic value is not "virt".
+    pub device_id: Option<u32>,
+}
+
+pub struct BootInfo {
+    params: usize,
+    pub cmdline: &'static [u8],
+    pub devices: [MmioDevice; MAX_DEVICES],
+    pub device_count: usize,
+}
+
+fn read_u8(addr: usize) -> u8 {
+    // SAFETY: `addr` lies in the zero page or a buffer the VMM described; the VMM's
+    // identity map covers it.
+    unsafe { core::ptr::read_volatile(addr as *const u8) }
+}
+
+fn read_u32(addr: usize) -> u32 {
+    // SAFETY: as for `read_u8`; unaligned reads are fine on x86.
+    unsafe { core::ptr::read_unaligned(addr as *const u32) }
+}
+
+fn read_u64(addr: usize) -> u64 {
+    // SAFETY: as for `read_u8`.
+    unsafe { core::ptr::read_unaligned(addr as *const u64) }
+}
+
+impl BootInfo {
+    /// Reads the zero page at `params` (the RSI the VMM passed) and probes the devices
+    /// named on the command line.
+    pub fn read(params: usize) -> BootInfo {
+        let cmdline = read_cmdline(params);
+        let mut info = BootInfo {
+            params,
+            cmdline,
+            devices: [MmioDevice { addr: 0, irq: 0, device_id: None }; MAX_DEVICES],
+            device_count: 0,
+        };
+        let mut rest = cmdline;
+        while !rest.is_empty() {
+            let (word, tail) = split_word(rest);
+            rest = tail;
+            if let Some((addr, irq)) = parse_virtio_mmio_arg(word) {
+                if let Some(slot) = info.devices.get_mut(info.device_count) {
+                    *slot = probe(addr, irq);
+                    info.device_count += 1;
+                }
+            }
+        }
+        info
+    }
+
+    pub fn e820_count(&self) -> usize {
+        (read_u8(self.params + E820_ENTRIES_OFFSET) as usize).min(E820_MAX_ENTRIES)
+    }
+
+    pub fn e820(&self, index: usize) -> E820Entry {
+        let at = self.params + E820_TABLE_OFFSET + index * E820_ENTRY_SIZE;
+        E820Entry { addr: read_u64(at), size: read_u64(at + 8), kind: read_u32(at + 16) }
+    }
+
+    pub fn devices(&self) -> &[MmioDevice] {
+        self.devices.get(..self.device_count).unwrap_or(&[])
+    }
+
+    /// The end of the highest e820 range: used to aim a buffer past guest memory.
+    pub fn memory_end(&self) -> u64 {
+        (0..self.e820_count())
+            .map(|i| {
+                let e = self.e820(i);
+                e.addr.saturating_add(e.size)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+fn read_cmdline(params: usize) -> &'static [u8] {
+    let ptr = read_u32(params + CMD_LINE_PTR_OFFSET) as usize;
+    let size = (read_u32(params + CMDLINE_SIZE_OFFSET) as usize).min(CMDLINE_MAX);
+    if ptr == 0 {
+        return &[];
+    }
+    let mut len = 0;
+    while len < size && read_u8(ptr + len) != 0 {
+        len += 1;
+    }
+    // SAFETY: the bytes ptr..ptr+len were just read, lie in identity-mapped guest
+    // memory, and nothing writes the command line after boot.
+    unsafe { core::slice::from_raw_parts(ptr as *const u8, len) }
+}
+
+/// `virtio_mmio.device=<size>@<addr>:<irq>[:<id>]` → (addr, irq).
+fn parse_virtio_mmio_arg(word: &[u8]) -> Option<(u64, u64)> {
+    let value = word.strip_prefix(b"virtio_mmio.device=")?;
+    let at = value.iter().position(|&c| c == b'@')?;
+    let (size, rest) = value.split_at_checked(at)?;
+    parse_size(size)?;
+    let rest = rest.get(1..)?;
+    let colon = rest.iter().position(|&c| c == b':')?;
+    let (addr, rest) = rest.split_at_checked(colon)?;
+    let rest = rest.get(1..)?;
+    let irq = match rest.iter().position(|&c| c == b':') {
+        Some(end) => rest.get(..end)?,
+        None => rest,
+    };
+    Some((parse_u64(addr)?, parse_u64(irq)?))
+}
+
+/// `4K`, `0x1000`, `1M`...
+fn parse_size(text: &[u8]) -> Option<u64> {
+    let (digits, shift) = match text {
+        [head @ .., b'k' | b'K'] => (head, 10),
+        [head @ .., b'm' | b'M'] => (head, 20),
+        [head @ .., b'g' | b'G'] => (head, 30),
+        _ => (text, 0),
+    };
+    parse_u64(digits)?.checked_mul(1u64 << shift)
+}
+
+fn probe(addr: u64, irq: u64) -> MmioDevice {
+    let base = addr as usize;
+    let device_id = if mmio_read32(base, REG_MAGIC) == VIRTIO_MAGIC {
+        Some(mmio_read32(base, REG_DEVICE_ID))
+    } else {
+        None
+    };
+    MmioDevice { addr, irq, device_id }
+}

@@ -1,0 +1,427 @@
+//! rollbox test guest: a freestanding x86-64 program booted by rollbox-vmm through the
+//! Linux 64-bit boot protocol. It answers the serial protocol of `../PROTOCOL.md`.
+//!
+//! It runs in CPL0 under KVM's instruction emulator on the build machines, so it uses
+//! polled I/O only, never takes an interrupt or exception, and uses general registers
+//! only (`cargo xtask test-guest` rejects the ELF if objdump finds an SSE register).
+
+#![no_std]
+#![no_main]
+
+mod blk;
+mod boot;
+mod io;
+mod mem;
+mod virtio;
+mod vsock;
+
+use core::arch::{asm, global_asm};
+use core::panic::PanicInfo;
+
+use blk::{Blk, BlkDma, Hostile};
+use boot::BootInfo;
+use io::{parse_u64, put_dec, put_hex, put_hex16, put_hex_bytes, puts, split_word, try_getc};
+use vsock::{ConnectError, Vsock, VsockDma};
+
+const STACK_SIZE: usize = 64 * 1024;
+const MAX_BLK: usize = 8;
+/// Longest command line accepted (a 512-byte `blk-write` needs 1024 hex digits + the rest).
+const LINE_MAX: usize = 2048;
+const CONNECT_TIMEOUT_MS: u64 = 5000;
+const MAX_SUM_SECTORS: u64 = 2048;
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+#[repr(C, align(16))]
+struct Stack([u8; STACK_SIZE]);
+
+#[no_mangle]
+static mut GUEST_STACK: Stack = Stack([0; STACK_SIZE]);
+static mut BLK_DMA: [BlkDma; MAX_BLK] = [const { BlkDma::ZERO }; MAX_BLK];
+static mut VSOCK_DMA: VsockDma = VsockDma::ZERO;
+static mut BLKS: [Blk; MAX_BLK] = [const { Blk::new(0) }; MAX_BLK];
+static mut VSOCK: Vsock = Vsock::new(0);
+
+// Entry from the VMM: long mode, identity map, RSI = boot_params.
+global_asm!(
+    ".section .text._start, \"ax\"",
+    ".global _start",
+    "_start:",
+    "cli",
+    "cld",
+    "lea rsp, [rip + {stack} + {size}]",
+    "mov rdi, rsi",
+    "call {main}",
+    "2:",
+    "pause",
+    "jmp 2b",
+    stack = sym GUEST_STACK,
+    size = const STACK_SIZE,
+    main = sym guest_main,
+);
+
+#[panic_handler]
+fn panic(_info: &PanicInfo) -> ! {
+    puts(b"\nrollbox-test-guest: panic\n");
+    io::spin_forever()
+}
+
+/// Everything a command may touch.
+struct Guest {
+    boot: BootInfo,
+    ticks_per_ms: u64,
+    blks: &'static mut [Blk; MAX_BLK],
+    blk_dma: &'static mut [BlkDma; MAX_BLK],
+    blk_count: usize,
+    vsock: Option<&'static mut Vsock>,
+    vsock_dma: &'static mut VsockDma,
+}
+
+extern "C" fn guest_main(boot_params: usize) -> ! {
+    let ticks_per_ms = io::tsc_per_ms();
+    let boot = BootInfo::read(boot_params);
+    // SAFETY: guest_main runs once, on the only CPU, and these are its only references
+    // to the statics.
+    let (blks, blk_dma, vsock, vsock_dma) =
+        unsafe { (&mut *(&raw mut BLKS), &mut *(&raw mut BLK_DMA), &mut *(&raw mut VSOCK), &mut *(&raw mut VSOCK_DMA)) };
+    let mut guest = Guest { boot, ticks_per_ms, blks, blk_dma, blk_count: 0, vsock: None, vsock_dma };
+    let mut vsock_slot = Some(vsock);
+    for dev in guest.boot.devices.iter().take(guest.boot.device_count) {
+        match dev.device_id {
+            Some(blk::DEVICE_ID) => {
+                if let Some(b) = guest.blks.get_mut(guest.blk_count) {
+                    *b = Blk::new(dev.addr as usize);
+                    guest.blk_count += 1;
+                }
+            }
+            Some(vsock::DEVICE_ID) => {
+                if let Some(v) = vsock_slot.take() {
+                    *v = Vsock::new(dev.addr as usize);
+                    guest.vsock = Some(v);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    puts(b"rollbox-test-guest: ready\n");
+    let mut line = [0u8; LINE_MAX];
+    let mut len = 0;
+    let mut too_long = false;
+    loop {
+        match try_getc() {
+            Some(b'\n') => {
+                if too_long {
+                    puts(b"ERR line-too-long\n");
+                } else {
+                    guest.command(line.get(..len).unwrap_or(&[]));
+                }
+                len = 0;
+                too_long = false;
+            }
+            Some(b'\r') => {}
+            Some(byte) => match line.get_mut(len) {
+                Some(slot) => {
+                    *slot = byte;
+                    len += 1;
+                }
+                None => too_long = true,
+            },
+            None => {
+                if let Some(v) = guest.vsock.as_deref_mut() {
+                    v.poll(guest.vsock_dma);
+                }
+                io::pause();
+            }
+        }
+    }
+}
+
+/// `OK` + newline.
+fn ok() {
+    puts(b"OK\n");
+}
+
+fn err(reason: &[u8]) {
+    puts(b"ERR ");
+    puts(reason);
+    puts(b"\n");
+}
+
+fn err_status(status: blk::Status) {
+    match status {
+        Ok(0) => ok(),
+        Ok(code) => {
+            puts(b"ERR status=");
+            put_dec(code as u64);
+            puts(b"\n");
+        }
+        Err(reason) => err(reason.as_bytes()),
+    }
+}
+
+/// Parses `count` space-separated numbers from `args`; the rest is returned too.
+fn numbers<const N: usize>(mut args: &[u8]) -> Option<([u64; N], &[u8])> {
+    let mut out = [0u64; N];
+    for slot in out.iter_mut() {
+        let (word, rest) = split_word(args);
+        *slot = parse_u64(word)?;
+        args = rest;
+    }
+    Some((out, args))
+}
+
+impl Guest {
+    fn command(&mut self, line: &[u8]) {
+        let (name, args) = split_word(line);
+        match name {
+            b"echo" => {
+                puts(b"OK ");
+                puts(args);
+                puts(b"\n");
+            }
+            b"cmdline" => {
+                puts(b"OK ");
+                puts(self.boot.cmdline);
+                puts(b"\n");
+            }
+            b"e820" => self.cmd_e820(),
+            b"devices" => self.cmd_devices(),
+            b"blk-info" | b"blk-id" | b"blk-read" | b"blk-sum" | b"blk-write" | b"blk-fill" | b"blk-flush" | b"hostile" => {
+                self.cmd_blk(name, args)
+            }
+            b"vsock-cid" => match self.vsock.as_deref() {
+                Some(v) => {
+                    puts(b"OK ");
+                    put_dec(v.read_cid());
+                    puts(b"\n");
+                }
+                None => err(b"no-vsock-device"),
+            },
+            b"vsock-listen" => self.cmd_vsock_listen(args),
+            b"vsock-connect" => self.cmd_vsock_connect(args),
+            b"reset" => {
+                io::outb(0x64, 0xfe);
+                io::spin_forever()
+            }
+            b"poweroff" => {
+                io::outb(0x3c0, 0x34);
+                io::spin_forever()
+            }
+            b"crash" => crash(),
+            b"" => err(b"empty-command"),
+            _ => err(b"unknown-command"),
+        }
+    }
+
+    fn cmd_e820(&self) {
+        let count = self.boot.e820_count();
+        puts(b"OK ");
+        put_dec(count as u64);
+        for i in 0..count {
+            let e = self.boot.e820(i);
+            puts(b" ");
+            put_hex(e.addr);
+            puts(b":");
+            put_hex(e.size);
+            puts(b":");
+            put_dec(e.kind as u64);
+        }
+        puts(b"\n");
+    }
+
+    fn cmd_devices(&self) {
+        puts(b"OK");
+        for dev in self.boot.devices() {
+            puts(b" ");
+            put_hex(dev.addr);
+            puts(b":");
+            put_dec(dev.irq);
+            puts(b":");
+            match dev.device_id {
+                Some(id) => put_dec(id as u64),
+                None => puts(b"bad-magic"),
+            }
+        }
+        puts(b"\n");
+    }
+
+    fn cmd_blk(&mut self, name: &[u8], args: &[u8]) {
+        let (index, args) = split_word(args);
+        let Some(d) = parse_u64(index).map(|d| d as usize).filter(|&d| d < self.blk_count) else {
+            return err(b"no-such-block-device");
+        };
+        let tpm = self.ticks_per_ms;
+        let (Some(dev), Some(dma)) = (self.blks.get_mut(d), self.blk_dma.get_mut(d)) else {
+            return err(b"no-such-block-device");
+        };
+        if let Err(reason) = dev.ensure_ready(dma, tpm) {
+            return err(reason.as_bytes());
+        }
+        match name {
+            b"blk-info" => {
+                puts(b"OK capacity=");
+                put_dec(dev.capacity());
+                puts(b" ro=");
+                put_dec(dev.read_only() as u64);
+                puts(b" flush=");
+                put_dec(dev.has_flush() as u64);
+                puts(b"\n");
+            }
+            b"blk-id" => match dev.get_id(dma, tpm) {
+                Ok(0) => {
+                    puts(b"OK ");
+                    for &c in dma.data.iter().take(blk::ID_BYTES).take_while(|&&c| c != 0) {
+                        io::putc(if (0x21..0x7f).contains(&c) { c } else { b'?' });
+                    }
+                    puts(b"\n");
+                }
+                other => err_status(other),
+            },
+            b"blk-read" => {
+                let Some(([sector, count], _)) = numbers::<2>(args) else { return err(b"usage: blk-read D SECTOR COUNT") };
+                if !(1..=blk::MAX_SECTORS_PER_REQUEST as u64).contains(&count) {
+                    return err(b"count-out-of-range");
+                }
+                match dev.read(dma, tpm, sector, count as usize) {
+                    Ok(0) => {
+                        puts(b"OK ");
+                        put_hex_bytes(dma.data.get(..count as usize * blk::SECTOR).unwrap_or(&[]));
+                        puts(b"\n");
+                    }
+                    other => err_status(other),
+                }
+            }
+            b"blk-sum" => {
+                let Some(([sector, count], _)) = numbers::<2>(args) else { return err(b"usage: blk-sum D SECTOR COUNT") };
+                if !(1..=MAX_SUM_SECTORS).contains(&count) {
+                    return err(b"count-out-of-range");
+                }
+                let mut hash = FNV_OFFSET;
+                let mut done = 0;
+                while done < count {
+                    let n = (count - done).min(blk::MAX_SECTORS_PER_REQUEST as u64);
+                    match dev.read(dma, tpm, sector.wrapping_add(done), n as usize) {
+                        Ok(0) => {}
+                        other => return err_status(other),
+                    }
+                    hash = fnv1a(hash, dma.data.get(..n as usize * blk::SECTOR).unwrap_or(&[]));
+                    done += n;
+                }
+                puts(b"OK ");
+                put_hex16(hash);
+                puts(b"\n");
+            }
+            b"blk-write" => {
+                let Some(([sector], hex)) = numbers::<1>(args) else { return err(b"usage: blk-write D SECTOR HEX") };
+                if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * blk::SECTOR {
+                    return err(b"bad-hex-length");
+                }
+                dma.data[..blk::SECTOR].fill(0);
+                for (slot, pair) in dma.data.iter_mut().zip(hex.chunks_exact(2)) {
+                    let (Some(hi), Some(lo)) = (pair.first().and_then(|&c| io::hex_value(c)), pair.get(1).and_then(|&c| io::hex_value(c))) else {
+                        return err(b"bad-hex-digit");
+                    };
+                    *slot = hi << 4 | lo;
+                }
+                err_status(dev.write(dma, tpm, sector, 1));
+            }
+            b"blk-fill" => {
+                let Some(([sector, count, byte], _)) = numbers::<3>(args) else { return err(b"usage: blk-fill D SECTOR COUNT BYTE") };
+                if !(1..=MAX_SUM_SECTORS).contains(&count) {
+                    return err(b"count-out-of-range");
+                }
+                if byte > 0xff {
+                    return err(b"byte-out-of-range");
+                }
+                dma.data.fill(byte as u8);
+                let mut done = 0;
+                while done < count {
+                    let n = (count - done).min(blk::MAX_SECTORS_PER_REQUEST as u64);
+                    match dev.write(dma, tpm, sector.wrapping_add(done), n as usize) {
+                        Ok(0) => {}
+                        other => return err_status(other),
+                    }
+                    done += n;
+                }
+                ok();
+            }
+            b"blk-flush" => err_status(dev.flush(dma, tpm)),
+            b"hostile" => {
+                let (kind, _) = split_word(args);
+                let Some(kind) = Hostile::parse(kind) else { return err(b"unknown-hostile-kind") };
+                const GIB: u64 = 1 << 30;
+                let beyond = (self.boot.memory_end().div_ceil(GIB) + 1) * GIB;
+                match dev.hostile(dma, tpm, kind, beyond) {
+                    Ok(()) => puts(b"OK survived\n"),
+                    Err(reason) => {
+                        puts(b"ERR reinit-failed ");
+                        puts(reason.as_bytes());
+                        puts(b"\n");
+                    }
+                }
+            }
+            _ => err(b"unknown-command"),
+        }
+    }
+
+    fn cmd_vsock_listen(&mut self, args: &[u8]) {
+        let (port, _) = split_word(args);
+        let Some(port) = parse_u64(port).and_then(|p| u32::try_from(p).ok()) else { return err(b"usage: vsock-listen PORT") };
+        let tpm = self.ticks_per_ms;
+        let Some(v) = self.vsock.as_deref_mut() else { return err(b"no-vsock-device") };
+        if let Err(reason) = v.ensure_ready(self.vsock_dma, tpm) {
+            return err(reason.as_bytes());
+        }
+        match v.listen(port) {
+            Ok(()) => ok(),
+            Err(reason) => err(reason.as_bytes()),
+        }
+    }
+
+    fn cmd_vsock_connect(&mut self, args: &[u8]) {
+        let (port, text) = split_word(args);
+        let Some(port) = parse_u64(port).and_then(|p| u32::try_from(p).ok()) else {
+            return err(b"usage: vsock-connect PORT TEXT");
+        };
+        let tpm = self.ticks_per_ms;
+        let Some(v) = self.vsock.as_deref_mut() else { return err(b"no-vsock-device") };
+        if let Err(reason) = v.ensure_ready(self.vsock_dma, tpm) {
+            return err(reason.as_bytes());
+        }
+        let mut reply = [0u8; 1024];
+        match v.connect_line(self.vsock_dma, port, text, &mut reply, CONNECT_TIMEOUT_MS) {
+            Ok(n) => {
+                puts(b"OK ");
+                puts(reply.get(..n).unwrap_or(&[]));
+                puts(b"\n");
+            }
+            Err(ConnectError::Send(reason)) => err(reason.as_bytes()),
+            Err(ConnectError::NoFreeConnection) => err(b"no-free-connection"),
+            Err(ConnectError::Refused) => err(b"connection-reset"),
+            Err(ConnectError::Timeout) => err(b"timeout"),
+        }
+    }
+}
+
+/// FNV-1a, 64-bit.
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        hash ^= b as u64;
+        hash = hash.wrapping_mul(FNV_PRIME);
+    }
+    hash
+}
+
+/// Loads an empty IDT and executes `ud2`: with no way to deliver #UD the CPU triple
+/// faults (or the emulator gives up), which must end the VMM with a failure.
+fn crash() -> ! {
+    let idt = [0u8; 10];
+    // SAFETY: deliberately fatal; nothing runs afterwards.
+    unsafe { asm!("lidt [{0}]", "ud2", in(reg) idt.as_ptr(), options(noreturn, nostack)) }
+}
+
+/// libcore's precompiled objects name a personality routine even with panic=abort;
+/// nothing unwinds here, so it is never called.
+#[no_mangle]
+extern "C" fn rust_eh_personality() {}
