@@ -181,14 +181,16 @@ impl Blk {
                 q.set_desc(1, beyond_memory, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
                 q.set_desc(2, status, 1, DESC_F_WRITE, 0);
             }
+            // Loop and long chains are device-readable throughout, so that a device meets
+            // the cycle itself rather than a read-after-write order error first.
             Hostile::Loop => {
                 q.set_desc(0, header, 16, DESC_F_NEXT, 1);
-                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 0);
+                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT, 0);
             }
             Hostile::Long => {
                 for i in 0..size {
-                    let (addr, len, flags) = if i == 0 { (header, 16, DESC_F_NEXT) } else { (data, 16, DESC_F_NEXT | DESC_F_WRITE) };
-                    q.set_desc(i, addr, len, flags, (i + 1) % size);
+                    let (addr, len) = if i == 0 { (header, 16) } else { (data, 16) };
+                    q.set_desc(i, addr, len, DESC_F_NEXT, (i + 1) % size);
                 }
             }
             Hostile::WrongDirection => {

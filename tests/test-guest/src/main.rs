@@ -270,8 +270,11 @@ impl Guest {
             }
             b"blk-id" => match dev.get_id(dma, tpm) {
                 Ok(0) => {
-                    puts(b"OK ");
-                    for &c in dma.data.iter().take(blk::ID_BYTES).take_while(|&&c| c != 0) {
+                    puts(b"OK");
+                    for (i, &c) in dma.data.iter().take(blk::ID_BYTES).take_while(|&&c| c != 0).enumerate() {
+                        if i == 0 {
+                            io::putc(b' ');
+                        }
                         io::putc(if (0x21..0x7f).contains(&c) { c } else { b'?' });
                     }
                     puts(b"\n");

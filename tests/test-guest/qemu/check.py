@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Cross-checks the test guest against QEMU's reference virtio devices.
+
+Boots target/test-guest/test-guest under QEMU's microvm machine (TCG) through the PVH
+shim in this folder, with two virtio-mmio block devices (one read-only) and, when
+vhost-device-vsock is installed, a vhost-user vsock device. Every command of PROTOCOL.md
+that QEMU can serve is run and its answer checked; the disk images are checked afterwards.
+Exits 0 when all checks pass, 1 on a failed check, 2 when a required tool is missing.
+(reset/poweroff/crash are not checked here: microvm has no i8042 or port 0x3c0.)
+
+usage: cargo xtask test-guest && python3 tests/test-guest/qemu/check.py [--keep]
+"""
+import os
+import re
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+GUEST = os.path.join(ROOT, "target", "test-guest", "test-guest")
+SECTOR = 512
+GUEST_CID = 3
+
+
+def fnv1a(data):
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return "0x%016x" % h
+
+
+class Guest:
+    def __init__(self, argv, log_path):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.buf = b""
+
+    def line(self, timeout=30.0):
+        deadline = time.time() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.time()
+            if left <= 0:
+                raise TimeoutError("no line from the guest within %.0f s (got %r)" % (timeout, self.buf))
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise EOFError("QEMU exited (status %s)" % self.proc.poll())
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode(errors="replace").rstrip("\r")
+
+    def send(self, text):
+        self.proc.stdin.write(text.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+class Checker:
+    def __init__(self, guest):
+        self.guest = guest
+        self.failures = 0
+        self.passed = 0
+
+    def expect(self, command, pattern, timeout=30.0):
+        """Sends `command`; the answer must match `pattern` (a regex, whole line)."""
+        self.guest.send(command)
+        answer = self.guest.line(timeout)
+        shown = command if len(command) < 60 else command[:57] + "..."
+        if re.fullmatch(pattern, answer):
+            self.passed += 1
+            print("ok    %-40s -> %s" % (shown, answer[:70]))
+        else:
+            self.failures += 1
+            print("FAIL  %-40s -> %r (wanted /%s/)" % (shown, answer[:200], pattern[:80]))
+        return answer
+
+    def check(self, what, ok):
+        if ok:
+            self.passed += 1
+            print("ok    %s" % what)
+        else:
+            self.failures += 1
+            print("FAIL  %s" % what)
+
+
+def need(tool):
+    if shutil.which(tool) is None:
+        print("check.py: %s not found; install it (see tests/test-guest/README.md)" % tool)
+        sys.exit(2)
+
+
+def build_shim(work):
+    obj = os.path.join(work, "pvh-shim.o")
+    elf = os.path.join(work, "pvh-shim.elf")
+    subprocess.run(["gcc", "-O2", "-ffreestanding", "-nostdlib", "-mgeneral-regs-only", "-mno-red-zone",
+                    "-fno-pic", "-static", "-fno-stack-protector", "-c", os.path.join(HERE, "pvh-shim.c"),
+                    "-o", obj], check=True)
+    subprocess.run(["ld", "-T", os.path.join(HERE, "pvh-shim.ld"), "-o", elf, obj], check=True)
+    return elf
+
+
+def host_echo(uds, port, payload, timeout=20.0):
+    """Connects to the guest through the vsock backend's Unix socket; returns the echo."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(uds)
+    s.sendall(b"CONNECT %d\n" % port)
+    hello = b""
+    while not hello.endswith(b"\n"):
+        c = s.recv(1)
+        if not c:
+            break
+        hello += c
+    got = b""
+    if hello.startswith(b"OK"):
+        s.sendall(payload)
+        while len(got) < len(payload):
+            d = s.recv(65536)
+            if not d:
+                break
+            got += d
+    s.close()
+    return hello, got
+
+
+def main():
+    keep = "--keep" in sys.argv
+    for tool in ("qemu-system-x86_64", "gcc", "ld"):
+        need(tool)
+    if not os.path.exists(GUEST):
+        print("check.py: %s missing; run `cargo xtask test-guest` first" % GUEST)
+        sys.exit(2)
+    vsock = shutil.which("vhost-device-vsock")
+    work = tempfile.mkdtemp(prefix="test-guest-qemu-")
+    shim = build_shim(work)
+    disk = os.path.join(work, "d.img")
+    ro = os.path.join(work, "ro.img")
+    with open(disk, "wb") as f:
+        f.truncate(64 << 20)
+    ro_content = bytes((i * 7 + 3) & 0xFF for i in range(16 * SECTOR))
+    with open(ro, "wb") as f:
+        f.write(ro_content)
+        f.truncate(8 << 20)
+
+    argv = ["qemu-system-x86_64", "-M", "microvm,acpi=off,pic=off,pit=off,rtc=off,isa-serial=on,auto-kernel-cmdline=on",
+            "-accel", "tcg", "-m", "128", "-nographic", "-no-reboot", "-nodefaults", "-serial", "stdio",
+            "-kernel", shim, "-device", "loader,file=" + GUEST, "-append", "console=ttyS0",
+            "-global", "virtio-mmio.force-legacy=false",
+            "-drive", "id=d0,file=%s,format=raw,if=none" % disk, "-device", "virtio-blk-device,drive=d0,serial=disk-zero",
+            "-drive", "id=d1,file=%s,format=raw,if=none,readonly=on" % ro, "-device", "virtio-blk-device,drive=d1"]
+    backend = None
+    uds = os.path.join(work, "v.sock")
+    if vsock:
+        vhost = os.path.join(work, "vhost.sock")
+        backend = subprocess.Popen([vsock, "--guest-cid", str(GUEST_CID), "--socket", vhost, "--uds-path", uds],
+                                   stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "vsock.log"), "w"))
+        for _ in range(100):
+            if os.path.exists(vhost):
+                break
+            time.sleep(0.05)
+        argv += ["-object", "memory-backend-memfd,id=mem,size=128M,share=on", "-machine", "memory-backend=mem",
+                 "-chardev", "socket,id=c0,path=" + vhost, "-device", "vhost-user-vsock-device,chardev=c0"]
+    else:
+        print("skip  vsock checks: vhost-device-vsock not installed (cargo install vhost-device-vsock)")
+
+    # Host side of guest-initiated connections: answers "pong:<line>".
+    listener = None
+    if vsock:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(uds + "_5001")
+        listener.listen(4)
+
+        def serve():
+            while True:
+                try:
+                    c, _ = listener.accept()
+                except OSError:
+                    return
+                data = b""
+                while not data.endswith(b"\n"):
+                    d = c.recv(4096)
+                    if not d:
+                        break
+                    data += d
+                c.sendall(b"pong:" + data)
+                time.sleep(0.2)
+                c.close()
+        threading.Thread(target=serve, daemon=True).start()
+
+    guest = Guest(argv, os.path.join(work, "qemu.log"))
+    ck = Checker(guest)
+    try:
+        t0 = time.time()
+        ready = guest.line(60)
+        ck.check("boot banner (%.2f s under TCG): %r" % (time.time() - t0, ready), ready == "rollbox-test-guest: ready")
+        ck.expect("echo hello  world", r"OK hello  world")
+        ck.expect("cmdline", r"OK console=ttyS0 .*virtio_mmio\.device=512@0x[0-9a-f]+:\d+.*")
+        ck.expect("e820", r"OK \d+( 0x[0-9a-f]+:0x[0-9a-f]+:\d+)+")
+        ck.expect("devices", r"OK 0x[0-9a-f]+:\d+:2 0x[0-9a-f]+:\d+:2" + (r" 0x[0-9a-f]+:\d+:19" if vsock else ""))
+        ck.expect("blk-info 0", r"OK capacity=131072 ro=0 flush=1")
+        ck.expect("blk-info 1", r"OK capacity=16384 ro=1 flush=1")
+        ck.expect("blk-id 0", r"OK disk-zero")
+        sector3 = bytes((i * 13 + 1) & 0xFF for i in range(SECTOR))
+        ck.expect("blk-write 0 3 " + sector3.hex(), r"OK")
+        ck.expect("blk-read 0 3 1", "OK " + sector3.hex())
+        ck.expect("blk-write 0 4 00ff", r"OK")
+        ck.expect("blk-read 1 0 2", "OK " + ro_content[: 2 * SECTOR].hex())
+        ck.expect("blk-sum 1 0 16", "OK " + fnv1a(ro_content))
+        ck.expect("blk-fill 0 100 40 0x5a", r"OK")
+        ck.expect("blk-sum 0 100 40", "OK " + fnv1a(b"\x5a" * 40 * SECTOR))
+        ck.expect("blk-flush 0", r"OK")
+        ck.expect("blk-write 1 0 00", r"ERR status=[12]")
+        ck.expect("blk-read 0 16384000 1", r"ERR status=1")
+        for bad, pattern in [("blk-read 0 0 9", r"ERR count-out-of-range"), ("blk-read 7 0 1", r"ERR no-such-block-device"),
+                             ("blk-write 0 0 abc", r"ERR bad-hex-length"), ("blk-write 0 0 zz", r"ERR bad-hex-digit"),
+                             ("blk-fill 0 0 1 256", r"ERR byte-out-of-range"), ("hostile 0 nope", r"ERR unknown-hostile-kind"),
+                             ("frobnicate", r"ERR unknown-command"), ("", r"ERR empty-command"),
+                             ("echo " + "x" * 2100, r"ERR line-too-long")]:
+            ck.expect(bad, pattern)
+        for kind in ("oob", "loop", "long", "dir", "badnext", "badavail"):
+            ck.expect("hostile 0 " + kind, r"OK survived")
+            ck.expect("blk-read 0 3 1", "OK " + sector3.hex())
+        if vsock:
+            ck.expect("vsock-cid", "OK %d" % GUEST_CID)
+            ck.expect("vsock-listen 5000", r"OK")
+            ck.expect("vsock-listen 5002", r"OK")
+            hello, got = host_echo(uds, 5000, b"hello guest\n")
+            ck.check("host -> guest:5000 echo (%r)" % hello, got == b"hello guest\n")
+            big = bytes(range(256)) * 400
+            hello, got = host_echo(uds, 5002, big)
+            ck.check("host -> guest:5002 echo of %d bytes (credit flow)" % len(big), got == big)
+            ck.expect("vsock-connect 5001 hi there", r"OK pong:hi there")
+            hello, got = host_echo(uds, 5000, b"again\n")
+            ck.check("echo still served after vsock-connect", got == b"again\n")
+            ck.expect("vsock-connect 5001 second", r"OK pong:second")
+            ck.expect("echo still alive", r"OK still alive")
+    except (TimeoutError, EOFError) as e:
+        ck.check("guest answered: %s" % e, False)
+    finally:
+        guest.close()
+        if backend:
+            backend.kill()
+            backend.wait()
+        if listener:
+            listener.close()
+
+    with open(disk, "rb") as f:
+        data = f.read(140 * SECTOR)
+    ck.check("disk image holds the written sectors", data[3 * SECTOR:4 * SECTOR] == sector3
+             and data[4 * SECTOR:5 * SECTOR] == b"\x00\xff" + bytes(SECTOR - 2)
+             and data[100 * SECTOR:140 * SECTOR] == b"\x5a" * 40 * SECTOR)
+    with open(ro, "rb") as f:
+        ck.check("read-only image unchanged", f.read(16 * SECTOR) == ro_content)
+    print("%d passed, %d failed (logs in %s)" % (ck.passed, ck.failures, work))
+    if not keep and ck.failures == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.exit(1 if ck.failures else 0)
+
+
+if __name__ == "__main__":
+    main()
