@@ -1,1 +1,16 @@
+//! rollbox-vmm: a KVM microVM manager built on the rust-vmm crates, one process per microVM.
+//!
+//! - [`vstate`]: the KVM VM, guest memory and vCPUs.
+//! - [`arch`]: x86-64 layout and the Linux boot protocol.
+//! - [`devices`]: serial, i8042, power-off, and virtio-mmio block and vsock.
+//! - [`api`]: the control API (Firecracker's REST API where the two overlap).
+//! - [`controller`]: the event loop that ties them together.
 
+pub mod api;
+pub mod arch;
+pub mod builder;
+pub mod config;
+pub mod controller;
+pub mod devices;
+pub mod logger;
+pub mod vstate;

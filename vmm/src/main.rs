@@ -1,1 +1,169 @@
-fn main() {}
+//! `rollbox-vmm`: one process per microVM, configured by flags, a JSON file or its API socket.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::mpsc::channel;
+use std::sync::Arc;
+
+use clap::Parser;
+use vmm::config::{
+    host_memory_mib, parse_drive_flag, BootSourceConfig, ConfigFile, ConsoleConfig, VmResources,
+    VsockConfig,
+};
+use vmm::controller::Controller;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// A KVM microVM manager. Give a kernel to boot at once, or an API socket to configure the
+/// microVM over Firecracker's REST API.
+#[derive(Parser, Debug)]
+#[command(name = "rollbox-vmm", version)]
+struct Args {
+    /// Kernel: ELF vmlinux or bzImage.
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// Initial ramdisk.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Kernel command line (rollbox-vmm appends its device arguments).
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Guest memory in MiB [default: 128].
+    #[arg(long)]
+    memory_mib: Option<u64>,
+    /// Number of vCPUs [default: 1].
+    #[arg(long)]
+    vcpus: Option<u64>,
+    /// A raw disk image: PATH[,readonly][,root][,id=NAME]; repeat for more drives.
+    #[arg(long = "drive")]
+    drives: Vec<String>,
+    /// Host side of virtio-vsock: a Unix socket path.
+    #[arg(long, requires = "vsock_cid")]
+    vsock_uds: Option<PathBuf>,
+    /// The guest's vsock CID (3 or more).
+    #[arg(long, requires = "vsock_uds")]
+    vsock_cid: Option<u64>,
+    /// Guest console: `stdout` or a file path [default: stdout].
+    #[arg(long)]
+    console: Option<String>,
+    /// Serve the control API on this Unix socket.
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// A Firecracker-style JSON configuration file.
+    #[arg(long = "config", alias = "config-file")]
+    config: Option<PathBuf>,
+    /// Write log lines to this file instead of stderr.
+    #[arg(long)]
+    log_path: Option<PathBuf>,
+    /// Log level: Error, Warning, Info, Debug, Trace or Off.
+    #[arg(long, default_value = "Warning")]
+    level: String,
+    /// Accepted for Firecracker compatibility; rollbox-vmm installs no seccomp filter yet.
+    #[arg(long)]
+    no_seccomp: bool,
+}
+
+fn resources_from(args: &Args) -> Result<VmResources, String> {
+    let host_mib = host_memory_mib();
+    let mut resources = VmResources::default();
+    if let Some(path) = &args.config {
+        let file = ConfigFile::load(path).map_err(|e| e.to_string())?;
+        resources
+            .apply_file(file, host_mib)
+            .map_err(|e| e.to_string())?;
+    }
+    if let Some(kernel) = &args.kernel {
+        let previous = resources.boot_source.take();
+        resources.boot_source = Some(BootSourceConfig {
+            kernel_image_path: kernel.clone(),
+            boot_args: args
+                .cmdline
+                .clone()
+                .or(previous.as_ref().and_then(|b| b.boot_args.clone())),
+            initrd_path: args.initrd.clone().or(previous.and_then(|b| b.initrd_path)),
+        });
+    } else if args.cmdline.is_some() || args.initrd.is_some() {
+        match resources.boot_source.as_mut() {
+            Some(boot) => {
+                if args.cmdline.is_some() {
+                    boot.boot_args = args.cmdline.clone();
+                }
+                if args.initrd.is_some() {
+                    boot.initrd_path = args.initrd.clone();
+                }
+            }
+            None => {
+                return Err(
+                    "--cmdline and --initrd need --kernel (or a boot-source in --config)".into(),
+                )
+            }
+        }
+    }
+    if let Some(mib) = args.memory_mib {
+        resources.machine.mem_size_mib = mib;
+    }
+    if let Some(vcpus) = args.vcpus {
+        resources.machine.vcpu_count = vcpus;
+    }
+    resources
+        .machine
+        .validate(host_mib)
+        .map_err(|e| e.to_string())?;
+    let first_index = resources.drives.len();
+    for (i, flag) in args.drives.iter().enumerate() {
+        let drive = parse_drive_flag(flag, first_index + i).map_err(|e| e.to_string())?;
+        std::fs::metadata(&drive.path_on_host)
+            .map_err(|e| format!("drive {}: {e}", drive.path_on_host.display()))?;
+        resources.upsert_drive(drive).map_err(|e| e.to_string())?;
+    }
+    if let (Some(uds_path), Some(guest_cid)) = (&args.vsock_uds, args.vsock_cid) {
+        let vsock = VsockConfig {
+            guest_cid,
+            uds_path: uds_path.clone(),
+            vsock_id: None,
+        };
+        vsock.validate().map_err(|e| e.to_string())?;
+        resources.vsock = Some(vsock);
+    }
+    if let Some(console) = &args.console {
+        resources.console = ConsoleConfig::parse(console);
+    }
+    Ok(resources)
+}
+
+fn run(args: Args) -> Result<i32, String> {
+    let level = vmm::logger::parse_level(&args.level).map_err(|e| e.to_string())?;
+    vmm::logger::init(args.log_path.as_deref(), level).map_err(|e| e.to_string())?;
+    let resources = resources_from(&args)?;
+    let boot_now = resources.boot_source.is_some();
+    if !boot_now && args.api_sock.is_none() {
+        return Err("nothing to do: give --kernel (or --config with a boot-source) to boot now, or --api-sock to configure over the API".into());
+    }
+    let api_evt = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| format!("eventfd: {e}"))?);
+    let (api_tx, api_rx) = channel();
+    let _api_guard = match &args.api_sock {
+        Some(path) => Some(
+            vmm::api::server::start(path, api_tx, Arc::clone(&api_evt))
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
+    let mut controller =
+        Controller::new(resources, Some(api_rx), api_evt).map_err(|e| e.to_string())?;
+    if boot_now {
+        controller.start().map_err(|e| e.message)?;
+    }
+    let code = controller.run().map_err(|e| e.to_string())?;
+    drop(controller);
+    Ok(code)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(message) => {
+            eprintln!("rollbox-vmm: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

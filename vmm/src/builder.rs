@@ -1,0 +1,347 @@
+//! Builds a running microVM from [`VmResources`].
+
+use std::fs::OpenOptions;
+use std::os::fd::RawFd;
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::IoEventAddress;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::arch::boot::{build_cmdline, detect_kernel_format, load_boot_payload, BootError};
+use crate::arch::layout::{
+    I8042_IRQ, I8042_PORT, IRQ_BASE, IRQ_MAX, POWEROFF_PORT, SERIAL_IRQ, SERIAL_PORT,
+    VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
+};
+use crate::arch::mptable::{setup_mptable, MptableError};
+use crate::arch::regs::{write_boot_tables, RegsError};
+use crate::config::{ConfigError, ConsoleConfig, VmResources, DEFAULT_BOOT_ARGS};
+use crate::devices::bus::{Bus, BusError};
+use crate::devices::legacy::i8042::I8042;
+use crate::devices::legacy::poweroff::PowerOff;
+use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
+use crate::devices::legacy::EventTrigger;
+use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
+use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
+use crate::devices::virtio::vsock::{Vsock, VsockError};
+use crate::devices::virtio::{Interrupt, VirtioDevice};
+use crate::vstate::memory::{create_guest_memory, MemoryError};
+use crate::vstate::vcpu::{ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle};
+use crate::vstate::vm::{open_kvm, Vm, VmError};
+
+/// Errors from building a microVM.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// Invalid configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Kernel, initrd or command line.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// A drive.
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    /// The vsock device.
+    #[error(transparent)]
+    Vsock(#[from] VsockError),
+    /// KVM VM set-up.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// Guest memory.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// vCPU set-up.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// MP table.
+    #[error(transparent)]
+    Mptable(#[from] MptableError),
+    /// Boot page tables and GDT.
+    #[error(transparent)]
+    Regs(#[from] RegsError),
+    /// Device bus layout.
+    #[error("device bus: {0}")]
+    Bus(#[from] BusError),
+    /// The console file could not be opened.
+    #[error("console {path}: {source}")]
+    Console {
+        /// The path.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// An eventfd, irqfd or ioeventfd could not be set up.
+    #[error("{what}: {source}")]
+    Event {
+        /// What was being set up.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// More virtio devices than interrupt lines.
+    #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
+    TooManyDevices(usize),
+}
+
+fn event_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BuildError {
+    let what = what.into();
+    move |source| BuildError::Event { what, source }
+}
+
+fn kvm_event_err(what: impl Into<String>) -> impl FnOnce(kvm_ioctls::Error) -> BuildError {
+    let what = what.into();
+    move |e| BuildError::Event {
+        what,
+        source: std::io::Error::from_raw_os_error(e.errno()),
+    }
+}
+
+fn new_eventfd(what: &str) -> Result<Arc<EventFd>, BuildError> {
+    EventFd::new(EFD_NONBLOCK)
+        .map(Arc::new)
+        .map_err(event_err(format!("eventfd for {what}")))
+}
+
+/// Eventfds the VMM's event loop watches for the microVM.
+pub struct VmEvents {
+    /// A vCPU reported the VM's end.
+    pub exit: Arc<EventFd>,
+    /// i8042 CPU reset.
+    pub reset: Arc<EventFd>,
+    /// Power-off register.
+    pub poweroff: Arc<EventFd>,
+    /// The serial receive FIFO has room.
+    pub serial_room: Arc<EventFd>,
+}
+
+/// One virtio-mmio device slot.
+pub struct VirtioSlot {
+    /// The transport and device.
+    pub transport: Arc<Mutex<MmioTransport>>,
+    /// QueueNotify ioeventfds, one per queue.
+    pub notify: Vec<EventFd>,
+    /// MMIO base address.
+    pub base: u64,
+    /// Interrupt line.
+    pub irq: u32,
+    /// Backend fd the event loop watches, if any.
+    pub backend_fd: Option<RawFd>,
+}
+
+/// A running microVM.
+pub struct MicroVm {
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// vCPU threads (dropped before the VM, which stops them).
+    pub vcpus: Vec<VcpuHandle>,
+    /// COM1.
+    pub serial: Arc<Mutex<SerialDevice>>,
+    /// The i8042 controller.
+    pub i8042: Arc<Mutex<I8042>>,
+    /// Virtio devices, in MMIO order.
+    pub virtio: Vec<VirtioSlot>,
+    /// Exit reports from vCPU threads.
+    pub exit_rx: Receiver<ExitReport>,
+    /// Events for the event loop.
+    pub events: VmEvents,
+    /// The KVM VM.
+    pub vm: Vm,
+    /// Whether the vCPUs are paused.
+    pub paused: bool,
+}
+
+impl MicroVm {
+    /// Pauses every vCPU.
+    pub fn pause(&mut self) {
+        for vcpu in &self.vcpus {
+            vcpu.pause();
+        }
+        self.paused = true;
+    }
+
+    /// Resumes every vCPU.
+    pub fn resume(&mut self) {
+        for vcpu in &self.vcpus {
+            vcpu.resume();
+        }
+        self.paused = false;
+    }
+}
+
+impl Drop for MicroVm {
+    fn drop(&mut self) {
+        for vcpu in &mut self.vcpus {
+            vcpu.stop();
+        }
+    }
+}
+
+/// Opens the console sink.
+fn console_out(console: &ConsoleConfig) -> Result<ConsoleOut, BuildError> {
+    Ok(match console {
+        ConsoleConfig::Stdout => ConsoleOut::stdout(),
+        ConsoleConfig::File(path) => ConsoleOut::file(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| BuildError::Console {
+                    path: path.clone(),
+                    source,
+                })?,
+        ),
+    })
+}
+
+/// Builds and starts a microVM.
+pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
+    // Everything that can fail on user input is checked before KVM work starts.
+    let boot = resources.boot_source.clone().ok_or(ConfigError::NoKernel)?;
+    detect_kernel_format(&boot.kernel_image_path)?;
+    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
+    for drive in &resources.drives {
+        devices.push(Box::new(Block::new(BlockConfig {
+            id: drive.drive_id.clone(),
+            path: drive.path_on_host.clone(),
+            read_only: drive.is_read_only,
+        })?));
+    }
+    if let Some(vsock) = &resources.vsock {
+        devices.push(Box::new(Vsock::new(vsock.guest_cid, &vsock.uds_path)?));
+    }
+    if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
+        return Err(BuildError::TooManyDevices(devices.len()));
+    }
+    let console = console_out(&resources.console)?;
+
+    let mem_bytes = resources.machine.mem_size_mib << 20;
+    let vcpu_count = resources.machine.vcpu_count as u8;
+    let kvm = open_kvm()?;
+    let vm = Vm::new(&kvm)?;
+    let mem = create_guest_memory(mem_bytes)?;
+    vm.register_memory(&mem, resources.machine.track_dirty_pages)?;
+    vm.setup_irqchip()?;
+
+    let events = VmEvents {
+        exit: new_eventfd("vCPU exits")?,
+        reset: new_eventfd("i8042 reset")?,
+        poweroff: new_eventfd("power-off")?,
+        serial_room: new_eventfd("serial input")?,
+    };
+    let serial_irq = new_eventfd("COM1 interrupt")?;
+    vm.fd()
+        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .map_err(kvm_event_err("irqfd for COM1"))?;
+    let kbd_irq = new_eventfd("i8042 interrupt")?;
+    vm.fd()
+        .register_irqfd(&kbd_irq, I8042_IRQ)
+        .map_err(kvm_event_err("irqfd for i8042"))?;
+
+    let serial = Arc::new(Mutex::new(SerialDevice::new(
+        EventTrigger(serial_irq),
+        EventTrigger(Arc::clone(&events.serial_room)),
+        console,
+    )));
+    let i8042 = Arc::new(Mutex::new(I8042::new(
+        EventTrigger(Arc::clone(&events.reset)),
+        EventTrigger(kbd_irq),
+    )));
+    let mut pio = Bus::default();
+    pio.insert(serial.clone(), u64::from(SERIAL_PORT), 8)?;
+    pio.insert(i8042.clone(), u64::from(I8042_PORT), 5)?;
+    pio.insert(
+        Arc::new(Mutex::new(PowerOff::new(EventTrigger(Arc::clone(
+            &events.poweroff,
+        ))))),
+        u64::from(POWEROFF_PORT),
+        1,
+    )?;
+
+    let mut mmio = Bus::default();
+    let mut virtio = Vec::new();
+    let mut mmio_args = Vec::new();
+    for (i, device) in devices.into_iter().enumerate() {
+        let base = VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE;
+        let irq = IRQ_BASE + i as u32;
+        let name = device.name();
+        let irqfd = new_eventfd(&format!("{name} interrupt"))?;
+        vm.fd()
+            .register_irqfd(&irqfd, irq)
+            .map_err(kvm_event_err(format!("irqfd for {name}")))?;
+        let backend_fd = device.backend_fd();
+        let transport = MmioTransport::new(device, mem.clone(), Interrupt::new(irqfd));
+        let mut notify = Vec::new();
+        for queue in 0..transport.queue_count() {
+            let evt =
+                EventFd::new(EFD_NONBLOCK).map_err(event_err(format!("ioeventfd for {name}")))?;
+            vm.fd()
+                .register_ioevent(
+                    &evt,
+                    &IoEventAddress::Mmio(base + REG_QUEUE_NOTIFY),
+                    queue as u32,
+                )
+                .map_err(kvm_event_err(format!("ioeventfd for {name} queue {queue}")))?;
+            notify.push(evt);
+        }
+        let transport = Arc::new(Mutex::new(transport));
+        mmio.insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;
+        mmio_args.push(format!("virtio_mmio.device=4K@{base:#x}:{irq}"));
+        virtio.push(VirtioSlot {
+            transport,
+            notify,
+            base,
+            irq,
+            backend_fd,
+        });
+    }
+
+    let mut extra_args = Vec::new();
+    if let Some(root) = resources.root_args() {
+        extra_args.push(root);
+    }
+    extra_args.extend(mmio_args);
+    let user_args = boot.boot_args.as_deref().unwrap_or(DEFAULT_BOOT_ARGS);
+    let cmdline = build_cmdline(user_args, &extra_args)?;
+    let boot_info = load_boot_payload(
+        &mem,
+        mem_bytes,
+        &boot.kernel_image_path,
+        boot.initrd_path.as_deref(),
+        &cmdline,
+    )?;
+    setup_mptable(&mem, vcpu_count)?;
+    write_boot_tables(&mem)?;
+
+    crate::vstate::vcpu::install_kick_handler()?;
+    let mut vcpus = Vec::new();
+    for index in 0..vcpu_count {
+        let vcpu = Vcpu::new(vm.fd(), index)?;
+        vcpu.configure_cpuid(&kvm, vcpu_count)?;
+        vcpu.configure_msrs(&kvm)?;
+        vcpu.configure_boot_state(boot_info.entry)?;
+        vcpus.push(vcpu);
+    }
+    let (exit_tx, exit_rx) = channel();
+    let handlers = ExitHandlers {
+        pio: Arc::new(pio),
+        mmio: Arc::new(mmio),
+        exits: exit_tx,
+        exit_evt: Arc::clone(&events.exit),
+    };
+    let mut handles = Vec::new();
+    for vcpu in vcpus {
+        handles.push(vcpu.start(handlers.clone(), false)?);
+    }
+    Ok(MicroVm {
+        mem,
+        vcpus: handles,
+        serial,
+        i8042,
+        virtio,
+        exit_rx,
+        events,
+        vm,
+        paused: false,
+    })
+}

@@ -1,0 +1,490 @@
+//! Machine resources: what a microVM is built from, set by flags, a JSON file or the API.
+//! The JSON shapes are Firecracker's (`boot-source`, `machine-config`, `drives`, `vsock`),
+//! so Firecracker config files and API bodies work unchanged.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Errors in a configuration value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// Memory size out of range.
+    #[error("mem_size_mib {0} is invalid: it must be at least 1")]
+    MemoryZero(u64),
+    /// More memory than the host has.
+    #[error("mem_size_mib {requested} exceeds the host's memory ({host_mib} MiB)")]
+    MemoryTooLarge {
+        /// Requested MiB.
+        requested: u64,
+        /// Host MiB.
+        host_mib: u64,
+    },
+    /// vCPU count out of range.
+    #[error("vcpu_count {0} is invalid: it must be between 1 and {MAX_VCPUS}")]
+    VcpuCount(u64),
+    /// SMT is not offered.
+    #[error("smt=true is not supported: rollbox-vmm exposes one thread per core")]
+    Smt,
+    /// A Firecracker option rollbox-vmm does not implement.
+    #[error("{0} is not supported by rollbox-vmm")]
+    Unsupported(&'static str),
+    /// A guest CID that is reserved.
+    #[error("guest_cid {0} is invalid: CIDs 0-2 are reserved, use 3 or more")]
+    GuestCid(u64),
+    /// Two drives with one ID where that is not allowed, or a second root device.
+    #[error("drive {0}: a root device is already configured")]
+    SecondRoot(String),
+    /// An empty or oversized drive ID.
+    #[error("drive_id {0:?} is invalid: use 1-64 characters of [A-Za-z0-9_-]")]
+    DriveId(String),
+    /// A drive ID in the path does not match the body.
+    #[error("drive_id {body:?} in the body does not match {path:?} in the path")]
+    DriveIdMismatch {
+        /// ID in the URL.
+        path: String,
+        /// ID in the body.
+        body: String,
+    },
+    /// The configuration file could not be read.
+    #[error("config file {path}: {detail}")]
+    File {
+        /// File path.
+        path: PathBuf,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A drive flag could not be parsed.
+    #[error("--drive {0:?}: expected PATH[,readonly][,id=NAME]")]
+    DriveFlag(String),
+    /// No kernel was given.
+    #[error("no kernel configured: give --kernel, a boot-source in --config, or PUT /boot-source")]
+    NoKernel,
+}
+
+/// Most vCPUs per microVM (the MP table lives in the 1 KiB EBDA).
+pub const MAX_VCPUS: u64 = 32;
+
+/// `PUT /boot-source`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BootSourceConfig {
+    /// ELF vmlinux or bzImage.
+    pub kernel_image_path: PathBuf,
+    /// Kernel command line; rollbox-vmm appends its device arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_args: Option<String>,
+    /// Initial ramdisk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd_path: Option<PathBuf>,
+}
+
+/// The command line used when none is given.
+pub const DEFAULT_BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off";
+
+/// `PUT /machine-config`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineConfig {
+    /// Number of vCPUs.
+    pub vcpu_count: u64,
+    /// Guest memory in MiB.
+    pub mem_size_mib: u64,
+    /// Simultaneous multithreading (only `false`).
+    #[serde(default)]
+    pub smt: bool,
+    /// Track dirty pages for diff snapshots.
+    #[serde(default)]
+    pub track_dirty_pages: bool,
+    /// Firecracker CPU templates are not offered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<String>,
+    /// Huge pages ("None" only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub huge_pages: Option<String>,
+}
+
+impl Default for MachineConfig {
+    fn default() -> Self {
+        Self {
+            vcpu_count: 1,
+            mem_size_mib: 128,
+            smt: false,
+            track_dirty_pages: false,
+            cpu_template: None,
+            huge_pages: None,
+        }
+    }
+}
+
+impl MachineConfig {
+    /// Checks ranges and unsupported options against `host_mib` of host memory.
+    pub fn validate(&self, host_mib: u64) -> Result<(), ConfigError> {
+        if self.vcpu_count == 0 || self.vcpu_count > MAX_VCPUS {
+            return Err(ConfigError::VcpuCount(self.vcpu_count));
+        }
+        if self.mem_size_mib == 0 {
+            return Err(ConfigError::MemoryZero(self.mem_size_mib));
+        }
+        if self.mem_size_mib > host_mib {
+            return Err(ConfigError::MemoryTooLarge {
+                requested: self.mem_size_mib,
+                host_mib,
+            });
+        }
+        if self.smt {
+            return Err(ConfigError::Smt);
+        }
+        if self.cpu_template.as_deref().is_some_and(|t| t != "None") {
+            return Err(ConfigError::Unsupported("cpu_template"));
+        }
+        if self.huge_pages.as_deref().is_some_and(|t| t != "None") {
+            return Err(ConfigError::Unsupported("huge_pages"));
+        }
+        Ok(())
+    }
+}
+
+/// `PUT /drives/{drive_id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DriveConfig {
+    /// Drive ID; also the virtio-blk device ID the guest reads.
+    pub drive_id: String,
+    /// Raw image on the host.
+    pub path_on_host: PathBuf,
+    /// Whether this drive is the guest's root file system (`root=/dev/vda`).
+    #[serde(default)]
+    pub is_root_device: bool,
+    /// Read-only for the guest.
+    #[serde(default)]
+    pub is_read_only: bool,
+    /// Partition UUID of the root partition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partuuid: Option<String>,
+    /// "Unsafe" or "Writeback" (flushes always reach the host file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_type: Option<String>,
+    /// "Sync" only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_engine: Option<String>,
+    /// Rate limiters are not offered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limiter: Option<serde_json::Value>,
+    /// vhost-user block sockets are not offered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<String>,
+}
+
+impl DriveConfig {
+    /// Checks the ID and unsupported options.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let id_ok = !self.drive_id.is_empty()
+            && self.drive_id.len() <= 64
+            && self
+                .drive_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !id_ok {
+            return Err(ConfigError::DriveId(self.drive_id.clone()));
+        }
+        if self.rate_limiter.is_some() {
+            return Err(ConfigError::Unsupported("rate_limiter"));
+        }
+        if self.socket.is_some() {
+            return Err(ConfigError::Unsupported("vhost-user block (socket)"));
+        }
+        if self.io_engine.as_deref().is_some_and(|e| e != "Sync") {
+            return Err(ConfigError::Unsupported("io_engine other than Sync"));
+        }
+        if self
+            .cache_type
+            .as_deref()
+            .is_some_and(|c| c != "Unsafe" && c != "Writeback")
+        {
+            return Err(ConfigError::Unsupported(
+                "cache_type other than Unsafe or Writeback",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `PUT /vsock`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockConfig {
+    /// The guest's context ID (3 or more).
+    pub guest_cid: u64,
+    /// Host-side Unix socket: the host connects here and sends `CONNECT <port>\n`; guest
+    /// connections to host port P arrive on `<uds_path>_P`.
+    pub uds_path: PathBuf,
+    /// Deprecated Firecracker field, accepted and ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_id: Option<String>,
+}
+
+impl VsockConfig {
+    /// Checks the CID.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.guest_cid < 3 || self.guest_cid > u64::from(u32::MAX) {
+            return Err(ConfigError::GuestCid(self.guest_cid));
+        }
+        Ok(())
+    }
+}
+
+/// Where the guest console goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ConsoleConfig {
+    /// The VMM's stdout (input from its stdin).
+    #[default]
+    Stdout,
+    /// Appended to a file.
+    File(PathBuf),
+}
+
+impl ConsoleConfig {
+    /// Parses the `--console` value.
+    pub fn parse(value: &str) -> Self {
+        if value == "stdout" {
+            ConsoleConfig::Stdout
+        } else {
+            ConsoleConfig::File(PathBuf::from(value))
+        }
+    }
+}
+
+/// A Firecracker-style configuration file, plus rollbox's `console`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Kernel, command line and initrd.
+    #[serde(
+        rename = "boot-source",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub boot_source: Option<BootSourceConfig>,
+    /// vCPUs and memory.
+    #[serde(
+        rename = "machine-config",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub machine_config: Option<MachineConfig>,
+    /// Block devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drives: Vec<DriveConfig>,
+    /// The vsock device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<VsockConfig>,
+    /// rollbox extension: "stdout" or a file path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub console: Option<String>,
+}
+
+impl ConfigFile {
+    /// Reads and parses `path`; unknown fields are errors.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        })?;
+        serde_json::from_str(&text).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        })
+    }
+}
+
+/// Everything needed to build a microVM.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VmResources {
+    /// Kernel and command line.
+    pub boot_source: Option<BootSourceConfig>,
+    /// vCPUs and memory.
+    pub machine: MachineConfig,
+    /// Drives, in insertion order (the root device first).
+    pub drives: Vec<DriveConfig>,
+    /// The vsock device.
+    pub vsock: Option<VsockConfig>,
+    /// Console output.
+    pub console: ConsoleConfig,
+}
+
+impl VmResources {
+    /// Adds or replaces a drive, keeping the root device first.
+    pub fn upsert_drive(&mut self, drive: DriveConfig) -> Result<(), ConfigError> {
+        drive.validate()?;
+        if drive.is_root_device
+            && self
+                .drives
+                .iter()
+                .any(|d| d.is_root_device && d.drive_id != drive.drive_id)
+        {
+            return Err(ConfigError::SecondRoot(drive.drive_id));
+        }
+        if let Some(existing) = self
+            .drives
+            .iter_mut()
+            .find(|d| d.drive_id == drive.drive_id)
+        {
+            *existing = drive;
+        } else if drive.is_root_device {
+            self.drives.insert(0, drive);
+        } else {
+            self.drives.push(drive);
+        }
+        Ok(())
+    }
+
+    /// Applies a configuration file.
+    pub fn apply_file(&mut self, file: ConfigFile, host_mib: u64) -> Result<(), ConfigError> {
+        if let Some(machine) = file.machine_config {
+            machine.validate(host_mib)?;
+            self.machine = machine;
+        }
+        self.boot_source = file.boot_source.or(self.boot_source.take());
+        for drive in file.drives {
+            self.upsert_drive(drive)?;
+        }
+        if let Some(vsock) = file.vsock {
+            vsock.validate()?;
+            self.vsock = Some(vsock);
+        }
+        if let Some(console) = file.console {
+            self.console = ConsoleConfig::parse(&console);
+        }
+        Ok(())
+    }
+
+    /// The kernel arguments for the root device, Firecracker style.
+    pub fn root_args(&self) -> Option<String> {
+        let root = self.drives.first().filter(|d| d.is_root_device)?;
+        let mode = if root.is_read_only { "ro" } else { "rw" };
+        Some(match &root.partuuid {
+            Some(uuid) => format!("root=PARTUUID={uuid} {mode}"),
+            None => format!("root=/dev/vda {mode}"),
+        })
+    }
+}
+
+/// Parses `--drive PATH[,readonly][,id=NAME]`; `index` names drives without an ID.
+pub fn parse_drive_flag(value: &str, index: usize) -> Result<DriveConfig, ConfigError> {
+    let mut parts = value.split(',');
+    let path = parts
+        .next()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| ConfigError::DriveFlag(value.into()))?;
+    let mut drive = DriveConfig {
+        drive_id: format!("drive{index}"),
+        path_on_host: PathBuf::from(path),
+        is_root_device: false,
+        is_read_only: false,
+        partuuid: None,
+        cache_type: None,
+        io_engine: None,
+        rate_limiter: None,
+        socket: None,
+    };
+    for part in parts {
+        match part.split_once('=') {
+            None if part == "readonly" || part == "ro" => drive.is_read_only = true,
+            None if part == "root" => drive.is_root_device = true,
+            Some(("id", id)) => drive.drive_id = id.to_string(),
+            _ => return Err(ConfigError::DriveFlag(value.into())),
+        }
+    }
+    drive.validate()?;
+    Ok(drive)
+}
+
+/// The host's memory in MiB, from /proc/meminfo.
+pub fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<u64>().ok())
+        })
+        .map(|kib| kib / 1024)
+        .unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = serde_json::from_str::<ConfigFile>(
+            r#"{"machine-config":{"vcpu_count":1,"mem_size_mib":64,"bogus":1}}"#,
+        )
+        .expect_err("must fail");
+        assert!(err.to_string().contains("bogus"), "{err}");
+        let err = serde_json::from_str::<ConfigFile>(r#"{"kernel":"x"}"#).expect_err("must fail");
+        assert!(err.to_string().contains("kernel"), "{err}");
+    }
+
+    #[test]
+    fn firecracker_config_parses() {
+        let file: ConfigFile = serde_json::from_str(
+            r#"{"boot-source":{"kernel_image_path":"/k","boot_args":"console=ttyS0"},
+                "machine-config":{"vcpu_count":2,"mem_size_mib":256,"smt":false},
+                "drives":[{"drive_id":"rootfs","path_on_host":"/r","is_root_device":true,"is_read_only":false}],
+                "vsock":{"guest_cid":3,"uds_path":"/tmp/v.sock"}}"#,
+        )
+        .expect("parse");
+        let mut res = VmResources::default();
+        res.apply_file(file, 1024).expect("apply");
+        assert_eq!(res.machine.vcpu_count, 2);
+        assert_eq!(res.root_args().as_deref(), Some("root=/dev/vda rw"));
+    }
+
+    #[test]
+    fn memory_limits() {
+        let mut m = MachineConfig {
+            mem_size_mib: 0,
+            ..Default::default()
+        };
+        assert_eq!(m.validate(100), Err(ConfigError::MemoryZero(0)));
+        m.mem_size_mib = 200;
+        assert!(matches!(
+            m.validate(100),
+            Err(ConfigError::MemoryTooLarge { .. })
+        ));
+        m.mem_size_mib = 64;
+        m.vcpu_count = 33;
+        assert_eq!(m.validate(100), Err(ConfigError::VcpuCount(33)));
+    }
+
+    #[test]
+    fn drive_flags() {
+        let d = parse_drive_flag("/x.img,readonly,id=data", 0).expect("parse");
+        assert!(d.is_read_only);
+        assert_eq!(d.drive_id, "data");
+        assert_eq!(
+            parse_drive_flag("/y.img", 3).expect("parse").drive_id,
+            "drive3"
+        );
+        assert!(parse_drive_flag("/y.img,bogus", 0).is_err());
+        assert!(parse_drive_flag("", 0).is_err());
+    }
+
+    #[test]
+    fn root_device_goes_first() {
+        let mut res = VmResources::default();
+        res.upsert_drive(parse_drive_flag("/a", 0).expect("a"))
+            .expect("a");
+        res.upsert_drive(parse_drive_flag("/b,root", 1).expect("b"))
+            .expect("b");
+        assert_eq!(res.drives[0].drive_id, "drive1");
+        assert!(res
+            .upsert_drive(parse_drive_flag("/c,root", 2).expect("c"))
+            .is_err());
+    }
+}

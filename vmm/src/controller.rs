@@ -1,0 +1,452 @@
+//! The VMM thread: owns the microVM, runs the event loop over device, console, API and exit
+//! events, and carries out [`VmmAction`]s.
+
+use std::collections::VecDeque;
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::api::server::ApiRequest;
+use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
+use crate::builder::{build_microvm, MicroVm};
+use crate::config::{host_memory_mib, VmResources};
+use crate::devices::bus::lock;
+use crate::vstate::vcpu::VmExit;
+
+/// Errors of the event loop itself.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// epoll or eventfd set-up failed.
+    #[error("event loop: {0}")]
+    Epoll(std::io::Error),
+}
+
+const TOKEN_API: u64 = 1;
+const TOKEN_EXIT: u64 = 2;
+const TOKEN_RESET: u64 = 3;
+const TOKEN_POWEROFF: u64 = 4;
+const TOKEN_STDIN: u64 = 5;
+const TOKEN_SERIAL_ROOM: u64 = 6;
+const TOKEN_SIGNAL: u64 = 7;
+const TOKEN_QUEUE: u64 = 1 << 32;
+const TOKEN_BACKEND: u64 = 2 << 32;
+const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
+
+/// How long console output may sit in the buffer.
+const CONSOLE_FLUSH_MS: i32 = 5;
+const STDIN_CHUNK: usize = 4096;
+
+static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+static SIGNAL_NUMBER: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_terminate(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    SIGNAL_NUMBER.store(num, Ordering::SeqCst);
+    let fd = SIGNAL_FD.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let one: u64 = 1;
+        // SAFETY: write(2) is async-signal-safe; `one` outlives the call and is 8 bytes, as an
+        // eventfd write requires.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+/// The VMM: resources, the microVM once started, and the event loop.
+pub struct Controller {
+    resources: VmResources,
+    microvm: Option<MicroVm>,
+    epoll: Epoll,
+    api_rx: Option<Receiver<ApiRequest>>,
+    api_evt: Arc<EventFd>,
+    signal_evt: EventFd,
+    stdin_pending: VecDeque<u8>,
+    stdin_state: StdinState,
+    exit_code: Option<i32>,
+    host_mib: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StdinState {
+    Watched,
+    Unwatched,
+    Closed,
+}
+
+impl Controller {
+    /// A controller for `resources`, taking API requests from `api_rx` when given.
+    pub fn new(
+        resources: VmResources,
+        api_rx: Option<Receiver<ApiRequest>>,
+        api_evt: Arc<EventFd>,
+    ) -> Result<Self, ControllerError> {
+        let epoll = Epoll::new().map_err(ControllerError::Epoll)?;
+        let signal_evt = EventFd::new(EFD_NONBLOCK).map_err(ControllerError::Epoll)?;
+        let add = |fd, token| {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )
+        };
+        add(api_evt.as_raw_fd(), TOKEN_API).map_err(ControllerError::Epoll)?;
+        add(signal_evt.as_raw_fd(), TOKEN_SIGNAL).map_err(ControllerError::Epoll)?;
+        SIGNAL_FD.store(signal_evt.as_raw_fd(), Ordering::SeqCst);
+        for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            if let Err(e) = vmm_sys_util::signal::register_signal_handler(signal, on_terminate) {
+                log::warn!("cannot handle signal {signal}: {e}");
+            }
+        }
+        Ok(Self {
+            resources,
+            microvm: None,
+            epoll,
+            api_rx,
+            api_evt,
+            signal_evt,
+            stdin_pending: VecDeque::new(),
+            stdin_state: StdinState::Unwatched,
+            exit_code: None,
+            host_mib: host_memory_mib(),
+        })
+    }
+
+    /// The resources (for tests and the CLI).
+    pub fn resources(&self) -> &VmResources {
+        &self.resources
+    }
+
+    fn watch(&self, fd: i32, token: u64) -> std::io::Result<()> {
+        self.epoll.ctl(
+            ControlOperation::Add,
+            fd,
+            EpollEvent::new(EventSet::IN, token),
+        )
+    }
+
+    /// Builds and starts the microVM; registers its events.
+    pub fn start(&mut self) -> Result<(), ActionError> {
+        if self.microvm.is_some() {
+            return Err(ActionError::bad_request("the microVM is already running"));
+        }
+        let microvm =
+            build_microvm(&self.resources).map_err(|e| ActionError::bad_request(e.to_string()))?;
+        let mut fds = vec![
+            (microvm.events.exit.as_raw_fd(), TOKEN_EXIT),
+            (microvm.events.reset.as_raw_fd(), TOKEN_RESET),
+            (microvm.events.poweroff.as_raw_fd(), TOKEN_POWEROFF),
+            (microvm.events.serial_room.as_raw_fd(), TOKEN_SERIAL_ROOM),
+        ];
+        for (dev, slot) in microvm.virtio.iter().enumerate() {
+            for (queue, evt) in slot.notify.iter().enumerate() {
+                fds.push((
+                    evt.as_raw_fd(),
+                    TOKEN_QUEUE | ((dev as u64) << 16) | queue as u64,
+                ));
+            }
+            if let Some(fd) = slot.backend_fd {
+                fds.push((fd, TOKEN_BACKEND | dev as u64));
+            }
+        }
+        for (fd, token) in fds {
+            self.watch(fd, token).map_err(|e| ActionError {
+                status: 500,
+                message: format!("event loop: {e}"),
+            })?;
+        }
+        self.microvm = Some(microvm);
+        self.watch_stdin();
+        Ok(())
+    }
+
+    fn watch_stdin(&mut self) {
+        if self.stdin_state != StdinState::Unwatched {
+            return;
+        }
+        match self.watch(libc::STDIN_FILENO, TOKEN_STDIN) {
+            Ok(()) => self.stdin_state = StdinState::Watched,
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                // A regular file: epoll can't watch it, and it is always readable.
+                let mut all = Vec::new();
+                if let Err(e) = std::io::stdin().read_to_end(&mut all) {
+                    log::warn!("reading stdin: {e}");
+                }
+                self.stdin_pending.extend(all);
+                self.stdin_state = StdinState::Closed;
+                self.feed_serial();
+            }
+            Err(e) => {
+                log::warn!("console input disabled: cannot watch stdin: {e}");
+                self.stdin_state = StdinState::Closed;
+            }
+        }
+    }
+
+    fn unwatch_stdin(&mut self, closed: bool) {
+        if self.stdin_state == StdinState::Watched {
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                libc::STDIN_FILENO,
+                EpollEvent::default(),
+            );
+        }
+        self.stdin_state = if closed {
+            StdinState::Closed
+        } else {
+            StdinState::Unwatched
+        };
+    }
+
+    fn read_stdin(&mut self) {
+        let mut buf = [0u8; STDIN_CHUNK];
+        // SAFETY: reads into a stack buffer of the given length from stdin, which we don't close.
+        let n = unsafe { libc::read(libc::STDIN_FILENO, buf.as_mut_ptr().cast(), buf.len()) };
+        match n {
+            0 => self.unwatch_stdin(true),
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::WouldBlock
+                    && e.kind() != std::io::ErrorKind::Interrupted
+                {
+                    log::warn!("console input stopped: {e}");
+                    self.unwatch_stdin(true);
+                }
+            }
+            n => self.stdin_pending.extend(&buf[..n as usize]),
+        }
+        self.feed_serial();
+    }
+
+    /// Moves pending console input into the UART; stops watching stdin while it is full.
+    fn feed_serial(&mut self) {
+        let Some(vm) = &self.microvm else { return };
+        if !self.stdin_pending.is_empty() {
+            let mut serial = lock(&vm.serial);
+            let (front, _) = self.stdin_pending.as_slices();
+            let taken = serial.enqueue_input(front);
+            self.stdin_pending.drain(..taken);
+        }
+        if self.stdin_pending.is_empty() {
+            if self.stdin_state == StdinState::Unwatched {
+                self.watch_stdin();
+            }
+        } else if self.stdin_state == StdinState::Watched {
+            self.unwatch_stdin(false);
+        }
+    }
+
+    /// Runs until the guest or a signal ends the VMM; returns the exit status.
+    pub fn run(&mut self) -> Result<i32, ControllerError> {
+        let mut events = vec![EpollEvent::default(); 64];
+        loop {
+            if let Some(code) = self.exit_code {
+                self.flush_console();
+                return Ok(code);
+            }
+            let timeout = if self.console_pending() {
+                CONSOLE_FLUSH_MS
+            } else {
+                -1
+            };
+            let n = match self.epoll.wait(timeout, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(ControllerError::Epoll(e)),
+            };
+            if n == 0 {
+                self.flush_console();
+            }
+            for event in &events[..n] {
+                self.dispatch(event.data());
+            }
+        }
+    }
+
+    fn console_pending(&self) -> bool {
+        self.microvm
+            .as_ref()
+            .is_some_and(|vm| lock(&vm.serial).has_pending_output())
+    }
+
+    fn flush_console(&self) {
+        if let Some(vm) = &self.microvm {
+            lock(&vm.serial).flush_output();
+        }
+    }
+
+    fn dispatch(&mut self, token: u64) {
+        match token & TOKEN_KIND_MASK {
+            TOKEN_QUEUE => {
+                let dev = ((token >> 16) & 0xffff) as usize;
+                let queue = (token & 0xffff) as usize;
+                if let Some(slot) = self.microvm.as_ref().and_then(|vm| vm.virtio.get(dev)) {
+                    if let Some(evt) = slot.notify.get(queue) {
+                        let _ = evt.read();
+                    }
+                    lock(&slot.transport).notify_queue(queue);
+                }
+                return;
+            }
+            TOKEN_BACKEND => {
+                let dev = (token & 0xffff) as usize;
+                if let Some(slot) = self.microvm.as_ref().and_then(|vm| vm.virtio.get(dev)) {
+                    lock(&slot.transport).process_backend();
+                }
+                return;
+            }
+            _ => {}
+        }
+        match token {
+            TOKEN_API => self.serve_api(),
+            TOKEN_STDIN => self.read_stdin(),
+            TOKEN_SERIAL_ROOM => {
+                if let Some(vm) = &self.microvm {
+                    let _ = vm.events.serial_room.read();
+                }
+                self.feed_serial();
+            }
+            TOKEN_EXIT => self.vcpu_exit(),
+            TOKEN_RESET => self.finish(0, "guest reset (i8042)"),
+            TOKEN_POWEROFF => self.finish(0, "guest powered off"),
+            TOKEN_SIGNAL => {
+                let _ = self.signal_evt.read();
+                let signal = SIGNAL_NUMBER.load(Ordering::SeqCst);
+                self.finish(128 + signal, &format!("stopped by signal {signal}"));
+            }
+            other => log::warn!("event loop: unknown token {other:#x}"),
+        }
+    }
+
+    fn finish(&mut self, code: i32, why: &str) {
+        log::info!("rollbox-vmm exiting with status {code}: {why}");
+        self.exit_code.get_or_insert(code);
+    }
+
+    fn vcpu_exit(&mut self) {
+        let Some(vm) = &self.microvm else { return };
+        let _ = vm.events.exit.read();
+        let mut reports = Vec::new();
+        while let Ok(report) = vm.exit_rx.try_recv() {
+            reports.push(report);
+        }
+        for report in reports {
+            match report.exit {
+                VmExit::Clean(why) => self.finish(0, why),
+                VmExit::Error(detail) => {
+                    self.flush_console();
+                    eprintln!("rollbox-vmm: guest stopped: {detail}");
+                    log::error!("guest stopped: {detail}");
+                    self.finish(1, "guest crashed");
+                }
+            }
+        }
+    }
+
+    fn serve_api(&mut self) {
+        let _ = self.api_evt.read();
+        let mut requests = Vec::new();
+        if let Some(rx) = &self.api_rx {
+            while let Ok(request) = rx.try_recv() {
+                requests.push(request);
+            }
+        }
+        for (action, reply) in requests {
+            let result = self.handle(action);
+            if reply.send(result).is_err() {
+                log::debug!("API client went away before its answer");
+            }
+        }
+    }
+
+    fn not_after_boot(&self, what: &str) -> Result<(), ActionError> {
+        if self.microvm.is_some() {
+            return Err(ActionError::bad_request(format!(
+                "{what} is not allowed after the microVM started"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Carries out one action.
+    pub fn handle(&mut self, action: VmmAction) -> ActionResult {
+        let config_err = |e: crate::config::ConfigError| ActionError::bad_request(e.to_string());
+        match action {
+            VmmAction::GetVmInfo => Ok(VmmData::VmInfo(VmInfo {
+                id: "anonymous-instance".into(),
+                state: match &self.microvm {
+                    None => "Not started",
+                    Some(vm) if vm.paused => "Paused",
+                    Some(_) => "Running",
+                }
+                .into(),
+                vmm_version: env!("CARGO_PKG_VERSION").into(),
+                app_name: "rollbox-vmm".into(),
+            })),
+            VmmAction::GetMachineConfig => {
+                Ok(VmmData::MachineConfig(self.resources.machine.clone()))
+            }
+            VmmAction::PutBootSource(boot) => {
+                self.not_after_boot("PUT /boot-source")?;
+                crate::arch::boot::detect_kernel_format(&boot.kernel_image_path)
+                    .map_err(|e| ActionError::bad_request(e.to_string()))?;
+                self.resources.boot_source = Some(boot);
+                Ok(VmmData::Empty)
+            }
+            VmmAction::PutMachineConfig(machine) => {
+                self.not_after_boot("PUT /machine-config")?;
+                machine.validate(self.host_mib).map_err(config_err)?;
+                self.resources.machine = machine;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::PutDrive(drive) => {
+                self.not_after_boot("PUT /drives")?;
+                std::fs::metadata(&drive.path_on_host).map_err(|e| {
+                    ActionError::bad_request(format!("drive {}: {e}", drive.path_on_host.display()))
+                })?;
+                self.resources.upsert_drive(drive).map_err(config_err)?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::PutVsock(vsock) => {
+                self.not_after_boot("PUT /vsock")?;
+                vsock.validate().map_err(config_err)?;
+                self.resources.vsock = Some(vsock);
+                Ok(VmmData::Empty)
+            }
+            VmmAction::InstanceStart => {
+                self.start()?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::SendCtrlAltDel => {
+                let vm = self.running()?;
+                lock(&vm.i8042).trigger_ctrl_alt_del().map_err(|e| {
+                    ActionError::bad_request(format!("cannot inject Ctrl-Alt-Del: {e}"))
+                })?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::FlushMetrics => Ok(VmmData::Empty),
+            VmmAction::Pause => {
+                self.running_mut()?.pause();
+                Ok(VmmData::Empty)
+            }
+            VmmAction::Resume => {
+                self.running_mut()?.resume();
+                Ok(VmmData::Empty)
+            }
+        }
+    }
+
+    fn running(&self) -> Result<&MicroVm, ActionError> {
+        self.microvm
+            .as_ref()
+            .ok_or_else(|| ActionError::bad_request("the microVM has not been started"))
+    }
+
+    fn running_mut(&mut self) -> Result<&mut MicroVm, ActionError> {
+        self.microvm
+            .as_mut()
+            .ok_or_else(|| ActionError::bad_request("the microVM has not been started"))
+    }
+}

@@ -1,0 +1,37 @@
+//! An ACPI-style sleep control register: writing SLP_TYP=5 (S5) with SLP_EN powers off.
+
+use super::EventTrigger;
+use crate::devices::bus::BusDevice;
+use vm_superio::Trigger;
+
+const SLP_EN: u8 = 1 << 5;
+const SLP_TYP_SHIFT: u8 = 2;
+const SLP_TYP_MASK: u8 = 0x7;
+const S5_SOFT_OFF: u8 = 5;
+
+/// Signals `poweroff` when the guest requests S5.
+pub struct PowerOff {
+    poweroff: EventTrigger,
+}
+
+impl PowerOff {
+    /// A device that writes `poweroff` when the guest powers off.
+    pub fn new(poweroff: EventTrigger) -> Self {
+        Self { poweroff }
+    }
+}
+
+impl BusDevice for PowerOff {
+    fn read(&mut self, _offset: u64, data: &mut [u8]) {
+        data.fill(0);
+    }
+
+    fn write(&mut self, _offset: u64, data: &[u8]) {
+        let Some(&value) = data.first() else { return };
+        if value & SLP_EN != 0 && (value >> SLP_TYP_SHIFT) & SLP_TYP_MASK == S5_SOFT_OFF {
+            if let Err(e) = self.poweroff.trigger() {
+                log::error!("power-off request lost: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! Device models and the buses that connect them to vCPUs.
+
+pub mod bus;
+pub mod legacy;
+pub mod virtio;

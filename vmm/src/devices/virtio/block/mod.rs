@@ -1,0 +1,6 @@
+//! virtio-blk over a raw image file: read, write, flush and GET_ID, read-write or read-only.
+
+mod device;
+mod request;
+
+pub use device::{Block, BlockConfig, BlockError};

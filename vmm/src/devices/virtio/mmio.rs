@@ -1,0 +1,407 @@
+//! The virtio-mmio transport (virtio 1.x register layout, version 2).
+
+use std::sync::atomic::{fence, Ordering};
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
+
+use super::{Interrupt, QueueContext, VirtioDevice, VIRTIO_F_VERSION_1};
+use crate::devices::bus::BusDevice;
+
+const MAGIC_VALUE: u32 = 0x7472_6976; // "virt"
+const MMIO_VERSION: u32 = 2;
+const VENDOR_ID: u32 = 0x524f_4c4c; // "ROLL"
+
+const REG_MAGIC: u64 = 0x000;
+const REG_VERSION: u64 = 0x004;
+const REG_DEVICE_ID: u64 = 0x008;
+const REG_VENDOR_ID: u64 = 0x00c;
+const REG_DEVICE_FEATURES: u64 = 0x010;
+const REG_DEVICE_FEATURES_SEL: u64 = 0x014;
+const REG_DRIVER_FEATURES: u64 = 0x020;
+const REG_DRIVER_FEATURES_SEL: u64 = 0x024;
+const REG_QUEUE_SEL: u64 = 0x030;
+const REG_QUEUE_NUM_MAX: u64 = 0x034;
+const REG_QUEUE_NUM: u64 = 0x038;
+const REG_QUEUE_READY: u64 = 0x044;
+/// Offset of the QueueNotify register, which the VMM turns into ioeventfds.
+pub const REG_QUEUE_NOTIFY: u64 = 0x050;
+const REG_INTERRUPT_STATUS: u64 = 0x060;
+const REG_INTERRUPT_ACK: u64 = 0x064;
+const REG_STATUS: u64 = 0x070;
+const REG_QUEUE_DESC_LOW: u64 = 0x080;
+const REG_QUEUE_DESC_HIGH: u64 = 0x084;
+const REG_QUEUE_DRIVER_LOW: u64 = 0x090;
+const REG_QUEUE_DRIVER_HIGH: u64 = 0x094;
+const REG_QUEUE_DEVICE_LOW: u64 = 0x0a0;
+const REG_QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+const REG_CONFIG_GENERATION: u64 = 0x0fc;
+const CONFIG_SPACE: u64 = 0x100;
+
+/// Device status bits (virtio 1.2, 2.1).
+pub mod status {
+    /// The guest found the device.
+    pub const ACKNOWLEDGE: u32 = 1;
+    /// The guest has a driver for it.
+    pub const DRIVER: u32 = 2;
+    /// The driver is ready.
+    pub const DRIVER_OK: u32 = 4;
+    /// Feature negotiation is complete.
+    pub const FEATURES_OK: u32 = 8;
+    /// The device hit an error the driver must recover from by resetting it.
+    pub const DEVICE_NEEDS_RESET: u32 = 0x40;
+    /// The driver gave up on the device.
+    pub const FAILED: u32 = 0x80;
+}
+
+/// The transport around one device: registers, queues, feature negotiation.
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    mem: GuestMemoryMmap,
+    interrupt: Interrupt,
+    queues: Vec<Queue>,
+    queue_select: u32,
+    device_features_select: u32,
+    driver_features_select: u32,
+    acked_features: u64,
+    status: u32,
+    config_generation: u32,
+}
+
+/// The transport's registers, for snapshots.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransportRegisters {
+    /// QueueSel.
+    pub queue_select: u32,
+    /// DeviceFeaturesSel.
+    pub device_features_select: u32,
+    /// DriverFeaturesSel.
+    pub driver_features_select: u32,
+    /// Features the driver acknowledged.
+    pub acked_features: u64,
+    /// Device status.
+    pub status: u32,
+    /// ConfigGeneration.
+    pub config_generation: u32,
+    /// InterruptStatus.
+    pub interrupt_status: u32,
+}
+
+impl MmioTransport {
+    /// Wraps `device`, whose queues live in `mem`, raising `interrupt`.
+    pub fn new(device: Box<dyn VirtioDevice>, mem: GuestMemoryMmap, interrupt: Interrupt) -> Self {
+        let queues = device
+            .queue_max_sizes()
+            .iter()
+            .filter_map(|&max| match Queue::new(max) {
+                Ok(q) => Some(q),
+                Err(e) => {
+                    log::error!("{}: invalid queue size {max}: {e}", device.name());
+                    None
+                }
+            })
+            .collect();
+        Self {
+            device,
+            mem,
+            interrupt,
+            queues,
+            queue_select: 0,
+            device_features_select: 0,
+            driver_features_select: 0,
+            acked_features: 0,
+            status: 0,
+            config_generation: 0,
+        }
+    }
+
+    /// The device model.
+    pub fn device(&self) -> &dyn VirtioDevice {
+        self.device.as_ref()
+    }
+
+    /// The device model, mutably.
+    pub fn device_mut(&mut self) -> &mut dyn VirtioDevice {
+        self.device.as_mut()
+    }
+
+    /// Number of queues.
+    pub fn queue_count(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// The queues, for snapshots.
+    pub fn queues(&self) -> &[Queue] {
+        &self.queues
+    }
+
+    /// The registers, for snapshots.
+    pub fn registers(&self) -> TransportRegisters {
+        TransportRegisters {
+            queue_select: self.queue_select,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            acked_features: self.acked_features,
+            status: self.status,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+        }
+    }
+
+    /// Restores registers and queues saved by a snapshot, re-activating the device if the
+    /// driver had it running.
+    pub fn restore(&mut self, regs: &TransportRegisters, queues: Vec<Queue>) {
+        self.queue_select = regs.queue_select;
+        self.device_features_select = regs.device_features_select;
+        self.driver_features_select = regs.driver_features_select;
+        self.acked_features = regs.acked_features;
+        self.status = regs.status;
+        self.config_generation = regs.config_generation;
+        self.interrupt.set_status(regs.interrupt_status);
+        self.queues = queues;
+        if self.is_activated() {
+            self.device.activate(self.acked_features);
+        }
+    }
+
+    /// Whether the driver set DRIVER_OK and the device has not failed.
+    pub fn is_activated(&self) -> bool {
+        self.status & status::DRIVER_OK != 0 && self.status & status::DEVICE_NEEDS_RESET == 0
+    }
+
+    /// Serves a notification of queue `index`.
+    pub fn notify_queue(&mut self, index: usize) {
+        if !self.is_activated() || index >= self.queues.len() {
+            return;
+        }
+        let mut ctx = QueueContext {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        self.device.process_queue(index, &mut ctx);
+    }
+
+    /// Serves the device's backend file descriptor.
+    pub fn process_backend(&mut self) {
+        if !self.is_activated() {
+            self.device.drain_backend();
+            return;
+        }
+        let mut ctx = QueueContext {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        self.device.process_backend(&mut ctx);
+    }
+
+    fn selected_queue(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.queue_select as usize)
+    }
+
+    fn reset(&mut self) {
+        self.device.reset();
+        for queue in &mut self.queues {
+            queue.reset();
+        }
+        self.queue_select = 0;
+        self.device_features_select = 0;
+        self.driver_features_select = 0;
+        self.acked_features = 0;
+        self.status = 0;
+        self.interrupt.set_status(0);
+    }
+
+    fn set_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        let newly = value & !self.status;
+        if newly & status::FEATURES_OK != 0 && self.acked_features & VIRTIO_F_VERSION_1 == 0 {
+            log::warn!(
+                "{}: driver did not accept VIRTIO_F_VERSION_1; refusing FEATURES_OK",
+                self.device.name()
+            );
+            self.status = value & !status::FEATURES_OK;
+            return;
+        }
+        self.status = value;
+        if newly & status::DRIVER_OK != 0 {
+            self.activate();
+        }
+    }
+
+    fn activate(&mut self) {
+        let name = self.device.name();
+        for (i, queue) in self.queues.iter().enumerate() {
+            if queue.ready() && !queue.is_valid(&self.mem) {
+                log::warn!(
+                    "{name}: queue {i} is invalid (size {}, desc {:#x}, avail {:#x}, used {:#x}); device needs reset",
+                    queue.size(),
+                    queue.desc_table(),
+                    queue.avail_ring(),
+                    queue.used_ring()
+                );
+                self.status |= status::DEVICE_NEEDS_RESET;
+                self.interrupt.signal_config_change();
+                return;
+            }
+        }
+        self.device.activate(self.acked_features);
+    }
+
+    fn read_register(&mut self, offset: u64) -> u32 {
+        match offset {
+            REG_MAGIC => MAGIC_VALUE,
+            REG_VERSION => MMIO_VERSION,
+            REG_DEVICE_ID => self.device.device_type(),
+            REG_VENDOR_ID => VENDOR_ID,
+            REG_DEVICE_FEATURES => {
+                let features = self.device.avail_features() | VIRTIO_F_VERSION_1;
+                match self.device_features_select {
+                    0 => features as u32,
+                    1 => (features >> 32) as u32,
+                    _ => 0,
+                }
+            }
+            REG_QUEUE_NUM_MAX => self
+                .selected_queue()
+                .map(|q| u32::from(q.max_size()))
+                .unwrap_or(0),
+            REG_QUEUE_READY => self
+                .selected_queue()
+                .map(|q| u32::from(q.ready()))
+                .unwrap_or(0),
+            REG_INTERRUPT_STATUS => self.interrupt.status(),
+            REG_STATUS => self.status,
+            REG_CONFIG_GENERATION => self.config_generation,
+            _ => {
+                log::debug!(
+                    "{}: read of unknown register {offset:#x}",
+                    self.device.name()
+                );
+                0
+            }
+        }
+    }
+
+    fn write_register(&mut self, offset: u64, value: u32) {
+        let features_ok = self.status & status::FEATURES_OK != 0;
+        let driver_ok = self.status & status::DRIVER_OK != 0;
+        match offset {
+            REG_DEVICE_FEATURES_SEL => self.device_features_select = value,
+            REG_DRIVER_FEATURES if !features_ok => {
+                let offered = self.device.avail_features() | VIRTIO_F_VERSION_1;
+                let shift = match self.driver_features_select {
+                    0 => 0,
+                    1 => 32,
+                    _ => return,
+                };
+                let mask = 0xffff_ffffu64 << shift;
+                let wanted = (u64::from(value) << shift) & offered;
+                self.acked_features = (self.acked_features & !mask) | wanted;
+            }
+            REG_DRIVER_FEATURES_SEL => self.driver_features_select = value,
+            REG_QUEUE_SEL => self.queue_select = value,
+            REG_QUEUE_NUM if !driver_ok => {
+                if let Some(q) = self.selected_queue() {
+                    q.set_size(value as u16);
+                }
+            }
+            REG_QUEUE_READY if !driver_ok => {
+                if let Some(q) = self.selected_queue() {
+                    q.set_ready(value == 1);
+                }
+            }
+            REG_INTERRUPT_ACK => self.interrupt.ack(value),
+            REG_STATUS => self.set_status(value),
+            REG_QUEUE_DESC_LOW if !driver_ok => {
+                self.with_queue(|q| q.set_desc_table_address(Some(value), None))
+            }
+            REG_QUEUE_DESC_HIGH if !driver_ok => {
+                self.with_queue(|q| q.set_desc_table_address(None, Some(value)))
+            }
+            REG_QUEUE_DRIVER_LOW if !driver_ok => {
+                self.with_queue(|q| q.set_avail_ring_address(Some(value), None))
+            }
+            REG_QUEUE_DRIVER_HIGH if !driver_ok => {
+                self.with_queue(|q| q.set_avail_ring_address(None, Some(value)))
+            }
+            REG_QUEUE_DEVICE_LOW if !driver_ok => {
+                self.with_queue(|q| q.set_used_ring_address(Some(value), None))
+            }
+            REG_QUEUE_DEVICE_HIGH if !driver_ok => {
+                self.with_queue(|q| q.set_used_ring_address(None, Some(value)))
+            }
+            REG_QUEUE_NOTIFY => {
+                // Normally caught by an ioeventfd; served here when none is registered.
+                fence(Ordering::SeqCst);
+                self.notify_queue(value as usize);
+            }
+            _ => log::debug!(
+                "{}: ignored write {value:#x} to register {offset:#x} (status {:#x})",
+                self.device.name(),
+                self.status
+            ),
+        }
+    }
+
+    fn with_queue(&mut self, f: impl FnOnce(&mut Queue)) {
+        if let Some(q) = self.selected_queue() {
+            f(q);
+        }
+    }
+}
+
+impl BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= CONFIG_SPACE {
+            self.device.read_config(offset - CONFIG_SPACE, data);
+            return;
+        }
+        data.fill(0);
+        if data.len() != 4 || offset % 4 != 0 {
+            log::warn!(
+                "{}: {}-byte read of register {offset:#x} ignored",
+                self.device.name(),
+                data.len()
+            );
+            return;
+        }
+        data.copy_from_slice(&self.read_register(offset).to_le_bytes());
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= CONFIG_SPACE {
+            self.device.write_config(offset - CONFIG_SPACE, data);
+            return;
+        }
+        let Ok(bytes) = <[u8; 4]>::try_from(data) else {
+            log::warn!(
+                "{}: {}-byte write to register {offset:#x} ignored",
+                self.device.name(),
+                data.len()
+            );
+            return;
+        };
+        if offset % 4 != 0 {
+            return;
+        }
+        self.write_register(offset, u32::from_le_bytes(bytes));
+    }
+}
+
+/// Copies `src[offset..]` into `data`, zero-filling past the end: a config-space read helper.
+pub fn read_config_bytes(src: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Ok(start) = usize::try_from(offset) else {
+        return;
+    };
+    if start >= src.len() {
+        return;
+    }
+    let n = data.len().min(src.len() - start);
+    data[..n].copy_from_slice(&src[start..start + n]);
+}

@@ -1,0 +1,118 @@
+//! Virtio devices over the virtio-mmio transport.
+
+pub mod block;
+pub mod mmio;
+pub mod vsock;
+
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+/// VIRTIO_F_VERSION_1: the device speaks virtio 1.x.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// Device type of virtio-blk.
+pub const TYPE_BLOCK: u32 = 2;
+/// Device type of virtio-vsock.
+pub const TYPE_VSOCK: u32 = 19;
+
+const INTERRUPT_USED_RING: u32 = 1;
+const INTERRUPT_CONFIG: u32 = 2;
+
+/// A device's interrupt: the MMIO interrupt-status register plus its irqfd.
+#[derive(Clone)]
+pub struct Interrupt {
+    status: Arc<AtomicU32>,
+    irqfd: Arc<EventFd>,
+}
+
+impl Interrupt {
+    /// An interrupt raised through `irqfd`.
+    pub fn new(irqfd: Arc<EventFd>) -> Self {
+        Self {
+            status: Arc::new(AtomicU32::new(0)),
+            irqfd,
+        }
+    }
+
+    /// Tells the driver that used rings changed.
+    pub fn signal_used_ring(&self) {
+        self.raise(INTERRUPT_USED_RING);
+    }
+
+    /// Tells the driver that configuration space changed.
+    pub fn signal_config_change(&self) {
+        self.raise(INTERRUPT_CONFIG);
+    }
+
+    fn raise(&self, bit: u32) {
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            log::error!("cannot raise virtio interrupt: {e}");
+        }
+    }
+
+    /// The interrupt-status register.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// Overwrites the interrupt-status register (snapshot restore).
+    pub fn set_status(&self, value: u32) {
+        self.status.store(value, Ordering::SeqCst);
+    }
+
+    /// The driver's InterruptACK write.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+}
+
+/// What a device needs to serve its queues.
+pub struct QueueContext<'a> {
+    /// Guest memory.
+    pub mem: &'a GuestMemoryMmap,
+    /// The device's queues, in index order.
+    pub queues: &'a mut [Queue],
+    /// The device's interrupt.
+    pub interrupt: &'a Interrupt,
+}
+
+/// A virtio device model behind the MMIO transport.
+pub trait VirtioDevice: Send {
+    /// Virtio device type.
+    fn device_type(&self) -> u32;
+    /// Feature bits the device offers.
+    fn avail_features(&self) -> u64;
+    /// Maximum size of each queue; its length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Reads device configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes device configuration space (ignored unless the device has writable fields).
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        log::debug!(
+            "ignored write of {} bytes to config offset {offset:#x}",
+            data.len()
+        );
+    }
+    /// The driver set DRIVER_OK: the queues are valid and the device may run.
+    fn activate(&mut self, _acked_features: u64) {}
+    /// The driver reset the device.
+    fn reset(&mut self) {}
+    /// The driver notified queue `queue`.
+    fn process_queue(&mut self, queue: usize, ctx: &mut QueueContext<'_>);
+    /// A file descriptor the VMM's event loop should watch for this device's backend.
+    fn backend_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// The backend file descriptor is ready.
+    fn process_backend(&mut self, _ctx: &mut QueueContext<'_>) {}
+    /// The backend file descriptor is ready before the driver activated the device: consume
+    /// the readiness without touching queues.
+    fn drain_backend(&mut self) {}
+    /// A short name for logs.
+    fn name(&self) -> String;
+}

@@ -1,0 +1,668 @@
+//! vCPUs: CPUID, MSRs, registers and LAPIC set-up, and the run loop on its own thread.
+
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvm_bindings::{
+    kvm_msr_entry, CpuId, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_SYSTEM_EVENT_RESET,
+    KVM_SYSTEM_EVENT_SHUTDOWN,
+};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::arch::regs::{boot_fpu, boot_regs, boot_sregs};
+use crate::devices::bus::{lock, Bus};
+
+/// Errors from creating, configuring and running vCPUs.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// KVM_CREATE_VCPU failed.
+    #[error("KVM_CREATE_VCPU {index} failed: {source}")]
+    Create {
+        /// vCPU index.
+        index: u8,
+        /// The KVM error.
+        source: kvm_ioctls::Error,
+    },
+    /// A KVM ioctl used to configure the vCPU failed.
+    #[error("vCPU {index}: {what} failed: {source}")]
+    Configure {
+        /// vCPU index.
+        index: u8,
+        /// The ioctl.
+        what: &'static str,
+        /// The KVM error.
+        source: kvm_ioctls::Error,
+    },
+    /// KVM refused some of the boot MSRs.
+    #[error(
+        "vCPU {index}: KVM accepted only {set} of {wanted} boot MSRs (first refused: {refused:#x})"
+    )]
+    Msrs {
+        /// vCPU index.
+        index: u8,
+        /// MSRs KVM set.
+        set: usize,
+        /// MSRs we asked for.
+        wanted: usize,
+        /// The first refused MSR.
+        refused: u32,
+    },
+    /// Building a KVM FAM structure failed.
+    #[error("vCPU {index}: {what}: {detail}")]
+    Fam {
+        /// vCPU index.
+        index: u8,
+        /// The structure.
+        what: &'static str,
+        /// The error.
+        detail: String,
+    },
+    /// The signal used to kick vCPUs out of KVM_RUN could not be installed.
+    #[error("cannot install the vCPU kick signal handler: {0}")]
+    Signal(vmm_sys_util::errno::Error),
+    /// The vCPU thread could not be spawned.
+    #[error("cannot spawn the thread of vCPU {index}: {source}")]
+    Spawn {
+        /// vCPU index.
+        index: u8,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// Why a vCPU stopped the VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmExit {
+    /// The guest reset or powered off: a clean end.
+    Clean(&'static str),
+    /// The guest crashed or KVM failed; the string describes it, registers included.
+    Error(String),
+}
+
+/// What a vCPU thread reports when it stops the VM.
+#[derive(Debug, Clone)]
+pub struct ExitReport {
+    /// The vCPU index.
+    pub vcpu: u8,
+    /// The reason.
+    pub exit: VmExit,
+}
+
+const MSR_IA32_SYSENTER_CS: u32 = 0x174;
+const MSR_IA32_SYSENTER_ESP: u32 = 0x175;
+const MSR_IA32_SYSENTER_EIP: u32 = 0x176;
+const MSR_STAR: u32 = 0xc000_0081;
+const MSR_LSTAR: u32 = 0xc000_0082;
+const MSR_CSTAR: u32 = 0xc000_0083;
+const MSR_SYSCALL_MASK: u32 = 0xc000_0084;
+const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
+const MSR_IA32_TSC: u32 = 0x10;
+const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
+const MSR_IA32_MISC_ENABLE_FAST_STRING: u64 = 1;
+const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
+/// MTRRs enabled, default type write-back.
+const MTRR_DEF_TYPE_WB_ENABLED: u64 = (1 << 11) | 6;
+
+const APIC_LVT0: usize = 0x350;
+const APIC_LVT1: usize = 0x360;
+const APIC_MODE_NMI: u32 = 0x4;
+const APIC_MODE_EXTINT: u32 = 0x7;
+
+const CPUID_HYPERVISOR_BIT: u32 = 1 << 31;
+const CPUID_HTT_BIT: u32 = 1 << 28;
+
+/// The vCPU's run state, shared with the VMM thread that pauses and resumes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// Running guest code.
+    Running,
+    /// Asked to pause; the thread acknowledges by moving to `Paused`.
+    Pausing,
+    /// Out of KVM_RUN, its file descriptor free for state save and restore.
+    Paused,
+    /// Asked to end.
+    Exiting,
+}
+
+struct Control {
+    state: Mutex<RunState>,
+    changed: Condvar,
+}
+
+/// A configured vCPU before its thread starts.
+pub struct Vcpu {
+    index: u8,
+    fd: Arc<Mutex<VcpuFd>>,
+}
+
+impl Vcpu {
+    /// Creates vCPU `index`.
+    pub fn new(vm: &VmFd, index: u8) -> Result<Self, VcpuError> {
+        let fd = vm
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Create { index, source })?;
+        Ok(Self {
+            index,
+            fd: Arc::new(Mutex::new(fd)),
+        })
+    }
+
+    /// The vCPU file descriptor, for state save and restore while paused.
+    pub fn fd(&self) -> Arc<Mutex<VcpuFd>> {
+        Arc::clone(&self.fd)
+    }
+
+    /// The vCPU index (also its APIC ID).
+    pub fn index(&self) -> u8 {
+        self.index
+    }
+
+    fn configure_err(&self, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
+        let index = self.index;
+        move |source| VcpuError::Configure {
+            index,
+            what,
+            source,
+        }
+    }
+
+    /// Sets CPUID from KVM's supported list, filtered for this vCPU's topology.
+    pub fn configure_cpuid(&self, kvm: &Kvm, vcpu_count: u8) -> Result<(), VcpuError> {
+        let mut cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(self.configure_err("KVM_GET_SUPPORTED_CPUID"))?;
+        filter_cpuid(&mut cpuid, self.index, vcpu_count);
+        lock(&self.fd)
+            .set_cpuid2(&cpuid)
+            .map_err(self.configure_err("KVM_SET_CPUID2"))
+    }
+
+    /// Sets the MSRs Linux expects at boot, only those KVM lists as supported.
+    pub fn configure_msrs(&self, kvm: &Kvm) -> Result<(), VcpuError> {
+        let supported = kvm
+            .get_msr_index_list()
+            .map_err(self.configure_err("KVM_GET_MSR_INDEX_LIST"))?;
+        let supported = supported.as_slice();
+        let wanted: Vec<kvm_msr_entry> = [
+            (MSR_IA32_SYSENTER_CS, 0),
+            (MSR_IA32_SYSENTER_ESP, 0),
+            (MSR_IA32_SYSENTER_EIP, 0),
+            (MSR_STAR, 0),
+            (MSR_CSTAR, 0),
+            (MSR_KERNEL_GS_BASE, 0),
+            (MSR_SYSCALL_MASK, 0),
+            (MSR_LSTAR, 0),
+            (MSR_IA32_TSC, 0),
+            (MSR_IA32_MISC_ENABLE, MSR_IA32_MISC_ENABLE_FAST_STRING),
+            (MSR_MTRR_DEF_TYPE, MTRR_DEF_TYPE_WB_ENABLED),
+        ]
+        .into_iter()
+        .filter(|(index, _)| supported.contains(index))
+        .map(|(index, data)| kvm_msr_entry {
+            index,
+            data,
+            ..Default::default()
+        })
+        .collect();
+        let msrs = Msrs::from_entries(&wanted).map_err(|e| VcpuError::Fam {
+            index: self.index,
+            what: "boot MSR list",
+            detail: format!("{e:?}"),
+        })?;
+        let set = lock(&self.fd)
+            .set_msrs(&msrs)
+            .map_err(self.configure_err("KVM_SET_MSRS"))?;
+        if set != wanted.len() {
+            return Err(VcpuError::Msrs {
+                index: self.index,
+                set,
+                wanted: wanted.len(),
+                refused: wanted.get(set).map(|m| m.index).unwrap_or(0),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sets registers, segments, FPU and LAPIC for the 64-bit Linux entry point. Only the
+    /// boot vCPU gets the entry registers; the others wait for INIT/SIPI.
+    pub fn configure_boot_state(&self, entry: u64) -> Result<(), VcpuError> {
+        let fd = lock(&self.fd);
+        if self.index == 0 {
+            let sregs = fd
+                .get_sregs()
+                .map_err(self.configure_err("KVM_GET_SREGS"))?;
+            fd.set_sregs(&boot_sregs(sregs))
+                .map_err(self.configure_err("KVM_SET_SREGS"))?;
+            fd.set_regs(&boot_regs(entry))
+                .map_err(self.configure_err("KVM_SET_REGS"))?;
+        }
+        fd.set_fpu(&boot_fpu())
+            .map_err(self.configure_err("KVM_SET_FPU"))?;
+        let mut lapic = fd
+            .get_lapic()
+            .map_err(self.configure_err("KVM_GET_LAPIC"))?;
+        set_lvt_delivery_mode(&mut lapic.regs, APIC_LVT0, APIC_MODE_EXTINT);
+        set_lvt_delivery_mode(&mut lapic.regs, APIC_LVT1, APIC_MODE_NMI);
+        fd.set_lapic(&lapic)
+            .map_err(self.configure_err("KVM_SET_LAPIC"))?;
+        Ok(())
+    }
+}
+
+fn set_lvt_delivery_mode(regs: &mut [std::os::raw::c_char; 1024], offset: usize, mode: u32) {
+    let mut bytes = [0u8; 4];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = regs[offset + i] as u8;
+    }
+    let value = (u32::from_le_bytes(bytes) & !0x700) | (mode << 8);
+    for (i, b) in value.to_le_bytes().iter().enumerate() {
+        regs[offset + i] = *b as std::os::raw::c_char;
+    }
+}
+
+/// Gives each vCPU its APIC ID and the VM's topology, and marks the hypervisor.
+fn filter_cpuid(cpuid: &mut CpuId, index: u8, vcpu_count: u8) {
+    let apic_id = u32::from(index);
+    let count = u32::from(vcpu_count);
+    // Bits needed to number `count` logical CPUs.
+    let shift = 32 - (count.max(1) - 1).leading_zeros();
+    for entry in cpuid.as_mut_slice() {
+        match entry.function {
+            0x1 => {
+                entry.ebx = (entry.ebx & 0x0000_ffff) | (apic_id << 24) | (count << 16);
+                entry.ecx |= CPUID_HYPERVISOR_BIT;
+                if count > 1 {
+                    entry.edx |= CPUID_HTT_BIT;
+                } else {
+                    entry.edx &= !CPUID_HTT_BIT;
+                }
+            }
+            0x4 => {
+                // One core per vCPU package topology: cores per package - 1 in EAX[31:26].
+                entry.eax = (entry.eax & 0x03ff_ffff) | ((count.max(1) - 1) << 26);
+                // Cache shared by all logical CPUs: EAX[25:14].
+                entry.eax = (entry.eax & !(0xfff << 14)) | ((count.max(1) - 1) << 14);
+            }
+            0x6 => {
+                // No power management features (no APERF/MPERF, no turbo).
+                entry.eax = 0;
+                entry.ecx = 0;
+            }
+            0xa => {
+                // No architectural PMU.
+                entry.eax = 0;
+                entry.ebx = 0;
+                entry.ecx = 0;
+                entry.edx = 0;
+            }
+            0xb | 0x1f => {
+                entry.edx = apic_id;
+                match entry.index {
+                    0 => {
+                        entry.eax = 0;
+                        entry.ebx = 1;
+                        entry.ecx = 1 << 8;
+                    }
+                    1 => {
+                        entry.eax = shift;
+                        entry.ebx = count;
+                        entry.ecx = (2 << 8) | 1;
+                    }
+                    _ => {
+                        entry.eax = 0;
+                        entry.ebx = 0;
+                        entry.ecx = entry.index;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The signal that kicks a vCPU thread out of KVM_RUN.
+fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+/// Installs the no-op handler for the kick signal (once per process).
+pub fn install_kick_handler() -> Result<(), VcpuError> {
+    register_signal_handler(kick_signal(), kick_handler).map_err(VcpuError::Signal)
+}
+
+/// A running vCPU thread.
+pub struct VcpuHandle {
+    index: u8,
+    thread: Option<JoinHandle<()>>,
+    control: Arc<Control>,
+    fd: Arc<Mutex<VcpuFd>>,
+}
+
+/// What a vCPU thread needs to serve exits.
+#[derive(Clone)]
+pub struct ExitHandlers {
+    /// Port I/O devices.
+    pub pio: Arc<Bus>,
+    /// MMIO devices.
+    pub mmio: Arc<Bus>,
+    /// Where the thread reports the VM's end.
+    pub exits: Sender<ExitReport>,
+    /// Written after each report, to wake the VMM's event loop.
+    pub exit_evt: Arc<EventFd>,
+}
+
+impl Vcpu {
+    /// Starts the vCPU thread, running at once or paused.
+    pub fn start(self, handlers: ExitHandlers, paused: bool) -> Result<VcpuHandle, VcpuError> {
+        let control = Arc::new(Control {
+            state: Mutex::new(if paused {
+                RunState::Paused
+            } else {
+                RunState::Running
+            }),
+            changed: Condvar::new(),
+        });
+        let index = self.index;
+        let thread_control = Arc::clone(&control);
+        let fd = Arc::clone(&self.fd);
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || run_vcpu(index, &fd, &thread_control, &handlers))
+            .map_err(|source| VcpuError::Spawn { index, source })?;
+        Ok(VcpuHandle {
+            index,
+            thread: Some(thread),
+            control,
+            fd: self.fd,
+        })
+    }
+}
+
+impl VcpuHandle {
+    /// The vCPU index.
+    pub fn index(&self) -> u8 {
+        self.index
+    }
+
+    /// The vCPU file descriptor; lock it only while the vCPU is paused.
+    pub fn fd(&self) -> Arc<Mutex<VcpuFd>> {
+        Arc::clone(&self.fd)
+    }
+
+    fn set_state(&self, state: RunState) {
+        *lock(&self.control.state) = state;
+        self.control.changed.notify_all();
+    }
+
+    fn kick(&self) {
+        if let Some(thread) = &self.thread {
+            if let Err(e) = thread.kill(kick_signal()) {
+                log::warn!("cannot kick vCPU {}: {e}", self.index);
+            }
+        }
+    }
+
+    /// Stops the vCPU outside KVM_RUN and waits until it is there.
+    pub fn pause(&self) {
+        {
+            let mut state = lock(&self.control.state);
+            if *state != RunState::Running {
+                return;
+            }
+            *state = RunState::Pausing;
+        }
+        loop {
+            self.kick();
+            let state = lock(&self.control.state);
+            let (state, _) = self
+                .control
+                .changed
+                .wait_timeout_while(state, Duration::from_millis(1), |s| *s == RunState::Pausing)
+                .unwrap_or_else(|e| e.into_inner());
+            if *state != RunState::Pausing {
+                return;
+            }
+        }
+    }
+
+    /// Lets a paused vCPU run again.
+    pub fn resume(&self) {
+        let mut state = lock(&self.control.state);
+        if matches!(*state, RunState::Paused | RunState::Pausing) {
+            *state = RunState::Running;
+            self.control.changed.notify_all();
+        }
+    }
+
+    /// Asks the thread to end and waits for it.
+    pub fn stop(&mut self) {
+        self.set_state(RunState::Exiting);
+        if let Some(thread) = self.thread.take() {
+            while !thread.is_finished() {
+                if let Err(e) = thread.kill(kick_signal()) {
+                    log::warn!("cannot kick vCPU {}: {e}", self.index);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if thread.join().is_err() {
+                log::error!("vCPU {} thread panicked", self.index);
+            }
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Blocks while paused; returns false when the thread must end.
+fn wait_while_paused(control: &Control) -> bool {
+    let mut state = lock(&control.state);
+    loop {
+        match *state {
+            RunState::Running => return true,
+            RunState::Exiting => return false,
+            RunState::Pausing => {
+                *state = RunState::Paused;
+                control.changed.notify_all();
+            }
+            RunState::Paused => {}
+        }
+        state = control
+            .changed
+            .wait(state)
+            .unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+fn run_vcpu(index: u8, fd: &Mutex<VcpuFd>, control: &Control, handlers: &ExitHandlers) {
+    loop {
+        if !wait_while_paused(control) {
+            return;
+        }
+        let mut vcpu = lock(fd);
+        // Run until something asks for a state change; the fd lock is released when paused.
+        while *lock(&control.state) == RunState::Running {
+            match handle_one_exit(index, &mut vcpu, handlers) {
+                Ok(()) => {}
+                Err(exit) => {
+                    *lock(&control.state) = RunState::Exiting;
+                    if handlers
+                        .exits
+                        .send(ExitReport { vcpu: index, exit })
+                        .is_err()
+                    {
+                        log::error!("vCPU {index}: the VMM stopped listening for exits");
+                    }
+                    if let Err(e) = handlers.exit_evt.write(1) {
+                        log::error!("vCPU {index}: cannot signal exit: {e}");
+                    }
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Runs the vCPU until its next exit and serves it. `Err` ends the VM.
+fn handle_one_exit(index: u8, vcpu: &mut VcpuFd, handlers: &ExitHandlers) -> Result<(), VmExit> {
+    match vcpu.run() {
+        Ok(VcpuExit::IoIn(port, data)) => {
+            if !handlers.pio.read(u64::from(port), data) {
+                data.fill(0xff);
+            }
+            Ok(())
+        }
+        Ok(VcpuExit::IoOut(port, data)) => {
+            handlers.pio.write(u64::from(port), data);
+            Ok(())
+        }
+        Ok(VcpuExit::MmioRead(addr, data)) => {
+            if !handlers.mmio.read(addr, data) {
+                log::debug!("vCPU {index}: MMIO read of unclaimed address {addr:#x}");
+                data.fill(0);
+            }
+            Ok(())
+        }
+        Ok(VcpuExit::MmioWrite(addr, data)) => {
+            if !handlers.mmio.write(addr, data) {
+                log::debug!("vCPU {index}: MMIO write to unclaimed address {addr:#x}");
+            }
+            Ok(())
+        }
+        Ok(VcpuExit::Hlt) => Err(VmExit::Clean("guest halted")),
+        Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
+            KVM_SYSTEM_EVENT_SHUTDOWN => Err(VmExit::Clean("guest powered off")),
+            KVM_SYSTEM_EVENT_RESET => Err(VmExit::Clean("guest reset")),
+            other => Err(VmExit::Error(crash_report(
+                index,
+                vcpu,
+                &format!("KVM system event {other}"),
+            ))),
+        },
+        Ok(VcpuExit::Shutdown) => Err(VmExit::Error(crash_report(
+            index,
+            vcpu,
+            "KVM_EXIT_SHUTDOWN (triple fault)",
+        ))),
+        Ok(VcpuExit::InternalError) => {
+            let detail = internal_error_detail(vcpu);
+            Err(VmExit::Error(crash_report(
+                index,
+                vcpu,
+                &format!("KVM_EXIT_INTERNAL_ERROR ({detail})"),
+            )))
+        }
+        Ok(VcpuExit::FailEntry(reason, cpu)) => Err(VmExit::Error(crash_report(
+            index,
+            vcpu,
+            &format!("KVM_EXIT_FAIL_ENTRY (hardware reason {reason:#x}, cpu {cpu})"),
+        ))),
+        Ok(VcpuExit::IoapicEoi(_)) | Ok(VcpuExit::Intr) | Ok(VcpuExit::IrqWindowOpen) => Ok(()),
+        Ok(other) => {
+            let what = format!("unexpected exit {other:?}");
+            Err(VmExit::Error(crash_report(index, vcpu, &what)))
+        }
+        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+            vcpu.set_kvm_immediate_exit(0);
+            Ok(())
+        }
+        Err(e) => Err(VmExit::Error(crash_report(
+            index,
+            vcpu,
+            &format!("KVM_RUN failed: {e}"),
+        ))),
+    }
+}
+
+fn internal_error_detail(vcpu: &mut VcpuFd) -> String {
+    let run = vcpu.get_kvm_run();
+    // SAFETY: after KVM_EXIT_INTERNAL_ERROR the `internal` member of the exit union is the one
+    // KVM filled in.
+    let internal = unsafe { run.__bindgen_anon_1.internal };
+    let ndata = (internal.ndata as usize).min(internal.data.len());
+    let data: Vec<String> = internal.data[..ndata]
+        .iter()
+        .map(|d| format!("{d:#x}"))
+        .collect();
+    let kind = match internal.suberror {
+        1 => "emulation failure",
+        2 => "simultaneous exceptions",
+        3 => "delivery event",
+        _ => "other",
+    };
+    format!(
+        "suberror {} = {kind}, data [{}]",
+        internal.suberror,
+        data.join(", ")
+    )
+}
+
+/// A report of the vCPU's registers, for crash exits.
+fn crash_report(index: u8, vcpu: &VcpuFd, reason: &str) -> String {
+    let mut out = format!("vCPU {index}: {reason}");
+    match vcpu.get_regs() {
+        Ok(r) => out.push_str(&format!(
+            "\n  rip={:#018x} rsp={:#018x} rflags={:#x}\n  rax={:#018x} rbx={:#018x} rcx={:#018x} rdx={:#018x}\n  rsi={:#018x} rdi={:#018x} rbp={:#018x}\n  r8={:#018x} r9={:#018x} r10={:#018x} r11={:#018x}\n  r12={:#018x} r13={:#018x} r14={:#018x} r15={:#018x}",
+            r.rip, r.rsp, r.rflags, r.rax, r.rbx, r.rcx, r.rdx, r.rsi, r.rdi, r.rbp, r.r8, r.r9,
+            r.r10, r.r11, r.r12, r.r13, r.r14, r.r15
+        )),
+        Err(e) => out.push_str(&format!("\n  (registers unavailable: {e})")),
+    }
+    if let Ok(s) = vcpu.get_sregs() {
+        out.push_str(&format!(
+            "\n  cr0={:#x} cr3={:#x} cr4={:#x} efer={:#x} cs={:#x}",
+            s.cr0, s.cr3, s.cr4, s.efer, s.cs.selector
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::kvm_cpuid_entry2;
+
+    #[test]
+    fn cpuid_gets_apic_id_and_topology() {
+        let entries = [
+            kvm_cpuid_entry2 {
+                function: 1,
+                ebx: 0xffff_ffff,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0xb,
+                index: 1,
+                ..Default::default()
+            },
+        ];
+        let mut cpuid = CpuId::from_entries(&entries).expect("cpuid");
+        filter_cpuid(&mut cpuid, 3, 4);
+        let e = cpuid.as_slice();
+        assert_eq!(e[0].ebx >> 24, 3);
+        assert_eq!((e[0].ebx >> 16) & 0xff, 4);
+        assert_eq!(e[0].ebx & 0xffff, 0xffff);
+        assert_ne!(e[0].ecx & CPUID_HYPERVISOR_BIT, 0);
+        assert_eq!(e[1].edx, 3);
+        assert_eq!(e[1].eax, 2);
+        assert_eq!(e[1].ebx, 4);
+    }
+
+    #[test]
+    fn lvt_mode_is_replaced() {
+        let mut regs = [0 as std::os::raw::c_char; 1024];
+        regs[APIC_LVT0 + 1] = 0x05;
+        set_lvt_delivery_mode(&mut regs, APIC_LVT0, APIC_MODE_EXTINT);
+        assert_eq!(regs[APIC_LVT0 + 1] as u8, 0x07);
+    }
+}
