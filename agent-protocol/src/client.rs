@@ -83,6 +83,8 @@ pub enum ExecEvent {
     Started { pid: u32 },
     Output { stream: OutputStream, seq: u64, data: Vec<u8> },
     Exited(ExitStatus),
+    /// The agent refused a stream input (e.g. a bad signal number).
+    Notice(String),
 }
 
 /// Outcome of a post-restore fixup.
@@ -515,6 +517,7 @@ impl ExecHandle {
                 self.done = true;
                 Ok(Some(ExecEvent::Exited(status)))
             }
+            ServerMessage::Notice { message } => Ok(Some(ExecEvent::Notice(message))),
             other => {
                 self.done = true;
                 Err(unexpected("started, output or exited", &other))
@@ -557,7 +560,7 @@ impl ExecHandle {
         let mut stderr = Vec::new();
         while let Some(event) = self.next_event().await? {
             match event {
-                ExecEvent::Started { .. } => {}
+                ExecEvent::Started { .. } | ExecEvent::Notice(_) => {}
                 ExecEvent::Output { stream, data, .. } => {
                     match stream {
                         OutputStream::Stdout => stdout.extend_from_slice(&data),

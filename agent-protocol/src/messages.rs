@@ -331,6 +331,9 @@ pub enum ServerMessage {
         started: bool,
         waited_ms: u64,
     },
+    /// A stream input for a still-open request was refused (e.g. an invalid
+    /// signal number); the request goes on. Not terminal.
+    Notice { message: String },
     /// The request failed; terminal.
     Error(ErrorInfo),
 }
@@ -340,7 +343,7 @@ impl ServerMessage {
     pub fn is_terminal(&self) -> bool {
         !matches!(
             self,
-            Self::Started { .. } | Self::Output { .. } | Self::Data { .. } | Self::Ready
+            Self::Started { .. } | Self::Output { .. } | Self::Data { .. } | Self::Ready | Self::Notice { .. }
         )
     }
 }

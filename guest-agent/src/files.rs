@@ -1,0 +1,453 @@
+//! File operations. They block, so the server runs them on blocking threads.
+//! Errors read "<op> <path>: <errno meaning>".
+
+use std::fs;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use rollbox_agent_protocol::{
+    ErrorInfo, FileInfo, FileKind, ServerFrame, ServerMessage, WriteFileRequest, CHUNK_BYTES,
+};
+use tokio::sync::mpsc;
+
+use crate::errors::SysError;
+
+/// Paths must be absolute: the agent has no meaningful cwd for a client.
+pub fn check_path(path: &str) -> Result<PathBuf, ErrorInfo> {
+    if path.is_empty() {
+        return Err(ErrorInfo::bad_request("path is empty"));
+    }
+    if path.contains('\0') {
+        return Err(ErrorInfo::bad_request(format!("path {path:?} contains a NUL byte")));
+    }
+    if !path.starts_with('/') {
+        return Err(ErrorInfo::bad_request(format!("path {path:?} is not absolute")));
+    }
+    Ok(PathBuf::from(path))
+}
+
+fn info(err: SysError) -> ErrorInfo {
+    err.to_info()
+}
+
+fn file_info(path: &Path, meta: &fs::Metadata) -> FileInfo {
+    let file_type = meta.file_type();
+    let kind = if file_type.is_symlink() {
+        FileKind::Symlink
+    } else if file_type.is_dir() {
+        FileKind::Dir
+    } else if file_type.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    FileInfo {
+        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into()),
+        path: path.display().to_string(),
+        kind,
+        size: meta.len(),
+        mode: meta.mode() & 0o7777,
+        uid: meta.uid(),
+        gid: meta.gid(),
+        mtime_ns: meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec()),
+        link_target: if kind == FileKind::Symlink {
+            fs::read_link(path).ok().map(|t| t.display().to_string())
+        } else {
+            None
+        },
+    }
+}
+
+pub fn stat(path: &str, follow_symlinks: bool) -> Result<FileInfo, ErrorInfo> {
+    let p = check_path(path)?;
+    let meta = if follow_symlinks { fs::metadata(&p) } else { fs::symlink_metadata(&p) };
+    let meta = meta.map_err(|e| info(SysError::new(if follow_symlinks { "stat" } else { "lstat" }, path, e)))?;
+    Ok(file_info(&p, &meta))
+}
+
+pub fn list(path: &str) -> Result<Vec<FileInfo>, ErrorInfo> {
+    let p = check_path(path)?;
+    let mut entries = Vec::new();
+    for entry in fs::read_dir(&p).map_err(|e| info(SysError::new("opendir", path, e)))? {
+        let entry = entry.map_err(|e| info(SysError::new("readdir", path, e)))?;
+        let entry_path = entry.path();
+        match fs::symlink_metadata(&entry_path) {
+            Ok(meta) => entries.push(file_info(&entry_path, &meta)),
+            // Removed between readdir and lstat: it is simply gone.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(err) => return Err(info(SysError::new("lstat", entry_path.display().to_string(), err))),
+        }
+    }
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(entries)
+}
+
+pub fn mkdir(path: &str, parents: bool, mode: Option<u32>) -> Result<(), ErrorInfo> {
+    let p = check_path(path)?;
+    let mut builder = fs::DirBuilder::new();
+    builder.recursive(parents).mode(mode.unwrap_or(0o755));
+    builder.create(&p).map_err(|e| info(SysError::new("mkdir", path, e)))
+}
+
+pub fn remove(path: &str, recursive: bool) -> Result<(), ErrorInfo> {
+    let p = check_path(path)?;
+    if p.parent().is_none() {
+        return Err(ErrorInfo::bad_request("remove: refusing to remove /"));
+    }
+    let meta = fs::symlink_metadata(&p).map_err(|e| info(SysError::new("remove", path, e)))?;
+    let result = if meta.is_dir() {
+        if recursive {
+            fs::remove_dir_all(&p)
+        } else {
+            fs::remove_dir(&p)
+        }
+    } else {
+        fs::remove_file(&p)
+    };
+    result.map_err(|e| info(SysError::new("remove", path, e)))
+}
+
+pub fn rename(from: &str, to: &str) -> Result<(), ErrorInfo> {
+    let src = check_path(from)?;
+    let dst = check_path(to)?;
+    fs::rename(&src, &dst).map_err(|e| info(SysError::new("rename", format!("{from} -> {to}"), e)))
+}
+
+/// Sends download chunks from a blocking thread.
+pub struct ChunkSender {
+    pub id: u64,
+    pub out: mpsc::Sender<ServerFrame>,
+    pub cancel: Arc<AtomicBool>,
+    seq: u64,
+    pub bytes: u64,
+}
+
+impl ChunkSender {
+    pub fn new(id: u64, out: mpsc::Sender<ServerFrame>, cancel: Arc<AtomicBool>) -> Self {
+        Self { id, out, cancel, seq: 0, bytes: 0 }
+    }
+
+    fn send(&mut self, data: &[u8]) -> io::Result<()> {
+        if self.cancel.load(Ordering::Relaxed) {
+            return Err(io::Error::other("download cancelled by the client"));
+        }
+        let body = ServerMessage::Data { seq: self.seq, data: data.to_vec() };
+        self.out
+            .blocking_send(ServerFrame { id: self.id, body })
+            .map_err(|_| io::Error::other("connection closed"))?;
+        self.seq += 1;
+        self.bytes += data.len() as u64;
+        Ok(())
+    }
+}
+
+/// A buffering writer that turns a byte stream into Data chunks.
+struct ChunkWriter<'a> {
+    sender: &'a mut ChunkSender,
+    buf: Vec<u8>,
+}
+
+impl Write for ChunkWriter<'_> {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let room = CHUNK_BYTES - self.buf.len();
+        let take = data.len().min(room);
+        self.buf.extend_from_slice(&data[..take]);
+        if self.buf.len() == CHUNK_BYTES {
+            self.flush()?;
+        }
+        Ok(take)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.buf.is_empty() {
+            self.sender.send(&self.buf)?;
+            self.buf.clear();
+        }
+        Ok(())
+    }
+}
+
+pub fn read_file(path: &str, offset: u64, length: Option<u64>, sender: &mut ChunkSender) -> Result<u64, ErrorInfo> {
+    let p = check_path(path)?;
+    let mut file = fs::File::open(&p).map_err(|e| info(SysError::new("open", path, e)))?;
+    let meta = file.metadata().map_err(|e| info(SysError::new("fstat", path, e)))?;
+    if meta.is_dir() {
+        return Err(info(SysError::new("read", path, io::Error::from_raw_os_error(libc::EISDIR))));
+    }
+    if offset > 0 {
+        file.seek(SeekFrom::Start(offset)).map_err(|e| info(SysError::new("seek", path, e)))?;
+    }
+    let mut remaining = length.unwrap_or(u64::MAX);
+    let mut buf = vec![0u8; CHUNK_BYTES];
+    while remaining > 0 {
+        let want = usize::try_from(remaining.min(CHUNK_BYTES as u64)).unwrap_or(CHUNK_BYTES);
+        let n = match file.read(&mut buf[..want]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(info(SysError::new("read", path, err))),
+        };
+        sender.send(&buf[..n]).map_err(|e| info(SysError::new("send", path, e)))?;
+        remaining -= n as u64;
+    }
+    Ok(sender.bytes)
+}
+
+pub fn tar_download(path: &str, sender: &mut ChunkSender) -> Result<u64, ErrorInfo> {
+    let p = check_path(path)?;
+    let meta = fs::metadata(&p).map_err(|e| info(SysError::new("stat", path, e)))?;
+    let mut writer = ChunkWriter { sender, buf: Vec::with_capacity(CHUNK_BYTES) };
+    {
+        let mut builder = tar::Builder::new(&mut writer);
+        builder.follow_symlinks(false);
+        let result = if meta.is_dir() {
+            builder.append_dir_all(".", &p)
+        } else {
+            let name = p.file_name().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("file"));
+            builder.append_path_with_name(&p, name)
+        };
+        result
+            .and_then(|()| builder.finish())
+            .map_err(|e| ErrorInfo { code: "io_error".into(), errno: e.raw_os_error(), message: format!("tar {path}: {e}") })?;
+    }
+    writer.flush().map_err(|e| info(SysError::new("send tar of", path, e)))?;
+    Ok(writer.sender.bytes)
+}
+
+/// Client input to an upload.
+#[derive(Debug)]
+pub enum UploadInput {
+    Data(Vec<u8>),
+    End,
+    Cancel,
+}
+
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A file being written; the temporary file is removed unless committed.
+struct PendingWrite {
+    path: PathBuf,
+    temp: Option<PathBuf>,
+    file: fs::File,
+    bytes: u64,
+}
+
+impl PendingWrite {
+    fn begin(req: &WriteFileRequest) -> Result<Self, ErrorInfo> {
+        let path = check_path(&req.path)?;
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(ErrorInfo::bad_request(format!("write: {} names no file", req.path)));
+        };
+        if req.make_parents {
+            fs::create_dir_all(parent).map_err(|e| info(SysError::new("mkdir", parent.display().to_string(), e)))?;
+        }
+        let existing = fs::metadata(&path).ok();
+        if existing.as_ref().is_some_and(|m| m.is_dir()) {
+            return Err(info(SysError::new("write", &req.path, io::Error::from_raw_os_error(libc::EISDIR))));
+        }
+        let mode = req.mode.or(existing.as_ref().map(|m| m.mode() & 0o7777)).unwrap_or(0o644);
+        let (file, temp) = if req.atomic {
+            let temp = parent.join(format!(
+                ".{}.rollbox-{}-{}.tmp",
+                name.to_string_lossy(),
+                std::process::id(),
+                TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+            ));
+            let file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&temp)
+                .map_err(|e| info(SysError::new("open", temp.display().to_string(), e)))?;
+            (file, Some(temp))
+        } else {
+            let file = fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(mode)
+                .open(&path)
+                .map_err(|e| info(SysError::new("open", &req.path, e)))?;
+            (file, None)
+        };
+        let pending = Self { path, temp, file, bytes: 0 };
+        if pending.temp.is_some() {
+            // Exact mode despite the umask; owner of the file being replaced.
+            pending
+                .file
+                .set_permissions(fs::Permissions::from_mode(mode))
+                .map_err(|e| info(SysError::new("chmod", &req.path, e)))?;
+            if let Some(meta) = &existing {
+                let _ = std::os::unix::fs::fchown(&pending.file, Some(meta.uid()), Some(meta.gid()));
+            }
+        }
+        Ok(pending)
+    }
+
+    fn write(&mut self, data: &[u8]) -> Result<(), ErrorInfo> {
+        let target = self.temp.as_ref().unwrap_or(&self.path).display().to_string();
+        self.file.write_all(data).map_err(|e| info(SysError::new("write", target, e)))?;
+        self.bytes += data.len() as u64;
+        Ok(())
+    }
+
+    fn commit(mut self) -> Result<u64, ErrorInfo> {
+        let path_text = self.path.display().to_string();
+        self.file.sync_all().map_err(|e| info(SysError::new("fsync", &path_text, e)))?;
+        if let Some(temp) = self.temp.take() {
+            if let Err(err) = fs::rename(&temp, &self.path) {
+                let _ = fs::remove_file(&temp);
+                return Err(info(SysError::new("rename", format!("{} -> {path_text}", temp.display()), err)));
+            }
+            if let Some(parent) = self.path.parent() {
+                // Make the rename durable; some file systems refuse fsync on a directory.
+                if let Ok(dir) = fs::File::open(parent) {
+                    let _ = dir.sync_all();
+                }
+            }
+        }
+        Ok(self.bytes)
+    }
+}
+
+impl Drop for PendingWrite {
+    fn drop(&mut self) {
+        if let Some(temp) = &self.temp {
+            let _ = fs::remove_file(temp);
+        }
+    }
+}
+
+/// `ready` sends the Ready reply; false means the client is gone.
+pub fn write_file(
+    req: &WriteFileRequest,
+    rx: &mut mpsc::Receiver<UploadInput>,
+    ready: impl FnOnce() -> bool,
+) -> Result<u64, ErrorInfo> {
+    let mut pending = PendingWrite::begin(req)?;
+    if !ready() {
+        return Err(ErrorInfo::bad_request("connection closed"));
+    }
+    loop {
+        match rx.blocking_recv() {
+            Some(UploadInput::Data(data)) => pending.write(&data)?,
+            Some(UploadInput::End) => return pending.commit(),
+            Some(UploadInput::Cancel) => return Err(cancelled(&req.path)),
+            None => return Err(ErrorInfo::bad_request("connection closed during the upload")),
+        }
+    }
+}
+
+fn cancelled(path: &str) -> ErrorInfo {
+    ErrorInfo { code: "cancelled".into(), errno: None, message: format!("upload to {path} cancelled; nothing was stored") }
+}
+
+/// Reads upload chunks as one byte stream (for the tar unpacker).
+struct UploadReader<'a> {
+    rx: &'a mut mpsc::Receiver<UploadInput>,
+    chunk: Vec<u8>,
+    pos: usize,
+    ended: bool,
+    cancelled: bool,
+    bytes: u64,
+}
+
+impl Read for UploadReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.pos == self.chunk.len() {
+            if self.ended {
+                return Ok(0);
+            }
+            match self.rx.blocking_recv() {
+                Some(UploadInput::Data(data)) => {
+                    self.bytes += data.len() as u64;
+                    self.chunk = data;
+                    self.pos = 0;
+                }
+                Some(UploadInput::End) => self.ended = true,
+                Some(UploadInput::Cancel) => {
+                    self.cancelled = true;
+                    return Err(io::Error::other("upload cancelled by the client"));
+                }
+                None => return Err(io::Error::other("connection closed during the upload")),
+            }
+        }
+        let n = buf.len().min(self.chunk.len() - self.pos);
+        buf[..n].copy_from_slice(&self.chunk[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+pub fn tar_upload(
+    path: &str,
+    rx: &mut mpsc::Receiver<UploadInput>,
+    ready: impl FnOnce() -> bool,
+) -> Result<u64, ErrorInfo> {
+    let dest = check_path(path)?;
+    fs::create_dir_all(&dest).map_err(|e| info(SysError::new("mkdir", path, e)))?;
+    if !ready() {
+        return Err(ErrorInfo::bad_request("connection closed"));
+    }
+    let mut reader = UploadReader { rx, chunk: Vec::new(), pos: 0, ended: false, cancelled: false, bytes: 0 };
+    let result = {
+        let mut archive = tar::Archive::new(&mut reader);
+        archive.set_preserve_permissions(true);
+        archive.set_overwrite(true);
+        archive.set_unpack_xattrs(false);
+        archive.unpack(&dest)
+    };
+    if reader.cancelled {
+        return Err(cancelled(path));
+    }
+    if let Err(err) = result {
+        return Err(ErrorInfo {
+            code: "bad_archive".into(),
+            errno: err.raw_os_error(),
+            message: format!("unpack tar into {path}: {err}"),
+        });
+    }
+    // The archive may end before the stream does (padding): read to End.
+    io::copy(&mut reader, &mut io::sink()).map_err(|e| info(SysError::new("receive tar for", path, e)))?;
+    Ok(reader.bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_and_empty_paths_are_refused() {
+        assert!(check_path("etc/passwd").expect_err("relative").message.contains("not absolute"));
+        assert!(check_path("").is_err());
+        assert!(check_path("/a\0b").is_err());
+        assert!(check_path("/etc").is_ok());
+    }
+
+    #[test]
+    fn missing_file_error_names_path_and_errno() {
+        let err = stat("/nonexistent-rollbox/x", true).expect_err("missing");
+        assert_eq!(err.message, "stat /nonexistent-rollbox/x: No such file or directory");
+        assert_eq!(err.code, "ENOENT");
+    }
+
+    #[test]
+    fn atomic_write_leaves_no_temp_on_abort() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.txt");
+        let req = WriteFileRequest::new(path.display().to_string());
+        let mut pending = PendingWrite::begin(&req).expect("begin");
+        pending.write(b"half").expect("write");
+        drop(pending);
+        assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 0);
+
+        let mut pending = PendingWrite::begin(&req).expect("begin");
+        pending.write(b"whole").expect("write");
+        assert_eq!(pending.commit().expect("commit"), 5);
+        assert_eq!(fs::read(&path).expect("read"), b"whole");
+        assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
+    }
+}

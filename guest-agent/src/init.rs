@@ -1,0 +1,66 @@
+//! Init duties when the agent is PID 1: mount the API file systems and set
+//! a hostname. (Reaping is done by the reaper for every child.)
+
+use std::ffi::CString;
+
+use crate::errors::SysError;
+
+struct Mount {
+    source: &'static str,
+    target: &'static str,
+    fstype: &'static str,
+    flags: libc::c_ulong,
+    data: &'static str,
+}
+
+const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+
+const MOUNTS: &[Mount] = &[
+    Mount { source: "proc", target: "/proc", fstype: "proc", flags: NOSUID_NODEV_NOEXEC, data: "" },
+    Mount { source: "sysfs", target: "/sys", fstype: "sysfs", flags: NOSUID_NODEV_NOEXEC, data: "" },
+    Mount { source: "devtmpfs", target: "/dev", fstype: "devtmpfs", flags: libc::MS_NOSUID, data: "mode=0755" },
+    Mount { source: "devpts", target: "/dev/pts", fstype: "devpts", flags: libc::MS_NOSUID | libc::MS_NOEXEC, data: "mode=0620,ptmxmode=0666" },
+    Mount { source: "shm", target: "/dev/shm", fstype: "tmpfs", flags: libc::MS_NOSUID | libc::MS_NODEV, data: "mode=1777" },
+    Mount { source: "tmpfs", target: "/run", fstype: "tmpfs", flags: libc::MS_NOSUID | libc::MS_NODEV, data: "mode=0755" },
+    Mount { source: "tmpfs", target: "/tmp", fstype: "tmpfs", flags: libc::MS_NOSUID | libc::MS_NODEV, data: "mode=1777" },
+    Mount { source: "cgroup2", target: "/sys/fs/cgroup", fstype: "cgroup2", flags: NOSUID_NODEV_NOEXEC, data: "" },
+];
+
+fn mount(m: &Mount) -> Result<(), SysError> {
+    let fail = |e| SysError::new("mount", m.target, e);
+    std::fs::create_dir_all(m.target).map_err(fail)?;
+    let c = |s: &str| CString::new(s).map_err(|_| SysError::new("mount", m.target, std::io::Error::from_raw_os_error(libc::EINVAL)));
+    let (source, target, fstype, data) = (c(m.source)?, c(m.target)?, c(m.fstype)?, c(m.data)?);
+    // SAFETY: all pointers are NUL-terminated strings that live across the call.
+    let ret = unsafe { libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), m.flags, data.as_ptr().cast()) };
+    if ret == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    // Already mounted (e.g. by the kernel's devtmpfs automount): fine.
+    if err.raw_os_error() == Some(libc::EBUSY) {
+        return Ok(());
+    }
+    Err(fail(err))
+}
+
+/// Mount what a Linux userland expects, and name the host. Failures are
+/// logged, not fatal: a partly set-up guest still serves requests.
+pub fn init_system(hostname: &str) {
+    for m in MOUNTS {
+        if let Err(err) = mount(m) {
+            log::warn!("{err}");
+        }
+    }
+    for (link, target) in [("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2")] {
+        let _ = std::os::unix::fs::symlink(target, link);
+    }
+    let current = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let current = current.trim();
+    if current.is_empty() || current == "(none)" || current == "localhost" {
+        // SAFETY: pointer and length describe `hostname`'s bytes.
+        if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } != 0 {
+            log::warn!("{}", SysError::new("sethostname", hostname, std::io::Error::last_os_error()));
+        }
+    }
+}
