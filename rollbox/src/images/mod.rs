@@ -1,0 +1,454 @@
+//! Images: any Docker/OCI image becomes an ext4 root filesystem for a sandbox.
+//!
+//! An image comes from a registry, a `docker save` tarball or an OCI layout directory. Its
+//! layers are checked (sha256 of every blob), applied in order onto a staging directory
+//! (whiteouts, ownership, links and device nodes kept, path traversal refused), the guest
+//! agent is installed as `/.rollbox/rollbox-agent` (the sandbox's init), and
+//! `mkfs.ext4 -d` turns the tree into an image. Results are cached by image digest, agent
+//! hash and builder version, so building the same thing again is a cache lookup.
+
+pub mod agent;
+pub mod cache;
+pub mod digest;
+pub mod docker_archive;
+pub mod ext4;
+pub mod layer;
+pub mod metadata;
+pub mod oci_layout;
+pub mod progress;
+pub mod registry;
+pub mod source;
+pub mod spec;
+
+use std::fs::{self, Permissions};
+use std::io::{self, BufRead, BufReader, Read};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use agent::{Agent, AgentError};
+use cache::{Cache, CacheError, METADATA_FILE, ROOTFS_FILE};
+use digest::{Digest, HashingReader};
+use docker_archive::DockerArchiveError;
+use ext4::Ext4Error;
+use layer::{LayerError, RootfsBuilder};
+use metadata::{ImageMetadata, BUILDER_VERSION};
+use oci_layout::OciLayoutError;
+use progress::Progress;
+use registry::{RegistryError, RegistrySession};
+use source::{LayerBlob, ResolvedImage};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    DockerArchive(#[from] DockerArchiveError),
+    #[error(transparent)]
+    OciLayout(#[from] OciLayoutError),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("layer {index}/{count} of {image}: {source}")]
+    Layer {
+        image: String,
+        index: usize,
+        count: usize,
+        source: Box<LayerError>,
+    },
+    #[error("layer {index}/{count} of {image} is corrupt: {mismatch}")]
+    LayerDigest {
+        image: String,
+        index: usize,
+        count: usize,
+        mismatch: Box<DigestMismatch>,
+    },
+    #[error("layer {index}/{count} of {image}: cannot read {location}: {source}")]
+    LayerRead {
+        image: String,
+        index: usize,
+        count: usize,
+        location: String,
+        source: io::Error,
+    },
+    #[error("layer {index}/{count} of {image} is zstd-compressed, which this builder does not support yet")]
+    Zstd { image: String, index: usize, count: usize },
+    #[error("{0}")]
+    Ext4(#[from] Ext4Error),
+    #[error("cannot {action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: String,
+        source: io::Error,
+    },
+    #[error("a registry image needs a reference such as 127.0.0.1:5000/busybox:latest")]
+    MissingReference,
+}
+
+impl ImageError {
+    /// True when the build failed because a disk filled up.
+    pub fn is_no_space(&self) -> bool {
+        let os_error = match self {
+            ImageError::Layer { source, .. } => source.io_source(),
+            ImageError::LayerRead { source, .. } | ImageError::Io { source, .. } => Some(source),
+            ImageError::Ext4(Ext4Error::NoSpace { .. }) => return true,
+            ImageError::Ext4(Ext4Error::Copy { source, .. }) => Some(source),
+            ImageError::Cache(CacheError::Io { source, .. }) => Some(source),
+            ImageError::Registry(RegistryError::WriteBlob { source, .. }) => Some(source),
+            _ => None,
+        };
+        os_error.and_then(io::Error::raw_os_error) == Some(libc::ENOSPC)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{what} mismatch: expected {expected}, got {actual} ({location})")]
+pub struct DigestMismatch {
+    what: &'static str,
+    expected: String,
+    actual: String,
+    location: String,
+}
+
+/// Where the image comes from.
+#[derive(Debug, Clone)]
+pub enum SourceSpec {
+    Registry { insecure: bool },
+    DockerArchive(PathBuf),
+    OciLayout(PathBuf),
+}
+
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    /// Registry reference; for archives and layouts, picks one of several images.
+    pub reference: Option<String>,
+    pub source: SourceSpec,
+    pub agent: PathBuf,
+    pub cache_dir: PathBuf,
+    /// Copy the result here (and its metadata beside it) instead of only caching it.
+    pub output: Option<PathBuf>,
+    /// Image size; by default the content plus room to write.
+    pub size_mib: Option<u64>,
+    pub progress: Progress,
+}
+
+#[derive(Debug, Clone)]
+pub struct BuildOutput {
+    pub rootfs: PathBuf,
+    pub metadata: PathBuf,
+    pub size_bytes: u64,
+    pub image_digest: String,
+    /// True when the rootfs came from the cache.
+    pub cached: bool,
+    /// Set when the agent is a dynamically linked binary (it needs this loader in the guest).
+    pub agent_interpreter: Option<String>,
+}
+
+/// The cache directory used when none is given: `$XDG_CACHE_HOME/rollbox`, else
+/// `/var/cache/rollbox/images`.
+pub fn default_cache_dir() -> PathBuf {
+    match std::env::var_os("XDG_CACHE_HOME") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("rollbox"),
+        _ => PathBuf::from("/var/cache/rollbox/images"),
+    }
+}
+
+/// The metadata file written beside an `--output` image: `NAME.ext4` gets `NAME.image.json`.
+pub fn metadata_path_for(output: &Path) -> PathBuf {
+    output.with_extension(METADATA_FILE)
+}
+
+fn cache_key(image_digest: &Digest, agent: &Digest, size_mib: Option<u64>) -> String {
+    let size = size_mib.map_or_else(|| "auto".to_string(), |mib| format!("{mib}MiB"));
+    let text = format!("{BUILDER_VERSION}\nimage {image_digest}\nagent {agent}\nsize {size}\n");
+    Digest::of_bytes(text.as_bytes()).hex().to_string()
+}
+
+pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
+    let agent = Agent::load(&options.agent)?;
+    let cache = Cache::open(&options.cache_dir)?;
+
+    let mut session = None;
+    let mut image = match &options.source {
+        SourceSpec::Registry { insecure } => {
+            let reference = options.reference.as_deref().ok_or(ImageError::MissingReference)?;
+            let connected = RegistrySession::connect(reference, *insecure)?;
+            let image = connected.resolve()?;
+            session = Some(connected);
+            image
+        }
+        SourceSpec::DockerArchive(path) => docker_archive::resolve(path, options.reference.as_deref())?,
+        SourceSpec::OciLayout(path) => oci_layout::resolve(path, options.reference.as_deref())?,
+    };
+
+    let key = cache_key(&image.image_digest, &agent.digest, options.size_mib);
+    let (entry, cached) = match cache.lookup_rootfs(&key) {
+        Some(entry) => (entry, true),
+        None => {
+            if let Some(session) = &session {
+                session.fetch_layers(&mut image, &cache, options.progress)?;
+            }
+            (build_into_cache(&image, &agent, &cache, &key, options)?, false)
+        }
+    };
+
+    let (rootfs, metadata) = match &options.output {
+        Some(output) => copy_out(&entry.rootfs, &entry.metadata, output)?,
+        None => (entry.rootfs, entry.metadata),
+    };
+    let size_bytes = fs::metadata(&rootfs).map_err(io_error("inspect", &rootfs))?.len();
+    Ok(BuildOutput {
+        rootfs,
+        metadata,
+        size_bytes,
+        image_digest: image.image_digest.to_string(),
+        cached,
+        agent_interpreter: agent.interpreter,
+    })
+}
+
+fn io_error<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ImageError + 'a {
+    move |source| ImageError::Io {
+        action,
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn build_into_cache(
+    image: &ResolvedImage,
+    agent: &Agent,
+    cache: &Cache,
+    key: &str,
+    options: &BuildOptions,
+) -> Result<cache::CachedRootfs, ImageError> {
+    // Every blob is checked before any is unpacked.
+    verify_layers(image, options.progress)?;
+
+    let staging = cache.staging("build");
+    let work = staging.path();
+    fs::create_dir(work).map_err(io_error("create", work))?;
+    let tree = work.join("tree");
+    fs::create_dir(&tree).map_err(io_error("create", &tree))?;
+    fs::set_permissions(&tree, Permissions::from_mode(0o755)).map_err(io_error("chmod", &tree))?;
+
+    let mut rootfs = RootfsBuilder::new(&tree);
+    apply_layers(image, &mut rootfs, options.progress)?;
+    let mut metadata = ImageMetadata::new(image, agent);
+    agent.install(&tree, &metadata.to_json())?;
+    rootfs.finish().map_err(|source| ImageError::Layer {
+        image: image.name.clone(),
+        index: image.layers.len(),
+        count: image.layers.len(),
+        source: Box::new(source),
+    })?;
+
+    let image_file = work.join(ROOTFS_FILE);
+    let spinner = options.progress.spinner("making ext4 image".to_string());
+    let made = ext4::make(&tree, &image_file, options.size_mib);
+    spinner.finish_and_clear();
+    let size_bytes = made?;
+    fs::remove_dir_all(&tree).map_err(io_error("remove the staging tree", &tree))?;
+
+    metadata.rootfs_size_bytes = Some(size_bytes);
+    let metadata_file = work.join(METADATA_FILE);
+    fs::write(&metadata_file, metadata.to_json()).map_err(io_error("write", &metadata_file))?;
+    Ok(cache.commit_rootfs(staging, key)?)
+}
+
+/// Reads each layer once and checks the stored blob's digest.
+fn verify_layers(image: &ResolvedImage, progress: Progress) -> Result<(), ImageError> {
+    let count = image.layers.len();
+    for (i, layer) in image.layers.iter().enumerate() {
+        let Some(expected) = &layer.digest else {
+            continue;
+        };
+        let read_error = |source| ImageError::LayerRead {
+            image: image.name.clone(),
+            index: i + 1,
+            count,
+            location: layer.location.describe(),
+            source,
+        };
+        let bar = progress.bytes(layer.size, format!("verify {}/{count} {}", i + 1, expected.short()));
+        let mut reader = HashingReader::new(bar.wrap_read(layer.location.open().map_err(read_error)?));
+        let drained = reader.drain();
+        bar.finish_and_clear();
+        drained.map_err(read_error)?;
+        let actual = reader.digest();
+        if &actual != expected {
+            return Err(ImageError::LayerDigest {
+                image: image.name.clone(),
+                index: i + 1,
+                count,
+                mismatch: Box::new(DigestMismatch {
+                    what: "blob digest",
+                    expected: expected.to_string(),
+                    actual: actual.to_string(),
+                    location: layer.location.describe(),
+                }),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+fn sniff(head: &[u8]) -> Compression {
+    if head.starts_with(&[0x1f, 0x8b]) {
+        Compression::Gzip
+    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        Compression::Zstd
+    } else {
+        Compression::None
+    }
+}
+
+fn apply_layers(image: &ResolvedImage, rootfs: &mut RootfsBuilder, progress: Progress) -> Result<(), ImageError> {
+    let count = image.layers.len();
+    for (i, layer) in image.layers.iter().enumerate() {
+        let bar = progress.bytes(layer.size, format!("unpack {}/{count} {}", i + 1, short_label(layer)));
+        let result = apply_one(image, i, layer, rootfs, &bar);
+        bar.finish_and_clear();
+        result?;
+    }
+    Ok(())
+}
+
+fn short_label(layer: &LayerBlob) -> String {
+    layer.digest.as_ref().or(layer.diff_id.as_ref()).map(|d| d.short().to_string()).unwrap_or_default()
+}
+
+fn apply_one(
+    image: &ResolvedImage,
+    i: usize,
+    layer: &LayerBlob,
+    rootfs: &mut RootfsBuilder,
+    bar: &indicatif::ProgressBar,
+) -> Result<(), ImageError> {
+    let count = image.layers.len();
+    let read_error = |source| ImageError::LayerRead {
+        image: image.name.clone(),
+        index: i + 1,
+        count,
+        location: layer.location.describe(),
+        source,
+    };
+    let layer_error = |source| ImageError::Layer {
+        image: image.name.clone(),
+        index: i + 1,
+        count,
+        source: Box::new(source),
+    };
+    let label = layer.label();
+    let mut stored = BufReader::with_capacity(256 * 1024, bar.wrap_read(layer.location.open().map_err(read_error)?));
+    let compression = sniff(stored.fill_buf().map_err(read_error)?);
+    let decoded: Box<dyn Read + '_> = match compression {
+        Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut stored)),
+        Compression::None => Box::new(&mut stored),
+        Compression::Zstd => {
+            return Err(ImageError::Zstd {
+                image: image.name.clone(),
+                index: i + 1,
+                count,
+            })
+        }
+    };
+    let mut tar_stream = HashingReader::new(decoded);
+    rootfs.apply_layer(&label, &mut tar_stream).map_err(layer_error)?;
+    // The diff id covers the whole uncompressed stream, including tar's trailing padding.
+    tar_stream.drain().map_err(|source| {
+        layer_error(LayerError::Read {
+            layer: label.clone(),
+            source,
+        })
+    })?;
+    if let Some(expected) = &layer.diff_id {
+        let actual = tar_stream.digest();
+        if &actual != expected {
+            return Err(ImageError::LayerDigest {
+                image: image.name.clone(),
+                index: i + 1,
+                count,
+                mismatch: Box::new(DigestMismatch {
+                    what: "uncompressed diff_id",
+                    expected: expected.to_string(),
+                    actual: actual.to_string(),
+                    location: layer.location.describe(),
+                }),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Copies a cached image to `output` (and its metadata beside it), each through a temporary
+/// name in the destination directory.
+fn copy_out(rootfs: &Path, metadata: &Path, output: &Path) -> Result<(PathBuf, PathBuf), ImageError> {
+    let metadata_out = metadata_path_for(output);
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !parent.is_dir() {
+        return Err(ImageError::Io {
+            action: "write into",
+            path: parent.display().to_string(),
+            source: io::Error::from(io::ErrorKind::NotFound),
+        });
+    }
+    let file_name = output.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let tmp_image = TempOutput(parent.join(format!(".{file_name}.tmp-{}", std::process::id())));
+    let tmp_meta = TempOutput(parent.join(format!(".{file_name}.json.tmp-{}", std::process::id())));
+    ext4::sparse_copy(rootfs, &tmp_image.0)?;
+    fs::copy(metadata, &tmp_meta.0).map_err(io_error("write", &tmp_meta.0))?;
+    fs::rename(&tmp_meta.0, &metadata_out).map_err(io_error("write", &metadata_out))?;
+    fs::rename(&tmp_image.0, output).map_err(io_error("write", output))?;
+    Ok((output.to_path_buf(), metadata_out))
+}
+
+/// Removes a temporary output file unless it was renamed into place.
+struct TempOutput(PathBuf);
+
+impl Drop for TempOutput {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compression_sniffing() {
+        assert_eq!(sniff(&[0x1f, 0x8b, 8]), Compression::Gzip);
+        assert_eq!(sniff(&[0x28, 0xb5, 0x2f, 0xfd, 0]), Compression::Zstd);
+        assert_eq!(sniff(b"etc/\0\0\0"), Compression::None);
+        assert_eq!(sniff(b""), Compression::None);
+    }
+
+    #[test]
+    fn cache_key_depends_on_every_input() {
+        let image = Digest::of_bytes(b"image");
+        let agent = Digest::of_bytes(b"agent");
+        let base = cache_key(&image, &agent, None);
+        assert_eq!(base.len(), 64);
+        assert_eq!(base, cache_key(&image, &agent, None));
+        assert_ne!(base, cache_key(&Digest::of_bytes(b"other"), &agent, None));
+        assert_ne!(base, cache_key(&image, &Digest::of_bytes(b"other"), None));
+        assert_ne!(base, cache_key(&image, &agent, Some(256)));
+    }
+
+    #[test]
+    fn output_metadata_sits_beside_the_image() {
+        assert_eq!(metadata_path_for(Path::new("/x/busybox.ext4")), Path::new("/x/busybox.image.json"));
+        assert_eq!(metadata_path_for(Path::new("rootfs")), Path::new("rootfs.image.json"));
+    }
+}

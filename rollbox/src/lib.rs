@@ -1,0 +1,2 @@
+//! rollbox: sandboxes for RL rollouts. This crate holds the user-facing CLI.
+pub mod images;
