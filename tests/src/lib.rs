@@ -1,1 +1,260 @@
-//! Shared helpers for the integration tests.
+//! Shared helpers for the integration tests: build the real binaries and the test guest,
+//! spawn `rollbox-vmm`, and talk to the guest over its serial console.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+fn run_build(args: &[&str]) {
+    let status = cargo().args(args).status().unwrap_or_else(|e| panic!("cannot run cargo {args:?}: {e}"));
+    assert!(status.success(), "cargo {args:?} failed: {status}");
+}
+
+/// Builds `rollbox-vmm` (once per test binary) and returns its path.
+pub fn vmm_binary() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            run_build(&["build", "--quiet", "-p", "vmm", "--bin", "rollbox-vmm"]);
+            workspace_root().join("target/debug/rollbox-vmm")
+        })
+        .clone()
+}
+
+/// Builds the test guest with `cargo xtask test-guest` (once per test binary).
+pub fn test_guest() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let out = cargo()
+                .args(["xtask", "test-guest"])
+                .stdout(Stdio::null())
+                .status()
+                .unwrap_or_else(|e| panic!("cannot run cargo xtask test-guest: {e}"));
+            assert!(out.success(), "cargo xtask test-guest failed: {out}");
+            workspace_root().join("target/test-guest/test-guest")
+        })
+        .clone()
+}
+
+/// Whether tests that need a missing prerequisite must fail instead of skipping (CI).
+pub fn require_all() -> bool {
+    std::env::var("ROLLBOX_REQUIRE_ALL").is_ok_and(|v| v == "1")
+}
+
+/// Returns false (after printing why) when /dev/kvm is unusable and skipping is allowed.
+pub fn kvm_available() -> bool {
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(!require_all(), "tier 2 needs /dev/kvm: {e}");
+            eprintln!("SKIP: tier 2 needs /dev/kvm ({e})");
+            false
+        }
+    }
+}
+
+/// How long to wait for one answer from the guest (CPL0 code is emulated, so be generous).
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running `rollbox-vmm` with the test guest on its console.
+pub struct Vm {
+    /// The VMM process.
+    pub child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    stderr: Arc<Mutex<String>>,
+    /// Scratch directory for sockets and images; removed on drop.
+    pub dir: tempfile::TempDir,
+}
+
+impl Vm {
+    /// Spawns `rollbox-vmm` with `args` (the `{dir}` placeholder expands to the scratch dir).
+    pub fn spawn_raw(args: &[String], dir: tempfile::TempDir) -> Vm {
+        let args: Vec<String> =
+            args.iter().map(|a| a.replace("{dir}", &dir.path().display().to_string())).collect();
+        let mut child = Command::new(vmm_binary())
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn rollbox-vmm: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr_buf = Arc::new(Mutex::new(String::new()));
+        let mut stderr = child.stderr.take().expect("stderr");
+        let sink = Arc::clone(&stderr_buf);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().expect("stderr lock").push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let stdin = child.stdin.take();
+        Vm { child, stdin, lines: rx, stderr: stderr_buf, dir }
+    }
+
+    /// Boots the test guest with extra `args` and waits for its ready line.
+    pub fn boot(args: &[&str]) -> Vm {
+        Vm::boot_with(|_| {}, args)
+    }
+
+    /// Like [`Vm::boot`], after `setup` prepared the scratch directory (`{dir}` in `args`).
+    pub fn boot_with(setup: impl FnOnce(&Path), args: &[&str]) -> Vm {
+        let dir = tempfile::tempdir().expect("tempdir");
+        setup(dir.path());
+        let mut all = vec!["--kernel".to_string(), test_guest().display().to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let mut vm = Vm::spawn_raw(&all, dir);
+        vm.expect_line("rollbox-test-guest: ready");
+        vm
+    }
+
+    /// The VMM's stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().expect("stderr lock").clone()
+    }
+
+    /// The next console line.
+    pub fn next_line(&mut self, timeout: Duration) -> Option<String> {
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => Some(line),
+            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => None,
+        }
+    }
+
+    /// Waits for a console line equal to `want`, skipping others.
+    pub fn expect_line(&mut self, want: &str) {
+        let deadline = Instant::now() + ANSWER_TIMEOUT;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.next_line(left) {
+                Some(line) if line == want => return,
+                Some(_) => {}
+                None => break,
+            }
+        }
+        panic!("no console line {want:?}; stderr:\n{}", self.stderr());
+    }
+
+    /// Writes raw bytes to the console.
+    pub fn send(&mut self, text: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(text.as_bytes()).expect("write console");
+        stdin.flush().expect("flush console");
+    }
+
+    /// Sends a command and returns its one-line answer.
+    pub fn cmd(&mut self, command: &str) -> String {
+        self.send(&format!("{command}\n"));
+        self.next_line(ANSWER_TIMEOUT)
+            .unwrap_or_else(|| panic!("no answer to {command:?}; stderr:\n{}", self.stderr()))
+    }
+
+    /// Sends a command and asserts the answer starts with `OK`; returns the rest.
+    pub fn ok(&mut self, command: &str) -> String {
+        let answer = self.cmd(command);
+        assert!(answer.starts_with("OK"), "{command:?} answered {answer:?}; stderr:\n{}", self.stderr());
+        answer.trim_start_matches("OK").trim_start().to_string()
+    }
+
+    /// Waits for the VMM to exit.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                // Let the reader threads drain.
+                std::thread::sleep(Duration::from_millis(50));
+                return status;
+            }
+            assert!(Instant::now() < deadline, "rollbox-vmm did not exit; stderr:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A path in the scratch directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Creates a zero-filled raw image of `bytes` bytes.
+pub fn raw_image(path: &Path, bytes: u64) {
+    let file = std::fs::File::create(path).expect("create image");
+    file.set_len(bytes).expect("size image");
+}
+
+/// A small HTTP client for the API socket: returns (status, body).
+pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut stream = UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {}: {e}", sock.display()));
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).expect("send request");
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).expect("read response");
+        if n == 0 {
+            break;
+        }
+        response.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&response).to_string();
+        if let Some(head_end) = text.find("\r\n\r\n") {
+            let length = text[..head_end]
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if response.len() >= head_end + 4 + length {
+                let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+                return (status, text[head_end + 4..head_end + 4 + length].to_string());
+            }
+        }
+    }
+    panic!("incomplete HTTP response: {:?}", String::from_utf8_lossy(&response));
+}
+
+/// Waits until `path` accepts connections.
+pub fn wait_for_socket(path: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while UnixStream::connect(path).is_err() {
+        assert!(Instant::now() < deadline, "{} never accepted connections", path.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -338,7 +338,7 @@ impl Controller {
                 VmExit::Error(detail) => {
                     self.flush_console();
                     eprintln!("rollbox-vmm: guest stopped: {detail}");
-                    log::error!("guest stopped: {detail}");
+                    log::error!("guest crashed on vCPU {}", report.vcpu);
                     self.finish(1, "guest crashed");
                 }
             }
