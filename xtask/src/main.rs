@@ -22,10 +22,22 @@ const GUEST_LINKER_SCRIPT: &str = "tests/test-guest/linker.ld";
 #[derive(Debug)]
 enum Error {
     Usage(String),
-    Spawn { program: String, source: std::io::Error },
-    Failed { program: String, status: std::process::ExitStatus },
-    Io { path: PathBuf, source: std::io::Error },
-    Sse { elf: PathBuf, report: String },
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    Failed {
+        program: String,
+        status: std::process::ExitStatus,
+    },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Sse {
+        elf: PathBuf,
+        report: String,
+    },
 }
 
 impl fmt::Display for Error {
@@ -54,7 +66,9 @@ tasks:
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("test-guest") if args.len() == 1 => build_test_guest().map(|elf| println!("{}", elf.display())),
+        Some("test-guest") if args.len() == 1 => {
+            build_test_guest().map(|elf| println!("{}", elf.display()))
+        }
         Some("check-sse") if args.len() == 2 => {
             let elf = PathBuf::from(&args[1]);
             check_elf(&elf).map(|()| println!("{}: no SSE/AVX code", elf.display()))
@@ -63,7 +77,10 @@ fn main() -> ExitCode {
             println!("{USAGE}");
             Ok(())
         }
-        _ => Err(Error::Usage(format!("unknown or incomplete task: {}", args.join(" ")))),
+        _ => Err(Error::Usage(format!(
+            "unknown or incomplete task: {}",
+            args.join(" ")
+        ))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -108,7 +125,14 @@ fn build_test_guest() -> Result<PathBuf, Error> {
     let encoded = flags.join(&OsString::from("\u{1f}"));
     let status = Command::new(&cargo)
         .current_dir(&root)
-        .args(["build", "--release", "--manifest-path", GUEST_MANIFEST, "--target-dir", GUEST_BUILD_DIR])
+        .args([
+            "build",
+            "--release",
+            "--manifest-path",
+            GUEST_MANIFEST,
+            "--target-dir",
+            GUEST_BUILD_DIR,
+        ])
         // The guest's flags replace, rather than join, any flags of the outer build.
         .env("CARGO_ENCODED_RUSTFLAGS", encoded)
         .env_remove("RUSTFLAGS")
@@ -116,20 +140,35 @@ fn build_test_guest() -> Result<PathBuf, Error> {
         .env_remove("CARGO_TARGET_DIR")
         .env_remove("CARGO_BUILD_TARGET")
         .status()
-        .map_err(|source| Error::Spawn { program: cargo.to_string_lossy().into_owned(), source })?;
+        .map_err(|source| Error::Spawn {
+            program: cargo.to_string_lossy().into_owned(),
+            source,
+        })?;
     if !status.success() {
-        return Err(Error::Failed { program: "cargo build (test guest)".into(), status });
+        return Err(Error::Failed {
+            program: "cargo build (test guest)".into(),
+            status,
+        });
     }
     let built = root.join(GUEST_BUILD_DIR).join("release/test-guest");
     check_elf(&built)?;
     let output = root.join(GUEST_OUTPUT);
     if let Some(dir) = output.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
     }
     // Copy to a temporary name and rename, so a reader never sees a half-written ELF.
     let partial = output.with_extension("partial");
-    std::fs::copy(&built, &partial).map_err(|source| Error::Io { path: partial.clone(), source })?;
-    std::fs::rename(&partial, &output).map_err(|source| Error::Io { path: output.clone(), source })?;
+    std::fs::copy(&built, &partial).map_err(|source| Error::Io {
+        path: partial.clone(),
+        source,
+    })?;
+    std::fs::rename(&partial, &output).map_err(|source| Error::Io {
+        path: output.clone(),
+        source,
+    })?;
     Ok(output)
 }
 
@@ -138,19 +177,31 @@ fn check_elf(elf: &Path) -> Result<(), Error> {
         .args(["-d", "--no-show-raw-insn", "-C"])
         .arg(elf)
         .output()
-        .map_err(|source| Error::Spawn { program: "objdump (apt package binutils)".into(), source })?;
+        .map_err(|source| Error::Spawn {
+            program: "objdump (apt package binutils)".into(),
+            source,
+        })?;
     if !out.status.success() {
         eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        return Err(Error::Failed { program: format!("objdump -d {}", elf.display()), status: out.status });
+        return Err(Error::Failed {
+            program: format!("objdump -d {}", elf.display()),
+            status: out.status,
+        });
     }
     let listing = String::from_utf8_lossy(&out.stdout);
     if !listing.contains(">:") {
-        return Err(Error::Sse { elf: elf.to_path_buf(), report: "objdump found no code to check".into() });
+        return Err(Error::Sse {
+            elf: elf.to_path_buf(),
+            report: "objdump found no code to check".into(),
+        });
     }
     let findings = sse_check::scan(&listing);
     if findings.is_empty() {
         Ok(())
     } else {
-        Err(Error::Sse { elf: elf.to_path_buf(), report: sse_check::report(&findings, 20) })
+        Err(Error::Sse {
+            elf: elf.to_path_buf(),
+            report: sse_check::report(&findings, 20),
+        })
     }
 }

@@ -21,17 +21,29 @@ pub fn scan(listing: &str) -> Vec<Finding> {
     let mut findings = Vec::new();
     for line in listing.lines() {
         // Function header: "0000000000100000 <_start>:"
-        if let Some(name) = line.strip_suffix(">:").and_then(|l| l.split_once(" <")).map(|(_, n)| n) {
+        if let Some(name) = line
+            .strip_suffix(">:")
+            .and_then(|l| l.split_once(" <"))
+            .map(|(_, n)| n)
+        {
             function = name.to_string();
             continue;
         }
         // Instruction: "  100000:\tmov    %rsp,%rbp" (raw bytes may sit between tabs).
-        let Some(instruction) = instruction_text(line) else { continue };
-        let mnemonic = instruction.split_whitespace().find(|w| !is_prefix(w)).unwrap_or("");
+        let Some(instruction) = instruction_text(line) else {
+            continue;
+        };
+        let mnemonic = instruction
+            .split_whitespace()
+            .find(|w| !is_prefix(w))
+            .unwrap_or("");
         let bad_register = FORBIDDEN_REGISTERS.iter().any(|r| instruction.contains(r));
         let bad_mnemonic = FORBIDDEN_MNEMONICS.iter().any(|m| mnemonic.starts_with(m));
         if bad_register || bad_mnemonic {
-            findings.push(Finding { function: function.clone(), line: line.trim().to_string() });
+            findings.push(Finding {
+                function: function.clone(),
+                line: line.trim().to_string(),
+            });
         }
     }
     findings
@@ -49,7 +61,19 @@ fn instruction_text(line: &str) -> Option<&str> {
 }
 
 fn is_prefix(word: &str) -> bool {
-    matches!(word, "lock" | "rep" | "repz" | "repe" | "repnz" | "repne" | "data16" | "addr32" | "notrack" | "bnd")
+    matches!(
+        word,
+        "lock"
+            | "rep"
+            | "repz"
+            | "repe"
+            | "repnz"
+            | "repne"
+            | "data16"
+            | "addr32"
+            | "notrack"
+            | "bnd"
+    )
 }
 
 /// A readable report of at most `limit` findings.
@@ -102,7 +126,9 @@ Disassembly of section .text:
 ";
         let found = scan(listing);
         assert_eq!(found.len(), 4);
-        assert!(found.iter().all(|f| f.function == "core::fmt::Formatter::pad_integral"));
+        assert!(found
+            .iter()
+            .all(|f| f.function == "core::fmt::Formatter::pad_integral"));
         assert_eq!(found[0].line, "106491:\tmovups %xmm0,(%rsp)");
     }
 
@@ -132,8 +158,12 @@ Disassembly of section .text:
 
     #[test]
     fn report_is_capped() {
-        let findings: Vec<Finding> =
-            (0..5).map(|i| Finding { function: "f".into(), line: format!("{i}: movaps %xmm0,%xmm1") }).collect();
+        let findings: Vec<Finding> = (0..5)
+            .map(|i| Finding {
+                function: "f".into(),
+                line: format!("{i}: movaps %xmm0,%xmm1"),
+            })
+            .collect();
         let text = report(&findings, 2);
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("and 3 more"));

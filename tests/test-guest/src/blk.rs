@@ -33,7 +33,12 @@ pub struct BlkDma {
 }
 
 impl BlkDma {
-    pub const ZERO: BlkDma = BlkDma { ring: RingPage::ZERO, data: [0; DATA_SIZE], header: [0; 16], status: [0; 16] };
+    pub const ZERO: BlkDma = BlkDma {
+        ring: RingPage::ZERO,
+        data: [0; DATA_SIZE],
+        header: [0; 16],
+        status: [0; 16],
+    };
 }
 
 pub struct Blk {
@@ -72,7 +77,12 @@ pub type Status = Result<u8, &'static str>;
 
 impl Blk {
     pub const fn new(base: usize) -> Blk {
-        Blk { transport: Transport { base }, ready: false, features: 0, queue: Queue::empty() }
+        Blk {
+            transport: Transport { base },
+            ready: false,
+            features: 0,
+            queue: Queue::empty(),
+        }
     }
 
     /// Initialises the device on first use (and again after a hostile test).
@@ -80,8 +90,13 @@ impl Blk {
         if self.ready {
             return Ok(());
         }
-        let features =
-            self.transport.begin_init(tpm, DEVICE_ID, F_RO | F_FLUSH, &mut [&mut self.queue], &mut [&mut dma.ring])?;
+        let features = self.transport.begin_init(
+            tpm,
+            DEVICE_ID,
+            F_RO | F_FLUSH,
+            &mut [&mut self.queue],
+            &mut [&mut dma.ring],
+        )?;
         self.transport.finish_init()?;
         self.features = features;
         self.ready = true;
@@ -110,7 +125,14 @@ impl Blk {
     /// (none when 0) and waits for its completion. The guest sends what it is asked
     /// to, even to a read-only device or one without flush: the device's answer is
     /// what the tests check.
-    fn request(&mut self, dma: &mut BlkDma, tpm: u64, kind: u32, sector: u64, data_len: usize) -> Status {
+    fn request(
+        &mut self,
+        dma: &mut BlkDma,
+        tpm: u64,
+        kind: u32,
+        sector: u64,
+        data_len: usize,
+    ) -> Status {
         Self::write_header(dma, kind, sector);
         let device_writes = kind == T_IN || kind == T_GET_ID;
         let header = dma.header.as_ptr() as u64;
@@ -147,12 +169,24 @@ impl Blk {
 
     /// Reads `sectors` (1..=8) sectors into `dma.data`.
     pub fn read(&mut self, dma: &mut BlkDma, tpm: u64, sector: u64, sectors: usize) -> Status {
-        self.request(dma, tpm, T_IN, sector, sectors.min(MAX_SECTORS_PER_REQUEST) * SECTOR)
+        self.request(
+            dma,
+            tpm,
+            T_IN,
+            sector,
+            sectors.min(MAX_SECTORS_PER_REQUEST) * SECTOR,
+        )
     }
 
     /// Writes the first `sectors` (1..=8) sectors of `dma.data`.
     pub fn write(&mut self, dma: &mut BlkDma, tpm: u64, sector: u64, sectors: usize) -> Status {
-        self.request(dma, tpm, T_OUT, sector, sectors.min(MAX_SECTORS_PER_REQUEST) * SECTOR)
+        self.request(
+            dma,
+            tpm,
+            T_OUT,
+            sector,
+            sectors.min(MAX_SECTORS_PER_REQUEST) * SECTOR,
+        )
     }
 
     pub fn flush(&mut self, dma: &mut BlkDma, tpm: u64) -> Status {
@@ -167,7 +201,13 @@ impl Blk {
 
     /// Posts a malformed chain, notifies, gives the device a moment, then resets the
     /// device and sets it up again.
-    pub fn hostile(&mut self, dma: &mut BlkDma, tpm: u64, kind: Hostile, beyond_memory: u64) -> Result<(), &'static str> {
+    pub fn hostile(
+        &mut self,
+        dma: &mut BlkDma,
+        tpm: u64,
+        kind: Hostile,
+        beyond_memory: u64,
+    ) -> Result<(), &'static str> {
         Self::write_header(dma, T_IN, 0);
         let header = dma.header.as_ptr() as u64;
         let data = dma.data.as_ptr() as u64;
@@ -178,7 +218,13 @@ impl Blk {
         match kind {
             Hostile::OutOfBounds => {
                 q.set_desc(0, header, 16, DESC_F_NEXT, 1);
-                q.set_desc(1, beyond_memory, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
+                q.set_desc(
+                    1,
+                    beyond_memory,
+                    SECTOR as u32,
+                    DESC_F_NEXT | DESC_F_WRITE,
+                    2,
+                );
                 q.set_desc(2, status, 1, DESC_F_WRITE, 0);
             }
             // Loop and long chains are device-readable throughout, so that a device meets

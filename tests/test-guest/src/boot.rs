@@ -61,7 +61,11 @@ impl BootInfo {
         let mut info = BootInfo {
             params,
             cmdline,
-            devices: [MmioDevice { addr: 0, irq: 0, device_id: None }; MAX_DEVICES],
+            devices: [MmioDevice {
+                addr: 0,
+                irq: 0,
+                device_id: None,
+            }; MAX_DEVICES],
             device_count: 0,
         };
         let mut rest = cmdline;
@@ -84,7 +88,11 @@ impl BootInfo {
 
     pub fn e820(&self, index: usize) -> E820Entry {
         let at = self.params + E820_TABLE_OFFSET + index * E820_ENTRY_SIZE;
-        E820Entry { addr: read_u64(at), size: read_u64(at + 8), kind: read_u32(at + 16) }
+        E820Entry {
+            addr: read_u64(at),
+            size: read_u64(at + 8),
+            kind: read_u32(at + 16),
+        }
     }
 
     pub fn devices(&self) -> &[MmioDevice] {
@@ -153,5 +161,9 @@ fn probe(addr: u64, irq: u64) -> MmioDevice {
     } else {
         None
     };
-    MmioDevice { addr, irq, device_id }
+    MmioDevice {
+        addr,
+        irq,
+        device_id,
+    }
 }

@@ -10,13 +10,17 @@ const LSR_THR_EMPTY: u8 = 0x20;
 
 pub fn outb(port: u16, value: u8) {
     // SAFETY: port I/O has no memory effects; the guest owns the whole machine.
-    unsafe { asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags))
+    };
 }
 
 pub fn inb(port: u16) -> u8 {
     let value: u8;
     // SAFETY: as for `outb`.
-    unsafe { asm!("in al, dx", out("al") value, in("dx") port, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("in al, dx", out("al") value, in("dx") port, options(nomem, nostack, preserves_flags))
+    };
     value
 }
 
@@ -160,7 +164,9 @@ pub fn rdtsc() -> u64 {
     let lo: u32;
     let hi: u32;
     // SAFETY: rdtsc only reads the counter.
-    unsafe { asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags))
+    };
     ((hi as u64) << 32) | lo as u64
 }
 

@@ -81,10 +81,25 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
     let ticks_per_ms = io::tsc_per_ms();
     let boot = BootInfo::read(boot_params);
     // SAFETY: guest_main runs once, on the only CPU, and these are its only references
-    // to the statics.
-    let (blks, blk_dma, vsock, vsock_dma) =
-        unsafe { (&mut *(&raw mut BLKS), &mut *(&raw mut BLK_DMA), &mut *(&raw mut VSOCK), &mut *(&raw mut VSOCK_DMA)) };
-    let mut guest = Guest { boot, ticks_per_ms, blks, blk_dma, blk_count: 0, vsock: None, vsock_dma };
+    // to the statics. (`&mut *&raw mut` avoids a direct reference to a `static mut`.)
+    #[allow(clippy::deref_addrof)]
+    let (blks, blk_dma, vsock, vsock_dma) = unsafe {
+        (
+            &mut *(&raw mut BLKS),
+            &mut *(&raw mut BLK_DMA),
+            &mut *(&raw mut VSOCK),
+            &mut *(&raw mut VSOCK_DMA),
+        )
+    };
+    let mut guest = Guest {
+        boot,
+        ticks_per_ms,
+        blks,
+        blk_dma,
+        blk_count: 0,
+        vsock: None,
+        vsock_dma,
+    };
     let mut vsock_slot = Some(vsock);
     for dev in guest.boot.devices.iter().take(guest.boot.device_count) {
         match dev.device_id {
@@ -187,9 +202,8 @@ impl Guest {
             }
             b"e820" => self.cmd_e820(),
             b"devices" => self.cmd_devices(),
-            b"blk-info" | b"blk-id" | b"blk-read" | b"blk-sum" | b"blk-write" | b"blk-fill" | b"blk-flush" | b"hostile" => {
-                self.cmd_blk(name, args)
-            }
+            b"blk-info" | b"blk-id" | b"blk-read" | b"blk-sum" | b"blk-write" | b"blk-fill"
+            | b"blk-flush" | b"hostile" => self.cmd_blk(name, args),
             b"vsock-cid" => match self.vsock.as_deref() {
                 Some(v) => {
                     puts(b"OK ");
@@ -248,7 +262,10 @@ impl Guest {
 
     fn cmd_blk(&mut self, name: &[u8], args: &[u8]) {
         let (index, args) = split_word(args);
-        let Some(d) = parse_u64(index).map(|d| d as usize).filter(|&d| d < self.blk_count) else {
+        let Some(d) = parse_u64(index)
+            .map(|d| d as usize)
+            .filter(|&d| d < self.blk_count)
+        else {
             return err(b"no-such-block-device");
         };
         let tpm = self.ticks_per_ms;
@@ -271,7 +288,13 @@ impl Guest {
             b"blk-id" => match dev.get_id(dma, tpm) {
                 Ok(0) => {
                     puts(b"OK");
-                    for (i, &c) in dma.data.iter().take(blk::ID_BYTES).take_while(|&&c| c != 0).enumerate() {
+                    for (i, &c) in dma
+                        .data
+                        .iter()
+                        .take(blk::ID_BYTES)
+                        .take_while(|&&c| c != 0)
+                        .enumerate()
+                    {
                         if i == 0 {
                             io::putc(b' ');
                         }
@@ -282,7 +305,9 @@ impl Guest {
                 other => err_status(other),
             },
             b"blk-read" => {
-                let Some(([sector, count], _)) = numbers::<2>(args) else { return err(b"usage: blk-read D SECTOR COUNT") };
+                let Some(([sector, count], _)) = numbers::<2>(args) else {
+                    return err(b"usage: blk-read D SECTOR COUNT");
+                };
                 if !(1..=blk::MAX_SECTORS_PER_REQUEST as u64).contains(&count) {
                     return err(b"count-out-of-range");
                 }
@@ -296,7 +321,9 @@ impl Guest {
                 }
             }
             b"blk-sum" => {
-                let Some(([sector, count], _)) = numbers::<2>(args) else { return err(b"usage: blk-sum D SECTOR COUNT") };
+                let Some(([sector, count], _)) = numbers::<2>(args) else {
+                    return err(b"usage: blk-sum D SECTOR COUNT");
+                };
                 if !(1..=MAX_SUM_SECTORS).contains(&count) {
                     return err(b"count-out-of-range");
                 }
@@ -308,7 +335,10 @@ impl Guest {
                         Ok(0) => {}
                         other => return err_status(other),
                     }
-                    hash = fnv1a(hash, dma.data.get(..n as usize * blk::SECTOR).unwrap_or(&[]));
+                    hash = fnv1a(
+                        hash,
+                        dma.data.get(..n as usize * blk::SECTOR).unwrap_or(&[]),
+                    );
                     done += n;
                 }
                 puts(b"OK ");
@@ -316,13 +346,18 @@ impl Guest {
                 puts(b"\n");
             }
             b"blk-write" => {
-                let Some(([sector], hex)) = numbers::<1>(args) else { return err(b"usage: blk-write D SECTOR HEX") };
+                let Some(([sector], hex)) = numbers::<1>(args) else {
+                    return err(b"usage: blk-write D SECTOR HEX");
+                };
                 if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * blk::SECTOR {
                     return err(b"bad-hex-length");
                 }
                 dma.data[..blk::SECTOR].fill(0);
                 for (slot, pair) in dma.data.iter_mut().zip(hex.chunks_exact(2)) {
-                    let (Some(hi), Some(lo)) = (pair.first().and_then(|&c| io::hex_value(c)), pair.get(1).and_then(|&c| io::hex_value(c))) else {
+                    let (Some(hi), Some(lo)) = (
+                        pair.first().and_then(|&c| io::hex_value(c)),
+                        pair.get(1).and_then(|&c| io::hex_value(c)),
+                    ) else {
                         return err(b"bad-hex-digit");
                     };
                     *slot = hi << 4 | lo;
@@ -330,7 +365,9 @@ impl Guest {
                 err_status(dev.write(dma, tpm, sector, 1));
             }
             b"blk-fill" => {
-                let Some(([sector, count, byte], _)) = numbers::<3>(args) else { return err(b"usage: blk-fill D SECTOR COUNT BYTE") };
+                let Some(([sector, count, byte], _)) = numbers::<3>(args) else {
+                    return err(b"usage: blk-fill D SECTOR COUNT BYTE");
+                };
                 if !(1..=MAX_SUM_SECTORS).contains(&count) {
                     return err(b"count-out-of-range");
                 }
@@ -352,7 +389,9 @@ impl Guest {
             b"blk-flush" => err_status(dev.flush(dma, tpm)),
             b"hostile" => {
                 let (kind, _) = split_word(args);
-                let Some(kind) = Hostile::parse(kind) else { return err(b"unknown-hostile-kind") };
+                let Some(kind) = Hostile::parse(kind) else {
+                    return err(b"unknown-hostile-kind");
+                };
                 const GIB: u64 = 1 << 30;
                 let beyond = (self.boot.memory_end().div_ceil(GIB) + 1) * GIB;
                 match dev.hostile(dma, tpm, kind, beyond) {
@@ -370,9 +409,13 @@ impl Guest {
 
     fn cmd_vsock_listen(&mut self, args: &[u8]) {
         let (port, _) = split_word(args);
-        let Some(port) = parse_u64(port).and_then(|p| u32::try_from(p).ok()) else { return err(b"usage: vsock-listen PORT") };
+        let Some(port) = parse_u64(port).and_then(|p| u32::try_from(p).ok()) else {
+            return err(b"usage: vsock-listen PORT");
+        };
         let tpm = self.ticks_per_ms;
-        let Some(v) = self.vsock.as_deref_mut() else { return err(b"no-vsock-device") };
+        let Some(v) = self.vsock.as_deref_mut() else {
+            return err(b"no-vsock-device");
+        };
         if let Err(reason) = v.ensure_ready(self.vsock_dma, tpm) {
             return err(reason.as_bytes());
         }
@@ -388,7 +431,9 @@ impl Guest {
             return err(b"usage: vsock-connect PORT TEXT");
         };
         let tpm = self.ticks_per_ms;
-        let Some(v) = self.vsock.as_deref_mut() else { return err(b"no-vsock-device") };
+        let Some(v) = self.vsock.as_deref_mut() else {
+            return err(b"no-vsock-device");
+        };
         if let Err(reason) = v.ensure_ready(self.vsock_dma, tpm) {
             return err(reason.as_bytes());
         }

@@ -77,7 +77,12 @@ pub unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
     while i < n {
         // SAFETY: the caller guarantees both are valid for `n` bytes. Volatile reads keep
         // LLVM from turning this loop back into a call to memcmp.
-        let (x, y) = unsafe { (core::ptr::read_volatile(a.add(i)), core::ptr::read_volatile(b.add(i))) };
+        let (x, y) = unsafe {
+            (
+                core::ptr::read_volatile(a.add(i)),
+                core::ptr::read_volatile(b.add(i)),
+            )
+        };
         if x != y {
             return x as i32 - y as i32;
         }

@@ -75,7 +75,13 @@ pub struct Queue {
 
 impl Queue {
     pub const fn empty() -> Queue {
-        Queue { ring: core::ptr::null_mut(), size: 0, index: 0, avail_idx: 0, last_used: 0 }
+        Queue {
+            ring: core::ptr::null_mut(),
+            size: 0,
+            index: 0,
+            avail_idx: 0,
+            last_used: 0,
+        }
     }
 
     pub fn set_desc(&mut self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
@@ -100,7 +106,12 @@ impl Queue {
     pub fn push(&mut self, head: u16) {
         let slot = (self.avail_idx % self.size.max(1)) as usize;
         // SAFETY: avail ring entry `slot` (< 16) lies in this queue's ring page.
-        unsafe { write_volatile(self.ring.wrapping_add(AVAIL_OFFSET + 4 + 2 * slot) as *mut u16, head) };
+        unsafe {
+            write_volatile(
+                self.ring.wrapping_add(AVAIL_OFFSET + 4 + 2 * slot) as *mut u16,
+                head,
+            )
+        };
         self.avail_idx = self.avail_idx.wrapping_add(1);
         compiler_fence(Ordering::SeqCst);
         self.publish_avail_idx(self.avail_idx);
@@ -120,7 +131,8 @@ impl Queue {
     /// The next used element (descriptor head, bytes written), if the device returned one.
     pub fn pop_used(&mut self) -> Option<(u32, u32)> {
         // SAFETY: used.idx lies in this queue's ring page.
-        let used_idx = unsafe { read_volatile(self.ring.wrapping_add(USED_OFFSET + 2) as *const u16) };
+        let used_idx =
+            unsafe { read_volatile(self.ring.wrapping_add(USED_OFFSET + 2) as *const u16) };
         if used_idx == self.last_used {
             return None;
         }
@@ -128,7 +140,12 @@ impl Queue {
         let slot = (self.last_used % self.size.max(1)) as usize;
         let elem = self.ring.wrapping_add(USED_OFFSET + 4 + 8 * slot);
         // SAFETY: used ring element `slot` (< 16) lies in this queue's ring page.
-        let (id, len) = unsafe { (read_volatile(elem as *const u32), read_volatile(elem.wrapping_add(4) as *const u32)) };
+        let (id, len) = unsafe {
+            (
+                read_volatile(elem as *const u32),
+                read_volatile(elem.wrapping_add(4) as *const u32),
+            )
+        };
         self.last_used = self.last_used.wrapping_add(1);
         Some((id, len))
     }
@@ -241,7 +258,13 @@ impl Transport {
             }
             page.0.fill(0);
             let ring = page.0.as_mut_ptr();
-            **queue = Queue { ring, size, index: index as u16, avail_idx: 0, last_used: 0 };
+            **queue = Queue {
+                ring,
+                size,
+                index: index as u16,
+                avail_idx: 0,
+                last_used: 0,
+            };
             let desc = ring as u64;
             let avail = desc + AVAIL_OFFSET as u64;
             let used = desc + USED_OFFSET as u64;

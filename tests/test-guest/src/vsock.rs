@@ -47,8 +47,14 @@ struct PacketBuffers {
 impl VsockDma {
     pub const ZERO: VsockDma = VsockDma {
         rings: [RingPage::ZERO, RingPage::ZERO, RingPage::ZERO],
-        rx: PacketBuffers { data: [[0; BUF]; SLOTS], hdr: [[0; 64]; SLOTS] },
-        tx: PacketBuffers { data: [[0; BUF]; SLOTS], hdr: [[0; 64]; SLOTS] },
+        rx: PacketBuffers {
+            data: [[0; BUF]; SLOTS],
+            hdr: [[0; 64]; SLOTS],
+        },
+        tx: PacketBuffers {
+            data: [[0; BUF]; SLOTS],
+            hdr: [[0; 64]; SLOTS],
+        },
         events: [[0; 8]; SLOTS],
     };
 }
@@ -71,7 +77,12 @@ fn le16(b: &[u8; 64], at: usize) -> u16 {
     u16::from_le_bytes([b[at & 63], b[(at + 1) & 63]])
 }
 fn le32(b: &[u8; 64], at: usize) -> u32 {
-    u32::from_le_bytes([b[at & 63], b[(at + 1) & 63], b[(at + 2) & 63], b[(at + 3) & 63]])
+    u32::from_le_bytes([
+        b[at & 63],
+        b[(at + 1) & 63],
+        b[(at + 2) & 63],
+        b[(at + 3) & 63],
+    ])
 }
 fn le64(b: &[u8; 64], at: usize) -> u64 {
     le32(b, at) as u64 | (le32(b, at + 4) as u64) << 32
@@ -157,7 +168,8 @@ impl Conn {
 
     /// Bytes the peer can still take.
     fn peer_credit(&self) -> u32 {
-        self.peer_buf_alloc.saturating_sub(self.tx_cnt.wrapping_sub(self.peer_fwd_cnt))
+        self.peer_buf_alloc
+            .saturating_sub(self.tx_cnt.wrapping_sub(self.peer_fwd_cnt))
     }
 
     /// Drops the first `n` buffered bytes; `received` says they came from the peer,
@@ -227,7 +239,8 @@ impl Vsock {
         self.tpm = tpm;
         let [rx, tx, ev] = &mut self.queues;
         let [r0, r1, r2] = &mut dma.rings;
-        self.transport.begin_init(tpm, DEVICE_ID, 0, &mut [rx, tx, ev], &mut [r0, r1, r2])?;
+        self.transport
+            .begin_init(tpm, DEVICE_ID, 0, &mut [rx, tx, ev], &mut [r0, r1, r2])?;
         self.cid = self.read_cid();
         self.rx_slots = (self.queues[RX_QUEUE].size / 2).min(SLOTS as u16);
         self.tx_slots = (self.queues[TX_QUEUE].size / 2).min(SLOTS as u16);
@@ -252,8 +265,20 @@ impl Vsock {
     fn post_rx(&mut self, rx: &PacketBuffers, slot: u16) {
         let i = slot as usize % SLOTS;
         let q = &mut self.queues[RX_QUEUE];
-        q.set_desc(2 * slot, rx.hdr[i].as_ptr() as u64, HDR as u32, DESC_F_NEXT | DESC_F_WRITE, 2 * slot + 1);
-        q.set_desc(2 * slot + 1, rx.data[i].as_ptr() as u64, BUF as u32, DESC_F_WRITE, 0);
+        q.set_desc(
+            2 * slot,
+            rx.hdr[i].as_ptr() as u64,
+            HDR as u32,
+            DESC_F_NEXT | DESC_F_WRITE,
+            2 * slot + 1,
+        );
+        q.set_desc(
+            2 * slot + 1,
+            rx.data[i].as_ptr() as u64,
+            BUF as u32,
+            DESC_F_WRITE,
+            0,
+        );
         q.push(2 * slot);
     }
 
@@ -265,7 +290,12 @@ impl Vsock {
     }
 
     pub fn listen(&mut self, port: u32) -> Result<(), &'static str> {
-        if self.listening.iter().take(self.listen_count).any(|&p| p == port) {
+        if self
+            .listening
+            .iter()
+            .take(self.listen_count)
+            .any(|&p| p == port)
+        {
             return Ok(());
         }
         match self.listening.get_mut(self.listen_count) {
@@ -279,7 +309,10 @@ impl Vsock {
     }
 
     fn is_listening(&self, port: u32) -> bool {
-        self.listening.iter().take(self.listen_count).any(|&p| p == port)
+        self.listening
+            .iter()
+            .take(self.listen_count)
+            .any(|&p| p == port)
     }
 
     /// Takes back the tx buffers the device has finished with.
@@ -296,7 +329,12 @@ impl Vsock {
         let deadline = Deadline::after_ms(self.tpm, TX_WAIT_MS);
         loop {
             self.reclaim_tx();
-            if let Some(free) = self.tx_busy.iter().take(self.tx_slots as usize).position(|&b| !b) {
+            if let Some(free) = self
+                .tx_busy
+                .iter()
+                .take(self.tx_slots as usize)
+                .position(|&b| !b)
+            {
                 return Ok(free % SLOTS);
             }
             if deadline.passed() {
@@ -319,7 +357,13 @@ impl Vsock {
         if len == 0 {
             q.set_desc(head, tx.hdr[i].as_ptr() as u64, HDR as u32, 0, 0);
         } else {
-            q.set_desc(head, tx.hdr[i].as_ptr() as u64, HDR as u32, DESC_F_NEXT, head + 1);
+            q.set_desc(
+                head,
+                tx.hdr[i].as_ptr() as u64,
+                HDR as u32,
+                DESC_F_NEXT,
+                head + 1,
+            );
             q.set_desc(head + 1, tx.data[i].as_ptr() as u64, len as u32, 0, 0);
         }
         q.push(head);
@@ -336,7 +380,12 @@ impl Vsock {
 
     /// A header from connection `c`, carrying its credit information.
     fn conn_header(&self, c: usize, op: u16, flags: u32) -> Header {
-        let mut h = Header { op, flags, buf_alloc: BUF as u32, ..Header::default() };
+        let mut h = Header {
+            op,
+            flags,
+            buf_alloc: BUF as u32,
+            ..Header::default()
+        };
         if let Some(conn) = self.conns.get(c) {
             h.dst_cid = conn.peer_cid;
             h.src_port = conn.local_port;
@@ -346,7 +395,13 @@ impl Vsock {
         h
     }
 
-    fn send_conn(&mut self, tx: &mut PacketBuffers, c: usize, op: u16, flags: u32) -> Result<(), &'static str> {
+    fn send_conn(
+        &mut self,
+        tx: &mut PacketBuffers,
+        c: usize,
+        op: u16,
+        flags: u32,
+    ) -> Result<(), &'static str> {
         let h = self.conn_header(c, op, flags);
         self.send(tx, h)
     }
@@ -368,7 +423,10 @@ impl Vsock {
 
     fn find(&self, h: &Header) -> Option<usize> {
         self.conns.iter().position(|c| {
-            c.state != State::Free && c.local_port == h.dst_port && c.peer_port == h.src_port && c.peer_cid == h.src_cid
+            c.state != State::Free
+                && c.local_port == h.dst_port
+                && c.peer_port == h.src_port
+                && c.peer_cid == h.src_cid
         })
     }
 
@@ -390,7 +448,9 @@ impl Vsock {
             let slot = (id / 2) as u16 % self.rx_slots.max(1);
             let i = slot as usize % SLOTS;
             let hdr = Header::decode(&dma.rx.hdr[i]);
-            let payload = (hdr.len as usize).min(BUF).min((written as usize).saturating_sub(HDR));
+            let payload = (hdr.len as usize)
+                .min(BUF)
+                .min((written as usize).saturating_sub(HDR));
             let data = dma.rx.data[i].get(..payload).unwrap_or(&[]);
             self.handle(&mut dma.tx, &hdr, data);
             self.post_rx(&dma.rx, slot);
@@ -420,7 +480,9 @@ impl Vsock {
         }
         self.reclaim_tx();
         for c in 0..MAX_CONNS {
-            let Some(conn) = self.conns.get(c) else { continue };
+            let Some(conn) = self.conns.get(c) else {
+                continue;
+            };
             match conn.state {
                 State::Established if !conn.client => self.flush_echo(&mut dma.tx, c),
                 State::Closing if Deadline::at(conn.close_deadline).passed() => {
@@ -445,7 +507,9 @@ impl Vsock {
             }
             return;
         };
-        let Some(conn) = self.conns.get_mut(c) else { return };
+        let Some(conn) = self.conns.get_mut(c) else {
+            return;
+        };
         conn.peer_buf_alloc = h.buf_alloc;
         conn.peer_fwd_cnt = h.fwd_cnt;
         conn.credit_requested = false;
@@ -465,7 +529,9 @@ impl Vsock {
             OP_RW if conn.state == State::Established => {
                 let room = BUF - conn.len.min(BUF);
                 let n = data.len().min(room);
-                if let (Some(dst), Some(src)) = (conn.buf.get_mut(conn.len..conn.len + n), data.get(..n)) {
+                if let (Some(dst), Some(src)) =
+                    (conn.buf.get_mut(conn.len..conn.len + n), data.get(..n))
+                {
                     dst.copy_from_slice(src);
                     conn.len += n;
                 }
@@ -473,11 +539,7 @@ impl Vsock {
                     self.flush_echo(tx, c);
                 }
             }
-            OP_RW | OP_CREDIT_UPDATE => {
-                if !client {
-                    self.flush_echo(tx, c);
-                }
-            }
+            OP_RW | OP_CREDIT_UPDATE if !client => self.flush_echo(tx, c),
             OP_CREDIT_REQUEST => {
                 let _ = self.send_conn(tx, c, OP_CREDIT_UPDATE, 0);
             }
@@ -516,14 +578,24 @@ impl Vsock {
     /// Sends up to `want` bytes from the front of connection `c`'s buffer as one RW
     /// packet, within the peer's credit. Returns the bytes sent. `echo` says the bytes
     /// came from the peer (echo server) rather than from the guest (client).
-    fn send_buffered(&mut self, tx: &mut PacketBuffers, c: usize, want: usize, echo: bool) -> Result<usize, &'static str> {
-        let Some(conn) = self.conns.get(c) else { return Ok(0) };
+    fn send_buffered(
+        &mut self,
+        tx: &mut PacketBuffers,
+        c: usize,
+        want: usize,
+        echo: bool,
+    ) -> Result<usize, &'static str> {
+        let Some(conn) = self.conns.get(c) else {
+            return Ok(0);
+        };
         let n = want.min(conn.len).min(conn.peer_credit() as usize).min(BUF);
         if n == 0 {
             return Ok(0);
         }
         let slot = self.acquire_tx()?;
-        let Some(conn) = self.conns.get_mut(c) else { return Ok(0) };
+        let Some(conn) = self.conns.get_mut(c) else {
+            return Ok(0);
+        };
         if let (Some(dst), Some(src)) = (tx.data[slot % SLOTS].get_mut(..n), conn.buf.get(..n)) {
             dst.copy_from_slice(src);
         }
@@ -538,7 +610,9 @@ impl Vsock {
     /// when there is none.
     fn flush_echo(&mut self, tx: &mut PacketBuffers, c: usize) {
         loop {
-            let Some(conn) = self.conns.get(c) else { return };
+            let Some(conn) = self.conns.get(c) else {
+                return;
+            };
             if conn.len == 0 {
                 return;
             }
@@ -559,7 +633,9 @@ impl Vsock {
     }
 
     fn is_our_client(&self, c: usize, local_port: u32) -> bool {
-        self.conns.get(c).is_some_and(|conn| conn.state != State::Free && conn.client && conn.local_port == local_port)
+        self.conns.get(c).is_some_and(|conn| {
+            conn.state != State::Free && conn.client && conn.local_port == local_port
+        })
     }
 
     fn abort(&mut self, tx: &mut PacketBuffers, c: usize) {
@@ -582,7 +658,11 @@ impl Vsock {
             return Err(ConnectError::NoFreeConnection);
         };
         let local_port = self.next_port;
-        self.next_port = if self.next_port >= 65535 { 49152 } else { self.next_port + 1 };
+        self.next_port = if self.next_port >= 65535 {
+            49152
+        } else {
+            self.next_port + 1
+        };
         let n = text.len().min(BUF - 1);
         if let Some(conn) = self.conns.get_mut(c) {
             conn.state = State::Connecting;
@@ -598,14 +678,19 @@ impl Vsock {
             conn.credit_requested = false;
             conn.len = 0;
         }
-        self.send_conn(&mut dma.tx, c, OP_REQUEST, 0).map_err(ConnectError::Send)?;
+        self.send_conn(&mut dma.tx, c, OP_REQUEST, 0)
+            .map_err(ConnectError::Send)?;
         // Wait for RESPONSE.
         loop {
             self.poll(dma);
             if !self.is_our_client(c, local_port) {
                 return Err(ConnectError::Refused);
             }
-            if self.conns.get(c).is_some_and(|conn| conn.state == State::Established) {
+            if self
+                .conns
+                .get(c)
+                .is_some_and(|conn| conn.state == State::Established)
+            {
                 break;
             }
             if deadline.passed() {
@@ -626,7 +711,9 @@ impl Vsock {
         }
         let mut left = n + 1;
         while left > 0 {
-            let sent = self.send_buffered(&mut dma.tx, c, left, false).map_err(ConnectError::Send)?;
+            let sent = self
+                .send_buffered(&mut dma.tx, c, left, false)
+                .map_err(ConnectError::Send)?;
             left -= sent.min(left);
             if left == 0 {
                 break;
@@ -648,7 +735,11 @@ impl Vsock {
                 return Err(ConnectError::Refused);
             }
             if let Some(conn) = self.conns.get(c) {
-                if let Some(end) = conn.buf.get(..conn.len).and_then(|b| b.iter().position(|&x| x == b'\n')) {
+                if let Some(end) = conn
+                    .buf
+                    .get(..conn.len)
+                    .and_then(|b| b.iter().position(|&x| x == b'\n'))
+                {
                     let k = end.min(reply.len());
                     if let (Some(dst), Some(src)) = (reply.get_mut(..k), conn.buf.get(..k)) {
                         dst.copy_from_slice(src);
