@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::frame::{self, FrameError};
 use crate::hybrid::{self, HandshakeError};
@@ -55,6 +55,9 @@ struct Shared {
     writer: tokio::sync::Mutex<Writer>,
     routes: Mutex<Routes>,
     next_id: AtomicU64,
+    /// Dropped with the last client handle; that stops the reader task, and
+    /// with both halves gone the connection closes.
+    _reader_stop: oneshot::Sender<()>,
 }
 
 /// A connection to one agent. Cheap to clone; clones share the connection.
@@ -115,12 +118,14 @@ impl AgentClient {
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
         let (reader, writer): (ReadHalf<S>, WriteHalf<S>) = tokio::io::split(stream);
+        let (stop_tx, stop_rx) = oneshot::channel();
         let shared = Arc::new(Shared {
             writer: tokio::sync::Mutex::new(Box::new(writer)),
             routes: Mutex::new(Routes { open: HashMap::new(), closed: None }),
             next_id: AtomicU64::new(1),
+            _reader_stop: stop_tx,
         });
-        tokio::spawn(read_loop(reader, Arc::clone(&shared)));
+        tokio::spawn(read_loop(reader, Arc::downgrade(&shared), stop_rx));
         Self { shared }
     }
 
@@ -150,6 +155,13 @@ impl AgentClient {
             FrameError::Io(io) => ClientError::Disconnected(format!("write failed: {io}")),
             other => ClientError::Frame(other),
         })
+    }
+
+    /// Close the sending side. The agent then ends this connection's
+    /// requests (running processes are killed, uploads dropped).
+    pub async fn close(&self) -> Result<(), ClientError> {
+        let mut writer = self.shared.writer.lock().await;
+        writer.shutdown().await.map_err(|err| ClientError::Disconnected(format!("shutdown failed: {err}")))
     }
 
     /// Send a request and wait for its single (terminal) reply.
@@ -391,10 +403,16 @@ fn unexpected(expected: &'static str, got: &ServerMessage) -> ClientError {
     }
 }
 
-async fn read_loop<R: AsyncRead>(reader: ReadHalf<R>, shared: Arc<Shared>) {
+async fn read_loop<R: AsyncRead>(reader: ReadHalf<R>, shared: Weak<Shared>, mut stop: oneshot::Receiver<()>) {
     let mut reader = reader;
     let reason = loop {
-        match frame::read_frame::<_, ServerFrame>(&mut reader).await {
+        let next = tokio::select! {
+            next = frame::read_frame::<_, ServerFrame>(&mut reader) => next,
+            // Every client handle is gone.
+            _ = &mut stop => return,
+        };
+        let Some(shared) = shared.upgrade() else { return };
+        match next {
             Ok(Some(frame)) => {
                 let mut routes = lock_routes(&shared);
                 let terminal = frame.body.is_terminal();
@@ -410,9 +428,11 @@ async fn read_loop<R: AsyncRead>(reader: ReadHalf<R>, shared: Arc<Shared>) {
             Err(err) => break err.to_string(),
         }
     };
-    let mut routes = lock_routes(&shared);
-    routes.closed = Some(reason);
-    routes.open.clear();
+    if let Some(shared) = shared.upgrade() {
+        let mut routes = lock_routes(&shared);
+        routes.closed = Some(reason);
+        routes.open.clear();
+    }
 }
 
 /// An open request: its id and its replies.

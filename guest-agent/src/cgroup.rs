@@ -7,8 +7,10 @@
 use std::fs;
 use std::io::Write as _;
 use std::os::fd::{AsRawFd, RawFd};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use rollbox_agent_protocol::OomDetection;
@@ -74,11 +76,19 @@ fn write_file(path: &Path, text: &str) -> Result<(), String> {
 }
 
 static NEXT: AtomicU64 = AtomicU64::new(1);
+/// Names of this agent's cgroups still in use by an exec (never swept).
+static LIVE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+fn live() -> std::sync::MutexGuard<'static, BTreeSet<String>> {
+    LIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 
 /// The cgroup of one exec.
 #[derive(Debug)]
 pub struct ExecCgroup {
     version: Version,
+    name: String,
     dir: PathBuf,
     procs: fs::File,
 }
@@ -87,17 +97,22 @@ impl ExecCgroup {
     pub fn create(base: &CgroupBase, memory_limit: Option<u64>) -> Result<Self, SysError> {
         sweep(base);
         let name = format!("exec-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let dir = base.dir.join(name);
+        live().insert(name.clone());
+        let dir = base.dir.join(&name);
         let dir_text = dir.display().to_string();
-        fs::create_dir(&dir).map_err(sys("mkdir", &dir_text))?;
-        let cgroup = Self {
-            version: base.version,
-            procs: fs::OpenOptions::new()
-                .write(true)
-                .open(dir.join("cgroup.procs"))
-                .map_err(sys("open", &format!("{dir_text}/cgroup.procs")))?,
-            dir,
+        if let Err(err) = fs::create_dir(&dir) {
+            live().remove(&name);
+            return Err(SysError::new("mkdir", &dir_text, err));
+        }
+        let procs = match fs::OpenOptions::new().write(true).open(dir.join("cgroup.procs")) {
+            Ok(procs) => procs,
+            Err(err) => {
+                live().remove(&name);
+                let _ = fs::remove_dir(&dir);
+                return Err(SysError::new("open", format!("{dir_text}/cgroup.procs"), err));
+            }
         };
+        let cgroup = Self { version: base.version, name, dir, procs };
         if let Some(limit) = memory_limit {
             let (file, swap_file) = match cgroup.version {
                 Version::V2 => ("memory.max", "memory.swap.max"),
@@ -159,21 +174,39 @@ impl ExecCgroup {
     /// Remove the cgroup once its processes are gone. A cgroup still in
     /// use (background processes left running) stays; a later sweep removes it.
     pub async fn remove(&self) {
-        for _ in 0..20 {
-            if fs::remove_dir(&self.dir).is_ok() || !self.pids().is_empty() {
+        live().remove(&self.name);
+        // Exited processes take a moment to leave; processes still running
+        // in the background keep the cgroup, and a later sweep removes it.
+        for _ in 0..5 {
+            if fs::remove_dir(&self.dir).is_ok() {
                 return;
             }
-            // Exited processes may take a moment to leave.
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(4)).await;
         }
     }
 }
 
-/// Remove empty cgroups left by earlier execs.
+impl Drop for ExecCgroup {
+    fn drop(&mut self) {
+        live().remove(&self.name);
+        // Best effort; a cgroup still in use is swept later.
+        let _ = fs::remove_dir(&self.dir);
+    }
+}
+
+/// Remove empty cgroups left by this agent's finished execs, and by agents
+/// that are gone (other live agents sharing the hierarchy keep theirs).
 fn sweep(base: &CgroupBase) {
     let Ok(entries) = fs::read_dir(&base.dir) else { return };
+    let own = std::process::id();
+    let live = live();
     for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().starts_with("exec-") {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(owner) = name.strip_prefix("exec-").and_then(|rest| rest.split('-').next()?.parse::<u32>().ok()) else {
+            continue;
+        };
+        let owner_gone = !Path::new(&format!("/proc/{owner}")).exists();
+        if (owner == own && !live.contains(&name)) || owner_gone {
             let _ = fs::remove_dir(entry.path());
         }
     }

@@ -261,7 +261,8 @@ impl PendingWrite {
                 .create_new(true)
                 .mode(0o600)
                 .open(&temp)
-                .map_err(|e| info(SysError::new("open", temp.display().to_string(), e)))?;
+                // Named by the requested path: the temporary name means nothing to the client.
+                .map_err(|e| info(SysError::new("open", &req.path, e)))?;
             (file, Some(temp))
         } else {
             let file = fs::OpenOptions::new()
