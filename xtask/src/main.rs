@@ -1,8 +1,8 @@
 //! Project tasks: `cargo xtask <task>`.
 //!
-//! - `test-guest`: builds the freestanding test guest (`tests/test-guest`) with its own
-//!   flags, rejects it if its code uses SSE/AVX registers, and places the ELF at
-//!   `target/test-guest/test-guest`.
+//! - `test-guest [--check]`: builds the freestanding test guest (`tests/test-guest`) with
+//!   its own flags, rejects it if its code uses SSE/AVX registers, and places the ELF at
+//!   `target/test-guest/test-guest`. `--check` first runs the guest's unit tests on the host.
 //! - `check-sse ELF`: runs only the SSE check on an existing ELF.
 
 use std::ffi::OsString;
@@ -14,6 +14,8 @@ mod sse_check;
 
 /// Where the inner cargo build puts its output, apart from the workspace's own builds.
 const GUEST_BUILD_DIR: &str = "target/test-guest-build";
+/// Where the guest's unit tests are built for the host.
+const GUEST_HOST_TEST_DIR: &str = "target/test-guest-host";
 /// Where the finished guest ELF is placed.
 const GUEST_OUTPUT: &str = "target/test-guest/test-guest";
 const GUEST_MANIFEST: &str = "tests/test-guest/Cargo.toml";
@@ -61,6 +63,7 @@ impl fmt::Display for Error {
 const USAGE: &str = "usage: cargo xtask <task>
 tasks:
   test-guest        build tests/test-guest, check it for SSE, place it at target/test-guest/test-guest
+  test-guest --check  the same, after running the guest's unit tests on the host
   check-sse ELF     fail if `objdump -d ELF` shows SSE/AVX registers or instructions";
 
 fn main() -> ExitCode {
@@ -69,6 +72,9 @@ fn main() -> ExitCode {
         Some("test-guest") if args.len() == 1 => {
             build_test_guest().map(|elf| println!("{}", elf.display()))
         }
+        Some("test-guest") if args.len() == 2 && args[1] == "--check" => test_guest_unit_tests()
+            .and_then(|()| build_test_guest())
+            .map(|elf| println!("{}", elf.display())),
         Some("check-sse") if args.len() == 2 => {
             let elf = PathBuf::from(&args[1]);
             check_elf(&elf).map(|()| println!("{}: no SSE/AVX code", elf.display()))
@@ -118,9 +124,44 @@ fn guest_rustflags(linker_script: &Path) -> Vec<OsString> {
     flags
 }
 
+fn cargo_program() -> OsString {
+    std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"))
+}
+
+/// Runs the guest's pure logic (parsers, formatting, header layout, credit arithmetic,
+/// memory routines) as ordinary host unit tests.
+fn test_guest_unit_tests() -> Result<(), Error> {
+    let root = workspace_root();
+    let status = Command::new(cargo_program())
+        .current_dir(&root)
+        .args([
+            "test",
+            "--manifest-path",
+            GUEST_MANIFEST,
+            "--target-dir",
+            GUEST_HOST_TEST_DIR,
+        ])
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_TARGET_DIR")
+        .status()
+        .map_err(|source| Error::Spawn {
+            program: "cargo test (test guest)".into(),
+            source,
+        })?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Error::Failed {
+            program: "cargo test (test guest unit tests)".into(),
+            status,
+        })
+    }
+}
+
 fn build_test_guest() -> Result<PathBuf, Error> {
     let root = workspace_root();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"));
+    let cargo = cargo_program();
     let flags = guest_rustflags(&root.join(GUEST_LINKER_SCRIPT));
     let encoded = flags.join(&OsString::from("\u{1f}"));
     let status = Command::new(&cargo)

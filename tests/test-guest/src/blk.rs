@@ -270,3 +270,24 @@ impl Blk {
         self.ensure_ready(dma, tpm)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_kinds_parse() {
+        for word in [&b"oob"[..], b"loop", b"long", b"dir", b"badnext", b"badavail"] {
+            assert!(Hostile::parse(word).is_some());
+        }
+        assert!(Hostile::parse(b"LOOP").is_none());
+    }
+
+    #[test]
+    fn request_header_layout() {
+        let mut dma = Box::new(BlkDma::ZERO);
+        Blk::write_header(&mut dma, T_OUT, 0x0102_0304_0506_0708);
+        assert_eq!(dma.header, [1, 0, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(dma.status[0], 0xff);
+    }
+}

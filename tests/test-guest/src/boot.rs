@@ -167,3 +167,39 @@ fn probe(addr: u64, irq: u64) -> MmioDevice {
         device_id,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn virtio_mmio_entries_parse() {
+        assert_eq!(parse_virtio_mmio_arg(b"virtio_mmio.device=4K@0xd0000000:5"), Some((0xd000_0000, 5)));
+        assert_eq!(parse_virtio_mmio_arg(b"virtio_mmio.device=512@0xfeb00e00:12"), Some((0xfeb0_0e00, 12)));
+        assert_eq!(parse_virtio_mmio_arg(b"virtio_mmio.device=0x1000@0xd0001000:6:3"), Some((0xd000_1000, 6)));
+    }
+
+    #[test]
+    fn other_and_malformed_words_are_ignored() {
+        for bad in [
+            &b"console=ttyS0"[..],
+            b"virtio_mmio.device=",
+            b"virtio_mmio.device=4K",
+            b"virtio_mmio.device=4K@0xd0000000",
+            b"virtio_mmio.device=4Q@0xd0000000:5",
+            b"virtio_mmio.device=4K@zz:5",
+            b"virtio_mmio.device=4K@0xd0000000:",
+        ] {
+            assert_eq!(parse_virtio_mmio_arg(bad), None, "{:?}", core::str::from_utf8(bad));
+        }
+    }
+
+    #[test]
+    fn sizes_take_suffixes() {
+        assert_eq!(parse_size(b"4K"), Some(4096));
+        assert_eq!(parse_size(b"1m"), Some(1 << 20));
+        assert_eq!(parse_size(b"2G"), Some(2 << 30));
+        assert_eq!(parse_size(b"512"), Some(512));
+        assert_eq!(parse_size(b"K"), None);
+    }
+}

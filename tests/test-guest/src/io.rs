@@ -233,3 +233,41 @@ impl Deadline {
         (rdtsc().wrapping_sub(self.0) as i64) >= 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_u64_takes_decimal_and_0x_hex() {
+        assert_eq!(parse_u64(b"0"), Some(0));
+        assert_eq!(parse_u64(b"4096"), Some(4096));
+        assert_eq!(parse_u64(b"0xd0000000"), Some(0xd000_0000));
+        assert_eq!(parse_u64(b"0XFF"), Some(255));
+        assert_eq!(parse_u64(b"18446744073709551615"), Some(u64::MAX));
+    }
+
+    #[test]
+    fn parse_u64_rejects_bad_input() {
+        for bad in [&b""[..], b"0x", b"12a", b"-1", b" 1", b"18446744073709551616", b"0x10000000000000000"] {
+            assert_eq!(parse_u64(bad), None, "{:?}", core::str::from_utf8(bad));
+        }
+    }
+
+    #[test]
+    fn split_word_skips_spaces() {
+        assert_eq!(split_word(b"blk-read 0 1"), (&b"blk-read"[..], &b"0 1"[..]));
+        assert_eq!(split_word(b"  echo   a  b"), (&b"echo"[..], &b"a  b"[..]));
+        assert_eq!(split_word(b"devices"), (&b"devices"[..], &b""[..]));
+        assert_eq!(split_word(b""), (&b""[..], &b""[..]));
+    }
+
+    #[test]
+    fn hex_digits() {
+        assert_eq!(hex_digit(0), b'0');
+        assert_eq!(hex_digit(0xa), b'a');
+        assert_eq!(hex_digit(0x1f), b'f');
+        assert_eq!(hex_value(b'F'), Some(15));
+        assert_eq!(hex_value(b'g'), None);
+    }
+}

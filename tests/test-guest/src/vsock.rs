@@ -767,3 +767,69 @@ impl Vsock {
         Ok(reply_len)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_layout_is_the_virtio_one() {
+        let h = Header {
+            src_cid: 3,
+            dst_cid: 2,
+            src_port: 0x1234,
+            dst_port: 5000,
+            len: 7,
+            kind: TYPE_STREAM,
+            op: OP_RW,
+            flags: 0,
+            buf_alloc: 4096,
+            fwd_cnt: 9,
+        };
+        let mut b = [0u8; 64];
+        h.encode(&mut b);
+        assert_eq!(&b[0..8], &3u64.to_le_bytes());
+        assert_eq!(&b[8..16], &2u64.to_le_bytes());
+        assert_eq!(&b[16..20], &0x1234u32.to_le_bytes());
+        assert_eq!(&b[20..24], &5000u32.to_le_bytes());
+        assert_eq!(&b[24..28], &7u32.to_le_bytes());
+        assert_eq!(&b[28..30], &1u16.to_le_bytes());
+        assert_eq!(&b[30..32], &5u16.to_le_bytes());
+        assert_eq!(&b[36..40], &4096u32.to_le_bytes());
+        assert_eq!(&b[40..44], &9u32.to_le_bytes());
+        assert_eq!(&b[44..], &[0u8; 20]);
+        let d = Header::decode(&b);
+        assert_eq!((d.src_cid, d.dst_cid, d.src_port, d.dst_port), (3, 2, 0x1234, 5000));
+        assert_eq!((d.len, d.kind, d.op, d.buf_alloc, d.fwd_cnt), (7, TYPE_STREAM, OP_RW, 4096, 9));
+    }
+
+    #[test]
+    fn peer_credit_follows_counters() {
+        let mut c = Conn::FREE;
+        c.peer_buf_alloc = 100;
+        assert_eq!(c.peer_credit(), 100);
+        c.tx_cnt = 60;
+        c.peer_fwd_cnt = 20;
+        assert_eq!(c.peer_credit(), 60);
+        // Counters wrap around u32.
+        c.tx_cnt = 10;
+        c.peer_fwd_cnt = u32::MAX - 9;
+        assert_eq!(c.peer_credit(), 80);
+        // A peer that shrank its buffer below what is in flight gives no credit.
+        c.peer_buf_alloc = 5;
+        assert_eq!(c.peer_credit(), 0);
+    }
+
+    #[test]
+    fn consume_shifts_and_counts_only_received_bytes() {
+        let mut c = Conn::FREE;
+        c.buf[..5].copy_from_slice(b"hello");
+        c.len = 5;
+        c.consume(2, true);
+        assert_eq!(&c.buf[..c.len], b"llo");
+        assert_eq!(c.fwd_cnt, 2);
+        c.consume(10, false);
+        assert_eq!(c.len, 0);
+        assert_eq!(c.fwd_cnt, 2);
+    }
+}
