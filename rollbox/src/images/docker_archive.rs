@@ -169,7 +169,11 @@ pub fn resolve(path: &Path, reference: Option<&str>) -> Result<ResolvedImage, Do
             images
                 .iter()
                 .find(|i| tags_of(i).iter().any(|t| normalize_tag(t) == wanted))
-                .or_else(|| if images.len() == 1 { images.first() } else { None })
+                // An untagged single image is taken whatever the reference says.
+                .or_else(|| match images.as_slice() {
+                    [only] if tags_of(only).is_empty() => Some(only),
+                    _ => None,
+                })
                 .ok_or_else(|| DockerArchiveError::NoSuchImage {
                     path: path.display().to_string(),
                     reference: reference.to_string(),

@@ -81,6 +81,10 @@ pub enum ImageError {
         path: String,
         source: io::Error,
     },
+    #[error("output directory {path} does not exist")]
+    OutputDir { path: String },
+    #[error("output {path} is a directory; give a file name such as {path}/rootfs.ext4")]
+    OutputIsDir { path: String },
     #[error("a registry image needs a reference such as 127.0.0.1:5000/busybox:latest")]
     MissingReference,
 }
@@ -165,6 +169,9 @@ fn cache_key(image_digest: &Digest, agent: &Digest, size_mib: Option<u64>) -> St
 }
 
 pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
+    if let Some(output) = &options.output {
+        check_output_dir(output)?;
+    }
     let agent = Agent::load(&options.agent)?;
     let cache = Cache::open(&options.cache_dir)?;
 
@@ -392,17 +399,7 @@ fn apply_one(
 /// name in the destination directory.
 fn copy_out(rootfs: &Path, metadata: &Path, output: &Path) -> Result<(PathBuf, PathBuf), ImageError> {
     let metadata_out = metadata_path_for(output);
-    let parent = match output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if !parent.is_dir() {
-        return Err(ImageError::Io {
-            action: "write into",
-            path: parent.display().to_string(),
-            source: io::Error::from(io::ErrorKind::NotFound),
-        });
-    }
+    let parent = check_output_dir(output)?;
     let file_name = output.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let tmp_image = TempOutput(parent.join(format!(".{file_name}.tmp-{}", std::process::id())));
     let tmp_meta = TempOutput(parent.join(format!(".{file_name}.json.tmp-{}", std::process::id())));
@@ -411,6 +408,25 @@ fn copy_out(rootfs: &Path, metadata: &Path, output: &Path) -> Result<(PathBuf, P
     fs::rename(&tmp_meta.0, &metadata_out).map_err(io_error("write", &metadata_out))?;
     fs::rename(&tmp_image.0, output).map_err(io_error("write", output))?;
     Ok((output.to_path_buf(), metadata_out))
+}
+
+/// The directory `output` goes into, which must exist; `output` must not be a directory.
+fn check_output_dir(output: &Path) -> Result<PathBuf, ImageError> {
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !parent.is_dir() {
+        return Err(ImageError::OutputDir {
+            path: parent.display().to_string(),
+        });
+    }
+    if output.is_dir() {
+        return Err(ImageError::OutputIsDir {
+            path: output.display().to_string(),
+        });
+    }
+    Ok(parent)
 }
 
 /// Removes a temporary output file unless it was renamed into place.

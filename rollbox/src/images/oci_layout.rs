@@ -168,7 +168,11 @@ pub fn resolve(dir: &Path, reference: Option<&str>) -> Result<ResolvedImage, Oci
             .manifests
             .iter()
             .find(|d| matches_reference(d, reference))
-            .or_else(|| if index.manifests.len() == 1 { index.manifests.first() } else { None })
+            // A single unnamed image is taken whatever the reference says.
+            .or_else(|| match index.manifests.as_slice() {
+                [only] if names_of(only).is_empty() => Some(only),
+                _ => None,
+            })
             .ok_or_else(|| OciLayoutError::NoSuchImage {
                 path: layout.path(),
                 reference: reference.to_string(),

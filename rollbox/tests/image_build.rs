@@ -1,0 +1,416 @@
+//! `rollbox image build`, driven as a user would: crafted images as OCI layouts, `docker save`
+//! archives and registry pushes; real dockerd images where dockerd runs. The ext4 results are
+//! read back with debugfs.
+//!
+//! Needs root (ownership, device nodes, tmpfs mounts) and e2fsprogs. Registry tests need
+//! `scripts/start-registry.sh`; dockerd tests need a running dockerd. Those skip with one
+//! line unless ROLLBOX_REQUIRE_ALL=1.
+
+// Test code: a panic on a broken fixture is the failure report.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use common::*;
+
+fn arg(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// What every build of `standard_image()` must contain.
+fn check_standard_rootfs(image: &Path) {
+    // Whiteout and opaque directory.
+    assert!(stat(image, "/etc/gone").is_none(), "whiteout-deleted /etc/gone is present");
+    assert!(stat(image, "/data/old").is_none(), "opaque /data kept lower content");
+    assert_eq!(cat(image, "/data/new"), b"new");
+    assert!(stat(image, "/etc/passwd").is_some());
+    // Modes, owners, links, devices.
+    let su = stat(image, "/bin/su").unwrap();
+    assert_eq!((su.kind.as_str(), su.mode), ("regular", 0o4755));
+    let home = stat(image, "/home/user").unwrap();
+    assert_eq!((home.kind.as_str(), home.mode, home.uid, home.gid), ("directory", 0o700, 1000, 1000));
+    let notes = stat(image, "/home/user/notes").unwrap();
+    assert_eq!((notes.mode, notes.uid, notes.gid), (0o640, 1000, 1000));
+    let busybox = stat(image, "/bin/busybox").unwrap();
+    let hard = stat(image, "/bin/hard").unwrap();
+    assert_eq!(busybox.inode, hard.inode, "hardlink lost");
+    assert_eq!(busybox.links, 2);
+    assert_eq!(stat(image, "/bin/sh").unwrap().kind, "symlink");
+    assert!(debugfs(image, "stat /bin/sh").contains("Fast link dest: \"busybox\""));
+    let console = stat(image, "/dev/console").unwrap();
+    assert_eq!((console.kind.as_str(), console.gid), ("character", 5));
+    assert!(debugfs(image, "stat /dev/console").contains("Device major/minor number: 05:01"));
+    check_agent_and_metadata(image);
+}
+
+fn check_agent_and_metadata(image: &Path) {
+    let agent = stat(image, "/.rollbox/rollbox-agent").expect("agent missing");
+    assert_eq!((agent.kind.as_str(), agent.mode, agent.uid), ("regular", 0o755, 0));
+    assert_eq!(cat(image, "/.rollbox/rollbox-agent"), fs::read(common::agent()).unwrap());
+    let inside: serde_json::Value = serde_json::from_slice(&cat(image, "/.rollbox/image.json")).unwrap();
+    assert_eq!(inside["init"], "/.rollbox/rollbox-agent");
+    assert_eq!(inside["kernel_cmdline"], "init=/.rollbox/rollbox-agent");
+    assert_eq!(inside["entrypoint"], serde_json::json!(["/bin/sh", "-c"]));
+    assert_eq!(inside["cmd"], serde_json::json!(["echo $GREETING"]));
+    assert_eq!(inside["working_dir"], "/home/user");
+    assert_eq!(inside["user"], "1000:1000");
+    assert!(inside["env"].as_array().unwrap().iter().any(|e| e == "GREETING=hello world"));
+    for mount_point in ["/proc", "/sys", "/dev", "/tmp", "/run"] {
+        assert_eq!(stat(image, mount_point).unwrap().kind, "directory", "{mount_point}");
+    }
+}
+
+fn check_outside_metadata(metadata: &Path, rootfs: &Path) {
+    let outside: serde_json::Value = serde_json::from_slice(&fs::read(metadata).unwrap()).unwrap();
+    assert_eq!(outside["rootfs_size_bytes"], fs::metadata(rootfs).unwrap().len());
+    assert_eq!(outside["init"], "/.rollbox/rollbox-agent");
+}
+
+fn fsck(image: &Path) {
+    let output = Command::new("e2fsck")
+        .env("PATH", "/usr/sbin:/sbin:/usr/bin:/bin")
+        .args(["-fn"])
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "e2fsck: {}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
+fn oci_layout_builds_cached_and_copied_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let image = standard_image();
+    image.write_oci_layout(&layout, "v1");
+    let agent = agent();
+    let args = ["image", "build", "--from-oci-layout", arg(&layout), "--agent", arg(&agent), "--cache-dir", arg(&cache)];
+
+    let started = Instant::now();
+    let first = build_ok(&args);
+    let cold = started.elapsed();
+    assert!(first.rootfs.starts_with(cache.join("rootfs")));
+    assert_eq!(first.metadata, first.rootfs.with_file_name("image.json"));
+    assert!(first.stderr.contains("built"), "{}", first.stderr);
+    check_standard_rootfs(&first.rootfs);
+    check_outside_metadata(&first.metadata, &first.rootfs);
+    fsck(&first.rootfs);
+
+    let started = Instant::now();
+    let second = build_ok(&args);
+    let cached = started.elapsed();
+    assert!(second.stderr.contains("cached"), "{}", second.stderr);
+    assert_eq!(second.rootfs, first.rootfs);
+    eprintln!(
+        "figures: OCI layout image, {} MiB ext4; cold build {:.0} ms, cached {:.0} ms",
+        first.size_bytes / (1024 * 1024),
+        cold.as_secs_f64() * 1000.0,
+        cached.as_secs_f64() * 1000.0
+    );
+
+    // --output copies the cached image; the tag picks the image; --size is honoured.
+    let out = dir.path().join("out/sandbox.ext4");
+    fs::create_dir(dir.path().join("out")).unwrap();
+    let mut with_output = args.to_vec();
+    with_output.extend(["--output", arg(&out), "--size", "96"]);
+    with_output.insert(2, "example.com/anything:v1");
+    let copied = build_ok(&with_output);
+    assert_eq!(copied.rootfs, out);
+    assert_eq!(copied.size_bytes, 96 * 1024 * 1024);
+    assert_eq!(copied.metadata, dir.path().join("out/sandbox.image.json"));
+    check_standard_rootfs(&out);
+    check_outside_metadata(&copied.metadata, &out);
+    fsck(&out);
+}
+
+#[test]
+fn docker_archive_builds() {
+    let dir = tempfile::tempdir().unwrap();
+    let archive = dir.path().join("image.tar");
+    let cache = dir.path().join("cache");
+    let image = standard_image();
+    image.write_docker_archive(&archive, "rollbox-test/crafted:latest");
+    let agent = agent();
+    let built = build_ok(&[
+        "image",
+        "build",
+        "rollbox-test/crafted",
+        "--from-docker-archive",
+        arg(&archive),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
+    check_standard_rootfs(&built.rootfs);
+    let metadata: serde_json::Value = serde_json::from_slice(&fs::read(&built.metadata).unwrap()).unwrap();
+    assert_eq!(metadata["source"], "docker-archive");
+    assert_eq!(metadata["image_digest"], image.config_digest());
+
+    let err = build_err(&[
+        "image",
+        "build",
+        "rollbox-test/other",
+        "--from-docker-archive",
+        arg(&archive),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
+    assert!(err.contains("no image matches \"rollbox-test/other\"") && err.contains("rollbox-test/crafted:latest"), "{err}");
+}
+
+#[test]
+fn registry_pull_builds() {
+    if !registry_answers() {
+        return skip("registry_pull_builds", "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let image = standard_image();
+    let reference = format!("{REGISTRY}/rollbox-test/crafted-{}:latest", std::process::id());
+    image.push(&reference);
+    let agent = agent();
+    let args = ["image", "build", reference.as_str(), "--agent", arg(&agent), "--cache-dir", arg(&cache)];
+    let started = Instant::now();
+    let built = build_ok(&args);
+    let cold = started.elapsed();
+    check_standard_rootfs(&built.rootfs);
+    // Layers are cached by blob digest.
+    for blob in &image.blobs {
+        let hex = sha256(blob).trim_start_matches("sha256:").to_string();
+        assert!(cache.join("blobs/sha256").join(hex).is_file());
+    }
+    let started = Instant::now();
+    let again = build_ok(&args);
+    eprintln!(
+        "figures: registry image, cold {:.0} ms, cached {:.0} ms",
+        cold.as_secs_f64() * 1000.0,
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+    assert!(again.stderr.contains("cached"));
+    assert_eq!(again.rootfs, built.rootfs);
+}
+
+#[test]
+fn missing_images_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let agent = agent();
+    let common = ["--agent", arg(&agent), "--cache-dir", arg(&cache)];
+    let run = |extra: &[&str]| {
+        let mut args = vec!["image", "build"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&common);
+        build_err(&args)
+    };
+    let err = run(&["--from-docker-archive", "/nonexistent/image.tar"]);
+    assert!(err.contains("docker archive /nonexistent/image.tar: file not found"), "{err}");
+    let err = run(&["--from-oci-layout", "/nonexistent/layout"]);
+    assert!(err.contains("OCI layout /nonexistent/layout: directory not found"), "{err}");
+    let err = build_err(&["image", "build", "--from-oci-layout", "/tmp", "--agent", "/nonexistent/agent", "--cache-dir", arg(&cache)]);
+    assert!(err.contains("agent binary /nonexistent/agent not found"), "{err}");
+    assert_cache_clean(&cache);
+
+    if !registry_answers() {
+        return skip("missing_images_are_clear_errors (registry part)", "no registry at 127.0.0.1:5000");
+    }
+    let err = run(&[&format!("{REGISTRY}/rollbox-test/does-not-exist:latest")]);
+    assert!(err.contains("not found in registry 127.0.0.1:5000"), "{err}");
+    let image = standard_image();
+    let reference = format!("{REGISTRY}/rollbox-test/tags-{}:v1", std::process::id());
+    image.push(&reference);
+    let err = run(&[&reference.replace(":v1", ":no-such-tag")]);
+    assert!(err.contains("not found in registry"), "{err}");
+    assert_cache_clean(&cache);
+}
+
+/// Builds a one-layer OCI layout from `layer` (stored as `blob`) and expects failure.
+fn expect_bad_layout(blob_override: Option<Vec<u8>>, layer: Vec<u8>, expected: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let mut image = Image::new(vec![layer]);
+    if let Some(blob) = blob_override {
+        image.blobs[0] = blob;
+    }
+    image.write_oci_layout(&layout, "bad");
+    let out = dir.path().join("out.ext4");
+    let agent = agent();
+    let err = build_err(&[
+        "image",
+        "build",
+        "--from-oci-layout",
+        arg(&layout),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+        "--output",
+        arg(&out),
+    ]);
+    assert!(err.contains(expected), "expected {expected:?} in: {err}");
+    assert_cache_clean(&cache);
+    assert!(!out.exists(), "half-written output");
+}
+
+#[test]
+fn path_traversal_is_refused() {
+    expect_bad_layout(None, Layer::new().raw_file("../escape", b"x").tar(), "`..` component (path traversal)");
+    expect_bad_layout(None, Layer::new().raw_file("/etc/escape", b"x").tar(), "has an absolute path");
+    expect_bad_layout(
+        None,
+        Layer::new().symlink("evil", "/etc").file("evil/passwd", b"owned", 0o644, 0, 0).tar(),
+        "would be written through the symlink /evil",
+    );
+    expect_bad_layout(None, Layer::new().hardlink("h", "../../etc/passwd").tar(), "points outside the root");
+}
+
+#[test]
+fn corrupt_layers_are_refused() {
+    let good = Layer::new().file("etc/hostname", b"sandbox", 0o644, 0, 0).tar();
+    // Not gzip at all past the magic: the digest matches (it is of these bytes), the data is bad.
+    let mut bad_gzip = vec![0x1f, 0x8b, 0x08, 0x00];
+    bad_gzip.extend_from_slice(&noise(4096));
+    expect_bad_layout(Some(bad_gzip), good.clone(), "corrupt or unreadable layer data");
+
+    // A blob altered after its digest was recorded.
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let other = Layer::new().file("etc/motd", b"hello", 0o644, 0, 0).tar();
+    let image = Image::new(vec![good, other]);
+    image.write_oci_layout(&layout, "tampered");
+    let blob = image.oci_blob_path(&layout, 1);
+    let mut bytes = fs::read(&blob).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    fs::write(&blob, bytes).unwrap();
+    let agent = agent();
+    let err = build_err(&["image", "build", "--from-oci-layout", arg(&layout), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    assert!(err.contains("layer 2/2") && err.contains("blob digest mismatch"), "{err}");
+    assert_cache_clean(&cache);
+}
+
+/// Unmounts the test tmpfs however the test ends.
+struct TmpfsMount<'a>(&'a Path);
+
+impl Drop for TmpfsMount<'_> {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0).status();
+    }
+}
+
+#[test]
+fn full_disk_leaves_nothing_behind() {
+    if !is_root() {
+        return skip("full_disk_leaves_nothing_behind", "needs root to mount a tmpfs");
+    }
+    // (tmpfs size, file size): the layer itself overflows; then the tree fits but the ext4 does not.
+    for (tmpfs_size, file_mib) in [("2m", 3usize), ("7m", 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let archive = dir.path().join("big.tar");
+        let image = Image::new(vec![Layer::new().file("big", &noise(file_mib << 20), 0o644, 0, 0).tar()]);
+        image.write_docker_archive(&archive, "rollbox-test/big:latest");
+        let small = dir.path().join("small");
+        fs::create_dir(&small).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={tmpfs_size}"), "tmpfs"])
+            .arg(&small)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            return skip("full_disk_leaves_nothing_behind", "mount -t tmpfs failed");
+        }
+        let _unmount = TmpfsMount(&small);
+        let agent = agent();
+        let err = build_err(&["image", "build", "--from-docker-archive", arg(&archive), "--agent", arg(&agent), "--cache-dir", arg(&small)]);
+        assert!(err.contains("No space left on device") || err.contains("no space left"), "{tmpfs_size}: {err}");
+        assert!(err.contains("hint: the disk holding the cache"), "{tmpfs_size}: {err}");
+        assert_cache_clean(&small);
+    }
+}
+
+/// A real image from dockerd: `docker build` of busybox-static, `docker save`, and a push to
+/// the loopback registry.
+#[test]
+fn dockerd_image_via_save_and_registry() {
+    if !docker_works() {
+        return skip("dockerd_image_via_save_and_registry", "dockerd is not running (scripts/start-dockerd.sh)");
+    }
+    let busybox = Path::new("/bin/busybox");
+    let static_busybox = Command::new("file")
+        .arg(busybox)
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("statically linked"));
+    if !static_busybox {
+        return skip("dockerd_image_via_save_and_registry", "needs busybox-static at /bin/busybox");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let context = dir.path().join("context");
+    fs::create_dir(&context).unwrap();
+    fs::copy(busybox, context.join("busybox")).unwrap();
+    fs::write(
+        context.join("Dockerfile"),
+        r#"FROM scratch
+COPY busybox /bin/busybox
+RUN ["/bin/busybox", "sh", "-c", "/bin/busybox --install -s /bin && mkdir -p /etc /data/old /home/user && echo bye > /etc/gone && echo old > /data/old/f && chown 1000:1000 /home/user && chmod 700 /home/user"]
+RUN rm /etc/gone && rm -rf /data && mkdir /data && echo new > /data/new
+ENV GREETING="hello world"
+WORKDIR /home/user
+USER 1000:1000
+ENTRYPOINT ["/bin/sh", "-c"]
+CMD ["echo $GREETING"]
+"#,
+    )
+    .unwrap();
+    let tag = format!("{REGISTRY}/rollbox-test/tiny-{}:latest", std::process::id());
+    let docker = |args: &[&str]| {
+        let output = Command::new("docker").args(args).output().unwrap();
+        assert!(output.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    };
+    docker(&["build", "-q", "-t", &tag, arg(&context)]);
+    let archive = dir.path().join("tiny.tar");
+    docker(&["save", "-o", arg(&archive), &tag]);
+
+    let cache = dir.path().join("cache");
+    let agent = agent();
+    let check = |image: &Path| {
+        assert!(stat(image, "/etc/gone").is_none(), "whiteout ignored");
+        assert!(stat(image, "/data/old").is_none(), "opaque directory ignored");
+        assert_eq!(cat(image, "/data/new"), b"new\n");
+        let home = stat(image, "/home/user").unwrap();
+        assert_eq!((home.mode, home.uid, home.gid), (0o700, 1000, 1000));
+        assert_eq!(stat(image, "/bin/sh").unwrap().kind, "symlink");
+        check_agent_and_metadata(image);
+        fsck(image);
+    };
+    let started = Instant::now();
+    let saved = build_ok(&["image", "build", &tag, "--from-docker-archive", arg(&archive), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    let cold = started.elapsed();
+    check(&saved.rootfs);
+    let started = Instant::now();
+    build_ok(&["image", "build", &tag, "--from-docker-archive", arg(&archive), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    eprintln!(
+        "figures: busybox image (docker save): ext4 {} MiB apparent, {} KiB allocated; cold {:.0} ms, cached {:.0} ms",
+        saved.size_bytes >> 20,
+        fs::metadata(&saved.rootfs).map(|m| std::os::unix::fs::MetadataExt::blocks(&m) / 2).unwrap_or(0),
+        cold.as_secs_f64() * 1000.0,
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+
+    if !registry_answers() {
+        let _ = Command::new("docker").args(["rmi", &tag]).output();
+        return skip("dockerd_image_via_save_and_registry (registry part)", "no registry at 127.0.0.1:5000");
+    }
+    docker(&["push", &tag]);
+    let pulled = build_ok(&["image", "build", &tag, "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    check(&pulled.rootfs);
+    let _ = Command::new("docker").args(["rmi", &tag]).output();
+}
