@@ -57,6 +57,10 @@ impl AgentProcess {
         AgentClient::connect_unix(&self.socket, DEFAULT_PORT).await.expect("connect to agent")
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A fresh scratch directory path (absolute) inside the test's temp dir.
     pub fn scratch(&self, name: &str) -> String {
         self.dir.path().join(name).display().to_string()
