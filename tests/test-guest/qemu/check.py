@@ -216,29 +216,32 @@ def main():
     else:
         print("skip  vsock checks: vhost-device-vsock not installed (cargo install vhost-device-vsock)")
 
-    # Host side of guest-initiated connections: answers "pong:<line>".
-    listener = None
+    # Host side of guest-initiated connections. Port 5001 answers "pong:<line>" and
+    # lingers, 5003 answers and closes at once, 5004 closes without answering.
+    listeners = []
     if vsock:
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(uds + "_5001")
-        listener.listen(4)
-
-        def serve():
+        def serve(listener, reply, linger):
             while True:
                 try:
                     c, _ = listener.accept()
                 except OSError:
                     return
                 data = b""
-                while not data.endswith(b"\n"):
+                while reply and not data.endswith(b"\n"):
                     d = c.recv(4096)
                     if not d:
                         break
                     data += d
-                c.sendall(b"pong:" + data)
-                time.sleep(0.2)
+                if reply:
+                    c.sendall(b"pong:" + data)
+                time.sleep(linger)
                 c.close()
-        threading.Thread(target=serve, daemon=True).start()
+        for port, reply, linger in ((5001, True, 0.2), (5003, True, 0.0), (5004, False, 0.0)):
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind("%s_%d" % (uds, port))
+            listener.listen(4)
+            listeners.append(listener)
+            threading.Thread(target=serve, args=(listener, reply, linger), daemon=True).start()
 
     guest = Guest(argv, os.path.join(work, "vmm.log"))
     big_sum = None
@@ -288,6 +291,9 @@ def main():
             hello, got = host_echo(uds, 5000, b"again\n")
             ck.check("echo still served after vsock-connect", got == b"again\n")
             ck.expect("vsock-connect 5001 second", r"OK pong:second")
+            ck.expect("vsock-connect 5003 quick close", r"OK pong:quick close")
+            ck.expect("vsock-connect 5004 no answer", r"ERR (connection-reset|timeout)")
+            ck.expect("vsock-connect 5003 again", r"OK pong:again")
             ck.expect("echo still alive", r"OK still alive")
         t0 = time.time()
         big_sum = ck.expect("blk-sum 0 0 2048", r"OK 0x[0-9a-f]{16}", timeout=120)
@@ -300,7 +306,7 @@ def main():
         if backend:
             backend.kill()
             backend.wait()
-        if listener:
+        for listener in listeners:
             listener.close()
 
     with open(disk, "rb") as f:

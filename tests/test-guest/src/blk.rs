@@ -277,7 +277,14 @@ mod tests {
 
     #[test]
     fn hostile_kinds_parse() {
-        for word in [&b"oob"[..], b"loop", b"long", b"dir", b"badnext", b"badavail"] {
+        for word in [
+            &b"oob"[..],
+            b"loop",
+            b"long",
+            b"dir",
+            b"badnext",
+            b"badavail",
+        ] {
             assert!(Hostile::parse(word).is_some());
         }
         assert!(Hostile::parse(b"LOOP").is_none());

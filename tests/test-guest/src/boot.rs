@@ -174,9 +174,18 @@ mod tests {
 
     #[test]
     fn virtio_mmio_entries_parse() {
-        assert_eq!(parse_virtio_mmio_arg(b"virtio_mmio.device=4K@0xd0000000:5"), Some((0xd000_0000, 5)));
-        assert_eq!(parse_virtio_mmio_arg(b"virtio_mmio.device=512@0xfeb00e00:12"), Some((0xfeb0_0e00, 12)));
-        assert_eq!(parse_virtio_mmio_arg(b"virtio_mmio.device=0x1000@0xd0001000:6:3"), Some((0xd000_1000, 6)));
+        assert_eq!(
+            parse_virtio_mmio_arg(b"virtio_mmio.device=4K@0xd0000000:5"),
+            Some((0xd000_0000, 5))
+        );
+        assert_eq!(
+            parse_virtio_mmio_arg(b"virtio_mmio.device=512@0xfeb00e00:12"),
+            Some((0xfeb0_0e00, 12))
+        );
+        assert_eq!(
+            parse_virtio_mmio_arg(b"virtio_mmio.device=0x1000@0xd0001000:6:3"),
+            Some((0xd000_1000, 6))
+        );
     }
 
     #[test]
@@ -190,7 +199,12 @@ mod tests {
             b"virtio_mmio.device=4K@zz:5",
             b"virtio_mmio.device=4K@0xd0000000:",
         ] {
-            assert_eq!(parse_virtio_mmio_arg(bad), None, "{:?}", core::str::from_utf8(bad));
+            assert_eq!(
+                parse_virtio_mmio_arg(bad),
+                None,
+                "{:?}",
+                core::str::from_utf8(bad)
+            );
         }
     }
 

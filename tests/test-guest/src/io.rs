@@ -249,7 +249,15 @@ mod tests {
 
     #[test]
     fn parse_u64_rejects_bad_input() {
-        for bad in [&b""[..], b"0x", b"12a", b"-1", b" 1", b"18446744073709551616", b"0x10000000000000000"] {
+        for bad in [
+            &b""[..],
+            b"0x",
+            b"12a",
+            b"-1",
+            b" 1",
+            b"18446744073709551616",
+            b"0x10000000000000000",
+        ] {
             assert_eq!(parse_u64(bad), None, "{:?}", core::str::from_utf8(bad));
         }
     }

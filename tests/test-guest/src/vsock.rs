@@ -125,6 +125,9 @@ enum State {
     Established,
     /// We sent SHUTDOWN and wait for the peer's RST until the deadline.
     Closing,
+    /// The peer reset or shut down a client connection; the slot keeps what was
+    /// received until `connect_line` has collected it.
+    PeerClosed,
 }
 
 struct Conn {
@@ -140,8 +143,6 @@ struct Conn {
     /// Bytes taken out of `buf` (echoed, or consumed by the client).
     fwd_cnt: u32,
     credit_requested: bool,
-    /// The peer reset or refused the connection.
-    reset: bool,
     close_deadline: u64,
     /// Received, not yet consumed bytes.
     buf: [u8; BUF],
@@ -160,7 +161,6 @@ impl Conn {
         tx_cnt: 0,
         fwd_cnt: 0,
         credit_requested: false,
-        reset: false,
         close_deadline: 0,
         buf: [0; BUF],
         len: 0,
@@ -424,6 +424,7 @@ impl Vsock {
     fn find(&self, h: &Header) -> Option<usize> {
         self.conns.iter().position(|c| {
             c.state != State::Free
+                && c.state != State::PeerClosed
                 && c.local_port == h.dst_port
                 && c.peer_port == h.src_port
                 && c.peer_cid == h.src_cid
@@ -466,7 +467,6 @@ impl Vsock {
             if u32::from_le_bytes([e[0], e[1], e[2], e[3]]) == EVENT_TRANSPORT_RESET {
                 // After a snapshot restore: connections are gone, listeners stay.
                 for conn in self.conns.iter_mut() {
-                    conn.reset = true;
                     conn.state = State::Free;
                     conn.len = 0;
                 }
@@ -516,15 +516,11 @@ impl Vsock {
         let client = conn.client;
         match h.op {
             OP_RESPONSE if conn.state == State::Connecting => conn.state = State::Established,
-            OP_RST => {
-                conn.reset = true;
-                self.free(c);
-            }
+            OP_RST => self.closed_by_peer(c, client),
             OP_SHUTDOWN => {
                 // The guest keeps no half-closed streams: it answers with RST.
-                conn.reset = true;
                 let _ = self.send_conn(tx, c, OP_RST, 0);
-                self.free(c);
+                self.closed_by_peer(c, client);
             }
             OP_RW if conn.state == State::Established => {
                 let room = BUF - conn.len.min(BUF);
@@ -545,7 +541,7 @@ impl Vsock {
             }
             OP_REQUEST | OP_RESPONSE => {
                 let _ = self.send_conn(tx, c, OP_RST, 0);
-                self.free(c);
+                self.closed_by_peer(c, client);
             }
             _ => {}
         }
@@ -567,7 +563,6 @@ impl Vsock {
             conn.tx_cnt = 0;
             conn.fwd_cnt = 0;
             conn.len = 0;
-            conn.reset = false;
             conn.credit_requested = false;
         }
         if self.send_conn(tx, c, OP_RESPONSE, 0).is_err() {
@@ -632,10 +627,33 @@ impl Vsock {
         }
     }
 
-    fn is_our_client(&self, c: usize, local_port: u32) -> bool {
-        self.conns.get(c).is_some_and(|conn| {
-            conn.state != State::Free && conn.client && conn.local_port == local_port
-        })
+    /// A server connection is dropped at once; a client connection keeps its received
+    /// bytes for `connect_line`, which may not have seen its reply line yet.
+    fn closed_by_peer(&mut self, c: usize, client: bool) {
+        if client {
+            if let Some(conn) = self.conns.get_mut(c) {
+                conn.state = State::PeerClosed;
+            }
+        } else {
+            self.free(c);
+        }
+    }
+
+    /// The state of client connection `c` if it is still the one on `local_port`.
+    fn client_state(&self, c: usize, local_port: u32) -> Option<State> {
+        self.conns
+            .get(c)
+            .filter(|conn| {
+                conn.state != State::Free && conn.client && conn.local_port == local_port
+            })
+            .map(|conn| conn.state)
+    }
+
+    /// Frees client connection `c` if it is still the one on `local_port`.
+    fn release(&mut self, c: usize, local_port: u32) {
+        if self.client_state(c, local_port).is_some() {
+            self.free(c);
+        }
     }
 
     fn abort(&mut self, tx: &mut PacketBuffers, c: usize) {
@@ -674,7 +692,6 @@ impl Vsock {
             conn.peer_fwd_cnt = 0;
             conn.tx_cnt = 0;
             conn.fwd_cnt = 0;
-            conn.reset = false;
             conn.credit_requested = false;
             conn.len = 0;
         }
@@ -683,15 +700,13 @@ impl Vsock {
         // Wait for RESPONSE.
         loop {
             self.poll(dma);
-            if !self.is_our_client(c, local_port) {
-                return Err(ConnectError::Refused);
-            }
-            if self
-                .conns
-                .get(c)
-                .is_some_and(|conn| conn.state == State::Established)
-            {
-                break;
+            match self.client_state(c, local_port) {
+                Some(State::Established) => break,
+                Some(State::Connecting) => {}
+                _ => {
+                    self.release(c, local_port);
+                    return Err(ConnectError::Refused);
+                }
             }
             if deadline.passed() {
                 self.abort(&mut dma.tx, c);
@@ -719,7 +734,8 @@ impl Vsock {
                 break;
             }
             self.poll(dma);
-            if !self.is_our_client(c, local_port) {
+            if self.client_state(c, local_port) != Some(State::Established) {
+                self.release(c, local_port);
                 return Err(ConnectError::Refused);
             }
             if deadline.passed() {
@@ -728,12 +744,12 @@ impl Vsock {
             }
             pause();
         }
-        // Wait for one line back.
+        // Wait for one line back. The peer may close right after sending it.
         let reply_len = loop {
             self.poll(dma);
-            if !self.is_our_client(c, local_port) {
+            let Some(state) = self.client_state(c, local_port) else {
                 return Err(ConnectError::Refused);
-            }
+            };
             if let Some(conn) = self.conns.get(c) {
                 if let Some(end) = conn
                     .buf
@@ -747,12 +763,20 @@ impl Vsock {
                     break k;
                 }
             }
+            if state == State::PeerClosed {
+                self.free(c);
+                return Err(ConnectError::Refused);
+            }
             if deadline.passed() {
                 self.abort(&mut dma.tx, c);
                 return Err(ConnectError::Timeout);
             }
             pause();
         };
+        if self.client_state(c, local_port) == Some(State::PeerClosed) {
+            self.free(c);
+            return Ok(reply_len);
+        }
         // Close: SHUTDOWN, then the peer's RST (or ours once CLOSE_WAIT_MS have passed).
         if let Some(conn) = self.conns.get_mut(c) {
             let all = conn.len;
@@ -799,8 +823,14 @@ mod tests {
         assert_eq!(&b[40..44], &9u32.to_le_bytes());
         assert_eq!(&b[44..], &[0u8; 20]);
         let d = Header::decode(&b);
-        assert_eq!((d.src_cid, d.dst_cid, d.src_port, d.dst_port), (3, 2, 0x1234, 5000));
-        assert_eq!((d.len, d.kind, d.op, d.buf_alloc, d.fwd_cnt), (7, TYPE_STREAM, OP_RW, 4096, 9));
+        assert_eq!(
+            (d.src_cid, d.dst_cid, d.src_port, d.dst_port),
+            (3, 2, 0x1234, 5000)
+        );
+        assert_eq!(
+            (d.len, d.kind, d.op, d.buf_alloc, d.fwd_cnt),
+            (7, TYPE_STREAM, OP_RW, 4096, 9)
+        );
     }
 
     #[test]
