@@ -213,7 +213,7 @@ impl Blk {
         let data = dma.data.as_ptr() as u64;
         let status = dma.status.as_ptr() as u64;
         let q = &mut self.queue;
-        let size = q.size;
+        let size = q.size.max(1);
         let mut bump_avail = true;
         match kind {
             Hostile::OutOfBounds => {
