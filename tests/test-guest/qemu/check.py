@@ -12,7 +12,8 @@ and also checks that `poweroff` and `reset` end the VMM with status 0 and `crash
 failure.
 
 The disk images are checked afterwards. Exits 0 when all checks pass, 1 on a failed
-check, 2 when a required tool is missing.
+check. A missing tool (qemu-system-x86_64, gcc, ld; vhost-device-vsock for the vsock
+part) skips with one line, or exits 2 when ROLLBOX_REQUIRE_ALL=1.
 
 usage: cargo xtask test-guest && python3 tests/test-guest/qemu/check.py [--keep] [--vmm PATH]
 """
@@ -100,10 +101,14 @@ class Checker:
             print("FAIL  %s" % what)
 
 
+REQUIRE_ALL = os.environ.get("ROLLBOX_REQUIRE_ALL") == "1"
+
+
 def need(tool):
+    """A missing tool skips the check with one line, or fails it under ROLLBOX_REQUIRE_ALL=1."""
     if shutil.which(tool) is None:
-        print("check.py: %s not found; install it (see tests/test-guest/README.md)" % tool)
-        sys.exit(2)
+        print("skip: check.py needs %s (see tests/test-guest/README.md)" % tool)
+        sys.exit(2 if REQUIRE_ALL else 0)
 
 
 def build_shim(work):
@@ -182,6 +187,8 @@ def main():
         print("check.py: %s missing; run `cargo xtask test-guest` first" % GUEST)
         sys.exit(2)
     vsock = shutil.which("vhost-device-vsock") if vmm is None else vmm
+    if vsock is None and REQUIRE_ALL:
+        need("vhost-device-vsock")
     work = tempfile.mkdtemp(prefix="test-guest-check-")
     shim = build_shim(work) if vmm is None else None
     disk = os.path.join(work, "d.img")
