@@ -1,0 +1,387 @@
+//! Lazy restore: guest memory is anonymous and filled on demand by a userfaultfd page server
+//! thread inside the VMM, from the snapshot's memory layers. It can record the pages a restored
+//! guest touches (its working set) and prefetch them on the next restore, as REAP does.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use userfaultfd::{Event, Uffd, UffdBuilder};
+
+use crate::format::AtomicFile;
+use crate::memory::{HostRegion, MemoryLayer, PAGE_SIZE};
+
+/// Errors of the page server.
+#[derive(Debug, thiserror::Error)]
+pub enum UffdError {
+    /// userfaultfd could not be created or registered.
+    #[error("userfaultfd: {0}")]
+    Uffd(String),
+    /// A memory layer could not be mapped.
+    #[error("cannot map memory layer {path}: {source}")]
+    Map {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The working-set file is unreadable.
+    #[error("working set {path}: {detail}")]
+    WorkingSet {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The server thread could not start.
+    #[error("cannot start the page server thread: {0}")]
+    Thread(std::io::Error),
+}
+
+const WS_MAGIC: [u8; 8] = *b"RBXWSET\0";
+
+/// A read-only mapping of one layer's file.
+struct Source {
+    base: *const u8,
+    len: usize,
+    ranges: Option<Vec<(u64, u64)>>,
+}
+
+// SAFETY: the mapping is read-only and lives until the server drops it.
+unsafe impl Send for Source {}
+// SAFETY: as above; only reads happen through the pointer.
+unsafe impl Sync for Source {}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping created in `map_source`.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
+fn map_source(layer: &MemoryLayer, file: &File, len: u64) -> Result<Source, UffdError> {
+    // SAFETY: a fresh read-only shared mapping of a file we opened; checked for failure.
+    let base = unsafe {
+        libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_NORESERVE, file.as_raw_fd(), 0)
+    };
+    if base == libc::MAP_FAILED {
+        return Err(UffdError::Map { path: layer.path.clone(), source: std::io::Error::last_os_error() });
+    }
+    Ok(Source { base: base.cast(), len: len as usize, ranges: layer.dirty.clone() })
+}
+
+struct Shared {
+    regions: Vec<HostRegion>,
+    sources: Vec<Source>,
+    uffd: Uffd,
+    faults: AtomicU64,
+    prefetched: AtomicU64,
+    recorded: Mutex<Vec<u64>>,
+    recording: bool,
+    stop: AtomicBool,
+}
+
+// SAFETY: HostRegion holds raw pointers into guest memory that outlives the server; the server
+// only passes them to UFFDIO ioctls.
+unsafe impl Send for Shared {}
+// SAFETY: see above; mutable state is atomic or behind a mutex.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The topmost layer holding file offset `offset`.
+    fn source_for(&self, offset: u64) -> Option<&Source> {
+        self.sources.iter().rev().find(|s| match &s.ranges {
+            None => true,
+            Some(ranges) => ranges.iter().any(|(start, len)| offset >= *start && offset < start + len),
+        })
+    }
+
+    fn locate(&self, addr: u64) -> Option<(u64, *mut u8)> {
+        self.regions.iter().find_map(|r| {
+            let start = r.host as u64;
+            (addr >= start && addr < start + r.len).then(|| {
+                let page = (addr - start) & !(PAGE_SIZE - 1);
+                // SAFETY: `page` lies inside the region.
+                (r.file_offset + page, unsafe { r.host.add(page as usize) })
+            })
+        })
+    }
+
+    /// Fills `len` bytes at `dst` (file offset `offset`) from the layers.
+    fn fill(&self, offset: u64, dst: *mut u8, len: u64) -> Result<(), String> {
+        let mut done = 0;
+        while done < len {
+            let at = offset + done;
+            // SAFETY: `dst + done` stays inside the run the caller located.
+            let to = unsafe { dst.add(done as usize) };
+            let src = self.source_for(at).ok_or_else(|| format!("no layer holds offset {at:#x}"))?;
+            // SAFETY: `at` is below the guest length, which every layer mapping covers.
+            let from = unsafe { src.base.add(at as usize) };
+            // SAFETY: `from` points at a readable page of the layer mapping.
+            let zero = unsafe { std::slice::from_raw_parts(from.cast::<u64>(), (PAGE_SIZE / 8) as usize) }
+                .iter()
+                .all(|w| *w == 0);
+            // SAFETY: `to` is a registered, page-aligned guest page; `from` a readable page.
+            let result = unsafe {
+                if zero {
+                    self.uffd.zeropage(to.cast(), PAGE_SIZE as usize, true)
+                } else {
+                    self.uffd.copy(from.cast(), to.cast(), PAGE_SIZE as usize, true)
+                }
+            };
+            match result {
+                Ok(_) => {}
+                Err(userfaultfd::Error::CopyFailed(e)) | Err(userfaultfd::Error::ZeropageFailed(e)) if e as i32 == libc::EEXIST => {
+                    let _ = self.uffd.wake(to.cast(), PAGE_SIZE as usize);
+                }
+                Err(e) => return Err(format!("filling page at {at:#x}: {e:?}")),
+            }
+            done += PAGE_SIZE;
+        }
+        Ok(())
+    }
+
+    fn serve(&self) {
+        let fd = self.uffd.as_raw_fd();
+        while !self.stop.load(Ordering::Relaxed) {
+            let mut poll = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: polls one valid fd with a 50 ms timeout.
+            let n = unsafe { libc::poll(&mut poll, 1, 50) };
+            if n <= 0 {
+                continue;
+            }
+            loop {
+                match self.uffd.read_event() {
+                    Ok(Some(Event::Pagefault { addr, .. })) => {
+                        let Some((offset, dst)) = self.locate(addr as u64) else {
+                            log::error!("page server: fault at {addr:?} outside guest memory");
+                            continue;
+                        };
+                        self.faults.fetch_add(1, Ordering::Relaxed);
+                        if self.recording {
+                            self.recorded.lock().unwrap_or_else(|e| e.into_inner()).push(offset);
+                        }
+                        if let Err(e) = self.fill(offset, dst, PAGE_SIZE) {
+                            log::error!("page server: {e}");
+                        }
+                    }
+                    Ok(Some(other)) => log::debug!("page server: ignored event {other:?}"),
+                    Ok(None) => break,
+                    Err(e) => {
+                        log::error!("page server: reading events: {e:?}");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Options of a lazy restore.
+#[derive(Debug, Clone, Default)]
+pub struct PageServerOptions {
+    /// Prefetch the pages listed in this working-set file before the guest runs.
+    pub prefetch_from: Option<PathBuf>,
+    /// Record the pages the guest faults in, written here when the server stops.
+    pub record_to: Option<PathBuf>,
+}
+
+/// Figures of a running page server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PageServerStats {
+    /// Pages served on demand.
+    pub faults: u64,
+    /// Pages prefetched from the working set.
+    pub prefetched: u64,
+}
+
+/// The running page server.
+pub struct PageServer {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    record_to: Option<PathBuf>,
+}
+
+/// Reads a working-set file: page offsets in first-touch order.
+pub fn read_working_set(path: &Path) -> Result<Vec<u64>, UffdError> {
+    let err = |detail: String| UffdError::WorkingSet { path: path.to_path_buf(), detail };
+    let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    if bytes.len() < 16 || bytes[..8] != WS_MAGIC {
+        return Err(err("not a working-set file".into()));
+    }
+    let mut count = [0u8; 8];
+    count.copy_from_slice(&bytes[8..16]);
+    let count = u64::from_le_bytes(count) as usize;
+    let body = &bytes[16..];
+    if body.len() != count * 8 {
+        return Err(err(format!("truncated: {count} entries promised, {} bytes present", body.len())));
+    }
+    Ok(body
+        .chunks_exact(8)
+        .map(|c| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            u64::from_le_bytes(b)
+        })
+        .collect())
+}
+
+fn write_working_set(path: &Path, pages: &[u64]) -> Result<(), String> {
+    use std::io::Write;
+    let out = AtomicFile::create(path).map_err(|e| e.to_string())?;
+    let mut bytes = Vec::with_capacity(16 + pages.len() * 8);
+    bytes.extend_from_slice(&WS_MAGIC);
+    bytes.extend_from_slice(&(pages.len() as u64).to_le_bytes());
+    for p in pages {
+        bytes.extend_from_slice(&p.to_le_bytes());
+    }
+    out.file().write_all(&bytes).map_err(|e| e.to_string())?;
+    out.commit().map_err(|e| e.to_string())
+}
+
+impl PageServer {
+    /// Registers `regions` (anonymous, untouched) with a new userfaultfd, prefetches the
+    /// working set if asked, and starts serving faults from `layers` (full base first).
+    pub fn start(
+        regions: &[HostRegion],
+        layers: &[(MemoryLayer, File)],
+        guest_len: u64,
+        options: PageServerOptions,
+    ) -> Result<Self, UffdError> {
+        let uffd = UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            .user_mode_only(false)
+            .create()
+            .map_err(|e| UffdError::Uffd(format!("create (needs /dev/userfaultfd or CAP_SYS_PTRACE): {e:?}")))?;
+        for r in regions {
+            uffd.register(r.host.cast(), r.len as usize)
+                .map_err(|e| UffdError::Uffd(format!("register {:?}+{:#x}: {e:?}", r.host, r.len)))?;
+        }
+        let sources = layers
+            .iter()
+            .map(|(layer, file)| map_source(layer, file, guest_len))
+            .collect::<Result<Vec<_>, _>>()?;
+        let shared = Arc::new(Shared {
+            regions: regions.to_vec(),
+            sources,
+            uffd,
+            faults: AtomicU64::new(0),
+            prefetched: AtomicU64::new(0),
+            recorded: Mutex::new(Vec::new()),
+            recording: options.record_to.is_some(),
+            stop: AtomicBool::new(false),
+        });
+        if let Some(ws) = &options.prefetch_from {
+            let mut pages = read_working_set(ws)?;
+            pages.sort_unstable();
+            pages.dedup();
+            for offset in pages {
+                if offset >= guest_len {
+                    continue;
+                }
+                let Some((_, dst)) = shared.regions.iter().find_map(|r| {
+                    (offset >= r.file_offset && offset < r.file_offset + r.len)
+                        // SAFETY: the offset lies inside this region.
+                        .then(|| ((), unsafe { r.host.add((offset - r.file_offset) as usize) }))
+                }) else {
+                    continue;
+                };
+                shared.fill(offset, dst, PAGE_SIZE).map_err(UffdError::Uffd)?;
+                shared.prefetched.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let worker = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("page-server".into())
+            .spawn(move || worker.serve())
+            .map_err(UffdError::Thread)?;
+        Ok(Self { shared, thread: Some(thread), record_to: options.record_to })
+    }
+
+    /// Current figures.
+    pub fn stats(&self) -> PageServerStats {
+        PageServerStats {
+            faults: self.shared.faults.load(Ordering::Relaxed),
+            prefetched: self.shared.prefetched.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Writes the recorded working set now (it is also written when the server stops).
+    pub fn save_working_set(&self) -> Result<(), String> {
+        let Some(path) = &self.record_to else { return Ok(()) };
+        let pages = self.shared.recorded.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        write_working_set(path, &pages)
+    }
+}
+
+impl Drop for PageServer {
+    fn drop(&mut self) {
+        // Keep serving until the owner is done with guest memory; then stop and save.
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        if let Err(e) = self.save_working_set() {
+            log::warn!("page server: cannot save the working set: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{write_full, Sparseness};
+
+    fn anon(len: usize) -> *mut u8 {
+        // SAFETY: a fresh anonymous mapping, leaked for the test's life.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p.cast()
+    }
+
+    #[test]
+    fn serves_faults_records_and_prefetches() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let len = 32 * PAGE_SIZE;
+        let src = anon(len as usize);
+        for page in [1u64, 3, 20] {
+            // SAFETY: inside the mapping.
+            unsafe { *src.add((page * PAGE_SIZE) as usize + 1) = page as u8 + 100 };
+        }
+        let layer = write_full(&dir.path().join("mem"), &[HostRegion { host: src, len, file_offset: 0 }], len, Sparseness::SkipNonResident)
+            .expect("write");
+        let file = crate::memory::open_layer(&layer, len).expect("open");
+        let ws = dir.path().join("mem.ws");
+
+        let dst = anon(len as usize);
+        let regions = [HostRegion { host: dst, len, file_offset: 0 }];
+        {
+            let server = PageServer::start(&regions, &[(layer.clone(), file.try_clone().expect("dup"))], len, PageServerOptions { prefetch_from: None, record_to: Some(ws.clone()) })
+                .expect("start");
+            // SAFETY: reads inside the registered mapping; the server fills them.
+            unsafe {
+                assert_eq!(std::ptr::read_volatile(dst.add((3 * PAGE_SIZE) as usize + 1)), 103);
+                assert_eq!(std::ptr::read_volatile(dst.add((20 * PAGE_SIZE) as usize + 1)), 120);
+                assert_eq!(std::ptr::read_volatile(dst.add((7 * PAGE_SIZE) as usize)), 0);
+            }
+            assert_eq!(server.stats().faults, 3);
+        }
+        let recorded = read_working_set(&ws).expect("ws");
+        assert_eq!(recorded, vec![3 * PAGE_SIZE, 20 * PAGE_SIZE, 7 * PAGE_SIZE]);
+
+        let again = anon(len as usize);
+        let regions = [HostRegion { host: again, len, file_offset: 0 }];
+        let server = PageServer::start(&regions, &[(layer, file)], len, PageServerOptions { prefetch_from: Some(ws), record_to: None })
+            .expect("start");
+        assert_eq!(server.stats().prefetched, 3);
+        // SAFETY: reads inside the registered mapping.
+        unsafe { assert_eq!(std::ptr::read_volatile(again.add((20 * PAGE_SIZE) as usize + 1)), 120) };
+        assert_eq!(server.stats().faults, 0, "prefetched pages must not fault");
+    }
+}
