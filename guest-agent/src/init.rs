@@ -26,7 +26,17 @@ const MOUNTS: &[Mount] = &[
     Mount { source: "cgroup2", target: "/sys/fs/cgroup", fstype: "cgroup2", flags: NOSUID_NODEV_NOEXEC, data: "" },
 ];
 
+/// True when `target` is already a mount point (per /proc/self/mountinfo).
+fn mounted(target: &str) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|info| info.lines().any(|line| line.split(' ').nth(4) == Some(target)))
+        .unwrap_or(false)
+}
+
 fn mount(m: &Mount) -> Result<(), SysError> {
+    if mounted(m.target) {
+        return Ok(());
+    }
     let fail = |e| SysError::new("mount", m.target, e);
     std::fs::create_dir_all(m.target).map_err(fail)?;
     let c = |s: &str| CString::new(s).map_err(|_| SysError::new("mount", m.target, std::io::Error::from_raw_os_error(libc::EINVAL)));
