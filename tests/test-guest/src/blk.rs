@@ -44,6 +44,8 @@ impl BlkDma {
 pub struct Blk {
     transport: Transport,
     ready: bool,
+    /// A request posted by `blk-post` and not yet completed.
+    posted: bool,
     features: u64,
     queue: Queue,
 }
@@ -80,6 +82,7 @@ impl Blk {
         Blk {
             transport: Transport { base },
             ready: false,
+            posted: false,
             features: 0,
             queue: Queue::empty(),
         }
@@ -98,6 +101,7 @@ impl Blk {
             &mut [&mut dma.ring],
         )?;
         self.transport.finish_init()?;
+        self.posted = false;
         self.features = features;
         self.ready = true;
         Ok(())
@@ -119,6 +123,62 @@ impl Blk {
         dma.header[8..16].copy_from_slice(&sector.to_le_bytes());
         // A value the device never writes, so a missing status write is visible.
         dma.status[0] = 0xff;
+    }
+
+    /// Posts a one-sector read of `sector` into `dma.data` to the avail ring without
+    /// notifying the device; `complete_posted` notifies and waits.
+    pub fn post_read(&mut self, dma: &mut BlkDma, sector: u64) {
+        Self::write_header(dma, T_IN, sector);
+        dma.data[..SECTOR].fill(0);
+        let header = dma.header.as_ptr() as u64;
+        let status = dma.status.as_ptr() as u64;
+        let q = &mut self.queue;
+        q.set_desc(0, header, 16, DESC_F_NEXT, 1);
+        q.set_desc(
+            1,
+            dma.data.as_ptr() as u64,
+            SECTOR as u32,
+            DESC_F_NEXT | DESC_F_WRITE,
+            2,
+        );
+        q.set_desc(2, status, 1, DESC_F_WRITE, 0);
+        q.push(0);
+        self.posted = true;
+    }
+
+    /// Whether a request posted by `post_read` has not been completed yet.
+    pub fn has_posted(&self) -> bool {
+        self.posted
+    }
+
+    /// Notifies the device of the posted request and waits for its completion.
+    pub fn complete_posted(&mut self, dma: &mut BlkDma, tpm: u64) -> Status {
+        if !self.posted {
+            return Err("nothing-posted");
+        }
+        self.posted = false;
+        self.transport.notify(&self.queue);
+        self.wait_used(dma, tpm)
+    }
+
+    /// Waits for the used element of the request with head 0 and returns its status.
+    fn wait_used(&mut self, dma: &mut BlkDma, tpm: u64) -> Status {
+        let deadline = Deadline::after_ms(tpm, REQUEST_TIMEOUT_MS);
+        loop {
+            if let Some((id, _len)) = self.queue.pop_used() {
+                if id != 0 {
+                    return Err("unexpected-used-id");
+                }
+                // SAFETY: the status byte is shared with the device, which has finished.
+                return Ok(unsafe { core::ptr::read_volatile(dma.status.as_ptr()) });
+            }
+            if deadline.passed() {
+                // The queue is now out of step with the device: start over next time.
+                self.ready = false;
+                return Err("timeout");
+            }
+            pause();
+        }
     }
 
     /// Sends one request whose data is `data_len` bytes at the start of `dma.data`
@@ -149,22 +209,7 @@ impl Blk {
         }
         q.push(0);
         self.transport.notify(&self.queue);
-        let deadline = Deadline::after_ms(tpm, REQUEST_TIMEOUT_MS);
-        loop {
-            if let Some((id, _len)) = self.queue.pop_used() {
-                if id != 0 {
-                    return Err("unexpected-used-id");
-                }
-                // SAFETY: the status byte is shared with the device, which has finished.
-                return Ok(unsafe { core::ptr::read_volatile(dma.status.as_ptr()) });
-            }
-            if deadline.passed() {
-                // The queue is now out of step with the device: start over next time.
-                self.ready = false;
-                return Err("timeout");
-            }
-            pause();
-        }
+        self.wait_used(dma, tpm)
     }
 
     /// Reads `sectors` (1..=8) sectors into `dma.data`.
@@ -267,6 +312,7 @@ impl Blk {
             pause();
         }
         self.ready = false;
+        self.posted = false;
         self.ensure_ready(dma, tpm)
     }
 }

@@ -99,6 +99,13 @@ impl BootInfo {
         self.devices.get(..self.device_count).unwrap_or(&[])
     }
 
+    /// Whether usable RAM (e820 type 1) covers `start..end`, as one contiguous run of
+    /// entries.
+    pub fn ram_covers(&self, start: u64, end: u64) -> bool {
+        let count = self.e820_count();
+        ram_covers(|i| (i < count).then(|| self.e820(i)), start, end)
+    }
+
     /// The end of the highest e820 range: used to aim a buffer past guest memory.
     pub fn memory_end(&self) -> u64 {
         (0..self.e820_count())
@@ -124,6 +131,33 @@ fn read_cmdline(params: usize) -> &'static [u8] {
     // SAFETY: the bytes ptr..ptr+len were just read, lie in identity-mapped guest
     // memory, and nothing writes the command line after boot.
     unsafe { core::slice::from_raw_parts(ptr as *const u8, len) }
+}
+
+const E820_RAM: u32 = 1;
+
+/// Whether the RAM entries produced by `entry(0)`, `entry(1)`, ... (until `None`) cover
+/// `start..end` without a gap.
+fn ram_covers(entry: impl Fn(usize) -> Option<E820Entry>, start: u64, end: u64) -> bool {
+    let mut covered = start;
+    // Each pass extends the covered prefix by one entry; entries may come in any order.
+    loop {
+        if covered >= end {
+            return true;
+        }
+        let mut extended = covered;
+        let mut i = 0;
+        while let Some(e) = entry(i) {
+            let e_end = e.addr.saturating_add(e.size);
+            if e.kind == E820_RAM && e.addr <= covered && e_end > extended {
+                extended = e_end;
+            }
+            i += 1;
+        }
+        if extended == covered {
+            return false;
+        }
+        covered = extended;
+    }
 }
 
 /// `virtio_mmio.device=<size>@<addr>:<irq>[:<id>]` → (addr, irq).
@@ -206,6 +240,40 @@ mod tests {
                 core::str::from_utf8(bad)
             );
         }
+    }
+
+    #[test]
+    fn ram_coverage_follows_the_e820_map() {
+        let map = [
+            E820Entry {
+                addr: 0,
+                size: 0x9fc00,
+                kind: 1,
+            },
+            E820Entry {
+                addr: 0x10_0000,
+                size: 0x3ff0_0000,
+                kind: 1,
+            },
+            E820Entry {
+                addr: 0x4000_0000,
+                size: 0x1000_0000,
+                kind: 1,
+            },
+            E820Entry {
+                addr: 0x5000_0000,
+                size: 0x1000_0000,
+                kind: 2,
+            },
+        ];
+        let entry = |i: usize| map.get(i).copied();
+        assert!(ram_covers(entry, 32 << 20, 64 << 20));
+        // Spans two adjacent RAM entries.
+        assert!(ram_covers(entry, 0x3000_0000, 0x4800_0000));
+        // Runs into the reserved entry, or starts in the hole below 1 MiB.
+        assert!(!ram_covers(entry, 0x4800_0000, 0x5800_0000));
+        assert!(!ram_covers(entry, 0xa0000, 0x20_0000));
+        assert!(!ram_covers(|_| None, 0, 1));
     }
 
     #[test]

@@ -24,6 +24,16 @@ pub fn inb(port: u16) -> u8 {
     value
 }
 
+/// A 32-bit port read.
+pub fn inl(port: u16) -> u32 {
+    let value: u32;
+    // SAFETY: as for `outb`.
+    unsafe {
+        asm!("in eax, dx", out("eax") value, in("dx") port, options(nomem, nostack, preserves_flags))
+    };
+    value
+}
+
 pub fn pause() {
     // SAFETY: `pause` is a spin-loop hint with no side effects.
     unsafe { asm!("pause", options(nomem, nostack, preserves_flags)) };

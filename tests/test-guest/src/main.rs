@@ -14,8 +14,10 @@ mod blk;
 mod boot;
 mod io;
 mod mem;
+mod snap;
 mod virtio;
 mod vsock;
+mod work;
 
 use core::arch::asm;
 #[cfg(not(test))]
@@ -210,7 +212,7 @@ impl Guest {
             b"e820" => self.cmd_e820(),
             b"devices" => self.cmd_devices(),
             b"blk-info" | b"blk-id" | b"blk-read" | b"blk-sum" | b"blk-write" | b"blk-fill"
-            | b"blk-flush" | b"hostile" => self.cmd_blk(name, args),
+            | b"blk-flush" | b"hostile" | b"blk-post" | b"blk-complete" => self.cmd_blk(name, args),
             b"vsock-cid" => match self.vsock.as_deref() {
                 Some(v) => {
                     puts(b"OK ");
@@ -219,6 +221,29 @@ impl Guest {
                 }
                 None => err(b"no-vsock-device"),
             },
+            b"generation" => snap::print_generation(),
+            b"prng" => match numbers::<1>(args) {
+                Some(([n], _)) if (1..=snap::PRNG_MAX).contains(&n) => snap::prng(n),
+                Some(_) => err(b"count-out-of-range"),
+                None => err(b"usage: prng N"),
+            },
+            b"compute" => match numbers::<1>(args) {
+                Some(([n], _)) => snap::compute(n),
+                None => err(b"usage: compute N"),
+            },
+            b"touch" | b"check" => self.cmd_workset(name, args),
+            b"bench-pio" | b"bench-mmio" | b"bench-loop" => {
+                let Some(([n], _)) = numbers::<1>(args) else {
+                    return err(b"usage: bench-pio|bench-mmio|bench-loop N");
+                };
+                let kind = match name {
+                    b"bench-pio" => snap::BenchKind::Pio,
+                    b"bench-mmio" => snap::BenchKind::Mmio,
+                    _ => snap::BenchKind::Empty,
+                };
+                snap::bench_loop(kind, n);
+                ok();
+            }
             b"vsock-listen" => self.cmd_vsock_listen(args),
             b"vsock-connect" => self.cmd_vsock_connect(args),
             b"reset" => {
@@ -279,10 +304,28 @@ impl Guest {
         let (Some(dev), Some(dma)) = (self.blks.get_mut(d), self.blk_dma.get_mut(d)) else {
             return err(b"no-such-block-device");
         };
+        if dev.has_posted() && name != b"blk-complete" {
+            return err(b"request-posted");
+        }
         if let Err(reason) = dev.ensure_ready(dma, tpm) {
             return err(reason.as_bytes());
         }
         match name {
+            b"blk-post" => {
+                let Some(([sector], _)) = numbers::<1>(args) else {
+                    return err(b"usage: blk-post D SECTOR");
+                };
+                dev.post_read(dma, sector);
+                ok();
+            }
+            b"blk-complete" => match dev.complete_posted(dma, tpm) {
+                Ok(0) => {
+                    puts(b"OK ");
+                    put_hex_bytes(dma.data.get(..blk::SECTOR).unwrap_or(&[]));
+                    puts(b"\n");
+                }
+                other => err_status(other),
+            },
             b"blk-info" => {
                 puts(b"OK capacity=");
                 put_dec(dev.capacity());
@@ -412,6 +455,33 @@ impl Guest {
             }
             _ => err(b"unknown-command"),
         }
+    }
+
+    /// `touch MIB SEED` / `check MIB SEED` on the RAM from 32 MiB up.
+    fn cmd_workset(&self, name: &[u8], args: &[u8]) {
+        let Some(([mib, seed], _)) = numbers::<2>(args) else {
+            return err(b"usage: touch|check MIB SEED");
+        };
+        const MIB: u64 = 1 << 20;
+        // The VMM's identity map ends at 4 GiB.
+        let end = mib
+            .checked_mul(MIB)
+            .and_then(|bytes| bytes.checked_add(snap::WORKSET_BASE))
+            .filter(|&end| mib > 0 && end <= 1 << 32);
+        let Some(end) = end else {
+            return err(b"size-out-of-range");
+        };
+        if !self.boot.ram_covers(snap::WORKSET_BASE, end) {
+            return err(b"not-covered-by-e820-ram");
+        }
+        let pages = mib * (MIB / 4096);
+        puts(b"OK ");
+        if name == b"touch" {
+            put_dec(snap::touch(pages, seed));
+        } else {
+            put_dec(snap::check(pages, seed));
+        }
+        puts(b"\n");
     }
 
     fn cmd_vsock_listen(&mut self, args: &[u8]) {
