@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Starts a plain-HTTP Docker registry on 127.0.0.1:5000 (Debian package docker-registry) in the
 # background, with its own config and storage, unless one already answers there. Waits until
-# GET /v2/ answers. Idempotent; safe to call from several test runs.
+# GET /v2/ answers. Idempotent; safe to call from several test runs. Installs docker-registry
+# and curl with apt-get when they are missing (needs root).
 #
 #   scripts/start-registry.sh            # start (or reuse) and wait
 #   scripts/start-registry.sh --stop     # stop the one this script started
@@ -32,9 +33,16 @@ if [[ "${1:-}" == "--stop" ]]; then
     exit 0
 fi
 
-if ! command -v curl >/dev/null; then
-    echo "registry: curl is missing (apt-get install -y curl)" >&2
-    exit 1
+missing=()
+command -v curl >/dev/null || missing+=(curl)
+command -v docker-registry >/dev/null || missing+=(docker-registry)
+if (( ${#missing[@]} )); then
+    if [[ "$(id -u)" != 0 ]]; then
+        echo "registry: missing ${missing[*]} (apt-get install -y ${missing[*]})" >&2
+        exit 1
+    fi
+    echo "registry: installing ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >/dev/null
 fi
 
 if answers; then

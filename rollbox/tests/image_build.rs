@@ -126,6 +126,27 @@ fn oci_layout_builds_cached_and_copied_out() {
     check_standard_rootfs(&out);
     check_outside_metadata(&copied.metadata, &out);
     fsck(&out);
+
+    // A size too small for the content is refused before anything is cached.
+    let mut too_small = args.to_vec();
+    too_small.extend(["--size", "2"]);
+    let err = build_err(&too_small);
+    assert!(err.contains("more than the requested --size 2 MiB"), "{err}");
+    assert_eq!(fs::read_dir(cache.join("tmp")).unwrap().count(), 0);
+}
+
+#[test]
+fn zstd_and_uncompressed_layers_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let mut image = standard_image();
+    image.blobs[0] = image.layers[0].clone();
+    image.blobs[1] = ruzstd::encoding::compress_to_vec(&image.layers[1][..], ruzstd::encoding::CompressionLevel::Fastest);
+    image.write_oci_layout(&layout, "zstd");
+    let agent = agent();
+    let built = build_ok(&["image", "build", "--from-oci-layout", arg(&layout), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    check_standard_rootfs(&built.rootfs);
 }
 
 #[test]

@@ -9,6 +9,7 @@
 
 pub mod agent;
 pub mod cache;
+pub mod compression;
 pub mod digest;
 pub mod docker_archive;
 pub mod ext4;
@@ -21,7 +22,7 @@ pub mod source;
 pub mod spec;
 
 use std::fs::{self, Permissions};
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -71,8 +72,6 @@ pub enum ImageError {
         location: String,
         source: io::Error,
     },
-    #[error("layer {index}/{count} of {image} is zstd-compressed, which this builder does not support yet")]
-    Zstd { image: String, index: usize, count: usize },
     #[error("{0}")]
     Ext4(#[from] Ext4Error),
     #[error("cannot {action} {path}: {source}")]
@@ -300,23 +299,6 @@ fn verify_layers(image: &ResolvedImage, progress: Progress) -> Result<(), ImageE
     Ok(())
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Compression {
-    None,
-    Gzip,
-    Zstd,
-}
-
-fn sniff(head: &[u8]) -> Compression {
-    if head.starts_with(&[0x1f, 0x8b]) {
-        Compression::Gzip
-    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        Compression::Zstd
-    } else {
-        Compression::None
-    }
-}
-
 fn apply_layers(image: &ResolvedImage, rootfs: &mut RootfsBuilder, progress: Progress) -> Result<(), ImageError> {
     let count = image.layers.len();
     for (i, layer) in image.layers.iter().enumerate() {
@@ -355,18 +337,8 @@ fn apply_one(
     };
     let label = layer.label();
     let mut stored = BufReader::with_capacity(256 * 1024, bar.wrap_read(layer.location.open().map_err(read_error)?));
-    let compression = sniff(stored.fill_buf().map_err(read_error)?);
-    let decoded: Box<dyn Read + '_> = match compression {
-        Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut stored)),
-        Compression::None => Box::new(&mut stored),
-        Compression::Zstd => {
-            return Err(ImageError::Zstd {
-                image: image.name.clone(),
-                index: i + 1,
-                count,
-            })
-        }
-    };
+    let compression = compression::sniff(stored.fill_buf().map_err(read_error)?);
+    let decoded = compression::decoder(&mut stored, compression);
     let mut tar_stream = HashingReader::new(decoded);
     rootfs.apply_layer(&label, &mut tar_stream).map_err(layer_error)?;
     // The diff id covers the whole uncompressed stream, including tar's trailing padding.
@@ -441,14 +413,6 @@ impl Drop for TempOutput {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn compression_sniffing() {
-        assert_eq!(sniff(&[0x1f, 0x8b, 8]), Compression::Gzip);
-        assert_eq!(sniff(&[0x28, 0xb5, 0x2f, 0xfd, 0]), Compression::Zstd);
-        assert_eq!(sniff(b"etc/\0\0\0"), Compression::None);
-        assert_eq!(sniff(b""), Compression::None);
-    }
 
     #[test]
     fn cache_key_depends_on_every_input() {
