@@ -87,13 +87,22 @@ impl log::Log for StderrLogger {
 }
 
 fn main() {
-    let args = Args::parse();
+    let is_pid1 = std::process::id() == 1;
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        // The kernel hands init the command-line words it does not know; as
+        // PID 1, run with the defaults rather than exit (which would panic the kernel).
+        Err(err) if is_pid1 => {
+            eprintln!("rollbox-agent: ignoring arguments: {err}");
+            Args::parse_from(["rollbox-agent"])
+        }
+        Err(err) => err.exit(),
+    };
     let verbose = args.verbose;
     LOGGER.verbose.store(verbose, Ordering::Relaxed);
     // Fails only if a logger is already set, which cannot happen here.
     let _ = log::set_logger(&LOGGER);
     log::set_max_level(if verbose { log::LevelFilter::Debug } else { log::LevelFilter::Info });
-    let is_pid1 = std::process::id() == 1;
     if let Err(err) = run(args, is_pid1) {
         log::error!("{err}");
         if is_pid1 {
