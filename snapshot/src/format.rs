@@ -84,7 +84,10 @@ pub enum FormatError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FormatError + '_ {
-    move |source| FormatError::Io { path: path.to_path_buf(), source }
+    move |source| FormatError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Encodes `state` into a complete state file image.
@@ -113,22 +116,36 @@ pub fn decode<T: DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<T, Forma
     let header = bytes.get(..HEADER_LEN).ok_or_else(|| truncated(0))?;
     let version = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
     if version != FORMAT_VERSION {
-        return Err(FormatError::Version { path: path.to_path_buf(), found: version });
+        return Err(FormatError::Version {
+            path: path.to_path_buf(),
+            found: version,
+        });
     }
     let mut len_bytes = [0u8; 8];
     len_bytes.copy_from_slice(&header[12..20]);
     let len = u64::from_le_bytes(len_bytes);
     if len > MAX_STATE_BYTES {
-        return Err(FormatError::TooLarge { path: path.to_path_buf(), len });
+        return Err(FormatError::TooLarge {
+            path: path.to_path_buf(),
+            len,
+        });
     }
     let expected_crc = u32::from_le_bytes([header[20], header[21], header[22], header[23]]);
-    let payload = bytes.get(HEADER_LEN..HEADER_LEN + len as usize).ok_or_else(|| truncated(len))?;
+    let payload = bytes
+        .get(HEADER_LEN..HEADER_LEN + len as usize)
+        .ok_or_else(|| truncated(len))?;
     let actual_crc = crc32fast::hash(payload);
     if actual_crc != expected_crc {
-        return Err(FormatError::Crc { path: path.to_path_buf(), expected: expected_crc, actual: actual_crc });
+        return Err(FormatError::Crc {
+            path: path.to_path_buf(),
+            expected: expected_crc,
+            actual: actual_crc,
+        });
     }
-    ciborium::from_reader(payload)
-        .map_err(|e| FormatError::Decode { path: path.to_path_buf(), detail: e.to_string() })
+    ciborium::from_reader(payload).map_err(|e| FormatError::Decode {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })
 }
 
 /// Reads and checks a state file.
@@ -136,7 +153,10 @@ pub fn read_state_file<T: DeserializeOwned>(path: &Path) -> Result<T, FormatErro
     let mut file = File::open(path).map_err(io_err(path))?;
     let len = file.metadata().map_err(io_err(path))?.len();
     if len > MAX_STATE_BYTES + HEADER_LEN as u64 {
-        return Err(FormatError::TooLarge { path: path.to_path_buf(), len });
+        return Err(FormatError::TooLarge {
+            path: path.to_path_buf(),
+            len,
+        });
     }
     let mut bytes = Vec::with_capacity(len as usize);
     file.read_to_end(&mut bytes).map_err(io_err(path))?;
@@ -154,16 +174,25 @@ pub struct AtomicFile {
 impl AtomicFile {
     /// Creates `.<name>.tmp-<pid>` beside `path`.
     pub fn create(path: &Path) -> Result<Self, FormatError> {
-        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
         let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
         let file = File::create(&tmp).map_err(io_err(&tmp))?;
-        Ok(Self { tmp, path: path.to_path_buf(), file: Some(file) })
+        Ok(Self {
+            tmp,
+            path: path.to_path_buf(),
+            file: Some(file),
+        })
     }
 
     /// The open temporary file.
     pub fn file(&self) -> &File {
         // The option is only emptied by commit, which consumes self.
-        self.file.as_ref().unwrap_or_else(|| unreachable!("AtomicFile used after commit"))
+        self.file
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("AtomicFile used after commit"))
     }
 
     /// The temporary path.
@@ -177,8 +206,14 @@ impl AtomicFile {
             file.sync_all().map_err(io_err(&self.tmp))?;
         }
         std::fs::rename(&self.tmp, &self.path).map_err(io_err(&self.path))?;
-        let dir = self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))?;
+        let dir = self
+            .path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(dir))?;
         self.tmp = PathBuf::new();
         Ok(())
     }
@@ -196,7 +231,9 @@ impl Drop for AtomicFile {
 pub fn write_state_file<T: Serialize>(path: &Path, state: &T) -> Result<(), FormatError> {
     let bytes = encode(state)?;
     let out = AtomicFile::create(path)?;
-    out.file().write_all(&bytes).map_err(io_err(out.tmp_path()))?;
+    out.file()
+        .write_all(&bytes)
+        .map_err(io_err(out.tmp_path()))?;
     out.commit()
 }
 
@@ -223,29 +260,69 @@ mod tests {
     fn round_trips_and_new_fields_default() {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("vmstate");
-        write_state_file(&path, &V1 { a: 7, blob: vec![1, 2, 3] }).expect("write");
+        write_state_file(
+            &path,
+            &V1 {
+                a: 7,
+                blob: vec![1, 2, 3],
+            },
+        )
+        .expect("write");
         let v2: V2 = read_state_file(&path).expect("read");
-        assert_eq!(v2, V2 { a: 7, blob: vec![1, 2, 3], added: None });
-        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 1, "no temp file left");
+        assert_eq!(
+            v2,
+            V2 {
+                a: 7,
+                blob: vec![1, 2, 3],
+                added: None
+            }
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).expect("dir").count(),
+            1,
+            "no temp file left"
+        );
     }
 
     #[test]
     fn detects_corruption_truncation_version_and_magic() {
-        let good = encode(&V1 { a: 1, blob: vec![9; 100] }).expect("encode");
+        let good = encode(&V1 {
+            a: 1,
+            blob: vec![9; 100],
+        })
+        .expect("encode");
         let p = Path::new("x");
         let mut flipped = good.clone();
         let last = flipped.len() - 1;
         flipped[last] ^= 0xff;
-        assert!(matches!(decode::<V1>(p, &flipped), Err(FormatError::Crc { .. })));
-        assert!(matches!(decode::<V1>(p, &good[..good.len() - 10]), Err(FormatError::Truncated { .. })));
-        assert!(matches!(decode::<V1>(p, &good[..10]), Err(FormatError::Truncated { .. })));
+        assert!(matches!(
+            decode::<V1>(p, &flipped),
+            Err(FormatError::Crc { .. })
+        ));
+        assert!(matches!(
+            decode::<V1>(p, &good[..good.len() - 10]),
+            Err(FormatError::Truncated { .. })
+        ));
+        assert!(matches!(
+            decode::<V1>(p, &good[..10]),
+            Err(FormatError::Truncated { .. })
+        ));
         let mut version = good.clone();
         version[8] = 99;
-        assert!(matches!(decode::<V1>(p, &version), Err(FormatError::Version { found: 99, .. })));
-        assert!(matches!(decode::<V1>(p, b"garbage!garbage!garbage!"), Err(FormatError::BadMagic(_))));
+        assert!(matches!(
+            decode::<V1>(p, &version),
+            Err(FormatError::Version { found: 99, .. })
+        ));
+        assert!(matches!(
+            decode::<V1>(p, b"garbage!garbage!garbage!"),
+            Err(FormatError::BadMagic(_))
+        ));
         let mut huge = good;
         huge[12..20].copy_from_slice(&(MAX_STATE_BYTES + 1).to_le_bytes());
-        assert!(matches!(decode::<V1>(p, &huge), Err(FormatError::TooLarge { .. })));
+        assert!(matches!(
+            decode::<V1>(p, &huge),
+            Err(FormatError::TooLarge { .. })
+        ));
     }
 
     #[test]

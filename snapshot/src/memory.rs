@@ -57,7 +57,10 @@ pub enum MemoryFileError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MemoryFileError + '_ {
-    move |source| MemoryFileError::Io { path: path.to_path_buf(), source }
+    move |source| MemoryFileError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// One layer of a snapshot's memory.
@@ -112,38 +115,68 @@ pub fn open_layer(layer: &MemoryLayer, guest_len: u64) -> Result<File, MemoryFil
     let actual = file.metadata().map_err(io_err(&layer.path))?.len();
     let expected = guest_len + TRAILER_LEN;
     if actual != expected {
-        return Err(MemoryFileError::WrongSize { path: layer.path.clone(), expected, actual });
+        return Err(MemoryFileError::WrongSize {
+            path: layer.path.clone(),
+            expected,
+            actual,
+        });
     }
     let mut trailer = [0u8; 24];
-    file.read_exact_at(&mut trailer, guest_len).map_err(io_err(&layer.path))?;
+    file.read_exact_at(&mut trailer, guest_len)
+        .map_err(io_err(&layer.path))?;
     let mut id = [0u8; 8];
     id.copy_from_slice(&trailer[8..16]);
-    let found = if trailer[..8] == TRAILER_MAGIC { u64::from_le_bytes(id) } else { 0 };
+    let found = if trailer[..8] == TRAILER_MAGIC {
+        u64::from_le_bytes(id)
+    } else {
+        0
+    };
     if found != layer.id {
-        return Err(MemoryFileError::WrongFile { path: layer.path.clone(), expected: layer.id, found });
+        return Err(MemoryFileError::WrongFile {
+            path: layer.path.clone(),
+            expected: layer.id,
+            found,
+        });
     }
     Ok(file)
 }
 
 /// Writes `len` bytes at host address `src` to `file` at `offset`.
-fn write_from_host(file: &File, path: &Path, src: *const u8, len: u64, offset: u64) -> Result<(), MemoryFileError> {
+fn write_from_host(
+    file: &File,
+    path: &Path,
+    src: *const u8,
+    len: u64,
+    offset: u64,
+) -> Result<(), MemoryFileError> {
     let mut done = 0u64;
     while done < len {
         let chunk = (len - done).min(IO_CHUNK) as usize;
         // SAFETY: `src..src+len` lies inside a live guest memory mapping (caller's contract);
         // pwrite only reads from it.
         let n = unsafe {
-            libc::pwrite(file.as_raw_fd(), src.add(done as usize).cast(), chunk, (offset + done) as libc::off_t)
+            libc::pwrite(
+                file.as_raw_fd(),
+                src.add(done as usize).cast(),
+                chunk,
+                (offset + done) as libc::off_t,
+            )
         };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(MemoryFileError::Io { path: path.to_path_buf(), source: e });
+            return Err(MemoryFileError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            });
         }
         if n == 0 {
-            return Err(MemoryFileError::Io { path: path.to_path_buf(), source: std::io::ErrorKind::WriteZero.into() });
+            return Err(MemoryFileError::Io {
+                path: path.to_path_buf(),
+                source: std::io::ErrorKind::WriteZero.into(),
+            });
         }
         done += n as u64;
     }
@@ -151,24 +184,41 @@ fn write_from_host(file: &File, path: &Path, src: *const u8, len: u64, offset: u
 }
 
 /// Reads `len` bytes of `file` at `offset` into host memory at `dst`.
-pub fn read_into_host(file: &File, path: &Path, dst: *mut u8, len: u64, offset: u64) -> Result<(), MemoryFileError> {
+pub fn read_into_host(
+    file: &File,
+    path: &Path,
+    dst: *mut u8,
+    len: u64,
+    offset: u64,
+) -> Result<(), MemoryFileError> {
     let mut done = 0u64;
     while done < len {
         let chunk = (len - done).min(IO_CHUNK) as usize;
         // SAFETY: `dst..dst+len` lies inside a live, writable guest memory mapping (caller's
         // contract) that no vCPU runs on yet.
         let n = unsafe {
-            libc::pread(file.as_raw_fd(), dst.add(done as usize).cast(), chunk, (offset + done) as libc::off_t)
+            libc::pread(
+                file.as_raw_fd(),
+                dst.add(done as usize).cast(),
+                chunk,
+                (offset + done) as libc::off_t,
+            )
         };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(MemoryFileError::Io { path: path.to_path_buf(), source: e });
+            return Err(MemoryFileError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            });
         }
         if n == 0 {
-            return Err(MemoryFileError::Io { path: path.to_path_buf(), source: std::io::ErrorKind::UnexpectedEof.into() });
+            return Err(MemoryFileError::Io {
+                path: path.to_path_buf(),
+                source: std::io::ErrorKind::UnexpectedEof.into(),
+            });
         }
         done += n as u64;
     }
@@ -201,11 +251,17 @@ pub enum Sparseness {
 }
 
 /// Writes every region into a new full memory file at `path`.
-pub fn write_full(path: &Path, regions: &[HostRegion], guest_len: u64, sparseness: Sparseness) -> Result<MemoryLayer, MemoryFileError> {
+pub fn write_full(
+    path: &Path,
+    regions: &[HostRegion],
+    guest_len: u64,
+    sparseness: Sparseness,
+) -> Result<MemoryLayer, MemoryFileError> {
     let out = AtomicFile::create(path)?;
     let tmp = out.tmp_path().to_path_buf();
     let file = out.file();
-    file.set_len(guest_len + TRAILER_LEN).map_err(io_err(&tmp))?;
+    file.set_len(guest_len + TRAILER_LEN)
+        .map_err(io_err(&tmp))?;
     for region in regions {
         let residency = match sparseness {
             Sparseness::SkipNonResident => resident_pages(region.host, region.len),
@@ -229,26 +285,46 @@ pub fn write_full(path: &Path, regions: &[HostRegion], guest_len: u64, sparsenes
             }
             // SAFETY: the run lies inside the region.
             let src = unsafe { region.host.add((start * PAGE_SIZE) as usize) };
-            write_from_host(file, &tmp, src, (page - start) * PAGE_SIZE, region.file_offset + start * PAGE_SIZE)?;
+            write_from_host(
+                file,
+                &tmp,
+                src,
+                (page - start) * PAGE_SIZE,
+                region.file_offset + start * PAGE_SIZE,
+            )?;
         }
     }
     let id = random_id();
     write_trailer(file, &tmp, guest_len, id)?;
     out.commit()?;
-    Ok(MemoryLayer { path: path.to_path_buf(), id, dirty: None })
+    Ok(MemoryLayer {
+        path: path.to_path_buf(),
+        id,
+        dirty: None,
+    })
 }
 
 /// Writes the dirty pages of every region into a new diff memory file at `path`.
 /// `dirty[i]` is a bitmap with one bit per page of `regions[i]`.
-pub fn write_diff(path: &Path, regions: &[HostRegion], dirty: &[Vec<u64>], guest_len: u64) -> Result<MemoryLayer, MemoryFileError> {
+pub fn write_diff(
+    path: &Path,
+    regions: &[HostRegion],
+    dirty: &[Vec<u64>],
+    guest_len: u64,
+) -> Result<MemoryLayer, MemoryFileError> {
     let out = AtomicFile::create(path)?;
     let tmp = out.tmp_path().to_path_buf();
     let file = out.file();
-    file.set_len(guest_len + TRAILER_LEN).map_err(io_err(&tmp))?;
+    file.set_len(guest_len + TRAILER_LEN)
+        .map_err(io_err(&tmp))?;
     let mut ranges = Vec::new();
     for (region, bitmap) in regions.iter().zip(dirty) {
         let pages = region.len / PAGE_SIZE;
-        let is_dirty = |p: u64| bitmap.get((p / 64) as usize).is_some_and(|w| w & (1 << (p % 64)) != 0);
+        let is_dirty = |p: u64| {
+            bitmap
+                .get((p / 64) as usize)
+                .is_some_and(|w| w & (1 << (p % 64)) != 0)
+        };
         let mut page = 0;
         while page < pages {
             if !is_dirty(page) {
@@ -270,21 +346,40 @@ pub fn write_diff(path: &Path, regions: &[HostRegion], dirty: &[Vec<u64>], guest
     let id = random_id();
     write_trailer(file, &tmp, guest_len, id)?;
     out.commit()?;
-    Ok(MemoryLayer { path: path.to_path_buf(), id, dirty: Some(ranges) })
+    Ok(MemoryLayer {
+        path: path.to_path_buf(),
+        id,
+        dirty: Some(ranges),
+    })
 }
 
 /// Copies a layer into guest memory: all of it, or only its dirty ranges. Holes in a full
 /// layer are skipped (the destination must be zero-filled).
-pub fn apply_layer(layer: &MemoryLayer, file: &File, regions: &[HostRegion]) -> Result<(), MemoryFileError> {
+pub fn apply_layer(
+    layer: &MemoryLayer,
+    file: &File,
+    regions: &[HostRegion],
+) -> Result<(), MemoryFileError> {
     let ranges: Vec<(u64, u64)> = match &layer.dirty {
         Some(ranges) => ranges.clone(),
-        None => data_ranges(file, &layer.path, regions.iter().map(|r| r.file_offset + r.len).max().unwrap_or(0))?,
+        None => data_ranges(
+            file,
+            &layer.path,
+            regions
+                .iter()
+                .map(|r| r.file_offset + r.len)
+                .max()
+                .unwrap_or(0),
+        )?,
     };
     for (offset, len) in ranges {
         let mut done = 0;
         while done < len {
             let at = offset + done;
-            let Some(region) = regions.iter().find(|r| at >= r.file_offset && at < r.file_offset + r.len) else {
+            let Some(region) = regions
+                .iter()
+                .find(|r| at >= r.file_offset && at < r.file_offset + r.len)
+            else {
                 break;
             };
             let n = (len - done).min(region.file_offset + region.len - at);
@@ -310,7 +405,10 @@ pub fn data_ranges(file: &File, path: &Path, end: u64) -> Result<Vec<(u64, u64)>
             if e.raw_os_error() == Some(libc::ENXIO) {
                 break;
             }
-            return Err(MemoryFileError::Io { path: path.to_path_buf(), source: e });
+            return Err(MemoryFileError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            });
         }
         if data as u64 >= end {
             break;
@@ -318,7 +416,10 @@ pub fn data_ranges(file: &File, path: &Path, end: u64) -> Result<Vec<(u64, u64)>
         // SAFETY: lseek on an owned fd.
         let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
         if hole < 0 {
-            return Err(MemoryFileError::Io { path: path.to_path_buf(), source: std::io::Error::last_os_error() });
+            return Err(MemoryFileError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::last_os_error(),
+            });
         }
         let stop = (hole as u64).min(end);
         ranges.push((data as u64, stop - data as u64));
@@ -328,10 +429,17 @@ pub fn data_ranges(file: &File, path: &Path, end: u64) -> Result<Vec<(u64, u64)>
 }
 
 /// Folds a chain of layers (full base first) into one full memory file at `out`.
-pub fn fold(layers: &[MemoryLayer], guest_len: u64, out: &Path) -> Result<MemoryLayer, MemoryFileError> {
+pub fn fold(
+    layers: &[MemoryLayer],
+    guest_len: u64,
+    out: &Path,
+) -> Result<MemoryLayer, MemoryFileError> {
     let target = AtomicFile::create(out)?;
     let tmp = target.tmp_path().to_path_buf();
-    target.file().set_len(guest_len + TRAILER_LEN).map_err(io_err(&tmp))?;
+    target
+        .file()
+        .set_len(guest_len + TRAILER_LEN)
+        .map_err(io_err(&tmp))?;
     let mut buf = vec![0u8; IO_CHUNK as usize];
     for layer in layers {
         let mut file = open_layer(layer, guest_len)?;
@@ -343,9 +451,14 @@ pub fn fold(layers: &[MemoryLayer], guest_len: u64, out: &Path) -> Result<Memory
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(IO_CHUNK) as usize;
-                file.seek(SeekFrom::Start(offset + done)).map_err(io_err(&layer.path))?;
-                file.read_exact(&mut buf[..n]).map_err(io_err(&layer.path))?;
-                target.file().write_all_at(&buf[..n], offset + done).map_err(io_err(&tmp))?;
+                file.seek(SeekFrom::Start(offset + done))
+                    .map_err(io_err(&layer.path))?;
+                file.read_exact(&mut buf[..n])
+                    .map_err(io_err(&layer.path))?;
+                target
+                    .file()
+                    .write_all_at(&buf[..n], offset + done)
+                    .map_err(io_err(&tmp))?;
                 done += n as u64;
             }
         }
@@ -354,7 +467,11 @@ pub fn fold(layers: &[MemoryLayer], guest_len: u64, out: &Path) -> Result<Memory
     write_trailer(target.file(), &tmp, guest_len, id)?;
     target.file().flush().map_err(io_err(&tmp))?;
     target.commit()?;
-    Ok(MemoryLayer { path: out.to_path_buf(), id, dirty: None })
+    Ok(MemoryLayer {
+        path: out.to_path_buf(),
+        id,
+        dirty: None,
+    })
 }
 
 #[cfg(test)]
@@ -364,7 +481,14 @@ mod tests {
     fn anon(len: usize) -> *mut u8 {
         // SAFETY: a fresh anonymous mapping; tests never unmap it (leaked for the test's life).
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
         };
         assert_ne!(p, libc::MAP_FAILED);
         p.cast()
@@ -380,11 +504,24 @@ mod tests {
             *host.add(5 * PAGE_SIZE as usize) = 0xaa;
             *host.add(40 * PAGE_SIZE as usize + 7) = 0xbb;
         }
-        let regions = [HostRegion { host, len, file_offset: 0 }];
-        let base = write_full(&dir.path().join("base"), &regions, len, Sparseness::SkipNonResident).expect("full");
+        let regions = [HostRegion {
+            host,
+            len,
+            file_offset: 0,
+        }];
+        let base = write_full(
+            &dir.path().join("base"),
+            &regions,
+            len,
+            Sparseness::SkipNonResident,
+        )
+        .expect("full");
         let file = open_layer(&base, len).expect("open");
         let data = data_ranges(&file, &base.path, len).expect("ranges");
-        assert!(data.iter().map(|r| r.1).sum::<u64>() <= 4 * PAGE_SIZE, "sparse: {data:?}");
+        assert!(
+            data.iter().map(|r| r.1).sum::<u64>() <= 4 * PAGE_SIZE,
+            "sparse: {data:?}"
+        );
 
         // SAFETY: inside the mapping.
         unsafe { *host.add(9 * PAGE_SIZE as usize) = 0xcc };
@@ -393,9 +530,18 @@ mod tests {
         let diff = write_diff(&dir.path().join("diff"), &regions, &[bitmap], len).expect("diff");
         assert_eq!(diff.dirty, Some(vec![(9 * PAGE_SIZE, PAGE_SIZE)]));
 
-        let folded = fold(&[base.clone(), diff.clone()], len, &dir.path().join("folded")).expect("fold");
+        let folded = fold(
+            &[base.clone(), diff.clone()],
+            len,
+            &dir.path().join("folded"),
+        )
+        .expect("fold");
         let restored = anon(len as usize);
-        let out = [HostRegion { host: restored, len, file_offset: 0 }];
+        let out = [HostRegion {
+            host: restored,
+            len,
+            file_offset: 0,
+        }];
         apply_layer(&folded, &open_layer(&folded, len).expect("open"), &out).expect("apply");
         // SAFETY: inside the mapping.
         unsafe {
@@ -410,10 +556,29 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let len = 16 * PAGE_SIZE;
         let host = anon(len as usize);
-        let layer = write_full(&dir.path().join("m"), &[HostRegion { host, len, file_offset: 0 }], len, Sparseness::SkipZeroPages).expect("full");
-        assert!(matches!(open_layer(&layer, len * 2), Err(MemoryFileError::WrongSize { .. })));
-        let other = MemoryLayer { id: layer.id ^ 1, ..layer.clone() };
-        assert!(matches!(open_layer(&other, len), Err(MemoryFileError::WrongFile { .. })));
+        let layer = write_full(
+            &dir.path().join("m"),
+            &[HostRegion {
+                host,
+                len,
+                file_offset: 0,
+            }],
+            len,
+            Sparseness::SkipZeroPages,
+        )
+        .expect("full");
+        assert!(matches!(
+            open_layer(&layer, len * 2),
+            Err(MemoryFileError::WrongSize { .. })
+        ));
+        let other = MemoryLayer {
+            id: layer.id ^ 1,
+            ..layer.clone()
+        };
+        assert!(matches!(
+            open_layer(&other, len),
+            Err(MemoryFileError::WrongFile { .. })
+        ));
         open_layer(&layer, len).expect("own file opens");
     }
 }

@@ -65,12 +65,26 @@ impl Drop for Source {
 fn map_source(layer: &MemoryLayer, file: &File, len: u64) -> Result<Source, UffdError> {
     // SAFETY: a fresh read-only shared mapping of a file we opened; checked for failure.
     let base = unsafe {
-        libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_NORESERVE, file.as_raw_fd(), 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            file.as_raw_fd(),
+            0,
+        )
     };
     if base == libc::MAP_FAILED {
-        return Err(UffdError::Map { path: layer.path.clone(), source: std::io::Error::last_os_error() });
+        return Err(UffdError::Map {
+            path: layer.path.clone(),
+            source: std::io::Error::last_os_error(),
+        });
     }
-    Ok(Source { base: base.cast(), len: len as usize, ranges: layer.dirty.clone() })
+    Ok(Source {
+        base: base.cast(),
+        len: len as usize,
+        ranges: layer.dirty.clone(),
+    })
 }
 
 struct Shared {
@@ -95,7 +109,9 @@ impl Shared {
     fn source_for(&self, offset: u64) -> Option<&Source> {
         self.sources.iter().rev().find(|s| match &s.ranges {
             None => true,
-            Some(ranges) => ranges.iter().any(|(start, len)| offset >= *start && offset < start + len),
+            Some(ranges) => ranges
+                .iter()
+                .any(|(start, len)| offset >= *start && offset < start + len),
         })
     }
 
@@ -117,24 +133,31 @@ impl Shared {
             let at = offset + done;
             // SAFETY: `dst + done` stays inside the run the caller located.
             let to = unsafe { dst.add(done as usize) };
-            let src = self.source_for(at).ok_or_else(|| format!("no layer holds offset {at:#x}"))?;
+            let src = self
+                .source_for(at)
+                .ok_or_else(|| format!("no layer holds offset {at:#x}"))?;
             // SAFETY: `at` is below the guest length, which every layer mapping covers.
             let from = unsafe { src.base.add(at as usize) };
             // SAFETY: `from` points at a readable page of the layer mapping.
-            let zero = unsafe { std::slice::from_raw_parts(from.cast::<u64>(), (PAGE_SIZE / 8) as usize) }
-                .iter()
-                .all(|w| *w == 0);
+            let zero =
+                unsafe { std::slice::from_raw_parts(from.cast::<u64>(), (PAGE_SIZE / 8) as usize) }
+                    .iter()
+                    .all(|w| *w == 0);
             // SAFETY: `to` is a registered, page-aligned guest page; `from` a readable page.
             let result = unsafe {
                 if zero {
                     self.uffd.zeropage(to.cast(), PAGE_SIZE as usize, true)
                 } else {
-                    self.uffd.copy(from.cast(), to.cast(), PAGE_SIZE as usize, true)
+                    self.uffd
+                        .copy(from.cast(), to.cast(), PAGE_SIZE as usize, true)
                 }
             };
             match result {
                 Ok(_) => {}
-                Err(userfaultfd::Error::CopyFailed(e)) | Err(userfaultfd::Error::ZeropageFailed(e)) if e as i32 == libc::EEXIST => {
+                Err(userfaultfd::Error::CopyFailed(e))
+                | Err(userfaultfd::Error::ZeropageFailed(e))
+                    if e as i32 == libc::EEXIST =>
+                {
                     let _ = self.uffd.wake(to.cast(), PAGE_SIZE as usize);
                 }
                 Err(e) => return Err(format!("filling page at {at:#x}: {e:?}")),
@@ -147,7 +170,11 @@ impl Shared {
     fn serve(&self) {
         let fd = self.uffd.as_raw_fd();
         while !self.stop.load(Ordering::Relaxed) {
-            let mut poll = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let mut poll = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: polls one valid fd with a 50 ms timeout.
             let n = unsafe { libc::poll(&mut poll, 1, 50) };
             if n <= 0 {
@@ -162,7 +189,10 @@ impl Shared {
                         };
                         self.faults.fetch_add(1, Ordering::Relaxed);
                         if self.recording {
-                            self.recorded.lock().unwrap_or_else(|e| e.into_inner()).push(offset);
+                            self.recorded
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push(offset);
                         }
                         if let Err(e) = self.fill(offset, dst, PAGE_SIZE) {
                             log::error!("page server: {e}");
@@ -207,7 +237,10 @@ pub struct PageServer {
 
 /// Reads a working-set file: page offsets in first-touch order.
 pub fn read_working_set(path: &Path) -> Result<Vec<u64>, UffdError> {
-    let err = |detail: String| UffdError::WorkingSet { path: path.to_path_buf(), detail };
+    let err = |detail: String| UffdError::WorkingSet {
+        path: path.to_path_buf(),
+        detail,
+    };
     let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
     if bytes.len() < 16 || bytes[..8] != WS_MAGIC {
         return Err(err("not a working-set file".into()));
@@ -217,7 +250,10 @@ pub fn read_working_set(path: &Path) -> Result<Vec<u64>, UffdError> {
     let count = u64::from_le_bytes(count) as usize;
     let body = &bytes[16..];
     if body.len() != count * 8 {
-        return Err(err(format!("truncated: {count} entries promised, {} bytes present", body.len())));
+        return Err(err(format!(
+            "truncated: {count} entries promised, {} bytes present",
+            body.len()
+        )));
     }
     Ok(body
         .chunks_exact(8)
@@ -256,10 +292,15 @@ impl PageServer {
             .non_blocking(true)
             .user_mode_only(false)
             .create()
-            .map_err(|e| UffdError::Uffd(format!("create (needs /dev/userfaultfd or CAP_SYS_PTRACE): {e:?}")))?;
+            .map_err(|e| {
+                UffdError::Uffd(format!(
+                    "create (needs /dev/userfaultfd or CAP_SYS_PTRACE): {e:?}"
+                ))
+            })?;
         for r in regions {
-            uffd.register(r.host.cast(), r.len as usize)
-                .map_err(|e| UffdError::Uffd(format!("register {:?}+{:#x}: {e:?}", r.host, r.len)))?;
+            uffd.register(r.host.cast(), r.len as usize).map_err(|e| {
+                UffdError::Uffd(format!("register {:?}+{:#x}: {e:?}", r.host, r.len))
+            })?;
         }
         let sources = layers
             .iter()
@@ -290,7 +331,9 @@ impl PageServer {
                 }) else {
                     continue;
                 };
-                shared.fill(offset, dst, PAGE_SIZE).map_err(UffdError::Uffd)?;
+                shared
+                    .fill(offset, dst, PAGE_SIZE)
+                    .map_err(UffdError::Uffd)?;
                 shared.prefetched.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -299,7 +342,11 @@ impl PageServer {
             .name("page-server".into())
             .spawn(move || worker.serve())
             .map_err(UffdError::Thread)?;
-        Ok(Self { shared, thread: Some(thread), record_to: options.record_to })
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            record_to: options.record_to,
+        })
     }
 
     /// Current figures.
@@ -312,8 +359,15 @@ impl PageServer {
 
     /// Writes the recorded working set now (it is also written when the server stops).
     pub fn save_working_set(&self) -> Result<(), String> {
-        let Some(path) = &self.record_to else { return Ok(()) };
-        let pages = self.shared.recorded.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(path) = &self.record_to else {
+            return Ok(());
+        };
+        let pages = self
+            .shared
+            .recorded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         write_working_set(path, &pages)
     }
 }
@@ -339,7 +393,14 @@ mod tests {
     fn anon(len: usize) -> *mut u8 {
         // SAFETY: a fresh anonymous mapping, leaked for the test's life.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
         };
         assert_ne!(p, libc::MAP_FAILED);
         p.cast()
@@ -354,21 +415,51 @@ mod tests {
             // SAFETY: inside the mapping.
             unsafe { *src.add((page * PAGE_SIZE) as usize + 1) = page as u8 + 100 };
         }
-        let layer = write_full(&dir.path().join("mem"), &[HostRegion { host: src, len, file_offset: 0 }], len, Sparseness::SkipNonResident)
-            .expect("write");
+        let layer = write_full(
+            &dir.path().join("mem"),
+            &[HostRegion {
+                host: src,
+                len,
+                file_offset: 0,
+            }],
+            len,
+            Sparseness::SkipNonResident,
+        )
+        .expect("write");
         let file = crate::memory::open_layer(&layer, len).expect("open");
         let ws = dir.path().join("mem.ws");
 
         let dst = anon(len as usize);
-        let regions = [HostRegion { host: dst, len, file_offset: 0 }];
+        let regions = [HostRegion {
+            host: dst,
+            len,
+            file_offset: 0,
+        }];
         {
-            let server = PageServer::start(&regions, &[(layer.clone(), file.try_clone().expect("dup"))], len, PageServerOptions { prefetch_from: None, record_to: Some(ws.clone()) })
-                .expect("start");
+            let server = PageServer::start(
+                &regions,
+                &[(layer.clone(), file.try_clone().expect("dup"))],
+                len,
+                PageServerOptions {
+                    prefetch_from: None,
+                    record_to: Some(ws.clone()),
+                },
+            )
+            .expect("start");
             // SAFETY: reads inside the registered mapping; the server fills them.
             unsafe {
-                assert_eq!(std::ptr::read_volatile(dst.add((3 * PAGE_SIZE) as usize + 1)), 103);
-                assert_eq!(std::ptr::read_volatile(dst.add((20 * PAGE_SIZE) as usize + 1)), 120);
-                assert_eq!(std::ptr::read_volatile(dst.add((7 * PAGE_SIZE) as usize)), 0);
+                assert_eq!(
+                    std::ptr::read_volatile(dst.add((3 * PAGE_SIZE) as usize + 1)),
+                    103
+                );
+                assert_eq!(
+                    std::ptr::read_volatile(dst.add((20 * PAGE_SIZE) as usize + 1)),
+                    120
+                );
+                assert_eq!(
+                    std::ptr::read_volatile(dst.add((7 * PAGE_SIZE) as usize)),
+                    0
+                );
             }
             assert_eq!(server.stats().faults, 3);
         }
@@ -376,12 +467,29 @@ mod tests {
         assert_eq!(recorded, vec![3 * PAGE_SIZE, 20 * PAGE_SIZE, 7 * PAGE_SIZE]);
 
         let again = anon(len as usize);
-        let regions = [HostRegion { host: again, len, file_offset: 0 }];
-        let server = PageServer::start(&regions, &[(layer, file)], len, PageServerOptions { prefetch_from: Some(ws), record_to: None })
-            .expect("start");
+        let regions = [HostRegion {
+            host: again,
+            len,
+            file_offset: 0,
+        }];
+        let server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            len,
+            PageServerOptions {
+                prefetch_from: Some(ws),
+                record_to: None,
+            },
+        )
+        .expect("start");
         assert_eq!(server.stats().prefetched, 3);
         // SAFETY: reads inside the registered mapping.
-        unsafe { assert_eq!(std::ptr::read_volatile(again.add((20 * PAGE_SIZE) as usize + 1)), 120) };
+        unsafe {
+            assert_eq!(
+                std::ptr::read_volatile(again.add((20 * PAGE_SIZE) as usize + 1)),
+                120
+            )
+        };
         assert_eq!(server.stats().faults, 0, "prefetched pages must not fault");
     }
 }

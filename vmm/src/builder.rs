@@ -5,8 +5,11 @@ use std::os::fd::RawFd;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 
-use kvm_ioctls::IoEventAddress;
-use vm_memory::GuestMemoryMmap;
+use crate::vstate::memory::GuestMemoryMmap;
+use kvm_ioctls::{IoEventAddress, Kvm};
+use snapshot::memory::MemoryLayer;
+use snapshot::uffd::PageServer;
+use std::sync::atomic::AtomicU64;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::boot::{build_cmdline, detect_kernel_format, load_boot_payload, BootError};
@@ -16,9 +19,11 @@ use crate::arch::layout::{
 };
 use crate::arch::mptable::{setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
-use crate::config::{ConfigError, ConsoleConfig, VmResources, DEFAULT_BOOT_ARGS};
+use crate::config::{ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS};
 use crate::devices::bus::{Bus, BusError};
+use crate::devices::legacy::generation::{Generation, GENERATION_PORT, GENERATION_PORT_LEN};
 use crate::devices::legacy::i8042::I8042;
+use crate::devices::legacy::persist::SerialPersistState;
 use crate::devices::legacy::poweroff::PowerOff;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
@@ -129,6 +134,27 @@ pub struct VirtioSlot {
     pub backend_fd: Option<RawFd>,
 }
 
+/// How guest memory is backed, which decides how a snapshot finds the pages to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Anonymous memory filled at boot or by an eager restore: untouched pages are absent.
+    Anonymous,
+    /// A private mapping of a snapshot's memory file (copy-on-write restore).
+    FileBacked,
+    /// Anonymous memory filled on demand by the userfaultfd page server.
+    Lazy,
+}
+
+/// Guest memory's backing and snapshot lineage.
+pub struct MemoryBacking {
+    /// The backing kind.
+    pub kind: MemoryKind,
+    /// Layers of the last snapshot taken or restored: the parent of the next diff snapshot.
+    pub layers: Vec<MemoryLayer>,
+    /// The page server of a lazy restore.
+    pub page_server: Option<PageServer>,
+}
+
 /// A running microVM.
 pub struct MicroVm {
     /// Guest memory.
@@ -149,6 +175,14 @@ pub struct MicroVm {
     pub vm: Vm,
     /// Whether the vCPUs are paused.
     pub paused: bool,
+    /// /dev/kvm, for vCPU state queries.
+    pub kvm: Kvm,
+    /// vCPUs and memory.
+    pub machine: MachineConfig,
+    /// Memory backing and snapshot lineage.
+    pub memory: MemoryBacking,
+    /// The VM generation counter the guest reads.
+    pub generation: Arc<AtomicU64>,
 }
 
 impl MicroVm {
@@ -174,11 +208,13 @@ impl Drop for MicroVm {
         for vcpu in &mut self.vcpus {
             vcpu.stop();
         }
+        // The page server saves the recorded working set when it stops.
+        self.memory.page_server.take();
     }
 }
 
 /// Opens the console sink.
-fn console_out(console: &ConsoleConfig) -> Result<ConsoleOut, BuildError> {
+pub fn console_out(console: &ConsoleConfig) -> Result<ConsoleOut, BuildError> {
     Ok(match console {
         ConsoleConfig::Stdout => ConsoleOut::stdout(),
         ConsoleConfig::File(path) => ConsoleOut::file(
@@ -194,11 +230,28 @@ fn console_out(console: &ConsoleConfig) -> Result<ConsoleOut, BuildError> {
     })
 }
 
-/// Builds and starts a microVM.
-pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
-    // Everything that can fail on user input is checked before KVM work starts.
-    let boot = resources.boot_source.clone().ok_or(ConfigError::NoKernel)?;
-    detect_kernel_format(&boot.kernel_image_path)?;
+/// Devices, buses and events attached to a VM.
+pub struct Attached {
+    /// Port I/O bus.
+    pub pio: Bus,
+    /// MMIO bus.
+    pub mmio: Bus,
+    /// COM1.
+    pub serial: Arc<Mutex<SerialDevice>>,
+    /// i8042.
+    pub i8042: Arc<Mutex<I8042>>,
+    /// Virtio slots.
+    pub virtio: Vec<VirtioSlot>,
+    /// Event-loop events.
+    pub events: VmEvents,
+    /// `virtio_mmio.device=` kernel arguments.
+    pub mmio_args: Vec<String>,
+    /// The generation counter.
+    pub generation: Arc<AtomicU64>,
+}
+
+/// Creates the devices of `resources` (opening drives and binding the vsock socket).
+pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
     let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
     for drive in &resources.drives {
         devices.push(Box::new(Block::new(BlockConfig {
@@ -213,16 +266,26 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
         return Err(BuildError::TooManyDevices(devices.len()));
     }
-    let console = console_out(&resources.console)?;
+    Ok(devices)
+}
 
-    let mem_bytes = resources.machine.mem_size_mib << 20;
-    let vcpu_count = resources.machine.vcpu_count as u8;
-    let kvm = open_kvm()?;
-    let vm = Vm::new(&kvm)?;
-    let mem = create_guest_memory(mem_bytes)?;
-    vm.register_memory(&mem, resources.machine.track_dirty_pages)?;
+/// Creates the KVM VM with `mem` registered (before the irqchip, which is much cheaper here).
+pub fn create_vm(kvm: &Kvm, mem: &GuestMemoryMmap, dirty_log: bool) -> Result<Vm, BuildError> {
+    let vm = Vm::new(kvm)?;
+    vm.register_memory(mem, dirty_log)?;
     vm.setup_irqchip()?;
+    Ok(vm)
+}
 
+/// Wires legacy and virtio devices to the VM: buses, irqfds, ioeventfds.
+pub fn attach_devices(
+    vm: &Vm,
+    mem: &GuestMemoryMmap,
+    devices: Vec<Box<dyn VirtioDevice>>,
+    console: ConsoleOut,
+    serial_state: Option<&SerialPersistState>,
+    generation: u64,
+) -> Result<Attached, BuildError> {
     let events = VmEvents {
         exit: new_eventfd("vCPU exits")?,
         reset: new_eventfd("i8042 reset")?,
@@ -238,15 +301,23 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         .register_irqfd(&kbd_irq, I8042_IRQ)
         .map_err(kvm_event_err("irqfd for i8042"))?;
 
-    let serial = Arc::new(Mutex::new(SerialDevice::new(
-        EventTrigger(serial_irq),
-        EventTrigger(Arc::clone(&events.serial_room)),
-        console,
-    )));
+    let irq = EventTrigger(serial_irq);
+    let room = EventTrigger(Arc::clone(&events.serial_room));
+    let serial = match serial_state {
+        Some(state) => SerialDevice::from_state(state, irq, room, console).map_err(|detail| {
+            BuildError::Event {
+                what: detail,
+                source: std::io::ErrorKind::InvalidData.into(),
+            }
+        })?,
+        None => SerialDevice::new(irq, room, console),
+    };
+    let serial = Arc::new(Mutex::new(serial));
     let i8042 = Arc::new(Mutex::new(I8042::new(
         EventTrigger(Arc::clone(&events.reset)),
         EventTrigger(kbd_irq),
     )));
+    let generation = Arc::new(AtomicU64::new(generation));
     let mut pio = Bus::default();
     pio.insert(serial.clone(), u64::from(SERIAL_PORT), 8)?;
     pio.insert(i8042.clone(), u64::from(I8042_PORT), 5)?;
@@ -256,6 +327,11 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         ))))),
         u64::from(POWEROFF_PORT),
         1,
+    )?;
+    pio.insert(
+        Arc::new(Mutex::new(Generation(Arc::clone(&generation)))),
+        u64::from(GENERATION_PORT),
+        GENERATION_PORT_LEN,
     )?;
 
     let mut mmio = Bus::default();
@@ -295,12 +371,93 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
             backend_fd,
         });
     }
+    Ok(Attached {
+        pio,
+        mmio,
+        serial,
+        i8042,
+        virtio,
+        events,
+        mmio_args,
+        generation,
+    })
+}
+
+/// Starts vCPU threads and assembles the microVM.
+pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<MicroVm, BuildError> {
+    let Assembly {
+        kvm,
+        vm,
+        mem,
+        attached,
+        machine,
+        memory,
+    } = parts;
+    let (exit_tx, exit_rx) = channel();
+    let handlers = ExitHandlers {
+        pio: Arc::new(attached.pio),
+        mmio: Arc::new(attached.mmio),
+        exits: exit_tx,
+        exit_evt: Arc::clone(&attached.events.exit),
+    };
+    crate::vstate::vcpu::install_kick_handler()?;
+    let mut handles = Vec::new();
+    for vcpu in vcpus {
+        handles.push(vcpu.start(handlers.clone(), paused)?);
+    }
+    Ok(MicroVm {
+        mem,
+        vcpus: handles,
+        serial: attached.serial,
+        i8042: attached.i8042,
+        virtio: attached.virtio,
+        exit_rx,
+        events: attached.events,
+        vm,
+        paused,
+        kvm,
+        machine,
+        memory,
+        generation: attached.generation,
+    })
+}
+
+/// Everything but the vCPUs of a microVM being built.
+pub struct Assembly {
+    /// /dev/kvm.
+    pub kvm: Kvm,
+    /// The VM.
+    pub vm: Vm,
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// Devices.
+    pub attached: Attached,
+    /// vCPUs and memory size.
+    pub machine: MachineConfig,
+    /// Memory backing.
+    pub memory: MemoryBacking,
+}
+
+/// Builds and starts a microVM that boots a kernel.
+pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
+    // Everything that can fail on user input is checked before KVM work starts.
+    let boot = resources.boot_source.clone().ok_or(ConfigError::NoKernel)?;
+    detect_kernel_format(&boot.kernel_image_path)?;
+    let devices = create_devices(resources)?;
+    let console = console_out(&resources.console)?;
+
+    let mem_bytes = resources.machine.mem_size_mib << 20;
+    let vcpu_count = resources.machine.vcpu_count as u8;
+    let kvm = open_kvm()?;
+    let mem = create_guest_memory(mem_bytes)?;
+    let vm = create_vm(&kvm, &mem, resources.machine.track_dirty_pages)?;
+    let attached = attach_devices(&vm, &mem, devices, console, None, 0)?;
 
     let mut extra_args = Vec::new();
     if let Some(root) = resources.root_args() {
         extra_args.push(root);
     }
-    extra_args.extend(mmio_args);
+    extra_args.extend(attached.mmio_args.iter().cloned());
     let user_args = boot.boot_args.as_deref().unwrap_or(DEFAULT_BOOT_ARGS);
     let cmdline = build_cmdline(user_args, &extra_args)?;
     let boot_info = load_boot_payload(
@@ -313,7 +470,6 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     setup_mptable(&mem, vcpu_count)?;
     write_boot_tables(&mem)?;
 
-    crate::vstate::vcpu::install_kick_handler()?;
     let mut vcpus = Vec::new();
     for index in 0..vcpu_count {
         let vcpu = Vcpu::new(vm.fd(), index)?;
@@ -322,26 +478,18 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         vcpu.configure_boot_state(boot_info.entry)?;
         vcpus.push(vcpu);
     }
-    let (exit_tx, exit_rx) = channel();
-    let handlers = ExitHandlers {
-        pio: Arc::new(pio),
-        mmio: Arc::new(mmio),
-        exits: exit_tx,
-        exit_evt: Arc::clone(&events.exit),
+    let memory = MemoryBacking {
+        kind: MemoryKind::Anonymous,
+        layers: Vec::new(),
+        page_server: None,
     };
-    let mut handles = Vec::new();
-    for vcpu in vcpus {
-        handles.push(vcpu.start(handlers.clone(), false)?);
-    }
-    Ok(MicroVm {
-        mem,
-        vcpus: handles,
-        serial,
-        i8042,
-        virtio,
-        exit_rx,
-        events,
+    let parts = Assembly {
+        kvm,
         vm,
-        paused: false,
-    })
+        mem,
+        attached,
+        machine: resources.machine.clone(),
+        memory,
+    };
+    assemble(parts, vcpus, false)
 }

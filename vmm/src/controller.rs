@@ -16,7 +16,12 @@ use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
 use crate::config::{host_memory_mib, VmResources};
 use crate::devices::bus::lock;
+use crate::persist::{
+    create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType,
+};
 use crate::vstate::vcpu::VmExit;
+use std::path::Path;
+use std::time::Instant;
 
 /// Errors of the event loop itself.
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +139,34 @@ impl Controller {
         }
         let microvm =
             build_microvm(&self.resources).map_err(|e| ActionError::bad_request(e.to_string()))?;
+        self.install(microvm)
+    }
+
+    /// Restores a microVM from a snapshot and installs it.
+    pub fn restore(
+        &mut self,
+        state_path: &Path,
+        options: &RestoreOptions,
+    ) -> Result<(), ActionError> {
+        if self.microvm.is_some() {
+            return Err(ActionError::bad_request(
+                "a snapshot can only be loaded before the microVM starts",
+            ));
+        }
+        let started = Instant::now();
+        let microvm = restore_microvm(state_path, options)
+            .map_err(|e| ActionError::bad_request(e.to_string()))?;
+        log::info!(
+            "restored {} in {:.2} ms",
+            state_path.display(),
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        self.resources.machine = microvm.machine.clone();
+        self.install(microvm)
+    }
+
+    /// Registers a built or restored microVM's events with the event loop.
+    fn install(&mut self, microvm: MicroVm) -> Result<(), ActionError> {
         let mut fds = vec![
             (microvm.events.exit.as_raw_fd(), TOKEN_EXIT),
             (microvm.events.reset.as_raw_fd(), TOKEN_RESET),
@@ -435,7 +468,88 @@ impl Controller {
                 self.running_mut()?.resume();
                 Ok(VmmData::Empty)
             }
+            VmmAction::CreateSnapshot(params) => {
+                let kind = match params.snapshot_type.as_str() {
+                    "Full" => SnapshotType::Full,
+                    "Diff" => SnapshotType::Diff,
+                    other => {
+                        return Err(ActionError::bad_request(format!(
+                            "unknown snapshot_type {other:?}: expected Full or Diff"
+                        )))
+                    }
+                };
+                let vm = self.running_mut()?;
+                let report =
+                    create_snapshot(vm, kind, &params.snapshot_path, &params.mem_file_path)
+                        .map_err(|e| ActionError::bad_request(e.to_string()))?;
+                log::info!(
+                    "{kind:?} snapshot {} written: {} bytes of memory in {:.1} ms",
+                    params.snapshot_path.display(),
+                    report.memory_bytes,
+                    report.elapsed_ms
+                );
+                Ok(VmmData::Empty)
+            }
+            VmmAction::LoadSnapshot(params) => {
+                let options = self.load_options(&params)?;
+                self.restore(&params.snapshot_path, &options)?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::Fork(params) => {
+                let result = crate::fork::fork(self.running_mut()?, &params)?;
+                Ok(VmmData::Fork(result))
+            }
         }
+    }
+
+    fn load_options(
+        &self,
+        params: &crate::api::LoadSnapshotParams,
+    ) -> Result<RestoreOptions, ActionError> {
+        if !params.network_overrides.is_empty() {
+            return Err(ActionError::bad_request(
+                "network_overrides: rollbox-vmm has no network devices",
+            ));
+        }
+        let extension = params.rollbox.clone().unwrap_or_default();
+        let mut backend = match &extension.restore_backend {
+            Some(name) => name
+                .parse::<RestoreBackend>()
+                .map_err(ActionError::bad_request)?,
+            None => RestoreBackend::Cow,
+        };
+        let mut mem_file = params.mem_file_path.clone();
+        if let Some(mem) = &params.mem_backend {
+            match mem.backend_type.as_str() {
+                "File" => mem_file = Some(mem.backend_path.clone()),
+                "Uffd" => {
+                    return Err(ActionError::bad_request(
+                        "backend_type Uffd (an external page-fault handler) is not supported: rollbox-vmm serves faults itself; use backend_type File with \"rollbox\": {\"restore_backend\": \"uffd\"}",
+                    ));
+                }
+                other => {
+                    return Err(ActionError::bad_request(format!(
+                        "unknown backend_type {other:?}: expected File or Uffd"
+                    )))
+                }
+            }
+        }
+        if extension.restore_backend.as_deref() == Some("uffd") {
+            backend = RestoreBackend::Uffd;
+        }
+        Ok(RestoreOptions {
+            backend,
+            mem_file,
+            vsock_uds: params.vsock_override.as_ref().map(|v| v.uds_path.clone()),
+            drive_overrides: extension.drive_overrides,
+            new_generation: extension.new_generation,
+            paused: !params.resume_vm,
+            console: self.resources.console.clone(),
+            record_working_set: extension.record_working_set,
+            prefetch: extension.prefetch,
+            expect_mem_mib: None,
+            track_dirty_pages: Some(params.track_dirty_pages || params.enable_diff_snapshots),
+        })
     }
 
     fn running(&self) -> Result<&MicroVm, ActionError> {

@@ -12,5 +12,7 @@ pub mod builder;
 pub mod config;
 pub mod controller;
 pub mod devices;
+pub mod fork;
 pub mod logger;
+pub mod persist;
 pub mod vstate;

@@ -1,5 +1,6 @@
 //! `rollbox-vmm`: one process per microVM, configured by flags, a JSON file or its API socket.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::mpsc::channel;
@@ -11,6 +12,7 @@ use vmm::config::{
     VsockConfig,
 };
 use vmm::controller::Controller;
+use vmm::persist::{RestoreBackend, RestoreOptions};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// A KVM microVM manager. Give a kernel to boot at once, or an API socket to configure the
@@ -36,12 +38,38 @@ struct Args {
     /// A raw disk image: PATH[,readonly][,root][,id=NAME]; repeat for more drives.
     #[arg(long = "drive")]
     drives: Vec<String>,
-    /// Host side of virtio-vsock: a Unix socket path.
-    #[arg(long, requires = "vsock_cid")]
+    /// Host side of virtio-vsock: a Unix socket path (with --restore: the clone's new socket).
+    #[arg(long)]
     vsock_uds: Option<PathBuf>,
     /// The guest's vsock CID (3 or more).
     #[arg(long, requires = "vsock_uds")]
     vsock_cid: Option<u64>,
+    /// Track dirty pages, so that Diff snapshots can be taken.
+    #[arg(long)]
+    track_dirty_pages: bool,
+    /// Restore a snapshot instead of booting: a directory with `vmstate` and `memory`, or a
+    /// state file.
+    #[arg(long, conflicts_with_all = ["kernel", "config", "vcpus", "cmdline", "initrd"])]
+    restore: Option<PathBuf>,
+    /// With --restore: cow (map the memory file copy-on-write), uffd (lazy, in-VMM page
+    /// server) or copy (eager).
+    #[arg(long, default_value = "cow", requires = "restore")]
+    restore_backend: String,
+    /// With --restore and uffd: prefetch the working set recorded by an earlier restore.
+    #[arg(long, requires = "restore")]
+    prefetch: bool,
+    /// With --restore and uffd: record the pages the guest touches (`<memory>.ws`).
+    #[arg(long, requires = "restore")]
+    record_working_set: bool,
+    /// With --restore: tell the guest it is a clone (new generation counter value).
+    #[arg(long, requires = "restore")]
+    new_generation: bool,
+    /// With --restore: use another image for a drive, as ID=PATH.
+    #[arg(long = "drive-override", requires = "restore")]
+    drive_overrides: Vec<String>,
+    /// With --restore: start paused.
+    #[arg(long, requires = "restore")]
+    paused: bool,
     /// Guest console: `stdout` or a file path [default: stdout].
     #[arg(long)]
     console: Option<String>,
@@ -101,6 +129,12 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     if let Some(mib) = args.memory_mib {
         resources.machine.mem_size_mib = mib;
     }
+    if args.track_dirty_pages {
+        resources.machine.track_dirty_pages = true;
+    }
+    if args.vsock_uds.is_some() && args.vsock_cid.is_none() {
+        return Err("--vsock-uds needs --vsock-cid (except with --restore)".into());
+    }
     if let Some(vcpus) = args.vcpus {
         resources.machine.vcpu_count = vcpus;
     }
@@ -130,9 +164,62 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     Ok(resources)
 }
 
+fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
+    let mut drive_overrides = HashMap::new();
+    for entry in &args.drive_overrides {
+        let (id, path) = entry
+            .split_once('=')
+            .ok_or_else(|| format!("--drive-override {entry:?}: expected ID=PATH"))?;
+        drive_overrides.insert(id.to_string(), PathBuf::from(path));
+    }
+    Ok(RestoreOptions {
+        backend: args.restore_backend.parse::<RestoreBackend>()?,
+        mem_file: None,
+        vsock_uds: args.vsock_uds.clone(),
+        drive_overrides,
+        new_generation: args.new_generation,
+        paused: args.paused,
+        console: args
+            .console
+            .as_deref()
+            .map(ConsoleConfig::parse)
+            .unwrap_or_default(),
+        record_working_set: args.record_working_set,
+        prefetch: args.prefetch,
+        expect_mem_mib: args.memory_mib,
+        track_dirty_pages: args.track_dirty_pages.then_some(true),
+    })
+}
+
+fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
+    let options = restore_options(args)?;
+    let state = vmm::persist::state_path_of(path).map_err(|e| e.to_string())?;
+    let api_evt = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| format!("eventfd: {e}"))?);
+    let (api_tx, api_rx) = channel();
+    let mut controller =
+        Controller::new(VmResources::default(), Some(api_rx), Arc::clone(&api_evt))
+            .map_err(|e| e.to_string())?;
+    controller
+        .restore(&state, &options)
+        .map_err(|e| e.message)?;
+    // The API socket appears only once the restore is done, so its existence means "ready".
+    let _api_guard = match &args.api_sock {
+        Some(sock) => {
+            Some(vmm::api::server::start(sock, api_tx, api_evt).map_err(|e| e.to_string())?)
+        }
+        None => None,
+    };
+    let code = controller.run().map_err(|e| e.to_string())?;
+    drop(controller);
+    Ok(code)
+}
+
 fn run(args: Args) -> Result<i32, String> {
     let level = vmm::logger::parse_level(&args.level).map_err(|e| e.to_string())?;
     vmm::logger::init(args.log_path.as_deref(), level).map_err(|e| e.to_string())?;
+    if let Some(path) = args.restore.clone() {
+        return run_restore(&args, &path);
+    }
     let resources = resources_from(&args)?;
     let boot_now = resources.boot_source.is_some();
     if !boot_now && args.api_sock.is_none() {

@@ -34,10 +34,159 @@ pub enum VmmAction {
     Pause,
     /// `PATCH /vm {"state": "Resumed"}`
     Resume,
+    /// `PUT /snapshot/create`
+    CreateSnapshot(CreateSnapshotParams),
+    /// `PUT /snapshot/load`
+    LoadSnapshot(LoadSnapshotParams),
+    /// rollbox extension: `POST /fork {"count": N}`
+    Fork(ForkParams),
+}
+
+/// `PUT /snapshot/create` body (Firecracker's).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshotParams {
+    /// "Full" (default) or "Diff".
+    #[serde(default = "default_snapshot_type")]
+    pub snapshot_type: String,
+    /// Where the state file goes.
+    pub snapshot_path: std::path::PathBuf,
+    /// Where the memory file goes.
+    pub mem_file_path: std::path::PathBuf,
+    /// Deprecated Firecracker field, accepted and ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+}
+
+fn default_snapshot_type() -> String {
+    "Full".into()
+}
+
+/// Firecracker's `mem_backend`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemBackend {
+    /// "File" (the memory file; rollbox maps it copy-on-write) or "Uffd".
+    pub backend_type: String,
+    /// The memory file (File), or an external handler's socket (Uffd).
+    pub backend_path: std::path::PathBuf,
+}
+
+/// Firecracker's `vsock_override`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockOverride {
+    /// New host-side socket.
+    pub uds_path: std::path::PathBuf,
+}
+
+/// rollbox's restore extension, under `"rollbox"` in the load body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreExtension {
+    /// "cow" (default), "uffd" (in-VMM page server) or "copy".
+    #[serde(default)]
+    pub restore_backend: Option<String>,
+    /// uffd: prefetch the recorded working set.
+    #[serde(default)]
+    pub prefetch: bool,
+    /// uffd: record the pages the guest touches.
+    #[serde(default)]
+    pub record_working_set: bool,
+    /// Tell the guest it is a clone (new generation counter value).
+    #[serde(default)]
+    pub new_generation: bool,
+    /// New image paths by drive ID.
+    #[serde(default)]
+    pub drive_overrides: std::collections::HashMap<String, std::path::PathBuf>,
+}
+
+/// `PUT /snapshot/load` body (Firecracker's, plus the `rollbox` extension object).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadSnapshotParams {
+    /// The state file.
+    pub snapshot_path: std::path::PathBuf,
+    /// The memory backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_backend: Option<MemBackend>,
+    /// Deprecated: the memory file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_file_path: Option<std::path::PathBuf>,
+    /// Deprecated name of `track_dirty_pages`.
+    #[serde(default)]
+    pub enable_diff_snapshots: bool,
+    /// Track dirty pages for diff snapshots of the restored VM.
+    #[serde(default)]
+    pub track_dirty_pages: bool,
+    /// Resume the VM after loading.
+    #[serde(default)]
+    pub resume_vm: bool,
+    /// New host-side vsock socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_override: Option<VsockOverride>,
+    /// Network overrides (rollbox has no network devices yet; must be empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub network_overrides: Vec<serde_json::Value>,
+    /// rollbox extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollbox: Option<RestoreExtension>,
+}
+
+/// `POST /fork` body (rollbox extension).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkParams {
+    /// Number of clones (1-256).
+    pub count: u32,
+    /// Directory for the snapshot and the clones' files (default: under /dev/shm).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dir: Option<std::path::PathBuf>,
+    /// Give each clone a new generation counter value (default true); false makes every
+    /// clone bit-identical to the parent.
+    #[serde(default = "default_true")]
+    pub new_generation: bool,
+    /// Memory backend of the clones (default "cow").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_backend: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// One clone of a fork.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CloneInfo {
+    /// Index among the clones.
+    pub index: u32,
+    /// Process ID, when it started.
+    pub pid: Option<u32>,
+    /// The clone's API socket.
+    pub api_sock: std::path::PathBuf,
+    /// The clone's vsock socket, if the VM has vsock.
+    pub vsock_uds: Option<std::path::PathBuf>,
+    /// The clone's console log.
+    pub console: std::path::PathBuf,
+    /// Why the clone failed, if it did.
+    pub error: Option<String>,
+}
+
+/// `POST /fork` answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkResult {
+    /// The snapshot the clones restored.
+    pub snapshot_dir: std::path::PathBuf,
+    /// How long the parent was paused, in milliseconds.
+    pub paused_ms: f64,
+    /// Total time until every clone was up or had failed, in milliseconds.
+    pub elapsed_ms: f64,
+    /// The clones.
+    pub clones: Vec<CloneInfo>,
 }
 
 /// What a successful action returns.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum VmmData {
     /// 204 No Content.
     Empty,
@@ -45,6 +194,8 @@ pub enum VmmData {
     VmInfo(VmInfo),
     /// `GET /machine-config` body.
     MachineConfig(MachineConfig),
+    /// `POST /fork` body.
+    Fork(ForkResult),
 }
 
 /// The instance description of `GET /`, as Firecracker returns it.
@@ -147,6 +298,18 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
                     "unknown state {other:?}: expected Paused or Resumed"
                 ))),
             }
+        }
+        ("PUT", ["snapshot", "create"]) => Ok(VmmAction::CreateSnapshot(body(bytes)?)),
+        ("PUT", ["snapshot", "load"]) => Ok(VmmAction::LoadSnapshot(body(bytes)?)),
+        ("POST", ["fork"]) => {
+            let params: ForkParams = body(bytes)?;
+            if params.count == 0 || params.count > 256 {
+                return Err(ActionError::bad_request(format!(
+                    "count {} is invalid: fork 1 to 256 clones",
+                    params.count
+                )));
+            }
+            Ok(VmmAction::Fork(params))
         }
         _ => Err(ActionError::bad_request(format!(
             "invalid request method and/or path: {method} {path}"

@@ -5,10 +5,11 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::{load_cmdline, BzImage, Elf, KernelLoader};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::layout::{
     ram_regions, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_START,

@@ -1,6 +1,7 @@
 //! Intel MultiProcessor Specification 1.4 table, so that Linux finds its CPUs and the IOAPIC.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use crate::vstate::memory::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::{APIC_START, EBDA_START, IOAPIC_START, IRQ_MAX};
 

@@ -1,7 +1,8 @@
 //! Boot-time register, segment and page-table set-up for Linux's 64-bit entry point.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, kvm_sregs};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::{
     BOOT_STACK_POINTER, GDT_START, IDT_START, PDE_START, PDPTE_START, PML4_START, ZERO_PAGE_START,

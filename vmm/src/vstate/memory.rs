@@ -1,6 +1,11 @@
 //! Guest memory: anonymous private mappings laid out around the MMIO gap.
 
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::GuestAddress;
+
+/// Guest memory, with a dirty bitmap that records the VMM's own writes (device DMA) for
+/// diff snapshots; KVM's dirty log records the guest's.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<AtomicBitmap>;
 
 use crate::arch::layout::ram_regions;
 

@@ -666,3 +666,170 @@ mod tests {
         assert_eq!(regs[APIC_LVT0 + 1] as u8, 0x07);
     }
 }
+
+/// A vCPU's saved state: everything KVM needs to resume it exactly.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct VcpuState {
+    /// CPUID as set at boot.
+    pub cpuid: Vec<kvm_bindings::kvm_cpuid_entry2>,
+    /// MSRs from KVM's save list.
+    pub msrs: Vec<kvm_msr_entry>,
+    /// General registers.
+    pub regs: kvm_bindings::kvm_regs,
+    /// Special registers.
+    pub sregs: kvm_bindings::kvm_sregs,
+    /// FPU/SSE/AVX state.
+    pub xsave: kvm_bindings::kvm_xsave,
+    /// Extended control registers.
+    pub xcrs: kvm_bindings::kvm_xcrs,
+    /// Debug registers.
+    pub debug_regs: kvm_bindings::kvm_debugregs,
+    /// Local APIC.
+    pub lapic: kvm_bindings::kvm_lapic_state,
+    /// Pending events.
+    pub vcpu_events: kvm_bindings::kvm_vcpu_events,
+    /// Run state (running, halted, waiting for SIPI).
+    pub mp_state: kvm_bindings::kvm_mp_state,
+    /// TSC frequency, when KVM reports it.
+    #[serde(default)]
+    pub tsc_khz: Option<u32>,
+}
+
+/// MSRs that KVM lists but that must not be saved or restored.
+fn msr_is_saveable(index: u32) -> bool {
+    // IA32_ARCH_CAPABILITIES is refused on PVM hosts; the TSC deadline is restored with the
+    // LAPIC; the MCE banks are left at their reset values.
+    !(index == 0x10a || index == 0x6e0 || (0x400..0x480).contains(&index))
+}
+
+fn state_err(index: u8, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
+    move |source| VcpuError::Configure {
+        index,
+        what,
+        source,
+    }
+}
+
+/// Saves a paused vCPU's state.
+pub fn save_vcpu_state(kvm: &Kvm, index: u8, fd: &VcpuFd) -> Result<VcpuState, VcpuError> {
+    let fam = |what: &'static str| {
+        move |e: vmm_sys_util::fam::Error| VcpuError::Fam {
+            index,
+            what,
+            detail: format!("{e:?}"),
+        }
+    };
+    let cpuid = fd
+        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+        .map_err(state_err(index, "KVM_GET_CPUID2"))?;
+    let list = kvm
+        .get_msr_index_list()
+        .map_err(state_err(index, "KVM_GET_MSR_INDEX_LIST"))?;
+    let mut indices: Vec<u32> = list
+        .as_slice()
+        .iter()
+        .copied()
+        .filter(|i| msr_is_saveable(*i))
+        .collect();
+    let msrs = loop {
+        let entries: Vec<kvm_msr_entry> = indices
+            .iter()
+            .map(|&index| kvm_msr_entry {
+                index,
+                ..Default::default()
+            })
+            .collect();
+        let mut msrs = Msrs::from_entries(&entries).map_err(fam("MSR list"))?;
+        let read = fd
+            .get_msrs(&mut msrs)
+            .map_err(state_err(index, "KVM_GET_MSRS"))?;
+        if read == indices.len() {
+            break msrs.as_slice().to_vec();
+        }
+        // KVM stops at the first MSR it cannot read: drop it and read again.
+        let refused = indices.remove(read);
+        log::debug!("vCPU {index}: MSR {refused:#x} cannot be read; not saved");
+    };
+    Ok(VcpuState {
+        cpuid: cpuid.as_slice().to_vec(),
+        msrs,
+        regs: fd.get_regs().map_err(state_err(index, "KVM_GET_REGS"))?,
+        sregs: fd.get_sregs().map_err(state_err(index, "KVM_GET_SREGS"))?,
+        xsave: fd.get_xsave().map_err(state_err(index, "KVM_GET_XSAVE"))?,
+        xcrs: fd.get_xcrs().map_err(state_err(index, "KVM_GET_XCRS"))?,
+        debug_regs: fd
+            .get_debug_regs()
+            .map_err(state_err(index, "KVM_GET_DEBUGREGS"))?,
+        lapic: fd.get_lapic().map_err(state_err(index, "KVM_GET_LAPIC"))?,
+        vcpu_events: fd
+            .get_vcpu_events()
+            .map_err(state_err(index, "KVM_GET_VCPU_EVENTS"))?,
+        mp_state: fd
+            .get_mp_state()
+            .map_err(state_err(index, "KVM_GET_MP_STATE"))?,
+        tsc_khz: fd.get_tsc_khz().ok(),
+    })
+}
+
+/// Restores a vCPU created for restore (before its thread starts).
+pub fn restore_vcpu_state(index: u8, fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuError> {
+    let fam = |what: &'static str| {
+        move |e: vmm_sys_util::fam::Error| VcpuError::Fam {
+            index,
+            what,
+            detail: format!("{e:?}"),
+        }
+    };
+    let cpuid = CpuId::from_entries(&state.cpuid).map_err(fam("CPUID"))?;
+    fd.set_cpuid2(&cpuid)
+        .map_err(state_err(index, "KVM_SET_CPUID2"))?;
+    if let Some(khz) = state.tsc_khz {
+        if let Err(e) = fd.set_tsc_khz(khz) {
+            log::debug!("vCPU {index}: KVM_SET_TSC_KHZ {khz}: {e}");
+        }
+    }
+    fd.set_mp_state(state.mp_state)
+        .map_err(state_err(index, "KVM_SET_MP_STATE"))?;
+    fd.set_regs(&state.regs)
+        .map_err(state_err(index, "KVM_SET_REGS"))?;
+    fd.set_sregs(&state.sregs)
+        .map_err(state_err(index, "KVM_SET_SREGS"))?;
+    // SAFETY: the xsave area came from KVM_GET_XSAVE on the same kind of host, so it has the
+    // layout and size this KVM expects.
+    unsafe { fd.set_xsave(&state.xsave) }.map_err(state_err(index, "KVM_SET_XSAVE"))?;
+    fd.set_xcrs(&state.xcrs)
+        .map_err(state_err(index, "KVM_SET_XCRS"))?;
+    fd.set_debug_regs(&state.debug_regs)
+        .map_err(state_err(index, "KVM_SET_DEBUGREGS"))?;
+    fd.set_lapic(&state.lapic)
+        .map_err(state_err(index, "KVM_SET_LAPIC"))?;
+    let msrs = Msrs::from_entries(&state.msrs).map_err(fam("MSR list"))?;
+    let set = fd
+        .set_msrs(&msrs)
+        .map_err(state_err(index, "KVM_SET_MSRS"))?;
+    if set != state.msrs.len() {
+        return Err(VcpuError::Msrs {
+            index,
+            set,
+            wanted: state.msrs.len(),
+            refused: state.msrs.get(set).map(|m| m.index).unwrap_or(0),
+        });
+    }
+    fd.set_vcpu_events(&state.vcpu_events)
+        .map_err(state_err(index, "KVM_SET_VCPU_EVENTS"))?;
+    Ok(())
+}
+
+impl Vcpu {
+    /// Restores this (not yet started) vCPU's state.
+    pub fn restore(&self, state: &VcpuState) -> Result<(), VcpuError> {
+        restore_vcpu_state(self.index, &lock(&self.fd), state)
+    }
+}
+
+impl VcpuHandle {
+    /// Saves the state of this paused vCPU.
+    pub fn save(&self, kvm: &Kvm) -> Result<VcpuState, VcpuError> {
+        save_vcpu_state(kvm, self.index, &lock(&self.fd))
+    }
+}

@@ -1,10 +1,11 @@
 //! The KVM VM: memory slots, in-kernel irqchip and PIT.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Kvm, VmFd};
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 /// Errors from creating and configuring the KVM VM.
 #[derive(Debug, thiserror::Error)]
@@ -101,4 +102,85 @@ impl Vm {
 /// Opens /dev/kvm.
 pub fn open_kvm() -> Result<Kvm, VmError> {
     Kvm::new().map_err(VmError::OpenKvm)
+}
+
+/// The VM-wide KVM state: interrupt controllers, PIT and kvmclock.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct VmState {
+    /// PIC master, PIC slave and IOAPIC, in KVM chip-id order.
+    pub irqchips: Vec<kvm_bindings::kvm_irqchip>,
+    /// The PIT.
+    pub pit: kvm_bindings::kvm_pit_state2,
+    /// kvmclock, so guest time continues rather than jumping.
+    pub clock: kvm_bindings::kvm_clock_data,
+}
+
+const KVM_IRQCHIP_PIC_MASTER: u32 = 0;
+const KVM_IRQCHIP_PIC_SLAVE: u32 = 1;
+const KVM_IRQCHIP_IOAPIC: u32 = 2;
+const KVM_CLOCK_TSC_STABLE: u32 = 2;
+
+/// Errors from saving or restoring VM state.
+#[derive(Debug, thiserror::Error)]
+#[error("{what} failed: {source}")]
+pub struct VmStateError {
+    /// The ioctl.
+    pub what: &'static str,
+    /// The KVM error.
+    pub source: kvm_ioctls::Error,
+}
+
+fn vm_state_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmStateError {
+    move |source| VmStateError { what, source }
+}
+
+impl Vm {
+    /// Saves irqchips, PIT and clock (vCPUs paused).
+    pub fn save_state(&self) -> Result<VmState, VmStateError> {
+        let mut irqchips = Vec::new();
+        for chip_id in [
+            KVM_IRQCHIP_PIC_MASTER,
+            KVM_IRQCHIP_PIC_SLAVE,
+            KVM_IRQCHIP_IOAPIC,
+        ] {
+            let mut chip = kvm_bindings::kvm_irqchip {
+                chip_id,
+                ..Default::default()
+            };
+            self.fd
+                .get_irqchip(&mut chip)
+                .map_err(vm_state_err("KVM_GET_IRQCHIP"))?;
+            irqchips.push(chip);
+        }
+        Ok(VmState {
+            irqchips,
+            pit: self.fd.get_pit2().map_err(vm_state_err("KVM_GET_PIT2"))?,
+            clock: self.fd.get_clock().map_err(vm_state_err("KVM_GET_CLOCK"))?,
+        })
+    }
+
+    /// Restores irqchips, PIT and clock into a VM whose irqchip and PIT exist.
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmStateError> {
+        self.fd
+            .set_pit2(&state.pit)
+            .map_err(vm_state_err("KVM_SET_PIT2"))?;
+        let mut clock = state.clock;
+        clock.flags &= !KVM_CLOCK_TSC_STABLE;
+        self.fd
+            .set_clock(&clock)
+            .map_err(vm_state_err("KVM_SET_CLOCK"))?;
+        for chip in &state.irqchips {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(vm_state_err("KVM_SET_IRQCHIP"))?;
+        }
+        Ok(())
+    }
+
+    /// Returns and clears KVM's dirty-page bitmap of memory slot `slot`.
+    pub fn take_dirty_log(&self, slot: u32, len: usize) -> Result<Vec<u64>, VmStateError> {
+        self.fd
+            .get_dirty_log(slot, len)
+            .map_err(vm_state_err("KVM_GET_DIRTY_LOG"))
+    }
 }

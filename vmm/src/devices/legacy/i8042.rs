@@ -55,6 +55,24 @@ impl I8042 {
         }
     }
 
+    /// The controller's registers, for snapshots.
+    pub fn state(&self) -> super::persist::I8042PersistState {
+        super::persist::I8042PersistState {
+            control: self.control,
+            status: self.status,
+            output: self.output.iter().copied().collect(),
+            expecting: self.expecting,
+        }
+    }
+
+    /// Restores registers saved by [`I8042::state`].
+    pub fn restore(&mut self, state: &super::persist::I8042PersistState) {
+        self.control = state.control;
+        self.status = state.status;
+        self.output = state.output.iter().copied().take(BUFFER_LIMIT).collect();
+        self.expecting = state.expecting;
+    }
+
     /// Queues Ctrl-Alt-Del and raises the keyboard interrupt.
     pub fn trigger_ctrl_alt_del(&mut self) -> std::io::Result<()> {
         for code in CTRL_ALT_DEL {

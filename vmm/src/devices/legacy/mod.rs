@@ -1,6 +1,8 @@
 //! Legacy port-I/O devices: 16550 serial, i8042 and the power-off register.
 
+pub mod generation;
 pub mod i8042;
+pub mod persist;
 pub mod poweroff;
 pub mod serial;
 

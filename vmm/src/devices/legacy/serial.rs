@@ -117,6 +117,23 @@ impl SerialDevice {
         }
     }
 
+    /// A UART restored from a snapshot.
+    pub fn from_state(
+        state: &super::persist::SerialPersistState,
+        irq: EventTrigger,
+        room: EventTrigger,
+        out: ConsoleOut,
+    ) -> Result<Self, String> {
+        Serial::from_state(&state.into(), irq, InputRoom(room), out)
+            .map(|uart| Self { uart })
+            .map_err(|e| format!("serial state: {e:?}"))
+    }
+
+    /// The UART's registers and FIFO.
+    pub fn uart_state(&self) -> vm_superio::serial::SerialState {
+        self.uart.state()
+    }
+
     /// Queues as much of `input` as fits into the receive FIFO; returns how much was taken.
     pub fn enqueue_input(&mut self, input: &[u8]) -> usize {
         let room = self.uart.fifo_capacity().min(input.len());

@@ -2,8 +2,8 @@
 
 use std::sync::atomic::{fence, Ordering};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestMemoryMmap;
 
 use super::{Interrupt, QueueContext, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::devices::bus::BusDevice;
@@ -167,6 +167,32 @@ impl MmioTransport {
     /// Whether the driver set DRIVER_OK and the device has not failed.
     pub fn is_activated(&self) -> bool {
         self.status & status::DRIVER_OK != 0 && self.status & status::DEVICE_NEEDS_RESET == 0
+    }
+
+    /// Saves registers, queues and the device's rebuild parameters.
+    pub fn save(&self) -> super::persist::VirtioPersistState {
+        super::persist::VirtioPersistState {
+            kind: self.device.persist_kind(),
+            transport: self.registers(),
+            queues: self.queues.iter().map(Into::into).collect(),
+        }
+    }
+
+    /// After a restore: lets the device react, then serves every queue once, since
+    /// notifications pending at snapshot time were not saved.
+    pub fn kick_after_restore(&mut self) {
+        if !self.is_activated() {
+            return;
+        }
+        let mut ctx = QueueContext {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        self.device.after_restore(&mut ctx);
+        for index in 0..self.queues.len() {
+            self.notify_queue(index);
+        }
     }
 
     /// Serves a notification of queue `index`.

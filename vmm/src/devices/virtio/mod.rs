@@ -2,14 +2,15 @@
 
 pub mod block;
 pub mod mmio;
+pub mod persist;
 pub mod vsock;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTIO_F_VERSION_1: the device speaks virtio 1.x.
@@ -115,4 +116,8 @@ pub trait VirtioDevice: Send {
     fn drain_backend(&mut self) {}
     /// A short name for logs.
     fn name(&self) -> String;
+    /// What a snapshot records to rebuild this device.
+    fn persist_kind(&self) -> persist::DevicePersistKind;
+    /// Called once after a snapshot restore re-activated the device.
+    fn after_restore(&mut self, _ctx: &mut QueueContext<'_>) {}
 }

@@ -4,8 +4,9 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::QueueT;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 use super::request::{
     collect_chain, parse, status_of, Request, SECTOR_SIZE, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_T_FLUSH,
@@ -243,6 +244,14 @@ impl VirtioDevice for Block {
         }
         if used_any {
             ctx.interrupt.signal_used_ring();
+        }
+    }
+
+    fn persist_kind(&self) -> crate::devices::virtio::persist::DevicePersistKind {
+        crate::devices::virtio::persist::DevicePersistKind::Block {
+            id: self.config.id.clone(),
+            path: self.config.path.clone(),
+            read_only: self.config.read_only,
         }
     }
 

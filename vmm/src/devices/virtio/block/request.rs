@@ -1,8 +1,9 @@
 //! Parsing and validation of virtio-blk descriptor chains from an untrusted guest.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 /// virtio-blk request types.
 pub const VIRTIO_BLK_T_IN: u32 = 0;

@@ -3,9 +3,9 @@
 use std::os::fd::RawFd;
 use std::path::Path;
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::GuestMemoryMmap;
 
 use super::packet::{read_packet, rx_capacity, write_packet, HEADER_LEN};
 use super::unix::{UnixError, UnixMuxer};
@@ -14,6 +14,8 @@ use crate::devices::virtio::{QueueContext, VirtioDevice, TYPE_VSOCK};
 
 const RX_QUEUE: usize = 0;
 const TX_QUEUE: usize = 1;
+const EVENT_QUEUE: usize = 2;
+const EVENT_TRANSPORT_RESET: u32 = 0;
 const QUEUE_SIZE: u16 = 256;
 /// Largest payload accepted from or sent to the guest in one packet.
 const MAX_PAYLOAD: usize = 64 * 1024;
@@ -158,6 +160,47 @@ impl VirtioDevice for Vsock {
         self.muxer.process_events();
         // TX first: a CONNECT may be answered by a RESPONSE already queued.
         self.run(ctx, true);
+    }
+
+    fn persist_kind(&self) -> crate::devices::virtio::persist::DevicePersistKind {
+        crate::devices::virtio::persist::DevicePersistKind::Vsock {
+            guest_cid: self.guest_cid,
+            uds_path: self.muxer.uds_path().to_path_buf(),
+        }
+    }
+
+    /// Connections did not survive the snapshot: tell the guest with a TRANSPORT_RESET event,
+    /// after which its listening sockets keep working.
+    fn after_restore(&mut self, ctx: &mut QueueContext<'_>) {
+        self.muxer.reset();
+        let mem = ctx.mem;
+        let Some(queue) = ctx.queues.get_mut(EVENT_QUEUE) else {
+            return;
+        };
+        let Some(chain) = queue.pop_descriptor_chain(mem) else {
+            log::warn!("virtio-vsock: no event buffer for TRANSPORT_RESET");
+            return;
+        };
+        let head = chain.head_index();
+        let descriptors: Vec<Descriptor> = chain.collect();
+        let written = match descriptors.first() {
+            Some(d) if d.is_write_only() && d.len() >= 4 => {
+                match vm_memory::Bytes::write_obj(mem, EVENT_TRANSPORT_RESET, d.addr()) {
+                    Ok(()) => 4,
+                    Err(e) => {
+                        log::warn!("virtio-vsock: cannot write TRANSPORT_RESET: {e}");
+                        0
+                    }
+                }
+            }
+            _ => {
+                log::warn!("virtio-vsock: event buffer at head {head} cannot take an event");
+                0
+            }
+        };
+        if queue.add_used(mem, head, written).is_ok() {
+            ctx.interrupt.signal_used_ring();
+        }
     }
 
     fn drain_backend(&mut self) {

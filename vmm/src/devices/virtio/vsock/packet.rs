@@ -1,7 +1,8 @@
 //! The virtio-vsock packet header and moving packets through guest descriptor chains.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 /// Size of the packet header.
 pub const HEADER_LEN: usize = 44;

@@ -171,6 +171,11 @@ impl UnixMuxer {
         })
     }
 
+    /// The host-side socket path.
+    pub fn uds_path(&self) -> &Path {
+        &self.uds_path
+    }
+
     /// The epoll fd the VMM watches.
     pub fn epoll_fd(&self) -> RawFd {
         self.epoll.as_raw_fd()

@@ -1,0 +1,552 @@
+//! Microvm snapshots: saving every vCPU, the VM and the devices into a state file next to a
+//! sparse memory file, and restoring them in a new process with a chosen memory backend.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use snapshot::format::{read_state_file, write_state_file, FormatError};
+use snapshot::memory::{
+    apply_layer, open_layer, write_diff, write_full, HostRegion, MemoryFileError, MemoryLayer,
+    Sparseness,
+};
+use snapshot::uffd::{PageServer, PageServerOptions, UffdError};
+use vm_memory::bitmap::{AtomicBitmap, NewBitmap};
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap, MmapRegion,
+};
+
+use crate::builder::{
+    assemble, attach_devices, console_out, create_vm, Assembly, BuildError, MemoryBacking,
+    MemoryKind, MicroVm,
+};
+use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
+use crate::devices::bus::lock;
+use crate::devices::legacy::persist::{I8042PersistState, SerialPersistState};
+use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
+use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::VirtioDevice;
+use crate::vstate::memory::GuestMemoryMmap;
+use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuState};
+use crate::vstate::vm::{open_kvm, VmState, VmStateError};
+
+/// Errors from creating or restoring snapshots.
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    /// The state file.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// A memory file.
+    #[error(transparent)]
+    MemoryFile(#[from] MemoryFileError),
+    /// The page server.
+    #[error(transparent)]
+    Uffd(#[from] UffdError),
+    /// VM-wide KVM state.
+    #[error(transparent)]
+    VmState(#[from] VmStateError),
+    /// vCPU state.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// Building the restored VM.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    /// The operation needs the VM paused.
+    #[error("the microVM must be paused (PATCH /vm {{\"state\": \"Paused\"}}) before a snapshot")]
+    NotPaused,
+    /// A diff snapshot needs dirty tracking and a parent.
+    #[error("a Diff snapshot needs {0}")]
+    Diff(&'static str),
+    /// The snapshot does not fit the request.
+    #[error("{0}")]
+    Mismatch(String),
+    /// A snapshot directory or file is missing.
+    #[error("snapshot {path}: {detail}")]
+    Missing {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Guest memory could not be mapped.
+    #[error("cannot map guest memory from {path}: {detail}")]
+    Map {
+        /// The memory file.
+        path: PathBuf,
+        /// What failed.
+        detail: String,
+    },
+    /// A device could not be rebuilt.
+    #[error("device {device}: {detail}")]
+    Device {
+        /// The device.
+        device: String,
+        /// What failed.
+        detail: String,
+    },
+}
+
+/// Everything a restore needs besides the memory file.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct MicroVmState {
+    /// vCPUs and memory size.
+    pub machine: MachineConfig,
+    /// Guest memory regions (guest address, length), in memory-file order.
+    pub regions: Vec<(u64, u64)>,
+    /// Memory layers: a full base, then diffs.
+    pub memory_layers: Vec<MemoryLayer>,
+    /// Irqchips, PIT, clock.
+    pub vm: VmState,
+    /// Every vCPU.
+    pub vcpus: Vec<VcpuState>,
+    /// COM1.
+    pub serial: SerialPersistState,
+    /// i8042.
+    pub i8042: I8042PersistState,
+    /// Virtio devices in MMIO order.
+    pub devices: Vec<VirtioPersistState>,
+    /// The VM generation counter.
+    #[serde(default)]
+    pub generation: u64,
+}
+
+/// Full or diff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SnapshotType {
+    /// All guest memory.
+    Full,
+    /// Pages written since the last snapshot (needs `track_dirty_pages`).
+    Diff,
+}
+
+/// What a snapshot took.
+#[derive(Debug, Clone)]
+pub struct SnapshotReport {
+    /// Bytes of guest memory data written.
+    pub memory_bytes: u64,
+    /// Wall time.
+    pub elapsed_ms: f64,
+}
+
+fn host_regions(mem: &GuestMemoryMmap) -> Vec<HostRegion> {
+    let mut offset = 0;
+    mem.iter()
+        .map(|r| {
+            let region = HostRegion {
+                host: r.as_ptr(),
+                len: r.len(),
+                file_offset: offset,
+            };
+            offset += r.len();
+            region
+        })
+        .collect()
+}
+
+fn guest_len(regions: &[(u64, u64)]) -> u64 {
+    regions.iter().map(|(_, len)| len).sum()
+}
+
+/// Dirty pages per region since the last call: KVM's log (guest writes) or'ed with the VMM's
+/// bitmap (device writes). Both are cleared.
+fn take_dirty(vm: &MicroVm) -> Result<Vec<Vec<u64>>, PersistError> {
+    let mut out = Vec::new();
+    for (slot, region) in vm.mem.iter().enumerate() {
+        let mut bits = vm.vm.take_dirty_log(slot as u32, region.len() as usize)?;
+        let mapping: &MmapRegion<AtomicBitmap> = region;
+        let vmm_bits = mapping.bitmap().get_and_reset();
+        for (word, extra) in bits.iter_mut().zip(vmm_bits) {
+            *word |= extra;
+        }
+        out.push(bits);
+    }
+    Ok(out)
+}
+
+/// Snapshots a paused microVM: memory first, the state file last, both atomically.
+pub fn create_snapshot(
+    vm: &mut MicroVm,
+    kind: SnapshotType,
+    state_path: &Path,
+    mem_path: &Path,
+) -> Result<SnapshotReport, PersistError> {
+    if !vm.paused {
+        return Err(PersistError::NotPaused);
+    }
+    let started = Instant::now();
+    let regions: Vec<(u64, u64)> = vm.mem.iter().map(|r| (r.start_addr().0, r.len())).collect();
+    let total = guest_len(&regions);
+    let hosts = host_regions(&vm.mem);
+    let (layers, memory_bytes) = match kind {
+        SnapshotType::Full => {
+            let sparseness = match vm.memory.kind {
+                MemoryKind::Anonymous => Sparseness::SkipNonResident,
+                MemoryKind::FileBacked | MemoryKind::Lazy => Sparseness::SkipZeroPages,
+            };
+            let layer = write_full(mem_path, &hosts, total, sparseness)?;
+            if vm.machine.track_dirty_pages {
+                take_dirty(vm)?;
+            }
+            let file = File::open(mem_path).ok();
+            let bytes = file
+                .and_then(|f| snapshot::memory::data_ranges(&f, mem_path, total).ok())
+                .map(|r| r.iter().map(|(_, l)| l).sum())
+                .unwrap_or(0);
+            (vec![layer], bytes)
+        }
+        SnapshotType::Diff => {
+            if !vm.machine.track_dirty_pages {
+                return Err(PersistError::Diff(
+                    "track_dirty_pages=true in the machine configuration",
+                ));
+            }
+            if vm.memory.layers.is_empty() {
+                return Err(PersistError::Diff(
+                    "an earlier Full snapshot (or a restore) to build on",
+                ));
+            }
+            let dirty = take_dirty(vm)?;
+            let layer = write_diff(mem_path, &hosts, &dirty, total)?;
+            let bytes = layer
+                .dirty
+                .as_ref()
+                .map(|r| r.iter().map(|(_, l)| l).sum())
+                .unwrap_or(0);
+            let mut layers = vm.memory.layers.clone();
+            layers.push(layer);
+            (layers, bytes)
+        }
+    };
+    let mut vcpus = Vec::new();
+    for vcpu in &vm.vcpus {
+        vcpus.push(vcpu.save(&vm.kvm)?);
+    }
+    let state = MicroVmState {
+        machine: vm.machine.clone(),
+        regions,
+        memory_layers: layers.clone(),
+        vm: vm.vm.save_state()?,
+        vcpus,
+        serial: lock(&vm.serial).save(),
+        i8042: lock(&vm.i8042).save(),
+        devices: vm
+            .virtio
+            .iter()
+            .map(|slot| lock(&slot.transport).save())
+            .collect(),
+        generation: vm.generation.load(Ordering::SeqCst),
+    };
+    write_state_file(state_path, &state)?;
+    vm.memory.layers = layers;
+    Ok(SnapshotReport {
+        memory_bytes,
+        elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// How a restore backs guest memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RestoreBackend {
+    /// MAP_PRIVATE of the memory file: pages load on demand, clones share the page cache.
+    #[default]
+    Cow,
+    /// Anonymous memory filled by the in-VMM userfaultfd page server.
+    Uffd,
+    /// Eager copy (the baseline).
+    Copy,
+}
+
+impl std::str::FromStr for RestoreBackend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cow" => Ok(Self::Cow),
+            "uffd" => Ok(Self::Uffd),
+            "copy" => Ok(Self::Copy),
+            other => Err(format!(
+                "unknown restore backend {other:?}: use cow, uffd or copy"
+            )),
+        }
+    }
+}
+
+/// Choices made at restore time.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreOptions {
+    /// Memory backend.
+    pub backend: RestoreBackend,
+    /// Use this file for the base memory layer instead of the recorded path.
+    pub mem_file: Option<PathBuf>,
+    /// New host-side vsock socket (clones must not share one).
+    pub vsock_uds: Option<PathBuf>,
+    /// New image paths, by drive ID.
+    pub drive_overrides: HashMap<String, PathBuf>,
+    /// Give the guest a new generation counter value (it was cloned).
+    pub new_generation: bool,
+    /// Leave the vCPUs paused.
+    pub paused: bool,
+    /// Guest console.
+    pub console: ConsoleConfig,
+    /// uffd: record the pages the guest touches into `<memory file>.ws`.
+    pub record_working_set: bool,
+    /// uffd: prefetch the pages listed in `<memory file>.ws`.
+    pub prefetch: bool,
+    /// Refuse the snapshot unless it has exactly this much memory.
+    pub expect_mem_mib: Option<u64>,
+    /// Override dirty-page tracking for snapshots of the restored VM.
+    pub track_dirty_pages: Option<bool>,
+}
+
+/// Resolves `--restore PATH`: a directory holding `vmstate`, or the state file itself.
+pub fn state_path_of(path: &Path) -> Result<PathBuf, PersistError> {
+    let meta = std::fs::metadata(path).map_err(|e| PersistError::Missing {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
+    if meta.is_dir() {
+        let state = path.join("vmstate");
+        if !state.exists() {
+            return Err(PersistError::Missing {
+                path: path.to_path_buf(),
+                detail: "the directory has no vmstate file".into(),
+            });
+        }
+        return Ok(state);
+    }
+    Ok(path.to_path_buf())
+}
+
+fn map_cow_region(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    len: u64,
+    guest_addr: u64,
+) -> Result<GuestRegionMmap<AtomicBitmap>, PersistError> {
+    let map_err = |detail: String| PersistError::Map {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let file = file.try_clone().map_err(|e| map_err(e.to_string()))?;
+    let region =
+        MmapRegionBuilder::new_with_bitmap(len as usize, AtomicBitmap::with_len(len as usize))
+            .with_file_offset(FileOffset::new(file, offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(|e| map_err(e.to_string()))?;
+    GuestRegionMmap::new(region, GuestAddress(guest_addr))
+        .ok_or_else(|| map_err("region overflows".into()))
+}
+
+fn rebuild_device(
+    state: &VirtioPersistState,
+    options: &RestoreOptions,
+) -> Result<Box<dyn VirtioDevice>, PersistError> {
+    match &state.kind {
+        DevicePersistKind::Block {
+            id,
+            path,
+            read_only,
+        } => {
+            let path = options
+                .drive_overrides
+                .get(id)
+                .cloned()
+                .unwrap_or_else(|| path.clone());
+            let block = Block::new(BlockConfig {
+                id: id.clone(),
+                path,
+                read_only: *read_only,
+            })
+            .map_err(|e| PersistError::Device {
+                device: format!("drive {id}"),
+                detail: e.to_string(),
+            })?;
+            Ok(Box::new(block))
+        }
+        DevicePersistKind::Vsock {
+            guest_cid,
+            uds_path,
+        } => {
+            let uds = options
+                .vsock_uds
+                .clone()
+                .unwrap_or_else(|| uds_path.clone());
+            let vsock = Vsock::new(*guest_cid, &uds).map_err(|e| PersistError::Device {
+                device: "vsock".into(),
+                detail: e.to_string(),
+            })?;
+            Ok(Box::new(vsock))
+        }
+    }
+}
+
+/// Restores a microVM from the state file at `state_path`.
+pub fn restore_microvm(
+    state_path: &Path,
+    options: &RestoreOptions,
+) -> Result<MicroVm, PersistError> {
+    let state: MicroVmState = read_state_file(state_path)?;
+    let mem_mib = state.machine.mem_size_mib;
+    if let Some(want) = options.expect_mem_mib {
+        if want != mem_mib {
+            return Err(PersistError::Mismatch(format!(
+                "the snapshot has {mem_mib} MiB of guest memory; {want} MiB was requested (a restore keeps the snapshot's size)"
+            )));
+        }
+    }
+    if mem_mib > host_memory_mib() {
+        return Err(PersistError::Mismatch(format!(
+            "the snapshot needs {mem_mib} MiB, more than this host has"
+        )));
+    }
+    let total = guest_len(&state.regions);
+    if total != mem_mib << 20 || state.vcpus.len() as u64 != state.machine.vcpu_count {
+        return Err(PersistError::Mismatch(format!(
+            "{}: inconsistent state ({} bytes in regions for {mem_mib} MiB, {} vCPU states for {})",
+            state_path.display(),
+            total,
+            state.vcpus.len(),
+            state.machine.vcpu_count
+        )));
+    }
+    let mut layers = state.memory_layers.clone();
+    if let (Some(first), Some(path)) = (layers.first_mut(), &options.mem_file) {
+        first.path = path.clone();
+    }
+    if layers.first().is_none_or(|l| l.dirty.is_some()) {
+        return Err(PersistError::Mismatch(format!(
+            "{}: the memory chain has no full base layer",
+            state_path.display()
+        )));
+    }
+    let files = layers
+        .iter()
+        .map(|layer| open_layer(layer, total).map(|f| (layer.clone(), f)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let devices = state
+        .devices
+        .iter()
+        .map(|d| rebuild_device(d, options))
+        .collect::<Result<Vec<_>, _>>()?;
+    let console = console_out(&options.console)?;
+
+    // Guest memory.
+    let (base_layer, base_file) = &files[0];
+    let mut offset = 0;
+    let mut regions = Vec::new();
+    for &(guest_addr, len) in &state.regions {
+        let region = match options.backend {
+            RestoreBackend::Cow => {
+                map_cow_region(base_file, &base_layer.path, offset, len, guest_addr)?
+            }
+            RestoreBackend::Uffd | RestoreBackend::Copy => {
+                let mapping = MmapRegion::<AtomicBitmap>::new(len as usize).map_err(|e| {
+                    PersistError::Map {
+                        path: base_layer.path.clone(),
+                        detail: e.to_string(),
+                    }
+                })?;
+                GuestRegionMmap::new(mapping, GuestAddress(guest_addr)).ok_or_else(|| {
+                    PersistError::Map {
+                        path: base_layer.path.clone(),
+                        detail: "region overflows".into(),
+                    }
+                })?
+            }
+        };
+        regions.push(region);
+        offset += len;
+    }
+    let mem = GuestMemoryMmap::from_regions(regions).map_err(|e| PersistError::Map {
+        path: base_layer.path.clone(),
+        detail: e.to_string(),
+    })?;
+    let hosts = host_regions(&mem);
+    let (kind, page_server) = match options.backend {
+        RestoreBackend::Cow => {
+            for (layer, file) in &files[1..] {
+                apply_layer(layer, file, &hosts)?;
+            }
+            (MemoryKind::FileBacked, None)
+        }
+        RestoreBackend::Copy => {
+            for (layer, file) in &files {
+                apply_layer(layer, file, &hosts)?;
+            }
+            (MemoryKind::Anonymous, None)
+        }
+        RestoreBackend::Uffd => {
+            let ws = PathBuf::from(format!("{}.ws", base_layer.path.display()));
+            let server_options = PageServerOptions {
+                prefetch_from: (options.prefetch && ws.exists()).then(|| ws.clone()),
+                record_to: options.record_working_set.then_some(ws),
+            };
+            let server = PageServer::start(&hosts, &files, total, server_options)?;
+            (MemoryKind::Lazy, Some(server))
+        }
+    };
+
+    let mut machine = state.machine.clone();
+    if let Some(track) = options.track_dirty_pages {
+        machine.track_dirty_pages = track;
+    }
+    let kvm = open_kvm().map_err(BuildError::from)?;
+    let vm = create_vm(&kvm, &mem, machine.track_dirty_pages)?;
+    vm.restore_state(&state.vm)?;
+    let generation = if options.new_generation {
+        snapshot::memory::random_id()
+    } else {
+        state.generation
+    };
+    let attached = attach_devices(&vm, &mem, devices, console, Some(&state.serial), generation)?;
+    lock(&attached.i8042).restore(&state.i8042);
+    for (slot, saved) in attached.virtio.iter().zip(&state.devices) {
+        let queues = saved
+            .queues
+            .iter()
+            .map(|q| q.to_queue())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|detail| PersistError::Device {
+                device: format!("{:?}", saved.kind),
+                detail,
+            })?;
+        lock(&slot.transport).restore(&saved.transport, queues);
+    }
+    let mut vcpus = Vec::new();
+    for (index, vcpu_state) in state.vcpus.iter().enumerate() {
+        let vcpu = Vcpu::new(vm.fd(), index as u8)?;
+        vcpu.restore(vcpu_state)?;
+        vcpus.push(vcpu);
+    }
+    let memory = MemoryBacking {
+        kind,
+        layers,
+        page_server,
+    };
+    let parts = Assembly {
+        kvm,
+        vm,
+        mem,
+        attached,
+        machine,
+        memory,
+    };
+    let microvm = assemble(parts, vcpus, true)?;
+    for slot in &microvm.virtio {
+        lock(&slot.transport).kick_after_restore();
+    }
+    let mut microvm = microvm;
+    if !options.paused {
+        microvm.resume();
+    }
+    Ok(microvm)
+}
