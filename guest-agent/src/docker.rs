@@ -68,9 +68,14 @@ pub async fn ensure(agent: &Agent, timeout: Option<Duration>, extra_args: &[Stri
         .map_err(|e| SysError::new("open", log_path.display().to_string(), e).to_info())?;
     let log_err = log.try_clone().map_err(|e| SysError::new("dup", log_path.display().to_string(), e).to_info())?;
     let mut command = std::process::Command::new(&dockerd);
+    let given = |flag: &str| extra_args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+    if !given("--host") && !given("-H") {
+        command.arg(format!("--host=unix://{}", socket.display()));
+    }
+    if !given("--pidfile") && !given("-p") {
+        command.arg("--pidfile=/run/rollbox-dockerd.pid");
+    }
     command
-        .arg(format!("--host=unix://{}", socket.display()))
-        .arg("--pidfile=/run/rollbox-dockerd.pid")
         .args(extra_args)
         .stdin(Stdio::null())
         .stdout(log)

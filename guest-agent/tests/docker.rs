@@ -120,3 +120,69 @@ async fn docker_run_timeout_kills_and_removes_the_container() {
 fn agent_pid(agent: &AgentProcess) -> u32 {
     agent.pid()
 }
+
+/// Stops a dockerd by its pid file when the test ends.
+struct DaemonGuard(std::path::PathBuf);
+
+impl Drop for DaemonGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = std::fs::read_to_string(&self.0).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+            // SAFETY: kill has no memory effects.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            common::wait_gone(pid as u32, Duration::from_secs(20));
+        }
+    }
+}
+
+#[tokio::test]
+async fn agent_starts_a_private_dockerd_on_demand() {
+    let have_dockerd = Command::new("sh").args(["-c", "command -v dockerd"]).output().is_ok_and(|o| o.status.success());
+    if !have_dockerd || !common::is_root() {
+        assert!(std::env::var("ROLLBOX_REQUIRE_ALL").as_deref() != Ok("1"), "dockerd missing or not root");
+        println!("skipped agent_starts_a_private_dockerd_on_demand: needs root and dockerd (apt-get install -y docker.io)");
+        return;
+    }
+    // A second daemon with its own socket, data and pid file, so the host's dockerd is untouched.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().display().to_string();
+    let socket = format!("{root}/docker.sock");
+    let agent = AgentProcess::start_with(&["--docker-socket", &socket, "--dockerd-log", &format!("{root}/dockerd.log")]);
+    let client = agent.client().await;
+
+    // A dockerd that cannot start is reported with its log.
+    let err = client
+        .request(rollbox_agent_protocol::ClientMessage::DockerEnsure {
+            timeout_ms: Some(30_000),
+            extra_args: vec!["--no-such-flag".into()],
+        })
+        .await
+        .expect_err("bad flag");
+    assert!(err.to_string().contains("dockerd exited"), "{err}");
+    assert!(err.to_string().contains("no-such-flag"), "{err}");
+
+    let _daemon = DaemonGuard(dir.path().join("dockerd.pid"));
+    let extra_args = vec![
+        format!("--data-root={root}/data"),
+        format!("--exec-root={root}/exec"),
+        format!("--pidfile={root}/dockerd.pid"),
+        "--bridge=none".into(),
+        "--iptables=false".into(),
+    ];
+    let reply = client
+        .request(rollbox_agent_protocol::ClientMessage::DockerEnsure { timeout_ms: Some(60_000), extra_args })
+        .await
+        .expect("docker ensure");
+    match reply {
+        rollbox_agent_protocol::ServerMessage::DockerReady { started, waited_ms } => {
+            assert!(started);
+            println!("private dockerd answered after {waited_ms} ms");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!client.docker_ensure(None).await.expect("again"), "a second ensure must reuse the daemon");
+    let output = client
+        .run(rollbox_agent_protocol::ExecRequest::argv(["docker", "--host", &format!("unix://{socket}"), "info", "--format", "{{.DockerRootDir}}"]))
+        .await
+        .expect("docker info");
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), format!("{root}/data"));
+}
