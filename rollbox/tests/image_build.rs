@@ -396,7 +396,8 @@ CMD ["echo $GREETING"]
         let output = Command::new("docker").args(args).output().unwrap();
         assert!(output.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&output.stderr));
     };
-    docker(&["build", "-q", "-t", &tag, arg(&context)]);
+    // No network for RUN: the bridge is not needed (and may be absent).
+    docker(&["build", "-q", "--network", "none", "-t", &tag, arg(&context)]);
     let archive = dir.path().join("tiny.tar");
     docker(&["save", "-o", arg(&archive), &tag]);
 
