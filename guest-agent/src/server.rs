@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use rollbox_agent_protocol::frame;
+use rollbox_agent_protocol::frame::{self, FrameError};
 use rollbox_agent_protocol::{ClientFrame, ClientMessage, ErrorInfo, ServerFrame, ServerMessage, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -39,6 +39,9 @@ impl Streams {
 
 /// Frames queued for the writer; bounded so slow clients slow producers down.
 const OUT_QUEUE: usize = 256;
+/// Most output (stdout + stderr) a `run` returns; base64 makes it 4/3 larger
+/// in the frame. Larger outputs need `exec`, which streams.
+pub const RUN_OUTPUT_MAX: u64 = 8 << 20;
 /// Upload chunks buffered per request before the reader waits for the disk.
 const UPLOAD_QUEUE: usize = 16;
 
@@ -50,7 +53,16 @@ where
     let (out, mut out_rx) = mpsc::channel::<ServerFrame>(OUT_QUEUE);
     tokio::spawn(async move {
         while let Some(frame) = out_rx.recv().await {
-            if let Err(err) = frame::write_frame(&mut writer, &frame).await {
+            let id = frame.id;
+            let result = match frame::write_frame(&mut writer, &frame).await {
+                // Nothing was written: the connection is intact, so answer with an error instead.
+                Err(err @ (FrameError::TooLarge { .. } | FrameError::Encode(_))) => {
+                    let body = ServerMessage::Error(internal(format!("reply to request {id} not sent: {err}")));
+                    frame::write_frame(&mut writer, &ServerFrame { id, body }).await
+                }
+                other => other,
+            };
+            if let Err(err) = result {
                 log::info!("connection write failed: {err}");
                 break;
             }
@@ -225,7 +237,9 @@ async fn start(agent: Arc<Agent>, id: u64, body: ClientMessage, out: mpsc::Sende
                 reply(&out, id, result.map(ServerMessage::Exited).unwrap_or_else(ServerMessage::Error)).await;
             });
         }
-        ClientMessage::Run(req) => {
+        ClientMessage::Run(mut req) => {
+            // The whole output travels in one frame: keep it well under the frame limit.
+            req.output_limit_bytes = Some(req.output_limit_bytes.map_or(RUN_OUTPUT_MAX, |l| l.min(RUN_OUTPUT_MAX)));
             let inputs = open_exec(&streams, id);
             tokio::spawn(async move {
                 let mut sink = Sink::Collect { stdout: Vec::new(), stderr: Vec::new() };

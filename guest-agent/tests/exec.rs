@@ -269,3 +269,17 @@ async fn closing_the_connection_kills_its_processes() {
     client.close().await.expect("close");
     assert!(wait_gone(pid, Duration::from_secs(5)), "process {pid} outlived its connection");
 }
+
+#[tokio::test]
+async fn run_output_is_capped_to_fit_one_frame() {
+    let agent = AgentProcess::start();
+    let client = agent.client().await;
+    let output = client.sh("head -c 20000000 /dev/zero").await.expect("run");
+    assert_eq!(output.stdout.len(), 8 << 20);
+    assert!(output.status.truncated);
+    assert_eq!(output.status.stdout_bytes, 20_000_000);
+    // Streaming has no such limit.
+    let output = client.exec(ExecRequest::shell("head -c 20000000 /dev/zero")).await.expect("exec").collect().await.expect("collect");
+    assert_eq!(output.stdout.len(), 20_000_000);
+    assert!(!output.status.truncated);
+}
