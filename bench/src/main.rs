@@ -1,0 +1,98 @@
+//! `rollbox-bench`: benchmarks that print figures. They never fail on time; they fail
+//! only when the thing measured cannot be run.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod procfs;
+mod stats;
+mod vmm;
+
+#[derive(Parser, Debug)]
+#[command(name = "rollbox-bench", version, about)]
+struct Args {
+    #[command(subcommand)]
+    bench: Bench,
+}
+
+#[derive(Subcommand, Debug)]
+enum Bench {
+    /// rollbox-vmm with the test guest: spawn to first serial byte, the VMM's own
+    /// memory beyond guest memory, and port-I/O/MMIO exit round trips.
+    Vmm {
+        /// How many VMM processes to run.
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// The test guest ELF [default: target/test-guest/test-guest, built when missing].
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 256)]
+        memory_mib: u64,
+        /// Iterations of each exit loop.
+        #[arg(long, default_value_t = 20_000)]
+        exits: u64,
+        /// First run `cargo build --release -p vmm` and `cargo xtask test-guest`.
+        #[arg(long)]
+        build: bool,
+    },
+}
+
+fn workspace_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(PathBuf::from).unwrap_or(here)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match args.bench {
+        Bench::Vmm {
+            reps,
+            json,
+            vmm,
+            guest,
+            memory_mib,
+            exits,
+            build,
+        } => {
+            let root = workspace_root();
+            let config = vmm::VmmBenchConfig {
+                vmm: vmm.unwrap_or_else(|| root.join("target/release/rollbox-vmm")),
+                guest: guest.unwrap_or_else(|| root.join("target/test-guest/test-guest")),
+                workspace: root,
+                reps: reps.max(1),
+                memory_mib,
+                exit_iterations: exits.max(1),
+                build,
+            };
+            match vmm::run(&config).and_then(|report| {
+                println!("{}", vmm::markdown(&report));
+                if let Some(path) = &json {
+                    let text = serde_json::to_string_pretty(&report)?;
+                    std::fs::write(path, text + "\n").map_err(|source| {
+                        vmm::VmmBenchError::WriteJson {
+                            path: path.clone(),
+                            source,
+                        }
+                    })?;
+                    println!("JSON written to {}", path.display());
+                }
+                Ok(())
+            }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rollbox-bench vmm: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Reading a process's memory figures from `/proc/PID/smaps` and `/proc/PID/status`.
+
+/// One mapping of `/proc/PID/smaps`: its size, whether it is anonymous, its Rss.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub size_bytes: u64,
+    pub anonymous: bool,
+    pub rss_kib: u64,
+}
+
+/// Parses the text of `/proc/PID/smaps`. Lines it does not understand are skipped.
+pub fn parse_smaps(text: &str) -> Vec<Mapping> {
+    let mut mappings: Vec<Mapping> = Vec::new();
+    for line in text.lines() {
+        if let Some(mapping) = parse_header(line) {
+            mappings.push(mapping);
+        } else if let Some(kib) = field_kib(line, "Rss:") {
+            if let Some(last) = mappings.last_mut() {
+                last.rss_kib = kib;
+            }
+        }
+    }
+    mappings
+}
+
+/// `7fb914a00000-7fb924a00000 rw-p 00000000 00:00 0   [path]`.
+fn parse_header(line: &str) -> Option<Mapping> {
+    let mut fields = line.split_whitespace();
+    let (start, end) = fields.next()?.split_once('-')?;
+    let start = u64::from_str_radix(start, 16).ok()?;
+    let end = u64::from_str_radix(end, 16).ok()?;
+    let perms = fields.next()?;
+    if perms.len() != 4 {
+        return None;
+    }
+    let _offset = fields.next()?;
+    let _device = fields.next()?;
+    let inode: u64 = fields.next()?.parse().ok()?;
+    let path = fields.next();
+    Some(Mapping {
+        start,
+        size_bytes: end.checked_sub(start)?,
+        anonymous: inode == 0 && path.is_none_or(|p| p.starts_with("[anon")),
+        rss_kib: 0,
+    })
+}
+
+/// The value of a `Name:   1234 kB` line, if `line` is that field.
+pub fn field_kib(line: &str, name: &str) -> Option<u64> {
+    let rest = line.strip_prefix(name)?;
+    let mut words = rest.split_whitespace();
+    let value = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then_some(value)
+}
+
+/// `VmRSS` from the text of `/proc/PID/status`.
+pub fn vm_rss_kib(status: &str) -> Option<u64> {
+    status.lines().find_map(|l| field_kib(l, "VmRSS:"))
+}
+
+/// The Rss of the anonymous mappings exactly `size_bytes` long: guest memory. `None`
+/// when there is none.
+pub fn guest_memory_rss_kib(mappings: &[Mapping], size_bytes: u64) -> Option<u64> {
+    let matching: Vec<&Mapping> = mappings
+        .iter()
+        .filter(|m| m.anonymous && m.size_bytes == size_bytes)
+        .collect();
+    (!matching.is_empty()).then(|| matching.iter().map(|m| m.rss_kib).sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMAPS: &str = "\
+55d0c0a00000-55d0c0b00000 r-xp 00000000 08:01 1234   /work/main/target/release/rollbox-vmm
+Size:               1024 kB
+Rss:                 900 kB
+7fb914a00000-7fb924a00000 rw-p 00000000 00:00 0 
+Size:             262144 kB
+KernelPageSize:        4 kB
+Rss:                 348 kB
+Pss:                 348 kB
+7fb924a00000-7fb924a21000 rw-p 00000000 00:00 0                          [heap]
+Size:                132 kB
+Rss:                  12 kB
+VmFlags: rd wr mr mw me ac
+";
+
+    #[test]
+    fn smaps_headers_and_rss() {
+        let maps = parse_smaps(SMAPS);
+        assert_eq!(maps.len(), 3);
+        assert!(!maps[0].anonymous);
+        assert_eq!(maps[1].size_bytes, 256 << 20);
+        assert!(maps[1].anonymous);
+        assert_eq!(maps[1].rss_kib, 348);
+        assert!(
+            !maps[2].anonymous,
+            "[heap] is not the guest's anonymous mapping"
+        );
+        assert_eq!(guest_memory_rss_kib(&maps, 256 << 20), Some(348));
+        assert_eq!(guest_memory_rss_kib(&maps, 128 << 20), None);
+    }
+
+    #[test]
+    fn status_vm_rss() {
+        assert_eq!(vm_rss_kib("Name:\tx\nVmRSS:\t    5012 kB\n"), Some(5012));
+        assert_eq!(vm_rss_kib("VmRSS: lots\n"), None);
+        assert_eq!(field_kib("Rss: 12 kB", "Rss:"), Some(12));
+        assert_eq!(field_kib("Rss: 12", "Rss:"), None);
+    }
+}
