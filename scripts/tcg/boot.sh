@@ -14,6 +14,8 @@
 #     --mem MIB         guest memory (default 1024)
 #     --cpus N          vCPUs (default 2)
 #     --cid N           guest CID (default 3)
+#     --machine M       pc (default: PCI devices, SeaBIOS) or microvm (virtio-mmio
+#                       devices named on the kernel command line, as under rollbox-vmm)
 #     --append ARGS     appended to the kernel command line (repeatable)
 #     --state-dir DIR   pid files, logs, QEMU and vhost sockets (default: PATH.d)
 #     --serial-log F    guest console log (default: DIR/serial.log)
@@ -35,7 +37,7 @@ die() { echo "boot.sh: error: $*" >&2; exit 1; }
 log() { echo "boot.sh: $*" >&2; }
 
 kernel="" rootfs="" vsock_uds="" mem=1024 cpus=2 cid=3 state_dir="" serial_log=""
-snapshot=1 net_user=0 wait_mode=0 wait_secs=0
+machine=pc snapshot=1 net_user=0 wait_mode=0 wait_secs=0
 extra_append=()
 
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
@@ -49,6 +51,7 @@ while [[ $# -gt 0 ]]; do
         --mem) need_value "$@"; mem="$2"; shift 2 ;;
         --cpus) need_value "$@"; cpus="$2"; shift 2 ;;
         --cid) need_value "$@"; cid="$2"; shift 2 ;;
+        --machine) need_value "$@"; machine="$2"; shift 2 ;;
         --append) need_value "$@"; extra_append+=("$2"); shift 2 ;;
         --state-dir) need_value "$@"; state_dir="$2"; shift 2 ;;
         --serial-log) need_value "$@"; serial_log="$2"; shift 2 ;;
@@ -59,7 +62,7 @@ while [[ $# -gt 0 ]]; do
             if [[ $# -ge 2 ]] && is_uint "$2"; then wait_secs="$2"; shift; fi
             shift ;;
         --stop) need_value "$@"; exec "$SCRIPT_DIR/stop.sh" "$2" ;;
-        -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
@@ -72,6 +75,12 @@ done
 is_uint "$mem" && [[ "$mem" -ge 64 ]] || die "--mem must be an integer >= 64 (MiB), got '$mem'"
 is_uint "$cpus" && [[ "$cpus" -ge 1 ]] || die "--cpus must be an integer >= 1, got '$cpus'"
 is_uint "$cid" && [[ "$cid" -ge 3 ]] || die "--cid must be an integer >= 3, got '$cid'"
+case "$machine" in
+    pc) machine_arg=pc; bus_suffix=pci ;;
+    # QEMU adds a virtio_mmio.device=... to the command line for each device.
+    microvm) machine_arg=microvm,acpi=off; bus_suffix=device ;;
+    *) die "--machine must be pc or microvm, got '$machine'" ;;
+esac
 
 qemu="$(command -v qemu-system-x86_64 || true)"
 [[ -n "$qemu" ]] || die "qemu-system-x86_64 not found; run: apt-get install -y qemu-system-x86"
@@ -126,21 +135,21 @@ fi
 
 qemu_args=(
     -name rollbox-tcg
-    -accel tcg -cpu max -M pc -smp "$cpus" -m "${mem}M"
+    -accel tcg -cpu max -M "$machine_arg" -smp "$cpus" -m "${mem}M"
     -nodefaults -no-user-config -display none -no-reboot
     -serial "file:$serial_log"
     -qmp "unix:$state_dir/qmp.sock,server=on,wait=off"
     -kernel "$kernel" -append "$cmdline"
     -drive "file=$rootfs,format=raw,if=none,id=rootfs"
-    -device virtio-blk-pci,drive=rootfs
+    -device "virtio-blk-$bus_suffix,drive=rootfs"
     -object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem
     -chardev "socket,id=vsock0,path=$vhost_sock"
-    -device vhost-user-vsock-pci,chardev=vsock0
+    -device "vhost-user-vsock-$bus_suffix,chardev=vsock0"
 )
 [[ "$snapshot" -eq 1 ]] && qemu_args+=(-snapshot)
-[[ "$net_user" -eq 1 ]] && qemu_args+=(-netdev user,id=net0 -device virtio-net-pci,netdev=net0)
+[[ "$net_user" -eq 1 ]] && qemu_args+=(-netdev user,id=net0 -device "virtio-net-$bus_suffix,netdev=net0")
 
-log "starting QEMU TCG: kernel $kernel, rootfs $rootfs, ${mem} MiB, $cpus vCPUs, console $serial_log"
+log "starting QEMU TCG ($machine): kernel $kernel, rootfs $rootfs, ${mem} MiB, $cpus vCPUs, console $serial_log"
 printf '%q ' "$qemu" "${qemu_args[@]}" > "$state_dir/qemu.cmdline"
 : > "$serial_log"
 "$qemu" "${qemu_args[@]}" >"$state_dir/qemu.log" 2>&1 &

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Smoke test of the TCG harness and the guest kernel: builds (or reuses) the
 # kernel from kernel-config/build.sh, makes a tiny ext4 rootfs (busybox-static,
-# an /init script and vsock-echo), boots it with scripts/tcg/boot.sh, and checks:
+# an /init script and vsock-echo), and boots it with scripts/tcg/boot.sh three
+# ways: the PVH vmlinux on QEMU's pc machine (virtio-pci), the bzImage on pc,
+# and the vmlinux on microvm (virtio-mmio devices from the kernel command line,
+# like rollbox-vmm). Each boot checks:
 #   - the kernel reaches /init (and how long it took);
 #   - cgroup v2 controllers, overlayfs and devtmpfs are there;
 #   - guest -> host vsock: the guest connects to CID 2 port 5000, which arrives
@@ -10,8 +13,8 @@
 #   - the guest ends with `reboot -f` and QEMU exits.
 #
 # Usage: scripts/tcg/smoke.sh [--kernel K] [--timeout SECS] [--keep]
-#   --kernel K   boot this image instead of building kernel-config's bzImage
-#                (a vmlinux with the PVH entry point works too)
+#   --kernel K   boot this image (bzImage, or vmlinux with PVH) on pc and on
+#                microvm, instead of the images from kernel-config/build.sh
 #   --keep       keep the work directory (rootfs, logs) even on success
 # A missing tool is one SKIP line and exit 0, unless ROLLBOX_REQUIRE_ALL=1.
 set -euo pipefail
@@ -37,7 +40,7 @@ while [[ $# -gt 0 ]]; do
         --kernel) [[ $# -ge 2 ]] || die "--kernel needs a value"; kernel="$2"; shift 2 ;;
         --timeout) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--timeout needs seconds"; timeout="$2"; shift 2 ;;
         --keep) keep=1; shift ;;
-        -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
@@ -53,24 +56,29 @@ fi
 command -v mkfs.ext4 >/dev/null || skip "mkfs.ext4 not installed (apt-get install -y e2fsprogs)"
 command -v gcc >/dev/null || skip "gcc not installed"
 
+kernel_dir=""
 if [[ -z "$kernel" ]]; then
     if ! dpkg-query -W linux-source-6.1 >/dev/null 2>&1; then
         skip "linux-source-6.1 not installed, so no kernel to boot (see kernel-config/README.md)"
     fi
     log "building or reusing the guest kernel (kernel-config/build.sh)"
     kernel_dir="$("$REPO_DIR/kernel-config/build.sh" | tail -n 1)"
-    kernel="$kernel_dir/bzImage"
+    [[ -f "$kernel_dir/vmlinux" && -f "$kernel_dir/bzImage" ]] || die "kernel-config/build.sh gave no images in '$kernel_dir'"
+else
+    [[ -f "$kernel" ]] || die "kernel not found: $kernel"
 fi
-[[ -f "$kernel" ]] || die "kernel not found: $kernel"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/rollbox-tcg-smoke.XXXXXX")"
-state="$work/vm"
-uds="$work/vm.vsock"
-host_listener_pid=""
+state_dirs=()
+listener_pids=()
 cleanup() {
-    local rc=$?
-    [[ -d "$state" ]] && "$SCRIPT_DIR/stop.sh" "$state" >/dev/null 2>&1 || true
-    [[ -n "$host_listener_pid" ]] && kill "$host_listener_pid" 2>/dev/null || true
+    local rc=$? dir pid
+    for dir in "${state_dirs[@]}"; do
+        "$SCRIPT_DIR/stop.sh" "$dir" >/dev/null 2>&1 || true
+    done
+    for pid in "${listener_pids[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
     if [[ "$rc" -eq 0 && "$keep" -eq 0 ]]; then
         rm -rf "$work"
     else
@@ -98,6 +106,8 @@ mount -t sysfs sysfs /sys
 echo "SMOKE init-reached uptime=\$(cut -d' ' -f1 /proc/uptime)"
 echo "SMOKE kernel \$(uname -r)"
 [ -c /dev/null ] && echo "SMOKE devtmpfs ok"
+# /dev/random blocks until the kernel's RNG is seeded, as getrandom() does for dockerd.
+head -c 1 /dev/random > /dev/null && echo "SMOKE rng-ready uptime=\$(cut -d' ' -f1 /proc/uptime)"
 mkdir -p /sys/fs/cgroup
 mount -t cgroup2 cgroup2 /sys/fs/cgroup && echo "SMOKE cgroup2 \$(cat /sys/fs/cgroup/cgroup.controllers)"
 mount -t tmpfs tmpfs /tmp
@@ -122,83 +132,102 @@ chmod +x "$root/init"
 truncate -s 32M "$work/rootfs.ext4"
 mkfs.ext4 -q -F -d "$root" -b 4096 -m 0 "$work/rootfs.ext4" || die "mkfs.ext4 failed for $work/rootfs.ext4"
 
-# Guest -> host connections to port 5000 arrive on <uds>_5000.
-"$work/vsock-echo" unix-listen "${uds}_$HOST_PORT" 1 > "$work/host-listener.log" 2>&1 &
-host_listener_pid=$!
-
-start=$(date +%s.%N)
-"$SCRIPT_DIR/boot.sh" --kernel "$kernel" --rootfs "$work/rootfs.ext4" --vsock-uds "$uds" \
-    --state-dir "$state" --mem 256 --cpus 1 >/dev/null
-serial="$state/serial.log"
-
 elapsed_since() { awk -v now="$(date +%s.%N)" -v then="$1" 'BEGIN { printf "%.2f\n", now - then }'; }
 
-# Waits for a line matching $1 in the console log; prints seconds since start.
-wait_for() {
-    local pattern="$1" deadline=$((SECONDS + timeout))
-    while ! grep -q -- "$pattern" "$serial" 2>/dev/null; do
-        if [[ $SECONDS -ge $deadline ]]; then
-            log "console so far:"; tail -n 30 "$serial" >&2
-            die "no '$pattern' on the console after $timeout s"
+# Boots one configuration and checks it. Sets `failed=1` on a failed check.
+run_case() {
+    local name="$1" machine="$2" kernel="$3"
+    local state="$work/$name" uds="$work/$name.vsock" start serial qemu_pid host_ok=0
+    echo "smoke.sh: --- $name: $machine machine, kernel $kernel"
+
+    # Guest -> host connections to port 5000 arrive on <uds>_5000.
+    "$work/vsock-echo" unix-listen "${uds}_$HOST_PORT" 1 > "$work/$name-host-listener.log" 2>&1 &
+    listener_pids+=($!)
+    state_dirs+=("$state")
+
+    start=$(date +%s.%N)
+    "$SCRIPT_DIR/boot.sh" --kernel "$kernel" --rootfs "$work/rootfs.ext4" --vsock-uds "$uds" \
+        --state-dir "$state" --machine "$machine" --mem 256 --cpus 1 --append init=/init >/dev/null
+    serial="$state/serial.log"
+    qemu_pid="$(cat "$state/qemu.pid")"
+
+    # Waits for a line matching $1 on the console; prints seconds since start.
+    wait_for() {
+        local pattern="$1" deadline=$((SECONDS + timeout))
+        while ! grep -q -- "$pattern" "$serial" 2>/dev/null; do
+            if [[ $SECONDS -ge $deadline ]]; then
+                log "console so far:"; tail -n 30 "$serial" >&2
+                die "$name: no '$pattern' on the console after $timeout s"
+            fi
+            if ! kill -0 "$qemu_pid" 2>/dev/null && ! grep -q -- "$pattern" "$serial"; then
+                log "console:"; tail -n 30 "$serial" >&2
+                die "$name: QEMU exited before '$pattern' appeared"
+            fi
+            sleep 0.05
+        done
+        elapsed_since "$start"
+    }
+
+    local init_wall total_wall kernel_init guest_uptime
+    init_wall="$(wait_for "SMOKE init-reached")"
+    wait_for "vsock-echo: listening on vsock" >/dev/null
+    for _ in $(seq 20); do
+        if "$work/vsock-echo" unix-connect "$uds" "$GUEST_PORT" "hello from host" >&2; then
+            host_ok=1
+            break
         fi
-        if ! kill -0 "$(cat "$state/qemu.pid" 2>/dev/null || echo 0)" 2>/dev/null \
-            && ! grep -q -- "$pattern" "$serial"; then
-            log "console:"; tail -n 30 "$serial" >&2
-            die "QEMU exited before '$pattern' appeared"
-        fi
-        sleep 0.05
+        sleep 0.2
     done
-    elapsed_since "$start"
-}
+    wait_for "SMOKE done" >/dev/null
+    for _ in $(seq 100); do kill -0 "$qemu_pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$qemu_pid" 2>/dev/null && die "$name: QEMU still runs 10 s after the guest rebooted"
+    total_wall="$(elapsed_since "$start")"
+    "$SCRIPT_DIR/stop.sh" "$state"
 
-init_wall="$(wait_for "SMOKE init-reached")"
-log "guest /init reached after $init_wall s (wall clock from QEMU start)"
-wait_for "vsock-echo: listening on vsock" >/dev/null
+    kernel_init="$(grep -o '\[ *[0-9.]*\] Run /init as init process' "$serial" | grep -o '[0-9][0-9.]*' | head -n 1 || true)"
+    guest_uptime="$(grep -o 'SMOKE init-reached uptime=[0-9.]*' "$serial" | cut -d= -f2 || true)"
 
-host_ok=0
-for _ in $(seq 20); do
-    if "$work/vsock-echo" unix-connect "$uds" "$GUEST_PORT" "hello from host" >&2; then
-        host_ok=1
-        break
+    local case_failed=0
+    check() {
+        if grep -q -- "$1" "$serial"; then
+            echo "smoke.sh: ok   $2"
+        else
+            echo "smoke.sh: FAIL $2 (no '$1' on the console)"
+            case_failed=1
+        fi
+    }
+    check "SMOKE devtmpfs ok" "devtmpfs mounted on /dev by the kernel"
+    check "SMOKE rng-ready" "/dev/random seeded"
+    check "SMOKE cgroup2 .*memory" "cgroup v2 with the memory controller"
+    check "SMOKE cgroup2 .*pids" "cgroup v2 with the pids controller"
+    check "SMOKE overlay ok" "overlayfs mount"
+    check "SMOKE guest-to-host ok" "guest -> host vsock (CID 2 port $HOST_PORT -> ${uds##*/}_$HOST_PORT)"
+    check "SMOKE host-to-guest served" "host -> guest vsock (CONNECT $GUEST_PORT)"
+    if [[ "$host_ok" -ne 1 ]]; then
+        echo "smoke.sh: FAIL host-side CONNECT $GUEST_PORT exchange"
+        case_failed=1
     fi
-    sleep 0.2
-done
-
-wait_for "SMOKE done" >/dev/null
-qemu_pid="$(cat "$state/qemu.pid")"
-for _ in $(seq 100); do kill -0 "$qemu_pid" 2>/dev/null || break; sleep 0.1; done
-kill -0 "$qemu_pid" 2>/dev/null && die "QEMU still runs 10 s after the guest rebooted"
-total_wall="$(elapsed_since "$start")"
-
-kernel_init="$(grep -o '\[ *[0-9.]*\] Run /init as init process' "$serial" | grep -o '[0-9][0-9.]*' | head -n 1 || true)"
-guest_uptime="$(grep -o 'SMOKE init-reached uptime=[0-9.]*' "$serial" | cut -d= -f2)"
-
-failed=0
-check() {
-    if grep -q -- "$1" "$serial"; then
-        echo "smoke.sh: ok   $2"
-    else
-        echo "smoke.sh: FAIL $2 (no '$1' on the console)"
+    echo "smoke.sh: $name: kernel clock at 'Run /init' ${kernel_init:-?} s, guest uptime at /init ${guest_uptime:-?} s;" \
+        "QEMU start to /init $init_wall s wall, whole run to QEMU exit $total_wall s wall"
+    if [[ "$case_failed" -ne 0 ]]; then
+        tail -n 40 "$serial" >&2
+        log "$name: console log $serial"
         failed=1
     fi
 }
-check "SMOKE devtmpfs ok" "devtmpfs mounted on /dev by the kernel"
-check "SMOKE cgroup2 .*memory" "cgroup v2 with the memory controller"
-check "SMOKE cgroup2 .*pids" "cgroup v2 with the pids controller"
-check "SMOKE overlay ok" "overlayfs mount"
-check "SMOKE guest-to-host ok" "guest -> host vsock (CID 2 port $HOST_PORT -> ${uds##*/}_$HOST_PORT)"
-check "SMOKE host-to-guest served" "host -> guest vsock (CONNECT $GUEST_PORT)"
-if [[ "$host_ok" -ne 1 ]]; then
-    echo "smoke.sh: FAIL host-side CONNECT $GUEST_PORT exchange"
-    failed=1
+
+failed=0
+if [[ -n "$kernel_dir" ]]; then
+    # PVH vmlinux on both machines (rollbox-vmm boots vmlinux), and the bzImage on pc.
+    run_case pc-vmlinux pc "$kernel_dir/vmlinux"
+    run_case pc-bzimage pc "$kernel_dir/bzImage"
+    run_case microvm-vmlinux microvm "$kernel_dir/vmlinux"
+else
+    run_case pc pc "$kernel"
+    run_case microvm microvm "$kernel"
 fi
-log "console log: $serial"
-echo "smoke.sh: kernel $kernel"
-echo "smoke.sh: kernel timestamp at 'Run /init': ${kernel_init:-?} s; guest uptime at /init: ${guest_uptime:-?} s"
-echo "smoke.sh: QEMU start to /init: $init_wall s wall; whole run to QEMU exit: $total_wall s wall"
 if [[ "$failed" -ne 0 ]]; then
     keep=1
-    tail -n 40 "$serial" >&2
     die "smoke test failed"
 fi
 echo "smoke.sh: PASS"
