@@ -30,7 +30,7 @@ pub fn vmm_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            run_build(&["build", "--quiet", "-p", "vmm", "--bin", "rollbox-vmm"]);
+            run_build(&["build", "--quiet", "-p", "vmm", "-p", "snapshot"]);
             workspace_root().join("target/debug/rollbox-vmm")
         })
         .clone()

@@ -14,6 +14,7 @@ mod blk;
 mod boot;
 mod io;
 mod mem;
+mod smp;
 mod snap;
 mod virtio;
 mod vsock;
@@ -243,6 +244,15 @@ impl Guest {
                 };
                 snap::bench_loop(kind, n);
                 ok();
+            }
+            b"smp-start" => match smp::start(self.ticks_per_ms) {
+                Ok(()) => ok(),
+                Err(reason) => err(reason.as_bytes()),
+            },
+            b"smp-count" => {
+                puts(b"OK ");
+                put_dec(smp::count());
+                puts(b"\n");
             }
             b"vsock-listen" => self.cmd_vsock_listen(args),
             b"vsock-connect" => self.cmd_vsock_connect(args),

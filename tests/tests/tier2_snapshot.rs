@@ -1,0 +1,377 @@
+//! Tier 2: snapshots of the test guest on real KVM — pause/resume, full and diff snapshots,
+//! restore in a new process with every memory backend, fork, deterministic reset and clone
+//! generations, and bad snapshot files.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use rollbox_tests::{api, kvm_available, raw_image, vmm_binary, wait_for_socket, Vm};
+
+fn boot_with_api(extra: &[&str]) -> Vm {
+    let mut args = vec!["--api-sock", "{dir}/api.sock", "--drive", "{dir}/disk.img", "--vsock-uds", "{dir}/v.sock", "--vsock-cid", "5"];
+    args.extend_from_slice(extra);
+    let vm = Vm::boot_with(|dir| raw_image(&dir.join("disk.img"), 4 << 20), &args);
+    wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
+    vm
+}
+
+fn call(vm: &Vm, method: &str, path: &str, body: &str) {
+    let (status, answer) = api(&vm.path("api.sock"), method, path, Some(body));
+    assert!(status == 204 || status == 200, "{method} {path} -> {status} {answer}");
+}
+
+/// Pauses and takes a snapshot into `dir` (vmstate + memory).
+fn snapshot(vm: &Vm, dir: &Path, kind: &str) {
+    std::fs::create_dir_all(dir).expect("snapshot dir");
+    call(vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
+    let body = format!(
+        r#"{{"snapshot_type":"{kind}","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+        dir.join("vmstate").display(),
+        dir.join("memory").display()
+    );
+    call(vm, "PUT", "/snapshot/create", &body);
+}
+
+fn resume(vm: &Vm) {
+    call(vm, "PATCH", "/vm", r#"{"state":"Resumed"}"#);
+}
+
+/// Restores `dir` in a new process; `extra` adds flags. Does not wait for output.
+fn restore(dir: &Path, extra: &[&str]) -> Vm {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let mut args = vec!["--restore".to_string(), dir.display().to_string(), "--vsock-uds".into(), "{dir}/v.sock".into()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Vm::spawn_raw(&args, scratch)
+}
+
+fn snapdir(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join(name);
+    (dir, path)
+}
+
+fn compute_reference(n: u32) -> String {
+    let mut vm = Vm::boot(&[]);
+    let mut last = String::new();
+    vm.send(&format!("compute {n}\n"));
+    while let Some(line) = vm.next_line(Duration::from_secs(120)) {
+        if line.starts_with("OK") {
+            last = line;
+            break;
+        }
+    }
+    assert!(last.starts_with("OK 0x"), "reference compute: {last:?}");
+    last
+}
+
+#[test]
+fn snapshot_mid_computation_continues_in_a_new_process_for_every_backend() {
+    if !kvm_available() {
+        return;
+    }
+    const N: u32 = 100_000;
+    let expected = compute_reference(N);
+    for vcpus in ["1", "2"] {
+        let (_keep, dir) = snapdir("snap");
+        let mut vm = boot_with_api(&["--vcpus", vcpus]);
+        vm.send(&format!("compute {N}\n"));
+        vm.expect_line("progress 3");
+        snapshot(&vm, &dir, "Full");
+        let _ = vm.child.kill();
+        for backend in ["cow", "uffd", "copy"] {
+            let mut clone = restore(&dir, &["--restore-backend", backend]);
+            let mut saw_progress = Vec::new();
+            let result = loop {
+                let line = clone
+                    .next_line(Duration::from_secs(120))
+                    .unwrap_or_else(|| panic!("{backend}/{vcpus}: no output; {}", clone.stderr()));
+                if let Some(k) = line.strip_prefix("progress ") {
+                    saw_progress.push(k.parse::<u32>().expect("progress number"));
+                } else if line.starts_with("OK") {
+                    break line;
+                }
+            };
+            assert_eq!(result, expected, "backend {backend}, {vcpus} vCPUs");
+            assert!(saw_progress.iter().all(|k| *k > 3), "{backend}: restarted instead of continuing: {saw_progress:?}");
+            assert_eq!(clone.ok("echo alive"), "alive");
+        }
+    }
+}
+
+#[test]
+fn a_block_request_in_flight_spans_the_snapshot() {
+    if !kvm_available() {
+        return;
+    }
+    let (_keep, dir) = snapdir("inflight");
+    let mut vm = boot_with_api(&[]);
+    std::fs::File::options()
+        .write(true)
+        .open(vm.path("disk.img"))
+        .and_then(|f| f.write_all_at(b"in flight across a snapshot", 7 * 512))
+        .expect("seed disk");
+    assert_eq!(vm.ok("blk-post 0 7"), "");
+    snapshot(&vm, &dir, "Full");
+    let _ = vm.child.kill();
+    let mut clone = restore(&dir, &["--drive-override", &format!("drive0={}", vm.path("disk.img").display())]);
+    let data = clone.ok("blk-complete 0");
+    let expected: String = b"in flight across a snapshot".iter().map(|b| format!("{b:02x}")).collect();
+    assert!(data.starts_with(&expected), "{data}");
+}
+
+#[test]
+fn deterministic_restores_repeat_and_new_generations_diverge() {
+    if !kvm_available() {
+        return;
+    }
+    let (_keep, dir) = snapdir("det");
+    let mut vm = boot_with_api(&[]);
+    let first = vm.ok("prng 4");
+    let generation = vm.ok("generation");
+    snapshot(&vm, &dir, "Full");
+    resume(&vm);
+    let parent_next = vm.ok("prng 8");
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut clone = restore(&dir, &[]);
+        assert_eq!(clone.ok("generation"), generation);
+        runs.push(clone.ok("prng 8"));
+    }
+    assert_eq!(runs[0], runs[1], "two deterministic restores must print the same sequence");
+    assert_eq!(runs[0], parent_next, "a restore continues exactly like the parent");
+    assert_ne!(runs[0], first);
+    let mut fresh = Vec::new();
+    for _ in 0..2 {
+        let mut clone = restore(&dir, &["--new-generation"]);
+        assert_ne!(clone.ok("generation"), generation, "a clone must see a new generation");
+        fresh.push(clone.ok("prng 8"));
+    }
+    assert_ne!(fresh[0], runs[0], "a clone told of its new generation reseeds");
+    assert_ne!(fresh[0], fresh[1], "two clones reseed differently");
+}
+
+#[test]
+fn twenty_clones_run_at_once_and_each_gets_the_right_answer() {
+    if !kvm_available() {
+        return;
+    }
+    let (_keep, dir) = snapdir("fan");
+    let mut vm = boot_with_api(&["--memory-mib", "128"]);
+    assert_eq!(vm.ok("touch 16 77"), "4096");
+    assert_eq!(vm.ok("vsock-listen 1024"), "");
+    snapshot(&vm, &dir, "Full");
+    let _ = vm.child.kill();
+    let mut clones: Vec<Vm> = (0..20).map(|_| restore(&dir, &[])).collect();
+    for clone in &mut clones {
+        clone.send("check 16 77\n");
+    }
+    for (i, clone) in clones.iter_mut().enumerate() {
+        let answer = clone.next_line(Duration::from_secs(120)).unwrap_or_else(|| panic!("clone {i}: {}", clone.stderr()));
+        assert_eq!(answer, "OK 0", "clone {i}");
+        let mut s = UnixStream::connect(clone.path("v.sock")).expect("clone vsock");
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        s.write_all(b"CONNECT 1024\n").expect("connect");
+        let mut ok = [0u8; 3];
+        s.read_exact(&mut ok).expect("OK");
+        assert_eq!(&ok, b"OK ");
+    }
+}
+
+#[test]
+fn fork_starts_clones_with_their_own_sockets_and_drives() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = boot_with_api(&[]);
+    assert_eq!(vm.ok("vsock-listen 1024"), "");
+    assert_eq!(vm.ok("blk-write 0 3 666f726b"), "");
+    let fork_dir = vm.path("fork");
+    let (status, body) = api(&vm.path("api.sock"), "POST", "/fork", Some(&format!(r#"{{"count":4,"dir":"{}"}}"#, fork_dir.display())));
+    assert_eq!(status, 200, "{body}");
+    let result: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let clones = result["clones"].as_array().expect("clones");
+    assert_eq!(clones.len(), 4);
+    // The parent keeps running.
+    assert_eq!(vm.ok("echo parent"), "parent");
+    let mut uds = Vec::new();
+    for clone in clones {
+        assert!(clone["error"].is_null(), "{clone}");
+        let sock = PathBuf::from(clone["vsock_uds"].as_str().expect("uds"));
+        assert!(!uds.contains(&sock), "clones must not share a vsock socket");
+        uds.push(sock.clone());
+        let mut s = UnixStream::connect(&sock).expect("clone vsock");
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        s.write_all(b"CONNECT 1024\n").expect("connect");
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while b[0] != b'\n' {
+            s.read_exact(&mut b).expect("OK line");
+            line.push(b[0]);
+        }
+        s.write_all(b"ping\n").expect("send");
+        let mut echo = [0u8; 5];
+        s.read_exact(&mut echo).expect("echo");
+        assert_eq!(&echo, b"ping\n");
+        let api_sock = PathBuf::from(clone["api_sock"].as_str().expect("api"));
+        let (_, info) = api(&api_sock, "GET", "/", None);
+        assert!(info.contains("Running"), "{info}");
+        // Each clone writes its own copy of the drive.
+        let pid = clone["pid"].as_u64().expect("pid") as i32;
+        // SAFETY: ends a clone process this test started.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let (status, body) = api(&vm.path("api.sock"), "POST", "/fork", Some(r#"{"count":0}"#));
+    assert_eq!(status, 400, "{body}");
+}
+
+#[test]
+fn a_diff_chain_of_three_restores_correctly_and_folds() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let s = |n: &str| scratch.path().join(n);
+    let mut vm = boot_with_api(&["--memory-mib", "128", "--track-dirty-pages"]);
+    assert_eq!(vm.ok("touch 8 1"), "2048");
+    snapshot(&vm, &s("s0"), "Full");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 4 2"), "1024");
+    snapshot(&vm, &s("s1"), "Diff");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 2 3"), "512");
+    assert_eq!(vm.ok("blk-write 0 9 64696666"), "");
+    snapshot(&vm, &s("s2"), "Diff");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 1 4"), "256");
+    snapshot(&vm, &s("s3"), "Diff");
+    let _ = vm.child.kill();
+    let diff_size = std::fs::metadata(s("s3").join("memory")).expect("diff").len();
+    assert!(diff_size > 0);
+
+    let check = |clone: &mut Vm| {
+        assert_eq!(clone.ok("check 1 4"), "0");
+        assert_eq!(clone.ok("check 2 3"), "256", "pages 1-2 MiB hold seed 3");
+        assert_eq!(clone.ok("check 4 2"), "512");
+        assert_eq!(clone.ok("check 8 1"), "1024");
+    };
+    for backend in ["cow", "uffd", "copy"] {
+        let mut clone = restore(&s("s3"), &["--restore-backend", backend]);
+        check(&mut clone);
+    }
+    let mut middle = restore(&s("s2"), &[]);
+    assert_eq!(middle.ok("check 2 3"), "0");
+
+    let out = Command::new(vmm_binary().with_file_name("rollbox-snapshot"))
+        .args(["fold"])
+        .arg(s("s3"))
+        .arg("--output")
+        .arg(s("folded"))
+        .output()
+        .expect("rollbox-snapshot");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut folded = restore(&s("folded"), &[]);
+    check(&mut folded);
+}
+
+fn restore_fails(args: &[String]) -> String {
+    let out = Command::new(vmm_binary()).args(args).stdin(std::process::Stdio::null()).output().expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(stderr.lines().count(), 1, "want one line: {stderr}");
+    stderr
+}
+
+#[test]
+fn bad_snapshots_get_clear_errors() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let good = scratch.path().join("good");
+    let vm = boot_with_api(&[]);
+    snapshot(&vm, &good, "Full");
+    drop(vm);
+    let copy = |name: &str| {
+        let dir = scratch.path().join(name);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::copy(good.join("vmstate"), dir.join("vmstate")).expect("copy state");
+        dir
+    };
+    let arg = |p: &Path| vec!["--restore".to_string(), p.display().to_string()];
+
+    let corrupt = copy("corrupt");
+    let mut bytes = std::fs::read(corrupt.join("vmstate")).expect("read");
+    let last = bytes.len() - 5;
+    bytes[last] ^= 0x5a;
+    std::fs::write(corrupt.join("vmstate"), &bytes).expect("write");
+    assert!(restore_fails(&arg(&corrupt)).contains("corrupted: CRC-32"));
+
+    let truncated = copy("truncated");
+    std::fs::write(truncated.join("vmstate"), &bytes[..bytes.len() / 2]).expect("write");
+    assert!(restore_fails(&arg(&truncated)).contains("truncated"));
+
+    let version = copy("version");
+    let mut v = std::fs::read(version.join("vmstate")).expect("read");
+    v[8] = 42;
+    std::fs::write(version.join("vmstate"), &v).expect("write");
+    assert!(restore_fails(&arg(&version)).contains("version 42 is not supported"));
+
+    let garbage = copy("garbage");
+    std::fs::write(garbage.join("vmstate"), b"not a snapshot at all").expect("write");
+    assert!(restore_fails(&arg(&garbage)).contains("bad magic"));
+
+    let missing = scratch.path().join("does-not-exist");
+    assert!(restore_fails(&arg(&missing)).contains("does-not-exist"));
+
+    // The memory file is shorter than the snapshot's memory.
+    std::fs::copy(good.join("memory"), scratch.path().join("memory-copy")).expect("copy");
+    std::fs::File::options().write(true).open(good.join("memory")).and_then(|f| f.set_len(4096)).expect("truncate");
+    assert!(restore_fails(&arg(&good)).contains("needs"), "wrong-size memory must be refused");
+    std::fs::rename(scratch.path().join("memory-copy"), good.join("memory")).expect("put back");
+
+    let mut more = arg(&good);
+    more.extend(["--memory-mib".to_string(), "512".to_string()]);
+    assert!(restore_fails(&more).contains("the snapshot has 128 MiB"));
+}
+
+#[test]
+fn kill_during_snapshot_never_leaves_a_complete_looking_snapshot() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let dir = scratch.path().join("killed");
+    let mut vm = boot_with_api(&["--memory-mib", "1024"]);
+    assert_eq!(vm.ok("touch 512 9"), "131072");
+    call(&vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let sock = vm.path("api.sock");
+    let body = format!(
+        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+        dir.join("vmstate").display(),
+        dir.join("memory").display()
+    );
+    let writer = std::thread::spawn(move || {
+        let mut s = UnixStream::connect(&sock).expect("connect");
+        let req = format!("PUT /snapshot/create HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        let _ = s.write_all(req.as_bytes());
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    });
+    std::thread::sleep(Duration::from_millis(30));
+    let _ = vm.child.kill();
+    let _ = vm.child.wait();
+    let _ = writer.join();
+    if dir.join("vmstate").exists() {
+        // The kill came after the final rename: the snapshot must then be complete.
+        let mut clone = restore(&dir, &[]);
+        assert_eq!(clone.ok("check 512 9"), "0");
+    } else {
+        let err = restore_fails(&["--restore".to_string(), dir.display().to_string()]);
+        assert!(err.contains("no vmstate"), "{err}");
+    }
+}
