@@ -3,13 +3,14 @@
 //! `.wh..wh..opq` hides everything lower layers put in its directory.
 //!
 //! Safety rules, checked for every entry: no absolute paths, no `..` components, never
-//! write or delete through a symlink (a parent component that is a symlink is an error,
-//! an existing symlink at the target path is replaced, not followed), and hardlinks only
-//! to entries inside the root. Modes, ownership, times, xattrs, symlinks, hardlinks and
+//! write or delete through a symlink that leaves the root (an absolute symlink or one that
+//! climbs above the root in a parent component is an error; relative ones that stay inside
+//! are followed; an existing symlink at the target path itself is replaced, not followed),
+//! and hardlinks only to entries inside the root. Modes, ownership, times, xattrs, symlinks, hardlinks and
 //! device nodes are reproduced (the caller must be root).
 
-use std::collections::{HashMap, HashSet};
-use std::ffi::{CString, OsStr};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ffi::{CString, OsStr, OsString};
 use std::fs::{self, OpenOptions, Permissions};
 use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
@@ -23,6 +24,8 @@ const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
 /// Other `.wh..wh.` names are aufs bookkeeping (e.g. `.wh..wh.plnk`) and carry no files.
 const AUFS_META_PREFIX: &[u8] = b".wh..wh.";
+/// Symlinks followed while resolving one path, as Linux's MAXSYMLINKS.
+const MAX_SYMLINK_HOPS: u32 = 40;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LayerError {
@@ -199,7 +202,7 @@ impl RootfsBuilder {
             self.dir_times.insert(PathBuf::new(), meta.mtime);
             return Ok(0);
         }
-        self.walk_parents(ctx, rel, true)?;
+        let rel = &self.resolve_in_root(ctx, rel, true)?.unwrap_or_else(|| rel.to_path_buf());
         let full = self.root.join(rel);
         let mut written = 0;
         match kind {
@@ -245,15 +248,16 @@ impl RootfsBuilder {
                     entry: ctx.entry.clone(),
                     target: raw_target.display().to_string(),
                 };
-                if target_rel.as_os_str().is_empty() || !self.walk_parents(ctx, &target_rel, false)? {
-                    return Err(missing(ctx));
-                }
+                let target_rel = match self.resolve_in_root(ctx, &target_rel, false)? {
+                    Some(resolved) if !resolved.as_os_str().is_empty() => resolved,
+                    _ => return Err(missing(ctx)),
+                };
                 let target_full = self.root.join(&target_rel);
                 match fs::symlink_metadata(&target_full) {
                     Ok(m) if !m.is_dir() => {}
                     _ => return Err(missing(ctx)),
                 }
-                if target_rel != rel {
+                if target_rel != *rel {
                     remove_existing(ctx, &full, false)?;
                     // linkat without AT_SYMLINK_FOLLOW: a symlink target is linked, not followed.
                     fs::hard_link(&target_full, &full).map_err(|e| ctx.io("create hardlink", &full, e))?;
@@ -280,67 +284,115 @@ impl RootfsBuilder {
         Ok(written)
     }
 
-    /// Checks (and, with `create`, makes) the parent directories of `rel`, never passing a
-    /// symlink. Returns false when a parent is missing and `create` is false.
-    fn walk_parents(&self, ctx: &mut LayerCtx<'_>, rel: &Path, create: bool) -> Result<bool, LayerError> {
-        let mut current = PathBuf::new();
-        let parent = rel.parent().unwrap_or(Path::new(""));
-        for component in parent.components() {
-            current.push(component);
-            let full = self.root.join(&current);
+    /// Resolves the parent directories of `rel` inside the root and returns the path that `rel`
+    /// names there (relative to the root, its parents free of symlinks). Relative symlinks that
+    /// stay inside the root are followed, as a container runtime would (`lib -> usr/lib`); an
+    /// absolute symlink, one that climbs out of the root, or a loop is refused. With `create`,
+    /// missing parents are made; without, None is returned when one is missing. The last
+    /// component is never followed.
+    fn resolve_in_root(&self, ctx: &mut LayerCtx<'_>, rel: &Path, create: bool) -> Result<Option<PathBuf>, LayerError> {
+        enum Step {
+            Up,
+            Name(OsString),
+        }
+        let Some(name) = rel.file_name() else {
+            return Ok(Some(PathBuf::new()));
+        };
+        let escape = |ctx: &LayerCtx<'_>, link: &Path| LayerError::ThroughSymlink {
+            layer: ctx.layer.to_string(),
+            entry: ctx.entry.clone(),
+            link: link.display().to_string(),
+        };
+        let mut pending: VecDeque<Step> = rel
+            .parent()
+            .unwrap_or(Path::new(""))
+            .components()
+            .filter_map(|c| match c {
+                Component::Normal(part) => Some(Step::Name(part.to_os_string())),
+                _ => None,
+            })
+            .collect();
+        let mut resolved = PathBuf::new();
+        let mut last_link = PathBuf::new();
+        let mut hops = 0;
+        while let Some(step) = pending.pop_front() {
+            let part = match step {
+                Step::Up => {
+                    if !resolved.pop() {
+                        return Err(escape(ctx, &last_link));
+                    }
+                    continue;
+                }
+                Step::Name(part) => part,
+            };
+            let candidate = resolved.join(&part);
+            let full = self.root.join(&candidate);
             match fs::symlink_metadata(&full) {
                 Ok(m) if m.file_type().is_symlink() => {
-                    return Err(LayerError::ThroughSymlink {
-                        layer: ctx.layer.to_string(),
-                        entry: ctx.entry.clone(),
-                        link: current.display().to_string(),
-                    })
+                    hops += 1;
+                    let target = fs::read_link(&full).map_err(|e| ctx.io("read symlink", &full, e))?;
+                    if hops > MAX_SYMLINK_HOPS || target.has_root() {
+                        return Err(escape(ctx, &candidate));
+                    }
+                    for component in target.components().rev() {
+                        match component {
+                            Component::Normal(next) => pending.push_front(Step::Name(next.to_os_string())),
+                            Component::ParentDir => pending.push_front(Step::Up),
+                            Component::CurDir => {}
+                            Component::RootDir | Component::Prefix(_) => return Err(escape(ctx, &candidate)),
+                        }
+                    }
+                    last_link = candidate;
                 }
                 Ok(m) if m.is_dir() => {
                     if create {
                         // This layer has entries below: an opaque marker must keep them.
-                        ctx.created.insert(current.clone());
+                        ctx.created.insert(candidate.clone());
                     }
+                    resolved = candidate;
                 }
                 Ok(_) => {
                     return Err(LayerError::ParentNotDirectory {
                         layer: ctx.layer.to_string(),
                         entry: ctx.entry.clone(),
-                        parent: current.display().to_string(),
+                        parent: candidate.display().to_string(),
                     })
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if !create {
-                        return Ok(false);
+                        return Ok(None);
                     }
                     fs::create_dir(&full).map_err(|e| ctx.io("create directory", &full, e))?;
                     fs::set_permissions(&full, Permissions::from_mode(0o755))
                         .map_err(|e| ctx.io("chmod", &full, e))?;
-                    ctx.created.insert(current.clone());
+                    ctx.created.insert(candidate.clone());
+                    resolved = candidate;
                 }
                 Err(e) => return Err(ctx.io("inspect", &full, e)),
             }
         }
-        Ok(true)
+        Ok(Some(resolved.join(name)))
     }
 
     /// `.wh.<name>`: removes `<name>` unless this same layer created it.
     fn whiteout(&mut self, ctx: &mut LayerCtx<'_>, rel: &Path) -> Result<(), LayerError> {
-        if ctx.created.contains(rel) || !self.walk_parents(ctx, rel, false)? {
-            return Ok(());
+        match self.resolve_in_root(ctx, rel, false)? {
+            Some(resolved) if !ctx.created.contains(&resolved) && !resolved.as_os_str().is_empty() => {
+                remove_existing(ctx, &self.root.join(resolved), false)?;
+                Ok(())
+            }
+            _ => Ok(()),
         }
-        remove_existing(ctx, &self.root.join(rel), false)?;
-        Ok(())
     }
 
     /// `.wh..wh..opq`: removes everything under `dir` that this layer did not create.
     fn make_opaque(&mut self, ctx: &mut LayerCtx<'_>, dir: &Path) -> Result<(), LayerError> {
-        if !dir.as_os_str().is_empty() && !self.walk_parents(ctx, dir, false)? {
+        let Some(dir) = self.resolve_in_root(ctx, dir, false)? else {
             return Ok(());
-        }
-        let full = self.root.join(dir);
+        };
+        let full = self.root.join(&dir);
         match fs::symlink_metadata(&full) {
-            Ok(m) if m.is_dir() => self.remove_lower_children(ctx, dir),
+            Ok(m) if m.is_dir() => self.remove_lower_children(ctx, &dir),
             // Not a directory (or absent): nothing from lower layers to hide.
             Ok(_) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -866,6 +918,73 @@ mod tests {
         assert!(matches!(err, LayerError::ThroughSymlink { .. }), "{err}");
         let err = apply(&mut rootfs, "evil3", LayerTar::new().link(EntryType::Link, "h", "evil/x")).unwrap_err();
         assert!(matches!(err, LayerError::ThroughSymlink { .. }), "{err}");
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn follows_relative_symlinks_that_stay_inside() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rootfs = RootfsBuilder::new(dir.path());
+        apply(
+            &mut rootfs,
+            "base",
+            LayerTar::new()
+                .dir("usr/lib", 0o755)
+                .link(EntryType::Symlink, "lib", "usr/lib")
+                .dir("var/cache", 0o755)
+                .link(EntryType::Symlink, "var/tmp", "../usr/./lib")
+                .file("usr/lib/old.so", b"old", 0o644, 0, 0),
+        )
+        .unwrap();
+        apply(
+            &mut rootfs,
+            "upper",
+            LayerTar::new()
+                .file("lib/libx.so", b"x", 0o644, 0, 0)
+                .file("var/tmp/liby.so", b"y", 0o644, 0, 0)
+                .link(EntryType::Link, "usr/hard", "lib/libx.so")
+                .file("lib/.wh.old.so", b"", 0o644, 0, 0),
+        )
+        .unwrap();
+        let root = dir.path();
+        assert_eq!(fs::read(root.join("usr/lib/libx.so")).unwrap(), b"x");
+        assert_eq!(fs::read(root.join("usr/lib/liby.so")).unwrap(), b"y");
+        assert!(fs::symlink_metadata(root.join("lib")).unwrap().file_type().is_symlink());
+        assert!(!exists(root, "usr/lib/old.so"));
+        assert_eq!(
+            fs::metadata(root.join("usr/hard")).unwrap().ino(),
+            fs::metadata(root.join("usr/lib/libx.so")).unwrap().ino()
+        );
+    }
+
+    #[test]
+    fn rejects_relative_symlinks_that_climb_out_and_loops() {
+        let outside = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        fs::create_dir(&root).unwrap();
+        let mut rootfs = RootfsBuilder::new(&root);
+        let err = apply(
+            &mut rootfs,
+            "climb",
+            LayerTar::new()
+                .dir("a", 0o755)
+                .link(EntryType::Symlink, "a/up", "../../..")
+                .file("a/up/escaped", b"x", 0o644, 0, 0),
+        )
+        .unwrap_err();
+        assert!(matches!(err, LayerError::ThroughSymlink { ref link, .. } if link == "a/up"), "{err}");
+        let err = apply(
+            &mut rootfs,
+            "loop",
+            LayerTar::new()
+                .link(EntryType::Symlink, "loop1", "loop2")
+                .link(EntryType::Symlink, "loop2", "loop1")
+                .file("loop1/x", b"x", 0o644, 0, 0),
+        )
+        .unwrap_err();
+        assert!(matches!(err, LayerError::ThroughSymlink { .. }), "{err}");
+        assert!(!dir.path().join("escaped").exists());
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
     }
 
