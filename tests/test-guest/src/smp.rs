@@ -165,7 +165,11 @@ pub fn start(tpm: u64) -> Result<(), &'static str> {
     let put = |off: usize, bytes: &[u8]| {
         // SAFETY: writes inside the trampoline page just copied.
         unsafe {
-            core::ptr::copy_nonoverlapping(bytes.as_ptr(), (TRAMPOLINE + off) as *mut u8, bytes.len())
+            core::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                (TRAMPOLINE + off) as *mut u8,
+                bytes.len(),
+            )
         }
     };
     put(OFF_GDTR, &gdt_limit.to_le_bytes());
@@ -174,7 +178,10 @@ pub fn start(tpm: u64) -> Result<(), &'static str> {
     put(OFF_FAR_JUMP, &(long_entry as u32).to_le_bytes());
     put(OFF_FAR_JUMP + 4, &cs.to_le_bytes());
     put(OFF_STACK, &(stack_top as u64).to_le_bytes());
-    put(OFF_ENTRY, &(ap_main as usize as u64).to_le_bytes());
+    put(
+        OFF_ENTRY,
+        &(ap_main as *const () as usize as u64).to_le_bytes(),
+    );
 
     // Software-enable the local APIC (spurious vector 0xff), then INIT, SIPI, SIPI.
     lapic_write(LAPIC_SVR, lapic_read(LAPIC_SVR) | 0x1ff);
