@@ -284,6 +284,28 @@ def main():
         for kind in ("oob", "loop", "long", "dir", "badnext", "badavail"):
             ck.expect("hostile 0 " + kind, r"OK survived")
             ck.expect("blk-read 0 3 1", "OK " + sector3.hex())
+        # Snapshot and benchmark commands (one vCPU here, so smp-start must fail).
+        ck.expect("generation", r"OK 0x[0-9a-f]+")
+        ck.expect("prng 3", r"OK 0x0d83b3e29a21487a 0x54c44c79f1fe9d67 0xa845f342007a0e78")
+        ck.expect("prng 1", r"OK 0x7d6e0b878a794779")
+        ck.expect("prng 65", r"ERR count-out-of-range")
+        ck.expect("compute 20000", r"progress 1")
+        progress = [guest.line(60) for _ in range(9)]
+        ck.check("compute prints progress 2..10", progress == ["progress %d" % k for k in range(2, 11)])
+        ck.check("compute 20000 hash", guest.line(60) == "OK 0xebb0a3eaeb6176e9")
+        ck.expect("touch 16 9", r"OK 4096")
+        ck.expect("check 16 9", r"OK 0")
+        ck.expect("check 16 8", r"OK 4096")
+        ck.expect("touch 200 1", r"ERR not-covered-by-e820-ram")
+        ck.expect("touch 0 1", r"ERR size-out-of-range")
+        ck.expect("blk-post 0 3", r"OK")
+        ck.expect("blk-read 0 3 1", r"ERR request-posted")
+        ck.expect("blk-complete 0", "OK " + sector3.hex())
+        ck.expect("blk-complete 0", r"ERR nothing-posted")
+        for bench in ("bench-loop", "bench-pio", "bench-mmio"):
+            ck.expect(bench + " 1000", r"OK")
+        ck.expect("smp-count", r"OK 0")
+        ck.expect("smp-start", r"ERR ap-did-not-start")
         if vsock:
             ck.expect("vsock-cid", "OK %d" % GUEST_CID)
             ck.expect("vsock-listen 5000", r"OK")
