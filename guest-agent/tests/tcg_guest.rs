@@ -4,8 +4,8 @@
 //! cannot: the vsock listener, PID 1 mounts, cgroup2 delegation and OOM
 //! detection, and fixups that really set the (guest's) clock and hostname.
 //!
-//! Needs the guest kernel (ROLLBOX_GUEST_KERNEL, or the newest
-//! /var/cache/rollbox/kernel/*/bzImage from kernel-config/build.sh), the static
+//! Needs the guest kernel (ROLLBOX_GUEST_KERNEL, else ROLLBOX_KERNEL_DIR/bzImage, else
+//! the newest /var/cache/rollbox/kernel/*/bzImage from kernel-config/build.sh), the static
 //! agent (guest-agent/build-static.sh), qemu-system-x86, vhost-device-vsock,
 //! busybox-static and mkfs.ext4. Skips with one line when any is missing,
 //! unless ROLLBOX_REQUIRE_ALL=1.
@@ -23,6 +23,9 @@ fn repo() -> PathBuf {
 fn kernel() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("ROLLBOX_GUEST_KERNEL") {
         return Some(PathBuf::from(path));
+    }
+    if let Some(dir) = std::env::var_os("ROLLBOX_KERNEL_DIR") {
+        return Some(PathBuf::from(dir).join("bzImage"));
     }
     let mut kernels: Vec<(SystemTime, PathBuf)> = std::fs::read_dir("/var/cache/rollbox/kernel")
         .ok()?
