@@ -40,6 +40,9 @@ enum Bench {
         /// Iterations of each exit loop.
         #[arg(long, default_value_t = 20_000)]
         exits: u64,
+        /// Runs of each exit loop per rep; the fastest counts (host load only adds time).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// First run `cargo build --release -p vmm` and `cargo xtask test-guest`.
         #[arg(long)]
         build: bool,
@@ -61,6 +64,7 @@ fn main() -> ExitCode {
             guest,
             memory_mib,
             exits,
+            rounds,
             build,
         } => {
             let root = workspace_root();
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
                 reps: reps.max(1),
                 memory_mib,
                 exit_iterations: exits.max(1),
+                rounds: rounds.max(1),
                 build,
             };
             match vmm::run(&config).and_then(|report| {
