@@ -187,12 +187,32 @@ fn bind_unix(path: &std::path::Path) -> Result<tokio::net::UnixListener, String>
             return Err(format!("listen on {}: a non-socket file is in the way", path.display()));
         }
     }
-    tokio::net::UnixListener::bind(path).map_err(|e| format!("listen on unix socket {}: {e}", path.display()))
+    // Bind and listen under a temporary name, then rename: once the socket
+    // file exists, connections succeed (no window between bind and listen).
+    let mut temp = path.as_os_str().to_owned();
+    temp.push(format!(".{}.tmp", std::process::id()));
+    let temp = PathBuf::from(temp);
+    let _ = std::fs::remove_file(&temp);
+    let listener = tokio::net::UnixListener::bind(&temp)
+        .map_err(|e| format!("listen on unix socket {}: {e}", temp.display()))?;
+    std::fs::rename(&temp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&temp);
+        format!("rename {} -> {}: {e}", temp.display(), path.display())
+    })?;
+    Ok(listener)
 }
 
 async fn accept_unix(listener: tokio::net::UnixListener, agent: Arc<agent::Agent>, port: u32) -> Result<(), String> {
     loop {
-        let (mut stream, _) = listener.accept().await.map_err(|e| format!("accept on unix socket: {e}"))?;
+        let mut stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(err) => {
+                // E.g. out of file descriptors: keep listening, connections will work again.
+                log::warn!("accept on unix socket: {err}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let agent = Arc::clone(&agent);
         tokio::spawn(async move {
             match hybrid::read_connect(&mut stream).await {
@@ -211,7 +231,14 @@ async fn accept_unix(listener: tokio::net::UnixListener, agent: Arc<agent::Agent
 
 async fn accept_vsock(listener: vsock::VsockListener, agent: Arc<agent::Agent>) -> Result<(), String> {
     loop {
-        let stream = listener.accept().await.map_err(|e| format!("accept on vsock: {e}"))?;
+        let stream = match listener.accept().await {
+            Ok(stream) => stream,
+            Err(err) => {
+                log::warn!("accept on vsock: {err}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         tokio::spawn(server::serve(Arc::clone(&agent), stream));
     }
 }

@@ -54,7 +54,18 @@ impl AgentProcess {
     }
 
     pub async fn client(&self) -> AgentClient {
-        AgentClient::connect_unix(&self.socket, DEFAULT_PORT).await.expect("connect to agent")
+        // The socket file appears at bind(), a moment before listen(): retry briefly.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match AgentClient::connect_unix(&self.socket, DEFAULT_PORT).await {
+                Ok(client) => return client,
+                Err(err) if Instant::now() < deadline => {
+                    let _ = err;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(err) => panic!("connect to agent: {err}"),
+            }
+        }
     }
 
     pub fn pid(&self) -> u32 {
