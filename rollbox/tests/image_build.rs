@@ -45,6 +45,10 @@ fn check_standard_rootfs(image: &Path) {
     let console = stat(image, "/dev/console").unwrap();
     assert_eq!((console.kind.as_str(), console.gid), ("character", 5));
     assert!(debugfs(image, "stat /dev/console").contains("Device major/minor number: 05:01"));
+    // Extended attributes from PAX records, file capabilities included.
+    let xattrs = debugfs(image, "ea_list /bin/ping");
+    assert!(xattrs.contains("user.origin") && xattrs.contains("rollbox-test"), "{xattrs}");
+    assert!(xattrs.contains("security.capability"), "{xattrs}");
     check_agent_and_metadata(image);
 }
 

@@ -146,6 +146,26 @@ impl Layer {
         self
     }
 
+    /// A PAX extended header ('x') for the next entry: records `LEN key=value\n`.
+    pub fn pax(mut self, records: &[(&str, &[u8])]) -> Self {
+        let mut data = Vec::new();
+        for (key, value) in records {
+            let body = key.len() + value.len() + 3; // ' ', '=', '\n'
+            let mut len = body + 1;
+            while len != body + len.to_string().len() {
+                len = body + len.to_string().len();
+            }
+            data.extend_from_slice(format!("{len} {key}=").as_bytes());
+            data.extend_from_slice(value);
+            data.push(b'\n');
+        }
+        let mut header = Self::header(EntryType::XHeader, 0o644, 0, 0, data.len() as u64);
+        header.set_path("PaxHeaders/entry").unwrap();
+        header.set_cksum();
+        self.builder.append(&header, &data[..]).unwrap();
+        self
+    }
+
     /// An entry with a raw name that the tar crate's safe setters would refuse.
     pub fn raw_file(mut self, name: &str, data: &[u8]) -> Self {
         let mut header = Self::header(EntryType::Regular, 0o644, 0, 0, data.len() as u64);
@@ -326,6 +346,9 @@ impl Image {
     }
 }
 
+/// vfs_cap_data v2: effective, permitted = CAP_NET_RAW (bit 13).
+pub const NET_RAW_CAPABILITY: [u8; 20] = [1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+
 /// The standard test image: two layers exercising whiteouts, an opaque directory, links,
 /// set-id bits, ownership and a device node.
 pub fn standard_image() -> Image {
@@ -342,6 +365,9 @@ pub fn standard_image() -> Image {
         .dir("home/user", 0o700, 1000, 1000)
         .file("home/user/notes", b"private", 0o640, 1000, 1000)
         .char_device("dev/console", 5, 1)
+        // File capabilities (cap_net_raw, effective) and a user xattr, as PAX records.
+        .pax(&[("SCHILY.xattr.security.capability", &NET_RAW_CAPABILITY), ("SCHILY.xattr.user.origin", b"rollbox-test")])
+        .file("bin/ping", b"ping", 0o755, 0, 0)
         .tar();
     let upper = Layer::new()
         .file("etc/.wh.gone", b"", 0o644, 0, 0)
