@@ -556,8 +556,12 @@ impl ExecHandle {
         }
     }
 
+    /// Send bytes to the process's stdin (in chunks of at most `CHUNK_BYTES`).
     pub async fn write_stdin(&self, data: &[u8]) -> Result<(), ClientError> {
-        self.raw.send(ClientMessage::Stdin { data: data.to_vec() }).await
+        for chunk in data.chunks(CHUNK_BYTES) {
+            self.raw.send(ClientMessage::Stdin { data: chunk.to_vec() }).await?;
+        }
+        Ok(())
     }
 
     pub async fn close_stdin(&self) -> Result<(), ClientError> {

@@ -70,6 +70,15 @@ async fn stdin_is_written_and_closed() {
     assert_eq!(output.stdout, b"hello world");
     assert_eq!(output.status.code, Some(0));
 
+    // Much more than one frame holds, piped through and counted.
+    let mut req = ExecRequest::argv(["wc", "-c"]);
+    req.stdin = true;
+    let handle = client.exec(req).await.expect("exec");
+    handle.write_stdin(&vec![b'z'; 20 << 20]).await.expect("big stdin");
+    handle.close_stdin().await.expect("close");
+    let output = handle.collect().await.expect("collect");
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), (20u64 << 20).to_string());
+
     // Stdin to a process started without it is refused with a notice, not an error.
     let mut handle = client.exec(ExecRequest::shell("sleep 0.2")).await.expect("exec");
     handle.write_stdin(b"x").await.expect("send");
