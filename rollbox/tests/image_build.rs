@@ -223,6 +223,35 @@ fn registry_pull_builds() {
     assert_eq!(again.rootfs, built.rootfs);
 }
 
+/// A multi-platform index: the linux/amd64 image is picked.
+#[test]
+fn registry_index_picks_this_platform() {
+    if !registry_answers() {
+        return skip("registry_index_picks_this_platform", "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)");
+    }
+    if std::env::consts::ARCH != "x86_64" {
+        return skip("registry_index_picks_this_platform", "the index test expects an amd64 host");
+    }
+    let repository = format!("rollbox-test/multi-{}", std::process::id());
+    let amd64 = standard_image();
+    let arm64 = Image::new(vec![Layer::new().file("etc/arch", b"arm64", 0o644, 0, 0).tar()]);
+    amd64.push(&format!("{REGISTRY}/{repository}:amd64"));
+    arm64.push(&format!("{REGISTRY}/{repository}:arm64"));
+    let amd64_manifest = registry_manifest(&repository, "amd64");
+    let arm64_manifest = registry_manifest(&repository, "arm64");
+    registry_put_index(&repository, "latest", &[("arm64", &arm64_manifest), ("amd64", &amd64_manifest)]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let agent = agent();
+    let reference = format!("{REGISTRY}/{repository}:latest");
+    let built = build_ok(&["image", "build", &reference, "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    check_standard_rootfs(&built.rootfs);
+    assert!(stat(&built.rootfs, "/etc/arch").is_none());
+    let metadata: serde_json::Value = serde_json::from_slice(&fs::read(&built.metadata).unwrap()).unwrap();
+    assert_eq!(metadata["manifest_digest"], sha256(&amd64_manifest));
+}
+
 #[test]
 fn missing_images_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();

@@ -346,6 +346,44 @@ impl Image {
     }
 }
 
+/// GET a manifest from the loopback registry: its bytes.
+pub fn registry_manifest(repository: &str, reference: &str) -> Vec<u8> {
+    let output = Command::new("curl")
+        .args(["-sf", "-H", "Accept: application/vnd.oci.image.manifest.v1+json"])
+        .arg(format!("http://{REGISTRY}/v2/{repository}/manifests/{reference}"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "GET manifest {repository}:{reference}");
+    output.stdout
+}
+
+/// PUT a multi-platform index (linux/amd64 and linux/arm64 entries) under `tag`.
+pub fn registry_put_index(repository: &str, tag: &str, entries: &[(&str, &[u8])]) {
+    let manifests: Vec<serde_json::Value> = entries
+        .iter()
+        .map(|(arch, manifest)| {
+            serde_json::json!({
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": sha256(manifest),
+                "size": manifest.len(),
+                "platform": {"architecture": arch, "os": "linux"}
+            })
+        })
+        .collect();
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": manifests
+    });
+    let output = Command::new("curl")
+        .args(["-sf", "-X", "PUT", "-H", "Content-Type: application/vnd.oci.image.index.v1+json", "--data-binary"])
+        .arg(serde_json::to_string(&index).unwrap())
+        .arg(format!("http://{REGISTRY}/v2/{repository}/manifests/{tag}"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "PUT index: {}", String::from_utf8_lossy(&output.stderr));
+}
+
 /// vfs_cap_data v2: effective, permitted = CAP_NET_RAW (bit 13).
 pub const NET_RAW_CAPABILITY: [u8; 20] = [1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 
