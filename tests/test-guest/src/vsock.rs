@@ -438,28 +438,14 @@ impl Vsock {
         }
     }
 
-    /// Serves the device: received packets, events, finished tx buffers, pending echoes
+    /// Serves the device: events, received packets, finished tx buffers, pending echoes
     /// and connections whose close timed out.
     pub fn poll(&mut self, dma: &mut VsockDma) {
         if !self.ready {
             return;
         }
-        let mut reposted = false;
-        while let Some((id, written)) = self.queues[RX_QUEUE].pop_used() {
-            let slot = (id / 2) as u16 % self.rx_slots.max(1);
-            let i = slot as usize % SLOTS;
-            let hdr = Header::decode(&dma.rx.hdr[i]);
-            let payload = (hdr.len as usize)
-                .min(BUF)
-                .min((written as usize).saturating_sub(HDR));
-            let data = dma.rx.data[i].get(..payload).unwrap_or(&[]);
-            self.handle(&mut dma.tx, &hdr, data);
-            self.post_rx(&dma.rx, slot);
-            reposted = true;
-        }
-        if reposted {
-            self.transport.notify(&self.queues[RX_QUEUE]);
-        }
+        // Events first: a TRANSPORT_RESET must drop the connections that predate a restore,
+        // not the ones the host opens right after it.
         let mut events = false;
         while let Some((id, _)) = self.queues[EVENT_QUEUE].pop_used() {
             let slot = id as u16 % self.event_slots.max(1);
@@ -477,6 +463,22 @@ impl Vsock {
         }
         if events {
             self.transport.notify(&self.queues[EVENT_QUEUE]);
+        }
+        let mut reposted = false;
+        while let Some((id, written)) = self.queues[RX_QUEUE].pop_used() {
+            let slot = (id / 2) as u16 % self.rx_slots.max(1);
+            let i = slot as usize % SLOTS;
+            let hdr = Header::decode(&dma.rx.hdr[i]);
+            let payload = (hdr.len as usize)
+                .min(BUF)
+                .min((written as usize).saturating_sub(HDR));
+            let data = dma.rx.data[i].get(..payload).unwrap_or(&[]);
+            self.handle(&mut dma.tx, &hdr, data);
+            self.post_rx(&dma.rx, slot);
+            reposted = true;
+        }
+        if reposted {
+            self.transport.notify(&self.queues[RX_QUEUE]);
         }
         self.reclaim_tx();
         for c in 0..MAX_CONNS {
