@@ -87,6 +87,9 @@ fn fsck(image: &Path) {
 
 #[test]
 fn oci_layout_builds_cached_and_copied_out() {
+    if !root_or_skip("oci_layout_builds_cached_and_copied_out") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let layout = dir.path().join("layout");
     let cache = dir.path().join("cache");
@@ -141,6 +144,9 @@ fn oci_layout_builds_cached_and_copied_out() {
 
 #[test]
 fn zstd_and_uncompressed_layers_build() {
+    if !root_or_skip("zstd_and_uncompressed_layers_build") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let layout = dir.path().join("layout");
     let cache = dir.path().join("cache");
@@ -155,6 +161,9 @@ fn zstd_and_uncompressed_layers_build() {
 
 #[test]
 fn docker_archive_builds() {
+    if !root_or_skip("docker_archive_builds") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let archive = dir.path().join("image.tar");
     let cache = dir.path().join("cache");
@@ -193,6 +202,9 @@ fn docker_archive_builds() {
 
 #[test]
 fn registry_pull_builds() {
+    if !root_or_skip("registry_pull_builds") {
+        return;
+    }
     if !registry_answers() {
         return skip("registry_pull_builds", "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)");
     }
@@ -226,6 +238,9 @@ fn registry_pull_builds() {
 /// A multi-platform index: the linux/amd64 image is picked.
 #[test]
 fn registry_index_picks_this_platform() {
+    if !root_or_skip("registry_index_picks_this_platform") {
+        return;
+    }
     if !registry_answers() {
         return skip("registry_index_picks_this_platform", "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)");
     }
@@ -254,6 +269,9 @@ fn registry_index_picks_this_platform() {
 
 #[test]
 fn missing_images_are_clear_errors() {
+    if !root_or_skip("missing_images_are_clear_errors") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
     let agent = agent();
@@ -316,6 +334,9 @@ fn expect_bad_layout(blob_override: Option<Vec<u8>>, layer: Vec<u8>, expected: &
 
 #[test]
 fn path_traversal_is_refused() {
+    if !root_or_skip("path_traversal_is_refused") {
+        return;
+    }
     expect_bad_layout(None, Layer::new().raw_file("../escape", b"x").tar(), "`..` component (path traversal)");
     expect_bad_layout(None, Layer::new().raw_file("/etc/escape", b"x").tar(), "has an absolute path");
     expect_bad_layout(
@@ -328,6 +349,9 @@ fn path_traversal_is_refused() {
 
 #[test]
 fn corrupt_layers_are_refused() {
+    if !root_or_skip("corrupt_layers_are_refused") {
+        return;
+    }
     let good = Layer::new().file("etc/hostname", b"sandbox", 0o644, 0, 0).tar();
     // Not gzip at all past the magic: the digest matches (it is of these bytes), the data is bad.
     let mut bad_gzip = vec![0x1f, 0x8b, 0x08, 0x00];
@@ -395,6 +419,9 @@ fn full_disk_leaves_nothing_behind() {
 /// the loopback registry.
 #[test]
 fn dockerd_image_via_save_and_registry() {
+    if !root_or_skip("dockerd_image_via_save_and_registry") {
+        return;
+    }
     if !docker_works() {
         return skip("dockerd_image_via_save_and_registry", "dockerd is not running (scripts/start-dockerd.sh)");
     }

@@ -51,6 +51,9 @@ fn on_path(tool: &str) -> bool {
 #[test]
 fn boots_under_tcg_with_the_agent_as_init() {
     const TEST: &str = "boots_under_tcg_with_the_agent_as_init";
+    if !root_or_skip(TEST) {
+        return;
+    }
     let agent = workspace().join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
     if !agent.is_file() {
         eprintln!("SKIP {TEST}: the static agent is not built ({})", agent.display());

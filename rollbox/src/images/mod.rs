@@ -80,6 +80,8 @@ pub enum ImageError {
         path: String,
         source: io::Error,
     },
+    #[error("building an image needs root: it reproduces file ownership, set-id bits and device nodes")]
+    NotRoot,
     #[error("output directory {path} does not exist")]
     OutputDir { path: String },
     #[error("output {path} is a directory; give a file name such as {path}/rootfs.ext4")]
@@ -168,6 +170,10 @@ fn cache_key(image_digest: &Digest, agent: &Digest, size_mib: Option<u64>) -> St
 }
 
 pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(ImageError::NotRoot);
+    }
     if let Some(output) = &options.output {
         check_output_dir(output)?;
     }

@@ -40,6 +40,15 @@ pub fn skip(test: &str, why: &str) {
     eprintln!("SKIP {test}: {why}");
 }
 
+/// The builder reproduces ownership and device nodes, which needs root.
+pub fn root_or_skip(test: &str) -> bool {
+    if is_root() {
+        return true;
+    }
+    skip(test, "needs root (the image builder sets ownership and makes device nodes)");
+    false
+}
+
 pub fn is_root() -> bool {
     fs::read_to_string("/proc/self/status")
         .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
