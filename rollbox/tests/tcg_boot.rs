@@ -3,9 +3,8 @@
 //!
 //! Needs artifacts built by other parts: the static agent
 //! (target/agent-static/.../rollbox-agent), a guest kernel (ROLLBOX_KERNEL, else
-//! kernel-config/build.sh's cache), qemu-system-x86_64 and vhost-device-vsock. Without them
-//! it skips with one line (even under ROLLBOX_REQUIRE_ALL: they are build outputs of other
-//! tiers, not services).
+//! ROLLBOX_KERNEL_DIR, else kernel-config/build.sh's cache), qemu-system-x86_64 and
+//! vhost-device-vsock. Without them it skips with one line, unless ROLLBOX_REQUIRE_ALL=1.
 
 // Test code: a panic on a broken fixture is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -26,6 +25,10 @@ fn workspace() -> PathBuf {
 fn kernel() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("ROLLBOX_KERNEL") {
         return Some(PathBuf::from(path)).filter(|p| p.is_file());
+    }
+    // scripts/test.sh exports the kernel-config/build.sh output directory.
+    if let Some(dir) = std::env::var_os("ROLLBOX_KERNEL_DIR") {
+        return Some(PathBuf::from(dir).join("bzImage")).filter(|p| p.is_file());
     }
     let cache = PathBuf::from(std::env::var_os("ROLLBOX_KERNEL_CACHE").unwrap_or_else(|| "/var/cache/rollbox/kernel".into()));
     let hash = Command::new(workspace().join("kernel-config/build.sh"))
@@ -56,16 +59,13 @@ fn boots_under_tcg_with_the_agent_as_init() {
     }
     let agent = workspace().join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
     if !agent.is_file() {
-        eprintln!("SKIP {TEST}: the static agent is not built ({})", agent.display());
-        return;
+        return skip(TEST, &format!("the static agent is not built ({})", agent.display()));
     }
     let Some(kernel) = kernel() else {
-        eprintln!("SKIP {TEST}: no guest kernel (kernel-config/build.sh, or set ROLLBOX_KERNEL)");
-        return;
+        return skip(TEST, "no guest kernel (kernel-config/build.sh, or set ROLLBOX_KERNEL)");
     };
     if !on_path("qemu-system-x86_64") || !on_path("vhost-device-vsock") {
-        eprintln!("SKIP {TEST}: needs qemu-system-x86_64 and vhost-device-vsock");
-        return;
+        return skip(TEST, "needs qemu-system-x86_64 and vhost-device-vsock");
     }
 
     let dir = tempfile::tempdir().unwrap();
