@@ -59,6 +59,8 @@ pub enum LayerError {
         entry: String,
         target: String,
     },
+    #[error("layer {layer}: whiteout {entry:?} names no file")]
+    BadWhiteout { layer: String, entry: String },
     #[error("layer {layer}: entry {entry:?} has unsupported tar entry type {kind}")]
     Unsupported {
         layer: String,
@@ -172,6 +174,12 @@ impl RootfsBuilder {
                     if name == OPAQUE_MARKER {
                         self.make_opaque(&mut ctx, dir)?;
                     } else if !name.starts_with(AUFS_META_PREFIX) {
+                        if matches!(hidden, b"" | b"." | b"..") {
+                            return Err(LayerError::BadWhiteout {
+                                layer: layer.to_string(),
+                                entry: ctx.entry.clone(),
+                            });
+                        }
                         self.whiteout(&mut ctx, &dir.join(OsStr::from_bytes(hidden)))?;
                     }
                     stats.whiteouts += 1;
@@ -759,6 +767,19 @@ mod tests {
         assert!(exists(root, "etc/new"));
         assert!(exists(root, "var/cache/a/b"));
         assert_eq!(fs::metadata(root.join("var/cache")).unwrap().mode() & 0o7777, 0o700);
+    }
+
+    #[test]
+    fn whiteouts_naming_no_file_are_refused() {
+        for bad in ["etc/.wh.", "etc/.wh..", "etc/.wh..."] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut rootfs = RootfsBuilder::new(dir.path());
+            apply(&mut rootfs, "base", LayerTar::new().file("etc/keep", b"x", 0o644, 0, 0)).unwrap();
+            // They would name "", "." and "..": the directory itself or its parent.
+            let result = apply(&mut rootfs, "upper", LayerTar::new().raw_file(bad));
+            assert!(matches!(result, Err(LayerError::BadWhiteout { .. })), "{bad}: {result:?}");
+            assert!(exists(dir.path(), "etc/keep"), "{bad} deleted its directory");
+        }
     }
 
     #[test]
