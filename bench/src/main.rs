@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod procfs;
+mod snapshot;
 mod stats;
 mod vmm;
 
@@ -47,6 +48,28 @@ enum Bench {
         #[arg(long)]
         build: bool,
     },
+    /// Snapshot and restore of rollbox-vmm: snapshot time (Full, Diff), restore latency per
+    /// memory backend, uffd working-set prefetch, fork and fan-out with memory sharing.
+    Snapshot {
+        /// Guest sizes in MiB.
+        #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]
+        sizes: Vec<u64>,
+        /// Repetitions per figure.
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+        /// Where snapshots go.
+        #[arg(long, default_value = "/dev/shm/rollbox-bench")]
+        dir: PathBuf,
+        /// Clones in the fan-out figure.
+        #[arg(long, default_value_t = 100)]
+        fanout: usize,
+        /// Working set the guest touches, MiB.
+        #[arg(long, default_value_t = 32)]
+        working_set_mib: u64,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 fn workspace_root() -> PathBuf {
@@ -57,6 +80,35 @@ fn workspace_root() -> PathBuf {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.bench {
+        Bench::Snapshot { sizes, reps, dir, fanout, working_set_mib, json } => {
+            let root = workspace_root();
+            let config = snapshot::SnapshotBenchConfig {
+                vmm: root.join("target/release/rollbox-vmm"),
+                guest: root.join("target/test-guest/test-guest"),
+                sizes,
+                reps: reps.max(1),
+                dir,
+                fanout,
+                working_set_mib,
+            };
+            match snapshot::run(&config) {
+                Ok(reports) => {
+                    println!("{}", snapshot::markdown(&reports, &config));
+                    if let Some(path) = json {
+                        let text = serde_json::to_string_pretty(&reports).unwrap_or_default();
+                        if let Err(e) = std::fs::write(&path, text) {
+                            eprintln!("rollbox-bench snapshot: {}: {e}", path.display());
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("rollbox-bench snapshot: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Bench::Vmm {
             reps,
             json,

@@ -168,7 +168,7 @@ mod tests {
 
     #[test]
     fn page_tables_identity_map_4_gib() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("mem");
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("mem");
         write_boot_tables(&mem).expect("tables");
         let pml4: u64 = mem.read_obj(GuestAddress(PML4_START)).expect("read");
         assert_eq!(pml4, PDPTE_START | 3);

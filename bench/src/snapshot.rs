@@ -1,0 +1,439 @@
+//! `rollbox-bench snapshot`: snapshot and restore figures of rollbox-vmm with the test guest,
+//! side by side with Firecracker v1.16.1's figures measured on these machines.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::stats::{summarize, Summary};
+
+/// Errors that stop the benchmark (never a slow figure).
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotBenchError {
+    /// A process could not start.
+    #[error("cannot start {what}: {source}")]
+    Spawn {
+        /// What.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The guest or VMM did not answer.
+    #[error("{0}")]
+    Guest(String),
+    /// A file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Settings.
+#[derive(Debug, Clone)]
+pub struct SnapshotBenchConfig {
+    /// rollbox-vmm.
+    pub vmm: PathBuf,
+    /// The test guest.
+    pub guest: PathBuf,
+    /// Guest sizes in MiB.
+    pub sizes: Vec<u64>,
+    /// Repetitions per figure.
+    pub reps: usize,
+    /// Where snapshots go (tmpfs, like Firecracker's figures).
+    pub dir: PathBuf,
+    /// Clones in the fan-out figure.
+    pub fanout: usize,
+    /// Working set the guest touches, in MiB.
+    pub working_set_mib: u64,
+}
+
+/// Figures for one guest size.
+#[derive(Debug, Clone, Serialize)]
+pub struct SizeReport {
+    /// Guest memory.
+    pub mem_mib: u64,
+    /// Full snapshot of a running VM (API call), ms.
+    pub snapshot_full_ms: Option<Summary>,
+    /// Diff snapshot after the guest dirtied 4 MiB, ms.
+    pub snapshot_diff_ms: Option<Summary>,
+    /// Process start → first serial byte after restore, per backend, ms.
+    pub restore_cow_ms: Option<Summary>,
+    /// Same, uffd.
+    pub restore_uffd_ms: Option<Summary>,
+    /// Same, copy.
+    pub restore_copy_ms: Option<Summary>,
+    /// Process start → guest has read its whole working set, uffd without prefetch, ms.
+    pub working_set_uffd_ms: Option<Summary>,
+    /// Same with working-set prefetch.
+    pub working_set_uffd_prefetch_ms: Option<Summary>,
+    /// Same with cow, for reference.
+    pub working_set_cow_ms: Option<Summary>,
+    /// Fan-out: wall time until every clone answered, ms.
+    pub fanout_wall_ms: Option<f64>,
+    /// Fan-out: total PSS of all clone processes, MiB.
+    pub fanout_total_pss_mib: Option<f64>,
+    /// `POST /fork` of 16 clones: time until all are up, ms.
+    pub fork16_ms: Option<Summary>,
+    /// `POST /fork`: how long the parent was paused, ms.
+    pub fork16_paused_ms: Option<Summary>,
+}
+
+fn spawn_err(what: &str) -> impl FnOnce(std::io::Error) -> SnapshotBenchError + '_ {
+    move |source| SnapshotBenchError::Spawn { what: what.to_string(), source }
+}
+
+/// A VMM whose console lines arrive with timestamps.
+struct Vm {
+    child: Child,
+    lines: Receiver<(Instant, String)>,
+    first_byte: Receiver<Instant>,
+}
+
+impl Vm {
+    fn spawn(vmm: &Path, args: &[String], input: &str) -> Result<(Vm, Instant), SnapshotBenchError> {
+        let started = Instant::now();
+        let mut child = Command::new(vmm)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(spawn_err("rollbox-vmm"))?;
+        if let Some(stdin) = child.stdin.as_mut() {
+            let _ = stdin.write_all(input.as_bytes());
+        }
+        let mut stdout = child.stdout.take().ok_or_else(|| SnapshotBenchError::Guest("no stdout".into()))?;
+        let (tx, rx) = channel();
+        let (first_tx, first_rx) = channel();
+        std::thread::spawn(move || {
+            let mut first = [0u8; 1];
+            if stdout.read(&mut first).unwrap_or(0) == 0 {
+                return;
+            }
+            let _ = first_tx.send(Instant::now());
+            let mut reader = BufReader::new(stdout);
+            let mut line = String::from_utf8_lossy(&first).to_string();
+            loop {
+                let mut rest = String::new();
+                if reader.read_line(&mut rest).unwrap_or(0) == 0 {
+                    return;
+                }
+                line.push_str(&rest);
+                if tx.send((Instant::now(), line.trim_end().to_string())).is_err() {
+                    return;
+                }
+                line.clear();
+            }
+        });
+        Ok((Vm { child, lines: rx, first_byte: first_rx }, started))
+    }
+
+    fn send(&mut self, text: &str) {
+        if let Some(stdin) = self.child.stdin.as_mut() {
+            let _ = stdin.write_all(text.as_bytes());
+            let _ = stdin.flush();
+        }
+    }
+
+    fn wait_line(&self, prefix: &str, timeout: Duration) -> Result<(Instant, String), SnapshotBenchError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (at, line) = self
+                .lines
+                .recv_timeout(left)
+                .map_err(|_| SnapshotBenchError::Guest(format!("no line starting {prefix:?} within {timeout:?}")))?;
+            if line.starts_with(prefix) {
+                return Ok((at, line));
+            }
+        }
+    }
+
+    fn stop(mut self) {
+        // SAFETY: sends SIGTERM to our own child; a clean exit saves uffd working sets.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn api(sock: &Path, method: &str, path: &str, body: &str) -> Result<String, SnapshotBenchError> {
+    let fail = |e: std::io::Error| SnapshotBenchError::Guest(format!("{method} {path}: {e}"));
+    let mut s = UnixStream::connect(sock).map_err(fail)?;
+    let request = format!("{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    s.write_all(request.as_bytes()).map_err(fail)?;
+    let mut response = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let n = s.read(&mut buf).map_err(fail)?;
+        if n == 0 {
+            break;
+        }
+        response.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&response).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let len = text[..end]
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if response.len() >= end + 4 + len {
+                let status = text.split_whitespace().nth(1).unwrap_or("0").to_string();
+                if !status.starts_with('2') {
+                    return Err(SnapshotBenchError::Guest(format!("{method} {path} -> {status}: {}", &text[end + 4..])));
+                }
+                return Ok(text[end + 4..end + 4 + len].to_string());
+            }
+        }
+    }
+    Err(SnapshotBenchError::Guest(format!("{method} {path}: incomplete answer")))
+}
+
+fn wait_socket(path: &Path) -> Result<(), SnapshotBenchError> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while UnixStream::connect(path).is_err() {
+        if Instant::now() > deadline {
+            return Err(SnapshotBenchError::Guest(format!("{} never came up", path.display())));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn snapshot_call(sock: &Path, kind: &str, dir: &Path) -> Result<f64, SnapshotBenchError> {
+    std::fs::create_dir_all(dir).map_err(|source| SnapshotBenchError::Io { path: dir.to_path_buf(), source })?;
+    api(sock, "PATCH", "/vm", r#"{"state":"Paused"}"#)?;
+    let body = format!(
+        r#"{{"snapshot_type":"{kind}","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
+        dir.display()
+    );
+    let started = Instant::now();
+    api(sock, "PUT", "/snapshot/create", &body)?;
+    let elapsed = ms(started.elapsed());
+    api(sock, "PATCH", "/vm", r#"{"state":"Resumed"}"#)?;
+    Ok(elapsed)
+}
+
+fn pss_kib(pid: u32) -> Option<f64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+}
+
+fn restore_args(dir: &Path, backend: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["--restore".to_string(), dir.display().to_string(), "--restore-backend".into(), backend.into()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// Runs every figure for one guest size.
+fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, SnapshotBenchError> {
+    let base = config.dir.join(format!("m{mem_mib}"));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).map_err(|source| SnapshotBenchError::Io { path: base.clone(), source })?;
+    let sock = base.join("api.sock");
+    let ws = config.working_set_mib.min(mem_mib.saturating_sub(40)).max(1);
+    let args: Vec<String> = [
+        "--kernel", &config.guest.display().to_string(), "--memory-mib", &mem_mib.to_string(),
+        "--api-sock", &sock.display().to_string(), "--track-dirty-pages",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (parent, _) = Vm::spawn(&config.vmm, &args, "")?;
+    parent.wait_line("rollbox-test-guest: ready", Duration::from_secs(30))?;
+    wait_socket(&sock)?;
+    let mut parent = parent;
+    parent.send(&format!("touch {ws} 11\n"));
+    parent.wait_line("OK", Duration::from_secs(300))?;
+
+    let mut full = Vec::new();
+    let mut diff = Vec::new();
+    for rep in 0..config.reps {
+        full.push(snapshot_call(&sock, "Full", &base.join(format!("full{rep}")))?);
+        parent.send("touch 4 12\n");
+        parent.wait_line("OK", Duration::from_secs(300))?;
+        diff.push(snapshot_call(&sock, "Diff", &base.join(format!("diff{rep}")))?);
+        let _ = std::fs::remove_dir_all(base.join(format!("diff{rep}")));
+        if rep + 1 < config.reps {
+            let _ = std::fs::remove_dir_all(base.join(format!("full{rep}")));
+        }
+    }
+    // The snapshot every restore uses: the last full one, whose working set is seed 11
+    // except the first 4 MiB (seed 12, written before the Full).
+    let snap = base.join("restore-me");
+    parent.send("touch 4 11\n");
+    parent.wait_line("OK", Duration::from_secs(300))?;
+    snapshot_call(&sock, "Full", &snap)?;
+
+    let mut fork16 = Vec::new();
+    let mut fork16_paused = Vec::new();
+    for rep in 0..config.reps.min(5) {
+        let dir = base.join(format!("fork{rep}"));
+        let answer = api(&sock, "POST", "/fork", &format!(r#"{{"count":16,"dir":"{}"}}"#, dir.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&answer).map_err(|e| SnapshotBenchError::Guest(e.to_string()))?;
+        fork16.push(value["elapsed_ms"].as_f64().unwrap_or(f64::NAN));
+        fork16_paused.push(value["paused_ms"].as_f64().unwrap_or(f64::NAN));
+        for clone in value["clones"].as_array().into_iter().flatten() {
+            if let Some(pid) = clone["pid"].as_u64() {
+                // SAFETY: ends a clone this benchmark started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    parent.stop();
+
+    let restore = |backend: &str| -> Result<Vec<f64>, SnapshotBenchError> {
+        let mut out = Vec::new();
+        for _ in 0..config.reps {
+            let (vm, started) = Vm::spawn(&config.vmm, &restore_args(&snap, backend, &[]), "echo r\n")?;
+            let first = vm
+                .first_byte
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|_| SnapshotBenchError::Guest(format!("{backend} restore printed nothing")))?;
+            vm.wait_line("OK r", Duration::from_secs(30))?;
+            out.push(ms(first.saturating_duration_since(started)));
+            vm.stop();
+        }
+        Ok(out)
+    };
+    let restore_cow = restore("cow")?;
+    let restore_uffd = restore("uffd")?;
+    let restore_copy = restore("copy")?;
+
+    let check = format!("check {ws} 11\n");
+    let working_set = |backend: &str, extra: &[&str]| -> Result<f64, SnapshotBenchError> {
+        let (vm, started) = Vm::spawn(&config.vmm, &restore_args(&snap, backend, extra), &check)?;
+        let (at, line) = vm.wait_line("OK", Duration::from_secs(600))?;
+        if line != "OK 0" {
+            return Err(SnapshotBenchError::Guest(format!("restored guest's memory check answered {line:?}")));
+        }
+        vm.stop();
+        Ok(ms(at.saturating_duration_since(started)))
+    };
+    let mut ws_uffd = Vec::new();
+    let mut ws_prefetch = Vec::new();
+    let mut ws_cow = Vec::new();
+    for _ in 0..config.reps.min(5) {
+        ws_uffd.push(working_set("uffd", &["--record-working-set"])?);
+        ws_prefetch.push(working_set("uffd", &["--prefetch"])?);
+        ws_cow.push(working_set("cow", &[])?);
+    }
+
+    // Fan-out: all clones at once from one snapshot, each checks its working set.
+    let started = Instant::now();
+    let mut clones = Vec::new();
+    for _ in 0..config.fanout {
+        clones.push(Vm::spawn(&config.vmm, &restore_args(&snap, "cow", &[]), &check)?.0);
+    }
+    for clone in &clones {
+        let (_, line) = clone.wait_line("OK", Duration::from_secs(900))?;
+        if line != "OK 0" {
+            return Err(SnapshotBenchError::Guest(format!("a clone's memory check answered {line:?}")));
+        }
+    }
+    let fanout_wall = ms(started.elapsed());
+    let pss: f64 = clones.iter().filter_map(|c| pss_kib(c.child.id())).sum::<f64>() / 1024.0;
+    for clone in clones {
+        clone.stop();
+    }
+    let _ = std::fs::remove_dir_all(&base);
+    Ok(SizeReport {
+        mem_mib,
+        snapshot_full_ms: summarize(&full),
+        snapshot_diff_ms: summarize(&diff),
+        restore_cow_ms: summarize(&restore_cow),
+        restore_uffd_ms: summarize(&restore_uffd),
+        restore_copy_ms: summarize(&restore_copy),
+        working_set_uffd_ms: summarize(&ws_uffd),
+        working_set_uffd_prefetch_ms: summarize(&ws_prefetch),
+        working_set_cow_ms: summarize(&ws_cow),
+        fanout_wall_ms: Some(fanout_wall),
+        fanout_total_pss_mib: Some(pss),
+        fork16_ms: summarize(&fork16),
+        fork16_paused_ms: summarize(&fork16_paused),
+    })
+}
+
+/// Runs the benchmark for every size.
+pub fn run(config: &SnapshotBenchConfig) -> Result<Vec<SizeReport>, SnapshotBenchError> {
+    config.sizes.iter().map(|&mib| run_size(config, mib)).collect()
+}
+
+fn cell(s: &Option<Summary>) -> String {
+    s.as_ref().map_or("n/a".into(), |s| format!("{:.2} / {:.2} / {:.2}", s.p50, s.p90, s.min))
+}
+
+/// Firecracker v1.16.1 on these machines (shared/bench/README.md), by guest size.
+fn firecracker(mem_mib: u64) -> (&'static str, &'static str, &'static str) {
+    match mem_mib {
+        64 => ("42", "10.8 + 9.8", "4260"),
+        256 => ("159", "9.9 + 10.1", "4360"),
+        1024 => ("1128", "9.0 + 9.5", "4348"),
+        _ => ("n/a", "n/a", "n/a"),
+    }
+}
+
+/// The figures as a markdown table, p50 / p90 / min, with Firecracker beside them.
+pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "rollbox-vmm snapshot figures: {} reps, snapshots on {}, working set {} MiB, fan-out {} clones\n\n",
+        config.reps,
+        config.dir.display(),
+        config.working_set_mib,
+        config.fanout
+    ));
+    for r in reports {
+        let (fc_snap, fc_restore, _) = firecracker(r.mem_mib);
+        let fc_restore_total: Option<f64> = fc_restore
+            .split(" + ")
+            .map(|v| v.parse::<f64>().ok())
+            .sum::<Option<f64>>();
+        let ratio = |s: &Option<Summary>| match (s, fc_restore_total) {
+            (Some(s), Some(fc)) if s.p50 > 0.0 => format!("{:.1}x faster", fc / s.p50),
+            _ => "n/a".into(),
+        };
+        out.push_str(&format!("### {} MiB guest\n\n| figure (ms, p50 / p90 / min) | rollbox-vmm | Firecracker v1.16.1 |\n|---|---|---|\n", r.mem_mib));
+        out.push_str(&format!("| snapshot, Full, running VM | {} | {fc_snap} (Full, /dev/shm) |\n", cell(&r.snapshot_full_ms)));
+        out.push_str(&format!("| snapshot, Diff (4 MiB dirtied) | {} | n/a |\n", cell(&r.snapshot_diff_ms)));
+        out.push_str(&format!(
+            "| restore cow: process start -> first serial byte | {} ({}) | {fc_restore} (load call + load -> serial) |\n",
+            cell(&r.restore_cow_ms),
+            ratio(&r.restore_cow_ms)
+        ));
+        out.push_str(&format!("| restore uffd: process start -> first serial byte | {} | n/a |\n", cell(&r.restore_uffd_ms)));
+        out.push_str(&format!("| restore copy: process start -> first serial byte | {} | n/a |\n", cell(&r.restore_copy_ms)));
+        out.push_str(&format!("| working set read after restore, uffd | {} | |\n", cell(&r.working_set_uffd_ms)));
+        out.push_str(&format!("| working set read after restore, uffd + prefetch | {} | |\n", cell(&r.working_set_uffd_prefetch_ms)));
+        out.push_str(&format!("| working set read after restore, cow | {} | |\n", cell(&r.working_set_cow_ms)));
+        out.push_str(&format!("| fork 16 clones (POST /fork, all up) | {} | n/a |\n", cell(&r.fork16_ms)));
+        out.push_str(&format!("| fork 16 clones: parent paused | {} | n/a |\n", cell(&r.fork16_paused_ms)));
+        out.push_str(&format!(
+            "| fan-out {} clones, cow: wall until all answered | {:.1} | n/a |\n",
+            config.fanout,
+            r.fanout_wall_ms.unwrap_or(f64::NAN)
+        ));
+        out.push_str(&format!(
+            "| fan-out {} clones: total PSS (MiB) | {:.1} (vs {} MiB for private copies) | n/a |\n\n",
+            config.fanout,
+            r.fanout_total_pss_mib.unwrap_or(f64::NAN),
+            config.fanout as u64 * r.mem_mib
+        ));
+    }
+    out
+}
