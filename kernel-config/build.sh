@@ -23,8 +23,10 @@ readonly SOURCE_PACKAGE="linux-source-6.1"
 readonly SOURCE_VERSION="6.1.192-3"
 readonly SOURCE_TARBALL="/usr/src/linux-source-6.1.tar.xz"
 
-readonly SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-readonly SCRIPT_PATH="$SCRIPT_DIR/$(basename "${BASH_SOURCE[0]}")"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly SCRIPT_DIR
+SCRIPT_PATH="$SCRIPT_DIR/$(basename "${BASH_SOURCE[0]}")"
+readonly SCRIPT_PATH
 readonly FRAGMENT_DIR="$SCRIPT_DIR/fragments"
 # Applied in this order; later fragments win on conflicts.
 readonly FRAGMENTS=(base console virtio fs docker)
@@ -65,7 +67,7 @@ check_config() {
             if [[ "$line" =~ ^CONFIG_[A-Za-z0-9_]+= ]]; then
                 if ! grep -qxF -- "$line" "$config"; then
                     name="${line%%=*}"
-                    log "check: $frag.config wants '$line', final config has '$(grep -E "^(# )?$name[= ]" "$config" || echo "nothing")'"
+                    log "check: $frag.config wants '$line', final config has '$(grep -E "^(# )?${name}[= ]" "$config" || echo "nothing")'"
                     failed=1
                 fi
             elif [[ "$line" =~ ^#\ (CONFIG_[A-Za-z0-9_]+)\ is\ not\ set$ ]]; then

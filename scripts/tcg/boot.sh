@@ -31,7 +31,8 @@
 # resets through the i8042), which QEMU turns into an exit (-no-reboot).
 set -euo pipefail
 
-readonly SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly SCRIPT_DIR
 
 die() { echo "boot.sh: error: $*" >&2; exit 1; }
 log() { echo "boot.sh: $*" >&2; }
@@ -72,9 +73,9 @@ done
 [[ -n "$vsock_uds" ]] || die "--vsock-uds is required"
 [[ -f "$kernel" ]] || die "kernel not found: $kernel"
 [[ -f "$rootfs" ]] || die "rootfs image not found: $rootfs"
-is_uint "$mem" && [[ "$mem" -ge 64 ]] || die "--mem must be an integer >= 64 (MiB), got '$mem'"
-is_uint "$cpus" && [[ "$cpus" -ge 1 ]] || die "--cpus must be an integer >= 1, got '$cpus'"
-is_uint "$cid" && [[ "$cid" -ge 3 ]] || die "--cid must be an integer >= 3, got '$cid'"
+{ is_uint "$mem" && [[ "$mem" -ge 64 ]]; } || die "--mem must be an integer >= 64 (MiB), got '$mem'"
+{ is_uint "$cpus" && [[ "$cpus" -ge 1 ]]; } || die "--cpus must be an integer >= 1, got '$cpus'"
+{ is_uint "$cid" && [[ "$cid" -ge 3 ]]; } || die "--cid must be an integer >= 3, got '$cid'"
 case "$machine" in
     pc) machine_arg=pc; bus_suffix=pci ;;
     # QEMU adds a virtio_mmio.device=... to the command line for each device.
@@ -133,6 +134,7 @@ if [[ ! -S "$vhost_sock" ]]; then
     die "vhost-device-vsock did not create $vhost_sock; its log: $(tail -n 5 "$state_dir/vhost-vsock.log")"
 fi
 
+# shellcheck disable=SC2054 # the commas are inside QEMU option values
 qemu_args=(
     -name rollbox-tcg
     -accel tcg -cpu max -M "$machine_arg" -smp "$cpus" -m "${mem}M"
@@ -147,6 +149,7 @@ qemu_args=(
     -device "vhost-user-vsock-$bus_suffix,chardev=vsock0"
 )
 [[ "$snapshot" -eq 1 ]] && qemu_args+=(-snapshot)
+# shellcheck disable=SC2054
 [[ "$net_user" -eq 1 ]] && qemu_args+=(-netdev user,id=net0 -device "virtio-net-$bus_suffix,netdev=net0")
 
 log "starting QEMU TCG ($machine): kernel $kernel, rootfs $rootfs, ${mem} MiB, $cpus vCPUs, console $serial_log"

@@ -19,8 +19,10 @@
 # A missing tool is one SKIP line and exit 0, unless ROLLBOX_REQUIRE_ALL=1.
 set -euo pipefail
 
-readonly SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-readonly REPO_DIR="$(cd "$SCRIPT_DIR/../.." && pwd)"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly SCRIPT_DIR
+REPO_DIR="$(cd "$SCRIPT_DIR/../.." && pwd)"
+readonly REPO_DIR
 readonly HOST_PORT=5000
 readonly GUEST_PORT=1024
 

@@ -23,13 +23,13 @@ alive() {
 
 # Signals PID only if it still runs the program we started (pids get reused).
 stop_pid() {
-    local pidfile="$1" expected="$2" pid i
+    local pidfile="$1" expected="$2" pid
     [[ -f "$pidfile" ]] || return 0
     pid="$(cat "$pidfile")"
     [[ "$pid" =~ ^[0-9]+$ ]] || die "$pidfile does not hold a pid: '$pid'"
     if [[ -r "/proc/$pid/cmdline" ]] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q -- "$expected"; then
         kill -TERM "$pid" 2>/dev/null || true
-        for i in $(seq 50); do
+        for _ in $(seq 50); do
             alive "$pid" || break
             sleep 0.1
         done
