@@ -72,9 +72,12 @@ fn agent_path(flag: Option<PathBuf>) -> PathBuf {
     if relative.exists() {
         return relative.to_path_buf();
     }
-    let from_workspace = std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent()?.parent()?.parent().map(|root| root.join(DEFAULT_AGENT)));
+    let from_workspace = std::env::current_exe().ok().and_then(|exe| {
+        exe.parent()?
+            .parent()?
+            .parent()
+            .map(|root| root.join(DEFAULT_AGENT))
+    });
     match from_workspace {
         Some(path) if path.exists() => path,
         _ => relative.to_path_buf(),
@@ -85,7 +88,9 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
     let source = match (args.from_docker_archive, args.from_oci_layout) {
         (Some(file), _) => SourceSpec::DockerArchive(file),
         (None, Some(dir)) => SourceSpec::OciLayout(dir),
-        (None, None) => SourceSpec::Registry { insecure: args.insecure },
+        (None, None) => SourceSpec::Registry {
+            insecure: args.insecure,
+        },
     };
     let options = BuildOptions {
         reference: args.reference,
@@ -111,7 +116,11 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
         started.elapsed().as_secs_f64()
     );
     println!("rootfs: {}", built.rootfs.display());
-    println!("size: {} bytes ({} MiB)", built.size_bytes, built.size_bytes.div_ceil(1024 * 1024));
+    println!(
+        "size: {} bytes ({} MiB)",
+        built.size_bytes,
+        built.size_bytes.div_ceil(1024 * 1024)
+    );
     println!("metadata: {}", built.metadata.display());
     println!("digest: {}", built.image_digest);
     Ok(())

@@ -25,15 +25,24 @@ fn arg(path: &Path) -> &str {
 /// What every build of `standard_image()` must contain.
 fn check_standard_rootfs(image: &Path) {
     // Whiteout and opaque directory.
-    assert!(stat(image, "/etc/gone").is_none(), "whiteout-deleted /etc/gone is present");
-    assert!(stat(image, "/data/old").is_none(), "opaque /data kept lower content");
+    assert!(
+        stat(image, "/etc/gone").is_none(),
+        "whiteout-deleted /etc/gone is present"
+    );
+    assert!(
+        stat(image, "/data/old").is_none(),
+        "opaque /data kept lower content"
+    );
     assert_eq!(cat(image, "/data/new"), b"new");
     assert!(stat(image, "/etc/passwd").is_some());
     // Modes, owners, links, devices.
     let su = stat(image, "/bin/su").unwrap();
     assert_eq!((su.kind.as_str(), su.mode), ("regular", 0o4755));
     let home = stat(image, "/home/user").unwrap();
-    assert_eq!((home.kind.as_str(), home.mode, home.uid, home.gid), ("directory", 0o700, 1000, 1000));
+    assert_eq!(
+        (home.kind.as_str(), home.mode, home.uid, home.gid),
+        ("directory", 0o700, 1000, 1000)
+    );
     let notes = stat(image, "/home/user/notes").unwrap();
     assert_eq!((notes.mode, notes.uid, notes.gid), (0o640, 1000, 1000));
     let busybox = stat(image, "/bin/busybox").unwrap();
@@ -47,31 +56,52 @@ fn check_standard_rootfs(image: &Path) {
     assert!(debugfs(image, "stat /dev/console").contains("Device major/minor number: 05:01"));
     // Extended attributes from PAX records, file capabilities included.
     let xattrs = debugfs(image, "ea_list /bin/ping");
-    assert!(xattrs.contains("user.origin") && xattrs.contains("rollbox-test"), "{xattrs}");
+    assert!(
+        xattrs.contains("user.origin") && xattrs.contains("rollbox-test"),
+        "{xattrs}"
+    );
     assert!(xattrs.contains("security.capability"), "{xattrs}");
     check_agent_and_metadata(image);
 }
 
 fn check_agent_and_metadata(image: &Path) {
     let agent = stat(image, "/.rollbox/rollbox-agent").expect("agent missing");
-    assert_eq!((agent.kind.as_str(), agent.mode, agent.uid), ("regular", 0o755, 0));
-    assert_eq!(cat(image, "/.rollbox/rollbox-agent"), fs::read(common::agent()).unwrap());
-    let inside: serde_json::Value = serde_json::from_slice(&cat(image, "/.rollbox/image.json")).unwrap();
+    assert_eq!(
+        (agent.kind.as_str(), agent.mode, agent.uid),
+        ("regular", 0o755, 0)
+    );
+    assert_eq!(
+        cat(image, "/.rollbox/rollbox-agent"),
+        fs::read(common::agent()).unwrap()
+    );
+    let inside: serde_json::Value =
+        serde_json::from_slice(&cat(image, "/.rollbox/image.json")).unwrap();
     assert_eq!(inside["init"], "/.rollbox/rollbox-agent");
     assert_eq!(inside["kernel_cmdline"], "init=/.rollbox/rollbox-agent");
     assert_eq!(inside["entrypoint"], serde_json::json!(["/bin/sh", "-c"]));
     assert_eq!(inside["cmd"], serde_json::json!(["echo $GREETING"]));
     assert_eq!(inside["working_dir"], "/home/user");
     assert_eq!(inside["user"], "1000:1000");
-    assert!(inside["env"].as_array().unwrap().iter().any(|e| e == "GREETING=hello world"));
+    assert!(inside["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e == "GREETING=hello world"));
     for mount_point in ["/proc", "/sys", "/dev", "/tmp", "/run"] {
-        assert_eq!(stat(image, mount_point).unwrap().kind, "directory", "{mount_point}");
+        assert_eq!(
+            stat(image, mount_point).unwrap().kind,
+            "directory",
+            "{mount_point}"
+        );
     }
 }
 
 fn check_outside_metadata(metadata: &Path, rootfs: &Path) {
     let outside: serde_json::Value = serde_json::from_slice(&fs::read(metadata).unwrap()).unwrap();
-    assert_eq!(outside["rootfs_size_bytes"], fs::metadata(rootfs).unwrap().len());
+    assert_eq!(
+        outside["rootfs_size_bytes"],
+        fs::metadata(rootfs).unwrap().len()
+    );
     assert_eq!(outside["init"], "/.rollbox/rollbox-agent");
 }
 
@@ -82,7 +112,11 @@ fn fsck(image: &Path) {
         .arg(image)
         .output()
         .unwrap();
-    assert!(output.status.success(), "e2fsck: {}", String::from_utf8_lossy(&output.stdout));
+    assert!(
+        output.status.success(),
+        "e2fsck: {}",
+        String::from_utf8_lossy(&output.stdout)
+    );
 }
 
 #[test]
@@ -96,7 +130,16 @@ fn oci_layout_builds_cached_and_copied_out() {
     let image = standard_image();
     image.write_oci_layout(&layout, "v1");
     let agent = agent();
-    let args = ["image", "build", "--from-oci-layout", arg(&layout), "--agent", arg(&agent), "--cache-dir", arg(&cache)];
+    let args = [
+        "image",
+        "build",
+        "--from-oci-layout",
+        arg(&layout),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ];
 
     let started = Instant::now();
     let first = build_ok(&args);
@@ -138,7 +181,10 @@ fn oci_layout_builds_cached_and_copied_out() {
     let mut too_small = args.to_vec();
     too_small.extend(["--size", "2"]);
     let err = build_err(&too_small);
-    assert!(err.contains("more than the requested --size 2 MiB"), "{err}");
+    assert!(
+        err.contains("more than the requested --size 2 MiB"),
+        "{err}"
+    );
     assert_eq!(fs::read_dir(cache.join("tmp")).unwrap().count(), 0);
 }
 
@@ -152,10 +198,22 @@ fn zstd_and_uncompressed_layers_build() {
     let cache = dir.path().join("cache");
     let mut image = standard_image();
     image.blobs[0] = image.layers[0].clone();
-    image.blobs[1] = ruzstd::encoding::compress_to_vec(&image.layers[1][..], ruzstd::encoding::CompressionLevel::Fastest);
+    image.blobs[1] = ruzstd::encoding::compress_to_vec(
+        &image.layers[1][..],
+        ruzstd::encoding::CompressionLevel::Fastest,
+    );
     image.write_oci_layout(&layout, "zstd");
     let agent = agent();
-    let built = build_ok(&["image", "build", "--from-oci-layout", arg(&layout), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    let built = build_ok(&[
+        "image",
+        "build",
+        "--from-oci-layout",
+        arg(&layout),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
     check_standard_rootfs(&built.rootfs);
 }
 
@@ -182,7 +240,8 @@ fn docker_archive_builds() {
         arg(&cache),
     ]);
     check_standard_rootfs(&built.rootfs);
-    let metadata: serde_json::Value = serde_json::from_slice(&fs::read(&built.metadata).unwrap()).unwrap();
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&fs::read(&built.metadata).unwrap()).unwrap();
     assert_eq!(metadata["source"], "docker-archive");
     assert_eq!(metadata["image_digest"], image.config_digest());
 
@@ -197,7 +256,11 @@ fn docker_archive_builds() {
         "--cache-dir",
         arg(&cache),
     ]);
-    assert!(err.contains("no image matches \"rollbox-test/other\"") && err.contains("rollbox-test/crafted:latest"), "{err}");
+    assert!(
+        err.contains("no image matches \"rollbox-test/other\"")
+            && err.contains("rollbox-test/crafted:latest"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -206,15 +269,29 @@ fn registry_pull_builds() {
         return;
     }
     if !registry_answers() {
-        return skip("registry_pull_builds", "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)");
+        return skip(
+            "registry_pull_builds",
+            "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)",
+        );
     }
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
     let image = standard_image();
-    let reference = format!("{REGISTRY}/rollbox-test/crafted-{}:latest", std::process::id());
+    let reference = format!(
+        "{REGISTRY}/rollbox-test/crafted-{}:latest",
+        std::process::id()
+    );
     image.push(&reference);
     let agent = agent();
-    let args = ["image", "build", reference.as_str(), "--agent", arg(&agent), "--cache-dir", arg(&cache)];
+    let args = [
+        "image",
+        "build",
+        reference.as_str(),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ];
     let started = Instant::now();
     let built = build_ok(&args);
     let cold = started.elapsed();
@@ -242,28 +319,49 @@ fn registry_index_picks_this_platform() {
         return;
     }
     if !registry_answers() {
-        return skip("registry_index_picks_this_platform", "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)");
+        return skip(
+            "registry_index_picks_this_platform",
+            "no registry at 127.0.0.1:5000 (run scripts/start-registry.sh)",
+        );
     }
     if std::env::consts::ARCH != "x86_64" {
-        return skip("registry_index_picks_this_platform", "the index test expects an amd64 host");
+        return skip(
+            "registry_index_picks_this_platform",
+            "the index test expects an amd64 host",
+        );
     }
     let repository = format!("rollbox-test/multi-{}", std::process::id());
     let amd64 = standard_image();
-    let arm64 = Image::new(vec![Layer::new().file("etc/arch", b"arm64", 0o644, 0, 0).tar()]);
+    let arm64 = Image::new(vec![Layer::new()
+        .file("etc/arch", b"arm64", 0o644, 0, 0)
+        .tar()]);
     amd64.push(&format!("{REGISTRY}/{repository}:amd64"));
     arm64.push(&format!("{REGISTRY}/{repository}:arm64"));
     let amd64_manifest = registry_manifest(&repository, "amd64");
     let arm64_manifest = registry_manifest(&repository, "arm64");
-    registry_put_index(&repository, "latest", &[("arm64", &arm64_manifest), ("amd64", &amd64_manifest)]);
+    registry_put_index(
+        &repository,
+        "latest",
+        &[("arm64", &arm64_manifest), ("amd64", &amd64_manifest)],
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
     let agent = agent();
     let reference = format!("{REGISTRY}/{repository}:latest");
-    let built = build_ok(&["image", "build", &reference, "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    let built = build_ok(&[
+        "image",
+        "build",
+        &reference,
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
     check_standard_rootfs(&built.rootfs);
     assert!(stat(&built.rootfs, "/etc/arch").is_none());
-    let metadata: serde_json::Value = serde_json::from_slice(&fs::read(&built.metadata).unwrap()).unwrap();
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&fs::read(&built.metadata).unwrap()).unwrap();
     assert_eq!(metadata["manifest_digest"], sha256(&amd64_manifest));
 }
 
@@ -283,18 +381,42 @@ fn missing_images_are_clear_errors() {
         build_err(&args)
     };
     let err = run(&["--from-docker-archive", "/nonexistent/image.tar"]);
-    assert!(err.contains("docker archive /nonexistent/image.tar: file not found"), "{err}");
+    assert!(
+        err.contains("docker archive /nonexistent/image.tar: file not found"),
+        "{err}"
+    );
     let err = run(&["--from-oci-layout", "/nonexistent/layout"]);
-    assert!(err.contains("OCI layout /nonexistent/layout: directory not found"), "{err}");
-    let err = build_err(&["image", "build", "--from-oci-layout", "/tmp", "--agent", "/nonexistent/agent", "--cache-dir", arg(&cache)]);
-    assert!(err.contains("agent binary /nonexistent/agent not found"), "{err}");
+    assert!(
+        err.contains("OCI layout /nonexistent/layout: directory not found"),
+        "{err}"
+    );
+    let err = build_err(&[
+        "image",
+        "build",
+        "--from-oci-layout",
+        "/tmp",
+        "--agent",
+        "/nonexistent/agent",
+        "--cache-dir",
+        arg(&cache),
+    ]);
+    assert!(
+        err.contains("agent binary /nonexistent/agent not found"),
+        "{err}"
+    );
     assert_cache_clean(&cache);
 
     if !registry_answers() {
-        return skip("missing_images_are_clear_errors (registry part)", "no registry at 127.0.0.1:5000");
+        return skip(
+            "missing_images_are_clear_errors (registry part)",
+            "no registry at 127.0.0.1:5000",
+        );
     }
     let err = run(&[&format!("{REGISTRY}/rollbox-test/does-not-exist:latest")]);
-    assert!(err.contains("not found in registry 127.0.0.1:5000"), "{err}");
+    assert!(
+        err.contains("not found in registry 127.0.0.1:5000"),
+        "{err}"
+    );
     let image = standard_image();
     let reference = format!("{REGISTRY}/rollbox-test/tags-{}:v1", std::process::id());
     image.push(&reference);
@@ -337,14 +459,29 @@ fn path_traversal_is_refused() {
     if !root_or_skip("path_traversal_is_refused") {
         return;
     }
-    expect_bad_layout(None, Layer::new().raw_file("../escape", b"x").tar(), "`..` component (path traversal)");
-    expect_bad_layout(None, Layer::new().raw_file("/etc/escape", b"x").tar(), "has an absolute path");
     expect_bad_layout(
         None,
-        Layer::new().symlink("evil", "/etc").file("evil/passwd", b"owned", 0o644, 0, 0).tar(),
+        Layer::new().raw_file("../escape", b"x").tar(),
+        "`..` component (path traversal)",
+    );
+    expect_bad_layout(
+        None,
+        Layer::new().raw_file("/etc/escape", b"x").tar(),
+        "has an absolute path",
+    );
+    expect_bad_layout(
+        None,
+        Layer::new()
+            .symlink("evil", "/etc")
+            .file("evil/passwd", b"owned", 0o644, 0, 0)
+            .tar(),
         "would be written through the symlink /evil",
     );
-    expect_bad_layout(None, Layer::new().hardlink("h", "../../etc/passwd").tar(), "points outside the root");
+    expect_bad_layout(
+        None,
+        Layer::new().hardlink("h", "../../etc/passwd").tar(),
+        "points outside the root",
+    );
 }
 
 #[test]
@@ -352,11 +489,17 @@ fn corrupt_layers_are_refused() {
     if !root_or_skip("corrupt_layers_are_refused") {
         return;
     }
-    let good = Layer::new().file("etc/hostname", b"sandbox", 0o644, 0, 0).tar();
+    let good = Layer::new()
+        .file("etc/hostname", b"sandbox", 0o644, 0, 0)
+        .tar();
     // Not gzip at all past the magic: the digest matches (it is of these bytes), the data is bad.
     let mut bad_gzip = vec![0x1f, 0x8b, 0x08, 0x00];
     bad_gzip.extend_from_slice(&noise(4096));
-    expect_bad_layout(Some(bad_gzip), good.clone(), "corrupt or unreadable layer data");
+    expect_bad_layout(
+        Some(bad_gzip),
+        good.clone(),
+        "corrupt or unreadable layer data",
+    );
 
     // A blob altered after its digest was recorded.
     let dir = tempfile::tempdir().unwrap();
@@ -371,8 +514,20 @@ fn corrupt_layers_are_refused() {
     bytes[last] ^= 0xff;
     fs::write(&blob, bytes).unwrap();
     let agent = agent();
-    let err = build_err(&["image", "build", "--from-oci-layout", arg(&layout), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
-    assert!(err.contains("layer 2/2") && err.contains("blob digest mismatch"), "{err}");
+    let err = build_err(&[
+        "image",
+        "build",
+        "--from-oci-layout",
+        arg(&layout),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
+    assert!(
+        err.contains("layer 2/2") && err.contains("blob digest mismatch"),
+        "{err}"
+    );
     assert_cache_clean(&cache);
 }
 
@@ -388,13 +543,18 @@ impl Drop for TmpfsMount<'_> {
 #[test]
 fn full_disk_leaves_nothing_behind() {
     if !is_root() {
-        return skip("full_disk_leaves_nothing_behind", "needs root to mount a tmpfs");
+        return skip(
+            "full_disk_leaves_nothing_behind",
+            "needs root to mount a tmpfs",
+        );
     }
     // (tmpfs size, file size): the layer itself overflows; then the tree fits but the ext4 does not.
     for (tmpfs_size, file_mib) in [("2m", 3usize), ("7m", 3)] {
         let dir = tempfile::tempdir().unwrap();
         let archive = dir.path().join("big.tar");
-        let image = Image::new(vec![Layer::new().file("big", &noise(file_mib << 20), 0o644, 0, 0).tar()]);
+        let image = Image::new(vec![Layer::new()
+            .file("big", &noise(file_mib << 20), 0o644, 0, 0)
+            .tar()]);
         image.write_docker_archive(&archive, "rollbox-test/big:latest");
         let small = dir.path().join("small");
         fs::create_dir(&small).unwrap();
@@ -408,9 +568,24 @@ fn full_disk_leaves_nothing_behind() {
         }
         let _unmount = TmpfsMount(&small);
         let agent = agent();
-        let err = build_err(&["image", "build", "--from-docker-archive", arg(&archive), "--agent", arg(&agent), "--cache-dir", arg(&small)]);
-        assert!(err.contains("No space left on device") || err.contains("no space left"), "{tmpfs_size}: {err}");
-        assert!(err.contains("hint: the disk holding the cache"), "{tmpfs_size}: {err}");
+        let err = build_err(&[
+            "image",
+            "build",
+            "--from-docker-archive",
+            arg(&archive),
+            "--agent",
+            arg(&agent),
+            "--cache-dir",
+            arg(&small),
+        ]);
+        assert!(
+            err.contains("No space left on device") || err.contains("no space left"),
+            "{tmpfs_size}: {err}"
+        );
+        assert!(
+            err.contains("hint: the disk holding the cache"),
+            "{tmpfs_size}: {err}"
+        );
         assert_cache_clean(&small);
     }
 }
@@ -423,7 +598,10 @@ fn dockerd_image_via_save_and_registry() {
         return;
     }
     if !docker_works() {
-        return skip("dockerd_image_via_save_and_registry", "dockerd is not running (scripts/start-dockerd.sh)");
+        return skip(
+            "dockerd_image_via_save_and_registry",
+            "dockerd is not running (scripts/start-dockerd.sh)",
+        );
     }
     let busybox = Path::new("/bin/busybox");
     let static_busybox = Command::new("file")
@@ -431,7 +609,10 @@ fn dockerd_image_via_save_and_registry() {
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("statically linked"));
     if !static_busybox {
-        return skip("dockerd_image_via_save_and_registry", "needs busybox-static at /bin/busybox");
+        return skip(
+            "dockerd_image_via_save_and_registry",
+            "needs busybox-static at /bin/busybox",
+        );
     }
     let dir = tempfile::tempdir().unwrap();
     let context = dir.path().join("context");
@@ -454,10 +635,22 @@ CMD ["echo $GREETING"]
     let tag = format!("{REGISTRY}/rollbox-test/tiny-{}:latest", std::process::id());
     let docker = |args: &[&str]| {
         let output = Command::new("docker").args(args).output().unwrap();
-        assert!(output.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "docker {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     };
     // No network for RUN: the bridge is not needed (and may be absent).
-    docker(&["build", "-q", "--network", "none", "-t", &tag, arg(&context)]);
+    docker(&[
+        "build",
+        "-q",
+        "--network",
+        "none",
+        "-t",
+        &tag,
+        arg(&context),
+    ]);
     let archive = dir.path().join("tiny.tar");
     docker(&["save", "-o", arg(&archive), &tag]);
 
@@ -465,7 +658,10 @@ CMD ["echo $GREETING"]
     let agent = agent();
     let check = |image: &Path| {
         assert!(stat(image, "/etc/gone").is_none(), "whiteout ignored");
-        assert!(stat(image, "/data/old").is_none(), "opaque directory ignored");
+        assert!(
+            stat(image, "/data/old").is_none(),
+            "opaque directory ignored"
+        );
         assert_eq!(cat(image, "/data/new"), b"new\n");
         let home = stat(image, "/home/user").unwrap();
         assert_eq!((home.mode, home.uid, home.gid), (0o700, 1000, 1000));
@@ -474,11 +670,31 @@ CMD ["echo $GREETING"]
         fsck(image);
     };
     let started = Instant::now();
-    let saved = build_ok(&["image", "build", &tag, "--from-docker-archive", arg(&archive), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    let saved = build_ok(&[
+        "image",
+        "build",
+        &tag,
+        "--from-docker-archive",
+        arg(&archive),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
     let cold = started.elapsed();
     check(&saved.rootfs);
     let started = Instant::now();
-    build_ok(&["image", "build", &tag, "--from-docker-archive", arg(&archive), "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    build_ok(&[
+        "image",
+        "build",
+        &tag,
+        "--from-docker-archive",
+        arg(&archive),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
     eprintln!(
         "figures: busybox image (docker save): ext4 {} MiB apparent, {} KiB allocated; cold {:.0} ms, cached {:.0} ms",
         saved.size_bytes >> 20,
@@ -489,10 +705,21 @@ CMD ["echo $GREETING"]
 
     if !registry_answers() {
         let _ = Command::new("docker").args(["rmi", &tag]).output();
-        return skip("dockerd_image_via_save_and_registry (registry part)", "no registry at 127.0.0.1:5000");
+        return skip(
+            "dockerd_image_via_save_and_registry (registry part)",
+            "no registry at 127.0.0.1:5000",
+        );
     }
     docker(&["push", &tag]);
-    let pulled = build_ok(&["image", "build", &tag, "--agent", arg(&agent), "--cache-dir", arg(&cache)]);
+    let pulled = build_ok(&[
+        "image",
+        "build",
+        &tag,
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
     check(&pulled.rootfs);
     let _ = Command::new("docker").args(["rmi", &tag]).output();
 }

@@ -19,7 +19,10 @@ use std::time::{Duration, Instant};
 use common::*;
 
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn kernel() -> Option<PathBuf> {
@@ -30,13 +33,19 @@ fn kernel() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("ROLLBOX_KERNEL_DIR") {
         return Some(PathBuf::from(dir).join("bzImage")).filter(|p| p.is_file());
     }
-    let cache = PathBuf::from(std::env::var_os("ROLLBOX_KERNEL_CACHE").unwrap_or_else(|| "/var/cache/rollbox/kernel".into()));
+    let cache = PathBuf::from(
+        std::env::var_os("ROLLBOX_KERNEL_CACHE")
+            .unwrap_or_else(|| "/var/cache/rollbox/kernel".into()),
+    );
     let hash = Command::new(workspace().join("kernel-config/build.sh"))
         .arg("--print-hash")
         .output()
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    if let Some(current) = hash.map(|h| cache.join(h).join("bzImage")).filter(|p| p.is_file()) {
+    if let Some(current) = hash
+        .map(|h| cache.join(h).join("bzImage"))
+        .filter(|p| p.is_file())
+    {
         return Some(current);
     }
     // An older build still boots the rootfs.
@@ -48,7 +57,10 @@ fn kernel() -> Option<PathBuf> {
 }
 
 fn on_path(tool: &str) -> bool {
-    Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().is_ok_and(|o| o.status.success())
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 #[test]
@@ -57,12 +69,19 @@ fn boots_under_tcg_with_the_agent_as_init() {
     if !root_or_skip(TEST) {
         return;
     }
-    let agent = workspace().join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
+    let agent =
+        workspace().join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
     if !agent.is_file() {
-        return skip(TEST, &format!("the static agent is not built ({})", agent.display()));
+        return skip(
+            TEST,
+            &format!("the static agent is not built ({})", agent.display()),
+        );
     }
     let Some(kernel) = kernel() else {
-        return skip(TEST, "no guest kernel (kernel-config/build.sh, or set ROLLBOX_KERNEL)");
+        return skip(
+            TEST,
+            "no guest kernel (kernel-config/build.sh, or set ROLLBOX_KERNEL)",
+        );
     };
     if !on_path("qemu-system-x86_64") || !on_path("vhost-device-vsock") {
         return skip(TEST, "needs qemu-system-x86_64 and vhost-device-vsock");
@@ -86,14 +105,28 @@ fn boots_under_tcg_with_the_agent_as_init() {
     let state = dir.path().join("vm");
     let boot = workspace().join("scripts/tcg/boot.sh");
     let started = Command::new(&boot)
-        .args(["--kernel", kernel.to_str().unwrap(), "--rootfs", built.rootfs.to_str().unwrap()])
+        .args([
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--rootfs",
+            built.rootfs.to_str().unwrap(),
+        ])
         .args(["--vsock-uds", dir.path().join("vm.vsock").to_str().unwrap()])
-        .args(["--state-dir", state.to_str().unwrap(), "--mem", "512", "--append", "init=/.rollbox/rollbox-agent"])
+        .args([
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--mem",
+            "512",
+            "--append",
+            "init=/.rollbox/rollbox-agent",
+        ])
         .status()
         .unwrap();
     assert!(started.success(), "{} failed", boot.display());
     let stop = || {
-        let _ = Command::new(workspace().join("scripts/tcg/stop.sh")).arg(&state).status();
+        let _ = Command::new(workspace().join("scripts/tcg/stop.sh"))
+            .arg(&state)
+            .status();
     };
 
     let serial = state.join("serial.log");
@@ -101,14 +134,22 @@ fn boots_under_tcg_with_the_agent_as_init() {
     let mut log = String::new();
     while Instant::now() < deadline {
         log = fs::read_to_string(&serial).unwrap_or_default();
-        if log.contains("rollbox-agent") && log.contains("listening") || log.contains("Kernel panic") {
+        if log.contains("rollbox-agent") && log.contains("listening")
+            || log.contains("Kernel panic")
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(500));
     }
     stop();
     eprintln!("{log}");
-    assert!(log.contains("Run /.rollbox/rollbox-agent as init process"), "the kernel did not start the agent");
+    assert!(
+        log.contains("Run /.rollbox/rollbox-agent as init process"),
+        "the kernel did not start the agent"
+    );
     assert!(!log.contains("Kernel panic"), "kernel panic");
-    assert!(log.contains("rollbox-agent") && log.contains("listening"), "the agent did not come up");
+    assert!(
+        log.contains("rollbox-agent") && log.contains("listening"),
+        "the agent did not come up"
+    );
 }

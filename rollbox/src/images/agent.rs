@@ -14,7 +14,13 @@ pub const AGENT_PATH_IN_ROOTFS: &str = "/.rollbox/rollbox-agent";
 pub const METADATA_PATH_IN_ROOTFS: &str = "/.rollbox/image.json";
 
 /// Mount points the agent needs as PID 1; created (empty) when the image lacks them.
-const MOUNT_POINTS: &[(&str, u32)] = &[("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("tmp", 0o1777), ("run", 0o755)];
+const MOUNT_POINTS: &[(&str, u32)] = &[
+    ("proc", 0o555),
+    ("sys", 0o555),
+    ("dev", 0o755),
+    ("tmp", 0o1777),
+    ("run", 0o755),
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -66,7 +72,8 @@ impl Agent {
             return Err(AgentError::Empty { path: name });
         }
         let digest = Digest::of_file(path).map_err(|source| AgentError::Hash { source })?;
-        let interpreter = elf_interpreter(path).map_err(|source| AgentError::Read { path: name, source })?;
+        let interpreter =
+            elf_interpreter(path).map_err(|source| AgentError::Read { path: name, source })?;
         Ok(Self {
             path: path.to_path_buf(),
             digest,
@@ -95,11 +102,13 @@ impl Agent {
         let binary = dir.join(AGENT_NAME);
         fs::copy(&self.path, &binary).map_err(install_error(&binary))?;
         std::os::unix::fs::lchown(&binary, Some(0), Some(0)).map_err(install_error(&binary))?;
-        fs::set_permissions(&binary, Permissions::from_mode(0o755)).map_err(install_error(&binary))?;
+        fs::set_permissions(&binary, Permissions::from_mode(0o755))
+            .map_err(install_error(&binary))?;
 
         let metadata = dir.join("image.json");
         fs::write(&metadata, metadata_json).map_err(install_error(&metadata))?;
-        fs::set_permissions(&metadata, Permissions::from_mode(0o644)).map_err(install_error(&metadata))?;
+        fs::set_permissions(&metadata, Permissions::from_mode(0o644))
+            .map_err(install_error(&metadata))?;
 
         for (name, mode) in MOUNT_POINTS {
             let path = root.join(name);
@@ -108,7 +117,8 @@ impl Agent {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     fs::create_dir(&path).map_err(install_error(&path))?;
-                    fs::set_permissions(&path, Permissions::from_mode(*mode)).map_err(install_error(&path))?;
+                    fs::set_permissions(&path, Permissions::from_mode(*mode))
+                        .map_err(install_error(&path))?;
                 }
                 Err(e) => return Err(install_error(&path)(e)),
             }
@@ -148,8 +158,12 @@ fn elf_interpreter(path: &Path) -> io::Result<Option<String>> {
         if u32_at(entry, 0) == PT_INTERP {
             let offset = u64_at(entry, 8) as usize;
             let size = u64_at(entry, 32) as usize;
-            let interp = bytes.get(offset..offset.saturating_add(size)).unwrap_or_default();
-            let text = String::from_utf8_lossy(interp).trim_end_matches('\0').to_string();
+            let interp = bytes
+                .get(offset..offset.saturating_add(size))
+                .unwrap_or_default();
+            let text = String::from_utf8_lossy(interp)
+                .trim_end_matches('\0')
+                .to_string();
             return Ok(Some(text));
         }
     }
@@ -176,11 +190,19 @@ mod tests {
     fn detects_static_and_dynamic_binaries() {
         // /bin/sh on Debian is dynamically linked; busybox-static (when installed) is static.
         let sh = Agent::load(Path::new("/bin/sh")).unwrap();
-        assert!(sh.interpreter.as_deref().is_some_and(|i| i.contains("ld-linux")), "{sh:?}");
+        assert!(
+            sh.interpreter
+                .as_deref()
+                .is_some_and(|i| i.contains("ld-linux")),
+            "{sh:?}"
+        );
         if Path::new("/bin/busybox").exists() {
             let busybox = Agent::load(Path::new("/bin/busybox")).unwrap();
             if busybox.interpreter.is_none() {
-                assert_eq!(busybox.digest, Digest::of_file(Path::new("/bin/busybox")).unwrap());
+                assert_eq!(
+                    busybox.digest,
+                    Digest::of_file(Path::new("/bin/busybox")).unwrap()
+                );
             }
         }
     }
@@ -197,9 +219,19 @@ mod tests {
         let binary = fs::symlink_metadata(root.join(".rollbox/rollbox-agent")).unwrap();
         assert!(binary.is_file());
         assert_eq!(binary.mode() & 0o7777, 0o755);
-        assert_eq!(fs::read(root.join(".rollbox/image.json")).unwrap(), b"{\"x\":1}");
-        assert!(fs::symlink_metadata(root.join(".rollbox")).unwrap().is_dir());
-        assert_eq!(fs::metadata(root.join("tmp")).unwrap().mode() & 0o7777, 0o1777);
-        assert!(root.join("sys").is_dir() && root.join("dev").is_dir() && root.join("run").is_dir());
+        assert_eq!(
+            fs::read(root.join(".rollbox/image.json")).unwrap(),
+            b"{\"x\":1}"
+        );
+        assert!(fs::symlink_metadata(root.join(".rollbox"))
+            .unwrap()
+            .is_dir());
+        assert_eq!(
+            fs::metadata(root.join("tmp")).unwrap().mode() & 0o7777,
+            0o1777
+        );
+        assert!(
+            root.join("sys").is_dir() && root.join("dev").is_dir() && root.join("run").is_dir()
+        );
     }
 }

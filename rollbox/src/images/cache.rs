@@ -119,7 +119,9 @@ impl Cache {
             .unwrap_or(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         Staging {
-            path: self.tmp_dir().join(format!("{kind}-{}-{nanos}{n}", std::process::id())),
+            path: self
+                .tmp_dir()
+                .join(format!("{kind}-{}-{nanos}{n}", std::process::id())),
             armed: true,
         }
     }
@@ -130,7 +132,9 @@ impl Cache {
         let dir = self.rootfs_dir(key);
         match fs::rename(&staging.path, &dir) {
             Ok(()) => staging.disarm(),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => drop(staging),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {
+                drop(staging)
+            }
             Err(e) => return Err(io_error(&dir, "move the built rootfs into place")(e)),
         }
         self.lookup_rootfs(key).ok_or_else(|| CacheError::Io {

@@ -73,10 +73,19 @@ impl<R: BufRead> Read for ZstdFrames<R> {
             }
             match self.frame.init(&mut self.source) {
                 Ok(()) => self.in_frame = true,
-                Err(FrameDecoderError::ReadFrameHeaderError(ReadFrameHeaderError::SkipFrame { length, .. })) => {
-                    let skipped = io::copy(&mut (&mut self.source).take(u64::from(length)), &mut io::sink())?;
+                Err(FrameDecoderError::ReadFrameHeaderError(ReadFrameHeaderError::SkipFrame {
+                    length,
+                    ..
+                })) => {
+                    let skipped = io::copy(
+                        &mut (&mut self.source).take(u64::from(length)),
+                        &mut io::sink(),
+                    )?;
                     if skipped != u64::from(length) {
-                        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "zstd skippable frame is truncated"));
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "zstd skippable frame is truncated",
+                        ));
                     }
                 }
                 Err(e) => return Err(io::Error::other(e)),
@@ -110,7 +119,8 @@ mod tests {
     fn gzip_with_several_members() {
         let mut bytes = Vec::new();
         for part in [&b"first "[..], b"second"] {
-            let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
             encoder.write_all(part).unwrap();
             bytes.extend(encoder.finish().unwrap());
         }
@@ -120,10 +130,16 @@ mod tests {
     #[test]
     fn zstd_frames_and_skippable_frames() {
         let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        let mut bytes = ruzstd::encoding::compress_to_vec(&data[..], ruzstd::encoding::CompressionLevel::Fastest);
+        let mut bytes = ruzstd::encoding::compress_to_vec(
+            &data[..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
         // A skippable frame, then a second data frame.
         bytes.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 1, 2, 3]);
-        bytes.extend(ruzstd::encoding::compress_to_vec(&b"tail"[..], ruzstd::encoding::CompressionLevel::Fastest));
+        bytes.extend(ruzstd::encoding::compress_to_vec(
+            &b"tail"[..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        ));
         let mut expected = data.clone();
         expected.extend_from_slice(b"tail");
         assert_eq!(decode(&bytes).unwrap(), expected);

@@ -26,7 +26,11 @@ impl Digest {
             value: value.to_string(),
         };
         let hex = value.strip_prefix("sha256:").ok_or_else(malformed)?;
-        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if hex.len() != 64
+            || !hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
             return Err(malformed());
         }
         Ok(Self {
@@ -132,7 +136,13 @@ mod tests {
         let empty = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
         assert_eq!(Digest::of_bytes(b"").to_string(), empty);
         assert_eq!(Digest::parse(empty).unwrap().short(), "e3b0c44298fc");
-        for bad in ["", "sha256:", "sha512:00", "sha256:E3B0C44298FC1C149AFBF4C8996FB92427AE41E4649B934CA495991B7852B855", "sha256:../../etc/passwd"] {
+        for bad in [
+            "",
+            "sha256:",
+            "sha512:00",
+            "sha256:E3B0C44298FC1C149AFBF4C8996FB92427AE41E4649B934CA495991B7852B855",
+            "sha256:../../etc/passwd",
+        ] {
             assert!(Digest::parse(bad).is_err(), "{bad} accepted");
         }
     }

@@ -101,7 +101,9 @@ impl Members {
             reason,
         };
         if len > MAX_JSON_BYTES {
-            return Err(invalid(format!("{member} is {len} bytes, too large for metadata")));
+            return Err(invalid(format!(
+                "{member} is {len} bytes, too large for metadata"
+            )));
         }
         let read = || -> io::Result<Vec<u8>> {
             let mut file = File::open(path)?;
@@ -146,8 +148,8 @@ pub fn resolve(path: &Path, reference: Option<&str>) -> Result<ResolvedImage, Do
         reason,
     };
     let manifest_bytes = members.read(path, "manifest.json")?;
-    let images: Vec<DockerArchiveImage> =
-        serde_json::from_slice(&manifest_bytes).map_err(|e| invalid(format!("manifest.json: {e}")))?;
+    let images: Vec<DockerArchiveImage> = serde_json::from_slice(&manifest_bytes)
+        .map_err(|e| invalid(format!("manifest.json: {e}")))?;
     let tags_of = |image: &DockerArchiveImage| image.repo_tags.clone().unwrap_or_default();
     let available = || {
         images
@@ -205,9 +207,13 @@ pub fn resolve(path: &Path, reference: Option<&str>) -> Result<ResolvedImage, Do
             });
         }
     }
-    let config: ImageConfigFile =
-        serde_json::from_slice(&config_bytes).map_err(|e| invalid(format!("config {}: {e}", image.config)))?;
-    let diff_ids = config.rootfs.as_ref().map(|r| r.diff_ids.clone()).unwrap_or_default();
+    let config: ImageConfigFile = serde_json::from_slice(&config_bytes)
+        .map_err(|e| invalid(format!("config {}: {e}", image.config)))?;
+    let diff_ids = config
+        .rootfs
+        .as_ref()
+        .map(|r| r.diff_ids.clone())
+        .unwrap_or_default();
     if diff_ids.len() != image.layers.len() {
         return Err(invalid(format!(
             "config lists {} layer diff_ids but manifest.json lists {} layers",
@@ -235,7 +241,9 @@ pub fn resolve(path: &Path, reference: Option<&str>) -> Result<ResolvedImage, Do
     }
     Ok(ResolvedImage {
         kind: SourceKind::DockerArchive,
-        name: reference.map(str::to_string).unwrap_or_else(|| path.display().to_string()),
+        name: reference
+            .map(str::to_string)
+            .unwrap_or_else(|| path.display().to_string()),
         image_digest: config_digest.clone(),
         manifest_digest: None,
         config_digest,
@@ -251,9 +259,18 @@ mod tests {
     #[test]
     fn tag_matching() {
         assert_eq!(normalize_tag("busybox"), "busybox:latest");
-        assert_eq!(normalize_tag("docker.io/library/busybox:1.36"), "busybox:1.36");
-        assert_eq!(normalize_tag("127.0.0.1:5000/tiny"), "127.0.0.1:5000/tiny:latest");
-        assert_eq!(normalize_tag("127.0.0.1:5000/tiny:v1"), "127.0.0.1:5000/tiny:v1");
+        assert_eq!(
+            normalize_tag("docker.io/library/busybox:1.36"),
+            "busybox:1.36"
+        );
+        assert_eq!(
+            normalize_tag("127.0.0.1:5000/tiny"),
+            "127.0.0.1:5000/tiny:latest"
+        );
+        assert_eq!(
+            normalize_tag("127.0.0.1:5000/tiny:v1"),
+            "127.0.0.1:5000/tiny:v1"
+        );
     }
 
     #[test]
@@ -267,6 +284,9 @@ mod tests {
     #[test]
     fn missing_file_is_named() {
         let err = resolve(Path::new("/nonexistent/image.tar"), None).unwrap_err();
-        assert_eq!(err.to_string(), "docker archive /nonexistent/image.tar: file not found");
+        assert_eq!(
+            err.to_string(),
+            "docker archive /nonexistent/image.tar: file not found"
+        );
     }
 }

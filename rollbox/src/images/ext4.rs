@@ -146,12 +146,16 @@ pub fn make(root: &Path, image: &Path, requested_mib: Option<u64>) -> Result<u64
         attempts += 1;
         match run_mkfs(root, image, &plan) {
             Err(Ext4Error::Mkfs { stderr, .. })
-                if requested_mib.is_none() && attempts < 3 && stderr.contains("Could not allocate block") =>
+                if requested_mib.is_none()
+                    && attempts < 3
+                    && stderr.contains("Could not allocate block") =>
             {
                 plan.size_bytes = (plan.size_bytes + plan.size_bytes / 2).div_ceil(MIB) * MIB;
                 plan.inodes += plan.inodes / 2;
             }
-            Err(Ext4Error::Mkfs { stderr, .. }) if requested_mib.is_some() && stderr.contains("Could not allocate block") => {
+            Err(Ext4Error::Mkfs { stderr, .. })
+                if requested_mib.is_some() && stderr.contains("Could not allocate block") =>
+            {
                 return Err(Ext4Error::TooSmall {
                     needed_mib: plan.needed_bytes.div_ceil(MIB),
                     size_mib: requested_mib.unwrap_or(0),
@@ -172,7 +176,19 @@ fn run_mkfs(root: &Path, image: &Path, plan: &Plan) -> Result<(), Ext4Error> {
     file.set_len(plan.size_bytes).map_err(create_error)?;
     drop(file);
     let output = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-b", "4096", "-m", "0", "-L", "rollbox", "-E", "root_owner=0:0", "-N"])
+        .args([
+            "-q",
+            "-F",
+            "-b",
+            "4096",
+            "-m",
+            "0",
+            "-L",
+            "rollbox",
+            "-E",
+            "root_owner=0:0",
+            "-N",
+        ])
         .arg(plan.inodes.to_string())
         .arg("-d")
         .arg(root)
@@ -220,7 +236,9 @@ pub fn sparse_copy(from: &Path, to: &Path) -> Result<u64, Ext4Error> {
         let Some(data) = seek_data(&source, pos, libc::SEEK_DATA).map_err(copy_error)? else {
             break;
         };
-        let hole = seek_data(&source, data, libc::SEEK_HOLE).map_err(copy_error)?.unwrap_or(len);
+        let hole = seek_data(&source, data, libc::SEEK_HOLE)
+            .map_err(copy_error)?
+            .unwrap_or(len);
         let mut at = data;
         while at < hole {
             let chunk = (hole - at).min(buf.len() as u64) as usize;

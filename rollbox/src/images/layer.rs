@@ -151,7 +151,11 @@ impl RootfsBuilder {
     }
 
     /// Applies one uncompressed layer tar stream. `layer` names the layer in errors.
-    pub fn apply_layer<R: Read>(&mut self, layer: &str, tar_stream: R) -> Result<LayerStats, LayerError> {
+    pub fn apply_layer<R: Read>(
+        &mut self,
+        layer: &str,
+        tar_stream: R,
+    ) -> Result<LayerStats, LayerError> {
         let mut ctx = LayerCtx {
             layer,
             entry: String::new(),
@@ -164,7 +168,8 @@ impl RootfsBuilder {
             let mut entry = entry.map_err(|e| ctx.read(e))?;
             let raw_path = entry.path().map_err(|e| ctx.read(e))?.into_owned();
             ctx.entry = raw_path.display().to_string();
-            let rel = normalize_entry_path(&raw_path).map_err(|problem| problem.into_error(layer, &ctx.entry))?;
+            let rel = normalize_entry_path(&raw_path)
+                .map_err(|problem| problem.into_error(layer, &ctx.entry))?;
             stats.entries += 1;
 
             if let Some(name) = rel.file_name() {
@@ -210,7 +215,9 @@ impl RootfsBuilder {
             self.dir_times.insert(PathBuf::new(), meta.mtime);
             return Ok(0);
         }
-        let rel = &self.resolve_in_root(ctx, rel, true)?.unwrap_or_else(|| rel.to_path_buf());
+        let rel = &self
+            .resolve_in_root(ctx, rel, true)?
+            .unwrap_or_else(|| rel.to_path_buf());
         let full = self.root.join(rel);
         let mut written = 0;
         match kind {
@@ -241,16 +248,18 @@ impl RootfsBuilder {
             EntryType::Symlink => {
                 let target = link_name(ctx, entry)?;
                 remove_existing(ctx, &full, false)?;
-                std::os::unix::fs::symlink(&target, &full).map_err(|e| ctx.io("create symlink", &full, e))?;
+                std::os::unix::fs::symlink(&target, &full)
+                    .map_err(|e| ctx.io("create symlink", &full, e))?;
                 self.set_meta(ctx, &full, &meta, true)?;
             }
             EntryType::Link => {
                 let raw_target = link_name(ctx, entry)?;
-                let target_rel = normalize_entry_path(&raw_target).map_err(|_| LayerError::HardlinkOutside {
-                    layer: ctx.layer.to_string(),
-                    entry: ctx.entry.clone(),
-                    target: raw_target.display().to_string(),
-                })?;
+                let target_rel =
+                    normalize_entry_path(&raw_target).map_err(|_| LayerError::HardlinkOutside {
+                        layer: ctx.layer.to_string(),
+                        entry: ctx.entry.clone(),
+                        target: raw_target.display().to_string(),
+                    })?;
                 let missing = |ctx: &LayerCtx<'_>| LayerError::HardlinkTarget {
                     layer: ctx.layer.to_string(),
                     entry: ctx.entry.clone(),
@@ -268,7 +277,8 @@ impl RootfsBuilder {
                 if target_rel != *rel {
                     remove_existing(ctx, &full, false)?;
                     // linkat without AT_SYMLINK_FOLLOW: a symlink target is linked, not followed.
-                    fs::hard_link(&target_full, &full).map_err(|e| ctx.io("create hardlink", &full, e))?;
+                    fs::hard_link(&target_full, &full)
+                        .map_err(|e| ctx.io("create hardlink", &full, e))?;
                 }
             }
             EntryType::Char | EntryType::Block | EntryType::Fifo => {
@@ -281,8 +291,12 @@ impl RootfsBuilder {
                 let header = entry.header();
                 let major = header.device_major().map_err(|e| ctx.read(e))?.unwrap_or(0);
                 let minor = header.device_minor().map_err(|e| ctx.read(e))?.unwrap_or(0);
-                mknod(&full, file_type | (meta.mode & 0o7777), libc::makedev(major, minor))
-                    .map_err(|e| ctx.io("create device node", &full, e))?;
+                mknod(
+                    &full,
+                    file_type | (meta.mode & 0o7777),
+                    libc::makedev(major, minor),
+                )
+                .map_err(|e| ctx.io("create device node", &full, e))?;
                 self.set_meta(ctx, &full, &meta, false)?;
             }
             EntryType::XGlobalHeader => return Ok(0),
@@ -298,7 +312,12 @@ impl RootfsBuilder {
     /// absolute symlink, one that climbs out of the root, or a loop is refused. With `create`,
     /// missing parents are made; without, None is returned when one is missing. The last
     /// component is never followed.
-    fn resolve_in_root(&self, ctx: &mut LayerCtx<'_>, rel: &Path, create: bool) -> Result<Option<PathBuf>, LayerError> {
+    fn resolve_in_root(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        rel: &Path,
+        create: bool,
+    ) -> Result<Option<PathBuf>, LayerError> {
         enum Step {
             Up,
             Name(OsString),
@@ -338,16 +357,21 @@ impl RootfsBuilder {
             match fs::symlink_metadata(&full) {
                 Ok(m) if m.file_type().is_symlink() => {
                     hops += 1;
-                    let target = fs::read_link(&full).map_err(|e| ctx.io("read symlink", &full, e))?;
+                    let target =
+                        fs::read_link(&full).map_err(|e| ctx.io("read symlink", &full, e))?;
                     if hops > MAX_SYMLINK_HOPS || target.has_root() {
                         return Err(escape(ctx, &candidate));
                     }
                     for component in target.components().rev() {
                         match component {
-                            Component::Normal(next) => pending.push_front(Step::Name(next.to_os_string())),
+                            Component::Normal(next) => {
+                                pending.push_front(Step::Name(next.to_os_string()))
+                            }
                             Component::ParentDir => pending.push_front(Step::Up),
                             Component::CurDir => {}
-                            Component::RootDir | Component::Prefix(_) => return Err(escape(ctx, &candidate)),
+                            Component::RootDir | Component::Prefix(_) => {
+                                return Err(escape(ctx, &candidate))
+                            }
                         }
                     }
                     last_link = candidate;
@@ -385,7 +409,9 @@ impl RootfsBuilder {
     /// `.wh.<name>`: removes `<name>` unless this same layer created it.
     fn whiteout(&mut self, ctx: &mut LayerCtx<'_>, rel: &Path) -> Result<(), LayerError> {
         match self.resolve_in_root(ctx, rel, false)? {
-            Some(resolved) if !ctx.created.contains(&resolved) && !resolved.as_os_str().is_empty() => {
+            Some(resolved)
+                if !ctx.created.contains(&resolved) && !resolved.as_os_str().is_empty() =>
+            {
                 remove_existing(ctx, &self.root.join(resolved), false)?;
                 Ok(())
             }
@@ -416,15 +442,26 @@ impl RootfsBuilder {
             let rel = dir.join(child.file_name());
             if !ctx.created.contains(&rel) {
                 remove_existing(ctx, &child.path(), false)?;
-            } else if child.file_type().map_err(|e| ctx.io("inspect", &child.path(), e))?.is_dir() {
+            } else if child
+                .file_type()
+                .map_err(|e| ctx.io("inspect", &child.path(), e))?
+                .is_dir()
+            {
                 self.remove_lower_children(ctx, &rel)?;
             }
         }
         Ok(())
     }
 
-    fn set_meta(&self, ctx: &LayerCtx<'_>, full: &Path, meta: &Meta, is_symlink: bool) -> Result<(), LayerError> {
-        std::os::unix::fs::lchown(full, Some(meta.uid), Some(meta.gid)).map_err(|e| ctx.io("chown", full, e))?;
+    fn set_meta(
+        &self,
+        ctx: &LayerCtx<'_>,
+        full: &Path,
+        meta: &Meta,
+        is_symlink: bool,
+    ) -> Result<(), LayerError> {
+        std::os::unix::fs::lchown(full, Some(meta.uid), Some(meta.gid))
+            .map_err(|e| ctx.io("chown", full, e))?;
         if !is_symlink {
             // chown clears set-id bits, so the mode goes second.
             fs::set_permissions(full, Permissions::from_mode(meta.mode & 0o7777))
@@ -441,7 +478,9 @@ impl RootfsBuilder {
             match set_times_nofollow(&full, mtime) {
                 Ok(()) => {}
                 // Removed by a later layer.
-                Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => {}
+                Err(e)
+                    if e.kind() == io::ErrorKind::NotFound
+                        || e.raw_os_error() == Some(libc::ENOTDIR) => {}
                 Err(source) => {
                     return Err(LayerError::Io {
                         layer: "(final pass)".to_string(),
@@ -499,7 +538,10 @@ fn unsupported(ctx: &LayerCtx<'_>, kind: &str) -> LayerError {
     }
 }
 
-fn link_name<R: Read>(ctx: &LayerCtx<'_>, entry: &tar::Entry<'_, R>) -> Result<PathBuf, LayerError> {
+fn link_name<R: Read>(
+    ctx: &LayerCtx<'_>,
+    entry: &tar::Entry<'_, R>,
+) -> Result<PathBuf, LayerError> {
     match entry.link_name().map_err(|e| ctx.read(e))? {
         Some(name) => Ok(name.into_owned()),
         None => Err(unsupported(ctx, "link without a target")),
@@ -524,7 +566,12 @@ fn remove_existing(ctx: &LayerCtx<'_>, full: &Path, keep_dir: bool) -> Result<bo
 }
 
 /// Copies an entry's data, telling a bad layer (read error) from a bad disk (write error).
-fn copy_entry_data(ctx: &LayerCtx<'_>, from: &mut impl Read, to: &mut fs::File, path: &Path) -> Result<u64, LayerError> {
+fn copy_entry_data(
+    ctx: &LayerCtx<'_>,
+    from: &mut impl Read,
+    to: &mut fs::File,
+    path: &Path,
+) -> Result<u64, LayerError> {
     let mut buf = vec![0u8; 128 * 1024];
     let mut total = 0u64;
     loop {
@@ -554,7 +601,11 @@ fn read_meta<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<Meta> {
             let extension = extension?;
             let key = extension.key_bytes();
             let value = extension.value_bytes();
-            let number = || std::str::from_utf8(value).ok().and_then(|v| v.parse::<u32>().ok());
+            let number = || {
+                std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|v| v.parse::<u32>().ok())
+            };
             if key == b"uid" {
                 meta.uid = number().unwrap_or(meta.uid);
             } else if key == b"gid" {
@@ -593,7 +644,8 @@ fn system_time((secs, nanos): (i64, u32)) -> SystemTime {
 }
 
 fn c_path(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
 fn set_times_nofollow(path: &Path, (secs, nanos): (i64, u32)) -> io::Result<()> {
@@ -605,7 +657,14 @@ fn set_times_nofollow(path: &Path, (secs, nanos): (i64, u32)) -> io::Result<()> 
     let times = [time, time];
     // SAFETY: `c` is a valid NUL-terminated path and `times` points to two timespecs that
     // live for the duration of the call.
-    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
+    let rc = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            times.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
     if rc == 0 {
         Ok(())
     } else {
@@ -628,11 +687,23 @@ fn set_xattrs(ctx: &LayerCtx<'_>, full: &Path, meta: &Meta) -> Result<(), LayerE
     for (name, value) in &meta.xattrs {
         let attempt = || -> io::Result<()> {
             let c = c_path(full)?;
-            let name = CString::new(name.clone())
-                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "xattr name contains a NUL byte"))?;
+            let name = CString::new(name.clone()).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "xattr name contains a NUL byte",
+                )
+            })?;
             // SAFETY: path and name are valid NUL-terminated strings, and value/len describe a
             // live byte buffer; the kernel copies them and keeps no pointer.
-            let rc = unsafe { libc::lsetxattr(c.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+            let rc = unsafe {
+                libc::lsetxattr(
+                    c.as_ptr(),
+                    name.as_ptr(),
+                    value.as_ptr().cast(),
+                    value.len(),
+                    0,
+                )
+            };
             if rc == 0 {
                 Ok(())
             } else {
@@ -681,7 +752,9 @@ mod tests {
 
         fn dir(mut self, path: &str, mode: u32) -> Self {
             let mut header = Self::header(EntryType::Directory, mode, 0, 0);
-            self.builder.append_data(&mut header, path, io::empty()).unwrap();
+            self.builder
+                .append_data(&mut header, path, io::empty())
+                .unwrap();
             self
         }
 
@@ -695,7 +768,9 @@ mod tests {
             let mut header = Self::header(kind, 0o620, 0, 5);
             header.set_device_major(major).unwrap();
             header.set_device_minor(minor).unwrap();
-            self.builder.append_data(&mut header, path, io::empty()).unwrap();
+            self.builder
+                .append_data(&mut header, path, io::empty())
+                .unwrap();
             self
         }
 
@@ -725,7 +800,11 @@ mod tests {
         }
     }
 
-    fn apply(builder: &mut RootfsBuilder, name: &str, layer: LayerTar) -> Result<LayerStats, LayerError> {
+    fn apply(
+        builder: &mut RootfsBuilder,
+        name: &str,
+        layer: LayerTar,
+    ) -> Result<LayerStats, LayerError> {
         builder.apply_layer(name, &layer.bytes()[..])
     }
 
@@ -766,7 +845,10 @@ mod tests {
         // A whiteout never hides an entry of its own layer.
         assert!(exists(root, "etc/new"));
         assert!(exists(root, "var/cache/a/b"));
-        assert_eq!(fs::metadata(root.join("var/cache")).unwrap().mode() & 0o7777, 0o700);
+        assert_eq!(
+            fs::metadata(root.join("var/cache")).unwrap().mode() & 0o7777,
+            0o700
+        );
     }
 
     #[test]
@@ -774,11 +856,22 @@ mod tests {
         for bad in ["etc/.wh.", "etc/.wh..", "etc/.wh..."] {
             let dir = tempfile::tempdir().unwrap();
             let mut rootfs = RootfsBuilder::new(dir.path());
-            apply(&mut rootfs, "base", LayerTar::new().file("etc/keep", b"x", 0o644, 0, 0)).unwrap();
+            apply(
+                &mut rootfs,
+                "base",
+                LayerTar::new().file("etc/keep", b"x", 0o644, 0, 0),
+            )
+            .unwrap();
             // They would name "", "." and "..": the directory itself or its parent.
             let result = apply(&mut rootfs, "upper", LayerTar::new().raw_file(bad));
-            assert!(matches!(result, Err(LayerError::BadWhiteout { .. })), "{bad}: {result:?}");
-            assert!(exists(dir.path(), "etc/keep"), "{bad} deleted its directory");
+            assert!(
+                matches!(result, Err(LayerError::BadWhiteout { .. })),
+                "{bad}: {result:?}"
+            );
+            assert!(
+                exists(dir.path(), "etc/keep"),
+                "{bad} deleted its directory"
+            );
         }
     }
 
@@ -786,8 +879,18 @@ mod tests {
     fn whiteout_of_a_directory_removes_the_tree() {
         let dir = tempfile::tempdir().unwrap();
         let mut rootfs = RootfsBuilder::new(dir.path());
-        apply(&mut rootfs, "base", LayerTar::new().file("opt/app/lib/x.so", b"x", 0o755, 0, 0)).unwrap();
-        apply(&mut rootfs, "upper", LayerTar::new().file("opt/.wh.app", b"", 0o644, 0, 0)).unwrap();
+        apply(
+            &mut rootfs,
+            "base",
+            LayerTar::new().file("opt/app/lib/x.so", b"x", 0o755, 0, 0),
+        )
+        .unwrap();
+        apply(
+            &mut rootfs,
+            "upper",
+            LayerTar::new().file("opt/.wh.app", b"", 0o644, 0, 0),
+        )
+        .unwrap();
         assert!(!exists(dir.path(), "opt/app"));
         assert!(exists(dir.path(), "opt"));
     }
@@ -850,8 +953,14 @@ mod tests {
         assert_eq!(su.mtime(), 1_600_000_000);
         let su2 = fs::metadata(root.join("bin/su2")).unwrap();
         assert_eq!(su.ino(), su2.ino(), "hardlink shares the inode");
-        assert_eq!(fs::read_link(root.join("bin/sh")).unwrap(), Path::new("busybox"));
-        assert_eq!(fs::read_link(root.join("etc/abs")).unwrap(), Path::new("/etc/passwd"));
+        assert_eq!(
+            fs::read_link(root.join("bin/sh")).unwrap(),
+            Path::new("busybox")
+        );
+        assert_eq!(
+            fs::read_link(root.join("etc/abs")).unwrap(),
+            Path::new("/etc/passwd")
+        );
         let user_file = fs::metadata(root.join("home/user/file")).unwrap();
         assert_eq!(user_file.mode() & 0o7777, 0o640);
         if is_root {
@@ -867,7 +976,10 @@ mod tests {
 
     fn unsafe_free_is_root() -> bool {
         fs::read_to_string("/proc/self/status")
-            .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
+            .map(|s| {
+                s.lines()
+                    .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+            })
             .unwrap_or(false)
     }
 
@@ -895,15 +1007,28 @@ mod tests {
         .unwrap();
         let root = dir.path();
         // The symlink was replaced, not written through.
-        assert!(fs::symlink_metadata(root.join("etc/target")).unwrap().is_file());
-        assert_eq!(fs::read(root.join("etc/target")).unwrap(), b"plain file now");
-        assert!(fs::symlink_metadata(root.join("usr/was-dir")).unwrap().is_file());
-        assert!(fs::symlink_metadata(root.join("usr/was-file")).unwrap().is_dir());
+        assert!(fs::symlink_metadata(root.join("etc/target"))
+            .unwrap()
+            .is_file());
+        assert_eq!(
+            fs::read(root.join("etc/target")).unwrap(),
+            b"plain file now"
+        );
+        assert!(fs::symlink_metadata(root.join("usr/was-dir"))
+            .unwrap()
+            .is_file());
+        assert!(fs::symlink_metadata(root.join("usr/was-file"))
+            .unwrap()
+            .is_dir());
     }
 
     #[test]
     fn rejects_traversal_and_absolute_paths() {
-        for (bad, want_absolute) in [("../escape", false), ("a/../../escape", false), ("/etc/passwd", true)] {
+        for (bad, want_absolute) in [
+            ("../escape", false),
+            ("a/../../escape", false),
+            ("/etc/passwd", true),
+        ] {
             let dir = tempfile::tempdir().unwrap();
             let root = dir.path().join("root");
             fs::create_dir(&root).unwrap();
@@ -933,11 +1058,24 @@ mod tests {
                 .file("evil/passwd", b"owned", 0o644, 0, 0),
         )
         .unwrap_err();
-        assert!(matches!(err, LayerError::ThroughSymlink { ref link, .. } if link == "evil"), "{err}");
+        assert!(
+            matches!(err, LayerError::ThroughSymlink { ref link, .. } if link == "evil"),
+            "{err}"
+        );
         assert!(err.to_string().contains("evil/passwd"), "{err}");
-        let err = apply(&mut rootfs, "evil2", LayerTar::new().file("evil/.wh.x", b"", 0o644, 0, 0)).unwrap_err();
+        let err = apply(
+            &mut rootfs,
+            "evil2",
+            LayerTar::new().file("evil/.wh.x", b"", 0o644, 0, 0),
+        )
+        .unwrap_err();
         assert!(matches!(err, LayerError::ThroughSymlink { .. }), "{err}");
-        let err = apply(&mut rootfs, "evil3", LayerTar::new().link(EntryType::Link, "h", "evil/x")).unwrap_err();
+        let err = apply(
+            &mut rootfs,
+            "evil3",
+            LayerTar::new().link(EntryType::Link, "h", "evil/x"),
+        )
+        .unwrap_err();
         assert!(matches!(err, LayerError::ThroughSymlink { .. }), "{err}");
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
     }
@@ -970,7 +1108,10 @@ mod tests {
         let root = dir.path();
         assert_eq!(fs::read(root.join("usr/lib/libx.so")).unwrap(), b"x");
         assert_eq!(fs::read(root.join("usr/lib/liby.so")).unwrap(), b"y");
-        assert!(fs::symlink_metadata(root.join("lib")).unwrap().file_type().is_symlink());
+        assert!(fs::symlink_metadata(root.join("lib"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
         assert!(!exists(root, "usr/lib/old.so"));
         assert_eq!(
             fs::metadata(root.join("usr/hard")).unwrap().ino(),
@@ -994,7 +1135,10 @@ mod tests {
                 .file("a/up/escaped", b"x", 0o644, 0, 0),
         )
         .unwrap_err();
-        assert!(matches!(err, LayerError::ThroughSymlink { ref link, .. } if link == "a/up"), "{err}");
+        assert!(
+            matches!(err, LayerError::ThroughSymlink { ref link, .. } if link == "a/up"),
+            "{err}"
+        );
         let err = apply(
             &mut rootfs,
             "loop",
@@ -1014,10 +1158,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut rootfs = RootfsBuilder::new(dir.path());
         for target in ["/etc/passwd", "../../etc/passwd"] {
-            let err = apply(&mut rootfs, "evil", LayerTar::new().raw_hardlink("h", target)).unwrap_err();
-            assert!(matches!(err, LayerError::HardlinkOutside { .. }), "{target}: {err}");
+            let err = apply(
+                &mut rootfs,
+                "evil",
+                LayerTar::new().raw_hardlink("h", target),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(err, LayerError::HardlinkOutside { .. }),
+                "{target}: {err}"
+            );
         }
-        let err = apply(&mut rootfs, "evil", LayerTar::new().raw_hardlink("h", "nope")).unwrap_err();
+        let err = apply(
+            &mut rootfs,
+            "evil",
+            LayerTar::new().raw_hardlink("h", "nope"),
+        )
+        .unwrap_err();
         assert!(matches!(err, LayerError::HardlinkTarget { .. }), "{err}");
         assert!(!exists(dir.path(), "h"));
     }
@@ -1026,14 +1183,19 @@ mod tests {
     fn truncated_layer_is_a_read_error() {
         let dir = tempfile::tempdir().unwrap();
         let mut rootfs = RootfsBuilder::new(dir.path());
-        let bytes = LayerTar::new().file("big", &[7u8; 10_000], 0o644, 0, 0).bytes();
+        let bytes = LayerTar::new()
+            .file("big", &[7u8; 10_000], 0o644, 0, 0)
+            .bytes();
         let err = rootfs.apply_layer("cut", &bytes[..3000]).unwrap_err();
         assert!(matches!(err, LayerError::Read { .. }), "{err}");
     }
 
     #[test]
     fn pax_time_parsing() {
-        assert_eq!(parse_pax_time(b"1700000000.5"), Some((1_700_000_000, 500_000_000)));
+        assert_eq!(
+            parse_pax_time(b"1700000000.5"),
+            Some((1_700_000_000, 500_000_000))
+        );
         assert_eq!(parse_pax_time(b"12"), Some((12, 0)));
         assert_eq!(parse_pax_time(b"x"), None);
     }

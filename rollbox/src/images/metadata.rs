@@ -59,7 +59,13 @@ impl ImageMetadata {
         let layers = image
             .layers
             .iter()
-            .map(|l| l.diff_id.as_ref().or(l.digest.as_ref()).map(ToString::to_string).unwrap_or_default())
+            .map(|l| {
+                l.diff_id
+                    .as_ref()
+                    .or(l.digest.as_ref())
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
+            })
             .collect();
         Self {
             builder_version: BUILDER_VERSION.to_string(),
@@ -75,9 +81,16 @@ impl ImageMetadata {
             cmd,
             argv,
             env: runtime.env.unwrap_or_default(),
-            working_dir: runtime.working_dir.filter(|w| !w.is_empty()).unwrap_or_else(|| "/".to_string()),
+            working_dir: runtime
+                .working_dir
+                .filter(|w| !w.is_empty())
+                .unwrap_or_else(|| "/".to_string()),
             user: runtime.user.unwrap_or_default(),
-            exposed_ports: runtime.exposed_ports.unwrap_or_default().into_keys().collect(),
+            exposed_ports: runtime
+                .exposed_ports
+                .unwrap_or_default()
+                .into_keys()
+                .collect(),
             labels: runtime.labels.unwrap_or_default(),
             stop_signal: runtime.stop_signal.filter(|s| !s.is_empty()),
             init: AGENT_PATH_IN_ROOTFS.to_string(),
@@ -134,6 +147,8 @@ mod tests {
         assert_eq!(meta.kernel_cmdline, "init=/.rollbox/rollbox-agent");
         let back: ImageMetadata = serde_json::from_slice(&meta.to_json()).unwrap();
         assert_eq!(back, meta);
-        assert!(!String::from_utf8(meta.to_json()).unwrap().contains("rootfs_size_bytes"));
+        assert!(!String::from_utf8(meta.to_json())
+            .unwrap()
+            .contains("rootfs_size_bytes"));
     }
 }

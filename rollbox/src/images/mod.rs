@@ -80,7 +80,9 @@ pub enum ImageError {
         path: String,
         source: io::Error,
     },
-    #[error("building an image needs root: it reproduces file ownership, set-id bits and device nodes")]
+    #[error(
+        "building an image needs root: it reproduces file ownership, set-id bits and device nodes"
+    )]
     NotRoot,
     #[error("output directory {path} does not exist")]
     OutputDir { path: String },
@@ -183,13 +185,18 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
     let mut session = None;
     let mut image = match &options.source {
         SourceSpec::Registry { insecure } => {
-            let reference = options.reference.as_deref().ok_or(ImageError::MissingReference)?;
+            let reference = options
+                .reference
+                .as_deref()
+                .ok_or(ImageError::MissingReference)?;
             let connected = RegistrySession::connect(reference, *insecure)?;
             let image = connected.resolve()?;
             session = Some(connected);
             image
         }
-        SourceSpec::DockerArchive(path) => docker_archive::resolve(path, options.reference.as_deref())?,
+        SourceSpec::DockerArchive(path) => {
+            docker_archive::resolve(path, options.reference.as_deref())?
+        }
         SourceSpec::OciLayout(path) => oci_layout::resolve(path, options.reference.as_deref())?,
     };
 
@@ -200,7 +207,10 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
             if let Some(session) = &session {
                 session.fetch_layers(&mut image, &cache, options.progress)?;
             }
-            (build_into_cache(&image, &agent, &cache, &key, options)?, false)
+            (
+                build_into_cache(&image, &agent, &cache, &key, options)?,
+                false,
+            )
         }
     };
 
@@ -208,7 +218,9 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
         Some(output) => copy_out(&entry.rootfs, &entry.metadata, output)?,
         None => (entry.rootfs, entry.metadata),
     };
-    let size_bytes = fs::metadata(&rootfs).map_err(io_error("inspect", &rootfs))?.len();
+    let size_bytes = fs::metadata(&rootfs)
+        .map_err(io_error("inspect", &rootfs))?
+        .len();
     Ok(BuildOutput {
         rootfs,
         metadata,
@@ -282,8 +294,12 @@ fn verify_layers(image: &ResolvedImage, progress: Progress) -> Result<(), ImageE
             location: layer.location.describe(),
             source,
         };
-        let bar = progress.bytes(layer.size, format!("verify {}/{count} {}", i + 1, expected.short()));
-        let mut reader = HashingReader::new(bar.wrap_read(layer.location.open().map_err(read_error)?));
+        let bar = progress.bytes(
+            layer.size,
+            format!("verify {}/{count} {}", i + 1, expected.short()),
+        );
+        let mut reader =
+            HashingReader::new(bar.wrap_read(layer.location.open().map_err(read_error)?));
         let drained = reader.drain();
         bar.finish_and_clear();
         drained.map_err(read_error)?;
@@ -305,10 +321,17 @@ fn verify_layers(image: &ResolvedImage, progress: Progress) -> Result<(), ImageE
     Ok(())
 }
 
-fn apply_layers(image: &ResolvedImage, rootfs: &mut RootfsBuilder, progress: Progress) -> Result<(), ImageError> {
+fn apply_layers(
+    image: &ResolvedImage,
+    rootfs: &mut RootfsBuilder,
+    progress: Progress,
+) -> Result<(), ImageError> {
     let count = image.layers.len();
     for (i, layer) in image.layers.iter().enumerate() {
-        let bar = progress.bytes(layer.size, format!("unpack {}/{count} {}", i + 1, short_label(layer)));
+        let bar = progress.bytes(
+            layer.size,
+            format!("unpack {}/{count} {}", i + 1, short_label(layer)),
+        );
         let result = apply_one(image, i, layer, rootfs, &bar);
         bar.finish_and_clear();
         result?;
@@ -317,7 +340,12 @@ fn apply_layers(image: &ResolvedImage, rootfs: &mut RootfsBuilder, progress: Pro
 }
 
 fn short_label(layer: &LayerBlob) -> String {
-    layer.digest.as_ref().or(layer.diff_id.as_ref()).map(|d| d.short().to_string()).unwrap_or_default()
+    layer
+        .digest
+        .as_ref()
+        .or(layer.diff_id.as_ref())
+        .map(|d| d.short().to_string())
+        .unwrap_or_default()
 }
 
 fn apply_one(
@@ -342,11 +370,16 @@ fn apply_one(
         source: Box::new(source),
     };
     let label = layer.label();
-    let mut stored = BufReader::with_capacity(256 * 1024, bar.wrap_read(layer.location.open().map_err(read_error)?));
+    let mut stored = BufReader::with_capacity(
+        256 * 1024,
+        bar.wrap_read(layer.location.open().map_err(read_error)?),
+    );
     let compression = compression::sniff(stored.fill_buf().map_err(read_error)?);
     let decoded = compression::decoder(&mut stored, compression);
     let mut tar_stream = HashingReader::new(decoded);
-    rootfs.apply_layer(&label, &mut tar_stream).map_err(layer_error)?;
+    rootfs
+        .apply_layer(&label, &mut tar_stream)
+        .map_err(layer_error)?;
     // The diff id covers the whole uncompressed stream, including tar's trailing padding.
     tar_stream.drain().map_err(|source| {
         layer_error(LayerError::Read {
@@ -375,10 +408,17 @@ fn apply_one(
 
 /// Copies a cached image to `output` (and its metadata beside it), each through a temporary
 /// name in the destination directory.
-fn copy_out(rootfs: &Path, metadata: &Path, output: &Path) -> Result<(PathBuf, PathBuf), ImageError> {
+fn copy_out(
+    rootfs: &Path,
+    metadata: &Path,
+    output: &Path,
+) -> Result<(PathBuf, PathBuf), ImageError> {
     let metadata_out = metadata_path_for(output);
     let parent = check_output_dir(output)?;
-    let file_name = output.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let file_name = output
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
     let tmp_image = TempOutput(parent.join(format!(".{file_name}.tmp-{}", std::process::id())));
     let tmp_meta = TempOutput(parent.join(format!(".{file_name}.json.tmp-{}", std::process::id())));
     ext4::sparse_copy(rootfs, &tmp_image.0)?;
@@ -434,7 +474,13 @@ mod tests {
 
     #[test]
     fn output_metadata_sits_beside_the_image() {
-        assert_eq!(metadata_path_for(Path::new("/x/busybox.ext4")), Path::new("/x/busybox.image.json"));
-        assert_eq!(metadata_path_for(Path::new("rootfs")), Path::new("rootfs.image.json"));
+        assert_eq!(
+            metadata_path_for(Path::new("/x/busybox.ext4")),
+            Path::new("/x/busybox.image.json")
+        );
+        assert_eq!(
+            metadata_path_for(Path::new("rootfs")),
+            Path::new("rootfs.image.json")
+        );
     }
 }

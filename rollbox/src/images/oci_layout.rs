@@ -112,7 +112,11 @@ impl Layout<'_> {
         Ok(bytes)
     }
 
-    fn parse_json<T: serde::de::DeserializeOwned>(&self, file: &str, bytes: &[u8]) -> Result<T, OciLayoutError> {
+    fn parse_json<T: serde::de::DeserializeOwned>(
+        &self,
+        file: &str,
+        bytes: &[u8],
+    ) -> Result<T, OciLayoutError> {
         serde_json::from_slice(bytes).map_err(|e| OciLayoutError::Invalid {
             path: self.path(),
             file: file.to_string(),
@@ -142,12 +146,17 @@ fn matches_reference(descriptor: &Descriptor, reference: &str) -> bool {
 pub fn resolve(dir: &Path, reference: Option<&str>) -> Result<ResolvedImage, OciLayoutError> {
     let layout = Layout { dir };
     if !dir.is_dir() {
-        return Err(OciLayoutError::NotFound { path: layout.path() });
+        return Err(OciLayoutError::NotFound {
+            path: layout.path(),
+        });
     }
     if !dir.join("oci-layout").is_file() {
-        return Err(OciLayoutError::NotALayout { path: layout.path() });
+        return Err(OciLayoutError::NotALayout {
+            path: layout.path(),
+        });
     }
-    let index: Index = layout.parse_json("index.json", &layout.read_file(Path::new("index.json"))?)?;
+    let index: Index =
+        layout.parse_json("index.json", &layout.read_file(Path::new("index.json"))?)?;
     let available = || {
         index
             .manifests
@@ -206,7 +215,9 @@ pub fn resolve(dir: &Path, reference: Option<&str>) -> Result<ResolvedImage, Oci
         let file = format!("blob {digest}");
         let value: serde_json::Value = layout.parse_json(&file, &bytes)?;
         let media_type = value.get("mediaType").and_then(|v| v.as_str());
-        let is_index = spec::is_index(Some(descriptor.media_type.as_str())) || spec::is_index(media_type) || value.get("manifests").is_some();
+        let is_index = spec::is_index(Some(descriptor.media_type.as_str()))
+            || spec::is_index(media_type)
+            || value.get("manifests").is_some();
         if !is_index {
             break (digest, layout.parse_json::<Manifest>(&file, &bytes)?);
         }
@@ -230,12 +241,20 @@ pub fn resolve(dir: &Path, reference: Option<&str>) -> Result<ResolvedImage, Oci
 
     let config_digest = layout.parse_digest(&manifest.config.digest)?;
     let config_bytes = layout.read_blob(&config_digest)?;
-    let config: ImageConfigFile = layout.parse_json(&format!("config {config_digest}"), &config_bytes)?;
-    let diff_ids = config.rootfs.as_ref().map(|r| r.diff_ids.clone()).unwrap_or_default();
+    let config: ImageConfigFile =
+        layout.parse_json(&format!("config {config_digest}"), &config_bytes)?;
+    let diff_ids = config
+        .rootfs
+        .as_ref()
+        .map(|r| r.diff_ids.clone())
+        .unwrap_or_default();
     let mut layers = Vec::with_capacity(manifest.layers.len());
     for (i, layer) in manifest.layers.iter().enumerate() {
         let digest = layout.parse_digest(&layer.digest)?;
-        let diff_id = diff_ids.get(i).map(|d| layout.parse_digest(d)).transpose()?;
+        let diff_id = diff_ids
+            .get(i)
+            .map(|d| layout.parse_digest(d))
+            .transpose()?;
         let file = dir.join(Layout::blob_rel(&digest));
         let size = fs::metadata(&file)
             .map_err(|source| OciLayoutError::Read {
@@ -253,7 +272,9 @@ pub fn resolve(dir: &Path, reference: Option<&str>) -> Result<ResolvedImage, Oci
     }
     Ok(ResolvedImage {
         kind: SourceKind::OciLayout,
-        name: reference.map(str::to_string).unwrap_or_else(|| layout.path()),
+        name: reference
+            .map(str::to_string)
+            .unwrap_or_else(|| layout.path()),
         image_digest: manifest_digest.clone(),
         manifest_digest: Some(manifest_digest),
         config_digest,

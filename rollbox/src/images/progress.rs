@@ -30,9 +30,9 @@ impl Progress {
 
     pub fn bytes(&self, total: u64, message: String) -> ProgressBar {
         let bar = ProgressBar::with_draw_target(Some(total), self.target());
-        if let Ok(style) =
-            ProgressStyle::with_template("{msg:<28} [{bar:30}] {bytes:>10}/{total_bytes:<10} {bytes_per_sec:>12} {eta:>4}")
-        {
+        if let Ok(style) = ProgressStyle::with_template(
+            "{msg:<28} [{bar:30}] {bytes:>10}/{total_bytes:<10} {bytes_per_sec:>12} {eta:>4}",
+        ) {
             bar.set_style(style.progress_chars("=> "));
         }
         bar.set_message(message);

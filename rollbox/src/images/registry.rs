@@ -82,7 +82,8 @@ pub fn is_loopback(registry: &str) -> bool {
     } else {
         registry.rsplit_once(':').map_or(registry, |(host, _)| host)
     };
-    host.eq_ignore_ascii_case("localhost") || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    host.eq_ignore_ascii_case("localhost")
+        || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The error text with all its causes (reqwest hides "connection refused" in a source).
@@ -102,15 +103,21 @@ fn full_chain(error: &dyn std::error::Error) -> String {
 
 impl RegistrySession {
     pub fn connect(reference: &str, insecure: bool) -> Result<Self, RegistryError> {
-        let parsed: Reference = reference.parse().map_err(|e: oci_client::ParseError| RegistryError::BadReference {
-            reference: reference.to_string(),
-            reason: e.to_string(),
-        })?;
+        let parsed: Reference =
+            reference
+                .parse()
+                .map_err(|e: oci_client::ParseError| RegistryError::BadReference {
+                    reference: reference.to_string(),
+                    reason: e.to_string(),
+                })?;
         // Only the first call installs the provider; later ones fail harmlessly.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let registry = parsed.registry().to_string();
         let protocol = if insecure || is_loopback(&registry) {
-            ClientProtocol::HttpsExcept(vec![registry.clone(), parsed.resolve_registry().to_string()])
+            ClientProtocol::HttpsExcept(vec![
+                registry.clone(),
+                parsed.resolve_registry().to_string(),
+            ])
         } else {
             ClientProtocol::Https
         };
@@ -138,12 +145,17 @@ impl RegistrySession {
         let detail = full_chain(&error);
         let not_found = match &error {
             OciDistributionError::ImageManifestNotFoundError(_) => true,
-            OciDistributionError::RegistryError { envelope, .. } => envelope.errors.iter().any(|e| {
-                matches!(
-                    e.code,
-                    OciErrorCode::ManifestUnknown | OciErrorCode::NameUnknown | OciErrorCode::NotFound | OciErrorCode::BlobUnknown
-                )
-            }),
+            OciDistributionError::RegistryError { envelope, .. } => {
+                envelope.errors.iter().any(|e| {
+                    matches!(
+                        e.code,
+                        OciErrorCode::ManifestUnknown
+                            | OciErrorCode::NameUnknown
+                            | OciErrorCode::NotFound
+                            | OciErrorCode::BlobUnknown
+                    )
+                })
+            }
             OciDistributionError::ServerError { code, .. } => *code == 404,
             _ => false,
         };
@@ -153,7 +165,8 @@ impl RegistrySession {
                 registry,
                 detail,
             }
-        } else if matches!(&error, OciDistributionError::RequestError(e) if e.is_connect() || e.is_timeout()) {
+        } else if matches!(&error, OciDistributionError::RequestError(e) if e.is_connect() || e.is_timeout())
+        {
             RegistryError::Unreachable {
                 reference,
                 registry,
@@ -179,22 +192,31 @@ impl RegistrySession {
         };
         let (manifest, manifest_digest, config_json, _list_digest) = self
             .runtime
-            .block_on(
-                self.client
-                    .pull_manifest_and_config_and_list_digest(&self.reference, &RegistryAuth::Anonymous),
-            )
+            .block_on(self.client.pull_manifest_and_config_and_list_digest(
+                &self.reference,
+                &RegistryAuth::Anonymous,
+            ))
             .map_err(|e| self.classify(e))?;
-        let parse = |what: &str, value: &str| Digest::parse(value).map_err(|e: DigestError| invalid(what, e.to_string()));
+        let parse = |what: &str, value: &str| {
+            Digest::parse(value).map_err(|e: DigestError| invalid(what, e.to_string()))
+        };
         let manifest_digest = parse("manifest digest", &manifest_digest)?;
         let config_digest = parse("config digest", &manifest.config.digest)?;
-        let config: ImageConfigFile =
-            serde_json::from_str(&config_json).map_err(|e| invalid("image config", e.to_string()))?;
-        let diff_ids = config.rootfs.as_ref().map(|r| r.diff_ids.clone()).unwrap_or_default();
+        let config: ImageConfigFile = serde_json::from_str(&config_json)
+            .map_err(|e| invalid("image config", e.to_string()))?;
+        let diff_ids = config
+            .rootfs
+            .as_ref()
+            .map(|r| r.diff_ids.clone())
+            .unwrap_or_default();
         let mut layers = Vec::with_capacity(manifest.layers.len());
         for (i, layer) in manifest.layers.iter().enumerate() {
             layers.push(LayerBlob {
                 digest: Some(parse("layer digest", &layer.digest)?),
-                diff_id: diff_ids.get(i).map(|d| parse("layer diff_id", d)).transpose()?,
+                diff_id: diff_ids
+                    .get(i)
+                    .map(|d| parse("layer diff_id", d))
+                    .transpose()?,
                 size: u64::try_from(layer.size).unwrap_or(0),
                 location: BlobLocation::Remote,
             });
@@ -211,7 +233,12 @@ impl RegistrySession {
     }
 
     /// Downloads every layer not yet in the cache into `blobs/sha256/`, checking each digest.
-    pub fn fetch_layers(&self, image: &mut ResolvedImage, cache: &Cache, progress: Progress) -> Result<(), RegistryError> {
+    pub fn fetch_layers(
+        &self,
+        image: &mut ResolvedImage,
+        cache: &Cache,
+        progress: Progress,
+    ) -> Result<(), RegistryError> {
         let count = image.layers.len();
         for (i, layer) in image.layers.iter_mut().enumerate() {
             let Some(digest) = layer.digest.clone() else {
@@ -219,7 +246,10 @@ impl RegistrySession {
             };
             let cached = cache.blob_path(&digest);
             if !cached.is_file() {
-                let bar = progress.bytes(layer.size, format!("pull {}/{count} {}", i + 1, digest.short()));
+                let bar = progress.bytes(
+                    layer.size,
+                    format!("pull {}/{count} {}", i + 1, digest.short()),
+                );
                 let result = self.download(&digest, layer.size, cache, &bar);
                 bar.finish_and_clear();
                 result?;
@@ -229,7 +259,13 @@ impl RegistrySession {
         Ok(())
     }
 
-    fn download(&self, digest: &Digest, size: u64, cache: &Cache, bar: &indicatif::ProgressBar) -> Result<(), RegistryError> {
+    fn download(
+        &self,
+        digest: &Digest,
+        size: u64,
+        cache: &Cache,
+        bar: &indicatif::ProgressBar,
+    ) -> Result<(), RegistryError> {
         let staging = cache.staging("blob");
         let write_error = |source| RegistryError::WriteBlob {
             digest: digest.to_string(),
@@ -299,17 +335,30 @@ mod tests {
 
     #[test]
     fn loopback_detection() {
-        for yes in ["127.0.0.1:5000", "localhost:5000", "localhost", "[::1]:5000", "127.1.2.3"] {
+        for yes in [
+            "127.0.0.1:5000",
+            "localhost:5000",
+            "localhost",
+            "[::1]:5000",
+            "127.1.2.3",
+        ] {
             assert!(is_loopback(yes), "{yes}");
         }
-        for no in ["docker.io", "index.docker.io", "10.0.0.1:5000", "registry.example:443"] {
+        for no in [
+            "docker.io",
+            "index.docker.io",
+            "10.0.0.1:5000",
+            "registry.example:443",
+        ] {
             assert!(!is_loopback(no), "{no}");
         }
     }
 
     #[test]
     fn bad_reference_is_named() {
-        let err = RegistrySession::connect("bad ref/with space:tag", false).err().unwrap();
+        let err = RegistrySession::connect("bad ref/with space:tag", false)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("bad ref/with space:tag"), "{err}");
     }
 

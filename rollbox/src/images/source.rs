@@ -65,7 +65,11 @@ pub enum BlobLocation {
     /// A whole file (OCI layout blob, or a blob in the cache).
     File(PathBuf),
     /// A member of an uncompressed tar (a `docker save` archive).
-    Range { file: PathBuf, offset: u64, len: u64 },
+    Range {
+        file: PathBuf,
+        offset: u64,
+        len: u64,
+    },
     /// Still in the registry; fetched into the cache before building.
     Remote,
 }
@@ -79,14 +83,18 @@ impl BlobLocation {
                 file.seek(SeekFrom::Start(*offset))?;
                 Ok(Box::new(file.take(*len)))
             }
-            BlobLocation::Remote => Err(io::Error::other("layer has not been fetched from the registry")),
+            BlobLocation::Remote => Err(io::Error::other(
+                "layer has not been fetched from the registry",
+            )),
         }
     }
 
     pub fn describe(&self) -> String {
         match self {
             BlobLocation::File(path) => path.display().to_string(),
-            BlobLocation::Range { file, offset, .. } => format!("{} (at byte {offset})", file.display()),
+            BlobLocation::Range { file, offset, .. } => {
+                format!("{} (at byte {offset})", file.display())
+            }
             BlobLocation::Remote => "(registry)".to_string(),
         }
     }

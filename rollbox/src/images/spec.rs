@@ -112,8 +112,18 @@ pub fn pick_platform(manifests: &[Descriptor]) -> Option<&Descriptor> {
     };
     manifests
         .iter()
-        .find(|d| d.platform.as_ref().is_some_and(|p| p.os == "linux" && p.architecture == wanted_arch))
-        .or_else(|| if manifests.len() == 1 { manifests.first() } else { None })
+        .find(|d| {
+            d.platform
+                .as_ref()
+                .is_some_and(|p| p.os == "linux" && p.architecture == wanted_arch)
+        })
+        .or_else(|| {
+            if manifests.len() == 1 {
+                manifests.first()
+            } else {
+                None
+            }
+        })
 }
 
 #[cfg(test)]

@@ -45,19 +45,27 @@ pub fn root_or_skip(test: &str) -> bool {
     if is_root() {
         return true;
     }
-    skip(test, "needs root (the image builder sets ownership and makes device nodes)");
+    skip(
+        test,
+        "needs root (the image builder sets ownership and makes device nodes)",
+    );
     false
 }
 
 pub fn is_root() -> bool {
     fs::read_to_string("/proc/self/status")
-        .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
         .unwrap_or(false)
 }
 
 /// Does a registry answer GET /v2/ at 127.0.0.1:5000?
 pub fn registry_answers() -> bool {
-    let Ok(mut stream) = TcpStream::connect_timeout(&REGISTRY.parse().unwrap(), Duration::from_secs(1)) else {
+    let Ok(mut stream) =
+        TcpStream::connect_timeout(&REGISTRY.parse().unwrap(), Duration::from_secs(1))
+    else {
         return false;
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
@@ -81,7 +89,10 @@ pub fn docker_works() -> bool {
 /// The agent to install: the real static agent if it is built, else busybox-static as a
 /// stand-in (any static executable will do for the image builder).
 pub fn agent() -> PathBuf {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
     let real = workspace.join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
     if real.is_file() {
         return real;
@@ -125,7 +136,9 @@ impl Layer {
 
     pub fn dir(mut self, path: &str, mode: u32, uid: u64, gid: u64) -> Self {
         let mut header = Self::header(EntryType::Directory, mode, uid, gid, 0);
-        self.builder.append_data(&mut header, path, std::io::empty()).unwrap();
+        self.builder
+            .append_data(&mut header, path, std::io::empty())
+            .unwrap();
         self
     }
 
@@ -151,7 +164,9 @@ impl Layer {
         let mut header = Self::header(EntryType::Char, 0o620, 0, 5, 0);
         header.set_device_major(major).unwrap();
         header.set_device_minor(minor).unwrap();
-        self.builder.append_data(&mut header, path, std::io::empty()).unwrap();
+        self.builder
+            .append_data(&mut header, path, std::io::empty())
+            .unwrap();
         self
     }
 
@@ -301,7 +316,8 @@ impl Image {
 
     /// Path of the first layer's blob inside an OCI layout written by `write_oci_layout`.
     pub fn oci_blob_path(&self, dir: &Path, layer: usize) -> PathBuf {
-        dir.join("blobs/sha256").join(hex_of(&sha256(&self.blobs[layer])))
+        dir.join("blobs/sha256")
+            .join(hex_of(&sha256(&self.blobs[layer])))
     }
 
     /// Writes a legacy `docker save` tarball (`<id>/layer.tar`, `<config hex>.json`).
@@ -345,12 +361,31 @@ impl Image {
         let layers: Vec<ImageLayer> = self
             .blobs
             .iter()
-            .map(|b| ImageLayer::new(b.clone(), "application/vnd.oci.image.layer.v1.tar+gzip".to_string(), None))
+            .map(|b| {
+                ImageLayer::new(
+                    b.clone(),
+                    "application/vnd.oci.image.layer.v1.tar+gzip".to_string(),
+                    None,
+                )
+            })
             .collect();
-        let config = Config::new(self.config.clone(), "application/vnd.oci.image.config.v1+json".to_string(), None);
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let config = Config::new(
+            self.config.clone(),
+            "application/vnd.oci.image.config.v1+json".to_string(),
+            None,
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         runtime
-            .block_on(client.push(&reference, &layers, config, &oci_client::secrets::RegistryAuth::Anonymous, None))
+            .block_on(client.push(
+                &reference,
+                &layers,
+                config,
+                &oci_client::secrets::RegistryAuth::Anonymous,
+                None,
+            ))
             .unwrap();
     }
 }
@@ -358,11 +393,20 @@ impl Image {
 /// GET a manifest from the loopback registry: its bytes.
 pub fn registry_manifest(repository: &str, reference: &str) -> Vec<u8> {
     let output = Command::new("curl")
-        .args(["-sf", "-H", "Accept: application/vnd.oci.image.manifest.v1+json"])
-        .arg(format!("http://{REGISTRY}/v2/{repository}/manifests/{reference}"))
+        .args([
+            "-sf",
+            "-H",
+            "Accept: application/vnd.oci.image.manifest.v1+json",
+        ])
+        .arg(format!(
+            "http://{REGISTRY}/v2/{repository}/manifests/{reference}"
+        ))
         .output()
         .unwrap();
-    assert!(output.status.success(), "GET manifest {repository}:{reference}");
+    assert!(
+        output.status.success(),
+        "GET manifest {repository}:{reference}"
+    );
     output.stdout
 }
 
@@ -385,16 +429,29 @@ pub fn registry_put_index(repository: &str, tag: &str, entries: &[(&str, &[u8])]
         "manifests": manifests
     });
     let output = Command::new("curl")
-        .args(["-sf", "-X", "PUT", "-H", "Content-Type: application/vnd.oci.image.index.v1+json", "--data-binary"])
+        .args([
+            "-sf",
+            "-X",
+            "PUT",
+            "-H",
+            "Content-Type: application/vnd.oci.image.index.v1+json",
+            "--data-binary",
+        ])
         .arg(serde_json::to_string(&index).unwrap())
         .arg(format!("http://{REGISTRY}/v2/{repository}/manifests/{tag}"))
         .output()
         .unwrap();
-    assert!(output.status.success(), "PUT index: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "PUT index: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// vfs_cap_data v2: effective, permitted = CAP_NET_RAW (bit 13).
-pub const NET_RAW_CAPABILITY: [u8; 20] = [1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+pub const NET_RAW_CAPABILITY: [u8; 20] = [
+    1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+];
 
 /// The standard test image: two layers exercising whiteouts, an opaque directory, links,
 /// set-id bits, ownership and a device node.
@@ -406,14 +463,23 @@ pub fn standard_image() -> Image {
         .hardlink("bin/hard", "bin/busybox")
         .file("bin/su", b"setuid", 0o4755, 0, 0)
         .dir("etc", 0o755, 0, 0)
-        .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n", 0o644, 0, 0)
+        .file(
+            "etc/passwd",
+            b"root:x:0:0::/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n",
+            0o644,
+            0,
+            0,
+        )
         .file("etc/gone", b"deleted by the upper layer", 0o644, 0, 0)
         .file("data/old/file", b"hidden by the opaque marker", 0o644, 0, 0)
         .dir("home/user", 0o700, 1000, 1000)
         .file("home/user/notes", b"private", 0o640, 1000, 1000)
         .char_device("dev/console", 5, 1)
         // File capabilities (cap_net_raw, effective) and a user xattr, as PAX records.
-        .pax(&[("SCHILY.xattr.security.capability", &NET_RAW_CAPABILITY), ("SCHILY.xattr.user.origin", b"rollbox-test")])
+        .pax(&[
+            ("SCHILY.xattr.security.capability", &NET_RAW_CAPABILITY),
+            ("SCHILY.xattr.user.origin", b"rollbox-test"),
+        ])
         .file("bin/ping", b"ping", 0o755, 0, 0)
         .tar();
     let upper = Layer::new()
@@ -463,14 +529,22 @@ pub fn build_ok(args: &[&str]) -> Built {
     Built {
         rootfs: PathBuf::from(field("rootfs")),
         metadata: PathBuf::from(field("metadata")),
-        size_bytes: field("size").split_whitespace().next().unwrap().parse().unwrap(),
+        size_bytes: field("size")
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap(),
         stderr: String::from_utf8(output.stderr).unwrap(),
     }
 }
 
 pub fn build_err(args: &[&str]) -> String {
     let output = rollbox(args);
-    assert!(!output.status.success(), "rollbox {args:?} should have failed");
+    assert!(
+        !output.status.success(),
+        "rollbox {args:?} should have failed"
+    );
     String::from_utf8(output.stderr).unwrap()
 }
 
@@ -482,7 +556,11 @@ pub fn debugfs(image: &Path, request: &str) -> String {
         .arg(image)
         .output()
         .expect("debugfs (e2fsprogs) must be installed");
-    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
 }
 
 pub struct Inode {
@@ -501,8 +579,14 @@ pub fn stat(image: &Path, path: &str) -> Option<Inode> {
         return None;
     }
     let after = |key: &str| -> String {
-        let at = text.find(key).unwrap_or_else(|| panic!("no {key} in debugfs output:\n{text}"));
-        text[at + key.len()..].split_whitespace().next().unwrap().to_string()
+        let at = text
+            .find(key)
+            .unwrap_or_else(|| panic!("no {key} in debugfs output:\n{text}"));
+        text[at + key.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
     };
     Some(Inode {
         kind: after("Type:"),
@@ -529,8 +613,15 @@ pub fn assert_cache_clean(cache: &Path) {
     for sub in ["rootfs", "tmp"] {
         let dir = cache.join(sub);
         if dir.exists() {
-            let left: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
-            assert!(left.is_empty(), "left behind in {}: {left:?}", dir.display());
+            let left: Vec<_> = fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+            assert!(
+                left.is_empty(),
+                "left behind in {}: {left:?}",
+                dir.display()
+            );
         }
     }
 }
