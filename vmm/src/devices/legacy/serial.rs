@@ -107,14 +107,21 @@ impl SerialEvents for InputRoom {
 /// The 16550 UART on the port-I/O bus.
 pub struct SerialDevice {
     uart: Serial<EventTrigger, InputRoom, ConsoleOut>,
+    empty_polls: u32,
 }
+
+const LSR_OFFSET: u64 = 5;
+const LSR_DATA_READY: u8 = 1;
+/// Empty line-status reads in a row before a polling guest is paced (about 20 ms of spinning).
+const POLLS_BEFORE_PACING: u32 = 1000;
+/// How long a paced empty read takes: a guest that busy-polls an idle console then uses a few
+/// percent of a core instead of all of it, which matters with many VMs per host.
+const PACED_POLL: std::time::Duration = std::time::Duration::from_micros(500);
 
 impl SerialDevice {
     /// A UART raising `irq`, signalling `room` when its input FIFO empties, writing to `out`.
     pub fn new(irq: EventTrigger, room: EventTrigger, out: ConsoleOut) -> Self {
-        Self {
-            uart: Serial::with_events(irq, InputRoom(room), out),
-        }
+        Self { uart: Serial::with_events(irq, InputRoom(room), out), empty_polls: 0 }
     }
 
     /// A UART restored from a snapshot.
@@ -125,7 +132,7 @@ impl SerialDevice {
         out: ConsoleOut,
     ) -> Result<Self, String> {
         Serial::from_state(&state.into(), irq, InputRoom(room), out)
-            .map(|uart| Self { uart })
+            .map(|uart| Self { uart, empty_polls: 0 })
             .map_err(|e| format!("serial state: {e:?}"))
     }
 
@@ -136,6 +143,7 @@ impl SerialDevice {
 
     /// Queues as much of `input` as fits into the receive FIFO; returns how much was taken.
     pub fn enqueue_input(&mut self, input: &[u8]) -> usize {
+        self.empty_polls = 0;
         let room = self.uart.fifo_capacity().min(input.len());
         if room == 0 {
             return 0;
@@ -170,8 +178,19 @@ impl SerialDevice {
 impl BusDevice for SerialDevice {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         data.fill(0);
+        let value = self.uart.read(offset as u8);
         if let Some(first) = data.first_mut() {
-            *first = self.uart.read(offset as u8);
+            *first = value;
+        }
+        if offset == LSR_OFFSET {
+            if value & LSR_DATA_READY == 0 {
+                self.empty_polls = self.empty_polls.saturating_add(1);
+                if self.empty_polls > POLLS_BEFORE_PACING {
+                    std::thread::sleep(PACED_POLL);
+                }
+            } else {
+                self.empty_polls = 0;
+            }
         }
     }
 
