@@ -80,7 +80,14 @@ fn workspace_root() -> PathBuf {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.bench {
-        Bench::Snapshot { sizes, reps, dir, fanout, working_set_mib, json } => {
+        Bench::Snapshot {
+            sizes,
+            reps,
+            dir,
+            fanout,
+            working_set_mib,
+            json,
+        } => {
             let root = workspace_root();
             let config = snapshot::SnapshotBenchConfig {
                 vmm: root.join("target/release/rollbox-vmm"),

@@ -87,7 +87,10 @@ pub struct SizeReport {
 }
 
 fn spawn_err(what: &str) -> impl FnOnce(std::io::Error) -> SnapshotBenchError + '_ {
-    move |source| SnapshotBenchError::Spawn { what: what.to_string(), source }
+    move |source| SnapshotBenchError::Spawn {
+        what: what.to_string(),
+        source,
+    }
 }
 
 /// A VMM whose console lines arrive with timestamps.
@@ -98,7 +101,11 @@ struct Vm {
 }
 
 impl Vm {
-    fn spawn(vmm: &Path, args: &[String], input: &str) -> Result<(Vm, Instant), SnapshotBenchError> {
+    fn spawn(
+        vmm: &Path,
+        args: &[String],
+        input: &str,
+    ) -> Result<(Vm, Instant), SnapshotBenchError> {
         let started = Instant::now();
         let mut child = Command::new(vmm)
             .args(args)
@@ -110,7 +117,10 @@ impl Vm {
         if let Some(stdin) = child.stdin.as_mut() {
             let _ = stdin.write_all(input.as_bytes());
         }
-        let mut stdout = child.stdout.take().ok_or_else(|| SnapshotBenchError::Guest("no stdout".into()))?;
+        let mut stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| SnapshotBenchError::Guest("no stdout".into()))?;
         let (tx, rx) = channel();
         let (first_tx, first_rx) = channel();
         std::thread::spawn(move || {
@@ -127,13 +137,23 @@ impl Vm {
                     return;
                 }
                 line.push_str(&rest);
-                if tx.send((Instant::now(), line.trim_end().to_string())).is_err() {
+                if tx
+                    .send((Instant::now(), line.trim_end().to_string()))
+                    .is_err()
+                {
                     return;
                 }
                 line.clear();
             }
         });
-        Ok((Vm { child, lines: rx, first_byte: first_rx }, started))
+        Ok((
+            Vm {
+                child,
+                lines: rx,
+                first_byte: first_rx,
+            },
+            started,
+        ))
     }
 
     fn send(&mut self, text: &str) {
@@ -143,14 +163,17 @@ impl Vm {
         }
     }
 
-    fn wait_line(&self, prefix: &str, timeout: Duration) -> Result<(Instant, String), SnapshotBenchError> {
+    fn wait_line(
+        &self,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<(Instant, String), SnapshotBenchError> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let (at, line) = self
-                .lines
-                .recv_timeout(left)
-                .map_err(|_| SnapshotBenchError::Guest(format!("no line starting {prefix:?} within {timeout:?}")))?;
+            let (at, line) = self.lines.recv_timeout(left).map_err(|_| {
+                SnapshotBenchError::Guest(format!("no line starting {prefix:?} within {timeout:?}"))
+            })?;
             if line.starts_with(prefix) {
                 return Ok((at, line));
             }
@@ -167,7 +190,10 @@ impl Vm {
 fn api(sock: &Path, method: &str, path: &str, body: &str) -> Result<String, SnapshotBenchError> {
     let fail = |e: std::io::Error| SnapshotBenchError::Guest(format!("{method} {path}: {e}"));
     let mut s = UnixStream::connect(sock).map_err(fail)?;
-    let request = format!("{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
     s.write_all(request.as_bytes()).map_err(fail)?;
     let mut response = Vec::new();
     let mut buf = [0u8; 8192];
@@ -181,26 +207,38 @@ fn api(sock: &Path, method: &str, path: &str, body: &str) -> Result<String, Snap
         if let Some(end) = text.find("\r\n\r\n") {
             let len = text[..end]
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_string())
+                })
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(0);
             if response.len() >= end + 4 + len {
                 let status = text.split_whitespace().nth(1).unwrap_or("0").to_string();
                 if !status.starts_with('2') {
-                    return Err(SnapshotBenchError::Guest(format!("{method} {path} -> {status}: {}", &text[end + 4..])));
+                    return Err(SnapshotBenchError::Guest(format!(
+                        "{method} {path} -> {status}: {}",
+                        &text[end + 4..]
+                    )));
                 }
                 return Ok(text[end + 4..end + 4 + len].to_string());
             }
         }
     }
-    Err(SnapshotBenchError::Guest(format!("{method} {path}: incomplete answer")))
+    Err(SnapshotBenchError::Guest(format!(
+        "{method} {path}: incomplete answer"
+    )))
 }
 
 fn wait_socket(path: &Path) -> Result<(), SnapshotBenchError> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while UnixStream::connect(path).is_err() {
         if Instant::now() > deadline {
-            return Err(SnapshotBenchError::Guest(format!("{} never came up", path.display())));
+            return Err(SnapshotBenchError::Guest(format!(
+                "{} never came up",
+                path.display()
+            )));
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -212,7 +250,10 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn snapshot_call(sock: &Path, kind: &str, dir: &Path) -> Result<f64, SnapshotBenchError> {
-    std::fs::create_dir_all(dir).map_err(|source| SnapshotBenchError::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| SnapshotBenchError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     api(sock, "PATCH", "/vm", r#"{"state":"Paused"}"#)?;
     let body = format!(
         r#"{{"snapshot_type":"{kind}","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
@@ -234,7 +275,12 @@ fn pss_kib(pid: u32) -> Option<f64> {
 }
 
 fn restore_args(dir: &Path, backend: &str, extra: &[&str]) -> Vec<String> {
-    let mut args = vec!["--restore".to_string(), dir.display().to_string(), "--restore-backend".into(), backend.into()];
+    let mut args = vec![
+        "--restore".to_string(),
+        dir.display().to_string(),
+        "--restore-backend".into(),
+        backend.into(),
+    ];
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
@@ -243,12 +289,23 @@ fn restore_args(dir: &Path, backend: &str, extra: &[&str]) -> Vec<String> {
 fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, SnapshotBenchError> {
     let base = config.dir.join(format!("m{mem_mib}"));
     let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).map_err(|source| SnapshotBenchError::Io { path: base.clone(), source })?;
+    std::fs::create_dir_all(&base).map_err(|source| SnapshotBenchError::Io {
+        path: base.clone(),
+        source,
+    })?;
     let sock = base.join("api.sock");
-    let ws = config.working_set_mib.min(mem_mib.saturating_sub(40)).max(1);
+    let ws = config
+        .working_set_mib
+        .min(mem_mib.saturating_sub(40))
+        .max(1);
     let args: Vec<String> = [
-        "--kernel", &config.guest.display().to_string(), "--memory-mib", &mem_mib.to_string(),
-        "--api-sock", &sock.display().to_string(), "--track-dirty-pages",
+        "--kernel",
+        &config.guest.display().to_string(),
+        "--memory-mib",
+        &mem_mib.to_string(),
+        "--api-sock",
+        &sock.display().to_string(),
+        "--track-dirty-pages",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -263,10 +320,18 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     let mut full = Vec::new();
     let mut diff = Vec::new();
     for rep in 0..config.reps {
-        full.push(snapshot_call(&sock, "Full", &base.join(format!("full{rep}")))?);
+        full.push(snapshot_call(
+            &sock,
+            "Full",
+            &base.join(format!("full{rep}")),
+        )?);
         parent.send("touch 4 12\n");
         parent.wait_line("OK", Duration::from_secs(300))?;
-        diff.push(snapshot_call(&sock, "Diff", &base.join(format!("diff{rep}")))?);
+        diff.push(snapshot_call(
+            &sock,
+            "Diff",
+            &base.join(format!("diff{rep}")),
+        )?);
         let _ = std::fs::remove_dir_all(base.join(format!("diff{rep}")));
         if rep + 1 < config.reps {
             let _ = std::fs::remove_dir_all(base.join(format!("full{rep}")));
@@ -283,8 +348,14 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     let mut fork16_paused = Vec::new();
     for rep in 0..config.reps.min(5) {
         let dir = base.join(format!("fork{rep}"));
-        let answer = api(&sock, "POST", "/fork", &format!(r#"{{"count":16,"dir":"{}"}}"#, dir.display()))?;
-        let value: serde_json::Value = serde_json::from_str(&answer).map_err(|e| SnapshotBenchError::Guest(e.to_string()))?;
+        let answer = api(
+            &sock,
+            "POST",
+            "/fork",
+            &format!(r#"{{"count":16,"dir":"{}"}}"#, dir.display()),
+        )?;
+        let value: serde_json::Value =
+            serde_json::from_str(&answer).map_err(|e| SnapshotBenchError::Guest(e.to_string()))?;
         fork16.push(value["elapsed_ms"].as_f64().unwrap_or(f64::NAN));
         fork16_paused.push(value["paused_ms"].as_f64().unwrap_or(f64::NAN));
         for clone in value["clones"].as_array().into_iter().flatten() {
@@ -300,11 +371,14 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     let restore = |backend: &str| -> Result<Vec<f64>, SnapshotBenchError> {
         let mut out = Vec::new();
         for _ in 0..config.reps {
-            let (vm, started) = Vm::spawn(&config.vmm, &restore_args(&snap, backend, &[]), "echo r\n")?;
+            let (vm, started) =
+                Vm::spawn(&config.vmm, &restore_args(&snap, backend, &[]), "echo r\n")?;
             let first = vm
                 .first_byte
                 .recv_timeout(Duration::from_secs(30))
-                .map_err(|_| SnapshotBenchError::Guest(format!("{backend} restore printed nothing")))?;
+                .map_err(|_| {
+                    SnapshotBenchError::Guest(format!("{backend} restore printed nothing"))
+                })?;
             vm.wait_line("OK r", Duration::from_secs(30))?;
             out.push(ms(first.saturating_duration_since(started)));
             vm.stop();
@@ -320,7 +394,9 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         let (vm, started) = Vm::spawn(&config.vmm, &restore_args(&snap, backend, extra), &check)?;
         let (at, line) = vm.wait_line("OK", Duration::from_secs(600))?;
         if line != "OK 0" {
-            return Err(SnapshotBenchError::Guest(format!("restored guest's memory check answered {line:?}")));
+            return Err(SnapshotBenchError::Guest(format!(
+                "restored guest's memory check answered {line:?}"
+            )));
         }
         vm.stop();
         Ok(ms(at.saturating_duration_since(started)))
@@ -343,11 +419,17 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     for clone in &clones {
         let (_, line) = clone.wait_line("OK", Duration::from_secs(900))?;
         if line != "OK 0" {
-            return Err(SnapshotBenchError::Guest(format!("a clone's memory check answered {line:?}")));
+            return Err(SnapshotBenchError::Guest(format!(
+                "a clone's memory check answered {line:?}"
+            )));
         }
     }
     let fanout_wall = ms(started.elapsed());
-    let pss: f64 = clones.iter().filter_map(|c| pss_kib(c.child.id())).sum::<f64>() / 1024.0;
+    let pss: f64 = clones
+        .iter()
+        .filter_map(|c| pss_kib(c.child.id()))
+        .sum::<f64>()
+        / 1024.0;
     for clone in clones {
         clone.stop();
     }
@@ -371,11 +453,17 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
 
 /// Runs the benchmark for every size.
 pub fn run(config: &SnapshotBenchConfig) -> Result<Vec<SizeReport>, SnapshotBenchError> {
-    config.sizes.iter().map(|&mib| run_size(config, mib)).collect()
+    config
+        .sizes
+        .iter()
+        .map(|&mib| run_size(config, mib))
+        .collect()
 }
 
 fn cell(s: &Option<Summary>) -> String {
-    s.as_ref().map_or("n/a".into(), |s| format!("{:.2} / {:.2} / {:.2}", s.p50, s.p90, s.min))
+    s.as_ref().map_or("n/a".into(), |s| {
+        format!("{:.2} / {:.2} / {:.2}", s.p50, s.p90, s.min)
+    })
 }
 
 /// Firecracker v1.16.1 on these machines (shared/bench/README.md), by guest size.
@@ -409,20 +497,47 @@ pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String 
             _ => "n/a".into(),
         };
         out.push_str(&format!("### {} MiB guest\n\n| figure (ms, p50 / p90 / min) | rollbox-vmm | Firecracker v1.16.1 |\n|---|---|---|\n", r.mem_mib));
-        out.push_str(&format!("| snapshot, Full, running VM | {} | {fc_snap} (Full, /dev/shm) |\n", cell(&r.snapshot_full_ms)));
-        out.push_str(&format!("| snapshot, Diff (4 MiB dirtied) | {} | n/a |\n", cell(&r.snapshot_diff_ms)));
+        out.push_str(&format!(
+            "| snapshot, Full, running VM | {} | {fc_snap} (Full, /dev/shm) |\n",
+            cell(&r.snapshot_full_ms)
+        ));
+        out.push_str(&format!(
+            "| snapshot, Diff (4 MiB dirtied) | {} | n/a |\n",
+            cell(&r.snapshot_diff_ms)
+        ));
         out.push_str(&format!(
             "| restore cow: process start -> first serial byte | {} ({}) | {fc_restore} (load call + load -> serial) |\n",
             cell(&r.restore_cow_ms),
             ratio(&r.restore_cow_ms)
         ));
-        out.push_str(&format!("| restore uffd: process start -> first serial byte | {} | n/a |\n", cell(&r.restore_uffd_ms)));
-        out.push_str(&format!("| restore copy: process start -> first serial byte | {} | n/a |\n", cell(&r.restore_copy_ms)));
-        out.push_str(&format!("| working set read after restore, uffd | {} | |\n", cell(&r.working_set_uffd_ms)));
-        out.push_str(&format!("| working set read after restore, uffd + prefetch | {} | |\n", cell(&r.working_set_uffd_prefetch_ms)));
-        out.push_str(&format!("| working set read after restore, cow | {} | |\n", cell(&r.working_set_cow_ms)));
-        out.push_str(&format!("| fork 16 clones (POST /fork, all up) | {} | n/a |\n", cell(&r.fork16_ms)));
-        out.push_str(&format!("| fork 16 clones: parent paused | {} | n/a |\n", cell(&r.fork16_paused_ms)));
+        out.push_str(&format!(
+            "| restore uffd: process start -> first serial byte | {} | n/a |\n",
+            cell(&r.restore_uffd_ms)
+        ));
+        out.push_str(&format!(
+            "| restore copy: process start -> first serial byte | {} | n/a |\n",
+            cell(&r.restore_copy_ms)
+        ));
+        out.push_str(&format!(
+            "| working set read after restore, uffd | {} | |\n",
+            cell(&r.working_set_uffd_ms)
+        ));
+        out.push_str(&format!(
+            "| working set read after restore, uffd + prefetch | {} | |\n",
+            cell(&r.working_set_uffd_prefetch_ms)
+        ));
+        out.push_str(&format!(
+            "| working set read after restore, cow | {} | |\n",
+            cell(&r.working_set_cow_ms)
+        ));
+        out.push_str(&format!(
+            "| fork 16 clones (POST /fork, all up) | {} | n/a |\n",
+            cell(&r.fork16_ms)
+        ));
+        out.push_str(&format!(
+            "| fork 16 clones: parent paused | {} | n/a |\n",
+            cell(&r.fork16_paused_ms)
+        ));
         out.push_str(&format!(
             "| fan-out {} clones, cow: wall until all answered | {:.1} | n/a |\n",
             config.fanout,

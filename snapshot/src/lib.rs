@@ -13,11 +13,11 @@ pub trait Persist: Sized {
     type State;
     /// What restore needs besides the state (guest memory, file overrides...).
     type ConstructorArgs;
-    /// Why a restore can fail.
+    /// Why a save or restore can fail.
     type Error;
 
     /// Captures the current state.
-    fn save(&self) -> Self::State;
+    fn save(&self) -> Result<Self::State, Self::Error>;
     /// Rebuilds the component.
     fn restore(args: Self::ConstructorArgs, state: &Self::State) -> Result<Self, Self::Error>;
 }

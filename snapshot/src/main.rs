@@ -43,7 +43,11 @@ fn state_path(path: &Path) -> PathBuf {
 /// The fields this tool needs; everything else in the state is carried through untouched.
 fn layers_of(state: &ciborium::Value) -> Result<(Vec<MemoryLayer>, u64), String> {
     let map = state.as_map().ok_or("state is not a map")?;
-    let field = |name: &str| map.iter().find(|(k, _)| k.as_text() == Some(name)).map(|(_, v)| v.clone());
+    let field = |name: &str| {
+        map.iter()
+            .find(|(k, _)| k.as_text() == Some(name))
+            .map(|(_, v)| v.clone())
+    };
     let layers: Vec<MemoryLayer> = field("memory_layers")
         .ok_or("state has no memory_layers")?
         .deserialized()
@@ -66,9 +70,17 @@ fn run(args: Args) -> Result<(), String> {
             for (i, layer) in layers.iter().enumerate() {
                 let kind = match &layer.dirty {
                     None => "full".to_string(),
-                    Some(r) => format!("diff, {} KiB in {} ranges", r.iter().map(|x| x.1).sum::<u64>() >> 10, r.len()),
+                    Some(r) => format!(
+                        "diff, {} KiB in {} ranges",
+                        r.iter().map(|x| x.1).sum::<u64>() >> 10,
+                        r.len()
+                    ),
                 };
-                println!("layer {i}: {} ({kind}, id {:#x})", layer.path.display(), layer.id);
+                println!(
+                    "layer {i}: {} ({kind}, id {:#x})",
+                    layer.path.display(),
+                    layer.id
+                );
             }
             Ok(())
         }
@@ -77,12 +89,14 @@ fn run(args: Args) -> Result<(), String> {
             let state: ciborium::Value = read_state_file(&path).map_err(|e| e.to_string())?;
             let (layers, guest_len) = layers_of(&state)?;
             std::fs::create_dir_all(&output).map_err(|e| format!("{}: {e}", output.display()))?;
-            let folded = fold(&layers, guest_len, &output.join("memory")).map_err(|e| e.to_string())?;
+            let folded =
+                fold(&layers, guest_len, &output.join("memory")).map_err(|e| e.to_string())?;
             let mut state = state;
             if let ciborium::Value::Map(entries) = &mut state {
                 for (key, value) in entries.iter_mut() {
                     if key.as_text() == Some("memory_layers") {
-                        *value = ciborium::Value::serialized(&vec![folded.clone()]).map_err(|e| e.to_string())?;
+                        *value = ciborium::Value::serialized(&vec![folded.clone()])
+                            .map_err(|e| e.to_string())?;
                     }
                 }
             }

@@ -184,7 +184,7 @@ fn write_from_host(
 }
 
 /// Reads `len` bytes of `file` at `offset` into host memory at `dst`.
-pub fn read_into_host(
+fn read_into_host(
     file: &File,
     path: &Path,
     dst: *mut u8,

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }
 
 fn cargo() -> Command {
@@ -21,7 +24,10 @@ fn cargo() -> Command {
 }
 
 fn run_build(args: &[&str]) {
-    let status = cargo().args(args).status().unwrap_or_else(|e| panic!("cannot run cargo {args:?}: {e}"));
+    let status = cargo()
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cargo {args:?}: {e}"));
     assert!(status.success(), "cargo {args:?} failed: {status}");
 }
 
@@ -59,7 +65,11 @@ pub fn require_all() -> bool {
 
 /// Returns false (after printing why) when /dev/kvm is unusable and skipping is allowed.
 pub fn kvm_available() -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => true,
         Err(e) => {
             assert!(!require_all(), "tier 2 needs /dev/kvm: {e}");
@@ -86,8 +96,10 @@ pub struct Vm {
 impl Vm {
     /// Spawns `rollbox-vmm` with `args` (the `{dir}` placeholder expands to the scratch dir).
     pub fn spawn_raw(args: &[String], dir: tempfile::TempDir) -> Vm {
-        let args: Vec<String> =
-            args.iter().map(|a| a.replace("{dir}", &dir.path().display().to_string())).collect();
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| a.replace("{dir}", &dir.path().display().to_string()))
+            .collect();
         let mut child = Command::new(vmm_binary())
             .args(&args)
             .stdin(Stdio::piped())
@@ -114,11 +126,19 @@ impl Vm {
                 if n == 0 {
                     break;
                 }
-                sink.lock().expect("stderr lock").push_str(&String::from_utf8_lossy(&buf[..n]));
+                sink.lock()
+                    .expect("stderr lock")
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
         let stdin = child.stdin.take();
-        Vm { child, stdin, lines: rx, stderr: stderr_buf, dir }
+        Vm {
+            child,
+            stdin,
+            lines: rx,
+            stderr: stderr_buf,
+            dir,
+        }
     }
 
     /// Boots the test guest with extra `args` and waits for its ready line.
@@ -180,7 +200,11 @@ impl Vm {
     /// Sends a command and asserts the answer starts with `OK`; returns the rest.
     pub fn ok(&mut self, command: &str) -> String {
         let answer = self.cmd(command);
-        assert!(answer.starts_with("OK"), "{command:?} answered {answer:?}; stderr:\n{}", self.stderr());
+        assert!(
+            answer.starts_with("OK"),
+            "{command:?} answered {answer:?}; stderr:\n{}",
+            self.stderr()
+        );
         answer.trim_start_matches("OK").trim_start().to_string()
     }
 
@@ -193,7 +217,11 @@ impl Vm {
                 std::thread::sleep(Duration::from_millis(50));
                 return status;
             }
-            assert!(Instant::now() < deadline, "rollbox-vmm did not exit; stderr:\n{}", self.stderr());
+            assert!(
+                Instant::now() < deadline,
+                "rollbox-vmm did not exit; stderr:\n{}",
+                self.stderr()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -219,7 +247,8 @@ pub fn raw_image(path: &Path, bytes: u64) {
 
 /// A small HTTP client for the API socket: returns (status, body).
 pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut stream = UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {}: {e}", sock.display()));
+    let mut stream =
+        UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {}: {e}", sock.display()));
     let body = body.unwrap_or("");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -238,23 +267,41 @@ pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, S
         if let Some(head_end) = text.find("\r\n\r\n") {
             let length = text[..head_end]
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_string())
+                })
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(0);
             if response.len() >= head_end + 4 + length {
-                let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-                return (status, text[head_end + 4..head_end + 4 + length].to_string());
+                let status = text
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                return (
+                    status,
+                    text[head_end + 4..head_end + 4 + length].to_string(),
+                );
             }
         }
     }
-    panic!("incomplete HTTP response: {:?}", String::from_utf8_lossy(&response));
+    panic!(
+        "incomplete HTTP response: {:?}",
+        String::from_utf8_lossy(&response)
+    );
 }
 
 /// Waits until `path` accepts connections.
 pub fn wait_for_socket(path: &Path, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     while UnixStream::connect(path).is_err() {
-        assert!(Instant::now() < deadline, "{} never accepted connections", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} never accepted connections",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }

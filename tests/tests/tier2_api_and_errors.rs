@@ -15,14 +15,21 @@ fn run_to_failure(dir: &Path, args: &[String]) -> (Option<i32>, String) {
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run rollbox-vmm");
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
 }
 
 fn assert_one_clear_line(code: Option<i32>, stderr: &str, needle: &str) {
     assert_ne!(code, Some(0), "must fail: {stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "want one line, got: {stderr}");
-    assert!(lines[0].contains(needle), "{needle:?} not in {:?}", lines[0]);
+    assert!(
+        lines[0].contains(needle),
+        "{needle:?} not in {:?}",
+        lines[0]
+    );
 }
 
 fn leftovers(dir: &Path, expected: &[&str]) -> Vec<String> {
@@ -43,23 +50,115 @@ fn bad_input_gets_one_clear_line_and_leaves_nothing_behind() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
     std::fs::write(d.join("script.sh"), "#!/bin/sh\necho not a kernel\n").expect("write");
-    std::fs::write(d.join("bad.json"), r#"{"machine-config":{"vcpu_count":1,"mem_size_mib":64,"turbo":true}}"#)
-        .expect("write");
+    std::fs::write(
+        d.join("bad.json"),
+        r#"{"machine-config":{"vcpu_count":1,"mem_size_mib":64,"turbo":true}}"#,
+    )
+    .expect("write");
     std::fs::write(d.join("in-use.sock"), "").expect("write");
     let s = |v: &str| v.to_string();
     let api = d.join("api.sock").display().to_string();
     let vs = d.join("v.sock").display().to_string();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec![s("--kernel"), s("/nonexistent/vmlinux"), s("--api-sock"), api.clone()], "/nonexistent/vmlinux"),
-        (vec![s("--kernel"), d.join("script.sh").display().to_string(), s("--api-sock"), api.clone()], "neither an ELF vmlinux nor a bzImage"),
-        (vec![s("--kernel"), guest.clone(), s("--memory-mib"), s("0"), s("--api-sock"), api.clone()], "mem_size_mib 0"),
-        (vec![s("--kernel"), guest.clone(), s("--memory-mib"), s("100000000"), s("--api-sock"), api.clone()], "exceeds the host's memory"),
-        (vec![s("--config"), d.join("bad.json").display().to_string(), s("--api-sock"), api.clone()], "unknown field `turbo`"),
-        (vec![s("--kernel"), guest.clone(), s("--drive"), s("/nonexistent/disk.img"), s("--api-sock"), api.clone()], "/nonexistent/disk.img"),
-        (vec![s("--kernel"), guest.clone(), s("--api-sock"), d.join("in-use.sock").display().to_string()], "in-use.sock already exists"),
-        (vec![s("--kernel"), guest.clone(), s("--vsock-uds"), d.join("in-use.sock").display().to_string(), s("--vsock-cid"), s("3"), s("--api-sock"), api.clone()], "in-use.sock already exists"),
-        (vec![s("--kernel"), guest.clone(), s("--vsock-uds"), vs.clone(), s("--vsock-cid"), s("2"), s("--api-sock"), api.clone()], "guest_cid 2"),
-        (vec![s("--kernel"), guest.clone(), s("--vcpus"), s("0")], "vcpu_count 0"),
+        (
+            vec![
+                s("--kernel"),
+                s("/nonexistent/vmlinux"),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "/nonexistent/vmlinux",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                d.join("script.sh").display().to_string(),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "neither an ELF vmlinux nor a bzImage",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                guest.clone(),
+                s("--memory-mib"),
+                s("0"),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "mem_size_mib 0",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                guest.clone(),
+                s("--memory-mib"),
+                s("100000000"),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "exceeds the host's memory",
+        ),
+        (
+            vec![
+                s("--config"),
+                d.join("bad.json").display().to_string(),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "unknown field `turbo`",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                guest.clone(),
+                s("--drive"),
+                s("/nonexistent/disk.img"),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "/nonexistent/disk.img",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                guest.clone(),
+                s("--api-sock"),
+                d.join("in-use.sock").display().to_string(),
+            ],
+            "in-use.sock already exists",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                guest.clone(),
+                s("--vsock-uds"),
+                d.join("in-use.sock").display().to_string(),
+                s("--vsock-cid"),
+                s("3"),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "in-use.sock already exists",
+        ),
+        (
+            vec![
+                s("--kernel"),
+                guest.clone(),
+                s("--vsock-uds"),
+                vs.clone(),
+                s("--vsock-cid"),
+                s("2"),
+                s("--api-sock"),
+                api.clone(),
+            ],
+            "guest_cid 2",
+        ),
+        (
+            vec![s("--kernel"), guest.clone(), s("--vcpus"), s("0")],
+            "vcpu_count 0",
+        ),
         (vec![], "nothing to do"),
     ];
     for (args, needle) in cases {
@@ -89,30 +188,76 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
     let guest = test_guest().display().to_string();
     let boot = format!(r#"{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0 via-api"}}"#);
     assert_eq!(api(&sock, "PUT", "/boot-source", Some(&boot)).0, 204);
-    assert_eq!(api(&sock, "PUT", "/machine-config", Some(r#"{"vcpu_count":2,"mem_size_mib":96,"smt":false}"#)).0, 204);
+    assert_eq!(
+        api(
+            &sock,
+            "PUT",
+            "/machine-config",
+            Some(r#"{"vcpu_count":2,"mem_size_mib":96,"smt":false}"#)
+        )
+        .0,
+        204
+    );
     let disk = vm.path("disk.img").display().to_string();
-    let drive = format!(r#"{{"drive_id":"rootfs","path_on_host":"{disk}","is_root_device":true,"is_read_only":false}}"#);
+    let drive = format!(
+        r#"{{"drive_id":"rootfs","path_on_host":"{disk}","is_root_device":true,"is_read_only":false}}"#
+    );
     assert_eq!(api(&sock, "PUT", "/drives/rootfs", Some(&drive)).0, 204);
-    let vsock = format!(r#"{{"guest_cid":9,"uds_path":"{}"}}"#, vm.path("v.sock").display());
+    let vsock = format!(
+        r#"{{"guest_cid":9,"uds_path":"{}"}}"#,
+        vm.path("v.sock").display()
+    );
     assert_eq!(api(&sock, "PUT", "/vsock", Some(&vsock)).0, 204);
 
     // Bad requests are refused with a fault message naming the problem.
-    let (status, body) = api(&sock, "PUT", "/machine-config", Some(r#"{"vcpu_count":1,"mem_size_mib":64,"x":1}"#));
+    let (status, body) = api(
+        &sock,
+        "PUT",
+        "/machine-config",
+        Some(r#"{"vcpu_count":1,"mem_size_mib":64,"x":1}"#),
+    );
     assert_eq!(status, 400);
-    assert!(body.contains("fault_message") && body.contains("unknown field `x`"), "{body}");
-    let (status, body) = api(&sock, "PUT", "/boot-source", Some(r#"{"kernel_image_path":"/nope"}"#));
+    assert!(
+        body.contains("fault_message") && body.contains("unknown field `x`"),
+        "{body}"
+    );
+    let (status, body) = api(
+        &sock,
+        "PUT",
+        "/boot-source",
+        Some(r#"{"kernel_image_path":"/nope"}"#),
+    );
     assert_eq!(status, 400);
     assert!(body.contains("/nope"), "{body}");
-    let (status, body) = api(&sock, "PUT", "/actions", Some(r#"{"action_type":"Explode"}"#));
+    let (status, body) = api(
+        &sock,
+        "PUT",
+        "/actions",
+        Some(r#"{"action_type":"Explode"}"#),
+    );
     assert_eq!(status, 400);
     assert!(body.contains("Explode"), "{body}");
     let (status, _) = api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
     assert_eq!(status, 400, "pausing before start must fail");
 
-    assert_eq!(api(&sock, "PUT", "/actions", Some(r#"{"action_type":"InstanceStart"}"#)).0, 204);
+    assert_eq!(
+        api(
+            &sock,
+            "PUT",
+            "/actions",
+            Some(r#"{"action_type":"InstanceStart"}"#)
+        )
+        .0,
+        204
+    );
     vm.expect_line("rollbox-test-guest: ready");
     let cmdline = vm.ok("cmdline");
-    assert!(cmdline.starts_with("console=ttyS0 via-api root=/dev/vda rw virtio_mmio.device=4K@0xd0000000:5"), "{cmdline}");
+    assert!(
+        cmdline.starts_with(
+            "console=ttyS0 via-api root=/dev/vda rw virtio_mmio.device=4K@0xd0000000:5"
+        ),
+        "{cmdline}"
+    );
     assert_eq!(vm.ok("blk-id 0"), "rootfs");
     assert_eq!(vm.ok("vsock-cid"), "9");
     let (status, body) = api(&sock, "GET", "/machine-config", None);
@@ -120,19 +265,49 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
     assert!(body.contains(r#""mem_size_mib":96"#), "{body}");
 
     // Configuration after boot is refused.
-    let (status, body) = api(&sock, "PUT", "/machine-config", Some(r#"{"vcpu_count":1,"mem_size_mib":64}"#));
+    let (status, body) = api(
+        &sock,
+        "PUT",
+        "/machine-config",
+        Some(r#"{"vcpu_count":1,"mem_size_mib":64}"#),
+    );
     assert_eq!(status, 400);
-    assert!(body.contains("not allowed after the microVM started"), "{body}");
+    assert!(
+        body.contains("not allowed after the microVM started"),
+        "{body}"
+    );
 
     // Pause: the guest stops answering; resume: the answer arrives.
-    assert_eq!(api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#)).0, 204);
+    assert_eq!(
+        api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#)).0,
+        204
+    );
     let (_, body) = api(&sock, "GET", "/", None);
     assert!(body.contains(r#""state":"Paused""#), "{body}");
     vm.send("echo while-paused\n");
-    assert_eq!(vm.next_line(Duration::from_millis(500)), None, "a paused guest must not answer");
-    assert_eq!(api(&sock, "PATCH", "/vm", Some(r#"{"state":"Resumed"}"#)).0, 204);
-    assert_eq!(vm.next_line(Duration::from_secs(20)).as_deref(), Some("OK while-paused"));
-    assert_eq!(api(&sock, "PUT", "/actions", Some(r#"{"action_type":"SendCtrlAltDel"}"#)).0, 204);
+    assert_eq!(
+        vm.next_line(Duration::from_millis(500)),
+        None,
+        "a paused guest must not answer"
+    );
+    assert_eq!(
+        api(&sock, "PATCH", "/vm", Some(r#"{"state":"Resumed"}"#)).0,
+        204
+    );
+    assert_eq!(
+        vm.next_line(Duration::from_secs(20)).as_deref(),
+        Some("OK while-paused")
+    );
+    assert_eq!(
+        api(
+            &sock,
+            "PUT",
+            "/actions",
+            Some(r#"{"action_type":"SendCtrlAltDel"}"#)
+        )
+        .0,
+        204
+    );
 
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
@@ -173,7 +348,15 @@ fn console_can_go_to_a_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("console.log");
     let guest = test_guest().display().to_string();
-    let mut vm = Vm::spawn_raw(&["--kernel".into(), guest, "--console".into(), log.display().to_string()], dir);
+    let mut vm = Vm::spawn_raw(
+        &[
+            "--kernel".into(),
+            guest,
+            "--console".into(),
+            log.display().to_string(),
+        ],
+        dir,
+    );
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
     let text = std::fs::read_to_string(&log).expect("console log");

@@ -12,7 +12,16 @@ use std::time::Duration;
 use rollbox_tests::{api, kvm_available, raw_image, vmm_binary, wait_for_socket, Vm};
 
 fn boot_with_api(extra: &[&str]) -> Vm {
-    let mut args = vec!["--api-sock", "{dir}/api.sock", "--drive", "{dir}/disk.img", "--vsock-uds", "{dir}/v.sock", "--vsock-cid", "5"];
+    let mut args = vec![
+        "--api-sock",
+        "{dir}/api.sock",
+        "--drive",
+        "{dir}/disk.img",
+        "--vsock-uds",
+        "{dir}/v.sock",
+        "--vsock-cid",
+        "5",
+    ];
     args.extend_from_slice(extra);
     let vm = Vm::boot_with(|dir| raw_image(&dir.join("disk.img"), 4 << 20), &args);
     wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
@@ -21,7 +30,10 @@ fn boot_with_api(extra: &[&str]) -> Vm {
 
 fn call(vm: &Vm, method: &str, path: &str, body: &str) {
     let (status, answer) = api(&vm.path("api.sock"), method, path, Some(body));
-    assert!(status == 204 || status == 200, "{method} {path} -> {status} {answer}");
+    assert!(
+        status == 204 || status == 200,
+        "{method} {path} -> {status} {answer}"
+    );
 }
 
 /// Pauses and takes a snapshot into `dir` (vmstate + memory).
@@ -43,7 +55,12 @@ fn resume(vm: &Vm) {
 /// Restores `dir` in a new process; `extra` adds flags. Does not wait for output.
 fn restore(dir: &Path, extra: &[&str]) -> Vm {
     let scratch = tempfile::tempdir().expect("tempdir");
-    let mut args = vec!["--restore".to_string(), dir.display().to_string(), "--vsock-uds".into(), "{dir}/v.sock".into()];
+    let mut args = vec![
+        "--restore".to_string(),
+        dir.display().to_string(),
+        "--vsock-uds".into(),
+        "{dir}/v.sock".into(),
+    ];
     args.extend(extra.iter().map(|s| s.to_string()));
     Vm::spawn_raw(&args, scratch)
 }
@@ -96,7 +113,10 @@ fn snapshot_mid_computation_continues_in_a_new_process_for_every_backend() {
                 }
             };
             assert_eq!(result, expected, "backend {backend}, {vcpus} vCPUs");
-            assert!(saw_progress.iter().all(|k| *k > 3), "{backend}: restarted instead of continuing: {saw_progress:?}");
+            assert!(
+                saw_progress.iter().all(|k| *k > 3),
+                "{backend}: restarted instead of continuing: {saw_progress:?}"
+            );
             assert_eq!(clone.ok("echo alive"), "alive");
         }
     }
@@ -117,9 +137,18 @@ fn a_block_request_in_flight_spans_the_snapshot() {
     assert_eq!(vm.ok("blk-post 0 7"), "");
     snapshot(&vm, &dir, "Full");
     let _ = vm.child.kill();
-    let mut clone = restore(&dir, &["--drive-override", &format!("drive0={}", vm.path("disk.img").display())]);
+    let mut clone = restore(
+        &dir,
+        &[
+            "--drive-override",
+            &format!("drive0={}", vm.path("disk.img").display()),
+        ],
+    );
     let data = clone.ok("blk-complete 0");
-    let expected: String = b"in flight across a snapshot".iter().map(|b| format!("{b:02x}")).collect();
+    let expected: String = b"in flight across a snapshot"
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     assert!(data.starts_with(&expected), "{data}");
 }
 
@@ -141,16 +170,29 @@ fn deterministic_restores_repeat_and_new_generations_diverge() {
         assert_eq!(clone.ok("generation"), generation);
         runs.push(clone.ok("prng 8"));
     }
-    assert_eq!(runs[0], runs[1], "two deterministic restores must print the same sequence");
-    assert_eq!(runs[0], parent_next, "a restore continues exactly like the parent");
+    assert_eq!(
+        runs[0], runs[1],
+        "two deterministic restores must print the same sequence"
+    );
+    assert_eq!(
+        runs[0], parent_next,
+        "a restore continues exactly like the parent"
+    );
     assert_ne!(runs[0], first);
     let mut fresh = Vec::new();
     for _ in 0..2 {
         let mut clone = restore(&dir, &["--new-generation"]);
-        assert_ne!(clone.ok("generation"), generation, "a clone must see a new generation");
+        assert_ne!(
+            clone.ok("generation"),
+            generation,
+            "a clone must see a new generation"
+        );
         fresh.push(clone.ok("prng 8"));
     }
-    assert_ne!(fresh[0], runs[0], "a clone told of its new generation reseeds");
+    assert_ne!(
+        fresh[0], runs[0],
+        "a clone told of its new generation reseeds"
+    );
     assert_ne!(fresh[0], fresh[1], "two clones reseed differently");
 }
 
@@ -170,10 +212,13 @@ fn twenty_clones_run_at_once_and_each_gets_the_right_answer() {
         clone.send("check 16 77\n");
     }
     for (i, clone) in clones.iter_mut().enumerate() {
-        let answer = clone.next_line(Duration::from_secs(120)).unwrap_or_else(|| panic!("clone {i}: {}", clone.stderr()));
+        let answer = clone
+            .next_line(Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("clone {i}: {}", clone.stderr()));
         assert_eq!(answer, "OK 0", "clone {i}");
         let mut s = UnixStream::connect(clone.path("v.sock")).expect("clone vsock");
-        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
         s.write_all(b"CONNECT 1024\n").expect("connect");
         let mut ok = [0u8; 3];
         s.read_exact(&mut ok).expect("OK");
@@ -190,7 +235,12 @@ fn fork_starts_clones_with_their_own_sockets_and_drives() {
     assert_eq!(vm.ok("vsock-listen 1024"), "");
     assert_eq!(vm.ok("blk-write 0 3 666f726b"), "");
     let fork_dir = vm.path("fork");
-    let (status, body) = api(&vm.path("api.sock"), "POST", "/fork", Some(&format!(r#"{{"count":4,"dir":"{}"}}"#, fork_dir.display())));
+    let (status, body) = api(
+        &vm.path("api.sock"),
+        "POST",
+        "/fork",
+        Some(&format!(r#"{{"count":4,"dir":"{}"}}"#, fork_dir.display())),
+    );
     assert_eq!(status, 200, "{body}");
     let result: serde_json::Value = serde_json::from_str(&body).expect("json");
     let clones = result["clones"].as_array().expect("clones");
@@ -204,7 +254,8 @@ fn fork_starts_clones_with_their_own_sockets_and_drives() {
         assert!(!uds.contains(&sock), "clones must not share a vsock socket");
         uds.push(sock.clone());
         let mut s = UnixStream::connect(&sock).expect("clone vsock");
-        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
         s.write_all(b"CONNECT 1024\n").expect("connect");
         let mut line = Vec::new();
         let mut b = [0u8; 1];
@@ -224,7 +275,12 @@ fn fork_starts_clones_with_their_own_sockets_and_drives() {
         // SAFETY: ends a clone process this test started.
         unsafe { libc::kill(pid, libc::SIGTERM) };
     }
-    let (status, body) = api(&vm.path("api.sock"), "POST", "/fork", Some(r#"{"count":0}"#));
+    let (status, body) = api(
+        &vm.path("api.sock"),
+        "POST",
+        "/fork",
+        Some(r#"{"count":0}"#),
+    );
     assert_eq!(status, 400, "{body}");
 }
 
@@ -249,7 +305,9 @@ fn a_diff_chain_of_three_restores_correctly_and_folds() {
     assert_eq!(vm.ok("touch 1 4"), "256");
     snapshot(&vm, &s("s3"), "Diff");
     let _ = vm.child.kill();
-    let diff_size = std::fs::metadata(s("s3").join("memory")).expect("diff").len();
+    let diff_size = std::fs::metadata(s("s3").join("memory"))
+        .expect("diff")
+        .len();
     assert!(diff_size > 0);
 
     let check = |clone: &mut Vm| {
@@ -272,13 +330,21 @@ fn a_diff_chain_of_three_restores_correctly_and_folds() {
         .arg(s("folded"))
         .output()
         .expect("rollbox-snapshot");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut folded = restore(&s("folded"), &[]);
     check(&mut folded);
 }
 
 fn restore_fails(args: &[String]) -> String {
-    let out = Command::new(vmm_binary()).args(args).stdin(std::process::Stdio::null()).output().expect("run");
+    let out = Command::new(vmm_binary())
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(stderr.lines().count(), 1, "want one line: {stderr}");
@@ -329,8 +395,15 @@ fn bad_snapshots_get_clear_errors() {
 
     // The memory file is shorter than the snapshot's memory.
     std::fs::copy(good.join("memory"), scratch.path().join("memory-copy")).expect("copy");
-    std::fs::File::options().write(true).open(good.join("memory")).and_then(|f| f.set_len(4096)).expect("truncate");
-    assert!(restore_fails(&arg(&good)).contains("needs"), "wrong-size memory must be refused");
+    std::fs::File::options()
+        .write(true)
+        .open(good.join("memory"))
+        .and_then(|f| f.set_len(4096))
+        .expect("truncate");
+    assert!(
+        restore_fails(&arg(&good)).contains("needs"),
+        "wrong-size memory must be refused"
+    );
     std::fs::rename(scratch.path().join("memory-copy"), good.join("memory")).expect("put back");
 
     let mut more = arg(&good);
@@ -357,7 +430,10 @@ fn kill_during_snapshot_never_leaves_a_complete_looking_snapshot() {
     );
     let writer = std::thread::spawn(move || {
         let mut s = UnixStream::connect(&sock).expect("connect");
-        let req = format!("PUT /snapshot/create HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        let req = format!(
+            "PUT /snapshot/create HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
         let _ = s.write_all(req.as_bytes());
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);

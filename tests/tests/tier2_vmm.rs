@@ -9,7 +9,9 @@ use std::time::Duration;
 use rollbox_tests::{kvm_available, raw_image, Vm};
 
 fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn vm_with_drives() -> Vm {
@@ -43,15 +45,26 @@ fn boots_through_the_linux_boot_path_with_boot_params() {
     if !kvm_available() {
         return;
     }
-    let mut vm = Vm::boot(&["--memory-mib", "256", "--cmdline", "console=ttyS0 rollbox.test=1"]);
+    let mut vm = Vm::boot(&[
+        "--memory-mib",
+        "256",
+        "--cmdline",
+        "console=ttyS0 rollbox.test=1",
+    ]);
     assert_eq!(vm.ok("echo hello"), "hello");
     let cmdline = vm.ok("cmdline");
-    assert!(cmdline.starts_with("console=ttyS0 rollbox.test=1"), "{cmdline}");
+    assert!(
+        cmdline.starts_with("console=ttyS0 rollbox.test=1"),
+        "{cmdline}"
+    );
     let e820 = vm.ok("e820");
     let fields: Vec<&str> = e820.split_whitespace().collect();
     assert_eq!(fields[0], "2", "{e820}");
     assert_eq!(fields[1], "0x0:0x9fc00:1");
-    assert_eq!(fields[2], format!("0x100000:{:#x}:1", (256u64 << 20) - 0x10_0000));
+    assert_eq!(
+        fields[2],
+        format!("0x100000:{:#x}:1", (256u64 << 20) - 0x10_0000)
+    );
     assert_eq!(vm.ok("devices"), "", "no virtio devices were configured");
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
@@ -64,7 +77,10 @@ fn boots_with_two_vcpus_and_more_than_3_gib() {
     }
     let mut vm = Vm::boot(&["--vcpus", "2", "--memory-mib", "4096"]);
     let e820 = vm.ok("e820");
-    assert!(e820.starts_with("3 "), "memory above 4 GiB must be a third e820 entry: {e820}");
+    assert!(
+        e820.starts_with("3 "),
+        "memory above 4 GiB must be a third e820 entry: {e820}"
+    );
     assert!(e820.contains("0x100000000:0x40000000:1"), "{e820}");
     vm.send("reset\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
@@ -87,7 +103,9 @@ fn block_device_reads_writes_flushes_and_names_itself() {
     assert_eq!(vm.ok("blk-flush 0"), "");
     let image = std::fs::File::open(vm.path("rw.img")).expect("open image");
     let mut sector = [0u8; 512];
-    image.read_exact_at(&mut sector, 5 * 512).expect("read back");
+    image
+        .read_exact_at(&mut sector, 5 * 512)
+        .expect("read back");
     assert_eq!(&sector[..7], b"rollbox");
     assert!(sector[7..].iter().all(|b| *b == 0));
 
@@ -98,7 +116,10 @@ fn block_device_reads_writes_flushes_and_names_itself() {
         .open(vm.path("rw.img"))
         .and_then(|f| f.write_all_at(&pattern, 100 * 512))
         .expect("host write");
-    assert_eq!(vm.ok("blk-sum 0 100 64"), format!("{:#x}", fnv1a64(&pattern)));
+    assert_eq!(
+        vm.ok("blk-sum 0 100 64"),
+        format!("{:#x}", fnv1a64(&pattern))
+    );
     let first = vm.ok("blk-read 0 100 1");
     let expected: String = pattern[..512].iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(first, expected);
@@ -106,7 +127,9 @@ fn block_device_reads_writes_flushes_and_names_itself() {
     // Guest fills many sectors; the host file has them.
     assert_eq!(vm.ok("blk-fill 0 2000 40 171"), "");
     let mut filled = vec![0u8; 40 * 512];
-    image.read_exact_at(&mut filled, 2000 * 512).expect("read fill");
+    image
+        .read_exact_at(&mut filled, 2000 * 512)
+        .expect("read fill");
     assert!(filled.iter().all(|b| *b == 171));
 
     // Past the end of the disk is an I/O error, not a crash.
@@ -123,17 +146,27 @@ fn read_only_drive_refuses_writes() {
     assert_eq!(vm.ok("blk-info 1"), "capacity=2048 ro=1 flush=1");
     assert_eq!(vm.cmd("blk-write 1 0 00ff00ff"), "ERR status=1");
     let mut head = [0u8; 18];
-    std::fs::File::open(vm.path("ro.img")).expect("open").read_exact_at(&mut head, 0).expect("read");
+    std::fs::File::open(vm.path("ro.img"))
+        .expect("open")
+        .read_exact_at(&mut head, 0)
+        .expect("read");
     assert_eq!(&head, b"read-only contents");
-    let hex: String = b"read-only contents".iter().map(|b| format!("{b:02x}")).collect();
+    let hex: String = b"read-only contents"
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     assert!(vm.ok("blk-read 1 0 1").starts_with(&hex));
     assert_eq!(vm.ok("blk-flush 1"), "");
 }
 
 fn connect_to_guest(vm: &Vm, port: u32) -> UnixStream {
     let mut stream = UnixStream::connect(vm.path("v.sock")).expect("connect vsock uds");
-    stream.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    stream.write_all(format!("CONNECT {port}\n").as_bytes()).expect("send CONNECT");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .expect("send CONNECT");
     let mut reply = Vec::new();
     let mut byte = [0u8; 1];
     while reply.last() != Some(&b'\n') {
@@ -183,7 +216,8 @@ fn vsock_host_to_guest_echo_and_guest_to_host() {
     let listener = UnixListener::bind(vm.path("v.sock_5000")).expect("bind host port");
     vm.send("vsock-connect 5000 ping\n");
     let (mut conn, _) = listener.accept().expect("guest connection");
-    conn.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
     let mut got = [0u8; 5];
     conn.read_exact(&mut got).expect("ping");
     assert_eq!(&got, b"ping\n");
@@ -195,10 +229,16 @@ fn vsock_host_to_guest_echo_and_guest_to_host() {
     assert!(vm.cmd("vsock-connect 5001 hello").starts_with("ERR"));
     // CONNECT to a port the guest doesn't listen on is refused too.
     let mut refused = UnixStream::connect(vm.path("v.sock")).expect("connect");
-    refused.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    refused
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
     refused.write_all(b"CONNECT 4444\n").expect("send");
     let mut buf = [0u8; 16];
-    assert_eq!(refused.read(&mut buf).expect("read"), 0, "refused connection must close");
+    assert_eq!(
+        refused.read(&mut buf).expect("read"),
+        0,
+        "refused connection must close"
+    );
     assert_eq!(vm.ok("echo alive"), "alive");
 }
 
@@ -211,18 +251,29 @@ fn hostile_descriptor_chains_are_logged_and_survived() {
     assert_eq!(vm.ok("blk-write 0 1 c0ffee"), "");
     assert_eq!(vm.ok("vsock-listen 1024"), "");
     for kind in ["oob", "loop", "long", "dir", "badnext", "badavail"] {
-        assert_eq!(vm.ok(&format!("hostile 0 {kind}")), "survived", "hostile {kind}");
+        assert_eq!(
+            vm.ok(&format!("hostile 0 {kind}")),
+            "survived",
+            "hostile {kind}"
+        );
         // The block device works again after the guest reset it, and other devices never stopped.
-        assert!(vm.ok("blk-read 0 1 1").starts_with("c0ffee"), "after hostile {kind}");
+        assert!(
+            vm.ok("blk-read 0 1 1").starts_with("c0ffee"),
+            "after hostile {kind}"
+        );
         let mut s = connect_to_guest(&vm, 1024);
         s.write_all(b"k").expect("send");
         let mut b = [0u8; 1];
-        s.read_exact(&mut b).expect("vsock echo after hostile chain");
+        s.read_exact(&mut b)
+            .expect("vsock echo after hostile chain");
     }
     let log = vm.stderr();
     assert!(log.contains("lies outside guest memory"), "{log}");
     assert!(log.contains("loops, is longer than the queue"), "{log}");
-    assert!(log.contains("request header must be a device-readable buffer"), "{log}");
+    assert!(
+        log.contains("request header must be a device-readable buffer"),
+        "{log}"
+    );
     assert!(log.contains("more than the queue size"), "{log}");
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
@@ -238,7 +289,10 @@ fn reset_and_poweroff_end_the_vmm_with_status_0() {
         vm.send(&format!("{command}\n"));
         let status = vm.wait(Duration::from_secs(20));
         assert_eq!(status.code(), Some(0), "{command}: {}", vm.stderr());
-        assert!(!vm.path("v.sock").exists(), "{command} left the vsock socket behind");
+        assert!(
+            !vm.path("v.sock").exists(),
+            "{command} left the vsock socket behind"
+        );
     }
 }
 

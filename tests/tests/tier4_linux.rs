@@ -31,8 +31,15 @@ fn linux_kernel() -> Option<PathBuf> {
     if let Ok(path) = std::env::var("ROLLBOX_LINUX_KERNEL") {
         return Some(PathBuf::from(path));
     }
-    let out = Command::new("bash").arg(workspace_root().join("kernel-config/build.sh")).output().ok()?;
-    let dir = String::from_utf8_lossy(&out.stdout).lines().last()?.trim().to_string();
+    let out = Command::new("bash")
+        .arg(workspace_root().join("kernel-config/build.sh"))
+        .output()
+        .ok()?;
+    let dir = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()?
+        .trim()
+        .to_string();
     let vmlinux = Path::new(&dir).join("vmlinux");
     vmlinux.exists().then_some(vmlinux)
 }
@@ -53,7 +60,8 @@ echo "rollbox-tier4: done"
 fn build_initramfs(dir: &Path) -> PathBuf {
     let root = dir.join("initramfs");
     std::fs::create_dir_all(root.join("bin")).expect("mkdir");
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).expect("busybox-static is needed: apt-get install busybox-static");
+    std::fs::copy("/bin/busybox", root.join("bin/busybox"))
+        .expect("busybox-static is needed: apt-get install busybox-static");
     let echo_src = workspace_root().join("scripts/tcg/vsock-echo.c");
     let status = Command::new("gcc")
         .args(["-O2", "-static", "-o"])
@@ -98,9 +106,20 @@ fn linux_boots_to_init_and_uses_virtio_blk_and_vsock() {
         .and_then(|f| f.write_all_at(b"hello from host!", 0))
         .expect("seed disk");
     let args: Vec<String> = [
-        "--kernel", &kernel, "--initrd", &initrd, "--memory-mib", "256",
-        "--cmdline", "console=ttyS0 reboot=k panic=1 pci=off rdinit=/init",
-        "--drive", "{dir}/disk.img", "--vsock-uds", "{dir}/v.sock", "--vsock-cid", "3",
+        "--kernel",
+        &kernel,
+        "--initrd",
+        &initrd,
+        "--memory-mib",
+        "256",
+        "--cmdline",
+        "console=ttyS0 reboot=k panic=1 pci=off rdinit=/init",
+        "--drive",
+        "{dir}/disk.img",
+        "--vsock-uds",
+        "{dir}/v.sock",
+        "--vsock-cid",
+        "3",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -110,7 +129,9 @@ fn linux_boots_to_init_and_uses_virtio_blk_and_vsock() {
     vm.expect_line("rollbox-tier4: disk says hello from host!");
     vm.expect_line("rollbox-tier4: listening");
     let mut stream = UnixStream::connect(vm.path("v.sock")).expect("connect");
-    stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
     stream.write_all(b"CONNECT 1024\n").expect("connect");
     let mut ok = [0u8; 3];
     stream.read_exact(&mut ok).expect("OK");
@@ -129,6 +150,9 @@ fn linux_boots_to_init_and_uses_virtio_blk_and_vsock() {
     vm.expect_line("rollbox-tier4: done");
     assert!(vm.wait(Duration::from_secs(60)).success());
     let mut sector = [0u8; 16];
-    std::fs::File::open(vm.path("disk.img")).expect("open").read_exact_at(&mut sector, 512).expect("read");
+    std::fs::File::open(vm.path("disk.img"))
+        .expect("open")
+        .read_exact_at(&mut sector, 512)
+        .expect("read");
     assert_eq!(&sector, b"written-by-linux");
 }

@@ -23,17 +23,19 @@ use crate::config::{ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFA
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::generation::{Generation, GENERATION_PORT, GENERATION_PORT_LEN};
 use crate::devices::legacy::i8042::I8042;
-use crate::devices::legacy::persist::SerialPersistState;
+use crate::devices::legacy::persist::{I8042PersistState, SerialArgs, SerialPersistState};
 use crate::devices::legacy::poweroff::PowerOff;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
+use crate::devices::virtio::persist::VirtioPersistState;
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
-use crate::vstate::vcpu::{ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle};
+use crate::vstate::vcpu::{saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle};
 use crate::vstate::vm::{open_kvm, Vm, VmError};
+use snapshot::Persist;
 
 /// Errors from building a microVM.
 #[derive(Debug, thiserror::Error)]
@@ -277,13 +279,31 @@ pub fn create_vm(kvm: &Kvm, mem: &GuestMemoryMmap, dirty_log: bool) -> Result<Vm
     Ok(vm)
 }
 
-/// Wires legacy and virtio devices to the VM: buses, irqfds, ioeventfds.
+/// Device states from a snapshot, restored through [`Persist`].
+pub struct SavedDevices<'a> {
+    /// COM1.
+    pub serial: &'a SerialPersistState,
+    /// i8042.
+    pub i8042: &'a I8042PersistState,
+    /// Virtio transports, in MMIO order.
+    pub virtio: &'a [VirtioPersistState],
+}
+
+fn restore_err(what: impl Into<String>) -> BuildError {
+    BuildError::Event {
+        what: what.into(),
+        source: std::io::ErrorKind::InvalidData.into(),
+    }
+}
+
+/// Wires legacy and virtio devices to the VM: buses, irqfds, ioeventfds. With `saved`, every
+/// device comes back from its snapshot state.
 pub fn attach_devices(
     vm: &Vm,
     mem: &GuestMemoryMmap,
     devices: Vec<Box<dyn VirtioDevice>>,
     console: ConsoleOut,
-    serial_state: Option<&SerialPersistState>,
+    saved: Option<&SavedDevices<'_>>,
     generation: u64,
 ) -> Result<Attached, BuildError> {
     let events = VmEvents {
@@ -303,20 +323,31 @@ pub fn attach_devices(
 
     let irq = EventTrigger(serial_irq);
     let room = EventTrigger(Arc::clone(&events.serial_room));
-    let serial = match serial_state {
-        Some(state) => SerialDevice::from_state(state, irq, room, console).map_err(|detail| {
-            BuildError::Event {
-                what: detail,
-                source: std::io::ErrorKind::InvalidData.into(),
-            }
-        })?,
+    let serial = match saved {
+        Some(saved) => SerialDevice::restore(
+            SerialArgs {
+                irq,
+                room,
+                out: console,
+            },
+            saved.serial,
+        )
+        .map_err(restore_err)?,
         None => SerialDevice::new(irq, room, console),
     };
     let serial = Arc::new(Mutex::new(serial));
-    let i8042 = Arc::new(Mutex::new(I8042::new(
+    let i8042_args = (
         EventTrigger(Arc::clone(&events.reset)),
         EventTrigger(kbd_irq),
-    )));
+    );
+    let i8042 = match saved {
+        Some(saved) => match I8042::restore(i8042_args, saved.i8042) {
+            Ok(device) => device,
+            Err(never) => match never {},
+        },
+        None => I8042::new(i8042_args.0, i8042_args.1),
+    };
+    let i8042 = Arc::new(Mutex::new(i8042));
     let generation = Arc::new(AtomicU64::new(generation));
     let mut pio = Bus::default();
     pio.insert(serial.clone(), u64::from(SERIAL_PORT), 8)?;
@@ -346,7 +377,15 @@ pub fn attach_devices(
             .register_irqfd(&irqfd, irq)
             .map_err(kvm_event_err(format!("irqfd for {name}")))?;
         let backend_fd = device.backend_fd();
-        let transport = MmioTransport::new(device, mem.clone(), Interrupt::new(irqfd));
+        let interrupt = Interrupt::new(irqfd);
+        let transport = match saved.map(|s| s.virtio.get(i)) {
+            Some(Some(state)) => {
+                <MmioTransport as Persist>::restore((device, mem.clone(), interrupt), state)
+                    .map_err(restore_err)?
+            }
+            Some(None) => return Err(restore_err(format!("{name}: not in the snapshot"))),
+            None => MmioTransport::new(device, mem.clone(), interrupt),
+        };
         let mut notify = Vec::new();
         for queue in 0..transport.queue_count() {
             let evt =
@@ -471,8 +510,9 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     write_boot_tables(&mem)?;
 
     let mut vcpus = Vec::new();
+    let msrs = saveable_msrs(&kvm)?;
     for index in 0..vcpu_count {
-        let vcpu = Vcpu::new(vm.fd(), index)?;
+        let vcpu = Vcpu::new(vm.fd(), index, Arc::clone(&msrs))?;
         vcpu.configure_cpuid(&kvm, vcpu_count)?;
         vcpu.configure_msrs(&kvm)?;
         vcpu.configure_boot_state(boot_info.entry)?;

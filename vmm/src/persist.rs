@@ -22,7 +22,7 @@ use vm_memory::{
 
 use crate::builder::{
     assemble, attach_devices, console_out, create_vm, Assembly, BuildError, MemoryBacking,
-    MemoryKind, MicroVm,
+    MemoryKind, MicroVm, SavedDevices,
 };
 use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::devices::bus::lock;
@@ -32,8 +32,9 @@ use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::VirtioDevice;
 use crate::vstate::memory::GuestMemoryMmap;
-use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuState};
-use crate::vstate::vm::{open_kvm, VmState, VmStateError};
+use crate::vstate::vcpu::{saveable_msrs, Vcpu, VcpuError, VcpuRestoreArgs, VcpuState};
+use crate::vstate::vm::{open_kvm, Vm, VmState, VmStateError};
+use snapshot::Persist;
 
 /// Errors from creating or restoring snapshots.
 #[derive(Debug, thiserror::Error)]
@@ -224,21 +225,35 @@ pub fn create_snapshot(
     };
     let mut vcpus = Vec::new();
     for vcpu in &vm.vcpus {
-        vcpus.push(vcpu.save(&vm.kvm)?);
+        vcpus.push(vcpu.vcpu().save()?);
     }
     let state = MicroVmState {
         machine: vm.machine.clone(),
         regions,
         memory_layers: layers.clone(),
-        vm: vm.vm.save_state()?,
+        vm: vm.vm.save()?,
         vcpus,
-        serial: lock(&vm.serial).save(),
-        i8042: lock(&vm.i8042).save(),
+        serial: lock(&vm.serial)
+            .save()
+            .map_err(|detail| PersistError::Device {
+                device: "serial".into(),
+                detail,
+            })?,
+        i8042: match lock(&vm.i8042).save() {
+            Ok(state) => state,
+            Err(never) => match never {},
+        },
         devices: vm
             .virtio
             .iter()
-            .map(|slot| lock(&slot.transport).save())
-            .collect(),
+            .map(|slot| {
+                let transport = lock(&slot.transport);
+                transport.save().map_err(|detail| PersistError::Device {
+                    device: transport.device().name(),
+                    detail,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?,
         generation: vm.generation.load(Ordering::SeqCst),
     };
     write_state_file(state_path, &state)?;
@@ -500,32 +515,23 @@ pub fn restore_microvm(
         machine.track_dirty_pages = track;
     }
     let kvm = open_kvm().map_err(BuildError::from)?;
-    let vm = create_vm(&kvm, &mem, machine.track_dirty_pages)?;
-    vm.restore_state(&state.vm)?;
+    let vm = Vm::restore(create_vm(&kvm, &mem, machine.track_dirty_pages)?, &state.vm)?;
     let generation = if options.new_generation {
         snapshot::memory::random_id()
     } else {
         state.generation
     };
-    let attached = attach_devices(&vm, &mem, devices, console, Some(&state.serial), generation)?;
-    lock(&attached.i8042).restore(&state.i8042);
-    for (slot, saved) in attached.virtio.iter().zip(&state.devices) {
-        let queues = saved
-            .queues
-            .iter()
-            .map(|q| q.to_queue())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|detail| PersistError::Device {
-                device: format!("{:?}", saved.kind),
-                detail,
-            })?;
-        lock(&slot.transport).restore(&saved.transport, queues);
-    }
+    let saved = SavedDevices {
+        serial: &state.serial,
+        i8042: &state.i8042,
+        virtio: &state.devices,
+    };
+    let attached = attach_devices(&vm, &mem, devices, console, Some(&saved), generation)?;
     let mut vcpus = Vec::new();
+    let msrs = saveable_msrs(&kvm)?;
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
-        let vcpu = Vcpu::new(vm.fd(), index as u8)?;
-        vcpu.restore(vcpu_state)?;
-        vcpus.push(vcpu);
+        let vcpu = Vcpu::new(vm.fd(), index as u8, std::sync::Arc::clone(&msrs))?;
+        vcpus.push(Vcpu::restore(VcpuRestoreArgs { vcpu }, vcpu_state)?);
     }
     let memory = MemoryBacking {
         kind,

@@ -133,21 +133,39 @@ struct Control {
     changed: Condvar,
 }
 
-/// A configured vCPU before its thread starts.
+/// A vCPU: its KVM file descriptor (shared with its thread once started) and what a
+/// snapshot of it needs.
+#[derive(Clone)]
 pub struct Vcpu {
     index: u8,
     fd: Arc<Mutex<VcpuFd>>,
+    saveable_msrs: Arc<Vec<u32>>,
+}
+
+/// The MSRs a snapshot saves: KVM's save list, less those that must not be restored.
+pub fn saveable_msrs(kvm: &Kvm) -> Result<Arc<Vec<u32>>, VcpuError> {
+    let list = kvm
+        .get_msr_index_list()
+        .map_err(state_err(0, "KVM_GET_MSR_INDEX_LIST"))?;
+    Ok(Arc::new(
+        list.as_slice()
+            .iter()
+            .copied()
+            .filter(|i| msr_is_saveable(*i))
+            .collect(),
+    ))
 }
 
 impl Vcpu {
     /// Creates vCPU `index`.
-    pub fn new(vm: &VmFd, index: u8) -> Result<Self, VcpuError> {
+    pub fn new(vm: &VmFd, index: u8, saveable_msrs: Arc<Vec<u32>>) -> Result<Self, VcpuError> {
         let fd = vm
             .create_vcpu(u64::from(index))
             .map_err(|source| VcpuError::Create { index, source })?;
         Ok(Self {
             index,
             fd: Arc::new(Mutex::new(fd)),
+            saveable_msrs,
         })
     }
 
@@ -338,10 +356,9 @@ pub fn install_kick_handler() -> Result<(), VcpuError> {
 
 /// A running vCPU thread.
 pub struct VcpuHandle {
-    index: u8,
+    vcpu: Vcpu,
     thread: Option<JoinHandle<()>>,
     control: Arc<Control>,
-    fd: Arc<Mutex<VcpuFd>>,
 }
 
 /// What a vCPU thread needs to serve exits.
@@ -376,10 +393,9 @@ impl Vcpu {
             .spawn(move || run_vcpu(index, &fd, &thread_control, &handlers))
             .map_err(|source| VcpuError::Spawn { index, source })?;
         Ok(VcpuHandle {
-            index,
+            vcpu: self,
             thread: Some(thread),
             control,
-            fd: self.fd,
         })
     }
 }
@@ -387,12 +403,12 @@ impl Vcpu {
 impl VcpuHandle {
     /// The vCPU index.
     pub fn index(&self) -> u8 {
-        self.index
+        self.vcpu.index
     }
 
-    /// The vCPU file descriptor; lock it only while the vCPU is paused.
-    pub fn fd(&self) -> Arc<Mutex<VcpuFd>> {
-        Arc::clone(&self.fd)
+    /// The vCPU; save or restore its state only while it is paused.
+    pub fn vcpu(&self) -> &Vcpu {
+        &self.vcpu
     }
 
     fn set_state(&self, state: RunState) {
@@ -403,7 +419,7 @@ impl VcpuHandle {
     fn kick(&self) {
         if let Some(thread) = &self.thread {
             if let Err(e) = thread.kill(kick_signal()) {
-                log::warn!("cannot kick vCPU {}: {e}", self.index);
+                log::warn!("cannot kick vCPU {}: {e}", self.vcpu.index);
             }
         }
     }
@@ -446,13 +462,13 @@ impl VcpuHandle {
         if let Some(thread) = self.thread.take() {
             while !thread.is_finished() {
                 if let Err(e) = thread.kill(kick_signal()) {
-                    log::warn!("cannot kick vCPU {}: {e}", self.index);
+                    log::warn!("cannot kick vCPU {}: {e}", self.vcpu.index);
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
             if thread.join().is_err() {
-                log::error!("vCPU {} thread panicked", self.index);
+                log::error!("vCPU {} thread panicked", self.vcpu.index);
             }
         }
     }
@@ -711,7 +727,7 @@ fn state_err(index: u8, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) ->
 }
 
 /// Saves a paused vCPU's state.
-pub fn save_vcpu_state(kvm: &Kvm, index: u8, fd: &VcpuFd) -> Result<VcpuState, VcpuError> {
+fn save_vcpu_state(index: u8, fd: &VcpuFd, saveable: &[u32]) -> Result<VcpuState, VcpuError> {
     let fam = |what: &'static str| {
         move |e: vmm_sys_util::fam::Error| VcpuError::Fam {
             index,
@@ -722,15 +738,7 @@ pub fn save_vcpu_state(kvm: &Kvm, index: u8, fd: &VcpuFd) -> Result<VcpuState, V
     let cpuid = fd
         .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
         .map_err(state_err(index, "KVM_GET_CPUID2"))?;
-    let list = kvm
-        .get_msr_index_list()
-        .map_err(state_err(index, "KVM_GET_MSR_INDEX_LIST"))?;
-    let mut indices: Vec<u32> = list
-        .as_slice()
-        .iter()
-        .copied()
-        .filter(|i| msr_is_saveable(*i))
-        .collect();
+    let mut indices = saveable.to_vec();
     let msrs = loop {
         let entries: Vec<kvm_msr_entry> = indices
             .iter()
@@ -820,16 +828,24 @@ pub fn restore_vcpu_state(index: u8, fd: &VcpuFd, state: &VcpuState) -> Result<(
     Ok(())
 }
 
-impl Vcpu {
-    /// Restores this (not yet started) vCPU's state.
-    pub fn restore(&self, state: &VcpuState) -> Result<(), VcpuError> {
-        restore_vcpu_state(self.index, &lock(&self.fd), state)
-    }
+/// What restoring a vCPU needs besides its state.
+pub struct VcpuRestoreArgs {
+    /// A freshly created vCPU.
+    pub vcpu: Vcpu,
 }
 
-impl VcpuHandle {
-    /// Saves the state of this paused vCPU.
-    pub fn save(&self, kvm: &Kvm) -> Result<VcpuState, VcpuError> {
-        save_vcpu_state(kvm, self.index, &lock(&self.fd))
+impl snapshot::Persist for Vcpu {
+    type State = VcpuState;
+    type ConstructorArgs = VcpuRestoreArgs;
+    type Error = VcpuError;
+
+    /// Saves the vCPU; it must be paused or not yet started.
+    fn save(&self) -> Result<VcpuState, VcpuError> {
+        save_vcpu_state(self.index, &lock(&self.fd), &self.saveable_msrs)
+    }
+
+    fn restore(args: VcpuRestoreArgs, state: &VcpuState) -> Result<Self, VcpuError> {
+        restore_vcpu_state(args.vcpu.index, &lock(&args.vcpu.fd), state)?;
+        Ok(args.vcpu)
     }
 }

@@ -184,3 +184,19 @@ impl Vm {
             .map_err(vm_state_err("KVM_GET_DIRTY_LOG"))
     }
 }
+
+impl snapshot::Persist for Vm {
+    type State = VmState;
+    /// A VM with its memory registered and its irqchip and PIT created.
+    type ConstructorArgs = Vm;
+    type Error = VmStateError;
+
+    fn save(&self) -> Result<VmState, VmStateError> {
+        self.save_state()
+    }
+
+    fn restore(vm: Vm, state: &VmState) -> Result<Vm, VmStateError> {
+        vm.restore_state(state)?;
+        Ok(vm)
+    }
+}

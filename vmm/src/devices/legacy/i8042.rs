@@ -66,7 +66,7 @@ impl I8042 {
     }
 
     /// Restores registers saved by [`I8042::state`].
-    pub fn restore(&mut self, state: &super::persist::I8042PersistState) {
+    pub fn load_state(&mut self, state: &super::persist::I8042PersistState) {
         self.control = state.control;
         self.status = state.status;
         self.output = state.output.iter().copied().take(BUFFER_LIMIT).collect();

@@ -3,8 +3,11 @@
 use serde::{Deserialize, Serialize};
 use vm_superio::serial::SerialState;
 
+use snapshot::Persist;
+
 use super::i8042::I8042;
-use super::serial::SerialDevice;
+use super::serial::{ConsoleOut, SerialDevice};
+use super::EventTrigger;
 
 /// The 16550's registers and receive FIFO.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,16 +81,46 @@ pub struct I8042PersistState {
     pub expecting: Option<u8>,
 }
 
-impl SerialDevice {
-    /// Saves the UART.
-    pub fn save(&self) -> SerialPersistState {
-        self.uart_state().into()
+/// What a UART needs besides its saved state.
+pub struct SerialArgs {
+    /// Its interrupt line.
+    pub irq: EventTrigger,
+    /// Signalled when its receive FIFO empties.
+    pub room: EventTrigger,
+    /// Console output.
+    pub out: ConsoleOut,
+}
+
+impl Persist for SerialDevice {
+    type State = SerialPersistState;
+    type ConstructorArgs = SerialArgs;
+    type Error = String;
+
+    fn save(&self) -> Result<SerialPersistState, String> {
+        Ok(self.uart_state().into())
+    }
+
+    fn restore(args: SerialArgs, state: &SerialPersistState) -> Result<Self, String> {
+        SerialDevice::from_state(state, args.irq, args.room, args.out)
     }
 }
 
-impl I8042 {
-    /// Saves the controller.
-    pub fn save(&self) -> I8042PersistState {
-        self.state()
+impl Persist for I8042 {
+    type State = I8042PersistState;
+    /// The reset event and the keyboard interrupt.
+    type ConstructorArgs = (EventTrigger, EventTrigger);
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> Result<I8042PersistState, Self::Error> {
+        Ok(self.state())
+    }
+
+    fn restore(
+        args: (EventTrigger, EventTrigger),
+        state: &I8042PersistState,
+    ) -> Result<Self, Self::Error> {
+        let mut device = I8042::new(args.0, args.1);
+        device.load_state(state);
+        Ok(device)
     }
 }

@@ -121,7 +121,10 @@ const PACED_POLL: std::time::Duration = std::time::Duration::from_micros(500);
 impl SerialDevice {
     /// A UART raising `irq`, signalling `room` when its input FIFO empties, writing to `out`.
     pub fn new(irq: EventTrigger, room: EventTrigger, out: ConsoleOut) -> Self {
-        Self { uart: Serial::with_events(irq, InputRoom(room), out), empty_polls: 0 }
+        Self {
+            uart: Serial::with_events(irq, InputRoom(room), out),
+            empty_polls: 0,
+        }
     }
 
     /// A UART restored from a snapshot.
@@ -132,7 +135,10 @@ impl SerialDevice {
         out: ConsoleOut,
     ) -> Result<Self, String> {
         Serial::from_state(&state.into(), irq, InputRoom(room), out)
-            .map(|uart| Self { uart, empty_polls: 0 })
+            .map(|uart| Self {
+                uart,
+                empty_polls: 0,
+            })
             .map_err(|e| format!("serial state: {e:?}"))
     }
 

@@ -150,7 +150,7 @@ impl MmioTransport {
 
     /// Restores registers and queues saved by a snapshot, re-activating the device if the
     /// driver had it running.
-    pub fn restore(&mut self, regs: &TransportRegisters, queues: Vec<Queue>) {
+    pub fn load_state(&mut self, regs: &TransportRegisters, queues: Vec<Queue>) {
         self.queue_select = regs.queue_select;
         self.device_features_select = regs.device_features_select;
         self.driver_features_select = regs.driver_features_select;
@@ -167,15 +167,6 @@ impl MmioTransport {
     /// Whether the driver set DRIVER_OK and the device has not failed.
     pub fn is_activated(&self) -> bool {
         self.status & status::DRIVER_OK != 0 && self.status & status::DEVICE_NEEDS_RESET == 0
-    }
-
-    /// Saves registers, queues and the device's rebuild parameters.
-    pub fn save(&self) -> super::persist::VirtioPersistState {
-        super::persist::VirtioPersistState {
-            kind: self.device.persist_kind(),
-            transport: self.registers(),
-            queues: self.queues.iter().map(Into::into).collect(),
-        }
     }
 
     /// After a restore: lets the device react, then serves every queue once, since
@@ -388,7 +379,7 @@ impl BusDevice for MmioTransport {
             return;
         }
         data.fill(0);
-        if data.len() != 4 || offset % 4 != 0 {
+        if data.len() != 4 || !offset.is_multiple_of(4) {
             log::warn!(
                 "{}: {}-byte read of register {offset:#x} ignored",
                 self.device.name(),
@@ -412,7 +403,7 @@ impl BusDevice for MmioTransport {
             );
             return;
         };
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return;
         }
         self.write_register(offset, u32::from_le_bytes(bytes));
@@ -430,4 +421,39 @@ pub fn read_config_bytes(src: &[u8], offset: u64, data: &mut [u8]) {
     }
     let n = data.len().min(src.len() - start);
     data[..n].copy_from_slice(&src[start..start + n]);
+}
+
+impl snapshot::Persist for MmioTransport {
+    type State = super::persist::VirtioPersistState;
+    /// The rebuilt device, guest memory and the device's interrupt.
+    type ConstructorArgs = (Box<dyn VirtioDevice>, GuestMemoryMmap, Interrupt);
+    type Error = String;
+
+    fn save(&self) -> Result<Self::State, String> {
+        Ok(super::persist::VirtioPersistState {
+            kind: self.device.persist_kind(),
+            transport: self.registers(),
+            queues: self.queues.iter().map(Into::into).collect(),
+        })
+    }
+
+    fn restore(args: Self::ConstructorArgs, state: &Self::State) -> Result<Self, String> {
+        let (device, mem, interrupt) = args;
+        let queues = state
+            .queues
+            .iter()
+            .map(|q| q.to_queue())
+            .collect::<Result<Vec<_>, _>>()?;
+        if queues.len() != device.queue_max_sizes().len() {
+            return Err(format!(
+                "{}: the snapshot has {} queues, the device {}",
+                device.name(),
+                queues.len(),
+                device.queue_max_sizes().len()
+            ));
+        }
+        let mut transport = MmioTransport::new(device, mem, interrupt);
+        transport.load_state(&state.transport, queues);
+        Ok(transport)
+    }
 }

@@ -181,7 +181,7 @@ pub fn parse(mem: &GuestMemoryMmap, descriptors: &[Descriptor]) -> Result<Reques
         status: status.addr(),
     };
     if matches!(request_type, VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT)
-        && request.data_len() % SECTOR_SIZE != 0
+        && !request.data_len().is_multiple_of(SECTOR_SIZE)
     {
         return Err(ChainError::PartialSector(request.data_len()));
     }
