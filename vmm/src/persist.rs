@@ -409,7 +409,12 @@ pub fn restore_microvm(
     state_path: &Path,
     options: &RestoreOptions,
 ) -> Result<MicroVm, PersistError> {
+    let started = Instant::now();
+    let phase = |name: &str| {
+        log::debug!("restore: {name} done at {:.3} ms", started.elapsed().as_secs_f64() * 1e3)
+    };
     let state: MicroVmState = read_state_file(state_path)?;
+    phase("state file");
     let mem_mib = state.machine.mem_size_mib;
     if let Some(want) = options.expect_mem_mib {
         if want != mem_mib {
@@ -453,6 +458,7 @@ pub fn restore_microvm(
         .map(|d| rebuild_device(d, options))
         .collect::<Result<Vec<_>, _>>()?;
     let console = console_out(&options.console)?;
+    phase("memory files and devices");
 
     // Guest memory.
     let (base_layer, base_file) = &files[0];
@@ -514,6 +520,7 @@ pub fn restore_microvm(
     if let Some(track) = options.track_dirty_pages {
         machine.track_dirty_pages = track;
     }
+    phase("guest memory");
     let kvm = open_kvm().map_err(BuildError::from)?;
     let vm = Vm::restore(create_vm(&kvm, &mem, machine.track_dirty_pages)?, &state.vm)?;
     let generation = if options.new_generation {
@@ -521,18 +528,21 @@ pub fn restore_microvm(
     } else {
         state.generation
     };
+    phase("VM, irqchip, PIT, clock");
     let saved = SavedDevices {
         serial: &state.serial,
         i8042: &state.i8042,
         virtio: &state.devices,
     };
     let attached = attach_devices(&vm, &mem, devices, console, Some(&saved), generation)?;
+    phase("device wiring");
     let mut vcpus = Vec::new();
     let msrs = saveable_msrs(&kvm)?;
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
         let vcpu = Vcpu::new(vm.fd(), index as u8, std::sync::Arc::clone(&msrs))?;
         vcpus.push(Vcpu::restore(VcpuRestoreArgs { vcpu }, vcpu_state)?);
     }
+    phase("vCPUs");
     let memory = MemoryBacking {
         kind,
         layers,
