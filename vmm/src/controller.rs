@@ -17,7 +17,7 @@ use crate::builder::{build_microvm, MicroVm};
 use crate::config::{host_memory_mib, VmResources};
 use crate::devices::bus::lock;
 use crate::persist::{
-    create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType,
+    create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType, VmShell,
 };
 use crate::vstate::vcpu::VmExit;
 use std::path::Path;
@@ -72,6 +72,8 @@ pub struct Controller {
     stdin_state: StdinState,
     exit_code: Option<i32>,
     host_mib: u64,
+    shell: Option<VmShell>,
+    fork_pool: crate::fork::ForkPool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +118,8 @@ impl Controller {
             stdin_state: StdinState::Unwatched,
             exit_code: None,
             host_mib: host_memory_mib(),
+            shell: None,
+            fork_pool: crate::fork::ForkPool::new(0),
         })
     }
 
@@ -142,6 +146,20 @@ impl Controller {
         self.install(microvm)
     }
 
+    /// Builds an empty VM of `machine`'s shape now, so that a later snapshot load of that shape
+    /// skips KVM set-up (rollbox extension, used by fork).
+    pub fn prebuild_shell(
+        &mut self,
+        machine: &crate::config::MachineConfig,
+    ) -> Result<(), ActionError> {
+        machine
+            .validate(self.host_mib)
+            .map_err(|e| ActionError::bad_request(e.to_string()))?;
+        let shell = VmShell::build(machine).map_err(|e| ActionError::bad_request(e.to_string()))?;
+        self.shell = Some(shell);
+        Ok(())
+    }
+
     /// Restores a microVM from a snapshot and installs it.
     pub fn restore(
         &mut self,
@@ -154,7 +172,7 @@ impl Controller {
             ));
         }
         let started = Instant::now();
-        let microvm = restore_microvm(state_path, options)
+        let microvm = restore_microvm(state_path, options, self.shell.take())
             .map_err(|e| ActionError::bad_request(e.to_string()))?;
         log::info!(
             "restored {} in {:.2} ms",
@@ -163,6 +181,14 @@ impl Controller {
         );
         self.resources.machine = microvm.machine.clone();
         self.install(microvm)
+    }
+
+    /// Keeps `count` clone processes with empty VMs ready for `POST /fork` (rollbox extension).
+    pub fn set_fork_pool(&mut self, count: usize) {
+        self.fork_pool = crate::fork::ForkPool::new(count);
+        if let Some(vm) = &self.microvm {
+            self.fork_pool.refill(vm, count);
+        }
     }
 
     /// Registers a built or restored microVM's events with the event loop.
@@ -190,6 +216,7 @@ impl Controller {
                 message: format!("event loop: {e}"),
             })?;
         }
+        self.fork_pool.refill(&microvm, 0);
         self.microvm = Some(microvm);
         self.watch_stdin();
         Ok(())
@@ -496,7 +523,11 @@ impl Controller {
                 Ok(VmmData::Empty)
             }
             VmmAction::Fork(params) => {
-                let result = crate::fork::fork(self.running_mut()?, &params)?;
+                let vm = self
+                    .microvm
+                    .as_mut()
+                    .ok_or_else(|| ActionError::bad_request("the microVM has not been started"))?;
+                let result = crate::fork::fork(vm, &params, &mut self.fork_pool)?;
                 Ok(VmmData::Fork(result))
             }
         }

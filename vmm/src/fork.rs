@@ -1,8 +1,10 @@
-//! rollbox extension: fork a running microVM into N clones. The parent pauses briefly for a
-//! snapshot and resumes; each clone is a new `rollbox-vmm --restore` process with its own
-//! vsock socket, drive copies, API socket and console, and succeeds or fails on its own.
+//! rollbox extension: fork a running microVM into N clones. Clone processes start first, each
+//! pre-building an empty VM of the parent's shape while the parent pauses for a snapshot; then
+//! each clone loads the snapshot over its API socket. Every clone has its own vsock socket,
+//! drive copies, API socket and console, and succeeds or fails on its own.
 
 use std::fs::File;
+use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -14,7 +16,7 @@ use crate::api::{ActionError, CloneInfo, ForkParams, ForkResult};
 use crate::builder::MicroVm;
 use crate::devices::bus::lock;
 use crate::devices::virtio::persist::DevicePersistKind;
-use crate::persist::{create_snapshot, SnapshotType};
+use crate::persist::{create_snapshot, RestoreBackend, SnapshotType};
 
 /// How long a clone may take to come up.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -45,13 +47,114 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-struct Pending {
+/// Clone processes started ahead of a fork, each with an empty VM of the parent's shape, so
+/// a fork only pauses, snapshots and sends load requests.
+pub struct ForkPool {
+    dir: PathBuf,
+    shells: Vec<Clone>,
+    next: u32,
+    target: usize,
+}
+
+impl ForkPool {
+    /// An empty pool keeping `target` shells ready once filled.
+    pub fn new(target: usize) -> Self {
+        Self {
+            dir: PathBuf::from(format!("/dev/shm/rollbox-pool-{}", std::process::id())),
+            shells: Vec::new(),
+            next: 0,
+            target,
+        }
+    }
+
+    /// Starts shells until `target` are waiting (or at least `at_least`, if larger).
+    pub fn refill(&mut self, vm: &MicroVm, at_least: usize) {
+        self.target = self.target.max(at_least);
+        let Ok(exe) = std::env::current_exe() else {
+            return;
+        };
+        while self.shells.len() < self.target {
+            let index = self.next;
+            self.next += 1;
+            let mut clone = Clone::new(index, self.dir.join(format!("shell-{index}")));
+            match spawn_shell(&exe, &clone, vm) {
+                Ok(child) => {
+                    clone.info.pid = Some(child.id());
+                    clone.child = Some(child);
+                    self.shells.push(clone);
+                }
+                Err(e) => {
+                    log::warn!("fork pool: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn take(&mut self) -> Option<Clone> {
+        while let Some(mut clone) = self.shells.pop() {
+            let alive = clone
+                .child
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+            if alive {
+                return Some(clone);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for ForkPool {
+    fn drop(&mut self) {
+        for clone in &mut self.shells {
+            clone.fail("pool shut down".into());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Clone {
     info: CloneInfo,
+    dir: PathBuf,
     child: Option<Child>,
+    drive_overrides: Vec<(String, PathBuf)>,
+}
+
+impl Clone {
+    fn new(index: u32, dir: PathBuf) -> Self {
+        Clone {
+            info: CloneInfo {
+                index,
+                pid: None,
+                api_sock: dir.join("api.sock"),
+                vsock_uds: None,
+                console: dir.join("console.log"),
+                error: None,
+            },
+            dir,
+            child: None,
+            drive_overrides: Vec::new(),
+        }
+    }
+
+    fn fail(&mut self, error: String) {
+        if self.info.error.is_none() {
+            self.info.error = Some(error);
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Pauses `vm`, snapshots it, resumes it, and starts `params.count` clones.
-pub fn fork(vm: &mut MicroVm, params: &ForkParams) -> Result<ForkResult, ActionError> {
+pub fn fork(
+    vm: &mut MicroVm,
+    params: &ForkParams,
+    pool: &mut ForkPool,
+) -> Result<ForkResult, ActionError> {
     let started = Instant::now();
     let seq = FORKS.fetch_add(1, Ordering::SeqCst);
     let dir = params.dir.clone().unwrap_or_else(|| {
@@ -66,9 +169,39 @@ pub fn fork(vm: &mut MicroVm, params: &ForkParams) -> Result<ForkResult, ActionE
         .clone()
         .unwrap_or_else(|| "cow".into());
     backend
-        .parse::<crate::persist::RestoreBackend>()
+        .parse::<RestoreBackend>()
         .map_err(ActionError::bad_request)?;
+    let exe = std::env::current_exe()
+        .map_err(|e| ActionError::bad_request(format!("cannot find rollbox-vmm: {e}")))?;
 
+    // Clones come from the pool of ready shells; missing ones start now and build their empty
+    // VMs while the parent snapshots.
+    let mut clones: Vec<Clone> = (0..params.count)
+        .map(|index| {
+            let mut clone = match pool.take() {
+                Some(shell) => shell,
+                None => {
+                    let mut clone = Clone::new(index, dir.join(format!("clone-{index}")));
+                    match spawn_shell(&exe, &clone, vm) {
+                        Ok(child) => {
+                            clone.info.pid = Some(child.id());
+                            clone.child = Some(child);
+                        }
+                        Err(e) => clone.fail(e),
+                    }
+                    clone
+                }
+            };
+            clone.info.index = index;
+            clone
+        })
+        .collect();
+
+    let kinds: Vec<DevicePersistKind> = vm
+        .virtio
+        .iter()
+        .map(|s| lock(&s.transport).device().persist_kind())
+        .collect();
     let was_paused = vm.paused;
     vm.pause();
     let snapshot = create_snapshot(
@@ -77,83 +210,90 @@ pub fn fork(vm: &mut MicroVm, params: &ForkParams) -> Result<ForkResult, ActionE
         &dir.join("vmstate"),
         &dir.join("memory"),
     );
+    // Drives are copied while the VM is paused, so they match the memory snapshot.
+    if snapshot.is_ok() {
+        for clone in clones.iter_mut().filter(|c| c.info.error.is_none()) {
+            if let Err(e) = prepare_devices(clone, &kinds) {
+                clone.fail(e);
+            }
+        }
+    }
     if !was_paused {
         vm.resume();
     }
     let paused_ms = started.elapsed().as_secs_f64() * 1e3;
-    snapshot.map_err(|e| ActionError::bad_request(format!("fork snapshot: {e}")))?;
-
-    let kinds: Vec<DevicePersistKind> = vm
-        .virtio
-        .iter()
-        .map(|s| lock(&s.transport).device().persist_kind())
-        .collect();
-    let exe = std::env::current_exe()
-        .map_err(|e| ActionError::bad_request(format!("cannot find rollbox-vmm: {e}")))?;
-    let mut pending = Vec::new();
-    for index in 0..params.count {
-        let clone_dir = dir.join(format!("clone-{index}"));
-        let mut info = CloneInfo {
-            index,
-            pid: None,
-            api_sock: clone_dir.join("api.sock"),
-            vsock_uds: None,
-            console: clone_dir.join("console.log"),
-            error: None,
-        };
-        match spawn_clone(&exe, &dir, &clone_dir, &kinds, params, &backend, &mut info) {
-            Ok(child) => {
-                info.pid = Some(child.id());
-                pending.push(Pending {
-                    info,
-                    child: Some(child),
-                });
-            }
-            Err(e) => {
-                info.error = Some(e);
-                pending.push(Pending { info, child: None });
-            }
+    if let Err(e) = snapshot {
+        for clone in &mut clones {
+            clone.fail("fork snapshot failed".into());
         }
+        return Err(ActionError::bad_request(format!("fork snapshot: {e}")));
     }
-    wait_for_clones(&mut pending);
-    let clones = pending
+
+    let state_path = dir.join("vmstate");
+    let memory_path = dir.join("memory");
+    std::thread::scope(|scope| {
+        for clone in clones.iter_mut().filter(|c| c.info.error.is_none()) {
+            let (state_path, memory_path, backend) = (&state_path, &memory_path, &backend);
+            scope.spawn(move || {
+                if let Err(e) = load_clone(
+                    clone,
+                    state_path,
+                    memory_path,
+                    backend,
+                    params.new_generation,
+                ) {
+                    clone.fail(e);
+                }
+            });
+        }
+    });
+    let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+    // Replace the shells this fork used; they build their VMs in the background.
+    pool.refill(vm, params.count as usize);
+    let clones = clones
         .into_iter()
-        .map(|mut p| {
-            if let Some(mut child) = p.child.take() {
+        .map(|mut c| {
+            if let Some(mut child) = c.child.take() {
                 // Reap the clone whenever it ends; it outlives this request.
                 std::thread::spawn(move || child.wait());
             }
-            p.info
+            c.info
         })
         .collect();
     Ok(ForkResult {
         snapshot_dir: dir,
         paused_ms,
-        elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+        elapsed_ms,
         clones,
     })
 }
 
-fn spawn_clone(
-    exe: &Path,
-    snapshot_dir: &Path,
-    clone_dir: &Path,
-    kinds: &[DevicePersistKind],
-    params: &ForkParams,
-    backend: &str,
-    info: &mut CloneInfo,
-) -> Result<Child, String> {
-    std::fs::create_dir_all(clone_dir)
-        .map_err(|e| format!("cannot create {}: {e}", clone_dir.display()))?;
+/// Starts a clone process that pre-builds an empty VM of the parent's shape.
+fn spawn_shell(exe: &Path, clone: &Clone, vm: &MicroVm) -> Result<Child, String> {
+    std::fs::create_dir_all(&clone.dir)
+        .map_err(|e| format!("cannot create {}: {e}", clone.dir.display()))?;
     let mut cmd = Command::new(exe);
-    cmd.arg("--restore").arg(snapshot_dir);
-    cmd.arg("--restore-backend").arg(backend);
-    cmd.arg("--api-sock").arg(&info.api_sock);
-    cmd.arg("--console").arg(&info.console);
-    cmd.arg("--log-path").arg(clone_dir.join("vmm.log"));
-    if params.new_generation {
-        cmd.arg("--new-generation");
+    cmd.arg("--api-sock").arg(&clone.info.api_sock);
+    cmd.arg("--console").arg(&clone.info.console);
+    cmd.arg("--log-path").arg(clone.dir.join("vmm.log"));
+    cmd.arg("--shell-memory-mib")
+        .arg(vm.machine.mem_size_mib.to_string());
+    cmd.arg("--shell-vcpus")
+        .arg(vm.machine.vcpu_count.to_string());
+    if vm.machine.track_dirty_pages {
+        cmd.arg("--track-dirty-pages");
     }
+    let stderr =
+        File::create(clone.dir.join("stderr.log")).map_err(|e| format!("stderr log: {e}"))?;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr);
+    cmd.spawn()
+        .map_err(|e| format!("cannot start {}: {e}", exe.display()))
+}
+
+/// Copies writable drives and picks the clone's vsock socket.
+fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(), String> {
     for kind in kinds {
         match kind {
             DevicePersistKind::Block {
@@ -164,64 +304,110 @@ fn spawn_clone(
                 let target = if *read_only {
                     path.clone()
                 } else {
-                    let copy = clone_dir.join(format!("{id}.img"));
+                    let copy = clone.dir.join(format!("{id}.img"));
                     copy_sparse(path, &copy)
                         .map_err(|e| format!("copying drive {id} ({}): {e}", path.display()))?;
                     copy
                 };
-                cmd.arg("--drive-override")
-                    .arg(format!("{id}={}", target.display()));
+                clone.drive_overrides.push((id.clone(), target));
             }
             DevicePersistKind::Vsock { .. } => {
-                let uds = clone_dir.join("vsock.sock");
-                cmd.arg("--vsock-uds").arg(&uds);
-                info.vsock_uds = Some(uds);
+                clone.info.vsock_uds = Some(clone.dir.join("vsock.sock"))
             }
         }
     }
-    let stderr =
-        File::create(clone_dir.join("stderr.log")).map_err(|e| format!("stderr log: {e}"))?;
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr);
-    cmd.spawn()
-        .map_err(|e| format!("cannot start {}: {e}", exe.display()))
+    Ok(())
 }
 
-fn wait_for_clones(pending: &mut [Pending]) {
+/// Waits for the clone's API socket and asks it to load the snapshot.
+fn load_clone(
+    clone: &mut Clone,
+    state: &Path,
+    memory: &Path,
+    backend: &str,
+    new_generation: bool,
+) -> Result<(), String> {
     let deadline = Instant::now() + CLONE_READY_TIMEOUT;
-    loop {
-        let mut waiting = false;
-        for p in pending.iter_mut() {
-            let Some(child) = p.child.as_mut() else {
-                continue;
-            };
-            if p.info.error.is_some() || ready(&p.info.api_sock) {
-                continue;
-            }
-            match child.try_wait() {
-                Ok(Some(status)) => {
+    let mut stream = loop {
+        match UnixStream::connect(&clone.info.api_sock) {
+            Ok(stream) => break stream,
+            Err(_) if Instant::now() < deadline => {
+                if let Some(Ok(Some(status))) = clone.child.as_mut().map(|c| c.try_wait()) {
                     let stderr =
-                        std::fs::read_to_string(p.info.console.with_file_name("stderr.log"))
-                            .unwrap_or_default();
-                    p.info.error = Some(format!("clone exited with {status}: {}", stderr.trim()));
-                    p.child = None;
+                        std::fs::read_to_string(clone.dir.join("stderr.log")).unwrap_or_default();
+                    return Err(format!("clone exited with {status}: {}", stderr.trim()));
                 }
-                Ok(None) if Instant::now() > deadline => {
-                    p.info.error = Some("clone did not come up in time".into());
-                }
-                Ok(None) => waiting = true,
-                Err(e) => p.info.error = Some(format!("cannot watch the clone: {e}")),
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            Err(e) => return Err(format!("clone API socket never came up: {e}")),
+        }
+    };
+    let overrides: serde_json::Map<String, serde_json::Value> = clone
+        .drive_overrides
+        .iter()
+        .map(|(id, path)| {
+            (
+                id.clone(),
+                serde_json::Value::String(path.display().to_string()),
+            )
+        })
+        .collect();
+    let mut body = serde_json::json!({
+        "snapshot_path": state,
+        "mem_backend": {"backend_type": "File", "backend_path": memory},
+        "resume_vm": true,
+        "rollbox": {
+            "restore_backend": backend,
+            "new_generation": new_generation,
+            "drive_overrides": overrides,
+        },
+    });
+    if let Some(uds) = &clone.info.vsock_uds {
+        body["vsock_override"] = serde_json::json!({ "uds_path": uds });
+    }
+    let body = body.to_string();
+    let request = format!(
+        "PUT /snapshot/load HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|e| format!("sending the load request: {e}"))?;
+    stream
+        .set_read_timeout(Some(CLONE_READY_TIMEOUT))
+        .map_err(|e| format!("clone API socket: {e}"))?;
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream
+            .read(&mut buf)
+            .map_err(|e| format!("reading the load answer: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        response.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&response);
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_string())
+                })
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if response.len() >= end + 4 + length {
+                break;
             }
         }
-        if !waiting {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(1));
     }
-}
-
-/// Whether a clone's API socket answers (its restore finished before the socket was bound).
-fn ready(sock: &Path) -> bool {
-    UnixStream::connect(sock).is_ok()
+    let text = String::from_utf8_lossy(&response).to_string();
+    match text.split_whitespace().nth(1) {
+        Some("204") | Some("200") => Ok(()),
+        _ => Err(format!(
+            "clone refused the snapshot: {}",
+            text.split("\r\n\r\n").nth(1).unwrap_or(&text).trim()
+        )),
+    }
 }

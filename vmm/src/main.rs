@@ -70,6 +70,17 @@ struct Args {
     /// With --restore: start paused.
     #[arg(long, requires = "restore")]
     paused: bool,
+    /// With --api-sock and no kernel: pre-build an empty VM with this much memory, so that a
+    /// `PUT /snapshot/load` of that shape skips KVM set-up (rollbox extension).
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["kernel", "restore"])]
+    shell_memory_mib: Option<u64>,
+    /// vCPUs of the pre-built VM.
+    #[arg(long, default_value_t = 1, requires = "shell_memory_mib")]
+    shell_vcpus: u64,
+    /// Keep this many clone processes with empty VMs ready, so `POST /fork` only snapshots
+    /// and loads (rollbox extension; the pool refills after each fork).
+    #[arg(long, default_value_t = 0)]
+    fork_pool: usize,
     /// Guest console: `stdout` or a file path [default: stdout].
     #[arg(long)]
     console: Option<String>,
@@ -199,6 +210,7 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
     let mut controller =
         Controller::new(VmResources::default(), Some(api_rx), Arc::clone(&api_evt))
             .map_err(|e| e.to_string())?;
+    controller.set_fork_pool(args.fork_pool);
     controller
         .restore(&state, &options)
         .map_err(|e| e.message)?;
@@ -234,8 +246,19 @@ fn run(args: Args) -> Result<i32, String> {
         ),
         None => None,
     };
+    let track_dirty_pages = resources.machine.track_dirty_pages;
     let mut controller =
         Controller::new(resources, Some(api_rx), api_evt).map_err(|e| e.to_string())?;
+    if let Some(mem_size_mib) = args.shell_memory_mib {
+        let machine = vmm::config::MachineConfig {
+            vcpu_count: args.shell_vcpus,
+            mem_size_mib,
+            track_dirty_pages,
+            ..Default::default()
+        };
+        controller.prebuild_shell(&machine).map_err(|e| e.message)?;
+    }
+    controller.set_fork_pool(args.fork_pool);
     if boot_now {
         controller.start().map_err(|e| e.message)?;
     }

@@ -31,9 +31,11 @@ use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::VirtioDevice;
+use crate::vstate::memory::create_guest_memory;
 use crate::vstate::memory::GuestMemoryMmap;
 use crate::vstate::vcpu::{saveable_msrs, Vcpu, VcpuError, VcpuRestoreArgs, VcpuState};
 use crate::vstate::vm::{open_kvm, Vm, VmState, VmStateError};
+use kvm_ioctls::Kvm;
 use snapshot::Persist;
 
 /// Errors from creating or restoring snapshots.
@@ -404,14 +406,118 @@ fn rebuild_device(
     }
 }
 
+/// An empty VM built ahead of a restore: memory registered, irqchip and PIT created, vCPUs
+/// created. KVM set-up is the slow part of a restore on these hosts (slot registration and
+/// irqchip creation take milliseconds); a shell moves it off the restore path.
+pub struct VmShell {
+    /// /dev/kvm.
+    pub kvm: Kvm,
+    /// The VM.
+    pub vm: Vm,
+    /// Anonymous guest memory, registered and never touched.
+    pub mem: GuestMemoryMmap,
+    /// Created, unconfigured vCPUs.
+    pub vcpus: Vec<Vcpu>,
+    /// The shape it was built for.
+    pub machine: MachineConfig,
+}
+
+impl VmShell {
+    /// Builds a shell for `machine`.
+    pub fn build(machine: &MachineConfig) -> Result<Self, PersistError> {
+        let kvm = open_kvm().map_err(BuildError::from)?;
+        let mem = create_guest_memory(machine.mem_size_mib << 20).map_err(BuildError::from)?;
+        let vm = create_vm(&kvm, &mem, machine.track_dirty_pages)?;
+        let msrs = saveable_msrs(&kvm)?;
+        let vcpus = (0..machine.vcpu_count as u8)
+            .map(|index| Vcpu::new(vm.fd(), index, std::sync::Arc::clone(&msrs)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            kvm,
+            vm,
+            mem,
+            vcpus,
+            machine: machine.clone(),
+        })
+    }
+
+    /// Whether a snapshot of this shape can be restored into the shell.
+    fn fits(&self, machine: &MachineConfig, regions: &[(u64, u64)]) -> bool {
+        let ours: Vec<(u64, u64)> = self
+            .mem
+            .iter()
+            .map(|r| (r.start_addr().0, r.len()))
+            .collect();
+        self.machine.vcpu_count == machine.vcpu_count
+            && self.machine.track_dirty_pages == machine.track_dirty_pages
+            && ours == regions
+    }
+}
+
+/// Maps the memory file privately over a registered region (KVM follows the change).
+fn map_file_over(file: &File, path: &Path, region: &HostRegion) -> Result<(), PersistError> {
+    // SAFETY: `region` is a live guest memory mapping owned by the shell, no vCPU runs yet, and
+    // MAP_FIXED replaces exactly that range with a private mapping of the same length.
+    let addr = unsafe {
+        libc::mmap(
+            region.host.cast(),
+            region.len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            std::os::fd::AsRawFd::as_raw_fd(file),
+            region.file_offset as libc::off_t,
+        )
+    };
+    if addr != region.host.cast() {
+        return Err(PersistError::Map {
+            path: path.to_path_buf(),
+            detail: std::io::Error::last_os_error().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Builds guest memory for a restore without a shell.
+fn fresh_memory(
+    regions: &[(u64, u64)],
+    backend: RestoreBackend,
+    base_file: &File,
+    base_path: &Path,
+) -> Result<GuestMemoryMmap, PersistError> {
+    let map_err = |detail: String| PersistError::Map {
+        path: base_path.to_path_buf(),
+        detail,
+    };
+    let mut offset = 0;
+    let mut out = Vec::new();
+    for &(guest_addr, len) in regions {
+        let region = match backend {
+            RestoreBackend::Cow => map_cow_region(base_file, base_path, offset, len, guest_addr)?,
+            RestoreBackend::Uffd | RestoreBackend::Copy => {
+                let mapping = MmapRegion::<AtomicBitmap>::new(len as usize)
+                    .map_err(|e| map_err(e.to_string()))?;
+                GuestRegionMmap::new(mapping, GuestAddress(guest_addr))
+                    .ok_or_else(|| map_err("region overflows".into()))?
+            }
+        };
+        out.push(region);
+        offset += len;
+    }
+    GuestMemoryMmap::from_regions(out).map_err(|e| map_err(e.to_string()))
+}
+
 /// Restores a microVM from the state file at `state_path`.
 pub fn restore_microvm(
     state_path: &Path,
     options: &RestoreOptions,
+    shell: Option<VmShell>,
 ) -> Result<MicroVm, PersistError> {
     let started = Instant::now();
     let phase = |name: &str| {
-        log::debug!("restore: {name} done at {:.3} ms", started.elapsed().as_secs_f64() * 1e3)
+        log::debug!(
+            "restore: {name} done at {:.3} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        )
     };
     let state: MicroVmState = read_state_file(state_path)?;
     phase("state file");
@@ -460,37 +566,26 @@ pub fn restore_microvm(
     let console = console_out(&options.console)?;
     phase("memory files and devices");
 
-    // Guest memory.
+    // Guest memory: a pre-built shell of the same shape is reused (the snapshot's memory is
+    // mapped over its registered slots), otherwise memory and the VM are built now.
     let (base_layer, base_file) = &files[0];
-    let mut offset = 0;
-    let mut regions = Vec::new();
-    for &(guest_addr, len) in &state.regions {
-        let region = match options.backend {
-            RestoreBackend::Cow => {
-                map_cow_region(base_file, &base_layer.path, offset, len, guest_addr)?
-            }
-            RestoreBackend::Uffd | RestoreBackend::Copy => {
-                let mapping = MmapRegion::<AtomicBitmap>::new(len as usize).map_err(|e| {
-                    PersistError::Map {
-                        path: base_layer.path.clone(),
-                        detail: e.to_string(),
-                    }
-                })?;
-                GuestRegionMmap::new(mapping, GuestAddress(guest_addr)).ok_or_else(|| {
-                    PersistError::Map {
-                        path: base_layer.path.clone(),
-                        detail: "region overflows".into(),
-                    }
-                })?
-            }
-        };
-        regions.push(region);
-        offset += len;
+    let mut machine = state.machine.clone();
+    if let Some(track) = options.track_dirty_pages {
+        machine.track_dirty_pages = track;
     }
-    let mem = GuestMemoryMmap::from_regions(regions).map_err(|e| PersistError::Map {
-        path: base_layer.path.clone(),
-        detail: e.to_string(),
-    })?;
+    let shell = shell.filter(|s| s.fits(&machine, &state.regions));
+    let reuse_shell = shell.is_some();
+    let mem = match &shell {
+        Some(shell) => {
+            if options.backend == RestoreBackend::Cow {
+                for region in host_regions(&shell.mem) {
+                    map_file_over(base_file, &base_layer.path, &region)?;
+                }
+            }
+            shell.mem.clone()
+        }
+        None => fresh_memory(&state.regions, options.backend, base_file, &base_layer.path)?,
+    };
     let hosts = host_regions(&mem);
     let (kind, page_server) = match options.backend {
         RestoreBackend::Cow => {
@@ -516,13 +611,17 @@ pub fn restore_microvm(
         }
     };
 
-    let mut machine = state.machine.clone();
-    if let Some(track) = options.track_dirty_pages {
-        machine.track_dirty_pages = track;
-    }
     phase("guest memory");
-    let kvm = open_kvm().map_err(BuildError::from)?;
-    let vm = Vm::restore(create_vm(&kvm, &mem, machine.track_dirty_pages)?, &state.vm)?;
+    let (kvm, vm, mut shell_vcpus) = match shell {
+        Some(shell) => (shell.kvm, shell.vm, shell.vcpus),
+        None => {
+            let kvm = open_kvm().map_err(BuildError::from)?;
+            let vm = create_vm(&kvm, &mem, machine.track_dirty_pages)?;
+            (kvm, vm, Vec::new())
+        }
+    };
+    log::debug!("restore: pre-built shell used: {reuse_shell}");
+    let vm = Vm::restore(vm, &state.vm)?;
     let generation = if options.new_generation {
         snapshot::memory::random_id()
     } else {
@@ -538,8 +637,12 @@ pub fn restore_microvm(
     phase("device wiring");
     let mut vcpus = Vec::new();
     let msrs = saveable_msrs(&kvm)?;
+    shell_vcpus.reverse();
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
-        let vcpu = Vcpu::new(vm.fd(), index as u8, std::sync::Arc::clone(&msrs))?;
+        let vcpu = match shell_vcpus.pop() {
+            Some(vcpu) => vcpu,
+            None => Vcpu::new(vm.fd(), index as u8, std::sync::Arc::clone(&msrs))?,
+        };
         vcpus.push(Vcpu::restore(VcpuRestoreArgs { vcpu }, vcpu_state)?);
     }
     phase("vCPUs");

@@ -32,6 +32,10 @@ pub struct SerialPersistState {
     pub scratch: u8,
     /// Bytes the guest has not read yet.
     pub in_buffer: Vec<u8>,
+    /// Empty line-status polls in a row: a guest that was idle-polling stays paced after a
+    /// restore instead of spinning at full speed.
+    #[serde(default)]
+    pub empty_polls: u32,
 }
 
 impl From<SerialState> for SerialPersistState {
@@ -47,6 +51,7 @@ impl From<SerialState> for SerialPersistState {
             modem_status: s.modem_status,
             scratch: s.scratch,
             in_buffer: s.in_buffer,
+            empty_polls: 0,
         }
     }
 }
@@ -97,7 +102,9 @@ impl Persist for SerialDevice {
     type Error = String;
 
     fn save(&self) -> Result<SerialPersistState, String> {
-        Ok(self.uart_state().into())
+        let mut state: SerialPersistState = self.uart_state().into();
+        state.empty_polls = self.empty_polls();
+        Ok(state)
     }
 
     fn restore(args: SerialArgs, state: &SerialPersistState) -> Result<Self, String> {

@@ -137,9 +137,14 @@ impl SerialDevice {
         Serial::from_state(&state.into(), irq, InputRoom(room), out)
             .map(|uart| Self {
                 uart,
-                empty_polls: 0,
+                empty_polls: state.empty_polls,
             })
             .map_err(|e| format!("serial state: {e:?}"))
+    }
+
+    /// Empty line-status polls in a row.
+    pub fn empty_polls(&self) -> u32 {
+        self.empty_polls
     }
 
     /// The UART's registers and FIFO.
