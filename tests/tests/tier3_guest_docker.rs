@@ -237,6 +237,18 @@ fn prepare(work: &Path) -> Prepared {
             ])
             .arg(&tarball)
             .arg(&tag));
+        // Images of older base tarballs (an older script) are never used again.
+        let listed = run(Command::new("docker").args([
+            "images",
+            "--format",
+            "{{.Repository}}:{{.Tag}}",
+            DEBIAN_REPO,
+        ]));
+        for old in String::from_utf8_lossy(&listed.stdout).lines() {
+            if old.trim() != tag && !old.trim().is_empty() {
+                let _ = Command::new("docker").args(["rmi", old.trim()]).output();
+            }
+        }
     }
     let archive = work.join("debian-docker.tar");
     run(Command::new("docker")
