@@ -188,47 +188,20 @@ impl Vm {
 }
 
 fn api(sock: &Path, method: &str, path: &str, body: &str) -> Result<String, SnapshotBenchError> {
-    let fail = |e: std::io::Error| SnapshotBenchError::Guest(format!("{method} {path}: {e}"));
-    let mut s = UnixStream::connect(sock).map_err(fail)?;
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(request.as_bytes()).map_err(fail)?;
-    let mut response = Vec::new();
-    let mut buf = [0u8; 8192];
-    loop {
-        let n = s.read(&mut buf).map_err(fail)?;
-        if n == 0 {
-            break;
-        }
-        response.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&response).to_string();
-        if let Some(end) = text.find("\r\n\r\n") {
-            let len = text[..end]
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().to_string())
-                })
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(0);
-            if response.len() >= end + 4 + len {
-                let status = text.split_whitespace().nth(1).unwrap_or("0").to_string();
-                if !status.starts_with('2') {
-                    return Err(SnapshotBenchError::Guest(format!(
-                        "{method} {path} -> {status}: {}",
-                        &text[end + 4..]
-                    )));
-                }
-                return Ok(text[end + 4..end + 4 + len].to_string());
-            }
-        }
+    let (status, answer) = vmm::api::http::unix_request(
+        sock,
+        method,
+        path,
+        Some(body),
+        Some(Duration::from_secs(600)),
+    )
+    .map_err(|e| SnapshotBenchError::Guest(format!("{method} {path}: {e}")))?;
+    if !(200..300).contains(&status) {
+        return Err(SnapshotBenchError::Guest(format!(
+            "{method} {path} -> {status}: {answer}"
+        )));
     }
-    Err(SnapshotBenchError::Guest(format!(
-        "{method} {path}: incomplete answer"
-    )))
+    Ok(answer)
 }
 
 fn wait_socket(path: &Path) -> Result<(), SnapshotBenchError> {

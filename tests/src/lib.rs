@@ -245,52 +245,10 @@ pub fn raw_image(path: &Path, bytes: u64) {
     file.set_len(bytes).expect("size image");
 }
 
-/// A small HTTP client for the API socket: returns (status, body).
+/// One request to an API socket: returns (status, body).
 pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut stream =
-        UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {}: {e}", sock.display()));
-    let body = body.unwrap_or("");
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).expect("send request");
-    let mut response = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = stream.read(&mut buf).expect("read response");
-        if n == 0 {
-            break;
-        }
-        response.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&response).to_string();
-        if let Some(head_end) = text.find("\r\n\r\n") {
-            let length = text[..head_end]
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().to_string())
-                })
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(0);
-            if response.len() >= head_end + 4 + length {
-                let status = text
-                    .split_whitespace()
-                    .nth(1)
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0);
-                return (
-                    status,
-                    text[head_end + 4..head_end + 4 + length].to_string(),
-                );
-            }
-        }
-    }
-    panic!(
-        "incomplete HTTP response: {:?}",
-        String::from_utf8_lossy(&response)
-    );
+    vmm::api::http::unix_request(sock, method, path, body, Some(Duration::from_secs(60)))
+        .unwrap_or_else(|e| panic!("{method} {path} on {}: {e}", sock.display()))
 }
 
 /// Waits until `path` accepts connections.

@@ -4,7 +4,6 @@
 //! drive copies, API socket and console, and succeeds or fails on its own.
 
 use std::fs::File;
-use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -12,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::api::http::unix_request;
 use crate::api::{ActionError, CloneInfo, ForkParams, ForkResult};
 use crate::builder::MicroVm;
 use crate::devices::bus::lock;
@@ -328,20 +328,16 @@ fn load_clone(
     new_generation: bool,
 ) -> Result<(), String> {
     let deadline = Instant::now() + CLONE_READY_TIMEOUT;
-    let mut stream = loop {
-        match UnixStream::connect(&clone.info.api_sock) {
-            Ok(stream) => break stream,
-            Err(_) if Instant::now() < deadline => {
-                if let Some(Ok(Some(status))) = clone.child.as_mut().map(|c| c.try_wait()) {
-                    let stderr =
-                        std::fs::read_to_string(clone.dir.join("stderr.log")).unwrap_or_default();
-                    return Err(format!("clone exited with {status}: {}", stderr.trim()));
-                }
-                std::thread::sleep(Duration::from_micros(500));
-            }
-            Err(e) => return Err(format!("clone API socket never came up: {e}")),
+    while UnixStream::connect(&clone.info.api_sock).is_err() {
+        if let Some(Ok(Some(status))) = clone.child.as_mut().map(|c| c.try_wait()) {
+            let stderr = std::fs::read_to_string(clone.dir.join("stderr.log")).unwrap_or_default();
+            return Err(format!("clone exited with {status}: {}", stderr.trim()));
         }
-    };
+        if Instant::now() > deadline {
+            return Err("clone API socket never came up".into());
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
     let overrides: serde_json::Map<String, serde_json::Value> = clone
         .drive_overrides
         .iter()
@@ -365,49 +361,19 @@ fn load_clone(
     if let Some(uds) = &clone.info.vsock_uds {
         body["vsock_override"] = serde_json::json!({ "uds_path": uds });
     }
-    let body = body.to_string();
-    let request = format!(
-        "PUT /snapshot/load HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream
-        .write_all(request.as_bytes())
-        .map_err(|e| format!("sending the load request: {e}"))?;
-    stream
-        .set_read_timeout(Some(CLONE_READY_TIMEOUT))
-        .map_err(|e| format!("clone API socket: {e}"))?;
-    let mut response = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = stream
-            .read(&mut buf)
-            .map_err(|e| format!("reading the load answer: {e}"))?;
-        if n == 0 {
-            break;
-        }
-        response.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&response);
-        if let Some(end) = text.find("\r\n\r\n") {
-            let length = text[..end]
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().to_string())
-                })
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(0);
-            if response.len() >= end + 4 + length {
-                break;
-            }
-        }
-    }
-    let text = String::from_utf8_lossy(&response).to_string();
-    match text.split_whitespace().nth(1) {
-        Some("204") | Some("200") => Ok(()),
+    let (status, answer) = unix_request(
+        &clone.info.api_sock,
+        "PUT",
+        "/snapshot/load",
+        Some(&body.to_string()),
+        Some(CLONE_READY_TIMEOUT),
+    )
+    .map_err(|e| format!("loading the snapshot: {e}"))?;
+    match status {
+        200 | 204 => Ok(()),
         _ => Err(format!(
-            "clone refused the snapshot: {}",
-            text.split("\r\n\r\n").nth(1).unwrap_or(&text).trim()
+            "clone refused the snapshot ({status}): {}",
+            answer.trim()
         )),
     }
 }

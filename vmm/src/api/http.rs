@@ -151,6 +151,59 @@ pub fn write_response(out: &mut impl Write, status: u16, json: Option<&str>) -> 
     out.flush()
 }
 
+/// Sends one request over the Unix socket at `sock` and returns the status and body: the
+/// client used by fork, the integration tests and the benchmarks.
+pub fn unix_request(
+    sock: &std::path::Path,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: Option<std::time::Duration>,
+) -> io::Result<(u16, String)> {
+    let mut stream = std::os::unix::net::UnixStream::connect(sock)?;
+    stream.set_read_timeout(timeout)?;
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes())?;
+    let mut response = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed mid-response",
+            ));
+        }
+        response.extend_from_slice(&chunk[..n]);
+        let Some(head_end) = response.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&response[..head_end]).to_string();
+        let length = head
+            .lines()
+            .find_map(|l| {
+                l.split_once(':')
+                    .filter(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+            })
+            .and_then(|(_, v)| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        if response.len() >= head_end + 4 + length {
+            let status = head
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            let body =
+                String::from_utf8_lossy(&response[head_end + 4..head_end + 4 + length]).to_string();
+            return Ok((status, body));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
