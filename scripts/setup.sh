@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(
     build-essential gcc binutils pkg-config libclang-dev   # rust-vmm builds, userfaultfd-sys
-    e2fsprogs cpio busybox-static file curl jq socat python3  # rootfs images, test initramfs
+    e2fsprogs cpio busybox-static file curl jq socat python3 debootstrap  # rootfs images, test initramfs
     qemu-system-x86                                         # the TCG tier
     docker.io docker-registry                               # Docker tests, local OCI registry
     linux-source-6.1 flex bison bc libelf-dev libssl-dev    # the guest kernel build

@@ -68,6 +68,10 @@ pub struct SizeReport {
     pub restore_cow_ms: Option<Summary>,
     /// Same, uffd.
     pub restore_uffd_ms: Option<Summary>,
+    /// Into a pre-built VM shell: the `PUT /snapshot/load` call, ms.
+    pub shell_load_call_ms: Option<Summary>,
+    /// Into a pre-built VM shell: load call sent -> first serial byte, ms.
+    pub shell_load_to_first_byte_ms: Option<Summary>,
     /// Same, copy.
     pub restore_copy_ms: Option<Summary>,
     /// Process start → guest has read its whole working set, uffd without prefetch, ms.
@@ -363,6 +367,38 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         Ok(out)
     };
     let restore_cow = restore("cow")?;
+    // A pre-built VM shell (what fork's pool uses): load call -> first serial byte.
+    let mut shell_load = Vec::new();
+    let mut shell_first = Vec::new();
+    for rep in 0..config.reps {
+        let shell_sock = base.join(format!("shell{rep}.sock"));
+        let args: Vec<String> = [
+            "--api-sock",
+            &shell_sock.display().to_string(),
+            "--shell-memory-mib",
+            &mem_mib.to_string(),
+            "--track-dirty-pages",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (vm, _) = Vm::spawn(&config.vmm, &args, "echo r\n")?;
+        wait_socket(&shell_sock)?;
+        api(&shell_sock, "GET", "/", "")?;
+        let body = format!(
+            r#"{{"snapshot_path":"{0}/vmstate","mem_backend":{{"backend_type":"File","backend_path":"{0}/memory"}},"resume_vm":true,"track_dirty_pages":true}}"#,
+            snap.display()
+        );
+        let started = Instant::now();
+        api(&shell_sock, "PUT", "/snapshot/load", &body)?;
+        shell_load.push(ms(started.elapsed()));
+        let first = vm
+            .first_byte
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|_| SnapshotBenchError::Guest("shell restore printed nothing".into()))?;
+        shell_first.push(ms(first.saturating_duration_since(started)));
+        vm.stop();
+    }
     let restore_uffd = restore("uffd")?;
     let restore_copy = restore("copy")?;
 
@@ -416,6 +452,8 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         snapshot_full_ms: summarize(&full),
         snapshot_diff_ms: summarize(&diff),
         restore_cow_ms: summarize(&restore_cow),
+        shell_load_call_ms: summarize(&shell_load),
+        shell_load_to_first_byte_ms: summarize(&shell_first),
         restore_uffd_ms: summarize(&restore_uffd),
         restore_copy_ms: summarize(&restore_copy),
         working_set_uffd_ms: summarize(&ws_uffd),
@@ -486,6 +524,16 @@ pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String 
             "| restore cow: process start -> first serial byte | {} ({}) | {fc_restore} (load call + load -> serial) |\n",
             cell(&r.restore_cow_ms),
             ratio(&r.restore_cow_ms)
+        ));
+        out.push_str(&format!(
+            "| restore into a pre-built VM (cow): load call | {} | {} (load call) |\n",
+            cell(&r.shell_load_call_ms),
+            fc_restore.split(" + ").next().unwrap_or("n/a")
+        ));
+        out.push_str(&format!(
+            "| restore into a pre-built VM (cow): load sent -> first serial byte | {} ({}) | {fc_restore} |\n",
+            cell(&r.shell_load_to_first_byte_ms),
+            ratio(&r.shell_load_to_first_byte_ms)
         ));
         out.push_str(&format!(
             "| restore uffd: process start -> first serial byte | {} | n/a |\n",

@@ -231,12 +231,14 @@ pub fn fork(
 
     let state_path = dir.join("vmstate");
     let memory_path = dir.join("memory");
+    let track_dirty_pages = vm.machine.track_dirty_pages;
     std::thread::scope(|scope| {
         for clone in clones.iter_mut().filter(|c| c.info.error.is_none()) {
             let (state_path, memory_path, backend) = (&state_path, &memory_path, &backend);
             scope.spawn(move || {
                 if let Err(e) = load_clone(
                     clone,
+                    track_dirty_pages,
                     state_path,
                     memory_path,
                     backend,
@@ -322,6 +324,7 @@ fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(),
 /// Waits for the clone's API socket and asks it to load the snapshot.
 fn load_clone(
     clone: &mut Clone,
+    track_dirty_pages: bool,
     state: &Path,
     memory: &Path,
     backend: &str,
@@ -352,6 +355,7 @@ fn load_clone(
         "snapshot_path": state,
         "mem_backend": {"backend_type": "File", "backend_path": memory},
         "resume_vm": true,
+        "track_dirty_pages": track_dirty_pages,
         "rollbox": {
             "restore_backend": backend,
             "new_generation": new_generation,
