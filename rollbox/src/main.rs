@@ -22,6 +22,36 @@ enum Command {
     /// Images: turn Docker/OCI images into sandbox root filesystems.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Run a command in a sandbox through its agent (over the sandbox's vsock Unix socket).
+    Exec(ExecArgs),
+}
+
+#[derive(Args)]
+struct ExecArgs {
+    /// The sandbox's vsock Unix socket (rollbox-vmm --vsock-uds, or the TCG harness's).
+    #[arg(long, value_name = "PATH")]
+    vsock_uds: PathBuf,
+    /// The agent's vsock port.
+    #[arg(long, default_value_t = 1024)]
+    port: u32,
+    /// Working directory in the guest.
+    #[arg(long)]
+    cwd: Option<String>,
+    /// Environment variable, NAME=VALUE (repeatable).
+    #[arg(long = "env", value_name = "NAME=VALUE")]
+    env: Vec<String>,
+    /// User name or uid in the guest.
+    #[arg(long)]
+    user: Option<String>,
+    /// Hard timeout in seconds (SIGTERM, then SIGKILL to the process group).
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// Keep retrying the connection this long while the guest boots.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    wait: f64,
+    /// The command and its arguments.
+    #[arg(trailing_var_arg = true, required = true, value_name = "COMMAND")]
+    argv: Vec<String>,
 }
 
 #[derive(Subcommand)]
@@ -126,10 +156,31 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
     Ok(())
 }
 
+fn exec(args: ExecArgs) -> ExitCode {
+    let options = rollbox::exec::ExecOptions {
+        uds: args.vsock_uds,
+        port: args.port,
+        argv: args.argv,
+        cwd: args.cwd,
+        env: args.env,
+        user: args.user,
+        timeout: args.timeout.map(std::time::Duration::from_secs_f64),
+        wait: std::time::Duration::from_secs_f64(args.wait.max(0.0)),
+    };
+    match rollbox::exec::run(&options) {
+        Ok(code) => ExitCode::from(code),
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Image(ImageCommand::Build(args)) => build(args),
+        Command::Exec(args) => return exec(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
