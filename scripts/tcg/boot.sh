@@ -14,8 +14,10 @@
 #     --mem MIB         guest memory (default 1024)
 #     --cpus N          vCPUs (default 2)
 #     --cid N           guest CID (default 3)
-#     --machine M       pc (default: PCI devices, SeaBIOS) or microvm (virtio-mmio
-#                       devices named on the kernel command line, as under rollbox-vmm)
+#     --machine M       microvm (default: virtio-mmio devices named on the kernel
+#                       command line, as under rollbox-vmm) or pc (PCI devices,
+#                       SeaBIOS; its MP table lists only the boot CPU, so with our
+#                       ACPI-less kernel a pc guest runs on 1 vCPU whatever --cpus says)
 #     --append ARGS     appended to the kernel command line (repeatable)
 #     --state-dir DIR   pid files, logs, QEMU and vhost sockets (default: PATH.d)
 #     --serial-log F    guest console log (default: DIR/serial.log)
@@ -38,7 +40,7 @@ die() { echo "boot.sh: error: $*" >&2; exit 1; }
 log() { echo "boot.sh: $*" >&2; }
 
 kernel="" rootfs="" vsock_uds="" mem=1024 cpus=2 cid=3 state_dir="" serial_log=""
-machine=pc snapshot=1 net_user=0 wait_mode=0 wait_secs=0
+machine=microvm snapshot=1 net_user=0 wait_mode=0 wait_secs=0
 extra_append=()
 
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
