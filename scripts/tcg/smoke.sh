@@ -4,7 +4,7 @@
 # an /init script and vsock-echo), and boots it with scripts/tcg/boot.sh three
 # ways: the PVH vmlinux on QEMU's pc machine (virtio-pci), the bzImage on pc,
 # and the vmlinux on microvm (virtio-mmio devices from the kernel command line,
-# like rollbox-vmm). Each boot checks:
+# like rollbox-vmm, with 2 vCPUs). Each boot checks:
 #   - the kernel reaches /init (and how long it took);
 #   - cgroup v2 controllers, overlayfs and devtmpfs are there;
 #   - guest -> host vsock: the guest connects to CID 2 port 5000, which arrives
@@ -138,9 +138,9 @@ elapsed_since() { awk -v now="$(date +%s.%N)" -v then="$1" 'BEGIN { printf "%.2f
 
 # Boots one configuration and checks it. Sets `failed=1` on a failed check.
 run_case() {
-    local name="$1" machine="$2" kernel="$3"
+    local name="$1" machine="$2" kernel="$3" cpus="$4"
     local state="$work/$name" uds="$work/$name.vsock" start serial qemu_pid host_ok=0
-    echo "smoke.sh: --- $name: $machine machine, kernel $kernel"
+    echo "smoke.sh: --- $name: $machine machine, $cpus vCPU, kernel $kernel"
 
     # Guest -> host connections to port 5000 arrive on <uds>_5000.
     "$work/vsock-echo" unix-listen "${uds}_$HOST_PORT" 1 > "$work/$name-host-listener.log" 2>&1 &
@@ -149,7 +149,7 @@ run_case() {
 
     start=$(date +%s.%N)
     "$SCRIPT_DIR/boot.sh" --kernel "$kernel" --rootfs "$work/rootfs.ext4" --vsock-uds "$uds" \
-        --state-dir "$state" --machine "$machine" --mem 256 --cpus 1 --append init=/init >/dev/null
+        --state-dir "$state" --machine "$machine" --mem 256 --cpus "$cpus" --append init=/init >/dev/null
     serial="$state/serial.log"
     qemu_pid="$(cat "$state/qemu.pid")"
 
@@ -198,6 +198,9 @@ run_case() {
             case_failed=1
         fi
     }
+    if [[ "$cpus" -gt 1 ]]; then
+        check "smp: Brought up 1 node, $cpus CPUs" "all $cpus vCPUs up (MP table, no ACPI)"
+    fi
     check "SMOKE devtmpfs ok" "devtmpfs mounted on /dev by the kernel"
     check "SMOKE rng-ready" "/dev/random seeded"
     check "SMOKE cgroup2 .*memory" "cgroup v2 with the memory controller"
@@ -221,12 +224,13 @@ run_case() {
 failed=0
 if [[ -n "$kernel_dir" ]]; then
     # PVH vmlinux on both machines (rollbox-vmm boots vmlinux), and the bzImage on pc.
-    run_case pc-vmlinux pc "$kernel_dir/vmlinux"
-    run_case pc-bzimage pc "$kernel_dir/bzImage"
-    run_case microvm-vmlinux microvm "$kernel_dir/vmlinux"
+    # On pc, SeaBIOS's MP table lists only the boot CPU, so only microvm gets 2.
+    run_case pc-vmlinux pc "$kernel_dir/vmlinux" 1
+    run_case pc-bzimage pc "$kernel_dir/bzImage" 1
+    run_case microvm-vmlinux microvm "$kernel_dir/vmlinux" 2
 else
-    run_case pc pc "$kernel"
-    run_case microvm microvm "$kernel"
+    run_case pc pc "$kernel" 1
+    run_case microvm microvm "$kernel" 2
 fi
 if [[ "$failed" -ne 0 ]]; then
     keep=1
