@@ -32,4 +32,6 @@ cargo xtask test-guest
 guest-agent/build-static.sh >/dev/null
 step "tests: all tiers"
 cargo test --workspace --no-fail-fast -- --test-threads=2
+step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
+scripts/tcg/smoke.sh
 step "done"
