@@ -106,11 +106,13 @@ impl ForkPool {
 }
 
 impl Drop for ForkPool {
+    /// Stops the unused shells; clones already handed out keep running with their files.
     fn drop(&mut self) {
         for clone in &mut self.shells {
             clone.fail("pool shut down".into());
+            let _ = std::fs::remove_dir_all(&clone.dir);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
