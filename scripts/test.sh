@@ -31,7 +31,14 @@ cargo build --workspace --bins --tests
 cargo xtask test-guest
 guest-agent/build-static.sh >/dev/null
 step "tests: all tiers"
-cargo test --workspace --no-fail-fast -- --test-threads=2
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" || status=$?
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
-scripts/tcg/smoke.sh
+scripts/tcg/smoke.sh || status=$?
 step "done"
+# One closing line over every cargo test binary.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"
