@@ -141,68 +141,37 @@ pub fn open_layer(layer: &MemoryLayer, guest_len: u64) -> Result<File, MemoryFil
     Ok(file)
 }
 
-/// Writes `len` bytes at host address `src` to `file` at `offset`.
-fn write_from_host(
-    file: &File,
-    path: &Path,
-    src: *const u8,
-    len: u64,
-    offset: u64,
-) -> Result<(), MemoryFileError> {
-    let mut done = 0u64;
-    while done < len {
-        let chunk = (len - done).min(IO_CHUNK) as usize;
-        // SAFETY: `src..src+len` lies inside a live guest memory mapping (caller's contract);
-        // pwrite only reads from it.
-        let n = unsafe {
-            libc::pwrite(
-                file.as_raw_fd(),
-                src.add(done as usize).cast(),
-                chunk,
-                (offset + done) as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(MemoryFileError::Io {
-                path: path.to_path_buf(),
-                source: e,
-            });
-        }
-        if n == 0 {
-            return Err(MemoryFileError::Io {
-                path: path.to_path_buf(),
-                source: std::io::ErrorKind::WriteZero.into(),
-            });
-        }
-        done += n as u64;
-    }
-    Ok(())
+/// Which way [`host_io`] moves bytes.
+#[derive(Clone, Copy)]
+enum Transfer {
+    /// Guest memory to the file (pwrite).
+    ToFile,
+    /// The file to guest memory (pread).
+    FromFile,
 }
 
-/// Reads `len` bytes of `file` at `offset` into host memory at `dst`.
-fn read_into_host(
+/// Moves `len` bytes between host address `host` and `file` at `offset`, in chunks, retrying
+/// interrupted calls.
+fn host_io(
     file: &File,
     path: &Path,
-    dst: *mut u8,
+    host: *mut u8,
     len: u64,
     offset: u64,
+    transfer: Transfer,
 ) -> Result<(), MemoryFileError> {
     let mut done = 0u64;
     while done < len {
         let chunk = (len - done).min(IO_CHUNK) as usize;
-        // SAFETY: `dst..dst+len` lies inside a live, writable guest memory mapping (caller's
-        // contract) that no vCPU runs on yet.
+        let at = (offset + done) as libc::off_t;
+        // SAFETY: `host..host+len` lies inside a live guest memory mapping (the callers'
+        // contract): pwrite only reads it, and pread writes it only before any vCPU runs.
         let n = unsafe {
-            libc::pread(
-                file.as_raw_fd(),
-                dst.add(done as usize).cast(),
-                chunk,
-                (offset + done) as libc::off_t,
-            )
+            let buf = host.add(done as usize);
+            match transfer {
+                Transfer::ToFile => libc::pwrite(file.as_raw_fd(), buf.cast(), chunk, at),
+                Transfer::FromFile => libc::pread(file.as_raw_fd(), buf.cast(), chunk, at),
+            }
         };
         if n < 0 {
             let e = std::io::Error::last_os_error();
@@ -215,9 +184,13 @@ fn read_into_host(
             });
         }
         if n == 0 {
+            let kind = match transfer {
+                Transfer::ToFile => std::io::ErrorKind::WriteZero,
+                Transfer::FromFile => std::io::ErrorKind::UnexpectedEof,
+            };
             return Err(MemoryFileError::Io {
                 path: path.to_path_buf(),
-                source: std::io::ErrorKind::UnexpectedEof.into(),
+                source: kind.into(),
             });
         }
         done += n as u64;
@@ -285,12 +258,13 @@ pub fn write_full(
             }
             // SAFETY: the run lies inside the region.
             let src = unsafe { region.host.add((start * PAGE_SIZE) as usize) };
-            write_from_host(
+            host_io(
                 file,
                 &tmp,
                 src,
                 (page - start) * PAGE_SIZE,
                 region.file_offset + start * PAGE_SIZE,
+                Transfer::ToFile,
             )?;
         }
     }
@@ -339,7 +313,7 @@ pub fn write_diff(
             let len = (page - start) * PAGE_SIZE;
             // SAFETY: the run lies inside the region.
             let src = unsafe { region.host.add((start * PAGE_SIZE) as usize) };
-            write_from_host(file, &tmp, src, len, offset)?;
+            host_io(file, &tmp, src, len, offset, Transfer::ToFile)?;
             ranges.push((offset, len));
         }
     }
@@ -385,7 +359,7 @@ pub fn apply_layer(
             let n = (len - done).min(region.file_offset + region.len - at);
             // SAFETY: `at..at+n` lies inside `region`.
             let dst = unsafe { region.host.add((at - region.file_offset) as usize) };
-            read_into_host(file, &layer.path, dst, n, at)?;
+            host_io(file, &layer.path, dst, n, at, Transfer::FromFile)?;
             done += n;
         }
     }
