@@ -36,14 +36,29 @@ fn rollbox_exec_streams_output_and_returns_the_status() {
             .output()
             .expect("rollbox exec")
     };
-    let out = run(&["--env", "GREETING=hi", "--", "sh", "-c", "echo $GREETING; echo oops >&2; exit 3"]);
+    let out = run(&[
+        "--env",
+        "GREETING=hi",
+        "--",
+        "sh",
+        "-c",
+        "echo $GREETING; echo oops >&2; exit 3",
+    ]);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
     assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
     assert_eq!(out.status.code(), Some(3));
     let out = run(&["--timeout", "0.5", "--", "sleep", "30"]);
     assert_eq!(out.status.code(), Some(124));
     let out = Command::new(bin.join("rollbox"))
-        .args(["exec", "--wait", "0", "--vsock-uds", "/nonexistent.sock", "--", "true"])
+        .args([
+            "exec",
+            "--wait",
+            "0",
+            "--vsock-uds",
+            "/nonexistent.sock",
+            "--",
+            "true",
+        ])
         .output()
         .expect("rollbox exec");
     assert_eq!(out.status.code(), Some(1));

@@ -95,6 +95,10 @@ fn snapshot_mid_computation_continues_in_a_new_process_for_every_backend() {
     for vcpus in ["1", "2"] {
         let (_keep, dir) = snapdir("snap");
         let mut vm = boot_with_api(&["--vcpus", vcpus]);
+        if vcpus == "2" {
+            // vCPU 1 counts in guest memory while vCPU 0 computes.
+            assert_eq!(vm.ok("smp-start"), "");
+        }
         vm.send(&format!("compute {N}\n"));
         vm.expect_line("progress 3");
         snapshot(&vm, &dir, "Full");
@@ -118,6 +122,16 @@ fn snapshot_mid_computation_continues_in_a_new_process_for_every_backend() {
                 "{backend}: restarted instead of continuing: {saw_progress:?}"
             );
             assert_eq!(clone.ok("echo alive"), "alive");
+            if vcpus == "2" {
+                let count =
+                    |clone: &mut Vm| clone.ok("smp-count").parse::<u64>().expect("smp-count");
+                let first = count(&mut clone);
+                std::thread::sleep(Duration::from_millis(200));
+                assert!(
+                    count(&mut clone) > first,
+                    "{backend}: vCPU 1 stopped after the restore"
+                );
+            }
         }
     }
 }
