@@ -18,9 +18,15 @@ use crate::CHUNK_BYTES;
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("connect to agent socket {path}: {source}")]
-    Connect { path: String, source: std::io::Error },
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("hybrid vsock handshake with {path}: {source}")]
-    Handshake { path: String, source: HandshakeError },
+    Handshake {
+        path: String,
+        source: HandshakeError,
+    },
     #[error(transparent)]
     Frame(#[from] FrameError),
     #[error("connection to the agent is closed: {0}")]
@@ -83,8 +89,14 @@ pub struct ExecOutput {
 /// One event of a running process.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ExecEvent {
-    Started { pid: u32 },
-    Output { stream: OutputStream, seq: u64, data: Vec<u8> },
+    Started {
+        pid: u32,
+    },
+    Output {
+        stream: OutputStream,
+        seq: u64,
+        data: Vec<u8>,
+    },
     Exited(ExitStatus),
     /// The agent refused a stream input (e.g. a bad signal number).
     Notice(String),
@@ -104,10 +116,16 @@ impl AgentClient {
         let path_text = path.as_ref().display().to_string();
         let mut stream = tokio::net::UnixStream::connect(path.as_ref())
             .await
-            .map_err(|source| ClientError::Connect { path: path_text.clone(), source })?;
+            .map_err(|source| ClientError::Connect {
+                path: path_text.clone(),
+                source,
+            })?;
         hybrid::client_handshake(&mut stream, port)
             .await
-            .map_err(|source| ClientError::Handshake { path: path_text, source })?;
+            .map_err(|source| ClientError::Handshake {
+                path: path_text,
+                source,
+            })?;
         Ok(Self::from_stream(stream))
     }
 
@@ -121,7 +139,10 @@ impl AgentClient {
         let (stop_tx, stop_rx) = oneshot::channel();
         let shared = Arc::new(Shared {
             writer: tokio::sync::Mutex::new(Box::new(writer)),
-            routes: Mutex::new(Routes { open: HashMap::new(), closed: None }),
+            routes: Mutex::new(Routes {
+                open: HashMap::new(),
+                closed: None,
+            }),
             next_id: AtomicU64::new(1),
             _reader_stop: stop_tx,
         });
@@ -144,24 +165,33 @@ impl AgentClient {
             lock_routes(&self.shared).open.remove(&id);
             return Err(err);
         }
-        Ok(RawRequest { client: self.clone(), id, rx })
+        Ok(RawRequest {
+            client: self.clone(),
+            id,
+            rx,
+        })
     }
 
     /// Send one frame with a given id (stream input to an open request).
     pub async fn send(&self, id: u64, body: ClientMessage) -> Result<(), ClientError> {
         let frame = ClientFrame { id, body };
         let mut writer = self.shared.writer.lock().await;
-        frame::write_frame(&mut *writer, &frame).await.map_err(|err| match err {
-            FrameError::Io(io) => ClientError::Disconnected(format!("write failed: {io}")),
-            other => ClientError::Frame(other),
-        })
+        frame::write_frame(&mut *writer, &frame)
+            .await
+            .map_err(|err| match err {
+                FrameError::Io(io) => ClientError::Disconnected(format!("write failed: {io}")),
+                other => ClientError::Frame(other),
+            })
     }
 
     /// Close the sending side. The agent then ends this connection's
     /// requests (running processes are killed, uploads dropped).
     pub async fn close(&self) -> Result<(), ClientError> {
         let mut writer = self.shared.writer.lock().await;
-        writer.shutdown().await.map_err(|err| ClientError::Disconnected(format!("shutdown failed: {err}")))
+        writer
+            .shutdown()
+            .await
+            .map_err(|err| ClientError::Disconnected(format!("shutdown failed: {err}")))
     }
 
     /// Send a request and wait for its single (terminal) reply.
@@ -172,7 +202,10 @@ impl AgentClient {
 
     pub async fn hello(&self) -> Result<(String, u32), ClientError> {
         match self.request(ClientMessage::Hello).await? {
-            ServerMessage::Hello { agent_version, protocol_version } => Ok((agent_version, protocol_version)),
+            ServerMessage::Hello {
+                agent_version,
+                protocol_version,
+            } => Ok((agent_version, protocol_version)),
             other => Err(unexpected("hello", &other)),
         }
     }
@@ -186,7 +219,15 @@ impl AgentClient {
     /// Run a process to completion (the unary form).
     pub async fn run(&self, request: ExecRequest) -> Result<ExecOutput, ClientError> {
         match self.request(ClientMessage::Run(request)).await? {
-            ServerMessage::RunResult { stdout, stderr, status } => Ok(ExecOutput { stdout, stderr, status }),
+            ServerMessage::RunResult {
+                stdout,
+                stderr,
+                status,
+            } => Ok(ExecOutput {
+                stdout,
+                stderr,
+                status,
+            }),
             other => Err(unexpected("run_result", &other)),
         }
     }
@@ -200,20 +241,46 @@ impl AgentClient {
         self.read_file_range(path, 0, None).await
     }
 
-    pub async fn read_file_range(&self, path: &str, offset: u64, length: Option<u64>) -> Result<Vec<u8>, ClientError> {
+    pub async fn read_file_range(
+        &self,
+        path: &str,
+        offset: u64,
+        length: Option<u64>,
+    ) -> Result<Vec<u8>, ClientError> {
         let mut out = Vec::new();
-        self.download(ClientMessage::ReadFile { path: path.to_owned(), offset, length }, &mut out).await?;
+        self.download(
+            ClientMessage::ReadFile {
+                path: path.to_owned(),
+                offset,
+                length,
+            },
+            &mut out,
+        )
+        .await?;
         Ok(out)
     }
 
     /// Stream a file into `sink`; returns the byte count.
-    pub async fn read_file_to<W: AsyncWrite + Unpin>(&self, path: &str, sink: &mut W) -> Result<u64, ClientError> {
-        self.download(ClientMessage::ReadFile { path: path.to_owned(), offset: 0, length: None }, sink).await
+    pub async fn read_file_to<W: AsyncWrite + Unpin>(
+        &self,
+        path: &str,
+        sink: &mut W,
+    ) -> Result<u64, ClientError> {
+        self.download(
+            ClientMessage::ReadFile {
+                path: path.to_owned(),
+                offset: 0,
+                length: None,
+            },
+            sink,
+        )
+        .await
     }
 
     /// Write a whole file (atomic by default).
     pub async fn write_file(&self, path: &str, data: &[u8]) -> Result<u64, ClientError> {
-        self.write_file_from(WriteFileRequest::new(path), data).await
+        self.write_file_from(WriteFileRequest::new(path), data)
+            .await
     }
 
     /// Stream a file from `source` with explicit options.
@@ -235,57 +302,109 @@ impl AgentClient {
     }
 
     async fn stat_with(&self, path: &str, follow_symlinks: bool) -> Result<FileInfo, ClientError> {
-        match self.request(ClientMessage::Stat { path: path.to_owned(), follow_symlinks }).await? {
+        match self
+            .request(ClientMessage::Stat {
+                path: path.to_owned(),
+                follow_symlinks,
+            })
+            .await?
+        {
             ServerMessage::Stat(info) => Ok(info),
             other => Err(unexpected("stat", &other)),
         }
     }
 
     pub async fn list(&self, path: &str) -> Result<Vec<FileInfo>, ClientError> {
-        match self.request(ClientMessage::List { path: path.to_owned() }).await? {
+        match self
+            .request(ClientMessage::List {
+                path: path.to_owned(),
+            })
+            .await?
+        {
             ServerMessage::List { entries } => Ok(entries),
             other => Err(unexpected("list", &other)),
         }
     }
 
     pub async fn mkdir(&self, path: &str, parents: bool) -> Result<(), ClientError> {
-        self.expect_ok(ClientMessage::Mkdir { path: path.to_owned(), parents, mode: None }).await
+        self.expect_ok(ClientMessage::Mkdir {
+            path: path.to_owned(),
+            parents,
+            mode: None,
+        })
+        .await
     }
 
     pub async fn remove(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
-        self.expect_ok(ClientMessage::Remove { path: path.to_owned(), recursive }).await
+        self.expect_ok(ClientMessage::Remove {
+            path: path.to_owned(),
+            recursive,
+        })
+        .await
     }
 
     pub async fn rename(&self, from: &str, to: &str) -> Result<(), ClientError> {
-        self.expect_ok(ClientMessage::Move { from: from.to_owned(), to: to.to_owned() }).await
+        self.expect_ok(ClientMessage::Move {
+            from: from.to_owned(),
+            to: to.to_owned(),
+        })
+        .await
     }
 
     /// A tar archive of `path` (a directory's contents, or one file).
     pub async fn tar_download(&self, path: &str) -> Result<Vec<u8>, ClientError> {
         let mut out = Vec::new();
-        self.download(ClientMessage::TarDownload { path: path.to_owned() }, &mut out).await?;
+        self.download(
+            ClientMessage::TarDownload {
+                path: path.to_owned(),
+            },
+            &mut out,
+        )
+        .await?;
         Ok(out)
     }
 
     /// Unpack a tar archive into directory `path`.
-    pub async fn tar_upload<R: AsyncRead + Unpin>(&self, path: &str, archive: R) -> Result<u64, ClientError> {
-        self.upload(ClientMessage::TarUpload { path: path.to_owned() }, archive).await
+    pub async fn tar_upload<R: AsyncRead + Unpin>(
+        &self,
+        path: &str,
+        archive: R,
+    ) -> Result<u64, ClientError> {
+        self.upload(
+            ClientMessage::TarUpload {
+                path: path.to_owned(),
+            },
+            archive,
+        )
+        .await
     }
 
     pub async fn set_time(&self, time: SystemTime) -> Result<Applied, ClientError> {
-        let since = time
-            .duration_since(UNIX_EPOCH)
-            .map_err(|_| ClientError::Source(std::io::Error::other("time before the Unix epoch")))?;
-        let unix_seconds = i64::try_from(since.as_secs())
-            .map_err(|_| ClientError::Source(std::io::Error::other("time too far in the future")))?;
-        self.applied(ClientMessage::SetTime { unix_seconds, nanos: since.subsec_nanos() }).await
+        let since = time.duration_since(UNIX_EPOCH).map_err(|_| {
+            ClientError::Source(std::io::Error::other("time before the Unix epoch"))
+        })?;
+        let unix_seconds = i64::try_from(since.as_secs()).map_err(|_| {
+            ClientError::Source(std::io::Error::other("time too far in the future"))
+        })?;
+        self.applied(ClientMessage::SetTime {
+            unix_seconds,
+            nanos: since.subsec_nanos(),
+        })
+        .await
     }
 
     pub async fn reseed(&self, seed: &[u8]) -> Result<Applied, ClientError> {
-        self.applied(ClientMessage::Reseed { seed: seed.to_vec() }).await
+        self.applied(ClientMessage::Reseed {
+            seed: seed.to_vec(),
+        })
+        .await
     }
 
-    pub async fn set_identity(&self, hostname: Option<&str>, machine_id: Option<&str>) -> Result<Applied, ClientError> {
+    pub async fn set_identity(
+        &self,
+        hostname: Option<&str>,
+        machine_id: Option<&str>,
+    ) -> Result<Applied, ClientError> {
         self.applied(ClientMessage::SetIdentity {
             hostname: hostname.map(str::to_owned),
             machine_id: machine_id.map(str::to_owned),
@@ -303,7 +422,13 @@ impl AgentClient {
     /// Make sure dockerd answers; returns whether this call started it.
     pub async fn docker_ensure(&self, timeout: Option<Duration>) -> Result<bool, ClientError> {
         let timeout_ms = timeout.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-        match self.request(ClientMessage::DockerEnsure { timeout_ms, extra_args: Vec::new() }).await? {
+        match self
+            .request(ClientMessage::DockerEnsure {
+                timeout_ms,
+                extra_args: Vec::new(),
+            })
+            .await?
+        {
             ServerMessage::DockerReady { started, .. } => Ok(started),
             other => Err(unexpected("docker_ready", &other)),
         }
@@ -329,7 +454,11 @@ impl AgentClient {
         }
     }
 
-    async fn download<W: AsyncWrite + Unpin>(&self, body: ClientMessage, sink: &mut W) -> Result<u64, ClientError> {
+    async fn download<W: AsyncWrite + Unpin>(
+        &self,
+        body: ClientMessage,
+        sink: &mut W,
+    ) -> Result<u64, ClientError> {
         let mut request = self.open(body).await?;
         let mut received = 0u64;
         loop {
@@ -356,7 +485,11 @@ impl AgentClient {
         }
     }
 
-    async fn upload<R: AsyncRead + Unpin>(&self, body: ClientMessage, mut source: R) -> Result<u64, ClientError> {
+    async fn upload<R: AsyncRead + Unpin>(
+        &self,
+        body: ClientMessage,
+        mut source: R,
+    ) -> Result<u64, ClientError> {
         let mut request = self.open(body).await?;
         match request.recv().await? {
             ServerMessage::Ready => {}
@@ -381,7 +514,13 @@ impl AgentClient {
             if n == 0 {
                 break;
             }
-            self.send(request.id, ClientMessage::Data { data: buf[..n].to_vec() }).await?;
+            self.send(
+                request.id,
+                ClientMessage::Data {
+                    data: buf[..n].to_vec(),
+                },
+            )
+            .await?;
         }
         self.send(request.id, ClientMessage::End).await?;
         match request.recv().await? {
@@ -393,17 +532,27 @@ impl AgentClient {
 
 fn lock_routes(shared: &Shared) -> std::sync::MutexGuard<'_, Routes> {
     // A poisoned lock only means another task panicked mid-update of a plain map.
-    shared.routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    shared
+        .routes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn unexpected(expected: &'static str, got: &ServerMessage) -> ClientError {
     match got {
         ServerMessage::Error(info) => ClientError::Agent(info.clone()),
-        other => ClientError::Unexpected { expected, got: format!("{other:?}").chars().take(200).collect() },
+        other => ClientError::Unexpected {
+            expected,
+            got: format!("{other:?}").chars().take(200).collect(),
+        },
     }
 }
 
-async fn read_loop<R: AsyncRead>(reader: ReadHalf<R>, shared: Weak<Shared>, mut stop: oneshot::Receiver<()>) {
+async fn read_loop<R: AsyncRead>(
+    reader: ReadHalf<R>,
+    shared: Weak<Shared>,
+    mut stop: oneshot::Receiver<()>,
+) {
     let mut reader = reader;
     let reason = loop {
         let next = tokio::select! {
@@ -411,7 +560,9 @@ async fn read_loop<R: AsyncRead>(reader: ReadHalf<R>, shared: Weak<Shared>, mut 
             // Every client handle is gone.
             _ = &mut stop => return,
         };
-        let Some(shared) = shared.upgrade() else { return };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
         match next {
             Ok(Some(frame)) => {
                 let mut routes = lock_routes(&shared);
@@ -444,7 +595,9 @@ pub struct RawRequest {
 
 impl std::fmt::Debug for RawRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawRequest").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("RawRequest")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -493,7 +646,12 @@ pub struct ExecHandle {
 
 impl ExecHandle {
     fn new(raw: RawRequest) -> Self {
-        Self { raw, pid: None, done: false, next_seq: 0 }
+        Self {
+            raw,
+            pid: None,
+            done: false,
+            next_seq: 0,
+        }
     }
 
     pub fn id(&self) -> u64 {
@@ -552,14 +710,21 @@ impl ExecHandle {
         }
         match self.next_event().await? {
             Some(ExecEvent::Started { pid }) => Ok(pid),
-            other => Err(ClientError::Unexpected { expected: "started", got: format!("{other:?}") }),
+            other => Err(ClientError::Unexpected {
+                expected: "started",
+                got: format!("{other:?}"),
+            }),
         }
     }
 
     /// Send bytes to the process's stdin (in chunks of at most `CHUNK_BYTES`).
     pub async fn write_stdin(&self, data: &[u8]) -> Result<(), ClientError> {
         for chunk in data.chunks(CHUNK_BYTES) {
-            self.raw.send(ClientMessage::Stdin { data: chunk.to_vec() }).await?;
+            self.raw
+                .send(ClientMessage::Stdin {
+                    data: chunk.to_vec(),
+                })
+                .await?;
         }
         Ok(())
     }
@@ -585,15 +750,22 @@ impl ExecHandle {
         while let Some(event) = self.next_event().await? {
             match event {
                 ExecEvent::Started { .. } | ExecEvent::Notice(_) => {}
-                ExecEvent::Output { stream, data, .. } => {
-                    match stream {
-                        OutputStream::Stdout => stdout.extend_from_slice(&data),
-                        OutputStream::Stderr => stderr.extend_from_slice(&data),
-                    }
+                ExecEvent::Output { stream, data, .. } => match stream {
+                    OutputStream::Stdout => stdout.extend_from_slice(&data),
+                    OutputStream::Stderr => stderr.extend_from_slice(&data),
+                },
+                ExecEvent::Exited(status) => {
+                    return Ok(ExecOutput {
+                        stdout,
+                        stderr,
+                        status,
+                    })
                 }
-                ExecEvent::Exited(status) => return Ok(ExecOutput { stdout, stderr, status }),
             }
         }
-        Err(ClientError::Unexpected { expected: "exited", got: "end of events".into() })
+        Err(ClientError::Unexpected {
+            expected: "exited",
+            got: "end of events".into(),
+        })
     }
 }

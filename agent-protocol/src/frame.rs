@@ -18,7 +18,10 @@ pub enum FrameError {
     #[error("frame I/O failed: {0}")]
     Io(#[from] std::io::Error),
     #[error("frame is not valid protocol JSON: {source}; frame starts with {start:?}")]
-    Json { source: serde_json::Error, start: String },
+    Json {
+        source: serde_json::Error,
+        start: String,
+    },
     #[error("cannot encode frame as JSON: {0}")]
     Encode(serde_json::Error),
 }
@@ -56,13 +59,19 @@ where
 }
 
 /// Read one frame body. `Ok(None)` on a clean end of stream between frames.
-pub async fn read_frame_body<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<Vec<u8>>, FrameError> {
+pub async fn read_frame_body<R: AsyncRead + Unpin>(
+    reader: &mut R,
+) -> Result<Option<Vec<u8>>, FrameError> {
     let mut header = [0u8; 4];
     let mut filled = 0;
     while filled < header.len() {
         let n = reader.read(&mut header[filled..]).await?;
         if n == 0 {
-            return if filled == 0 { Ok(None) } else { Err(FrameError::Truncated) };
+            return if filled == 0 {
+                Ok(None)
+            } else {
+                Err(FrameError::Truncated)
+            };
         }
         filled += n;
     }
@@ -71,10 +80,13 @@ pub async fn read_frame_body<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Opt
         return Err(FrameError::TooLarge { len });
     }
     let mut body = vec![0u8; len];
-    reader.read_exact(&mut body).await.map_err(|err| match err.kind() {
-        std::io::ErrorKind::UnexpectedEof => FrameError::Truncated,
-        _ => FrameError::Io(err),
-    })?;
+    reader
+        .read_exact(&mut body)
+        .await
+        .map_err(|err| match err.kind() {
+            std::io::ErrorKind::UnexpectedEof => FrameError::Truncated,
+            _ => FrameError::Io(err),
+        })?;
     Ok(Some(body))
 }
 
@@ -98,7 +110,10 @@ mod tests {
     #[tokio::test]
     async fn frames_round_trip_over_a_pipe() {
         let (mut a, mut b) = tokio::io::duplex(1024);
-        let sent = ClientFrame { id: 9, body: ClientMessage::Health };
+        let sent = ClientFrame {
+            id: 9,
+            body: ClientMessage::Health,
+        };
         write_frame(&mut a, &sent).await.expect("write");
         write_frame(&mut a, &sent).await.expect("write");
         drop(a);
@@ -114,13 +129,17 @@ mod tests {
     async fn oversized_and_truncated_frames_are_errors() {
         let (mut a, mut b) = tokio::io::duplex(64);
         a.write_all(&(u32::MAX).to_be_bytes()).await.expect("write");
-        let err = read_frame::<_, ClientFrame>(&mut b).await.expect_err("too large");
+        let err = read_frame::<_, ClientFrame>(&mut b)
+            .await
+            .expect_err("too large");
         assert!(matches!(err, FrameError::TooLarge { .. }), "{err}");
 
         let (mut a, mut b) = tokio::io::duplex(64);
         a.write_all(&[0, 0, 0, 10, b'{']).await.expect("write");
         drop(a);
-        let err = read_frame::<_, ClientFrame>(&mut b).await.expect_err("truncated");
+        let err = read_frame::<_, ClientFrame>(&mut b)
+            .await
+            .expect_err("truncated");
         assert!(matches!(err, FrameError::Truncated), "{err}");
     }
 
@@ -129,7 +148,9 @@ mod tests {
         let (mut a, mut b) = tokio::io::duplex(64);
         a.write_all(&[0, 0, 0, 5]).await.expect("write");
         a.write_all(b"nope!").await.expect("write");
-        let err = read_frame::<_, ClientFrame>(&mut b).await.expect_err("bad json");
+        let err = read_frame::<_, ClientFrame>(&mut b)
+            .await
+            .expect_err("bad json");
         assert!(err.to_string().contains("nope!"), "{err}");
     }
 }

@@ -27,14 +27,18 @@ async fn read_line<R: AsyncRead + Unpin>(reader: &mut R) -> Result<String, Hands
     loop {
         let mut byte = [0u8; 1];
         if reader.read(&mut byte).await? == 0 {
-            return Err(HandshakeError::Closed(String::from_utf8_lossy(&line).into_owned()));
+            return Err(HandshakeError::Closed(
+                String::from_utf8_lossy(&line).into_owned(),
+            ));
         }
         if byte[0] == b'\n' {
             return Ok(String::from_utf8_lossy(&line).into_owned());
         }
         line.push(byte[0]);
         if line.len() > MAX_LINE {
-            return Err(HandshakeError::TooLong(String::from_utf8_lossy(&line).into_owned()));
+            return Err(HandshakeError::TooLong(
+                String::from_utf8_lossy(&line).into_owned(),
+            ));
         }
     }
 }
@@ -44,7 +48,9 @@ pub async fn client_handshake<S>(stream: &mut S, port: u32) -> Result<(), Handsh
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    stream.write_all(format!("CONNECT {port}\n").as_bytes()).await?;
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .await?;
     stream.flush().await?;
     let line = read_line(stream).await?;
     match line.strip_prefix("OK ") {
@@ -62,7 +68,10 @@ pub async fn read_connect<R: AsyncRead + Unpin>(reader: &mut R) -> Result<u32, H
 }
 
 /// Listener side, step 2: accept with `OK <port>`.
-pub async fn write_ok<W: AsyncWrite + Unpin>(writer: &mut W, port: u32) -> Result<(), HandshakeError> {
+pub async fn write_ok<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    port: u32,
+) -> Result<(), HandshakeError> {
     writer.write_all(format!("OK {port}\n").as_bytes()).await?;
     writer.flush().await?;
     Ok(())
@@ -82,7 +91,9 @@ mod tests {
             server.read_exact(&mut rest).await.expect("payload");
             (port, rest)
         });
-        client_handshake(&mut client, 1024).await.expect("handshake");
+        client_handshake(&mut client, 1024)
+            .await
+            .expect("handshake");
         client.write_all(b"hello").await.expect("payload");
         let (port, rest) = listener.await.expect("join");
         assert_eq!(port, 1024);
@@ -95,7 +106,10 @@ mod tests {
         client.write_all(b"GET / HTTP/1.1\n").await.expect("write");
         let err = read_connect(&mut server).await.expect_err("refused");
         assert!(err.to_string().contains("GET / HTTP/1.1"), "{err}");
-        client.write_all(b"CONNECT 1024 extra\n").await.expect("write");
+        client
+            .write_all(b"CONNECT 1024 extra\n")
+            .await
+            .expect("write");
         assert!(read_connect(&mut server).await.is_err());
     }
 }

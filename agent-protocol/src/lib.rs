@@ -7,7 +7,9 @@ pub mod frame;
 pub mod hybrid;
 pub mod messages;
 
-pub use client::{AgentClient, Applied, ClientError, ExecEvent, ExecHandle, ExecOutput, RawRequest};
+pub use client::{
+    AgentClient, Applied, ClientError, ExecEvent, ExecHandle, ExecOutput, RawRequest,
+};
 pub use frame::{FrameError, MAX_FRAME_BYTES};
 pub use messages::*;
 

@@ -226,7 +226,12 @@ pub struct WriteFileRequest {
 
 impl WriteFileRequest {
     pub fn new(path: impl Into<String>) -> Self {
-        Self { path: path.into(), mode: None, atomic: true, make_parents: false }
+        Self {
+            path: path.into(),
+            mode: None,
+            atomic: true,
+            make_parents: false,
+        }
     }
 }
 
@@ -287,9 +292,14 @@ impl DockerRunRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ServerMessage {
-    Hello { agent_version: String, protocol_version: u32 },
+    Hello {
+        agent_version: String,
+        protocol_version: u32,
+    },
     /// The process started (Exec, DockerRun).
-    Started { pid: u32 },
+    Started {
+        pid: u32,
+    },
     /// A chunk of stdout or stderr. `seq` counts chunks of both streams in order, from 0.
     Output {
         stream: OutputStream,
@@ -314,17 +324,26 @@ pub enum ServerMessage {
         data: Vec<u8>,
     },
     /// The download is complete; `bytes` in total.
-    End { bytes: u64 },
+    End {
+        bytes: u64,
+    },
     /// The upload may start.
     Ready,
     /// The upload is stored; `bytes` received.
-    Written { bytes: u64 },
+    Written {
+        bytes: u64,
+    },
     Stat(FileInfo),
-    List { entries: Vec<FileInfo> },
+    List {
+        entries: Vec<FileInfo>,
+    },
     Ok,
     /// Result of a post-restore fixup. `applied` is false when the agent was
     /// told not to apply it (e.g. `--no-set-clock`); `detail` says what happened.
-    Applied { applied: bool, detail: String },
+    Applied {
+        applied: bool,
+        detail: String,
+    },
     Health(Health),
     DockerReady {
         /// True when this request started dockerd, false when it already answered.
@@ -333,7 +352,9 @@ pub enum ServerMessage {
     },
     /// A stream input for a still-open request was refused (e.g. an invalid
     /// signal number); the request goes on. Not terminal.
-    Notice { message: String },
+    Notice {
+        message: String,
+    },
     /// The request failed; terminal.
     Error(ErrorInfo),
 }
@@ -343,7 +364,11 @@ impl ServerMessage {
     pub fn is_terminal(&self) -> bool {
         !matches!(
             self,
-            Self::Started { .. } | Self::Output { .. } | Self::Data { .. } | Self::Ready | Self::Notice { .. }
+            Self::Started { .. }
+                | Self::Output { .. }
+                | Self::Data { .. }
+                | Self::Ready
+                | Self::Notice { .. }
         )
     }
 }
@@ -476,7 +501,11 @@ impl std::fmt::Display for ErrorInfo {
 
 impl ErrorInfo {
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self { code: "bad_request".into(), errno: None, message: message.into() }
+        Self {
+            code: "bad_request".into(),
+            errno: None,
+            message: message.into(),
+        }
     }
 }
 
@@ -489,7 +518,10 @@ mod tests {
         let json = r#"{"id":7,"body":{"op":"exec","command":{"argv":["echo","hi"]}}}"#;
         let frame: ClientFrame = serde_json::from_str(json).expect("parse");
         assert_eq!(frame.id, 7);
-        assert_eq!(frame.body, ClientMessage::Exec(ExecRequest::argv(["echo", "hi"])));
+        assert_eq!(
+            frame.body,
+            ClientMessage::Exec(ExecRequest::argv(["echo", "hi"]))
+        );
         let back = serde_json::to_string(&frame).expect("serialize");
         let again: ClientFrame = serde_json::from_str(&back).expect("reparse");
         assert_eq!(again, frame);
@@ -499,11 +531,18 @@ mod tests {
     fn binary_data_is_base64() {
         let frame = ServerFrame {
             id: 1,
-            body: ServerMessage::Output { stream: OutputStream::Stderr, seq: 3, data: b"\x00\xffhi".to_vec() },
+            body: ServerMessage::Output {
+                stream: OutputStream::Stderr,
+                seq: 3,
+                data: b"\x00\xffhi".to_vec(),
+            },
         };
         let json = serde_json::to_string(&frame).expect("serialize");
         assert!(json.contains(r#""data":"AP9oaQ==""#), "{json}");
-        assert_eq!(serde_json::from_str::<ServerFrame>(&json).expect("parse"), frame);
+        assert_eq!(
+            serde_json::from_str::<ServerFrame>(&json).expect("parse"),
+            frame
+        );
     }
 
     #[test]

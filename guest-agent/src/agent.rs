@@ -32,7 +32,11 @@ impl Agent {
     pub fn new(config: Config) -> Self {
         let cgroups = match crate::cgroup::detect() {
             Ok(base) => {
-                log::info!("per-exec cgroups under {} ({:?})", base.dir.display(), base.version);
+                log::info!(
+                    "per-exec cgroups under {} ({:?})",
+                    base.dir.display(),
+                    base.version
+                );
                 Some(base)
             }
             Err(reason) => {
@@ -40,6 +44,10 @@ impl Agent {
                 None
             }
         };
-        Self { config, cgroups, docker_lock: tokio::sync::Mutex::new(()) }
+        Self {
+            config,
+            cgroups,
+            docker_lock: tokio::sync::Mutex::new(()),
+        }
     }
 }

@@ -4,10 +4,10 @@
 //! of a cgroup2 hierarchy (the guest); cgroup v1's memory controller when
 //! that is what the system has (e.g. a hybrid host).
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::io::Write as _;
 use std::os::fd::{AsRawFd, RawFd};
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -36,18 +36,23 @@ const BASE_NAME: &str = "rollbox-agent";
 /// Find a usable memory cgroup hierarchy and create our base directory.
 /// Returns None (with the reason) when there is none.
 pub fn detect() -> Result<CgroupBase, String> {
-    let own = fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("read /proc/self/cgroup: {e}"))?;
+    let own = fs::read_to_string("/proc/self/cgroup")
+        .map_err(|e| format!("read /proc/self/cgroup: {e}"))?;
     // v1: a line "N:...memory...:/path".
     for line in own.lines() {
         let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
             continue;
         };
         if controllers.split(',').any(|c| c == "memory") {
             let mount = Path::new(CGROUP_ROOT).join("memory");
             let dir = mount.join(path.trim_start_matches('/')).join(BASE_NAME);
             fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
-            return Ok(CgroupBase { version: Version::V1, dir });
+            return Ok(CgroupBase {
+                version: Version::V1,
+                dir,
+            });
         }
     }
     // v2: only from the root cgroup (no-internal-process rule).
@@ -58,13 +63,19 @@ pub fn detect() -> Result<CgroupBase, String> {
         return Err("cgroup2 has no memory controller".into());
     }
     if !own.lines().any(|l| l == "0::/") {
-        return Err("the agent is not in the root cgroup2, so it cannot delegate the memory controller".into());
+        return Err(
+            "the agent is not in the root cgroup2, so it cannot delegate the memory controller"
+                .into(),
+        );
     }
     write_file(&root.join("cgroup.subtree_control"), "+memory")?;
     let dir = root.join(BASE_NAME);
     fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
     write_file(&dir.join("cgroup.subtree_control"), "+memory")?;
-    Ok(CgroupBase { version: Version::V2, dir })
+    Ok(CgroupBase {
+        version: Version::V2,
+        dir,
+    })
 }
 
 fn write_file(path: &Path, text: &str) -> Result<(), String> {
@@ -80,9 +91,9 @@ static NEXT: AtomicU64 = AtomicU64::new(1);
 static LIVE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
 fn live() -> std::sync::MutexGuard<'static, BTreeSet<String>> {
-    LIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
-
 
 /// The cgroup of one exec.
 #[derive(Debug)]
@@ -96,7 +107,11 @@ pub struct ExecCgroup {
 impl ExecCgroup {
     pub fn create(base: &CgroupBase, memory_limit: Option<u64>) -> Result<Self, SysError> {
         sweep(base);
-        let name = format!("exec-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let name = format!(
+            "exec-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
         live().insert(name.clone());
         let dir = base.dir.join(&name);
         let dir_text = dir.display().to_string();
@@ -104,24 +119,41 @@ impl ExecCgroup {
             live().remove(&name);
             return Err(SysError::new("mkdir", &dir_text, err));
         }
-        let procs = match fs::OpenOptions::new().write(true).open(dir.join("cgroup.procs")) {
+        let procs = match fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("cgroup.procs"))
+        {
             Ok(procs) => procs,
             Err(err) => {
                 live().remove(&name);
                 let _ = fs::remove_dir(&dir);
-                return Err(SysError::new("open", format!("{dir_text}/cgroup.procs"), err));
+                return Err(SysError::new(
+                    "open",
+                    format!("{dir_text}/cgroup.procs"),
+                    err,
+                ));
             }
         };
-        let cgroup = Self { version: base.version, name, dir, procs };
+        let cgroup = Self {
+            version: base.version,
+            name,
+            dir,
+            procs,
+        };
         if let Some(limit) = memory_limit {
             let (file, swap_file) = match cgroup.version {
                 Version::V2 => ("memory.max", "memory.swap.max"),
                 Version::V1 => ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"),
             };
             let path = cgroup.dir.join(file);
-            fs::write(&path, limit.to_string()).map_err(sys("write", &path.display().to_string()))?;
+            fs::write(&path, limit.to_string())
+                .map_err(sys("write", &path.display().to_string()))?;
             // Keep the limit from being dodged through swap; absent without swap accounting.
-            let swap_value = if cgroup.version == Version::V2 { "0".to_owned() } else { limit.to_string() };
+            let swap_value = if cgroup.version == Version::V2 {
+                "0".to_owned()
+            } else {
+                limit.to_string()
+            };
             let _ = fs::write(cgroup.dir.join(swap_file), swap_value);
         }
         Ok(cgroup)
@@ -145,7 +177,9 @@ impl ExecCgroup {
             Version::V2 => "memory.events",
             Version::V1 => "memory.oom_control",
         };
-        fs::read_to_string(self.dir.join(file)).map(|text| counter(&text, "oom_kill")).unwrap_or(0)
+        fs::read_to_string(self.dir.join(file))
+            .map(|text| counter(&text, "oom_kill"))
+            .unwrap_or(0)
     }
 
     fn pids(&self) -> Vec<i32> {
@@ -197,12 +231,17 @@ impl Drop for ExecCgroup {
 /// Remove empty cgroups left by this agent's finished execs, and by agents
 /// that are gone (other live agents sharing the hierarchy keep theirs).
 fn sweep(base: &CgroupBase) {
-    let Ok(entries) = fs::read_dir(&base.dir) else { return };
+    let Ok(entries) = fs::read_dir(&base.dir) else {
+        return;
+    };
     let own = std::process::id();
     let live = live();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(owner) = name.strip_prefix("exec-").and_then(|rest| rest.split('-').next()?.parse::<u32>().ok()) else {
+        let Some(owner) = name
+            .strip_prefix("exec-")
+            .and_then(|rest| rest.split('-').next()?.parse::<u32>().ok())
+        else {
             continue;
         };
         let owner_gone = !Path::new(&format!("/proc/{owner}")).exists();
@@ -224,7 +263,9 @@ pub fn counter(text: &str, key: &str) -> u64 {
 /// The system-wide OOM kill count (/proc/vmstat), if the kernel reports it.
 pub fn system_oom_kills() -> Option<u64> {
     let text = fs::read_to_string("/proc/vmstat").ok()?;
-    text.lines().any(|l| l.starts_with("oom_kill ")).then(|| counter(&text, "oom_kill"))
+    text.lines()
+        .any(|l| l.starts_with("oom_kill "))
+        .then(|| counter(&text, "oom_kill"))
 }
 
 #[cfg(test)]
@@ -236,7 +277,10 @@ mod tests {
         let events = "low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n";
         assert_eq!(counter(events, "oom_kill"), 1);
         assert_eq!(counter(events, "oom"), 2);
-        assert_eq!(counter("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n", "oom_kill"), 3);
+        assert_eq!(
+            counter("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n", "oom_kill"),
+            3
+        );
         assert_eq!(counter("", "oom_kill"), 0);
     }
 }

@@ -22,18 +22,30 @@ const DEFAULT_SOCKET: &str = "/var/run/docker.sock";
 pub async fn ping(socket: &Path) -> bool {
     let attempt = async {
         let mut stream = tokio::net::UnixStream::connect(socket).await.ok()?;
-        stream.write_all(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n").await.ok()?;
+        stream
+            .write_all(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            .await
+            .ok()?;
         let mut reply = Vec::new();
         stream.read_to_end(&mut reply).await.ok()?;
         let reply = String::from_utf8_lossy(&reply);
-        Some(reply.starts_with("HTTP/1.") && reply.lines().next().is_some_and(|l| l.contains(" 200 ")))
+        Some(
+            reply.starts_with("HTTP/1.")
+                && reply.lines().next().is_some_and(|l| l.contains(" 200 ")),
+        )
     };
-    matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Some(true)))
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), attempt).await,
+        Ok(Some(true))
+    )
 }
 
 fn find_in_path(program: &str) -> Option<PathBuf> {
     let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_owned());
-    path.split(':').chain(DEFAULT_PATH.split(':')).map(|dir| Path::new(dir).join(program)).find(|p| p.is_file())
+    path.split(':')
+        .chain(DEFAULT_PATH.split(':'))
+        .map(|dir| Path::new(dir).join(program))
+        .find(|p| p.is_file())
 }
 
 fn log_tail(path: &Path) -> String {
@@ -44,7 +56,11 @@ fn log_tail(path: &Path) -> String {
 
 /// Start dockerd unless it answers; wait until it does. Returns
 /// (started by this call, milliseconds waited).
-pub async fn ensure(agent: &Agent, timeout: Option<Duration>, extra_args: &[String]) -> Result<(bool, u64), ErrorInfo> {
+pub async fn ensure(
+    agent: &Agent,
+    timeout: Option<Duration>,
+    extra_args: &[String],
+) -> Result<(bool, u64), ErrorInfo> {
     let _serial = agent.docker_lock.lock().await;
     let socket = &agent.config.docker_socket;
     if ping(socket).await {
@@ -66,9 +82,15 @@ pub async fn ensure(agent: &Agent, timeout: Option<Duration>, extra_args: &[Stri
         .append(true)
         .open(log_path)
         .map_err(|e| SysError::new("open", log_path.display().to_string(), e).to_info())?;
-    let log_err = log.try_clone().map_err(|e| SysError::new("dup", log_path.display().to_string(), e).to_info())?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| SysError::new("dup", log_path.display().to_string(), e).to_info())?;
     let mut command = std::process::Command::new(&dockerd);
-    let given = |flag: &str| extra_args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+    let given = |flag: &str| {
+        extra_args
+            .iter()
+            .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+    };
     if !given("--host") && !given("-H") {
         command.arg(format!("--host=unix://{}", socket.display()));
     }
@@ -91,13 +113,21 @@ pub async fn ensure(agent: &Agent, timeout: Option<Duration>, extra_args: &[Stri
         });
     }
     let started = Instant::now();
-    let (child, mut exited) =
-        reaper().spawn(&mut command).map_err(|e| SysError::new("exec", dockerd.display().to_string(), e).to_info())?;
-    log::info!("started dockerd (pid {}), log in {}", child.id(), log_path.display());
+    let (child, mut exited) = reaper()
+        .spawn(&mut command)
+        .map_err(|e| SysError::new("exec", dockerd.display().to_string(), e).to_info())?;
+    log::info!(
+        "started dockerd (pid {}), log in {}",
+        child.id(),
+        log_path.display()
+    );
     let timeout = timeout.unwrap_or(DEFAULT_READY_TIMEOUT);
     loop {
         if ping(socket).await {
-            return Ok((true, u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)));
+            return Ok((
+                true,
+                u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ));
         }
         if let Ok(status) = exited.try_recv() {
             return Err(ErrorInfo {
@@ -133,23 +163,45 @@ static CONTAINERS: AtomicU64 = AtomicU64::new(0);
 
 /// The exec request for `docker run`, and the cleanup argv that removes the
 /// container if the run is killed (killing the CLI does not stop it).
-pub fn run_command(agent: &Agent, req: &DockerRunRequest) -> Result<(ExecRequest, Vec<String>), ErrorInfo> {
+pub fn run_command(
+    agent: &Agent,
+    req: &DockerRunRequest,
+) -> Result<(ExecRequest, Vec<String>), ErrorInfo> {
     if req.image.is_empty() || req.image.starts_with('-') {
-        return Err(ErrorInfo::bad_request(format!("docker run: invalid image name {:?}", req.image)));
+        return Err(ErrorInfo::bad_request(format!(
+            "docker run: invalid image name {:?}",
+            req.image
+        )));
     }
-    let name = format!("rollbox-{}-{}", std::process::id(), CONTAINERS.fetch_add(1, Ordering::Relaxed));
-    let mut argv: Vec<String> = vec!["docker".into(), "run".into(), "--rm".into(), "--name".into(), name.clone()];
+    let name = format!(
+        "rollbox-{}-{}",
+        std::process::id(),
+        CONTAINERS.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut argv: Vec<String> = vec![
+        "docker".into(),
+        "run".into(),
+        "--rm".into(),
+        "--name".into(),
+        name.clone(),
+    ];
     if req.stdin {
         argv.push("-i".into());
     }
     for (key, value) in &req.env {
         if key.is_empty() || key.contains('=') {
-            return Err(ErrorInfo::bad_request(format!("docker run: invalid environment variable name {key:?}")));
+            return Err(ErrorInfo::bad_request(format!(
+                "docker run: invalid environment variable name {key:?}"
+            )));
         }
         argv.push("-e".into());
         argv.push(format!("{key}={value}"));
     }
-    for (flag, value) in [("--workdir", &req.workdir), ("--user", &req.user), ("--network", &req.network)] {
+    for (flag, value) in [
+        ("--workdir", &req.workdir),
+        ("--user", &req.user),
+        ("--network", &req.network),
+    ] {
         if let Some(value) = value {
             argv.push(format!("{flag}={value}"));
         }
@@ -163,7 +215,10 @@ pub fn run_command(agent: &Agent, req: &DockerRunRequest) -> Result<(ExecRequest
     exec.output_limit_bytes = req.output_limit_bytes;
     exec.stdin = req.stdin;
     if agent.config.docker_socket != Path::new(DEFAULT_SOCKET) {
-        exec.env.insert("DOCKER_HOST".into(), format!("unix://{}", agent.config.docker_socket.display()));
+        exec.env.insert(
+            "DOCKER_HOST".into(),
+            format!("unix://{}", agent.config.docker_socket.display()),
+        );
     }
     let mut cleanup = vec!["docker".to_owned(), "rm".into(), "-f".into(), name];
     if let Some(host) = exec.env.get("DOCKER_HOST") {

@@ -16,7 +16,11 @@ pub struct SysError {
 
 impl SysError {
     pub fn new(op: &'static str, target: impl Into<String>, source: io::Error) -> Self {
-        Self { op, target: target.into(), source }
+        Self {
+            op,
+            target: target.into(),
+            source,
+        }
     }
 
     pub fn to_info(&self) -> ErrorInfo {
@@ -93,7 +97,11 @@ pub fn errno_name(errno: i32) -> Option<&'static str> {
 
 /// An error reply for anything that is not a system call failure.
 pub fn internal(message: impl Into<String>) -> ErrorInfo {
-    ErrorInfo { code: "internal".into(), errno: None, message: message.into() }
+    ErrorInfo {
+        code: "internal".into(),
+        errno: None,
+        message: message.into(),
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rollbox_agent_protocol::{
-    Command, ErrorInfo, ExecRequest, ExitStatus, OomDetection, OutputStream, ServerFrame, ServerMessage, CHUNK_BYTES,
+    Command, ErrorInfo, ExecRequest, ExitStatus, OomDetection, OutputStream, ServerFrame,
+    ServerMessage, CHUNK_BYTES,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
@@ -43,8 +44,15 @@ pub enum ExecInput {
 
 /// Where output goes: streamed as frames, or collected for `Run`.
 pub enum Sink {
-    Stream { id: u64, out: mpsc::Sender<ServerFrame>, seq: u64 },
-    Collect { stdout: Vec<u8>, stderr: Vec<u8> },
+    Stream {
+        id: u64,
+        out: mpsc::Sender<ServerFrame>,
+        seq: u64,
+    },
+    Collect {
+        stdout: Vec<u8>,
+        stderr: Vec<u8>,
+    },
 }
 
 impl Sink {
@@ -59,7 +67,11 @@ impl Sink {
     async fn output(&mut self, stream: OutputStream, data: &[u8]) -> bool {
         match self {
             Sink::Stream { id, out, seq } => {
-                let body = ServerMessage::Output { stream, seq: *seq, data: data.to_vec() };
+                let body = ServerMessage::Output {
+                    stream,
+                    seq: *seq,
+                    data: data.to_vec(),
+                };
                 *seq += 1;
                 out.send(ServerFrame { id: *id, body }).await.is_ok()
             }
@@ -96,11 +108,15 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
         Command::Shell(script) => ("/bin/sh".to_owned(), vec!["-c".to_owned(), script.clone()]),
     };
     let user = match &req.user {
-        Some(name) => Some(users::lookup(&agent.config.etc_dir, name).map_err(|err| ErrorInfo {
-            code: "bad_request".into(),
-            errno: None,
-            message: format!("exec {program}: {err}"),
-        })?),
+        Some(name) => {
+            Some(
+                users::lookup(&agent.config.etc_dir, name).map_err(|err| ErrorInfo {
+                    code: "bad_request".into(),
+                    errno: None,
+                    message: format!("exec {program}: {err}"),
+                })?,
+            )
+        }
         None => None,
     };
     let cwd = match (&req.cwd, &user) {
@@ -110,7 +126,14 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
     };
     match std::fs::metadata(&cwd) {
         Ok(meta) if meta.is_dir() => {}
-        Ok(_) => return Err(SysError::new("chdir", &cwd, std::io::Error::from_raw_os_error(libc::ENOTDIR)).to_info()),
+        Ok(_) => {
+            return Err(SysError::new(
+                "chdir",
+                &cwd,
+                std::io::Error::from_raw_os_error(libc::ENOTDIR),
+            )
+            .to_info())
+        }
         Err(err) => return Err(SysError::new("chdir", &cwd, err).to_info()),
     }
 
@@ -119,12 +142,17 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
     if req.clear_env {
         command.env_clear();
     }
-    let has_path = req.env.contains_key("PATH") || (!req.clear_env && std::env::var_os("PATH").is_some());
+    let has_path =
+        req.env.contains_key("PATH") || (!req.clear_env && std::env::var_os("PATH").is_some());
     if !has_path {
         command.env("PATH", DEFAULT_PATH);
     }
     if let Some(user) = &user {
-        for (key, value) in [("HOME", &user.home), ("USER", &user.name), ("LOGNAME", &user.name)] {
+        for (key, value) in [
+            ("HOME", &user.home),
+            ("USER", &user.name),
+            ("LOGNAME", &user.name),
+        ] {
             if !req.env.contains_key(key) {
                 command.env(key, value);
             }
@@ -141,11 +169,9 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
                 None
             }
         },
-        (None, Some(_)) => {
-            return Err(ErrorInfo::bad_request(format!(
-                "exec {program}: memory_limit_bytes needs a memory cgroup, and none is available here"
-            )))
-        }
+        (None, Some(_)) => return Err(ErrorInfo::bad_request(format!(
+            "exec {program}: memory_limit_bytes needs a memory cgroup, and none is available here"
+        ))),
         (None, None) => None,
     };
 
@@ -181,7 +207,12 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
         .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    Ok(Prepared { command, program, cgroup, stdin })
+    Ok(Prepared {
+        command,
+        program,
+        cgroup,
+        stdin,
+    })
 }
 
 /// Counts output against the cap.
@@ -269,16 +300,38 @@ pub async fn run(
     mut inputs: mpsc::UnboundedReceiver<ExecInput>,
     cleanup: Option<Vec<String>>,
 ) -> Result<ExitStatus, ErrorInfo> {
-    let Prepared { mut command, program, cgroup, stdin } = prepare(agent, &req)?;
-    let oom_before = if cgroup.is_none() { cgroup::system_oom_kills() } else { None };
+    let Prepared {
+        mut command,
+        program,
+        cgroup,
+        stdin,
+    } = prepare(agent, &req)?;
+    let oom_before = if cgroup.is_none() {
+        cgroup::system_oom_kills()
+    } else {
+        None
+    };
     let started = Instant::now();
-    let (mut child, exit_rx) =
-        reaper().spawn(&mut command).map_err(|err| SysError::new("exec", &program, err).to_info())?;
+    let (mut child, exit_rx) = reaper()
+        .spawn(&mut command)
+        .map_err(|err| SysError::new("exec", &program, err).to_info())?;
     let pid = i32::try_from(child.id()).map_err(|_| internal("child pid out of range"))?;
     let mut take_pipes = || -> std::io::Result<_> {
-        let stdout = child.stdout.take().map(|p| pipe::Receiver::from_owned_fd(OwnedFd::from(p))).transpose()?;
-        let stderr = child.stderr.take().map(|p| pipe::Receiver::from_owned_fd(OwnedFd::from(p))).transpose()?;
-        let stdin = child.stdin.take().map(|p| pipe::Sender::from_owned_fd(OwnedFd::from(p))).transpose()?;
+        let stdout = child
+            .stdout
+            .take()
+            .map(|p| pipe::Receiver::from_owned_fd(OwnedFd::from(p)))
+            .transpose()?;
+        let stderr = child
+            .stderr
+            .take()
+            .map(|p| pipe::Receiver::from_owned_fd(OwnedFd::from(p)))
+            .transpose()?;
+        let stdin = child
+            .stdin
+            .take()
+            .map(|p| pipe::Sender::from_owned_fd(OwnedFd::from(p)))
+            .transpose()?;
         Ok((stdout, stderr, stdin))
     };
     let pipes = take_pipes();
@@ -308,7 +361,10 @@ pub async fn run(
     let killer = req.timeout_ms.map(|ms| {
         let timed_out = Arc::clone(&timed_out);
         let cgroup = cgroup.clone();
-        let grace = req.kill_grace_ms.map(Duration::from_millis).unwrap_or(DEFAULT_KILL_GRACE);
+        let grace = req
+            .kill_grace_ms
+            .map(Duration::from_millis)
+            .unwrap_or(DEFAULT_KILL_GRACE);
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
             timed_out.store(true, Ordering::SeqCst);
@@ -318,7 +374,13 @@ pub async fn run(
         })
     });
 
-    let mut cap = OutputCap { limit: req.output_limit_bytes, kept: 0, truncated: false, stdout_bytes: 0, stderr_bytes: 0 };
+    let mut cap = OutputCap {
+        limit: req.output_limit_bytes,
+        kept: 0,
+        truncated: false,
+        stdout_bytes: 0,
+        stderr_bytes: 0,
+    };
     let mut exit_rx = Some(exit_rx);
     let mut wait_status: Option<WaitStatus> = None;
     let mut drain_deadline = None;
@@ -396,7 +458,10 @@ pub async fn run(
         (Some(cgroup), _) => (cgroup.oom_kills() > 0, cgroup.detection()),
         (None, Some(before)) => {
             let after = cgroup::system_oom_kills().unwrap_or(before);
-            (wait_status.signal() == Some(libc::SIGKILL) && after > before, OomDetection::KernelCounter)
+            (
+                wait_status.signal() == Some(libc::SIGKILL) && after > before,
+                OomDetection::KernelCounter,
+            )
         }
         (None, None) => (false, OomDetection::None),
     };
@@ -428,9 +493,14 @@ fn handle_input(
 ) -> Option<String> {
     match input {
         ExecInput::Stdin(data) => match (has_stdin, stdin_tx.as_ref()) {
-            (false, _) => Some("stdin refused: the process was started without stdin (set \"stdin\": true)".into()),
+            (false, _) => Some(
+                "stdin refused: the process was started without stdin (set \"stdin\": true)".into(),
+            ),
             (true, None) => Some("stdin refused: stdin is already closed".into()),
-            (true, Some(tx)) => tx.send(Some(data)).err().map(|_| "stdin refused: the process closed its stdin".into()),
+            (true, Some(tx)) => tx
+                .send(Some(data))
+                .err()
+                .map(|_| "stdin refused: the process closed its stdin".into()),
         },
         ExecInput::StdinClose => {
             // Dropping the sender ends the writer task, which closes the pipe.
@@ -439,13 +509,22 @@ fn handle_input(
         }
         ExecInput::Signal { signal, group } => {
             if !(1..=MAX_SIGNAL).contains(&signal) {
-                return Some(format!("signal {signal} refused: not a signal number (1..={MAX_SIGNAL})"));
+                return Some(format!(
+                    "signal {signal} refused: not a signal number (1..={MAX_SIGNAL})"
+                ));
             }
             if exited && !group {
-                return Some(format!("signal {signal} not sent: process {pid} already exited"));
+                return Some(format!(
+                    "signal {signal} not sent: process {pid} already exited"
+                ));
             }
             let target = if group { -pid } else { pid };
-            kill(target, signal).err().map(|err| format!("kill {target} with signal {signal}: {}", crate::errors::describe(&err)))
+            kill(target, signal).err().map(|err| {
+                format!(
+                    "kill {target} with signal {signal}: {}",
+                    crate::errors::describe(&err)
+                )
+            })
         }
         ExecInput::Cancel => {
             *cancelled = true;
@@ -457,12 +536,21 @@ fn handle_input(
 
 /// Run a cleanup command (bounded to 30 s), logging failures.
 async fn run_cleanup(argv: Vec<String>) {
-    let Some((program, args)) = argv.split_first() else { return };
+    let Some((program, args)) = argv.split_first() else {
+        return;
+    };
     let mut command = std::process::Command::new(program);
-    command.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     match reaper().spawn(&mut command) {
         Ok((_child, rx)) => {
-            if tokio::time::timeout(Duration::from_secs(30), rx).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(30), rx)
+                .await
+                .is_err()
+            {
                 log::warn!("cleanup {argv:?} did not finish within 30 s");
             }
         }
@@ -476,7 +564,13 @@ mod tests {
 
     #[test]
     fn output_cap_counts_both_streams() {
-        let mut cap = OutputCap { limit: Some(10), kept: 0, truncated: false, stdout_bytes: 0, stderr_bytes: 0 };
+        let mut cap = OutputCap {
+            limit: Some(10),
+            kept: 0,
+            truncated: false,
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+        };
         assert_eq!(cap.admit(OutputStream::Stdout, 6), 6);
         assert!(!cap.truncated);
         assert_eq!(cap.admit(OutputStream::Stderr, 6), 4);
@@ -487,7 +581,13 @@ mod tests {
 
     #[test]
     fn no_cap_keeps_everything() {
-        let mut cap = OutputCap { limit: None, kept: 0, truncated: false, stdout_bytes: 0, stderr_bytes: 0 };
+        let mut cap = OutputCap {
+            limit: None,
+            kept: 0,
+            truncated: false,
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+        };
         assert_eq!(cap.admit(OutputStream::Stdout, 1 << 20), 1 << 20);
         assert!(!cap.truncated);
     }

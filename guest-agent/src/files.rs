@@ -3,7 +3,9 @@
 
 use std::fs;
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::fs::{
+    DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
+};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -21,10 +23,14 @@ pub fn check_path(path: &str) -> Result<PathBuf, ErrorInfo> {
         return Err(ErrorInfo::bad_request("path is empty"));
     }
     if path.contains('\0') {
-        return Err(ErrorInfo::bad_request(format!("path {path:?} contains a NUL byte")));
+        return Err(ErrorInfo::bad_request(format!(
+            "path {path:?} contains a NUL byte"
+        )));
     }
     if !path.starts_with('/') {
-        return Err(ErrorInfo::bad_request(format!("path {path:?} is not absolute")));
+        return Err(ErrorInfo::bad_request(format!(
+            "path {path:?} is not absolute"
+        )));
     }
     Ok(PathBuf::from(path))
 }
@@ -45,14 +51,20 @@ fn file_info(path: &Path, meta: &fs::Metadata) -> FileInfo {
         FileKind::Other
     };
     FileInfo {
-        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into()),
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into()),
         path: path.display().to_string(),
         kind,
         size: meta.len(),
         mode: meta.mode() & 0o7777,
         uid: meta.uid(),
         gid: meta.gid(),
-        mtime_ns: meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec()),
+        mtime_ns: meta
+            .mtime()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(meta.mtime_nsec()),
         link_target: if kind == FileKind::Symlink {
             fs::read_link(path).ok().map(|t| t.display().to_string())
         } else {
@@ -63,8 +75,18 @@ fn file_info(path: &Path, meta: &fs::Metadata) -> FileInfo {
 
 pub fn stat(path: &str, follow_symlinks: bool) -> Result<FileInfo, ErrorInfo> {
     let p = check_path(path)?;
-    let meta = if follow_symlinks { fs::metadata(&p) } else { fs::symlink_metadata(&p) };
-    let meta = meta.map_err(|e| info(SysError::new(if follow_symlinks { "stat" } else { "lstat" }, path, e)))?;
+    let meta = if follow_symlinks {
+        fs::metadata(&p)
+    } else {
+        fs::symlink_metadata(&p)
+    };
+    let meta = meta.map_err(|e| {
+        info(SysError::new(
+            if follow_symlinks { "stat" } else { "lstat" },
+            path,
+            e,
+        ))
+    })?;
     Ok(file_info(&p, &meta))
 }
 
@@ -78,7 +100,13 @@ pub fn list(path: &str) -> Result<Vec<FileInfo>, ErrorInfo> {
             Ok(meta) => entries.push(file_info(&entry_path, &meta)),
             // Removed between readdir and lstat: it is simply gone.
             Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-            Err(err) => return Err(info(SysError::new("lstat", entry_path.display().to_string(), err))),
+            Err(err) => {
+                return Err(info(SysError::new(
+                    "lstat",
+                    entry_path.display().to_string(),
+                    err,
+                )))
+            }
         }
     }
     entries.sort_by(|a, b| a.name.cmp(&b.name));
@@ -89,7 +117,9 @@ pub fn mkdir(path: &str, parents: bool, mode: Option<u32>) -> Result<(), ErrorIn
     let p = check_path(path)?;
     let mut builder = fs::DirBuilder::new();
     builder.recursive(parents).mode(mode.unwrap_or(0o755));
-    builder.create(&p).map_err(|e| info(SysError::new("mkdir", path, e)))
+    builder
+        .create(&p)
+        .map_err(|e| info(SysError::new("mkdir", path, e)))
 }
 
 pub fn remove(path: &str, recursive: bool) -> Result<(), ErrorInfo> {
@@ -127,14 +157,23 @@ pub struct ChunkSender {
 
 impl ChunkSender {
     pub fn new(id: u64, out: mpsc::Sender<ServerFrame>, cancel: Arc<AtomicBool>) -> Self {
-        Self { id, out, cancel, seq: 0, bytes: 0 }
+        Self {
+            id,
+            out,
+            cancel,
+            seq: 0,
+            bytes: 0,
+        }
     }
 
     fn send(&mut self, data: &[u8]) -> io::Result<()> {
         if self.cancel.load(Ordering::Relaxed) {
             return Err(io::Error::other("download cancelled by the client"));
         }
-        let body = ServerMessage::Data { seq: self.seq, data: data.to_vec() };
+        let body = ServerMessage::Data {
+            seq: self.seq,
+            data: data.to_vec(),
+        };
         self.out
             .blocking_send(ServerFrame { id: self.id, body })
             .map_err(|_| io::Error::other("connection closed"))?;
@@ -170,15 +209,27 @@ impl Write for ChunkWriter<'_> {
     }
 }
 
-pub fn read_file(path: &str, offset: u64, length: Option<u64>, sender: &mut ChunkSender) -> Result<u64, ErrorInfo> {
+pub fn read_file(
+    path: &str,
+    offset: u64,
+    length: Option<u64>,
+    sender: &mut ChunkSender,
+) -> Result<u64, ErrorInfo> {
     let p = check_path(path)?;
     let mut file = fs::File::open(&p).map_err(|e| info(SysError::new("open", path, e)))?;
-    let meta = file.metadata().map_err(|e| info(SysError::new("fstat", path, e)))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| info(SysError::new("fstat", path, e)))?;
     if meta.is_dir() {
-        return Err(info(SysError::new("read", path, io::Error::from_raw_os_error(libc::EISDIR))));
+        return Err(info(SysError::new(
+            "read",
+            path,
+            io::Error::from_raw_os_error(libc::EISDIR),
+        )));
     }
     if offset > 0 {
-        file.seek(SeekFrom::Start(offset)).map_err(|e| info(SysError::new("seek", path, e)))?;
+        file.seek(SeekFrom::Start(offset))
+            .map_err(|e| info(SysError::new("seek", path, e)))?;
     }
     let mut remaining = length.unwrap_or(u64::MAX);
     let mut buf = vec![0u8; CHUNK_BYTES];
@@ -190,7 +241,9 @@ pub fn read_file(path: &str, offset: u64, length: Option<u64>, sender: &mut Chun
             Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
             Err(err) => return Err(info(SysError::new("read", path, err))),
         };
-        sender.send(&buf[..n]).map_err(|e| info(SysError::new("send", path, e)))?;
+        sender
+            .send(&buf[..n])
+            .map_err(|e| info(SysError::new("send", path, e)))?;
         remaining -= n as u64;
     }
     Ok(sender.bytes)
@@ -199,21 +252,33 @@ pub fn read_file(path: &str, offset: u64, length: Option<u64>, sender: &mut Chun
 pub fn tar_download(path: &str, sender: &mut ChunkSender) -> Result<u64, ErrorInfo> {
     let p = check_path(path)?;
     let meta = fs::metadata(&p).map_err(|e| info(SysError::new("stat", path, e)))?;
-    let mut writer = ChunkWriter { sender, buf: Vec::with_capacity(CHUNK_BYTES) };
+    let mut writer = ChunkWriter {
+        sender,
+        buf: Vec::with_capacity(CHUNK_BYTES),
+    };
     {
         let mut builder = tar::Builder::new(&mut writer);
         builder.follow_symlinks(false);
         let result = if meta.is_dir() {
             builder.append_dir_all(".", &p)
         } else {
-            let name = p.file_name().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("file"));
+            let name = p
+                .file_name()
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("file"));
             builder.append_path_with_name(&p, name)
         };
         result
             .and_then(|()| builder.finish())
-            .map_err(|e| ErrorInfo { code: "io_error".into(), errno: e.raw_os_error(), message: format!("tar {path}: {e}") })?;
+            .map_err(|e| ErrorInfo {
+                code: "io_error".into(),
+                errno: e.raw_os_error(),
+                message: format!("tar {path}: {e}"),
+            })?;
     }
-    writer.flush().map_err(|e| info(SysError::new("send tar of", path, e)))?;
+    writer
+        .flush()
+        .map_err(|e| info(SysError::new("send tar of", path, e)))?;
     Ok(writer.sender.bytes)
 }
 
@@ -239,16 +304,27 @@ impl PendingWrite {
     fn begin(req: &WriteFileRequest) -> Result<Self, ErrorInfo> {
         let path = check_path(&req.path)?;
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
-            return Err(ErrorInfo::bad_request(format!("write: {} names no file", req.path)));
+            return Err(ErrorInfo::bad_request(format!(
+                "write: {} names no file",
+                req.path
+            )));
         };
         if req.make_parents {
-            fs::create_dir_all(parent).map_err(|e| info(SysError::new("mkdir", parent.display().to_string(), e)))?;
+            fs::create_dir_all(parent)
+                .map_err(|e| info(SysError::new("mkdir", parent.display().to_string(), e)))?;
         }
         let existing = fs::metadata(&path).ok();
         if existing.as_ref().is_some_and(|m| m.is_dir()) {
-            return Err(info(SysError::new("write", &req.path, io::Error::from_raw_os_error(libc::EISDIR))));
+            return Err(info(SysError::new(
+                "write",
+                &req.path,
+                io::Error::from_raw_os_error(libc::EISDIR),
+            )));
         }
-        let mode = req.mode.or(existing.as_ref().map(|m| m.mode() & 0o7777)).unwrap_or(0o644);
+        let mode = req
+            .mode
+            .or(existing.as_ref().map(|m| m.mode() & 0o7777))
+            .unwrap_or(0o644);
         let (file, temp) = if req.atomic {
             let temp = parent.join(format!(
                 ".{}.rollbox-{}-{}.tmp",
@@ -274,7 +350,12 @@ impl PendingWrite {
                 .map_err(|e| info(SysError::new("open", &req.path, e)))?;
             (file, None)
         };
-        let pending = Self { path, temp, file, bytes: 0 };
+        let pending = Self {
+            path,
+            temp,
+            file,
+            bytes: 0,
+        };
         if pending.temp.is_some() {
             // Exact mode despite the umask; owner of the file being replaced.
             pending
@@ -282,26 +363,40 @@ impl PendingWrite {
                 .set_permissions(fs::Permissions::from_mode(mode))
                 .map_err(|e| info(SysError::new("chmod", &req.path, e)))?;
             if let Some(meta) = &existing {
-                let _ = std::os::unix::fs::fchown(&pending.file, Some(meta.uid()), Some(meta.gid()));
+                let _ =
+                    std::os::unix::fs::fchown(&pending.file, Some(meta.uid()), Some(meta.gid()));
             }
         }
         Ok(pending)
     }
 
     fn write(&mut self, data: &[u8]) -> Result<(), ErrorInfo> {
-        let target = self.temp.as_ref().unwrap_or(&self.path).display().to_string();
-        self.file.write_all(data).map_err(|e| info(SysError::new("write", target, e)))?;
+        let target = self
+            .temp
+            .as_ref()
+            .unwrap_or(&self.path)
+            .display()
+            .to_string();
+        self.file
+            .write_all(data)
+            .map_err(|e| info(SysError::new("write", target, e)))?;
         self.bytes += data.len() as u64;
         Ok(())
     }
 
     fn commit(mut self) -> Result<u64, ErrorInfo> {
         let path_text = self.path.display().to_string();
-        self.file.sync_all().map_err(|e| info(SysError::new("fsync", &path_text, e)))?;
+        self.file
+            .sync_all()
+            .map_err(|e| info(SysError::new("fsync", &path_text, e)))?;
         if let Some(temp) = self.temp.take() {
             if let Err(err) = fs::rename(&temp, &self.path) {
                 let _ = fs::remove_file(&temp);
-                return Err(info(SysError::new("rename", format!("{} -> {path_text}", temp.display()), err)));
+                return Err(info(SysError::new(
+                    "rename",
+                    format!("{} -> {path_text}", temp.display()),
+                    err,
+                )));
             }
             if let Some(parent) = self.path.parent() {
                 // Make the rename durable; some file systems refuse fsync on a directory.
@@ -337,13 +432,21 @@ pub fn write_file(
             Some(UploadInput::Data(data)) => pending.write(&data)?,
             Some(UploadInput::End) => return pending.commit(),
             Some(UploadInput::Cancel) => return Err(cancelled(&req.path)),
-            None => return Err(ErrorInfo::bad_request("connection closed during the upload")),
+            None => {
+                return Err(ErrorInfo::bad_request(
+                    "connection closed during the upload",
+                ))
+            }
         }
     }
 }
 
 fn cancelled(path: &str) -> ErrorInfo {
-    ErrorInfo { code: "cancelled".into(), errno: None, message: format!("upload to {path} cancelled; nothing was stored") }
+    ErrorInfo {
+        code: "cancelled".into(),
+        errno: None,
+        message: format!("upload to {path} cancelled; nothing was stored"),
+    }
 }
 
 /// Reads upload chunks as one byte stream (for the tar unpacker).
@@ -393,7 +496,14 @@ pub fn tar_upload(
     if !ready() {
         return Err(ErrorInfo::bad_request("connection closed"));
     }
-    let mut reader = UploadReader { rx, chunk: Vec::new(), pos: 0, ended: false, cancelled: false, bytes: 0 };
+    let mut reader = UploadReader {
+        rx,
+        chunk: Vec::new(),
+        pos: 0,
+        ended: false,
+        cancelled: false,
+        bytes: 0,
+    };
     let result = {
         let mut archive = tar::Archive::new(&mut reader);
         archive.set_preserve_permissions(true);
@@ -412,7 +522,8 @@ pub fn tar_upload(
         });
     }
     // The archive may end before the stream does (padding): read to End.
-    io::copy(&mut reader, &mut io::sink()).map_err(|e| info(SysError::new("receive tar for", path, e)))?;
+    io::copy(&mut reader, &mut io::sink())
+        .map_err(|e| info(SysError::new("receive tar for", path, e)))?;
     Ok(reader.bytes)
 }
 
@@ -422,7 +533,10 @@ mod tests {
 
     #[test]
     fn relative_and_empty_paths_are_refused() {
-        assert!(check_path("etc/passwd").expect_err("relative").message.contains("not absolute"));
+        assert!(check_path("etc/passwd")
+            .expect_err("relative")
+            .message
+            .contains("not absolute"));
         assert!(check_path("").is_err());
         assert!(check_path("/a\0b").is_err());
         assert!(check_path("/etc").is_ok());
@@ -431,7 +545,10 @@ mod tests {
     #[test]
     fn missing_file_error_names_path_and_errno() {
         let err = stat("/nonexistent-rollbox/x", true).expect_err("missing");
-        assert_eq!(err.message, "stat /nonexistent-rollbox/x: No such file or directory");
+        assert_eq!(
+            err.message,
+            "stat /nonexistent-rollbox/x: No such file or directory"
+        );
         assert_eq!(err.code, "ENOENT");
     }
 

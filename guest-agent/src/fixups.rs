@@ -14,25 +14,48 @@ const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
 const MAX_SEED_BYTES: usize = 4096;
 
 fn applied(applied: bool, detail: impl Into<String>) -> ServerMessage {
-    ServerMessage::Applied { applied, detail: detail.into() }
+    ServerMessage::Applied {
+        applied,
+        detail: detail.into(),
+    }
 }
 
 pub fn set_time(agent: &Agent, unix_seconds: i64, nanos: u32) -> Result<ServerMessage, ErrorInfo> {
     if nanos >= 1_000_000_000 {
-        return Err(ErrorInfo::bad_request(format!("set_time: nanos {nanos} is not below 1000000000")));
+        return Err(ErrorInfo::bad_request(format!(
+            "set_time: nanos {nanos} is not below 1000000000"
+        )));
     }
     if unix_seconds < 0 {
-        return Err(ErrorInfo::bad_request(format!("set_time: unix_seconds {unix_seconds} is before 1970")));
+        return Err(ErrorInfo::bad_request(format!(
+            "set_time: unix_seconds {unix_seconds} is before 1970"
+        )));
     }
     if !agent.config.set_clock {
-        return Ok(applied(false, format!("clock not set to {unix_seconds}.{nanos:09}: the agent runs with --no-set-clock")));
+        return Ok(applied(
+            false,
+            format!(
+                "clock not set to {unix_seconds}.{nanos:09}: the agent runs with --no-set-clock"
+            ),
+        ));
     }
-    let time = libc::timespec { tv_sec: unix_seconds, tv_nsec: i64::from(nanos) };
+    let time = libc::timespec {
+        tv_sec: unix_seconds,
+        tv_nsec: i64::from(nanos),
+    };
     // SAFETY: time is a valid timespec on the stack.
     if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &time) } != 0 {
-        return Err(SysError::new("clock_settime", "CLOCK_REALTIME", std::io::Error::last_os_error()).to_info());
+        return Err(SysError::new(
+            "clock_settime",
+            "CLOCK_REALTIME",
+            std::io::Error::last_os_error(),
+        )
+        .to_info());
     }
-    Ok(applied(true, format!("CLOCK_REALTIME set to {unix_seconds}.{nanos:09}")))
+    Ok(applied(
+        true,
+        format!("CLOCK_REALTIME set to {unix_seconds}.{nanos:09}"),
+    ))
 }
 
 pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
@@ -43,13 +66,16 @@ pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
         )));
     }
     // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
-    let bits = i32::try_from(seed.len() * 8).map_err(|_| ErrorInfo::bad_request("reseed: seed too large"))?;
-    let size = i32::try_from(seed.len()).map_err(|_| ErrorInfo::bad_request("reseed: seed too large"))?;
+    let bits = i32::try_from(seed.len() * 8)
+        .map_err(|_| ErrorInfo::bad_request("reseed: seed too large"))?;
+    let size =
+        i32::try_from(seed.len()).map_err(|_| ErrorInfo::bad_request("reseed: seed too large"))?;
     let mut words = vec![0u32; 2 + seed.len().div_ceil(4)];
     words[0] = bits as u32;
     words[1] = size as u32;
     // SAFETY: the u32 buffer is at least 8 + seed.len() bytes long; viewing it as bytes is always valid.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4) };
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4) };
     bytes[8..8 + seed.len()].copy_from_slice(seed);
     let random = std::fs::OpenOptions::new()
         .write(true)
@@ -57,14 +83,31 @@ pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
         .map_err(|e| sys("open", "/dev/random")(e).to_info())?;
     // SAFETY: RNDADDENTROPY reads a rand_pool_info of the size it declares, which `words` holds.
     if unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, words.as_ptr()) } != 0 {
-        return Err(SysError::new("ioctl RNDADDENTROPY", "/dev/random", std::io::Error::last_os_error()).to_info());
+        return Err(SysError::new(
+            "ioctl RNDADDENTROPY",
+            "/dev/random",
+            std::io::Error::last_os_error(),
+        )
+        .to_info());
     }
-    Ok(applied(true, format!("mixed {} seed bytes into the kernel RNG ({bits} bits credited)", seed.len())))
+    Ok(applied(
+        true,
+        format!(
+            "mixed {} seed bytes into the kernel RNG ({bits} bits credited)",
+            seed.len()
+        ),
+    ))
 }
 
-pub fn set_identity(agent: &Agent, hostname: Option<&str>, machine_id: Option<&str>) -> Result<ServerMessage, ErrorInfo> {
+pub fn set_identity(
+    agent: &Agent,
+    hostname: Option<&str>,
+    machine_id: Option<&str>,
+) -> Result<ServerMessage, ErrorInfo> {
     if hostname.is_none() && machine_id.is_none() {
-        return Err(ErrorInfo::bad_request("set_identity: give a hostname, a machine_id or both"));
+        return Err(ErrorInfo::bad_request(
+            "set_identity: give a hostname, a machine_id or both",
+        ));
     }
     if let Some(name) = hostname {
         validate_hostname(name)?;
@@ -74,13 +117,19 @@ pub fn set_identity(agent: &Agent, hostname: Option<&str>, machine_id: Option<&s
     if let Some(name) = hostname {
         // SAFETY: the pointer and length describe `name`'s bytes.
         if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } != 0 {
-            return Err(SysError::new("sethostname", name, std::io::Error::last_os_error()).to_info());
+            return Err(
+                SysError::new("sethostname", name, std::io::Error::last_os_error()).to_info(),
+            );
         }
         done.push(format!("hostname {name}"));
     }
     if let Some(id) = machine_id {
-        write_atomic(&agent.config.machine_id_path, format!("{id}\n").as_bytes()).map_err(|e| e.to_info())?;
-        done.push(format!("machine id {id} in {}", agent.config.machine_id_path.display()));
+        write_atomic(&agent.config.machine_id_path, format!("{id}\n").as_bytes())
+            .map_err(|e| e.to_info())?;
+        done.push(format!(
+            "machine id {id} in {}",
+            agent.config.machine_id_path.display()
+        ));
     }
     Ok(applied(true, format!("set {}", done.join(", "))))
 }
@@ -89,7 +138,9 @@ fn validate_hostname(name: &str) -> Result<(), ErrorInfo> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with(['-', '.'])
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
     if ok {
         Ok(())
     } else {
@@ -101,10 +152,13 @@ fn validate_hostname(name: &str) -> Result<(), ErrorInfo> {
 
 fn validate_machine_id(id: &str) -> Result<String, ErrorInfo> {
     let id = id.trim().to_ascii_lowercase();
-    if id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()) && id.bytes().any(|b| b != b'0') {
+    if id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()) && id.bytes().any(|b| b != b'0')
+    {
         Ok(id)
     } else {
-        Err(ErrorInfo::bad_request(format!("set_identity: machine_id {id:?} must be 32 hex digits, not all zero")))
+        Err(ErrorInfo::bad_request(format!(
+            "set_identity: machine_id {id:?} must be 32 hex digits, not all zero"
+        )))
     }
 }
 
@@ -112,7 +166,12 @@ fn validate_machine_id(id: &str) -> Result<String, ErrorInfo> {
 fn write_atomic(path: &Path, data: &[u8]) -> Result<(), SysError> {
     let text = path.display().to_string();
     let dir = path.parent().unwrap_or(Path::new("/"));
-    let temp = dir.join(format!(".{}.rollbox-tmp", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()));
+    let temp = dir.join(format!(
+        ".{}.rollbox-tmp",
+        path.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default()
+    ));
     let temp_text = temp.display().to_string();
     let result = (|| {
         let mut file = std::fs::OpenOptions::new()
@@ -122,7 +181,8 @@ fn write_atomic(path: &Path, data: &[u8]) -> Result<(), SysError> {
             .open(&temp)
             .map_err(sys("open", &temp_text))?;
         file.write_all(data).map_err(sys("write", &temp_text))?;
-        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o444)).map_err(sys("chmod", &temp_text))?;
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o444))
+            .map_err(sys("chmod", &temp_text))?;
         file.sync_all().map_err(sys("fsync", &temp_text))?;
         std::fs::rename(&temp, path).map_err(sys("rename", &text))
     })();
@@ -143,7 +203,10 @@ mod tests {
         assert!(validate_hostname("-x").is_err());
         assert!(validate_hostname("a b").is_err());
         assert!(validate_hostname(&"a".repeat(65)).is_err());
-        assert_eq!(validate_machine_id("0123456789ABCDEF0123456789abcdef").expect("ok"), "0123456789abcdef0123456789abcdef");
+        assert_eq!(
+            validate_machine_id("0123456789ABCDEF0123456789abcdef").expect("ok"),
+            "0123456789abcdef0123456789abcdef"
+        );
         assert!(validate_machine_id("00000000000000000000000000000000").is_err());
         assert!(validate_machine_id("xyz").is_err());
     }

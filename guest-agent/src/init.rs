@@ -16,20 +16,71 @@ struct Mount {
 const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
 
 const MOUNTS: &[Mount] = &[
-    Mount { source: "proc", target: "/proc", fstype: "proc", flags: NOSUID_NODEV_NOEXEC, data: "" },
-    Mount { source: "sysfs", target: "/sys", fstype: "sysfs", flags: NOSUID_NODEV_NOEXEC, data: "" },
-    Mount { source: "devtmpfs", target: "/dev", fstype: "devtmpfs", flags: libc::MS_NOSUID, data: "mode=0755" },
-    Mount { source: "devpts", target: "/dev/pts", fstype: "devpts", flags: libc::MS_NOSUID | libc::MS_NOEXEC, data: "mode=0620,ptmxmode=0666" },
-    Mount { source: "shm", target: "/dev/shm", fstype: "tmpfs", flags: libc::MS_NOSUID | libc::MS_NODEV, data: "mode=1777" },
-    Mount { source: "tmpfs", target: "/run", fstype: "tmpfs", flags: libc::MS_NOSUID | libc::MS_NODEV, data: "mode=0755" },
-    Mount { source: "tmpfs", target: "/tmp", fstype: "tmpfs", flags: libc::MS_NOSUID | libc::MS_NODEV, data: "mode=1777" },
-    Mount { source: "cgroup2", target: "/sys/fs/cgroup", fstype: "cgroup2", flags: NOSUID_NODEV_NOEXEC, data: "" },
+    Mount {
+        source: "proc",
+        target: "/proc",
+        fstype: "proc",
+        flags: NOSUID_NODEV_NOEXEC,
+        data: "",
+    },
+    Mount {
+        source: "sysfs",
+        target: "/sys",
+        fstype: "sysfs",
+        flags: NOSUID_NODEV_NOEXEC,
+        data: "",
+    },
+    Mount {
+        source: "devtmpfs",
+        target: "/dev",
+        fstype: "devtmpfs",
+        flags: libc::MS_NOSUID,
+        data: "mode=0755",
+    },
+    Mount {
+        source: "devpts",
+        target: "/dev/pts",
+        fstype: "devpts",
+        flags: libc::MS_NOSUID | libc::MS_NOEXEC,
+        data: "mode=0620,ptmxmode=0666",
+    },
+    Mount {
+        source: "shm",
+        target: "/dev/shm",
+        fstype: "tmpfs",
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: "mode=1777",
+    },
+    Mount {
+        source: "tmpfs",
+        target: "/run",
+        fstype: "tmpfs",
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: "mode=0755",
+    },
+    Mount {
+        source: "tmpfs",
+        target: "/tmp",
+        fstype: "tmpfs",
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: "mode=1777",
+    },
+    Mount {
+        source: "cgroup2",
+        target: "/sys/fs/cgroup",
+        fstype: "cgroup2",
+        flags: NOSUID_NODEV_NOEXEC,
+        data: "",
+    },
 ];
 
 /// True when `target` is already a mount point (per /proc/self/mountinfo).
 fn mounted(target: &str) -> bool {
     std::fs::read_to_string("/proc/self/mountinfo")
-        .map(|info| info.lines().any(|line| line.split(' ').nth(4) == Some(target)))
+        .map(|info| {
+            info.lines()
+                .any(|line| line.split(' ').nth(4) == Some(target))
+        })
         .unwrap_or(false)
 }
 
@@ -39,10 +90,26 @@ fn mount(m: &Mount) -> Result<(), SysError> {
     }
     let fail = |e| SysError::new("mount", m.target, e);
     std::fs::create_dir_all(m.target).map_err(fail)?;
-    let c = |s: &str| CString::new(s).map_err(|_| SysError::new("mount", m.target, std::io::Error::from_raw_os_error(libc::EINVAL)));
+    let c = |s: &str| {
+        CString::new(s).map_err(|_| {
+            SysError::new(
+                "mount",
+                m.target,
+                std::io::Error::from_raw_os_error(libc::EINVAL),
+            )
+        })
+    };
     let (source, target, fstype, data) = (c(m.source)?, c(m.target)?, c(m.fstype)?, c(m.data)?);
     // SAFETY: all pointers are NUL-terminated strings that live across the call.
-    let ret = unsafe { libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), m.flags, data.as_ptr().cast()) };
+    let ret = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            m.flags,
+            data.as_ptr().cast(),
+        )
+    };
     if ret == 0 {
         return Ok(());
     }
@@ -62,7 +129,12 @@ pub fn init_system(hostname: &str) {
             log::warn!("{err}");
         }
     }
-    for (link, target) in [("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2")] {
+    for (link, target) in [
+        ("/dev/fd", "/proc/self/fd"),
+        ("/dev/stdin", "/proc/self/fd/0"),
+        ("/dev/stdout", "/proc/self/fd/1"),
+        ("/dev/stderr", "/proc/self/fd/2"),
+    ] {
         let _ = std::os::unix::fs::symlink(target, link);
     }
     let current = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -70,7 +142,10 @@ pub fn init_system(hostname: &str) {
     if current.is_empty() || current == "(none)" || current == "localhost" {
         // SAFETY: pointer and length describe `hostname`'s bytes.
         if unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) } != 0 {
-            log::warn!("{}", SysError::new("sethostname", hostname, std::io::Error::last_os_error()));
+            log::warn!(
+                "{}",
+                SysError::new("sethostname", hostname, std::io::Error::last_os_error())
+            );
         }
     }
 }

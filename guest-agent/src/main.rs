@@ -70,11 +70,18 @@ struct StderrLogger {
     verbose: AtomicBool,
 }
 
-static LOGGER: StderrLogger = StderrLogger { verbose: AtomicBool::new(false) };
+static LOGGER: StderrLogger = StderrLogger {
+    verbose: AtomicBool::new(false),
+};
 
 impl log::Log for StderrLogger {
     fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        metadata.level() <= if self.verbose.load(Ordering::Relaxed) { log::Level::Debug } else { log::Level::Info }
+        metadata.level()
+            <= if self.verbose.load(Ordering::Relaxed) {
+                log::Level::Debug
+            } else {
+                log::Level::Info
+            }
     }
 
     fn log(&self, record: &log::Record<'_>) {
@@ -102,7 +109,11 @@ fn main() {
     LOGGER.verbose.store(verbose, Ordering::Relaxed);
     // Fails only if a logger is already set, which cannot happen here.
     let _ = log::set_logger(&LOGGER);
-    log::set_max_level(if verbose { log::LevelFilter::Debug } else { log::LevelFilter::Info });
+    log::set_max_level(if verbose {
+        log::LevelFilter::Debug
+    } else {
+        log::LevelFilter::Info
+    });
     if let Err(err) = run(args, is_pid1) {
         log::error!("{err}");
         if is_pid1 {
@@ -123,7 +134,10 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
     if args.unshare_uts {
         // SAFETY: unshare has no memory effects; the process is still single-threaded.
         if unsafe { libc::unshare(libc::CLONE_NEWUTS) } != 0 {
-            return Err(format!("unshare(CLONE_NEWUTS): {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "unshare(CLONE_NEWUTS): {}",
+                std::io::Error::last_os_error()
+            ));
         }
     }
     if !is_pid1 {
@@ -158,11 +172,20 @@ async fn serve(args: Args, config: agent::Config) -> Result<(), String> {
     let mut listeners = Vec::new();
     if let Some(path) = args.listen_unix.clone() {
         let listener = bind_unix(&path)?;
-        log::info!("listening on unix socket {} (CONNECT {})", path.display(), args.port);
-        listeners.push(tokio::spawn(accept_unix(listener, Arc::clone(&agent), args.port)));
+        log::info!(
+            "listening on unix socket {} (CONNECT {})",
+            path.display(),
+            args.port
+        );
+        listeners.push(tokio::spawn(accept_unix(
+            listener,
+            Arc::clone(&agent),
+            args.port,
+        )));
     }
     if let Some(port) = vsock_port {
-        let listener = vsock::VsockListener::bind(port).map_err(|e| format!("listen on vsock port {port}: {e}"))?;
+        let listener = vsock::VsockListener::bind(port)
+            .map_err(|e| format!("listen on vsock port {port}: {e}"))?;
         log::info!("listening on vsock port {port}");
         listeners.push(tokio::spawn(accept_vsock(listener, Arc::clone(&agent))));
     }
@@ -182,9 +205,13 @@ fn bind_unix(path: &std::path::Path) -> Result<tokio::net::UnixListener, String>
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if meta.file_type().is_socket() {
             // A stale socket from an earlier run.
-            std::fs::remove_file(path).map_err(|e| format!("remove stale socket {}: {e}", path.display()))?;
+            std::fs::remove_file(path)
+                .map_err(|e| format!("remove stale socket {}: {e}", path.display()))?;
         } else {
-            return Err(format!("listen on {}: a non-socket file is in the way", path.display()));
+            return Err(format!(
+                "listen on {}: a non-socket file is in the way",
+                path.display()
+            ));
         }
     }
     // Bind and listen under a temporary name, then rename: once the socket
@@ -202,7 +229,11 @@ fn bind_unix(path: &std::path::Path) -> Result<tokio::net::UnixListener, String>
     Ok(listener)
 }
 
-async fn accept_unix(listener: tokio::net::UnixListener, agent: Arc<agent::Agent>, port: u32) -> Result<(), String> {
+async fn accept_unix(
+    listener: tokio::net::UnixListener,
+    agent: Arc<agent::Agent>,
+    port: u32,
+) -> Result<(), String> {
     loop {
         let mut stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -222,14 +253,19 @@ async fn accept_unix(listener: tokio::net::UnixListener, agent: Arc<agent::Agent
                     }
                 }
                 // Like a vsock port with no listener: the connection is just closed.
-                Ok(asked) => log::info!("refused CONNECT {asked}: this agent listens on port {port}"),
+                Ok(asked) => {
+                    log::info!("refused CONNECT {asked}: this agent listens on port {port}")
+                }
                 Err(err) => log::info!("refused connection: {err}"),
             }
         });
     }
 }
 
-async fn accept_vsock(listener: vsock::VsockListener, agent: Arc<agent::Agent>) -> Result<(), String> {
+async fn accept_vsock(
+    listener: vsock::VsockListener,
+    agent: Arc<agent::Agent>,
+) -> Result<(), String> {
     loop {
         let stream = match listener.accept().await {
             Ok(stream) => stream,

@@ -49,11 +49,15 @@ impl Reaper {
 
     /// Spawn `command` and return the child (for its pipes) and a receiver
     /// of its exit status. Never call `wait` on the returned child.
-    pub fn spawn(&self, command: &mut Command) -> io::Result<(Child, oneshot::Receiver<WaitStatus>)> {
+    pub fn spawn(
+        &self,
+        command: &mut Command,
+    ) -> io::Result<(Child, oneshot::Receiver<WaitStatus>)> {
         let mut state = self.lock();
         let child = command.spawn()?;
         let (tx, rx) = oneshot::channel();
-        let pid = i32::try_from(child.id()).map_err(|_| io::Error::other("child pid out of range"))?;
+        let pid =
+            i32::try_from(child.id()).map_err(|_| io::Error::other("child pid out of range"))?;
         state.waiting.insert(pid, tx);
         Ok((child, rx))
     }
@@ -100,10 +104,14 @@ mod tests {
     #[tokio::test]
     async fn exit_codes_and_signals_are_delivered() {
         let reaper_task = tokio::spawn(run());
-        let (_child, rx) = reaper().spawn(Command::new("/bin/sh").args(["-c", "exit 7"])).expect("spawn");
+        let (_child, rx) = reaper()
+            .spawn(Command::new("/bin/sh").args(["-c", "exit 7"]))
+            .expect("spawn");
         let status = rx.await.expect("status");
         assert_eq!(status.code(), Some(7));
-        let (_child, rx) = reaper().spawn(Command::new("/bin/sh").args(["-c", "kill -9 $$"])).expect("spawn");
+        let (_child, rx) = reaper()
+            .spawn(Command::new("/bin/sh").args(["-c", "kill -9 $$"]))
+            .expect("spawn");
         let status = rx.await.expect("status");
         assert_eq!(status.signal(), Some(libc::SIGKILL));
         reaper_task.abort();

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rollbox_agent_protocol::frame::{self, FrameError};
-use rollbox_agent_protocol::{ClientFrame, ClientMessage, ErrorInfo, ServerFrame, ServerMessage, PROTOCOL_VERSION};
+use rollbox_agent_protocol::{
+    ClientFrame, ClientMessage, ErrorInfo, ServerFrame, ServerMessage, PROTOCOL_VERSION,
+};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 
@@ -57,7 +59,9 @@ where
             let result = match frame::write_frame(&mut writer, &frame).await {
                 // Nothing was written: the connection is intact, so answer with an error instead.
                 Err(err @ (FrameError::TooLarge { .. } | FrameError::Encode(_))) => {
-                    let body = ServerMessage::Error(internal(format!("reply to request {id} not sent: {err}")));
+                    let body = ServerMessage::Error(internal(format!(
+                        "reply to request {id} not sent: {err}"
+                    )));
                     frame::write_frame(&mut writer, &ServerFrame { id, body }).await
                 }
                 other => other,
@@ -87,7 +91,12 @@ where
                     .and_then(|v| v.get("id")?.as_u64())
                     .unwrap_or(0);
                 let message = format!("invalid request frame: {err}");
-                reply(&out, id, ServerMessage::Error(ErrorInfo::bad_request(message))).await;
+                reply(
+                    &out,
+                    id,
+                    ServerMessage::Error(ErrorInfo::bad_request(message)),
+                )
+                .await;
             }
         }
     }
@@ -112,12 +121,19 @@ fn no_stream(id: u64, what: &str) -> ServerMessage {
     })
 }
 
-async fn dispatch(agent: &Arc<Agent>, frame: ClientFrame, out: &mpsc::Sender<ServerFrame>, streams: &Streams) {
+async fn dispatch(
+    agent: &Arc<Agent>,
+    frame: ClientFrame,
+    out: &mpsc::Sender<ServerFrame>,
+    streams: &Streams,
+) {
     let ClientFrame { id, body } = frame;
     let (exec_input, upload_input) = match body {
         ClientMessage::Stdin { data } => (Some(ExecInput::Stdin(data)), None),
         ClientMessage::StdinClose => (Some(ExecInput::StdinClose), None),
-        ClientMessage::Signal { signal, group } => (Some(ExecInput::Signal { signal, group }), None),
+        ClientMessage::Signal { signal, group } => {
+            (Some(ExecInput::Signal { signal, group }), None)
+        }
         ClientMessage::Data { data } => (None, Some(UploadInput::Data(data))),
         ClientMessage::End => (None, Some(UploadInput::End)),
         ClientMessage::Cancel => return cancel(id, out, streams).await,
@@ -179,7 +195,12 @@ async fn start_new(
 ) {
     if streams.lock().contains_key(&id) {
         let message = format!("request id {id} is already in use by an open request");
-        reply(out, id, ServerMessage::Error(ErrorInfo::bad_request(message))).await;
+        reply(
+            out,
+            id,
+            ServerMessage::Error(ErrorInfo::bad_request(message)),
+        )
+        .await;
         return;
     }
     start(Arc::clone(agent), id, body, out.clone(), streams.clone()).await;
@@ -196,7 +217,13 @@ where
     });
 }
 
-async fn start(agent: Arc<Agent>, id: u64, body: ClientMessage, out: mpsc::Sender<ServerFrame>, streams: Streams) {
+async fn start(
+    agent: Arc<Agent>,
+    id: u64,
+    body: ClientMessage,
+    out: mpsc::Sender<ServerFrame>,
+    streams: Streams,
+) {
     match body {
         ClientMessage::Hello => {
             let body = ServerMessage::Hello {
@@ -205,57 +232,104 @@ async fn start(agent: Arc<Agent>, id: u64, body: ClientMessage, out: mpsc::Sende
             };
             reply(&out, id, body).await;
         }
-        ClientMessage::Health => blocking(out, id, move || health::health(&agent).map(ServerMessage::Health)),
-        ClientMessage::Stat { path, follow_symlinks } => {
-            blocking(out, id, move || files::stat(&path, follow_symlinks).map(ServerMessage::Stat))
-        }
-        ClientMessage::List { path } => {
-            blocking(out, id, move || files::list(&path).map(|entries| ServerMessage::List { entries }))
-        }
-        ClientMessage::Mkdir { path, parents, mode } => {
-            blocking(out, id, move || files::mkdir(&path, parents, mode).map(|()| ServerMessage::Ok))
-        }
-        ClientMessage::Remove { path, recursive } => {
-            blocking(out, id, move || files::remove(&path, recursive).map(|()| ServerMessage::Ok))
-        }
-        ClientMessage::Move { from, to } => {
-            blocking(out, id, move || files::rename(&from, &to).map(|()| ServerMessage::Ok))
-        }
-        ClientMessage::SetTime { unix_seconds, nanos } => {
-            blocking(out, id, move || fixups::set_time(&agent, unix_seconds, nanos))
-        }
+        ClientMessage::Health => blocking(out, id, move || {
+            health::health(&agent).map(ServerMessage::Health)
+        }),
+        ClientMessage::Stat {
+            path,
+            follow_symlinks,
+        } => blocking(out, id, move || {
+            files::stat(&path, follow_symlinks).map(ServerMessage::Stat)
+        }),
+        ClientMessage::List { path } => blocking(out, id, move || {
+            files::list(&path).map(|entries| ServerMessage::List { entries })
+        }),
+        ClientMessage::Mkdir {
+            path,
+            parents,
+            mode,
+        } => blocking(out, id, move || {
+            files::mkdir(&path, parents, mode).map(|()| ServerMessage::Ok)
+        }),
+        ClientMessage::Remove { path, recursive } => blocking(out, id, move || {
+            files::remove(&path, recursive).map(|()| ServerMessage::Ok)
+        }),
+        ClientMessage::Move { from, to } => blocking(out, id, move || {
+            files::rename(&from, &to).map(|()| ServerMessage::Ok)
+        }),
+        ClientMessage::SetTime {
+            unix_seconds,
+            nanos,
+        } => blocking(out, id, move || {
+            fixups::set_time(&agent, unix_seconds, nanos)
+        }),
         ClientMessage::Reseed { seed } => blocking(out, id, move || fixups::reseed(&seed)),
-        ClientMessage::SetIdentity { hostname, machine_id } => blocking(out, id, move || {
+        ClientMessage::SetIdentity {
+            hostname,
+            machine_id,
+        } => blocking(out, id, move || {
             fixups::set_identity(&agent, hostname.as_deref(), machine_id.as_deref())
         }),
         ClientMessage::Exec(req) => {
             let inputs = open_exec(&streams, id);
             tokio::spawn(async move {
-                let mut sink = Sink::Stream { id, out: out.clone(), seq: 0 };
+                let mut sink = Sink::Stream {
+                    id,
+                    out: out.clone(),
+                    seq: 0,
+                };
                 let result = exec::run(&agent, req, &mut sink, inputs, None).await;
                 streams.remove(id);
-                reply(&out, id, result.map(ServerMessage::Exited).unwrap_or_else(ServerMessage::Error)).await;
+                reply(
+                    &out,
+                    id,
+                    result
+                        .map(ServerMessage::Exited)
+                        .unwrap_or_else(ServerMessage::Error),
+                )
+                .await;
             });
         }
         ClientMessage::Run(mut req) => {
             // The whole output travels in one frame: keep it well under the frame limit.
-            req.output_limit_bytes = Some(req.output_limit_bytes.map_or(RUN_OUTPUT_MAX, |l| l.min(RUN_OUTPUT_MAX)));
+            req.output_limit_bytes = Some(
+                req.output_limit_bytes
+                    .map_or(RUN_OUTPUT_MAX, |l| l.min(RUN_OUTPUT_MAX)),
+            );
             let inputs = open_exec(&streams, id);
             tokio::spawn(async move {
-                let mut sink = Sink::Collect { stdout: Vec::new(), stderr: Vec::new() };
+                let mut sink = Sink::Collect {
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                };
                 let result = exec::run(&agent, req, &mut sink, inputs, None).await;
                 streams.remove(id);
                 let body = match (result, sink) {
-                    (Ok(status), Sink::Collect { stdout, stderr }) => ServerMessage::RunResult { stdout, stderr, status },
+                    (Ok(status), Sink::Collect { stdout, stderr }) => ServerMessage::RunResult {
+                        stdout,
+                        stderr,
+                        status,
+                    },
                     (Err(err), _) => ServerMessage::Error(err),
-                    (Ok(_), Sink::Stream { .. }) => ServerMessage::Error(internal("run: output sink changed kind")),
+                    (Ok(_), Sink::Stream { .. }) => {
+                        ServerMessage::Error(internal("run: output sink changed kind"))
+                    }
                 };
                 reply(&out, id, body).await;
             });
         }
-        ClientMessage::DockerEnsure { timeout_ms, extra_args } => {
+        ClientMessage::DockerEnsure {
+            timeout_ms,
+            extra_args,
+        } => {
             tokio::spawn(async move {
-                let body = match docker::ensure(&agent, timeout_ms.map(Duration::from_millis), &extra_args).await {
+                let body = match docker::ensure(
+                    &agent,
+                    timeout_ms.map(Duration::from_millis),
+                    &extra_args,
+                )
+                .await
+                {
                     Ok((started, waited_ms)) => ServerMessage::DockerReady { started, waited_ms },
                     Err(err) => ServerMessage::Error(err),
                 };
@@ -270,20 +344,41 @@ async fn start(agent: Arc<Agent>, id: u64, body: ClientMessage, out: mpsc::Sende
                         docker::ensure(&agent, None, &[]).await?;
                     }
                     let (exec_req, cleanup) = docker::run_command(&agent, &req)?;
-                    let mut sink = Sink::Stream { id, out: out.clone(), seq: 0 };
+                    let mut sink = Sink::Stream {
+                        id,
+                        out: out.clone(),
+                        seq: 0,
+                    };
                     exec::run(&agent, exec_req, &mut sink, inputs, Some(cleanup)).await
                 }
                 .await;
                 streams.remove(id);
-                reply(&out, id, result.map(ServerMessage::Exited).unwrap_or_else(ServerMessage::Error)).await;
+                reply(
+                    &out,
+                    id,
+                    result
+                        .map(ServerMessage::Exited)
+                        .unwrap_or_else(ServerMessage::Error),
+                )
+                .await;
             });
         }
-        ClientMessage::ReadFile { path, offset, length } => {
+        ClientMessage::ReadFile {
+            path,
+            offset,
+            length,
+        } => {
             let mut sender = open_download(&streams, id, &out);
             tokio::task::spawn_blocking(move || {
                 let result = files::read_file(&path, offset, length, &mut sender);
                 streams.remove(id);
-                reply_blocking(&out, id, result.map(|bytes| ServerMessage::End { bytes }).unwrap_or_else(ServerMessage::Error));
+                reply_blocking(
+                    &out,
+                    id,
+                    result
+                        .map(|bytes| ServerMessage::End { bytes })
+                        .unwrap_or_else(ServerMessage::Error),
+                );
             });
         }
         ClientMessage::TarDownload { path } => {
@@ -291,25 +386,55 @@ async fn start(agent: Arc<Agent>, id: u64, body: ClientMessage, out: mpsc::Sende
             tokio::task::spawn_blocking(move || {
                 let result = files::tar_download(&path, &mut sender);
                 streams.remove(id);
-                reply_blocking(&out, id, result.map(|bytes| ServerMessage::End { bytes }).unwrap_or_else(ServerMessage::Error));
+                reply_blocking(
+                    &out,
+                    id,
+                    result
+                        .map(|bytes| ServerMessage::End { bytes })
+                        .unwrap_or_else(ServerMessage::Error),
+                );
             });
         }
         ClientMessage::WriteFile(req) => {
             let mut rx = open_upload(&streams, id);
             tokio::task::spawn_blocking(move || {
-                let ready = || out.blocking_send(ServerFrame { id, body: ServerMessage::Ready }).is_ok();
+                let ready = || {
+                    out.blocking_send(ServerFrame {
+                        id,
+                        body: ServerMessage::Ready,
+                    })
+                    .is_ok()
+                };
                 let result = files::write_file(&req, &mut rx, ready);
                 streams.remove(id);
-                reply_blocking(&out, id, result.map(|bytes| ServerMessage::Written { bytes }).unwrap_or_else(ServerMessage::Error));
+                reply_blocking(
+                    &out,
+                    id,
+                    result
+                        .map(|bytes| ServerMessage::Written { bytes })
+                        .unwrap_or_else(ServerMessage::Error),
+                );
             });
         }
         ClientMessage::TarUpload { path } => {
             let mut rx = open_upload(&streams, id);
             tokio::task::spawn_blocking(move || {
-                let ready = || out.blocking_send(ServerFrame { id, body: ServerMessage::Ready }).is_ok();
+                let ready = || {
+                    out.blocking_send(ServerFrame {
+                        id,
+                        body: ServerMessage::Ready,
+                    })
+                    .is_ok()
+                };
                 let result = files::tar_upload(&path, &mut rx, ready);
                 streams.remove(id);
-                reply_blocking(&out, id, result.map(|bytes| ServerMessage::Written { bytes }).unwrap_or_else(ServerMessage::Error));
+                reply_blocking(
+                    &out,
+                    id,
+                    result
+                        .map(|bytes| ServerMessage::Written { bytes })
+                        .unwrap_or_else(ServerMessage::Error),
+                );
             });
         }
         ClientMessage::Stdin { .. }
@@ -319,7 +444,12 @@ async fn start(agent: Arc<Agent>, id: u64, body: ClientMessage, out: mpsc::Sende
         | ClientMessage::Data { .. }
         | ClientMessage::End => {
             // dispatch() routes stream input before calling start().
-            reply(&out, id, ServerMessage::Error(internal("stream input reached the request starter"))).await;
+            reply(
+                &out,
+                id,
+                ServerMessage::Error(internal("stream input reached the request starter")),
+            )
+            .await;
         }
     }
 }
@@ -338,6 +468,8 @@ fn open_upload(streams: &Streams, id: u64) -> mpsc::Receiver<UploadInput> {
 
 fn open_download(streams: &Streams, id: u64, out: &mpsc::Sender<ServerFrame>) -> ChunkSender {
     let cancel = Arc::new(AtomicBool::new(false));
-    streams.lock().insert(id, StreamInput::Download(Arc::clone(&cancel)));
+    streams
+        .lock()
+        .insert(id, StreamInput::Download(Arc::clone(&cancel)));
     ChunkSender::new(id, out.clone(), cancel)
 }

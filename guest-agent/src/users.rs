@@ -6,7 +6,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum UserError {
     #[error("read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("user {0:?} not found in /etc/passwd")]
     NoSuchUser(String),
     #[error("empty user name")]
@@ -42,16 +45,22 @@ fn read_optional(path: &Path) -> Result<String, UserError> {
     match std::fs::read_to_string(path) {
         Ok(text) => Ok(text),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-        Err(source) => Err(UserError::Read { path: path.display().to_string(), source }),
+        Err(source) => Err(UserError::Read {
+            path: path.display().to_string(),
+            source,
+        }),
     }
 }
 
 pub fn lookup_in(passwd: &str, group: &str, user: &str) -> Result<UserIds, UserError> {
     let numeric = user.parse::<u32>().ok();
-    let entry = passwd.lines().filter_map(parse_passwd_line).find(|e| match numeric {
-        Some(uid) => e.uid == uid,
-        None => e.name == user,
-    });
+    let entry = passwd
+        .lines()
+        .filter_map(parse_passwd_line)
+        .find(|e| match numeric {
+            Some(uid) => e.uid == uid,
+            None => e.name == user,
+        });
     let mut ids = match (entry, numeric) {
         (Some(entry), _) => entry,
         (None, Some(uid)) => UserIds {
@@ -72,7 +81,9 @@ pub fn lookup_in(passwd: &str, group: &str, user: &str) -> Result<UserIds, UserE
         else {
             continue;
         };
-        let Ok(gid) = gid.parse::<u32>() else { continue };
+        let Ok(gid) = gid.parse::<u32>() else {
+            continue;
+        };
         if members.split(',').any(|m| m.trim() == ids.name) && !ids.groups.contains(&gid) {
             ids.groups.push(gid);
         }
@@ -124,6 +135,8 @@ mod tests {
     fn unknown_name_is_an_error_naming_it() {
         let err = lookup_in(PASSWD, GROUP, "mallory").expect_err("unknown");
         assert!(err.to_string().contains("\"mallory\""), "{err}");
-        assert!(lookup_in(PASSWD, GROUP, "").is_err() || lookup(Path::new("/nonexistent"), "").is_err());
+        assert!(
+            lookup_in(PASSWD, GROUP, "").is_err() || lookup(Path::new("/nonexistent"), "").is_err()
+        );
     }
 }

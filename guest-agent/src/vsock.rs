@@ -31,7 +31,13 @@ impl VsockListener {
     /// Listen on `port` for any CID.
     pub fn bind(port: u32) -> io::Result<Self> {
         // SAFETY: socket() has no memory effects; the fd is owned right after.
-        let raw = check(unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) })?;
+        let raw = check(unsafe {
+            libc::socket(
+                libc::AF_VSOCK,
+                libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+            )
+        })?;
         // SAFETY: raw is a fresh, valid fd that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: sockaddr_vm is plain old data; zeroed is valid.
@@ -53,7 +59,12 @@ impl VsockListener {
             let result = guard.try_io(|fd| {
                 // SAFETY: accept4 with null address pointers only returns a new fd.
                 check(unsafe {
-                    libc::accept4(fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC)
+                    libc::accept4(
+                        fd.as_raw_fd(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                    )
                 })
             });
             match result {
@@ -74,13 +85,19 @@ pub struct VsockStream {
 }
 
 impl AsyncRead for VsockStream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         loop {
             let mut guard = ready!(self.fd.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
             let result = guard.try_io(|fd| {
                 // SAFETY: reads into the initialized, writable part of `buf`.
-                let n = unsafe { libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len()) };
+                let n = unsafe {
+                    libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len())
+                };
                 if n < 0 {
                     Err(io::Error::last_os_error())
                 } else {
@@ -100,12 +117,23 @@ impl AsyncRead for VsockStream {
 }
 
 impl AsyncWrite for VsockStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
         loop {
             let mut guard = ready!(self.fd.poll_write_ready(cx))?;
             let result = guard.try_io(|fd| {
                 // SAFETY: writes from a valid slice.
-                let n = unsafe { libc::send(fd.as_raw_fd(), data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
+                let n = unsafe {
+                    libc::send(
+                        fd.as_raw_fd(),
+                        data.as_ptr().cast(),
+                        data.len(),
+                        libc::MSG_NOSIGNAL,
+                    )
+                };
                 if n < 0 {
                     Err(io::Error::last_os_error())
                 } else {

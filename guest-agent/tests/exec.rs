@@ -15,7 +15,9 @@ async fn hello_and_health() {
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
     assert_eq!(protocol, rollbox_agent_protocol::PROTOCOL_VERSION);
     let health = client.health().await.expect("health");
-    assert!(health.memory.total_bytes > 0 && health.memory.available_bytes <= health.memory.total_bytes);
+    assert!(
+        health.memory.total_bytes > 0 && health.memory.available_bytes <= health.memory.total_bytes
+    );
     assert!(health.disk.total_bytes > 0);
     assert!(health.uptime_seconds > 0.0);
     assert!(!health.is_init);
@@ -27,7 +29,9 @@ async fn exec_streams_stdout_and_stderr_with_sequence_numbers() {
     let agent = AgentProcess::start();
     let client = agent.client().await;
     let mut handle = client
-        .exec(ExecRequest::shell("echo one; echo two >&2; sleep 0.1; echo three"))
+        .exec(ExecRequest::shell(
+            "echo one; echo two >&2; sleep 0.1; echo three",
+        ))
         .await
         .expect("exec");
     let pid = handle.started().await.expect("started");
@@ -35,7 +39,12 @@ async fn exec_streams_stdout_and_stderr_with_sequence_numbers() {
     let mut seqs = Vec::new();
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let status = loop {
-        match handle.next_event().await.expect("event").expect("not finished") {
+        match handle
+            .next_event()
+            .await
+            .expect("event")
+            .expect("not finished")
+        {
             ExecEvent::Output { stream, seq, data } => {
                 seqs.push(seq);
                 match stream {
@@ -74,13 +83,22 @@ async fn stdin_is_written_and_closed() {
     let mut req = ExecRequest::argv(["wc", "-c"]);
     req.stdin = true;
     let handle = client.exec(req).await.expect("exec");
-    handle.write_stdin(&vec![b'z'; 20 << 20]).await.expect("big stdin");
+    handle
+        .write_stdin(&vec![b'z'; 20 << 20])
+        .await
+        .expect("big stdin");
     handle.close_stdin().await.expect("close");
     let output = handle.collect().await.expect("collect");
-    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), (20u64 << 20).to_string());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        (20u64 << 20).to_string()
+    );
 
     // Stdin to a process started without it is refused with a notice, not an error.
-    let mut handle = client.exec(ExecRequest::shell("sleep 0.2")).await.expect("exec");
+    let mut handle = client
+        .exec(ExecRequest::shell("sleep 0.2"))
+        .await
+        .expect("exec");
     handle.write_stdin(b"x").await.expect("send");
     let mut notices = Vec::new();
     while let Some(event) = handle.next_event().await.expect("event") {
@@ -103,10 +121,21 @@ async fn timeout_kills_the_whole_process_group() {
     req.kill_grace_ms = Some(300);
     let output = client.run(req).await.expect("run");
     assert!(output.status.timed_out, "{:?}", output.status);
-    assert_eq!(output.status.signal, Some(libc::SIGKILL), "{:?}", output.status);
+    assert_eq!(
+        output.status.signal,
+        Some(libc::SIGKILL),
+        "{:?}",
+        output.status
+    );
     assert_eq!(output.status.code, None);
-    let background: u32 = String::from_utf8_lossy(&output.stdout).trim().parse().expect("background pid");
-    assert!(wait_gone(background, Duration::from_secs(5)), "background child {background} survived the timeout");
+    let background: u32 = String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .expect("background pid");
+    assert!(
+        wait_gone(background, Duration::from_secs(5)),
+        "background child {background} survived the timeout"
+    );
 
     // A process that honours SIGTERM ends with it.
     let mut req = ExecRequest::argv(["sleep", "100"]);
@@ -129,7 +158,13 @@ async fn output_cap_truncates_and_counts() {
     assert_eq!(output.status.code, Some(0));
 
     // The same through the streaming form.
-    let output = client.exec(req).await.expect("exec").collect().await.expect("collect");
+    let output = client
+        .exec(req)
+        .await
+        .expect("exec")
+        .collect()
+        .await
+        .expect("collect");
     assert_eq!(output.stdout.len() + output.stderr.len(), 1000);
     assert!(output.status.truncated);
 }
@@ -138,7 +173,10 @@ async fn output_cap_truncates_and_counts() {
 async fn signals_reach_the_process() {
     let agent = AgentProcess::start();
     let client = agent.client().await;
-    let mut handle = client.exec(ExecRequest::argv(["sleep", "100"])).await.expect("exec");
+    let mut handle = client
+        .exec(ExecRequest::argv(["sleep", "100"]))
+        .await
+        .expect("exec");
     handle.started().await.expect("started");
     handle.signal(999, false).await.expect("send bad signal");
     match handle.next_event().await.expect("event") {
@@ -151,7 +189,10 @@ async fn signals_reach_the_process() {
     assert!(!output.status.timed_out);
 
     // Cancel kills the group.
-    let mut handle = client.exec(ExecRequest::argv(["sleep", "100"])).await.expect("exec");
+    let mut handle = client
+        .exec(ExecRequest::argv(["sleep", "100"]))
+        .await
+        .expect("exec");
     handle.started().await.expect("started");
     handle.cancel().await.expect("cancel");
     let output = handle.collect().await.expect("collect");
@@ -190,7 +231,10 @@ async fn run_with_env_cwd_user_and_stdin_data() {
     req.cwd = Some("/tmp".into());
     req.stdin_data = Some(b"from stdin".to_vec());
     let output = client.run(req).await.expect("run");
-    assert_eq!(String::from_utf8_lossy(&output.stdout), "hi /tmp\nfrom stdin");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "hi /tmp\nfrom stdin"
+    );
 
     let mut req = ExecRequest::argv(["/usr/bin/env"]);
     req.clear_env = true;
@@ -217,22 +261,34 @@ async fn run_with_env_cwd_user_and_stdin_data() {
 async fn exec_errors_name_the_input() {
     let agent = AgentProcess::start();
     let client = agent.client().await;
-    let err = client.run(ExecRequest::argv(["/nonexistent/prog"])).await.expect_err("missing program");
+    let err = client
+        .run(ExecRequest::argv(["/nonexistent/prog"]))
+        .await
+        .expect_err("missing program");
     let info = err.agent_error().expect("agent error");
-    assert_eq!(info.message, "exec /nonexistent/prog: No such file or directory");
+    assert_eq!(
+        info.message,
+        "exec /nonexistent/prog: No such file or directory"
+    );
     assert_eq!(info.code, "ENOENT");
 
     let mut req = ExecRequest::argv(["true"]);
     req.cwd = Some("/nonexistent-dir".into());
     let err = client.run(req).await.expect_err("bad cwd");
-    assert_eq!(err.agent_error().expect("agent").message, "chdir /nonexistent-dir: No such file or directory");
+    assert_eq!(
+        err.agent_error().expect("agent").message,
+        "chdir /nonexistent-dir: No such file or directory"
+    );
 
     let mut req = ExecRequest::argv(["true"]);
     req.user = Some("no-such-user-xyz".into());
     let err = client.run(req).await.expect_err("bad user");
     assert!(err.to_string().contains("\"no-such-user-xyz\""), "{err}");
 
-    let err = client.run(ExecRequest::argv(Vec::<String>::new())).await.expect_err("empty argv");
+    let err = client
+        .run(ExecRequest::argv(Vec::<String>::new()))
+        .await
+        .expect_err("empty argv");
     assert!(err.to_string().contains("argv is empty"), "{err}");
 
     // Exit codes are reported, not errors.
@@ -246,7 +302,8 @@ async fn oom_kill_is_detected_in_the_exec_cgroup() {
     let agent = AgentProcess::start();
     let client = agent.client().await;
     // The shell holds ~256 MiB of 'a's in a variable against a 32 MiB limit.
-    let mut req = ExecRequest::shell("x=$(head -c 268435456 /dev/zero | tr '\\0' a); echo survived");
+    let mut req =
+        ExecRequest::shell("x=$(head -c 268435456 /dev/zero | tr '\\0' a); echo survived");
     req.memory_limit_bytes = Some(32 << 20);
     req.timeout_ms = Some(60_000);
     match client.run(req).await {
@@ -274,11 +331,17 @@ async fn oom_kill_is_detected_in_the_exec_cgroup() {
 async fn closing_the_connection_kills_its_processes() {
     let agent = AgentProcess::start();
     let client = agent.client().await;
-    let mut handle = client.exec(ExecRequest::argv(["sleep", "100"])).await.expect("exec");
+    let mut handle = client
+        .exec(ExecRequest::argv(["sleep", "100"]))
+        .await
+        .expect("exec");
     let pid = handle.started().await.expect("started");
     assert!(alive(pid));
     client.close().await.expect("close");
-    assert!(wait_gone(pid, Duration::from_secs(5)), "process {pid} outlived its connection");
+    assert!(
+        wait_gone(pid, Duration::from_secs(5)),
+        "process {pid} outlived its connection"
+    );
 }
 
 #[tokio::test]
@@ -290,7 +353,13 @@ async fn run_output_is_capped_to_fit_one_frame() {
     assert!(output.status.truncated);
     assert_eq!(output.status.stdout_bytes, 20_000_000);
     // Streaming has no such limit.
-    let output = client.exec(ExecRequest::shell("head -c 20000000 /dev/zero")).await.expect("exec").collect().await.expect("collect");
+    let output = client
+        .exec(ExecRequest::shell("head -c 20000000 /dev/zero"))
+        .await
+        .expect("exec")
+        .collect()
+        .await
+        .expect("collect");
     assert_eq!(output.stdout.len(), 20_000_000);
     assert!(!output.status.truncated);
 }

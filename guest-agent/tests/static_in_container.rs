@@ -15,21 +15,30 @@ use rollbox_agent_protocol::{AgentClient, ExecRequest, DEFAULT_PORT};
 const IMAGE: &str = "rollbox-test/busybox:latest";
 
 fn static_agent() -> PathBuf {
-    std::env::var_os("ROLLBOX_AGENT_STATIC").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent")
-    })
+    std::env::var_os("ROLLBOX_AGENT_STATIC")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent")
+        })
 }
 
 fn missing() -> Option<String> {
     let binary = static_agent();
     if !binary.exists() {
-        return Some(format!("no static agent at {} (run guest-agent/build-static.sh)", binary.display()));
+        return Some(format!(
+            "no static agent at {} (run guest-agent/build-static.sh)",
+            binary.display()
+        ));
     }
-    let docker = Command::new("timeout").args(["20", "docker", "image", "inspect", IMAGE]).output();
+    let docker = Command::new("timeout")
+        .args(["20", "docker", "image", "inspect", IMAGE])
+        .output();
     match docker {
         Ok(out) if out.status.success() => None,
-        _ => Some(format!("dockerd or the image {IMAGE} is missing (run scripts/start-dockerd.sh)")),
+        _ => Some(format!(
+            "dockerd or the image {IMAGE} is missing (run scripts/start-dockerd.sh)"
+        )),
     }
 }
 
@@ -39,36 +48,59 @@ struct Container {
 
 impl Drop for Container {
     fn drop(&mut self) {
-        let _ = Command::new("docker").args(["rm", "-f", &self.name]).output();
+        let _ = Command::new("docker")
+            .args(["rm", "-f", &self.name])
+            .output();
     }
 }
 
 #[tokio::test]
 async fn static_agent_runs_as_pid1_in_a_busybox_container() {
     if let Some(reason) = missing() {
-        assert!(std::env::var("ROLLBOX_REQUIRE_ALL").as_deref() != Ok("1"), "{reason}");
+        assert!(
+            std::env::var("ROLLBOX_REQUIRE_ALL").as_deref() != Ok("1"),
+            "{reason}"
+        );
         println!("skipped: {reason}");
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let name = format!("rollbox-agent-test-{}", std::process::id());
     let status = Command::new("docker")
-        .args(["run", "-d", "--rm", "--network", "none", "--name", &name, "-v"])
+        .args([
+            "run",
+            "-d",
+            "--rm",
+            "--network",
+            "none",
+            "--name",
+            &name,
+            "-v",
+        ])
         .arg(format!("{}:/rollbox-agent:ro", static_agent().display()))
         .arg("-v")
         .arg(format!("{}:/sock", dir.path().display()))
         .args([IMAGE, "/rollbox-agent", "--listen-unix", "/sock/agent.sock"])
         .output()
         .expect("docker run");
-    assert!(status.status.success(), "docker run: {}", String::from_utf8_lossy(&status.stderr));
+    assert!(
+        status.status.success(),
+        "docker run: {}",
+        String::from_utf8_lossy(&status.stderr)
+    );
     let _container = Container { name: name.clone() };
     let socket = dir.path().join("agent.sock");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !socket.exists() {
-        assert!(Instant::now() < deadline, "agent socket did not appear; docker logs {name}");
+        assert!(
+            Instant::now() < deadline,
+            "agent socket did not appear; docker logs {name}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let client = AgentClient::connect_unix(&socket, DEFAULT_PORT).await.expect("connect");
+    let client = AgentClient::connect_unix(&socket, DEFAULT_PORT)
+        .await
+        .expect("connect");
     let health = client.health().await.expect("health");
     assert_eq!(health.pid, 1);
     assert!(health.is_init);
@@ -77,11 +109,17 @@ async fn static_agent_runs_as_pid1_in_a_busybox_container() {
     let mut req = ExecRequest::argv(["id"]);
     req.user = Some("nobody".into());
     let output = client.run(req).await.expect("run as nobody");
-    assert!(String::from_utf8_lossy(&output.stdout).starts_with("uid=65534(nobody)"), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).starts_with("uid=65534(nobody)"),
+        "{output:?}"
+    );
 
     // An orphan (the shell exits before its child) is reparented to PID 1 and reaped.
     let output = client.sh("sleep 0.2 & echo $!").await.expect("run");
-    let orphan: u32 = String::from_utf8_lossy(&output.stdout).trim().parse().expect("pid");
+    let orphan: u32 = String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .expect("pid");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let stat = client.read_file(&format!("/proc/{orphan}/stat")).await;
@@ -89,13 +127,22 @@ async fn static_agent_runs_as_pid1_in_a_busybox_container() {
             Err(_) => break,
             Ok(stat) => {
                 let text = String::from_utf8_lossy(&stat).into_owned();
-                assert!(Instant::now() < deadline, "orphan {orphan} not reaped: {text}");
+                assert!(
+                    Instant::now() < deadline,
+                    "orphan {orphan} not reaped: {text}"
+                );
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
     // Files work in the container's rootfs.
-    client.write_file("/tmp/x", b"in the container").await.expect("write");
-    assert_eq!(client.read_file("/tmp/x").await.expect("read"), b"in the container");
+    client
+        .write_file("/tmp/x", b"in the container")
+        .await
+        .expect("write");
+    assert_eq!(
+        client.read_file("/tmp/x").await.expect("read"),
+        b"in the container"
+    );
 }

@@ -40,31 +40,49 @@ fn kernel() -> Option<PathBuf> {
 fn static_agent() -> PathBuf {
     std::env::var_os("ROLLBOX_AGENT_STATIC")
         .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent"))
+        .unwrap_or_else(|| {
+            repo().join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent")
+        })
 }
 
 fn have(tool: &str) -> bool {
-    Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().is_ok_and(|o| o.status.success())
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
         || (tool == "vhost-device-vsock"
-            && Path::new(&format!("{}/.cargo/bin/vhost-device-vsock", std::env::var("HOME").unwrap_or_default())).exists())
+            && Path::new(&format!(
+                "{}/.cargo/bin/vhost-device-vsock",
+                std::env::var("HOME").unwrap_or_default()
+            ))
+            .exists())
 }
 
 fn missing() -> Option<String> {
     let Some(kernel) = kernel() else {
-        return Some("no guest kernel (kernel-config/build.sh, or set ROLLBOX_GUEST_KERNEL)".into());
+        return Some(
+            "no guest kernel (kernel-config/build.sh, or set ROLLBOX_GUEST_KERNEL)".into(),
+        );
     };
     if !kernel.exists() {
         return Some(format!("guest kernel {} does not exist", kernel.display()));
     }
     if !static_agent().exists() {
-        return Some(format!("no static agent at {} (run guest-agent/build-static.sh)", static_agent().display()));
+        return Some(format!(
+            "no static agent at {} (run guest-agent/build-static.sh)",
+            static_agent().display()
+        ));
     }
     for tool in ["qemu-system-x86_64", "vhost-device-vsock", "mkfs.ext4"] {
         if !have(tool) {
             return Some(format!("{tool} is not installed"));
         }
     }
-    if !Command::new("dpkg").args(["-s", "busybox-static"]).output().is_ok_and(|o| o.status.success()) {
+    if !Command::new("dpkg")
+        .args(["-s", "busybox-static"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
         return Some("busybox-static is not installed".into());
     }
     None
@@ -77,7 +95,9 @@ struct Guest {
 
 impl Drop for Guest {
     fn drop(&mut self) {
-        let _ = Command::new(repo().join("scripts/tcg/stop.sh")).arg(&self.state).output();
+        let _ = Command::new(repo().join("scripts/tcg/stop.sh"))
+            .arg(&self.state)
+            .output();
     }
 }
 
@@ -87,15 +107,22 @@ fn make_rootfs(work: &Path) -> PathBuf {
         std::fs::create_dir_all(root.join(dir)).expect("mkdir");
     }
     std::fs::copy("/bin/busybox", root.join("bin/busybox")).expect("copy busybox");
-    let list = Command::new("/bin/busybox").arg("--list").output().expect("busybox --list");
+    let list = Command::new("/bin/busybox")
+        .arg("--list")
+        .output()
+        .expect("busybox --list");
     for applet in String::from_utf8_lossy(&list.stdout).lines() {
         if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).expect("applet link");
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet))
+                .expect("applet link");
         }
     }
     std::fs::copy(static_agent(), root.join("sbin/rollbox-agent")).expect("copy agent");
-    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n")
-        .expect("passwd");
+    std::fs::write(
+        root.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n",
+    )
+    .expect("passwd");
     std::fs::write(root.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").expect("group");
     let image = work.join("rootfs.ext4");
     let status = Command::new("mkfs.ext4")
@@ -105,14 +132,21 @@ fn make_rootfs(work: &Path) -> PathBuf {
         .arg("64M")
         .output()
         .expect("mkfs.ext4");
-    assert!(status.status.success(), "mkfs.ext4: {}", String::from_utf8_lossy(&status.stderr));
+    assert!(
+        status.status.success(),
+        "mkfs.ext4: {}",
+        String::from_utf8_lossy(&status.stderr)
+    );
     image
 }
 
 #[tokio::test]
 async fn agent_is_init_of_a_tcg_guest_over_vsock() {
     if let Some(reason) = missing() {
-        assert!(std::env::var("ROLLBOX_REQUIRE_ALL").as_deref() != Ok("1"), "{reason}");
+        assert!(
+            std::env::var("ROLLBOX_REQUIRE_ALL").as_deref() != Ok("1"),
+            "{reason}"
+        );
         println!("skipped: {reason}");
         return;
     }
@@ -130,32 +164,56 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
         .arg(&uds)
         .arg("--state-dir")
         .arg(&state)
-        .args(["--mem", "512", "--cpus", "1", "--append", "init=/sbin/rollbox-agent"])
+        .args([
+            "--mem",
+            "512",
+            "--cpus",
+            "1",
+            "--append",
+            "init=/sbin/rollbox-agent",
+        ])
         .output()
         .expect("boot.sh");
-    let _guest = Guest { state: state.clone() };
-    assert!(boot.status.success(), "boot.sh: {}", String::from_utf8_lossy(&boot.stderr));
+    let _guest = Guest {
+        state: state.clone(),
+    };
+    assert!(
+        boot.status.success(),
+        "boot.sh: {}",
+        String::from_utf8_lossy(&boot.stderr)
+    );
 
     let serial = state.join("serial.log");
     let console = || std::fs::read_to_string(&serial).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(180);
     let client = loop {
-        if let Ok(Ok(client)) =
-            tokio::time::timeout(Duration::from_secs(5), AgentClient::connect_unix(&uds, DEFAULT_PORT)).await
+        if let Ok(Ok(client)) = tokio::time::timeout(
+            Duration::from_secs(5),
+            AgentClient::connect_unix(&uds, DEFAULT_PORT),
+        )
+        .await
         {
             break client;
         }
-        assert!(Instant::now() < deadline, "agent did not answer on vsock; console:\n{}", console());
+        assert!(
+            Instant::now() < deadline,
+            "agent did not answer on vsock; console:\n{}",
+            console()
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    println!("boot to agent answering over vsock: {:.1} s", started.elapsed().as_secs_f64());
+    println!(
+        "boot to agent answering over vsock: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
 
     let health = client.health().await.expect("health");
     assert_eq!(health.pid, 1);
     assert!(health.is_init);
     println!("guest health: {health:?}");
 
-    let mounts = String::from_utf8(client.read_file("/proc/mounts").await.expect("mounts")).expect("utf8");
+    let mounts =
+        String::from_utf8(client.read_file("/proc/mounts").await.expect("mounts")).expect("utf8");
     for (target, fstype) in [
         ("/proc", "proc"),
         ("/sys", "sysfs"),
@@ -168,15 +226,24 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
     ] {
         assert!(mounts.lines().any(|l| l.split(' ').nth(1) == Some(target) && l.split(' ').nth(2) == Some(fstype)), "{target} ({fstype}) not mounted:\n{mounts}");
     }
-    let hostname = client.read_file("/proc/sys/kernel/hostname").await.expect("hostname");
+    let hostname = client
+        .read_file("/proc/sys/kernel/hostname")
+        .await
+        .expect("hostname");
     assert_eq!(String::from_utf8_lossy(&hostname).trim(), "rollbox");
 
     // cgroup2 delegation: an exact OOM verdict in the exec's own cgroup.
-    let mut req = ExecRequest::shell("x=$(head -c 134217728 /dev/zero | tr '\\0' a); echo survived");
+    let mut req =
+        ExecRequest::shell("x=$(head -c 134217728 /dev/zero | tr '\\0' a); echo survived");
     req.memory_limit_bytes = Some(16 << 20);
     req.timeout_ms = Some(120_000);
     let output = client.run(req).await.expect("oom run");
-    assert_eq!(output.status.oom_detection, OomDetection::CgroupV2, "{:?}", output.status);
+    assert_eq!(
+        output.status.oom_detection,
+        OomDetection::CgroupV2,
+        "{:?}",
+        output.status
+    );
     assert!(output.status.oom_killed, "{:?}", output.status);
     let output = client.sh("echo fine").await.expect("run");
     assert!(!output.status.oom_killed && output.status.oom_detection == OomDetection::CgroupV2);
@@ -194,25 +261,52 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
     let target = UNIX_EPOCH + Duration::from_secs(1_900_000_000);
     assert!(client.set_time(target).await.expect("set_time").applied);
     let output = client.sh("date +%s").await.expect("date");
-    let now: u64 = String::from_utf8_lossy(&output.stdout).trim().parse().expect("seconds");
-    assert!((1_900_000_000..1_900_000_600).contains(&now), "guest clock reads {now}");
+    let now: u64 = String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .expect("seconds");
+    assert!(
+        (1_900_000_000..1_900_000_600).contains(&now),
+        "guest clock reads {now}"
+    );
     assert!(client.reseed(&[42u8; 32]).await.expect("reseed").applied);
     let applied = client
         .set_identity(Some("clone-7"), Some("fedcba9876543210fedcba9876543210"))
         .await
         .expect("identity");
     assert!(applied.applied);
-    assert_eq!(client.sh("hostname").await.expect("hostname").stdout, b"clone-7\n");
-    assert_eq!(client.read_file("/etc/machine-id").await.expect("machine-id"), b"fedcba9876543210fedcba9876543210\n");
+    assert_eq!(
+        client.sh("hostname").await.expect("hostname").stdout,
+        b"clone-7\n"
+    );
+    assert_eq!(
+        client
+            .read_file("/etc/machine-id")
+            .await
+            .expect("machine-id"),
+        b"fedcba9876543210fedcba9876543210\n"
+    );
 
     // Exec as another user, files, tar, on the guest's own rootfs.
     let mut req = ExecRequest::argv(["id", "-u"]);
     req.user = Some("nobody".into());
     assert_eq!(client.run(req).await.expect("id").stdout, b"65534\n");
     client.mkdir("/root/work/sub", true).await.expect("mkdir");
-    client.write_file("/root/work/sub/a.txt", b"in the guest").await.expect("write");
+    client
+        .write_file("/root/work/sub/a.txt", b"in the guest")
+        .await
+        .expect("write");
     let archive = client.tar_download("/root/work").await.expect("tar");
-    client.tar_upload("/tmp/copy", &archive[..]).await.expect("untar");
-    assert_eq!(client.read_file("/tmp/copy/sub/a.txt").await.expect("read"), b"in the guest");
-    println!("whole guest check: {:.1} s", started.elapsed().as_secs_f64());
+    client
+        .tar_upload("/tmp/copy", &archive[..])
+        .await
+        .expect("untar");
+    assert_eq!(
+        client.read_file("/tmp/copy/sub/a.txt").await.expect("read"),
+        b"in the guest"
+    );
+    println!(
+        "whole guest check: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
 }

@@ -70,7 +70,11 @@ async fn connect(options: &ExecOptions) -> Result<AgentClient, ExecError> {
         match AgentClient::connect_unix(&options.uds, options.port).await {
             Ok(client) => return Ok(client),
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(ExecError::Connect { path: options.uds.clone(), port: options.port, detail: e.to_string() })
+                return Err(ExecError::Connect {
+                    path: options.uds.clone(),
+                    port: options.port,
+                    detail: e.to_string(),
+                })
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
@@ -80,7 +84,9 @@ async fn connect(options: &ExecOptions) -> Result<AgentClient, ExecError> {
 async fn run_async(options: &ExecOptions) -> Result<u8, ExecError> {
     let mut env = BTreeMap::new();
     for pair in &options.env {
-        let (name, value) = pair.split_once('=').ok_or_else(|| ExecError::Env(pair.clone()))?;
+        let (name, value) = pair
+            .split_once('=')
+            .ok_or_else(|| ExecError::Env(pair.clone()))?;
         env.insert(name.to_string(), value.to_string());
     }
     let client = connect(options).await?;
@@ -89,11 +95,22 @@ async fn run_async(options: &ExecOptions) -> Result<u8, ExecError> {
     request.env = env;
     request.user = options.user.clone();
     request.timeout_ms = options.timeout.map(|t| t.as_millis() as u64);
-    let mut handle = client.exec(request).await.map_err(|e| ExecError::Agent(e.to_string()))?;
+    let mut handle = client
+        .exec(request)
+        .await
+        .map_err(|e| ExecError::Agent(e.to_string()))?;
     let mut code = 1u8;
-    while let Some(event) = handle.next_event().await.map_err(|e| ExecError::Agent(e.to_string()))? {
+    while let Some(event) = handle
+        .next_event()
+        .await
+        .map_err(|e| ExecError::Agent(e.to_string()))?
+    {
         match event {
-            ExecEvent::Output { stream: OutputStream::Stdout, data, .. } => {
+            ExecEvent::Output {
+                stream: OutputStream::Stdout,
+                data,
+                ..
+            } => {
                 let mut out = std::io::stdout().lock();
                 let _ = out.write_all(&data).and_then(|()| out.flush());
             }

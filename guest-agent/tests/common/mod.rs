@@ -47,10 +47,19 @@ impl AgentProcess {
         let child = command.spawn().expect("spawn rollbox-agent");
         let deadline = Instant::now() + Duration::from_secs(10);
         while !socket.exists() {
-            assert!(Instant::now() < deadline, "agent socket {} did not appear", socket.display());
+            assert!(
+                Instant::now() < deadline,
+                "agent socket {} did not appear",
+                socket.display()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
-        Self { child, dir, socket, machine_id }
+        Self {
+            child,
+            dir,
+            socket,
+            machine_id,
+        }
     }
 
     pub async fn client(&self) -> AgentClient {
@@ -89,7 +98,10 @@ impl Drop for AgentProcess {
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
-            let state = stat.rsplit(") ").next().and_then(|rest| rest.chars().next());
+            let state = stat
+                .rsplit(") ")
+                .next()
+                .and_then(|rest| rest.chars().next());
             state != Some('Z') && state != Some('X')
         }
         Err(_) => false,
