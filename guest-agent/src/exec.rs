@@ -169,9 +169,11 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
                 None
             }
         },
-        (None, Some(_)) => return Err(ErrorInfo::bad_request(format!(
+        (None, Some(_)) => {
+            return Err(ErrorInfo::bad_request(format!(
             "exec {program}: memory_limit_bytes needs a memory cgroup, and none is available here"
-        ))),
+        )))
+        }
         (None, None) => None,
     };
 
