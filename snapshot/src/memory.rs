@@ -449,10 +449,11 @@ pub fn fold(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn anon(len: usize) -> *mut u8 {
+    /// A fresh anonymous read-write mapping, leaked for the test's life.
+    pub(crate) fn anon(len: usize) -> *mut u8 {
         // SAFETY: a fresh anonymous mapping; tests never unmap it (leaked for the test's life).
         let p = unsafe {
             libc::mmap(

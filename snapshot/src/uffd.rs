@@ -388,23 +388,8 @@ impl Drop for PageServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::tests::anon;
     use crate::memory::{write_full, Sparseness};
-
-    fn anon(len: usize) -> *mut u8 {
-        // SAFETY: a fresh anonymous mapping, leaked for the test's life.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        p.cast()
-    }
 
     #[test]
     fn serves_faults_records_and_prefetches() {
