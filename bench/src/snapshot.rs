@@ -638,9 +638,18 @@ mod tests {
             working_set_mib: 32,
         };
         let table = markdown(&[report], &config);
-        assert_eq!(table.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| figure")).count(), 14);
+        assert_eq!(
+            table
+                .lines()
+                .filter(|l| l.starts_with("| ") && !l.starts_with("| figure"))
+                .count(),
+            14
+        );
         // Firecracker: 9.9 + 10.1 ms at 256 MiB against a p50 of 3 ms.
-        assert!(table.contains("3.00 / 4.00 / 2.00 (6.7x faster)"), "{table}");
+        assert!(
+            table.contains("3.00 / 4.00 / 2.00 (6.7x faster)"),
+            "{table}"
+        );
         assert!(table.contains("(vs 2560 MiB for private copies)"));
     }
 }
