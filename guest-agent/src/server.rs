@@ -217,6 +217,36 @@ where
     });
 }
 
+/// Runs an upload (file write, tar upload) on a blocking thread: its input stream is
+/// registered, `Ready` goes out once the destination is prepared, and the answer is `Written`
+/// or the error.
+fn upload<F>(streams: Streams, out: mpsc::Sender<ServerFrame>, id: u64, work: F)
+where
+    F: FnOnce(&mut mpsc::Receiver<UploadInput>, &dyn Fn() -> bool) -> Result<u64, ErrorInfo>
+        + Send
+        + 'static,
+{
+    let mut rx = open_upload(&streams, id);
+    tokio::task::spawn_blocking(move || {
+        let ready = || {
+            out.blocking_send(ServerFrame {
+                id,
+                body: ServerMessage::Ready,
+            })
+            .is_ok()
+        };
+        let result = work(&mut rx, &ready);
+        streams.remove(id);
+        reply_blocking(
+            &out,
+            id,
+            result
+                .map(|bytes| ServerMessage::Written { bytes })
+                .unwrap_or_else(ServerMessage::Error),
+        );
+    });
+}
+
 async fn start(
     agent: Arc<Agent>,
     id: u64,
@@ -395,48 +425,12 @@ async fn start(
                 );
             });
         }
-        ClientMessage::WriteFile(req) => {
-            let mut rx = open_upload(&streams, id);
-            tokio::task::spawn_blocking(move || {
-                let ready = || {
-                    out.blocking_send(ServerFrame {
-                        id,
-                        body: ServerMessage::Ready,
-                    })
-                    .is_ok()
-                };
-                let result = files::write_file(&req, &mut rx, ready);
-                streams.remove(id);
-                reply_blocking(
-                    &out,
-                    id,
-                    result
-                        .map(|bytes| ServerMessage::Written { bytes })
-                        .unwrap_or_else(ServerMessage::Error),
-                );
-            });
-        }
-        ClientMessage::TarUpload { path } => {
-            let mut rx = open_upload(&streams, id);
-            tokio::task::spawn_blocking(move || {
-                let ready = || {
-                    out.blocking_send(ServerFrame {
-                        id,
-                        body: ServerMessage::Ready,
-                    })
-                    .is_ok()
-                };
-                let result = files::tar_upload(&path, &mut rx, ready);
-                streams.remove(id);
-                reply_blocking(
-                    &out,
-                    id,
-                    result
-                        .map(|bytes| ServerMessage::Written { bytes })
-                        .unwrap_or_else(ServerMessage::Error),
-                );
-            });
-        }
+        ClientMessage::WriteFile(req) => upload(streams, out, id, move |rx, ready| {
+            files::write_file(&req, rx, ready)
+        }),
+        ClientMessage::TarUpload { path } => upload(streams, out, id, move |rx, ready| {
+            files::tar_upload(&path, rx, ready)
+        }),
         ClientMessage::Stdin { .. }
         | ClientMessage::StdinClose
         | ClientMessage::Signal { .. }
