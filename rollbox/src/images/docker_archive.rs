@@ -8,7 +8,9 @@ use std::io::{self, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use super::digest::{Digest, DigestError};
-use super::source::{BlobLocation, LayerBlob, ResolvedImage, SourceKind};
+use super::source::{
+    choose_image, BlobLocation, ChoiceError, LayerBlob, ResolvedImage, SourceKind,
+};
 use super::spec::{DockerArchiveImage, ImageConfigFile};
 
 /// Refuse to read metadata members larger than this into memory.
@@ -150,50 +152,32 @@ pub fn resolve(path: &Path, reference: Option<&str>) -> Result<ResolvedImage, Do
     let manifest_bytes = members.read(path, "manifest.json")?;
     let images: Vec<DockerArchiveImage> = serde_json::from_slice(&manifest_bytes)
         .map_err(|e| invalid(format!("manifest.json: {e}")))?;
-    let tags_of = |image: &DockerArchiveImage| image.repo_tags.clone().unwrap_or_default();
-    let available = || {
-        images
-            .iter()
-            .map(|i| {
-                let tags = tags_of(i);
-                if tags.is_empty() {
-                    i.config.clone()
-                } else {
-                    tags.join(", ")
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    };
-    let image = match reference {
-        Some(reference) => {
-            let wanted = normalize_tag(reference);
-            images
+    let wanted = reference.map(normalize_tag);
+    let image = choose_image(
+        &images,
+        reference,
+        |i| i.repo_tags.clone().unwrap_or_default(),
+        |i| i.config.clone(),
+        |i| {
+            i.repo_tags
                 .iter()
-                .find(|i| tags_of(i).iter().any(|t| normalize_tag(t) == wanted))
-                // An untagged single image is taken whatever the reference says.
-                .or_else(|| match images.as_slice() {
-                    [only] if tags_of(only).is_empty() => Some(only),
-                    _ => None,
-                })
-                .ok_or_else(|| DockerArchiveError::NoSuchImage {
-                    path: path.display().to_string(),
-                    reference: reference.to_string(),
-                    available: available(),
-                })?
-        }
-        None => match images.as_slice() {
-            [only] => only,
-            [] => return Err(invalid("manifest.json lists no images".to_string())),
-            more => {
-                return Err(DockerArchiveError::Ambiguous {
-                    path: path.display().to_string(),
-                    count: more.len(),
-                    available: available(),
-                })
-            }
+                .flatten()
+                .any(|t| Some(normalize_tag(t)) == wanted)
         },
-    };
+    )
+    .map_err(|e| match e {
+        ChoiceError::NoSuchImage { available } => DockerArchiveError::NoSuchImage {
+            path: path.display().to_string(),
+            reference: reference.unwrap_or_default().to_string(),
+            available,
+        },
+        ChoiceError::Empty => invalid("manifest.json lists no images".to_string()),
+        ChoiceError::Ambiguous { count, available } => DockerArchiveError::Ambiguous {
+            path: path.display().to_string(),
+            count,
+            available,
+        },
+    })?;
 
     let config_bytes = members.read(path, &image.config)?;
     let config_digest = Digest::of_bytes(&config_bytes);

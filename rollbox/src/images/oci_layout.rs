@@ -5,7 +5,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::digest::{Digest, DigestError};
-use super::source::{BlobLocation, LayerBlob, ResolvedImage, SourceKind};
+use super::source::{
+    choose_image, BlobLocation, ChoiceError, LayerBlob, ResolvedImage, SourceKind,
+};
 use super::spec::{self, Descriptor, ImageConfigFile, Index, Manifest};
 
 const MAX_JSON_BYTES: u64 = 64 * 1024 * 1024;
@@ -157,54 +159,30 @@ pub fn resolve(dir: &Path, reference: Option<&str>) -> Result<ResolvedImage, Oci
     }
     let index: Index =
         layout.parse_json("index.json", &layout.read_file(Path::new("index.json"))?)?;
-    let available = || {
-        index
-            .manifests
-            .iter()
-            .map(|d| {
-                let names = names_of(d);
-                if names.is_empty() {
-                    d.digest.clone()
-                } else {
-                    names.join(", ")
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    };
-    let chosen = match reference {
-        Some(reference) => index
-            .manifests
-            .iter()
-            .find(|d| matches_reference(d, reference))
-            // A single unnamed image is taken whatever the reference says.
-            .or_else(|| match index.manifests.as_slice() {
-                [only] if names_of(only).is_empty() => Some(only),
-                _ => None,
-            })
-            .ok_or_else(|| OciLayoutError::NoSuchImage {
-                path: layout.path(),
-                reference: reference.to_string(),
-                available: available(),
-            })?,
-        None => match index.manifests.as_slice() {
-            [only] => only,
-            [] => {
-                return Err(OciLayoutError::Invalid {
-                    path: layout.path(),
-                    file: "index.json".to_string(),
-                    reason: "lists no manifests".to_string(),
-                })
-            }
-            more => {
-                return Err(OciLayoutError::Ambiguous {
-                    path: layout.path(),
-                    count: more.len(),
-                    available: available(),
-                })
-            }
+    let chosen = choose_image(
+        &index.manifests,
+        reference,
+        |d| names_of(d).into_iter().map(str::to_string).collect(),
+        |d| d.digest.clone(),
+        |d| reference.is_some_and(|r| matches_reference(d, r)),
+    )
+    .map_err(|e| match e {
+        ChoiceError::NoSuchImage { available } => OciLayoutError::NoSuchImage {
+            path: layout.path(),
+            reference: reference.unwrap_or_default().to_string(),
+            available,
         },
-    };
+        ChoiceError::Empty => OciLayoutError::Invalid {
+            path: layout.path(),
+            file: "index.json".to_string(),
+            reason: "lists no manifests".to_string(),
+        },
+        ChoiceError::Ambiguous { count, available } => OciLayoutError::Ambiguous {
+            path: layout.path(),
+            count,
+            available,
+        },
+    })?;
 
     // Follow indexes down to one image manifest.
     let mut descriptor = chosen.clone();

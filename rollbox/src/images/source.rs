@@ -99,3 +99,105 @@ impl BlobLocation {
         }
     }
 }
+
+/// Why [`choose_image`] found no single image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChoiceError {
+    /// Nothing matched the reference; `available` lists what there is.
+    NoSuchImage { available: String },
+    /// The source holds no image.
+    Empty,
+    /// No reference and several images.
+    Ambiguous { count: usize, available: String },
+}
+
+/// Picks the image of a multi-image source (a `docker save` archive, an OCI layout): the one
+/// `matches` the reference, a single unnamed one whatever the reference says, or with no
+/// reference the only one. `names` gives an image's names and `id` what to show without one.
+pub fn choose_image<'a, T>(
+    images: &'a [T],
+    reference: Option<&str>,
+    names: impl Fn(&T) -> Vec<String>,
+    id: impl Fn(&T) -> String,
+    matches: impl Fn(&T) -> bool,
+) -> Result<&'a T, ChoiceError> {
+    let available = || {
+        images
+            .iter()
+            .map(|image| {
+                let names = names(image);
+                if names.is_empty() {
+                    id(image)
+                } else {
+                    names.join(", ")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    match (reference, images) {
+        (Some(_), _) => images
+            .iter()
+            .find(|image| matches(image))
+            .or(match images {
+                [only] if names(only).is_empty() => Some(only),
+                _ => None,
+            })
+            .ok_or_else(|| ChoiceError::NoSuchImage {
+                available: available(),
+            }),
+        (None, [only]) => Ok(only),
+        (None, []) => Err(ChoiceError::Empty),
+        (None, more) => Err(ChoiceError::Ambiguous {
+            count: more.len(),
+            available: available(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod choose_tests {
+    use super::*;
+
+    fn pick<'a>(
+        images: &'a [(&'a str, &'a str)],
+        reference: Option<&str>,
+    ) -> Result<&'a (&'a str, &'a str), ChoiceError> {
+        choose_image(
+            images,
+            reference,
+            |i| {
+                if i.0.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![i.0.to_string()]
+                }
+            },
+            |i| i.1.to_string(),
+            |i| Some(i.0) == reference,
+        )
+    }
+
+    #[test]
+    fn picks_by_name_single_unnamed_or_only() {
+        let two = [("a:1", "sha256:a"), ("b:1", "sha256:b")];
+        assert_eq!(pick(&two, Some("b:1")), Ok(&two[1]));
+        assert_eq!(
+            pick(&two, Some("c:1")),
+            Err(ChoiceError::NoSuchImage {
+                available: "a:1; b:1".into()
+            })
+        );
+        assert_eq!(
+            pick(&two, None),
+            Err(ChoiceError::Ambiguous {
+                count: 2,
+                available: "a:1; b:1".into()
+            })
+        );
+        let unnamed = [("", "sha256:u")];
+        assert_eq!(pick(&unnamed, Some("x:1")), Ok(&unnamed[0]));
+        assert_eq!(pick(&unnamed, None), Ok(&unnamed[0]));
+        assert_eq!(pick(&[], None), Err(ChoiceError::Empty));
+    }
+}
