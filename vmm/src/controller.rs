@@ -123,11 +123,6 @@ impl Controller {
         })
     }
 
-    /// The resources (for tests and the CLI).
-    pub fn resources(&self) -> &VmResources {
-        &self.resources
-    }
-
     fn watch(&self, fd: i32, token: u64) -> std::io::Result<()> {
         self.epoll.ctl(
             ControlOperation::Add,

@@ -169,16 +169,6 @@ impl Vcpu {
         })
     }
 
-    /// The vCPU file descriptor, for state save and restore while paused.
-    pub fn fd(&self) -> Arc<Mutex<VcpuFd>> {
-        Arc::clone(&self.fd)
-    }
-
-    /// The vCPU index (also its APIC ID).
-    pub fn index(&self) -> u8 {
-        self.index
-    }
-
     fn configure_err(&self, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
         let index = self.index;
         move |source| VcpuError::Configure {
@@ -401,11 +391,6 @@ impl Vcpu {
 }
 
 impl VcpuHandle {
-    /// The vCPU index.
-    pub fn index(&self) -> u8 {
-        self.vcpu.index
-    }
-
     /// The vCPU; save or restore its state only while it is paused.
     pub fn vcpu(&self) -> &Vcpu {
         &self.vcpu

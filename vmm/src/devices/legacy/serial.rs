@@ -168,11 +168,6 @@ impl SerialDevice {
         }
     }
 
-    /// Free space in the receive FIFO.
-    pub fn input_room(&self) -> usize {
-        self.uart.fifo_capacity()
-    }
-
     /// Writes buffered console output.
     pub fn flush_output(&mut self) {
         if let Err(e) = self.uart.writer_mut().write_pending() {

@@ -120,19 +120,9 @@ impl MmioTransport {
         self.device.as_ref()
     }
 
-    /// The device model, mutably.
-    pub fn device_mut(&mut self) -> &mut dyn VirtioDevice {
-        self.device.as_mut()
-    }
-
     /// Number of queues.
     pub fn queue_count(&self) -> usize {
         self.queues.len()
-    }
-
-    /// The queues, for snapshots.
-    pub fn queues(&self) -> &[Queue] {
-        &self.queues
     }
 
     /// The registers, for snapshots.

@@ -77,11 +77,6 @@ impl Block {
         })
     }
 
-    /// The drive's configuration.
-    pub fn config(&self) -> &BlockConfig {
-        &self.config
-    }
-
     fn execute(&mut self, mem: &GuestMemoryMmap, request: &Request) -> Result<u32, (u8, String)> {
         let io_err = |what: &str, e: std::io::Error| (VIRTIO_BLK_S_IOERR, format!("{what}: {e}"));
         match request.request_type {

@@ -45,11 +45,6 @@ impl Vsock {
         })
     }
 
-    /// The guest's CID.
-    pub fn guest_cid(&self) -> u64 {
-        self.guest_cid
-    }
-
     fn process_tx(&mut self, mem: &GuestMemoryMmap, queue: &mut Queue) -> bool {
         let mut used_any = false;
         while let Some(chain) = queue.pop_descriptor_chain(mem) {
