@@ -5,12 +5,13 @@ pub mod mmio;
 pub mod persist;
 pub mod vsock;
 
+use std::num::Wrapping;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use crate::vstate::memory::GuestMemoryMmap;
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTIO_F_VERSION_1: the device speaks virtio 1.x.
@@ -22,6 +23,45 @@ pub const TYPE_VSOCK: u32 = 19;
 
 const INTERRUPT_USED_RING: u32 = 1;
 const INTERRUPT_CONFIG: u32 = 2;
+
+/// Why a queue's available ring cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The driver published more chains than the queue holds.
+    #[error("available index {avail} is more than the queue size {size} ahead of {next}")]
+    AvailTooFarAhead {
+        /// The driver's available index.
+        avail: u16,
+        /// The next index the device would serve.
+        next: u16,
+        /// Queue size.
+        size: u16,
+    },
+    /// The available ring could not be read.
+    #[error("cannot read the available ring: {0}")]
+    AvailUnreadable(virtio_queue::Error),
+}
+
+/// Checks the driver's available index before chains are popped. `pop_descriptor_chain`
+/// makes the same check but only answers `None`, with a log line that names no device.
+/// A queue that is not ready has no ring to check.
+pub fn check_avail(queue: &Queue, mem: &GuestMemoryMmap) -> Result<(), QueueError> {
+    if !queue.ready() {
+        return Ok(());
+    }
+    let avail = queue
+        .avail_idx(mem, Ordering::Acquire)
+        .map_err(QueueError::AvailUnreadable)?;
+    let next = queue.next_avail();
+    if (avail - Wrapping(next)).0 > queue.size() {
+        return Err(QueueError::AvailTooFarAhead {
+            avail: avail.0,
+            next,
+            size: queue.size(),
+        });
+    }
+    Ok(())
+}
 
 /// A device's interrupt: the MMIO interrupt-status register plus its irqfd.
 #[derive(Clone)]

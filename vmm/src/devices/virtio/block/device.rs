@@ -13,7 +13,7 @@ use super::request::{
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use crate::devices::virtio::mmio::read_config_bytes;
-use crate::devices::virtio::{QueueContext, VirtioDevice, TYPE_BLOCK};
+use crate::devices::virtio::{check_avail, QueueContext, VirtioDevice, TYPE_BLOCK};
 
 const VIRTIO_BLK_F_RO: u64 = 1 << 5;
 const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
@@ -180,23 +180,9 @@ impl VirtioDevice for Block {
         };
         let mut used_any = false;
         loop {
-            match (
-                queue.avail_idx(mem, std::sync::atomic::Ordering::Acquire),
-                queue.size(),
-            ) {
-                (Ok(avail), size) if (avail - std::num::Wrapping(queue.next_avail())).0 > size => {
-                    log::warn!(
-                        "{name}: available index {} is more than the queue size {size} ahead of {}; ignoring the queue until reset",
-                        avail.0,
-                        queue.next_avail()
-                    );
-                    break;
-                }
-                (Err(e), _) => {
-                    log::warn!("{name}: cannot read the available ring: {e}");
-                    break;
-                }
-                _ => {}
+            if let Err(e) = check_avail(queue, mem) {
+                log::warn!("{name}: {e}; ignoring the queue until reset");
+                break;
             }
             let Some(chain) = queue.pop_descriptor_chain(mem) else {
                 break;
