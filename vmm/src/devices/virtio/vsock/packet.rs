@@ -2,10 +2,13 @@
 
 use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
+use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 /// Size of the packet header.
 pub const HEADER_LEN: usize = 44;
+/// Size of an event (`struct virtio_vsock_event`: a u32 id).
+pub const EVENT_LEN: u32 = 4;
 /// Stream sockets, the only type offered.
 pub const TYPE_STREAM: u16 = 1;
 
@@ -108,18 +111,47 @@ impl PacketHeader {
 /// Why a guest buffer was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BufferError {
-    /// Chain does not terminate.
-    #[error(
-        "descriptor chain loops, is longer than the queue, or names a next index beyond the queue"
-    )]
-    Unterminated,
+    /// The head index names no descriptor.
+    #[error("head index {head} is beyond the queue of {size}")]
+    HeadBeyondQueue {
+        /// The head index.
+        head: u16,
+        /// Queue size.
+        size: u16,
+    },
+    /// A descriptor's next index names no descriptor.
+    #[error("descriptor chain names next index {next}, beyond the queue of {size}")]
+    NextBeyondQueue {
+        /// The bad next index.
+        next: u16,
+        /// Queue size.
+        size: u16,
+    },
+    /// The chain runs on past the queue size: it loops.
+    #[error("descriptor chain has no end within {size} descriptors: it loops")]
+    Loops {
+        /// Queue size.
+        size: u16,
+    },
+    /// The chain stops before its end for another reason.
+    #[error("descriptor chain stops after {count} descriptors without an end (lengths over 4 GiB, a bad indirect table, or an unreadable descriptor)")]
+    Unterminated {
+        /// Descriptors read.
+        count: usize,
+    },
     /// A buffer has the wrong direction.
-    #[error("descriptor {addr:#x}+{len:#x} has the wrong direction")]
+    #[error(
+        "descriptor {addr:#x}+{len:#x} is device-{is}; this queue takes device-{needs} buffers"
+    )]
     WrongDirection {
         /// Guest address.
         addr: u64,
         /// Length.
         len: u32,
+        /// Its direction: "readable" or "writable".
+        is: &'static str,
+        /// The direction the queue needs.
+        needs: &'static str,
     },
     /// A buffer lies outside guest memory.
     #[error("descriptor {addr:#x}+{len:#x} lies outside guest memory")]
@@ -130,9 +162,9 @@ pub enum BufferError {
         len: u32,
     },
     /// Too small for a header.
-    #[error("buffer of {0} bytes is too small for a packet header")]
+    #[error("{0} bytes are too few for the {HEADER_LEN}-byte packet header")]
     TooSmall(usize),
-    /// The payload is shorter than the header claims, or too long.
+    /// The payload is shorter than the header claims, or longer than the limit.
     #[error("packet claims {claimed} payload bytes but carries {carried} (limit {limit})")]
     BadLength {
         /// Header's len.
@@ -142,6 +174,15 @@ pub enum BufferError {
         /// Largest accepted.
         limit: usize,
     },
+    /// The chain carries more than a header and the largest payload.
+    #[error("descriptor chain carries more than {limit} bytes (header and largest payload)")]
+    TooLong {
+        /// Largest accepted.
+        limit: usize,
+    },
+    /// An event buffer whose first descriptor cannot hold an event.
+    #[error("event buffer of {0} bytes cannot take a {EVENT_LEN}-byte event")]
+    EventTooSmall(u32),
 }
 
 /// Checks one descriptor's direction and range.
@@ -152,7 +193,13 @@ fn checked(
 ) -> Result<(GuestAddress, usize), BufferError> {
     let (addr, len) = (desc.addr(), desc.len());
     if desc.is_write_only() != writable {
-        return Err(BufferError::WrongDirection { addr: addr.0, len });
+        let direction = |w| if w { "writable" } else { "readable" };
+        return Err(BufferError::WrongDirection {
+            addr: addr.0,
+            len,
+            is: direction(!writable),
+            needs: direction(writable),
+        });
     }
     if len > 0 && !mem.check_range(addr, len as usize) {
         return Err(BufferError::OutOfMemory { addr: addr.0, len });
@@ -160,28 +207,45 @@ fn checked(
     Ok((addr, len as usize))
 }
 
-fn terminated(descriptors: &[Descriptor]) -> Result<(), BufferError> {
+/// Collects a chain's descriptors, refusing chains that do not end within the queue.
+pub fn collect_chain(
+    chain: DescriptorChain<&GuestMemoryMmap>,
+    queue_size: u16,
+) -> Result<Vec<Descriptor>, BufferError> {
+    let head = chain.head_index();
+    let descriptors: Vec<Descriptor> = chain.collect();
     match descriptors.last() {
-        Some(last) if !last.has_next() => Ok(()),
-        _ => Err(BufferError::Unterminated),
+        None => Err(BufferError::HeadBeyondQueue {
+            head,
+            size: queue_size,
+        }),
+        Some(last) if !last.has_next() => Ok(descriptors),
+        Some(last) if last.next() >= queue_size => Err(BufferError::NextBeyondQueue {
+            next: last.next(),
+            size: queue_size,
+        }),
+        Some(_) if descriptors.len() >= usize::from(queue_size) => {
+            Err(BufferError::Loops { size: queue_size })
+        }
+        Some(_) => Err(BufferError::Unterminated {
+            count: descriptors.len(),
+        }),
     }
 }
 
-/// Reads a guest TX packet: header plus up to `max_payload` bytes of payload.
+/// Reads a guest TX packet from a collected chain: header plus up to `max_payload` bytes of
+/// payload.
 pub fn read_packet(
     mem: &GuestMemoryMmap,
     descriptors: &[Descriptor],
     max_payload: usize,
 ) -> Result<(PacketHeader, Vec<u8>), BufferError> {
-    terminated(descriptors)?;
     let mut bytes = Vec::new();
     for desc in descriptors {
         let (addr, len) = checked(mem, desc, false)?;
         if bytes.len() + len > HEADER_LEN + max_payload {
-            return Err(BufferError::BadLength {
-                claimed: u32::MAX,
-                carried: bytes.len() + len,
-                limit: max_payload,
+            return Err(BufferError::TooLong {
+                limit: HEADER_LEN + max_payload,
             });
         }
         let start = bytes.len();
@@ -211,12 +275,11 @@ pub fn read_packet(
     Ok((header, payload))
 }
 
-/// The writable space of a guest RX buffer.
+/// The writable space of a guest RX buffer (a collected chain).
 pub fn rx_capacity(
     mem: &GuestMemoryMmap,
     descriptors: &[Descriptor],
 ) -> Result<usize, BufferError> {
-    terminated(descriptors)?;
     let mut total = 0usize;
     for desc in descriptors {
         total += checked(mem, desc, true)?.1;
@@ -225,6 +288,21 @@ pub fn rx_capacity(
         return Err(BufferError::TooSmall(total));
     }
     Ok(total)
+}
+
+/// Where an event goes in a guest event buffer (a collected chain): its first descriptor,
+/// which must be device-writable and hold an event; the rest must be device-writable too.
+pub fn event_target(
+    mem: &GuestMemoryMmap,
+    descriptors: &[Descriptor],
+) -> Result<GuestAddress, BufferError> {
+    for desc in descriptors {
+        checked(mem, desc, true)?;
+    }
+    match descriptors.first() {
+        Some(first) if first.len() >= EVENT_LEN => Ok(first.addr()),
+        first => Err(BufferError::EventTooSmall(first.map_or(0, |d| d.len()))),
+    }
 }
 
 /// Writes `header` and `payload` across the RX buffer's descriptors; returns bytes written.
@@ -277,5 +355,54 @@ mod tests {
             fwd_cnt: 99,
         };
         assert_eq!(PacketHeader::from_bytes(&h.to_bytes()), h);
+    }
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x1_0000)]).expect("mem")
+    }
+
+    #[test]
+    fn an_overlong_chain_is_refused_for_its_size_not_a_claimed_length() {
+        let mem = mem();
+        let header = PacketHeader {
+            len: 8,
+            ..PacketHeader::default()
+        };
+        mem.write_slice(&header.to_bytes(), GuestAddress(0))
+            .expect("header");
+        let chain = [
+            Descriptor::new(0, HEADER_LEN as u32, 1, 1),
+            Descriptor::new(0x1000, 100, 0, 0),
+        ];
+        assert_eq!(
+            read_packet(&mem, &chain, 64),
+            Err(BufferError::TooLong {
+                limit: HEADER_LEN + 64
+            })
+        );
+        assert!(read_packet(&mem, &chain, 100).is_ok());
+    }
+
+    #[test]
+    fn event_buffers_must_be_writable_and_hold_an_event() {
+        let mem = mem();
+        let writable = Descriptor::new(0x100, EVENT_LEN, 2, 0);
+        assert_eq!(event_target(&mem, &[writable]), Ok(GuestAddress(0x100)));
+        assert!(matches!(
+            event_target(&mem, &[Descriptor::new(0x100, EVENT_LEN, 0, 0)]),
+            Err(BufferError::WrongDirection {
+                is: "readable",
+                needs: "writable",
+                ..
+            })
+        ));
+        assert_eq!(
+            event_target(&mem, &[Descriptor::new(0x100, 2, 2, 0)]),
+            Err(BufferError::EventTooSmall(2))
+        );
+        assert!(matches!(
+            event_target(&mem, &[Descriptor::new(1 << 40, EVENT_LEN, 2, 0)]),
+            Err(BufferError::OutOfMemory { .. })
+        ));
     }
 }
