@@ -2,7 +2,9 @@
 //! (header, data, status), plus the deliberately malformed chains of `hostile`.
 
 use crate::io::{pause, Deadline};
-use crate::virtio::{Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE};
+use crate::virtio::{
+    wait_ms, Buf, Hostile, Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE, HOSTILE_WAIT_MS,
+};
 
 pub const DEVICE_ID: u32 = 2;
 pub const SECTOR: usize = 512;
@@ -20,8 +22,6 @@ const T_GET_ID: u32 = 8;
 pub const ID_BYTES: usize = 20;
 
 const REQUEST_TIMEOUT_MS: u64 = 5000;
-/// How long a hostile chain is given before the device is reset.
-const HOSTILE_WAIT_MS: u64 = 50;
 
 /// Header, status and data buffers of one block device, shared with the device.
 #[repr(C, align(4096))]
@@ -48,30 +48,6 @@ pub struct Blk {
     posted: bool,
     features: u64,
     queue: Queue,
-}
-
-#[derive(Clone, Copy)]
-pub enum Hostile {
-    OutOfBounds,
-    Loop,
-    Long,
-    WrongDirection,
-    BadNext,
-    BadAvail,
-}
-
-impl Hostile {
-    pub fn parse(word: &[u8]) -> Option<Hostile> {
-        Some(match word {
-            b"oob" => Hostile::OutOfBounds,
-            b"loop" => Hostile::Loop,
-            b"long" => Hostile::Long,
-            b"dir" => Hostile::WrongDirection,
-            b"badnext" => Hostile::BadNext,
-            b"badavail" => Hostile::BadAvail,
-            _ => return None,
-        })
-    }
 }
 
 /// Outcome of one request: the device's status byte (0 = OK) or a driver-side failure.
@@ -254,63 +230,53 @@ impl Blk {
         beyond_memory: u64,
     ) -> Result<(), &'static str> {
         Self::write_header(dma, T_IN, 0);
-        let header = dma.header.as_ptr() as u64;
-        let data = dma.data.as_ptr() as u64;
-        let status = dma.status.as_ptr() as u64;
+        let buf = |addr: *const u8, len: usize, writable| Buf {
+            addr: addr as u64,
+            len: len as u32,
+            writable,
+        };
+        let header = buf(dma.header.as_ptr(), 16, false);
+        let status = buf(dma.status.as_ptr(), 1, true);
         let q = &mut self.queue;
-        let size = q.size.max(1);
-        let mut bump_avail = true;
         match kind {
             Hostile::OutOfBounds => {
-                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
-                q.set_desc(
-                    1,
-                    beyond_memory,
-                    SECTOR as u32,
-                    DESC_F_NEXT | DESC_F_WRITE,
-                    2,
-                );
-                q.set_desc(2, status, 1, DESC_F_WRITE, 0);
+                let beyond = Buf {
+                    addr: beyond_memory,
+                    len: SECTOR as u32,
+                    writable: true,
+                };
+                q.set_chain(&[header, beyond, status]);
+                q.push(0);
             }
             // Loop and long chains are device-readable throughout, so that a device meets
             // the cycle itself rather than a read-after-write order error first.
             Hostile::Loop => {
-                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
-                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT, 0);
+                q.set_unterminated_chain(kind, header, buf(dma.data.as_ptr(), SECTOR, false));
+                q.push(0);
             }
             Hostile::Long => {
-                for i in 0..size {
-                    let (addr, len) = if i == 0 { (header, 16) } else { (data, 16) };
-                    q.set_desc(i, addr, len, DESC_F_NEXT, (i + 1) % size);
-                }
-            }
-            Hostile::WrongDirection => {
-                q.set_desc(0, header, 16, DESC_F_NEXT | DESC_F_WRITE, 1);
-                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
-                q.set_desc(2, status, 1, 0, 0);
+                q.set_unterminated_chain(kind, header, buf(dma.data.as_ptr(), 16, false));
+                q.push(0);
             }
             Hostile::BadNext => {
-                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
-                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 0);
-                q.set_desc_raw_next(1, size.wrapping_add(5));
+                q.set_unterminated_chain(kind, header, buf(dma.data.as_ptr(), SECTOR, true));
+                q.push(0);
+            }
+            Hostile::WrongDirection => {
+                q.set_chain(&[
+                    buf(dma.header.as_ptr(), 16, true),
+                    buf(dma.data.as_ptr(), SECTOR, true),
+                    buf(dma.status.as_ptr(), 1, false),
+                ]);
+                q.push(0);
             }
             Hostile::BadAvail => {
-                q.set_desc(0, header, 16, DESC_F_NEXT, 1);
-                q.set_desc(1, data, SECTOR as u32, DESC_F_NEXT | DESC_F_WRITE, 2);
-                q.set_desc(2, status, 1, DESC_F_WRITE, 0);
-                let jumped = q.avail_idx().wrapping_add(size).wrapping_add(3);
-                q.publish_avail_idx(jumped);
-                bump_avail = false;
+                q.set_chain(&[header, buf(dma.data.as_ptr(), SECTOR, true), status]);
+                q.push_jumped(0);
             }
         }
-        if bump_avail {
-            q.push(0);
-        }
         self.transport.notify(&self.queue);
-        let deadline = Deadline::after_ms(tpm, HOSTILE_WAIT_MS);
-        while !deadline.passed() {
-            pause();
-        }
+        wait_ms(tpm, HOSTILE_WAIT_MS);
         self.ready = false;
         self.posted = false;
         self.ensure_ready(dma, tpm)
@@ -320,21 +286,6 @@ impl Blk {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hostile_kinds_parse() {
-        for word in [
-            &b"oob"[..],
-            b"loop",
-            b"long",
-            b"dir",
-            b"badnext",
-            b"badavail",
-        ] {
-            assert!(Hostile::parse(word).is_some());
-        }
-        assert!(Hostile::parse(b"LOOP").is_none());
-    }
 
     #[test]
     fn request_header_layout() {

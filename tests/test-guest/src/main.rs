@@ -26,10 +26,11 @@ use core::arch::global_asm;
 #[cfg(not(test))]
 use core::panic::PanicInfo;
 
-use blk::{Blk, BlkDma, Hostile};
+use blk::{Blk, BlkDma};
 use boot::BootInfo;
 use io::{parse_u64, put_dec, put_hex, put_hex16, put_hex_bytes, puts, split_word, try_getc};
-use vsock::{ConnectError, Vsock, VsockDma};
+use virtio::Hostile;
+use vsock::{ConnectError, Vsock, VsockDma, VsockHostile};
 
 const STACK_SIZE: usize = 64 * 1024;
 const MAX_BLK: usize = 8;
@@ -185,6 +186,25 @@ fn err_status(status: blk::Status) {
     }
 }
 
+/// A guest-physical address that is not guest memory: a GiB above the end of the e820 map
+/// rounded up to a GiB.
+fn beyond_memory(boot: &BootInfo) -> u64 {
+    const GIB: u64 = 1 << 30;
+    (boot.memory_end().div_ceil(GIB) + 1) * GIB
+}
+
+/// The answer to `hostile` and `vsock-hostile`.
+fn survived(result: Result<(), &'static str>) {
+    match result {
+        Ok(()) => puts(b"OK survived\n"),
+        Err(reason) => {
+            puts(b"ERR reinit-failed ");
+            puts(reason.as_bytes());
+            puts(b"\n");
+        }
+    }
+}
+
 /// Parses `count` space-separated numbers from `args`; the rest is returned too.
 fn numbers<const N: usize>(mut args: &[u8]) -> Option<([u64; N], &[u8])> {
     let mut out = [0u64; N];
@@ -256,6 +276,7 @@ impl Guest {
             }
             b"vsock-listen" => self.cmd_vsock_listen(args),
             b"vsock-connect" => self.cmd_vsock_connect(args),
+            b"vsock-hostile" => self.cmd_vsock_hostile(args),
             b"reset" => {
                 io::outb(0x64, 0xfe);
                 io::spin_forever()
@@ -452,16 +473,7 @@ impl Guest {
                 let Some(kind) = Hostile::parse(kind) else {
                     return err(b"unknown-hostile-kind");
                 };
-                const GIB: u64 = 1 << 30;
-                let beyond = (self.boot.memory_end().div_ceil(GIB) + 1) * GIB;
-                match dev.hostile(dma, tpm, kind, beyond) {
-                    Ok(()) => puts(b"OK survived\n"),
-                    Err(reason) => {
-                        puts(b"ERR reinit-failed ");
-                        puts(reason.as_bytes());
-                        puts(b"\n");
-                    }
-                }
+                survived(dev.hostile(dma, tpm, kind, beyond_memory(&self.boot)));
             }
             _ => err(b"unknown-command"),
         }
@@ -510,6 +522,19 @@ impl Guest {
             Ok(()) => ok(),
             Err(reason) => err(reason.as_bytes()),
         }
+    }
+
+    fn cmd_vsock_hostile(&mut self, args: &[u8]) {
+        let (kind, _) = split_word(args);
+        let Some(kind) = VsockHostile::parse(kind) else {
+            return err(b"unknown-hostile-kind");
+        };
+        let tpm = self.ticks_per_ms;
+        let beyond = beyond_memory(&self.boot);
+        let Some(v) = self.vsock.as_deref_mut() else {
+            return err(b"no-vsock-device");
+        };
+        survived(v.hostile(self.vsock_dma, tpm, kind, beyond));
     }
 
     fn cmd_vsock_connect(&mut self, args: &[u8]) {

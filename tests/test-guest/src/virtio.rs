@@ -39,6 +39,67 @@ pub const F_VERSION_1: u64 = 1 << 32;
 pub const DESC_F_NEXT: u16 = 1;
 pub const DESC_F_WRITE: u16 = 2;
 
+/// How long a device is given to meet a hostile chain before the guest resets it.
+pub const HOSTILE_WAIT_MS: u64 = 50;
+
+/// Malformed chains the `hostile` commands post; their buffers depend on the device.
+#[derive(Clone, Copy)]
+pub enum Hostile {
+    /// A buffer beyond guest memory.
+    OutOfBounds,
+    /// A chain that loops back to its head.
+    Loop,
+    /// Every descriptor of the queue chained in a cycle.
+    Long,
+    /// A buffer with the wrong device-readable/writable direction.
+    WrongDirection,
+    /// A next index beyond the queue.
+    BadNext,
+    /// A valid chain published with avail.idx advanced by more than the queue size.
+    BadAvail,
+}
+
+impl Hostile {
+    pub fn parse(word: &[u8]) -> Option<Hostile> {
+        Some(match word {
+            b"oob" => Hostile::OutOfBounds,
+            b"loop" => Hostile::Loop,
+            b"long" => Hostile::Long,
+            b"dir" => Hostile::WrongDirection,
+            b"badnext" => Hostile::BadNext,
+            b"badavail" => Hostile::BadAvail,
+            _ => return None,
+        })
+    }
+}
+
+/// One buffer of a hand-built descriptor chain.
+#[derive(Clone, Copy)]
+pub struct Buf {
+    pub addr: u64,
+    pub len: u32,
+    /// Device-writable (VIRTQ_DESC_F_WRITE).
+    pub writable: bool,
+}
+
+impl Buf {
+    fn flags(self) -> u16 {
+        if self.writable {
+            DESC_F_WRITE
+        } else {
+            0
+        }
+    }
+}
+
+/// Waits `ms` milliseconds.
+pub fn wait_ms(ticks_per_ms: u64, ms: u64) {
+    let deadline = Deadline::after_ms(ticks_per_ms, ms);
+    while !deadline.passed() {
+        pause();
+    }
+}
+
 /// Largest queue the guest sets up; its rings fit in one 4 KiB page.
 pub const MAX_QUEUE_SIZE: u16 = 16;
 const AVAIL_OFFSET: usize = 0x400;
@@ -102,6 +163,62 @@ impl Queue {
         unsafe { write_volatile(d.wrapping_add(14) as *mut u16, next) };
     }
 
+    /// Writes `bufs` as one chain from descriptor 0 (not published).
+    pub fn set_chain(&mut self, bufs: &[Buf]) {
+        let last = bufs.len().saturating_sub(1);
+        for (i, b) in bufs.iter().enumerate() {
+            let (next_flag, next) = if i < last {
+                (DESC_F_NEXT, i as u16 + 1)
+            } else {
+                (0, 0)
+            };
+            self.set_desc(i as u16, b.addr, b.len, b.flags() | next_flag, next);
+        }
+    }
+
+    /// Writes a chain from descriptor 0 that never ends properly (not published):
+    /// `Loop`: `first` → `rest` → back to `first`; `Long`: `first`, then `rest` in every
+    /// other descriptor of the queue, in one cycle; `BadNext`: `first` → `rest`, whose
+    /// next index is the queue size + 5. Other kinds are device-specific: nothing is written.
+    pub fn set_unterminated_chain(&mut self, kind: Hostile, first: Buf, rest: Buf) {
+        let size = self.size.max(1);
+        match kind {
+            Hostile::Loop => {
+                self.set_desc(0, first.addr, first.len, first.flags() | DESC_F_NEXT, 1);
+                self.set_desc(1, rest.addr, rest.len, rest.flags() | DESC_F_NEXT, 0);
+            }
+            Hostile::Long => {
+                for i in 0..size {
+                    let b = if i == 0 { first } else { rest };
+                    self.set_desc(i, b.addr, b.len, b.flags() | DESC_F_NEXT, (i + 1) % size);
+                }
+            }
+            Hostile::BadNext => {
+                self.set_desc(0, first.addr, first.len, first.flags() | DESC_F_NEXT, 1);
+                self.set_desc(1, rest.addr, rest.len, rest.flags() | DESC_F_NEXT, 0);
+                self.set_desc_raw_next(1, size.wrapping_add(5));
+            }
+            Hostile::OutOfBounds | Hostile::WrongDirection | Hostile::BadAvail => {}
+        }
+    }
+
+    /// Publishes `head` with avail.idx advanced by the queue size + 3 instead of 1.
+    pub fn push_jumped(&mut self, head: u16) {
+        let slot = (self.avail_idx % self.size.max(1)) as usize;
+        // SAFETY: avail ring entry `slot` (< 16) lies in this queue's ring page.
+        unsafe {
+            write_volatile(
+                self.ring.wrapping_add(AVAIL_OFFSET + 4 + 2 * slot) as *mut u16,
+                head,
+            )
+        };
+        let jumped = self
+            .avail_idx
+            .wrapping_add(self.size.max(1))
+            .wrapping_add(3);
+        self.publish_avail_idx(jumped);
+    }
+
     /// Publishes the chain starting at `head` in the avail ring.
     pub fn push(&mut self, head: u16) {
         let slot = (self.avail_idx % self.size.max(1)) as usize;
@@ -122,10 +239,6 @@ impl Queue {
         // SAFETY: avail.idx lies in this queue's ring page.
         unsafe { write_volatile(self.ring.wrapping_add(AVAIL_OFFSET + 2) as *mut u16, idx) };
         compiler_fence(Ordering::SeqCst);
-    }
-
-    pub fn avail_idx(&self) -> u16 {
-        self.avail_idx
     }
 
     /// The next used element (descriptor head, bytes written), if the device returned one.
@@ -287,5 +400,25 @@ impl Transport {
             return Err("DRIVER_OK-refused");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_kinds_parse() {
+        for word in [
+            &b"oob"[..],
+            b"loop",
+            b"long",
+            b"dir",
+            b"badnext",
+            b"badavail",
+        ] {
+            assert!(Hostile::parse(word).is_some());
+        }
+        assert!(Hostile::parse(b"LOOP").is_none());
     }
 }

@@ -2,7 +2,9 @@
 //! server on listened ports, and a client that dials the host (CID 2).
 
 use crate::io::{pause, Deadline};
-use crate::virtio::{Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE};
+use crate::virtio::{
+    wait_ms, Buf, Hostile, Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE, HOSTILE_WAIT_MS,
+};
 
 pub const DEVICE_ID: u32 = 19;
 pub const HOST_CID: u64 = 2;
@@ -25,6 +27,15 @@ const OP_CREDIT_UPDATE: u16 = 6;
 const OP_CREDIT_REQUEST: u16 = 7;
 const SHUTDOWN_BOTH: u32 = 3;
 const EVENT_TRANSPORT_RESET: u32 = 0;
+
+/// Both ports of the packets `vsock-hostile` sends; no connection uses them.
+const HOSTILE_PORT: u32 = 2989;
+/// Payload bytes the hostile TX chains carry.
+const HOSTILE_PAYLOAD: u32 = 16;
+/// What a `shortlen` header claims: more than `HOSTILE_PAYLOAD`.
+const HOSTILE_CLAIMED: u32 = 100;
+/// Size of a too-short header or RX buffer: less than `HDR`.
+const HOSTILE_SHORT: u32 = 16;
 
 const RX_QUEUE: usize = 0;
 const TX_QUEUE: usize = 1;
@@ -201,6 +212,39 @@ pub struct Vsock {
     tpm: u64,
 }
 
+/// The malformed chains of `vsock-hostile`.
+#[derive(Clone, Copy)]
+pub enum VsockHostile {
+    /// The shared kinds (oob, loop, long, dir, badnext, badavail) on the TX queue.
+    Tx(Hostile),
+    /// A TX header whose len claims more payload than the chain carries.
+    ShortLen,
+    /// A TX chain shorter than a packet header.
+    ShortHdr,
+    /// An RX buffer whose payload part is device-readable.
+    RxDir,
+    /// An RX buffer shorter than a packet header.
+    RxSmall,
+    /// A device-readable event buffer.
+    EvDir,
+}
+
+impl VsockHostile {
+    pub fn parse(word: &[u8]) -> Option<VsockHostile> {
+        if let Some(kind) = Hostile::parse(word) {
+            return Some(VsockHostile::Tx(kind));
+        }
+        Some(match word {
+            b"shortlen" => VsockHostile::ShortLen,
+            b"shorthdr" => VsockHostile::ShortHdr,
+            b"rxdir" => VsockHostile::RxDir,
+            b"rxsmall" => VsockHostile::RxSmall,
+            b"evdir" => VsockHostile::EvDir,
+            _ => return None,
+        })
+    }
+}
+
 pub enum ConnectError {
     NoFreeConnection,
     Refused,
@@ -236,6 +280,20 @@ impl Vsock {
         if self.ready {
             return Ok(());
         }
+        self.start(dma, tpm, true, true)?;
+        self.ready = true;
+        Ok(())
+    }
+
+    /// Resets and sets up the device, posting rx and event buffers when asked. The reset
+    /// drops every connection; listening ports stay.
+    fn start(
+        &mut self,
+        dma: &mut VsockDma,
+        tpm: u64,
+        rx_buffers: bool,
+        event_buffers: bool,
+    ) -> Result<(), &'static str> {
         self.tpm = tpm;
         let [rx, tx, ev] = &mut self.queues;
         let [r0, r1, r2] = &mut dma.rings;
@@ -249,17 +307,134 @@ impl Vsock {
             return Err("queue-too-small");
         }
         self.tx_busy = [false; SLOTS];
-        for slot in 0..self.rx_slots {
-            self.post_rx(&dma.rx, slot);
+        self.drop_connections();
+        if rx_buffers {
+            for slot in 0..self.rx_slots {
+                self.post_rx(&dma.rx, slot);
+            }
         }
-        for slot in 0..self.event_slots {
-            self.post_event(&dma.events, slot);
+        if event_buffers {
+            for slot in 0..self.event_slots {
+                self.post_event(&dma.events, slot);
+            }
         }
         self.transport.finish_init()?;
         self.transport.notify(&self.queues[RX_QUEUE]);
         self.transport.notify(&self.queues[EVENT_QUEUE]);
-        self.ready = true;
         Ok(())
+    }
+
+    fn drop_connections(&mut self) {
+        for conn in self.conns.iter_mut() {
+            conn.state = State::Free;
+            conn.len = 0;
+        }
+    }
+
+    /// Sets the device up afresh, posts a malformed chain and notifies, gives the device a
+    /// moment, then resets it and sets it up again. The queue under test holds only the
+    /// hostile chain. RX buffers are only used when the device has a packet to deliver, so
+    /// for the RX kinds the guest sends one that the host answers (CREDIT_REQUEST for a
+    /// connection that does not exist: RST).
+    pub fn hostile(
+        &mut self,
+        dma: &mut VsockDma,
+        tpm: u64,
+        kind: VsockHostile,
+        beyond_memory: u64,
+    ) -> Result<(), &'static str> {
+        self.ready = false;
+        let rx_buffers = !matches!(kind, VsockHostile::RxDir | VsockHostile::RxSmall);
+        let event_buffers = !matches!(kind, VsockHostile::EvDir);
+        self.start(dma, tpm, rx_buffers, event_buffers)?;
+        let mut hdr = Header {
+            src_cid: self.cid,
+            dst_cid: HOST_CID,
+            src_port: HOSTILE_PORT,
+            dst_port: HOSTILE_PORT,
+            len: HOSTILE_PAYLOAD,
+            kind: TYPE_STREAM,
+            op: OP_RW,
+            buf_alloc: BUF as u32,
+            ..Header::default()
+        };
+        if let VsockHostile::ShortLen = kind {
+            hdr.len = HOSTILE_CLAIMED;
+        }
+        hdr.encode(&mut dma.tx.hdr[0]);
+        let buf = |addr: *const u8, len: u32, writable| Buf {
+            addr: addr as u64,
+            len,
+            writable,
+        };
+        let tx_hdr = buf(dma.tx.hdr[0].as_ptr(), HDR as u32, false);
+        let tx_data = buf(dma.tx.data[0].as_ptr(), HOSTILE_PAYLOAD, false);
+        let queue = match kind {
+            VsockHostile::Tx(_) | VsockHostile::ShortLen | VsockHostile::ShortHdr => TX_QUEUE,
+            VsockHostile::RxDir | VsockHostile::RxSmall => RX_QUEUE,
+            VsockHostile::EvDir => EVENT_QUEUE,
+        };
+        let q = &mut self.queues[queue];
+        match kind {
+            VsockHostile::Tx(Hostile::OutOfBounds) => {
+                let beyond = Buf {
+                    addr: beyond_memory,
+                    len: HOSTILE_PAYLOAD,
+                    writable: false,
+                };
+                q.set_chain(&[tx_hdr, beyond]);
+                q.push(0);
+            }
+            VsockHostile::Tx(k @ (Hostile::Loop | Hostile::Long | Hostile::BadNext)) => {
+                q.set_unterminated_chain(k, tx_hdr, tx_data);
+                q.push(0);
+            }
+            VsockHostile::Tx(Hostile::WrongDirection) => {
+                q.set_chain(&[buf(dma.tx.hdr[0].as_ptr(), HDR as u32, true), tx_data]);
+                q.push(0);
+            }
+            VsockHostile::Tx(Hostile::BadAvail) => {
+                q.set_chain(&[tx_hdr, tx_data]);
+                q.push_jumped(0);
+            }
+            VsockHostile::ShortLen => {
+                q.set_chain(&[tx_hdr, tx_data]);
+                q.push(0);
+            }
+            VsockHostile::ShortHdr => {
+                q.set_chain(&[buf(dma.tx.hdr[0].as_ptr(), HOSTILE_SHORT, false)]);
+                q.push(0);
+            }
+            VsockHostile::RxDir => {
+                q.set_chain(&[
+                    buf(dma.rx.hdr[0].as_ptr(), HDR as u32, true),
+                    buf(dma.rx.data[0].as_ptr(), BUF as u32, false),
+                ]);
+                q.push(0);
+            }
+            VsockHostile::RxSmall => {
+                q.set_chain(&[buf(dma.rx.hdr[0].as_ptr(), HOSTILE_SHORT, true)]);
+                q.push(0);
+            }
+            VsockHostile::EvDir => {
+                q.set_chain(&[buf(dma.events[0].as_ptr(), 4, false)]);
+                q.push(0);
+            }
+        }
+        self.transport.notify(&self.queues[queue]);
+        if queue == RX_QUEUE {
+            let answered = Header {
+                dst_cid: HOST_CID,
+                src_port: HOSTILE_PORT,
+                dst_port: HOSTILE_PORT,
+                op: OP_CREDIT_REQUEST,
+                buf_alloc: BUF as u32,
+                ..Header::default()
+            };
+            self.send(&mut dma.tx, answered)?;
+        }
+        wait_ms(tpm, HOSTILE_WAIT_MS);
+        self.ensure_ready(dma, tpm)
     }
 
     fn post_rx(&mut self, rx: &PacketBuffers, slot: u16) {
@@ -452,10 +627,7 @@ impl Vsock {
             let e = &dma.events[slot as usize % SLOTS];
             if u32::from_le_bytes([e[0], e[1], e[2], e[3]]) == EVENT_TRANSPORT_RESET {
                 // After a snapshot restore: connections are gone, listeners stay.
-                for conn in self.conns.iter_mut() {
-                    conn.state = State::Free;
-                    conn.len = 0;
-                }
+                self.drop_connections();
                 self.cid = self.read_cid();
             }
             self.post_event(&dma.events, slot);
@@ -833,6 +1005,33 @@ mod tests {
             (d.len, d.kind, d.op, d.buf_alloc, d.fwd_cnt),
             (7, TYPE_STREAM, OP_RW, 4096, 9)
         );
+    }
+
+    #[test]
+    fn hostile_kinds_parse() {
+        for word in [
+            &b"oob"[..],
+            b"loop",
+            b"long",
+            b"dir",
+            b"badnext",
+            b"badavail",
+        ] {
+            assert!(matches!(
+                VsockHostile::parse(word),
+                Some(VsockHostile::Tx(_))
+            ));
+        }
+        for word in [
+            &b"shortlen"[..],
+            b"shorthdr",
+            b"rxdir",
+            b"rxsmall",
+            b"evdir",
+        ] {
+            assert!(VsockHostile::parse(word).is_some());
+        }
+        assert!(VsockHostile::parse(b"rx").is_none());
     }
 
     #[test]
