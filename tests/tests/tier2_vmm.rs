@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rollbox_tests::{kvm_available, raw_image, Vm};
 
@@ -277,6 +277,116 @@ fn hostile_descriptor_chains_are_logged_and_survived() {
     assert!(log.contains("more than the queue size"), "{log}");
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
+}
+
+/// CPU ticks (utime + stime) the VMM's main thread, its event loop, has used so far. The
+/// vCPU threads are busy by design: the guest polls its serial port.
+fn event_loop_cpu_ticks(vm: &Vm) -> u64 {
+    let pid = vm.child.id();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/stat"))
+        .expect("read the VMM main thread's stat");
+    // Fields after the parenthesised name: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let field = |n: usize| -> u64 {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse().ok())
+            .unwrap_or_else(|| panic!("field {n} of {stat:?}"))
+    };
+    field(14) + field(15)
+}
+
+#[test]
+fn hostile_vsock_chains_are_logged_and_survived() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = vm_with_drives();
+    assert_eq!(vm.ok("blk-write 0 1 c0ffee"), "");
+    assert_eq!(vm.ok("vsock-listen 1024"), "");
+    // (kind, the queue its refusal names, what the refusal says)
+    let kinds = [
+        ("oob", "TX", "lies outside guest memory"),
+        ("loop", "TX", "loops"),
+        ("long", "TX", "loops"),
+        ("dir", "TX", "is device-writable"),
+        ("badnext", "TX", "next index 21, beyond the queue of 16"),
+        ("badavail", "TX", "more than the queue size"),
+        ("shortlen", "TX", "claims 100 payload bytes but carries 16"),
+        (
+            "shorthdr",
+            "TX",
+            "16 bytes are too few for the 44-byte packet header",
+        ),
+        ("rxdir", "RX", "is device-readable"),
+        (
+            "rxsmall",
+            "RX",
+            "16 bytes are too few for the 44-byte packet header",
+        ),
+        ("evdir", "event", "is device-readable"),
+    ];
+    for (kind, queue, problem) in kinds {
+        let before = vm.stderr().len();
+        assert_eq!(
+            vm.ok(&format!("vsock-hostile {kind}")),
+            "survived",
+            "vsock-hostile {kind}"
+        );
+        // stderr arrives through a reader thread: give it a moment, then a little more to
+        // catch any second line.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !vm.stderr().get(before..).unwrap_or_default().contains('\n')
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let log = vm.stderr();
+        let new = log.get(before..).unwrap_or_default();
+        // One line, from the device, naming the queue and the problem.
+        let lines: Vec<&str> = new.lines().collect();
+        assert!(
+            lines.len() == 1
+                && lines[0].contains("[WARN] virtio-vsock: ")
+                && lines[0].contains(&format!(" {queue} queue: "))
+                && lines[0].contains(problem),
+            "vsock-hostile {kind}: want one {queue}-queue refusal saying {problem:?}, got:\n{new}"
+        );
+        // The vsock device serves again after the guest reset it, and the block device
+        // never stopped.
+        let mut s = connect_to_guest(&vm, 1024);
+        s.write_all(b"after\n").expect("send");
+        let mut echo = [0u8; 6];
+        s.read_exact(&mut echo)
+            .unwrap_or_else(|e| panic!("vsock echo after {kind}: {e}"));
+        assert_eq!(&echo, b"after\n", "after vsock-hostile {kind}");
+        drop(s);
+        assert!(
+            vm.ok("blk-read 0 1 1").starts_with("c0ffee"),
+            "after vsock-hostile {kind}"
+        );
+    }
+    assert!(vm
+        .cmd("vsock-hostile nope")
+        .starts_with("ERR unknown-hostile-kind"));
+    // Idle now: the event loop must not spin on a chain it refused.
+    let ticks = event_loop_cpu_ticks(&vm);
+    std::thread::sleep(Duration::from_secs(2));
+    let used = event_loop_cpu_ticks(&vm) - ticks;
+    assert!(
+        used < 100,
+        "the VMM's event loop used {used} CPU ticks in 2 s of idling"
+    );
+    vm.send("poweroff\n");
+    assert!(
+        vm.wait(Duration::from_secs(20)).success(),
+        "{}",
+        vm.stderr()
+    );
 }
 
 #[test]
