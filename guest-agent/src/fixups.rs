@@ -11,6 +11,8 @@ use crate::errors::{sys, SysError};
 
 /// _IOW('R', 0x03, int[2])
 const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// _IO('R', 0x07)
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 const MAX_SEED_BYTES: usize = 4096;
 
 fn applied(applied: bool, detail: impl Into<String>) -> ServerMessage {
@@ -59,37 +61,9 @@ pub fn set_time(agent: &Agent, unix_seconds: i64, nanos: u32) -> Result<ServerMe
 }
 
 pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
-    if seed.is_empty() || seed.len() > MAX_SEED_BYTES {
-        return Err(ErrorInfo::bad_request(format!(
-            "reseed: seed of {} bytes; expected 1 to {MAX_SEED_BYTES}",
-            seed.len()
-        )));
-    }
-    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
-    let bits = i32::try_from(seed.len() * 8)
-        .map_err(|_| ErrorInfo::bad_request("reseed: seed too large"))?;
-    let size =
-        i32::try_from(seed.len()).map_err(|_| ErrorInfo::bad_request("reseed: seed too large"))?;
-    let mut words = vec![0u32; 2 + seed.len().div_ceil(4)];
-    words[0] = bits as u32;
-    words[1] = size as u32;
-    // SAFETY: the u32 buffer is at least 8 + seed.len() bytes long; viewing it as bytes is always valid.
-    let bytes =
-        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4) };
-    bytes[8..8 + seed.len()].copy_from_slice(seed);
-    let random = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/random")
-        .map_err(|e| sys("open", "/dev/random")(e).to_info())?;
-    // SAFETY: RNDADDENTROPY reads a rand_pool_info of the size it declares, which `words` holds.
-    if unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, words.as_ptr()) } != 0 {
-        return Err(SysError::new(
-            "ioctl RNDADDENTROPY",
-            "/dev/random",
-            std::io::Error::last_os_error(),
-        )
-        .to_info());
-    }
+    check_seed("reseed", seed)?;
+    let bits = seed.len() * 8;
+    add_entropy(&open_random()?, seed, bits)?;
     Ok(applied(
         true,
         format!(
@@ -99,8 +73,68 @@ pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
     ))
 }
 
+/// Mixes `seed` into the kernel RNG crediting no entropy, then has the CRNG
+/// reseed itself at once (RNDRESEEDCRNG) instead of at its next interval.
+pub fn reseed_crng(seed: &[u8]) -> Result<(), ErrorInfo> {
+    check_seed("reseed_crng", seed)?;
+    let random = open_random()?;
+    add_entropy(&random, seed, 0)?;
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    if unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG) } != 0 {
+        return Err(SysError::new(
+            "ioctl RNDRESEEDCRNG",
+            "/dev/random",
+            std::io::Error::last_os_error(),
+        )
+        .to_info());
+    }
+    Ok(())
+}
+
+fn check_seed(op: &str, seed: &[u8]) -> Result<(), ErrorInfo> {
+    if seed.is_empty() || seed.len() > MAX_SEED_BYTES {
+        return Err(ErrorInfo::bad_request(format!(
+            "{op}: seed of {} bytes; expected 1 to {MAX_SEED_BYTES}",
+            seed.len()
+        )));
+    }
+    Ok(())
+}
+
+fn open_random() -> Result<std::fs::File, ErrorInfo> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/random")
+        .map_err(|e| sys("open", "/dev/random")(e).to_info())
+}
+
+/// RNDADDENTROPY: mix `seed` (at most MAX_SEED_BYTES) into the pool, crediting `bits`.
+fn add_entropy(random: &std::fs::File, seed: &[u8], bits: usize) -> Result<(), ErrorInfo> {
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let too_large = |_| ErrorInfo::bad_request("reseed: seed too large");
+    let bits = i32::try_from(bits).map_err(too_large)?;
+    let size = i32::try_from(seed.len()).map_err(too_large)?;
+    let mut words = vec![0u32; 2 + seed.len().div_ceil(4)];
+    words[0] = bits as u32;
+    words[1] = size as u32;
+    // SAFETY: the u32 buffer is at least 8 + seed.len() bytes long; viewing it as bytes is always valid.
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4) };
+    bytes[8..8 + seed.len()].copy_from_slice(seed);
+    // SAFETY: RNDADDENTROPY reads a rand_pool_info of the size it declares, which `words` holds.
+    if unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY, words.as_ptr()) } != 0 {
+        return Err(SysError::new(
+            "ioctl RNDADDENTROPY",
+            "/dev/random",
+            std::io::Error::last_os_error(),
+        )
+        .to_info());
+    }
+    Ok(())
+}
+
 pub fn set_identity(
-    agent: &Agent,
+    machine_id_path: &Path,
     hostname: Option<&str>,
     machine_id: Option<&str>,
 ) -> Result<ServerMessage, ErrorInfo> {
@@ -124,17 +158,13 @@ pub fn set_identity(
         done.push(format!("hostname {name}"));
     }
     if let Some(id) = machine_id {
-        write_atomic(&agent.config.machine_id_path, format!("{id}\n").as_bytes())
-            .map_err(|e| e.to_info())?;
-        done.push(format!(
-            "machine id {id} in {}",
-            agent.config.machine_id_path.display()
-        ));
+        write_atomic(machine_id_path, format!("{id}\n").as_bytes()).map_err(|e| e.to_info())?;
+        done.push(format!("machine id {id} in {}", machine_id_path.display()));
     }
     Ok(applied(true, format!("set {}", done.join(", "))))
 }
 
-fn validate_hostname(name: &str) -> Result<(), ErrorInfo> {
+pub fn validate_hostname(name: &str) -> Result<(), ErrorInfo> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with(['-', '.'])
@@ -215,5 +245,6 @@ mod tests {
     fn seed_size_is_checked() {
         assert!(reseed(&[]).is_err());
         assert!(reseed(&vec![1u8; MAX_SEED_BYTES + 1]).is_err());
+        assert!(reseed_crng(&[]).is_err());
     }
 }

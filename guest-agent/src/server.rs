@@ -298,7 +298,11 @@ async fn start(
             hostname,
             machine_id,
         } => blocking(out, id, move || {
-            fixups::set_identity(&agent, hostname.as_deref(), machine_id.as_deref())
+            fixups::set_identity(
+                &agent.config.machine_id_path,
+                hostname.as_deref(),
+                machine_id.as_deref(),
+            )
         }),
         ClientMessage::Exec(req) => {
             let inputs = open_exec(&streams, id);
