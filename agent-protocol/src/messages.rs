@@ -462,6 +462,14 @@ pub struct Health {
     pub memory: MemoryInfo,
     pub disk: DiskInfo,
     pub running_processes: u64,
+    /// The VM generation counter as the agent last read it; absent when it
+    /// does not watch the counter (host mode, not x86_64, no port access).
+    #[serde(default)]
+    pub generation: Option<u64>,
+    /// Whether every step of the re-identification after the last generation
+    /// change worked; absent before any change.
+    #[serde(default)]
+    pub generation_applied: Option<bool>,
 }
 
 /// From /proc/meminfo, in bytes.
@@ -551,6 +559,17 @@ mod tests {
         assert!(!ServerMessage::Started { pid: 1 }.is_terminal());
         assert!(ServerMessage::Ok.is_terminal());
         assert!(ServerMessage::Error(ErrorInfo::bad_request("x")).is_terminal());
+    }
+
+    #[test]
+    fn health_of_an_older_agent_has_no_generation() {
+        let json = r#"{"agent_version":"0.1.0","protocol_version":1,"pid":1,"is_init":true,
+            "uptime_seconds":1.5,"load":[0.0,0.0,0.0],
+            "memory":{"total_bytes":1,"free_bytes":1,"available_bytes":1},
+            "disk":{"total_bytes":1,"free_bytes":1,"available_bytes":1},
+            "running_processes":0}"#;
+        let health: Health = serde_json::from_str(json).expect("parse");
+        assert_eq!((health.generation, health.generation_applied), (None, None));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::cgroup::CgroupBase;
+use crate::generation::Watcher;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -26,10 +27,12 @@ pub struct Agent {
     pub cgroups: Option<CgroupBase>,
     /// Serialises DockerEnsure so only one dockerd is started.
     pub docker_lock: tokio::sync::Mutex<()>,
+    /// Re-identifies the guest after a clone; None when the counter is not watched.
+    pub generation: Option<Watcher>,
 }
 
 impl Agent {
-    pub fn new(config: Config) -> Self {
+    pub fn new(config: Config, generation: Option<Watcher>) -> Self {
         let cgroups = match crate::cgroup::detect() {
             Ok(base) => {
                 log::info!(
@@ -48,6 +51,7 @@ impl Agent {
             config,
             cgroups,
             docker_lock: tokio::sync::Mutex::new(()),
+            generation,
         }
     }
 }

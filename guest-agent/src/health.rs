@@ -12,6 +12,7 @@ pub fn health(agent: &Agent) -> Result<Health, ErrorInfo> {
         .map_err(|e| sys("read", "/proc/loadavg")(e).to_info())?;
     let uptime = std::fs::read_to_string("/proc/uptime")
         .map_err(|e| sys("read", "/proc/uptime")(e).to_info())?;
+    let generation = agent.generation.as_ref().map(|w| w.status());
     Ok(Health {
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         protocol_version: PROTOCOL_VERSION,
@@ -22,6 +23,8 @@ pub fn health(agent: &Agent) -> Result<Health, ErrorInfo> {
         memory: parse_meminfo(&meminfo),
         disk: statvfs("/").map_err(|e| e.to_info())?,
         running_processes: crate::reaper::reaper().running() as u64,
+        generation: generation.map(|g| g.generation),
+        generation_applied: generation.and_then(|g| g.applied),
     })
 }
 

@@ -9,6 +9,7 @@ mod errors;
 mod exec;
 mod files;
 mod fixups;
+mod generation;
 mod health;
 mod init;
 mod reaper;
@@ -61,6 +62,13 @@ struct Args {
     /// Log file of a dockerd started by the agent.
     #[arg(long, default_value = "/var/log/rollbox-dockerd.log")]
     dockerd_log: PathBuf,
+    /// Watch the VM generation counter (I/O ports 0x3c8-0x3cf) even when not
+    /// PID 1, and re-identify the guest when it changes.
+    #[arg(long, conflicts_with = "no_generation_watch")]
+    generation_watch: bool,
+    /// Do not watch the VM generation counter, even as PID 1.
+    #[arg(long)]
+    no_generation_watch: bool,
     /// Log debug messages too.
     #[arg(long)]
     verbose: bool,
@@ -145,6 +153,7 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
         // SAFETY: prctl with integer arguments only.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
+    let generation = watch_generation(&args, is_pid1);
     let config = agent::Config {
         set_clock: !args.no_set_clock,
         machine_id_path: args.machine_id_path.clone(),
@@ -158,12 +167,37 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("start the async runtime: {e}"))?;
-    runtime.block_on(serve(args, config))
+    runtime.block_on(serve(args, config, generation))
 }
 
-async fn serve(args: Args, config: agent::Config) -> Result<(), String> {
+/// The generation watcher, as PID 1 or with --generation-watch; says once why not.
+fn watch_generation(args: &Args, is_pid1: bool) -> Option<generation::Watcher> {
+    if args.no_generation_watch || !(is_pid1 || args.generation_watch) {
+        log::info!("VM generation watch off (on as PID 1 or with --generation-watch)");
+        return None;
+    }
+    match generation::Watcher::for_guest(args.machine_id_path.clone(), args.hostname.clone()) {
+        Ok(watcher) => {
+            log::info!(
+                "VM generation {:#018x}; re-identifying when it changes",
+                watcher.status().generation
+            );
+            Some(watcher)
+        }
+        Err(err) => {
+            log::info!("VM generation watch off: {err}");
+            None
+        }
+    }
+}
+
+async fn serve(
+    args: Args,
+    config: agent::Config,
+    generation: Option<generation::Watcher>,
+) -> Result<(), String> {
     let reaper = tokio::spawn(reaper::run());
-    let agent = Arc::new(agent::Agent::new(config));
+    let agent = Arc::new(agent::Agent::new(config, generation));
     let vsock_port = match (args.listen_vsock, &args.listen_unix) {
         (Some(port), _) => Some(port),
         (None, None) => Some(DEFAULT_PORT),

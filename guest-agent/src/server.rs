@@ -73,6 +73,7 @@ where
         }
     });
     let streams = Streams::default();
+    let mut first = true;
     loop {
         let body = match frame::read_frame_body(&mut reader).await {
             Ok(Some(body)) => body,
@@ -82,6 +83,11 @@ where
                 break;
             }
         };
+        if first {
+            // After a restore every connection is new: check for a clone first.
+            first = false;
+            check_generation(&agent).await;
+        }
         match frame::decode::<ClientFrame>(&body) {
             Ok(frame) => dispatch(&agent, frame, &out, &streams).await,
             Err(err) => {
@@ -102,6 +108,21 @@ where
     }
     // The client is gone: dropping the inputs kills its processes and aborts its uploads.
     streams.lock().clear();
+}
+
+/// Re-identifies the guest if the VM generation changed (see generation.rs).
+async fn check_generation(agent: &Arc<Agent>) {
+    if agent.generation.is_none() {
+        return;
+    }
+    let agent = Arc::clone(agent);
+    // It may write files and fsync: keep it off the async workers.
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(watcher) = &agent.generation {
+            watcher.check();
+        }
+    })
+    .await;
 }
 
 async fn reply(out: &mpsc::Sender<ServerFrame>, id: u64, body: ServerMessage) {

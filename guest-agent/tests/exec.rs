@@ -22,6 +22,9 @@ async fn hello_and_health() {
     assert!(health.uptime_seconds > 0.0);
     assert!(!health.is_init);
     assert_eq!(health.agent_version, version);
+    // Host mode without --generation-watch never reads I/O ports.
+    assert_eq!(health.generation, None);
+    assert_eq!(health.generation_applied, None);
 }
 
 #[tokio::test]
