@@ -113,9 +113,13 @@ pub struct Watcher {
 
 impl std::fmt::Debug for Watcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watcher")
-            .field("state", &self.status())
-            .finish_non_exhaustive()
+        // try_lock: a Debug print during a check must not deadlock.
+        let mut out = f.debug_struct("Watcher");
+        match self.state.try_lock() {
+            Ok(state) => out.field("state", &*state),
+            Err(_) => out.field("state", &"<locked>"),
+        };
+        out.finish_non_exhaustive()
     }
 }
 
