@@ -29,7 +29,7 @@ SCRIPT_PATH="$SCRIPT_DIR/$(basename "${BASH_SOURCE[0]}")"
 readonly SCRIPT_PATH
 readonly FRAGMENT_DIR="$SCRIPT_DIR/fragments"
 # Applied in this order; later fragments win on conflicts.
-readonly FRAGMENTS=(base console virtio fs docker)
+readonly FRAGMENTS=(base console virtio fs docker platform)
 readonly CACHE_ROOT="${ROLLBOX_KERNEL_CACHE:-/var/cache/rollbox/kernel}"
 
 # Options that must be built in, whatever the fragments say. The first group
