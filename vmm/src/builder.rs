@@ -12,19 +12,24 @@ use snapshot::uffd::PageServer;
 use std::sync::atomic::AtomicU64;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::arch::acpi::{setup_acpi, AcpiConfig, AcpiError};
 use crate::arch::boot::{build_cmdline, detect_kernel_format, load_boot_payload, BootError};
 use crate::arch::layout::{
-    I8042_IRQ, I8042_PORT, IRQ_BASE, IRQ_MAX, POWEROFF_PORT, SERIAL_IRQ, SERIAL_PORT,
-    VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
+    GED_IRQ, I8042_IRQ, I8042_PORT, IRQ_BASE, IRQ_MAX, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT,
+    SLEEP_CONTROL_PORT, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
 };
-use crate::arch::mptable::{setup_mptable, MptableError};
+use crate::arch::mptable::{ioapic_id, setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
 use crate::config::{ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS};
 use crate::devices::bus::{Bus, BusError};
-use crate::devices::legacy::generation::{Generation, GENERATION_PORT, GENERATION_PORT_LEN};
+use crate::devices::legacy::generation::{
+    random_generation_id, write_generation_id, Generation, GenerationError, GENERATION_PORT,
+    GENERATION_PORT_LEN,
+};
 use crate::devices::legacy::i8042::I8042;
 use crate::devices::legacy::persist::{I8042PersistState, SerialArgs, SerialPersistState};
 use crate::devices::legacy::poweroff::PowerOff;
+use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
@@ -64,6 +69,12 @@ pub enum BuildError {
     /// MP table.
     #[error(transparent)]
     Mptable(#[from] MptableError),
+    /// ACPI tables.
+    #[error(transparent)]
+    Acpi(#[from] AcpiError),
+    /// The VM generation ID.
+    #[error(transparent)]
+    Generation(#[from] GenerationError),
     /// Boot page tables and GDT.
     #[error(transparent)]
     Regs(#[from] RegsError),
@@ -118,6 +129,8 @@ pub struct VmEvents {
     pub reset: Arc<EventFd>,
     /// Power-off register.
     pub poweroff: Arc<EventFd>,
+    /// pvpanic: the guest kernel panicked.
+    pub panic: Arc<EventFd>,
     /// The serial receive FIFO has room.
     pub serial_room: Arc<EventFd>,
 }
@@ -185,6 +198,8 @@ pub struct MicroVm {
     pub memory: MemoryBacking,
     /// The VM generation counter the guest reads.
     pub generation: Arc<AtomicU64>,
+    /// The ACPI Generic Event Device's interrupt (announces a new VM generation ID).
+    pub ged_interrupt: Arc<EventFd>,
 }
 
 impl MicroVm {
@@ -250,6 +265,8 @@ pub struct Attached {
     pub mmio_args: Vec<String>,
     /// The generation counter.
     pub generation: Arc<AtomicU64>,
+    /// The ACPI Generic Event Device's interrupt.
+    pub ged_interrupt: Arc<EventFd>,
 }
 
 /// Creates the devices of `resources` (opening drives and binding the vsock socket).
@@ -296,6 +313,15 @@ fn restore_err(what: impl Into<String>) -> BuildError {
     }
 }
 
+/// The VM generation as the guest sees it through the generation registers.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerationView {
+    /// The counter value.
+    pub counter: u64,
+    /// Whether the host's wall clock is offered (not after a deterministic restore).
+    pub offer_wall_clock: bool,
+}
+
 /// Wires legacy and virtio devices to the VM: buses, irqfds, ioeventfds. With `saved`, every
 /// device comes back from its snapshot state.
 pub fn attach_devices(
@@ -304,14 +330,19 @@ pub fn attach_devices(
     devices: Vec<Box<dyn VirtioDevice>>,
     console: ConsoleOut,
     saved: Option<&SavedDevices<'_>>,
-    generation: u64,
+    generation: GenerationView,
 ) -> Result<Attached, BuildError> {
     let events = VmEvents {
         exit: new_eventfd("vCPU exits")?,
         reset: new_eventfd("i8042 reset")?,
         poweroff: new_eventfd("power-off")?,
+        panic: new_eventfd("pvpanic")?,
         serial_room: new_eventfd("serial input")?,
     };
+    let ged_interrupt = new_eventfd("ACPI GED interrupt")?;
+    vm.fd()
+        .register_irqfd(&ged_interrupt, GED_IRQ)
+        .map_err(kvm_event_err("irqfd for the ACPI GED"))?;
     let serial_irq = new_eventfd("COM1 interrupt")?;
     vm.fd()
         .register_irqfd(&serial_irq, SERIAL_IRQ)
@@ -348,7 +379,7 @@ pub fn attach_devices(
         None => I8042::new(i8042_args.0, i8042_args.1),
     };
     let i8042 = Arc::new(Mutex::new(i8042));
-    let generation = Arc::new(AtomicU64::new(generation));
+    let counter = Arc::new(AtomicU64::new(generation.counter));
     let mut pio = Bus::default();
     pio.insert(serial.clone(), u64::from(SERIAL_PORT), 8)?;
     pio.insert(i8042.clone(), u64::from(I8042_PORT), 5)?;
@@ -356,11 +387,21 @@ pub fn attach_devices(
         Arc::new(Mutex::new(PowerOff::new(EventTrigger(Arc::clone(
             &events.poweroff,
         ))))),
-        u64::from(POWEROFF_PORT),
+        u64::from(SLEEP_CONTROL_PORT),
+        2,
+    )?;
+    pio.insert(
+        Arc::new(Mutex::new(PvPanic::new(EventTrigger(Arc::clone(
+            &events.panic,
+        ))))),
+        u64::from(PVPANIC_PORT),
         1,
     )?;
     pio.insert(
-        Arc::new(Mutex::new(Generation(Arc::clone(&generation)))),
+        Arc::new(Mutex::new(Generation::new(
+            Arc::clone(&counter),
+            generation.offer_wall_clock,
+        ))),
         u64::from(GENERATION_PORT),
         GENERATION_PORT_LEN,
     )?;
@@ -418,7 +459,8 @@ pub fn attach_devices(
         virtio,
         events,
         mmio_args,
-        generation,
+        generation: counter,
+        ged_interrupt,
     })
 }
 
@@ -458,6 +500,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         machine,
         memory,
         generation: attached.generation,
+        ged_interrupt: attached.ged_interrupt,
     })
 }
 
@@ -490,30 +533,63 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     let kvm = open_kvm()?;
     let mem = create_guest_memory(mem_bytes)?;
     let vm = create_vm(&kvm, &mem, resources.machine.track_dirty_pages)?;
-    let attached = attach_devices(&vm, &mem, devices, console, None, 0)?;
+    let generation = GenerationView {
+        counter: 0,
+        offer_wall_clock: true,
+    };
+    let attached = attach_devices(&vm, &mem, devices, console, None, generation)?;
 
+    let user_args = boot.boot_args.as_deref().unwrap_or(DEFAULT_BOOT_ARGS);
+    let has_arg = |want: &str| user_args.split_whitespace().any(|arg| arg == want);
+    // With ACPI the DSDT names the virtio devices (Linux numbers their interrupts itself on a
+    // hardware-reduced platform); with `acpi=off` the MP table and the command line do.
+    let acpi = !has_arg("acpi=off");
     let mut extra_args = Vec::new();
     if let Some(root) = resources.root_args() {
         extra_args.push(root);
     }
-    extra_args.extend(attached.mmio_args.iter().cloned());
-    let user_args = boot.boot_args.as_deref().unwrap_or(DEFAULT_BOOT_ARGS);
+    if !acpi {
+        extra_args.extend(attached.mmio_args.iter().cloned());
+    }
+    // kvm-clock is the guest's clocksource (CPUID offers no invariant TSC) and KVM keeps the
+    // vCPUs' TSCs in step, so the guest need not test them: without this an AMD guest with
+    // several vCPUs marks its TSC unstable, and the clocksource watchdog checks it under load.
+    if !user_args
+        .split_whitespace()
+        .any(|arg| arg.starts_with("tsc="))
+    {
+        extra_args.push("tsc=reliable".into());
+    }
     let cmdline = build_cmdline(user_args, &extra_args)?;
+    setup_mptable(&mem, vcpu_count)?;
+    let rsdp = if acpi {
+        Some(setup_acpi(
+            &mem,
+            &AcpiConfig {
+                vcpus: vcpu_count,
+                ioapic_id: ioapic_id(vcpu_count),
+                virtio_mmio: attached.virtio.iter().map(|v| (v.base, v.irq)).collect(),
+            },
+        )?)
+    } else {
+        None
+    };
     let boot_info = load_boot_payload(
         &mem,
         mem_bytes,
         &boot.kernel_image_path,
         boot.initrd_path.as_deref(),
         &cmdline,
+        rsdp,
     )?;
-    setup_mptable(&mem, vcpu_count)?;
+    write_generation_id(&mem, random_generation_id())?;
     write_boot_tables(&mem)?;
 
     let mut vcpus = Vec::new();
     let msrs = saveable_msrs(&kvm)?;
     for index in 0..vcpu_count {
         let vcpu = Vcpu::new(vm.fd(), index, Arc::clone(&msrs))?;
-        vcpu.configure_cpuid(&kvm, vcpu_count)?;
+        vcpu.configure_cpuid(&kvm, vcpu_count, resources.machine.deterministic)?;
         vcpu.configure_msrs(&kvm)?;
         vcpu.configure_boot_state(boot_info.entry)?;
         vcpus.push(vcpu);

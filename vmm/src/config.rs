@@ -102,6 +102,10 @@ pub struct MachineConfig {
     /// Huge pages ("None" only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub huge_pages: Option<String>,
+    /// rollbox extension: a deterministic machine. CPUID hides RDRAND and RDSEED, so the guest
+    /// kernel draws no host entropy, and its snapshots can be restored with `deterministic`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deterministic: bool,
 }
 
 impl Default for MachineConfig {
@@ -113,6 +117,7 @@ impl Default for MachineConfig {
             track_dirty_pages: false,
             cpu_template: None,
             huge_pages: None,
+            deterministic: false,
         }
     }
 }

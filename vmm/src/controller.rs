@@ -38,6 +38,7 @@ const TOKEN_POWEROFF: u64 = 4;
 const TOKEN_STDIN: u64 = 5;
 const TOKEN_SERIAL_ROOM: u64 = 6;
 const TOKEN_SIGNAL: u64 = 7;
+const TOKEN_PANIC: u64 = 8;
 const TOKEN_QUEUE: u64 = 1 << 32;
 const TOKEN_BACKEND: u64 = 2 << 32;
 const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
@@ -192,6 +193,7 @@ impl Controller {
             (microvm.events.exit.as_raw_fd(), TOKEN_EXIT),
             (microvm.events.reset.as_raw_fd(), TOKEN_RESET),
             (microvm.events.poweroff.as_raw_fd(), TOKEN_POWEROFF),
+            (microvm.events.panic.as_raw_fd(), TOKEN_PANIC),
             (microvm.events.serial_room.as_raw_fd(), TOKEN_SERIAL_ROOM),
         ];
         for (dev, slot) in microvm.virtio.iter().enumerate() {
@@ -366,6 +368,11 @@ impl Controller {
             TOKEN_EXIT => self.vcpu_exit(),
             TOKEN_RESET => self.finish(0, "guest reset (i8042)"),
             TOKEN_POWEROFF => self.finish(0, "guest powered off"),
+            TOKEN_PANIC => {
+                self.flush_console();
+                eprintln!("rollbox-vmm: guest stopped: the guest kernel panicked (pvpanic)");
+                self.finish(1, "guest kernel panic");
+            }
             TOKEN_SIGNAL => {
                 let _ = self.signal_evt.read();
                 let signal = SIGNAL_NUMBER.load(Ordering::SeqCst);
@@ -569,6 +576,7 @@ impl Controller {
             vsock_uds: params.vsock_override.as_ref().map(|v| v.uds_path.clone()),
             drive_overrides: extension.drive_overrides,
             new_generation: extension.new_generation,
+            deterministic: extension.deterministic,
             paused: !params.resume_vm,
             console: self.resources.console.clone(),
             record_working_set: extension.record_working_set,

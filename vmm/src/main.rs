@@ -47,6 +47,10 @@ struct Args {
     /// Track dirty pages, so that Diff snapshots can be taken.
     #[arg(long)]
     track_dirty_pages: bool,
+    /// A deterministic machine (CPUID without RDRAND/RDSEED); with --restore: a deterministic
+    /// reset (guest time and generation exactly as in the snapshot, no wall-clock update).
+    #[arg(long, conflicts_with = "new_generation")]
+    deterministic: bool,
     /// Restore a snapshot instead of booting: a directory with `vmstate` and `memory`, or a
     /// state file.
     #[arg(long, conflicts_with_all = ["kernel", "config", "vcpus", "cmdline", "initrd"])]
@@ -189,6 +193,7 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
         vsock_uds: args.vsock_uds.clone(),
         drive_overrides,
         new_generation: args.new_generation,
+        deterministic: args.deterministic,
         paused: args.paused,
         console: args
             .console

@@ -21,11 +21,12 @@ use vm_memory::{
 };
 
 use crate::builder::{
-    assemble, attach_devices, console_out, create_vm, Assembly, BuildError, MemoryBacking,
-    MemoryKind, MicroVm, SavedDevices,
+    assemble, attach_devices, console_out, create_vm, Assembly, BuildError, GenerationView,
+    MemoryBacking, MemoryKind, MicroVm, SavedDevices,
 };
 use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::devices::bus::lock;
+use crate::devices::legacy::generation::{announce_new_generation, GenerationError};
 use crate::devices::legacy::persist::{I8042PersistState, SerialPersistState};
 use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
@@ -59,6 +60,9 @@ pub enum PersistError {
     /// Building the restored VM.
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// Announcing a new VM generation.
+    #[error(transparent)]
+    Generation(#[from] GenerationError),
     /// The operation needs the VM paused.
     #[error("the microVM must be paused (PATCH /vm {{\"state\": \"Paused\"}}) before a snapshot")]
     NotPaused,
@@ -305,8 +309,11 @@ pub struct RestoreOptions {
     pub vsock_uds: Option<PathBuf>,
     /// New image paths, by drive ID.
     pub drive_overrides: HashMap<String, PathBuf>,
-    /// Give the guest a new generation counter value (it was cloned).
+    /// Give the guest a new generation counter value and VM generation ID (it was cloned).
     pub new_generation: bool,
+    /// Deterministic reset: guest time and the generation stay exactly as the snapshot had them,
+    /// and the host's wall clock is not offered. Needs a snapshot of a VM booted deterministic.
+    pub deterministic: bool,
     /// Leave the vCPUs paused.
     pub paused: bool,
     /// Guest console.
@@ -529,6 +536,17 @@ pub fn restore_microvm(
             )));
         }
     }
+    if options.deterministic && options.new_generation {
+        return Err(PersistError::Mismatch(
+            "a deterministic restore keeps the generation; it cannot also ask for a new one".into(),
+        ));
+    }
+    if options.deterministic && !state.machine.deterministic {
+        return Err(PersistError::Mismatch(format!(
+            "{}: a deterministic restore needs a snapshot of a VM booted with --deterministic (its guest can draw host entropy through RDRAND)",
+            state_path.display()
+        )));
+    }
     if mem_mib > host_memory_mib() {
         return Err(PersistError::Mismatch(format!(
             "the snapshot needs {mem_mib} MiB, more than this host has"
@@ -633,7 +651,11 @@ pub fn restore_microvm(
         i8042: &state.i8042,
         virtio: &state.devices,
     };
-    let attached = attach_devices(&vm, &mem, devices, console, Some(&saved), generation)?;
+    let view = GenerationView {
+        counter: generation,
+        offer_wall_clock: !options.deterministic,
+    };
+    let attached = attach_devices(&vm, &mem, devices, console, Some(&saved), view)?;
     phase("device wiring");
     let mut vcpus = Vec::new();
     let msrs = saveable_msrs(&kvm)?;
@@ -662,6 +684,9 @@ pub fn restore_microvm(
     let microvm = assemble(parts, vcpus, true)?;
     for slot in &microvm.virtio {
         lock(&slot.transport).kick_after_restore();
+    }
+    if options.new_generation {
+        announce_new_generation(&microvm.mem, &microvm.ged_interrupt)?;
     }
     let mut microvm = microvm;
     if !options.paused {

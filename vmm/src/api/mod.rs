@@ -96,6 +96,9 @@ pub struct RestoreExtension {
     /// Tell the guest it is a clone (new generation counter value).
     #[serde(default)]
     pub new_generation: bool,
+    /// Deterministic reset: guest time and generation exactly as in the snapshot.
+    #[serde(default)]
+    pub deterministic: bool,
     /// New image paths by drive ID.
     #[serde(default)]
     pub drive_overrides: std::collections::HashMap<String, std::path::PathBuf>,

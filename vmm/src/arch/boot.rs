@@ -12,8 +12,8 @@ use linux_loader::loader::{load_cmdline, BzImage, Elf, KernelLoader};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::layout::{
-    ram_regions, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_START,
-    ZERO_PAGE_START,
+    ram_regions, ACPI_START, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, FIRMWARE_END,
+    HIMEM_START, MMIO_GAP_START, ZERO_PAGE_START,
 };
 
 /// Errors from loading the kernel, initrd and boot parameters.
@@ -77,6 +77,7 @@ pub struct BootInfo {
 }
 
 const E820_RAM: u32 = 1;
+const E820_RESERVED: u32 = 2;
 const KERNEL_BOOT_FLAG_MAGIC: u16 = 0xaa55;
 const KERNEL_HDR_MAGIC: u32 = 0x5372_6448; // "HdrS"
 const KERNEL_LOADER_OTHER: u8 = 0xff;
@@ -119,13 +120,15 @@ pub fn detect_kernel_format(path: &Path) -> Result<KernelFormat, BootError> {
     Err(BootError::KernelFormat(path.to_path_buf()))
 }
 
-/// Loads the kernel, the initrd and the command line, and writes the zero page.
+/// Loads the kernel, the initrd and the command line, and writes the zero page (naming the
+/// ACPI RSDP when there is one).
 pub fn load_boot_payload(
     mem: &GuestMemoryMmap,
     mem_bytes: u64,
     kernel: &Path,
     initrd: Option<&Path>,
     cmdline: &Cmdline,
+    rsdp: Option<u64>,
 ) -> Result<BootInfo, BootError> {
     let format = detect_kernel_format(kernel)?;
     let mut file = File::open(kernel).map_err(|source| BootError::KernelFile {
@@ -170,6 +173,7 @@ pub fn load_boot_payload(
     params.hdr.header = KERNEL_HDR_MAGIC;
     params.hdr.cmd_line_ptr = CMDLINE_START as u32;
     params.hdr.cmdline_size = cmdline_len as u32;
+    params.acpi_rsdp_addr = rsdp.unwrap_or(0);
     if params.hdr.kernel_alignment == 0 {
         params.hdr.kernel_alignment = KERNEL_MIN_ALIGNMENT;
     }
@@ -184,11 +188,19 @@ pub fn load_boot_payload(
         params.hdr.ramdisk_size = size as u32;
     }
 
-    let mut entries = vec![boot_e820_entry {
-        addr: 0,
-        size: EBDA_START,
-        r#type: E820_RAM,
-    }];
+    // The ACPI tables and the VM generation ID sit in reserved memory below 1 MiB.
+    let mut entries = vec![
+        boot_e820_entry {
+            addr: 0,
+            size: EBDA_START,
+            r#type: E820_RAM,
+        },
+        boot_e820_entry {
+            addr: ACPI_START,
+            size: FIRMWARE_END - ACPI_START,
+            r#type: E820_RESERVED,
+        },
+    ];
     for (start, size) in ram_regions(mem_bytes) {
         let (start, size) = if start == 0 {
             (HIMEM_START, size - HIMEM_START)

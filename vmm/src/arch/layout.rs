@@ -5,6 +5,7 @@
 //! 0x0000_7000  boot_params    0x0000_8ff0  boot stack top
 //! 0x0000_9000  PML4           0x0000_a000  PDPT   0x0000_b000..0x0000_f000  4 page directories
 //! 0x0002_0000  command line   0x0009_fc00  MP table (EBDA)
+//! 0x000e_0000  ACPI tables (RSDP first)    0x000f_f000  VM generation ID (16 bytes)
 //! 0x0010_0000  kernel         ...          initrd (top of low RAM)
 //! 0xc000_0000  MMIO gap: virtio-mmio windows from 0xd000_0000, IOAPIC, LAPIC
 //! 0x1_0000_0000  RAM above the gap
@@ -46,8 +47,20 @@ pub const IOAPIC_START: u64 = 0xfec0_0000;
 pub const APIC_START: u64 = 0xfee0_0000;
 /// First GSI handed to virtio devices (0-4 are taken by the PIT, keyboard, COM ports).
 pub const IRQ_BASE: u32 = 5;
-/// Last GSI usable for devices on the IOAPIC.
-pub const IRQ_MAX: u32 = 23;
+/// Last GSI usable for virtio devices.
+pub const IRQ_MAX: u32 = 22;
+/// The IOAPIC's last pin.
+pub const IOAPIC_LAST_PIN: u32 = 23;
+/// The ACPI Generic Event Device's interrupt (VM generation changes).
+pub const GED_IRQ: u32 = 23;
+/// Start of the ACPI tables (the RSDP, where Linux's BIOS-area scan finds it).
+pub const ACPI_START: u64 = 0xe_0000;
+/// End of the ACPI tables.
+pub const ACPI_END: u64 = VMGENID_ADDR;
+/// The 16-byte VM generation ID (Microsoft's VMGenID), in a page of its own.
+pub const VMGENID_ADDR: u64 = 0xf_f000;
+/// End of the firmware area below 1 MiB that the e820 map reserves.
+pub const FIRMWARE_END: u64 = 0x10_0000;
 /// COM1 serial port.
 pub const SERIAL_PORT: u16 = 0x3f8;
 /// COM1 interrupt line.
@@ -56,8 +69,12 @@ pub const SERIAL_IRQ: u32 = 4;
 pub const I8042_PORT: u16 = 0x60;
 /// i8042 keyboard interrupt line.
 pub const I8042_IRQ: u32 = 1;
-/// ACPI-style sleep control register: writing SLP_TYP=5 | SLP_EN powers off.
-pub const POWEROFF_PORT: u16 = 0x3c0;
+/// ACPI sleep control register (FADT): writing SLP_TYP=5 | SLP_EN powers off.
+pub const SLEEP_CONTROL_PORT: u16 = 0x3c0;
+/// ACPI sleep status register (FADT); always reads 0.
+pub const SLEEP_STATUS_PORT: u16 = 0x3c1;
+/// pvpanic: the guest writes 1 here when its kernel panics.
+pub const PVPANIC_PORT: u16 = 0x505;
 
 /// The RAM regions (guest address, size) for `mem_bytes` of guest memory, split around
 /// the MMIO gap.

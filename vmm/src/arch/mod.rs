@@ -1,5 +1,6 @@
-//! x86-64 specifics: memory layout, boot protocol, MP table, boot registers.
+//! x86-64 specifics: memory layout, boot protocol, ACPI and MP tables, boot registers.
 
+pub mod acpi;
 pub mod boot;
 pub mod layout;
 pub mod mptable;

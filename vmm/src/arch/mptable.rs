@@ -3,7 +3,7 @@
 use crate::vstate::memory::GuestMemoryMmap;
 use vm_memory::{Bytes, GuestAddress};
 
-use super::layout::{APIC_START, EBDA_START, IOAPIC_START, IRQ_MAX};
+use super::layout::{APIC_START, EBDA_START, IOAPIC_LAST_PIN, IOAPIC_START};
 
 /// Errors from building the MP table.
 #[derive(Debug, thiserror::Error)]
@@ -42,12 +42,17 @@ fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |acc, b| acc.wrapping_add(*b)))
 }
 
+/// The IOAPIC's ID: the first one after the vCPUs' APIC IDs (the ACPI MADT uses it too).
+pub fn ioapic_id(vcpus: u8) -> u8 {
+    vcpus
+}
+
 /// Builds the floating pointer and the configuration table for `vcpus` CPUs, placed at `base`.
 fn build(vcpus: u8, base: u64) -> Result<Vec<u8>, MptableError> {
     if vcpus == 0 || vcpus > 254 {
         return Err(MptableError::TooManyCpus(vcpus));
     }
-    let ioapic_id = vcpus;
+    let ioapic_id = ioapic_id(vcpus);
     let table_addr = base + 16;
     let mut entries: Vec<u8> = Vec::new();
     let mut count: u16 = 0;
@@ -65,13 +70,19 @@ fn build(vcpus: u8, base: u64) -> Result<Vec<u8>, MptableError> {
     entries.extend_from_slice(&[ENTRY_IOAPIC, ioapic_id, IOAPIC_VERSION, 1]);
     entries.extend_from_slice(&(IOAPIC_START as u32).to_le_bytes());
     count += 1;
-    for irq in 0..=IRQ_MAX as u8 {
-        let kind = if irq == 0 {
-            INT_TYPE_EXTINT
-        } else {
-            INT_TYPE_INT
-        };
-        entries.extend_from_slice(&[ENTRY_IO_INTERRUPT, kind, 0, 0, 0, irq, ioapic_id, irq]);
+    // Every ISA line, IRQ 0 included, is an ordinary interrupt on the same IOAPIC pin: that is
+    // how KVM's in-kernel IOAPIC is wired. The 8259's ExtINT reaches the CPUs through LINT0.
+    for irq in 0..=IOAPIC_LAST_PIN as u8 {
+        entries.extend_from_slice(&[
+            ENTRY_IO_INTERRUPT,
+            INT_TYPE_INT,
+            0,
+            0,
+            0,
+            irq,
+            ioapic_id,
+            irq,
+        ]);
         count += 1;
     }
     entries.extend_from_slice(&[ENTRY_LOCAL_INTERRUPT, INT_TYPE_EXTINT, 0, 0, 0, 0, 0xff, 0]);

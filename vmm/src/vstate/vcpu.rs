@@ -178,12 +178,21 @@ impl Vcpu {
         }
     }
 
-    /// Sets CPUID from KVM's supported list, filtered for this vCPU's topology.
-    pub fn configure_cpuid(&self, kvm: &Kvm, vcpu_count: u8) -> Result<(), VcpuError> {
+    /// Sets CPUID from KVM's supported list, filtered for this vCPU's topology. A
+    /// `deterministic` machine gets no RDRAND or RDSEED.
+    pub fn configure_cpuid(
+        &self,
+        kvm: &Kvm,
+        vcpu_count: u8,
+        deterministic: bool,
+    ) -> Result<(), VcpuError> {
         let mut cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(self.configure_err("KVM_GET_SUPPORTED_CPUID"))?;
         filter_cpuid(&mut cpuid, self.index, vcpu_count);
+        if deterministic {
+            hide_hardware_rng(&mut cpuid);
+        }
         lock(&self.fd)
             .set_cpuid2(&cpuid)
             .map_err(self.configure_err("KVM_SET_CPUID2"))
@@ -272,6 +281,25 @@ fn set_lvt_delivery_mode(regs: &mut [std::os::raw::c_char; 1024], offset: usize,
     }
 }
 
+/// CPUID.1:ECX.RDRAND[bit 30].
+const CPUID_RDRAND_BIT: u32 = 1 << 30;
+/// CPUID.(EAX=7,ECX=0):EBX.RDSEED[bit 18].
+const CPUID_RDSEED_BIT: u32 = 1 << 18;
+
+/// CPUID.80000007H:EDX.InvariantTSC[bit 8].
+const CPUID_INVARIANT_TSC_BIT: u32 = 1 << 8;
+
+/// Hides RDRAND and RDSEED, the guest's only entropy source that a snapshot can't pin.
+fn hide_hardware_rng(cpuid: &mut CpuId) {
+    for entry in cpuid.as_mut_slice() {
+        match (entry.function, entry.index) {
+            (0x1, _) => entry.ecx &= !CPUID_RDRAND_BIT,
+            (0x7, 0) => entry.ebx &= !CPUID_RDSEED_BIT,
+            _ => {}
+        }
+    }
+}
+
 /// Gives each vCPU its APIC ID and the VM's topology, and marks the hypervisor.
 fn filter_cpuid(cpuid: &mut CpuId, index: u8, vcpu_count: u8) {
     let apic_id = u32::from(index);
@@ -326,6 +354,11 @@ fn filter_cpuid(cpuid: &mut CpuId, index: u8, vcpu_count: u8) {
                         entry.ecx = entry.index;
                     }
                 }
+            }
+            0x8000_0007 => {
+                // No invariant TSC: with it Linux prefers the TSC over kvm-clock, and a snapshot
+                // then carries a clock tied to one host's TSC frequency.
+                entry.edx &= !CPUID_INVARIANT_TSC_BIT;
             }
             _ => {}
         }
@@ -632,6 +665,28 @@ fn crash_report(index: u8, vcpu: &VcpuFd, reason: &str) -> String {
 mod tests {
     use super::*;
     use kvm_bindings::kvm_cpuid_entry2;
+
+    #[test]
+    fn deterministic_cpuid_hides_rdrand_and_rdseed() {
+        let entries = [
+            kvm_cpuid_entry2 {
+                function: 1,
+                ecx: CPUID_RDRAND_BIT | 1,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 7,
+                index: 0,
+                ebx: CPUID_RDSEED_BIT | 1,
+                ..Default::default()
+            },
+        ];
+        let mut cpuid = CpuId::from_entries(&entries).expect("cpuid");
+        hide_hardware_rng(&mut cpuid);
+        let e = cpuid.as_slice();
+        assert_eq!(e[0].ecx, 1);
+        assert_eq!(e[1].ebx, 1);
+    }
 
     #[test]
     fn cpuid_gets_apic_id_and_topology() {

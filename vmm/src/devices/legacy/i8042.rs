@@ -12,6 +12,8 @@ const COMMAND_OFFSET: u64 = 4;
 const STATUS_OUTPUT_FULL: u8 = 1 << 0;
 const STATUS_SYSTEM_FLAG: u8 = 1 << 2;
 const STATUS_COMMAND: u8 = 1 << 3;
+/// The keyboard is not inhibited by a keylock (Linux warns "Keylock active" without it).
+const STATUS_NOT_INHIBITED: u8 = 1 << 4;
 const CMD_READ_CONTROL: u8 = 0x20;
 const CMD_WRITE_CONTROL: u8 = 0x60;
 const CMD_SELF_TEST: u8 = 0xaa;
@@ -95,7 +97,7 @@ impl BusDevice for I8042 {
                 } else {
                     STATUS_OUTPUT_FULL
                 };
-                self.status | full
+                self.status | STATUS_NOT_INHIBITED | full
             }
             _ => 0,
         };

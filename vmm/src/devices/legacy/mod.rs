@@ -1,9 +1,11 @@
-//! Legacy port-I/O devices: 16550 serial, i8042 and the power-off register.
+//! Legacy port-I/O devices: 16550 serial, i8042, the ACPI sleep registers, pvpanic and the VM
+//! generation counter.
 
 pub mod generation;
 pub mod i8042;
 pub mod persist;
 pub mod poweroff;
+pub mod pvpanic;
 pub mod serial;
 
 use std::sync::Arc;
