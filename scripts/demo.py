@@ -69,7 +69,7 @@ def main():
     api_sock = os.path.join(work, "api.sock")
     print(f"== booting the test guest in rollbox-vmm (files in {work})")
     t0 = time.monotonic()
-    g = Guest(["--kernel", GUEST, "--memory-mib", "256", "--drive", disk, "--vsock-uds",
+    g = Guest(["--kernel", GUEST, "--cmdline", "console=ttyS0 reboot=k panic=1 pci=off acpi=off", "--memory-mib", "256", "--drive", disk, "--vsock-uds",
                os.path.join(work, "v.sock"), "--vsock-cid", "3", "--api-sock", api_sock])
     print(f"  {g.line()}   ({(time.monotonic() - t0) * 1000:.1f} ms from process start)")
     g.cmd("cmdline")

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::stats::{summarize, Summary};
+use crate::TEST_GUEST_CMDLINE;
 
 /// Errors that stop the benchmark (never a slow figure).
 #[derive(Debug, thiserror::Error)]
@@ -278,6 +279,8 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     let args: Vec<String> = [
         "--kernel",
         &config.guest.display().to_string(),
+        "--cmdline",
+        TEST_GUEST_CMDLINE,
         "--memory-mib",
         &mem_mib.to_string(),
         "--api-sock",

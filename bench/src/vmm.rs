@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use crate::procfs;
 use crate::stats::{summarize, Summary};
+use crate::TEST_GUEST_CMDLINE;
 
 /// What the guest prints once it is ready for commands.
 const READY_LINE: &str = "rollbox-test-guest: ready";
@@ -371,6 +372,7 @@ fn run_rep(config: &VmmBenchConfig, rep: usize) -> Result<RepFigures, VmmBenchEr
     let mut child = Command::new(&config.vmm)
         .arg("--kernel")
         .arg(&config.guest)
+        .args(["--cmdline", TEST_GUEST_CMDLINE])
         .arg("--memory-mib")
         .arg(config.memory_mib.to_string())
         .stdin(Stdio::piped())

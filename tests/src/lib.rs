@@ -31,14 +31,48 @@ fn run_build(args: &[&str]) {
     assert!(status.success(), "cargo {args:?} failed: {status}");
 }
 
+/// Whether the binaries were built before the tests started and must not be rebuilt: inside
+/// the nested lab (`scripts/lab/run.sh` sets ROLLBOX_IN_LAB; the workspace is read-only there),
+/// or with ROLLBOX_PREBUILT=1.
+pub fn prebuilt() -> bool {
+    ["ROLLBOX_IN_LAB", "ROLLBOX_PREBUILT"]
+        .iter()
+        .any(|name| std::env::var(name).is_ok_and(|v| v == "1"))
+}
+
+/// A workspace binary in target/debug, built with `cargo build -p PACKAGE...` first unless
+/// [`prebuilt`].
+fn debug_binary(packages: &[&str], name: &str) -> PathBuf {
+    let path = workspace_root().join("target/debug").join(name);
+    if prebuilt() {
+        assert!(
+            path.is_file(),
+            "{} is missing: build the workspace before running tests in the lab",
+            path.display()
+        );
+    } else {
+        let mut args = vec!["build", "--quiet"];
+        for package in packages {
+            args.extend(["-p", package]);
+        }
+        run_build(&args);
+    }
+    path
+}
+
 /// Builds `rollbox-vmm` (once per test binary) and returns its path.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
-        .get_or_init(|| {
-            run_build(&["build", "--quiet", "-p", "vmm", "-p", "snapshot"]);
-            workspace_root().join("target/debug/rollbox-vmm")
-        })
+        .get_or_init(|| debug_binary(&["vmm", "snapshot"], "rollbox-vmm"))
+        .clone()
+}
+
+/// Builds the `rollbox` CLI (once per test binary) and returns its path.
+pub fn rollbox_binary() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| debug_binary(&["rollbox"], "rollbox"))
         .clone()
 }
 
@@ -47,6 +81,9 @@ pub fn test_guest() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if prebuilt() {
+                return workspace_root().join("target/test-guest/test-guest");
+            }
             let out = cargo()
                 .args(["xtask", "test-guest"])
                 .stdout(Stdio::null())
@@ -63,6 +100,28 @@ pub fn require_all() -> bool {
     std::env::var("ROLLBOX_REQUIRE_ALL").is_ok_and(|v| v == "1")
 }
 
+/// Records that `test` did not run because `reason`: one line on stderr and one in the file
+/// named by ROLLBOX_SKIP_LOG, which `scripts/test.sh` counts and names in its closing line.
+/// Under ROLLBOX_REQUIRE_ALL=1 a skip is a failure instead.
+pub fn skip(test: &str, reason: &str) {
+    assert!(
+        !require_all(),
+        "{test} could not run: {reason} (ROLLBOX_REQUIRE_ALL=1 turns skips into failures)"
+    );
+    eprintln!("SKIP {test}: {reason}");
+    if let Some(path) = std::env::var_os("ROLLBOX_SKIP_LOG") {
+        let line = format!("{test}: {reason}\n");
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = written {
+            eprintln!("cannot record the skip in {}: {e}", path.to_string_lossy());
+        }
+    }
+}
+
 /// Returns false (after printing why) when /dev/kvm is unusable and skipping is allowed.
 pub fn kvm_available() -> bool {
     match std::fs::OpenOptions::new()
@@ -72,12 +131,15 @@ pub fn kvm_available() -> bool {
     {
         Ok(_) => true,
         Err(e) => {
-            assert!(!require_all(), "tier 2 needs /dev/kvm: {e}");
-            eprintln!("SKIP: tier 2 needs /dev/kvm ({e})");
+            skip("tier 2", &format!("needs /dev/kvm ({e})"));
             false
         }
     }
 }
+
+/// The test guest's command line: it finds its virtio devices on the command line, so ACPI is
+/// off (with ACPI on, rollbox-vmm names them in the DSDT instead).
+pub const TEST_GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off acpi=off";
 
 /// How long to wait for one answer from the guest (CPL0 code is emulated, so be generous).
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -151,6 +213,9 @@ impl Vm {
         let dir = tempfile::tempdir().expect("tempdir");
         setup(dir.path());
         let mut all = vec!["--kernel".to_string(), test_guest().display().to_string()];
+        if !args.contains(&"--cmdline") && !args.contains(&"--config") {
+            all.extend(["--cmdline".to_string(), TEST_GUEST_CMDLINE.to_string()]);
+        }
         all.extend(args.iter().map(|a| a.to_string()));
         let mut vm = Vm::spawn_raw(&all, dir);
         vm.expect_line("rollbox-test-guest: ready");

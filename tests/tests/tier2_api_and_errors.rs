@@ -186,7 +186,9 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
     assert_eq!(info["state"], "Not started");
 
     let guest = test_guest().display().to_string();
-    let boot = format!(r#"{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0 via-api"}}"#);
+    let boot = format!(
+        r#"{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0 via-api acpi=off"}}"#
+    );
     assert_eq!(api(&sock, "PUT", "/boot-source", Some(&boot)).0, 204);
     assert_eq!(
         api(
@@ -254,7 +256,7 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
     let cmdline = vm.ok("cmdline");
     assert!(
         cmdline.starts_with(
-            "console=ttyS0 via-api root=/dev/vda rw virtio_mmio.device=4K@0xd0000000:5"
+            "console=ttyS0 via-api acpi=off root=/dev/vda rw virtio_mmio.device=4K@0xd0000000:5"
         ),
         "{cmdline}"
     );
@@ -324,7 +326,7 @@ fn boots_from_a_firecracker_config_file() {
         |dir| {
             raw_image(&dir.join("data.img"), 2 << 20);
             let config = format!(
-                r#"{{"boot-source":{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0 from-file"}},
+                r#"{{"boot-source":{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0 from-file acpi=off"}},
                     "machine-config":{{"vcpu_count":1,"mem_size_mib":64}},
                     "drives":[{{"drive_id":"data","path_on_host":"{}","is_root_device":false,"is_read_only":true}}],
                     "console":"stdout"}}"#,

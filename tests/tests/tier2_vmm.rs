@@ -49,7 +49,7 @@ fn boots_through_the_linux_boot_path_with_boot_params() {
         "--memory-mib",
         "256",
         "--cmdline",
-        "console=ttyS0 rollbox.test=1",
+        "console=ttyS0 rollbox.test=1 acpi=off",
     ]);
     assert_eq!(vm.ok("echo hello"), "hello");
     let cmdline = vm.ok("cmdline");
@@ -59,10 +59,14 @@ fn boots_through_the_linux_boot_path_with_boot_params() {
     );
     let e820 = vm.ok("e820");
     let fields: Vec<&str> = e820.split_whitespace().collect();
-    assert_eq!(fields[0], "2", "{e820}");
+    assert_eq!(fields[0], "3", "{e820}");
     assert_eq!(fields[1], "0x0:0x9fc00:1");
     assert_eq!(
-        fields[2],
+        fields[2], "0xe0000:0x20000:2",
+        "ACPI tables and VMGenID: reserved"
+    );
+    assert_eq!(
+        fields[3],
         format!("0x100000:{:#x}:1", (256u64 << 20) - 0x10_0000)
     );
     assert_eq!(vm.ok("devices"), "", "no virtio devices were configured");
@@ -78,8 +82,8 @@ fn boots_with_two_vcpus_and_more_than_3_gib() {
     let mut vm = Vm::boot(&["--vcpus", "2", "--memory-mib", "4096"]);
     let e820 = vm.ok("e820");
     assert!(
-        e820.starts_with("3 "),
-        "memory above 4 GiB must be a third e820 entry: {e820}"
+        e820.starts_with("4 "),
+        "memory above 4 GiB must be a fourth e820 entry: {e820}"
     );
     assert!(e820.contains("0x100000000:0x40000000:1"), "{e820}");
     vm.send("reset\n");
