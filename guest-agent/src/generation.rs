@@ -2,6 +2,12 @@
 //! when a restore makes a clone and keeps it on a deterministic restore. When
 //! it changes, the agent reseeds the kernel CRNG and takes a new machine id
 //! and hostname, once per change, before serving a new connection's first request.
+//!
+//! Ports 0x3d0-0x3d7 give the host's wall clock (nanoseconds since the epoch, 0 when
+//! the VMM does not offer it, as after a deterministic restore). At the same moment
+//! the agent steps the guest's clock to it when the two differ by more than
+//! [`CLOCK_STEP_THRESHOLD_NS`]: a restored guest's clock otherwise lags by the time
+//! the snapshot sat on disk.
 
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -12,8 +18,12 @@ use crate::fixups;
 
 /// First port of the counter.
 pub const PORT: u16 = 0x3c8;
-/// Number of ports (64 bits, little-endian).
-pub const PORT_LEN: u16 = 8;
+/// Number of ports: the counter and the host's wall clock (64 bits each, little-endian).
+pub const PORT_LEN: u16 = 16;
+/// First port of the host's wall clock.
+pub const HOST_CLOCK_PORT: u16 = PORT + 8;
+/// The guest's clock is stepped when it is this far from the host's.
+pub const CLOCK_STEP_THRESHOLD_NS: u64 = 100_000_000;
 /// Hex digits of the machine id that end a derived hostname.
 const SUFFIX_HEX: usize = 12;
 /// Longest hostname (HOST_NAME_MAX).
@@ -30,7 +40,7 @@ pub enum GenerationError {
     #[error("no hypervisor (CPUID.1:ECX bit 31 clear): ports 0x3c8-0x3cf are not a VM generation counter here")]
     NoHypervisor,
     #[cfg(target_arch = "x86_64")]
-    #[error("ioperm 0x3c8-0x3cf: {}", describe(.0))]
+    #[error("ioperm 0x3c8-0x3d7: {}", describe(.0))]
     Ioperm(std::io::Error),
     #[cfg(target_arch = "x86_64")]
     #[error("start the generation reader thread: {}", describe(.0))]
@@ -39,7 +49,7 @@ pub enum GenerationError {
     #[error("the generation reader thread is gone")]
     ReaderGone,
     #[cfg(target_arch = "x86_64")]
-    #[error("no access to ports 0x3c8-0x3cf: {ioperm}; open /dev/port: {dev_port}")]
+    #[error("no access to ports 0x3c8-0x3d7: {ioperm}; open /dev/port: {dev_port}")]
     NoAccess {
         ioperm: Box<GenerationError>,
         dev_port: String,
@@ -51,6 +61,8 @@ pub enum GenerationError {
     Getrandom(std::io::Error),
     #[error("gethostname: {}", describe(.0))]
     Gethostname(std::io::Error),
+    #[error("clock_settime CLOCK_REALTIME: {}", describe(.0))]
+    SetClock(std::io::Error),
     /// A fixup failed; the text names its input.
     #[error("{0}")]
     Fixup(String),
@@ -65,6 +77,8 @@ impl From<rollbox_agent_protocol::ErrorInfo> for GenerationError {
 /// Where the counter comes from: the I/O ports in a guest, a fake in tests.
 pub trait GenerationSource: Send + Sync {
     fn read(&self) -> Result<u64, GenerationError>;
+    /// The host's wall clock in nanoseconds since the epoch; 0 when not offered.
+    fn host_time_ns(&self) -> Result<u64, GenerationError>;
 }
 
 /// The system calls of a re-identification: thin wrappers in the agent, a fake in tests.
@@ -76,6 +90,9 @@ pub trait System: Send + Sync {
     fn hostname(&self) -> Result<String, GenerationError>;
     fn write_machine_id(&self, id: &str) -> Result<(), GenerationError>;
     fn set_hostname(&self, name: &str) -> Result<(), GenerationError>;
+    /// CLOCK_REALTIME in nanoseconds since the epoch.
+    fn realtime_ns(&self) -> u64;
+    fn set_realtime_ns(&self, ns: u64) -> Result<(), GenerationError>;
 }
 
 /// What health reports.
@@ -107,6 +124,8 @@ pub struct Watcher {
     system: Box<dyn System>,
     /// Hostname prefix when the current hostname has no usable one (--hostname).
     fallback_prefix: String,
+    /// Step the guest's clock to the host's (off with --no-set-clock).
+    step_clock: bool,
     /// Held across check-and-apply, so one change is applied exactly once.
     state: Mutex<Status>,
 }
@@ -129,12 +148,14 @@ impl Watcher {
         source: Box<dyn GenerationSource>,
         system: Box<dyn System>,
         fallback_prefix: String,
+        step_clock: bool,
     ) -> Result<Self, GenerationError> {
         let generation = source.read()?;
         Ok(Self {
             source,
             system,
             fallback_prefix,
+            step_clock,
             state: Mutex::new(Status {
                 generation,
                 applied: None,
@@ -146,11 +167,13 @@ impl Watcher {
     pub fn for_guest(
         machine_id_path: PathBuf,
         fallback_prefix: String,
+        step_clock: bool,
     ) -> Result<Self, GenerationError> {
         Self::new(
             ports::open()?,
             Box::new(RealSystem { machine_id_path }),
             fallback_prefix,
+            step_clock,
         )
     }
 
@@ -162,10 +185,46 @@ impl Watcher {
         *self.lock()
     }
 
-    /// Re-reads the counter and, when it changed, re-identifies the guest and
-    /// logs one line. Returns what was done, or None when nothing changed.
+    /// Steps the guest's clock to the host's when they are more than
+    /// [`CLOCK_STEP_THRESHOLD_NS`] apart; returns the step in nanoseconds (guest
+    /// time moved forward when positive), or None when the clock was left alone.
+    pub fn sync_clock(&self) -> Option<i128> {
+        if !self.step_clock {
+            return None;
+        }
+        let host = match self.source.host_time_ns() {
+            Ok(0) => return None,
+            Ok(ns) => ns,
+            Err(err) => {
+                log::warn!("read the host's wall clock: {err}");
+                return None;
+            }
+        };
+        let step = i128::from(host) - i128::from(self.system.realtime_ns());
+        if step.unsigned_abs() <= u128::from(CLOCK_STEP_THRESHOLD_NS) {
+            return None;
+        }
+        match self.system.set_realtime_ns(host) {
+            Ok(()) => {
+                log::info!(
+                    "stepped the wall clock by {:+.3} s to the host's",
+                    step as f64 / 1e9
+                );
+                Some(step)
+            }
+            Err(err) => {
+                log::warn!("step the wall clock to the host's: {err}");
+                None
+            }
+        }
+    }
+
+    /// Steps the clock to the host's if it is off ([`Watcher::sync_clock`]), then
+    /// re-reads the counter and, when it changed, re-identifies the guest and logs
+    /// one line. Returns what was done, or None when the generation did not change.
     pub fn check(&self) -> Option<Reidentified> {
         let mut state = self.lock();
+        self.sync_clock();
         let now = match self.source.read() {
             Ok(now) => now,
             Err(err) => {
@@ -323,6 +382,24 @@ impl System for RealSystem {
         fixups::set_identity(&self.machine_id_path, Some(name), None)?;
         Ok(())
     }
+
+    fn realtime_ns(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    }
+
+    fn set_realtime_ns(&self, ns: u64) -> Result<(), GenerationError> {
+        let time = libc::timespec {
+            tv_sec: (ns / 1_000_000_000) as libc::time_t,
+            tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+        };
+        // SAFETY: `time` is a valid timespec on the stack.
+        if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &time) } != 0 {
+            return Err(GenerationError::SetClock(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -330,7 +407,7 @@ mod ports {
     use std::os::unix::fs::FileExt as _;
     use std::sync::mpsc;
 
-    use super::{GenerationError, GenerationSource, PORT, PORT_LEN};
+    use super::{GenerationError, GenerationSource, HOST_CLOCK_PORT, PORT, PORT_LEN};
     use crate::errors::describe;
 
     /// ioperm and `in`, else /dev/port (kernels without CONFIG_X86_IOPL_IOPERM).
@@ -358,13 +435,13 @@ mod ports {
     /// thread and children inherit it across fork and exec, so only this
     /// thread, which forks nothing, holds it.
     struct IopermReader {
-        requests: mpsc::Sender<mpsc::SyncSender<u64>>,
+        requests: mpsc::Sender<(u16, mpsc::SyncSender<u64>)>,
     }
 
     impl IopermReader {
         fn start() -> Result<Self, GenerationError> {
             let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-            let (requests, request_rx) = mpsc::channel::<mpsc::SyncSender<u64>>();
+            let (requests, request_rx) = mpsc::channel::<(u16, mpsc::SyncSender<u64>)>();
             std::thread::Builder::new()
                 .name("generation".into())
                 .spawn(move || {
@@ -380,8 +457,8 @@ mod ports {
                     let ok = granted.is_ok();
                     let _ = ready_tx.send(granted);
                     if ok {
-                        while let Ok(reply) = request_rx.recv() {
-                            let _ = reply.send(read_ports());
+                        while let Ok((port, reply)) = request_rx.recv() {
+                            let _ = reply.send(read_ports(port));
                         }
                     }
                 })
@@ -394,27 +471,38 @@ mod ports {
         }
     }
 
-    impl GenerationSource for IopermReader {
-        fn read(&self) -> Result<u64, GenerationError> {
+    impl IopermReader {
+        fn read_at(&self, port: u16) -> Result<u64, GenerationError> {
             let (reply, value) = mpsc::sync_channel(1);
             self.requests
-                .send(reply)
+                .send((port, reply))
                 .map_err(|_| GenerationError::ReaderGone)?;
             value.recv().map_err(|_| GenerationError::ReaderGone)
         }
     }
 
-    /// Two 32-bit reads; the VMM changes the counter only while the VM is
-    /// stopped, so the halves cannot tear.
-    fn read_ports() -> u64 {
+    impl GenerationSource for IopermReader {
+        fn read(&self) -> Result<u64, GenerationError> {
+            self.read_at(PORT)
+        }
+
+        fn host_time_ns(&self) -> Result<u64, GenerationError> {
+            self.read_at(HOST_CLOCK_PORT)
+        }
+    }
+
+    /// Two 32-bit reads of the 64-bit register at `port`. The VMM changes the
+    /// counter only while the VM is stopped and latches the clock when its low
+    /// half is read, so the halves cannot tear.
+    fn read_ports(port: u16) -> u64 {
         let low: u32;
         let high: u32;
-        // SAFETY: the calling thread holds ioperm access to ports 0x3c8-0x3cf;
+        // SAFETY: the calling thread holds ioperm access to ports 0x3c8-0x3d7;
         // `in` only reads them and touches no memory.
         unsafe {
-            std::arch::asm!("in eax, dx", in("dx") PORT, out("eax") low,
+            std::arch::asm!("in eax, dx", in("dx") port, out("eax") low,
                 options(nomem, nostack, preserves_flags));
-            std::arch::asm!("in eax, dx", in("dx") PORT + 4, out("eax") high,
+            std::arch::asm!("in eax, dx", in("dx") port + 4, out("eax") high,
                 options(nomem, nostack, preserves_flags));
         }
         (u64::from(high) << 32) | u64::from(low)
@@ -424,13 +512,24 @@ mod ports {
     /// The descriptor is close-on-exec, so children get no port access.
     struct DevPort(std::fs::File);
 
-    impl GenerationSource for DevPort {
-        fn read(&self) -> Result<u64, GenerationError> {
-            let mut bytes = [0u8; PORT_LEN as usize];
+    impl DevPort {
+        /// Reads the 8 bytes from `port` upwards, lowest first (which latches the clock).
+        fn read_at(&self, port: u16) -> Result<u64, GenerationError> {
+            let mut bytes = [0u8; 8];
             self.0
-                .read_exact_at(&mut bytes, u64::from(PORT))
+                .read_exact_at(&mut bytes, u64::from(port))
                 .map_err(GenerationError::DevPort)?;
             Ok(u64::from_le_bytes(bytes))
+        }
+    }
+
+    impl GenerationSource for DevPort {
+        fn read(&self) -> Result<u64, GenerationError> {
+            self.read_at(PORT)
+        }
+
+        fn host_time_ns(&self) -> Result<u64, GenerationError> {
+            self.read_at(HOST_CLOCK_PORT)
         }
     }
 }
@@ -451,11 +550,15 @@ mod tests {
 
     use super::*;
 
-    struct FakeCounter(Arc<AtomicU64>);
+    struct FakeCounter(Arc<AtomicU64>, Arc<AtomicU64>);
 
     impl GenerationSource for FakeCounter {
         fn read(&self) -> Result<u64, GenerationError> {
             Ok(self.0.load(Ordering::SeqCst))
+        }
+
+        fn host_time_ns(&self) -> Result<u64, GenerationError> {
+            Ok(self.1.load(Ordering::SeqCst))
         }
     }
 
@@ -465,6 +568,7 @@ mod tests {
         machine_ids: Vec<String>,
         hostnames: Vec<String>,
         draws: u8,
+        clock_sets: Vec<u64>,
     }
 
     /// Records every call; the hostname is the last one set.
@@ -504,6 +608,15 @@ mod tests {
             Ok(())
         }
 
+        fn realtime_ns(&self) -> u64 {
+            GUEST_NOW_NS
+        }
+
+        fn set_realtime_ns(&self, ns: u64) -> Result<(), GenerationError> {
+            self.log.lock().expect("log").clock_sets.push(ns);
+            Ok(())
+        }
+
         fn set_hostname(&self, name: &str) -> Result<(), GenerationError> {
             fixups::validate_hostname(name)?;
             name.clone_into(&mut self.hostname.lock().expect("hostname"));
@@ -516,11 +629,24 @@ mod tests {
         }
     }
 
+    /// The fake guest's CLOCK_REALTIME.
+    const GUEST_NOW_NS: u64 = 1_800_000_000_000_000_000;
+
     fn watcher(
         hostname: &str,
         machine_id_fails: bool,
     ) -> (Watcher, Arc<AtomicU64>, Arc<Mutex<Log>>) {
+        let (watcher, counter, _clock, log) = watcher_with_clock(hostname, machine_id_fails, 0);
+        (watcher, counter, log)
+    }
+
+    fn watcher_with_clock(
+        hostname: &str,
+        machine_id_fails: bool,
+        host_ns: u64,
+    ) -> (Watcher, Arc<AtomicU64>, Arc<AtomicU64>, Arc<Mutex<Log>>) {
         let counter = Arc::new(AtomicU64::new(7));
+        let clock = Arc::new(AtomicU64::new(host_ns));
         let log = Arc::new(Mutex::new(Log::default()));
         let system = FakeSystem {
             log: Arc::clone(&log),
@@ -528,12 +654,32 @@ mod tests {
             machine_id_fails,
         };
         let watcher = Watcher::new(
-            Box::new(FakeCounter(Arc::clone(&counter))),
+            Box::new(FakeCounter(Arc::clone(&counter), Arc::clone(&clock))),
             Box::new(system),
             "rollbox".into(),
+            true,
         )
         .expect("watcher");
-        (watcher, counter, log)
+        (watcher, counter, clock, log)
+    }
+
+    #[test]
+    fn the_clock_is_stepped_to_the_host_only_when_far_off_and_offered() {
+        let (watcher, _counter, clock, log) = watcher_with_clock("sandbox", false, 0);
+        assert_eq!(watcher.sync_clock(), None, "0: the host offers no clock");
+        clock.store(GUEST_NOW_NS + CLOCK_STEP_THRESHOLD_NS, Ordering::SeqCst);
+        assert_eq!(watcher.sync_clock(), None, "within the threshold");
+        let later = GUEST_NOW_NS + 3_600_000_000_000;
+        clock.store(later, Ordering::SeqCst);
+        assert_eq!(watcher.check(), None, "the generation did not change");
+        assert_eq!(log.lock().expect("log").clock_sets, [later]);
+        let earlier = GUEST_NOW_NS - 2 * CLOCK_STEP_THRESHOLD_NS;
+        clock.store(earlier, Ordering::SeqCst);
+        assert_eq!(
+            watcher.sync_clock(),
+            Some(-2 * i128::from(CLOCK_STEP_THRESHOLD_NS))
+        );
+        assert_eq!(log.lock().expect("log").clock_sets, [later, earlier]);
     }
 
     #[test]

@@ -176,7 +176,11 @@ fn watch_generation(args: &Args, is_pid1: bool) -> Option<generation::Watcher> {
         log::info!("VM generation watch off (on as PID 1 or with --generation-watch)");
         return None;
     }
-    match generation::Watcher::for_guest(args.machine_id_path.clone(), args.hostname.clone()) {
+    match generation::Watcher::for_guest(
+        args.machine_id_path.clone(),
+        args.hostname.clone(),
+        !args.no_set_clock,
+    ) {
         Ok(watcher) => {
             log::info!(
                 "VM generation {:#018x}; re-identifying when it changes",
