@@ -1,0 +1,60 @@
+#!/bin/busybox sh
+# /init of the lab's L1 guest (packed into the initramfs by scripts/lab/kit.sh).
+# It loads the 9p stack, mounts the host's root read-only at /host and the run
+# directory read-write at its host path, loads kvm and kvm_amd from the kit,
+# then runs the run directory's `cmd` chrooted into the host's root with its
+# output on ttyS1, writes the exit status to `status` and powers off.
+# Kernel parameters: rollbox.run=<run dir> rollbox.kit=<kit dir>.
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+
+fail() {
+    echo "rollbox-lab: error: $*" > /dev/ttyS0
+    [ -n "$run" ] && [ -d "/host$run" ] && echo "$*" > "/host$run/lab-error"
+    sync
+    poweroff -f
+}
+
+run="" kit=""
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in
+        rollbox.run=*) run="${arg#rollbox.run=}" ;;
+        rollbox.kit=*) kit="${arg#rollbox.kit=}" ;;
+    esac
+done
+[ -n "$run" ] && [ -n "$kit" ] || fail "rollbox.run= and rollbox.kit= must be on the kernel command line"
+
+for m in $(cat /modules/order); do
+    insmod "/modules/$m" || fail "the L1 kernel refused module $m"
+done
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose hostroot /host ||
+    fail "cannot mount the host's root over 9p"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 labrun "/host$run" ||
+    fail "cannot mount the run directory $run over 9p"
+mount -t proc proc /host/proc
+mount -t sysfs sysfs /host/sys
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup
+mount -t devtmpfs devtmpfs /host/dev
+mkdir -p /host/dev/pts /host/dev/shm
+mount -t devpts -o newinstance,ptmxmode=0666 devpts /host/dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /host/dev/shm
+mount -t tmpfs -o mode=1777,size=75% tmpfs /host/tmp
+mount -t tmpfs -o mode=0755 tmpfs /host/run
+hostname rollbox-lab
+ip link set lo up
+
+release="$(cat "/host$kit/kit-info" | sed -n 's/^release=//p')"
+for m in kvm kvm_amd $(cat "/host$run/modules" 2>/dev/null); do
+    chroot /host /sbin/modprobe -d "$kit/root" -S "$release" "$m" ||
+        fail "module $m does not load in L1 (does QEMU offer svm and npt?)"
+done
+[ -c /host/dev/kvm ] || fail "kvm_amd loaded but /dev/kvm is missing"
+
+stty -F /dev/ttyS1 raw -echo 2>/dev/null
+chroot /host /bin/bash "$run/cmd" > /dev/ttyS1 2>&1 < /dev/null
+echo "$?" > "/host$run/status"
+sync
+poweroff -f

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The nested-KVM lab in one command: boots L1 (QEMU TCG, -cpu max with emulated SVM
+# and nested paging, Debian's stock kernel with kvm_amd), runs COMMAND inside it with
+# the host's root filesystem as its root (read-only over 9p, so the binaries the
+# workspace built run unchanged), streams COMMAND's output and exits with its status.
+#
+# Usage:
+#   scripts/lab/run.sh [options] -- COMMAND [ARGS...]
+#     --memory-mib N   L1 memory (default 8192; L2 guests live in it)
+#     --cpus N         L1 vCPUs (default 2)
+#     --timeout S      stop L1 after S seconds and exit 124 (default 3600)
+#     --cwd DIR        working directory of COMMAND (default: the current one)
+#     --env K=V        set K in COMMAND's environment (repeatable); ROLLBOX_*, RUST_*
+#                      and PATH are passed through
+#     --modprobe M     load kernel module M in L1 before COMMAND (repeatable), e.g.
+#                      tun, vhost_net, vfio-pci
+#     --qemu-arg ARG   one more QEMU argument (repeatable), e.g. an emulated PCI device
+#     --keep           keep the run directory (console log, status) and print its path
+#
+# Inside L1: / is the host's root (read-only) with fresh tmpfs on /tmp, /run and
+# /dev/shm; /dev/kvm is real KVM (AMD SVM, nested paging); the run directory is
+# writable at the same path as on the host ($ROLLBOX_LAB_RUN). QEMU is a q35 with an
+# emulated Intel IOMMU (interrupt remapping, caching mode), so emulated PCI devices
+# can be bound to vfio-pci in L1.
+#
+# Exit status: COMMAND's, or 124 on timeout, or 125 when the lab itself cannot start,
+# with one line saying why (QEMU without svm/npt, a module that won't load, no space).
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly SCRIPT_DIR
+
+cannot_start() { echo "lab: cannot start: $*" >&2; exit 125; }
+die() { echo "lab: error: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+memory=8192 cpus=2 timeout_s=3600 cwd="$PWD" keep=0
+envs=() modules=() qemu_extra=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --memory-mib) need_value "$@"; memory="$2"; shift 2 ;;
+        --cpus) need_value "$@"; cpus="$2"; shift 2 ;;
+        --timeout) need_value "$@"; timeout_s="$2"; shift 2 ;;
+        --cwd) need_value "$@"; cwd="$2"; shift 2 ;;
+        --env) need_value "$@"; [[ "$2" == *=* ]] || die "--env wants K=V, got '$2'"; envs+=("$2"); shift 2 ;;
+        --modprobe) need_value "$@"; modules+=("$2"); shift 2 ;;
+        --qemu-arg) need_value "$@"; qemu_extra+=("$2"); shift 2 ;;
+        --keep) keep=1; shift ;;
+        --) shift; break ;;
+        -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument '$1' (try --help)" ;;
+    esac
+done
+[[ $# -gt 0 ]] || die "no COMMAND given (usage: scripts/lab/run.sh [options] -- COMMAND [ARGS...])"
+{ is_uint "$memory" && [[ "$memory" -ge 1024 ]]; } || die "--memory-mib must be an integer >= 1024, got '$memory'"
+{ is_uint "$cpus" && [[ "$cpus" -ge 1 ]]; } || die "--cpus must be an integer >= 1, got '$cpus'"
+{ is_uint "$timeout_s" && [[ "$timeout_s" -ge 1 ]]; } || die "--timeout must be a positive integer, got '$timeout_s'"
+[[ -d "$cwd" ]] || die "--cwd $cwd is not a directory"
+
+qemu=qemu-system-x86_64
+command -v "$qemu" >/dev/null || cannot_start "$qemu is not installed (scripts/setup.sh installs qemu-system-x86)"
+cpu_flags="$("$qemu" -accel tcg -cpu help 2>/dev/null | tr ' ' '\n')"
+for flag in svm npt; do
+    grep -qx "$flag" <<<"$cpu_flags" || cannot_start "$qemu's TCG does not emulate the '$flag' CPU flag, so L1 gets no kvm_amd"
+done
+
+kit="$("$SCRIPT_DIR/kit.sh" | tail -n 1)" || cannot_start "the L1 kit could not be built (see above)"
+[[ -f "$kit/kit-info" ]] || cannot_start "the L1 kit in $kit is incomplete"
+
+runs_root="${ROLLBOX_LAB_RUNS:-/var/tmp/rollbox-lab}"
+mkdir -p "$runs_root" || cannot_start "cannot create $runs_root"
+free_kib="$(df -Pk "$runs_root" | awk 'NR == 2 { print $4 }')"
+[[ "$free_kib" -ge 1048576 ]] || cannot_start "only $((free_kib / 1024)) MiB free in $runs_root; the lab needs 1 GiB"
+run="$(mktemp -d "$runs_root/run.XXXXXX")"
+chmod 0755 "$run"
+cleanup() { [[ "$keep" -eq 1 ]] || rm -rf "$run"; }
+trap cleanup EXIT
+
+# COMMAND as a script for the host's bash inside L1.
+{
+    echo "# written by scripts/lab/run.sh"
+    while IFS='=' read -r name _; do
+        case "$name" in
+            ROLLBOX_*|RUST_*|PATH) printf 'export %s=%q\n' "$name" "${!name}" ;;
+        esac
+    done < <(env)
+    for kv in "${envs[@]}"; do printf 'export %q\n' "$kv"; done
+    printf 'export HOME=/tmp ROLLBOX_LAB_RUN=%q ROLLBOX_LAB_KIT=%q ROLLBOX_IN_LAB=1\n' "$run" "$kit"
+    printf 'cd %q || exit 126\n' "$cwd"
+    printf 'exec'
+    printf ' %q' "$@"
+    printf '\n'
+} > "$run/cmd"
+printf '%s\n' "${modules[@]}" > "$run/modules"
+
+args=(
+    -accel tcg,thread=multi -cpu max -smp "$cpus" -m "$memory"
+    -M q35,kernel-irqchip=split -device intel-iommu,intremap=on,caching-mode=on
+    -nodefaults -display none -no-reboot
+    -kernel "$kit/vmlinuz" -initrd "$kit/initrd.gz"
+    -append "console=ttyS0 loglevel=4 intel_iommu=on tsc=reliable panic=-1 rollbox.run=$run rollbox.kit=$kit"
+    -serial "file:$run/console.log"
+    -chardev stdio,id=out,signal=off -serial chardev:out
+    -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"
+    -virtfs "local,path=$run,mount_tag=labrun,security_model=none,multidevs=remap"
+    "${qemu_extra[@]}"
+)
+status=0
+timeout -k 10 "$timeout_s" "$qemu" "${args[@]}" < /dev/null || status=$?
+if [[ "$status" -eq 124 || "$status" -eq 137 ]]; then
+    echo "lab: timed out after $timeout_s s; last L1 console lines:" >&2
+    tail -n 20 "$run/console.log" >&2 || true
+    exit 124
+fi
+[[ "$status" -eq 0 ]] || cannot_start "QEMU exited with status $status; last L1 console lines: $(tail -n 5 "$run/console.log" 2>/dev/null)"
+if [[ -f "$run/lab-error" ]]; then
+    cannot_start "$(cat "$run/lab-error")"
+fi
+early_error="$(sed -n 's/^rollbox-lab: error: //p' "$run/console.log" 2>/dev/null | head -n 1)"
+[[ -z "$early_error" ]] || cannot_start "$early_error"
+if [[ ! -f "$run/status" ]]; then
+    echo "lab: L1 ended without the command's status; last L1 console lines:" >&2
+    tail -n 30 "$run/console.log" >&2 || true
+    keep=1
+    cannot_start "L1 crashed or powered off early (console log kept in $run/console.log)"
+fi
+[[ "$keep" -eq 1 ]] && echo "lab: run directory kept: $run" >&2
+exit "$(cat "$run/status")"
