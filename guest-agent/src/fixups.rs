@@ -60,14 +60,15 @@ pub fn set_time(agent: &Agent, unix_seconds: i64, nanos: u32) -> Result<ServerMe
     ))
 }
 
+/// Mixes `seed` into the kernel RNG crediting 8 bits a byte, then reseeds the CRNG at once.
 pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
     check_seed("reseed", seed)?;
     let bits = seed.len() * 8;
-    add_entropy(&open_random()?, seed, bits)?;
+    add_entropy_and_reseed(seed, bits)?;
     Ok(applied(
         true,
         format!(
-            "mixed {} seed bytes into the kernel RNG ({bits} bits credited)",
+            "mixed {} seed bytes into the kernel RNG ({bits} bits credited) and reseeded the CRNG",
             seed.len()
         ),
     ))
@@ -77,8 +78,13 @@ pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
 /// reseed itself at once (RNDRESEEDCRNG) instead of at its next interval.
 pub fn reseed_crng(seed: &[u8]) -> Result<(), ErrorInfo> {
     check_seed("reseed_crng", seed)?;
+    add_entropy_and_reseed(seed, 0)
+}
+
+/// RNDADDENTROPY crediting `bits`, then RNDRESEEDCRNG.
+fn add_entropy_and_reseed(seed: &[u8], bits: usize) -> Result<(), ErrorInfo> {
     let random = open_random()?;
-    add_entropy(&random, seed, 0)?;
+    add_entropy(&random, seed, bits)?;
     // SAFETY: RNDRESEEDCRNG takes no argument.
     if unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG) } != 0 {
         return Err(SysError::new(
