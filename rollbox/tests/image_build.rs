@@ -17,6 +17,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use common::*;
+use rollbox_tests::skip;
 
 fn arg(path: &Path) -> &str {
     path.to_str().unwrap()
@@ -408,8 +409,8 @@ fn missing_images_are_clear_errors() {
 
     if !registry_answers() {
         return skip(
-            "missing_images_are_clear_errors (registry part)",
-            "no registry at 127.0.0.1:5000",
+            "missing_images_are_clear_errors",
+            "the registry part: no registry at 127.0.0.1:5000",
         );
     }
     let err = run(&[&format!("{REGISTRY}/rollbox-test/does-not-exist:latest")]);
@@ -706,8 +707,8 @@ CMD ["echo $GREETING"]
     if !registry_answers() {
         let _ = Command::new("docker").args(["rmi", &tag]).output();
         return skip(
-            "dockerd_image_via_save_and_registry (registry part)",
-            "no registry at 127.0.0.1:5000",
+            "dockerd_image_via_save_and_registry",
+            "the registry part: no registry at 127.0.0.1:5000",
         );
     }
     docker(&["push", &tag]);

@@ -27,25 +27,12 @@ fn hex_of(digest: &str) -> &str {
     digest.trim_start_matches("sha256:")
 }
 
-/// CI sets ROLLBOX_REQUIRE_ALL=1: then a missing service fails the test instead of skipping it.
-pub fn require_all() -> bool {
-    std::env::var("ROLLBOX_REQUIRE_ALL").is_ok_and(|v| v == "1")
-}
-
-/// Prints one skip line, or panics under ROLLBOX_REQUIRE_ALL=1.
-pub fn skip(test: &str, why: &str) {
-    if require_all() {
-        panic!("{test}: {why} (ROLLBOX_REQUIRE_ALL=1, so this is a failure)");
-    }
-    eprintln!("SKIP {test}: {why}");
-}
-
 /// The builder reproduces ownership and device nodes, which needs root.
 pub fn root_or_skip(test: &str) -> bool {
     if is_root() {
         return true;
     }
-    skip(
+    rollbox_tests::skip(
         test,
         "needs root (the image builder sets ownership and makes device nodes)",
     );
