@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use common::{alive, is_root, wait_gone, AgentProcess};
 use rollbox_agent_protocol::{ExecEvent, ExecRequest, OomDetection, OutputStream};
+use rollbox_tests::{skip, skip_even_in_ci};
 
 #[tokio::test]
 async fn hello_and_health() {
@@ -256,7 +257,10 @@ async fn run_with_env_cwd_user_and_stdin_data() {
         assert_eq!(lines[0], "65534", "{text}");
         assert!(lines[2].ends_with(" nobody"), "{text}");
     } else {
-        println!("skipped: running as another user needs root");
+        skip(
+            "run_with_env_cwd_user_and_stdin_data",
+            "running as another user needs root",
+        );
     }
 }
 
@@ -309,20 +313,25 @@ async fn oom_kill_is_detected_in_the_exec_cgroup() {
         ExecRequest::shell("x=$(head -c 268435456 /dev/zero | tr '\\0' a); echo survived");
     req.memory_limit_bytes = Some(32 << 20);
     req.timeout_ms = Some(60_000);
+    // A memory cgroup is a property of the host kernel and of where the test runs, not a
+    // service CI can start, so both skips here stand even with ROLLBOX_REQUIRE_ALL=1;
+    // tests/tcg_guest.rs checks the cgroup2 path inside a real guest.
+    const TEST: &str = "oom_kill_is_detected_in_the_exec_cgroup";
     match client.run(req).await {
         Ok(output) => match output.status.oom_detection {
             OomDetection::CgroupV1 | OomDetection::CgroupV2 => {
                 assert!(output.status.oom_killed, "{:?}", output.status);
                 assert_ne!(output.status.code, Some(0), "{:?}", output.status);
             }
-            other => println!("skipped: OOM detection here is {other:?}, not a cgroup"),
+            other => skip_even_in_ci(
+                TEST,
+                &format!("OOM detection here is {other:?}, not a cgroup"),
+            ),
         },
-        // A property of the host kernel and of where the test runs, not a service CI can
-        // start, so this skips even with ROLLBOX_REQUIRE_ALL=1; tests/tcg_guest.rs checks
-        // the cgroup2 path inside a real guest.
-        Err(err) if err.to_string().contains("needs a memory cgroup") => {
-            println!("skipped: no memory cgroup available to the agent here ({err})");
-        }
+        Err(err) if err.to_string().contains("needs a memory cgroup") => skip_even_in_ci(
+            TEST,
+            &format!("no memory cgroup available to the agent here ({err})"),
+        ),
         Err(err) => panic!("{err}"),
     }
     // An ordinary exit is not an OOM kill.

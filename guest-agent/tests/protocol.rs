@@ -8,6 +8,7 @@ use common::{is_root, AgentProcess};
 use rollbox_agent_protocol::{
     frame, hybrid, AgentClient, ClientMessage, ExecRequest, ServerFrame, ServerMessage,
 };
+use rollbox_tests::skip;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn hostname() -> String {
@@ -51,7 +52,10 @@ async fn restore_fixups_without_touching_this_machine() {
     assert!(err.to_string().contains("\"bad host name\""), "{err}");
 
     if !is_root() {
-        println!("skipped: hostname and RNG seeding need root (the agent's private UTS namespace)");
+        skip(
+            "restore_fixups_without_touching_this_machine",
+            "hostname and RNG seeding need root (the agent's private UTS namespace)",
+        );
         let applied = client
             .set_identity(None, Some(machine_id))
             .await
