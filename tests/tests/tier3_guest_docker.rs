@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use rollbox_agent_protocol::{
     AgentClient, DockerRunRequest, ExecEvent, ExecRequest, FileKind, OutputStream, DEFAULT_PORT,
 };
-use rollbox_tests::{require_all, workspace_root};
+use rollbox_tests::{skip, workspace_root};
 
 const TEST: &str = "tier3_guest_docker";
 /// The image `scripts/start-dockerd.sh` makes on the host; it is carried into the guest.
@@ -29,12 +29,6 @@ const BUSYBOX_IMAGE: &str = "rollbox-test/busybox:latest";
 const DEBIAN_REPO: &str = "rollbox-test/debian-docker";
 const DOCKERD_TIMEOUT: Duration = Duration::from_secs(180);
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
-
-/// Prints one line and returns; fails instead under ROLLBOX_REQUIRE_ALL=1.
-fn skip(reason: &str) {
-    assert!(!require_all(), "{TEST}: {reason} (ROLLBOX_REQUIRE_ALL=1)");
-    eprintln!("SKIP: {TEST}: {reason}");
-}
 
 fn on_path(tool: &str) -> Option<PathBuf> {
     let out = Command::new("sh")
@@ -349,22 +343,29 @@ async fn tier3_guest_docker() {
     let whole = Instant::now();
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        return skip("needs root (the image builder reproduces ownership; QEMU and dockerd)");
+        return skip(
+            TEST,
+            "needs root (the image builder reproduces ownership; QEMU and dockerd)",
+        );
     }
     if on_path("qemu-system-x86_64").is_none() {
-        return skip("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)");
+        return skip(
+            TEST,
+            "qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)",
+        );
     }
     if !vhost_device_vsock_installed() {
         return skip(
+            TEST,
             "vhost-device-vsock is not installed (scripts/tcg/install-vhost-device-vsock.sh)",
         );
     }
     let kernel = match kernel() {
         Ok(k) => k,
-        Err(reason) => return skip(&reason),
+        Err(reason) => return skip(TEST, &reason),
     };
     if on_path("docker").is_none() || (!docker_answers() && on_path("dockerd").is_none()) {
-        return skip("no dockerd on the host (scripts/start-dockerd.sh)");
+        return skip(TEST, "no dockerd on the host (scripts/start-dockerd.sh)");
     }
     // Starts dockerd when it is down and makes rollbox-test/busybox:latest; a no-op otherwise.
     run(&mut Command::new(
