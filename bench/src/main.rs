@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod linux;
 mod procfs;
 mod snapshot;
 mod stats;
@@ -22,6 +23,8 @@ struct Args {
     bench: Bench,
 }
 
+// Parsed once; the Linux variant's many flags make it the large one.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Bench {
     /// rollbox-vmm with the test guest: spawn to first serial byte, the VMM's own
@@ -74,6 +77,77 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Linux guests on real KVM (run it in the nested lab: scripts/lab/bench-linux.sh): boot
+    /// of one vmlinux and initramfs under rollbox-vmm and QEMU microvm, and restore until the
+    /// agent answers beside a cold boot.
+    Linux {
+        /// A fixtures.env of scripts/lab/tier4-fixtures.sh (OUR_VMLINUX, BUSYBOX_ROOTFS).
+        #[arg(long)]
+        fixtures: Option<PathBuf>,
+        /// The guest kernel, an ELF vmlinux [default: OUR_VMLINUX of --fixtures].
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        /// The busybox rootfs with the agent as init [default: BUSYBOX_ROOTFS of --fixtures].
+        #[arg(long)]
+        rootfs: Option<PathBuf>,
+        /// The static agent for the initramfs
+        /// [default: target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent].
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// A static busybox for the initramfs.
+        #[arg(long, default_value = "/bin/busybox")]
+        busybox: PathBuf,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// QEMU.
+        #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
+        qemu: PathBuf,
+        /// QEMU's machine and its options (-M).
+        #[arg(long, default_value = "microvm")]
+        qemu_machine: String,
+        /// Appended to QEMU's kernel command line only: what rollbox-vmm appends by itself.
+        #[arg(long, default_value = "tsc=reliable")]
+        qemu_append: String,
+        /// QEMU's guest vsock CID.
+        #[arg(long, default_value_t = 42)]
+        qemu_cid: u32,
+        /// Measured rounds (medians are over these).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Boot rounds run first and not counted (they warm the page cache).
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 256)]
+        memory_mib: u64,
+        /// Guest vCPUs.
+        #[arg(long, default_value_t = 2)]
+        vcpus: u32,
+        /// Kernel command line for both VMMs (each appends its own device arguments).
+        #[arg(long, default_value = "console=ttyS0 reboot=k panic=1")]
+        cmdline: String,
+        /// Which parts to run.
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "boot,restore"
+        )]
+        parts: Vec<linux::Part>,
+        /// Where the work directory goes (removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        dir: PathBuf,
+        /// Seconds one boot or restore may take before the run fails.
+        #[arg(long, default_value_t = 300)]
+        boot_timeout: u64,
+        /// Write every boot's console transcript (host ms, line) into this directory.
+        #[arg(long)]
+        keep_consoles: Option<PathBuf>,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 fn workspace_root() -> PathBuf {
@@ -84,6 +158,73 @@ fn workspace_root() -> PathBuf {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.bench {
+        Bench::Linux {
+            fixtures,
+            kernel,
+            rootfs,
+            agent,
+            busybox,
+            vmm,
+            qemu,
+            qemu_machine,
+            qemu_append,
+            qemu_cid,
+            rounds,
+            warmup,
+            memory_mib,
+            vcpus,
+            cmdline,
+            parts,
+            dir,
+            boot_timeout,
+            keep_consoles,
+            json,
+        } => {
+            let root = workspace_root();
+            let config = linux::LinuxBenchConfig {
+                vmm: vmm.unwrap_or_else(|| root.join("target/release/rollbox-vmm")),
+                qemu,
+                qemu_machine,
+                fixtures,
+                kernel,
+                rootfs,
+                agent: agent.unwrap_or_else(|| {
+                    root.join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent")
+                }),
+                busybox,
+                rounds: rounds.max(1),
+                warmup,
+                memory_mib,
+                vcpus: vcpus.max(1),
+                cmdline,
+                qemu_append,
+                qemu_cid,
+                parts,
+                dir,
+                boot_timeout: std::time::Duration::from_secs(boot_timeout.max(1)),
+                keep_consoles,
+            };
+            let result = linux::run(&config)
+                .map_err(|e| e.to_string())
+                .and_then(|report| {
+                    println!("{}", linux::markdown(&report));
+                    if let Some(path) = &json {
+                        let text =
+                            serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+                        std::fs::write(path, text + "\n")
+                            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+                        println!("JSON written to {}", path.display());
+                    }
+                    Ok(())
+                });
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rollbox-bench linux: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Bench::Snapshot {
             sizes,
             reps,
