@@ -179,6 +179,8 @@ pub struct BootFigures {
     pub kernel_cmdline: Option<String>,
     /// The largest gaps between console lines in the median round.
     pub largest_gaps: Vec<Gap>,
+    /// The VMM's CPU ms by thread name when the agent answered, in the median round.
+    pub cpu_ms_by_thread: Vec<(String, f64)>,
 }
 
 /// Host time between one console line and the one before it.
@@ -728,19 +730,36 @@ impl VmProcess {
             // SAFETY: signals our own child, which has not been reaped (try_wait said so).
             unsafe { libc::kill(pid, libc::SIGTERM) };
         }
-        let deadline = Instant::now() + STOP_GRACE;
-        while Instant::now() < deadline {
-            if !matches!(self.child.try_wait(), Ok(None)) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        if self.exited_within(STOP_GRACE) {
+            return;
         }
         eprintln!(
             "{}: no exit {STOP_GRACE:?} after SIGTERM; killing it",
             self.label
         );
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        // Bounded: a thread stuck in the kernel (seen once with QEMU in the lab) never exits.
+        if !self.exited_within(STOP_GRACE) {
+            eprintln!(
+                "{}: pid {} still there {STOP_GRACE:?} after SIGKILL; giving up on it",
+                self.label,
+                self.child.id()
+            );
+        }
+    }
+
+    /// Polls for the process's exit (reaping it) for at most `limit`.
+    fn exited_within(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 
@@ -949,6 +968,44 @@ struct BootSample {
     listening: f64,
     ready: f64,
     lines: Vec<(f64, String)>,
+    /// CPU time by thread name when the agent answered.
+    threads: Vec<(String, f64)>,
+}
+
+/// Thread name and user + system CPU ms from one `/proc/PID/task/TID/stat`.
+pub fn parse_task_stat(text: &str, ticks_per_s: f64) -> Option<(String, f64)> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let name = text.get(open + 1..close)?.to_string();
+    // After "pid (comm) " come state (field 3), ..., utime (14), stime (15).
+    let fields: Vec<&str> = text.get(close + 1..)?.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((name, (utime + stime) * 1e3 / ticks_per_s))
+}
+
+/// CPU ms per thread name of process `pid` (threads of one name added up), largest first.
+fn thread_cpu_ms(pid: u32) -> Vec<(String, f64)> {
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let ticks = if ticks > 0 { ticks as f64 } else { 100.0 };
+    let mut by_name: Vec<(String, f64)> = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return by_name;
+    };
+    for task in tasks.flatten() {
+        let Ok(text) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        if let Some((name, cpu)) = parse_task_stat(&text, ticks) {
+            match by_name.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, total)) => *total += cpu,
+                None => by_name.push((name, cpu)),
+            }
+        }
+    }
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by_name
 }
 
 /// A kernel console line: starts with a printk timestamp such as `[    0.000000]`.
@@ -1029,6 +1086,9 @@ pub fn qemu_args(config: &LinuxBenchConfig, kernel: &Path, initramfs: &Path) -> 
         "-no-user-config",
         "-display",
         "none",
+        // Thread names ("CPU 0/KVM") for the CPU-by-thread figures.
+        "-name",
+        "rollbox-bench,debug-threads=on",
         "-no-reboot",
         "-serial",
         "stdio",
@@ -1071,6 +1131,7 @@ fn boot_once(
     let deadline = vm.started + config.boot_timeout;
     let listening = vm.wait_line("the agent's listening line", AGENT_LISTENING, deadline)?;
     let ready = vm.wait_hello(&addr, deadline)?.answered;
+    let threads = thread_cpu_ms(vm.child.id());
     vm.drain();
     vm.stop();
     let _ = std::fs::remove_file(&sock);
@@ -1096,6 +1157,7 @@ fn boot_once(
         listening: since(listening),
         ready: since(ready),
         lines: vm.transcript(),
+        threads,
     })
 }
 
@@ -1146,6 +1208,7 @@ fn boot_figures(which: Which, samples: &[BootSample]) -> Result<BootFigures, Lin
         largest_gaps: median_round
             .map(|s| largest_gaps(&s.lines, 0.0, GAPS_SHOWN))
             .unwrap_or_default(),
+        cpu_ms_by_thread: median_round.map(|s| s.threads.clone()).unwrap_or_default(),
     })
 }
 
@@ -1660,6 +1723,16 @@ pub fn markdown(report: &LinuxReport) -> String {
                     gap.ms, gap.at_ms, gap.line
                 ));
             }
+            let threads: Vec<String> = figures
+                .cpu_ms_by_thread
+                .iter()
+                .map(|(name, cpu)| format!("{name} {cpu:.0}"))
+                .collect();
+            out.push_str(&format!(
+                "\nCPU ms by thread of {} until the agent answered (median round): {}\n",
+                figures.vmm,
+                threads.join(", ")
+            ));
         }
         out.push('\n');
     }
@@ -1843,6 +1916,16 @@ mod tests {
         assert_eq!(gaps.len(), 2);
         assert_eq!((gaps[0].ms, gaps[0].line.as_str()), (100.0, "c"));
         assert_eq!((gaps[1].ms, gaps[1].line.as_str()), (10.0, "a"));
+    }
+
+    #[test]
+    fn task_stat_fields() {
+        let text = "4242 (CPU 0/KVM) S 1 2 3 4 5 6 7 8 9 10 150 25 0 0 20 0 1 0 99 0 0";
+        assert_eq!(
+            parse_task_stat(text, 100.0),
+            Some(("CPU 0/KVM".to_string(), 1750.0))
+        );
+        assert_eq!(parse_task_stat("garbage", 100.0), None);
     }
 
     #[test]

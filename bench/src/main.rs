@@ -139,7 +139,7 @@ enum Bench {
         #[arg(long, default_value = "/tmp")]
         dir: PathBuf,
         /// Seconds one boot or restore may take before the run fails.
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 120)]
         boot_timeout: u64,
         /// Write every boot's console transcript (host ms, line) into this directory.
         #[arg(long)]
