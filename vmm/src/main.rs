@@ -144,6 +144,9 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     if let Some(mib) = args.memory_mib {
         resources.machine.mem_size_mib = mib;
     }
+    if args.deterministic {
+        resources.machine.deterministic = true;
+    }
     if args.track_dirty_pages {
         resources.machine.track_dirty_pages = true;
     }

@@ -118,7 +118,6 @@ pub struct VmState {
 const KVM_IRQCHIP_PIC_MASTER: u32 = 0;
 const KVM_IRQCHIP_PIC_SLAVE: u32 = 1;
 const KVM_IRQCHIP_IOAPIC: u32 = 2;
-const KVM_CLOCK_TSC_STABLE: u32 = 2;
 
 /// Errors from saving or restoring VM state.
 #[derive(Debug, thiserror::Error)]
@@ -164,8 +163,14 @@ impl Vm {
         self.fd
             .set_pit2(&state.pit)
             .map_err(vm_state_err("KVM_SET_PIT2"))?;
+        // Guest time continues from the snapshot's instant. With the KVM_CLOCK_REALTIME flag
+        // that KVM_GET_CLOCK reports, KVM would advance kvmclock by the wall time since the
+        // snapshot: a jump that differs between two restores of one snapshot, and that the
+        // guest's timekeeping mishandles after a long pause. The agent steps the wall clock.
         let mut clock = state.clock;
-        clock.flags &= !KVM_CLOCK_TSC_STABLE;
+        clock.flags &= !(kvm_bindings::KVM_CLOCK_TSC_STABLE
+            | kvm_bindings::KVM_CLOCK_REALTIME
+            | kvm_bindings::KVM_CLOCK_HOST_TSC);
         self.fd
             .set_clock(&clock)
             .map_err(vm_state_err("KVM_SET_CLOCK"))?;
