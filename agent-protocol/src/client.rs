@@ -400,6 +400,11 @@ impl AgentClient {
         .await
     }
 
+    /// Powers the guest off (or reboots it); the agent answers before the machine goes.
+    pub async fn power_off(&self, reboot: bool) -> Result<Applied, ClientError> {
+        self.applied(ClientMessage::PowerOff { reboot }).await
+    }
+
     pub async fn set_identity(
         &self,
         hostname: Option<&str>,

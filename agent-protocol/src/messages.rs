@@ -106,6 +106,12 @@ pub enum ClientMessage {
         #[serde(with = "crate::b64")]
         seed: Vec<u8>,
     },
+    /// End the machine the agent is init of: `Applied`, then every other process gets
+    /// SIGTERM, then SIGKILL, file systems are synced, and the kernel powers off (or reboots).
+    PowerOff {
+        #[serde(default)]
+        reboot: bool,
+    },
     /// New hostname and/or /etc/machine-id: `Applied`.
     SetIdentity {
         #[serde(default)]

@@ -60,16 +60,66 @@ pub fn set_time(agent: &Agent, unix_seconds: i64, nanos: u32) -> Result<ServerMe
     ))
 }
 
+/// How long other processes get between SIGTERM and SIGKILL at power-off.
+const POWER_OFF_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Lets the answer leave before the machine goes.
+const POWER_OFF_DELAY: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Powers off (or reboots) the machine the agent is init of, on a thread of its own after
+/// the answer went out: SIGTERM to every other process, SIGKILL after a grace period, sync,
+/// then reboot(2).
+pub fn power_off(is_init: bool, reboot: bool) -> Result<ServerMessage, ErrorInfo> {
+    let what = if reboot { "reboot" } else { "power_off" };
+    if !is_init {
+        return Err(ErrorInfo::bad_request(format!(
+            "{what}: the agent is not PID 1, so there is no machine of its own to end"
+        )));
+    }
+    std::thread::Builder::new()
+        .name(what.into())
+        .spawn(move || {
+            std::thread::sleep(POWER_OFF_DELAY);
+            // SAFETY: kill(-1) signals every process but init (us); sync and reboot take no
+            // pointers. reboot only returns on failure.
+            unsafe {
+                libc::kill(-1, libc::SIGTERM);
+                std::thread::sleep(POWER_OFF_GRACE);
+                libc::kill(-1, libc::SIGKILL);
+                libc::sync();
+                let cmd = if reboot {
+                    libc::RB_AUTOBOOT
+                } else {
+                    libc::RB_POWER_OFF
+                };
+                libc::reboot(cmd);
+            }
+            log::error!(
+                "{what}: reboot(2) failed: {}",
+                std::io::Error::last_os_error()
+            );
+        })
+        .map_err(|e| sys("spawn", what)(e).to_info())?;
+    Ok(applied(
+        true,
+        format!("{what} in {} ms", POWER_OFF_DELAY.as_millis()),
+    ))
+}
+
 /// Mixes `seed` into the kernel RNG crediting 8 bits a byte, then reseeds the CRNG at once.
 pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
     check_seed("reseed", seed)?;
     let bits = seed.len() * 8;
-    add_entropy_and_reseed(seed, bits)?;
+    let reseeded = add_entropy_and_reseed(seed, bits)?;
     Ok(applied(
         true,
         format!(
-            "mixed {} seed bytes into the kernel RNG ({bits} bits credited) and reseeded the CRNG",
-            seed.len()
+            "mixed {} seed bytes into the kernel RNG ({bits} bits credited); {}",
+            seed.len(),
+            if reseeded {
+                "reseeded the CRNG"
+            } else {
+                "the CRNG is not initialized yet and takes the seed when it is"
+            }
         ),
     ))
 }
@@ -78,23 +128,25 @@ pub fn reseed(seed: &[u8]) -> Result<ServerMessage, ErrorInfo> {
 /// reseed itself at once (RNDRESEEDCRNG) instead of at its next interval.
 pub fn reseed_crng(seed: &[u8]) -> Result<(), ErrorInfo> {
     check_seed("reseed_crng", seed)?;
-    add_entropy_and_reseed(seed, 0)
+    add_entropy_and_reseed(seed, 0).map(|_| ())
 }
 
 /// RNDADDENTROPY crediting `bits`, then RNDRESEEDCRNG.
-fn add_entropy_and_reseed(seed: &[u8], bits: usize) -> Result<(), ErrorInfo> {
+/// RNDADDENTROPY crediting `bits`, then RNDRESEEDCRNG. Returns false when the CRNG is not
+/// initialized yet (ENODATA): then there is nothing to reseed, and the kernel seeds it from
+/// the pool, which holds `seed`, once it has enough entropy.
+fn add_entropy_and_reseed(seed: &[u8], bits: usize) -> Result<bool, ErrorInfo> {
     let random = open_random()?;
     add_entropy(&random, seed, bits)?;
     // SAFETY: RNDRESEEDCRNG takes no argument.
     if unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG) } != 0 {
-        return Err(SysError::new(
-            "ioctl RNDRESEEDCRNG",
-            "/dev/random",
-            std::io::Error::last_os_error(),
-        )
-        .to_info());
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::ENODATA) {
+            return Ok(false);
+        }
+        return Err(SysError::new("ioctl RNDRESEEDCRNG", "/dev/random", err).to_info());
     }
-    Ok(())
+    Ok(true)
 }
 
 fn check_seed(op: &str, seed: &[u8]) -> Result<(), ErrorInfo> {
@@ -245,6 +297,12 @@ mod tests {
         );
         assert!(validate_machine_id("00000000000000000000000000000000").is_err());
         assert!(validate_machine_id("xyz").is_err());
+    }
+
+    #[test]
+    fn power_off_needs_the_agent_to_be_init() {
+        let err = power_off(false, false).expect_err("not PID 1");
+        assert!(err.message.contains("not PID 1"), "{}", err.message);
     }
 
     #[test]

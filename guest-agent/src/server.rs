@@ -315,6 +315,9 @@ async fn start(
             fixups::set_time(&agent, unix_seconds, nanos)
         }),
         ClientMessage::Reseed { seed } => blocking(out, id, move || fixups::reseed(&seed)),
+        ClientMessage::PowerOff { reboot } => blocking(out, id, move || {
+            fixups::power_off(agent.config.is_init, reboot)
+        }),
         ClientMessage::SetIdentity {
             hostname,
             machine_id,
