@@ -17,6 +17,9 @@
 #     --qemu-arg ARG   one more QEMU argument (repeatable), e.g. an emulated PCI device
 #     --keep           keep the run directory (console log, status) and print its path
 #
+# ROLLBOX_SKIP_LOG (see tests/src/lib.rs): skips that COMMAND records inside L1 are appended
+# to this file on the host.
+#
 # Inside L1: / is the host's root (read-only) with fresh tmpfs on /tmp, /run and
 # /dev/shm; /dev/kvm is real KVM (AMD SVM, nested paging); the run directory is
 # writable at the same path as on the host ($ROLLBOX_LAB_RUN). QEMU is a q35 with an
@@ -48,7 +51,7 @@ while [[ $# -gt 0 ]]; do
         --qemu-arg) need_value "$@"; qemu_extra+=("$2"); shift 2 ;;
         --keep) keep=1; shift ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
@@ -87,6 +90,8 @@ trap cleanup EXIT
     done < <(env)
     for kv in "${envs[@]}"; do printf 'export %q\n' "$kv"; done
     printf 'export HOME=/tmp ROLLBOX_LAB_RUN=%q ROLLBOX_LAB_KIT=%q ROLLBOX_IN_LAB=1\n' "$run" "$kit"
+    # Skips recorded inside L1 land in the run directory; they are appended to the host's log.
+    [[ -z "${ROLLBOX_SKIP_LOG:-}" ]] || printf 'export ROLLBOX_SKIP_LOG=%q\n' "$run/skips"
     printf 'cd %q || exit 126\n' "$cwd"
     printf 'exec'
     printf ' %q' "$@"
@@ -124,6 +129,9 @@ if [[ ! -f "$run/status" ]]; then
     tail -n 30 "$run/console.log" >&2 || true
     keep=1
     cannot_start "L1 crashed or powered off early (console log kept in $run/console.log)"
+fi
+if [[ -n "${ROLLBOX_SKIP_LOG:-}" && -s "$run/skips" ]]; then
+    cat "$run/skips" >> "$ROLLBOX_SKIP_LOG"
 fi
 [[ "$keep" -eq 1 ]] && echo "lab: run directory kept: $run" >&2
 exit "$(cat "$run/status")"

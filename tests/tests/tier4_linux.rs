@@ -1,17 +1,43 @@
-//! Tier 4: a real Linux kernel with an initramfs boots under `rollbox-vmm`, and its `/init`
-//! talks over virtio-blk and vsock. This needs KVM with hardware virtualization; on PVM or
-//! emulation-only KVM (the build machines) Linux cannot boot, so the test says so and skips.
+//! Tier 4: Linux under `rollbox-vmm`. Real kernels (ours as vmlinux and bzImage, Debian's with
+//! an initramfs) boot root filesystems that `rollbox image build` made, with `rollbox-agent` as
+//! init, and the tests drive them through the agent over vsock: boot shapes, power-off, reboot
+//! and panic, the clock, snapshots with every restore backend, fork, deterministic reset,
+//! Docker, and the real virtio drivers against our devices.
 //!
-//! The kernel comes from `ROLLBOX_LINUX_KERNEL`, else from `kernel-config/build.sh` (cached).
+//! This needs KVM with hardware virtualization. On these build machines that is the nested lab:
+//! `scripts/test.sh` runs this binary inside it (`scripts/lab/run.sh`) with the fixtures that
+//! `scripts/lab/tier4-fixtures.sh` prepared (ROLLBOX_TIER4_FIXTURES). Elsewhere every test skips
+//! with its reason, and ROLLBOX_REQUIRE_ALL=1 turns a skip into a failure. On the host,
+//! `cargo test --workspace` filters these tests out with `--skip tier4::`.
+//!
+//! Figures (boot and restore to agent) go to stderr; they are never asserted.
 
-use std::io::{Read, Write};
+use std::collections::{BTreeSet, HashMap};
+use std::io::Read;
 use std::os::unix::fs::FileExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use rollbox_tests::{raw_image, workspace_root, Vm};
+use rollbox_agent_protocol::{
+    AgentClient, DockerRunRequest, ExecEvent, OutputStream, DEFAULT_PORT,
+};
+use rollbox_tests::{api, rollbox_binary, skip, vmm_binary};
+
+/// How long a guest may take to boot (or restore) to an answering agent in the lab.
+const AGENT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a guest may take to end after it was told to.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Our rootfs images start the agent as init.
+const AGENT_INIT: &str = "init=/.rollbox/rollbox-agent";
+/// Kernel messages that mean the clock is not what it should be.
+const CLOCK_COMPLAINTS: [&str; 5] = [
+    "TSC unstable",
+    "Marking TSC unstable",
+    "clocksource watchdog",
+    "timekeeping watchdog",
+    "Unstable clock detected",
+];
 
 /// Why Linux can't run under this host's KVM, or None when it can.
 fn hardware_virtualization_missing() -> Option<String> {
@@ -19,7 +45,9 @@ fn hardware_virtualization_missing() -> Option<String> {
         return Some("no /dev/kvm".into());
     }
     if Path::new("/sys/module/kvm_pvm").exists() {
-        return Some("/dev/kvm is PVM-flavoured KVM (kvm_pvm): guest kernel code is emulated and Linux cannot boot".into());
+        return Some(
+            "/dev/kvm is PVM-flavoured KVM (kvm_pvm): guest kernel code is emulated and Linux cannot boot; scripts/test.sh runs tier 4 in the nested lab".into(),
+        );
     }
     if !Path::new("/sys/module/kvm_intel").exists() && !Path::new("/sys/module/kvm_amd").exists() {
         return Some("neither kvm_intel nor kvm_amd is loaded: no hardware virtualization".into());
@@ -27,132 +55,1023 @@ fn hardware_virtualization_missing() -> Option<String> {
     None
 }
 
-fn linux_kernel() -> Option<PathBuf> {
-    if let Ok(path) = std::env::var("ROLLBOX_LINUX_KERNEL") {
-        return Some(PathBuf::from(path));
+/// What `scripts/lab/tier4-fixtures.sh` prepared.
+struct Fixtures(HashMap<String, String>);
+
+impl Fixtures {
+    fn path(&self, key: &str) -> PathBuf {
+        PathBuf::from(self.text(key))
     }
-    let out = Command::new("bash")
-        .arg(workspace_root().join("kernel-config/build.sh"))
-        .output()
-        .ok()?;
-    let dir = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()?
-        .trim()
-        .to_string();
-    let vmlinux = Path::new(&dir).join("vmlinux");
-    vmlinux.exists().then_some(vmlinux)
+
+    fn text(&self, key: &str) -> String {
+        self.0
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| panic!("fixtures.env has no {key}"))
+    }
 }
 
-const INIT: &str = r#"#!/bin/busybox sh
-/bin/busybox mkdir -p /proc /sys /dev
-/bin/busybox mount -t proc proc /proc
-/bin/busybox mount -t devtmpfs dev /dev
-echo "rollbox-tier4: init running"
-echo "rollbox-tier4: disk says $(/bin/busybox dd if=/dev/vda bs=16 count=1 2>/dev/null)"
-echo -n "written-by-linux" | /bin/busybox dd of=/dev/vda bs=512 seek=1 conv=fsync 2>/dev/null
-echo "rollbox-tier4: listening"
-/bin/vsock-echo listen 1024 1
-echo "rollbox-tier4: done"
-/bin/busybox reboot -f
-"#;
-
-fn build_initramfs(dir: &Path) -> PathBuf {
-    let root = dir.join("initramfs");
-    std::fs::create_dir_all(root.join("bin")).expect("mkdir");
-    std::fs::copy("/bin/busybox", root.join("bin/busybox"))
-        .expect("busybox-static is needed: apt-get install busybox-static");
-    let echo_src = workspace_root().join("scripts/tcg/vsock-echo.c");
-    let status = Command::new("gcc")
-        .args(["-O2", "-static", "-o"])
-        .arg(root.join("bin/vsock-echo"))
-        .arg(&echo_src)
-        .status()
-        .expect("gcc");
-    assert!(status.success(), "building vsock-echo failed");
-    std::fs::write(root.join("init"), INIT).expect("write init");
-    let out = dir.join("initramfs.cpio");
-    let status = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "chmod +x init bin/* && find . | cpio -o -H newc --quiet > {}",
-            out.display()
-        ))
-        .current_dir(&root)
-        .status()
-        .expect("cpio");
-    assert!(status.success(), "cpio failed");
-    out
-}
-
-#[test]
-fn linux_boots_to_init_and_uses_virtio_blk_and_vsock() {
+/// The fixtures, or None after recording why this test can't run here.
+fn fixtures(test: &str) -> Option<Fixtures> {
     if let Some(reason) = hardware_virtualization_missing() {
-        eprintln!("SKIP tier 4 (Linux under rollbox-vmm): {reason}");
-        return;
+        skip(test, &reason);
+        return None;
     }
-    let Some(kernel) = linux_kernel() else {
-        panic!("tier 4 needs a Linux kernel: set ROLLBOX_LINUX_KERNEL or make kernel-config/build.sh work");
+    let Some(dir) = std::env::var_os("ROLLBOX_TIER4_FIXTURES") else {
+        skip(
+            test,
+            "ROLLBOX_TIER4_FIXTURES is not set (scripts/lab/tier4-fixtures.sh DIR prepares them)",
+        );
+        return None;
     };
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let initrd = build_initramfs(scratch.path());
-    let kernel = kernel.display().to_string();
-    let initrd = initrd.display().to_string();
-    let dir = tempfile::tempdir().expect("tempdir");
-    raw_image(&dir.path().join("disk.img"), 4 << 20);
-    std::fs::File::options()
-        .write(true)
-        .open(dir.path().join("disk.img"))
-        .and_then(|f| f.write_all_at(b"hello from host!", 0))
-        .expect("seed disk");
-    let args: Vec<String> = [
-        "--kernel",
-        &kernel,
-        "--initrd",
-        &initrd,
-        "--memory-mib",
-        "256",
-        "--cmdline",
-        "console=ttyS0 reboot=k panic=1 pci=off rdinit=/init",
-        "--drive",
-        "{dir}/disk.img",
-        "--vsock-uds",
-        "{dir}/v.sock",
-        "--vsock-cid",
-        "3",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut vm = Vm::spawn_raw(&args, dir);
-    vm.expect_line("rollbox-tier4: init running");
-    vm.expect_line("rollbox-tier4: disk says hello from host!");
-    vm.expect_line("rollbox-tier4: listening");
-    let mut stream = UnixStream::connect(vm.path("v.sock")).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    stream.write_all(b"CONNECT 1024\n").expect("connect");
-    let mut ok = [0u8; 3];
-    stream.read_exact(&mut ok).expect("OK");
-    assert_eq!(&ok, b"OK ");
-    let mut rest = Vec::new();
-    let mut b = [0u8; 1];
-    while b[0] != b'\n' {
-        stream.read_exact(&mut b).expect("OK line");
-        rest.push(b[0]);
+    let env = Path::new(&dir).join("fixtures.env");
+    let text = std::fs::read_to_string(&env)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", env.display()));
+    let vars = text
+        .lines()
+        .filter_map(|line| line.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    Some(Fixtures(vars))
+}
+
+/// A private copy of a rootfs image in `dir` (sparse), so a guest can write to it.
+fn copy_rootfs(image: &Path, dir: &Path, name: &str) -> PathBuf {
+    let copy = dir.join(name);
+    let status = Command::new("cp")
+        .arg("--sparse=always")
+        .arg(image)
+        .arg(&copy)
+        .status()
+        .expect("run cp");
+    assert!(status.success(), "cp {} failed", image.display());
+    copy
+}
+
+fn seconds(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64()
+}
+
+/// One `rollbox-vmm` process with its files in a scratch directory: `<name>.console` (the
+/// guest's serial console), `<name>.stderr`, `<name>.vsock` and `<name>.api`.
+struct LinuxVm {
+    child: Child,
+    dir: PathBuf,
+    name: String,
+    started: Instant,
+}
+
+impl LinuxVm {
+    /// Spawns rollbox-vmm with `args` plus the console, vsock and API socket options.
+    fn spawn(dir: &Path, name: &str, args: &[String]) -> LinuxVm {
+        let stderr = std::fs::File::create(dir.join(format!("{name}.stderr"))).expect("stderr");
+        let mut all: Vec<String> = args.to_vec();
+        all.extend([
+            "--console".into(),
+            dir.join(format!("{name}.console")).display().to_string(),
+            "--vsock-uds".into(),
+            dir.join(format!("{name}.vsock")).display().to_string(),
+            "--api-sock".into(),
+            dir.join(format!("{name}.api")).display().to_string(),
+        ]);
+        let started = Instant::now();
+        let child = Command::new(vmm_binary())
+            .args(&all)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn rollbox-vmm: {e}"));
+        LinuxVm {
+            child,
+            dir: dir.to_path_buf(),
+            name: name.to_string(),
+            started,
+        }
     }
-    stream.write_all(b"echo me\n").expect("send");
-    let mut echo = [0u8; 8];
-    stream.read_exact(&mut echo).expect("echo");
-    assert_eq!(&echo, b"echo me\n");
-    drop(stream);
-    vm.expect_line("rollbox-tier4: done");
-    assert!(vm.wait(Duration::from_secs(60)).success());
-    let mut sector = [0u8; 16];
-    std::fs::File::open(vm.path("disk.img"))
-        .expect("open")
-        .read_exact_at(&mut sector, 512)
-        .expect("read");
-    assert_eq!(&sector, b"written-by-linux");
+
+    /// Boots `kernel` with `args` (rollbox-vmm flags) and the kernel command line `cmdline`.
+    fn boot(dir: &Path, name: &str, kernel: &Path, cmdline: &str, args: &[&str]) -> LinuxVm {
+        let mut all = vec![
+            "--kernel".to_string(),
+            kernel.display().to_string(),
+            "--vsock-cid".into(),
+            "3".into(),
+            "--cmdline".into(),
+            cmdline.to_string(),
+        ];
+        all.extend(args.iter().map(|a| a.to_string()));
+        LinuxVm::spawn(dir, name, &all)
+    }
+
+    /// Restores the snapshot in `snapshot` with `args` (rollbox-vmm restore flags).
+    fn restore(dir: &Path, name: &str, snapshot: &Path, args: &[&str]) -> LinuxVm {
+        let mut all = vec!["--restore".to_string(), snapshot.display().to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        LinuxVm::spawn(dir, name, &all)
+    }
+
+    fn file(&self, suffix: &str) -> PathBuf {
+        self.dir.join(format!("{}.{suffix}", self.name))
+    }
+
+    fn vsock(&self) -> PathBuf {
+        self.file("vsock")
+    }
+
+    fn api_sock(&self) -> PathBuf {
+        self.file("api")
+    }
+
+    fn console(&self) -> String {
+        std::fs::read_to_string(self.file("console")).unwrap_or_default()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(self.file("stderr")).unwrap_or_default()
+    }
+
+    /// The console and stderr, for failure messages.
+    fn report(&self) -> String {
+        let tail = |text: String| {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(40)..].join("\n")
+        };
+        format!(
+            "--- {} console (last lines) ---\n{}\n--- rollbox-vmm stderr ---\n{}",
+            self.name,
+            tail(self.console()),
+            tail(self.stderr())
+        )
+    }
+
+    /// Connects to the agent, waiting for the guest to boot or restore.
+    fn agent(&mut self) -> Agent {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let deadline = Instant::now() + AGENT_TIMEOUT;
+        let uds = self.vsock();
+        let client = loop {
+            let attempt = runtime.block_on(async {
+                let client = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    AgentClient::connect_unix(&uds, DEFAULT_PORT),
+                )
+                .await
+                .ok()?
+                .ok()?;
+                tokio::time::timeout(Duration::from_secs(20), client.hello())
+                    .await
+                    .ok()?
+                    .ok()?;
+                Some(client)
+            });
+            if let Some(client) = attempt {
+                break client;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "rollbox-vmm ended ({status}) before the agent answered\n{}",
+                    self.report()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent did not answer within {AGENT_TIMEOUT:?}\n{}",
+                self.report()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        eprintln!(
+            "{}: agent answered {:.2} s after rollbox-vmm started",
+            self.name,
+            seconds(self.started)
+        );
+        Agent { runtime, client }
+    }
+
+    /// Waits for rollbox-vmm to end.
+    fn wait(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + EXIT_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rollbox-vmm did not end within {EXIT_TIMEOUT:?}\n{}",
+                self.report()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// One API request; panics unless it succeeds.
+    fn call(&self, method: &str, path: &str, body: &str) -> String {
+        let (status, answer) = api(&self.api_sock(), method, path, Some(body));
+        assert!(
+            (200..300).contains(&status),
+            "{method} {path} {body}: {status} {answer}"
+        );
+        answer
+    }
+
+    /// Pauses the VM and writes a Full snapshot into `snapshot`.
+    fn snapshot(&self, snapshot: &Path) {
+        std::fs::create_dir_all(snapshot).expect("snapshot dir");
+        self.call("PATCH", "/vm", r#"{"state":"Paused"}"#);
+        let body = format!(
+            r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+            snapshot.join("vmstate").display(),
+            snapshot.join("memory").display()
+        );
+        self.call("PUT", "/snapshot/create", &body);
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for LinuxVm {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A connection to a guest's agent, with the runtime that drives it.
+struct Agent {
+    runtime: tokio::runtime::Runtime,
+    client: AgentClient,
+}
+
+impl Agent {
+    /// Runs `script` with sh; returns (exit code, stdout, stderr).
+    fn sh_status(&self, script: &str) -> (Option<i32>, String, String) {
+        let out = self
+            .runtime
+            .block_on(self.client.sh(script))
+            .unwrap_or_else(|e| panic!("exec {script:?}: {e}"));
+        (
+            out.status.code,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Runs `script` with sh and returns its trimmed stdout; panics unless it exits 0.
+    fn sh(&self, script: &str) -> String {
+        let (code, stdout, stderr) = self.sh_status(script);
+        assert_eq!(
+            code,
+            Some(0),
+            "{script:?} failed:\nstdout: {stdout}\nstderr: {stderr}"
+        );
+        stdout.trim().to_string()
+    }
+
+    /// Starts `script` without waiting: for commands that end the guest (poweroff, reboot).
+    fn start(&self, script: &str) {
+        let started = self.runtime.block_on(async {
+            let mut handle = self
+                .client
+                .exec(rollbox_agent_protocol::ExecRequest::shell(script))
+                .await?;
+            handle.started().await
+        });
+        started.unwrap_or_else(|e| panic!("start {script:?}: {e}"));
+    }
+
+    fn write_file(&self, path: &str, data: &[u8]) {
+        let written = self
+            .runtime
+            .block_on(self.client.write_file(path, data))
+            .unwrap_or_else(|e| panic!("write_file {path}: {e}"));
+        assert_eq!(written, data.len() as u64);
+    }
+
+    fn read_file(&self, path: &str) -> Vec<u8> {
+        self.runtime
+            .block_on(self.client.read_file(path))
+            .unwrap_or_else(|e| panic!("read_file {path}: {e}"))
+    }
+}
+
+/// The kernel log lines that complain about the clock.
+fn clock_complaints(dmesg: &str) -> Vec<String> {
+    dmesg
+        .lines()
+        .filter(|line| CLOCK_COMPLAINTS.iter().any(|c| line.contains(c)))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Kernel warnings that remain, printed for the record (see docs/testing.md for why each is
+/// there).
+fn note_platform_warnings(name: &str, dmesg: &str) {
+    for line in dmesg.lines().filter(|l| {
+        l.contains("WARNING") || l.contains("Fatal") || l.contains("error") || l.contains("BUG")
+    }) {
+        eprintln!("{name}: kernel says: {line}");
+    }
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    let mut child = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("sha256sum");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(data).expect("feed sha256sum");
+    }
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut out)
+        .expect("read sha256sum");
+    assert!(child.wait().expect("wait").success());
+    out.split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so a failure can be reproduced.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn unix_seconds() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// The command line our rootfs images boot with (warnings and errors on the console).
+fn agent_cmdline(extra: &str) -> String {
+    format!("console=ttyS0 reboot=k panic=1 loglevel=4 {AGENT_INIT} {extra}")
+        .trim()
+        .to_string()
+}
+
+mod tier4 {
+    use super::*;
+
+    #[test]
+    fn our_kernel_boots_as_vmlinux_and_bzimage_with_kvm_clock_and_powers_off() {
+        let Some(fx) = fixtures("tier4::our_kernel_boots_as_vmlinux_and_bzimage") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        for kernel in ["OUR_VMLINUX", "OUR_BZIMAGE"] {
+            let name = kernel.to_lowercase();
+            let rootfs = copy_rootfs(
+                &fx.path("BUSYBOX_ROOTFS"),
+                work.path(),
+                &format!("{name}.ext4"),
+            );
+            let drive = format!("{},root", rootfs.display());
+            let mut vm = LinuxVm::boot(
+                work.path(),
+                &name,
+                &fx.path(kernel),
+                &agent_cmdline(""),
+                &["--vcpus", "2", "--memory-mib", "256", "--drive", &drive],
+            );
+            let agent = vm.agent();
+            assert_eq!(agent.sh("grep -c ^processor /proc/cpuinfo"), "2");
+            assert_eq!(
+                agent.sh("cat /sys/devices/system/clocksource/clocksource0/current_clocksource"),
+                "kvm-clock"
+            );
+            let dmesg = agent.sh("dmesg");
+            assert!(
+                clock_complaints(&dmesg).is_empty(),
+                "{kernel}: the kernel complains about the clock: {:?}",
+                clock_complaints(&dmesg)
+            );
+            assert!(
+                dmesg.contains("ACPI: RSDP"),
+                "{kernel}: no ACPI tables found"
+            );
+            note_platform_warnings(&name, &dmesg);
+            // The rollbox CLI reaches the same agent.
+            let out = Command::new(rollbox_binary())
+                .args(["exec", "--vsock-uds"])
+                .arg(vm.vsock())
+                .args(["--", "uname", "-s"])
+                .output()
+                .expect("rollbox exec");
+            assert!(out.status.success(), "rollbox exec: {out:?}");
+            assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "Linux");
+            agent.start("poweroff -f");
+            let status = vm.wait();
+            assert_eq!(
+                status.code(),
+                Some(0),
+                "{kernel}: poweroff\n{}",
+                vm.report()
+            );
+        }
+    }
+
+    #[test]
+    fn every_vcpu_comes_online_with_1_and_4_vcpus_and_reboot_ends_with_0() {
+        let Some(fx) = fixtures("tier4::every_vcpu_comes_online") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        for (vcpus, online) in [("1", "0"), ("4", "0-3")] {
+            let name = format!("vcpus{vcpus}");
+            let rootfs = copy_rootfs(
+                &fx.path("BUSYBOX_ROOTFS"),
+                work.path(),
+                &format!("{name}.ext4"),
+            );
+            let drive = format!("{},root", rootfs.display());
+            let mut vm = LinuxVm::boot(
+                work.path(),
+                &name,
+                &fx.path("OUR_VMLINUX"),
+                &agent_cmdline(""),
+                &["--vcpus", vcpus, "--memory-mib", "256", "--drive", &drive],
+            );
+            let agent = vm.agent();
+            assert_eq!(agent.sh("cat /sys/devices/system/cpu/online"), online);
+            let dmesg = agent.sh("dmesg");
+            assert!(
+                clock_complaints(&dmesg).is_empty(),
+                "{:?}",
+                clock_complaints(&dmesg)
+            );
+            agent.start("reboot -f");
+            assert_eq!(vm.wait().code(), Some(0), "reboot\n{}", vm.report());
+        }
+    }
+
+    #[test]
+    fn memory_from_128_mib_to_4_gib_including_above_the_mmio_gap() {
+        let Some(fx) = fixtures("tier4::memory_from_128_mib_to_4_gib") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        for mib in [128u64, 4096] {
+            let name = format!("mem{mib}");
+            let rootfs = copy_rootfs(
+                &fx.path("BUSYBOX_ROOTFS"),
+                work.path(),
+                &format!("{name}.ext4"),
+            );
+            let drive = format!("{},root", rootfs.display());
+            let mut vm = LinuxVm::boot(
+                work.path(),
+                &name,
+                &fx.path("OUR_VMLINUX"),
+                &agent_cmdline(""),
+                &[
+                    "--vcpus",
+                    "1",
+                    "--memory-mib",
+                    &mib.to_string(),
+                    "--drive",
+                    &drive,
+                ],
+            );
+            let agent = vm.agent();
+            let total_kib: u64 = agent
+                .sh("awk '/^MemTotal/ { print $2 }' /proc/meminfo")
+                .parse()
+                .expect("MemTotal");
+            assert!(
+                total_kib > mib * 1024 * 8 / 10 && total_kib <= mib * 1024,
+                "{mib} MiB guest has MemTotal {total_kib} KiB"
+            );
+            if mib > 3072 {
+                let iomem = agent.sh("cat /proc/iomem");
+                assert!(
+                    iomem.contains("100000000-13fffffff : System RAM"),
+                    "RAM above the MMIO gap is missing:\n{iomem}"
+                );
+                // Fill 256 MiB of tmpfs: the allocator takes the Normal zone (above 4 GiB) first.
+                let free_normal = "awk '/zone +Normal/ { z = 1 } z && /nr_free_pages/ { print $2; exit }' /proc/zoneinfo";
+                let before: u64 = agent.sh(free_normal).parse().expect("free pages");
+                agent.sh("dd if=/dev/zero of=/dev/shm/fill bs=1M count=256 2>/dev/null && sync");
+                let after: u64 = agent.sh(free_normal).parse().expect("free pages");
+                assert!(
+                    before.saturating_sub(after) >= 50_000,
+                    "the Normal zone (above 4 GiB) was not used: {before} -> {after} free pages"
+                );
+                assert_eq!(
+                    agent.sh("cmp -n 268435456 /dev/shm/fill /dev/zero && echo same"),
+                    "same"
+                );
+            }
+            agent.start("poweroff -f");
+            assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+        }
+    }
+
+    #[test]
+    fn a_distro_kernel_boots_with_an_initramfs() {
+        let Some(fx) = fixtures("tier4::a_distro_kernel_boots_with_an_initramfs") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "distro.ext4");
+        let drive = format!("{},root", rootfs.display());
+        let initrd = fx.text("DISTRO_INITRD");
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "distro",
+            &fx.path("DISTRO_KERNEL"),
+            "console=ttyS0 reboot=k panic=1 loglevel=4",
+            &[
+                "--vcpus",
+                "2",
+                "--memory-mib",
+                "512",
+                "--initrd",
+                &initrd,
+                "--drive",
+                &drive,
+            ],
+        );
+        let agent = vm.agent();
+        assert_eq!(agent.sh("uname -r"), fx.text("DISTRO_RELEASE"));
+        assert_eq!(agent.sh("cat /sys/devices/system/cpu/online"), "0-1");
+        let dmesg = agent.sh("dmesg");
+        assert!(
+            clock_complaints(&dmesg).is_empty(),
+            "{:?}",
+            clock_complaints(&dmesg)
+        );
+        note_platform_warnings("distro", &dmesg);
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+    }
+
+    #[test]
+    fn a_kernel_panic_is_reported_as_a_panic() {
+        let Some(fx) = fixtures("tier4::a_kernel_panic_is_reported_as_a_panic") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "panic.ext4");
+        let drive = format!("{},root", rootfs.display());
+        // init exits at once, so the kernel panics ("Attempted to kill init").
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "panic",
+            &fx.path("OUR_VMLINUX"),
+            "console=ttyS0 reboot=k panic=1 loglevel=4 init=/bin/false",
+            &["--memory-mib", "256", "--drive", &drive],
+        );
+        let status = vm.wait();
+        assert_eq!(
+            status.code(),
+            Some(1),
+            "a panic must not be a clean exit\n{}",
+            vm.report()
+        );
+        assert!(
+            vm.stderr().contains("the guest kernel panicked"),
+            "{}",
+            vm.report()
+        );
+        assert!(vm.console().contains("Kernel panic"), "{}", vm.report());
+    }
+
+    #[test]
+    fn snapshots_restore_with_cow_uffd_and_copy_with_the_right_wall_clock() {
+        let Some(fx) = fixtures("tier4::snapshots_restore") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "snap.ext4");
+        let drive = format!("{},root", rootfs.display());
+        let snapshot = work.path().join("snapshot");
+        {
+            let mut vm = LinuxVm::boot(
+                work.path(),
+                "parent",
+                &fx.path("OUR_VMLINUX"),
+                &agent_cmdline(""),
+                &["--vcpus", "2", "--memory-mib", "256", "--drive", &drive],
+            );
+            let agent = vm.agent();
+            // State that lives only in guest memory.
+            agent.sh("hostname snap-parent && echo kept-in-memory > /dev/shm/marker");
+            drop(agent);
+            vm.snapshot(&snapshot);
+        }
+        // The snapshot waits a while, as a real one would.
+        std::thread::sleep(Duration::from_secs(3));
+        let restores: [(&str, &[&str]); 4] = [
+            ("cow", &["--restore-backend", "cow"]),
+            (
+                "uffd",
+                &["--restore-backend", "uffd", "--record-working-set"],
+            ),
+            (
+                "uffd-prefetch",
+                &["--restore-backend", "uffd", "--prefetch"],
+            ),
+            ("copy", &["--restore-backend", "copy"]),
+        ];
+        for (name, args) in restores {
+            let mut vm = LinuxVm::restore(work.path(), name, &snapshot, args);
+            let agent = vm.agent();
+            assert_eq!(agent.sh("hostname"), "snap-parent", "{name}");
+            assert_eq!(agent.sh("cat /dev/shm/marker"), "kept-in-memory", "{name}");
+            let guest: f64 = agent.sh("date +%s").parse().expect("date");
+            let host = unix_seconds();
+            assert!(
+                (guest - host).abs() < 3.0,
+                "{name}: guest wall clock {guest} vs host {host}\n{}",
+                vm.report()
+            );
+            // A fresh vsock connection from the host, and traffic both ways on it.
+            let data = pattern(1 << 20, 7);
+            agent.write_file("/tmp/probe", &data);
+            assert_eq!(agent.read_file("/tmp/probe"), data, "{name}");
+            vm.kill();
+        }
+    }
+
+    #[test]
+    fn fork_makes_8_clones_that_answer_and_differ_in_rng_machine_id_and_hostname() {
+        let Some(fx) = fixtures("tier4::fork_makes_8_unique_clones") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "fork.ext4");
+        let drive = format!("{},root", rootfs.display());
+        let mut parent = LinuxVm::boot(
+            work.path(),
+            "parent",
+            &fx.path("OUR_VMLINUX"),
+            &agent_cmdline(""),
+            &["--vcpus", "1", "--memory-mib", "256", "--drive", &drive],
+        );
+        let agent = parent.agent();
+        let parent_id = agent.sh("cat /etc/machine-id 2>/dev/null || echo none");
+        drop(agent);
+        let body = format!(
+            r#"{{"count":8,"dir":"{}"}}"#,
+            work.path().join("fork").display()
+        );
+        let started = Instant::now();
+        let answer = parent.call("POST", "/fork", &body);
+        eprintln!(
+            "fork of 8: POST /fork answered in {:.2} s",
+            seconds(started)
+        );
+        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+        let clones = result["clones"].as_array().expect("clones").clone();
+        assert_eq!(clones.len(), 8, "{answer}");
+        // Kill every clone however the test ends.
+        struct Clones(Vec<u32>);
+        impl Drop for Clones {
+            fn drop(&mut self) {
+                for pid in &self.0 {
+                    // SAFETY: kill only sends a signal to the clone process we started.
+                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+                }
+            }
+        }
+        let _guard = Clones(
+            clones
+                .iter()
+                .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
+                .collect(),
+        );
+        let mut seen: [BTreeSet<String>; 3] = Default::default();
+        for clone in &clones {
+            assert!(clone["error"].is_null(), "clone failed: {clone}");
+            let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let client = runtime
+                .block_on(async {
+                    let deadline = Instant::now() + AGENT_TIMEOUT;
+                    loop {
+                        if let Ok(c) = AgentClient::connect_unix(&uds, DEFAULT_PORT).await {
+                            if c.hello().await.is_ok() {
+                                return Ok(c);
+                            }
+                        }
+                        if Instant::now() > deadline {
+                            return Err(format!("clone {} never answered", uds.display()));
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                })
+                .unwrap_or_else(|e| panic!("{e}: {clone}"));
+            let agent = Agent { runtime, client };
+            // Read first, before anything else could reseed on the agent's behalf.
+            let random = agent.sh("head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n'");
+            assert_eq!(random.len(), 64, "{random}");
+            seen[0].insert(random);
+            seen[1].insert(agent.sh("cat /etc/machine-id"));
+            seen[2].insert(agent.sh("hostname"));
+            let dmesg = agent.sh("dmesg");
+            assert!(
+                dmesg.contains("crng reseeded due to virtual machine fork"),
+                "the kernel's VMGenID driver did not reseed:\n{dmesg}"
+            );
+        }
+        eprintln!(
+            "fork of 8: all clones answered {:.2} s after the fork request",
+            seconds(started)
+        );
+        for (what, values) in ["/dev/urandom", "machine-id", "hostname"].iter().zip(&seen) {
+            assert_eq!(
+                values.len(),
+                8,
+                "{what} is not unique across clones: {values:?}"
+            );
+        }
+        assert!(
+            !seen[1].contains(&parent_id),
+            "a clone kept the parent's machine-id"
+        );
+        // The parent runs on.
+        assert_eq!(parent.agent().sh("echo parent"), "parent");
+    }
+
+    #[test]
+    fn deterministic_restores_repeat_urandom_and_a_prng() {
+        let Some(fx) = fixtures("tier4::deterministic_restores_repeat") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "det.ext4");
+        let drive = format!("{},root", rootfs.display());
+        let snapshot = work.path().join("snapshot");
+        {
+            let mut vm = LinuxVm::boot(
+                work.path(),
+                "det",
+                &fx.path("OUR_VMLINUX"),
+                &agent_cmdline(""),
+                &[
+                    "--deterministic",
+                    "--vcpus",
+                    "1",
+                    "--memory-mib",
+                    "256",
+                    "--drive",
+                    &drive,
+                ],
+            );
+            let agent = vm.agent();
+            assert_eq!(
+                agent.sh("grep -c -w -e rdrand -e rdseed /proc/cpuinfo || true"),
+                "0",
+                "a deterministic machine must hide RDRAND and RDSEED"
+            );
+            // The CRNG reseeds on a timer (every uptime/2 seconds, at most 60 s, early on):
+            // reseed it just before the snapshot, late enough that the next reseed is at least
+            // 15 s of guest time away from every read below.
+            agent.sh("while [ $(cut -d. -f1 /proc/uptime) -lt 30 ]; do sleep 1; done");
+            // Without RDRAND the guest's CRNG may not be initialized yet: 64 credited bytes
+            // initialize it, and the reseed then starts its interval afresh.
+            let applied = agent
+                .runtime
+                .block_on(agent.client.reseed(&pattern(64, 4)))
+                .expect("reseed");
+            assert!(
+                applied.detail.contains("reseeded the CRNG"),
+                "{}",
+                applied.detail
+            );
+            drop(agent);
+            vm.snapshot(&snapshot);
+        }
+        let read = "r=$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n'); \
+                    echo $r; awk -v s=$((0x${r%${r#????????}})) \
+                    'BEGIN { srand(s); for (i = 0; i < 4; i++) printf \"%d \", int(rand() * 1e9) }'";
+        let mut runs = Vec::new();
+        for (i, args) in [
+            &["--deterministic"][..],
+            &["--deterministic"][..],
+            &["--new-generation"][..],
+        ]
+        .iter()
+        .enumerate()
+        {
+            let mut vm = LinuxVm::restore(work.path(), &format!("restore{i}"), &snapshot, args);
+            let agent = vm.agent();
+            runs.push(agent.sh(read));
+            vm.kill();
+        }
+        assert_eq!(
+            runs[0], runs[1],
+            "two deterministic restores of one snapshot differ"
+        );
+        assert_ne!(
+            runs[0], runs[2],
+            "a new generation must give new randomness"
+        );
+    }
+
+    #[test]
+    fn docker_runs_in_a_debian_guest() {
+        let Some(fx) = fixtures("tier4::docker_runs_in_a_debian_guest") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("DEBIAN_ROOTFS"), work.path(), "debian.ext4");
+        let drive = format!("{},root", rootfs.display());
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "docker",
+            &fx.path("OUR_VMLINUX"),
+            &agent_cmdline(""),
+            &["--vcpus", "2", "--memory-mib", "1024", "--drive", &drive],
+        );
+        let agent = vm.agent();
+        assert!(agent.sh("cat /etc/os-release").contains("bookworm"));
+        let t = Instant::now();
+        agent
+            .runtime
+            .block_on(agent.client.docker_ensure(Some(Duration::from_secs(600))))
+            .unwrap_or_else(|e| panic!("dockerd did not start: {e}\n{}", vm.report()));
+        eprintln!("docker: dockerd ready in {:.1} s", seconds(t));
+        let image = std::fs::read(fx.path("BUSYBOX_IMAGE_TAR")).expect("busybox image tar");
+        agent.write_file("/root/busybox.tar", &image);
+        let t = Instant::now();
+        agent.sh("docker load -i /root/busybox.tar >/dev/null && rm /root/busybox.tar");
+        eprintln!("docker: load in {:.1} s", seconds(t));
+        let t = Instant::now();
+        let mut request = DockerRunRequest {
+            image: "rollbox-test/busybox:latest".into(),
+            command: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo tier4-docker-marker; exit 3".into(),
+            ],
+            env: Default::default(),
+            workdir: None,
+            user: None,
+            network: Some("none".into()),
+            extra_args: vec!["--rm".into()],
+            timeout_ms: Some(600_000),
+            kill_grace_ms: None,
+            output_limit_bytes: None,
+            stdin: false,
+            ensure_daemon: true,
+        };
+        request.env.insert("TIER".into(), "4".into());
+        let (stdout, status) = agent.runtime.block_on(async {
+            let mut handle = agent.client.docker_run(request).await.expect("docker run");
+            let mut stdout = Vec::new();
+            loop {
+                match handle.next_event().await.expect("docker run event") {
+                    Some(ExecEvent::Output {
+                        stream: OutputStream::Stdout,
+                        data,
+                        ..
+                    }) => stdout.extend(data),
+                    Some(ExecEvent::Exited(status)) => return (stdout, status),
+                    Some(_) => {}
+                    None => panic!("docker run ended without an exit status"),
+                }
+            }
+        });
+        eprintln!("docker: run in {:.1} s", seconds(t));
+        assert_eq!(
+            String::from_utf8_lossy(&stdout).trim(),
+            "tier4-docker-marker"
+        );
+        assert_eq!(status.code, Some(3), "{status:?}");
+        // Debian minbase has no poweroff binary: the agent ends the machine itself.
+        let applied = agent
+            .runtime
+            .block_on(agent.client.power_off(false))
+            .expect("power_off");
+        assert!(applied.applied, "{}", applied.detail);
+        assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+    }
+
+    #[test]
+    fn parallel_block_io_and_100_mib_over_vsock_verify_by_checksum() {
+        let Some(fx) = fixtures("tier4::parallel_block_io_and_vsock_transfer") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "io.ext4");
+        let drive = format!("{},root", rootfs.display());
+        // A data disk: four 8 MiB regions the host fills, four the guest fills.
+        const REGION: usize = 8 << 20;
+        let data_disk = work.path().join("data.img");
+        let disk = std::fs::File::create(&data_disk).expect("data disk");
+        disk.set_len((8 * REGION) as u64).expect("size data disk");
+        let mut host_sums = Vec::new();
+        for i in 0..4 {
+            let bytes = pattern(REGION, 100 + i as u64);
+            disk.write_all_at(&bytes, (i * REGION) as u64)
+                .expect("seed data disk");
+            host_sums.push(sha256_hex(&bytes));
+        }
+        disk.sync_all().expect("sync data disk");
+        let data = format!("{},id=data", data_disk.display());
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "io",
+            &fx.path("OUR_VMLINUX"),
+            &agent_cmdline(""),
+            &[
+                "--vcpus",
+                "2",
+                "--memory-mib",
+                "512",
+                "--drive",
+                &drive,
+                "--drive",
+                &data,
+            ],
+        );
+        let agent = vm.agent();
+        // Parallel reads of the host's regions.
+        let read_all = (0..4)
+            .map(|i| {
+                format!(
+                    "(dd if=/dev/vdb bs=1M skip={} count=8 2>/dev/null | sha256sum | cut -d' ' -f1 > /tmp/r{i}) &",
+                    i * 8
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        agent.sh(&format!("{read_all} wait"));
+        for (i, want) in host_sums.iter().enumerate() {
+            assert_eq!(&agent.sh(&format!("cat /tmp/r{i}")), want, "region {i}");
+        }
+        // Parallel writes of guest data into the other four regions.
+        let write_all = (4..8)
+            .map(|i| {
+                format!(
+                    "(head -c {REGION} /dev/urandom > /tmp/w{i} && sha256sum /tmp/w{i} | cut -d' ' -f1 > /tmp/s{i} && \
+                     dd if=/tmp/w{i} of=/dev/vdb bs=1M seek={} conv=fsync 2>/dev/null) &",
+                    i * 8
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        agent.sh(&format!("{write_all} wait; sync"));
+        let guest_sums: Vec<String> = (4..8)
+            .map(|i| agent.sh(&format!("cat /tmp/s{i}")))
+            .collect();
+
+        // 100 MiB host -> guest and back over vsock, through the agent's file transfer.
+        let big = pattern(100 << 20, 42);
+        let big_sum = sha256_hex(&big);
+        let t = Instant::now();
+        agent.write_file("/tmp/big", &big);
+        let to_guest = seconds(t);
+        assert_eq!(agent.sh("sha256sum /tmp/big | cut -d' ' -f1"), big_sum);
+        let t = Instant::now();
+        let back = agent.read_file("/tmp/big");
+        let from_guest = seconds(t);
+        assert_eq!(back.len(), big.len());
+        assert_eq!(sha256_hex(&back), big_sum);
+        eprintln!(
+            "vsock: 100 MiB host->guest {:.1} MiB/s, guest->host {:.1} MiB/s (nested lab)",
+            100.0 / to_guest,
+            100.0 / from_guest
+        );
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+        // What the guest wrote is on the host's disk.
+        for (i, want) in (4..8).zip(&guest_sums) {
+            let mut region = vec![0u8; REGION];
+            std::fs::File::open(&data_disk)
+                .and_then(|f| f.read_exact_at(&mut region, (i * REGION) as u64))
+                .expect("read data disk");
+            assert_eq!(
+                &sha256_hex(&region),
+                want,
+                "region {i} as the guest wrote it"
+            );
+        }
+    }
 }
