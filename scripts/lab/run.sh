@@ -14,7 +14,8 @@
 #                      and PATH are passed through
 #     --modprobe M     load kernel module M in L1 before COMMAND (repeatable), e.g.
 #                      tun, vhost_net, vfio-pci
-#     --qemu-arg ARG   one more QEMU argument (repeatable), e.g. an emulated PCI device
+#     --qemu-arg ARG   one more QEMU argument (repeatable; one word each), e.g. an emulated
+#                      PCI device: --qemu-arg -device --qemu-arg edu
 #     --keep           keep the run directory (console log, status) and print its path
 #
 # ROLLBOX_SKIP_LOG (see tests/src/lib.rs): skips that COMMAND records inside L1 are appended
@@ -51,7 +52,7 @@ while [[ $# -gt 0 ]]; do
         --qemu-arg) need_value "$@"; qemu_extra+=("$2"); shift 2 ;;
         --keep) keep=1; shift ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
