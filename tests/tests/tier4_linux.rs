@@ -150,11 +150,22 @@ impl LinuxVm {
         }
     }
 
-    /// Boots `kernel` with `args` (rollbox-vmm flags) and the kernel command line `cmdline`.
-    fn boot(dir: &Path, name: &str, kernel: &Path, cmdline: &str, args: &[&str]) -> LinuxVm {
+    /// Boots `kernel` with a private copy of the `rootfs` image as its root drive, the kernel
+    /// command line `cmdline` and more rollbox-vmm flags in `args`.
+    fn boot(
+        dir: &Path,
+        name: &str,
+        kernel: &Path,
+        rootfs: &Path,
+        cmdline: &str,
+        args: &[&str],
+    ) -> LinuxVm {
+        let copy = copy_rootfs(rootfs, dir, &format!("{name}.ext4"));
         let mut all = vec![
             "--kernel".to_string(),
             kernel.display().to_string(),
+            "--drive".into(),
+            format!("{},root", copy.display()),
             "--vsock-cid".into(),
             "3".into(),
             "--cmdline".into(),
@@ -207,49 +218,23 @@ impl LinuxVm {
 
     /// Connects to the agent, waiting for the guest to boot or restore.
     fn agent(&mut self) -> Agent {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("tokio runtime");
-        let deadline = Instant::now() + AGENT_TIMEOUT;
         let uds = self.vsock();
-        let client = loop {
-            let attempt = runtime.block_on(async {
-                let client = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    AgentClient::connect_unix(&uds, DEFAULT_PORT),
-                )
-                .await
-                .ok()?
-                .ok()?;
-                tokio::time::timeout(Duration::from_secs(20), client.hello())
-                    .await
-                    .ok()?
-                    .ok()?;
-                Some(client)
-            });
-            if let Some(client) = attempt {
-                break client;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "rollbox-vmm ended ({status}) before the agent answered\n{}",
-                    self.report()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the agent did not answer within {AGENT_TIMEOUT:?}\n{}",
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        };
+        let agent = Agent::connect(&uds, |timed_out| {
+            let why = match self.child.try_wait() {
+                Ok(Some(status)) => {
+                    format!("rollbox-vmm ended ({status}) before the agent answered")
+                }
+                _ if timed_out => format!("the agent did not answer within {AGENT_TIMEOUT:?}"),
+                _ => return Ok(()),
+            };
+            Err(format!("{why}\n{}", self.report()))
+        });
         eprintln!(
             "{}: agent answered {:.2} s after rollbox-vmm started",
             self.name,
             seconds(self.started)
         );
-        Agent { runtime, client }
+        agent
     }
 
     /// Waits for rollbox-vmm to end.
@@ -309,6 +294,46 @@ struct Agent {
 }
 
 impl Agent {
+    /// Connects to the agent behind the vsock socket `uds`, retrying until it answers a hello.
+    /// Between tries `check(timed_out)` may end the wait with a reason to fail;
+    /// `timed_out` is true once [`AGENT_TIMEOUT`] has passed, and then it must.
+    fn connect(uds: &Path, mut check: impl FnMut(bool) -> Result<(), String>) -> Agent {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let deadline = Instant::now() + AGENT_TIMEOUT;
+        loop {
+            let attempt = runtime.block_on(async {
+                let client = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    AgentClient::connect_unix(uds, DEFAULT_PORT),
+                )
+                .await
+                .ok()?
+                .ok()?;
+                tokio::time::timeout(Duration::from_secs(20), client.hello())
+                    .await
+                    .ok()?
+                    .ok()?;
+                Some(client)
+            });
+            if let Some(client) = attempt {
+                return Agent { runtime, client };
+            }
+            let timed_out = Instant::now() >= deadline;
+            if let Err(why) = check(timed_out) {
+                panic!("{why}");
+            }
+            assert!(
+                !timed_out,
+                "the agent behind {} did not answer within {AGENT_TIMEOUT:?}",
+                uds.display()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// Runs `script` with sh; returns (exit code, stdout, stderr).
     fn sh_status(&self, script: &str) -> (Option<i32>, String, String) {
         let out = self
@@ -442,18 +467,13 @@ mod tier4 {
         let work = tempfile::tempdir().expect("tempdir");
         for kernel in ["OUR_VMLINUX", "OUR_BZIMAGE"] {
             let name = kernel.to_lowercase();
-            let rootfs = copy_rootfs(
-                &fx.path("BUSYBOX_ROOTFS"),
-                work.path(),
-                &format!("{name}.ext4"),
-            );
-            let drive = format!("{},root", rootfs.display());
             let mut vm = LinuxVm::boot(
                 work.path(),
                 &name,
                 &fx.path(kernel),
+                &fx.path("BUSYBOX_ROOTFS"),
                 &agent_cmdline(""),
-                &["--vcpus", "2", "--memory-mib", "256", "--drive", &drive],
+                &["--vcpus", "2", "--memory-mib", "256"],
             );
             let agent = vm.agent();
             assert_eq!(agent.sh("grep -c ^processor /proc/cpuinfo"), "2");
@@ -500,18 +520,13 @@ mod tier4 {
         let work = tempfile::tempdir().expect("tempdir");
         for (vcpus, online) in [("1", "0"), ("4", "0-3")] {
             let name = format!("vcpus{vcpus}");
-            let rootfs = copy_rootfs(
-                &fx.path("BUSYBOX_ROOTFS"),
-                work.path(),
-                &format!("{name}.ext4"),
-            );
-            let drive = format!("{},root", rootfs.display());
             let mut vm = LinuxVm::boot(
                 work.path(),
                 &name,
                 &fx.path("OUR_VMLINUX"),
+                &fx.path("BUSYBOX_ROOTFS"),
                 &agent_cmdline(""),
-                &["--vcpus", vcpus, "--memory-mib", "256", "--drive", &drive],
+                &["--vcpus", vcpus, "--memory-mib", "256"],
             );
             let agent = vm.agent();
             assert_eq!(agent.sh("cat /sys/devices/system/cpu/online"), online);
@@ -534,25 +549,13 @@ mod tier4 {
         let work = tempfile::tempdir().expect("tempdir");
         for mib in [128u64, 4096] {
             let name = format!("mem{mib}");
-            let rootfs = copy_rootfs(
-                &fx.path("BUSYBOX_ROOTFS"),
-                work.path(),
-                &format!("{name}.ext4"),
-            );
-            let drive = format!("{},root", rootfs.display());
             let mut vm = LinuxVm::boot(
                 work.path(),
                 &name,
                 &fx.path("OUR_VMLINUX"),
+                &fx.path("BUSYBOX_ROOTFS"),
                 &agent_cmdline(""),
-                &[
-                    "--vcpus",
-                    "1",
-                    "--memory-mib",
-                    &mib.to_string(),
-                    "--drive",
-                    &drive,
-                ],
+                &["--vcpus", "1", "--memory-mib", &mib.to_string()],
             );
             let agent = vm.agent();
             let total_kib: u64 = agent
@@ -594,24 +597,14 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "distro.ext4");
-        let drive = format!("{},root", rootfs.display());
         let initrd = fx.text("DISTRO_INITRD");
         let mut vm = LinuxVm::boot(
             work.path(),
             "distro",
             &fx.path("DISTRO_KERNEL"),
+            &fx.path("BUSYBOX_ROOTFS"),
             "console=ttyS0 reboot=k panic=1 loglevel=4",
-            &[
-                "--vcpus",
-                "2",
-                "--memory-mib",
-                "512",
-                "--initrd",
-                &initrd,
-                "--drive",
-                &drive,
-            ],
+            &["--vcpus", "2", "--memory-mib", "512", "--initrd", &initrd],
         );
         let agent = vm.agent();
         assert_eq!(agent.sh("uname -r"), fx.text("DISTRO_RELEASE"));
@@ -633,15 +626,14 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "panic.ext4");
-        let drive = format!("{},root", rootfs.display());
         // init exits at once, so the kernel panics ("Attempted to kill init").
         let mut vm = LinuxVm::boot(
             work.path(),
             "panic",
             &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
             "console=ttyS0 reboot=k panic=1 loglevel=4 init=/bin/false",
-            &["--memory-mib", "256", "--drive", &drive],
+            &["--memory-mib", "256"],
         );
         let status = vm.wait();
         assert_eq!(
@@ -664,16 +656,15 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "snap.ext4");
-        let drive = format!("{},root", rootfs.display());
         let snapshot = work.path().join("snapshot");
         {
             let mut vm = LinuxVm::boot(
                 work.path(),
                 "parent",
                 &fx.path("OUR_VMLINUX"),
+                &fx.path("BUSYBOX_ROOTFS"),
                 &agent_cmdline(""),
-                &["--vcpus", "2", "--memory-mib", "256", "--drive", &drive],
+                &["--vcpus", "2", "--memory-mib", "256"],
             );
             let agent = vm.agent();
             // State that lives only in guest memory.
@@ -721,14 +712,13 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "fork.ext4");
-        let drive = format!("{},root", rootfs.display());
         let mut parent = LinuxVm::boot(
             work.path(),
             "parent",
             &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
             &agent_cmdline(""),
-            &["--vcpus", "1", "--memory-mib", "256", "--drive", &drive],
+            &["--vcpus", "1", "--memory-mib", "256"],
         );
         let agent = parent.agent();
         let parent_id = agent.sh("cat /etc/machine-id 2>/dev/null || echo none");
@@ -766,27 +756,7 @@ mod tier4 {
         for clone in &clones {
             assert!(clone["error"].is_null(), "clone failed: {clone}");
             let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            let client = runtime
-                .block_on(async {
-                    let deadline = Instant::now() + AGENT_TIMEOUT;
-                    loop {
-                        if let Ok(c) = AgentClient::connect_unix(&uds, DEFAULT_PORT).await {
-                            if c.hello().await.is_ok() {
-                                return Ok(c);
-                            }
-                        }
-                        if Instant::now() > deadline {
-                            return Err(format!("clone {} never answered", uds.display()));
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                })
-                .unwrap_or_else(|e| panic!("{e}: {clone}"));
-            let agent = Agent { runtime, client };
+            let agent = Agent::connect(&uds, |_| Ok(()));
             // Read first, before anything else could reseed on the agent's behalf.
             let random = agent.sh("head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n'");
             assert_eq!(random.len(), 64, "{random}");
@@ -824,24 +794,15 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "det.ext4");
-        let drive = format!("{},root", rootfs.display());
         let snapshot = work.path().join("snapshot");
         {
             let mut vm = LinuxVm::boot(
                 work.path(),
                 "det",
                 &fx.path("OUR_VMLINUX"),
+                &fx.path("BUSYBOX_ROOTFS"),
                 &agent_cmdline(""),
-                &[
-                    "--deterministic",
-                    "--vcpus",
-                    "1",
-                    "--memory-mib",
-                    "256",
-                    "--drive",
-                    &drive,
-                ],
+                &["--deterministic", "--vcpus", "1", "--memory-mib", "256"],
             );
             let agent = vm.agent();
             assert_eq!(
@@ -900,14 +861,13 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("DEBIAN_ROOTFS"), work.path(), "debian.ext4");
-        let drive = format!("{},root", rootfs.display());
         let mut vm = LinuxVm::boot(
             work.path(),
             "docker",
             &fx.path("OUR_VMLINUX"),
+            &fx.path("DEBIAN_ROOTFS"),
             &agent_cmdline(""),
-            &["--vcpus", "2", "--memory-mib", "1024", "--drive", &drive],
+            &["--vcpus", "2", "--memory-mib", "1024"],
         );
         let agent = vm.agent();
         assert!(agent.sh("cat /etc/os-release").contains("bookworm"));
@@ -979,8 +939,6 @@ mod tier4 {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
-        let rootfs = copy_rootfs(&fx.path("BUSYBOX_ROOTFS"), work.path(), "io.ext4");
-        let drive = format!("{},root", rootfs.display());
         // A data disk: four 8 MiB regions the host fills, four the guest fills.
         const REGION: usize = 8 << 20;
         let data_disk = work.path().join("data.img");
@@ -999,17 +957,9 @@ mod tier4 {
             work.path(),
             "io",
             &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
             &agent_cmdline(""),
-            &[
-                "--vcpus",
-                "2",
-                "--memory-mib",
-                "512",
-                "--drive",
-                &drive,
-                "--drive",
-                &data,
-            ],
+            &["--vcpus", "2", "--memory-mib", "512", "--drive", &data],
         );
         let agent = vm.agent();
         // Parallel reads of the host's regions.
