@@ -40,6 +40,8 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// `SO_VM_SOCKETS_CONNECT_TIMEOUT` (linux/vm_sockets.h; level AF_VSOCK, a `struct timeval`).
 const SO_VM_SOCKETS_CONNECT_TIMEOUT: libc::c_int = 6;
+/// A long wait says so this often (on stderr), so a stuck run shows where it stands.
+const NOTE_EVERY: Duration = Duration::from_secs(30);
 /// Lines of the largest console gaps shown per VMM.
 const GAPS_SHOWN: usize = 6;
 
@@ -642,10 +644,12 @@ impl VmProcess {
         deadline: Instant,
     ) -> Result<Instant, LinuxBenchError> {
         let mut checked = 0;
+        let mut next_note = Instant::now() + NOTE_EVERY;
         loop {
             if INTERRUPTED.load(Ordering::SeqCst) {
                 return Err(LinuxBenchError::Interrupted);
             }
+            self.note_waiting(what, &mut next_note);
             if let Some((at, _)) = self.lines[checked..]
                 .iter()
                 .find(|(_, l)| l.contains(needle))
@@ -683,7 +687,9 @@ impl VmProcess {
         deadline: Instant,
     ) -> Result<HelloTimes, LinuxBenchError> {
         let mut first_connect = None;
+        let mut next_note = Instant::now() + NOTE_EVERY;
         loop {
+            self.note_waiting("the agent's hello answer", &mut next_note);
             self.check_running("the agent's hello answer")?;
             let left = deadline.saturating_duration_since(Instant::now());
             let mut attempt = Attempt::default();
@@ -710,6 +716,18 @@ impl VmProcess {
                     std::thread::sleep(RETRY);
                 }
             }
+        }
+    }
+
+    /// Says on stderr, every NOTE_EVERY, what this VMM is still waiting for.
+    fn note_waiting(&self, what: &str, next: &mut Instant) {
+        if Instant::now() >= *next {
+            *next += NOTE_EVERY;
+            eprintln!(
+                "{}: still waiting for {what}, {:.0} s after its start",
+                self.label,
+                self.started.elapsed().as_secs_f64()
+            );
         }
     }
 
@@ -806,13 +824,8 @@ fn hello_once(addr: &AgentAddr, timeout: Duration, attempt: &mut Attempt) -> Res
     let timeout = timeout.max(Duration::from_millis(10));
     match addr {
         AgentAddr::Unix(path) => {
-            let mut stream = UnixStream::connect(path)
-                .map_err(|e| format!("connect {}: {e}", path.display()))?;
+            let mut stream = unix_connect(path, timeout)?;
             attempt.connected = Some(Instant::now());
-            stream
-                .set_read_timeout(Some(timeout))
-                .and_then(|()| stream.set_write_timeout(Some(timeout)))
-                .map_err(|e| format!("socket timeouts: {e}"))?;
             stream
                 .write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
                 .map_err(|e| format!("CONNECT: {e}"))?;
@@ -903,6 +916,47 @@ fn set_timeval(
             std::io::Error::last_os_error()
         ))
     }
+}
+
+/// A Unix stream socket connected to `path`, every step bounded by `timeout` (SO_SNDTIMEO also
+/// bounds connect(2) on a listener whose backlog is full).
+fn unix_connect(path: &Path, timeout: Duration) -> Result<UnixStream, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(format!("socket path {} is too long", path.display()));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, &src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned just below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(format!("unix socket: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    set_timeval(&fd, libc::SOL_SOCKET, libc::SO_SNDTIMEO, timeout)?;
+    set_timeval(&fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, timeout)?;
+    // SAFETY: `addr` is a valid sockaddr_un and the length given is its size.
+    let rc = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "connect {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(UnixStream::from(fd))
 }
 
 /// A connected AF_VSOCK stream to `cid:port`.
