@@ -70,7 +70,9 @@ fi
 
 # The lab's run directory is the only place L1 can write that the host sees: keep it (in a
 # private runs root) long enough to copy the JSON and transcripts out, then remove it all.
-runs="$(mktemp -d /var/tmp/rollbox-lab/bench-linux.XXXXXX)"
+runs_parent="${ROLLBOX_LAB_RUNS:-/var/tmp/rollbox-lab}"
+mkdir -p "$runs_parent"
+runs="$(mktemp -d "$runs_parent/bench-linux.XXXXXX")"
 trap 'rm -rf "$runs"' EXIT
 bench=(target/release/rollbox-bench linux --fixtures "$fixtures/fixtures.env" --agent "$agent")
 [[ -n "$json" ]] && bench+=(--json-in-run)
