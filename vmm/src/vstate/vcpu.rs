@@ -147,13 +147,17 @@ pub fn saveable_msrs(kvm: &Kvm) -> Result<Arc<Vec<u32>>, VcpuError> {
     let list = kvm
         .get_msr_index_list()
         .map_err(state_err(0, "KVM_GET_MSR_INDEX_LIST"))?;
-    Ok(Arc::new(
-        list.as_slice()
-            .iter()
-            .copied()
-            .filter(|i| msr_is_saveable(*i))
-            .collect(),
-    ))
+    let mut saveable: Vec<u32> = list
+        .as_slice()
+        .iter()
+        .copied()
+        .filter(|i| msr_is_saveable(*i))
+        .collect();
+    // KVM_SET_MSRS applies entries in order: the TSC deadline counts in TSC ticks and is
+    // ignored unless the LAPIC timer is in deadline mode, so it goes after the TSC (and the
+    // LAPIC is restored before any MSR).
+    saveable.sort_by_key(|&index| index == MSR_IA32_TSC_DEADLINE);
+    Ok(Arc::new(saveable))
 }
 
 impl Vcpu {
@@ -190,6 +194,11 @@ impl Vcpu {
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(self.configure_err("KVM_GET_SUPPORTED_CPUID"))?;
         filter_cpuid(&mut cpuid, self.index, vcpu_count);
+        // KVM emulates the TSC-deadline LAPIC timer but leaves its CPUID bit to userspace.
+        // Without it Linux programs the LAPIC timer through trapped MMIO writes.
+        if kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer) {
+            offer_tsc_deadline_timer(&mut cpuid);
+        }
         if deterministic {
             hide_hardware_rng(&mut cpuid);
         }
@@ -286,8 +295,19 @@ const CPUID_RDRAND_BIT: u32 = 1 << 30;
 /// CPUID.(EAX=7,ECX=0):EBX.RDSEED[bit 18].
 const CPUID_RDSEED_BIT: u32 = 1 << 18;
 
+/// CPUID.1:ECX.TSC-Deadline[bit 24].
+const CPUID_TSC_DEADLINE_BIT: u32 = 1 << 24;
 /// CPUID.80000007H:EDX.InvariantTSC[bit 8].
 const CPUID_INVARIANT_TSC_BIT: u32 = 1 << 8;
+
+/// Offers the TSC-deadline mode of the LAPIC timer.
+fn offer_tsc_deadline_timer(cpuid: &mut CpuId) {
+    for entry in cpuid.as_mut_slice() {
+        if entry.function == 0x1 {
+            entry.ecx |= CPUID_TSC_DEADLINE_BIT;
+        }
+    }
+}
 
 /// Hides RDRAND and RDSEED, the guest's only entropy source that a snapshot can't pin.
 fn hide_hardware_rng(cpuid: &mut CpuId) {
@@ -751,11 +771,14 @@ pub struct VcpuState {
     pub tsc_khz: Option<u32>,
 }
 
+/// IA32_TSC_DEADLINE: the LAPIC timer's deadline in TSC-deadline mode.
+const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
+
 /// MSRs that KVM lists but that must not be saved or restored.
 fn msr_is_saveable(index: u32) -> bool {
-    // IA32_ARCH_CAPABILITIES is refused on PVM hosts; the TSC deadline is restored with the
-    // LAPIC; the MCE banks are left at their reset values.
-    !(index == 0x10a || index == 0x6e0 || (0x400..0x480).contains(&index))
+    // IA32_ARCH_CAPABILITIES is refused on PVM hosts; the MCE banks are left at their reset
+    // values.
+    !(index == 0x10a || (0x400..0x480).contains(&index))
 }
 
 fn state_err(index: u8, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
