@@ -828,7 +828,9 @@ mod tier4 {
             drop(agent);
             vm.snapshot(&snapshot);
         }
-        let read = "r=$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n'); \
+        // The read comes first and alone: every exec draws from the CRNG too (AT_RANDOM, ASLR),
+        // so a pipeline whose processes start in a scheduler-dependent order would not repeat.
+        let read = "head -c 32 /dev/urandom > /tmp/r; r=$(od -An -tx1 -v /tmp/r | tr -d ' \\n'); \
                     echo $r; awk -v s=$((0x${r%${r#????????}})) \
                     'BEGIN { srand(s); for (i = 0; i < 4; i++) printf \"%d \", int(rand() * 1e9) }'";
         let mut runs = Vec::new();
