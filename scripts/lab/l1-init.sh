@@ -34,6 +34,15 @@ mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose hostroo
     fail "cannot mount the host's root over 9p"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 labrun "/host$run" ||
     fail "cannot mount the run directory $run over 9p"
+# Host paths under /tmp, /run or /dev/shm that must stay visible (the command's working
+# directory, say), one per line in the run directory's `keep`: bound aside before the fresh
+# tmpfs covers them, then bound back at the same path.
+keep_paths="$(cat "/host$run/keep" 2>/dev/null)"
+for dir in /tmp /run; do
+    for p in $keep_paths; do
+        case "$p" in "$dir"/*) mkdir -p "/keep$p" && mount --bind "/host$p" "/keep$p" ;; esac
+    done
+done
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
 mount -t cgroup2 cgroup2 /host/sys/fs/cgroup
@@ -43,6 +52,11 @@ mount -t devpts -o newinstance,ptmxmode=0666 devpts /host/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /host/dev/shm
 mount -t tmpfs -o mode=1777,size=75% tmpfs /host/tmp
 mount -t tmpfs -o mode=0755 tmpfs /host/run
+for p in $keep_paths; do
+    if [ -d "/keep$p" ]; then
+        mkdir -p "/host$p" && mount --bind "/keep$p" "/host$p" || fail "cannot keep $p visible in L1"
+    fi
+done
 hostname rollbox-lab
 ip link set lo up
 

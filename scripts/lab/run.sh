@@ -22,7 +22,7 @@
 # to this file on the host.
 #
 # Inside L1: / is the host's root (read-only) with fresh tmpfs on /tmp, /run and
-# /dev/shm; /dev/kvm is real KVM (AMD SVM, nested paging); the run directory is
+# /dev/shm (a working directory below /tmp or /run stays visible); /dev/kvm is real KVM (AMD SVM, nested paging); the run directory is
 # writable at the same path as on the host ($ROLLBOX_LAB_RUN). QEMU is a q35 with an
 # emulated Intel IOMMU (interrupt remapping, caching mode), so emulated PCI devices
 # can be bound to vfio-pci in L1.
@@ -99,6 +99,11 @@ trap cleanup EXIT
     printf '\n'
 } > "$run/cmd"
 printf '%s\n' "${modules[@]}" > "$run/modules"
+# L1 covers /tmp and /run with fresh tmpfs; a working directory below them stays visible.
+case "$cwd" in
+    *' '*) ;;
+    /tmp/*|/run/*) realpath "$cwd" > "$run/keep" ;;
+esac
 
 args=(
     -accel tcg,thread=multi -cpu max -smp "$cpus" -m "$memory"
