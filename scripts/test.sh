@@ -52,18 +52,18 @@ if [[ ! -x "$tier4" ]]; then
     status=1
 elif [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
     echo "tier 4: this host's KVM has hardware virtualization; running directly"
-    "$tier4" --test-threads=1 2>&1 | tee -a "$log" || status=$?
+    "$tier4" --test-threads=1 --color never 2>&1 | tee -a "$log" || status=$?
 else
     echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
     # Tier 4 takes 6-8 minutes here. Every test bounds its own waits, so a lab that is still
     # running after 20 minutes, or one that fails to start or crashes (status 125: L1's kernel
     # under TCG, not a test), is the lab's failure; it gets one more try.
     lab_status=0
-    scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 2>&1 | tee "$log.lab" || lab_status=$?
+    scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
     if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
         echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
         lab_status=0
-        scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 2>&1 | tee "$log.lab" || lab_status=$?
+        scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
     fi
     cat "$log.lab" >> "$log"
     rm -f "$log.lab"

@@ -284,6 +284,10 @@ impl LinuxVm {
 impl Drop for LinuxVm {
     fn drop(&mut self) {
         self.kill();
+        // A failed assertion on the guest's side is explained by what the VMM and the guest said.
+        if std::thread::panicking() {
+            eprintln!("{}", self.report());
+        }
     }
 }
 
