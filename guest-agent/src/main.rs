@@ -12,6 +12,7 @@ mod fixups;
 mod generation;
 mod health;
 mod init;
+mod network;
 mod reaper;
 mod server;
 mod users;
@@ -138,6 +139,7 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
     let is_init = (is_pid1 || args.init) && !args.no_init;
     if is_init {
         init::init_system(&args.hostname);
+        network::setup_at_boot();
     }
     if args.unshare_uts {
         // SAFETY: unshare has no memory effects; the process is still single-threaded.

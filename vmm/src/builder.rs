@@ -34,6 +34,7 @@ use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
+use crate::devices::virtio::net::{Net, NetConfig, NetError};
 use crate::devices::virtio::persist::VirtioPersistState;
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
@@ -57,6 +58,9 @@ pub enum BuildError {
     /// The vsock device.
     #[error(transparent)]
     Vsock(#[from] VsockError),
+    /// A network interface.
+    #[error(transparent)]
+    Net(#[from] NetError),
     /// KVM VM set-up.
     #[error(transparent)]
     Vm(#[from] VmError),
@@ -281,6 +285,13 @@ pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevic
     }
     if let Some(vsock) = &resources.vsock {
         devices.push(Box::new(Vsock::new(vsock.guest_cid, &vsock.uds_path)?));
+    }
+    for iface in &resources.net {
+        devices.push(Box::new(Net::new(NetConfig {
+            iface_id: iface.iface_id.clone(),
+            host_dev_name: iface.host_dev_name.clone(),
+            guest_mac: iface.validate()?,
+        })?));
     }
     if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
         return Err(BuildError::TooManyDevices(devices.len()));

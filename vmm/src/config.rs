@@ -57,6 +57,30 @@ pub enum ConfigError {
     /// A drive flag could not be parsed.
     #[error("--drive {0:?}: expected PATH[,readonly][,id=NAME]")]
     DriveFlag(String),
+    /// An empty or oversized interface ID.
+    #[error("iface_id {0:?} is invalid: use 1-64 characters of [A-Za-z0-9_-]")]
+    IfaceId(String),
+    /// A tap name Linux refuses.
+    #[error("host_dev_name {0:?} is invalid: use 1-15 bytes without '/', ':' or whitespace")]
+    HostDevName(String),
+    /// A MAC that does not parse or is not a unicast address.
+    #[error("guest_mac {0:?} is invalid: expected a unicast MAC like 06:00:ac:10:00:02")]
+    GuestMac(String),
+    /// Two interfaces share a tap or a MAC.
+    #[error("network interface {iface_id}: {what} {value} is already used by interface {other}")]
+    NetClash {
+        /// The interface being added.
+        iface_id: String,
+        /// "host_dev_name" or "guest_mac".
+        what: &'static str,
+        /// The clashing value.
+        value: String,
+        /// The interface that has it.
+        other: String,
+    },
+    /// A `--net` flag could not be parsed.
+    #[error("--net {0:?}: expected TAP[,mac=MAC][,id=NAME]")]
+    NetFlag(String),
     /// No kernel was given.
     #[error("no kernel configured: give --kernel, a boot-source in --config, or PUT /boot-source")]
     NoKernel,
@@ -184,13 +208,7 @@ pub struct DriveConfig {
 impl DriveConfig {
     /// Checks the ID and unsupported options.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let id_ok = !self.drive_id.is_empty()
-            && self.drive_id.len() <= 64
-            && self
-                .drive_id
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !id_ok {
+        if !valid_id(&self.drive_id) {
             return Err(ConfigError::DriveId(self.drive_id.clone()));
         }
         if self.rate_limiter.is_some() {
@@ -213,6 +231,95 @@ impl DriveConfig {
         }
         Ok(())
     }
+}
+
+/// `PUT /network-interfaces/{iface_id}` (Firecracker's body).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkInterfaceConfig {
+    /// Interface ID.
+    pub iface_id: String,
+    /// Host tap device; it is created if it does not exist (which needs CAP_NET_ADMIN).
+    pub host_dev_name: String,
+    /// The guest's MAC; without it the guest picks a random one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_mac: Option<String>,
+    /// Rate limiters are not offered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_rate_limiter: Option<serde_json::Value>,
+    /// Rate limiters are not offered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tx_rate_limiter: Option<serde_json::Value>,
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff` into a unicast MAC.
+pub fn parse_mac(text: &str) -> Result<[u8; 6], ConfigError> {
+    let err = || ConfigError::GuestMac(text.into());
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next().ok_or_else(err)?;
+        if part.len() != 2 {
+            return Err(err());
+        }
+        *byte = u8::from_str_radix(part, 16).map_err(|_| err())?;
+    }
+    if parts.next().is_some() || mac[0] & 1 != 0 || mac == [0; 6] {
+        return Err(err());
+    }
+    Ok(mac)
+}
+
+impl NetworkInterfaceConfig {
+    /// Checks the ID, tap name, MAC and unsupported options; returns the parsed MAC.
+    pub fn validate(&self) -> Result<Option<[u8; 6]>, ConfigError> {
+        if !valid_id(&self.iface_id) {
+            return Err(ConfigError::IfaceId(self.iface_id.clone()));
+        }
+        if crate::devices::virtio::net::tap::check_name(&self.host_dev_name).is_err() {
+            return Err(ConfigError::HostDevName(self.host_dev_name.clone()));
+        }
+        if self.rx_rate_limiter.is_some() {
+            return Err(ConfigError::Unsupported("rx_rate_limiter"));
+        }
+        if self.tx_rate_limiter.is_some() {
+            return Err(ConfigError::Unsupported("tx_rate_limiter"));
+        }
+        self.guest_mac.as_deref().map(parse_mac).transpose()
+    }
+}
+
+/// Parses `--net TAP[,mac=MAC][,id=NAME]`; `index` names interfaces without an ID.
+pub fn parse_net_flag(value: &str, index: usize) -> Result<NetworkInterfaceConfig, ConfigError> {
+    let mut parts = value.split(',');
+    let tap = parts
+        .next()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| ConfigError::NetFlag(value.into()))?;
+    let mut iface = NetworkInterfaceConfig {
+        iface_id: format!("eth{index}"),
+        host_dev_name: tap.into(),
+        guest_mac: None,
+        rx_rate_limiter: None,
+        tx_rate_limiter: None,
+    };
+    for part in parts {
+        match part.split_once('=') {
+            Some(("mac", mac)) => iface.guest_mac = Some(mac.into()),
+            Some(("id", id)) => iface.iface_id = id.into(),
+            _ => return Err(ConfigError::NetFlag(value.into())),
+        }
+    }
+    iface.validate()?;
+    Ok(iface)
 }
 
 /// `PUT /vsock`.
@@ -285,6 +392,13 @@ pub struct ConfigFile {
     /// The vsock device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock: Option<VsockConfig>,
+    /// Network interfaces.
+    #[serde(
+        rename = "network-interfaces",
+        default,
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub network_interfaces: Vec<NetworkInterfaceConfig>,
     /// rollbox extension: "stdout" or a file path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console: Option<String>,
@@ -315,6 +429,8 @@ pub struct VmResources {
     pub drives: Vec<DriveConfig>,
     /// The vsock device.
     pub vsock: Option<VsockConfig>,
+    /// Network interfaces, in insertion order.
+    pub net: Vec<NetworkInterfaceConfig>,
     /// Console output.
     pub console: ConsoleConfig,
 }
@@ -345,6 +461,36 @@ impl VmResources {
         Ok(())
     }
 
+    /// Adds or replaces a network interface; no two share a tap or a MAC.
+    pub fn upsert_net(&mut self, iface: NetworkInterfaceConfig) -> Result<(), ConfigError> {
+        let mac = iface.validate()?;
+        for other in self.net.iter().filter(|o| o.iface_id != iface.iface_id) {
+            let clash = |what, value: String| ConfigError::NetClash {
+                iface_id: iface.iface_id.clone(),
+                what,
+                value,
+                other: other.iface_id.clone(),
+            };
+            if other.host_dev_name == iface.host_dev_name {
+                return Err(clash("host_dev_name", iface.host_dev_name.clone()));
+            }
+            let other_mac = other.guest_mac.as_deref().map(parse_mac).transpose()?;
+            if let (Some(a), Some(b)) = (mac, other_mac) {
+                if a == b {
+                    return Err(clash(
+                        "guest_mac",
+                        iface.guest_mac.clone().unwrap_or_default(),
+                    ));
+                }
+            }
+        }
+        match self.net.iter_mut().find(|o| o.iface_id == iface.iface_id) {
+            Some(existing) => *existing = iface,
+            None => self.net.push(iface),
+        }
+        Ok(())
+    }
+
     /// Applies a configuration file.
     pub fn apply_file(&mut self, file: ConfigFile, host_mib: u64) -> Result<(), ConfigError> {
         if let Some(machine) = file.machine_config {
@@ -358,6 +504,9 @@ impl VmResources {
         if let Some(vsock) = file.vsock {
             vsock.validate()?;
             self.vsock = Some(vsock);
+        }
+        for iface in file.network_interfaces {
+            self.upsert_net(iface)?;
         }
         if let Some(console) = file.console {
             self.console = ConsoleConfig::parse(&console);
@@ -478,6 +627,71 @@ mod tests {
         );
         assert!(parse_drive_flag("/y.img,bogus", 0).is_err());
         assert!(parse_drive_flag("", 0).is_err());
+    }
+
+    #[test]
+    fn network_interfaces() {
+        let file: ConfigFile = serde_json::from_str(
+            r#"{"network-interfaces":[{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"06:00:AC:10:00:02"}]}"#,
+        )
+        .expect("parse");
+        let mut res = VmResources::default();
+        res.apply_file(file, 1024).expect("apply");
+        assert_eq!(res.net.len(), 1);
+        assert_eq!(parse_mac("06:00:AC:10:00:02"), Ok([6, 0, 0xac, 0x10, 0, 2]));
+        for bad in [
+            "01:00:00:00:00:01",
+            "06:00:ac:10:00",
+            "06:00:ac:10:00:02:03",
+            "zz:00:00:00:00:01",
+            "00:00:00:00:00:00",
+        ] {
+            assert_eq!(parse_mac(bad), Err(ConfigError::GuestMac(bad.into())));
+        }
+        let clash = res.upsert_net(parse_net_flag("tap0,id=eth1", 1).expect("flag"));
+        assert!(
+            matches!(
+                clash,
+                Err(ConfigError::NetClash {
+                    what: "host_dev_name",
+                    ..
+                })
+            ),
+            "{clash:?}"
+        );
+        let clash = res.upsert_net(parse_net_flag("tap1,mac=06:00:ac:10:00:02", 1).expect("flag"));
+        assert!(
+            matches!(
+                clash,
+                Err(ConfigError::NetClash {
+                    what: "guest_mac",
+                    ..
+                })
+            ),
+            "{clash:?}"
+        );
+        res.upsert_net(parse_net_flag("tap1,mac=06:00:ac:10:00:03", 1).expect("flag"))
+            .expect("second interface");
+        // Replacing an interface by ID is not a clash with itself.
+        res.upsert_net(parse_net_flag("tap0,id=eth0", 0).expect("flag"))
+            .expect("replace");
+        assert_eq!(res.net.len(), 2);
+        assert!(matches!(
+            parse_net_flag("tap-name-too-long-x", 0),
+            Err(ConfigError::HostDevName(_))
+        ));
+        assert!(matches!(
+            parse_net_flag("tap0,bogus", 0),
+            Err(ConfigError::NetFlag(_))
+        ));
+        let limited: NetworkInterfaceConfig = serde_json::from_str(
+            r#"{"iface_id":"eth0","host_dev_name":"tap0","rx_rate_limiter":{}}"#,
+        )
+        .expect("parse");
+        assert_eq!(
+            limited.validate(),
+            Err(ConfigError::Unsupported("rx_rate_limiter"))
+        );
     }
 
     #[test]

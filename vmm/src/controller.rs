@@ -471,6 +471,11 @@ impl Controller {
                 self.resources.upsert_drive(drive).map_err(config_err)?;
                 Ok(VmmData::Empty)
             }
+            VmmAction::PutNetworkInterface(iface) => {
+                self.not_after_boot("PUT /network-interfaces")?;
+                self.resources.upsert_net(iface).map_err(config_err)?;
+                Ok(VmmData::Empty)
+            }
             VmmAction::PutVsock(vsock) => {
                 self.not_after_boot("PUT /vsock")?;
                 vsock.validate().map_err(config_err)?;
@@ -539,10 +544,19 @@ impl Controller {
         &self,
         params: &crate::api::LoadSnapshotParams,
     ) -> Result<RestoreOptions, ActionError> {
-        if !params.network_overrides.is_empty() {
-            return Err(ActionError::bad_request(
-                "network_overrides: rollbox-vmm has no network devices",
-            ));
+        let mut net_overrides = std::collections::HashMap::new();
+        for o in &params.network_overrides {
+            crate::devices::virtio::net::tap::check_name(&o.host_dev_name)
+                .map_err(|e| ActionError::bad_request(format!("network_overrides: {e}")))?;
+            if net_overrides
+                .insert(o.iface_id.clone(), o.host_dev_name.clone())
+                .is_some()
+            {
+                return Err(ActionError::bad_request(format!(
+                    "network_overrides: iface_id {:?} appears twice",
+                    o.iface_id
+                )));
+            }
         }
         let extension = params.rollbox.clone().unwrap_or_default();
         let mut backend = match &extension.restore_backend {
@@ -575,6 +589,7 @@ impl Controller {
             mem_file,
             vsock_uds: params.vsock_override.as_ref().map(|v| v.uds_path.clone()),
             drive_overrides: extension.drive_overrides,
+            net_overrides,
             new_generation: extension.new_generation,
             deterministic: extension.deterministic,
             paused: !params.resume_vm,

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::api::http::unix_request;
-use crate::api::{ActionError, CloneInfo, ForkParams, ForkResult};
+use crate::api::{ActionError, CloneInfo, ForkParams, ForkResult, NetworkOverride};
 use crate::builder::MicroVm;
 use crate::devices::bus::lock;
 use crate::devices::virtio::persist::DevicePersistKind;
@@ -121,6 +121,7 @@ struct Clone {
     dir: PathBuf,
     child: Option<Child>,
     drive_overrides: Vec<(String, PathBuf)>,
+    net_overrides: Vec<NetworkOverride>,
 }
 
 impl Clone {
@@ -137,6 +138,7 @@ impl Clone {
             dir,
             child: None,
             drive_overrides: Vec::new(),
+            net_overrides: Vec::new(),
         }
     }
 
@@ -204,6 +206,14 @@ pub fn fork(
         .iter()
         .map(|s| lock(&s.transport).device().persist_kind())
         .collect();
+    check_network_overrides(&kinds, params)?;
+    for clone in &mut clones {
+        clone.net_overrides = params
+            .network_overrides
+            .get(clone.info.index as usize)
+            .cloned()
+            .unwrap_or_default();
+    }
     let was_paused = vm.paused;
     vm.pause();
     let snapshot = create_snapshot(
@@ -296,6 +306,56 @@ fn spawn_shell(exe: &Path, clone: &Clone, vm: &MicroVm) -> Result<Child, String>
         .map_err(|e| format!("cannot start {}: {e}", exe.display()))
 }
 
+/// Every clone needs its own tap for every network interface of the VM.
+fn check_network_overrides(
+    kinds: &[DevicePersistKind],
+    params: &ForkParams,
+) -> Result<(), ActionError> {
+    let ifaces: Vec<&str> = kinds
+        .iter()
+        .filter_map(|k| match k {
+            DevicePersistKind::Net { iface_id, .. } => Some(iface_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    if ifaces.is_empty() {
+        if params.network_overrides.is_empty() {
+            return Ok(());
+        }
+        return Err(ActionError::bad_request(
+            "network_overrides: the VM has no network interfaces",
+        ));
+    }
+    if params.network_overrides.len() != params.count as usize {
+        return Err(ActionError::bad_request(format!(
+            "network_overrides: the VM has network interface(s) {ifaces:?}, so each of the {} clones needs its own taps: give one list of {{iface_id, host_dev_name}} per clone (got {} lists)",
+            params.count,
+            params.network_overrides.len()
+        )));
+    }
+    let mut taps = std::collections::HashSet::new();
+    for (index, list) in params.network_overrides.iter().enumerate() {
+        for iface in &ifaces {
+            if !list.iter().any(|o| o.iface_id == *iface) {
+                return Err(ActionError::bad_request(format!(
+                    "network_overrides: clone {index} has no tap for interface {iface}"
+                )));
+            }
+        }
+        for o in list {
+            crate::devices::virtio::net::tap::check_name(&o.host_dev_name)
+                .map_err(|e| ActionError::bad_request(format!("network_overrides: {e}")))?;
+            if !taps.insert(o.host_dev_name.clone()) {
+                return Err(ActionError::bad_request(format!(
+                    "network_overrides: tap {} is given to two clones",
+                    o.host_dev_name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Copies writable drives and picks the clone's vsock socket.
 fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(), String> {
     for kind in kinds {
@@ -318,6 +378,8 @@ fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(),
             DevicePersistKind::Vsock { .. } => {
                 clone.info.vsock_uds = Some(clone.dir.join("vsock.sock"))
             }
+            // Checked up front by check_network_overrides.
+            DevicePersistKind::Net { .. } => {}
         }
     }
     Ok(())
@@ -366,6 +428,9 @@ fn load_clone(
     });
     if let Some(uds) = &clone.info.vsock_uds {
         body["vsock_override"] = serde_json::json!({ "uds_path": uds });
+    }
+    if !clone.net_overrides.is_empty() {
+        body["network_overrides"] = serde_json::json!(clone.net_overrides);
     }
     let (status, answer) = unix_request(
         &clone.info.api_sock,

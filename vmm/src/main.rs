@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use clap::Parser;
 use vmm::config::{
-    host_memory_mib, parse_drive_flag, BootSourceConfig, ConfigFile, ConsoleConfig, VmResources,
-    VsockConfig,
+    host_memory_mib, parse_drive_flag, parse_net_flag, BootSourceConfig, ConfigFile, ConsoleConfig,
+    VmResources, VsockConfig,
 };
 use vmm::controller::Controller;
 use vmm::persist::{RestoreBackend, RestoreOptions};
@@ -38,6 +38,12 @@ struct Args {
     /// A raw disk image: PATH[,readonly][,root][,id=NAME]; repeat for more drives.
     #[arg(long = "drive")]
     drives: Vec<String>,
+    /// A network interface on a host tap: TAP[,mac=MAC][,id=NAME]; repeat for more.
+    #[arg(long = "net", conflicts_with = "restore")]
+    nets: Vec<String>,
+    /// With --restore: put an interface on another tap, as ID=TAP.
+    #[arg(long = "net-override", requires = "restore")]
+    net_overrides: Vec<String>,
     /// Host side of virtio-vsock: a Unix socket path (with --restore: the clone's new socket).
     #[arg(long)]
     vsock_uds: Option<PathBuf>,
@@ -167,6 +173,11 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
             .map_err(|e| format!("drive {}: {e}", drive.path_on_host.display()))?;
         resources.upsert_drive(drive).map_err(|e| e.to_string())?;
     }
+    let first_index = resources.net.len();
+    for (i, flag) in args.nets.iter().enumerate() {
+        let iface = parse_net_flag(flag, first_index + i).map_err(|e| e.to_string())?;
+        resources.upsert_net(iface).map_err(|e| e.to_string())?;
+    }
     if let (Some(uds_path), Some(guest_cid)) = (&args.vsock_uds, args.vsock_cid) {
         let vsock = VsockConfig {
             guest_cid,
@@ -190,11 +201,21 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
             .ok_or_else(|| format!("--drive-override {entry:?}: expected ID=PATH"))?;
         drive_overrides.insert(id.to_string(), PathBuf::from(path));
     }
+    let mut net_overrides = HashMap::new();
+    for entry in &args.net_overrides {
+        let (id, tap) = entry
+            .split_once('=')
+            .ok_or_else(|| format!("--net-override {entry:?}: expected ID=TAP"))?;
+        vmm::devices::virtio::net::tap::check_name(tap)
+            .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
+        net_overrides.insert(id.to_string(), tap.to_string());
+    }
     Ok(RestoreOptions {
         backend: args.restore_backend.parse::<RestoreBackend>()?,
         mem_file: None,
         vsock_uds: args.vsock_uds.clone(),
         drive_overrides,
+        net_overrides,
         new_generation: args.new_generation,
         deterministic: args.deterministic,
         paused: args.paused,

@@ -29,6 +29,7 @@ use crate::devices::bus::lock;
 use crate::devices::legacy::generation::{announce_new_generation, GenerationError};
 use crate::devices::legacy::persist::{I8042PersistState, SerialPersistState};
 use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::VirtioDevice;
@@ -309,6 +310,8 @@ pub struct RestoreOptions {
     pub vsock_uds: Option<PathBuf>,
     /// New image paths, by drive ID.
     pub drive_overrides: HashMap<String, PathBuf>,
+    /// New host taps, by interface ID (Firecracker's `network_overrides`).
+    pub net_overrides: HashMap<String, String>,
     /// Give the guest a new generation counter value and VM generation ID (it was cloned).
     pub new_generation: bool,
     /// Deterministic reset: guest time and the generation stay exactly as the snapshot had them,
@@ -409,6 +412,27 @@ fn rebuild_device(
                 detail: e.to_string(),
             })?;
             Ok(Box::new(vsock))
+        }
+        DevicePersistKind::Net {
+            iface_id,
+            host_dev_name,
+            guest_mac,
+        } => {
+            let host_dev_name = options
+                .net_overrides
+                .get(iface_id)
+                .cloned()
+                .unwrap_or_else(|| host_dev_name.clone());
+            let net = Net::new(NetConfig {
+                iface_id: iface_id.clone(),
+                host_dev_name,
+                guest_mac: *guest_mac,
+            })
+            .map_err(|e| PersistError::Device {
+                device: format!("network interface {iface_id}"),
+                detail: e.to_string(),
+            })?;
+            Ok(Box::new(net))
         }
     }
 }

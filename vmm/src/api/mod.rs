@@ -7,7 +7,9 @@ pub mod server;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{BootSourceConfig, DriveConfig, MachineConfig, VsockConfig};
+use crate::config::{
+    BootSourceConfig, DriveConfig, MachineConfig, NetworkInterfaceConfig, VsockConfig,
+};
 
 /// Everything the API can ask of the VMM.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +26,8 @@ pub enum VmmAction {
     PutDrive(DriveConfig),
     /// `PUT /vsock`
     PutVsock(VsockConfig),
+    /// `PUT /network-interfaces/{iface_id}`
+    PutNetworkInterface(NetworkInterfaceConfig),
     /// `PUT /actions {"action_type": "InstanceStart"}`
     InstanceStart,
     /// `PUT /actions {"action_type": "SendCtrlAltDel"}`
@@ -80,6 +84,16 @@ pub struct VsockOverride {
     pub uds_path: std::path::PathBuf,
 }
 
+/// Firecracker's `network_overrides` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkOverride {
+    /// The interface, as in the snapshot.
+    pub iface_id: String,
+    /// Its new host tap.
+    pub host_dev_name: String,
+}
+
 /// rollbox's restore extension, under `"rollbox"` in the load body.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -128,9 +142,9 @@ pub struct LoadSnapshotParams {
     /// New host-side vsock socket.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock_override: Option<VsockOverride>,
-    /// Network overrides (rollbox has no network devices yet; must be empty).
+    /// New host taps for the snapshot's network interfaces.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub network_overrides: Vec<serde_json::Value>,
+    pub network_overrides: Vec<NetworkOverride>,
     /// rollbox extension.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollbox: Option<RestoreExtension>,
@@ -152,6 +166,10 @@ pub struct ForkParams {
     /// Memory backend of the clones (default "cow").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_backend: Option<String>,
+    /// Host taps of each clone, one list per clone (clones cannot share a tap); required
+    /// when the VM has network interfaces.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub network_overrides: Vec<Vec<NetworkOverride>>,
 }
 
 fn default_true() -> bool {
@@ -281,6 +299,19 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
             Ok(VmmAction::PutDrive(drive))
         }
         ("PUT", ["vsock"]) => Ok(VmmAction::PutVsock(body(bytes)?)),
+        ("PUT", ["network-interfaces", id]) => {
+            let iface: NetworkInterfaceConfig = body(bytes)?;
+            if iface.iface_id != *id {
+                return Err(ActionError::bad_request(format!(
+                    "iface_id {:?} in the body does not match {:?} in the path",
+                    iface.iface_id, id
+                )));
+            }
+            Ok(VmmAction::PutNetworkInterface(iface))
+        }
+        ("PATCH", ["network-interfaces", id]) => Err(ActionError::bad_request(format!(
+            "PATCH /network-interfaces/{id}: rate limiters are not supported by rollbox-vmm"
+        ))),
         ("PUT", ["actions"]) => {
             let action: ActionBody = body(bytes)?;
             match action.action_type.as_str() {

@@ -1,7 +1,9 @@
 //! Virtio devices over the virtio-mmio transport.
 
 pub mod block;
+pub mod chain;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod vsock;
 
@@ -16,6 +18,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTIO_F_VERSION_1: the device speaks virtio 1.x.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// Device type of virtio-net.
+pub const TYPE_NET: u32 = 1;
 /// Device type of virtio-blk.
 pub const TYPE_BLOCK: u32 = 2;
 /// Device type of virtio-vsock.

@@ -87,6 +87,15 @@ pub enum DevicePersistKind {
         /// Host-side socket at snapshot time.
         uds_path: PathBuf,
     },
+    /// virtio-net.
+    Net {
+        /// Interface ID.
+        iface_id: String,
+        /// Host tap at snapshot time.
+        host_dev_name: String,
+        /// The MAC the guest was told.
+        guest_mac: Option<[u8; 6]>,
+    },
 }
 
 /// One virtio-mmio slot.
