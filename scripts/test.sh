@@ -24,6 +24,9 @@ scripts/start-registry.sh
 step "vhost-device-vsock for the TCG tier"
 vhost_bin="$(scripts/tcg/install-vhost-device-vsock.sh | tail -n 1)"
 export PATH="$(dirname "$vhost_bin"):$PATH"
+step "virtiofsd for shared volumes (cached by version)"
+ROLLBOX_VIRTIOFSD="$(scripts/virtiofsd.sh | tail -n 1)"
+export ROLLBOX_VIRTIOFSD
 step "guest kernel (cached by content hash)"
 kernel_dir="$(kernel-config/build.sh | tail -n 1)"
 export ROLLBOX_KERNEL_DIR="$kernel_dir"
