@@ -318,6 +318,11 @@ fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(),
             DevicePersistKind::Vsock { .. } => {
                 clone.info.vsock_uds = Some(clone.dir.join("vsock.sock"))
             }
+            DevicePersistKind::Fs { tag } => {
+                return Err(format!(
+                    "fs {tag}: a microVM with a virtio-fs volume cannot be forked"
+                ))
+            }
         }
     }
     Ok(())

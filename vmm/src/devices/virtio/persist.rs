@@ -87,6 +87,11 @@ pub enum DevicePersistKind {
         /// Host-side socket at snapshot time.
         uds_path: PathBuf,
     },
+    /// virtio-fs (snapshots of a VM with a volume are refused; this names it in errors).
+    Fs {
+        /// The volume's tag.
+        tag: String,
+    },
 }
 
 /// One virtio-mmio slot.
