@@ -15,6 +15,7 @@ mod init;
 mod reaper;
 mod server;
 mod users;
+mod volumes;
 mod vsock;
 
 use std::path::PathBuf;
@@ -138,6 +139,7 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
     let is_init = (is_pid1 || args.init) && !args.no_init;
     if is_init {
         init::init_system(&args.hostname);
+        volumes::mount_from_cmdline();
     }
     if args.unshare_uts {
         // SAFETY: unshare has no memory effects; the process is still single-threaded.
