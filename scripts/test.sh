@@ -6,8 +6,7 @@
 #   tier 2  rollbox-vmm with the test guest on real /dev/kvm (tests/tests/tier2_*.rs)
 #   tier 3  the guest image under QEMU TCG (guest-agent/tests/tcg_guest.rs, rollbox images)
 #   tier 4  Linux under rollbox-vmm (tests/tests/tier4_linux.rs, then tier4_volumes.rs): directly
-#           where KVM has hardware
-#           virtualization, else inside the nested lab (scripts/lab/run.sh)
+#           where KVM has hardware virtualization, else inside the nested lab (scripts/lab/run.sh)
 # ROLLBOX_REQUIRE_ALL=1 (the default here) turns every "missing prerequisite" skip into a
 # failure. The closing line counts passed, failed and skipped tests and names every skip.
 set -euo pipefail
