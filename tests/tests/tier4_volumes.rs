@@ -166,8 +166,9 @@ impl Guest {
             fx["OUR_VMLINUX"].clone(),
             "--drive".into(),
             format!("{},root", rootfs.display()),
+            // Room for a 256 MiB file in the guest's /tmp (tmpfs: half of RAM).
             "--memory-mib".into(),
-            "512".into(),
+            "1024".into(),
             "--vsock-cid".into(),
             "3".into(),
             "--vsock-uds".into(),
@@ -298,7 +299,15 @@ impl Guest {
     /// Powers the guest off and checks that rollbox-vmm ended with 0 and left no virtiofsd.
     fn poweroff(mut self) {
         let pid = self.child.id();
-        let _ = self.sh_status("poweroff -f");
+        // The connection ends with the guest, so only wait until the command started.
+        let client = self.client.as_ref().expect("connected");
+        let started = self.runtime.block_on(async {
+            let mut handle = client
+                .exec(rollbox_agent_protocol::ExecRequest::shell("poweroff -f"))
+                .await?;
+            handle.started().await
+        });
+        started.unwrap_or_else(|e| panic!("start poweroff: {e}\n{}", self.report()));
         let status = self.wait();
         assert_eq!(status.code(), Some(0), "poweroff\n{}", self.report());
         let leftover = std::env::temp_dir().join(format!("rollbox-vmm-{pid}-fs0"));
@@ -350,26 +359,43 @@ fn sha256_of(path: &Path) -> String {
         .to_string()
 }
 
+/// A scratch directory with `share/` (prepared by `setup`, given the scratch directory) and a
+/// guest that has it as volume `tag` (`--fs tag=share{opts}`) mounted at boot at `mount`
+/// (a `rollbox.volume=` value); None after recording why `test` can't run here.
+fn share_with_guest(
+    test: &str,
+    tag: &str,
+    opts: &str,
+    mount: &str,
+    setup: impl FnOnce(&Path),
+) -> Option<(tempfile::TempDir, PathBuf, Guest)> {
+    let (fx, virtiofsd) = prerequisites(test)?;
+    let work = tempfile::tempdir().expect("tempdir");
+    let share = work.path().join("share");
+    std::fs::create_dir(&share).expect("share");
+    setup(work.path());
+    let volume = format!("{tag}={}{opts}", share.display());
+    let guest = Guest::boot(&fx, &virtiofsd, work.path(), &[volume], &[mount]);
+    Some((work, share, guest))
+}
+
 mod tier4 {
     use super::*;
 
     #[test]
     fn guest_file_operations_reach_the_host() {
-        let Some((fx, virtiofsd)) = prerequisites("tier4::guest_file_operations_reach_the_host")
-        else {
+        let Some((_work, share, guest)) = share_with_guest(
+            "tier4::guest_file_operations_reach_the_host",
+            "data",
+            "",
+            "data:/mnt/data",
+            |work| {
+                std::fs::write(work.join("share").join("from-host"), "host says hi\n")
+                    .expect("host file");
+            },
+        ) else {
             return;
         };
-        let work = tempfile::tempdir().expect("tempdir");
-        let share = work.path().join("share");
-        std::fs::create_dir(&share).expect("share");
-        std::fs::write(share.join("from-host"), "host says hi\n").expect("host file");
-        let guest = Guest::boot(
-            &fx,
-            &virtiofsd,
-            work.path(),
-            &[format!("data={}", share.display())],
-            &["data:/mnt/data"],
-        );
         // Mounted at boot by the agent.
         assert!(guest
             .sh("cat /proc/mounts")
@@ -407,23 +433,18 @@ mod tier4 {
 
     #[test]
     fn a_readonly_volume_refuses_writes_with_erofs() {
-        let Some((fx, virtiofsd)) =
-            prerequisites("tier4::a_readonly_volume_refuses_writes_with_erofs")
-        else {
+        let Some((_work, share, guest)) = share_with_guest(
+            "tier4::a_readonly_volume_refuses_writes_with_erofs",
+            "ro",
+            ",readonly",
+            "ro:/mnt/ro",
+            |work| {
+                std::fs::write(work.join("share").join("f"), "keep\n").expect("host file");
+                // Mounted read-write in the guest: virtiofsd --readonly itself must refuse.
+            },
+        ) else {
             return;
         };
-        let work = tempfile::tempdir().expect("tempdir");
-        let share = work.path().join("share");
-        std::fs::create_dir(&share).expect("share");
-        std::fs::write(share.join("f"), "keep\n").expect("host file");
-        // Mounted read-write in the guest: virtiofsd --readonly itself must refuse.
-        let guest = Guest::boot(
-            &fx,
-            &virtiofsd,
-            work.path(),
-            &[format!("ro={},readonly", share.display())],
-            &["ro:/mnt/ro"],
-        );
         assert_eq!(guest.sh("cat /mnt/ro/f"), "keep");
         for script in [
             "echo x > /mnt/ro/new",
@@ -453,26 +474,23 @@ mod tier4 {
 
     #[test]
     fn dotdot_and_symlinks_cannot_leave_the_shared_directory() {
-        let Some((fx, virtiofsd)) =
-            prerequisites("tier4::dotdot_and_symlinks_cannot_leave_the_shared_directory")
-        else {
+        let Some((work, share, guest)) = share_with_guest(
+            "tier4::dotdot_and_symlinks_cannot_leave_the_shared_directory",
+            "data",
+            "",
+            "data:/mnt/data",
+            |work| {
+                let outside = work.join("outside");
+                std::fs::create_dir(&outside).expect("outside");
+                std::fs::write(outside.join("secret"), "host secret\n").expect("secret");
+                std::os::unix::fs::symlink(&outside, work.join("share").join("abs"))
+                    .expect("abs link");
+                std::os::unix::fs::symlink("../outside", work.join("share").join("rel"))
+                    .expect("rel link");
+            },
+        ) else {
             return;
         };
-        let work = tempfile::tempdir().expect("tempdir");
-        let share = work.path().join("share");
-        let outside = work.path().join("outside");
-        std::fs::create_dir(&share).expect("share");
-        std::fs::create_dir(&outside).expect("outside");
-        std::fs::write(outside.join("secret"), "host secret\n").expect("secret");
-        std::os::unix::fs::symlink(&outside, share.join("abs")).expect("abs link");
-        std::os::unix::fs::symlink("../outside", share.join("rel")).expect("rel link");
-        let guest = Guest::boot(
-            &fx,
-            &virtiofsd,
-            work.path(),
-            &[format!("data={}", share.display())],
-            &["data:/mnt/data"],
-        );
         for script in [
             "cat /mnt/data/abs/secret",
             "cat /mnt/data/rel/secret",
@@ -494,7 +512,7 @@ mod tier4 {
             std::fs::read_link(share.join("guest-etc")).expect("readlink"),
             PathBuf::from("/etc")
         );
-        let names: Vec<_> = std::fs::read_dir(&outside)
+        let names: Vec<_> = std::fs::read_dir(work.path().join("outside"))
             .expect("ls")
             .map(|e| e.expect("entry").file_name())
             .collect();
@@ -504,21 +522,15 @@ mod tier4 {
 
     #[test]
     fn a_256_mib_file_written_in_the_guest_has_the_same_checksum_on_the_host() {
-        let Some((fx, virtiofsd)) = prerequisites(
+        let Some((_work, share, guest)) = share_with_guest(
             "tier4::a_256_mib_file_written_in_the_guest_has_the_same_checksum_on_the_host",
+            "data",
+            "",
+            "data:/mnt/data",
+            |_| {},
         ) else {
             return;
         };
-        let work = tempfile::tempdir().expect("tempdir");
-        let share = work.path().join("share");
-        std::fs::create_dir(&share).expect("share");
-        let guest = Guest::boot(
-            &fx,
-            &virtiofsd,
-            work.path(),
-            &[format!("data={}", share.display())],
-            &["data:/mnt/data"],
-        );
         let mib: u32 = 256;
         guest.sh(&format!(
             "dd if=/dev/urandom of=/tmp/big bs=1M count={mib} 2>/dev/null"
@@ -542,22 +554,20 @@ mod tier4 {
 
     #[test]
     fn when_virtiofsd_dies_the_vm_stops_with_an_error_naming_the_volume() {
-        let Some((fx, virtiofsd)) = prerequisites(
+        let Some((work, share, mut guest)) = share_with_guest(
             "tier4::when_virtiofsd_dies_the_vm_stops_with_an_error_naming_the_volume",
+            "precious",
+            "",
+            "precious:/mnt/p",
+            |_| {},
         ) else {
             return;
         };
-        let work = tempfile::tempdir().expect("tempdir");
-        let share = work.path().join("share");
-        std::fs::create_dir(&share).expect("share");
-        let mut guest = Guest::boot(
-            &fx,
-            &virtiofsd,
-            work.path(),
-            &[format!("precious={}", share.display())],
-            &["precious:/mnt/p"],
-        );
         guest.sh("echo before > /mnt/p/f");
+        assert_eq!(
+            std::fs::read_to_string(share.join("f")).expect("f"),
+            "before\n"
+        );
         let daemons = virtiofsd_of(guest.child.id());
         assert_eq!(daemons.len(), 1, "one virtiofsd per volume");
         // SAFETY: kill(2) on a PID we found serving our VMM.
