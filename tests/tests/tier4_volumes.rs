@@ -13,7 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox_agent_protocol::{AgentClient, DEFAULT_PORT};
-use rollbox_tests::{skip, vmm_binary};
+use rollbox_tests::{api, skip, vmm_binary, wait_for_socket};
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(300);
 const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -97,6 +97,52 @@ fn bad_volumes_are_refused_with_a_reason_before_anything_starts() {
         .collect();
     left.sort();
     assert_eq!(left, ["no-kernel-needed", "share", "virtiofsd"]);
+}
+
+#[test]
+fn put_fs_checks_each_volume_and_refuses_clashes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let share = dir.path().join("share");
+    std::fs::create_dir(&share).expect("share");
+    let fake = dir.path().join("virtiofsd");
+    std::fs::write(&fake, b"").expect("fake virtiofsd");
+    let sock = dir.path().join("api.sock");
+    let mut vmm = Command::new(vmm_binary())
+        .arg("--api-sock")
+        .arg(&sock)
+        .arg("--virtiofsd")
+        .arg(&fake)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn rollbox-vmm");
+    wait_for_socket(&sock, Duration::from_secs(10));
+    let put = |tag: &str, body: String| api(&sock, "PUT", &format!("/fs/{tag}"), Some(&body));
+    let body =
+        |tag: &str, dir: &Path| format!(r#"{{"tag":"{tag}","shared_dir":"{}"}}"#, dir.display());
+    assert_eq!(put("a", body("a", &share)).0, 204);
+    let (status, answer) = put("a", body("a", &share));
+    assert!(
+        status == 400 && answer.contains("already configured"),
+        "{answer}"
+    );
+    let (status, answer) = put("b", body("b", &dir.path().join("absent")));
+    assert!(status == 400 && answer.contains("absent"), "{answer}");
+    let (status, answer) = put("c", body("b", &share));
+    assert!(
+        status == 400 && answer.contains("does not match"),
+        "{answer}"
+    );
+    let (status, answer) = put(
+        "d",
+        format!(
+            r#"{{"tag":"d","shared_dir":"{}","cache":"sometimes"}}"#,
+            share.display()
+        ),
+    );
+    assert!(status == 400 && answer.contains("sometimes"), "{answer}");
+    let _ = vmm.kill();
+    let _ = vmm.wait();
 }
 
 /// The fixtures and virtiofsd, or None after recording why this test can't run here.
