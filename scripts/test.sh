@@ -5,8 +5,8 @@
 #   tier 1  unit and component tests (cargo test, all crates)
 #   tier 2  rollbox-vmm with the test guest on real /dev/kvm (tests/tests/tier2_*.rs)
 #   tier 3  the guest image under QEMU TCG (guest-agent/tests/tcg_guest.rs, rollbox images)
-#   tier 4  Linux under rollbox-vmm (tests/tests/tier4_linux.rs): directly where KVM has hardware
-#           virtualization, else inside the nested lab (scripts/lab/run.sh)
+#   tier 4  Linux under rollbox-vmm (tests/tests/tier4_linux.rs, then tier4_volumes.rs): directly
+#           where KVM has hardware virtualization, else inside the nested lab (scripts/lab/run.sh)
 # ROLLBOX_REQUIRE_ALL=1 (the default here) turns every "missing prerequisite" skip into a
 # failure. The closing line counts passed, failed and skipped tests and names every skip.
 set -euo pipefail
@@ -24,6 +24,9 @@ scripts/start-registry.sh
 step "vhost-device-vsock for the TCG tier"
 vhost_bin="$(scripts/tcg/install-vhost-device-vsock.sh | tail -n 1)"
 export PATH="$(dirname "$vhost_bin"):$PATH"
+step "virtiofsd for shared volumes (cached by version)"
+ROLLBOX_VIRTIOFSD="$(scripts/virtiofsd.sh | tail -n 1)"
+export ROLLBOX_VIRTIOFSD
 step "guest kernel (cached by content hash)"
 kernel_dir="$(kernel-config/build.sh | tail -n 1)"
 export ROLLBOX_KERNEL_DIR="$kernel_dir"
@@ -44,31 +47,33 @@ step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
 cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
 scripts/tcg/smoke.sh || status=$?
-step "tier 4: Linux under rollbox-vmm"
-tier4="$(cargo test -p rollbox-tests --test tier4_linux --no-run --message-format=json 2>/dev/null |
-    jq -r 'select(.executable != null and .target.name == "tier4_linux") | .executable' | tail -n 1)"
-if [[ ! -x "$tier4" ]]; then
-    echo "tier 4: cannot find the tier4_linux test binary" | tee -a "$log"
-    status=1
-elif [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
-    echo "tier 4: this host's KVM has hardware virtualization; running directly"
-    "$tier4" --test-threads=1 --color never 2>&1 | tee -a "$log" || status=$?
-else
-    echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
-    # Tier 4 takes 6-8 minutes here. Every test bounds its own waits, so a lab that is still
-    # running after 20 minutes, or one that fails to start or crashes (status 125: L1's kernel
-    # under TCG, not a test), is the lab's failure; it gets one more try.
-    lab_status=0
-    scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
-    if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
-        echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
+step "tier 4: Linux under rollbox-vmm (tier4_linux, then the virtio-fs volumes of tier4_volumes)"
+for binary in tier4_linux tier4_volumes; do
+    tier4="$(cargo test -p rollbox-tests --test "$binary" --no-run --message-format=json 2>/dev/null |
+        jq -r --arg name "$binary" 'select(.executable != null and .target.name == $name) | .executable' | tail -n 1)"
+    if [[ ! -x "$tier4" ]]; then
+        echo "tier 4: cannot find the $binary test binary" | tee -a "$log"
+        status=1
+    elif [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
+        echo "tier 4: this host's KVM has hardware virtualization; running directly"
+        "$tier4" --test-threads=1 --color never 2>&1 | tee -a "$log" || status=$?
+    else
+        echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
+        # Tier 4 takes 6-8 minutes here. Every test bounds its own waits, so a lab that is still
+        # running after 20 minutes, or one that fails to start or crashes (status 125: L1's kernel
+        # under TCG, not a test), is the lab's failure; it gets one more try.
         lab_status=0
         scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
+        if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
+            echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
+            lab_status=0
+            scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
+        fi
+        cat "$log.lab" >> "$log"
+        rm -f "$log.lab"
+        [[ "$lab_status" -eq 0 ]] || status="$lab_status"
     fi
-    cat "$log.lab" >> "$log"
-    rm -f "$log.lab"
-    [[ "$lab_status" -eq 0 ]] || status="$lab_status"
-fi
+done
 step "done"
 # One closing line over every test binary; a skipped test returned early and counts as passed
 # in libtest's own summary, so it moves from passed to skipped here.

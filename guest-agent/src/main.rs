@@ -16,6 +16,7 @@ mod network;
 mod reaper;
 mod server;
 mod users;
+mod volumes;
 mod vsock;
 
 use std::path::PathBuf;
@@ -140,6 +141,7 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
     if is_init {
         init::init_system(&args.hostname);
         network::setup_at_boot();
+        volumes::mount_from_cmdline();
     }
     if args.unshare_uts {
         // SAFETY: unshare has no memory effects; the process is still single-threaded.

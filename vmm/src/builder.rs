@@ -33,12 +33,13 @@ use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
+use crate::devices::virtio::fs::{Daemon, Fs, FsError};
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
 use crate::devices::virtio::net::{Net, NetConfig, NetError};
 use crate::devices::virtio::persist::VirtioPersistState;
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
-use crate::vstate::memory::{create_guest_memory, MemoryError};
+use crate::vstate::memory::{create_guest_memory, MemoryError, Sharing};
 use crate::vstate::vcpu::{saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle};
 use crate::vstate::vm::{open_kvm, Vm, VmError};
 use snapshot::Persist;
@@ -61,6 +62,9 @@ pub enum BuildError {
     /// A network interface.
     #[error(transparent)]
     Net(#[from] NetError),
+    /// A shared volume (virtio-fs).
+    #[error(transparent)]
+    Fs(#[from] FsError),
     /// KVM VM set-up.
     #[error(transparent)]
     Vm(#[from] VmError),
@@ -151,6 +155,8 @@ pub struct VirtioSlot {
     pub irq: u32,
     /// Backend fd the event loop watches, if any.
     pub backend_fd: Option<RawFd>,
+    /// Whether the event loop polls `notify`; not when a vhost-user backend gets them.
+    pub notify_polled: bool,
 }
 
 /// How guest memory is backed, which decides how a snapshot finds the pages to write.
@@ -293,10 +299,38 @@ pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevic
             guest_mac: iface.validate()?,
         })?));
     }
+    for (index, fs) in resources.fs.iter().enumerate() {
+        devices.push(Box::new(create_fs(resources, index, fs)?));
+    }
     if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
         return Err(BuildError::TooManyDevices(devices.len()));
     }
     Ok(devices)
+}
+
+/// Starts virtiofsd for a volume (unless the caller gave its socket) and connects to it.
+fn create_fs(
+    resources: &VmResources,
+    index: usize,
+    fs: &crate::config::FsConfig,
+) -> Result<Fs, BuildError> {
+    if let Some(socket) = &fs.socket {
+        return Ok(Fs::new(fs, socket.clone(), None)?);
+    }
+    let binary = crate::devices::virtio::fs::locate_virtiofsd(resources.virtiofsd.as_deref())?;
+    let dir = std::env::temp_dir().join(format!("rollbox-vmm-{}-fs{index}", std::process::id()));
+    let daemon = Daemon::start(&binary, fs, &dir)?;
+    let socket = daemon.socket().to_path_buf();
+    Ok(Fs::new(fs, socket, Some(daemon))?)
+}
+
+/// How guest memory must be mapped for `resources`: shared when a vhost-user backend maps it.
+pub fn memory_sharing(resources: &VmResources) -> Sharing {
+    if resources.fs.is_empty() {
+        Sharing::Private
+    } else {
+        Sharing::Memfd
+    }
 }
 
 /// Creates the KVM VM with `mem` registered (before the irqchip, which is much cheaper here).
@@ -420,7 +454,7 @@ pub fn attach_devices(
     let mut mmio = Bus::default();
     let mut virtio = Vec::new();
     let mut mmio_args = Vec::new();
-    for (i, device) in devices.into_iter().enumerate() {
+    for (i, mut device) in devices.into_iter().enumerate() {
         let base = VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE;
         let irq = IRQ_BASE + i as u32;
         let name = device.name();
@@ -429,17 +463,8 @@ pub fn attach_devices(
             .register_irqfd(&irqfd, irq)
             .map_err(kvm_event_err(format!("irqfd for {name}")))?;
         let backend_fd = device.backend_fd();
-        let interrupt = Interrupt::new(irqfd);
-        let transport = match saved.map(|s| s.virtio.get(i)) {
-            Some(Some(state)) => {
-                <MmioTransport as Persist>::restore((device, mem.clone(), interrupt), state)
-                    .map_err(restore_err)?
-            }
-            Some(None) => return Err(restore_err(format!("{name}: not in the snapshot"))),
-            None => MmioTransport::new(device, mem.clone(), interrupt),
-        };
         let mut notify = Vec::new();
-        for queue in 0..transport.queue_count() {
+        for queue in 0..device.queue_max_sizes().len() {
             let evt =
                 EventFd::new(EFD_NONBLOCK).map_err(event_err(format!("ioeventfd for {name}")))?;
             vm.fd()
@@ -451,6 +476,25 @@ pub fn attach_devices(
                 .map_err(kvm_event_err(format!("ioeventfd for {name} queue {queue}")))?;
             notify.push(evt);
         }
+        let mut interrupt = Interrupt::new(irqfd);
+        let notify_polled = !device.backend_serves_queues();
+        if !notify_polled {
+            let fds = notify
+                .iter()
+                .map(EventFd::try_clone)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(event_err(format!("ioeventfds for {name}")))?;
+            device.set_notify_fds(fds);
+            interrupt = interrupt.with_sticky_used_ring();
+        }
+        let transport = match saved.map(|s| s.virtio.get(i)) {
+            Some(Some(state)) => {
+                <MmioTransport as Persist>::restore((device, mem.clone(), interrupt), state)
+                    .map_err(restore_err)?
+            }
+            Some(None) => return Err(restore_err(format!("{name}: not in the snapshot"))),
+            None => MmioTransport::new(device, mem.clone(), interrupt),
+        };
         let transport = Arc::new(Mutex::new(transport));
         mmio.insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;
         mmio_args.push(format!("virtio_mmio.device=4K@{base:#x}:{irq}"));
@@ -460,6 +504,7 @@ pub fn attach_devices(
             base,
             irq,
             backend_fd,
+            notify_polled,
         });
     }
     Ok(Attached {
@@ -542,7 +587,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     let mem_bytes = resources.machine.mem_size_mib << 20;
     let vcpu_count = resources.machine.vcpu_count as u8;
     let kvm = open_kvm()?;
-    let mem = create_guest_memory(mem_bytes)?;
+    let mem = create_guest_memory(mem_bytes, memory_sharing(resources))?;
     let vm = create_vm(&kvm, &mem, resources.machine.track_dirty_pages)?;
     let generation = GenerationView {
         counter: 0,

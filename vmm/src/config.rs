@@ -81,6 +81,46 @@ pub enum ConfigError {
     /// A `--net` flag could not be parsed.
     #[error("--net {0:?}: expected TAP[,mac=MAC][,id=NAME]")]
     NetFlag(String),
+    /// An empty or oversized volume tag.
+    #[error("fs tag {0:?} is invalid: use 1-36 bytes, without ',', ':', '=' or whitespace")]
+    FsTag(String),
+    /// Two volumes with one tag.
+    #[error("fs tag {0:?} is already configured")]
+    FsTagClash(String),
+    /// A volume's host directory is missing or not a directory.
+    #[error("fs {tag}: shared directory {path}: {detail}")]
+    FsDir {
+        /// The tag.
+        tag: String,
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A volume's vhost-user socket (started by the caller) does not exist.
+    #[error("fs {tag}: socket {path} does not exist; start virtiofsd on it first")]
+    FsSocket {
+        /// The tag.
+        tag: String,
+        /// The socket path.
+        path: PathBuf,
+    },
+    /// Options that only apply to a virtiofsd rollbox-vmm starts, given with `socket`.
+    #[error("fs {0}: readonly and cache are options of virtiofsd; with socket=PATH give them to the virtiofsd you started")]
+    FsSocketOptions(String),
+    /// An `--fs` flag could not be parsed.
+    #[error(
+        "--fs {0:?}: expected TAG=HOST_DIR[,readonly][,cache=auto|always|never][,socket=PATH]"
+    )]
+    FsFlag(String),
+    /// virtiofsd is needed and was not found.
+    #[error("fs {tag}: {detail}")]
+    NoVirtiofsd {
+        /// The tag of the volume that needs it.
+        tag: String,
+        /// Where it was looked for, and how to install it.
+        detail: String,
+    },
     /// No kernel was given.
     #[error("no kernel configured: give --kernel, a boot-source in --config, or PUT /boot-source")]
     NoKernel,
@@ -346,6 +386,76 @@ impl VsockConfig {
     }
 }
 
+/// virtiofsd's caching policy for a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FsCache {
+    /// virtiofsd's default: metadata and data cached with close-to-open consistency.
+    #[default]
+    Auto,
+    /// Cache as much as possible: only the guest changes the directory.
+    Always,
+    /// No caching: every access goes to the host (others change the directory too).
+    Never,
+}
+
+/// rollbox extension: a shared host directory over virtio-fs (`--fs`, `"fs"` in the config
+/// file, `PUT /fs/{tag}`). The guest mounts it with `mount -t virtiofs TAG DIR`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FsConfig {
+    /// The mount tag the guest sees (1-36 bytes).
+    pub tag: String,
+    /// The host directory.
+    pub shared_dir: PathBuf,
+    /// The guest may not change anything (virtiofsd `--readonly`).
+    #[serde(default)]
+    pub readonly: bool,
+    /// virtiofsd's cache policy.
+    #[serde(default)]
+    pub cache: FsCache,
+    /// The vhost-user socket of a virtiofsd the caller started; without it rollbox-vmm starts
+    /// one for the volume and stops it with the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+}
+
+impl FsConfig {
+    /// Checks the tag, the directory and the socket.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let tag_ok = !self.tag.is_empty()
+            && self.tag.len() <= 36
+            && !self
+                .tag
+                .chars()
+                .any(|c| c == ',' || c == ':' || c == '=' || c.is_whitespace() || c.is_control());
+        if !tag_ok {
+            return Err(ConfigError::FsTag(self.tag.clone()));
+        }
+        let dir_err = |detail: String| ConfigError::FsDir {
+            tag: self.tag.clone(),
+            path: self.shared_dir.clone(),
+            detail,
+        };
+        let meta = std::fs::metadata(&self.shared_dir).map_err(|e| dir_err(e.to_string()))?;
+        if !meta.is_dir() {
+            return Err(dir_err("not a directory".into()));
+        }
+        if let Some(socket) = &self.socket {
+            if self.readonly || self.cache != FsCache::Auto {
+                return Err(ConfigError::FsSocketOptions(self.tag.clone()));
+            }
+            if !socket.exists() {
+                return Err(ConfigError::FsSocket {
+                    tag: self.tag.clone(),
+                    path: socket.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where the guest console goes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -402,6 +512,9 @@ pub struct ConfigFile {
     /// rollbox extension: "stdout" or a file path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console: Option<String>,
+    /// rollbox extension (not a Firecracker field): shared volumes over virtio-fs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fs: Vec<FsConfig>,
 }
 
 impl ConfigFile {
@@ -433,6 +546,11 @@ pub struct VmResources {
     pub net: Vec<NetworkInterfaceConfig>,
     /// Console output.
     pub console: ConsoleConfig,
+    /// rollbox extension: shared volumes, in insertion order.
+    pub fs: Vec<FsConfig>,
+    /// The virtiofsd binary (`--virtiofsd`); else it is looked up (see
+    /// [`crate::devices::virtio::fs::locate_virtiofsd`]).
+    pub virtiofsd: Option<PathBuf>,
 }
 
 impl VmResources {
@@ -491,6 +609,25 @@ impl VmResources {
         Ok(())
     }
 
+    /// Adds a shared volume after checking it: its tag is new, its directory exists, and the
+    /// virtiofsd that will serve it exists (or the caller's socket does).
+    pub fn add_fs(&mut self, fs: FsConfig) -> Result<(), ConfigError> {
+        fs.validate()?;
+        if self.fs.iter().any(|f| f.tag == fs.tag) {
+            return Err(ConfigError::FsTagClash(fs.tag));
+        }
+        if fs.socket.is_none() {
+            crate::devices::virtio::fs::locate_virtiofsd(self.virtiofsd.as_deref()).map_err(
+                |e| ConfigError::NoVirtiofsd {
+                    tag: fs.tag.clone(),
+                    detail: e.to_string(),
+                },
+            )?;
+        }
+        self.fs.push(fs);
+        Ok(())
+    }
+
     /// Applies a configuration file.
     pub fn apply_file(&mut self, file: ConfigFile, host_mib: u64) -> Result<(), ConfigError> {
         if let Some(machine) = file.machine_config {
@@ -510,6 +647,9 @@ impl VmResources {
         }
         if let Some(console) = file.console {
             self.console = ConsoleConfig::parse(&console);
+        }
+        for fs in file.fs {
+            self.add_fs(fs)?;
         }
         Ok(())
     }
@@ -553,6 +693,35 @@ pub fn parse_drive_flag(value: &str, index: usize) -> Result<DriveConfig, Config
     }
     drive.validate()?;
     Ok(drive)
+}
+
+/// Parses `--fs TAG=HOST_DIR[,readonly][,cache=auto|always|never][,socket=PATH]`.
+pub fn parse_fs_flag(value: &str) -> Result<FsConfig, ConfigError> {
+    let bad = || ConfigError::FsFlag(value.into());
+    let mut parts = value.split(',');
+    let (tag, dir) = parts
+        .next()
+        .and_then(|first| first.split_once('='))
+        .filter(|(_, dir)| !dir.is_empty())
+        .ok_or_else(bad)?;
+    let mut fs = FsConfig {
+        tag: tag.to_string(),
+        shared_dir: PathBuf::from(dir),
+        readonly: false,
+        cache: FsCache::Auto,
+        socket: None,
+    };
+    for part in parts {
+        match part.split_once('=') {
+            None if part == "readonly" || part == "ro" => fs.readonly = true,
+            Some(("cache", "auto")) => fs.cache = FsCache::Auto,
+            Some(("cache", "always")) => fs.cache = FsCache::Always,
+            Some(("cache", "never")) => fs.cache = FsCache::Never,
+            Some(("socket", path)) if !path.is_empty() => fs.socket = Some(PathBuf::from(path)),
+            _ => return Err(bad()),
+        }
+    }
+    Ok(fs)
 }
 
 /// The host's memory in MiB, from /proc/meminfo.
@@ -692,6 +861,67 @@ mod tests {
             limited.validate(),
             Err(ConfigError::Unsupported("rx_rate_limiter"))
         );
+    }
+
+    #[test]
+    fn fs_flags_and_checks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path().display();
+        let fs = parse_fs_flag(&format!("data={d},readonly,cache=never")).expect("parse");
+        assert_eq!(fs.tag, "data");
+        assert!(fs.readonly);
+        assert_eq!(fs.cache, FsCache::Never);
+        assert!(parse_fs_flag("data").is_err());
+        assert!(parse_fs_flag("data=").is_err());
+        assert!(parse_fs_flag(&format!("data={d},cache=sometimes")).is_err());
+
+        let mut res = VmResources {
+            virtiofsd: Some(PathBuf::from("/bin/true")),
+            ..Default::default()
+        };
+        res.add_fs(fs.clone()).expect("add");
+        assert_eq!(
+            res.add_fs(fs.clone()),
+            Err(ConfigError::FsTagClash("data".into()))
+        );
+        let long = FsConfig {
+            tag: "x".repeat(37),
+            ..fs.clone()
+        };
+        assert!(matches!(res.add_fs(long), Err(ConfigError::FsTag(_))));
+        let empty = FsConfig {
+            tag: String::new(),
+            ..fs.clone()
+        };
+        assert!(matches!(res.add_fs(empty), Err(ConfigError::FsTag(_))));
+        let missing = FsConfig {
+            tag: "m".into(),
+            shared_dir: dir.path().join("absent"),
+            ..fs.clone()
+        };
+        let err = res.add_fs(missing).expect_err("missing dir");
+        assert!(err.to_string().contains("absent"), "{err}");
+        let no_daemon = FsConfig {
+            tag: "n".into(),
+            ..fs.clone()
+        };
+        res.virtiofsd = Some(dir.path().join("no-virtiofsd"));
+        let err = res.add_fs(no_daemon).expect_err("no virtiofsd");
+        assert!(err.to_string().contains("scripts/virtiofsd.sh"), "{err}");
+        assert_eq!(res.fs.len(), 1);
+    }
+
+    #[test]
+    fn fs_is_a_separate_config_file_field() {
+        let file: ConfigFile = serde_json::from_str(
+            r#"{"fs":[{"tag":"t","shared_dir":"/tmp","readonly":true,"cache":"always"}]}"#,
+        )
+        .expect("parse");
+        assert_eq!(file.fs[0].cache, FsCache::Always);
+        assert!(serde_json::from_str::<ConfigFile>(
+            r#"{"fs":[{"tag":"t","shared_dir":"/tmp","bogus":1}]}"#
+        )
+        .is_err());
     }
 
     #[test]

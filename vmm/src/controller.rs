@@ -197,7 +197,8 @@ impl Controller {
             (microvm.events.serial_room.as_raw_fd(), TOKEN_SERIAL_ROOM),
         ];
         for (dev, slot) in microvm.virtio.iter().enumerate() {
-            for (queue, evt) in slot.notify.iter().enumerate() {
+            let polled = slot.notify.iter().filter(|_| slot.notify_polled);
+            for (queue, evt) in polled.enumerate() {
                 fds.push((
                     evt.as_raw_fd(),
                     TOKEN_QUEUE | ((dev as u64) << 16) | queue as u64,
@@ -349,8 +350,16 @@ impl Controller {
             }
             TOKEN_BACKEND => {
                 let dev = (token & 0xffff) as usize;
+                let mut failure = None;
                 if let Some(slot) = self.microvm.as_ref().and_then(|vm| vm.virtio.get(dev)) {
-                    lock(&slot.transport).process_backend();
+                    let mut transport = lock(&slot.transport);
+                    transport.process_backend();
+                    failure = transport.device().failure();
+                }
+                if let Some(why) = failure {
+                    self.flush_console();
+                    eprintln!("rollbox-vmm: error: {why}");
+                    self.finish(1, "a device backend failed");
                 }
                 return;
             }
@@ -474,6 +483,11 @@ impl Controller {
             VmmAction::PutNetworkInterface(iface) => {
                 self.not_after_boot("PUT /network-interfaces")?;
                 self.resources.upsert_net(iface).map_err(config_err)?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::PutFs(fs) => {
+                self.not_after_boot("PUT /fs")?;
+                self.resources.add_fs(fs).map_err(config_err)?;
                 Ok(VmmData::Empty)
             }
             VmmAction::PutVsock(vsock) => {

@@ -380,6 +380,11 @@ fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(),
             }
             // Checked up front by check_network_overrides.
             DevicePersistKind::Net { .. } => {}
+            DevicePersistKind::Fs { tag } => {
+                return Err(format!(
+                    "fs {tag}: a microVM with a virtio-fs volume cannot be forked"
+                ))
+            }
         }
     }
     Ok(())

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use clap::Parser;
 use vmm::config::{
-    host_memory_mib, parse_drive_flag, parse_net_flag, BootSourceConfig, ConfigFile, ConsoleConfig,
-    VmResources, VsockConfig,
+    host_memory_mib, parse_drive_flag, parse_fs_flag, parse_net_flag, BootSourceConfig, ConfigFile,
+    ConsoleConfig, VmResources, VsockConfig,
 };
 use vmm::controller::Controller;
 use vmm::persist::{RestoreBackend, RestoreOptions};
@@ -50,6 +50,15 @@ struct Args {
     /// The guest's vsock CID (3 or more).
     #[arg(long, requires = "vsock_uds")]
     vsock_cid: Option<u64>,
+    /// A shared host directory over virtio-fs (rollbox extension):
+    /// TAG=HOST_DIR[,readonly][,cache=auto|always|never][,socket=PATH]; repeat for more. The
+    /// guest mounts it with `mount -t virtiofs TAG DIR`.
+    #[arg(long = "fs")]
+    fs: Vec<String>,
+    /// The virtiofsd binary for --fs volumes [default: $ROLLBOX_VIRTIOFSD, else virtiofsd on
+    /// PATH, /usr/libexec/virtiofsd, or the cache of scripts/virtiofsd.sh].
+    #[arg(long)]
+    virtiofsd: Option<PathBuf>,
     /// Track dirty pages, so that Diff snapshots can be taken.
     #[arg(long)]
     track_dirty_pages: bool,
@@ -59,7 +68,7 @@ struct Args {
     deterministic: bool,
     /// Restore a snapshot instead of booting: a directory with `vmstate` and `memory`, or a
     /// state file.
-    #[arg(long, conflicts_with_all = ["kernel", "config", "vcpus", "cmdline", "initrd"])]
+    #[arg(long, conflicts_with_all = ["kernel", "config", "vcpus", "cmdline", "initrd", "fs"])]
     restore: Option<PathBuf>,
     /// With --restore: cow (map the memory file copy-on-write), uffd (lazy, in-VMM page
     /// server) or copy (eager).
@@ -113,7 +122,10 @@ struct Args {
 
 fn resources_from(args: &Args) -> Result<VmResources, String> {
     let host_mib = host_memory_mib();
-    let mut resources = VmResources::default();
+    let mut resources = VmResources {
+        virtiofsd: args.virtiofsd.clone(),
+        ..Default::default()
+    };
     if let Some(path) = &args.config {
         let file = ConfigFile::load(path).map_err(|e| e.to_string())?;
         resources
@@ -189,6 +201,10 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     }
     if let Some(console) = &args.console {
         resources.console = ConsoleConfig::parse(console);
+    }
+    for flag in &args.fs {
+        let fs = parse_fs_flag(flag).map_err(|e| e.to_string())?;
+        resources.add_fs(fs).map_err(|e| e.to_string())?;
     }
     Ok(resources)
 }

@@ -32,9 +32,9 @@ use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
 use crate::devices::virtio::vsock::Vsock;
-use crate::devices::virtio::VirtioDevice;
-use crate::vstate::memory::create_guest_memory;
+use crate::devices::virtio::{VirtioDevice, TYPE_FS};
 use crate::vstate::memory::GuestMemoryMmap;
+use crate::vstate::memory::{create_guest_memory, Sharing};
 use crate::vstate::vcpu::{saveable_msrs, Vcpu, VcpuError, VcpuRestoreArgs, VcpuState};
 use crate::vstate::vm::{open_kvm, Vm, VmState, VmStateError};
 use kvm_ioctls::Kvm;
@@ -64,6 +64,9 @@ pub enum PersistError {
     /// Announcing a new VM generation.
     #[error(transparent)]
     Generation(#[from] GenerationError),
+    /// A shared volume is attached: its state lives in virtiofsd and is not saved.
+    #[error("cannot snapshot a microVM with a virtio-fs volume ({0}): the volume's state (open files, inodes) lives in virtiofsd and is not saved; snapshots of VMs with shared volumes are not supported yet")]
+    FsAttached(String),
     /// The operation needs the VM paused.
     #[error("the microVM must be paused (PATCH /vm {{\"state\": \"Paused\"}}) before a snapshot")]
     NotPaused,
@@ -183,6 +186,13 @@ pub fn create_snapshot(
     state_path: &Path,
     mem_path: &Path,
 ) -> Result<SnapshotReport, PersistError> {
+    if let Some(fs) = vm.virtio.iter().find_map(|slot| {
+        let transport = lock(&slot.transport);
+        let device = transport.device();
+        (device.device_type() == TYPE_FS).then(|| device.name())
+    }) {
+        return Err(PersistError::FsAttached(fs));
+    }
     if !vm.paused {
         return Err(PersistError::NotPaused);
     }
@@ -399,6 +409,7 @@ fn rebuild_device(
             })?;
             Ok(Box::new(block))
         }
+        DevicePersistKind::Fs { tag } => Err(PersistError::FsAttached(format!("fs {tag}"))),
         DevicePersistKind::Vsock {
             guest_cid,
             uds_path,
@@ -457,7 +468,8 @@ impl VmShell {
     /// Builds a shell for `machine`.
     pub fn build(machine: &MachineConfig) -> Result<Self, PersistError> {
         let kvm = open_kvm().map_err(BuildError::from)?;
-        let mem = create_guest_memory(machine.mem_size_mib << 20).map_err(BuildError::from)?;
+        let mem = create_guest_memory(machine.mem_size_mib << 20, Sharing::Private)
+            .map_err(BuildError::from)?;
         let vm = create_vm(&kvm, &mem, machine.track_dirty_pages)?;
         let msrs = saveable_msrs(&kvm)?;
         let vcpus = (0..machine.vcpu_count as u8)

@@ -7,6 +7,7 @@ pub mod server;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::FsConfig;
 use crate::config::{
     BootSourceConfig, DriveConfig, MachineConfig, NetworkInterfaceConfig, VsockConfig,
 };
@@ -28,6 +29,8 @@ pub enum VmmAction {
     PutVsock(VsockConfig),
     /// `PUT /network-interfaces/{iface_id}`
     PutNetworkInterface(NetworkInterfaceConfig),
+    /// rollbox extension: `PUT /fs/{tag}`, a shared volume over virtio-fs.
+    PutFs(FsConfig),
     /// `PUT /actions {"action_type": "InstanceStart"}`
     InstanceStart,
     /// `PUT /actions {"action_type": "SendCtrlAltDel"}`
@@ -312,6 +315,16 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
         ("PATCH", ["network-interfaces", id]) => Err(ActionError::bad_request(format!(
             "PATCH /network-interfaces/{id}: rate limiters are not supported by rollbox-vmm"
         ))),
+        ("PUT", ["fs", tag]) => {
+            let fs: FsConfig = body(bytes)?;
+            if fs.tag != *tag {
+                return Err(ActionError::bad_request(format!(
+                    "tag {:?} in the body does not match {:?} in the path",
+                    fs.tag, tag
+                )));
+            }
+            Ok(VmmAction::PutFs(fs))
+        }
         ("PUT", ["actions"]) => {
             let action: ActionBody = body(bytes)?;
             match action.action_type.as_str() {
@@ -394,6 +407,16 @@ mod tests {
         )
         .expect_err("mismatch");
         assert!(e.message.contains("does not match"));
+        let e = parse_request("PUT", "/fs/a", br#"{"tag":"b","shared_dir":"/tmp"}"#)
+            .expect_err("tag mismatch");
+        assert!(e.message.contains("does not match"), "{}", e.message);
+        let a = parse_request(
+            "PUT",
+            "/fs/a",
+            br#"{"tag":"a","shared_dir":"/tmp","readonly":true}"#,
+        )
+        .expect("fs");
+        assert!(matches!(a, VmmAction::PutFs(f) if f.readonly));
         let e = parse_request("DELETE", "/vm", b"").expect_err("method");
         assert!(e.message.contains("invalid request method"));
         let e = parse_request("PUT", "/actions", b"{").expect_err("json");

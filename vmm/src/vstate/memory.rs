@@ -1,7 +1,11 @@
-//! Guest memory: anonymous private mappings laid out around the MMIO gap.
+//! Guest memory: anonymous private mappings laid out around the MMIO gap, or, when a
+//! vhost-user backend must map it too (virtio-fs), one memfd mapped shared.
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
 
 use vm_memory::bitmap::AtomicBitmap;
-use vm_memory::GuestAddress;
+use vm_memory::{FileOffset, GuestAddress};
 
 /// Guest memory, with a dirty bitmap that records the VMM's own writes (device DMA) for
 /// diff snapshots; KVM's dirty log records the guest's.
@@ -20,16 +24,105 @@ pub enum MemoryError {
         /// The vm-memory error.
         source: vm_memory::mmap::FromRangesError,
     },
+    /// The memfd for shared guest memory could not be created or sized.
+    #[error("cannot create a {mib} MiB memfd for shared guest memory: {source}")]
+    Memfd {
+        /// Requested size.
+        mib: u64,
+        /// The OS error.
+        source: std::io::Error,
+    },
 }
 
-/// Creates anonymous guest memory of `mem_bytes` bytes.
-pub fn create_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MemoryError> {
-    let ranges: Vec<(GuestAddress, usize)> = ram_regions(mem_bytes)
-        .into_iter()
-        .map(|(start, size)| (GuestAddress(start), size as usize))
-        .collect();
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|source| MemoryError::Allocate {
-        mib: mem_bytes >> 20,
-        source,
-    })
+/// How guest memory is mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// Anonymous and private to the VMM (the default).
+    Private,
+    /// One memfd, mapped `MAP_SHARED`, each region at its offset in the file, so a vhost-user
+    /// backend can map the same pages from the region's fd.
+    Memfd,
+}
+
+/// Creates guest memory of `mem_bytes` bytes.
+pub fn create_guest_memory(
+    mem_bytes: u64,
+    sharing: Sharing,
+) -> Result<GuestMemoryMmap, MemoryError> {
+    let mib = mem_bytes >> 20;
+    let regions = ram_regions(mem_bytes);
+    let ranges: Vec<(GuestAddress, usize, Option<FileOffset>)> = match sharing {
+        Sharing::Private => regions
+            .into_iter()
+            .map(|(start, size)| (GuestAddress(start), size as usize, None))
+            .collect(),
+        Sharing::Memfd => {
+            let file = memfd(mem_bytes).map_err(|source| MemoryError::Memfd { mib, source })?;
+            let file = std::sync::Arc::new(file);
+            let mut offset = 0;
+            regions
+                .into_iter()
+                .map(|(start, size)| {
+                    let range = (
+                        GuestAddress(start),
+                        size as usize,
+                        Some(FileOffset::from_arc(std::sync::Arc::clone(&file), offset)),
+                    );
+                    offset += size;
+                    range
+                })
+                .collect()
+        }
+    };
+    GuestMemoryMmap::from_ranges_with_files(&ranges)
+        .map_err(|source| MemoryError::Allocate { mib, source })
+}
+
+/// A memfd of `len` bytes (sparse: pages are allocated when first touched).
+fn memfd(len: u64) -> std::io::Result<File> {
+    // SAFETY: the name is a NUL-terminated literal; memfd_create only reads it.
+    let fd = unsafe { libc::memfd_create(c"rollbox-guest-memory".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    Ok(file)
+}
+
+/// Whether guest memory is file-backed and mapped shared (a backend can map it).
+pub fn is_shared(mem: &GuestMemoryMmap) -> bool {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    mem.iter().all(|r| r.file_offset().is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
+
+    #[test]
+    fn memfd_memory_is_one_file_at_offsets() {
+        let mem = create_guest_memory(64 << 20, Sharing::Memfd).expect("memory");
+        assert!(is_shared(&mem));
+        let mut expect = 0;
+        for region in mem.iter() {
+            let fo = region.file_offset().expect("file offset");
+            assert_eq!(fo.start(), expect);
+            expect += region.len();
+        }
+        mem.write_obj(0xabcdu32, GuestAddress(0x1000))
+            .expect("write");
+        assert_eq!(
+            mem.read_obj::<u32>(GuestAddress(0x1000)).expect("read"),
+            0xabcd
+        );
+    }
+
+    #[test]
+    fn private_memory_has_no_file() {
+        let mem = create_guest_memory(16 << 20, Sharing::Private).expect("memory");
+        assert!(!is_shared(&mem));
+    }
 }

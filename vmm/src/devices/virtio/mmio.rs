@@ -150,7 +150,7 @@ impl MmioTransport {
         self.interrupt.set_status(regs.interrupt_status);
         self.queues = queues;
         if self.is_activated() {
-            self.device.activate(self.acked_features);
+            self.activate_device();
         }
     }
 
@@ -256,7 +256,23 @@ impl MmioTransport {
                 return;
             }
         }
-        self.device.activate(self.acked_features);
+        self.activate_device();
+    }
+
+    fn activate_device(&mut self) {
+        let mut ctx = QueueContext {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        if let Err(e) = self.device.activate_with(self.acked_features, &mut ctx) {
+            log::error!(
+                "{}: activation failed: {e}; device needs reset",
+                self.device.name()
+            );
+            self.status |= status::DEVICE_NEEDS_RESET;
+            self.interrupt.signal_config_change();
+        }
     }
 
     fn read_register(&mut self, offset: u64) -> u32 {

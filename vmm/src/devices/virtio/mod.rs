@@ -2,6 +2,7 @@
 
 pub mod block;
 pub mod chain;
+pub mod fs;
 pub mod mmio;
 pub mod net;
 pub mod persist;
@@ -24,6 +25,8 @@ pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 /// Device type of virtio-vsock.
 pub const TYPE_VSOCK: u32 = 19;
+/// Device type of virtio-fs.
+pub const TYPE_FS: u32 = 26;
 
 const INTERRUPT_USED_RING: u32 = 1;
 const INTERRUPT_CONFIG: u32 = 2;
@@ -72,6 +75,8 @@ pub fn check_avail(queue: &Queue, mem: &GuestMemoryMmap) -> Result<(), QueueErro
 pub struct Interrupt {
     status: Arc<AtomicU32>,
     irqfd: Arc<EventFd>,
+    /// Bits that always read as set (see [`Interrupt::with_sticky_used_ring`]).
+    sticky: u32,
 }
 
 impl Interrupt {
@@ -80,7 +85,20 @@ impl Interrupt {
         Self {
             status: Arc::new(AtomicU32::new(0)),
             irqfd,
+            sticky: 0,
         }
+    }
+
+    /// The same interrupt with USED_RING always set in the status register: for a device
+    /// whose vhost-user backend writes the irqfd itself, where the VMM cannot set the bit.
+    pub fn with_sticky_used_ring(mut self) -> Self {
+        self.sticky = INTERRUPT_USED_RING;
+        self
+    }
+
+    /// The irqfd, for a backend that raises the interrupt itself.
+    pub fn irqfd(&self) -> &EventFd {
+        &self.irqfd
     }
 
     /// Tells the driver that used rings changed.
@@ -102,7 +120,7 @@ impl Interrupt {
 
     /// The interrupt-status register.
     pub fn status(&self) -> u32 {
-        self.status.load(Ordering::SeqCst)
+        self.status.load(Ordering::SeqCst) | self.sticky
     }
 
     /// Overwrites the interrupt-status register (snapshot restore).
@@ -145,6 +163,28 @@ pub trait VirtioDevice: Send {
     }
     /// The driver set DRIVER_OK: the queues are valid and the device may run.
     fn activate(&mut self, _acked_features: u64) {}
+    /// Activation with the queues and guest memory at hand (a vhost-user device hands them to
+    /// its backend). An error marks the device DEVICE_NEEDS_RESET.
+    fn activate_with(
+        &mut self,
+        acked_features: u64,
+        _ctx: &mut QueueContext<'_>,
+    ) -> Result<(), String> {
+        self.activate(acked_features);
+        Ok(())
+    }
+    /// Whether an external (vhost-user) backend serves the queues: the VMM then hands it the
+    /// queue-notify eventfds ([`VirtioDevice::set_notify_fds`]) instead of polling them, and
+    /// the backend writes the irqfd itself.
+    fn backend_serves_queues(&self) -> bool {
+        false
+    }
+    /// The queue-notify eventfds, in queue order, for a device whose backend serves them.
+    fn set_notify_fds(&mut self, _fds: Vec<EventFd>) {}
+    /// Set once the device's backend failed for good: the VMM stops the VM with this message.
+    fn failure(&self) -> Option<String> {
+        None
+    }
     /// The driver reset the device.
     fn reset(&mut self) {}
     /// The driver notified queue `queue`.

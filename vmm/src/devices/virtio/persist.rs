@@ -96,6 +96,11 @@ pub enum DevicePersistKind {
         /// The MAC the guest was told.
         guest_mac: Option<[u8; 6]>,
     },
+    /// virtio-fs (snapshots of a VM with a volume are refused; this names it in errors).
+    Fs {
+        /// The volume's tag.
+        tag: String,
+    },
 }
 
 /// One virtio-mmio slot.

@@ -1,0 +1,215 @@
+//! Supervision of one virtiofsd per volume: where the binary comes from, how it is started,
+//! waiting for its socket, and killing it when the VM ends.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::FsError;
+use crate::config::{FsCache, FsConfig};
+
+/// The version `scripts/virtiofsd.sh` installs by default, and its cache.
+pub const CACHED_VIRTIOFSD: &str = "/var/cache/rollbox/virtiofsd/1.14.0/bin/virtiofsd";
+/// The environment variable naming the virtiofsd binary.
+pub const VIRTIOFSD_ENV: &str = "ROLLBOX_VIRTIOFSD";
+/// How long virtiofsd may take to offer its socket.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Finds virtiofsd: `explicit` (`--virtiofsd`), then `$ROLLBOX_VIRTIOFSD`, then `virtiofsd`
+/// on PATH, then Debian's `/usr/libexec/virtiofsd`, then the cache of `scripts/virtiofsd.sh`.
+pub fn locate_virtiofsd(explicit: Option<&Path>) -> Result<PathBuf, FsError> {
+    let is_exe = |p: &Path| p.is_file();
+    if let Some(path) = explicit {
+        return if is_exe(path) {
+            Ok(path.to_path_buf())
+        } else {
+            Err(FsError::NoVirtiofsd {
+                looked: format!("--virtiofsd {} does not exist", path.display()),
+            })
+        };
+    }
+    if let Some(path) = std::env::var_os(VIRTIOFSD_ENV) {
+        let path = PathBuf::from(path);
+        return if is_exe(&path) {
+            Ok(path)
+        } else {
+            Err(FsError::NoVirtiofsd {
+                looked: format!("{VIRTIOFSD_ENV}={} does not exist", path.display()),
+            })
+        };
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join("virtiofsd"))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    on_path
+        .into_iter()
+        .chain([
+            PathBuf::from("/usr/libexec/virtiofsd"),
+            PathBuf::from(CACHED_VIRTIOFSD),
+        ])
+        .find(|p| is_exe(p))
+        .ok_or_else(|| FsError::NoVirtiofsd {
+            looked: format!("not in {VIRTIOFSD_ENV}, PATH, /usr/libexec or {CACHED_VIRTIOFSD}"),
+        })
+}
+
+/// A virtiofsd that rollbox-vmm started for one volume; killed and reaped when dropped.
+pub struct Daemon {
+    tag: String,
+    child: Child,
+    /// A directory of its own, for its socket and the pid file virtiofsd writes beside it.
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `binary` serving `config.shared_dir` on a socket in `dir` (created here, removed
+    /// with the daemon) and waits until the socket exists. Running as root, virtiofsd chroots into the shared directory
+    /// (`--sandbox chroot`); otherwise it cannot, and runs unsandboxed as the calling user.
+    pub fn start(binary: &Path, config: &FsConfig, dir: &Path) -> Result<Self, FsError> {
+        let spawn_err = |source| FsError::Spawn {
+            tag: config.tag.clone(),
+            binary: binary.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir(dir).map_err(spawn_err)?;
+        let socket = dir.join("virtiofsd.sock");
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let cache = match config.cache {
+            FsCache::Auto => "auto",
+            FsCache::Always => "always",
+            FsCache::Never => "never",
+        };
+        let mut command = Command::new(binary);
+        command
+            .arg("--shared-dir")
+            .arg(&config.shared_dir)
+            .arg("--socket-path")
+            .arg(&socket)
+            .args(["--cache", cache])
+            .args(["--sandbox", if root { "chroot" } else { "none" }])
+            .args(["--log-level", "error"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if config.readonly {
+            command.arg("--readonly");
+        }
+        // SAFETY: the closure only calls prctl, which is async-signal-safe, between fork and
+        // exec. With PR_SET_PDEATHSIG the daemon also ends if rollbox-vmm is killed outright.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(dir);
+                return Err(spawn_err(e));
+            }
+        };
+        let mut daemon = Daemon {
+            tag: config.tag.clone(),
+            child,
+            dir: dir.to_path_buf(),
+            socket,
+        };
+        daemon.wait_ready()?;
+        Ok(daemon)
+    }
+
+    fn wait_ready(&mut self) -> Result<(), FsError> {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.exited() {
+                return Err(FsError::Daemon {
+                    tag: self.tag.clone(),
+                    detail: format!(
+                        "exited before offering its socket ({status}); its stderr says why"
+                    ),
+                });
+            }
+            if self.socket.exists() {
+                return Ok(());
+            }
+            if started.elapsed() > READY_TIMEOUT {
+                return Err(FsError::Daemon {
+                    tag: self.tag.clone(),
+                    detail: format!(
+                        "did not create {} within {} s",
+                        self.socket.display(),
+                        READY_TIMEOUT.as_secs()
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The socket it listens on.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// How it ended, if it has.
+    pub fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(status.to_string()),
+            Ok(None) => None,
+            Err(e) => Some(format!("state unknown: {e}")),
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explicit_path_must_exist() {
+        let err = locate_virtiofsd(Some(Path::new("/nonexistent/virtiofsd"))).expect_err("missing");
+        let text = err.to_string();
+        assert!(text.contains("/nonexistent/virtiofsd"), "{text}");
+        assert!(text.contains("scripts/virtiofsd.sh"), "{text}");
+    }
+
+    #[test]
+    fn a_daemon_that_exits_at_once_is_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = FsConfig {
+            tag: "t".into(),
+            shared_dir: dir.path().to_path_buf(),
+            readonly: false,
+            cache: FsCache::Auto,
+            socket: None,
+        };
+        let run = dir.path().join("run");
+        let err = Daemon::start(Path::new("/bin/false"), &config, &run)
+            .err()
+            .expect("must fail");
+        assert!(
+            err.to_string().contains("volume t: virtiofsd exited"),
+            "{err}"
+        );
+        assert!(!run.exists(), "the daemon's directory is removed");
+    }
+}
