@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: build the real binaries and the test guest,
 //! spawn `rollbox-vmm`, and talk to the guest over its serial console.
 
+pub mod linux;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
