@@ -5,7 +5,7 @@
 #   tier 1  unit and component tests (cargo test, all crates)
 #   tier 2  rollbox-vmm with the test guest on real /dev/kvm (tests/tests/tier2_*.rs)
 #   tier 3  the guest image under QEMU TCG (guest-agent/tests/tcg_guest.rs, rollbox images)
-#   tier 4  Linux under rollbox-vmm (tests/tests/tier4_linux.rs, then tier4_volumes.rs): directly
+#   tier 4  Linux under rollbox-vmm (tests/tests/tier4_{linux,volumes,network}.rs): directly
 #           where KVM has hardware virtualization, else inside the nested lab (scripts/lab/run.sh)
 # ROLLBOX_REQUIRE_ALL=1 (the default here) turns every "missing prerequisite" skip into a
 # failure. The closing line counts passed, failed and skipped tests and names every skip.
@@ -47,33 +47,42 @@ step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
 cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
 scripts/tcg/smoke.sh || status=$?
-step "tier 4: Linux under rollbox-vmm (tier4_linux, then the virtio-fs volumes of tier4_volumes)"
-for binary in tier4_linux tier4_volumes; do
-    tier4="$(cargo test -p rollbox-tests --test "$binary" --no-run --message-format=json 2>/dev/null |
+step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network)"
+tier4_bins=()
+for binary in tier4_linux tier4_volumes tier4_network; do
+    bin="$(cargo test -p rollbox-tests --test "$binary" --no-run --message-format=json 2>/dev/null |
         jq -r --arg name "$binary" 'select(.executable != null and .target.name == $name) | .executable' | tail -n 1)"
-    if [[ ! -x "$tier4" ]]; then
+    if [[ -x "$bin" ]]; then
+        tier4_bins+=("$bin")
+    else
         echo "tier 4: cannot find the $binary test binary" | tee -a "$log"
         status=1
-    elif [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
-        echo "tier 4: this host's KVM has hardware virtualization; running directly"
-        "$tier4" --test-threads=1 --color never 2>&1 | tee -a "$log" || status=$?
-    else
-        echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
-        # Tier 4 takes 6-8 minutes here. Every test bounds its own waits, so a lab that is still
-        # running after 20 minutes, or one that fails to start or crashes (status 125: L1's kernel
-        # under TCG, not a test), is the lab's failure; it gets one more try.
-        lab_status=0
-        scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
-        if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
-            echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
-            lab_status=0
-            scripts/lab/run.sh --timeout 1200 -- "$tier4" --test-threads=1 --color never 2>&1 | tee "$log.lab" || lab_status=$?
-        fi
-        cat "$log.lab" >> "$log"
-        rm -f "$log.lab"
-        [[ "$lab_status" -eq 0 ]] || status="$lab_status"
     fi
 done
+# Every binary runs even when an earlier one fails; the status is the first failure's.
+tier4_script='rc=0; for bin in "$@"; do "$bin" --test-threads=1 --color never || { [ "$rc" -ne 0 ] || rc=$?; }; done; exit "$rc"'
+if [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
+    echo "tier 4: this host's KVM has hardware virtualization; running directly"
+    modprobe tun 2>/dev/null || true
+    bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 | tee -a "$log" || status=$?
+else
+    echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
+    # Tier 4 takes 10-14 minutes here. Every test bounds its own waits, so a lab that is still
+    # running after 30 minutes, or one that fails to start or crashes (status 125: L1's kernel
+    # under TCG, not a test), is the lab's failure; it gets one more try.
+    lab_status=0
+    scripts/lab/run.sh --timeout 1800 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
+        tee "$log.lab" || lab_status=$?
+    if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
+        echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
+        lab_status=0
+        scripts/lab/run.sh --timeout 1800 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
+            tee "$log.lab" || lab_status=$?
+    fi
+    cat "$log.lab" >> "$log"
+    rm -f "$log.lab"
+    [[ "$lab_status" -eq 0 ]] || status="$lab_status"
+fi
 step "done"
 # One closing line over every test binary; a skipped test returned early and counts as passed
 # in libtest's own summary, so it moves from passed to skipped here.

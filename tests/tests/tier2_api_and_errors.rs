@@ -364,3 +364,134 @@ fn console_can_go_to_a_file() {
     let text = std::fs::read_to_string(&log).expect("console log");
     assert!(text.contains("rollbox-test-guest: ready"), "{text}");
 }
+
+/// Whether a network interface named `name` exists on the host.
+fn host_link_exists(name: &str) -> bool {
+    Path::new("/sys/class/net").join(name).exists()
+}
+
+#[test]
+fn bad_network_interfaces_get_one_clear_line_and_leave_no_tap() {
+    if !kvm_available() {
+        return;
+    }
+    let guest = test_guest().display().to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("limited.json"),
+        r#"{"network-interfaces":[{"iface_id":"eth0","host_dev_name":"rbxt2lim","rx_rate_limiter":{"bandwidth":{"size":1,"refill_time":1}}}]}"#,
+    )
+    .expect("write");
+    let base = |extra: &[&str]| {
+        let mut all = vec!["--kernel".to_string(), guest.clone()];
+        all.extend(extra.iter().map(|s| s.to_string()));
+        all
+    };
+    let config = d.join("limited.json").display().to_string();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            base(&["--net", "rbx-name-too-long"]),
+            "host_dev_name \"rbx-name-too-long\" is invalid",
+        ),
+        (base(&["--net", "rbxt2x,speed=10"]), "--net \"rbxt2x,speed=10\""),
+        (
+            base(&["--net", "rbxt2x,mac=01:00:5e:00:00:01"]),
+            "guest_mac \"01:00:5e:00:00:01\" is invalid",
+        ),
+        (
+            base(&[
+                "--net",
+                "rbxt2a,mac=06:00:0a:00:00:02",
+                "--net",
+                "rbxt2b,mac=06:00:0a:00:00:02",
+            ]),
+            "guest_mac 06:00:0a:00:00:02 is already used by interface eth0",
+        ),
+        (
+            base(&["--net", "rbxt2a", "--net", "rbxt2a,id=eth9"]),
+            "host_dev_name rbxt2a is already used by interface eth0",
+        ),
+        (
+            base(&["--config", &config]),
+            "rx_rate_limiter is not supported",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, stderr) = run_to_failure(d, &args);
+        assert_one_clear_line(code, &stderr, needle);
+    }
+    for tap in ["rbxt2x", "rbxt2a", "rbxt2b", "rbxt2lim"] {
+        assert!(!host_link_exists(tap), "tap {tap} was left behind");
+    }
+
+    // A tap another process holds.
+    let held = vmm::devices::virtio::net::tap::Tap::open("rbxt2held").expect("hold a tap");
+    let (code, stderr) = run_to_failure(d, &base(&["--net", "rbxt2held"]));
+    assert_one_clear_line(
+        code,
+        &stderr,
+        "tap rbxt2held is in use by another process",
+    );
+    drop(held);
+    assert!(!host_link_exists("rbxt2held"), "the test's tap outlived it");
+    assert_eq!(leftovers(d, &["limited.json"]), Vec::<String>::new());
+}
+
+#[test]
+fn network_interfaces_over_the_api() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("api.sock");
+    let mut vm = Vm::spawn_raw(&["--api-sock".into(), sock.display().to_string()], dir);
+    wait_for_socket(&sock, Duration::from_secs(10));
+    let put = |path: &str, body: &str| api(&sock, "PUT", path, Some(body));
+    let (status, body) = put(
+        "/network-interfaces/eth0",
+        r#"{"iface_id":"eth1","host_dev_name":"rbxt2api"}"#,
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("does not match"), "{body}");
+    let (status, body) = put(
+        "/network-interfaces/eth0",
+        r#"{"iface_id":"eth0","host_dev_name":"rbxt2api","guest_mac":"06:00:0a:00:00:09"}"#,
+    );
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = put(
+        "/network-interfaces/eth1",
+        r#"{"iface_id":"eth1","host_dev_name":"rbxt2api"}"#,
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("already used by interface eth0"), "{body}");
+    let (status, body) = api(
+        &sock,
+        "PATCH",
+        "/network-interfaces/eth0",
+        Some(r#"{"iface_id":"eth0","rx_rate_limiter":{}}"#),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("rate limiters are not supported"), "{body}");
+    let boot = format!(
+        r#"{{"kernel_image_path":"{}","boot_args":"{}"}}"#,
+        test_guest().display(),
+        rollbox_tests::TEST_GUEST_CMDLINE
+    );
+    assert_eq!(put("/boot-source", &boot).0, 204);
+    assert_eq!(
+        put("/actions", r#"{"action_type":"InstanceStart"}"#).0,
+        204
+    );
+    vm.expect_line("rollbox-test-guest: ready");
+    // The VM holds the tap it was given.
+    assert!(host_link_exists("rbxt2api"));
+    let (status, body) = put(
+        "/network-interfaces/eth2",
+        r#"{"iface_id":"eth2","host_dev_name":"rbxt2late"}"#,
+    );
+    assert_eq!(status, 400, "{body}");
+    vm.send("poweroff\n");
+    vm.wait(Duration::from_secs(30));
+    assert!(!host_link_exists("rbxt2api"), "the VM's tap outlived it");
+}

@@ -465,3 +465,42 @@ fn kill_during_snapshot_never_leaves_a_complete_looking_snapshot() {
         assert!(err.contains("no vmstate"), "{err}");
     }
 }
+
+#[test]
+fn a_network_interface_is_restored_onto_its_tap_or_an_override() {
+    if !kvm_available() {
+        return;
+    }
+    let tap_exists = |name: &str| Path::new("/sys/class/net").join(name).exists();
+    let (_keep, dir) = snapdir("snap");
+    let mut vm = boot_with_api(&["--net", "rbxt2s0,mac=06:00:0a:00:01:02"]);
+    snapshot(&vm, &dir, "Full");
+    // While the parent holds its tap, a restore onto the same tap is refused by name.
+    let mut refused = restore(&dir, &[]);
+    let status = refused.wait(Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(
+        refused
+            .stderr()
+            .contains("tap rbxt2s0 is in use by another process"),
+        "{}",
+        refused.stderr()
+    );
+    // Onto another tap it restores and runs.
+    let mut clone = restore(&dir, &["--net-override", "eth0=rbxt2s1"]);
+    assert_eq!(clone.ok("echo alive"), "alive");
+    assert!(tap_exists("rbxt2s1"));
+    let _ = clone.child.kill();
+    let _ = vm.child.kill();
+    let _ = clone.child.wait();
+    let _ = vm.child.wait();
+    // A bad override is refused before anything starts.
+    let err = restore_fails(&[
+        "--restore".to_string(),
+        dir.display().to_string(),
+        "--net-override".into(),
+        "eth0=much-too-long-tap".into(),
+    ]);
+    assert!(err.contains("much-too-long-tap"), "{err}");
+    assert!(!tap_exists("rbxt2s1") && !tap_exists("rbxt2s0"));
+}

@@ -1,0 +1,243 @@
+//! Tier 4: virtio-net with Linux guests. A host tap per guest, the guest's address from the
+//! kernel's `ip=` argument (set by the agent), traffic both ways through the real Linux
+//! virtio-net driver, and the interface across snapshot, restore and fork.
+//!
+//! Runs in the nested lab like tier4_linux (scripts/test.sh loads `tun` in L1); elsewhere every
+//! test skips with its reason. Throughput figures go to stderr and are never asserted.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rollbox_tests::linux::*;
+
+/// A tap on the host with a /30: the host is `.1`, the guest `.2`. Removed on drop.
+struct HostTap {
+    name: String,
+    host: Ipv4Addr,
+    guest: Ipv4Addr,
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl HostTap {
+    /// Tap `name` with the /30 whose third octet is `subnet` (10.199.<subnet>.0/30).
+    fn new(name: &str, subnet: u8) -> HostTap {
+        let _ = Command::new("ip").args(["link", "del", name]).output();
+        ip(&["tuntap", "add", name, "mode", "tap", "vnet_hdr"]);
+        let tap = HostTap {
+            name: name.into(),
+            host: Ipv4Addr::new(10, 199, subnet, 1),
+            guest: Ipv4Addr::new(10, 199, subnet, 2),
+        };
+        ip(&["addr", "add", &format!("{}/30", tap.host), "dev", name]);
+        ip(&["link", "set", name, "up"]);
+        tap
+    }
+
+    /// The guest's `ip=` kernel argument.
+    fn kernel_arg(&self) -> String {
+        format!(
+            "ip={}::{}:255.255.255.252::eth0:off:{}",
+            self.guest, self.host, self.host
+        )
+    }
+
+    /// The guest MAC: 06:00 and the guest's IPv4 address.
+    fn mac(&self) -> String {
+        let o = self.guest.octets();
+        format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", o[0], o[1], o[2], o[3])
+    }
+
+    fn net_flag(&self) -> String {
+        format!("{},mac={}", self.name, self.mac())
+    }
+}
+
+impl Drop for HostTap {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .output();
+    }
+}
+
+/// Fetches `path` from the guest's HTTP server, retrying while it starts.
+fn http_get(addr: SocketAddr, path: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
+            Ok(mut stream) => {
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(30)))
+                    .expect("timeout");
+                write!(stream, "GET {path} HTTP/1.0\r\nHost: guest\r\n\r\n").expect("request");
+                let mut answer = String::new();
+                stream.read_to_string(&mut answer).expect("answer");
+                return answer;
+            }
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("http {addr}: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(e) => panic!("http {addr}: {e}"),
+        }
+    }
+}
+
+/// Boots the busybox guest on `tap`.
+fn boot_on(work: &Path, name: &str, fx: &Fixtures, tap: &HostTap) -> LinuxVm {
+    LinuxVm::boot(
+        work,
+        name,
+        &fx.path("OUR_VMLINUX"),
+        &fx.path("BUSYBOX_ROOTFS"),
+        &agent_cmdline(&tap.kernel_arg()),
+        &["--vcpus", "2", "--memory-mib", "256", "--net", &tap.net_flag()],
+    )
+}
+
+/// Starts busybox httpd in the guest serving `body` at /index.html on port 8080.
+fn serve_http(agent: &Agent, body: &str) {
+    agent.sh(&format!(
+        "mkdir -p /tmp/www && echo {body} > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
+    ));
+}
+
+const MIB: usize = 1 << 20;
+
+mod tier4 {
+    use super::*;
+
+    #[test]
+    fn a_guest_on_a_tap_is_addressed_reaches_the_host_and_moves_64_mib_each_way() {
+        let Some(fx) = fixtures("tier4::a_guest_on_a_tap_is_addressed") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let tap = HostTap::new("rbxt4a", 10);
+        let mut vm = boot_on(work.path(), "net", &fx, &tap);
+        let agent = vm.agent();
+
+        // The agent configured the interface from ip=, and lo is up.
+        let addr = agent.sh("ip -4 addr show eth0");
+        assert!(addr.contains(&format!("inet {}/30", tap.guest)), "{addr}");
+        assert!(agent.sh("ip link show eth0").contains(&tap.mac()));
+        assert!(agent.sh("ip route").contains(&format!("default via {}", tap.host)));
+        assert_eq!(
+            agent.sh("cat /etc/resolv.conf"),
+            format!("nameserver {}", tap.host)
+        );
+        assert!(agent.sh("ip link show lo").contains("UP"));
+        agent.sh("ping -c 1 -W 5 127.0.0.1 >/dev/null");
+        agent.sh(&format!("ping -c 2 -W 10 {} >/dev/null", tap.host));
+
+        // The host reaches a server in the guest.
+        serve_http(&agent, "hello-from-the-guest");
+        let answer = http_get(SocketAddr::from((tap.guest, 8080)), "/index.html");
+        assert!(answer.contains("200 OK"), "{answer}");
+        assert!(answer.contains("hello-from-the-guest"), "{answer}");
+
+        // 64 MiB guest -> host over TCP, checked by SHA-256.
+        let listener = TcpListener::bind((tap.host, 0)).expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        let receiver = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().expect("accept");
+            let mut data = Vec::new();
+            conn.read_to_end(&mut data).expect("receive");
+            data
+        });
+        let t = Instant::now();
+        let sent = agent.sh(&format!(
+            "head -c {} /dev/urandom > /tmp/out && nc {} {port} < /tmp/out && sha256sum /tmp/out | cut -d' ' -f1",
+            64 * MIB,
+            tap.host
+        ));
+        let up = t.elapsed().as_secs_f64();
+        let got = receiver.join().expect("receiver");
+        assert_eq!(got.len(), 64 * MIB);
+        assert_eq!(sha256_hex(&got), sent);
+
+        // 64 MiB host -> guest.
+        let data = pattern(64 * MIB, 7);
+        agent.start("nc -l -p 5002 > /tmp/in");
+        let t = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut conn = loop {
+            match TcpStream::connect((tap.guest, 5002)) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("connect to the guest's nc: {e}; retrying");
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                Err(e) => panic!("connect to the guest's nc: {e}"),
+            }
+        };
+        conn.write_all(&data).expect("send");
+        drop(conn);
+        let mut received = String::new();
+        for _ in 0..120 {
+            received = agent.sh("wc -c < /tmp/in");
+            if received == (64 * MIB).to_string() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let down = t.elapsed().as_secs_f64();
+        assert_eq!(received, (64 * MIB).to_string());
+        assert_eq!(
+            agent.sh("sha256sum /tmp/in | cut -d' ' -f1"),
+            sha256_hex(&data)
+        );
+        eprintln!(
+            "virtio-net: 64 MiB guest->host {:.1} MiB/s (urandom and nc included), host->guest {:.1} MiB/s (nested lab)",
+            64.0 / up,
+            64.0 / down
+        );
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+    }
+
+    #[test]
+    fn the_interface_survives_snapshot_and_restore_onto_another_tap() {
+        let Some(fx) = fixtures("tier4::the_interface_survives_snapshot_and_restore") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let snapshot = work.path().join("snap");
+        {
+            let tap = HostTap::new("rbxt4b", 11);
+            let mut vm = boot_on(work.path(), "parent", &fx, &tap);
+            let agent = vm.agent();
+            serve_http(&agent, "served-before-the-snapshot");
+            let answer = http_get(SocketAddr::from((tap.guest, 8080)), "/index.html");
+            assert!(answer.contains("served-before-the-snapshot"), "{answer}");
+            vm.snapshot(&snapshot);
+            vm.kill();
+        }
+        // The same addresses on a new tap: the restored guest and its server keep working.
+        let tap = HostTap::new("rbxt4c", 11);
+        let mut vm = LinuxVm::restore(
+            work.path(),
+            "restored",
+            &snapshot,
+            &["--net-override", &format!("eth0={}", tap.name)],
+        );
+        let agent = vm.agent();
+        let answer = http_get(SocketAddr::from((tap.guest, 8080)), "/index.html");
+        assert!(answer.contains("served-before-the-snapshot"), "{answer}");
+        agent.sh(&format!("ping -c 2 -W 10 {} >/dev/null", tap.host));
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+    }
+}
