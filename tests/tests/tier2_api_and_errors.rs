@@ -394,7 +394,10 @@ fn bad_network_interfaces_get_one_clear_line_and_leave_no_tap() {
             base(&["--net", "rbx-name-too-long"]),
             "host_dev_name \"rbx-name-too-long\" is invalid",
         ),
-        (base(&["--net", "rbxt2x,speed=10"]), "--net \"rbxt2x,speed=10\""),
+        (
+            base(&["--net", "rbxt2x,speed=10"]),
+            "--net \"rbxt2x,speed=10\"",
+        ),
         (
             base(&["--net", "rbxt2x,mac=01:00:5e:00:00:01"]),
             "guest_mac \"01:00:5e:00:00:01\" is invalid",
@@ -428,11 +431,7 @@ fn bad_network_interfaces_get_one_clear_line_and_leave_no_tap() {
     // A tap another process holds.
     let held = vmm::devices::virtio::net::tap::Tap::open("rbxt2held").expect("hold a tap");
     let (code, stderr) = run_to_failure(d, &base(&["--net", "rbxt2held"]));
-    assert_one_clear_line(
-        code,
-        &stderr,
-        "tap rbxt2held is in use by another process",
-    );
+    assert_one_clear_line(code, &stderr, "tap rbxt2held is in use by another process");
     drop(held);
     assert!(!host_link_exists("rbxt2held"), "the test's tap outlived it");
     assert_eq!(leftovers(d, &["limited.json"]), Vec::<String>::new());
@@ -479,10 +478,7 @@ fn network_interfaces_over_the_api() {
         rollbox_tests::TEST_GUEST_CMDLINE
     );
     assert_eq!(put("/boot-source", &boot).0, 204);
-    assert_eq!(
-        put("/actions", r#"{"action_type":"InstanceStart"}"#).0,
-        204
-    );
+    assert_eq!(put("/actions", r#"{"action_type":"InstanceStart"}"#).0, 204);
     vm.expect_line("rollbox-test-guest: ready");
     // The VM holds the tap it was given.
     assert!(host_link_exists("rbxt2api"));

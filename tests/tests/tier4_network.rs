@@ -103,7 +103,15 @@ fn boot_on(work: &Path, name: &str, fx: &Fixtures, tap: &HostTap) -> LinuxVm {
         &fx.path("OUR_VMLINUX"),
         &fx.path("BUSYBOX_ROOTFS"),
         &agent_cmdline(&tap.kernel_arg()),
-        &["--vcpus", "2", "--memory-mib", "256", "--net", &tap.net_flag()],
+        // 512 MiB: the 64 MiB transfers sit in the guest's /tmp (tmpfs, half of memory).
+        &[
+            "--vcpus",
+            "2",
+            "--memory-mib",
+            "512",
+            "--net",
+            &tap.net_flag(),
+        ],
     )
 }
 
@@ -133,7 +141,9 @@ mod tier4 {
         let addr = agent.sh("ip -4 addr show eth0");
         assert!(addr.contains(&format!("inet {}/30", tap.guest)), "{addr}");
         assert!(agent.sh("ip link show eth0").contains(&tap.mac()));
-        assert!(agent.sh("ip route").contains(&format!("default via {}", tap.host)));
+        assert!(agent
+            .sh("ip route")
+            .contains(&format!("default via {}", tap.host)));
         assert_eq!(
             agent.sh("cat /etc/resolv.conf"),
             format!("nameserver {}", tap.host)
@@ -159,7 +169,7 @@ mod tier4 {
         });
         let t = Instant::now();
         let sent = agent.sh(&format!(
-            "head -c {} /dev/urandom > /tmp/out && nc {} {port} < /tmp/out && sha256sum /tmp/out | cut -d' ' -f1",
+            "head -c {} /dev/urandom > /tmp/out && nc {} {port} < /tmp/out && sha256sum /tmp/out | cut -d' ' -f1 && rm /tmp/out",
             64 * MIB,
             tap.host
         ));
@@ -170,7 +180,9 @@ mod tier4 {
 
         // 64 MiB host -> guest.
         let data = pattern(64 * MIB, 7);
-        agent.start("nc -l -p 5002 > /tmp/in");
+        // In the background of a finished exec (the agent ends a started exec's processes when
+        // its handle goes); nc's stdin stays open, or busybox nc closes the connection at once.
+        agent.sh("(sleep 600 | nc -l -p 5002 > /tmp/in) >/dev/null 2>&1 &");
         let t = Instant::now();
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut conn = loop {
