@@ -417,6 +417,15 @@ impl AgentClient {
         .await
     }
 
+    /// (Re)addresses a guest interface (after a fork, say).
+    pub async fn configure_network(
+        &self,
+        config: &crate::NetworkConfig,
+    ) -> Result<Applied, ClientError> {
+        self.applied(ClientMessage::ConfigureNetwork(config.clone()))
+            .await
+    }
+
     pub async fn health(&self) -> Result<Health, ClientError> {
         match self.request(ClientMessage::Health).await? {
             ServerMessage::Health(health) => Ok(health),

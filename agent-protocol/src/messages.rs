@@ -21,6 +21,25 @@ pub struct ServerFrame {
     pub body: ServerMessage,
 }
 
+/// A static IPv4 configuration for one interface.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// Interface name (default `eth0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Address with its prefix length, e.g. `10.200.0.6/30`.
+    pub address: String,
+    /// Default gateway.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// DNS servers; when given they replace /etc/resolv.conf.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<String>,
+    /// A new MAC, `aa:bb:cc:dd:ee:ff`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+}
+
 /// What the host asks. Messages marked "(stream input)" go to a request that
 /// is still open under the same id; all others open a new request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -119,6 +138,10 @@ pub enum ClientMessage {
         #[serde(default)]
         machine_id: Option<String>,
     },
+    /// (Re)address a network interface, as after a fork: a new MAC (the link goes down and
+    /// up for it), the IPv4 address replacing the old one, the default route and
+    /// /etc/resolv.conf: `Applied`.
+    ConfigureNetwork(NetworkConfig),
     /// Health and simple metrics: `Health`.
     Health,
     /// Start dockerd if it is not answering yet: `DockerReady`.

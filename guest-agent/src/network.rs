@@ -164,6 +164,10 @@ fn os_err(what: &'static str, device: &str) -> NetworkError {
 
 /// Sets `device` up (IFF_UP), keeping its other flags.
 pub fn link_up(device: &str) -> Result<(), NetworkError> {
+    set_link(device, true)
+}
+
+fn set_link(device: &str, up: bool) -> Result<(), NetworkError> {
     let sock = control_socket()?;
     let mut req = IfReqFlags {
         name: ifname(device)?,
@@ -174,7 +178,11 @@ pub fn link_up(device: &str) -> Result<(), NetworkError> {
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
         return Err(os_err("SIOCGIFFLAGS", device));
     }
-    req.flags |= libc::IFF_UP as libc::c_short;
+    if up {
+        req.flags |= libc::IFF_UP as libc::c_short;
+    } else {
+        req.flags &= !(libc::IFF_UP as libc::c_short);
+    }
     // SAFETY: SIOCSIFFLAGS reads the ifreq filled above.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
         return Err(os_err("SIOCSIFFLAGS", device));
@@ -200,6 +208,142 @@ fn set_addr(
         return Err(os_err(what, device));
     }
     Ok(())
+}
+
+#[repr(C)]
+struct IfReqHwAddr {
+    name: [u8; 16],
+    addr: libc::sockaddr,
+    _pad: [u8; 8],
+}
+
+fn set_mac(sock: &OwnedFd, device: &str, mac: [u8; 6]) -> Result<(), NetworkError> {
+    let mut req = IfReqHwAddr {
+        name: ifname(device)?,
+        addr: libc::sockaddr {
+            sa_family: libc::ARPHRD_ETHER,
+            sa_data: [0; 14],
+        },
+        _pad: [0; 8],
+    };
+    for (dst, src) in req.addr.sa_data.iter_mut().zip(mac) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCSIFHWADDR reads an ifreq holding a sockaddr; `req` is ifreq-sized and lives
+    // for the call.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFHWADDR, &req) } < 0 {
+        return Err(os_err("SIOCSIFHWADDR", device));
+    }
+    Ok(())
+}
+
+/// Removes every IPv4 default route.
+fn delete_default_routes(sock: &OwnedFd, device: &str) -> Result<(), NetworkError> {
+    // At most a handful exist; the bound keeps a kernel that never says ESRCH from looping.
+    for _ in 0..16 {
+        // SAFETY: rtentry is plain data; all-zero is a valid value.
+        let mut route: libc::rtentry = unsafe { std::mem::zeroed() };
+        let any = sockaddr(Ipv4Addr::UNSPECIFIED);
+        // SAFETY: sockaddr_in and sockaddr have the same size; both are plain data.
+        unsafe {
+            route.rt_dst = std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(any);
+            route.rt_genmask = std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(any);
+        }
+        // SAFETY: SIOCDELRT reads the rtentry, which lives for the call.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCDELRT, &route) } < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ESRCH) {
+                return Ok(());
+            }
+            return Err(NetworkError::Ioctl {
+                what: "SIOCDELRT (default route)",
+                device: device.into(),
+                detail: err.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next().filter(|p| p.len() == 2)?;
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    (parts.next().is_none() && mac[0] & 1 == 0).then_some(mac)
+}
+
+/// Turns an agent request into a static configuration plus an optional new MAC.
+pub fn from_request(
+    req: &rollbox_agent_protocol::NetworkConfig,
+) -> Result<(StaticConfig, Option<[u8; 6]>), String> {
+    let (addr, prefix) = req
+        .address
+        .split_once('/')
+        .ok_or_else(|| format!("address {:?}: expected ADDRESS/PREFIX", req.address))?;
+    let address: Ipv4Addr = addr
+        .parse()
+        .map_err(|_| format!("address {:?}: not an IPv4 address", req.address))?;
+    let prefix: u32 = prefix
+        .parse()
+        .ok()
+        .filter(|p| (1..=32).contains(p))
+        .ok_or_else(|| format!("address {:?}: prefix must be 1-32", req.address))?;
+    let netmask = Ipv4Addr::from(u32::MAX << (32 - prefix));
+    let gateway = req
+        .gateway
+        .as_deref()
+        .map(|g| {
+            g.parse::<Ipv4Addr>()
+                .map_err(|_| format!("gateway {g:?}: not an IPv4 address"))
+        })
+        .transpose()?;
+    let dns = req
+        .dns
+        .iter()
+        .map(|d| {
+            d.parse::<Ipv4Addr>()
+                .map_err(|_| format!("dns {d:?}: not an IPv4 address"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mac = req
+        .mac
+        .as_deref()
+        .map(|m| {
+            parse_mac(m).ok_or_else(|| format!("mac {m:?}: expected a unicast aa:bb:cc:dd:ee:ff"))
+        })
+        .transpose()?;
+    Ok((
+        StaticConfig {
+            device: req.device.clone().unwrap_or_else(|| "eth0".into()),
+            address,
+            netmask,
+            gateway,
+            dns,
+        },
+        mac,
+    ))
+}
+
+/// Re-addresses an interface: new MAC (with the link down), address, default route, DNS.
+pub fn reconfigure(
+    config: &StaticConfig,
+    mac: Option<[u8; 6]>,
+    etc_dir: &std::path::Path,
+) -> Result<(), NetworkError> {
+    let sock = control_socket()?;
+    let dev = config.device.as_str();
+    if let Some(mac) = mac {
+        set_link(dev, false)?;
+        set_mac(&sock, dev, mac)?;
+    }
+    if config.gateway.is_some() {
+        delete_default_routes(&sock, dev)?;
+    }
+    configure(config, etc_dir)
 }
 
 fn add_default_route(sock: &OwnedFd, device: &str, gateway: Ipv4Addr) -> Result<(), NetworkError> {
@@ -338,5 +482,39 @@ mod tests {
     fn ifreq_layouts_match_the_kernel() {
         assert_eq!(std::mem::size_of::<IfReqFlags>(), 40);
         assert_eq!(std::mem::size_of::<IfReqAddr>(), 40);
+        assert_eq!(std::mem::size_of::<IfReqHwAddr>(), 40);
+    }
+
+    #[test]
+    fn configure_network_requests() {
+        let req = rollbox_agent_protocol::NetworkConfig {
+            device: None,
+            address: "10.200.0.6/30".into(),
+            gateway: Some("10.200.0.5".into()),
+            dns: vec!["10.200.0.5".into()],
+            mac: Some("06:00:0a:c8:00:06".into()),
+        };
+        let (config, mac) = from_request(&req).expect("valid");
+        assert_eq!(config.netmask, Ipv4Addr::new(255, 255, 255, 252));
+        assert_eq!(config.device, "eth0");
+        assert_eq!(mac, Some([6, 0, 10, 200, 0, 6]));
+        for (field, bad) in [
+            ("address", "10.200.0.6"),
+            ("address", "10.200.0.6/33"),
+            ("address", "10.200.0.x/30"),
+        ] {
+            let err = from_request(&rollbox_agent_protocol::NetworkConfig {
+                address: bad.into(),
+                ..req.clone()
+            })
+            .expect_err(bad);
+            assert!(err.starts_with(field), "{err}");
+        }
+        let err = from_request(&rollbox_agent_protocol::NetworkConfig {
+            mac: Some("01:00:00:00:00:01".into()),
+            ..req.clone()
+        })
+        .expect_err("multicast");
+        assert!(err.contains("unicast"), "{err}");
     }
 }

@@ -318,6 +318,16 @@ async fn start(
         ClientMessage::PowerOff { reboot } => blocking(out, id, move || {
             fixups::power_off(agent.config.is_init, reboot)
         }),
+        ClientMessage::ConfigureNetwork(request) => blocking(out, id, move || {
+            let (config, mac) = crate::network::from_request(&request)
+                .map_err(|e| ErrorInfo::bad_request(format!("configure_network: {e}")))?;
+            crate::network::reconfigure(&config, mac, &agent.config.etc_dir)
+                .map_err(|e| ErrorInfo::bad_request(format!("configure_network: {e}")))?;
+            Ok(ServerMessage::Applied {
+                applied: true,
+                detail: format!("{} is {}", config.device, request.address),
+            })
+        }),
         ClientMessage::SetIdentity {
             hostname,
             machine_id,

@@ -449,3 +449,28 @@ pub fn agent_cmdline(extra: &str) -> String {
         .trim()
         .to_string()
 }
+
+/// The processes of a fork's clones (from the `POST /fork` answer), killed however the test
+/// ends.
+pub struct ClonePids(pub Vec<u32>);
+
+impl ClonePids {
+    /// The pids in the answer's `clones` array.
+    pub fn of(clones: &[serde_json::Value]) -> ClonePids {
+        ClonePids(
+            clones
+                .iter()
+                .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
+                .collect(),
+        )
+    }
+}
+
+impl Drop for ClonePids {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // SAFETY: kill only sends a signal to a clone process the test started.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+    }
+}

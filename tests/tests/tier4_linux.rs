@@ -302,22 +302,7 @@ mod tier4 {
         let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
         let clones = result["clones"].as_array().expect("clones").clone();
         assert_eq!(clones.len(), 8, "{answer}");
-        // Kill every clone however the test ends.
-        struct Clones(Vec<u32>);
-        impl Drop for Clones {
-            fn drop(&mut self) {
-                for pid in &self.0 {
-                    // SAFETY: kill only sends a signal to the clone process we started.
-                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-                }
-            }
-        }
-        let _guard = Clones(
-            clones
-                .iter()
-                .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
-                .collect(),
-        );
+        let _guard = ClonePids::of(&clones);
         let mut seen: [BTreeSet<String>; 3] = Default::default();
         for clone in &clones {
             assert!(clone["error"].is_null(), "clone failed: {clone}");

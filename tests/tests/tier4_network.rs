@@ -126,6 +126,8 @@ const MIB: usize = 1 << 20;
 
 mod tier4 {
     use super::*;
+    use rollbox_agent_protocol::NetworkConfig;
+    use std::path::PathBuf;
 
     #[test]
     fn a_guest_on_a_tap_is_addressed_reaches_the_host_and_moves_64_mib_each_way() {
@@ -251,5 +253,89 @@ mod tier4 {
         agent.sh(&format!("ping -c 2 -W 10 {} >/dev/null", tap.host));
         agent.start("poweroff -f");
         assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+    }
+
+    const CLONES: u8 = 16;
+
+    #[test]
+    fn sixteen_clones_of_a_networked_guest_each_answer_at_their_own_address() {
+        let Some(fx) = fixtures("tier4::sixteen_clones_each_answer_at_their_own_address") else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("tempdir");
+        let parent_tap = HostTap::new("rbxt4p", 20);
+        let mut parent = LinuxVm::boot(
+            work.path(),
+            "parent",
+            &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
+            &agent_cmdline(&parent_tap.kernel_arg()),
+            &[
+                "--vcpus",
+                "1",
+                "--memory-mib",
+                "192",
+                "--net",
+                &parent_tap.net_flag(),
+            ],
+        );
+        let agent = parent.agent();
+        serve_http(&agent, "parent");
+        drop(agent);
+        // One tap, one /30 and one MAC per clone.
+        let taps: Vec<HostTap> = (0..CLONES)
+            .map(|i| HostTap::new(&format!("rbxf{i}"), 30 + i))
+            .collect();
+        let overrides: Vec<serde_json::Value> = taps
+            .iter()
+            .map(|t| {
+                serde_json::json!([{
+                    "iface_id": "eth0",
+                    "host_dev_name": t.name,
+                    "guest_mac": t.mac(),
+                }])
+            })
+            .collect();
+        let body = serde_json::json!({
+            "count": CLONES,
+            "dir": work.path().join("fork"),
+            "network_overrides": overrides,
+        });
+        let started = Instant::now();
+        let answer = parent.call("POST", "/fork", &body.to_string());
+        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+        let clones = result["clones"].as_array().expect("clones").clone();
+        let _guard = ClonePids::of(&clones);
+        assert_eq!(clones.len(), usize::from(CLONES), "{answer}");
+        for (clone, tap) in clones.iter().zip(&taps) {
+            assert!(clone["error"].is_null(), "clone failed: {clone}");
+            let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
+            let agent = Agent::connect(&uds, |_| Ok(()));
+            let applied = agent
+                .runtime
+                .block_on(agent.client.configure_network(&NetworkConfig {
+                    device: None,
+                    address: format!("{}/30", tap.guest),
+                    gateway: Some(tap.host.to_string()),
+                    dns: vec![tap.host.to_string()],
+                    mac: Some(tap.mac()),
+                }))
+                .expect("configure_network");
+            assert!(applied.applied, "{applied:?}");
+            assert!(agent.sh("ip link show eth0").contains(&tap.mac()));
+            agent.sh(&format!("echo {} > /tmp/www/index.html", tap.name));
+        }
+        // Every clone serves its own page at its own address, through its own tap.
+        for tap in &taps {
+            let answer = http_get(SocketAddr::from((tap.guest, 8080)), "/index.html");
+            assert!(answer.contains(&tap.name), "{}: {answer}", tap.name);
+        }
+        eprintln!(
+            "fork of {CLONES} networked clones: all re-addressed and serving {:.2} s after the fork request (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        // The parent still serves at its address.
+        let answer = http_get(SocketAddr::from((parent_tap.guest, 8080)), "/index.html");
+        assert!(answer.contains("parent"), "{answer}");
     }
 }

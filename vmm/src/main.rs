@@ -41,7 +41,8 @@ struct Args {
     /// A network interface on a host tap: TAP[,mac=MAC][,id=NAME]; repeat for more.
     #[arg(long = "net", conflicts_with = "restore")]
     nets: Vec<String>,
-    /// With --restore: put an interface on another tap, as ID=TAP.
+    /// With --restore: put an interface on another tap (and give it a new MAC), as
+    /// ID=TAP[,mac=MAC].
     #[arg(long = "net-override", requires = "restore")]
     net_overrides: Vec<String>,
     /// Host side of virtio-vsock: a Unix socket path (with --restore: the clone's new socket).
@@ -219,12 +220,12 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
     }
     let mut net_overrides = HashMap::new();
     for entry in &args.net_overrides {
-        let (id, tap) = entry
+        let (id, value) = entry
             .split_once('=')
-            .ok_or_else(|| format!("--net-override {entry:?}: expected ID=TAP"))?;
-        vmm::devices::virtio::net::tap::check_name(tap)
+            .ok_or_else(|| format!("--net-override {entry:?}: expected ID=TAP[,mac=MAC]"))?;
+        let parsed = vmm::persist::NetOverride::parse(value)
             .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
-        net_overrides.insert(id.to_string(), tap.to_string());
+        net_overrides.insert(id.to_string(), parsed);
     }
     Ok(RestoreOptions {
         backend: args.restore_backend.parse::<RestoreBackend>()?,

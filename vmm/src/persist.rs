@@ -309,6 +309,37 @@ impl std::str::FromStr for RestoreBackend {
     }
 }
 
+/// A network interface's new host side at restore time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetOverride {
+    /// The tap.
+    pub host_dev_name: String,
+    /// A new MAC for the device to report (a clone's; the guest's agent applies it).
+    pub guest_mac: Option<[u8; 6]>,
+}
+
+impl NetOverride {
+    /// Parses `TAP[,mac=MAC]` (the `--net-override ID=` value).
+    pub fn parse(value: &str) -> Result<Self, String> {
+        let mut parts = value.split(',');
+        let tap = parts.next().unwrap_or_default();
+        crate::devices::virtio::net::tap::check_name(tap).map_err(|e| e.to_string())?;
+        let mut guest_mac = None;
+        for part in parts {
+            match part.split_once('=') {
+                Some(("mac", mac)) => {
+                    guest_mac = Some(crate::config::parse_mac(mac).map_err(|e| e.to_string())?)
+                }
+                _ => return Err(format!("{part:?}: expected mac=MAC")),
+            }
+        }
+        Ok(Self {
+            host_dev_name: tap.into(),
+            guest_mac,
+        })
+    }
+}
+
 /// Choices made at restore time.
 #[derive(Debug, Clone, Default)]
 pub struct RestoreOptions {
@@ -320,8 +351,8 @@ pub struct RestoreOptions {
     pub vsock_uds: Option<PathBuf>,
     /// New image paths, by drive ID.
     pub drive_overrides: HashMap<String, PathBuf>,
-    /// New host taps, by interface ID (Firecracker's `network_overrides`).
-    pub net_overrides: HashMap<String, String>,
+    /// New host taps (and MACs), by interface ID (Firecracker's `network_overrides`).
+    pub net_overrides: HashMap<String, NetOverride>,
     /// Give the guest a new generation counter value and VM generation ID (it was cloned).
     pub new_generation: bool,
     /// Deterministic reset: guest time and the generation stay exactly as the snapshot had them,
@@ -429,15 +460,13 @@ fn rebuild_device(
             host_dev_name,
             guest_mac,
         } => {
-            let host_dev_name = options
-                .net_overrides
-                .get(iface_id)
-                .cloned()
-                .unwrap_or_else(|| host_dev_name.clone());
+            let over = options.net_overrides.get(iface_id);
             let net = Net::new(NetConfig {
                 iface_id: iface_id.clone(),
-                host_dev_name,
-                guest_mac: *guest_mac,
+                host_dev_name: over
+                    .map(|o| o.host_dev_name.clone())
+                    .unwrap_or_else(|| host_dev_name.clone()),
+                guest_mac: over.and_then(|o| o.guest_mac).or(*guest_mac),
             })
             .map_err(|e| PersistError::Device {
                 device: format!("network interface {iface_id}"),

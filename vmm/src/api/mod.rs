@@ -95,6 +95,10 @@ pub struct NetworkOverride {
     pub iface_id: String,
     /// Its new host tap.
     pub host_dev_name: String,
+    /// rollbox extension: a new MAC for the device (a clone's; the agent applies it in the
+    /// guest with `configure_network`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_mac: Option<String>,
 }
 
 /// rollbox's restore extension, under `"rollbox"` in the load body.
