@@ -434,7 +434,9 @@ fn bad_input_is_refused_and_leaves_nothing() {
     let long = "n".repeat(65);
     let empty_path = tempfile::tempdir().unwrap();
     let empty_path = empty_path.path().to_str().unwrap().to_string();
-    let cases: Vec<(&str, Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+    // (name, extra arguments, environment, what the error must say)
+    type Case<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
         (long.as_str(), vec![], vec![], "is 65 bytes, over 64"),
         ("a/b", vec![], vec![], "sandbox name `a/b`: has `/`"),
         ("_x", vec![], vec![], "must start with a letter or digit"),

@@ -213,7 +213,6 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
         expose.push(pair);
     }
     nft::binary()?;
-    nft::check_ports_free(&expose)?;
 
     state.claim_name(&options.name)?;
     let made = state.claim_slot(&pool, |slot| Lease {
@@ -253,7 +252,7 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
         link_made = true;
         tap::configure(&lease.tap, lease.host_ip, slot.subnet.netmask())?;
         tap::enable_forwarding()?;
-        nft::apply(&nft::render_up(&sandbox_rules(&lease, &egress)))?;
+        nft::apply_up(&nft::render_up(&sandbox_rules(&lease, &egress)))?;
         lease.complete = true;
         state.update(&lease, &slot)?;
         Ok(())
@@ -285,10 +284,19 @@ fn teardown(state: &StateDir, key: &str, lease: &Lease) -> Result<(), NetError> 
     // deletes by chain; `none` renders the same chains.
     let egress = lease.egress.parse().unwrap_or(Egress::None);
     let rules = sandbox_rules(lease, &egress);
-    if nft::apply(&nft::render_down(&rules)).is_err() {
-        remove_rules_one_by_one(lease)?;
-    }
-    remove_link(lease)?;
+    // Deleting a link waits for the kernel (RCU), and so does nft's commit: both at once.
+    std::thread::scope(|scope| {
+        let link = scope.spawn(|| remove_link(lease));
+        if nft::apply(&nft::render_down(&rules)).is_err() {
+            remove_rules_one_by_one(lease)?;
+        }
+        link.join().unwrap_or_else(|_| {
+            Err(NetError::Tap(tap::TapError::Command {
+                command: format!("removing {}", lease.tap),
+                detail: "the thread panicked".to_string(),
+            }))
+        })
+    })?;
     state.release_lease(key)?;
     state.release_name(&lease.name)?;
     Ok(())

@@ -352,24 +352,32 @@ pub fn sandbox_chains(listing: &str) -> Vec<String> {
     taps
 }
 
-/// Fails with [`NftError::PortTaken`] when a host port in `expose` is already exposed.
-pub fn check_ports_free(expose: &[(u16, u16)]) -> Result<(), NftError> {
-    if expose.is_empty() {
-        return Ok(());
-    }
-    let Some(listing) = list_table()? else {
+/// Applies an `up` script. When it failed because another sandbox has one of the host ports
+/// (its `create element` found the key), says which port and where it goes.
+pub fn apply_up(script: &str) -> Result<(), NftError> {
+    let Err(error) = apply(script) else {
         return Ok(());
     };
-    let taken = exposed(&listing);
-    for (host_port, _) in expose {
-        if let Some((_, addr, port)) = taken.iter().find(|(p, _, _)| p == host_port) {
-            return Err(NftError::PortTaken {
-                port: *host_port,
-                target: format!("{addr}:{port}"),
-            });
-        }
-    }
-    Ok(())
+    let NftError::Rejected(message) = &error else {
+        return Err(error);
+    };
+    let port = message
+        .split_once("expose_tcp { ")
+        .filter(|_| message.contains("File exists"))
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|port| port.parse::<u16>().ok());
+    let Some(port) = port else {
+        return Err(error);
+    };
+    let listing = list_table().ok().flatten().unwrap_or_default();
+    let target = exposed(&listing)
+        .into_iter()
+        .find(|(p, _, _)| *p == port)
+        .map_or_else(
+            || "another sandbox".to_string(),
+            |(_, a, p)| format!("{a}:{p}"),
+        );
+    Err(NftError::PortTaken { port, target })
 }
 
 #[cfg(test)]
