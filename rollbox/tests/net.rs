@@ -287,6 +287,8 @@ fn up_creates_tap_rules_and_lease_and_down_removes_them() {
         rollbox::net::tap::exists("rbx0ae70000"),
         "closing it left it (persistent)"
     );
+    // Held open below, as a running VMM holds it, while `down` removes it.
+    let vmm_side = rollbox::net::tap::open_tap("rbx0ae70000").unwrap();
     assert_eq!(
         std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
             .unwrap()
@@ -329,6 +331,7 @@ fn up_creates_tap_rules_and_lease_and_down_removes_them() {
 
     net.down("basic");
     net.assert_clean();
+    drop(vmm_side);
     // Idempotent.
     net.down("basic");
     net.assert_clean();
@@ -526,9 +529,26 @@ fn gc_removes_what_lost_state_left_behind() {
     let mut net = Net::new("10.236.0.0/24");
     net.up("kept", &[]);
     net.up("lost", &["--expose", "23601:80"]);
+    // `crashed`'s `up` died half-way: its lease is unfinished and its process gone.
+    net.up("crashed", &[]);
+    let lease_path = net.state().join("leases/10.236.0.8.json");
+    let mut lease: Value = serde_json::from_slice(&std::fs::read(&lease_path).unwrap()).unwrap();
+    let mut dead = Command::new("true").spawn().unwrap();
+    dead.wait().unwrap();
+    lease["complete"] = Value::Bool(false);
+    lease["pid"] = dead.id().into();
+    std::fs::write(&lease_path, serde_json::to_vec(&lease).unwrap()).unwrap();
     // The state of `lost` disappears (as if its daemon's record were wiped).
     std::fs::remove_file(net.state().join("leases/10.236.0.4.json")).unwrap();
     std::fs::remove_file(net.state().join("names/lost")).unwrap();
+    // Its leftovers block its /30: a new `up` is refused, and its rollback leaves the
+    // leftovers' rules alone (they are not its own).
+    let error = net.up_fails("again", &[], &[]);
+    assert!(
+        error.contains("interface rbx0aec0004 already exists"),
+        "{error}"
+    );
+    assert!(nft_table().contains("chain egress_rbx0aec0004"));
     let out = net.run(&["gc", "--pool", "10.236.0.0/24"]);
     assert!(
         out.status.success(),
@@ -537,14 +557,19 @@ fn gc_removes_what_lost_state_left_behind() {
     );
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(report.contains("interface rbx0aec0004"), "{report}");
+    assert!(report.contains("nftables rules of rbx0aec0004"), "{report}");
+    assert!(!rollbox::net::tap::exists("rbx0aec0004"));
     assert!(
-        report.contains("nftables chains of rbx0aec0004"),
+        report.contains("unfinished lease 10.236.0.8.json of crashed"),
         "{report}"
     );
-    assert!(!rollbox::net::tap::exists("rbx0aec0004"));
+    assert!(!rollbox::net::tap::exists("rbx0aec0008"));
+    assert!(!net.state().join("names/crashed").exists());
     let table = nft_table();
     assert!(
-        !table.contains("rbx0aec0004") && !table.contains("23601"),
+        !table.contains("rbx0aec0004")
+            && !table.contains("rbx0aec0008")
+            && !table.contains("23601"),
         "{table}"
     );
     // The live sandbox is untouched.

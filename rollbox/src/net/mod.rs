@@ -238,6 +238,7 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
         }
     };
     let mut link_made = false;
+    let mut rules_made = false;
     let result = (|| -> Result<(), NetError> {
         match &lease.link {
             LinkKind::Tap => tap::create_tap(&lease.tap)?,
@@ -253,13 +254,17 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
         tap::configure(&lease.tap, lease.host_ip, slot.subnet.netmask())?;
         tap::enable_forwarding()?;
         nft::apply_up(&nft::render_up(&sandbox_rules(&lease, &egress)))?;
+        rules_made = true;
         lease.complete = true;
         state.update(&lease, &slot)?;
         Ok(())
     })();
     if let Err(error) = result {
-        // Roll back: the rules (their script is idempotent), the link if we made it, the lease.
-        let _ = nft::apply(&nft::render_down(&sandbox_rules(&lease, &egress)));
+        // Roll back what this call made: the rules, the link, the lease. (A failed nft script
+        // changed nothing; an interface that was there already is not ours.)
+        if rules_made {
+            let _ = nft::apply(&nft::render_down(&sandbox_rules(&lease, &egress)));
+        }
         if link_made {
             let _ = remove_link(&lease);
         }
@@ -377,10 +382,9 @@ const CLAIM_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 pub fn gc(state: &StateDir, pool: &str) -> Result<Vec<String>, NetError> {
     let pool = Pool::parse(pool)?;
     let mut removed = Vec::new();
-    let mut live_taps = Vec::new();
     for (key, lease) in state.all_leases()? {
         match lease {
-            Ok(Some(lease)) if lease.complete || alive(lease.pid) => live_taps.push(lease.tap),
+            Ok(Some(lease)) if lease.complete || alive(lease.pid) => {}
             Ok(Some(lease)) => {
                 teardown(state, &key, &lease)?;
                 removed.push(format!("unfinished lease {key} of {}", lease.name));
@@ -404,48 +408,65 @@ pub fn gc(state: &StateDir, pool: &str) -> Result<Vec<String>, NetError> {
             removed.push(format!("name {name}"));
         }
     }
-    let ours = |tap: &str| {
-        pool::slot_of_tap(tap).is_some_and(|slot| pool.net().contains(slot.guest_ip()))
-            && !live_taps.iter().any(|live| live == tap)
-    };
-    // Rules first: a chain can't go while a map still jumps to it, which render_down handles.
-    if let Some(listing) = nft::list_table()? {
-        for tap in nft::sandbox_chains(&listing) {
-            if !ours(&tap) {
-                continue;
-            }
-            let Some(slot) = pool::slot_of_tap(&tap) else {
-                continue;
-            };
-            let expose: Vec<(u16, u16)> = nft::exposed(&listing)
-                .into_iter()
-                .filter(|(_, addr, _)| *addr == slot.guest_ip())
-                .map(|(host, _, guest)| (host, guest))
-                .collect();
-            let egress = Egress::None;
-            let rules = nft::Sandbox {
-                tap: &tap,
-                host_ip: slot.host_ip(),
-                guest_ip: slot.guest_ip(),
-                egress: &egress,
-                dns: None,
-                expose: &expose,
-            };
-            nft::apply(&nft::render_down(&rules))?;
-            removed.push(format!("nftables chains of {tap}"));
-        }
-    }
-    for name in tap::interfaces() {
-        if !ours(&name) {
+    // Interfaces and chains of this pool that no lease accounts for. Each is first claimed
+    // like a lease (O_EXCL), so an `up` running meanwhile either owns it (and gc skips it) or
+    // waits for another subnet.
+    let listing = nft::list_table()?.unwrap_or_default();
+    let mut orphans: Vec<String> = nft::sandbox_chains(&listing);
+    orphans.extend(nft::mapped_interfaces(&listing));
+    let addresses = nft::exposed(&listing).into_iter().map(|(_, addr, _)| addr);
+    let addresses = addresses.chain(nft::guests(&listing));
+    orphans.extend(addresses.map(|addr| pool::slot_of_ip(addr).tap_name()));
+    orphans.extend(tap::interfaces());
+    orphans.sort();
+    orphans.dedup();
+    for name in orphans {
+        let Some(slot) = pool::slot_of_tap(&name) else {
+            continue;
+        };
+        if !pool.net().contains(slot.guest_ip()) || !state.claim_orphan(&slot)? {
             continue;
         }
-        // A tap, or else a test's veth.
-        if tap::delete_tap(&name).is_err() {
-            tap::delete_veth(&name)?;
-        }
-        removed.push(format!("interface {name}"));
+        let cleaned = remove_orphan(&name, &slot, &listing, &mut removed);
+        state.release_lease(&slot.key())?;
+        cleaned?;
     }
     Ok(removed)
+}
+
+/// Removes an interface and its rules that no lease accounts for.
+fn remove_orphan(
+    tap: &str,
+    slot: &pool::Slot,
+    listing: &str,
+    removed: &mut Vec<String>,
+) -> Result<(), NetError> {
+    if !listing.is_empty() {
+        // Whatever of it is there (chains, map and set elements): the script is idempotent.
+        let expose: Vec<(u16, u16)> = nft::exposed(listing)
+            .into_iter()
+            .filter(|(_, addr, _)| *addr == slot.guest_ip())
+            .map(|(host, _, guest)| (host, guest))
+            .collect();
+        let rules = nft::Sandbox {
+            tap,
+            host_ip: slot.host_ip(),
+            guest_ip: slot.guest_ip(),
+            egress: &Egress::None,
+            dns: None,
+            expose: &expose,
+        };
+        nft::apply(&nft::render_down(&rules))?;
+        removed.push(format!("nftables rules of {tap}"));
+    }
+    if tap::exists(tap) {
+        // A tap, or else a test's veth.
+        if tap::delete_tap(tap).is_err() {
+            tap::delete_veth(tap)?;
+        }
+        removed.push(format!("interface {tap}"));
+    }
+    Ok(())
 }
 
 /// The state directory: `$ROLLBOX_NET_STATE`, else /run/rollbox/net.

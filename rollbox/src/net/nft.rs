@@ -308,20 +308,24 @@ pub fn render_down(sandbox: &Sandbox<'_>) -> String {
     s
 }
 
+/// The elements of the set or map that `header` (`map expose_tcp {`) opens in a listing.
+fn listed_elements<'a>(listing: &'a str, header: &str) -> Vec<&'a str> {
+    let Some(start) = listing.find(header) else {
+        return Vec::new();
+    };
+    let block = &listing[start..];
+    // The first `}` closes the elements (or, without elements, the set itself).
+    let block = &block[..block.find('}').unwrap_or(block.len())];
+    let Some((_, elements)) = block.split_once("elements = {") else {
+        return Vec::new();
+    };
+    elements.split(',').map(str::trim).collect()
+}
+
 /// The exposed-port elements of a listing of the table: (host port, guest address, guest port).
 pub fn exposed(listing: &str) -> Vec<(u16, Ipv4Addr, u16)> {
-    let Some(start) = listing.find("map expose_tcp") else {
-        return Vec::new();
-    };
-    let map = &listing[start..];
-    let map = &map[..map.find('}').map_or(map.len(), |end| end + 1)];
-    let Some(elements) = map.split_once("elements = {") else {
-        return Vec::new();
-    };
-    elements
-        .1
-        .trim_end_matches('}')
-        .split(',')
+    listed_elements(listing, "map expose_tcp {")
+        .into_iter()
         .filter_map(|element| {
             let (port, target) = element.split_once(':')?;
             let (addr, guest_port) = target.rsplit_once(" . ")?;
@@ -331,6 +335,24 @@ pub fn exposed(listing: &str) -> Vec<(u16, Ipv4Addr, u16)> {
                 guest_port.trim().parse().ok()?,
             ))
         })
+        .collect()
+}
+
+/// The guest addresses in the masquerade set.
+pub fn guests(listing: &str) -> Vec<Ipv4Addr> {
+    listed_elements(listing, "set guests {")
+        .into_iter()
+        .filter_map(|element| element.parse().ok())
+        .collect()
+}
+
+/// The interface names in the two verdict maps.
+pub fn mapped_interfaces(listing: &str) -> Vec<String> {
+    ["map egress {", "map to_host {"]
+        .into_iter()
+        .flat_map(|header| listed_elements(listing, header))
+        .filter_map(|element| element.split_once(':'))
+        .map(|(name, _)| name.trim().trim_matches('"').to_string())
         .collect()
 }
 
@@ -498,6 +520,16 @@ mod tests {
             ]
         );
         assert_eq!(sandbox_chains(listing), ["rbx0ac80004"]);
+        let listing = "table inet rollbox {\n\tmap egress {\n\t\ttype ifname : verdict\n\t\telements = { \"rbx0ac80004\" : jump egress_rbx0ac80004,\n\t\t\t     \"rbx0ac80008\" : jump egress_rbx0ac80008 }\n\t}\n\tset guests {\n\t\ttype ipv4_addr\n\t\telements = { 10.200.0.6, 10.200.0.10 }\n\t}\n}\n";
+        assert_eq!(mapped_interfaces(listing), ["rbx0ac80004", "rbx0ac80008"]);
+        assert_eq!(
+            guests(listing),
+            [Ipv4Addr::new(10, 200, 0, 6), Ipv4Addr::new(10, 200, 0, 10)]
+        );
+        assert_eq!(
+            guests("table inet rollbox {\n\tset guests {\n\t\ttype ipv4_addr\n\t}\n}"),
+            Vec::<Ipv4Addr>::new()
+        );
         assert_eq!(exposed("table inet rollbox {\n}"), []);
     }
 

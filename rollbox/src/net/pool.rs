@@ -133,6 +133,15 @@ pub fn slot_of_tap(tap: &str) -> Option<Slot> {
     Ipv4Net::new(Ipv4Addr::from(addr), SUBNET_PREFIX).map(|subnet| Slot { subnet })
 }
 
+/// The /30 that holds `ip`.
+pub fn slot_of_ip(ip: Ipv4Addr) -> Slot {
+    let base = u32::from(ip) & super::cidr::mask(SUBNET_PREFIX);
+    Slot {
+        subnet: Ipv4Net::new(Ipv4Addr::from(base), SUBNET_PREFIX)
+            .unwrap_or_else(|| unreachable!("the host bits were just cleared")),
+    }
+}
+
 /// What kind of host-side interface a lease uses.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "type")]
@@ -255,6 +264,17 @@ impl StateDir {
             pool: pool.net().to_string(),
             slots: pool.slots(),
         })
+    }
+
+    /// Claims a subnet for `gc` (an empty lease file, O_EXCL): false when a lease holds it.
+    pub fn claim_orphan(&self, slot: &Slot) -> Result<bool, PoolError> {
+        self.create_dirs()?;
+        let path = self.lease_path(&slot.key());
+        match OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(io(&path)(e)),
+        }
     }
 
     /// Replaces a lease file's content atomically (write, then rename over it).
@@ -444,6 +464,7 @@ mod tests {
         assert_eq!(slot_of_tap("rbx0ac80005"), None);
         assert_eq!(slot_of_tap("rbx0ac8000"), None);
         assert_eq!(slot_of_tap("eth0"), None);
+        assert_eq!(slot_of_ip(Ipv4Addr::new(10, 200, 0, 6)), slot);
         assert_eq!(slot.key(), "10.200.0.4.json");
     }
 

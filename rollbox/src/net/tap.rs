@@ -163,16 +163,25 @@ fn set_persist(tun: &OwnedFd, name: &str, persist: bool) -> Result<(), TapError>
     Ok(())
 }
 
-/// Deletes the persistent tap `name` (attach, clear persistence, close). A VMM that still has
-/// it open keeps it until it closes it. Missing is fine.
+/// Deletes the persistent tap `name` (attach, clear persistence, close), or, when a VMM still
+/// has it open, with `ip link del`. Missing is fine.
 pub fn delete_tap(name: &str) -> Result<(), TapError> {
     if !exists(name) {
         return Ok(());
     }
     let tun = open_tun()?;
     let mut req = IfReq::with_flags(name, TAP_FLAGS);
-    ioctl(&tun, libc::TUNSETIFF, &mut req, "TUNSETIFF", name)?;
-    set_persist(&tun, name, false)
+    match ioctl(&tun, libc::TUNSETIFF, &mut req, "TUNSETIFF", name) {
+        // A VMM still has it open (one queue, one user): unregister it instead; the VMM's
+        // descriptor then stops working.
+        Err(TapError::Ioctl { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {
+            run_ip(&["link", "del", name], None)
+        }
+        other => {
+            other?;
+            set_persist(&tun, name, false)
+        }
+    }
 }
 
 fn inet_socket() -> Result<OwnedFd, TapError> {
