@@ -501,6 +501,21 @@ fn bad_input_is_refused_and_leaves_nothing() {
         net.assert_clean();
     }
 
+    // A pool that overlaps one of the host's own networks.
+    let mut other = Netns::new(&format!("rbxt{}o", std::process::id() % 100_000));
+    other.uplink(
+        &format!("rbt{}o", std::process::id() % 100_000),
+        "10.235.128.1",
+        "10.235.128.2",
+    );
+    let error = net.up_fails("p", &["--pool", "10.235.0.0/16"], &[]);
+    assert!(
+        error.contains("pool 10.235.0.0/16 overlaps the route to 10.235.128.0/30 on rbt"),
+        "{error}"
+    );
+    drop(other);
+    net.assert_clean();
+
     // A tap that already exists where the first /30's would go: refused, and rolled back.
     rollbox::net::tap::create_tap("rbx0aeb0000").unwrap();
     struct DeleteTap;

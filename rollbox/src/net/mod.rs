@@ -56,6 +56,12 @@ pub enum NetError {
     BadDns(String),
     #[error("--expose `{token}`: {reason}")]
     BadExpose { token: String, reason: String },
+    #[error("pool {pool} overlaps the route to {route} on {interface}; pick a pool the host does not use")]
+    PoolInUse {
+        pool: String,
+        route: String,
+        interface: String,
+    },
     #[error(transparent)]
     Pool(#[from] pool::PoolError),
     #[error(transparent)]
@@ -211,6 +217,17 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
             });
         }
         expose.push(pair);
+    }
+    // The host's own networks (not the default route, not our taps) must stay out of the pool.
+    let in_use = tap::routes().into_iter().find(|(interface, route)| {
+        route.prefix() > 0 && !interface.starts_with("rbx") && route.overlaps(&pool.net())
+    });
+    if let Some((interface, route)) = in_use {
+        return Err(NetError::PoolInUse {
+            pool: pool.net().to_string(),
+            route: route.to_string(),
+            interface,
+        });
     }
     nft::binary()?;
 

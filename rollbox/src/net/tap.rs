@@ -8,6 +8,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
+use super::cidr::Ipv4Net;
+
 /// Interface failures, each naming the interface.
 #[derive(Debug, thiserror::Error)]
 pub enum TapError {
@@ -238,6 +240,28 @@ pub fn configure(name: &str, addr: Ipv4Addr, netmask: Ipv4Addr) -> Result<(), Ta
     )
 }
 
+/// The host's IPv4 routes in the main table (`/proc/net/route`): interface and destination.
+pub fn routes() -> Vec<(String, Ipv4Net)> {
+    fs::read_to_string("/proc/net/route")
+        .map(|text| parse_routes(&text))
+        .unwrap_or_default()
+}
+
+/// `/proc/net/route`'s lines: addresses are hex of the address's bytes as a native u32.
+fn parse_routes(text: &str) -> Vec<(String, Ipv4Net)> {
+    let hex = |field: &str| u32::from_str_radix(field, 16).ok().map(u32::to_ne_bytes);
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (iface, dest, mask) = (fields.first()?, hex(fields.get(1)?)?, hex(fields.get(7)?)?);
+            let prefix = u8::try_from(u32::from_be_bytes(mask).count_ones()).ok()?;
+            let net = Ipv4Net::new(Ipv4Addr::from(dest), prefix)?;
+            Some((iface.to_string(), net))
+        })
+        .collect()
+}
+
 /// Turns on IPv4 forwarding (a host-wide setting) unless it is on; never turns it off.
 pub fn enable_forwarding() -> Result<(), TapError> {
     let path = "/proc/sys/net/ipv4/ip_forward";
@@ -331,6 +355,21 @@ mod tests {
         assert_eq!(&req.data[4..8], &[10, 200, 0, 1]);
         let req = IfReq::with_flags("x", TAP_FLAGS);
         assert_eq!(req.flags(), 0x5002);
+    }
+
+    #[test]
+    fn parses_proc_net_route() {
+        let text =
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+            eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n\
+            docker0\t000011AC\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0\n";
+        let routes = parse_routes(text);
+        assert_eq!(routes.len(), 2);
+        assert_eq!(routes[0].1.to_string(), "0.0.0.0/0");
+        assert_eq!(routes[1].0, "docker0");
+        if cfg!(target_endian = "little") {
+            assert_eq!(routes[1].1.to_string(), "172.17.0.0/16");
+        }
     }
 
     #[test]
