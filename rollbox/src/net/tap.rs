@@ -321,7 +321,11 @@ pub fn create_veth(
     let batch = format!(
         "addr add {guest}/{prefix} dev {peer}\nlink set {peer} up\nlink set lo up\nroute add default via {host}\n"
     );
-    run_ip(&["-n", netns, "-batch", "-"], Some(&batch))
+    let configured = run_ip(&["-n", netns, "-batch", "-"], Some(&batch));
+    if configured.is_err() {
+        let _ = run_ip(&["link", "del", name], None);
+    }
+    configured
 }
 
 /// Deletes a veth pair by its host side (missing is fine).
@@ -335,7 +339,8 @@ pub fn delete_veth(name: &str) -> Result<(), TapError> {
     }
 }
 
-/// Whether `fd` is usable: for tests and the daemon to check a tap opens as the VMM opens it.
+/// Opens the tap `name` as the VMM does (TUNSETIFF with the same flags); closing the file
+/// leaves the persistent tap in place.
 pub fn open_tap(name: &str) -> Result<File, TapError> {
     let tun = open_tun()?;
     let mut req = IfReq::with_flags(name, TAP_FLAGS);
