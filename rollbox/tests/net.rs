@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -738,6 +738,86 @@ fn connect(netns: Option<&str>, addr: &str, port: u16) -> Result<String, String>
     })
 }
 
+/// Sends one ICMP echo request from a namespace (a raw socket: no ping binary needed) and
+/// says whether `addr` answered within 700 ms.
+fn ping(netns: Option<&str>, addr: &str) -> bool {
+    let target: Ipv4Addr = addr.parse().unwrap();
+    in_netns(netns, move || {
+        // SAFETY: plain socket(2); the result is checked before use.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_INET,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::IPPROTO_ICMP,
+            )
+        };
+        assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let timeout = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 100_000,
+        };
+        // SAFETY: SO_RCVTIMEO reads a timeval of the given size from a live local.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        let id = (std::process::id() as u16).to_be_bytes();
+        let mut packet = [8u8, 0, 0, 0, id[0], id[1], 0, 1, b'r', b'b', b'x', b'!'];
+        let sum = packet
+            .chunks(2)
+            .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+            .sum::<u32>();
+        let sum = !(((sum & 0xffff) + (sum >> 16)) as u16);
+        packet[2..4].copy_from_slice(&sum.to_be_bytes());
+        let dest = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(target.octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: the buffer and address are live locals of the sizes passed.
+        let sent = unsafe {
+            libc::sendto(
+                sock.as_raw_fd(),
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&dest as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(
+            sent,
+            packet.len() as isize,
+            "{}",
+            std::io::Error::last_os_error()
+        );
+        let deadline = Instant::now() + Duration::from_millis(700);
+        let mut buf = [0u8; 1500];
+        while Instant::now() < deadline {
+            // SAFETY: `buf` is a live local of the size passed.
+            let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            let Ok(n) = usize::try_from(n) else { continue };
+            let ihl = usize::from(buf[0] & 0x0f) * 4;
+            let from = Ipv4Addr::new(buf[12], buf[13], buf[14], buf[15]);
+            if n >= ihl + 8 && buf[ihl] == 0 && buf[ihl + 4..ihl + 6] == id && from == target {
+                return true;
+            }
+        }
+        false
+    })
+}
+
 #[test]
 fn egress_policy_is_enforced() {
     if !prerequisites("egress_policy_is_enforced") {
@@ -753,6 +833,7 @@ fn egress_policy_is_enforced() {
     let _a8000 = Listener::start(Some(&host_a.name), 8000, "A");
     let _a8001 = Listener::start(Some(&host_a.name), 8001, "A");
     let _d8000 = Listener::start(Some(&host_d.name), 8000, "D");
+    let _a53 = Listener::start(Some(&host_a.name), 53, "A");
     // A service on the host itself, on every address.
     let _host = Listener::start(None, 23702, "host");
 
@@ -773,7 +854,7 @@ fn egress_policy_is_enforced() {
         &["--egress", "10.249.1.2/32:8000", "--expose", "23701:9000"],
     );
     let i1 = net.up("guest1", &a1.iter().map(String::as_str).collect::<Vec<_>>());
-    let a2 = args(veth(&g2), &["--egress", "none"]);
+    let a2 = args(veth(&g2), &["--egress", "none", "--dns", "10.249.1.2"]);
     let i2 = net.up("guest2", &a2.iter().map(String::as_str).collect::<Vec<_>>());
     let a3 = args(veth(&g3), &["--egress", "all"]);
     net.up("guest3", &a3.iter().map(String::as_str).collect::<Vec<_>>());
@@ -805,11 +886,25 @@ fn egress_policy_is_enforced() {
     // Other sandboxes: neither their guest nor their gateway.
     connect(g1n, &g2_ip, 9000).expect_err("sandboxes can't reach each other");
     connect(g1n, &g2_gw, 23702).expect_err("nor another sandbox's gateway");
+    // ICMP echo to its own gateway only.
+    assert!(ping(g1n, &g1_gw), "a guest pings its gateway");
+    assert!(!ping(g1n, "10.249.1.1"), "but no other host address");
+    assert!(
+        ping(Some(&host_a.name), "10.249.1.1"),
+        "which does answer A"
+    );
+    assert!(!ping(g1n, &g2_gw), "nor another sandbox's gateway");
+    // `none` with --dns: port 53 on the DNS server, and nothing else.
+    assert_eq!(connect(g2n, "10.249.1.2", 53).unwrap(), "A 10.249.1.1");
     // `none`: nothing forwarded; `all`: both A and D.
     connect(g2n, "10.249.1.2", 8000).expect_err("egress none");
     assert_eq!(connect(g3n, "10.249.1.6", 8000).unwrap(), "D 10.249.1.5");
     assert_eq!(connect(g3n, "10.249.1.2", 8001).unwrap(), "A 10.249.1.1");
     // The host reaches guests directly, `none` included.
+    assert_eq!(
+        connect(None, &g1_ip, 9000).unwrap(),
+        format!("guest1 {g1_gw}")
+    );
     assert_eq!(
         connect(None, &g2_ip, 9000).unwrap(),
         format!("guest2 {g2_gw}")
@@ -821,11 +916,10 @@ fn egress_policy_is_enforced() {
         "guest1 10.249.1.2"
     );
     assert!(connect(None, &g1_gw, 23701).unwrap().starts_with("guest1 "));
-    // The rules came from `up`, so they go with `down`: afterwards guest1's link is gone.
+    // `down` takes the exposure away with the rest.
     for name in ["guest1", "guest2", "guest3"] {
         net.down(name);
     }
     connect(Some(&host_a.name), "10.249.1.1", 23701).expect_err("exposure removed");
     net.assert_clean();
-    let _ = g1_ip;
 }
