@@ -826,10 +826,12 @@ fn egress_policy_is_enforced() {
     let tag = std::process::id() % 100_000;
     let ns = |role: &str| format!("rbxt{tag}{role}");
     // Internet hosts: A (allowed on port 8000 only) and D (denied), each behind its own veth.
+    // Their host-side names start with `rbx` too, like other people's taps may: only the
+    // interfaces `up` made are sandboxes, so these must work as any other link.
     let mut host_a = Netns::new(&ns("a"));
-    host_a.uplink(&format!("rbt{tag}a"), "10.249.1.1", "10.249.1.2");
+    host_a.uplink(&format!("rbxi{tag}a"), "10.249.1.1", "10.249.1.2");
     let mut host_d = Netns::new(&ns("d"));
-    host_d.uplink(&format!("rbt{tag}d"), "10.249.1.5", "10.249.1.6");
+    host_d.uplink(&format!("rbxi{tag}d"), "10.249.1.5", "10.249.1.6");
     let _a8000 = Listener::start(Some(&host_a.name), 8000, "A");
     let _a8001 = Listener::start(Some(&host_a.name), 8001, "A");
     let _d8000 = Listener::start(Some(&host_d.name), 8000, "D");

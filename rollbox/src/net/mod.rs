@@ -220,7 +220,7 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
     }
     // The host's own networks (not the default route, not our taps) must stay out of the pool.
     let in_use = tap::routes().into_iter().find(|(interface, route)| {
-        route.prefix() > 0 && !interface.starts_with("rbx") && route.overlaps(&pool.net())
+        route.prefix() > 0 && pool::slot_of_tap(interface).is_none() && route.overlaps(&pool.net())
     });
     if let Some((interface, route)) = in_use {
         return Err(NetError::PoolInUse {

@@ -110,6 +110,7 @@ fn declarations(s: &mut String) {
     let _ = writeln!(s, "add table {TABLE}");
     let _ = writeln!(s, "add map {TABLE} egress {{ type ifname : verdict; }}");
     let _ = writeln!(s, "add map {TABLE} to_host {{ type ifname : verdict; }}");
+    let _ = writeln!(s, "add set {TABLE} sandboxes {{ type ifname; }}");
     let _ = writeln!(s, "add set {TABLE} guests {{ type ipv4_addr; }}");
     let _ = writeln!(
         s,
@@ -118,7 +119,8 @@ fn declarations(s: &mut String) {
 }
 
 /// The base chains, flushed and rewritten in the same transaction (so never missing, never
-/// doubled). Interfaces named `rbx*` are sandboxes.
+/// doubled). Only interfaces in the set `sandboxes` are touched, whatever other interfaces are
+/// called.
 fn base_chains(s: &mut String) {
     let chain = |s: &mut String, name: &str, spec: &str, rules: &[&str]| {
         let _ = writeln!(s, "add chain {TABLE} {name} {{ {spec}; policy accept; }}");
@@ -132,13 +134,13 @@ fn base_chains(s: &mut String) {
         "forward",
         "type filter hook forward priority filter",
         &[
-            r#"iifname "rbx*" oifname "rbx*" drop comment "sandboxes never reach each other""#,
-            r#"oifname "rbx*" ct state established,related accept"#,
-            r#"oifname "rbx*" ct status dnat accept comment "exposed ports""#,
-            r#"oifname "rbx*" drop comment "nothing else opens connections into a sandbox""#,
-            r#"iifname "rbx*" ct state established,related accept"#,
+            r#"iifname @sandboxes oifname @sandboxes drop comment "sandboxes never reach each other""#,
+            "oifname @sandboxes ct state established,related accept",
+            r#"oifname @sandboxes ct status dnat accept comment "exposed ports""#,
+            r#"oifname @sandboxes drop comment "nothing else opens connections into a sandbox""#,
+            "iifname @sandboxes ct state established,related accept",
             "iifname vmap @egress",
-            r#"iifname "rbx*" drop comment "a sandbox interface without an egress chain""#,
+            "iifname @sandboxes drop",
         ],
     );
     chain(
@@ -146,9 +148,9 @@ fn base_chains(s: &mut String) {
         "input",
         "type filter hook input priority filter",
         &[
-            r#"iifname "rbx*" ct state established,related accept"#,
+            "iifname @sandboxes ct state established,related accept",
             "iifname vmap @to_host",
-            r#"iifname "rbx*" drop comment "a sandbox interface without a host chain""#,
+            "iifname @sandboxes drop",
         ],
     );
     chain(
@@ -156,7 +158,7 @@ fn base_chains(s: &mut String) {
         "prerouting",
         "type nat hook prerouting priority dstnat",
         &[
-            r#"iifname != "rbx*" fib daddr type local dnat ip to tcp dport map @expose_tcp comment "exposed ports""#,
+            r#"iifname != @sandboxes fib daddr type local dnat ip to tcp dport map @expose_tcp comment "exposed ports""#,
         ],
     );
     chain(
@@ -169,7 +171,7 @@ fn base_chains(s: &mut String) {
         s,
         "postrouting",
         "type nat hook postrouting priority srcnat",
-        &[r#"ip saddr @guests oifname != "rbx*" masquerade"#],
+        &["ip saddr @guests oifname != @sandboxes masquerade"],
     );
 }
 
@@ -242,6 +244,7 @@ fn elements(s: &mut String, verb: &str, sandbox: &Sandbox<'_>) {
         s,
         "{verb} element {TABLE} to_host {{ \"{tap}\" : jump host_{tap} }}"
     );
+    let _ = writeln!(s, "{verb} element {TABLE} sandboxes {{ \"{tap}\" }}");
     let _ = writeln!(s, "{verb} element {TABLE} guests {{ {guest} }}");
     for (host_port, guest_port) in sandbox.expose {
         if verb == "delete" {
@@ -346,13 +349,14 @@ pub fn guests(listing: &str) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// The interface names in the two verdict maps.
+/// The interface names in the `sandboxes` set and the two verdict maps.
 pub fn mapped_interfaces(listing: &str) -> Vec<String> {
-    ["map egress {", "map to_host {"]
+    ["set sandboxes {", "map egress {", "map to_host {"]
         .into_iter()
         .flat_map(|header| listed_elements(listing, header))
-        .filter_map(|element| element.split_once(':'))
-        .map(|(name, _)| name.trim().trim_matches('"').to_string())
+        .map(|element| element.split_once(':').map_or(element, |(name, _)| name))
+        .map(|name| name.trim().trim_matches('"').to_string())
+        .filter(|name| !name.is_empty())
         .collect()
 }
 
@@ -443,6 +447,11 @@ mod tests {
             "add element inet rollbox egress { \"rbx0ac80004\" : jump egress_rbx0ac80004 }"
         ));
         assert!(script.contains("add element inet rollbox guests { 10.200.0.6 }"));
+        assert!(script.contains("add element inet rollbox sandboxes { \"rbx0ac80004\" }"));
+        assert!(
+            !script.contains("rbx*"),
+            "no wildcard: other rbx interfaces are not ours"
+        );
         assert!(
             script.contains("create element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }")
         );
@@ -520,8 +529,11 @@ mod tests {
             ]
         );
         assert_eq!(sandbox_chains(listing), ["rbx0ac80004"]);
-        let listing = "table inet rollbox {\n\tmap egress {\n\t\ttype ifname : verdict\n\t\telements = { \"rbx0ac80004\" : jump egress_rbx0ac80004,\n\t\t\t     \"rbx0ac80008\" : jump egress_rbx0ac80008 }\n\t}\n\tset guests {\n\t\ttype ipv4_addr\n\t\telements = { 10.200.0.6, 10.200.0.10 }\n\t}\n}\n";
-        assert_eq!(mapped_interfaces(listing), ["rbx0ac80004", "rbx0ac80008"]);
+        let listing = "table inet rollbox {\n\tset sandboxes {\n\t\ttype ifname\n\t\telements = { \"rbx0ac8000c\" }\n\t}\n\tmap egress {\n\t\ttype ifname : verdict\n\t\telements = { \"rbx0ac80004\" : jump egress_rbx0ac80004,\n\t\t\t     \"rbx0ac80008\" : jump egress_rbx0ac80008 }\n\t}\n\tset guests {\n\t\ttype ipv4_addr\n\t\telements = { 10.200.0.6, 10.200.0.10 }\n\t}\n}\n";
+        assert_eq!(
+            mapped_interfaces(listing),
+            ["rbx0ac8000c", "rbx0ac80004", "rbx0ac80008"]
+        );
         assert_eq!(
             guests(listing),
             [Ipv4Addr::new(10, 200, 0, 6), Ipv4Addr::new(10, 200, 0, 10)]
