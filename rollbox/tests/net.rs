@@ -721,6 +721,43 @@ impl Drop for Listener {
     }
 }
 
+/// A UDP server in a namespace that answers each datagram with "<label> <peer address>".
+fn udp_echo(netns: &str, port: u16, label: &str) -> Listener {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    let label = label.to_string();
+    let socket = in_netns(Some(netns), move || {
+        std::net::UdpSocket::bind(("0.0.0.0", port)).unwrap()
+    });
+    socket
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while !flag.load(Ordering::Relaxed) {
+            if let Ok((_, peer)) = socket.recv_from(&mut buf) {
+                let _ = socket.send_to(format!("{label} {}", peer.ip()).as_bytes(), peer);
+            }
+        }
+    });
+    Listener { stop }
+}
+
+/// One UDP datagram from a namespace; the answer, if one came within 700 ms.
+fn udp_ask(netns: Option<&str>, addr: &str, port: u16) -> Option<String> {
+    let target = SocketAddr::new(addr.parse::<Ipv4Addr>().unwrap().into(), port);
+    in_netns(netns, move || {
+        let socket = std::net::UdpSocket::bind(("0.0.0.0", 0)).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_millis(700)))
+            .unwrap();
+        socket.send_to(b"?", target).unwrap();
+        let mut buf = [0u8; 64];
+        let (n, _) = socket.recv_from(&mut buf).ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    })
+}
+
 /// Connects from a namespace; the server's greeting, or why not.
 fn connect(netns: Option<&str>, addr: &str, port: u16) -> Result<String, String> {
     let target = SocketAddr::new(addr.parse::<Ipv4Addr>().unwrap().into(), port);
@@ -836,6 +873,8 @@ fn egress_policy_is_enforced() {
     let _a8001 = Listener::start(Some(&host_a.name), 8001, "A");
     let _d8000 = Listener::start(Some(&host_d.name), 8000, "D");
     let _a53 = Listener::start(Some(&host_a.name), 53, "A");
+    let _a8000u = udp_echo(&host_a.name, 8000, "A");
+    let _a8001u = udp_echo(&host_a.name, 8001, "A");
     // A service on the host itself, on every address.
     let _host = Listener::start(None, 23702, "host");
 
@@ -876,6 +915,20 @@ fn egress_policy_is_enforced() {
     // Denied: another port on A, and D entirely.
     connect(g1n, "10.249.1.2", 8001).expect_err("port 8001 is not on the allow-list");
     connect(g1n, "10.249.1.6", 8000).expect_err("D is not on the allow-list");
+    // The same for UDP.
+    assert_eq!(
+        udp_ask(g1n, "10.249.1.2", 8000).as_deref(),
+        Some("A 10.249.1.1")
+    );
+    assert_eq!(
+        udp_ask(g1n, "10.249.1.2", 8001),
+        None,
+        "UDP 8001 is not allowed"
+    );
+    assert_eq!(
+        udp_ask(g3n, "10.249.1.2", 8001).as_deref(),
+        Some("A 10.249.1.1")
+    );
     // The host itself: not through its gateway address, not through its other addresses.
     connect(g1n, &g1_gw, 23702).expect_err("host services are closed to guests");
     connect(g1n, "10.249.1.1", 23702).expect_err("the host's other addresses too");
