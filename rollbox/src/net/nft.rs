@@ -2,10 +2,11 @@
 //! one atomic transaction. Everything lives in `table inet rollbox`; no other table is touched.
 //!
 //! Shared part (rewritten, identical, by every `up`): base chains on the forward, input,
-//! prerouting, output and postrouting hooks; two verdict maps keyed by the sandbox's interface
-//! name that jump to its chains; a set of guest addresses to masquerade; a map of exposed host
-//! ports. Per sandbox: chains `egress_<tap>` (what it may reach through the host) and
-//! `host_<tap>` (what it may reach on the host itself), and one element in each map/set.
+//! prerouting, output and postrouting hooks; a set of the sandboxes' interfaces; two verdict
+//! maps keyed by interface name that jump to a sandbox's chains; a set of guest addresses to
+//! masquerade; a map of exposed host ports. Per sandbox: chains `egress_<tap>` (what it may
+//! reach through the host) and `host_<tap>` (what it may reach on the host itself), and one
+//! element in each map and set.
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;

@@ -1,6 +1,6 @@
 //! Host-side interfaces: persistent taps made with ioctls on /dev/net/tun, their IPv4 address
-//! and link state (ioctls on an AF_INET socket), the veth stand-in tests use, and the
-//! forwarding sysctl.
+//! and link state (ioctls on an AF_INET socket), the veth stand-in tests use, the host's
+//! routes, and the forwarding sysctl.
 
 use std::fs::{self, File, OpenOptions};
 use std::net::Ipv4Addr;
