@@ -314,6 +314,14 @@ fn up_creates_tap_rules_and_lease_and_down_removes_them() {
     let list: Value = serde_json::from_slice(&net.run(&["list"]).stdout).unwrap();
     assert_eq!(list[0]["name"], "basic");
     assert_eq!(list[0]["complete"], true);
+    // ROLLBOX_NET_STATE names the state directory when --state-dir is not given.
+    let out = Command::new(rollbox())
+        .args(["net", "list"])
+        .env("ROLLBOX_NET_STATE", net.state())
+        .output()
+        .unwrap();
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list[0]["name"], "basic");
 
     // A second `up` of the same name is refused and changes nothing.
     let error = net.up_fails("basic", &[], &[]);
