@@ -9,6 +9,7 @@ packages=(
     e2fsprogs cpio busybox-static file curl jq socat python3 debootstrap  # rootfs images, test initramfs
     qemu-system-x86                                         # the TCG tier
     docker.io docker-registry                               # Docker tests, local OCI registry
+    nftables iproute2                                       # rollbox net (taps, NAT, egress rules)
     linux-source-6.1 flex bison bc libelf-dev libssl-dev    # the guest kernel build
 )
 missing=()

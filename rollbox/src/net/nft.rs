@@ -1,0 +1,557 @@
+//! The nftables rules: rendered as one script and applied with `nft -f -`, so each change is
+//! one atomic transaction. Everything lives in `table inet rollbox`; no other table is touched.
+//!
+//! Shared part (rewritten, identical, by every `up`): base chains on the forward, input,
+//! prerouting, output and postrouting hooks; a set of the sandboxes' interfaces; two verdict
+//! maps keyed by interface name that jump to a sandbox's chains; a set of guest addresses to
+//! masquerade; a map of exposed host ports. Per sandbox: chains `egress_<tap>` (what it may
+//! reach through the host) and `host_<tap>` (what it may reach on the host itself), and one
+//! element in each map and set.
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use super::policy::Egress;
+
+pub const TABLE: &str = "inet rollbox";
+
+/// nftables failures.
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("nft not found ({0}): install nftables (apt-get install nftables)")]
+    Missing(String),
+    #[error("cannot run {path}: {source}")]
+    Spawn {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("nft rejected the rules: {0}")]
+    Rejected(String),
+    #[error("host port {port} is already exposed (to {target}); pick another --expose port")]
+    PortTaken { port: u16, target: String },
+}
+
+/// The `nft` binary: `$ROLLBOX_NFT`, else the first `nft` on PATH.
+pub fn binary() -> Result<PathBuf, NftError> {
+    if let Some(path) = std::env::var_os("ROLLBOX_NFT").filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(NftError::Missing(format!("ROLLBOX_NFT={}", path.display())))
+        };
+    }
+    let search = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&search)
+        .map(|dir| dir.join("nft"))
+        .find(|path| path.is_file())
+        .ok_or_else(|| NftError::Missing("not on PATH".to_string()))
+}
+
+/// Runs `nft` with `args`, feeding `stdin`; returns stdout.
+fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
+    let path = binary()?;
+    let spawn = |source| NftError::Spawn {
+        path: path.clone(),
+        source,
+    };
+    let out = super::run_piped(&path, args, stdin).map_err(spawn)?;
+    if !out.status.success() {
+        return Err(NftError::Rejected(one_line(&String::from_utf8_lossy(
+            &out.stderr,
+        ))));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// nft's multi-line error (position, message, the statement, carets) as one line.
+fn one_line(stderr: &str) -> String {
+    let mut lines = stderr.lines().map(str::trim).filter(|l| !l.is_empty());
+    let Some(first) = lines.next() else {
+        return "no message".to_string();
+    };
+    let message = first
+        .split_once("Error: ")
+        .map_or(first, |(_, message)| message);
+    match lines.next().filter(|l| !l.starts_with('^')) {
+        Some(statement) => format!("{message} (in `{statement}`)"),
+        None => message.to_string(),
+    }
+}
+
+/// Applies a script atomically.
+pub fn apply(script: &str) -> Result<(), NftError> {
+    nft(&["-f", "-"], Some(script)).map(|_| ())
+}
+
+/// `nft list table inet rollbox`; `None` when the table does not exist.
+pub fn list_table() -> Result<Option<String>, NftError> {
+    match nft(&["list", "table", "inet", "rollbox"], None) {
+        Ok(text) => Ok(Some(text)),
+        Err(NftError::Rejected(message)) if message.contains("No such file") => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// One sandbox's rules.
+#[derive(Debug, Clone)]
+pub struct Sandbox<'a> {
+    pub tap: &'a str,
+    pub host_ip: Ipv4Addr,
+    pub guest_ip: Ipv4Addr,
+    pub egress: &'a Egress,
+    pub dns: Option<Ipv4Addr>,
+    /// Host TCP port → guest TCP port.
+    pub expose: &'a [(u16, u16)],
+}
+
+/// The table, maps and set (no chains): `add` leaves existing ones as they are.
+fn declarations(s: &mut String) {
+    let _ = writeln!(s, "add table {TABLE}");
+    let _ = writeln!(s, "add map {TABLE} egress {{ type ifname : verdict; }}");
+    let _ = writeln!(s, "add map {TABLE} to_host {{ type ifname : verdict; }}");
+    let _ = writeln!(s, "add set {TABLE} sandboxes {{ type ifname; }}");
+    let _ = writeln!(s, "add set {TABLE} guests {{ type ipv4_addr; }}");
+    let _ = writeln!(
+        s,
+        "add map {TABLE} expose_tcp {{ type inet_service : ipv4_addr . inet_service; }}"
+    );
+}
+
+/// The base chains, flushed and rewritten in the same transaction (so never missing, never
+/// doubled). Only interfaces in the set `sandboxes` are touched, whatever other interfaces are
+/// called.
+fn base_chains(s: &mut String) {
+    let chain = |s: &mut String, name: &str, spec: &str, rules: &[&str]| {
+        let _ = writeln!(s, "add chain {TABLE} {name} {{ {spec}; policy accept; }}");
+        let _ = writeln!(s, "flush chain {TABLE} {name}");
+        for rule in rules {
+            let _ = writeln!(s, "add rule {TABLE} {name} {rule}");
+        }
+    };
+    chain(
+        s,
+        "forward",
+        "type filter hook forward priority filter",
+        &[
+            r#"iifname @sandboxes oifname @sandboxes drop comment "sandboxes never reach each other""#,
+            "oifname @sandboxes ct state established,related accept",
+            r#"oifname @sandboxes ct status dnat accept comment "exposed ports""#,
+            r#"oifname @sandboxes drop comment "nothing else opens connections into a sandbox""#,
+            "iifname @sandboxes ct state established,related accept",
+            "iifname vmap @egress",
+            "iifname @sandboxes drop",
+        ],
+    );
+    chain(
+        s,
+        "input",
+        "type filter hook input priority filter",
+        &[
+            "iifname @sandboxes ct state established,related accept",
+            "iifname vmap @to_host",
+            "iifname @sandboxes drop",
+        ],
+    );
+    chain(
+        s,
+        "prerouting",
+        "type nat hook prerouting priority dstnat",
+        &[
+            r#"iifname != @sandboxes fib daddr type local dnat ip to tcp dport map @expose_tcp comment "exposed ports""#,
+        ],
+    );
+    chain(
+        s,
+        "output",
+        "type nat hook output priority -100",
+        &["ip daddr != 127.0.0.0/8 fib daddr type local dnat ip to tcp dport map @expose_tcp comment \"exposed ports, from the host itself\""],
+    );
+    chain(
+        s,
+        "postrouting",
+        "type nat hook postrouting priority srcnat",
+        &["ip saddr @guests oifname != @sandboxes masquerade"],
+    );
+}
+
+/// The per-sandbox rules in policy order (without `add rule TABLE CHAIN`).
+fn egress_rules(sandbox: &Sandbox<'_>) -> Vec<String> {
+    let guest = sandbox.guest_ip;
+    let mut rules = vec![
+        "meta nfproto ipv6 drop comment \"guests are IPv4 only\"".to_string(),
+        format!("ip saddr != {guest} drop comment \"only the guest's own address\""),
+    ];
+    if let Some(dns) = sandbox.dns {
+        rules.push(format!(
+            "ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept comment \"DNS\""
+        ));
+    }
+    match sandbox.egress {
+        Egress::None => {}
+        Egress::All => {
+            rules.push(
+                "ip daddr 169.254.0.0/16 drop comment \"link-local (cloud metadata)\"".to_string(),
+            );
+            rules.push("accept".to_string());
+        }
+        Egress::Allow(entries) => {
+            for entry in entries {
+                let daddr = if entry.net.prefix() == 32 {
+                    entry.net.network().to_string()
+                } else {
+                    entry.net.to_string()
+                };
+                rules.push(match entry.ports {
+                    None => format!("ip daddr {daddr} accept"),
+                    Some((lo, hi)) if lo == hi => {
+                        format!("ip daddr {daddr} meta l4proto {{ tcp, udp }} th dport {lo} accept")
+                    }
+                    Some((lo, hi)) => format!(
+                        "ip daddr {daddr} meta l4proto {{ tcp, udp }} th dport {lo}-{hi} accept"
+                    ),
+                });
+            }
+        }
+    }
+    rules.push("drop".to_string());
+    rules
+}
+
+fn host_rules(sandbox: &Sandbox<'_>) -> Vec<String> {
+    let (guest, host) = (sandbox.guest_ip, sandbox.host_ip);
+    let mut rules = vec![
+        format!("ip saddr != {guest} drop comment \"only the guest's own address\""),
+        format!("ip daddr {host} icmp type echo-request accept comment \"ping the gateway\""),
+    ];
+    if sandbox.dns == Some(host) {
+        rules.push(format!(
+            "ip daddr {host} meta l4proto {{ tcp, udp }} th dport 53 accept comment \"DNS on the gateway\""
+        ));
+    }
+    rules.push("drop".to_string());
+    rules
+}
+
+fn elements(s: &mut String, verb: &str, sandbox: &Sandbox<'_>) {
+    let tap = sandbox.tap;
+    let guest = sandbox.guest_ip;
+    let _ = writeln!(
+        s,
+        "{verb} element {TABLE} egress {{ \"{tap}\" : jump egress_{tap} }}"
+    );
+    let _ = writeln!(
+        s,
+        "{verb} element {TABLE} to_host {{ \"{tap}\" : jump host_{tap} }}"
+    );
+    let _ = writeln!(s, "{verb} element {TABLE} sandboxes {{ \"{tap}\" }}");
+    let _ = writeln!(s, "{verb} element {TABLE} guests {{ {guest} }}");
+    for (host_port, guest_port) in sandbox.expose {
+        if verb == "delete" {
+            let _ = writeln!(s, "delete element {TABLE} expose_tcp {{ {host_port} }}");
+        } else {
+            let _ = writeln!(
+                s,
+                "{verb} element {TABLE} expose_tcp {{ {host_port} : {guest} . {guest_port} }}"
+            );
+        }
+    }
+}
+
+/// The script that sets a sandbox up.
+pub fn render_up(sandbox: &Sandbox<'_>) -> String {
+    let tap = sandbox.tap;
+    let mut s = format!("# rollbox net: sandbox interface {tap}\n");
+    declarations(&mut s);
+    base_chains(&mut s);
+    for (chain, rules) in [
+        (format!("egress_{tap}"), egress_rules(sandbox)),
+        (format!("host_{tap}"), host_rules(sandbox)),
+    ] {
+        let _ = writeln!(s, "add chain {TABLE} {chain}");
+        let _ = writeln!(s, "flush chain {TABLE} {chain}");
+        for rule in rules {
+            let _ = writeln!(s, "add rule {TABLE} {chain} {rule}");
+        }
+    }
+    // `create` fails if another sandbox has the host port, failing the whole transaction.
+    elements(
+        &mut s,
+        "add",
+        &Sandbox {
+            expose: &[],
+            ..sandbox.clone()
+        },
+    );
+    for (host_port, guest_port) in sandbox.expose {
+        let _ = writeln!(
+            s,
+            "create element {TABLE} expose_tcp {{ {host_port} : {} . {guest_port} }}",
+            sandbox.guest_ip
+        );
+    }
+    s
+}
+
+/// The script that removes a sandbox's rules. It first adds what it deletes (adding what
+/// exists changes nothing), so it succeeds whether or not `up` got that far: idempotent in
+/// one transaction.
+pub fn render_down(sandbox: &Sandbox<'_>) -> String {
+    let tap = sandbox.tap;
+    let mut s = format!("# rollbox net: remove sandbox interface {tap}\n");
+    declarations(&mut s);
+    let _ = writeln!(s, "add chain {TABLE} egress_{tap}");
+    let _ = writeln!(s, "add chain {TABLE} host_{tap}");
+    elements(&mut s, "add", sandbox);
+    elements(&mut s, "delete", sandbox);
+    for chain in [format!("egress_{tap}"), format!("host_{tap}")] {
+        let _ = writeln!(s, "flush chain {TABLE} {chain}");
+        let _ = writeln!(s, "delete chain {TABLE} {chain}");
+    }
+    s
+}
+
+/// The elements of the set or map that `header` (`map expose_tcp {`) opens in a listing.
+fn listed_elements<'a>(listing: &'a str, header: &str) -> Vec<&'a str> {
+    let Some(start) = listing.find(header) else {
+        return Vec::new();
+    };
+    let block = &listing[start..];
+    // The first `}` closes the elements (or, without elements, the set itself).
+    let block = &block[..block.find('}').unwrap_or(block.len())];
+    let Some((_, elements)) = block.split_once("elements = {") else {
+        return Vec::new();
+    };
+    elements.split(',').map(str::trim).collect()
+}
+
+/// The exposed-port elements of a listing of the table: (host port, guest address, guest port).
+pub fn exposed(listing: &str) -> Vec<(u16, Ipv4Addr, u16)> {
+    listed_elements(listing, "map expose_tcp {")
+        .into_iter()
+        .filter_map(|element| {
+            let (port, target) = element.split_once(':')?;
+            let (addr, guest_port) = target.rsplit_once(" . ")?;
+            Some((
+                port.trim().parse().ok()?,
+                addr.trim().parse().ok()?,
+                guest_port.trim().parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// The guest addresses in the masquerade set.
+pub fn guests(listing: &str) -> Vec<Ipv4Addr> {
+    listed_elements(listing, "set guests {")
+        .into_iter()
+        .filter_map(|element| element.parse().ok())
+        .collect()
+}
+
+/// The interface names in the `sandboxes` set and the two verdict maps.
+pub fn mapped_interfaces(listing: &str) -> Vec<String> {
+    ["set sandboxes {", "map egress {", "map to_host {"]
+        .into_iter()
+        .flat_map(|header| listed_elements(listing, header))
+        .map(|element| element.split_once(':').map_or(element, |(name, _)| name))
+        .map(|name| name.trim().trim_matches('"').to_string())
+        .filter(|name| !name.is_empty())
+        .collect()
+}
+
+/// The per-sandbox chains in a listing: interface names with an `egress_`/`host_` chain.
+pub fn sandbox_chains(listing: &str) -> Vec<String> {
+    let mut taps: Vec<String> = listing
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("chain "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .filter_map(|chain| {
+            chain
+                .strip_prefix("egress_")
+                .or_else(|| chain.strip_prefix("host_"))
+        })
+        .map(str::to_string)
+        .collect();
+    taps.sort();
+    taps.dedup();
+    taps
+}
+
+/// Applies an `up` script. When it failed because another sandbox has one of the host ports
+/// (its `create element` found the key), says which port and where it goes.
+pub fn apply_up(script: &str) -> Result<(), NftError> {
+    let Err(error) = apply(script) else {
+        return Ok(());
+    };
+    let NftError::Rejected(message) = &error else {
+        return Err(error);
+    };
+    let port = message
+        .split_once("expose_tcp { ")
+        .filter(|_| message.contains("File exists"))
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|port| port.parse::<u16>().ok());
+    let Some(port) = port else {
+        return Err(error);
+    };
+    let listing = list_table().ok().flatten().unwrap_or_default();
+    let target = exposed(&listing)
+        .into_iter()
+        .find(|(p, _, _)| *p == port)
+        .map_or_else(
+            || "another sandbox".to_string(),
+            |(_, a, p)| format!("{a}:{p}"),
+        );
+    Err(NftError::PortTaken { port, target })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sandbox<'a>(egress: &'a Egress, expose: &'a [(u16, u16)]) -> Sandbox<'a> {
+        Sandbox {
+            tap: "rbx0ac80004",
+            host_ip: Ipv4Addr::new(10, 200, 0, 5),
+            guest_ip: Ipv4Addr::new(10, 200, 0, 6),
+            egress,
+            dns: Some(Ipv4Addr::new(1, 1, 1, 1)),
+            expose,
+        }
+    }
+
+    #[test]
+    fn renders_an_allow_list() {
+        let egress: Egress = "10.0.0.0/8:443,1.1.1.1,192.168.0.0/16:80-90"
+            .parse()
+            .unwrap();
+        let script = render_up(&sandbox(&egress, &[(8080, 80)]));
+        let chain: Vec<&str> = script
+            .lines()
+            .filter_map(|l| l.strip_prefix("add rule inet rollbox egress_rbx0ac80004 "))
+            .collect();
+        assert_eq!(
+            chain,
+            [
+                "meta nfproto ipv6 drop comment \"guests are IPv4 only\"",
+                "ip saddr != 10.200.0.6 drop comment \"only the guest's own address\"",
+                "ip daddr 1.1.1.1 meta l4proto { tcp, udp } th dport 53 accept comment \"DNS\"",
+                "ip daddr 10.0.0.0/8 meta l4proto { tcp, udp } th dport 443 accept",
+                "ip daddr 1.1.1.1 accept",
+                "ip daddr 192.168.0.0/16 meta l4proto { tcp, udp } th dport 80-90 accept",
+                "drop",
+            ]
+        );
+        assert!(script.contains(
+            "add element inet rollbox egress { \"rbx0ac80004\" : jump egress_rbx0ac80004 }"
+        ));
+        assert!(script.contains("add element inet rollbox guests { 10.200.0.6 }"));
+        assert!(script.contains("add element inet rollbox sandboxes { \"rbx0ac80004\" }"));
+        assert!(
+            !script.contains("rbx*"),
+            "no wildcard: other rbx interfaces are not ours"
+        );
+        assert!(
+            script.contains("create element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }")
+        );
+        // Base chains are flushed before they are filled, in the same script.
+        let flush = script.find("flush chain inet rollbox forward").unwrap();
+        let fill = script.find("add rule inet rollbox forward").unwrap();
+        assert!(flush < fill);
+        assert!(!script.contains("table ip "), "only our own table");
+    }
+
+    #[test]
+    fn none_and_all() {
+        let none = render_up(&sandbox(&Egress::None, &[]));
+        let rules = |script: &str| -> Vec<String> {
+            script
+                .lines()
+                .filter_map(|l| l.strip_prefix("add rule inet rollbox egress_rbx0ac80004 "))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(rules(&none).last().map(String::as_str), Some("drop"));
+        assert!(!rules(&none).iter().any(|r| r == "accept"));
+        let all = render_up(&sandbox(&Egress::All, &[]));
+        let all = rules(&all);
+        assert_eq!(&all[all.len() - 3..][1..], ["accept", "drop"]);
+        assert!(all
+            .iter()
+            .any(|r| r.starts_with("ip daddr 169.254.0.0/16 drop")));
+    }
+
+    #[test]
+    fn host_chain_allows_ping_and_dns_on_the_gateway_only() {
+        let mut s = sandbox(&Egress::None, &[]);
+        s.dns = Some(s.host_ip);
+        let script = render_up(&s);
+        let host: Vec<&str> = script
+            .lines()
+            .filter_map(|l| l.strip_prefix("add rule inet rollbox host_rbx0ac80004 "))
+            .collect();
+        assert_eq!(host.len(), 4, "{host:?}");
+        assert!(host[1].starts_with("ip daddr 10.200.0.5 icmp type echo-request accept"));
+        assert!(
+            host[2].starts_with("ip daddr 10.200.0.5 meta l4proto { tcp, udp } th dport 53 accept")
+        );
+        assert_eq!(host[3], "drop");
+    }
+
+    #[test]
+    fn down_adds_then_deletes_everything_up_made() {
+        let script = render_down(&sandbox(&Egress::All, &[(8080, 80)]));
+        let add = script
+            .find("add element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }")
+            .unwrap();
+        let delete = script
+            .find("delete element inet rollbox expose_tcp { 8080 }")
+            .unwrap();
+        assert!(add < delete);
+        for chain in ["egress_rbx0ac80004", "host_rbx0ac80004"] {
+            assert!(script.contains(&format!("delete chain inet rollbox {chain}")));
+        }
+        assert!(
+            !script.contains("flush chain inet rollbox forward"),
+            "leaves shared chains"
+        );
+    }
+
+    #[test]
+    fn parses_listings() {
+        let listing = "table inet rollbox {\n\tmap expose_tcp {\n\t\ttype inet_service : ipv4_addr . inet_service\n\t\telements = { 8080 : 10.200.0.6 . 80, 9000 : 10.200.0.10 . 22 }\n\t}\n\tchain egress_rbx0ac80004 {\n\t}\n\tchain host_rbx0ac80004 {\n\t}\n\tchain forward {\n\t}\n}\n";
+        assert_eq!(
+            exposed(listing),
+            [
+                (8080, Ipv4Addr::new(10, 200, 0, 6), 80),
+                (9000, Ipv4Addr::new(10, 200, 0, 10), 22)
+            ]
+        );
+        assert_eq!(sandbox_chains(listing), ["rbx0ac80004"]);
+        let listing = "table inet rollbox {\n\tset sandboxes {\n\t\ttype ifname\n\t\telements = { \"rbx0ac8000c\" }\n\t}\n\tmap egress {\n\t\ttype ifname : verdict\n\t\telements = { \"rbx0ac80004\" : jump egress_rbx0ac80004,\n\t\t\t     \"rbx0ac80008\" : jump egress_rbx0ac80008 }\n\t}\n\tset guests {\n\t\ttype ipv4_addr\n\t\telements = { 10.200.0.6, 10.200.0.10 }\n\t}\n}\n";
+        assert_eq!(
+            mapped_interfaces(listing),
+            ["rbx0ac8000c", "rbx0ac80004", "rbx0ac80008"]
+        );
+        assert_eq!(
+            guests(listing),
+            [Ipv4Addr::new(10, 200, 0, 6), Ipv4Addr::new(10, 200, 0, 10)]
+        );
+        assert_eq!(
+            guests("table inet rollbox {\n\tset guests {\n\t\ttype ipv4_addr\n\t}\n}"),
+            Vec::<Ipv4Addr>::new()
+        );
+        assert_eq!(exposed("table inet rollbox {\n}"), []);
+    }
+
+    #[test]
+    fn errors_become_one_line() {
+        let stderr = "/dev/stdin:17:1-50: Error: Could not process rule: File exists\ncreate element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }\n^^^^^^^^\n";
+        assert_eq!(
+            one_line(stderr),
+            "Could not process rule: File exists (in `create element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }`)"
+        );
+    }
+}
