@@ -73,6 +73,13 @@ for m in $(cat "/host$run/modules" 2>/dev/null); do
     load "$m"
 done
 [ -c /host/dev/kvm ] || fail "kvm_amd loaded but /dev/kvm is missing"
+# Modules the kernel asks for on its own (nftables expressions, veth, ...) come from the kit too.
+cat > /lab-modprobe <<EOF
+#!/bin/busybox sh
+exec /bin/busybox chroot /host /sbin/modprobe -d "$kit/root" -S "$release" "\$@"
+EOF
+chmod 0755 /lab-modprobe
+echo /lab-modprobe > /proc/sys/kernel/modprobe
 
 stty -F /dev/ttyS1 raw -echo 2>/dev/null
 chroot /host /bin/bash "$run/cmd" > /dev/ttyS1 2>&1 < /dev/null

@@ -122,6 +122,117 @@ fn serve_http(agent: &Agent, body: &str) {
     ));
 }
 
+/// Serves a fixed HTTP answer naming `port` on 0.0.0.0:`port` inside network namespace
+/// `netns` (a thread that entered it), until the process ends.
+fn serve_in_netns(netns: &str, port: u16) {
+    let path = format!("/var/run/netns/{netns}");
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).expect("open netns");
+        // SAFETY: setns moves only this thread into the namespace; the fd is valid.
+        let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let listener = TcpListener::bind(("0.0.0.0", port)).expect("bind in netns");
+        ready_tx.send(()).expect("ready");
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut buf = [0u8; 1024];
+            let _ = conn.read(&mut buf);
+            let body = format!("port-{port}-answers\n");
+            let _ = write!(
+                conn,
+                "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("netns server ready");
+}
+
+/// A stand-in for the internet: namespace `rbxext` behind a veth pair, 10.98.0.2/24 there and
+/// 10.98.0.1/24 on the host side. Removed on drop.
+struct Internet;
+
+impl Internet {
+    fn new() -> Internet {
+        let _ = Command::new("ip").args(["netns", "del", "rbxext"]).output();
+        let _ = Command::new("ip").args(["link", "del", "rbxie0"]).output();
+        ip(&["netns", "add", "rbxext"]);
+        ip(&[
+            "link", "add", "rbxie0", "type", "veth", "peer", "name", "rbxie1",
+        ]);
+        ip(&["link", "set", "rbxie1", "netns", "rbxext"]);
+        ip(&["addr", "add", "10.98.0.1/24", "dev", "rbxie0"]);
+        ip(&["link", "set", "rbxie0", "up"]);
+        for args in [
+            &["addr", "add", "10.98.0.2/24", "dev", "rbxie1"][..],
+            &["link", "set", "rbxie1", "up"],
+            &["link", "set", "lo", "up"],
+            &["route", "add", "default", "via", "10.98.0.1"],
+        ] {
+            let mut all = vec!["netns", "exec", "rbxext", "ip"];
+            all.extend_from_slice(args);
+            ip(&all);
+        }
+        Internet
+    }
+}
+
+impl Drop for Internet {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", "rbxie0"]).output();
+        let _ = Command::new("ip").args(["netns", "del", "rbxext"]).output();
+    }
+}
+
+/// `rollbox net` with a private state directory; `down` on drop.
+struct SandboxNet {
+    state: tempfile::TempDir,
+    name: String,
+    info: serde_json::Value,
+}
+
+impl SandboxNet {
+    fn up(name: &str, extra: &[&str]) -> SandboxNet {
+        let state = tempfile::tempdir().expect("state dir");
+        let out = Command::new(rollbox_tests::rollbox_binary())
+            .args(["net", "up", name, "--state-dir"])
+            .arg(state.path())
+            .args(extra)
+            .output()
+            .expect("rollbox net up");
+        assert!(
+            out.status.success(),
+            "rollbox net up: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let info = serde_json::from_slice(&out.stdout).expect("net up json");
+        SandboxNet {
+            state,
+            name: name.into(),
+            info,
+        }
+    }
+
+    fn field(&self, key: &str) -> String {
+        self.info[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("rollbox net up printed no {key}: {}", self.info))
+            .to_string()
+    }
+}
+
+impl Drop for SandboxNet {
+    fn drop(&mut self) {
+        let _ = Command::new(rollbox_tests::rollbox_binary())
+            .args(["net", "down", &self.name, "--state-dir"])
+            .arg(self.state.path())
+            .output();
+    }
+}
+
 const MIB: usize = 1 << 20;
 
 mod tier4 {
@@ -251,6 +362,72 @@ mod tier4 {
         let answer = http_get(SocketAddr::from((tap.guest, 8080)), "/index.html");
         assert!(answer.contains("served-before-the-snapshot"), "{answer}");
         agent.sh(&format!("ping -c 2 -W 10 {} >/dev/null", tap.host));
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
+    }
+
+    #[test]
+    fn rollbox_net_egress_policy_holds_for_a_real_guest() {
+        let Some(fx) = fixtures("tier4::rollbox_net_egress_policy_holds_for_a_real_guest") else {
+            return;
+        };
+        let _internet = Internet::new();
+        serve_in_netns("rbxext", 8000);
+        serve_in_netns("rbxext", 9000);
+        let net = SandboxNet::up(
+            "egress-test",
+            &["--pool", "10.201.0.0/24", "--egress", "10.98.0.2:8000"],
+        );
+        let work = tempfile::tempdir().expect("tempdir");
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "egress",
+            &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
+            &agent_cmdline(&net.field("kernel_ip_arg")),
+            &[
+                "--vcpus",
+                "1",
+                "--memory-mib",
+                "192",
+                "--net",
+                &format!("{},mac={}", net.field("tap"), net.field("guest_mac")),
+            ],
+        );
+        let agent = vm.agent();
+        // Allowed: the listed address and port.
+        // busybox nc, not wget: the image's busybox wget crashes writing to stdout.
+        let fetch = |addr: &str, port: u16| {
+            agent.sh_status(&format!(
+                "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {addr} {port}"
+            ))
+        };
+        let (status, allowed, _) = fetch("10.98.0.2", 8000);
+        assert_eq!(status, Some(0), "the allow-listed address and port");
+        assert!(allowed.contains("port-8000-answers"), "{allowed}");
+        // Denied: another port of the same host, and the host's own services.
+        let (_, denied, _) = fetch("10.98.0.2", 9000);
+        assert!(
+            !denied.contains("answers"),
+            "port 9000 is not in the allow-list: {denied}"
+        );
+        let host_service = TcpListener::bind(("10.98.0.1", 8001)).expect("host service");
+        let (status, _, _) = fetch("10.98.0.1", 8001);
+        assert_ne!(
+            status,
+            Some(0),
+            "the host's other addresses are closed to guests"
+        );
+        drop(host_service);
+        // The gateway answers pings; the host reaches the guest.
+        agent.sh(&format!(
+            "ping -c 1 -W 10 {} >/dev/null",
+            net.field("host_ip")
+        ));
+        serve_http(&agent, "reachable-from-the-host");
+        let guest: Ipv4Addr = net.field("guest_ip").parse().expect("guest ip");
+        let answer = http_get(SocketAddr::from((guest, 8080)), "/index.html");
+        assert!(answer.contains("reachable-from-the-host"), "{answer}");
         agent.start("poweroff -f");
         assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
     }
