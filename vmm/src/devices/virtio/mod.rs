@@ -70,6 +70,44 @@ pub fn check_avail(queue: &Queue, mem: &GuestMemoryMmap) -> Result<(), QueueErro
     Ok(())
 }
 
+/// Takes the next chain of `queue` unless `stalled`. An available index that ran more than a
+/// queue ahead stalls the queue until the driver resets the device, with one log line naming
+/// `who` (device and queue).
+pub fn next_chain<'m>(
+    mem: &'m GuestMemoryMmap,
+    queue: &mut Queue,
+    stalled: &mut bool,
+    who: &dyn std::fmt::Display,
+) -> Option<virtio_queue::DescriptorChain<&'m GuestMemoryMmap>> {
+    if *stalled {
+        return None;
+    }
+    if let Err(e) = check_avail(queue, mem) {
+        log::warn!("{who}: {e}; ignoring the queue until reset");
+        *stalled = true;
+        return None;
+    }
+    queue.pop_descriptor_chain(mem)
+}
+
+/// Puts chain `head` on the used ring with `len` bytes written; false (logged, naming `who`)
+/// when the used ring cannot take it.
+pub fn return_chain(
+    mem: &GuestMemoryMmap,
+    queue: &mut Queue,
+    head: u16,
+    len: u32,
+    who: &dyn std::fmt::Display,
+) -> bool {
+    match queue.add_used(mem, head, len) {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!("{who}: cannot return head {head}: {e}");
+            false
+        }
+    }
+}
+
 /// A device's interrupt: the MMIO interrupt-status register plus its irqfd.
 #[derive(Clone)]
 pub struct Interrupt {

@@ -13,7 +13,7 @@ use crate::devices::virtio::chain::{Chain, ChainError, ChainRules};
 use crate::devices::virtio::mmio::read_config_bytes;
 use crate::devices::virtio::persist::DevicePersistKind;
 use crate::devices::virtio::{
-    check_avail, QueueContext, VirtioDevice, TYPE_NET, VIRTIO_F_VERSION_1,
+    next_chain, return_chain, QueueContext, VirtioDevice, TYPE_NET, VIRTIO_F_VERSION_1,
 };
 use crate::vstate::memory::GuestMemoryMmap;
 
@@ -129,11 +129,16 @@ impl Net {
     }
 
     fn refused(&self, index: usize, head: u16, e: &ChainError) {
-        log::warn!(
-            "virtio-net {}: {} queue: refused chain at head {head}: {e}",
+        log::warn!("{}: refused chain at head {head}: {e}", self.who(index));
+    }
+
+    /// "virtio-net ID: X queue", for log lines.
+    fn who(&self, index: usize) -> String {
+        format!(
+            "virtio-net {}: {} queue",
             self.config.iface_id,
             queue_name(index)
-        );
+        )
     }
 
     /// The next validated chain of queue `index`, or `None` when it is empty or stalled.
@@ -144,19 +149,8 @@ impl Net {
         index: usize,
         rules: &ChainRules,
     ) -> Option<(u16, Result<Chain, ChainError>)> {
-        if *self.stalled.get(index)? {
-            return None;
-        }
-        if let Err(e) = check_avail(queue, mem) {
-            log::warn!(
-                "virtio-net {}: {} queue: {e}; ignoring the queue until reset",
-                self.config.iface_id,
-                queue_name(index)
-            );
-            self.stalled[index] = true;
-            return None;
-        }
-        let chain = queue.pop_descriptor_chain(mem)?;
+        let who = self.who(index);
+        let chain = next_chain(mem, queue, self.stalled.get_mut(index)?, &who)?;
         let head = chain.head_index();
         Some((head, Chain::validate(mem, chain, rules)))
     }
@@ -169,17 +163,7 @@ impl Net {
         head: u16,
         len: u32,
     ) -> bool {
-        match queue.add_used(mem, head, len) {
-            Ok(()) => true,
-            Err(e) => {
-                log::warn!(
-                    "virtio-net {}: {} queue: cannot return head {head}: {e}",
-                    self.config.iface_id,
-                    queue_name(index)
-                );
-                false
-            }
-        }
+        return_chain(mem, queue, head, len, &self.who(index))
     }
 
     /// Sends every frame the guest queued; true if any chain went back.

@@ -14,7 +14,7 @@ use super::packet::{
 };
 use super::unix::{UnixError, UnixMuxer};
 use crate::devices::virtio::mmio::read_config_bytes;
-use crate::devices::virtio::{check_avail, QueueContext, VirtioDevice, TYPE_VSOCK};
+use crate::devices::virtio::{next_chain, return_chain, QueueContext, VirtioDevice, TYPE_VSOCK};
 
 const RX_QUEUE: usize = 0;
 const TX_QUEUE: usize = 1;
@@ -67,27 +67,15 @@ impl Vsock {
     }
 
     /// The next chain of queue `index` (its head, and its descriptors if it ends properly),
-    /// or `None` when the queue is empty or stalled. An available index that ran more than
-    /// the queue size ahead stalls the queue until reset, with one log line.
+    /// or `None` when the queue is empty or stalled.
     fn pop_chain(
         &mut self,
         mem: &GuestMemoryMmap,
         queue: &mut Queue,
         index: usize,
     ) -> Option<(u16, Result<Vec<Descriptor>, BufferError>)> {
-        let stalled = self.stalled.get_mut(index)?;
-        if *stalled {
-            return None;
-        }
-        if let Err(e) = check_avail(queue, mem) {
-            log::warn!(
-                "virtio-vsock: {} queue: {e}; ignoring the queue until reset",
-                queue_name(index)
-            );
-            *stalled = true;
-            return None;
-        }
-        let chain = queue.pop_descriptor_chain(mem)?;
+        let who = format!("virtio-vsock: {} queue", queue_name(index));
+        let chain = next_chain(mem, queue, self.stalled.get_mut(index)?, &who)?;
         let head = chain.head_index();
         Some((head, collect_chain(chain, queue.size())))
     }
@@ -100,16 +88,8 @@ impl Vsock {
         head: u16,
         len: u32,
     ) -> bool {
-        match queue.add_used(mem, head, len) {
-            Ok(()) => true,
-            Err(e) => {
-                log::warn!(
-                    "virtio-vsock: {} queue: cannot return head {head}: {e}",
-                    queue_name(index)
-                );
-                false
-            }
-        }
+        let who = format!("virtio-vsock: {} queue", queue_name(index));
+        return_chain(mem, queue, head, len, &who)
     }
 
     fn process_tx(&mut self, mem: &GuestMemoryMmap, queue: &mut Queue) -> bool {
