@@ -376,7 +376,14 @@ mod tier4 {
         serve_in_netns("rbxext", 9000);
         let net = SandboxNet::up(
             "egress-test",
-            &["--pool", "10.201.0.0/24", "--egress", "10.98.0.2:8000"],
+            &[
+                "--pool",
+                "10.201.0.0/24",
+                "--egress",
+                "10.98.0.2:8000",
+                "--expose",
+                "18080:8080",
+            ],
         );
         let work = tempfile::tempdir().expect("tempdir");
         let mut vm = LinuxVm::boot(
@@ -427,6 +434,9 @@ mod tier4 {
         serve_http(&agent, "reachable-from-the-host");
         let guest: Ipv4Addr = net.field("guest_ip").parse().expect("guest ip");
         let answer = http_get(SocketAddr::from((guest, 8080)), "/index.html");
+        assert!(answer.contains("reachable-from-the-host"), "{answer}");
+        // The exposed port: host port 18080 on the host's own (non-loopback) address.
+        let answer = http_get(SocketAddr::from(([10, 98, 0, 1], 18080)), "/index.html");
         assert!(answer.contains("reachable-from-the-host"), "{answer}");
         agent.start("poweroff -f");
         assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
