@@ -604,6 +604,8 @@ impl Controller {
             vsock_uds: params.vsock_override.as_ref().map(|v| v.uds_path.clone()),
             drive_overrides: extension.drive_overrides,
             net_overrides,
+            fs_overrides: extension.fs_overrides,
+            virtiofsd: self.resources.virtiofsd.clone(),
             new_generation: extension.new_generation,
             deterministic: extension.deterministic,
             paused: !params.resume_vm,

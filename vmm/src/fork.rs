@@ -380,11 +380,8 @@ fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(),
             }
             // Checked up front by check_network_overrides.
             DevicePersistKind::Net { .. } => {}
-            DevicePersistKind::Fs { tag } => {
-                return Err(format!(
-                    "fs {tag}: a microVM with a virtio-fs volume cannot be forked"
-                ))
-            }
+            // Each clone restores with a virtiofsd of its own on the same shared directory.
+            DevicePersistKind::Fs(_) => {}
         }
     }
     Ok(())

@@ -83,6 +83,9 @@ struct Args {
     /// With --restore: tell the guest it is a clone (new generation counter value).
     #[arg(long, requires = "restore")]
     new_generation: bool,
+    /// With --restore: serve a volume from another host directory, as TAG=DIR.
+    #[arg(long = "fs-override", requires = "restore")]
+    fs_overrides: Vec<String>,
     /// With --restore: use another image for a drive, as ID=PATH.
     #[arg(long = "drive-override", requires = "restore")]
     drive_overrides: Vec<String>,
@@ -226,8 +229,17 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
             .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
         net_overrides.insert(id.to_string(), tap.to_string());
     }
+    let mut fs_overrides = HashMap::new();
+    for entry in &args.fs_overrides {
+        let (tag, dir) = entry
+            .split_once('=')
+            .ok_or_else(|| format!("--fs-override {entry:?}: expected TAG=DIR"))?;
+        fs_overrides.insert(tag.to_string(), PathBuf::from(dir));
+    }
     Ok(RestoreOptions {
         backend: args.restore_backend.parse::<RestoreBackend>()?,
+        fs_overrides,
+        virtiofsd: args.virtiofsd.clone(),
         mem_file: None,
         vsock_uds: args.vsock_uds.clone(),
         drive_overrides,

@@ -119,6 +119,9 @@ pub struct RestoreExtension {
     /// New image paths by drive ID.
     #[serde(default)]
     pub drive_overrides: std::collections::HashMap<String, std::path::PathBuf>,
+    /// New shared directories by volume tag (virtio-fs).
+    #[serde(default)]
+    pub fs_overrides: std::collections::HashMap<String, std::path::PathBuf>,
 }
 
 /// `PUT /snapshot/load` body (Firecracker's, plus the `rollbox` extension object).

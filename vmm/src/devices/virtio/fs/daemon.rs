@@ -61,6 +61,7 @@ pub fn locate_virtiofsd(explicit: Option<&Path>) -> Result<PathBuf, FsError> {
 /// A virtiofsd that rollbox-vmm started for one volume; killed and reaped when dropped.
 pub struct Daemon {
     tag: String,
+    binary: PathBuf,
     child: Child,
     /// A directory of its own, for its socket and the pid file virtiofsd writes beside it.
     dir: PathBuf,
@@ -119,6 +120,7 @@ impl Daemon {
         };
         let mut daemon = Daemon {
             tag: config.tag.clone(),
+            binary: binary.to_path_buf(),
             child,
             dir: dir.to_path_buf(),
             socket,
@@ -153,6 +155,11 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The virtiofsd binary it runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
     }
 
     /// The socket it listens on.
