@@ -170,6 +170,11 @@ impl LinuxVm {
         LinuxVm::spawn(dir, name, &all)
     }
 
+    /// The rollbox-vmm process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn file(&self, suffix: &str) -> PathBuf {
         self.dir.join(format!("{}.{suffix}", self.name))
     }
@@ -275,6 +280,18 @@ impl Drop for LinuxVm {
         // A failed assertion on the guest's side is explained by what the VMM and the guest said.
         if std::thread::panicking() {
             eprintln!("{}", self.report());
+        }
+    }
+}
+
+/// Kills the processes (fork clones) with these IDs when dropped, however a test ends.
+pub struct KillOnDrop(pub Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // SAFETY: kill only sends a signal to a process the test started.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
         }
     }
 }

@@ -303,16 +303,7 @@ mod tier4 {
         let clones = result["clones"].as_array().expect("clones").clone();
         assert_eq!(clones.len(), 8, "{answer}");
         // Kill every clone however the test ends.
-        struct Clones(Vec<u32>);
-        impl Drop for Clones {
-            fn drop(&mut self) {
-                for pid in &self.0 {
-                    // SAFETY: kill only sends a signal to the clone process we started.
-                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-                }
-            }
-        }
-        let _guard = Clones(
+        let _guard = KillOnDrop(
             clones
                 .iter()
                 .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))

@@ -7,17 +7,14 @@
 //! `scripts/virtiofsd.sh`, ROLLBOX_VIRTIOFSD). The tests outside it check bad input on the
 //! host: it is refused before any VM exists.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use rollbox_agent_protocol::{AgentClient, DEFAULT_PORT};
+use rollbox_tests::linux::{
+    agent_cmdline, fixtures, seconds, Agent, Fixtures, KillOnDrop, LinuxVm,
+};
 use rollbox_tests::{api, skip, vmm_binary, wait_for_socket};
-
-const AGENT_TIMEOUT: Duration = Duration::from_secs(300);
-const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
-const CMDLINE: &str = "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent";
 
 /// Runs rollbox-vmm with `args` and returns its status and stderr (for refusals).
 fn vmm_refuses(args: &[&str]) -> (ExitStatus, String) {
@@ -146,214 +143,80 @@ fn put_fs_checks_each_volume_and_refuses_clashes() {
 }
 
 /// The fixtures and virtiofsd, or None after recording why this test can't run here.
-fn prerequisites(test: &str) -> Option<(HashMap<String, String>, PathBuf)> {
-    let no_hw = !Path::new("/dev/kvm").exists()
-        || Path::new("/sys/module/kvm_pvm").exists()
-        || !(Path::new("/sys/module/kvm_intel").exists()
-            || Path::new("/sys/module/kvm_amd").exists());
-    if no_hw {
-        skip(test, "no KVM with hardware virtualization here (PVM or none); scripts/test.sh runs tier 4 in the nested lab");
-        return None;
-    }
-    let Some(dir) = std::env::var_os("ROLLBOX_TIER4_FIXTURES") else {
-        skip(
-            test,
-            "ROLLBOX_TIER4_FIXTURES is not set (scripts/lab/tier4-fixtures.sh DIR prepares them)",
-        );
-        return None;
-    };
+fn prerequisites(test: &str) -> Option<(Fixtures, PathBuf)> {
+    let fx = fixtures(test)?;
     let Some(virtiofsd) = std::env::var_os("ROLLBOX_VIRTIOFSD").map(PathBuf::from) else {
         skip(test, "ROLLBOX_VIRTIOFSD is not set (scripts/virtiofsd.sh builds virtiofsd and prints its path)");
         return None;
     };
-    let env = Path::new(&dir).join("fixtures.env");
-    let text = std::fs::read_to_string(&env)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", env.display()));
-    let vars = text
-        .lines()
-        .filter_map(|line| line.split_once('='))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect();
-    Some((vars, virtiofsd))
+    Some((fx, virtiofsd))
 }
 
-/// A busybox guest with volumes, driven through its agent.
+/// A busybox guest with volumes (the shared tier-4 harness), driven through its agent.
 struct Guest {
-    child: Child,
-    dir: PathBuf,
-    runtime: tokio::runtime::Runtime,
-    client: Option<AgentClient>,
+    vm: LinuxVm,
+    agent: Agent,
 }
 
 impl Guest {
-    /// Boots the busybox rootfs with `volumes` (`--fs` values) mounted at `mounts`
-    /// (`rollbox.volume=` values).
+    /// Boots the busybox rootfs as `name` in `dir` with `volumes` (`--fs` values) mounted at
+    /// `mounts` (`rollbox.volume=` values) and `memory_mib` of memory.
     fn boot(
-        fx: &HashMap<String, String>,
+        fx: &Fixtures,
         virtiofsd: &Path,
         dir: &Path,
+        name: &str,
+        memory_mib: u64,
         volumes: &[String],
         mounts: &[&str],
     ) -> Guest {
-        let rootfs = dir.join("root.ext4");
-        let status = Command::new("cp")
-            .arg("--sparse=always")
-            .arg(&fx["BUSYBOX_ROOTFS"])
-            .arg(&rootfs)
-            .status()
-            .expect("cp");
-        assert!(status.success());
-        let mut cmdline = CMDLINE.to_string();
-        for m in mounts {
-            cmdline.push_str(&format!(" rollbox.volume={m}"));
-        }
-        let mut args = vec![
-            "--kernel".to_string(),
-            fx["OUR_VMLINUX"].clone(),
-            "--drive".into(),
-            format!("{},root", rootfs.display()),
-            // Room for a 256 MiB file in the guest's /tmp (tmpfs: half of RAM).
-            "--memory-mib".into(),
-            "1024".into(),
-            "--vsock-cid".into(),
-            "3".into(),
-            "--vsock-uds".into(),
-            dir.join("vsock").display().to_string(),
-            "--console".into(),
-            dir.join("console").display().to_string(),
-            "--virtiofsd".into(),
-            virtiofsd.display().to_string(),
-            "--cmdline".into(),
-            cmdline,
-        ];
+        let extra: Vec<String> = mounts
+            .iter()
+            .map(|m| format!("rollbox.volume={m}"))
+            .collect();
+        let memory = memory_mib.to_string();
+        let virtiofsd = virtiofsd.display().to_string();
+        let mut args = vec!["--memory-mib", &memory, "--virtiofsd", &virtiofsd];
         for v in volumes {
-            args.extend(["--fs".to_string(), v.clone()]);
+            args.extend(["--fs", v.as_str()]);
         }
-        let stderr = std::fs::File::create(dir.join("stderr")).expect("stderr");
-        let child = Command::new(vmm_binary())
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn rollbox-vmm");
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let mut guest = Guest {
-            child,
-            dir: dir.to_path_buf(),
-            runtime,
-            client: None,
-        };
-        guest.connect();
-        guest
+        let mut vm = LinuxVm::boot(
+            dir,
+            name,
+            &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
+            &agent_cmdline(&extra.join(" ")),
+            &args,
+        );
+        let agent = vm.agent();
+        Guest { vm, agent }
     }
 
-    fn connect(&mut self) {
-        let started = Instant::now();
-        let uds = self.dir.join("vsock");
-        loop {
-            let attempt = self.runtime.block_on(async {
-                let client = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    AgentClient::connect_unix(&uds, DEFAULT_PORT),
-                )
-                .await
-                .ok()?
-                .ok()?;
-                tokio::time::timeout(Duration::from_secs(20), client.hello())
-                    .await
-                    .ok()?
-                    .ok()?;
-                Some(client)
-            });
-            if let Some(client) = attempt {
-                self.client = Some(client);
-                return;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "rollbox-vmm ended ({status}) before the agent answered\n{}",
-                    self.report()
-                );
-            }
-            assert!(
-                started.elapsed() < AGENT_TIMEOUT,
-                "the agent did not answer\n{}",
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+    fn sh(&self, script: &str) -> String {
+        self.agent.sh(script)
+    }
+
+    fn sh_status(&self, script: &str) -> (Option<i32>, String, String) {
+        self.agent.sh_status(script)
     }
 
     fn report(&self) -> String {
-        let read = |name: &str| std::fs::read_to_string(self.dir.join(name)).unwrap_or_default();
-        let tail = |text: String| {
-            let lines: Vec<&str> = text.lines().collect();
-            lines[lines.len().saturating_sub(30)..].join("\n")
-        };
-        format!(
-            "--- console ---\n{}\n--- rollbox-vmm stderr ---\n{}",
-            tail(read("console")),
-            tail(read("stderr"))
-        )
+        self.vm.report()
     }
 
-    /// Runs `script`; returns (exit code, stdout, stderr).
-    fn sh_status(&self, script: &str) -> (Option<i32>, String, String) {
-        let client = self.client.as_ref().expect("connected");
-        let out = self
-            .runtime
-            .block_on(client.sh(script))
-            .unwrap_or_else(|e| panic!("exec {script:?}: {e}\n{}", self.report()));
-        (
-            out.status.code,
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+    fn pid(&self) -> u32 {
+        self.vm.pid()
     }
 
-    /// Runs `script` and returns its trimmed stdout; panics unless it exits 0.
-    fn sh(&self, script: &str) -> String {
-        let (code, stdout, stderr) = self.sh_status(script);
-        assert_eq!(
-            code,
-            Some(0),
-            "{script:?} failed:\nstdout: {stdout}\nstderr: {stderr}"
-        );
-        stdout.trim().to_string()
-    }
-
-    /// Waits for rollbox-vmm to end.
     fn wait(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + EXIT_TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "rollbox-vmm did not end\n{}",
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.vm.wait()
     }
 
     /// Powers the guest off and checks that rollbox-vmm ended with 0 and left no virtiofsd.
     fn poweroff(mut self) {
-        let pid = self.child.id();
+        let pid = self.pid();
         // The connection ends with the guest, so only wait until the command started.
-        let client = self.client.as_ref().expect("connected");
-        let started = self.runtime.block_on(async {
-            let mut handle = client
-                .exec(rollbox_agent_protocol::ExecRequest::shell("poweroff -f"))
-                .await?;
-            handle.started().await
-        });
-        started.unwrap_or_else(|e| panic!("start poweroff: {e}\n{}", self.report()));
+        self.agent.start("poweroff -f");
         let status = self.wait();
         assert_eq!(status.code(), Some(0), "poweroff\n{}", self.report());
         let leftover = std::env::temp_dir().join(format!("rollbox-vmm-{pid}-fs0"));
@@ -362,16 +225,6 @@ impl Guest {
             virtiofsd_of(pid).is_empty(),
             "a virtiofsd of {pid} outlived it"
         );
-    }
-}
-
-impl Drop for Guest {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("{}", self.report());
-        }
     }
 }
 
@@ -421,8 +274,70 @@ fn share_with_guest(
     std::fs::create_dir(&share).expect("share");
     setup(work.path());
     let volume = format!("{tag}={}{opts}", share.display());
-    let guest = Guest::boot(&fx, &virtiofsd, work.path(), &[volume], &[mount]);
+    // 1 GiB: room for a 256 MiB file in the guest's /tmp (tmpfs: half of RAM).
+    let guest = Guest::boot(
+        &fx,
+        &virtiofsd,
+        work.path(),
+        "guest",
+        1024,
+        &[volume],
+        &[mount],
+    );
     Some((work, share, guest))
+}
+
+/// A shell in the guest that opens `log` on the volume for appending (fd 3), writes `before`,
+/// then waits for /tmp/go (guest-local) to write `through-fd` through the same descriptor and
+/// create `done`. It keeps the file open across a snapshot.
+const HOLD_FD: &str = "setsid sh -c 'exec 3>>/mnt/v/log; echo before >&3; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo through-fd-$(cat /tmp/go) >&3; echo ok > /mnt/v/done-$(cat /tmp/go)' </dev/null >/dev/null 2>&1 &";
+
+/// Waits until `path` on the host exists.
+fn wait_for_file(path: &Path, vm: &LinuxVm) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared\n{}",
+            path.display(),
+            vm.report()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A guest of `memory_mib` with volume `v` (the scratch directory's `share/`) mounted at
+/// /mnt/v and a shell holding `share/log` open ([`HOLD_FD`]); None when `test` can't run here.
+fn guest_holding_a_file(
+    test: &str,
+    memory_mib: u64,
+) -> Option<(tempfile::TempDir, PathBuf, PathBuf, Guest)> {
+    let (fx, virtiofsd) = prerequisites(test)?;
+    let work = tempfile::tempdir().expect("tempdir");
+    let share = work.path().join("share");
+    std::fs::create_dir(&share).expect("share");
+    let volume = format!("v={}", share.display());
+    let guest = Guest::boot(
+        &fx,
+        &virtiofsd,
+        work.path(),
+        "parent",
+        memory_mib,
+        &[volume],
+        &["v:/mnt/v"],
+    );
+    guest.sh(HOLD_FD);
+    let log = share.join("log");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_to_string(&log).unwrap_or_default() != "before\n" {
+        assert!(
+            Instant::now() < deadline,
+            "no 'before' in the log\n{}",
+            guest.report()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some((work, share, virtiofsd, guest))
 }
 
 mod tier4 {
@@ -614,7 +529,7 @@ mod tier4 {
             std::fs::read_to_string(share.join("f")).expect("f"),
             "before\n"
         );
-        let daemons = virtiofsd_of(guest.child.id());
+        let daemons = virtiofsd_of(guest.pid());
         assert_eq!(daemons.len(), 1, "one virtiofsd per volume");
         // SAFETY: kill(2) on a PID we found serving our VMM.
         assert_eq!(unsafe { libc::kill(daemons[0] as i32, libc::SIGKILL) }, 0);
@@ -625,5 +540,155 @@ mod tier4 {
             stderr.contains("volume precious: the virtio-fs backend closed"),
             "{stderr}"
         );
+    }
+
+    #[test]
+    fn a_snapshot_restores_open_files_and_mounts_on_the_volume() {
+        let test = "tier4::a_snapshot_restores_open_files_and_mounts_on_the_volume";
+        let Some((work, share, virtiofsd, mut guest)) = guest_holding_a_file(test, 256) else {
+            return;
+        };
+        let snap = work.path().join("snap");
+        guest.vm.snapshot(&snap);
+        // A Diff snapshot is refused by name: virtiofsd's writes are in no dirty log.
+        let (status, answer) = api(
+            &guest.vm.api_sock(),
+            "PUT",
+            "/snapshot/create",
+            Some(&format!(
+                r#"{{"snapshot_type":"Diff","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+                work.path().join("diff-state").display(),
+                work.path().join("diff-mem").display()
+            )),
+        );
+        assert!(
+            status == 400 && answer.contains("fs v"),
+            "{status} {answer}"
+        );
+        // The original resumes with its rings restarted and keeps using the volume.
+        guest.vm.call("PATCH", "/vm", r#"{"state":"Resumed"}"#);
+        guest.sh("echo parent-after > /mnt/v/parent-after");
+        assert_eq!(
+            std::fs::read_to_string(share.join("parent-after")).expect("parent-after"),
+            "parent-after\n"
+        );
+        guest.vm.kill();
+        let virtiofsd = virtiofsd.display().to_string();
+        for (run, backend) in [(1, "copy"), (2, "cow")] {
+            let name = format!("restore-{backend}");
+            let started = Instant::now();
+            let mut vm = LinuxVm::restore(
+                work.path(),
+                &name,
+                &snap,
+                &["--restore-backend", backend, "--virtiofsd", &virtiofsd],
+            );
+            let agent = vm.agent();
+            eprintln!(
+                "volume restore ({backend}, 256 MiB guest): agent answered in {:.3} s",
+                seconds(started)
+            );
+            assert_eq!(virtiofsd_of(vm.pid()).len(), 1, "{}", vm.report());
+            assert!(agent
+                .sh("grep ' /mnt/v ' /proc/mounts")
+                .contains("virtiofs"));
+            // The descriptor opened before the snapshot still writes to the same file.
+            agent.sh(&format!("echo {run} > /tmp/go"));
+            wait_for_file(&share.join(format!("done-{run}")), &vm);
+            agent.sh(&format!("echo by-path-{run} >> /mnt/v/log"));
+            let log = std::fs::read_to_string(share.join("log")).expect("log");
+            let want = (1..=run)
+                .map(|r| format!("through-fd-{r}\nby-path-{r}\n"))
+                .collect::<String>();
+            assert_eq!(log, format!("before\n{want}"), "{}", vm.report());
+            assert_eq!(agent.sh("cat /mnt/v/log"), log.trim());
+            assert_eq!(
+                agent.sh("cat /mnt/v/parent-after 2>&1 || true"),
+                "parent-after"
+            );
+            drop(agent);
+            vm.kill();
+            // The next restore starts from the same snapshot: its shell waits again.
+            std::fs::remove_file(share.join(format!("done-{run}"))).ok();
+        }
+        // A damaged snapshot is refused with a reason, before any vCPU runs.
+        let state = snap.join("vmstate");
+        let mut bytes = std::fs::read(&state).expect("vmstate");
+        let at = bytes.len() - 100;
+        bytes[at] ^= 0xff;
+        std::fs::write(&state, &bytes).expect("damage");
+        let out = Command::new(vmm_binary())
+            .args([
+                "--restore",
+                &snap.display().to_string(),
+                "--virtiofsd",
+                &virtiofsd,
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .expect("restore");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "a damaged snapshot restored");
+        assert!(stderr.contains("vmstate"), "{stderr}");
+    }
+
+    #[test]
+    fn eight_clones_each_get_their_own_virtiofsd_on_one_directory() {
+        let test = "tier4::eight_clones_each_get_their_own_virtiofsd_on_one_directory";
+        let Some((work, share, _virtiofsd, guest)) = guest_holding_a_file(test, 192) else {
+            return;
+        };
+        let body = format!(
+            r#"{{"count":8,"dir":"{}"}}"#,
+            work.path().join("fork").display()
+        );
+        let started = Instant::now();
+        let answer = guest.vm.call("POST", "/fork", &body);
+        eprintln!(
+            "volume fork of 8 (192 MiB guests): POST /fork answered in {:.2} s",
+            seconds(started)
+        );
+        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+        let clones = result["clones"].as_array().expect("clones").clone();
+        assert_eq!(clones.len(), 8, "{answer}");
+        let pids: Vec<u32> = clones
+            .iter()
+            .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
+            .collect();
+        let _guard = KillOnDrop(pids.clone());
+        let mut daemons = std::collections::BTreeSet::new();
+        for (i, clone) in clones.iter().enumerate() {
+            assert!(clone["error"].is_null(), "clone failed: {clone}");
+            let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
+            let agent = Agent::connect(&uds, |_| Ok(()));
+            let pid = pids[i];
+            let own = virtiofsd_of(pid);
+            assert_eq!(own.len(), 1, "clone {i} (pid {pid}) has virtiofsd {own:?}");
+            daemons.extend(own);
+            agent.sh(&format!("echo clone-{i} > /mnt/v/clone-{i}"));
+            agent.sh(&format!("echo {} > /tmp/go", i + 10));
+            wait_for_file(&share.join(format!("done-{}", i + 10)), &guest.vm);
+        }
+        eprintln!(
+            "volume fork of 8: all clones wrote {:.2} s after the fork request",
+            seconds(started)
+        );
+        assert_eq!(daemons.len(), 8, "clones share a virtiofsd: {daemons:?}");
+        for i in 0..8 {
+            let text =
+                std::fs::read_to_string(share.join(format!("clone-{i}"))).expect("clone file");
+            assert_eq!(text, format!("clone-{i}\n"));
+        }
+        // Every clone wrote through the descriptor its parent opened before the fork.
+        let log = std::fs::read_to_string(share.join("log")).expect("log");
+        let mut lines: Vec<&str> = log.lines().collect();
+        lines.sort();
+        let mut want: Vec<String> = (10..18).map(|i| format!("through-fd-{i}")).collect();
+        want.push("before".into());
+        want.sort();
+        assert_eq!(lines, want, "{log}");
+        // The parent still has its own volume.
+        guest.sh("echo parent > /mnt/v/parent");
+        assert_eq!(virtiofsd_of(guest.pid()).len(), 1);
     }
 }

@@ -300,7 +300,11 @@ pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevic
         })?));
     }
     for (index, fs) in resources.fs.iter().enumerate() {
-        devices.push(Box::new(create_fs(resources.virtiofsd.as_deref(), index, fs)?));
+        devices.push(Box::new(create_fs(
+            resources.virtiofsd.as_deref(),
+            index,
+            fs,
+        )?));
     }
     if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
         return Err(BuildError::TooManyDevices(devices.len()));

@@ -57,7 +57,8 @@ pub fn create_guest_memory(
             .map(|(start, size)| (GuestAddress(start), size as usize, None))
             .collect(),
         Sharing::Memfd => {
-            let file = memfd(c"rollbox-guest-memory", mem_bytes).map_err(|source| MemoryError::Memfd { mib, source })?;
+            let file = memfd(c"rollbox-guest-memory", mem_bytes)
+                .map_err(|source| MemoryError::Memfd { mib, source })?;
             let file = std::sync::Arc::new(file);
             let mut offset = 0;
             regions

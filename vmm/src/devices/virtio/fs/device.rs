@@ -504,3 +504,58 @@ impl VirtioDevice for Fs {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::FsCache;
+    use crate::devices::virtio::fs::locate_virtiofsd;
+
+    /// A volume served by a real virtiofsd, or None when none is installed here.
+    fn volume(share: &std::path::Path, run: &std::path::Path) -> Option<Fs> {
+        let Ok(binary) = locate_virtiofsd(None) else {
+            eprintln!("no virtiofsd here (scripts/virtiofsd.sh): skipped");
+            return None;
+        };
+        let config = FsConfig {
+            tag: "t".into(),
+            shared_dir: share.to_path_buf(),
+            readonly: false,
+            cache: FsCache::Auto,
+            socket: None,
+        };
+        let daemon = Daemon::start(&binary, &config, run).expect("virtiofsd");
+        let socket = daemon.socket().to_path_buf();
+        Some(Fs::new(&config, socket, Some(daemon)).expect("connect"))
+    }
+
+    #[test]
+    fn virtiofsd_state_goes_to_a_fresh_virtiofsd_and_a_damaged_one_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let share = dir.path().join("share");
+        std::fs::create_dir(&share).expect("share");
+        let Some(source) = volume(&share, &dir.path().join("run-source")) else {
+            return;
+        };
+        assert!(source.device_state, "virtiofsd offers no device-state transfer");
+        let blob = source
+            .transfer(VhostTransferStateDirection::SAVE, &[])
+            .expect("save");
+        assert!(!blob.is_empty());
+        let Some(mut target) = volume(&share, &dir.path().join("run-target")) else {
+            return;
+        };
+        target.load_state(&blob).expect("load");
+        let Some(mut damaged) = volume(&share, &dir.path().join("run-damaged")) else {
+            return;
+        };
+        let err = damaged
+            .load_state(b"not a virtiofsd state")
+            .expect_err("garbage accepted");
+        let text = err.to_string();
+        assert!(
+            text.contains("volume t") && text.contains("refused the saved state"),
+            "{text}"
+        );
+    }
+}

@@ -75,7 +75,10 @@ mod tests {
         let err = state(dir.path(), Vec::new())
             .for_restore(None)
             .expect_err("no blob");
-        assert!(err.contains("volume data") && err.contains("no virtiofsd state"), "{err}");
+        assert!(
+            err.contains("volume data") && err.contains("no virtiofsd state"),
+            "{err}"
+        );
     }
 
     #[test]
