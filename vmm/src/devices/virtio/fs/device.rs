@@ -47,6 +47,26 @@ const PASSED_FEATURES: u64 =
 /// How long a snapshot waits for virtiofsd to complete the requests the guest made before
 /// it was paused.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a socket that exists may refuse connections (its server is starting).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects to a vhost-user socket. virtiofsd creates its socket file before it listens on
+/// it, so a refused connection is retried for a while (a probe connection cannot be used to
+/// wait: virtiofsd serves the first connection it accepts and exits when it closes).
+fn connect(socket: &std::path::Path) -> std::io::Result<UnixStream> {
+    let deadline = Instant::now() + CONNECT_TIMEOUT;
+    loop {
+        match UnixStream::connect(socket) {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            other => return other,
+        }
+    }
+}
 
 /// One shared volume.
 pub struct Fs {
@@ -79,7 +99,7 @@ impl Fs {
         daemon: Option<Daemon>,
     ) -> Result<Self, FsError> {
         let tag = config.tag.clone();
-        let stream = UnixStream::connect(&socket).map_err(|source| FsError::Connect {
+        let stream = connect(&socket).map_err(|source| FsError::Connect {
             tag: tag.clone(),
             socket: socket.clone(),
             source,
@@ -537,7 +557,10 @@ mod tests {
         let Some(source) = volume(&share, &dir.path().join("run-source")) else {
             return;
         };
-        assert!(source.device_state, "virtiofsd offers no device-state transfer");
+        assert!(
+            source.device_state,
+            "virtiofsd offers no device-state transfer"
+        );
         let blob = source
             .transfer(VhostTransferStateDirection::SAVE, &[])
             .expect("save");
