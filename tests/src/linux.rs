@@ -268,6 +268,23 @@ impl LinuxVm {
         self.call("PUT", "/snapshot/create", &body);
     }
 
+    /// `POST /fork` of `count` clones into `dir`; returns each clone's entry (pid, sockets,
+    /// error) after checking there are `count`, and prints how long the fork took.
+    pub fn fork(&self, count: usize, dir: &Path) -> Vec<serde_json::Value> {
+        let body = format!(r#"{{"count":{count},"dir":"{}"}}"#, dir.display());
+        let started = Instant::now();
+        let answer = self.call("POST", "/fork", &body);
+        eprintln!(
+            "{}: fork of {count}: POST /fork answered in {:.2} s",
+            self.name,
+            seconds(started)
+        );
+        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+        let clones = result["clones"].as_array().expect("clones").clone();
+        assert_eq!(clones.len(), count, "{answer}");
+        clones
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -289,19 +289,8 @@ mod tier4 {
         let agent = parent.agent();
         let parent_id = agent.sh("cat /etc/machine-id 2>/dev/null || echo none");
         drop(agent);
-        let body = format!(
-            r#"{{"count":8,"dir":"{}"}}"#,
-            work.path().join("fork").display()
-        );
         let started = Instant::now();
-        let answer = parent.call("POST", "/fork", &body);
-        eprintln!(
-            "fork of 8: POST /fork answered in {:.2} s",
-            seconds(started)
-        );
-        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-        let clones = result["clones"].as_array().expect("clones").clone();
-        assert_eq!(clones.len(), 8, "{answer}");
+        let clones = parent.fork(8, &work.path().join("fork"));
         // Kill every clone however the test ends.
         let _guard = KillOnDrop(
             clones

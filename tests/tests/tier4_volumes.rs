@@ -268,19 +268,31 @@ fn share_with_guest(
     mount: &str,
     setup: impl FnOnce(&Path),
 ) -> Option<(tempfile::TempDir, PathBuf, Guest)> {
+    // 1 GiB: room for a 256 MiB file in the guest's /tmp (tmpfs: half of RAM).
+    share_with_guest_of(test, tag, opts, mount, 1024, setup)
+}
+
+/// [`share_with_guest`] with `memory_mib` of guest memory.
+fn share_with_guest_of(
+    test: &str,
+    tag: &str,
+    opts: &str,
+    mount: &str,
+    memory_mib: u64,
+    setup: impl FnOnce(&Path),
+) -> Option<(tempfile::TempDir, PathBuf, Guest)> {
     let (fx, virtiofsd) = prerequisites(test)?;
     let work = tempfile::tempdir().expect("tempdir");
     let share = work.path().join("share");
     std::fs::create_dir(&share).expect("share");
     setup(work.path());
     let volume = format!("{tag}={}{opts}", share.display());
-    // 1 GiB: room for a 256 MiB file in the guest's /tmp (tmpfs: half of RAM).
     let guest = Guest::boot(
         &fx,
         &virtiofsd,
         work.path(),
-        "guest",
-        1024,
+        "parent",
+        memory_mib,
         &[volume],
         &[mount],
     );
@@ -311,21 +323,8 @@ fn wait_for_file(path: &Path, vm: &LinuxVm) {
 fn guest_holding_a_file(
     test: &str,
     memory_mib: u64,
-) -> Option<(tempfile::TempDir, PathBuf, PathBuf, Guest)> {
-    let (fx, virtiofsd) = prerequisites(test)?;
-    let work = tempfile::tempdir().expect("tempdir");
-    let share = work.path().join("share");
-    std::fs::create_dir(&share).expect("share");
-    let volume = format!("v={}", share.display());
-    let guest = Guest::boot(
-        &fx,
-        &virtiofsd,
-        work.path(),
-        "parent",
-        memory_mib,
-        &[volume],
-        &["v:/mnt/v"],
-    );
+) -> Option<(tempfile::TempDir, PathBuf, Guest)> {
+    let (work, share, guest) = share_with_guest_of(test, "v", "", "v:/mnt/v", memory_mib, |_| {})?;
     guest.sh(HOLD_FD);
     let log = share.join("log");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -337,7 +336,7 @@ fn guest_holding_a_file(
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    Some((work, share, virtiofsd, guest))
+    Some((work, share, guest))
 }
 
 mod tier4 {
@@ -545,7 +544,7 @@ mod tier4 {
     #[test]
     fn a_snapshot_restores_open_files_and_mounts_on_the_volume() {
         let test = "tier4::a_snapshot_restores_open_files_and_mounts_on_the_volume";
-        let Some((work, share, virtiofsd, mut guest)) = guest_holding_a_file(test, 256) else {
+        let Some((work, share, mut guest)) = guest_holding_a_file(test, 256) else {
             return;
         };
         let snap = work.path().join("snap");
@@ -573,7 +572,7 @@ mod tier4 {
             "parent-after\n"
         );
         guest.vm.kill();
-        let virtiofsd = virtiofsd.display().to_string();
+        let virtiofsd = std::env::var("ROLLBOX_VIRTIOFSD").expect("checked by prerequisites");
         for (run, backend) in [(1, "copy"), (2, "cow")] {
             let name = format!("restore-{backend}");
             let started = Instant::now();
@@ -635,22 +634,11 @@ mod tier4 {
     #[test]
     fn eight_clones_each_get_their_own_virtiofsd_on_one_directory() {
         let test = "tier4::eight_clones_each_get_their_own_virtiofsd_on_one_directory";
-        let Some((work, share, _virtiofsd, guest)) = guest_holding_a_file(test, 192) else {
+        let Some((work, share, guest)) = guest_holding_a_file(test, 192) else {
             return;
         };
-        let body = format!(
-            r#"{{"count":8,"dir":"{}"}}"#,
-            work.path().join("fork").display()
-        );
         let started = Instant::now();
-        let answer = guest.vm.call("POST", "/fork", &body);
-        eprintln!(
-            "volume fork of 8 (192 MiB guests): POST /fork answered in {:.2} s",
-            seconds(started)
-        );
-        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-        let clones = result["clones"].as_array().expect("clones").clone();
-        assert_eq!(clones.len(), 8, "{answer}");
+        let clones = guest.vm.fork(8, &work.path().join("fork"));
         let pids: Vec<u32> = clones
             .iter()
             .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
@@ -759,33 +747,17 @@ mod tier4 {
         const PER_FORK: usize = 8;
         const RECORDS: usize = 1000;
         let test = "tier4::sixty_four_clones_append_to_their_own_files_and_one_common_file";
-        let Some((fx, virtiofsd)) = prerequisites(test) else {
+        let Some((work, share, parent)) =
+            share_with_guest_of(test, "v", "", "v:/mnt/v", 128, |_| {})
+        else {
             return;
         };
-        let work = tempfile::tempdir().expect("tempdir");
-        let share = work.path().join("share");
-        std::fs::create_dir(&share).expect("share");
-        let volume = format!("v={}", share.display());
-        let parent = Guest::boot(
-            &fx,
-            &virtiofsd,
-            work.path(),
-            "parent",
-            128,
-            &[volume],
-            &["v:/mnt/v"],
-        );
         let started = Instant::now();
         let mut guard = KillOnDrop(Vec::new());
         let mut socks = Vec::new();
         for round in 0..ROUNDS {
-            let body = format!(
-                r#"{{"count":{PER_FORK},"dir":"{}"}}"#,
-                work.path().join(format!("fork-{round}")).display()
-            );
-            let answer = parent.vm.call("POST", "/fork", &body);
-            let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-            for clone in result["clones"].as_array().expect("clones") {
+            let dir = work.path().join(format!("fork-{round}"));
+            for clone in &parent.vm.fork(PER_FORK, &dir) {
                 if let Some(pid) = clone["pid"].as_u64() {
                     guard.0.push(pid as u32);
                 }

@@ -212,30 +212,37 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     Ok(resources)
 }
 
+/// Splits each `KEY=VALUE` of a repeated `flag` (`form` names the parts in errors).
+fn overrides(
+    flag: &str,
+    form: &str,
+    entries: &[String],
+) -> Result<impl Iterator<Item = (String, String)>, String> {
+    let pairs = entries
+        .iter()
+        .map(|entry| {
+            entry
+                .split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| format!("{flag} {entry:?}: expected {form}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(pairs.into_iter())
+}
+
 fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
-    let mut drive_overrides = HashMap::new();
-    for entry in &args.drive_overrides {
-        let (id, path) = entry
-            .split_once('=')
-            .ok_or_else(|| format!("--drive-override {entry:?}: expected ID=PATH"))?;
-        drive_overrides.insert(id.to_string(), PathBuf::from(path));
-    }
+    let drive_overrides = overrides("--drive-override", "ID=PATH", &args.drive_overrides)?
+        .map(|(id, path)| (id, PathBuf::from(path)))
+        .collect();
     let mut net_overrides = HashMap::new();
-    for entry in &args.net_overrides {
-        let (id, tap) = entry
-            .split_once('=')
-            .ok_or_else(|| format!("--net-override {entry:?}: expected ID=TAP"))?;
-        vmm::devices::virtio::net::tap::check_name(tap)
-            .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
-        net_overrides.insert(id.to_string(), tap.to_string());
+    for (id, tap) in overrides("--net-override", "ID=TAP", &args.net_overrides)? {
+        vmm::devices::virtio::net::tap::check_name(&tap)
+            .map_err(|e| format!("--net-override {id}={tap}: {e}"))?;
+        net_overrides.insert(id, tap);
     }
-    let mut fs_overrides = HashMap::new();
-    for entry in &args.fs_overrides {
-        let (tag, dir) = entry
-            .split_once('=')
-            .ok_or_else(|| format!("--fs-override {entry:?}: expected TAG=DIR"))?;
-        fs_overrides.insert(tag.to_string(), PathBuf::from(dir));
-    }
+    let fs_overrides = overrides("--fs-override", "TAG=DIR", &args.fs_overrides)?
+        .map(|(tag, dir)| (tag, PathBuf::from(dir)))
+        .collect();
     Ok(RestoreOptions {
         backend: args.restore_backend.parse::<RestoreBackend>()?,
         fs_overrides,

@@ -729,6 +729,9 @@ pub fn restore_microvm(
     // private memory and copy-on-write mappings of the file do not apply; memory is copied.
     let shared = volume.is_some();
     let backend = if shared {
+        if options.backend != RestoreBackend::Copy {
+            log::info!("restore: guest memory is copied into a shared memfd, as a virtio-fs volume needs it");
+        }
         RestoreBackend::Copy
     } else {
         options.backend
