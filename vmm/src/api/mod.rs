@@ -395,6 +395,21 @@ mod tests {
     }
 
     #[test]
+    fn the_load_extension_takes_fs_overrides() {
+        let body =
+            br#"{"snapshot_path":"/s/vmstate","rollbox":{"fs_overrides":{"data":"/srv/copy"}}}"#;
+        let action = parse_request("PUT", "/snapshot/load", body).expect("load");
+        let VmmAction::LoadSnapshot(params) = action else {
+            panic!("not a load: {action:?}");
+        };
+        let extension = params.rollbox.expect("extension");
+        assert_eq!(
+            extension.fs_overrides.get("data"),
+            Some(&std::path::PathBuf::from("/srv/copy"))
+        );
+    }
+
+    #[test]
     fn refuses_bad_requests_with_reasons() {
         let e = parse_request(
             "PUT",
