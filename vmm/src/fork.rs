@@ -20,6 +20,9 @@ use crate::persist::{create_snapshot, RestoreBackend, SnapshotType};
 
 /// How long a clone may take to come up.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a clone may take to load the snapshot: a VM with a virtio-fs volume copies its
+/// memory and starts virtiofsd, which on a loaded host takes far longer than a cow restore.
+const CLONE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 static FORKS: AtomicU32 = AtomicU32::new(0);
 
 fn io_fail(what: &str, path: &Path, e: std::io::Error) -> ActionError {
@@ -439,9 +442,14 @@ fn load_clone(
         "PUT",
         "/snapshot/load",
         Some(&body.to_string()),
-        Some(CLONE_READY_TIMEOUT),
+        Some(CLONE_LOAD_TIMEOUT),
     )
-    .map_err(|e| format!("loading the snapshot: {e}"))?;
+    .map_err(|e| {
+        format!(
+            "loading the snapshot (answer awaited up to {} s): {e}",
+            CLONE_LOAD_TIMEOUT.as_secs()
+        )
+    })?;
     match status {
         200 | 204 => Ok(()),
         _ => Err(format!(
