@@ -273,7 +273,16 @@ impl LinuxVm {
     pub fn fork(&self, count: usize, dir: &Path) -> Vec<serde_json::Value> {
         let body = format!(r#"{{"count":{count},"dir":"{}"}}"#, dir.display());
         let started = Instant::now();
-        let answer = self.call("POST", "/fork", &body);
+        // A fork answers once every clone loaded, which on a loaded lab takes minutes.
+        let (status, answer) = vmm::api::http::unix_request(
+            &self.api_sock(),
+            "POST",
+            "/fork",
+            Some(&body),
+            Some(Duration::from_secs(600)),
+        )
+        .unwrap_or_else(|e| panic!("POST /fork: {e}\n{}", self.report()));
+        assert_eq!(status, 200, "POST /fork {body}: {answer}");
         eprintln!(
             "{}: fork of {count}: POST /fork answered in {:.2} s",
             self.name,

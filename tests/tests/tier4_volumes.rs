@@ -769,6 +769,12 @@ mod tier4 {
                     clone["vsock_uds"].as_str().expect("vsock_uds"),
                 ));
             }
+            let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+            let available = meminfo
+                .lines()
+                .find(|l| l.starts_with("MemAvailable"))
+                .unwrap_or("MemAvailable: ?");
+            eprintln!("round {round}: {} clones, host {available}", socks.len());
         }
         let clones = socks.len();
         assert_eq!(clones, ROUNDS * PER_FORK);
