@@ -310,18 +310,6 @@ impl Drop for LinuxVm {
     }
 }
 
-/// Kills the processes (fork clones) with these IDs when dropped, however a test ends.
-pub struct KillOnDrop(pub Vec<u32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for pid in &self.0 {
-            // SAFETY: kill only sends a signal to a process the test started.
-            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-        }
-    }
-}
-
 /// A connection to a guest's agent, with the runtime that drives it.
 pub struct Agent {
     /// Drives the client.
@@ -491,4 +479,29 @@ pub fn agent_cmdline(extra: &str) -> String {
     format!("console=ttyS0 reboot=k panic=1 loglevel=4 {AGENT_INIT} {extra}")
         .trim()
         .to_string()
+}
+
+/// The processes of a fork's clones (from the `POST /fork` answer), killed however the test
+/// ends.
+pub struct ClonePids(pub Vec<u32>);
+
+impl ClonePids {
+    /// The pids in the answer's `clones` array.
+    pub fn of(clones: &[serde_json::Value]) -> ClonePids {
+        ClonePids(
+            clones
+                .iter()
+                .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
+                .collect(),
+        )
+    }
+}
+
+impl Drop for ClonePids {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // SAFETY: kill only sends a signal to a clone process the test started.
+            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        }
+    }
 }

@@ -289,15 +289,20 @@ mod tier4 {
         let agent = parent.agent();
         let parent_id = agent.sh("cat /etc/machine-id 2>/dev/null || echo none");
         drop(agent);
-        let started = Instant::now();
-        let clones = parent.fork(8, &work.path().join("fork"));
-        // Kill every clone however the test ends.
-        let _guard = KillOnDrop(
-            clones
-                .iter()
-                .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
-                .collect(),
+        let body = format!(
+            r#"{{"count":8,"dir":"{}"}}"#,
+            work.path().join("fork").display()
         );
+        let started = Instant::now();
+        let answer = parent.call("POST", "/fork", &body);
+        eprintln!(
+            "fork of 8: POST /fork answered in {:.2} s",
+            seconds(started)
+        );
+        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+        let clones = result["clones"].as_array().expect("clones").clone();
+        assert_eq!(clones.len(), 8, "{answer}");
+        let _guard = ClonePids::of(&clones);
         let mut seen: [BTreeSet<String>; 3] = Default::default();
         for clone in &clones {
             assert!(clone["error"].is_null(), "clone failed: {clone}");

@@ -11,9 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use rollbox_tests::linux::{
-    agent_cmdline, fixtures, seconds, Agent, Fixtures, KillOnDrop, LinuxVm,
-};
+use rollbox_tests::linux::{agent_cmdline, fixtures, seconds, Agent, ClonePids, Fixtures, LinuxVm};
 use rollbox_tests::{api, skip, vmm_binary, wait_for_socket};
 
 /// Runs rollbox-vmm with `args` and returns its status and stderr (for refusals).
@@ -643,7 +641,7 @@ mod tier4 {
             .iter()
             .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
             .collect();
-        let _guard = KillOnDrop(pids.clone());
+        let _guard = ClonePids(pids.clone());
         let mut daemons = std::collections::BTreeSet::new();
         for (i, clone) in clones.iter().enumerate() {
             assert!(clone["error"].is_null(), "clone failed: {clone}");
@@ -753,7 +751,7 @@ mod tier4 {
             return;
         };
         let started = Instant::now();
-        let mut guard = KillOnDrop(Vec::new());
+        let mut guard = ClonePids(Vec::new());
         let mut socks = Vec::new();
         for round in 0..ROUNDS {
             let dir = work.path().join(format!("fork-{round}"));

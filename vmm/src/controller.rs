@@ -604,8 +604,6 @@ impl Controller {
             vsock_uds: params.vsock_override.as_ref().map(|v| v.uds_path.clone()),
             drive_overrides: extension.drive_overrides,
             net_overrides,
-            fs_overrides: extension.fs_overrides,
-            virtiofsd: self.resources.virtiofsd.clone(),
             new_generation: extension.new_generation,
             deterministic: extension.deterministic,
             paused: !params.resume_vm,
@@ -614,6 +612,8 @@ impl Controller {
             prefetch: extension.prefetch,
             expect_mem_mib: None,
             track_dirty_pages: Some(params.track_dirty_pages || params.enable_diff_snapshots),
+            fs_overrides: extension.fs_overrides,
+            virtiofsd: self.resources.virtiofsd.clone(),
         })
     }
 

@@ -235,10 +235,13 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
         .map(|(id, path)| (id, PathBuf::from(path)))
         .collect();
     let mut net_overrides = HashMap::new();
-    for (id, tap) in overrides("--net-override", "ID=TAP", &args.net_overrides)? {
-        vmm::devices::virtio::net::tap::check_name(&tap)
-            .map_err(|e| format!("--net-override {id}={tap}: {e}"))?;
-        net_overrides.insert(id, tap);
+    for entry in &args.net_overrides {
+        let (id, tap) = entry
+            .split_once('=')
+            .ok_or_else(|| format!("--net-override {entry:?}: expected ID=TAP"))?;
+        vmm::devices::virtio::net::tap::check_name(tap)
+            .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
+        net_overrides.insert(id.to_string(), tap.to_string());
     }
     let fs_overrides = overrides("--fs-override", "TAG=DIR", &args.fs_overrides)?
         .map(|(tag, dir)| (tag, PathBuf::from(dir)))

@@ -359,11 +359,6 @@ pub struct RestoreOptions {
     pub drive_overrides: HashMap<String, PathBuf>,
     /// New host taps, by interface ID (Firecracker's `network_overrides`).
     pub net_overrides: HashMap<String, String>,
-    /// New shared directories, by volume tag (rollbox `fs_overrides`, `--fs-override`).
-    pub fs_overrides: HashMap<String, PathBuf>,
-    /// The virtiofsd binary for volumes (`--virtiofsd`); else the one the snapshot's VM used,
-    /// then the usual search.
-    pub virtiofsd: Option<PathBuf>,
     /// Give the guest a new generation counter value and VM generation ID (it was cloned).
     pub new_generation: bool,
     /// Deterministic reset: guest time and the generation stay exactly as the snapshot had them,
@@ -381,6 +376,11 @@ pub struct RestoreOptions {
     pub expect_mem_mib: Option<u64>,
     /// Override dirty-page tracking for snapshots of the restored VM.
     pub track_dirty_pages: Option<bool>,
+    /// New shared directories, by volume tag (rollbox `fs_overrides`, `--fs-override`).
+    pub fs_overrides: HashMap<String, PathBuf>,
+    /// The virtiofsd binary for volumes (`--virtiofsd`); else the one the snapshot's VM used,
+    /// then the usual search.
+    pub virtiofsd: Option<PathBuf>,
 }
 
 /// Resolves `--restore PATH`: a directory holding `vmstate`, or the state file itself.
