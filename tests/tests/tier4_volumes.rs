@@ -512,7 +512,7 @@ mod tier4 {
 
     #[test]
     fn when_virtiofsd_dies_the_vm_stops_with_an_error_naming_the_volume() {
-        let Some((work, share, mut guest)) = share_with_guest(
+        let Some((_work, share, mut guest)) = share_with_guest(
             "tier4::when_virtiofsd_dies_the_vm_stops_with_an_error_naming_the_volume",
             "precious",
             "",
@@ -532,7 +532,7 @@ mod tier4 {
         assert_eq!(unsafe { libc::kill(daemons[0] as i32, libc::SIGKILL) }, 0);
         let status = guest.wait();
         assert_eq!(status.code(), Some(1), "{}", guest.report());
-        let stderr = std::fs::read_to_string(work.path().join("stderr")).expect("stderr");
+        let stderr = guest.vm.stderr();
         assert!(
             stderr.contains("volume precious: the virtio-fs backend closed"),
             "{stderr}"
