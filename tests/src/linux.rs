@@ -170,6 +170,11 @@ impl LinuxVm {
         LinuxVm::spawn(dir, name, &all)
     }
 
+    /// The rollbox-vmm process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn file(&self, suffix: &str) -> PathBuf {
         self.dir.join(format!("{}.{suffix}", self.name))
     }
@@ -261,6 +266,32 @@ impl LinuxVm {
             snapshot.join("memory").display()
         );
         self.call("PUT", "/snapshot/create", &body);
+    }
+
+    /// `POST /fork` of `count` clones into `dir`; returns each clone's entry (pid, sockets,
+    /// error) after checking there are `count`, and prints how long the fork took.
+    pub fn fork(&self, count: usize, dir: &Path) -> Vec<serde_json::Value> {
+        let body = format!(r#"{{"count":{count},"dir":"{}"}}"#, dir.display());
+        let started = Instant::now();
+        // A fork answers once every clone loaded, which on a loaded lab takes minutes.
+        let (status, answer) = vmm::api::http::unix_request(
+            &self.api_sock(),
+            "POST",
+            "/fork",
+            Some(&body),
+            Some(Duration::from_secs(600)),
+        )
+        .unwrap_or_else(|e| panic!("POST /fork: {e}\n{}", self.report()));
+        assert_eq!(status, 200, "POST /fork {body}: {answer}");
+        eprintln!(
+            "{}: fork of {count}: POST /fork answered in {:.2} s",
+            self.name,
+            seconds(started)
+        );
+        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+        let clones = result["clones"].as_array().expect("clones").clone();
+        assert_eq!(clones.len(), count, "{answer}");
+        clones
     }
 
     pub fn kill(&mut self) {

@@ -300,7 +300,11 @@ pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevic
         })?));
     }
     for (index, fs) in resources.fs.iter().enumerate() {
-        devices.push(Box::new(create_fs(resources, index, fs)?));
+        devices.push(Box::new(create_fs(
+            resources.virtiofsd.as_deref(),
+            index,
+            fs,
+        )?));
     }
     if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
         return Err(BuildError::TooManyDevices(devices.len()));
@@ -308,16 +312,17 @@ pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevic
     Ok(devices)
 }
 
-/// Starts virtiofsd for a volume (unless the caller gave its socket) and connects to it.
-fn create_fs(
-    resources: &VmResources,
+/// Starts virtiofsd for the `index`th volume (unless the caller gave its socket) and connects
+/// to it; `virtiofsd` is the binary named by `--virtiofsd`, if any.
+pub fn create_fs(
+    virtiofsd: Option<&std::path::Path>,
     index: usize,
     fs: &crate::config::FsConfig,
 ) -> Result<Fs, BuildError> {
     if let Some(socket) = &fs.socket {
         return Ok(Fs::new(fs, socket.clone(), None)?);
     }
-    let binary = crate::devices::virtio::fs::locate_virtiofsd(resources.virtiofsd.as_deref())?;
+    let binary = crate::devices::virtio::fs::locate_virtiofsd(virtiofsd)?;
     let dir = std::env::temp_dir().join(format!("rollbox-vmm-{}-fs{index}", std::process::id()));
     let daemon = Daemon::start(&binary, fs, &dir)?;
     let socket = daemon.socket().to_path_buf();

@@ -614,6 +614,8 @@ impl Controller {
             prefetch: extension.prefetch,
             expect_mem_mib: None,
             track_dirty_pages: Some(params.track_dirty_pages || params.enable_diff_snapshots),
+            fs_overrides: extension.fs_overrides,
+            virtiofsd: self.resources.virtiofsd.clone(),
         })
     }
 

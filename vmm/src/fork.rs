@@ -20,6 +20,9 @@ use crate::persist::{create_snapshot, RestoreBackend, SnapshotType};
 
 /// How long a clone may take to come up.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a clone may take to load the snapshot: a VM with a virtio-fs volume copies its
+/// memory and starts virtiofsd, which on a loaded host takes far longer than a cow restore.
+const CLONE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 static FORKS: AtomicU32 = AtomicU32::new(0);
 
 fn io_fail(what: &str, path: &Path, e: std::io::Error) -> ActionError {
@@ -385,11 +388,8 @@ fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(),
             }
             // Checked up front by check_network_overrides.
             DevicePersistKind::Net { .. } => {}
-            DevicePersistKind::Fs { tag } => {
-                return Err(format!(
-                    "fs {tag}: a microVM with a virtio-fs volume cannot be forked"
-                ))
-            }
+            // Each clone restores with a virtiofsd of its own on the same shared directory.
+            DevicePersistKind::Fs(_) => {}
         }
     }
     Ok(())
@@ -447,9 +447,14 @@ fn load_clone(
         "PUT",
         "/snapshot/load",
         Some(&body.to_string()),
-        Some(CLONE_READY_TIMEOUT),
+        Some(CLONE_LOAD_TIMEOUT),
     )
-    .map_err(|e| format!("loading the snapshot: {e}"))?;
+    .map_err(|e| {
+        format!(
+            "loading the snapshot (answer awaited up to {} s): {e}",
+            CLONE_LOAD_TIMEOUT.as_secs()
+        )
+    })?;
     match status {
         200 | 204 => Ok(()),
         _ => Err(format!(

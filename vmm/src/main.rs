@@ -84,6 +84,9 @@ struct Args {
     /// With --restore: tell the guest it is a clone (new generation counter value).
     #[arg(long, requires = "restore")]
     new_generation: bool,
+    /// With --restore: serve a volume from another host directory, as TAG=DIR.
+    #[arg(long = "fs-override", requires = "restore")]
+    fs_overrides: Vec<String>,
     /// With --restore: use another image for a drive, as ID=PATH.
     #[arg(long = "drive-override", requires = "restore")]
     drive_overrides: Vec<String>,
@@ -210,14 +213,28 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     Ok(resources)
 }
 
+/// Splits each `KEY=VALUE` of a repeated `flag` (`form` names the parts in errors).
+fn overrides(
+    flag: &str,
+    form: &str,
+    entries: &[String],
+) -> Result<impl Iterator<Item = (String, String)>, String> {
+    let pairs = entries
+        .iter()
+        .map(|entry| {
+            entry
+                .split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| format!("{flag} {entry:?}: expected {form}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(pairs.into_iter())
+}
+
 fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
-    let mut drive_overrides = HashMap::new();
-    for entry in &args.drive_overrides {
-        let (id, path) = entry
-            .split_once('=')
-            .ok_or_else(|| format!("--drive-override {entry:?}: expected ID=PATH"))?;
-        drive_overrides.insert(id.to_string(), PathBuf::from(path));
-    }
+    let drive_overrides = overrides("--drive-override", "ID=PATH", &args.drive_overrides)?
+        .map(|(id, path)| (id, PathBuf::from(path)))
+        .collect();
     let mut net_overrides = HashMap::new();
     for entry in &args.net_overrides {
         let (id, value) = entry
@@ -227,8 +244,13 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
             .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
         net_overrides.insert(id.to_string(), parsed);
     }
+    let fs_overrides = overrides("--fs-override", "TAG=DIR", &args.fs_overrides)?
+        .map(|(tag, dir)| (tag, PathBuf::from(dir)))
+        .collect();
     Ok(RestoreOptions {
         backend: args.restore_backend.parse::<RestoreBackend>()?,
+        fs_overrides,
+        virtiofsd: args.virtiofsd.clone(),
         mem_file: None,
         vsock_uds: args.vsock_uds.clone(),
         drive_overrides,

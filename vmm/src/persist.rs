@@ -64,9 +64,13 @@ pub enum PersistError {
     /// Announcing a new VM generation.
     #[error(transparent)]
     Generation(#[from] GenerationError),
-    /// A shared volume is attached: its state lives in virtiofsd and is not saved.
-    #[error("cannot snapshot a microVM with a virtio-fs volume ({0}): the volume's state (open files, inodes) lives in virtiofsd and is not saved; snapshots of VMs with shared volumes are not supported yet")]
-    FsAttached(String),
+    /// A Diff snapshot with a shared volume: virtiofsd's writes to guest memory are not in
+    /// any dirty log.
+    #[error("a Diff snapshot of a microVM with a virtio-fs volume ({0}) is not supported: virtiofsd writes guest memory outside KVM's dirty log; take a Full snapshot")]
+    FsDiff(String),
+    /// A lazy restore with a shared volume.
+    #[error("the uffd restore backend cannot serve a microVM with a virtio-fs volume ({0}): virtiofsd maps guest memory itself and would see pages not yet loaded; use copy (or cow, which means copy here)")]
+    FsLazy(String),
     /// The operation needs the VM paused.
     #[error("the microVM must be paused (PATCH /vm {{\"state\": \"Paused\"}}) before a snapshot")]
     NotPaused,
@@ -186,17 +190,50 @@ pub fn create_snapshot(
     state_path: &Path,
     mem_path: &Path,
 ) -> Result<SnapshotReport, PersistError> {
-    if let Some(fs) = vm.virtio.iter().find_map(|slot| {
-        let transport = lock(&slot.transport);
-        let device = transport.device();
-        (device.device_type() == TYPE_FS).then(|| device.name())
-    }) {
-        return Err(PersistError::FsAttached(fs));
-    }
     if !vm.paused {
         return Err(PersistError::NotPaused);
     }
+    if kind == SnapshotType::Diff {
+        if let Some(fs) = vm.virtio.iter().find_map(|slot| {
+            let transport = lock(&slot.transport);
+            let device = transport.device();
+            (device.device_type() == TYPE_FS).then(|| device.name())
+        }) {
+            return Err(PersistError::FsDiff(fs));
+        }
+    }
     let started = Instant::now();
+    // Devices served by an outside backend (virtio-fs) stop their rings and save the
+    // backend's state first, so guest memory is written after the backend's last write.
+    let mut failed = None;
+    for slot in &vm.virtio {
+        let mut transport = lock(&slot.transport);
+        if let Err(detail) = transport.save_backend() {
+            failed = Some(PersistError::Device {
+                device: transport.device().name(),
+                detail,
+            });
+            break;
+        }
+    }
+    let result = match failed {
+        Some(e) => Err(e),
+        None => write_snapshot(vm, kind, state_path, mem_path, started),
+    };
+    // Rings start again whether or not the snapshot succeeded; the vCPUs are still paused.
+    for slot in &vm.virtio {
+        lock(&slot.transport).resume_backend();
+    }
+    result
+}
+
+fn write_snapshot(
+    vm: &mut MicroVm,
+    kind: SnapshotType,
+    state_path: &Path,
+    mem_path: &Path,
+    started: Instant,
+) -> Result<SnapshotReport, PersistError> {
     let regions: Vec<(u64, u64)> = vm.mem.iter().map(|r| (r.start_addr().0, r.len())).collect();
     let total = guest_len(&regions);
     let hosts = host_regions(&vm.mem);
@@ -370,6 +407,11 @@ pub struct RestoreOptions {
     pub expect_mem_mib: Option<u64>,
     /// Override dirty-page tracking for snapshots of the restored VM.
     pub track_dirty_pages: Option<bool>,
+    /// New shared directories, by volume tag (rollbox `fs_overrides`, `--fs-override`).
+    pub fs_overrides: HashMap<String, PathBuf>,
+    /// The virtiofsd binary for volumes (`--virtiofsd`); else the one the snapshot's VM used,
+    /// then the usual search.
+    pub virtiofsd: Option<PathBuf>,
 }
 
 /// Resolves `--restore PATH`: a directory holding `vmstate`, or the state file itself.
@@ -415,6 +457,7 @@ fn map_cow_region(
 }
 
 fn rebuild_device(
+    index: usize,
     state: &VirtioPersistState,
     options: &RestoreOptions,
 ) -> Result<Box<dyn VirtioDevice>, PersistError> {
@@ -440,7 +483,26 @@ fn rebuild_device(
             })?;
             Ok(Box::new(block))
         }
-        DevicePersistKind::Fs { tag } => Err(PersistError::FsAttached(format!("fs {tag}"))),
+        DevicePersistKind::Fs(fs) => {
+            let tag = &fs.config.tag;
+            let device_err = |detail: String| PersistError::Device {
+                device: format!("fs {tag}"),
+                detail,
+            };
+            let config = fs
+                .for_restore(options.fs_overrides.get(tag))
+                .map_err(device_err)?;
+            // The binary named now, else the one that served the VM if it is still there.
+            let binary = options
+                .virtiofsd
+                .clone()
+                .or_else(|| fs.virtiofsd.clone().filter(|p| p.is_file()));
+            let mut device = crate::builder::create_fs(binary.as_deref(), index, &config)?;
+            device
+                .load_state(&fs.backend_state)
+                .map_err(|e| device_err(e.to_string()))?;
+            Ok(Box::new(device))
+        }
         DevicePersistKind::Vsock {
             guest_cid,
             uds_path,
@@ -578,6 +640,23 @@ fn fresh_memory(
     GuestMemoryMmap::from_regions(out).map_err(|e| map_err(e.to_string()))
 }
 
+/// Builds guest memory as one shared memfd in the snapshot's layout, for a VM with a volume.
+fn shared_memory(regions: &[(u64, u64)], path: &Path) -> Result<GuestMemoryMmap, PersistError> {
+    let map_err = |detail: String| PersistError::Map {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let mem = create_guest_memory(guest_len(regions), Sharing::Memfd)
+        .map_err(|e| map_err(e.to_string()))?;
+    let layout: Vec<(u64, u64)> = mem.iter().map(|r| (r.start_addr().0, r.len())).collect();
+    if layout != regions {
+        return Err(map_err(format!(
+            "the snapshot's memory layout {regions:x?} differs from this build's {layout:x?}"
+        )));
+    }
+    Ok(mem)
+}
+
 /// Restores a microVM from the state file at `state_path`.
 pub fn restore_microvm(
     state_path: &Path,
@@ -641,10 +720,29 @@ pub fn restore_microvm(
         .iter()
         .map(|layer| open_layer(layer, total).map(|f| (layer.clone(), f)))
         .collect::<Result<Vec<_>, _>>()?;
+    for tag in options.fs_overrides.keys() {
+        let known = state
+            .devices
+            .iter()
+            .any(|d| matches!(&d.kind, DevicePersistKind::Fs(fs) if &fs.config.tag == tag));
+        if !known {
+            return Err(PersistError::Mismatch(format!(
+                "fs_overrides: the snapshot has no volume with tag {tag:?}"
+            )));
+        }
+    }
+    let volume = state.devices.iter().find_map(|d| match &d.kind {
+        DevicePersistKind::Fs(fs) => Some(format!("fs {}", fs.config.tag)),
+        _ => None,
+    });
+    if let (Some(volume), RestoreBackend::Uffd) = (&volume, options.backend) {
+        return Err(PersistError::FsLazy(volume.clone()));
+    }
     let devices = state
         .devices
         .iter()
-        .map(|d| rebuild_device(d, options))
+        .enumerate()
+        .map(|(index, d)| rebuild_device(index, d, options))
         .collect::<Result<Vec<_>, _>>()?;
     let console = console_out(&options.console)?;
     phase("memory files and devices");
@@ -656,21 +754,33 @@ pub fn restore_microvm(
     if let Some(track) = options.track_dirty_pages {
         machine.track_dirty_pages = track;
     }
-    let shell = shell.filter(|s| s.fits(&machine, &state.regions));
+    // A volume's virtiofsd maps guest memory too: it must be one memfd, shared, so a shell's
+    // private memory and copy-on-write mappings of the file do not apply; memory is copied.
+    let shared = volume.is_some();
+    let backend = if shared {
+        if options.backend != RestoreBackend::Copy {
+            log::info!("restore: guest memory is copied into a shared memfd, as a virtio-fs volume needs it");
+        }
+        RestoreBackend::Copy
+    } else {
+        options.backend
+    };
+    let shell = shell.filter(|s| !shared && s.fits(&machine, &state.regions));
     let reuse_shell = shell.is_some();
     let mem = match &shell {
+        None if shared => shared_memory(&state.regions, &base_layer.path)?,
         Some(shell) => {
-            if options.backend == RestoreBackend::Cow {
+            if backend == RestoreBackend::Cow {
                 for region in host_regions(&shell.mem) {
                     map_file_over(base_file, &base_layer.path, &region)?;
                 }
             }
             shell.mem.clone()
         }
-        None => fresh_memory(&state.regions, options.backend, base_file, &base_layer.path)?,
+        None => fresh_memory(&state.regions, backend, base_file, &base_layer.path)?,
     };
     let hosts = host_regions(&mem);
-    let (kind, page_server) = match options.backend {
+    let (kind, page_server) = match backend {
         RestoreBackend::Cow => {
             for (layer, file) in &files[1..] {
                 apply_layer(layer, file, &hosts)?;

@@ -123,6 +123,9 @@ pub struct RestoreExtension {
     /// New image paths by drive ID.
     #[serde(default)]
     pub drive_overrides: std::collections::HashMap<String, std::path::PathBuf>,
+    /// New shared directories by volume tag (virtio-fs).
+    #[serde(default)]
+    pub fs_overrides: std::collections::HashMap<String, std::path::PathBuf>,
 }
 
 /// `PUT /snapshot/load` body (Firecracker's, plus the `rollbox` extension object).
@@ -393,6 +396,21 @@ mod tests {
         )
         .expect("mc");
         assert!(matches!(a, VmmAction::PutMachineConfig(m) if m.mem_size_mib == 64));
+    }
+
+    #[test]
+    fn the_load_extension_takes_fs_overrides() {
+        let body =
+            br#"{"snapshot_path":"/s/vmstate","rollbox":{"fs_overrides":{"data":"/srv/copy"}}}"#;
+        let action = parse_request("PUT", "/snapshot/load", body).expect("load");
+        let VmmAction::LoadSnapshot(params) = action else {
+            panic!("not a load: {action:?}");
+        };
+        let extension = params.rollbox.expect("extension");
+        assert_eq!(
+            extension.fs_overrides.get("data"),
+            Some(&std::path::PathBuf::from("/srv/copy"))
+        );
     }
 
     #[test]

@@ -57,7 +57,8 @@ pub fn create_guest_memory(
             .map(|(start, size)| (GuestAddress(start), size as usize, None))
             .collect(),
         Sharing::Memfd => {
-            let file = memfd(mem_bytes).map_err(|source| MemoryError::Memfd { mib, source })?;
+            let file = memfd(c"rollbox-guest-memory", mem_bytes)
+                .map_err(|source| MemoryError::Memfd { mib, source })?;
             let file = std::sync::Arc::new(file);
             let mut offset = 0;
             regions
@@ -78,10 +79,10 @@ pub fn create_guest_memory(
         .map_err(|source| MemoryError::Allocate { mib, source })
 }
 
-/// A memfd of `len` bytes (sparse: pages are allocated when first touched).
-fn memfd(len: u64) -> std::io::Result<File> {
-    // SAFETY: the name is a NUL-terminated literal; memfd_create only reads it.
-    let fd = unsafe { libc::memfd_create(c"rollbox-guest-memory".as_ptr(), libc::MFD_CLOEXEC) };
+/// A memfd named `name` of `len` bytes (sparse: pages are allocated when first touched).
+pub fn memfd(name: &std::ffi::CStr, len: u64) -> std::io::Result<File> {
+    // SAFETY: `name` is NUL-terminated; memfd_create only reads it.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }

@@ -176,6 +176,26 @@ impl MmioTransport {
         }
     }
 
+    /// Before a snapshot: the device's backend stops the queues and saves its state.
+    pub fn save_backend(&mut self) -> Result<(), String> {
+        let mut ctx = QueueContext {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        self.device.save_backend(&mut ctx)
+    }
+
+    /// After a snapshot: the device's backend starts the queues again.
+    pub fn resume_backend(&mut self) {
+        let mut ctx = QueueContext {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        self.device.resume_backend(&mut ctx);
+    }
+
     /// Serves a notification of queue `index`.
     pub fn notify_queue(&mut self, index: usize) {
         if !self.is_activated() || index >= self.queues.len() {

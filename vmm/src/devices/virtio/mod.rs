@@ -240,6 +240,13 @@ pub trait VirtioDevice: Send {
     fn name(&self) -> String;
     /// What a snapshot records to rebuild this device.
     fn persist_kind(&self) -> persist::DevicePersistKind;
+    /// A snapshot of the paused VM is about to be taken: a device whose backend serves the
+    /// queues stops them and brings its backend's state into [`VirtioDevice::persist_kind`].
+    fn save_backend(&mut self, _ctx: &mut QueueContext<'_>) -> Result<(), String> {
+        Ok(())
+    }
+    /// The snapshot is taken (or failed): start what [`VirtioDevice::save_backend`] stopped.
+    fn resume_backend(&mut self, _ctx: &mut QueueContext<'_>) {}
     /// Called once after a snapshot restore re-activated the device.
     fn after_restore(&mut self, _ctx: &mut QueueContext<'_>) {}
 }

@@ -96,11 +96,8 @@ pub enum DevicePersistKind {
         /// The MAC the guest was told.
         guest_mac: Option<[u8; 6]>,
     },
-    /// virtio-fs (snapshots of a VM with a volume are refused; this names it in errors).
-    Fs {
-        /// The volume's tag.
-        tag: String,
-    },
+    /// virtio-fs: the volume and virtiofsd's saved state.
+    Fs(Box<super::fs::persist::FsPersistState>),
 }
 
 /// One virtio-mmio slot.

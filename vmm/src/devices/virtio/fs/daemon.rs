@@ -13,8 +13,9 @@ use crate::config::{FsCache, FsConfig};
 pub const CACHED_VIRTIOFSD: &str = "/var/cache/rollbox/virtiofsd/1.14.0/bin/virtiofsd";
 /// The environment variable naming the virtiofsd binary.
 pub const VIRTIOFSD_ENV: &str = "ROLLBOX_VIRTIOFSD";
-/// How long virtiofsd may take to offer its socket.
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long virtiofsd may take to offer its socket (it took over 10 s on a lab host running
+/// 56 guests).
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Finds virtiofsd: `explicit` (`--virtiofsd`), then `$ROLLBOX_VIRTIOFSD`, then `virtiofsd`
 /// on PATH, then Debian's `/usr/libexec/virtiofsd`, then the cache of `scripts/virtiofsd.sh`.
@@ -61,6 +62,7 @@ pub fn locate_virtiofsd(explicit: Option<&Path>) -> Result<PathBuf, FsError> {
 /// A virtiofsd that rollbox-vmm started for one volume; killed and reaped when dropped.
 pub struct Daemon {
     tag: String,
+    binary: PathBuf,
     child: Child,
     /// A directory of its own, for its socket and the pid file virtiofsd writes beside it.
     dir: PathBuf,
@@ -119,6 +121,7 @@ impl Daemon {
         };
         let mut daemon = Daemon {
             tag: config.tag.clone(),
+            binary: binary.to_path_buf(),
             child,
             dir: dir.to_path_buf(),
             socket,
@@ -153,6 +156,11 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The virtiofsd binary it runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
     }
 
     /// The socket it listens on.

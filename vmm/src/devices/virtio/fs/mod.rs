@@ -4,6 +4,7 @@
 
 pub mod daemon;
 pub mod device;
+pub mod persist;
 
 pub use daemon::{locate_virtiofsd, Daemon};
 pub use device::Fs;
@@ -56,6 +57,14 @@ pub enum FsError {
         request: &'static str,
         /// The vhost error.
         source: vhost::Error,
+    },
+    /// Saving or loading virtiofsd's state (snapshots).
+    #[error("volume {tag}: device state: {detail}")]
+    DeviceState {
+        /// The volume's tag.
+        tag: String,
+        /// What failed.
+        detail: String,
     },
     /// The backend lacks a feature the device needs.
     #[error("volume {tag}: the vhost-user backend does not offer {feature}")]

@@ -1,0 +1,107 @@
+//! Snapshot state of a virtio-fs volume: its configuration, the virtiofsd that served it, and
+//! virtiofsd's own state (inodes and open files the guest holds), which the backend hands over
+//! through vhost-user device-state transfer. The blob lives inside the CRC-checked state file.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::FsConfig;
+
+/// What a snapshot records for one volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsPersistState {
+    /// Tag, shared directory and options as the VM had them (`socket` is not reused: a
+    /// restore starts a virtiofsd of its own).
+    pub config: FsConfig,
+    /// The virtiofsd binary that served it, tried on restore when none is named.
+    #[serde(default)]
+    pub virtiofsd: Option<PathBuf>,
+    /// virtiofsd's serialized state (SET_DEVICE_STATE_FD, direction save); empty when the
+    /// device state was not saved.
+    #[serde(default)]
+    pub backend_state: Vec<u8>,
+}
+
+impl FsPersistState {
+    /// The state for a restore: checks there is a backend state and applies an override of
+    /// the shared directory (`fs_overrides`, `--fs-override`).
+    pub fn for_restore(&self, shared_dir: Option<&PathBuf>) -> Result<FsConfig, String> {
+        if self.backend_state.is_empty() {
+            return Err(format!(
+                "volume {}: the snapshot holds no virtiofsd state (it was not saved through vhost-user device-state transfer), so open files and lookups in the guest could not be restored",
+                self.config.tag
+            ));
+        }
+        let mut config = self.config.clone();
+        config.socket = None;
+        if let Some(dir) = shared_dir {
+            config.shared_dir = dir.clone();
+        }
+        if !config.shared_dir.is_dir() {
+            return Err(format!(
+                "volume {}: shared directory {} is not a directory (give another with fs_overrides or --fs-override {}=DIR)",
+                config.tag,
+                config.shared_dir.display(),
+                config.tag
+            ));
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::FsCache;
+
+    fn state(dir: &std::path::Path, blob: Vec<u8>) -> FsPersistState {
+        FsPersistState {
+            config: FsConfig {
+                tag: "data".into(),
+                shared_dir: dir.to_path_buf(),
+                readonly: false,
+                cache: FsCache::Auto,
+                socket: Some(PathBuf::from("/run/old.sock")),
+            },
+            virtiofsd: None,
+            backend_state: blob,
+        }
+    }
+
+    #[test]
+    fn a_missing_backend_state_is_refused_by_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = state(dir.path(), Vec::new())
+            .for_restore(None)
+            .expect_err("no blob");
+        assert!(
+            err.contains("volume data") && err.contains("no virtiofsd state"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn overrides_replace_the_directory_and_drop_the_socket() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let other = tempfile::tempdir().expect("tempdir");
+        let config = state(dir.path(), vec![1])
+            .for_restore(Some(&other.path().to_path_buf()))
+            .expect("restore config");
+        assert_eq!(config.shared_dir, other.path());
+        assert_eq!(config.socket, None);
+        let gone = dir.path().join("gone");
+        let err = state(&gone, vec![1]).for_restore(None).expect_err("absent");
+        assert!(err.contains("--fs-override data=DIR"), "{err}");
+    }
+
+    #[test]
+    fn the_state_survives_the_state_file_encoding() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("vmstate");
+        let saved = state(dir.path(), (0..=255).collect());
+        snapshot::format::write_state_file(&path, &saved).expect("write");
+        let back: FsPersistState = snapshot::format::read_state_file(&path).expect("read");
+        assert_eq!(back, saved);
+    }
+}
