@@ -5,11 +5,11 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use rollbox_agent_protocol::frame;
-use rollbox_agent_protocol::{ClientFrame, ClientMessage, ExecRequest, ServerFrame, ServerMessage};
+use rollbox_agent_protocol::{ClientFrame, ClientMessage, ExecRequest, ServerMessage};
 
 use crate::linux::{
-    read_line, set_timeval, unix_connect, vsock_connect, AgentAddr, LinuxBenchError, AGENT_PORT,
-    ATTEMPT_TIMEOUT,
+    read_frame, read_line, set_timeval, unix_connect, vsock_connect, AgentAddr, LinuxBenchError,
+    AGENT_PORT, ATTEMPT_TIMEOUT,
 };
 
 /// A connected agent stream of either kind.
@@ -123,22 +123,6 @@ impl GuestShell {
             ))
         }
     }
-}
-
-fn read_frame<R: Read>(stream: &mut R) -> Result<ServerFrame, String> {
-    let mut header = [0u8; 4];
-    stream
-        .read_exact(&mut header)
-        .map_err(|e| format!("reading the answer: {e}"))?;
-    let len = u32::from_be_bytes(header) as usize;
-    if len > rollbox_agent_protocol::MAX_FRAME_BYTES {
-        return Err(format!("answer frame of {len} bytes"));
-    }
-    let mut body = vec![0u8; len];
-    stream
-        .read_exact(&mut body)
-        .map_err(|e| format!("reading the answer: {e}"))?;
-    frame::decode(&body).map_err(|e| e.to_string())
 }
 
 /// `read a _ < /proc/uptime` before and after `body`, so the guest times it (10 ms steps)

@@ -891,10 +891,19 @@ fn hello_frames<S: Read + Write>(stream: &mut S) -> Result<(), String> {
     stream
         .write_all(&bytes)
         .map_err(|e| format!("sending hello: {e}"))?;
+    let reply = read_frame(stream).map_err(|e| format!("the hello answer: {e}"))?;
+    match reply.body {
+        ServerMessage::Hello { .. } => Ok(()),
+        other => Err(format!("the agent answered hello with {other:?}")),
+    }
+}
+
+/// One length-prefixed frame from the agent.
+pub(crate) fn read_frame<R: Read>(stream: &mut R) -> Result<ServerFrame, String> {
     let mut header = [0u8; 4];
     stream
         .read_exact(&mut header)
-        .map_err(|e| format!("reading the hello answer: {e}"))?;
+        .map_err(|e| format!("reading: {e}"))?;
     let len = u32::from_be_bytes(header) as usize;
     if len > rollbox_agent_protocol::MAX_FRAME_BYTES {
         return Err(format!("answer frame of {len} bytes"));
@@ -902,12 +911,8 @@ fn hello_frames<S: Read + Write>(stream: &mut S) -> Result<(), String> {
     let mut body = vec![0u8; len];
     stream
         .read_exact(&mut body)
-        .map_err(|e| format!("reading the hello answer: {e}"))?;
-    let reply: ServerFrame = frame::decode(&body).map_err(|e| e.to_string())?;
-    match reply.body {
-        ServerMessage::Hello { .. } => Ok(()),
-        other => Err(format!("the agent answered hello with {other:?}")),
-    }
+        .map_err(|e| format!("reading: {e}"))?;
+    frame::decode(&body).map_err(|e| e.to_string())
 }
 
 pub(crate) fn set_timeval(
@@ -1627,8 +1632,8 @@ pub(crate) fn check_kvm() -> Result<(), LinuxBenchError> {
     Ok(())
 }
 
-/// Runs the parts `config.parts` asks for.
-pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
+/// The guest kernel (from `--kernel` or the fixtures), checked like rollbox-vmm.
+pub(crate) fn kernel_and_vmm(config: &LinuxBenchConfig) -> Result<PathBuf, LinuxBenchError> {
     let kernel = fixture(
         config,
         &config.kernel,
@@ -1646,6 +1651,12 @@ pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
         &config.vmm,
         "cargo build --release -p vmm, or pass --vmm PATH",
     )?;
+    Ok(kernel)
+}
+
+/// Runs the parts `config.parts` asks for.
+pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
+    let kernel = kernel_and_vmm(config)?;
     let boot = config.parts.contains(&Part::Boot);
     let restore = config.parts.contains(&Part::Restore);
     if boot {

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use crate::guest::{parse_elapsed, timed, GuestShell};
 use crate::linux::{
-    build_initramfs, catch_signals, check_kvm, fixture, io_err, must_exist, ratio,
+    build_initramfs, catch_signals, check_kvm, io_err, kernel_and_vmm, must_exist, ratio,
     rollbox_boot_args, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError, VmProcess, WorkDir,
     AGENT_LISTENING,
 };
@@ -66,25 +66,19 @@ pub struct FsReport {
     pub fs: StoreFigures,
 }
 
-/// What `linux-net` and `linux-fs` both check first: the kernel and rollbox-vmm exist; then
-/// the signal handlers and the work directory.
+/// What `linux-net` and `linux-fs` both check first: the kernel, rollbox-vmm, the agent and
+/// busybox exist; then the signal handlers and the work directory.
 pub fn prepare(config: &LinuxBenchConfig) -> Result<(PathBuf, WorkDir), LinuxBenchError> {
-    let kernel = fixture(
-        config,
-        &config.kernel,
-        "OUR_VMLINUX",
-        "guest kernel",
-        "--kernel",
+    let kernel = kernel_and_vmm(config)?;
+    must_exist(
+        "static rollbox-agent",
+        &config.agent,
+        "guest-agent/build-static.sh builds it, or pass --agent PATH",
     )?;
     must_exist(
-        "guest kernel (vmlinux)",
-        &kernel,
-        "kernel-config/build.sh builds it; rebuild the fixtures with scripts/lab/tier4-fixtures.sh",
-    )?;
-    must_exist(
-        "rollbox-vmm",
-        &config.vmm,
-        "cargo build --release -p vmm, or pass --vmm PATH",
+        "static busybox",
+        &config.busybox,
+        "apt-get install busybox-static, or pass --busybox PATH",
     )?;
     catch_signals();
     let work = WorkDir::create(&config.dir)?;
@@ -208,16 +202,6 @@ fn figures(store: Store, samples: &[[f64; 3]]) -> Result<StoreFigures, LinuxBenc
 /// Runs the benchmark.
 pub fn run(config: &FsBenchConfig) -> Result<FsReport, LinuxBenchError> {
     let (kernel, work) = prepare(&config.linux)?;
-    must_exist(
-        "static rollbox-agent",
-        &config.linux.agent,
-        "guest-agent/build-static.sh builds it, or pass --agent PATH",
-    )?;
-    must_exist(
-        "static busybox",
-        &config.linux.busybox,
-        "apt-get install busybox-static, or pass --busybox PATH",
-    )?;
     if let Some(v) = &config.virtiofsd {
         must_exist(
             "virtiofsd",

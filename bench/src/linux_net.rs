@@ -576,16 +576,6 @@ fn run_start(
 /// Runs the parts `config.parts` asks for.
 pub fn run(config: &NetBenchConfig) -> Result<NetReport, LinuxBenchError> {
     let (kernel, work) = crate::linux_fs::prepare(&config.linux)?;
-    must_exist(
-        "static rollbox-agent",
-        &config.linux.agent,
-        "guest-agent/build-static.sh builds it, or pass --agent PATH",
-    )?;
-    must_exist(
-        "static busybox",
-        &config.linux.busybox,
-        "apt-get install busybox-static, or pass --busybox PATH",
-    )?;
     if !Path::new("/dev/net/tun").exists() {
         return Err(LinuxBenchError::Host(
             "/dev/net/tun is missing (in the lab: scripts/lab/run.sh --modprobe tun)".into(),

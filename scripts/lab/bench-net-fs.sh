@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
         --timeout) need_value "$@"; timeout_s="$2"; shift 2 ;;
         --net-arg) need_value "$@"; net_args+=("$2"); shift 2 ;;
         --fs-arg) need_value "$@"; fs_args+=("$2"); shift 2 ;;
-        -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
@@ -51,37 +51,11 @@ done
 [[ "$(id -u)" -eq 0 ]] || die "must run as root (tier4-fixtures.sh and the lab need it)"
 
 cd "$ROOT"
-log "building rollbox-vmm, rollbox and rollbox-bench (release) and the static agent"
-cargo build --release -p vmm -p rollbox -p rollbox-bench >&2
-agent="$(guest-agent/build-static.sh | tail -n 1)"
-[[ -x "$agent" ]] || die "guest-agent/build-static.sh gave no agent ($agent)"
+# shellcheck source=scripts/lab/bench-prepare.sh
+source "$SCRIPT_DIR/bench-prepare.sh"
+bench_prepare bench-net-fs kernel
 virtiofsd="$(scripts/virtiofsd.sh | tail -n 1)"
 [[ -x "$virtiofsd" ]] || die "scripts/virtiofsd.sh gave no virtiofsd ($virtiofsd)"
-
-# Current when the fixtures name today's kernel (the benchmarks boot it with an initramfs of
-# today's agent, so the rootfs does not matter here).
-fixtures_current() {
-    local env="$fixtures/fixtures.env" kernel_dir vmlinux
-    [[ -f "$env" ]] || return 1
-    kernel_dir="$(kernel-config/build.sh | tail -n 1)" || return 1
-    vmlinux="$(sed -n 's/^OUR_VMLINUX=//p' "$env")"
-    [[ "$vmlinux" == "$kernel_dir/vmlinux" && -f "$vmlinux" ]]
-}
-if [[ "$rebuild" -eq 0 ]] && fixtures_current; then
-    log "fixtures in $fixtures are current (kernel matches)"
-else
-    log "building the tier-4 fixtures in $fixtures"
-    scripts/start-dockerd.sh >&2
-    ROLLBOX_BIN="$ROOT/target/release/rollbox" ROLLBOX_AGENT_STATIC="$agent" \
-        scripts/lab/tier4-fixtures.sh "$fixtures" >/dev/null
-fi
-
-# The lab's run directory is the only place L1 can write that the host sees: keep it (in a
-# private runs root) long enough to copy the JSON out, then remove it all.
-runs_parent="${ROLLBOX_LAB_RUNS:-/var/tmp/rollbox-lab}"
-mkdir -p "$runs_parent"
-runs="$(mktemp -d "$runs_parent/bench-net-fs.XXXXXX")"
-trap 'rm -rf "$runs"' EXIT
 common=(--fixtures "$fixtures/fixtures.env" --agent "$agent")
 script='
     set -u
