@@ -137,6 +137,10 @@ fn round(
             "busybox dd if=/dev/zero of={d}/big bs=1048576 count={mib} conv=fsync 2>/dev/null"
         )),
     )?;
+    eprintln!(
+        "linux-fs {}: wrote {mib} MiB in {write:.2} s",
+        store.label()
+    );
     let size = shell.sh(&format!("busybox stat -c %s {d}/big"), COMMAND_TIMEOUT)?;
     if size != (mib << 20).to_string() {
         return Err(LinuxBenchError::Guest {
@@ -152,6 +156,7 @@ fn round(
             "busybox dd if={d}/big of=/dev/null bs=1048576 2>/dev/null"
         )),
     )?;
+    eprintln!("linux-fs {}: read {mib} MiB in {read:.2} s", store.label());
     shell.sh(
         &format!("rm -f {d}/big; mkdir {d}/small; {DROP_CACHES}"),
         COMMAND_TIMEOUT,
