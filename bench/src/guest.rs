@@ -8,8 +8,8 @@ use rollbox_agent_protocol::frame;
 use rollbox_agent_protocol::{ClientFrame, ClientMessage, ExecRequest, ServerMessage};
 
 use crate::linux::{
-    read_frame, read_line, set_timeval, unix_connect, vsock_connect, AgentAddr, LinuxBenchError,
-    AGENT_PORT, ATTEMPT_TIMEOUT,
+    connect_agent_port, read_frame, set_timeval, unix_connect, vsock_connect, AgentAddr,
+    LinuxBenchError, AGENT_PORT, ATTEMPT_TIMEOUT,
 };
 
 /// A connected agent stream of either kind.
@@ -51,13 +51,7 @@ impl GuestShell {
         match &self.addr {
             AgentAddr::Unix(path) => {
                 let mut stream = unix_connect(path, ATTEMPT_TIMEOUT)?;
-                stream
-                    .write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
-                    .map_err(|e| format!("CONNECT: {e}"))?;
-                let line = read_line(&mut stream)?;
-                if !line.starts_with("OK ") {
-                    return Err(format!("CONNECT {AGENT_PORT} answered {line:?}"));
-                }
+                connect_agent_port(&mut stream)?;
                 set_timeval(&stream, libc::SOL_SOCKET, libc::SO_RCVTIMEO, timeout)?;
                 Ok(Box::new(stream))
             }

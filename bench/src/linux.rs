@@ -848,13 +848,7 @@ fn hello_once(addr: &AgentAddr, timeout: Duration, attempt: &mut Attempt) -> Res
         AgentAddr::Unix(path) => {
             let mut stream = unix_connect(path, timeout)?;
             attempt.connected = Some(Instant::now());
-            stream
-                .write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
-                .map_err(|e| format!("CONNECT: {e}"))?;
-            let line = read_line(&mut stream)?;
-            if !line.starts_with("OK ") {
-                return Err(format!("CONNECT {AGENT_PORT} answered {line:?}"));
-            }
+            connect_agent_port(&mut stream)?;
             attempt.guest_connected = Some(Instant::now());
             hello_frames(&mut stream)
         }
@@ -864,6 +858,19 @@ fn hello_once(addr: &AgentAddr, timeout: Duration, attempt: &mut Attempt) -> Res
             attempt.guest_connected = attempt.connected;
             hello_frames(&mut stream)
         }
+    }
+}
+
+/// rollbox-vmm's hybrid vsock preamble: `CONNECT <agent port>`, answered `OK <port>`.
+pub(crate) fn connect_agent_port(stream: &mut UnixStream) -> Result<(), String> {
+    stream
+        .write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
+        .map_err(|e| format!("CONNECT: {e}"))?;
+    let line = read_line(stream)?;
+    if line.starts_with("OK ") {
+        Ok(())
+    } else {
+        Err(format!("CONNECT {AGENT_PORT} answered {line:?}"))
     }
 }
 
@@ -1654,22 +1661,27 @@ pub(crate) fn kernel_and_vmm(config: &LinuxBenchConfig) -> Result<PathBuf, Linux
     Ok(kernel)
 }
 
+/// The static agent and busybox that [`build_initramfs`] packs.
+pub(crate) fn initramfs_inputs_exist(config: &LinuxBenchConfig) -> Result<(), LinuxBenchError> {
+    must_exist(
+        "static rollbox-agent",
+        &config.agent,
+        "guest-agent/build-static.sh builds it, or pass --agent PATH",
+    )?;
+    must_exist(
+        "static busybox",
+        &config.busybox,
+        "apt-get install busybox-static, or pass --busybox PATH",
+    )
+}
+
 /// Runs the parts `config.parts` asks for.
 pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
     let kernel = kernel_and_vmm(config)?;
     let boot = config.parts.contains(&Part::Boot);
     let restore = config.parts.contains(&Part::Restore);
     if boot {
-        must_exist(
-            "static rollbox-agent",
-            &config.agent,
-            "guest-agent/build-static.sh builds it, or pass --agent PATH",
-        )?;
-        must_exist(
-            "static busybox",
-            &config.busybox,
-            "apt-get install busybox-static, or pass --busybox PATH",
-        )?;
+        initramfs_inputs_exist(config)?;
     }
     let rootfs = if restore {
         let path = fixture(

@@ -16,9 +16,9 @@ use serde::Serialize;
 
 use crate::guest::{parse_elapsed, timed, GuestShell};
 use crate::linux::{
-    build_initramfs, catch_signals, check_kvm, io_err, kernel_and_vmm, must_exist, ratio,
-    rollbox_boot_args, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError, VmProcess, WorkDir,
-    AGENT_LISTENING,
+    build_initramfs, catch_signals, check_kvm, initramfs_inputs_exist, io_err, kernel_and_vmm,
+    must_exist, ratio, rollbox_boot_args, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError,
+    VmProcess, WorkDir, AGENT_LISTENING,
 };
 use crate::linux_net::host_cmd;
 use crate::stats::Summary;
@@ -70,16 +70,7 @@ pub struct FsReport {
 /// busybox exist; then the signal handlers and the work directory.
 pub fn prepare(config: &LinuxBenchConfig) -> Result<(PathBuf, WorkDir), LinuxBenchError> {
     let kernel = kernel_and_vmm(config)?;
-    must_exist(
-        "static rollbox-agent",
-        &config.agent,
-        "guest-agent/build-static.sh builds it, or pass --agent PATH",
-    )?;
-    must_exist(
-        "static busybox",
-        &config.busybox,
-        "apt-get install busybox-static, or pass --busybox PATH",
-    )?;
+    initramfs_inputs_exist(config)?;
     catch_signals();
     let work = WorkDir::create(&config.dir)?;
     Ok((kernel, work))
