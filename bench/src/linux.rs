@@ -28,14 +28,14 @@ use crate::stats::{summarize, Summary};
 /// What the initramfs's `/init` prints first.
 pub const INIT_MARKER: &str = "rollbox-bench: /init running";
 /// The agent's log line once its vsock listener is bound (on the console: its stderr).
-const AGENT_LISTENING: &str = "listening on vsock port";
-const AGENT_PORT: u32 = rollbox_agent_protocol::DEFAULT_PORT;
+pub(crate) const AGENT_LISTENING: &str = "listening on vsock port";
+pub(crate) const AGENT_PORT: u32 = rollbox_agent_protocol::DEFAULT_PORT;
 /// rollbox-vmm's guest CID (its host side is a Unix socket, so any CID >= 3 does).
-const ROLLBOX_CID: u32 = 3;
+pub(crate) const ROLLBOX_CID: u32 = 3;
 /// Pause between failed `hello` attempts.
 const RETRY: Duration = Duration::from_millis(2);
 /// One connection attempt (connect, handshake, hello) at most.
-const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// SIGTERM, then SIGKILL after this.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// `SO_VM_SOCKETS_CONNECT_TIMEOUT` (linux/vm_sockets.h; level AF_VSOCK, a `struct timeval`).
@@ -106,6 +106,14 @@ pub enum LinuxBenchError {
     },
     #[error("{what}: no samples")]
     NoSamples { what: &'static str },
+    #[error("{vm}: guest command `{script}`: {detail}")]
+    Guest {
+        vm: String,
+        script: String,
+        detail: String,
+    },
+    #[error("host command `{command}`: {detail}")]
+    HostCommand { command: String, detail: String },
     #[error("interrupted by a signal; every VMM stopped")]
     Interrupted,
 }
@@ -119,7 +127,7 @@ extern "C" fn note_signal(_: libc::c_int) {
 
 /// A signal ends the run through the normal error path, so the guards stop every VMM and
 /// remove the work directory.
-fn catch_signals() {
+pub(crate) fn catch_signals() {
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         unsafe { libc::signal(sig, note_signal as *const () as libc::sighandler_t) };
@@ -248,12 +256,15 @@ pub struct LinuxReport {
     pub restore: Option<RestoreReport>,
 }
 
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> LinuxBenchError {
+pub(crate) fn io_err(
+    what: &'static str,
+    path: &Path,
+) -> impl FnOnce(std::io::Error) -> LinuxBenchError {
     let path = path.to_path_buf();
     move |source| LinuxBenchError::Io { what, path, source }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -270,7 +281,7 @@ pub fn parse_env(text: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-fn fixture(
+pub(crate) fn fixture(
     config: &LinuxBenchConfig,
     given: &Option<PathBuf>,
     key: &'static str,
@@ -297,7 +308,11 @@ fn fixture(
         })
 }
 
-fn must_exist(what: &'static str, path: &Path, hint: &'static str) -> Result<(), LinuxBenchError> {
+pub(crate) fn must_exist(
+    what: &'static str,
+    path: &Path,
+    hint: &'static str,
+) -> Result<(), LinuxBenchError> {
     if path.is_file() {
         Ok(())
     } else {
@@ -384,7 +399,10 @@ fn init_script() -> String {
 }
 
 /// Builds the initramfs (busybox, the static agent, a tiny `/init`) at `path`.
-fn build_initramfs(config: &LinuxBenchConfig, path: &Path) -> Result<u64, LinuxBenchError> {
+pub(crate) fn build_initramfs(
+    config: &LinuxBenchConfig,
+    path: &Path,
+) -> Result<u64, LinuxBenchError> {
     let busybox = std::fs::read(&config.busybox).map_err(io_err("reading", &config.busybox))?;
     let agent = std::fs::read(&config.agent).map_err(io_err("reading", &config.agent))?;
     let init = init_script();
@@ -432,10 +450,10 @@ fn build_initramfs(config: &LinuxBenchConfig, path: &Path) -> Result<u64, LinuxB
 }
 
 /// The work directory; removed with everything in it when dropped.
-struct WorkDir(PathBuf);
+pub(crate) struct WorkDir(pub(crate) PathBuf);
 
 impl WorkDir {
-    fn create(parent: &Path) -> Result<Self, LinuxBenchError> {
+    pub(crate) fn create(parent: &Path) -> Result<Self, LinuxBenchError> {
         let path = parent.join(format!("rollbox-bench-linux.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).map_err(io_err("creating work directory", &path))?;
@@ -458,10 +476,10 @@ enum ConsoleMsg {
 }
 
 /// A VMM process with its console (stdout) read as it arrives. Stopped when dropped.
-struct VmProcess {
+pub(crate) struct VmProcess {
     label: String,
-    child: Child,
-    started: Instant,
+    pub(crate) child: Child,
+    pub(crate) started: Instant,
     console: Receiver<ConsoleMsg>,
     console_open: bool,
     first_byte: Option<Instant>,
@@ -516,7 +534,11 @@ fn tail_chars(text: &str, n: usize) -> String {
 }
 
 impl VmProcess {
-    fn spawn(label: &str, program: &Path, args: &[String]) -> Result<Self, LinuxBenchError> {
+    pub(crate) fn spawn(
+        label: &str,
+        program: &Path,
+        args: &[String],
+    ) -> Result<Self, LinuxBenchError> {
         let mut command = Command::new(program);
         command
             .args(args)
@@ -606,7 +628,7 @@ impl VmProcess {
     }
 
     /// An error if the VMM has exited.
-    fn check_running(&mut self, what: &str) -> Result<(), LinuxBenchError> {
+    pub(crate) fn check_running(&mut self, what: &str) -> Result<(), LinuxBenchError> {
         if INTERRUPTED.load(Ordering::SeqCst) {
             return Err(LinuxBenchError::Interrupted);
         }
@@ -637,7 +659,7 @@ impl VmProcess {
     }
 
     /// Waits for the first console line containing `needle`; returns its arrival.
-    fn wait_line(
+    pub(crate) fn wait_line(
         &mut self,
         what: &str,
         needle: &str,
@@ -681,7 +703,7 @@ impl VmProcess {
     }
 
     /// Retries `hello` until the agent answers; returns when the answer arrived.
-    fn wait_hello(
+    pub(crate) fn wait_hello(
         &mut self,
         addr: &AgentAddr,
         deadline: Instant,
@@ -740,7 +762,7 @@ impl VmProcess {
     }
 
     /// SIGTERM (a clean exit: sockets removed, a recorded working set saved), then SIGKILL.
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         if !matches!(self.child.try_wait(), Ok(None)) {
             return;
         }
@@ -792,7 +814,7 @@ impl Drop for VmProcess {
 
 /// Where the agent is reached.
 #[derive(Debug, Clone)]
-enum AgentAddr {
+pub(crate) enum AgentAddr {
     /// rollbox-vmm's vsock Unix socket (hybrid `CONNECT <port>` preamble).
     Unix(PathBuf),
     /// AF_VSOCK to a guest CID (QEMU's vhost-vsock).
@@ -810,13 +832,13 @@ struct Attempt {
 
 /// The successful `wait_hello`.
 #[derive(Debug, Clone, Copy)]
-struct HelloTimes {
+pub(crate) struct HelloTimes {
     /// The first attempt whose host-side connect succeeded.
-    first_connect: Instant,
+    pub(crate) first_connect: Instant,
     /// The guest answered the successful attempt's vsock connection request.
-    guest_connected: Instant,
+    pub(crate) guest_connected: Instant,
     /// The agent's hello answer arrived.
-    answered: Instant,
+    pub(crate) answered: Instant,
 }
 
 /// One attempt: connect, send `hello`, read the agent's `hello`.
@@ -826,13 +848,7 @@ fn hello_once(addr: &AgentAddr, timeout: Duration, attempt: &mut Attempt) -> Res
         AgentAddr::Unix(path) => {
             let mut stream = unix_connect(path, timeout)?;
             attempt.connected = Some(Instant::now());
-            stream
-                .write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
-                .map_err(|e| format!("CONNECT: {e}"))?;
-            let line = read_line(&mut stream)?;
-            if !line.starts_with("OK ") {
-                return Err(format!("CONNECT {AGENT_PORT} answered {line:?}"));
-            }
+            connect_agent_port(&mut stream)?;
             attempt.guest_connected = Some(Instant::now());
             hello_frames(&mut stream)
         }
@@ -845,8 +861,21 @@ fn hello_once(addr: &AgentAddr, timeout: Duration, attempt: &mut Attempt) -> Res
     }
 }
 
+/// rollbox-vmm's hybrid vsock preamble: `CONNECT <agent port>`, answered `OK <port>`.
+pub(crate) fn connect_agent_port(stream: &mut UnixStream) -> Result<(), String> {
+    stream
+        .write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())
+        .map_err(|e| format!("CONNECT: {e}"))?;
+    let line = read_line(stream)?;
+    if line.starts_with("OK ") {
+        Ok(())
+    } else {
+        Err(format!("CONNECT {AGENT_PORT} answered {line:?}"))
+    }
+}
+
 /// The preamble's answer, byte by byte (nothing after the newline is consumed).
-fn read_line<R: Read>(reader: &mut R) -> Result<String, String> {
+pub(crate) fn read_line<R: Read>(reader: &mut R) -> Result<String, String> {
     let mut line = Vec::new();
     let mut byte = [0u8; 1];
     while line.len() < 64 {
@@ -869,10 +898,19 @@ fn hello_frames<S: Read + Write>(stream: &mut S) -> Result<(), String> {
     stream
         .write_all(&bytes)
         .map_err(|e| format!("sending hello: {e}"))?;
+    let reply = read_frame(stream).map_err(|e| format!("the hello answer: {e}"))?;
+    match reply.body {
+        ServerMessage::Hello { .. } => Ok(()),
+        other => Err(format!("the agent answered hello with {other:?}")),
+    }
+}
+
+/// One length-prefixed frame from the agent.
+pub(crate) fn read_frame<R: Read>(stream: &mut R) -> Result<ServerFrame, String> {
     let mut header = [0u8; 4];
     stream
         .read_exact(&mut header)
-        .map_err(|e| format!("reading the hello answer: {e}"))?;
+        .map_err(|e| format!("reading: {e}"))?;
     let len = u32::from_be_bytes(header) as usize;
     if len > rollbox_agent_protocol::MAX_FRAME_BYTES {
         return Err(format!("answer frame of {len} bytes"));
@@ -880,16 +918,12 @@ fn hello_frames<S: Read + Write>(stream: &mut S) -> Result<(), String> {
     let mut body = vec![0u8; len];
     stream
         .read_exact(&mut body)
-        .map_err(|e| format!("reading the hello answer: {e}"))?;
-    let reply: ServerFrame = frame::decode(&body).map_err(|e| e.to_string())?;
-    match reply.body {
-        ServerMessage::Hello { .. } => Ok(()),
-        other => Err(format!("the agent answered hello with {other:?}")),
-    }
+        .map_err(|e| format!("reading: {e}"))?;
+    frame::decode(&body).map_err(|e| e.to_string())
 }
 
-fn set_timeval(
-    fd: &OwnedFd,
+pub(crate) fn set_timeval(
+    fd: &impl AsRawFd,
     level: libc::c_int,
     name: libc::c_int,
     t: Duration,
@@ -920,7 +954,7 @@ fn set_timeval(
 
 /// A Unix stream socket connected to `path`, every step bounded by `timeout` (SO_SNDTIMEO also
 /// bounds connect(2) on a listener whose backlog is full).
-fn unix_connect(path: &Path, timeout: Duration) -> Result<UnixStream, String> {
+pub(crate) fn unix_connect(path: &Path, timeout: Duration) -> Result<UnixStream, String> {
     use std::os::unix::ffi::OsStrExt;
     let bytes = path.as_os_str().as_bytes();
     // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
@@ -960,7 +994,7 @@ fn unix_connect(path: &Path, timeout: Duration) -> Result<UnixStream, String> {
 }
 
 /// A connected AF_VSOCK stream to `cid:port`.
-fn vsock_connect(cid: u32, port: u32, timeout: Duration) -> Result<File, String> {
+pub(crate) fn vsock_connect(cid: u32, port: u32, timeout: Duration) -> Result<File, String> {
     // SAFETY: socket(2) with constant arguments; the descriptor is owned just below.
     let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
@@ -1093,7 +1127,7 @@ pub fn largest_gaps(lines: &[(f64, String)], start_ms: f64, largest: usize) -> V
     gaps
 }
 
-fn rollbox_boot_args(
+pub(crate) fn rollbox_boot_args(
     config: &LinuxBenchConfig,
     kernel: &Path,
     initramfs: &Path,
@@ -1232,7 +1266,7 @@ fn keep_console(
     std::fs::write(&path, text).map_err(io_err("writing", &path))
 }
 
-fn summary(what: &'static str, values: &[f64]) -> Result<Summary, LinuxBenchError> {
+pub(crate) fn summary(what: &'static str, values: &[f64]) -> Result<Summary, LinuxBenchError> {
     summarize(values).ok_or(LinuxBenchError::NoSamples { what })
 }
 
@@ -1588,7 +1622,7 @@ impl VmProcess {
 // Running and reporting
 
 /// Refuses hosts whose /dev/kvm cannot run Linux, with one line saying why.
-fn check_kvm() -> Result<(), LinuxBenchError> {
+pub(crate) fn check_kvm() -> Result<(), LinuxBenchError> {
     if !Path::new("/dev/kvm").exists() {
         return Err(LinuxBenchError::Host(
             "/dev/kvm is missing; run this inside the nested lab (scripts/lab/bench-linux.sh)"
@@ -1605,8 +1639,8 @@ fn check_kvm() -> Result<(), LinuxBenchError> {
     Ok(())
 }
 
-/// Runs the parts `config.parts` asks for.
-pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
+/// The guest kernel (from `--kernel` or the fixtures), checked like rollbox-vmm.
+pub(crate) fn kernel_and_vmm(config: &LinuxBenchConfig) -> Result<PathBuf, LinuxBenchError> {
     let kernel = fixture(
         config,
         &config.kernel,
@@ -1624,19 +1658,30 @@ pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
         &config.vmm,
         "cargo build --release -p vmm, or pass --vmm PATH",
     )?;
+    Ok(kernel)
+}
+
+/// The static agent and busybox that [`build_initramfs`] packs.
+pub(crate) fn initramfs_inputs_exist(config: &LinuxBenchConfig) -> Result<(), LinuxBenchError> {
+    must_exist(
+        "static rollbox-agent",
+        &config.agent,
+        "guest-agent/build-static.sh builds it, or pass --agent PATH",
+    )?;
+    must_exist(
+        "static busybox",
+        &config.busybox,
+        "apt-get install busybox-static, or pass --busybox PATH",
+    )
+}
+
+/// Runs the parts `config.parts` asks for.
+pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
+    let kernel = kernel_and_vmm(config)?;
     let boot = config.parts.contains(&Part::Boot);
     let restore = config.parts.contains(&Part::Restore);
     if boot {
-        must_exist(
-            "static rollbox-agent",
-            &config.agent,
-            "guest-agent/build-static.sh builds it, or pass --agent PATH",
-        )?;
-        must_exist(
-            "static busybox",
-            &config.busybox,
-            "apt-get install busybox-static, or pass --busybox PATH",
-        )?;
+        initramfs_inputs_exist(config)?;
     }
     let rootfs = if restore {
         let path = fixture(
@@ -1680,11 +1725,11 @@ pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
     })
 }
 
-fn cell(s: &Summary) -> String {
+pub(crate) fn cell(s: &Summary) -> String {
     format!("{:.0} ({:.0}–{:.0})", s.p50, s.min, s.max)
 }
 
-fn ratio(a: f64, b: f64) -> String {
+pub(crate) fn ratio(a: f64, b: f64) -> String {
     if b > 0.0 {
         format!("{:.2}×", a / b)
     } else {

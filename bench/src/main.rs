@@ -6,7 +6,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod guest;
 mod linux;
+mod linux_fs;
+mod linux_net;
 mod procfs;
 mod snapshot;
 mod stats;
@@ -15,6 +18,111 @@ mod vmm;
 /// The test guest's command line: it finds its virtio devices on the command line, so ACPI is
 /// off (with ACPI on, rollbox-vmm names them in the DSDT instead).
 const TEST_GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off acpi=off";
+
+/// Flags of `linux-net` and `linux-fs`: the guest, rollbox-vmm and the rounds.
+#[derive(clap::Args, Debug, Clone)]
+struct GuestArgs {
+    /// A fixtures.env of scripts/lab/tier4-fixtures.sh (OUR_VMLINUX).
+    #[arg(long)]
+    fixtures: Option<PathBuf>,
+    /// The guest kernel, an ELF vmlinux [default: OUR_VMLINUX of --fixtures].
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// The static agent for the initramfs
+    /// [default: target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent].
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// A static busybox for the initramfs.
+    #[arg(long, default_value = "/bin/busybox")]
+    busybox: PathBuf,
+    /// The VMM binary [default: target/release/rollbox-vmm].
+    #[arg(long)]
+    vmm: Option<PathBuf>,
+    /// Measured rounds (medians are over these).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Rounds run first and not counted.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 512)]
+    memory_mib: u64,
+    /// Guest vCPUs.
+    #[arg(long, default_value_t = 2)]
+    vcpus: u32,
+    /// Kernel command line (the benchmark appends ip= or rollbox.volume=).
+    #[arg(long, default_value = "console=ttyS0 reboot=k panic=1 loglevel=4")]
+    cmdline: String,
+    /// Where the work directory goes (removed at the end); for linux-fs also the host side
+    /// of the data disk and the volume.
+    #[arg(long, default_value = "/tmp")]
+    dir: PathBuf,
+    /// Seconds one boot may take before the run fails.
+    #[arg(long, default_value_t = 120)]
+    boot_timeout: u64,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+impl GuestArgs {
+    fn linux_config(&self, root: &std::path::Path) -> linux::LinuxBenchConfig {
+        linux::LinuxBenchConfig {
+            vmm: self
+                .vmm
+                .clone()
+                .unwrap_or_else(|| root.join("target/release/rollbox-vmm")),
+            qemu: "/usr/bin/qemu-system-x86_64".into(),
+            qemu_machine: "microvm".into(),
+            fixtures: self.fixtures.clone(),
+            kernel: self.kernel.clone(),
+            rootfs: None,
+            agent: self.agent.clone().unwrap_or_else(|| {
+                root.join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent")
+            }),
+            busybox: self.busybox.clone(),
+            rounds: self.rounds.max(1),
+            warmup: self.warmup,
+            memory_mib: self.memory_mib,
+            vcpus: self.vcpus.max(1),
+            cmdline: self.cmdline.clone(),
+            qemu_append: "tsc=reliable".into(),
+            qemu_cid: 42,
+            parts: vec![],
+            dir: self.dir.clone(),
+            boot_timeout: std::time::Duration::from_secs(self.boot_timeout.max(1)),
+            keep_consoles: None,
+        }
+    }
+}
+
+/// Prints `report`'s tables and writes its JSON; the exit status.
+fn finish<R: serde::Serialize, E: std::fmt::Display>(
+    name: &str,
+    result: Result<R, E>,
+    markdown: impl Fn(&R) -> String,
+    json: Option<&std::path::Path>,
+) -> ExitCode {
+    let report = match result {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("rollbox-bench {name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{}", markdown(&report));
+    if let Some(path) = json {
+        let written = serde_json::to_string_pretty(&report)
+            .map_err(|e| e.to_string())
+            .and_then(|text| std::fs::write(path, text + "\n").map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            eprintln!("rollbox-bench {name}: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        println!("JSON written to {}", path.display());
+    }
+    ExitCode::SUCCESS
+}
 
 #[derive(Parser, Debug)]
 #[command(name = "rollbox-bench", version, about)]
@@ -148,6 +256,69 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// virtio-net with Linux guests on real KVM (run it in the nested lab:
+    /// scripts/lab/bench-net-fs.sh): TCP each way and ping under rollbox-vmm and QEMU microvm
+    /// on one host tap, `rollbox net up`/`down` time, and boot with and without `--net`.
+    LinuxNet {
+        #[command(flatten)]
+        guest: GuestArgs,
+        /// QEMU.
+        #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
+        qemu: PathBuf,
+        /// QEMU's guest vsock CID.
+        #[arg(long, default_value_t = 42)]
+        qemu_cid: u32,
+        /// Which parts to run.
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "throughput,setup"
+        )]
+        parts: Vec<linux_net::NetPart>,
+        /// MiB per TCP transfer (each direction).
+        #[arg(long, default_value_t = 128)]
+        mib: u64,
+        /// Pings per round (0.2 s apart).
+        #[arg(long, default_value_t = 50)]
+        pings: u32,
+        /// `rollbox net up`/`down` cycles.
+        #[arg(long, default_value_t = 50)]
+        net_cycles: usize,
+        /// Boots with and without `--net`, each.
+        #[arg(long, default_value_t = 3)]
+        start_rounds: usize,
+        /// The rollbox CLI [default: target/release/rollbox].
+        #[arg(long)]
+        rollbox: Option<PathBuf>,
+        /// The benchmark's own tap (created and removed).
+        #[arg(long, default_value = "rbxbench0")]
+        tap: String,
+        /// The tap's /30 is 10.199.SUBNET.0/30.
+        #[arg(long, default_value_t = 250)]
+        subnet: u8,
+    },
+    /// virtio-fs beside a virtio-blk ext4 disk in one rollbox-vmm Linux guest (run it in the
+    /// nested lab: scripts/lab/bench-net-fs.sh): sequential write and read, small files.
+    LinuxFs {
+        #[command(flatten)]
+        guest: GuestArgs,
+        /// MiB written and read sequentially.
+        #[arg(long, default_value_t = 256)]
+        mib: u64,
+        /// Small files created per round.
+        #[arg(long, default_value_t = 2000)]
+        files: usize,
+        /// Bytes per small file.
+        #[arg(long, default_value_t = 4096)]
+        file_bytes: usize,
+        /// The data disk's size in MiB (a sparse file in --dir).
+        #[arg(long, default_value_t = 1024)]
+        disk_mib: u64,
+        /// virtiofsd [default: rollbox-vmm's: $ROLLBOX_VIRTIOFSD, else on PATH].
+        #[arg(long)]
+        virtiofsd: Option<PathBuf>,
+    },
 }
 
 fn workspace_root() -> PathBuf {
@@ -158,6 +329,65 @@ fn workspace_root() -> PathBuf {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.bench {
+        Bench::LinuxNet {
+            guest,
+            qemu,
+            qemu_cid,
+            parts,
+            mib,
+            pings,
+            net_cycles,
+            start_rounds,
+            rollbox,
+            tap,
+            subnet,
+        } => {
+            let root = workspace_root();
+            let mut linux = guest.linux_config(&root);
+            linux.qemu = qemu;
+            linux.qemu_cid = qemu_cid;
+            let config = linux_net::NetBenchConfig {
+                linux,
+                parts,
+                mib: mib.max(1),
+                pings: pings.max(1),
+                net_cycles: net_cycles.max(1),
+                start_rounds: start_rounds.max(1),
+                rollbox: rollbox.unwrap_or_else(|| root.join("target/release/rollbox")),
+                tap,
+                subnet,
+            };
+            finish(
+                "linux-net",
+                linux_net::run(&config),
+                linux_net::markdown,
+                guest.json.as_deref(),
+            )
+        }
+        Bench::LinuxFs {
+            guest,
+            mib,
+            files,
+            file_bytes,
+            disk_mib,
+            virtiofsd,
+        } => {
+            let root = workspace_root();
+            let config = linux_fs::FsBenchConfig {
+                linux: guest.linux_config(&root),
+                mib: mib.max(1),
+                files: files.max(1),
+                file_bytes: file_bytes.max(1),
+                disk_mib: disk_mib.max(mib * 2),
+                virtiofsd,
+            };
+            finish(
+                "linux-fs",
+                linux_fs::run(&config),
+                linux_fs::markdown,
+                guest.json.as_deref(),
+            )
+        }
         Bench::Linux {
             fixtures,
             kernel,

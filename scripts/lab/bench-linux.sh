@@ -43,37 +43,9 @@ done
 [[ "$(id -u)" -eq 0 ]] || die "must run as root (tier4-fixtures.sh and the lab need it)"
 
 cd "$ROOT"
-log "building rollbox-vmm, rollbox and rollbox-bench (release) and the static agent"
-cargo build --release -p vmm -p rollbox -p rollbox-bench >&2
-agent="$(guest-agent/build-static.sh | tail -n 1)"
-[[ -x "$agent" ]] || die "guest-agent/build-static.sh gave no agent ($agent)"
-
-# Current when the fixtures name today's kernel and their busybox rootfs holds today's agent.
-fixtures_current() {
-    local env="$fixtures/fixtures.env" kernel_dir vmlinux rootfs
-    [[ -f "$env" ]] || return 1
-    kernel_dir="$(kernel-config/build.sh | tail -n 1)" || return 1
-    vmlinux="$(sed -n 's/^OUR_VMLINUX=//p' "$env")"
-    rootfs="$(sed -n 's/^BUSYBOX_ROOTFS=//p' "$env")"
-    [[ "$vmlinux" == "$kernel_dir/vmlinux" && -f "$vmlinux" && -f "$rootfs" ]] || return 1
-    command -v debugfs >/dev/null || return 1
-    debugfs -R "cat /.rollbox/rollbox-agent" "$rootfs" 2>/dev/null | cmp -s - "$agent"
-}
-if [[ "$rebuild" -eq 0 ]] && fixtures_current; then
-    log "fixtures in $fixtures are current (kernel and agent match)"
-else
-    log "building the tier-4 fixtures in $fixtures"
-    scripts/start-dockerd.sh >&2
-    ROLLBOX_BIN="$ROOT/target/release/rollbox" ROLLBOX_AGENT_STATIC="$agent" \
-        scripts/lab/tier4-fixtures.sh "$fixtures" >/dev/null
-fi
-
-# The lab's run directory is the only place L1 can write that the host sees: keep it (in a
-# private runs root) long enough to copy the JSON and transcripts out, then remove it all.
-runs_parent="${ROLLBOX_LAB_RUNS:-/var/tmp/rollbox-lab}"
-mkdir -p "$runs_parent"
-runs="$(mktemp -d "$runs_parent/bench-linux.XXXXXX")"
-trap 'rm -rf "$runs"' EXIT
+# shellcheck source=scripts/lab/bench-prepare.sh
+source "$SCRIPT_DIR/bench-prepare.sh"
+bench_prepare bench-linux kernel+agent
 bench=(target/release/rollbox-bench linux --fixtures "$fixtures/fixtures.env" --agent "$agent")
 [[ -n "$json" ]] && bench+=(--json-in-run)
 [[ -n "$consoles" ]] && bench+=(--consoles-in-run)
