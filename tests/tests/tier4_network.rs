@@ -442,11 +442,20 @@ mod tier4 {
         assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
     }
 
-    const CLONES: u8 = 16;
+    /// Clones per fork: 8 in CI, `ROLLBOX_NET_FORK_CLONES` (e.g. 16) by hand. Forks of 16
+    /// passed in the lab, but L1's kernel (under TCG) crashed in about half of those runs
+    /// ("TASK stack guard page was hit" in KVM_RUN), which would fail CI for the lab's sake.
+    fn clone_count() -> u8 {
+        std::env::var("ROLLBOX_NET_FORK_CLONES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=64).contains(n))
+            .unwrap_or(8)
+    }
 
     #[test]
-    fn sixteen_clones_of_a_networked_guest_each_answer_at_their_own_address() {
-        let Some(fx) = fixtures("tier4::sixteen_clones_each_answer_at_their_own_address") else {
+    fn forked_clones_of_a_networked_guest_each_answer_at_their_own_address() {
+        let Some(fx) = fixtures("tier4::forked_clones_each_answer_at_their_own_address") else {
             return;
         };
         let work = tempfile::tempdir().expect("tempdir");
@@ -470,7 +479,8 @@ mod tier4 {
         serve_http(&agent, "parent");
         drop(agent);
         // One tap, one /30 and one MAC per clone.
-        let taps: Vec<HostTap> = (0..CLONES)
+        let clones_wanted = clone_count();
+        let taps: Vec<HostTap> = (0..clones_wanted)
             .map(|i| HostTap::new(&format!("rbxf{i}"), 30 + i))
             .collect();
         let overrides: Vec<serde_json::Value> = taps
@@ -484,7 +494,7 @@ mod tier4 {
             })
             .collect();
         let body = serde_json::json!({
-            "count": CLONES,
+            "count": clones_wanted,
             "dir": work.path().join("fork"),
             "network_overrides": overrides,
         });
@@ -493,7 +503,7 @@ mod tier4 {
         let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
         let clones = result["clones"].as_array().expect("clones").clone();
         let _guard = ClonePids::of(&clones);
-        assert_eq!(clones.len(), usize::from(CLONES), "{answer}");
+        assert_eq!(clones.len(), usize::from(clones_wanted), "{answer}");
         for (clone, tap) in clones.iter().zip(&taps) {
             assert!(clone["error"].is_null(), "clone failed: {clone}");
             let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
@@ -518,7 +528,7 @@ mod tier4 {
             assert!(answer.contains(&tap.name), "{}: {answer}", tap.name);
         }
         eprintln!(
-            "fork of {CLONES} networked clones: all re-addressed and serving {:.2} s after the fork request (nested lab)",
+            "fork of {clones_wanted} networked clones: all re-addressed and serving {:.2} s after the fork request (nested lab)",
             started.elapsed().as_secs_f64()
         );
         // The parent still serves at its address.
