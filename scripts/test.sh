@@ -87,10 +87,15 @@ step "done"
 # One closing line over every test binary; a skipped test returned early and counts as passed
 # in libtest's own summary, so it moves from passed to skipped here.
 skipped="$(grep -c . "$ROLLBOX_SKIP_LOG" || true)"
-awk -v skipped="$skipped" '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-     END { printf "tests: %d passed, %d failed, %d skipped\n", p - skipped, f, skipped }' "$log"
+# Ignored tests (too long for CI's lab, run by hand) did not run either; they are named too.
+awk -v skipped="$skipped" '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) g += $i } }
+     END { printf "tests: %d passed, %d failed, %d skipped, %d ignored\n", p - skipped, f, skipped, g }' "$log"
 if [[ "$skipped" -gt 0 ]]; then
     echo "skipped:"
     sed 's/^/  /' "$ROLLBOX_SKIP_LOG"
+fi
+if grep -q '^test .* \.\.\. ignored' "$log"; then
+    echo "ignored (not run here):"
+    grep '^test .* \.\.\. ignored' "$log" | sed 's/^test /  /'
 fi
 exit "$status"
