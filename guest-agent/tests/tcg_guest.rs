@@ -229,8 +229,12 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
     assert_eq!(String::from_utf8_lossy(&hostname).trim(), "rollbox");
 
     // cgroup2 delegation: an exact OOM verdict in the exec's own cgroup.
-    let mut req =
-        ExecRequest::shell("x=$(head -c 134217728 /dev/zero | tr '\\0' a); echo survived");
+    // One 64 MiB buffer, touched at once, overshoots the 16 MiB limit in a single step; a
+    // slowly growing shell string could leave the kernel reclaiming file pages under TCG for
+    // minutes before it declared the OOM.
+    let mut req = ExecRequest::shell(
+        "dd if=/dev/zero of=/dev/null bs=64M count=1 2>/dev/null; echo survived",
+    );
     req.memory_limit_bytes = Some(16 << 20);
     req.timeout_ms = Some(120_000);
     let output = client.run(req).await.expect("oom run");
