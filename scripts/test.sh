@@ -67,16 +67,17 @@ if [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/modu
     bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 | tee -a "$log" || status=$?
 else
     echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
-    # Tier 4 takes 10-14 minutes here. Every test bounds its own waits, so a lab that is still
-    # running after 30 minutes, or one that fails to start or crashes (status 125: L1's kernel
-    # under TCG, not a test), is the lab's failure; it gets one more try.
+    # Tier 4 takes about 10 minutes here. A lab still running after 22 minutes (a Linux guest
+    # stuck under nested TCG has hung a test now and then), or one that fails to start or
+    # crashes (status 125: L1's kernel under TCG, not a test), is the lab's failure; it gets
+    # one more try.
     lab_status=0
-    scripts/lab/run.sh --timeout 1800 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
+    scripts/lab/run.sh --timeout 1320 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
         tee "$log.lab" || lab_status=$?
     if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
         echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
         lab_status=0
-        scripts/lab/run.sh --timeout 1800 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
+        scripts/lab/run.sh --timeout 1320 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
             tee "$log.lab" || lab_status=$?
     fi
     cat "$log.lab" >> "$log"
