@@ -560,13 +560,10 @@ impl Controller {
     ) -> Result<RestoreOptions, ActionError> {
         let mut net_overrides = std::collections::HashMap::new();
         for o in &params.network_overrides {
-            let mut value = o.host_dev_name.clone();
-            if let Some(mac) = &o.guest_mac {
-                value = format!("{value},mac={mac}");
-            }
-            let parsed = crate::persist::NetOverride::parse(&value).map_err(|e| {
-                ActionError::bad_request(format!("network_overrides {}: {e}", o.iface_id))
-            })?;
+            let parsed = crate::persist::NetOverride::new(&o.host_dev_name, o.guest_mac.as_deref())
+                .map_err(|e| {
+                    ActionError::bad_request(format!("network_overrides {}: {e}", o.iface_id))
+                })?;
             if net_overrides.insert(o.iface_id.clone(), parsed).is_some() {
                 return Err(ActionError::bad_request(format!(
                     "network_overrides: iface_id {:?} appears twice",

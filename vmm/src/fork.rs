@@ -346,13 +346,9 @@ fn check_network_overrides(
             }
         }
         for o in list {
-            crate::devices::virtio::net::tap::check_name(&o.host_dev_name)
-                .map_err(|e| ActionError::bad_request(format!("network_overrides: {e}")))?;
-            if let Some(mac) = &o.guest_mac {
-                crate::config::parse_mac(mac).map_err(|e| {
-                    ActionError::bad_request(format!("network_overrides: clone {index}: {e}"))
-                })?;
-            }
+            crate::persist::NetOverride::new(&o.host_dev_name, o.guest_mac.as_deref()).map_err(
+                |e| ActionError::bad_request(format!("network_overrides: clone {index}: {e}")),
+            )?;
             if !taps.insert(o.host_dev_name.clone()) {
                 return Err(ActionError::bad_request(format!(
                     "network_overrides: tap {} is given to two clones",

@@ -356,24 +356,31 @@ pub struct NetOverride {
 }
 
 impl NetOverride {
+    /// Checks the tap name and the MAC, if any.
+    pub fn new(host_dev_name: &str, guest_mac: Option<&str>) -> Result<Self, String> {
+        crate::devices::virtio::net::tap::check_name(host_dev_name).map_err(|e| e.to_string())?;
+        let guest_mac = guest_mac
+            .map(crate::config::parse_mac)
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            host_dev_name: host_dev_name.into(),
+            guest_mac,
+        })
+    }
+
     /// Parses `TAP[,mac=MAC]` (the `--net-override ID=` value).
     pub fn parse(value: &str) -> Result<Self, String> {
         let mut parts = value.split(',');
         let tap = parts.next().unwrap_or_default();
-        crate::devices::virtio::net::tap::check_name(tap).map_err(|e| e.to_string())?;
         let mut guest_mac = None;
         for part in parts {
             match part.split_once('=') {
-                Some(("mac", mac)) => {
-                    guest_mac = Some(crate::config::parse_mac(mac).map_err(|e| e.to_string())?)
-                }
+                Some(("mac", mac)) => guest_mac = Some(mac),
                 _ => return Err(format!("{part:?}: expected mac=MAC")),
             }
         }
-        Ok(Self {
-            host_dev_name: tap.into(),
-            guest_mac,
-        })
+        Self::new(tap, guest_mac)
     }
 }
 
