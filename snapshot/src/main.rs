@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use snapshot::format::{read_state_file, write_state_file};
-use snapshot::memory::{fold, MemoryLayer};
+use snapshot::memory::{fold, relative_to, resolve_in, MemoryLayer};
 
 /// Snapshot tools for rollbox-vmm.
 #[derive(Parser, Debug)]
@@ -40,18 +40,30 @@ fn state_path(path: &Path) -> PathBuf {
     }
 }
 
-/// The fields this tool needs; everything else in the state is carried through untouched.
-fn layers_of(state: &ciborium::Value) -> Result<(Vec<MemoryLayer>, u64), String> {
+/// The directory relative layer paths in the state file at `path` start from.
+fn state_dir(path: &Path) -> PathBuf {
+    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => dir.to_path_buf(),
+        None => PathBuf::from("."),
+    }
+}
+
+/// The fields this tool needs, layer paths resolved against `dir`; everything else in the
+/// state is carried through untouched.
+fn layers_of(state: &ciborium::Value, dir: &Path) -> Result<(Vec<MemoryLayer>, u64), String> {
     let map = state.as_map().ok_or("state is not a map")?;
     let field = |name: &str| {
         map.iter()
             .find(|(k, _)| k.as_text() == Some(name))
             .map(|(_, v)| v.clone())
     };
-    let layers: Vec<MemoryLayer> = field("memory_layers")
+    let mut layers: Vec<MemoryLayer> = field("memory_layers")
         .ok_or("state has no memory_layers")?
         .deserialized()
         .map_err(|e| format!("memory_layers: {e}"))?;
+    for layer in &mut layers {
+        layer.path = resolve_in(dir, &layer.path);
+    }
     let regions: Vec<(u64, u64)> = field("regions")
         .ok_or("state has no regions")?
         .deserialized()
@@ -64,7 +76,7 @@ fn run(args: Args) -> Result<(), String> {
         Cmd::Info { snapshot } => {
             let path = state_path(&snapshot);
             let state: ciborium::Value = read_state_file(&path).map_err(|e| e.to_string())?;
-            let (layers, guest_len) = layers_of(&state)?;
+            let (layers, guest_len) = layers_of(&state, &state_dir(&path))?;
             println!("state file: {}", path.display());
             println!("guest memory: {} MiB", guest_len >> 20);
             for (i, layer) in layers.iter().enumerate() {
@@ -87,10 +99,13 @@ fn run(args: Args) -> Result<(), String> {
         Cmd::Fold { snapshot, output } => {
             let path = state_path(&snapshot);
             let state: ciborium::Value = read_state_file(&path).map_err(|e| e.to_string())?;
-            let (layers, guest_len) = layers_of(&state)?;
+            let (layers, guest_len) = layers_of(&state, &state_dir(&path))?;
             std::fs::create_dir_all(&output).map_err(|e| format!("{}: {e}", output.display()))?;
-            let folded =
-                fold(&layers, guest_len, &output.join("memory")).map_err(|e| e.to_string())?;
+            let memory = output.join("memory");
+            let mut folded = fold(&layers, guest_len, &memory).map_err(|e| e.to_string())?;
+            // Stored relative to the output directory, so it can move.
+            folded.path =
+                relative_to(&output, &memory).map_err(|e| format!("{}: {e}", memory.display()))?;
             let mut state = state;
             if let ciborium::Value::Map(entries) = &mut state {
                 for (key, value) in entries.iter_mut() {

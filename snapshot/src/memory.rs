@@ -1,12 +1,15 @@
 //! Memory files: guest memory laid out linearly (region after region), sparse where the guest
-//! never wrote, followed by a 4 KiB trailer carrying the file's random identity. A snapshot's
+//! never wrote, exactly guest-sized as Firecracker's are. Each file's random identity is in a
+//! side file `<memory file>.id` that the state file's layer list names by id. A snapshot's
 //! memory is a list of layers: one full file, then diff files holding only dirty pages.
+//! Files written before the side file existed carry the identity in a 4 KiB trailer after
+//! guest memory; they still load.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -14,9 +17,10 @@ use crate::format::{AtomicFile, FormatError};
 
 /// Page size used for residency, dirty tracking and the page server.
 pub const PAGE_SIZE: u64 = 4096;
-/// Bytes after guest memory holding the trailer.
+/// Bytes after guest memory holding the identity in memory files of older snapshots.
 pub const TRAILER_LEN: u64 = PAGE_SIZE;
-const TRAILER_MAGIC: [u8; 8] = *b"RBXMEM\0\0";
+const ID_MAGIC: [u8; 8] = *b"RBXMEM\0\0";
+const ID_LEN: usize = 24;
 /// Largest run written or read with one system call.
 const IO_CHUNK: u64 = 8 << 20;
 
@@ -34,8 +38,10 @@ pub enum MemoryFileError {
     /// A temporary file or rename failed.
     #[error(transparent)]
     Format(#[from] FormatError),
-    /// The file is too short for the guest memory it should hold.
-    #[error("memory file {path} has {actual} bytes; this snapshot needs {expected} (guest memory plus trailer)")]
+    /// The file's size fits neither guest memory nor guest memory plus an old trailer.
+    #[error(
+        "memory file {path} has {actual} bytes; this snapshot needs {expected} (its guest memory)"
+    )]
     WrongSize {
         /// The file.
         path: PathBuf,
@@ -44,15 +50,27 @@ pub enum MemoryFileError {
         /// Bytes present.
         actual: u64,
     },
-    /// The trailer is missing or belongs to another snapshot.
-    #[error("memory file {path} does not belong to this snapshot (trailer id {found:#x}, expected {expected:#x})")]
+    /// The identity belongs to another snapshot.
+    #[error("memory file {path} does not belong to this snapshot (its identity {found:#x} in {id_file}, expected {expected:#x})")]
     WrongFile {
         /// The file.
         path: PathBuf,
+        /// Where the identity was read.
+        id_file: PathBuf,
         /// Expected id.
         expected: u64,
         /// Id found.
         found: u64,
+    },
+    /// The identity side file is missing or damaged.
+    #[error("memory file {path}: cannot read its identity file {id_file}: {detail}")]
+    NoIdentity {
+        /// The memory file.
+        path: PathBuf,
+        /// The side file.
+        id_file: PathBuf,
+        /// What is wrong.
+        detail: String,
     },
 }
 
@@ -101,44 +119,127 @@ pub fn random_id() -> u64 {
     u64::from_le_bytes(bytes)
 }
 
-fn write_trailer(file: &File, path: &Path, guest_len: u64, id: u64) -> Result<(), MemoryFileError> {
-    let mut trailer = vec![0u8; TRAILER_LEN as usize];
-    trailer[..8].copy_from_slice(&TRAILER_MAGIC);
-    trailer[8..16].copy_from_slice(&id.to_le_bytes());
-    trailer[16..24].copy_from_slice(&guest_len.to_le_bytes());
-    file.write_all_at(&trailer, guest_len).map_err(io_err(path))
+/// The side file holding a memory file's identity: `<memory file>.id`.
+pub fn id_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".id");
+    PathBuf::from(name)
 }
 
-/// Opens a layer's file and checks its size and identity.
+fn encode_id(guest_len: u64, id: u64) -> [u8; ID_LEN] {
+    let mut out = [0u8; ID_LEN];
+    out[..8].copy_from_slice(&ID_MAGIC);
+    out[8..16].copy_from_slice(&id.to_le_bytes());
+    out[16..24].copy_from_slice(&guest_len.to_le_bytes());
+    out
+}
+
+/// The id in an identity record (side file or old trailer), if it has the magic.
+fn decode_id(record: &[u8]) -> Option<u64> {
+    let id = record.get(8..16)?;
+    (record.get(..8)? == ID_MAGIC).then(|| {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(id);
+        u64::from_le_bytes(bytes)
+    })
+}
+
+/// Commits a memory file written into `out` and gives it a new identity. The old side file
+/// goes first, so a crash in between leaves a memory file without identity (refused), never
+/// a new memory file beside an old identity.
+fn commit_memory(out: AtomicFile, path: &Path, guest_len: u64) -> Result<u64, MemoryFileError> {
+    let id_file = id_path(path);
+    match std::fs::remove_file(&id_file) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&id_file)(e)),
+        _ => {}
+    }
+    out.commit()?;
+    let id = random_id();
+    let side = AtomicFile::create(&id_file)?;
+    side.file()
+        .write_all(&encode_id(guest_len, id))
+        .map_err(io_err(side.tmp_path()))?;
+    side.commit()?;
+    Ok(id)
+}
+
+/// Opens a layer's file and checks its size and identity: a guest-sized file and its side
+/// file, or an older snapshot's file with the identity in a trailer.
 pub fn open_layer(layer: &MemoryLayer, guest_len: u64) -> Result<File, MemoryFileError> {
-    let file = File::open(&layer.path).map_err(io_err(&layer.path))?;
-    let actual = file.metadata().map_err(io_err(&layer.path))?.len();
-    let expected = guest_len + TRAILER_LEN;
-    if actual != expected {
+    let path = &layer.path;
+    let file = File::open(path).map_err(io_err(path))?;
+    let actual = file.metadata().map_err(io_err(path))?.len();
+    let (found, id_file) = if actual == guest_len {
+        let id_file = id_path(path);
+        let no_identity = |detail: String| MemoryFileError::NoIdentity {
+            path: path.clone(),
+            id_file: id_file.clone(),
+            detail,
+        };
+        let record = std::fs::read(&id_file).map_err(|e| no_identity(e.to_string()))?;
+        let id = decode_id(&record)
+            .filter(|_| record.len() == ID_LEN)
+            .ok_or_else(|| no_identity("not a rollbox memory identity".into()))?;
+        (id, id_file)
+    } else if actual == guest_len + TRAILER_LEN {
+        let mut trailer = [0u8; ID_LEN];
+        file.read_exact_at(&mut trailer, guest_len)
+            .map_err(io_err(path))?;
+        (decode_id(&trailer).unwrap_or(0), path.clone())
+    } else {
         return Err(MemoryFileError::WrongSize {
-            path: layer.path.clone(),
-            expected,
+            path: path.clone(),
+            expected: guest_len,
             actual,
         });
-    }
-    let mut trailer = [0u8; 24];
-    file.read_exact_at(&mut trailer, guest_len)
-        .map_err(io_err(&layer.path))?;
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&trailer[8..16]);
-    let found = if trailer[..8] == TRAILER_MAGIC {
-        u64::from_le_bytes(id)
-    } else {
-        0
     };
     if found != layer.id {
         return Err(MemoryFileError::WrongFile {
-            path: layer.path.clone(),
+            path: path.clone(),
+            id_file,
             expected: layer.id,
             found,
         });
     }
     Ok(file)
+}
+
+/// `path` relative to the directory `base` (with `..` where needed), so a snapshot directory
+/// can move with the files it names. Both are made absolute first; `path` itself need not
+/// exist, its directory must. Falls back to the absolute path when no relative one exists.
+pub fn relative_to(base: &Path, path: &Path) -> std::io::Result<PathBuf> {
+    let base = std::fs::canonicalize(base)?;
+    let dir = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => std::fs::canonicalize(dir)?,
+        None => std::env::current_dir()?,
+    };
+    let target = match path.file_name() {
+        Some(name) => dir.join(name),
+        None => dir,
+    };
+    let ours: Vec<Component> = base.components().collect();
+    let theirs: Vec<Component> = target.components().collect();
+    let common = ours.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
+    if common == 0 {
+        return Ok(target);
+    }
+    let mut out = PathBuf::new();
+    for _ in common..ours.len() {
+        out.push("..");
+    }
+    for part in &theirs[common..] {
+        out.push(part);
+    }
+    Ok(out)
+}
+
+/// A layer path read from a state file in `base`: relative ones are under `base`.
+pub fn resolve_in(base: &Path, path: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        base.join(path)
+    }
 }
 
 /// Which way [`host_io`] moves bytes.
@@ -198,14 +299,43 @@ fn host_io(
     Ok(())
 }
 
-/// Which pages of an anonymous mapping are resident (never-touched pages read as zero).
-fn resident_pages(host: *mut u8, len: u64) -> Option<Vec<u8>> {
+/// Pages of a private anonymous mapping that may hold data: those /proc/self/pagemap reports
+/// present or swapped out. The rest were never touched (or were discarded) and read as zero.
+/// `None` when pagemap cannot be read: then every page must be read.
+fn touched_pages(host: *mut u8, len: u64) -> Option<Vec<bool>> {
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
     let pages = len.div_ceil(PAGE_SIZE) as usize;
-    let mut vec = vec![0u8; pages];
-    // SAFETY: `host..host+len` is a mapping owned by the caller; mincore writes one byte per
-    // page into a vector of exactly that many bytes.
-    let rc = unsafe { libc::mincore(host.cast(), len as usize, vec.as_mut_ptr()) };
-    (rc == 0).then_some(vec)
+    let pagemap = File::open("/proc/self/pagemap").ok()?;
+    let mut entries = vec![0u8; pages * 8];
+    pagemap
+        .read_exact_at(&mut entries, host as u64 / PAGE_SIZE * 8)
+        .ok()?;
+    Some(
+        entries
+            .chunks_exact(8)
+            .map(|e| {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(e);
+                u64::from_le_bytes(word) & (PRESENT | SWAPPED) != 0
+            })
+            .collect(),
+    )
+}
+
+/// Pages of a region backed by a shared file at `offset` that may hold data: the file's data
+/// ranges (shmem counts swapped-out pages as data, where mincore would call them absent).
+fn file_pages(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<Vec<bool>, MemoryFileError> {
+    let mut pages = vec![false; len.div_ceil(PAGE_SIZE) as usize];
+    let path = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+    for (start, run) in fd_data_ranges(fd.as_raw_fd(), &path, offset, offset + len)? {
+        let first = (start - offset) / PAGE_SIZE;
+        let last = (start - offset + run).div_ceil(PAGE_SIZE);
+        for page in &mut pages[first as usize..last as usize] {
+            *page = true;
+        }
+    }
+    Ok(pages)
 }
 
 fn page_is_zero(host: *const u8) -> bool {
@@ -214,13 +344,16 @@ fn page_is_zero(host: *const u8) -> bool {
     words.iter().all(|w| *w == 0)
 }
 
-/// How [`write_full`] finds the pages worth writing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sparseness {
-    /// Anonymous memory: pages that were never touched are not resident and are zero.
-    SkipNonResident,
-    /// File-backed memory: write every page that is not all zeros.
-    SkipZeroPages,
+/// Where [`write_full`] looks for data; it writes every page there that is not all zeros.
+/// Residency (mincore) is never the test: a swapped-out page is not resident but holds data.
+#[derive(Debug, Clone, Copy)]
+pub enum Sparseness<'a> {
+    /// Private anonymous memory: pages pagemap reports present or swapped out.
+    PrivateAnonymous,
+    /// Memory shared with a file (a memfd), one `(file, offset)` per region: its data ranges.
+    SharedFiles(&'a [(BorrowedFd<'a>, u64)]),
+    /// Anything else (a private file mapping, lazily served memory): every page.
+    EveryPage,
 }
 
 /// Writes every region into a new full memory file at `path`.
@@ -228,25 +361,30 @@ pub fn write_full(
     path: &Path,
     regions: &[HostRegion],
     guest_len: u64,
-    sparseness: Sparseness,
+    sparseness: Sparseness<'_>,
 ) -> Result<MemoryLayer, MemoryFileError> {
     let out = AtomicFile::create(path)?;
     let tmp = out.tmp_path().to_path_buf();
     let file = out.file();
-    file.set_len(guest_len + TRAILER_LEN)
-        .map_err(io_err(&tmp))?;
-    for region in regions {
-        let residency = match sparseness {
-            Sparseness::SkipNonResident => resident_pages(region.host, region.len),
-            Sparseness::SkipZeroPages => None,
+    file.set_len(guest_len).map_err(io_err(&tmp))?;
+    for (index, region) in regions.iter().enumerate() {
+        let candidates = match sparseness {
+            Sparseness::PrivateAnonymous => touched_pages(region.host, region.len),
+            Sparseness::SharedFiles(files) => match files.get(index) {
+                Some((fd, offset)) => Some(file_pages(*fd, *offset, region.len)?),
+                None => None,
+            },
+            Sparseness::EveryPage => None,
         };
         let pages = region.len / PAGE_SIZE;
         let mut page = 0u64;
         while page < pages {
-            let wanted = |p: u64| match &residency {
-                Some(map) => map.get(p as usize).is_some_and(|b| b & 1 == 1),
-                // SAFETY: page `p` lies inside the region.
-                None => !page_is_zero(unsafe { region.host.add((p * PAGE_SIZE) as usize) }),
+            let wanted = |p: u64| {
+                candidates
+                    .as_ref()
+                    .is_none_or(|c| c.get(p as usize).copied().unwrap_or(true))
+                    // SAFETY: page `p` lies inside the region.
+                    && !page_is_zero(unsafe { region.host.add((p * PAGE_SIZE) as usize) })
             };
             if !wanted(page) {
                 page += 1;
@@ -268,9 +406,7 @@ pub fn write_full(
             )?;
         }
     }
-    let id = random_id();
-    write_trailer(file, &tmp, guest_len, id)?;
-    out.commit()?;
+    let id = commit_memory(out, path, guest_len)?;
     Ok(MemoryLayer {
         path: path.to_path_buf(),
         id,
@@ -289,8 +425,7 @@ pub fn write_diff(
     let out = AtomicFile::create(path)?;
     let tmp = out.tmp_path().to_path_buf();
     let file = out.file();
-    file.set_len(guest_len + TRAILER_LEN)
-        .map_err(io_err(&tmp))?;
+    file.set_len(guest_len).map_err(io_err(&tmp))?;
     let mut ranges = Vec::new();
     for (region, bitmap) in regions.iter().zip(dirty) {
         let pages = region.len / PAGE_SIZE;
@@ -317,9 +452,7 @@ pub fn write_diff(
             ranges.push((offset, len));
         }
     }
-    let id = random_id();
-    write_trailer(file, &tmp, guest_len, id)?;
-    out.commit()?;
+    let id = commit_memory(out, path, guest_len)?;
     Ok(MemoryLayer {
         path: path.to_path_buf(),
         id,
@@ -368,11 +501,19 @@ pub fn apply_layer(
 
 /// The data (non-hole) ranges of `file` below `end`, via SEEK_DATA / SEEK_HOLE.
 pub fn data_ranges(file: &File, path: &Path, end: u64) -> Result<Vec<(u64, u64)>, MemoryFileError> {
+    fd_data_ranges(file.as_raw_fd(), path, 0, end)
+}
+
+fn fd_data_ranges(
+    fd: libc::c_int,
+    path: &Path,
+    start: u64,
+    end: u64,
+) -> Result<Vec<(u64, u64)>, MemoryFileError> {
     let mut ranges = Vec::new();
-    let mut offset = 0i64;
-    let fd = file.as_raw_fd();
+    let mut offset = start as i64;
     while (offset as u64) < end {
-        // SAFETY: lseek on an owned fd.
+        // SAFETY: lseek on a descriptor the caller keeps open.
         let data = unsafe { libc::lseek(fd, offset, libc::SEEK_DATA) };
         if data < 0 {
             let e = std::io::Error::last_os_error();
@@ -387,7 +528,7 @@ pub fn data_ranges(file: &File, path: &Path, end: u64) -> Result<Vec<(u64, u64)>
         if data as u64 >= end {
             break;
         }
-        // SAFETY: lseek on an owned fd.
+        // SAFETY: lseek on a descriptor the caller keeps open.
         let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
         if hole < 0 {
             return Err(MemoryFileError::Io {
@@ -410,10 +551,7 @@ pub fn fold(
 ) -> Result<MemoryLayer, MemoryFileError> {
     let target = AtomicFile::create(out)?;
     let tmp = target.tmp_path().to_path_buf();
-    target
-        .file()
-        .set_len(guest_len + TRAILER_LEN)
-        .map_err(io_err(&tmp))?;
+    target.file().set_len(guest_len).map_err(io_err(&tmp))?;
     let mut buf = vec![0u8; IO_CHUNK as usize];
     for layer in layers {
         let mut file = open_layer(layer, guest_len)?;
@@ -437,10 +575,8 @@ pub fn fold(
             }
         }
     }
-    let id = random_id();
-    write_trailer(target.file(), &tmp, guest_len, id)?;
     target.file().flush().map_err(io_err(&tmp))?;
-    target.commit()?;
+    let id = commit_memory(target, out, guest_len)?;
     Ok(MemoryLayer {
         path: out.to_path_buf(),
         id,
@@ -488,7 +624,7 @@ pub(crate) mod tests {
             &dir.path().join("base"),
             &regions,
             len,
-            Sparseness::SkipNonResident,
+            Sparseness::PrivateAnonymous,
         )
         .expect("full");
         let file = open_layer(&base, len).expect("open");
@@ -539,7 +675,7 @@ pub(crate) mod tests {
                 file_offset: 0,
             }],
             len,
-            Sparseness::SkipZeroPages,
+            Sparseness::EveryPage,
         )
         .expect("full");
         assert!(matches!(
@@ -555,5 +691,93 @@ pub(crate) mod tests {
             Err(MemoryFileError::WrongFile { .. })
         ));
         open_layer(&layer, len).expect("own file opens");
+    }
+
+    #[test]
+    fn memory_files_are_guest_sized_with_a_side_identity_and_old_trailers_still_load() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let len = 8 * PAGE_SIZE;
+        let host = anon(len as usize);
+        // SAFETY: inside the mapping.
+        unsafe { *host.add(3 * PAGE_SIZE as usize) = 0x5a };
+        let regions = [HostRegion {
+            host,
+            len,
+            file_offset: 0,
+        }];
+        let path = dir.path().join("memory");
+        let layer = write_full(&path, &regions, len, Sparseness::PrivateAnonymous).expect("full");
+        assert_eq!(std::fs::metadata(&path).expect("meta").len(), len);
+        assert!(id_path(&path).exists());
+        open_layer(&layer, len).expect("opens");
+
+        // An older snapshot's file: guest memory, then the identity in a 4 KiB trailer.
+        let old = dir.path().join("old-memory");
+        let mut bytes = std::fs::read(&path).expect("read");
+        let mut trailer = vec![0u8; TRAILER_LEN as usize];
+        trailer[..ID_LEN].copy_from_slice(&encode_id(len, 77));
+        bytes.extend_from_slice(&trailer);
+        std::fs::write(&old, &bytes).expect("write");
+        let old_layer = MemoryLayer {
+            path: old.clone(),
+            id: 77,
+            dirty: None,
+        };
+        open_layer(&old_layer, len).expect("an old trailer still loads");
+
+        std::fs::remove_file(id_path(&path)).expect("rm id");
+        let err = open_layer(&layer, len).expect_err("no identity");
+        assert!(
+            matches!(err, MemoryFileError::NoIdentity { .. })
+                && err.to_string().contains("memory.id"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_new_memory_file_never_sits_beside_the_old_identity() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let len = 4 * PAGE_SIZE;
+        let host = anon(len as usize);
+        let regions = [HostRegion {
+            host,
+            len,
+            file_offset: 0,
+        }];
+        let path = dir.path().join("memory");
+        let first = write_full(&path, &regions, len, Sparseness::EveryPage).expect("first");
+        let second = write_full(&path, &regions, len, Sparseness::EveryPage).expect("second");
+        assert_ne!(first.id, second.id);
+        assert!(matches!(
+            open_layer(&first, len),
+            Err(MemoryFileError::WrongFile { .. })
+        ));
+        open_layer(&second, len).expect("the new one opens");
+    }
+
+    #[test]
+    fn layer_paths_are_stored_relative_to_the_snapshot_directory() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let root = dir.path();
+        for sub in ["s0", "s1"] {
+            std::fs::create_dir_all(root.join(sub)).expect("mkdir");
+        }
+        let s1 = root.join("s1");
+        assert_eq!(
+            relative_to(&s1, &s1.join("memory")).expect("rel"),
+            Path::new("memory")
+        );
+        assert_eq!(
+            relative_to(&s1, &root.join("s0/memory")).expect("rel"),
+            Path::new("../s0/memory")
+        );
+        assert_eq!(
+            resolve_in(&s1, Path::new("../s0/memory")),
+            s1.join("../s0/memory")
+        );
+        assert_eq!(
+            resolve_in(&s1, Path::new("/abs/memory")),
+            Path::new("/abs/memory")
+        );
     }
 }

@@ -408,7 +408,7 @@ mod tests {
                 file_offset: 0,
             }],
             len,
-            Sparseness::SkipNonResident,
+            Sparseness::PrivateAnonymous,
         )
         .expect("write");
         let file = crate::memory::open_layer(&layer, len).expect("open");
