@@ -600,6 +600,7 @@ impl Controller {
         Ok(RestoreOptions {
             backend,
             mem_file,
+            layer_overrides: extension.layer_overrides,
             vsock_uds: params.vsock_override.as_ref().map(|v| v.uds_path.clone()),
             drive_overrides: extension.drive_overrides,
             net_overrides,

@@ -90,6 +90,10 @@ struct Args {
     /// With --restore: use another image for a drive, as ID=PATH.
     #[arg(long = "drive-override", requires = "restore")]
     drive_overrides: Vec<String>,
+    /// With --restore: read a memory layer from another file, as INDEX=PATH (0 is the full
+    /// base, then the diffs in order).
+    #[arg(long = "layer-override", requires = "restore")]
+    layer_overrides: Vec<String>,
     /// With --restore: start paused.
     #[arg(long, requires = "restore")]
     paused: bool,
@@ -247,8 +251,17 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
     let fs_overrides = overrides("--fs-override", "TAG=DIR", &args.fs_overrides)?
         .map(|(tag, dir)| (tag, PathBuf::from(dir)))
         .collect();
+    let layer_overrides = overrides("--layer-override", "INDEX=PATH", &args.layer_overrides)?
+        .map(|(index, path)| {
+            index
+                .parse::<usize>()
+                .map(|index| (index, PathBuf::from(path)))
+                .map_err(|e| format!("--layer-override {index:?}: the index: {e}"))
+        })
+        .collect::<Result<_, String>>()?;
     Ok(RestoreOptions {
         backend: args.restore_backend.parse::<RestoreBackend>()?,
+        layer_overrides,
         fs_overrides,
         virtiofsd: args.virtiofsd.clone(),
         mem_file: None,

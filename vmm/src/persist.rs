@@ -10,11 +10,11 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use snapshot::format::{read_state_file, write_state_file, FormatError};
 use snapshot::memory::{
-    apply_layer, open_layer, write_diff, write_full, HostRegion, MemoryFileError, MemoryLayer,
-    Sparseness,
+    apply_layer, open_layer, relative_to, resolve_in, write_diff, write_full, HostRegion,
+    MemoryFileError, MemoryLayer, Sparseness, PAGE_SIZE,
 };
 use snapshot::uffd::{PageServer, PageServerOptions, UffdError};
-use vm_memory::bitmap::{AtomicBitmap, NewBitmap};
+use vm_memory::bitmap::{AtomicBitmap, Bitmap, NewBitmap};
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap, MmapRegion,
@@ -183,12 +183,67 @@ fn take_dirty(vm: &MicroVm) -> Result<Vec<Vec<u64>>, PersistError> {
     Ok(out)
 }
 
-/// Snapshots a paused microVM: memory first, the state file last, both atomically.
+/// Puts dirty pages taken by [`take_dirty`] back (into the VMM's bitmap), after a snapshot
+/// that failed: the next Diff snapshot must still see them.
+fn give_back_dirty(vm: &MicroVm, dirty: &[Vec<u64>]) {
+    for (region, bits) in vm.mem.iter().zip(dirty) {
+        let mapping: &MmapRegion<AtomicBitmap> = region;
+        for (index, word) in bits.iter().enumerate() {
+            let mut word = *word;
+            while word != 0 {
+                let bit = word.trailing_zeros() as u64;
+                word &= word - 1;
+                let page = index as u64 * 64 + bit;
+                mapping
+                    .bitmap()
+                    .mark_dirty((page * PAGE_SIZE) as usize, PAGE_SIZE as usize);
+            }
+        }
+    }
+}
+
+/// Whether a snapshot becomes the base of the VM's next Diff snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Base {
+    /// It does (`PUT /snapshot/create`): the dirty pages it holds are cleared.
+    Becomes,
+    /// It does not (a fork's snapshot): the diff base and the dirty pages stay as they were.
+    Unchanged,
+}
+
+/// Snapshots a paused microVM: memory first, the state file last, both atomically. It becomes
+/// the base of the next Diff snapshot; if it fails, the base and dirty pages stay as they were.
 pub fn create_snapshot(
     vm: &mut MicroVm,
     kind: SnapshotType,
     state_path: &Path,
     mem_path: &Path,
+) -> Result<SnapshotReport, PersistError> {
+    snapshot_paused(vm, kind, state_path, mem_path, Base::Becomes)
+}
+
+/// A Full snapshot that leaves the VM's diff base and dirty pages alone (for a fork, whose
+/// snapshot directory is the clones', not the parent's next diff base).
+pub fn create_detached_snapshot(
+    vm: &mut MicroVm,
+    state_path: &Path,
+    mem_path: &Path,
+) -> Result<SnapshotReport, PersistError> {
+    snapshot_paused(
+        vm,
+        SnapshotType::Full,
+        state_path,
+        mem_path,
+        Base::Unchanged,
+    )
+}
+
+fn snapshot_paused(
+    vm: &mut MicroVm,
+    kind: SnapshotType,
+    state_path: &Path,
+    mem_path: &Path,
+    base: Base,
 ) -> Result<SnapshotReport, PersistError> {
     if !vm.paused {
         return Err(PersistError::NotPaused);
@@ -218,7 +273,7 @@ pub fn create_snapshot(
     }
     let result = match failed {
         Some(e) => Err(e),
-        None => write_snapshot(vm, kind, state_path, mem_path, started),
+        None => write_snapshot(vm, kind, state_path, mem_path, started, base),
     };
     // Rings start again whether or not the snapshot succeeded; the vCPUs are still paused.
     for slot in &vm.virtio {
@@ -233,40 +288,96 @@ fn write_snapshot(
     state_path: &Path,
     mem_path: &Path,
     started: Instant,
+    base: Base,
 ) -> Result<SnapshotReport, PersistError> {
+    if kind == SnapshotType::Diff {
+        if !vm.machine.track_dirty_pages {
+            return Err(PersistError::Diff(
+                "track_dirty_pages=true in the machine configuration",
+            ));
+        }
+        if vm.memory.layers.is_empty() {
+            return Err(PersistError::Diff(
+                "an earlier Full snapshot (or a restore) to build on",
+            ));
+        }
+    }
+    // Dirty pages are taken now (a Full snapshot holds them all, a Diff writes them) and
+    // given back unless the state file is durable.
+    let dirty = if base == Base::Becomes && vm.machine.track_dirty_pages {
+        Some(take_dirty(vm)?)
+    } else {
+        None
+    };
+    let result = write_files(vm, kind, state_path, mem_path, dirty.as_deref());
+    match result {
+        Ok((layers, memory_bytes)) => {
+            if base == Base::Becomes {
+                vm.memory.layers = layers;
+            }
+            Ok(SnapshotReport {
+                memory_bytes,
+                elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+            })
+        }
+        Err(e) => {
+            if let Some(dirty) = &dirty {
+                give_back_dirty(vm, dirty);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The directory a state file's relative layer paths start from, made absolute.
+fn state_dir(state_path: &Path) -> PathBuf {
+    let dir = match state_path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => dir.to_path_buf(),
+        None => PathBuf::from("."),
+    };
+    std::fs::canonicalize(&dir).unwrap_or(dir)
+}
+
+/// Writes the memory file and the state file; returns the layer chain (absolute paths) and
+/// the bytes of memory data written.
+fn write_files(
+    vm: &MicroVm,
+    kind: SnapshotType,
+    state_path: &Path,
+    mem_path: &Path,
+    dirty: Option<&[Vec<u64>]>,
+) -> Result<(Vec<MemoryLayer>, u64), PersistError> {
     let regions: Vec<(u64, u64)> = vm.mem.iter().map(|r| (r.start_addr().0, r.len())).collect();
     let total = guest_len(&regions);
     let hosts = host_regions(&vm.mem);
-    let (layers, memory_bytes) = match kind {
-        SnapshotType::Full => {
+    let (mut layers, memory_bytes) = match (kind, dirty) {
+        (SnapshotType::Full, _) => {
+            let shared: Vec<_> = vm
+                .mem
+                .iter()
+                .filter_map(|r| {
+                    r.file_offset()
+                        .map(|f| (std::os::fd::AsFd::as_fd(f.file()), f.start()))
+                })
+                .collect();
             let sparseness = match vm.memory.kind {
-                MemoryKind::Anonymous => Sparseness::SkipNonResident,
-                MemoryKind::FileBacked | MemoryKind::Lazy => Sparseness::SkipZeroPages,
+                // Memory shared with virtiofsd is a memfd; boot memory is private.
+                MemoryKind::Anonymous if shared.len() == regions.len() => {
+                    Sparseness::SharedFiles(&shared)
+                }
+                MemoryKind::Anonymous => Sparseness::PrivateAnonymous,
+                MemoryKind::FileBacked | MemoryKind::Lazy => Sparseness::EveryPage,
             };
             let layer = write_full(mem_path, &hosts, total, sparseness)?;
-            if vm.machine.track_dirty_pages {
-                take_dirty(vm)?;
-            }
-            let file = File::open(mem_path).ok();
-            let bytes = file
+            let bytes = File::open(mem_path)
+                .ok()
                 .and_then(|f| snapshot::memory::data_ranges(&f, mem_path, total).ok())
                 .map(|r| r.iter().map(|(_, l)| l).sum())
                 .unwrap_or(0);
             (vec![layer], bytes)
         }
-        SnapshotType::Diff => {
-            if !vm.machine.track_dirty_pages {
-                return Err(PersistError::Diff(
-                    "track_dirty_pages=true in the machine configuration",
-                ));
-            }
-            if vm.memory.layers.is_empty() {
-                return Err(PersistError::Diff(
-                    "an earlier Full snapshot (or a restore) to build on",
-                ));
-            }
-            let dirty = take_dirty(vm)?;
-            let layer = write_diff(mem_path, &hosts, &dirty, total)?;
+        (SnapshotType::Diff, Some(dirty)) => {
+            let layer = write_diff(mem_path, &hosts, dirty, total)?;
             let bytes = layer
                 .dirty
                 .as_ref()
@@ -276,7 +387,20 @@ fn write_snapshot(
             layers.push(layer);
             (layers, bytes)
         }
+        (SnapshotType::Diff, None) => {
+            return Err(PersistError::Diff("dirty page tracking"));
+        }
     };
+    // Layers are recorded relative to the state file's directory, so the snapshot can move.
+    let dir = state_dir(state_path);
+    let mut recorded = layers.clone();
+    for (layer, stored) in layers.iter_mut().zip(&mut recorded) {
+        stored.path = relative_to(&dir, &layer.path).map_err(|e| PersistError::Missing {
+            path: layer.path.clone(),
+            detail: e.to_string(),
+        })?;
+        layer.path = resolve_in(&dir, &stored.path);
+    }
     let mut vcpus = Vec::new();
     for vcpu in &vm.vcpus {
         vcpus.push(vcpu.vcpu().save()?);
@@ -284,7 +408,7 @@ fn write_snapshot(
     let state = MicroVmState {
         machine: vm.machine.clone(),
         regions,
-        memory_layers: layers.clone(),
+        memory_layers: recorded,
         vm: vm.vm.save()?,
         vcpus,
         serial: lock(&vm.serial)
@@ -311,11 +435,7 @@ fn write_snapshot(
         generation: vm.generation.load(Ordering::SeqCst),
     };
     write_state_file(state_path, &state)?;
-    vm.memory.layers = layers;
-    Ok(SnapshotReport {
-        memory_bytes,
-        elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
-    })
+    Ok((layers, memory_bytes))
 }
 
 /// How a restore backs guest memory.
@@ -391,6 +511,9 @@ pub struct RestoreOptions {
     pub backend: RestoreBackend,
     /// Use this file for the base memory layer instead of the recorded path.
     pub mem_file: Option<PathBuf>,
+    /// Use these files for memory layers (by index in the chain, 0 = the full base) instead of
+    /// the recorded paths.
+    pub layer_overrides: HashMap<usize, PathBuf>,
     /// New host-side vsock socket (clones must not share one).
     pub vsock_uds: Option<PathBuf>,
     /// New image paths, by drive ID.
@@ -664,6 +787,50 @@ fn shared_memory(regions: &[(u64, u64)], path: &Path) -> Result<GuestMemoryMmap,
     Ok(mem)
 }
 
+/// The memory layers a restore reads: recorded paths resolved against the state file's
+/// directory; that directory's `memory` for the top layer when it is that layer's file (a moved
+/// snapshot whose state recorded absolute paths); then the overrides.
+fn chosen_layers(
+    state_path: &Path,
+    recorded: &[MemoryLayer],
+    options: &RestoreOptions,
+    total: u64,
+) -> Result<Vec<MemoryLayer>, PersistError> {
+    let dir = state_dir(state_path);
+    let mut layers: Vec<MemoryLayer> = recorded
+        .iter()
+        .map(|layer| MemoryLayer {
+            path: resolve_in(&dir, &layer.path),
+            ..layer.clone()
+        })
+        .collect();
+    if let Some(top) = layers.last_mut() {
+        let local = MemoryLayer {
+            path: dir.join("memory"),
+            ..top.clone()
+        };
+        if local.path != top.path && open_layer(&local, total).is_ok() {
+            top.path = local.path;
+        }
+    }
+    let count = layers.len();
+    for (index, path) in &options.layer_overrides {
+        let layer = layers.get_mut(*index).ok_or_else(|| {
+            PersistError::Mismatch(format!(
+                "memory layer override {index}={}: {} has {count} memory layers (0 to {})",
+                path.display(),
+                state_path.display(),
+                count.saturating_sub(1)
+            ))
+        })?;
+        layer.path = path.clone();
+    }
+    if let (Some(first), Some(path)) = (layers.first_mut(), &options.mem_file) {
+        first.path = path.clone();
+    }
+    Ok(layers)
+}
+
 /// Restores a microVM from the state file at `state_path`.
 pub fn restore_microvm(
     state_path: &Path,
@@ -713,10 +880,7 @@ pub fn restore_microvm(
             state.machine.vcpu_count
         )));
     }
-    let mut layers = state.memory_layers.clone();
-    if let (Some(first), Some(path)) = (layers.first_mut(), &options.mem_file) {
-        first.path = path.clone();
-    }
+    let layers = chosen_layers(state_path, &state.memory_layers, options, total)?;
     if layers.first().is_none_or(|l| l.dirty.is_some()) {
         return Err(PersistError::Mismatch(format!(
             "{}: the memory chain has no full base layer",

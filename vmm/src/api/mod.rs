@@ -126,6 +126,9 @@ pub struct RestoreExtension {
     /// New shared directories by volume tag (virtio-fs).
     #[serde(default)]
     pub fs_overrides: std::collections::HashMap<String, std::path::PathBuf>,
+    /// New memory files by layer index (0 = the full base, then the diffs).
+    #[serde(default)]
+    pub layer_overrides: std::collections::HashMap<usize, std::path::PathBuf>,
 }
 
 /// `PUT /snapshot/load` body (Firecracker's, plus the `rollbox` extension object).
