@@ -16,7 +16,7 @@ use crate::api::{ActionError, CloneInfo, ForkParams, ForkResult, NetworkOverride
 use crate::builder::MicroVm;
 use crate::devices::bus::lock;
 use crate::devices::virtio::persist::DevicePersistKind;
-use crate::persist::{create_snapshot, RestoreBackend, SnapshotType};
+use crate::persist::{create_detached_snapshot, RestoreBackend};
 
 /// How long a clone may take to come up.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -219,12 +219,8 @@ pub fn fork(
     }
     let was_paused = vm.paused;
     vm.pause();
-    let snapshot = create_snapshot(
-        vm,
-        SnapshotType::Full,
-        &dir.join("vmstate"),
-        &dir.join("memory"),
-    );
+    // The clones' snapshot must not become the parent's next diff base.
+    let snapshot = create_detached_snapshot(vm, &dir.join("vmstate"), &dir.join("memory"));
     // Drives are copied while the VM is paused, so they match the memory snapshot.
     if snapshot.is_ok() {
         for clone in clones.iter_mut().filter(|c| c.info.error.is_none()) {
