@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use rollbox_tests::{api, kvm_available, raw_image, vmm_binary, wait_for_socket, Vm};
+use rollbox_tests::{
+    api, kvm_available, raw_image, skip_even_in_ci, vmm_binary, wait_for_socket, Vm,
+};
 
 fn boot_with_api(extra: &[&str]) -> Vm {
     let mut args = vec![
@@ -63,6 +65,81 @@ fn restore(dir: &Path, extra: &[&str]) -> Vm {
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     Vm::spawn_raw(&args, scratch)
+}
+
+/// Bytes of data (not holes) in a file, via SEEK_DATA / SEEK_HOLE.
+fn data_bytes(path: &Path) -> u64 {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).expect("open");
+    let end = file.metadata().expect("meta").len() as i64;
+    let (mut offset, mut total) = (0i64, 0u64);
+    while offset < end {
+        // SAFETY: lseek on a file this function holds open.
+        let data = unsafe { libc::lseek(file.as_raw_fd(), offset, libc::SEEK_DATA) };
+        if data < 0 {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) };
+        assert!(hole >= data, "SEEK_HOLE on {}", path.display());
+        total += (hole - data) as u64;
+        offset = hole;
+    }
+    total
+}
+
+/// A memory cgroup the test owns (under this process's own), removed on drop.
+struct MemoryCgroup {
+    dir: PathBuf,
+    limit_file: &'static str,
+}
+
+impl MemoryCgroup {
+    /// A new child of this process's memory cgroup (v1 or v2), or why there is none.
+    fn create(name: &str) -> Result<Self, String> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| e.to_string())?;
+        let (base, limit_file) =
+            if let Some(line) = own.lines().find(|l| l.split(':').nth(1) == Some("memory")) {
+                let path = line.splitn(3, ':').nth(2).unwrap_or("/");
+                (
+                    PathBuf::from(format!("/sys/fs/cgroup/memory{path}")),
+                    "memory.limit_in_bytes",
+                )
+            } else if let Some(path) = own.lines().find_map(|l| l.strip_prefix("0::")) {
+                (PathBuf::from(format!("/sys/fs/cgroup{path}")), "memory.max")
+            } else {
+                return Err("no memory cgroup in /proc/self/cgroup".into());
+            };
+        let dir = base.join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
+        Ok(Self { dir, limit_file })
+    }
+
+    fn limit(&self, bytes: u64) {
+        std::fs::write(self.dir.join(self.limit_file), bytes.to_string()).expect("memory limit");
+    }
+
+    fn enter(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("join cgroup");
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// `kB` of process `pid`'s memory that is swapped out.
+fn swapped_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmSwap:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn snapdir(name: &str) -> (tempfile::TempDir, PathBuf) {
@@ -319,10 +396,12 @@ fn a_diff_chain_of_three_restores_correctly_and_folds() {
     assert_eq!(vm.ok("touch 1 4"), "256");
     snapshot(&vm, &s("s3"), "Diff");
     let _ = vm.child.kill();
-    let diff_size = std::fs::metadata(s("s3").join("memory"))
-        .expect("diff")
-        .len();
-    assert!(diff_size > 0);
+    // The file's length is guest memory whatever it holds: count its data.
+    let diff_data = data_bytes(&s("s3").join("memory"));
+    assert!(
+        (1 << 20..32 << 20).contains(&diff_data),
+        "the last diff holds the 1 MiB touched since s2 (and little else): {diff_data} bytes"
+    );
 
     let check = |clone: &mut Vm| {
         assert_eq!(clone.ok("check 1 4"), "0");
@@ -503,4 +582,239 @@ fn a_network_interface_is_restored_onto_its_tap_or_an_override() {
     ]);
     assert!(err.contains("much-too-long-tap"), "{err}");
     assert!(!tap_exists("rbxt2s1") && !tap_exists("rbxt2s0"));
+}
+
+#[test]
+fn a_full_snapshot_keeps_pages_that_are_swapped_out() {
+    if !kvm_available() {
+        return;
+    }
+    let test = "a_full_snapshot_keeps_pages_that_are_swapped_out";
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+    if swaps.lines().count() < 2 {
+        skip_even_in_ci(test, "the host has no swap (/proc/swaps is empty)");
+        return;
+    }
+    let cgroup = match MemoryCgroup::create("rollbox-swap") {
+        Ok(c) => c,
+        Err(e) => {
+            skip_even_in_ci(test, &format!("cannot make a memory cgroup: {e}"));
+            return;
+        }
+    };
+    let (_keep, dir) = snapdir("swapped");
+    let mut vm = boot_with_api(&["--memory-mib", "256"]);
+    // Pages the guest writes from now on are charged to a cgroup of 24 MiB: most of the
+    // 64 MiB it touches goes to swap.
+    let pid = vm.child.id();
+    cgroup.enter(pid);
+    cgroup.limit(24 << 20);
+    assert_eq!(vm.ok("touch 64 7"), "16384");
+    let swapped = swapped_kib(pid);
+    assert!(
+        swapped > 16 << 10,
+        "only {swapped} KiB of the VMM went to swap"
+    );
+    snapshot(&vm, &dir, "Full");
+    let _ = vm.child.kill();
+    let _ = vm.child.wait();
+    drop(cgroup);
+    println!("swapped out at the snapshot: {} MiB", swapped >> 10);
+    let mut clone = restore(&dir, &["--restore-backend", "copy"]);
+    assert_eq!(
+        clone.ok("check 64 7"),
+        "0",
+        "pages that were in swap came back"
+    );
+}
+
+/// A tmpfs of `size` mounted on `dir`, unmounted on drop.
+struct SmallTmpfs(PathBuf);
+
+impl SmallTmpfs {
+    fn mount(dir: &Path, size: &str) -> Result<Self, String> {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+        }
+        Ok(Self(dir.to_path_buf()))
+    }
+}
+
+impl Drop for SmallTmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_diff_snapshot_that_fails_on_a_full_disk_loses_no_pages_for_the_next() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let s = |n: &str| scratch.path().join(n);
+    let full = match SmallTmpfs::mount(&s("full"), "256k") {
+        Ok(m) => m,
+        Err(e) => {
+            skip_even_in_ci(
+                "a_diff_snapshot_that_fails_on_a_full_disk_loses_no_pages_for_the_next",
+                &format!("cannot mount a small tmpfs (needs root): {e}"),
+            );
+            return;
+        }
+    };
+    let mut vm = boot_with_api(&["--memory-mib", "128", "--track-dirty-pages"]);
+    assert_eq!(vm.ok("touch 8 1"), "2048");
+    snapshot(&vm, &s("s0"), "Full");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 4 2"), "1024");
+    call(&vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
+    let body = format!(
+        r#"{{"snapshot_type":"Diff","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
+        full.0.display()
+    );
+    let (status, answer) = api(&vm.path("api.sock"), "PUT", "/snapshot/create", Some(&body));
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("No space left"), "{answer}");
+    assert!(!full.0.join("vmstate").exists());
+    resume(&vm);
+    snapshot(&vm, &s("s1"), "Diff");
+    let _ = vm.child.kill();
+    let mut clone = restore(&s("s1"), &[]);
+    assert_eq!(
+        clone.ok("check 4 2"),
+        "0",
+        "pages written before the failed diff are in the next one"
+    );
+}
+
+#[test]
+fn a_fork_leaves_the_parents_diff_base_alone() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let s = |n: &str| scratch.path().join(n);
+    let mut vm = boot_with_api(&["--memory-mib", "128", "--track-dirty-pages"]);
+    snapshot(&vm, &s("s0"), "Full");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 4 2"), "1024");
+    let (status, body) = api(
+        &vm.path("api.sock"),
+        "POST",
+        "/fork",
+        Some(&format!(r#"{{"count":1,"dir":"{}"}}"#, s("fork").display())),
+    );
+    assert_eq!(status, 200, "{body}");
+    let result: serde_json::Value = serde_json::from_str(&body).expect("json");
+    for clone in result["clones"].as_array().expect("clones") {
+        if let Some(pid) = clone["pid"].as_u64() {
+            // SAFETY: ends a clone process this test started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+    std::fs::remove_dir_all(s("fork")).expect("remove the fork's directory");
+    snapshot(&vm, &s("s1"), "Diff");
+    let _ = vm.child.kill();
+    let mut clone = restore(&s("s1"), &[]);
+    assert_eq!(
+        clone.ok("check 4 2"),
+        "0",
+        "the diff after a fork holds what was written since s0, on top of s0; {}",
+        clone.stderr()
+    );
+}
+
+#[test]
+fn a_moved_snapshot_chain_restores_from_its_new_place() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let s = |n: &str| scratch.path().join(n);
+    let mut vm = boot_with_api(&["--memory-mib", "128", "--track-dirty-pages"]);
+    assert_eq!(vm.ok("touch 8 1"), "2048");
+    snapshot(&vm, &s("a/s0"), "Full");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 4 2"), "1024");
+    snapshot(&vm, &s("a/s1"), "Diff");
+    resume(&vm);
+    assert_eq!(vm.ok("touch 2 3"), "512");
+    snapshot(&vm, &s("a/s2"), "Diff");
+    let _ = vm.child.kill();
+    // Firecracker's tools compute pages from the size: the file is exactly guest memory.
+    for layer in ["s0", "s1", "s2"] {
+        let len = std::fs::metadata(s("a").join(layer).join("memory"))
+            .expect("memory")
+            .len();
+        assert_eq!(len, 128 << 20, "{layer}/memory");
+    }
+    // Copy the whole chain to a new place; the old one is gone.
+    let out = Command::new("cp")
+        .arg("-r")
+        .arg(s("a"))
+        .arg(s("b"))
+        .status()
+        .expect("cp");
+    assert!(out.success());
+    std::fs::remove_dir_all(s("a")).expect("remove the original");
+    let check = |clone: &mut Vm| {
+        assert_eq!(clone.ok("check 2 3"), "0");
+        assert_eq!(clone.ok("check 4 2"), "512");
+        assert_eq!(clone.ok("check 8 1"), "1024");
+    };
+    for backend in ["cow", "copy", "uffd"] {
+        let started = std::time::Instant::now();
+        let mut clone = restore(&s("b/s2"), &["--restore-backend", backend]);
+        assert_eq!(clone.ok("echo up"), "up", "{}", clone.stderr());
+        println!(
+            "restore of the moved 3-layer chain ({backend}): {:.0} ms to the first answer",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        check(&mut clone);
+    }
+
+    // A layer moved on its own is named with --layer-override.
+    std::fs::create_dir_all(s("elsewhere")).expect("mkdir");
+    for name in ["memory", "memory.id"] {
+        std::fs::rename(s("b/s0").join(name), s("elsewhere").join(name)).expect("move");
+    }
+    let mut clone = restore(
+        &s("b/s2"),
+        &[
+            "--layer-override",
+            &format!("0={}", s("elsewhere/memory").display()),
+        ],
+    );
+    check(&mut clone);
+    let err = restore_fails(&[
+        "--restore".into(),
+        s("b/s2").display().to_string(),
+        "--layer-override".into(),
+        "3=/nowhere".into(),
+    ]);
+    assert!(err.contains("has 3 memory layers"), "{err}");
+    for name in ["memory", "memory.id"] {
+        std::fs::rename(s("elsewhere").join(name), s("b/s0").join(name)).expect("move back");
+    }
+
+    // fold -o with a relative directory: the folded state names its memory relatively.
+    let out = Command::new(vmm_binary().with_file_name("rollbox-snapshot"))
+        .current_dir(scratch.path())
+        .args(["fold", "b/s1", "-o", "folded"])
+        .output()
+        .expect("rollbox-snapshot");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut folded = restore(&s("folded"), &[]);
+    assert_eq!(folded.ok("check 4 2"), "0", "{}", folded.stderr());
 }
