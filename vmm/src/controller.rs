@@ -578,6 +578,12 @@ impl Controller {
                 .map_err(ActionError::bad_request)?,
             None => RestoreBackend::Cow,
         };
+        if let (Some(old), Some(_)) = (&params.mem_file_path, &params.mem_backend) {
+            return Err(ActionError::bad_request(format!(
+                "mem_file_path ({}) and mem_backend are two ways to name the memory file: give one",
+                old.display()
+            )));
+        }
         let mut mem_file = params.mem_file_path.clone();
         if let Some(mem) = &params.mem_backend {
             match mem.backend_type.as_str() {

@@ -902,6 +902,28 @@ pub fn restore_microvm(
             )));
         }
     }
+    for id in options.drive_overrides.keys() {
+        let known = state
+            .devices
+            .iter()
+            .any(|d| matches!(&d.kind, DevicePersistKind::Block { id: drive, .. } if drive == id));
+        if !known {
+            return Err(PersistError::Mismatch(format!(
+                "drive_overrides: the snapshot has no drive with ID {id:?}"
+            )));
+        }
+    }
+    for id in options.net_overrides.keys() {
+        let known = state
+            .devices
+            .iter()
+            .any(|d| matches!(&d.kind, DevicePersistKind::Net { iface_id, .. } if iface_id == id));
+        if !known {
+            return Err(PersistError::Mismatch(format!(
+                "network_overrides: the snapshot has no network interface with iface_id {id:?}"
+            )));
+        }
+    }
     let volume = state.devices.iter().find_map(|d| match &d.kind {
         DevicePersistKind::Fs(fs) => Some(format!("fs {}", fs.config.tag)),
         _ => None,
