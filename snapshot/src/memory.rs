@@ -780,4 +780,61 @@ pub(crate) mod tests {
             Path::new("/abs/memory")
         );
     }
+
+    #[test]
+    fn shared_memory_is_written_from_its_files_data_ranges() {
+        use std::os::fd::AsFd;
+        let dir = tempfile::tempdir().expect("tmp");
+        let len = 32 * PAGE_SIZE;
+        // SAFETY: a new memfd with a static name.
+        let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` is a new descriptor this test owns.
+        let memfd = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        memfd.set_len(len).expect("size");
+        // Written through the file, as virtiofsd writes through its own mapping: this
+        // process's mapping has never touched these pages.
+        memfd
+            .write_all_at(&[0x11; 8], 2 * PAGE_SIZE)
+            .expect("write");
+        memfd
+            .write_all_at(&[0x22; 8], 30 * PAGE_SIZE)
+            .expect("write");
+        // SAFETY: a shared mapping of the memfd, leaked for the test's life.
+        let host = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(host, libc::MAP_FAILED);
+        let regions = [HostRegion {
+            host: host.cast(),
+            len,
+            file_offset: 0,
+        }];
+        let files = [(memfd.as_fd(), 0)];
+        let path = dir.path().join("memory");
+        let layer =
+            write_full(&path, &regions, len, Sparseness::SharedFiles(&files)).expect("full");
+        let file = open_layer(&layer, len).expect("open");
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, 2 * PAGE_SIZE).expect("read");
+        assert_eq!(byte[0], 0x11);
+        file.read_exact_at(&mut byte, 30 * PAGE_SIZE).expect("read");
+        assert_eq!(byte[0], 0x22);
+        let data: u64 = data_ranges(&file, &path, len)
+            .expect("ranges")
+            .iter()
+            .map(|r| r.1)
+            .sum();
+        assert!(
+            data <= 4 * PAGE_SIZE,
+            "only the two data pages: {data} bytes"
+        );
+    }
 }
