@@ -301,6 +301,12 @@ fn write_snapshot(
                 "an earlier Full snapshot (or a restore) to build on",
             ));
         }
+        if let Some(index) = layer_at(&vm.memory.layers, mem_path) {
+            return Err(PersistError::Mismatch(format!(
+                "{}: this file is layer {index} of the memory chain the Diff snapshot builds on; write the diff to another file",
+                mem_path.display()
+            )));
+        }
     }
     // Dirty pages are taken now (a Full snapshot holds them all, a Diff writes them) and
     // given back unless the state file is durable.
@@ -327,6 +333,16 @@ fn write_snapshot(
             Err(e)
         }
     }
+}
+
+/// Which layer of `layers`, if any, is the file at `path` (same device and inode).
+fn layer_at(layers: &[MemoryLayer], path: &Path) -> Option<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let target = std::fs::metadata(path).ok()?;
+    layers.iter().position(|layer| {
+        std::fs::metadata(&layer.path)
+            .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+    })
 }
 
 /// The directory a state file's relative layer paths start from, made absolute.
