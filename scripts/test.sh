@@ -13,6 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export ROLLBOX_REQUIRE_ALL="${ROLLBOX_REQUIRE_ALL:-1}"
 export CARGO_TERM_COLOR=never
+# The swapped-out snapshot test may add a 256 MiB swap file while it runs (root only).
+export ROLLBOX_TEST_SWAPFILE="${ROLLBOX_TEST_SWAPFILE:-1}"
 start=$SECONDS
 step() { echo; echo "== $* ($((SECONDS - start)) s)"; }
 
