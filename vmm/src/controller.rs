@@ -212,8 +212,9 @@ impl Controller {
         Ok(())
     }
 
-    /// Watches a loaded clone's control socket: `on_detach` runs (on this thread) when the
-    /// parent detaches the clone; if the parent goes before that, the clone stops.
+    /// Watches a loaded (paused) clone's control socket: when the parent detaches the clone,
+    /// `on_detach` runs (on this thread) and the VM resumes; if the parent goes before that,
+    /// the clone stops.
     pub fn watch_fork_control(
         &mut self,
         control: ShellControl,
@@ -235,7 +236,12 @@ impl Controller {
             EpollEvent::default(),
         );
         match control.parent_word() {
-            ParentWord::Detach => on_detach(),
+            ParentWord::Detach => {
+                on_detach();
+                if let Some(vm) = self.microvm.as_mut() {
+                    vm.resume();
+                }
+            }
             ParentWord::Gone => self.finish(1, "the parent ended before the fork completed"),
         }
     }
@@ -512,13 +518,14 @@ impl Controller {
                 Answer::Now(result) => result,
                 Answer::Later(work) => {
                     // Slow work (a fork's clone loads) answers from a thread of its own.
-                    let spawned = std::thread::Builder::new()
-                        .name("api-later".into())
-                        .spawn(move || {
-                            if reply.send(work()).is_err() {
-                                log::debug!("API client went away before its answer");
-                            }
-                        });
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("api-later".into())
+                            .spawn(move || {
+                                if reply.send(work()).is_err() {
+                                    log::debug!("API client went away before its answer");
+                                }
+                            });
                     if let Err(e) = spawned {
                         log::error!("cannot start a thread for a slow request: {e}");
                     }
@@ -566,9 +573,9 @@ impl Controller {
                     )));
                 };
                 match crate::fork::start_fork(vm, &params, pool) {
-                    Ok(pending) => Answer::Later(Box::new(move || {
-                        Ok(VmmData::Fork(pending.finish()))
-                    })),
+                    Ok(pending) => {
+                        Answer::Later(Box::new(move || Ok(VmmData::Fork(pending.finish()))))
+                    }
                     Err(e) => Answer::Now(Err(e.into())),
                 }
             }
@@ -687,9 +694,9 @@ impl Controller {
                 self.restore(&params.snapshot_path, &options)?;
                 Ok(VmmData::Empty)
             }
-            VmmAction::Fork(_) | VmmAction::GetForkPool => {
-                Err(ActionError::bad_request("internal: answered by start_action"))
-            }
+            VmmAction::Fork(_) | VmmAction::GetForkPool => Err(ActionError::bad_request(
+                "internal: answered by start_action",
+            )),
         }
     }
 

@@ -4,9 +4,10 @@
 //! Each clone is a `rollbox-vmm` process (the binary given to [`Launcher::new`]) started as a
 //! shell with a control socket: it builds an empty VM of the parent's shape, says `ready`, and
 //! waits for one [`ShellLoad`]. The parent pauses, snapshots, copies drives, resumes, and sends
-//! every clone its load; each answers `loaded` or `error ...`. Once all have answered, the
-//! parent sends `detach`. Until then a clone dies with its parent (PR_SET_PDEATHSIG and end of
-//! file on the control socket); after it, a clone is a VM of its own and outlives the parent.
+//! every clone its load; each answers `loaded` or `error ...` and stays paused. Once all have
+//! answered, the parent sends `detach` and each clone resumes. Until then a clone dies with its
+//! parent (PR_SET_PDEATHSIG and end of file on the control socket); after it, a clone is a VM
+//! of its own and outlives the parent.
 //! What a clone leaves behind is removed when it ends ([`CloneCleanup`]).
 
 use std::fs::File;
@@ -143,9 +144,7 @@ impl Launcher {
     fn spawn(&self, command: Command) -> std::io::Result<Child> {
         let ended = || std::io::Error::other("the fork launcher thread has ended");
         let (reply, answer) = channel();
-        self.requests
-            .send((command, reply))
-            .map_err(|_| ended())?;
+        self.requests.send((command, reply)).map_err(|_| ended())?;
         answer.recv().map_err(|_| ended())?
     }
 }
@@ -252,14 +251,30 @@ pub enum ParentWord {
 /// The clone's side of the control socket (`rollbox-vmm --fork-shell-fd`).
 pub struct ShellControl {
     reader: BufReader<UnixStream>,
+    cleanup: CloneCleanup,
 }
 
 impl ShellControl {
-    /// Wraps the control socket inherited from the parent.
-    pub fn new(stream: UnixStream) -> Self {
+    /// Wraps the control socket inherited from the parent; `own_dir` is the shell's directory,
+    /// removed if the shell ends before its load.
+    pub fn new(stream: UnixStream, own_dir: &Path) -> Self {
         Self {
             reader: BufReader::new(stream),
+            cleanup: CloneCleanup {
+                own_dirs: vec![own_dir.to_path_buf()],
+                empty_dirs: own_dir
+                    .parent()
+                    .map(Path::to_path_buf)
+                    .into_iter()
+                    .collect(),
+                snapshot_dir: None,
+            },
         }
+    }
+
+    /// Removes what the shell would leave behind if it ended now, before its load.
+    pub fn abandon(&self) {
+        self.cleanup.run();
     }
 
     /// The socket, for an event loop to watch.
@@ -277,19 +292,29 @@ impl ShellControl {
         self.say("ready")
     }
 
-    /// Waits for the load; `None` when the parent closed the socket first (pool shut down or
-    /// parent gone).
+    /// Waits for the load; `None` (after removing what the shell leaves) when the parent
+    /// closed the socket first: pool shut down or parent gone.
     pub fn receive_load(&mut self) -> std::io::Result<Option<ShellLoad>> {
-        let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            return Ok(None);
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line)? == 0 {
+                self.abandon();
+                return Ok(None);
+            }
+            let bad = |e: serde_json::Error| {
+                std::io::Error::other(format!("control socket: bad message {line:?}: {e}"))
+            };
+            let line = line.trim();
+            if let Some(json) = line.strip_prefix("cleanup ") {
+                self.cleanup = serde_json::from_str(json).map_err(bad)?;
+            } else if let Some(json) = line.strip_prefix("load ") {
+                return serde_json::from_str(json).map(Some).map_err(bad);
+            } else {
+                return Err(std::io::Error::other(format!(
+                    "control socket: expected a load, got {line:?}"
+                )));
+            }
         }
-        let json = line.trim().strip_prefix("load ").ok_or_else(|| {
-            std::io::Error::other(format!("control socket: expected a load, got {line:?}"))
-        })?;
-        serde_json::from_str(json)
-            .map(Some)
-            .map_err(|e| std::io::Error::other(format!("control socket: bad load: {e}")))
     }
 
     /// Answers the load.
@@ -394,7 +419,9 @@ fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Resu
         cmd.arg("--track-dirty-pages");
     }
     let stderr = File::create(dir.join("stderr.log")).map_err(|e| format!("stderr log: {e}"))?;
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr);
     // Its own process group: a terminal's Ctrl-C to the parent does not reach clones, and
     // killing the group takes the clone's virtiofsd with it.
     cmd.process_group(0);
@@ -663,7 +690,12 @@ pub fn start_fork(
                 Some(shell) => {
                     let cleanup = CloneCleanup {
                         own_dirs: vec![shell.dir.clone()],
-                        empty_dirs: shell.dir.parent().map(Path::to_path_buf).into_iter().collect(),
+                        empty_dirs: shell
+                            .dir
+                            .parent()
+                            .map(Path::to_path_buf)
+                            .into_iter()
+                            .collect(),
                         snapshot_dir: None,
                     };
                     (Ok(shell), cleanup)
@@ -671,7 +703,11 @@ pub fn start_fork(
                 None => {
                     let shell_dir = dir.join(format!("clone-{index}"));
                     let cleanup = CloneCleanup {
-                        own_dirs: if kept { Vec::new() } else { vec![shell_dir.clone()] },
+                        own_dirs: if kept {
+                            Vec::new()
+                        } else {
+                            vec![shell_dir.clone()]
+                        },
                         empty_dirs: Vec::new(),
                         snapshot_dir: None,
                     };
@@ -712,6 +748,20 @@ pub fn start_fork(
         })
         .collect();
 
+    // Should the parent end before the clones load, they remove the fork's files themselves.
+    for clone in &mut clones {
+        let line = serde_json::to_string(&clone.cleanup)
+            .map_err(|e| e.to_string())
+            .and_then(|json| {
+                let shell = clone.shell.as_mut().ok_or("the clone did not start")?;
+                shell
+                    .send(&format!("cleanup {json}"))
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = line {
+            clone.fail(format!("control socket: {e}"));
+        }
+    }
     let was_paused = vm.paused;
     vm.pause();
     let snapshot = create_snapshot(
@@ -929,7 +979,8 @@ fn load_clone(
             mem_file_path: None,
             enable_diff_snapshots: false,
             track_dirty_pages,
-            resume_vm: true,
+            // Clones run once detached: none spins while its siblings still load.
+            resume_vm: false,
             vsock_override: clone
                 .info
                 .vsock_uds

@@ -5,6 +5,7 @@ use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, OnceLock};
 
@@ -282,23 +283,36 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
 
 /// The controller that SIGTERM, SIGINT and SIGHUP stop (process-wide, so set here only).
 static STOP: OnceLock<Arc<StopSignal>> = OnceLock::new();
+/// A termination signal that came before the controller existed.
+static EARLY_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_terminate(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    if let Some(stop) = STOP.get() {
-        stop.raise(num);
+    match STOP.get() {
+        Some(stop) => stop.raise(num),
+        None => EARLY_SIGNAL.store(num, Ordering::SeqCst),
+    }
+}
+
+/// Catches termination signals from the start, so that none ends the process before it can
+/// clean up (a clone shell's parent-death signal, for one).
+fn install_signal_handlers() {
+    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        if let Err(e) = vmm_sys_util::signal::register_signal_handler(signal, on_terminate) {
+            log::warn!("cannot handle signal {signal}: {e}");
+        }
     }
 }
 
 /// Makes termination signals stop `controller`'s event loop (so the VMM cleans up).
 fn handle_signals(controller: &Controller) {
-    if STOP.set(controller.stop_signal()).is_err() {
+    let stop = controller.stop_signal();
+    if STOP.set(Arc::clone(&stop)).is_err() {
         log::warn!("signal handlers are already set for another controller");
         return;
     }
-    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        if let Err(e) = vmm_sys_util::signal::register_signal_handler(signal, on_terminate) {
-            log::warn!("cannot handle signal {signal}: {e}");
-        }
+    let early = EARLY_SIGNAL.load(Ordering::SeqCst);
+    if early != 0 {
+        stop.raise(early);
     }
 }
 
@@ -315,40 +329,33 @@ fn enable_fork(controller: &mut Controller, pool: usize) -> Result<(), String> {
 fn run_fork_shell(args: &Args, fd: RawFd) -> Result<i32, String> {
     // SAFETY: `--fork-shell-fd` names the control socket the parent left open for this
     // process alone; nothing else here owns or closes it.
-    let mut control = ShellControl::new(unsafe { UnixStream::from_raw_fd(fd) });
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
     let own_dir = args.fork_shell_dir.clone().unwrap_or_default();
-    let remove_own_dir = || {
-        let _ = std::fs::remove_dir_all(&own_dir);
-    };
-    let mut resources = resources_from(args)?;
+    let mut control = ShellControl::new(stream, &own_dir);
+    let resources = resources_from(args).inspect_err(|_| control.abandon())?;
     let api_evt = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| format!("eventfd: {e}"))?);
     let (api_tx, api_rx) = channel();
-    resources.machine.track_dirty_pages = args.track_dirty_pages;
     let machine = vmm::config::MachineConfig {
         vcpu_count: args.shell_vcpus,
         mem_size_mib: args.shell_memory_mib.unwrap_or_default(),
         track_dirty_pages: args.track_dirty_pages,
         ..Default::default()
     };
-    let mut controller =
-        Controller::new(resources, Some(api_rx), Arc::clone(&api_evt)).map_err(|e| e.to_string())?;
+    let mut controller = Controller::new(resources, Some(api_rx), Arc::clone(&api_evt))
+        .map_err(|e| e.to_string())?;
     handle_signals(&controller);
     if let Err(e) = controller.prebuild_shell(&machine) {
         let _ = control.answer(&Err(e.message.clone()));
-        remove_own_dir();
+        control.abandon();
         return Err(e.message);
     }
-    control.ready().map_err(|e| format!("control socket: {e}"))?;
-    let load = match control.receive_load() {
+    let load = match control.ready().and_then(|()| control.receive_load()) {
         Ok(Some(load)) => load,
-        // The pool shut down or the parent ended: nothing of this shell is wanted.
-        Ok(None) => {
-            remove_own_dir();
-            return Ok(0);
-        }
+        // The pool shut down or the parent ended (the shell's files are gone already).
+        Ok(None) => return Ok(0),
         Err(e) => {
-            remove_own_dir();
-            return Err(e.to_string());
+            control.abandon();
+            return Err(format!("control socket: {e}"));
         }
     };
     let _guard = CloneGuard::new(load.cleanup.clone());
@@ -413,6 +420,7 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
 }
 
 fn run(args: Args) -> Result<i32, String> {
+    install_signal_handlers();
     let level = vmm::logger::parse_level(&args.level).map_err(|e| e.to_string())?;
     vmm::logger::init(args.log_path.as_deref(), level).map_err(|e| e.to_string())?;
     if let Some(fd) = args.fork_shell_fd {

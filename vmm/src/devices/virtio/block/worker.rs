@@ -213,10 +213,7 @@ mod tests {
             g.leave();
         });
         std::thread::sleep(Duration::from_millis(50));
-        assert!(
-            !entered.load(Ordering::SeqCst),
-            "work started while paused"
-        );
+        assert!(!entered.load(Ordering::SeqCst), "work started while paused");
         gate.resume();
         worker.join().expect("worker");
         assert!(entered.load(Ordering::SeqCst));
