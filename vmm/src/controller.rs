@@ -241,6 +241,9 @@ impl Controller {
                 if let Some(vm) = self.microvm.as_mut() {
                     vm.resume();
                 }
+                if let Err(e) = control.running() {
+                    log::warn!("fork: cannot tell the parent this clone runs: {e}");
+                }
             }
             ParentWord::Gone => self.finish(1, "the parent ended before the fork completed"),
         }

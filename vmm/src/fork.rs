@@ -40,6 +40,8 @@ const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a clone may take to load the snapshot: a VM with a virtio-fs volume copies its
 /// memory and starts virtiofsd, which on a loaded host takes far longer than a cow restore.
 const CLONE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a loaded clone may take to resume once detached.
+const CLONE_RESUME_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most shells a warm pool may keep: each is a process with an empty VM.
 pub const MAX_POOL: usize = 64;
 /// The signal a shell gets when the thread that started it ends (it then removes its files).
@@ -325,6 +327,11 @@ impl ShellControl {
         }
     }
 
+    /// Tells the parent the clone runs on its own now.
+    pub fn running(&mut self) -> std::io::Result<()> {
+        self.say("running")
+    }
+
     /// Reads the parent's word after the load (call when the socket is readable).
     pub fn parent_word(&mut self) -> ParentWord {
         let mut line = String::new();
@@ -426,10 +433,18 @@ fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Resu
     // killing the group takes the clone's virtiofsd with it.
     cmd.process_group(0);
     let parent = std::process::id();
-    // SAFETY: between fork and exec the closure calls only prctl, getppid and fcntl, which are
-    // async-signal-safe, on the inherited control socket it names.
+    // SAFETY: between fork and exec the closure calls only sigemptyset, sigaddset,
+    // pthread_sigmask, prctl, getppid and fcntl, which are async-signal-safe, on a signal set on
+    // its own stack and the inherited control socket it names.
     unsafe {
         cmd.pre_exec(move || {
+            // The death signal stays pending until the shell can handle it (and clean up).
+            let mut blocked = std::mem::zeroed::<libc::sigset_t>();
+            libc::sigemptyset(&mut blocked);
+            libc::sigaddset(&mut blocked, PARENT_DEATH_SIGNAL);
+            if libc::pthread_sigmask(libc::SIG_BLOCK, &blocked, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::other("cannot block the parent-death signal"));
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -832,17 +847,29 @@ impl PendingFork {
                 });
             }
         });
+        // Every clone answered: from now on each is a VM of its own, and runs.
+        for clone in self.clones.iter_mut().filter(|c| c.shell.is_some()) {
+            if let Some(Err(e)) = clone.shell.as_mut().map(|s| s.send("detach")) {
+                clone.fail(format!("cannot detach the clone: {e}"));
+            }
+        }
+        for clone in self.clones.iter_mut().filter(|c| c.shell.is_some()) {
+            let answer = clone
+                .shell
+                .as_mut()
+                .map(|s| s.receive(CLONE_RESUME_TIMEOUT, "answer to detach"));
+            match answer {
+                Some(Ok(line)) if line == "running" => {}
+                Some(Ok(line)) => clone.fail(format!("clone answered {line:?} to detach")),
+                Some(Err(e)) => clone.fail(e),
+                None => {}
+            }
+        }
         let elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
-        // Every clone answered: from now on each is a VM of its own.
         for clone in &mut self.clones {
-            let Some(mut shell) = clone.shell.take() else {
+            let Some(shell) = clone.shell.take() else {
                 continue;
             };
-            if let Err(e) = shell.send("detach") {
-                clone.shell = Some(shell);
-                clone.fail(format!("cannot detach the clone: {e}"));
-                continue;
-            }
             let cleanup = clone.cleanup.clone();
             let mut child = shell.child;
             // Reaps the clone whenever it ends and removes what it left (if it could not).

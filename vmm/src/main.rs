@@ -294,12 +294,23 @@ extern "C" fn on_terminate(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut li
 }
 
 /// Catches termination signals from the start, so that none ends the process before it can
-/// clean up (a clone shell's parent-death signal, for one).
+/// clean up; then takes the ones a fork's shell is started with blocked (its parent-death
+/// signal, held pending until now).
 fn install_signal_handlers() {
-    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+    const SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+    for signal in SIGNALS {
         if let Err(e) = vmm_sys_util::signal::register_signal_handler(signal, on_terminate) {
             log::warn!("cannot handle signal {signal}: {e}");
         }
+    }
+    // SAFETY: builds a signal set on the stack and unblocks it for this (the only) thread.
+    unsafe {
+        let mut set = std::mem::zeroed::<libc::sigset_t>();
+        libc::sigemptyset(&mut set);
+        for signal in SIGNALS {
+            libc::sigaddset(&mut set, signal);
+        }
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
     }
 }
 
