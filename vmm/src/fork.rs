@@ -442,15 +442,17 @@ fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Resu
             let mut blocked = std::mem::zeroed::<libc::sigset_t>();
             libc::sigemptyset(&mut blocked);
             libc::sigaddset(&mut blocked, PARENT_DEATH_SIGNAL);
-            if libc::pthread_sigmask(libc::SIG_BLOCK, &blocked, std::ptr::null_mut()) != 0 {
-                return Err(std::io::Error::other("cannot block the parent-death signal"));
+            // (Errors here must not allocate: another thread may have held the heap's lock.)
+            let failed = libc::pthread_sigmask(libc::SIG_BLOCK, &blocked, std::ptr::null_mut());
+            if failed != 0 {
+                return Err(std::io::Error::from_raw_os_error(failed));
             }
             if libc::prctl(libc::PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             // The parent ended before the death signal was armed.
             if libc::getppid() as u32 != parent {
-                return Err(std::io::Error::other("the parent ended"));
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
             let flags = libc::fcntl(fd, libc::F_GETFD);
             if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
