@@ -100,6 +100,21 @@ fn fd_count(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
+/// The VMM's open fds once no API connection of ours is still being closed: the same count
+/// twice, 100 ms apart.
+fn settled_fd_count(pid: u32) -> usize {
+    let mut last = fd_count(pid);
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = fd_count(pid);
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
 /// The markers in the names of every file and process a fork of `parent` makes.
 fn markers(parent: u32) -> Vec<String> {
     vec![
@@ -283,13 +298,13 @@ fn fifty_forks_of_eight_with_the_parent_killed_halfway_leave_no_processes_files_
     let mut parent = boot_with_api(&[]);
     let pid_a = parent.child.id();
     let markers_a = markers(pid_a);
-    let fds_a_before = fd_count(pid_a);
+    let fds_a_before = settled_fd_count(pid_a);
     let survivors = fork_rounds_of_eight(&parent, first_half, true);
     // Wait for the reapers: every clone but the 8 kept ones has been cleaned up.
     wait_until(Duration::from_secs(30), "first parent's clones end", || {
         our_processes(&markers_a).len() == survivors.len()
     });
-    let fds_a_after = fd_count(pid_a);
+    let fds_a_after = settled_fd_count(pid_a);
 
     let sock = parent.path("api.sock");
     let in_flight = std::thread::spawn(move || {
@@ -349,14 +364,14 @@ fn fifty_forks_of_eight_with_the_parent_killed_halfway_leave_no_processes_files_
     let parent = boot_with_api(&[]);
     let pid_b = parent.child.id();
     let markers_b = markers(pid_b);
-    let fds_b_before = fd_count(pid_b);
+    let fds_b_before = settled_fd_count(pid_b);
     fork_rounds_of_eight(&parent, rounds - first_half, false);
     wait_until(
         Duration::from_secs(30),
         "second parent's clones end",
         || our_processes(&markers_b).is_empty(),
     );
-    let fds_b_after = fd_count(pid_b);
+    let fds_b_after = settled_fd_count(pid_b);
     drop(parent);
 
     let all_markers: Vec<String> = markers_a.iter().chain(&markers_b).cloned().collect();

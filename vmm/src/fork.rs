@@ -408,9 +408,9 @@ impl Shell {
     }
 }
 
-/// Starts a shell in `dir` with an empty VM of `machine`'s shape.
+/// Starts a shell in `dir` with an empty VM of `machine`'s shape. The shell creates `dir`
+/// itself (with its stderr.log), so that whatever exists there has a process to remove it.
 fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Result<Shell, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let (ours, theirs) = UnixStream::pair().map_err(|e| format!("control socket: {e}"))?;
     let fd = theirs.as_raw_fd();
     let mut cmd = Command::new(launcher.binary());
@@ -425,10 +425,9 @@ fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Resu
     if machine.track_dirty_pages {
         cmd.arg("--track-dirty-pages");
     }
-    let stderr = File::create(dir.join("stderr.log")).map_err(|e| format!("stderr log: {e}"))?;
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(stderr);
+        .stderr(Stdio::null());
     // Its own process group: a terminal's Ctrl-C to the parent does not reach clones, and
     // killing the group takes the clone's virtiofsd with it.
     cmd.process_group(0);
@@ -461,10 +460,9 @@ fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Resu
             Ok(())
         });
     }
-    let child = launcher.spawn(cmd).map_err(|e| {
-        remove_dir_all_quietly(dir);
-        format!("cannot start {}: {e}", launcher.binary().display())
-    })?;
+    let child = launcher
+        .spawn(cmd)
+        .map_err(|e| format!("cannot start {}: {e}", launcher.binary().display()))?;
     drop(theirs);
     Ok(Shell {
         dir: dir.to_path_buf(),
@@ -597,9 +595,10 @@ fn wait_readable(streams: &[UnixStream], timeout: Duration) -> usize {
             }
             break;
         }
+        // A shell that wrote `ready` and ended since is readable and hung up: not ready.
         done += fds
             .iter()
-            .filter(|fd| fd.revents & libc::POLLIN != 0)
+            .filter(|fd| fd.revents & libc::POLLIN != 0 && fd.revents & libc::POLLHUP == 0)
             .count();
     }
     done
@@ -651,6 +650,8 @@ pub struct PendingFork {
     // Keeps the launcher thread, and with it the not yet detached clones, alive.
     _launcher: Arc<Launcher>,
     clones: Vec<Clone>,
+    drives: Vec<CloneDrive>,
+    has_vsock: bool,
     dir: PathBuf,
     kept: bool,
     snapshot_lock: Option<File>,
@@ -693,11 +694,6 @@ pub fn start_fork(
             std::process::id()
         ))
     });
-    std::fs::create_dir_all(&dir).map_err(|source| ForkError::Dir {
-        path: dir.clone(),
-        source,
-    })?;
-
     // Clones come from the pool of ready shells; missing ones start now and build their empty
     // VMs while the parent snapshots.
     let launcher = Arc::clone(pool.launcher());
@@ -765,6 +761,14 @@ pub fn start_fork(
         })
         .collect();
 
+    // Created once the clones run (a fresh clone creates its directory in it), so that should
+    // the parent end now, they remove it.
+    if let Err(source) = std::fs::create_dir_all(&dir) {
+        for clone in &mut clones {
+            clone.fail("the fork directory could not be created".into());
+        }
+        return Err(ForkError::Dir { path: dir, source });
+    }
     // Should the parent end before the clones load, they remove the fork's files themselves.
     for clone in &mut clones {
         let line = serde_json::to_string(&clone.cleanup)
@@ -787,14 +791,13 @@ pub fn start_fork(
         &dir.join("vmstate"),
         &dir.join("memory"),
     );
-    // Drives are copied while the VM is paused, so they match the memory snapshot.
-    if snapshot.is_ok() {
-        for clone in clones.iter_mut().filter(|c| c.info.error.is_none()) {
-            if let Err(e) = prepare_devices(clone, &kinds) {
-                clone.fail(e);
-            }
-        }
-    }
+    // Writable drives are copied once while the VM is paused, so they match the memory
+    // snapshot; each clone copies that copy for itself while it loads.
+    let live = clones.iter().any(|c| c.info.error.is_none());
+    let drives = match &snapshot {
+        Ok(_) if live => copy_drive_bases(&kinds, &dir),
+        _ => Ok(Vec::new()),
+    };
     if !was_paused {
         vm.resume();
     }
@@ -811,6 +814,15 @@ pub fn start_fork(
             reason: e.to_string(),
         });
     }
+    let drives = drives.unwrap_or_else(|e| {
+        for clone in &mut clones {
+            clone.fail(e.clone());
+        }
+        Vec::new()
+    });
+    let has_vsock = kinds
+        .iter()
+        .any(|k| matches!(k, DevicePersistKind::Vsock { .. }));
     // The parent holds the snapshot until every clone answered (each then holds it itself).
     let snapshot_lock = File::open(dir.join("vmstate"))
         .ok()
@@ -820,6 +832,8 @@ pub fn start_fork(
     Ok(PendingFork {
         _launcher: launcher,
         clones,
+        drives,
+        has_vsock,
         dir,
         kept,
         snapshot_lock,
@@ -841,14 +855,24 @@ impl PendingFork {
             for clone in self.clones.iter_mut().filter(|c| c.info.error.is_none()) {
                 let (state, memory, backend) = (&state, &memory, &self.backend);
                 let (new_generation, track) = (self.new_generation, self.track_dirty_pages);
+                let (drives, has_vsock) = (&self.drives, self.has_vsock);
                 scope.spawn(move || {
-                    if let Err(e) = load_clone(clone, track, state, memory, backend, new_generation)
-                    {
+                    let loaded = wait_ready(clone)
+                        .and_then(|()| prepare_devices(clone, drives, has_vsock))
+                        .and_then(|()| {
+                            load_clone(clone, track, state, memory, backend, new_generation)
+                        });
+                    if let Err(e) = loaded {
                         clone.fail(e);
                     }
                 });
             }
         });
+        for drive in self.drives.iter().filter(|d| d.copy) {
+            if let Err(e) = std::fs::remove_file(&drive.source) {
+                log::warn!("fork: cannot remove {}: {e}", drive.source.display());
+            }
+        }
         // Every clone answered: from now on each is a VM of its own, and runs.
         for clone in self.clones.iter_mut().filter(|c| c.shell.is_some()) {
             if let Some(Err(e)) = clone.shell.as_mut().map(|s| s.send("detach")) {
@@ -957,34 +981,82 @@ fn check_network_overrides(
     Ok(())
 }
 
-/// Copies writable drives and picks the clone's vsock socket.
-fn prepare_devices(clone: &mut Clone, kinds: &[DevicePersistKind]) -> Result<(), String> {
+/// A drive as the clones get it: a copy made while the parent was paused, which each clone
+/// copies for itself, or a read-only image they share.
+struct CloneDrive {
+    id: String,
+    source: PathBuf,
+    copy: bool,
+}
+
+/// Copies the writable drives of `kinds` into `dir` once.
+fn copy_drive_bases(kinds: &[DevicePersistKind], dir: &Path) -> Result<Vec<CloneDrive>, String> {
+    let mut drives = Vec::new();
+    for kind in kinds {
+        let DevicePersistKind::Block {
+            id,
+            path,
+            read_only,
+        } = kind
+        else {
+            continue;
+        };
+        let drive = if *read_only {
+            CloneDrive {
+                id: id.clone(),
+                source: path.clone(),
+                copy: false,
+            }
+        } else {
+            let base = dir.join(format!("{id}.base.img"));
+            copy_sparse(path, &base)
+                .map_err(|e| format!("copying drive {id} ({}): {e}", path.display()))?;
+            CloneDrive {
+                id: id.clone(),
+                source: base,
+                copy: true,
+            }
+        };
+        drives.push(drive);
+    }
+    Ok(drives)
+}
+
+/// Gives the clone its own copy of each writable drive and picks its vsock socket.
+fn prepare_devices(
+    clone: &mut Clone,
+    drives: &[CloneDrive],
+    has_vsock: bool,
+) -> Result<(), String> {
     let Some(dir) = clone.shell.as_ref().map(|s| s.dir.clone()) else {
         return Err("the clone did not start".into());
     };
-    for kind in kinds {
-        match kind {
-            DevicePersistKind::Block {
-                id,
-                path,
-                read_only,
-            } => {
-                let target = if *read_only {
-                    path.clone()
-                } else {
-                    let copy = dir.join(format!("{id}.img"));
-                    copy_sparse(path, &copy)
-                        .map_err(|e| format!("copying drive {id} ({}): {e}", path.display()))?;
-                    copy
-                };
-                clone.drive_overrides.push((id.clone(), target));
-            }
-            DevicePersistKind::Vsock { .. } => clone.info.vsock_uds = Some(dir.join("vsock.sock")),
-            // Checked up front by check_network_overrides.
-            DevicePersistKind::Net { .. } => {}
-            // Each clone restores with a virtiofsd of its own on the same shared directory.
-            DevicePersistKind::Fs(_) => {}
+    for drive in drives {
+        let target = if drive.copy {
+            let copy = dir.join(format!("{}.img", drive.id));
+            copy_sparse(&drive.source, &copy)
+                .map_err(|e| format!("copying drive {} for the clone: {e}", drive.id))?;
+            copy
+        } else {
+            drive.source.clone()
+        };
+        clone.drive_overrides.push((drive.id.clone(), target));
+    }
+    if has_vsock {
+        clone.info.vsock_uds = Some(dir.join("vsock.sock"));
+    }
+    Ok(())
+}
+
+/// Waits until the clone has built its empty VM (and created its directory).
+fn wait_ready(clone: &mut Clone) -> Result<(), String> {
+    let shell = clone.shell.as_mut().ok_or("the clone did not start")?;
+    if !shell.ready {
+        let line = shell.receive(CLONE_READY_TIMEOUT, "ready (empty VM built)")?;
+        if line != "ready" {
+            return Err(format!("clone failed before its load: {line}"));
         }
+        shell.ready = true;
     }
     Ok(())
 }
@@ -1030,13 +1102,6 @@ fn load_clone(
     shell
         .send(&format!("load {json}"))
         .map_err(|e| format!("sending the load: {e}"))?;
-    if !shell.ready {
-        let line = shell.receive(CLONE_READY_TIMEOUT, "ready (empty VM built)")?;
-        if line != "ready" {
-            return Err(format!("clone failed before its load: {line}"));
-        }
-        shell.ready = true;
-    }
     let answer = shell.receive(CLONE_LOAD_TIMEOUT, "answer to the snapshot load")?;
     match answer.strip_prefix("error ") {
         None if answer == "loaded" => Ok(()),

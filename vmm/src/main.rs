@@ -356,8 +356,8 @@ fn run_fork_shell(args: &Args, fd: RawFd) -> Result<i32, String> {
         .map_err(|e| e.to_string())?;
     handle_signals(&controller);
     if let Err(e) = controller.prebuild_shell(&machine) {
+        // The parent reads the answer and removes this shell's files.
         let _ = control.answer(&Err(e.message.clone()));
-        control.abandon();
         return Err(e.message);
     }
     let load = match control.ready().and_then(|()| control.receive_load()) {
@@ -430,8 +430,34 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
     Ok(code)
 }
 
+/// A fork shell's own directory: created here, with stderr redirected into its stderr.log.
+fn take_shell_dir(dir: &std::path::Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let path = dir.join("stderr.log");
+    let stderr = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // SAFETY: dup2 of a descriptor this function owns onto stderr; `stderr` stays valid for
+    // the call and is closed after it, leaving fd 2 open.
+    if unsafe {
+        libc::dup2(
+            std::os::fd::AsRawFd::as_raw_fd(&stderr),
+            libc::STDERR_FILENO,
+        )
+    } < 0
+    {
+        return Err(format!(
+            "{}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<i32, String> {
     install_signal_handlers();
+    if let Some(dir) = &args.fork_shell_dir {
+        take_shell_dir(dir)?;
+    }
     let level = vmm::logger::parse_level(&args.level).map_err(|e| e.to_string())?;
     vmm::logger::init(args.log_path.as_deref(), level).map_err(|e| e.to_string())?;
     if let Some(fd) = args.fork_shell_fd {
