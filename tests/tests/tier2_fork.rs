@@ -563,3 +563,51 @@ fn a_running_parents_block_io_keeps_going_while_16_clones_load() {
         loading.len()
     );
 }
+
+#[test]
+fn fork_is_a_library_call_that_returns_each_clones_result() {
+    if !kvm_available() {
+        return;
+    }
+    // A microVM built in this process, as an embedding program builds it: no API socket, no
+    // rollbox-vmm parent; only the clones are rollbox-vmm processes.
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let disk = scratch.path().join("disk.img");
+    raw_image(&disk, 4 << 20);
+    let mut resources = vmm::config::VmResources {
+        boot_source: Some(vmm::config::BootSourceConfig {
+            kernel_image_path: rollbox_tests::test_guest(),
+            boot_args: Some(rollbox_tests::TEST_GUEST_CMDLINE.into()),
+            initrd_path: None,
+        }),
+        console: vmm::config::ConsoleConfig::File(scratch.path().join("console.log")),
+        ..Default::default()
+    };
+    let drive = vmm::config::parse_drive_flag(&disk.display().to_string(), 0).expect("drive");
+    resources.upsert_drive(drive).expect("drive");
+    let mut vm = vmm::builder::build_microvm(&resources).expect("build the microVM");
+    let launcher = vmm::fork::Launcher::new(rollbox_tests::vmm_binary()).expect("launcher");
+    let mut pool = vmm::fork::ForkPool::new(launcher, 0).expect("pool");
+    let params: vmm::api::ForkParams = serde_json::from_str(r#"{"count":3}"#).expect("params");
+    let result = vmm::fork::fork(&mut vm, &params, &mut pool).expect("fork");
+    assert_eq!(result.clones.len(), 3);
+    assert!(!vm.paused, "the parent resumes");
+    for clone in &result.clones {
+        assert_eq!(clone.error, None, "clone {}", clone.index);
+        let (status, info) = api(&clone.api_sock, "GET", "/", None);
+        assert!(status == 200 && info.contains("Running"), "{info}");
+        let drive = clone.api_sock.with_file_name("drive0.img");
+        assert!(drive.is_file(), "{} is missing", drive.display());
+    }
+    for clone in &result.clones {
+        signal(clone.pid.expect("pid") as i32, libc::SIGTERM);
+    }
+    for clone in &result.clones {
+        let pid = clone.pid.expect("pid") as i32;
+        wait_until(Duration::from_secs(30), "clones end", || !alive(pid));
+    }
+    // The clones took the default fork directory with them.
+    wait_until(Duration::from_secs(30), "the fork directory goes", || {
+        !result.snapshot_dir.exists()
+    });
+}
