@@ -44,6 +44,7 @@ const TOKEN_SERIAL_ROOM: u64 = 6;
 const TOKEN_SIGNAL: u64 = 7;
 const TOKEN_PANIC: u64 = 8;
 const TOKEN_FORK_CONTROL: u64 = 9;
+const TOKEN_FORK_DONE: u64 = 10;
 const TOKEN_QUEUE: u64 = 1 << 32;
 const TOKEN_BACKEND: u64 = 2 << 32;
 const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
@@ -86,6 +87,7 @@ pub struct Controller {
     api_rx: Option<Receiver<ApiRequest>>,
     api_evt: Arc<EventFd>,
     stop: Arc<StopSignal>,
+    fork_done: Arc<EventFd>,
     stdin_pending: VecDeque<u8>,
     stdin_state: StdinState,
     exit_code: Option<i32>,
@@ -123,6 +125,8 @@ impl Controller {
         };
         add(api_evt.as_raw_fd(), TOKEN_API).map_err(ControllerError::Epoll)?;
         add(stop.evt.as_raw_fd(), TOKEN_SIGNAL).map_err(ControllerError::Epoll)?;
+        let fork_done = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(ControllerError::Epoll)?);
+        add(fork_done.as_raw_fd(), TOKEN_FORK_DONE).map_err(ControllerError::Epoll)?;
         Ok(Self {
             resources,
             microvm: None,
@@ -130,6 +134,7 @@ impl Controller {
             api_rx,
             api_evt,
             stop,
+            fork_done,
             stdin_pending: VecDeque::new(),
             stdin_state: StdinState::Unwatched,
             exit_code: None,
@@ -479,6 +484,13 @@ impl Controller {
                 self.finish(128 + signal, &format!("stopped by signal {signal}"));
             }
             TOKEN_FORK_CONTROL => self.fork_control_event(),
+            TOKEN_FORK_DONE => {
+                let _ = self.fork_done.read();
+                // Replace the shells the fork used, now that its clones have loaded.
+                if let (Some(pool), Some(vm)) = (self.fork_pool.as_mut(), self.microvm.as_ref()) {
+                    pool.refill(vm);
+                }
+            }
             other => log::warn!("event loop: unknown token {other:#x}"),
         }
     }
@@ -575,15 +587,24 @@ impl Controller {
                         "the microVM has not been started",
                     )));
                 };
+                let done = Arc::clone(&self.fork_done);
                 match crate::fork::start_fork(vm, &params, pool) {
-                    Ok(pending) => {
-                        Answer::Later(Box::new(move || Ok(VmmData::Fork(pending.finish()))))
-                    }
+                    Ok(pending) => Answer::Later(Box::new(move || {
+                        let result = pending.finish();
+                        if let Err(e) = done.write(1) {
+                            log::warn!("fork: cannot ask for a pool refill: {e}");
+                        }
+                        Ok(VmmData::Fork(result))
+                    })),
                     Err(e) => Answer::Now(Err(e.into())),
                 }
             }
-            VmmAction::GetForkPool => match &self.fork_pool {
+            VmmAction::GetForkPool => match &mut self.fork_pool {
                 Some(pool) => {
+                    // A refill a finished fork asked for may not have run yet.
+                    if let Some(vm) = &self.microvm {
+                        pool.refill(vm);
+                    }
                     let wait = pool.ready_waiter(POOL_READY_TIMEOUT);
                     Answer::Later(Box::new(move || Ok(VmmData::ForkPool(wait()))))
                 }

@@ -663,7 +663,8 @@ pub struct PendingFork {
 }
 
 /// Pauses `vm`, snapshots it, resumes it, and starts `params.count` clones (from `pool` where
-/// it has shells): everything that needs the VM. The clones load in [`PendingFork::finish`].
+/// it has shells): everything that needs the VM. The clones load in [`PendingFork::finish`];
+/// refill the pool ([`ForkPool::refill`]) after that.
 pub fn start_fork(
     vm: &mut MicroVm,
     params: &ForkParams,
@@ -827,8 +828,6 @@ pub fn start_fork(
     let snapshot_lock = File::open(dir.join("vmstate"))
         .ok()
         .filter(|f| flock(f, libc::LOCK_SH));
-    // Replace the shells this fork used; they build their VMs in the background.
-    pool.refill(vm);
     Ok(PendingFork {
         _launcher: launcher,
         clones,
@@ -928,7 +927,11 @@ pub fn fork(
     params: &ForkParams,
     pool: &mut ForkPool,
 ) -> Result<ForkResult, ForkError> {
-    Ok(start_fork(vm, params, pool)?.finish())
+    let result = start_fork(vm, params, pool)?.finish();
+    // Replace the shells this fork used (after the loads, which they would slow down); they
+    // build their VMs in the background.
+    pool.refill(vm);
+    Ok(result)
 }
 
 /// Every clone needs its own tap for every network interface of the VM.
