@@ -1112,3 +1112,51 @@ fn load_clone(
         None => Err(format!("clone answered {answer:?} to its load")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_snapshot_goes_with_the_last_clone_that_holds_it() {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let fork_dir = scratch.path().join("fork");
+        let own = |n: u32| fork_dir.join(format!("clone-{n}"));
+        for n in 0..2 {
+            std::fs::create_dir_all(own(n)).expect("clone dir");
+        }
+        std::fs::write(fork_dir.join("vmstate"), b"state").expect("vmstate");
+        let guard = |n: u32| {
+            CloneGuard::new(CloneCleanup {
+                own_dirs: vec![own(n)],
+                empty_dirs: Vec::new(),
+                snapshot_dir: Some(fork_dir.clone()),
+            })
+        };
+        let (first, second) = (guard(0), guard(1));
+        drop(first);
+        assert!(!own(0).exists(), "a clone's own directory goes with it");
+        assert!(
+            fork_dir.join("vmstate").exists(),
+            "the snapshot went while a clone still held it"
+        );
+        drop(second);
+        assert!(
+            !fork_dir.exists(),
+            "the last clone leaves the snapshot behind"
+        );
+    }
+
+    #[test]
+    fn a_pool_larger_than_the_limit_is_refused() {
+        let launcher = Launcher::new(PathBuf::from("/nonexistent/rollbox-vmm")).expect("launcher");
+        let error = ForkPool::new(Arc::clone(&launcher), MAX_POOL + 1)
+            .err()
+            .expect("refused");
+        assert_eq!(
+            error.to_string(),
+            "a fork pool of 65 shells is too large: at most 64"
+        );
+        assert!(ForkPool::new(launcher, MAX_POOL).is_ok());
+    }
+}
