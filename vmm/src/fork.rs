@@ -40,8 +40,9 @@ const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a clone may take to load the snapshot: a VM with a virtio-fs volume copies its
 /// memory and starts virtiofsd, which on a loaded host takes far longer than a cow restore.
 const CLONE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a loaded clone may take to resume once detached.
-const CLONE_RESUME_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a loaded clone may take to resume once detached (on a loaded nested lab, a
+/// process can wait seconds for a CPU).
+const CLONE_RESUME_TIMEOUT: Duration = Duration::from_secs(60);
 /// The most shells a warm pool may keep: each is a process with an empty VM.
 pub const MAX_POOL: usize = 64;
 /// The signal a shell gets when the thread that started it ends (it then removes its files).
