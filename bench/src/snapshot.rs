@@ -329,8 +329,16 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     let mut fork16 = Vec::new();
     let mut fork16_paused = Vec::new();
     for rep in 0..config.reps.min(5) {
-        // Let the pool of clone shells (--fork-pool 16) finish building its empty VMs.
-        std::thread::sleep(Duration::from_millis(1500));
+        // GET /fork-pool answers once the pool's shells (--fork-pool 16) have built their
+        // empty VMs.
+        let pool = api(&sock, "GET", "/fork-pool", "")?;
+        let pool: serde_json::Value =
+            serde_json::from_str(&pool).map_err(|e| SnapshotBenchError::Guest(e.to_string()))?;
+        if pool["ready"] != pool["target"] {
+            return Err(SnapshotBenchError::Guest(format!(
+                "the fork pool did not fill within a minute: {pool}"
+            )));
+        }
         let dir = base.join(format!("fork{rep}"));
         let answer = api(
             &sock,

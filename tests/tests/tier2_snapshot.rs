@@ -1,6 +1,6 @@
 //! Tier 2: snapshots of the test guest on real KVM — pause/resume, full and diff snapshots,
-//! restore in a new process with every memory backend, fork, deterministic reset and clone
-//! generations, and bad snapshot files.
+//! restore in a new process with every memory backend, deterministic reset and clone
+//! generations, and bad snapshot files (fork: tier2_fork.rs).
 
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
@@ -363,64 +363,6 @@ fn twenty_clones_run_at_once_and_each_gets_the_right_answer() {
         s.read_exact(&mut ok).expect("OK");
         assert_eq!(&ok, b"OK ");
     }
-}
-
-#[test]
-fn fork_starts_clones_with_their_own_sockets_and_drives() {
-    if !kvm_available() {
-        return;
-    }
-    let mut vm = boot_with_api(&[]);
-    assert_eq!(vm.ok("vsock-listen 1024"), "");
-    assert_eq!(vm.ok("blk-write 0 3 666f726b"), "");
-    let fork_dir = vm.path("fork");
-    let (status, body) = api(
-        &vm.path("api.sock"),
-        "POST",
-        "/fork",
-        Some(&format!(r#"{{"count":4,"dir":"{}"}}"#, fork_dir.display())),
-    );
-    assert_eq!(status, 200, "{body}");
-    let result: serde_json::Value = serde_json::from_str(&body).expect("json");
-    let clones = result["clones"].as_array().expect("clones");
-    assert_eq!(clones.len(), 4);
-    // The parent keeps running.
-    assert_eq!(vm.ok("echo parent"), "parent");
-    let mut uds = Vec::new();
-    for clone in clones {
-        assert!(clone["error"].is_null(), "{clone}");
-        let sock = PathBuf::from(clone["vsock_uds"].as_str().expect("uds"));
-        assert!(!uds.contains(&sock), "clones must not share a vsock socket");
-        uds.push(sock.clone());
-        let mut s = UnixStream::connect(&sock).expect("clone vsock");
-        s.set_read_timeout(Some(Duration::from_secs(30)))
-            .expect("timeout");
-        s.write_all(b"CONNECT 1024\n").expect("connect");
-        let mut line = Vec::new();
-        let mut b = [0u8; 1];
-        while b[0] != b'\n' {
-            s.read_exact(&mut b).expect("OK line");
-            line.push(b[0]);
-        }
-        s.write_all(b"ping\n").expect("send");
-        let mut echo = [0u8; 5];
-        s.read_exact(&mut echo).expect("echo");
-        assert_eq!(&echo, b"ping\n");
-        let api_sock = PathBuf::from(clone["api_sock"].as_str().expect("api"));
-        let (_, info) = api(&api_sock, "GET", "/", None);
-        assert!(info.contains("Running"), "{info}");
-        // Each clone writes its own copy of the drive.
-        let pid = clone["pid"].as_u64().expect("pid") as i32;
-        // SAFETY: ends a clone process this test started.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-    }
-    let (status, body) = api(
-        &vm.path("api.sock"),
-        "POST",
-        "/fork",
-        Some(r#"{"count":0}"#),
-    );
-    assert_eq!(status, 400, "{body}");
 }
 
 #[test]

@@ -210,19 +210,27 @@ pub struct MicroVm {
     pub generation: Arc<AtomicU64>,
     /// The ACPI Generic Event Device's interrupt (announces a new VM generation ID).
     pub ged_interrupt: Arc<EventFd>,
+    /// Threads serving block queues; paused with the vCPUs.
+    pub queue_workers: Vec<crate::devices::virtio::block::QueueWorker>,
 }
 
 impl MicroVm {
-    /// Pauses every vCPU.
+    /// Pauses every vCPU, then every queue worker between two requests.
     pub fn pause(&mut self) {
         for vcpu in &self.vcpus {
             vcpu.pause();
         }
+        for worker in &self.queue_workers {
+            worker.pause();
+        }
         self.paused = true;
     }
 
-    /// Resumes every vCPU.
+    /// Resumes the queue workers and every vCPU.
     pub fn resume(&mut self) {
+        for worker in &self.queue_workers {
+            worker.resume();
+        }
         for vcpu in &self.vcpus {
             vcpu.resume();
         }
@@ -562,6 +570,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         memory,
         generation: attached.generation,
         ged_interrupt: attached.ged_interrupt,
+        queue_workers: Vec::new(),
     })
 }
 

@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
+use std::time::Duration;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -16,11 +17,14 @@ use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
 use crate::config::{host_memory_mib, VmResources};
 use crate::devices::bus::lock;
+use crate::devices::virtio::block::QueueWorker;
+use crate::devices::virtio::TYPE_BLOCK;
+use crate::fork::{ForkError, ForkPool, ForkPoolStatus, Launcher, ParentWord, ShellControl};
 use crate::persist::{
     create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType, VmShell,
 };
 use crate::vstate::vcpu::VmExit;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Errors of the event loop itself.
@@ -39,6 +43,8 @@ const TOKEN_STDIN: u64 = 5;
 const TOKEN_SERIAL_ROOM: u64 = 6;
 const TOKEN_SIGNAL: u64 = 7;
 const TOKEN_PANIC: u64 = 8;
+const TOKEN_FORK_CONTROL: u64 = 9;
+const TOKEN_FORK_DONE: u64 = 10;
 const TOKEN_QUEUE: u64 = 1 << 32;
 const TOKEN_BACKEND: u64 = 2 << 32;
 const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
@@ -46,20 +52,32 @@ const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
 /// How long console output may sit in the buffer.
 const CONSOLE_FLUSH_MS: i32 = 5;
 const STDIN_CHUNK: usize = 4096;
+/// How long `GET /fork-pool` waits for the pool's shells to build their VMs.
+const POOL_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
-static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
-static SIGNAL_NUMBER: AtomicI32 = AtomicI32::new(0);
+/// Ends the event loop from a signal handler (which the embedding binary installs).
+pub struct StopSignal {
+    evt: EventFd,
+    number: AtomicI32,
+}
 
-extern "C" fn on_terminate(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    SIGNAL_NUMBER.store(num, Ordering::SeqCst);
-    let fd = SIGNAL_FD.load(Ordering::SeqCst);
-    if fd >= 0 {
-        let one: u64 = 1;
-        // SAFETY: write(2) is async-signal-safe; `one` outlives the call and is 8 bytes, as an
-        // eventfd write requires.
-        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+impl StopSignal {
+    /// Asks the event loop to stop with status 128 + `signal`. Async-signal-safe: one atomic
+    /// store and one eventfd write.
+    pub fn raise(&self, signal: i32) {
+        self.number.store(signal, Ordering::SeqCst);
+        let _ = self.evt.write(1);
     }
 }
+
+/// An action's answer: now, or from work that runs off the event loop.
+enum Answer {
+    Now(ActionResult),
+    Later(Box<dyn FnOnce() -> ActionResult + Send>),
+}
+
+/// What a clone does once its parent detached it (the binary clears its parent-death signal).
+pub type OnDetach = Box<dyn FnMut() + Send>;
 
 /// The VMM: resources, the microVM once started, and the event loop.
 pub struct Controller {
@@ -68,13 +86,15 @@ pub struct Controller {
     epoll: Epoll,
     api_rx: Option<Receiver<ApiRequest>>,
     api_evt: Arc<EventFd>,
-    signal_evt: EventFd,
+    stop: Arc<StopSignal>,
+    fork_done: Arc<EventFd>,
     stdin_pending: VecDeque<u8>,
     stdin_state: StdinState,
     exit_code: Option<i32>,
     host_mib: u64,
     shell: Option<VmShell>,
-    fork_pool: crate::fork::ForkPool,
+    fork_pool: Option<ForkPool>,
+    fork_control: Option<(ShellControl, OnDetach)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +112,10 @@ impl Controller {
         api_evt: Arc<EventFd>,
     ) -> Result<Self, ControllerError> {
         let epoll = Epoll::new().map_err(ControllerError::Epoll)?;
-        let signal_evt = EventFd::new(EFD_NONBLOCK).map_err(ControllerError::Epoll)?;
+        let stop = Arc::new(StopSignal {
+            evt: EventFd::new(EFD_NONBLOCK).map_err(ControllerError::Epoll)?,
+            number: AtomicI32::new(0),
+        });
         let add = |fd, token| {
             epoll.ctl(
                 ControlOperation::Add,
@@ -101,27 +124,30 @@ impl Controller {
             )
         };
         add(api_evt.as_raw_fd(), TOKEN_API).map_err(ControllerError::Epoll)?;
-        add(signal_evt.as_raw_fd(), TOKEN_SIGNAL).map_err(ControllerError::Epoll)?;
-        SIGNAL_FD.store(signal_evt.as_raw_fd(), Ordering::SeqCst);
-        for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-            if let Err(e) = vmm_sys_util::signal::register_signal_handler(signal, on_terminate) {
-                log::warn!("cannot handle signal {signal}: {e}");
-            }
-        }
+        add(stop.evt.as_raw_fd(), TOKEN_SIGNAL).map_err(ControllerError::Epoll)?;
+        let fork_done = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(ControllerError::Epoll)?);
+        add(fork_done.as_raw_fd(), TOKEN_FORK_DONE).map_err(ControllerError::Epoll)?;
         Ok(Self {
             resources,
             microvm: None,
             epoll,
             api_rx,
             api_evt,
-            signal_evt,
+            stop,
+            fork_done,
             stdin_pending: VecDeque::new(),
             stdin_state: StdinState::Unwatched,
             exit_code: None,
             host_mib: host_memory_mib(),
             shell: None,
-            fork_pool: crate::fork::ForkPool::new(0),
+            fork_pool: None,
+            fork_control: None,
         })
+    }
+
+    /// What a signal handler calls to stop the event loop.
+    pub fn stop_signal(&self) -> Arc<StopSignal> {
+        Arc::clone(&self.stop)
     }
 
     fn watch(&self, fd: i32, token: u64) -> std::io::Result<()> {
@@ -179,16 +205,62 @@ impl Controller {
         self.install(microvm)
     }
 
-    /// Keeps `count` clone processes with empty VMs ready for `POST /fork` (rollbox extension).
-    pub fn set_fork_pool(&mut self, count: usize) {
-        self.fork_pool = crate::fork::ForkPool::new(count);
+    /// Enables `POST /fork` (rollbox extension): clones run `vmm_binary` (a `rollbox-vmm`), and
+    /// `pool` of them (at most [`crate::fork::MAX_POOL`]) are kept ready with empty VMs.
+    pub fn enable_fork(&mut self, vmm_binary: PathBuf, pool: usize) -> Result<(), ForkError> {
+        let launcher = Launcher::new(vmm_binary)?;
+        let mut fork_pool = ForkPool::new(launcher, pool)?;
         if let Some(vm) = &self.microvm {
-            self.fork_pool.refill(vm, count);
+            fork_pool.refill(vm);
+        }
+        self.fork_pool = Some(fork_pool);
+        Ok(())
+    }
+
+    /// Watches a loaded (paused) clone's control socket: when the parent detaches the clone,
+    /// `on_detach` runs (on this thread) and the VM resumes; if the parent goes before that,
+    /// the clone stops.
+    pub fn watch_fork_control(
+        &mut self,
+        control: ShellControl,
+        on_detach: OnDetach,
+    ) -> Result<(), ControllerError> {
+        self.watch(control.as_raw_fd(), TOKEN_FORK_CONTROL)
+            .map_err(ControllerError::Epoll)?;
+        self.fork_control = Some((control, on_detach));
+        Ok(())
+    }
+
+    fn fork_control_event(&mut self) {
+        let Some((mut control, mut on_detach)) = self.fork_control.take() else {
+            return;
+        };
+        let _ = self.epoll.ctl(
+            ControlOperation::Delete,
+            control.as_raw_fd(),
+            EpollEvent::default(),
+        );
+        match control.parent_word() {
+            ParentWord::Detach => {
+                on_detach();
+                if let Some(vm) = self.microvm.as_mut() {
+                    vm.resume();
+                }
+                if let Err(e) = control.running() {
+                    log::warn!("fork: cannot tell the parent this clone runs: {e}");
+                }
+            }
+            ParentWord::Gone => self.finish(1, "the parent ended before the fork completed"),
         }
     }
 
-    /// Registers a built or restored microVM's events with the event loop.
-    fn install(&mut self, microvm: MicroVm) -> Result<(), ActionError> {
+    /// Registers a built or restored microVM's events with the event loop; block queues get
+    /// worker threads of their own.
+    fn install(&mut self, mut microvm: MicroVm) -> Result<(), ActionError> {
+        let event_err = |e: std::io::Error| ActionError {
+            status: 500,
+            message: format!("event loop: {e}"),
+        };
         let mut fds = vec![
             (microvm.events.exit.as_raw_fd(), TOKEN_EXIT),
             (microvm.events.reset.as_raw_fd(), TOKEN_RESET),
@@ -196,7 +268,31 @@ impl Controller {
             (microvm.events.panic.as_raw_fd(), TOKEN_PANIC),
             (microvm.events.serial_room.as_raw_fd(), TOKEN_SERIAL_ROOM),
         ];
+        let mut workers = Vec::new();
         for (dev, slot) in microvm.virtio.iter().enumerate() {
+            let (is_block, name) = {
+                let transport = lock(&slot.transport);
+                let device = transport.device();
+                (device.device_type() == TYPE_BLOCK, device.name())
+            };
+            if slot.notify_polled && is_block {
+                let notify = slot
+                    .notify
+                    .iter()
+                    .map(EventFd::try_clone)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(event_err)?;
+                let worker = QueueWorker::start(name, Arc::clone(&slot.transport), notify)
+                    .map_err(|e| ActionError {
+                        status: 500,
+                        message: e.to_string(),
+                    })?;
+                if microvm.paused {
+                    worker.pause();
+                }
+                workers.push(worker);
+                continue;
+            }
             let polled = slot.notify.iter().filter(|_| slot.notify_polled);
             for (queue, evt) in polled.enumerate() {
                 fds.push((
@@ -209,12 +305,12 @@ impl Controller {
             }
         }
         for (fd, token) in fds {
-            self.watch(fd, token).map_err(|e| ActionError {
-                status: 500,
-                message: format!("event loop: {e}"),
-            })?;
+            self.watch(fd, token).map_err(event_err)?;
         }
-        self.fork_pool.refill(&microvm, 0);
+        microvm.queue_workers = workers;
+        if let Some(pool) = &mut self.fork_pool {
+            pool.refill(&microvm);
+        }
         self.microvm = Some(microvm);
         self.watch_stdin();
         Ok(())
@@ -383,9 +479,17 @@ impl Controller {
                 self.finish(1, "guest kernel panic");
             }
             TOKEN_SIGNAL => {
-                let _ = self.signal_evt.read();
-                let signal = SIGNAL_NUMBER.load(Ordering::SeqCst);
+                let _ = self.stop.evt.read();
+                let signal = self.stop.number.load(Ordering::SeqCst);
                 self.finish(128 + signal, &format!("stopped by signal {signal}"));
+            }
+            TOKEN_FORK_CONTROL => self.fork_control_event(),
+            TOKEN_FORK_DONE => {
+                let _ = self.fork_done.read();
+                // Replace the shells the fork used, now that its clones have loaded.
+                if let (Some(pool), Some(vm)) = (self.fork_pool.as_mut(), self.microvm.as_ref()) {
+                    pool.refill(vm);
+                }
             }
             other => log::warn!("event loop: unknown token {other:#x}"),
         }
@@ -425,7 +529,24 @@ impl Controller {
             }
         }
         for (action, reply) in requests {
-            let result = self.handle(action);
+            let result = match self.start_action(action) {
+                Answer::Now(result) => result,
+                Answer::Later(work) => {
+                    // Slow work (a fork's clone loads) answers from a thread of its own.
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("api-later".into())
+                            .spawn(move || {
+                                if reply.send(work()).is_err() {
+                                    log::debug!("API client went away before its answer");
+                                }
+                            });
+                    if let Err(e) = spawned {
+                        log::error!("cannot start a thread for a slow request: {e}");
+                    }
+                    continue;
+                }
+            };
             if reply.send(result).is_err() {
                 log::debug!("API client went away before its answer");
             }
@@ -441,8 +562,62 @@ impl Controller {
         Ok(())
     }
 
-    /// Carries out one action.
+    /// Carries out one action and waits for its answer.
     pub fn handle(&mut self, action: VmmAction) -> ActionResult {
+        match self.start_action(action) {
+            Answer::Now(result) => result,
+            Answer::Later(work) => work(),
+        }
+    }
+
+    /// Carries out what of `action` needs the VM; what does not may be left to run elsewhere.
+    fn start_action(&mut self, action: VmmAction) -> Answer {
+        match action {
+            VmmAction::Fork(params) => {
+                let pool = match self.fork_pool.as_mut() {
+                    Some(pool) => pool,
+                    None => {
+                        return Answer::Now(Err(ActionError::bad_request(
+                            "fork is not enabled: Controller::enable_fork names the rollbox-vmm binary that clones run",
+                        )))
+                    }
+                };
+                let Some(vm) = self.microvm.as_mut() else {
+                    return Answer::Now(Err(ActionError::bad_request(
+                        "the microVM has not been started",
+                    )));
+                };
+                let done = Arc::clone(&self.fork_done);
+                match crate::fork::start_fork(vm, &params, pool) {
+                    Ok(pending) => Answer::Later(Box::new(move || {
+                        let result = pending.finish();
+                        if let Err(e) = done.write(1) {
+                            log::warn!("fork: cannot ask for a pool refill: {e}");
+                        }
+                        Ok(VmmData::Fork(result))
+                    })),
+                    Err(e) => Answer::Now(Err(e.into())),
+                }
+            }
+            VmmAction::GetForkPool => match &mut self.fork_pool {
+                Some(pool) => {
+                    // A refill a finished fork asked for may not have run yet.
+                    if let Some(vm) = &self.microvm {
+                        pool.refill(vm);
+                    }
+                    let wait = pool.ready_waiter(POOL_READY_TIMEOUT);
+                    Answer::Later(Box::new(move || Ok(VmmData::ForkPool(wait()))))
+                }
+                None => Answer::Now(Ok(VmmData::ForkPool(ForkPoolStatus {
+                    target: 0,
+                    ready: 0,
+                }))),
+            },
+            action => Answer::Now(self.handle_now(action)),
+        }
+    }
+
+    fn handle_now(&mut self, action: VmmAction) -> ActionResult {
         let config_err = |e: crate::config::ConfigError| ActionError::bad_request(e.to_string());
         match action {
             VmmAction::GetVmInfo => Ok(VmmData::VmInfo(VmInfo {
@@ -543,14 +718,9 @@ impl Controller {
                 self.restore(&params.snapshot_path, &options)?;
                 Ok(VmmData::Empty)
             }
-            VmmAction::Fork(params) => {
-                let vm = self
-                    .microvm
-                    .as_mut()
-                    .ok_or_else(|| ActionError::bad_request("the microVM has not been started"))?;
-                let result = crate::fork::fork(vm, &params, &mut self.fork_pool)?;
-                Ok(VmmData::Fork(result))
-            }
+            VmmAction::Fork(_) | VmmAction::GetForkPool => Err(ActionError::bad_request(
+                "internal: answered by start_action",
+            )),
         }
     }
 

@@ -47,6 +47,8 @@ pub enum VmmAction {
     LoadSnapshot(LoadSnapshotParams),
     /// rollbox extension: `POST /fork {"count": N}`
     Fork(ForkParams),
+    /// rollbox extension: `GET /fork-pool`, answered once the pool's shells are ready.
+    GetForkPool,
 }
 
 /// `PUT /snapshot/create` body (Firecracker's).
@@ -230,6 +232,8 @@ pub enum VmmData {
     MachineConfig(MachineConfig),
     /// `POST /fork` body.
     Fork(ForkResult),
+    /// `GET /fork-pool` body.
+    ForkPool(crate::fork::ForkPoolStatus),
 }
 
 /// The instance description of `GET /`, as Firecracker returns it.
@@ -358,6 +362,7 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
         }
         ("PUT", ["snapshot", "create"]) => Ok(VmmAction::CreateSnapshot(body(bytes)?)),
         ("PUT", ["snapshot", "load"]) => Ok(VmmAction::LoadSnapshot(body(bytes)?)),
+        ("GET", ["fork-pool"]) => Ok(VmmAction::GetForkPool),
         ("POST", ["fork"]) => {
             let params: ForkParams = body(bytes)?;
             if params.count == 0 || params.count > 256 {

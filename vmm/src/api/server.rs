@@ -135,6 +135,7 @@ fn respond(out: &mut impl Write, result: ActionResult) -> std::io::Result<()> {
         Ok(VmmData::VmInfo(info)) => write_response(out, 200, Some(&json(&info))),
         Ok(VmmData::MachineConfig(m)) => write_response(out, 200, Some(&json(&m))),
         Ok(VmmData::Fork(f)) => write_response(out, 200, Some(&json(&f))),
+        Ok(VmmData::ForkPool(p)) => write_response(out, 200, Some(&json(&p))),
         Err(e) => write_response(
             out,
             e.status,

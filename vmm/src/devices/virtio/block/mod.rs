@@ -2,5 +2,7 @@
 
 mod device;
 mod request;
+pub mod worker;
 
 pub use device::{Block, BlockConfig, BlockError};
+pub use worker::{QueueWorker, WorkerError};
