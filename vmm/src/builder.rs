@@ -40,7 +40,9 @@ use crate::devices::virtio::persist::VirtioPersistState;
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::vstate::memory::{create_guest_memory, MemoryError, Sharing};
-use crate::vstate::vcpu::{saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle};
+use crate::vstate::vcpu::{
+    saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle, VmExit,
+};
 use crate::vstate::vm::{open_kvm, Vm, VmError};
 use snapshot::Persist;
 
@@ -542,6 +544,9 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         exits: exit_tx,
         exit_evt: Arc::clone(&attached.events.exit),
     };
+    if let Some(server) = &memory.page_server {
+        server.on_failure(page_server_failure_hook(&handlers));
+    }
     crate::vstate::vcpu::install_kick_handler()?;
     let mut handles = Vec::new();
     for vcpu in vcpus {
@@ -562,6 +567,28 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         memory,
         generation: attached.generation,
         ged_interrupt: attached.ged_interrupt,
+    })
+}
+
+/// How long the VMM may take to stop after the page server failed before it is ended anyway:
+/// a vCPU blocked on the unserved fault may never leave KVM_RUN.
+const PAGE_SERVER_EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ends the VM with the page server's reason, like a vCPU crash; if the VMM has not exited
+/// after [`PAGE_SERVER_EXIT_GRACE`], exits the process with status 1.
+fn page_server_failure_hook(handlers: &ExitHandlers) -> snapshot::uffd::FailureHook {
+    let exits = handlers.exits.clone();
+    let exit_evt = Arc::clone(&handlers.exit_evt);
+    Box::new(move |why| {
+        let exit = VmExit::Error(format!("page server: {why}"));
+        if exits.send(ExitReport { vcpu: 0, exit }).is_err() || exit_evt.write(1).is_err() {
+            log::error!("page server failed and the VMM is not listening: {why}");
+        }
+        std::thread::spawn(move || {
+            std::thread::sleep(PAGE_SERVER_EXIT_GRACE);
+            eprintln!("rollbox-vmm: page server: {why}; the VMM did not stop within {PAGE_SERVER_EXIT_GRACE:?}, exiting");
+            std::process::exit(1);
+        });
     })
 }
 
