@@ -215,12 +215,18 @@ pub struct MicroVm {
 }
 
 impl MicroVm {
-    /// Pauses every vCPU.
-    pub fn pause(&mut self) {
+    /// Pauses every vCPU; if one does not pause in time, resumes the others and fails.
+    pub fn pause(&mut self) -> Result<(), VcpuError> {
         for vcpu in &self.vcpus {
-            vcpu.pause();
+            if let Err(e) = vcpu.pause() {
+                for vcpu in &self.vcpus {
+                    vcpu.resume();
+                }
+                return Err(e);
+            }
         }
         self.paused = true;
+        Ok(())
     }
 
     /// Resumes every vCPU.

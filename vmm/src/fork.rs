@@ -218,13 +218,17 @@ pub fn fork(
             .unwrap_or_default();
     }
     let was_paused = vm.paused;
-    vm.pause();
-    let snapshot = create_snapshot(
-        vm,
-        SnapshotType::Full,
-        &dir.join("vmstate"),
-        &dir.join("memory"),
-    );
+    // A vCPU that cannot be paused fails the fork like a failed snapshot.
+    let snapshot = match vm.pause() {
+        Ok(()) => create_snapshot(
+            vm,
+            SnapshotType::Full,
+            &dir.join("vmstate"),
+            &dir.join("memory"),
+        )
+        .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
     // Drives are copied while the VM is paused, so they match the memory snapshot.
     if snapshot.is_ok() {
         for clone in clones.iter_mut().filter(|c| c.info.error.is_none()) {

@@ -223,6 +223,12 @@ impl VirtioDevice for Vsock {
     }
 
     fn reset(&mut self) {
+        let (dropped, refused) = (self.muxer.dropped_control(), self.muxer.refused_conns());
+        if dropped > 0 || refused > 0 {
+            log::info!(
+                "virtio-vsock: reset; so far {dropped} control packets dropped (no RX buffers), {refused} connections refused (limit)"
+            );
+        }
         self.muxer.reset();
         self.stalled = [false; 3];
     }
