@@ -201,3 +201,116 @@ fn a_host_that_never_reads_stdout_stalls_neither_guest_nor_api() {
     };
     assert!(status.success(), "{status}");
 }
+
+/// Connects to guest port `port` through the vsock socket and checks an echo.
+fn echo_through_vsock(vm: &Vm, port: u32) {
+    let mut s = UnixStream::connect(vm.path("v.sock")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    s.write_all(format!("CONNECT {port}\nping\n").as_bytes())
+        .expect("send");
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"ping\n") {
+        s.read_exact(&mut byte)
+            .unwrap_or_else(|e| panic!("vsock echo: {e}; got {got:?}"));
+        got.push(byte[0]);
+    }
+}
+
+/// Accepts and holds every connection to `listener` until dropped.
+struct Holder {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    path: std::path::PathBuf,
+    thread: Option<std::thread::JoinHandle<usize>>,
+}
+
+impl Holder {
+    fn new(path: std::path::PathBuf) -> Holder {
+        let listener = UnixListener::bind(&path).expect("listen");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let theirs = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for s in listener.incoming() {
+                if theirs.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                held.extend(s.ok());
+            }
+            held.len()
+        });
+        Holder {
+            stop,
+            path,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops accepting (a last connection wakes the thread); returns how many it held.
+    fn finish(mut self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = UnixStream::connect(&self.path);
+        self.thread
+            .take()
+            .map(|t| t.join().expect("holder"))
+            .unwrap_or(0)
+    }
+}
+
+#[test]
+fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = vsock_vm();
+    let holder = Holder::new(vm.path("v.sock_5000"));
+    assert_eq!(vm.ok("vsock-listen 1024"), "");
+    let pid = vm.child.id();
+    let before = rss_kib_and_fds(pid);
+    for kind in ["flood-bogus", "flood-connect"] {
+        let started = Instant::now();
+        assert_eq!(vm.ok(&format!("vsock-hostile {kind}")), "survived", "{kind}");
+        let took = started.elapsed();
+        let during = rss_kib_and_fds(pid);
+        api_answers(&vm.path("api.sock"), Duration::from_secs(5));
+        eprintln!(
+            "vsock guest {kind} of 3000 packets in {took:?}, no RX buffers: VMM RSS {} -> {} KiB, fds {} -> {}",
+            before.0, during.0, before.1, during.1
+        );
+        assert!(
+            during.1 <= before.1 + MAX_CONNECTIONS,
+            "{kind}: fds {} -> {}",
+            before.1,
+            during.1
+        );
+        assert!(
+            during.0 < before.0 + 16 * 1024,
+            "{kind}: RSS {} -> {} KiB",
+            before.0,
+            during.0
+        );
+        // The guest sets the device up afresh; vsock serves again.
+        assert_eq!(vm.ok("vsock-listen 1024"), "");
+        echo_through_vsock(&vm, 1024);
+    }
+    let after = rss_kib_and_fds(pid);
+    eprintln!(
+        "vsock guest floods: VMM RSS {} -> {} KiB, fds {} -> {} after the device reset",
+        before.0, after.0, before.1, after.1
+    );
+    assert!(after.1 <= before.1 + 2, "fds leaked: {} -> {}", before.1, after.1);
+    let held = holder.finish();
+    assert!(held > 0, "no guest connection reached the host listener");
+    let log = vm.stderr();
+    let dropped_lines = log
+        .lines()
+        .filter(|l| l.contains("guest gives no RX buffers"))
+        .count();
+    assert!(
+        (1..=32).contains(&dropped_lines),
+        "want the dropped control packets logged, rate-limited; got {dropped_lines} lines"
+    );
+    vm.send("poweroff\n");
+    assert!(vm.wait(Duration::from_secs(30)).success(), "{}", vm.stderr());
+}
