@@ -537,7 +537,7 @@ mod tests {
             ),
             (
                 &[(hdr, 44, F_NEXT, 1), (data, 16, F_NEXT, 0)],
-                "no end within 16 descriptors: it loops",
+                "it loops after 2 descriptor(s), descriptor 1 linking back to descriptor 0",
             ),
             (
                 &[(hdr, 44, F_NEXT, 1), (1 << 40, 16, 0, 0)],
