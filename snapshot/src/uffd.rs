@@ -79,6 +79,8 @@ struct Shared {
     recorded: Mutex<Vec<u64>>,
     recording: bool,
     stop: AtomicBool,
+    /// Faults not served after the first failure.
+    unserved: AtomicU64,
     /// The first fault that could not be served, and who to tell.
     failure: Mutex<(Option<String>, Option<FailureHook>)>,
 }
@@ -167,13 +169,15 @@ impl Shared {
         Err(format!("the kernel answered EAGAIN {EAGAIN_TRIES} times"))
     }
 
-    /// Records the first unserved fault and tells the hook, if one is set.
+    /// Records the first unserved fault, logs it and tells the hook, if one is set; later
+    /// ones (the same fault, retried) are only counted.
     fn fail(&self, why: String) {
-        log::error!("page server: {why}");
         let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         if failure.0.is_some() {
+            self.unserved.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        log::error!("page server: {why}");
         failure.0 = Some(why.clone());
         if let Some(hook) = failure.1.take() {
             hook(why);
@@ -330,6 +334,7 @@ impl PageServer {
             recorded: Mutex::new(Vec::new()),
             recording: options.record_to.is_some(),
             stop: AtomicBool::new(false),
+            unserved: AtomicU64::new(0),
             failure: Mutex::new((None, None)),
         });
         if let Some(ws) = &options.prefetch_from {

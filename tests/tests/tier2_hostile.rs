@@ -323,3 +323,74 @@ fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(30)).success(), "{}", vm.stderr());
 }
+
+#[test]
+fn a_memory_file_truncated_under_a_lazy_restore_ends_the_vm_naming_it() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = Vm::boot(&["--memory-mib", "128", "--api-sock", "{dir}/api.sock"]);
+    wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
+    assert_eq!(vm.ok("touch 16 77"), "4096");
+    let snap = tempfile::tempdir().expect("snapshot dir");
+    let memory = snap.path().join("memory");
+    let sock = vm.path("api.sock");
+    let (status, body) = api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
+    assert_eq!(status, 204, "{body}");
+    let create = format!(
+        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+        snap.path().join("vmstate").display(),
+        memory.display()
+    );
+    let (status, body) = api(&sock, "PUT", "/snapshot/create", Some(&create));
+    assert_eq!(status, 204, "{body}");
+    drop(vm);
+
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let restore_sock = scratch.path().join("api.sock");
+    let mut clone = Vm::spawn_raw(
+        &[
+            "--restore".into(),
+            snap.path().display().to_string(),
+            "--restore-backend".into(),
+            "uffd".into(),
+            "--api-sock".into(),
+            restore_sock.display().to_string(),
+        ],
+        scratch,
+    );
+    // The API socket appears once the restore is done: the page server is serving.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !restore_sock.exists() {
+        if let Some(status) = clone.child.try_wait().expect("try_wait") {
+            let log = clone.stderr();
+            if log.contains("userfaultfd") {
+                rollbox_tests::skip(
+                    "a_memory_file_truncated_under_a_lazy_restore_ends_the_vm_naming_it",
+                    &format!("no userfaultfd here: {log}"),
+                );
+                return;
+            }
+            panic!("the lazy restore failed ({status}): {log}");
+        }
+        assert!(Instant::now() < deadline, "the restore never finished");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::File::options()
+        .write(true)
+        .open(&memory)
+        .and_then(|f| f.set_len(1 << 20))
+        .expect("truncate the memory file");
+    let started = Instant::now();
+    // Reading the working set faults in pages the file no longer holds.
+    clone.send("check 16 77\n");
+    let status = clone.wait(Duration::from_secs(60));
+    let took = started.elapsed();
+    eprintln!("a fault on the truncated memory file ended the VMM in {took:?} with {status}");
+    assert!(!status.success(), "the VM must fail");
+    let log = clone.stderr();
+    assert!(
+        log.contains(&format!("memory file {} ends before offset", memory.display())),
+        "the error must name the memory file:\n{log}"
+    );
+}

@@ -240,6 +240,13 @@ impl MicroVm {
 
 impl Drop for MicroVm {
     fn drop(&mut self) {
+        // A vCPU blocked on a fault the page server could not serve leaves KVM_RUN only once
+        // the userfaultfd is gone.
+        if let Some(server) = &self.memory.page_server {
+            if server.failure().is_some() {
+                self.memory.page_server.take();
+            }
+        }
         for vcpu in &mut self.vcpus {
             vcpu.stop();
         }
