@@ -126,8 +126,12 @@ impl Shared {
                 .ok_or_else(|| format!("no memory layer holds offset {at:#x}"))?;
             read_page(src, at, &mut page)?;
             let zero = page.iter().all(|b| *b == 0);
-            self.place(to, &page, zero)
-                .map_err(|e| format!("placing the page at offset {at:#x} of {}: {e}", src.path.display()))?;
+            self.place(to, &page, zero).map_err(|e| {
+                format!(
+                    "placing the page at offset {at:#x} of {}: {e}",
+                    src.path.display()
+                )
+            })?;
             done += PAGE_SIZE;
         }
         Ok(())
@@ -142,12 +146,8 @@ impl Shared {
                 if zero {
                     self.uffd.zeropage(to.cast(), PAGE_SIZE as usize, true)
                 } else {
-                    self.uffd.copy(
-                        page.as_ptr().cast(),
-                        to.cast(),
-                        PAGE_SIZE as usize,
-                        true,
-                    )
+                    self.uffd
+                        .copy(page.as_ptr().cast(), to.cast(), PAGE_SIZE as usize, true)
                 }
             };
             match result {
@@ -373,7 +373,11 @@ impl PageServer {
     /// Sets who is told, once, about a fault the server cannot serve (at once if one already
     /// happened). The faulting thread stays blocked: the owner must end the VM.
     pub fn on_failure(&self, hook: FailureHook) {
-        let mut failure = self.shared.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failure = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         match failure.0.clone() {
             Some(why) => {
                 drop(failure);
@@ -567,8 +571,13 @@ mod tests {
             len,
             file_offset: 0,
         }];
-        let server = PageServer::start(&regions, &[(layer, file)], len, PageServerOptions::default())
-            .expect("start");
+        let server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            len,
+            PageServerOptions::default(),
+        )
+        .expect("start");
         let (tx, rx) = std::sync::mpsc::channel();
         server.on_failure(Box::new(move |why| {
             let _ = tx.send(why);
@@ -598,7 +607,10 @@ mod tests {
             let _ = tx.send(why);
         }));
         assert_eq!(rx.try_recv().ok(), Some(why));
-        assert!(!toucher.is_finished(), "the faulting thread must not run on a missing page");
+        assert!(
+            !toucher.is_finished(),
+            "the faulting thread must not run on a missing page"
+        );
         // Closing the userfaultfd releases the thread (the page is then plain anonymous memory).
         drop(server);
         assert_eq!(toucher.join().expect("toucher"), 0);

@@ -94,7 +94,11 @@ fn a_guest_connecting_to_a_full_host_listener_is_refused_and_the_api_keeps_answe
     let log = vm.stderr();
     assert!(log.contains("has a full backlog"), "{log}");
     vm.send("poweroff\n");
-    assert!(vm.wait(Duration::from_secs(30)).success(), "{}", vm.stderr());
+    assert!(
+        vm.wait(Duration::from_secs(30)).success(),
+        "{}",
+        vm.stderr()
+    );
 }
 
 #[test]
@@ -145,7 +149,12 @@ fn a_host_connection_flood_is_capped_and_the_vmm_stays_flat() {
         during.1
     );
     assert!(refused > 0, "no connection was refused");
-    assert!(after.1 <= before.1 + 2, "fds leaked: {} -> {}", before.1, after.1);
+    assert!(
+        after.1 <= before.1 + 2,
+        "fds leaked: {} -> {}",
+        before.1,
+        after.1
+    );
     // vsock still works.
     let mut s = UnixStream::connect(vm.path("v.sock")).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(20)))
@@ -158,7 +167,11 @@ fn a_host_connection_flood_is_capped_and_the_vmm_stays_flat() {
         got.push(byte[0]);
     }
     vm.send("poweroff\n");
-    assert!(vm.wait(Duration::from_secs(30)).success(), "{}", vm.stderr());
+    assert!(
+        vm.wait(Duration::from_secs(30)).success(),
+        "{}",
+        vm.stderr()
+    );
 }
 
 #[test]
@@ -270,7 +283,11 @@ fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
     let before = rss_kib_and_fds(pid);
     for kind in ["flood-bogus", "flood-connect"] {
         let started = Instant::now();
-        assert_eq!(vm.ok(&format!("vsock-hostile {kind}")), "survived", "{kind}");
+        assert_eq!(
+            vm.ok(&format!("vsock-hostile {kind}")),
+            "survived",
+            "{kind}"
+        );
         let took = started.elapsed();
         let during = rss_kib_and_fds(pid);
         api_answers(&vm.path("api.sock"), Duration::from_secs(5));
@@ -299,7 +316,12 @@ fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
         "vsock guest floods: VMM RSS {} -> {} KiB, fds {} -> {} after the device reset",
         before.0, after.0, before.1, after.1
     );
-    assert!(after.1 <= before.1 + 2, "fds leaked: {} -> {}", before.1, after.1);
+    assert!(
+        after.1 <= before.1 + 2,
+        "fds leaked: {} -> {}",
+        before.1,
+        after.1
+    );
     let held = holder.finish();
     assert!(held > 0, "no guest connection reached the host listener");
     let log = vm.stderr();
@@ -321,7 +343,11 @@ fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
         "want the unknown operations logged, rate-limited; got {unknown} lines"
     );
     vm.send("poweroff\n");
-    assert!(vm.wait(Duration::from_secs(30)).success(), "{}", vm.stderr());
+    assert!(
+        vm.wait(Duration::from_secs(30)).success(),
+        "{}",
+        vm.stderr()
+    );
 }
 
 #[test]
@@ -390,7 +416,10 @@ fn a_memory_file_truncated_under_a_lazy_restore_ends_the_vm_naming_it() {
     assert!(!status.success(), "the VM must fail");
     let log = clone.stderr();
     assert!(
-        log.contains(&format!("memory file {} ends before offset", memory.display())),
+        log.contains(&format!(
+            "memory file {} ends before offset",
+            memory.display()
+        )),
         "the error must name the memory file:\n{log}"
     );
 }

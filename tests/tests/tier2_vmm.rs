@@ -278,14 +278,21 @@ fn hostile_descriptor_chains_are_logged_and_survived() {
         );
         // stderr arrives through a reader thread: wait for this kind's line.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !vm.stderr().get(before..).unwrap_or_default().contains(problem)
+        while !vm
+            .stderr()
+            .get(before..)
+            .unwrap_or_default()
+            .contains(problem)
             && Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(10));
         }
         let log = vm.stderr();
         let new = log.get(before..).unwrap_or_default();
-        assert!(new.contains(problem), "hostile {kind}: no line saying {problem:?} in:\n{new}");
+        assert!(
+            new.contains(problem),
+            "hostile {kind}: no line saying {problem:?} in:\n{new}"
+        );
         for (other, other_problem) in kinds {
             assert!(
                 other == kind || !new.contains(other_problem),

@@ -733,13 +733,20 @@ mod tests {
         });
         assert!(!paused);
         assert!(started.elapsed() >= Duration::from_millis(50));
-        assert!(kicks.load(std::sync::atomic::Ordering::Relaxed) > 1, "kicked again and again");
+        assert!(
+            kicks.load(std::sync::atomic::Ordering::Relaxed) > 1,
+            "kicked again and again"
+        );
         assert_eq!(*lock(&control.state), RunState::Running);
         let err = VcpuError::PauseTimeout {
             index: 1,
             waited: PAUSE_TIMEOUT,
         };
-        assert!(err.to_string().starts_with("vCPU 1 did not pause within 5s"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("vCPU 1 did not pause within 5s"),
+            "{err}"
+        );
     }
 
     #[test]

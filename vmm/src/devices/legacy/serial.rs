@@ -142,7 +142,10 @@ fn write_out(shared: &ConsoleShared, mut sink: Sink) {
     loop {
         let mut state = lock_state(shared);
         while state.handed == 0 && !state.closing {
-            state = shared.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+            state = shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(|e| e.into_inner());
         }
         if state.handed == 0 {
             return;
@@ -186,8 +189,7 @@ impl Write for ConsoleOut {
         let taken = buf.len().min(room);
         state.buffer.extend_from_slice(&buf[..taken]);
         state.dropped += (buf.len() - taken) as u64;
-        if buf[..taken].contains(&b'\n') || state.buffer.len() - state.handed >= FLUSH_THRESHOLD
-        {
+        if buf[..taken].contains(&b'\n') || state.buffer.len() - state.handed >= FLUSH_THRESHOLD {
             state.handed = state.buffer.len();
             drop(state);
             self.shared.changed.notify_all();
@@ -388,7 +390,10 @@ mod tests {
             "the writer of console bytes blocked"
         );
         assert!(out.dropped_bytes() > 0, "nothing was dropped");
-        assert!(!out.drain(Duration::from_millis(50)), "nobody reads: cannot drain");
+        assert!(
+            !out.drain(Duration::from_millis(50)),
+            "nobody reads: cannot drain"
+        );
         // Once the host reads again, what was buffered arrives.
         let mut reader = reader;
         reader

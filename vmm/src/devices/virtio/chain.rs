@@ -292,7 +292,11 @@ mod tests {
                 "loops after 1 descriptor(s), descriptor 0 linking back to descriptor 0",
             ),
             (
-                &[(0x8000, 12, F_NEXT, 1), (0x9000, 12, F_NEXT, 2), (0xa000, 4, F_NEXT, 1)],
+                &[
+                    (0x8000, 12, F_NEXT, 1),
+                    (0x9000, 12, F_NEXT, 2),
+                    (0xa000, 4, F_NEXT, 1),
+                ],
                 "loops after 3 descriptor(s), descriptor 2 linking back to descriptor 1",
             ),
             (&[(1 << 40, 12, 0, 0)], "lies outside guest memory"),

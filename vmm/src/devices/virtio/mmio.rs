@@ -575,10 +575,15 @@ mod tests {
         write(t, REG_STATUS, status::ACKNOWLEDGE | status::DRIVER);
         write(t, REG_DRIVER_FEATURES_SEL, 1);
         write(t, REG_DRIVER_FEATURES, 1);
-        write(t, REG_STATUS, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        write(
+            t,
+            REG_STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
     }
 
-    const RUNNING: u32 = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK;
+    const RUNNING: u32 =
+        status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK;
 
     #[test]
     fn identity_registers_and_config_space() {
@@ -605,14 +610,22 @@ mod tests {
         write(&mut t, REG_DEVICE_FEATURES_SEL, 2);
         assert_eq!(read(&mut t, REG_DEVICE_FEATURES), 0);
         write(&mut t, REG_DRIVER_FEATURES, 0xffff_ffff);
-        assert_eq!(t.registers().acked_features, 1 << 5, "only offered bits stick");
+        assert_eq!(
+            t.registers().acked_features,
+            1 << 5,
+            "only offered bits stick"
+        );
     }
 
     #[test]
     fn features_ok_needs_version_1() {
         let (mut t, _) = transport();
         write(&mut t, REG_STATUS, status::ACKNOWLEDGE | status::DRIVER);
-        write(&mut t, REG_STATUS, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        write(
+            &mut t,
+            REG_STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
         assert_eq!(read(&mut t, REG_STATUS) & status::FEATURES_OK, 0);
         negotiate(&mut t);
         assert_ne!(read(&mut t, REG_STATUS) & status::FEATURES_OK, 0);
@@ -629,7 +642,11 @@ mod tests {
         assert_eq!(counts.activated.load(Ordering::SeqCst), 1);
         write(&mut t, REG_QUEUE_NOTIFY, 1);
         write(&mut t, REG_QUEUE_NOTIFY, 9);
-        assert_eq!(counts.notified.load(Ordering::SeqCst), 1, "queue 9 does not exist");
+        assert_eq!(
+            counts.notified.load(Ordering::SeqCst),
+            1,
+            "queue 9 does not exist"
+        );
         // Queue registers are read-only while the device runs.
         write(&mut t, REG_QUEUE_SEL, 0);
         write(&mut t, REG_QUEUE_NUM, 4);

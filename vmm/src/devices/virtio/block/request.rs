@@ -231,8 +231,10 @@ mod tests {
 
     /// A request header of `request_type` for `sector` at HDR.
     fn header(mem: &GuestMemoryMmap, request_type: u32, sector: u64) {
-        mem.write_obj(request_type, GuestAddress(HDR)).expect("type");
-        mem.write_obj(sector, GuestAddress(HDR + 8)).expect("sector");
+        mem.write_obj(request_type, GuestAddress(HDR))
+            .expect("type");
+        mem.write_obj(sector, GuestAddress(HDR + 8))
+            .expect("sector");
     }
 
     fn parse_chain(request_type: u32, descs: &[Desc]) -> Result<Request, ChainError> {
@@ -338,24 +340,37 @@ mod tests {
     #[test]
     fn unterminated_chains_are_named_apart() {
         let mem = mem();
-        let looped = collect(&mem, &[(HDR, 16, F_NEXT, 1), (STATUS, 1, F_WRITE | F_NEXT, 0)])
-            .expect_err("loop");
+        let looped = collect(
+            &mem,
+            &[(HDR, 16, F_NEXT, 1), (STATUS, 1, F_WRITE | F_NEXT, 0)],
+        )
+        .expect_err("loop");
         assert_eq!(
             looped.to_string(),
             "descriptor chain: the chain has no end: it loops after 2 descriptor(s), descriptor 1 linking back to descriptor 0"
         );
-        let long: Vec<Desc> = (0..SIZE).map(|i| (HDR, 16, F_NEXT, (i + 1) % SIZE)).collect();
+        let long: Vec<Desc> = (0..SIZE)
+            .map(|i| (HDR, 16, F_NEXT, (i + 1) % SIZE))
+            .collect();
         let err = collect(&mem, &long).expect_err("long");
         assert!(
-            err.to_string()
-                .contains("loops after 16 descriptor(s), descriptor 15 linking back to descriptor 0"),
+            err.to_string().contains(
+                "loops after 16 descriptor(s), descriptor 15 linking back to descriptor 0"
+            ),
             "{err}"
         );
-        let err = collect(&mem, &[(HDR, 16, F_NEXT, 1), (STATUS, 1, F_WRITE | F_NEXT, SIZE + 5)])
-            .expect_err("bad next");
+        let err = collect(
+            &mem,
+            &[
+                (HDR, 16, F_NEXT, 1),
+                (STATUS, 1, F_WRITE | F_NEXT, SIZE + 5),
+            ],
+        )
+        .expect_err("bad next");
         assert!(
-            err.to_string()
-                .contains("stops after 2 descriptor(s) without an end: the last names next index 21"),
+            err.to_string().contains(
+                "stops after 2 descriptor(s) without an end: the last names next index 21"
+            ),
             "{err}"
         );
         // A status buffer for the error answer is found only when the last descriptor can take it.

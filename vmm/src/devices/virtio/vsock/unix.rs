@@ -688,7 +688,10 @@ fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
     if bytes.len() >= addr.sun_path.len() {
         return Err(std::io::Error::new(
             ErrorKind::InvalidInput,
-            format!("socket path is longer than {} bytes", addr.sun_path.len() - 1),
+            format!(
+                "socket path is longer than {} bytes",
+                addr.sun_path.len() - 1
+            ),
         ));
     }
     addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
@@ -809,9 +812,7 @@ mod tests {
         let mut got = vec![0u8; (BUF_ALLOC / 2) as usize];
         theirs.read_exact(&mut got).expect("host reads");
         // More than the advertised buffer unread on the host: the guest overran its credit.
-        theirs
-            .set_nonblocking(true)
-            .expect("nonblocking host end");
+        theirs.set_nonblocking(true).expect("nonblocking host end");
         rw.len = 0;
         let big = vec![0u8; BUF_ALLOC as usize];
         for _ in 0..8 {
@@ -852,10 +853,17 @@ mod tests {
             m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
         }
         m.handle_guest_packet(&from_guest(1000, 5000, op::REQUEST), &[]);
-        assert!(m.conns.is_empty(), "no RESPONSE could be queued: no connection kept");
+        assert!(
+            m.conns.is_empty(),
+            "no RESPONSE could be queued: no connection kept"
+        );
         let (mut accepted, _) = listener.accept().expect("the host saw the connect");
         let mut buf = [0u8; 1];
-        assert_eq!(accepted.read(&mut buf).expect("read"), 0, "and saw it close");
+        assert_eq!(
+            accepted.read(&mut buf).expect("read"),
+            0,
+            "and saw it close"
+        );
     }
 
     #[test]
