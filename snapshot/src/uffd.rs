@@ -20,8 +20,8 @@ pub enum UffdError {
     /// userfaultfd could not be created or registered.
     #[error("userfaultfd: {0}")]
     Uffd(String),
-    /// A memory layer could not be mapped.
-    #[error("cannot map memory layer {path}: {source}")]
+    /// A memory layer could not be opened for the server.
+    #[error("cannot open memory layer {path}: {source}")]
     Map {
         /// The file.
         path: PathBuf,

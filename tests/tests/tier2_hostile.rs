@@ -142,8 +142,9 @@ fn a_host_connection_flood_is_capped_and_the_vmm_stays_flat() {
         "vsock host flood of {flood}: VMM RSS {} -> {} -> {} KiB, fds {} -> {} -> {}, {refused} refused",
         before.0, during.0, after.0, before.1, during.1, after.1
     );
+    // Two more for what may be open at that moment: an API connection, a refused stream.
     assert!(
-        during.1 <= before.1 + MAX_CONNECTIONS,
+        during.1 <= before.1 + MAX_CONNECTIONS + 2,
         "fds grew past the connection limit: {} -> {}",
         before.1,
         during.1
@@ -296,7 +297,7 @@ fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
             before.0, during.0, before.1, during.1
         );
         assert!(
-            during.1 <= before.1 + MAX_CONNECTIONS,
+            during.1 <= before.1 + MAX_CONNECTIONS + 2,
             "{kind}: fds {} -> {}",
             before.1,
             during.1

@@ -26,6 +26,9 @@ pub const MAX_CONNECTIONS: usize = 1023;
 /// Most control packets queued for the guest: they wait for RX buffers the guest may never
 /// give. Firecracker's limit.
 pub const MAX_CONTROL: usize = 256;
+/// Most control packets one connection keeps while the queue is full (a request or response,
+/// a credit update, a shutdown); a connection that needs more is reset.
+const MAX_DEFERRED: usize = 4;
 
 const TOKEN_LISTENER: u64 = u64::MAX;
 const TOKEN_PENDING_BIT: u64 = 1 << 63;
@@ -55,6 +58,8 @@ struct Conn {
     readable: bool,
     host_eof: bool,
     token: u64,
+    /// Control packets that found the queue full, in order; sent before any more data.
+    deferred: Vec<PacketHeader>,
 }
 
 impl Conn {
@@ -71,6 +76,7 @@ impl Conn {
             readable: false,
             host_eof: false,
             token,
+            deferred: Vec::new(),
         }
     }
 
@@ -251,12 +257,29 @@ impl UnixMuxer {
         self.enqueue(h);
     }
 
-    /// Queues a control packet; when [`MAX_CONTROL`] wait already, drops it (counted) and
-    /// resets its connection on the host side, whose state the guest could not learn.
+    /// Queues a control packet. When [`MAX_CONTROL`] wait already, a live connection keeps
+    /// its packet until there is room (as Firecracker rebuilds its queue from connection
+    /// state); any other packet (a reset for an unknown connection) is dropped and counted.
     fn enqueue(&mut self, h: PacketHeader) {
-        if self.control.len() < MAX_CONTROL {
-            self.control.push_back(h);
-            return;
+        let full = self.control.len() >= MAX_CONTROL;
+        let key = (h.src_port, h.dst_port);
+        match self.conns.get_mut(&key) {
+            Some(conn) if full || !conn.deferred.is_empty() => {
+                let coalesced = h.op == op::CREDIT_UPDATE
+                    && conn.deferred.iter().any(|d| d.op == op::CREDIT_UPDATE);
+                if coalesced {
+                    return;
+                }
+                if conn.deferred.len() < MAX_DEFERRED {
+                    conn.deferred.push(h);
+                    return;
+                }
+            }
+            _ if !full => {
+                self.control.push_back(h);
+                return;
+            }
+            _ => {}
         }
         self.dropped_control += 1;
         log::warn!(
@@ -620,6 +643,13 @@ impl UnixMuxer {
             }
             return Some((header, Vec::new()));
         }
+        // Control packets that waited for room go before any data.
+        if let Some(conn) = self.conns.values_mut().find(|c| !c.deferred.is_empty()) {
+            let mut header = conn.deferred.remove(0);
+            header.fwd_cnt = conn.fwd_cnt.0;
+            conn.last_fwd_cnt_sent = conn.fwd_cnt;
+            return Some((header, Vec::new()));
+        }
         let keys: Vec<ConnKey> = self
             .conns
             .iter()
@@ -670,10 +700,10 @@ impl UnixMuxer {
     /// Whether a packet is ready for the guest (control, or data with credit).
     pub fn has_rx(&self) -> bool {
         !self.control.is_empty()
-            || self
-                .conns
-                .values()
-                .any(|c| c.readable && c.state == ConnState::Established && c.peer_credit() > 0)
+            || self.conns.values().any(|c| {
+                !c.deferred.is_empty()
+                    || (c.readable && c.state == ConnState::Established && c.peer_credit() > 0)
+            })
     }
 }
 
@@ -845,7 +875,7 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_whose_control_packet_is_dropped_is_closed_on_the_host() {
+    fn a_connections_control_packets_wait_for_room_and_go_before_its_data() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut m = muxer(dir.path());
         let listener = UnixListener::bind(dir.path().join("v.sock_5000")).expect("listen");
@@ -853,17 +883,30 @@ mod tests {
             m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
         }
         m.handle_guest_packet(&from_guest(1000, 5000, op::REQUEST), &[]);
-        assert!(
-            m.conns.is_empty(),
-            "no RESPONSE could be queued: no connection kept"
-        );
-        let (mut accepted, _) = listener.accept().expect("the host saw the connect");
-        let mut buf = [0u8; 1];
+        assert_eq!(m.conns.len(), 1, "the connection is kept");
+        assert_eq!(m.dropped_control(), 0);
+        let (mut host, _) = listener.accept().expect("the host saw the connect");
+        host.write_all(b"early data").expect("host writes");
+        // Credit from the guest, asked for again and again: one update waits, coalesced.
+        for _ in 0..10 {
+            m.handle_guest_packet(&from_guest(1000, 5000, op::CREDIT_REQUEST), &[]);
+        }
+        assert_eq!(m.control.len(), MAX_CONTROL);
+        let mut sent = Vec::new();
+        while let Some((h, payload)) = m.next_rx(4096) {
+            sent.push((h.op, payload.len()));
+        }
+        let ours: Vec<(u16, usize)> = sent[MAX_CONTROL..].to_vec();
         assert_eq!(
-            accepted.read(&mut buf).expect("read"),
-            0,
-            "and saw it close"
+            ours,
+            [(op::RESPONSE, 0), (op::CREDIT_UPDATE, 0), (op::RW, 10)],
+            "RESPONSE before the host's data"
         );
+        // A reset for an unknown connection finds no room and is dropped, counted.
+        for port in 0..=MAX_CONTROL as u32 {
+            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
+        }
+        assert_eq!(m.dropped_control(), 1);
     }
 
     #[test]
