@@ -20,8 +20,8 @@ pub enum UffdError {
     /// userfaultfd could not be created or registered.
     #[error("userfaultfd: {0}")]
     Uffd(String),
-    /// A memory layer could not be mapped.
-    #[error("cannot map memory layer {path}: {source}")]
+    /// A memory layer could not be opened for the server.
+    #[error("cannot open memory layer {path}: {source}")]
     Map {
         /// The file.
         path: PathBuf,
@@ -43,49 +43,32 @@ pub enum UffdError {
 
 const WS_MAGIC: [u8; 8] = *b"RBXWSET\0";
 
-/// A read-only mapping of one layer's file.
+/// One layer's file, read with pread: a file truncated or failing under the server gives an
+/// error naming it, where a mapping would kill the VMM with SIGBUS.
 struct Source {
-    base: *const u8,
-    len: usize,
+    file: File,
+    path: PathBuf,
     ranges: Option<Vec<(u64, u64)>>,
 }
 
-// SAFETY: the mapping is read-only and lives until the server drops it.
-unsafe impl Send for Source {}
-// SAFETY: as above; only reads happen through the pointer.
-unsafe impl Sync for Source {}
-
-impl Drop for Source {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping created in `map_source`.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-    }
-}
-
-fn map_source(layer: &MemoryLayer, file: &File, len: u64) -> Result<Source, UffdError> {
-    // SAFETY: a fresh read-only shared mapping of a file we opened; checked for failure.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len as usize,
-            libc::PROT_READ,
-            libc::MAP_SHARED | libc::MAP_NORESERVE,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return Err(UffdError::Map {
-            path: layer.path.clone(),
-            source: std::io::Error::last_os_error(),
-        });
-    }
+fn open_source(layer: &MemoryLayer, file: &File) -> Result<Source, UffdError> {
+    let file = file.try_clone().map_err(|source| UffdError::Map {
+        path: layer.path.clone(),
+        source,
+    })?;
     Ok(Source {
-        base: base.cast(),
-        len: len as usize,
+        file,
+        path: layer.path.clone(),
         ranges: layer.dirty.clone(),
     })
 }
+
+/// Tries of a UFFDIO_COPY or UFFDIO_ZEROPAGE that the kernel answers EAGAIN (the guest's
+/// memory map is changing) before the fault counts as unserved.
+const EAGAIN_TRIES: u32 = 1000;
+
+/// Called once with the reason when the server meets a fault it cannot serve.
+pub type FailureHook = Box<dyn FnOnce(String) + Send>;
 
 struct Shared {
     regions: Vec<HostRegion>,
@@ -96,6 +79,10 @@ struct Shared {
     recorded: Mutex<Vec<u64>>,
     recording: bool,
     stop: AtomicBool,
+    /// Faults not served after the first failure.
+    unserved: AtomicU64,
+    /// The first fault that could not be served, and who to tell.
+    failure: Mutex<(Option<String>, Option<FailureHook>)>,
 }
 
 // SAFETY: HostRegion holds raw pointers into guest memory that outlives the server; the server
@@ -128,6 +115,7 @@ impl Shared {
 
     /// Fills `len` bytes at `dst` (file offset `offset`) from the layers.
     fn fill(&self, offset: u64, dst: *mut u8, len: u64) -> Result<(), String> {
+        let mut page = vec![0u8; PAGE_SIZE as usize];
         let mut done = 0;
         while done < len {
             let at = offset + done;
@@ -135,36 +123,65 @@ impl Shared {
             let to = unsafe { dst.add(done as usize) };
             let src = self
                 .source_for(at)
-                .ok_or_else(|| format!("no layer holds offset {at:#x}"))?;
-            // SAFETY: `at` is below the guest length, which every layer mapping covers.
-            let from = unsafe { src.base.add(at as usize) };
-            // SAFETY: `from` points at a readable page of the layer mapping.
-            let zero =
-                unsafe { std::slice::from_raw_parts(from.cast::<u64>(), (PAGE_SIZE / 8) as usize) }
-                    .iter()
-                    .all(|w| *w == 0);
-            // SAFETY: `to` is a registered, page-aligned guest page; `from` a readable page.
+                .ok_or_else(|| format!("no memory layer holds offset {at:#x}"))?;
+            read_page(src, at, &mut page)?;
+            let zero = page.iter().all(|b| *b == 0);
+            self.place(to, &page, zero).map_err(|e| {
+                format!(
+                    "placing the page at offset {at:#x} of {}: {e}",
+                    src.path.display()
+                )
+            })?;
+            done += PAGE_SIZE;
+        }
+        Ok(())
+    }
+
+    /// Copies `page` (or a zero page) to the guest page `to`, retrying while the kernel
+    /// answers EAGAIN.
+    fn place(&self, to: *mut u8, page: &[u8], zero: bool) -> Result<(), String> {
+        for _ in 0..EAGAIN_TRIES {
+            // SAFETY: `to` is a registered, page-aligned guest page; `page` holds a page.
             let result = unsafe {
                 if zero {
                     self.uffd.zeropage(to.cast(), PAGE_SIZE as usize, true)
                 } else {
                     self.uffd
-                        .copy(from.cast(), to.cast(), PAGE_SIZE as usize, true)
+                        .copy(page.as_ptr().cast(), to.cast(), PAGE_SIZE as usize, true)
                 }
             };
             match result {
-                Ok(_) => {}
+                Ok(_) => return Ok(()),
                 Err(userfaultfd::Error::CopyFailed(e))
                 | Err(userfaultfd::Error::ZeropageFailed(e))
                     if e as i32 == libc::EEXIST =>
                 {
                     let _ = self.uffd.wake(to.cast(), PAGE_SIZE as usize);
+                    return Ok(());
                 }
-                Err(e) => return Err(format!("filling page at {at:#x}: {e:?}")),
+                Err(userfaultfd::Error::PartiallyCopied(_)) => std::thread::yield_now(),
+                Err(userfaultfd::Error::ZeropageFailed(e)) if e as i32 == libc::EAGAIN => {
+                    std::thread::yield_now()
+                }
+                Err(e) => return Err(format!("{e:?}")),
             }
-            done += PAGE_SIZE;
         }
-        Ok(())
+        Err(format!("the kernel answered EAGAIN {EAGAIN_TRIES} times"))
+    }
+
+    /// Records the first unserved fault, logs it and tells the hook, if one is set; later
+    /// ones (the same fault, retried) are only counted.
+    fn fail(&self, why: String) {
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if failure.0.is_some() {
+            self.unserved.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        log::error!("page server: {why}");
+        failure.0 = Some(why.clone());
+        if let Some(hook) = failure.1.take() {
+            hook(why);
+        }
     }
 
     fn serve(&self) {
@@ -184,7 +201,7 @@ impl Shared {
                 match self.uffd.read_event() {
                     Ok(Some(Event::Pagefault { addr, .. })) => {
                         let Some((offset, dst)) = self.locate(addr as u64) else {
-                            log::error!("page server: fault at {addr:?} outside guest memory");
+                            self.fail(format!("fault at {addr:?} outside guest memory"));
                             continue;
                         };
                         self.faults.fetch_add(1, Ordering::Relaxed);
@@ -195,7 +212,9 @@ impl Shared {
                                 .push(offset);
                         }
                         if let Err(e) = self.fill(offset, dst, PAGE_SIZE) {
-                            log::error!("page server: {e}");
+                            // Waking the thread would only fault again: it stays blocked and
+                            // the owner ends the VM.
+                            self.fail(format!("cannot serve a guest page fault: {e}"));
                         }
                     }
                     Ok(Some(other)) => log::debug!("page server: ignored event {other:?}"),
@@ -304,7 +323,7 @@ impl PageServer {
         }
         let sources = layers
             .iter()
-            .map(|(layer, file)| map_source(layer, file, guest_len))
+            .map(|(layer, file)| open_source(layer, file))
             .collect::<Result<Vec<_>, _>>()?;
         let shared = Arc::new(Shared {
             regions: regions.to_vec(),
@@ -315,6 +334,8 @@ impl PageServer {
             recorded: Mutex::new(Vec::new()),
             recording: options.record_to.is_some(),
             stop: AtomicBool::new(false),
+            unserved: AtomicU64::new(0),
+            failure: Mutex::new((None, None)),
         });
         if let Some(ws) = &options.prefetch_from {
             let mut pages = read_working_set(ws)?;
@@ -349,6 +370,33 @@ impl PageServer {
         })
     }
 
+    /// Sets who is told, once, about a fault the server cannot serve (at once if one already
+    /// happened). The faulting thread stays blocked: the owner must end the VM.
+    pub fn on_failure(&self, hook: FailureHook) {
+        let mut failure = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match failure.0.clone() {
+            Some(why) => {
+                drop(failure);
+                hook(why);
+            }
+            None => failure.1 = Some(hook),
+        }
+    }
+
+    /// The first fault the server could not serve.
+    pub fn failure(&self) -> Option<String> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clone()
+    }
+
     /// Current figures.
     pub fn stats(&self) -> PageServerStats {
         PageServerStats {
@@ -370,6 +418,25 @@ impl PageServer {
             .clone();
         write_working_set(path, &pages)
     }
+}
+
+/// Reads the page at `offset` of `src`: a short file or an I/O error is named.
+fn read_page(src: &Source, offset: u64, page: &mut [u8]) -> Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    src.file.read_exact_at(page, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            format!(
+                "memory file {} ends before offset {:#x} (truncated or replaced after the restore started)",
+                src.path.display(),
+                offset + PAGE_SIZE
+            )
+        } else {
+            format!(
+                "reading memory file {} at offset {offset:#x}: {e}",
+                src.path.display()
+            )
+        }
+    })
 }
 
 impl Drop for PageServer {
@@ -476,5 +543,76 @@ mod tests {
             )
         };
         assert_eq!(server.stats().faults, 0, "prefetched pages must not fault");
+    }
+
+    #[test]
+    fn a_truncated_memory_file_fails_the_fault_by_name_instead_of_hanging() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let len = 8 * PAGE_SIZE;
+        let src = anon(len as usize);
+        // SAFETY: inside the mapping.
+        unsafe { *src.add((6 * PAGE_SIZE) as usize) = 66 };
+        let path = dir.path().join("mem");
+        let layer = write_full(
+            &path,
+            &[HostRegion {
+                host: src,
+                len,
+                file_offset: 0,
+            }],
+            len,
+            Sparseness::PrivateAnonymous,
+        )
+        .expect("write");
+        let file = crate::memory::open_layer(&layer, len).expect("open");
+        let dst = anon(len as usize);
+        let regions = [HostRegion {
+            host: dst,
+            len,
+            file_offset: 0,
+        }];
+        let server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            len,
+            PageServerOptions::default(),
+        )
+        .expect("start");
+        let (tx, rx) = std::sync::mpsc::channel();
+        server.on_failure(Box::new(move |why| {
+            let _ = tx.send(why);
+        }));
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_len(2 * PAGE_SIZE))
+            .expect("truncate");
+        let page = dst as usize + (6 * PAGE_SIZE) as usize;
+        let toucher = std::thread::spawn(move || {
+            // SAFETY: reads inside the registered mapping; the fault blocks until the server
+            // fills the page or goes away.
+            unsafe { std::ptr::read_volatile(page as *const u8) }
+        });
+        let why = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the unserved fault was not reported");
+        assert!(
+            why.contains(&path.display().to_string()) && why.contains("ends before offset 0x7000"),
+            "{why}"
+        );
+        assert_eq!(server.failure(), Some(why.clone()));
+        // A hook set after the failure hears about it at once.
+        let (tx, rx) = std::sync::mpsc::channel();
+        server.on_failure(Box::new(move |why| {
+            let _ = tx.send(why);
+        }));
+        assert_eq!(rx.try_recv().ok(), Some(why));
+        assert!(
+            !toucher.is_finished(),
+            "the faulting thread must not run on a missing page"
+        );
+        // Closing the userfaultfd releases the thread (the page is then plain anonymous memory).
+        drop(server);
+        assert_eq!(toucher.join().expect("toucher"), 0);
     }
 }

@@ -177,6 +177,8 @@ pub struct Vm {
     stdin: Option<ChildStdin>,
     lines: Receiver<String>,
     stderr: Arc<Mutex<String>>,
+    /// Hears when the stderr reader met the end of stderr.
+    stderr_done: Receiver<()>,
     /// Scratch directory for sockets and images; removed on drop.
     pub dir: tempfile::TempDir,
 }
@@ -208,6 +210,7 @@ impl Vm {
         let stderr_buf = Arc::new(Mutex::new(String::new()));
         let mut stderr = child.stderr.take().expect("stderr");
         let sink = Arc::clone(&stderr_buf);
+        let (done_tx, stderr_done) = channel();
         std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = stderr.read(&mut buf) {
@@ -218,6 +221,7 @@ impl Vm {
                     .expect("stderr lock")
                     .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
+            let _ = done_tx.send(());
         });
         let stdin = child.stdin.take();
         Vm {
@@ -225,6 +229,7 @@ impl Vm {
             stdin,
             lines: rx,
             stderr: stderr_buf,
+            stderr_done,
             dir,
         }
     }
@@ -304,8 +309,9 @@ impl Vm {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
-                // Let the reader threads drain.
-                std::thread::sleep(Duration::from_millis(50));
+                // stderr ends when the VMM is gone (or, at worst, a child it left holding
+                // stderr): wait for the reader to reach the end, so nothing is missed.
+                let _ = self.stderr_done.recv_timeout(ANSWER_TIMEOUT);
                 return status;
             }
             assert!(

@@ -40,7 +40,9 @@ use crate::devices::virtio::persist::VirtioPersistState;
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::vstate::memory::{create_guest_memory, MemoryError, Sharing};
-use crate::vstate::vcpu::{saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle};
+use crate::vstate::vcpu::{
+    saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle, VmExit,
+};
 use crate::vstate::vm::{open_kvm, Vm, VmError};
 use snapshot::Persist;
 
@@ -215,15 +217,22 @@ pub struct MicroVm {
 }
 
 impl MicroVm {
-    /// Pauses every vCPU, then every queue worker between two requests.
-    pub fn pause(&mut self) {
+    /// Pauses every vCPU, then every queue worker between two requests; if a vCPU does not
+    /// pause in time, resumes the others and fails.
+    pub fn pause(&mut self) -> Result<(), VcpuError> {
         for vcpu in &self.vcpus {
-            vcpu.pause();
+            if let Err(e) = vcpu.pause() {
+                for vcpu in &self.vcpus {
+                    vcpu.resume();
+                }
+                return Err(e);
+            }
         }
         for worker in &self.queue_workers {
             worker.pause();
         }
         self.paused = true;
+        Ok(())
     }
 
     /// Resumes the queue workers and every vCPU.
@@ -240,6 +249,13 @@ impl MicroVm {
 
 impl Drop for MicroVm {
     fn drop(&mut self) {
+        // A vCPU blocked on a fault the page server could not serve leaves KVM_RUN only once
+        // the userfaultfd is gone.
+        if let Some(server) = &self.memory.page_server {
+            if server.failure().is_some() {
+                self.memory.page_server.take();
+            }
+        }
         for vcpu in &mut self.vcpus {
             vcpu.stop();
         }
@@ -550,6 +566,9 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         exits: exit_tx,
         exit_evt: Arc::clone(&attached.events.exit),
     };
+    if let Some(server) = &memory.page_server {
+        server.on_failure(page_server_failure_hook(&handlers));
+    }
     crate::vstate::vcpu::install_kick_handler()?;
     let mut handles = Vec::new();
     for vcpu in vcpus {
@@ -571,6 +590,28 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         generation: attached.generation,
         ged_interrupt: attached.ged_interrupt,
         queue_workers: Vec::new(),
+    })
+}
+
+/// How long the VMM may take to stop after the page server failed before it is ended anyway:
+/// a vCPU blocked on the unserved fault may never leave KVM_RUN.
+const PAGE_SERVER_EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ends the VM with the page server's reason, like a vCPU crash; if the VMM has not exited
+/// after [`PAGE_SERVER_EXIT_GRACE`], exits the process with status 1.
+fn page_server_failure_hook(handlers: &ExitHandlers) -> snapshot::uffd::FailureHook {
+    let exits = handlers.exits.clone();
+    let exit_evt = Arc::clone(&handlers.exit_evt);
+    Box::new(move |why| {
+        let exit = VmExit::Error(format!("page server: {why}"));
+        if exits.send(ExitReport { vcpu: 0, exit }).is_err() || exit_evt.write(1).is_err() {
+            log::error!("page server failed and the VMM is not listening: {why}");
+        }
+        std::thread::spawn(move || {
+            std::thread::sleep(PAGE_SERVER_EXIT_GRACE);
+            eprintln!("rollbox-vmm: page server: {why}; the VMM did not stop within {PAGE_SERVER_EXIT_GRACE:?}, exiting");
+            std::process::exit(1);
+        });
     })
 }
 

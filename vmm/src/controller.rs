@@ -684,7 +684,9 @@ impl Controller {
             }
             VmmAction::FlushMetrics => Ok(VmmData::Empty),
             VmmAction::Pause => {
-                self.running_mut()?.pause();
+                self.running_mut()?
+                    .pause()
+                    .map_err(|e| ActionError::bad_request(e.to_string()))?;
                 Ok(VmmData::Empty)
             }
             VmmAction::Resume => {

@@ -786,9 +786,13 @@ pub fn start_fork(
         }
     }
     let was_paused = vm.paused;
-    vm.pause();
-    // The clones' snapshot must not become the parent's next diff base.
-    let snapshot = create_detached_snapshot(vm, &dir.join("vmstate"), &dir.join("memory"));
+    // A vCPU that cannot be paused fails the fork like a failed snapshot. The clones'
+    // snapshot must not become the parent's next diff base.
+    let snapshot = match vm.pause() {
+        Ok(()) => create_detached_snapshot(vm, &dir.join("vmstate"), &dir.join("memory"))
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
     // Writable drives are copied once while the VM is paused, so they match the memory
     // snapshot; each clone copies that copy for itself while it loads.
     let live = clones.iter().any(|c| c.info.error.is_none());

@@ -36,6 +36,14 @@ const HOSTILE_PAYLOAD: u32 = 16;
 const HOSTILE_CLAIMED: u32 = 100;
 /// Size of a too-short header or RX buffer: less than `HDR`.
 const HOSTILE_SHORT: u32 = 16;
+/// Packets a `flood-*` kind sends, with no RX buffer posted for the answers.
+const FLOOD_PACKETS: u32 = 3000;
+/// The first guest port of a flood; each packet uses the next.
+const FLOOD_FIRST_PORT: u32 = 40000;
+/// The host port `flood-connect` connects to.
+pub const FLOOD_HOST_PORT: u32 = 5000;
+/// An operation no vsock packet has.
+const OP_BOGUS: u16 = 99;
 
 const RX_QUEUE: usize = 0;
 const TX_QUEUE: usize = 1;
@@ -227,6 +235,12 @@ pub enum VsockHostile {
     RxSmall,
     /// A device-readable event buffer.
     EvDir,
+    /// Data and unknown operations for connections that do not exist, every answer left
+    /// waiting: no RX buffer is posted (the next vsock command sets the device up afresh).
+    FloodBogus,
+    /// Connection requests to host port `FLOOD_HOST_PORT` from as many guest ports, with no
+    /// RX buffer posted for the answers.
+    FloodConnect,
 }
 
 impl VsockHostile {
@@ -240,6 +254,8 @@ impl VsockHostile {
             b"rxdir" => VsockHostile::RxDir,
             b"rxsmall" => VsockHostile::RxSmall,
             b"evdir" => VsockHostile::EvDir,
+            b"flood-bogus" => VsockHostile::FloodBogus,
+            b"flood-connect" => VsockHostile::FloodConnect,
             _ => return None,
         })
     }
@@ -344,6 +360,9 @@ impl Vsock {
         beyond_memory: u64,
     ) -> Result<(), &'static str> {
         self.ready = false;
+        if let VsockHostile::FloodBogus | VsockHostile::FloodConnect = kind {
+            return self.flood(dma, tpm, kind);
+        }
         let rx_buffers = !matches!(kind, VsockHostile::RxDir | VsockHostile::RxSmall);
         let event_buffers = !matches!(kind, VsockHostile::EvDir);
         self.start(dma, tpm, rx_buffers, event_buffers)?;
@@ -370,7 +389,11 @@ impl Vsock {
         let tx_hdr = buf(dma.tx.hdr[0].as_ptr(), HDR as u32, false);
         let tx_data = buf(dma.tx.data[0].as_ptr(), HOSTILE_PAYLOAD, false);
         let queue = match kind {
-            VsockHostile::Tx(_) | VsockHostile::ShortLen | VsockHostile::ShortHdr => TX_QUEUE,
+            VsockHostile::Tx(_)
+            | VsockHostile::ShortLen
+            | VsockHostile::ShortHdr
+            | VsockHostile::FloodBogus
+            | VsockHostile::FloodConnect => TX_QUEUE,
             VsockHostile::RxDir | VsockHostile::RxSmall => RX_QUEUE,
             VsockHostile::EvDir => EVENT_QUEUE,
         };
@@ -420,6 +443,8 @@ impl Vsock {
                 q.set_chain(&[buf(dma.events[0].as_ptr(), 4, false)]);
                 q.push(0);
             }
+            // Served by `flood` above.
+            VsockHostile::FloodBogus | VsockHostile::FloodConnect => {}
         }
         self.transport.notify(&self.queues[queue]);
         if queue == RX_QUEUE {
@@ -433,8 +458,49 @@ impl Vsock {
             };
             self.send(&mut dma.tx, answered)?;
         }
-        wait_ms(tpm, HOSTILE_WAIT_MS);
+        if let VsockHostile::Tx(Hostile::BadAvail) = kind {
+            // A stalled queue returns nothing the guest could wait for.
+            wait_ms(tpm, HOSTILE_WAIT_MS);
+        } else {
+            // The device returns a refused chain: wait for that instead of a fixed time.
+            let deadline = Deadline::after_ms(tpm, TX_WAIT_MS);
+            while self.queues[queue].pop_used().is_none() {
+                if deadline.passed() {
+                    return Err("hostile-chain-not-returned");
+                }
+                pause();
+            }
+        }
         self.ensure_ready(dma, tpm)
+    }
+
+    /// Sends `FLOOD_PACKETS` packets whose answers have no RX buffer to go to, and leaves the
+    /// device so: the next vsock command sets it up afresh.
+    fn flood(
+        &mut self,
+        dma: &mut VsockDma,
+        tpm: u64,
+        kind: VsockHostile,
+    ) -> Result<(), &'static str> {
+        self.start(dma, tpm, false, true)?;
+        let connect = matches!(kind, VsockHostile::FloodConnect);
+        for i in 0..FLOOD_PACKETS {
+            let (dst_port, op) = match (connect, i % 2) {
+                (true, _) => (FLOOD_HOST_PORT, OP_REQUEST),
+                (false, 0) => (HOSTILE_PORT, OP_RW),
+                (false, _) => (HOSTILE_PORT, OP_BOGUS),
+            };
+            let hdr = Header {
+                dst_cid: HOST_CID,
+                src_port: FLOOD_FIRST_PORT + i,
+                dst_port,
+                op,
+                buf_alloc: BUF as u32,
+                ..Header::default()
+            };
+            self.send(&mut dma.tx, hdr)?;
+        }
+        Ok(())
     }
 
     fn post_rx(&mut self, rx: &PacketBuffers, slot: u16) {
@@ -1028,6 +1094,8 @@ mod tests {
             b"rxdir",
             b"rxsmall",
             b"evdir",
+            b"flood-bogus",
+            b"flood-connect",
         ] {
             assert!(VsockHostile::parse(word).is_some());
         }

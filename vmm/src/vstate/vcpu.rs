@@ -64,6 +64,14 @@ pub enum VcpuError {
     /// The signal used to kick vCPUs out of KVM_RUN could not be installed.
     #[error("cannot install the vCPU kick signal handler: {0}")]
     Signal(vmm_sys_util::errno::Error),
+    /// The vCPU did not leave KVM_RUN within the pause timeout; it keeps running.
+    #[error("vCPU {index} did not pause within {waited:?} (blocked in a device, or on guest memory that is not served); the VM keeps running")]
+    PauseTimeout {
+        /// vCPU index.
+        index: u8,
+        /// How long the pause waited.
+        waited: Duration,
+    },
     /// The vCPU thread could not be spawned.
     #[error("cannot spawn the thread of vCPU {index}: {source}")]
     Spawn {
@@ -462,26 +470,23 @@ impl VcpuHandle {
         }
     }
 
-    /// Stops the vCPU outside KVM_RUN and waits until it is there.
-    pub fn pause(&self) {
+    /// Stops the vCPU outside KVM_RUN and waits until it is there, for at most
+    /// [`PAUSE_TIMEOUT`]; after that the vCPU is left running and the pause fails.
+    pub fn pause(&self) -> Result<(), VcpuError> {
         {
             let mut state = lock(&self.control.state);
             if *state != RunState::Running {
-                return;
+                return Ok(());
             }
             *state = RunState::Pausing;
         }
-        loop {
-            self.kick();
-            let state = lock(&self.control.state);
-            let (state, _) = self
-                .control
-                .changed
-                .wait_timeout_while(state, Duration::from_millis(1), |s| *s == RunState::Pausing)
-                .unwrap_or_else(|e| e.into_inner());
-            if *state != RunState::Pausing {
-                return;
-            }
+        if wait_for_pause(&self.control, PAUSE_TIMEOUT, || self.kick()) {
+            Ok(())
+        } else {
+            Err(VcpuError::PauseTimeout {
+                index: self.vcpu.index,
+                waited: PAUSE_TIMEOUT,
+            })
         }
     }
 
@@ -515,6 +520,31 @@ impl VcpuHandle {
 impl Drop for VcpuHandle {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// How long a pause waits for a vCPU to leave KVM_RUN.
+pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Kicks a `Pausing` vCPU until its thread acknowledges, for at most `timeout`. On timeout the
+/// request is withdrawn (the state goes back to `Running`) and the answer is false.
+fn wait_for_pause(control: &Control, timeout: Duration, kick: impl Fn()) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        kick();
+        let state = lock(&control.state);
+        let (mut state, _) = control
+            .changed
+            .wait_timeout_while(state, Duration::from_millis(1), |s| *s == RunState::Pausing)
+            .unwrap_or_else(|e| e.into_inner());
+        if *state != RunState::Pausing {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            *state = RunState::Running;
+            control.changed.notify_all();
+            return false;
+        }
     }
 }
 
@@ -685,6 +715,51 @@ fn crash_report(index: u8, vcpu: &VcpuFd, reason: &str) -> String {
 mod tests {
     use super::*;
     use kvm_bindings::kvm_cpuid_entry2;
+
+    fn control(state: RunState) -> Arc<Control> {
+        Arc::new(Control {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+        })
+    }
+
+    #[test]
+    fn a_pause_nobody_acknowledges_times_out_and_leaves_the_vcpu_running() {
+        let control = control(RunState::Pausing);
+        let kicks = std::sync::atomic::AtomicU32::new(0);
+        let started = std::time::Instant::now();
+        let paused = wait_for_pause(&control, Duration::from_millis(50), || {
+            kicks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        assert!(!paused);
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        assert!(
+            kicks.load(std::sync::atomic::Ordering::Relaxed) > 1,
+            "kicked again and again"
+        );
+        assert_eq!(*lock(&control.state), RunState::Running);
+        let err = VcpuError::PauseTimeout {
+            index: 1,
+            waited: PAUSE_TIMEOUT,
+        };
+        assert!(
+            err.to_string()
+                .starts_with("vCPU 1 did not pause within 5s"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_pause_the_thread_acknowledges_succeeds() {
+        let control = control(RunState::Pausing);
+        let theirs = Arc::clone(&control);
+        let thread = std::thread::spawn(move || wait_while_paused(&theirs));
+        assert!(wait_for_pause(&control, Duration::from_secs(10), || {}));
+        assert_eq!(*lock(&control.state), RunState::Paused);
+        *lock(&control.state) = RunState::Exiting;
+        control.changed.notify_all();
+        assert!(!thread.join().expect("thread"));
+    }
 
     #[test]
     fn deterministic_cpuid_hides_rdrand_and_rdseed() {

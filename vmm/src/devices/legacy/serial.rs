@@ -3,6 +3,8 @@
 
 use std::fs::File;
 use std::io::{self, Write};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use vm_superio::serial::SerialEvents;
 use vm_superio::Serial;
@@ -10,12 +12,34 @@ use vm_superio::Serial;
 use super::EventTrigger;
 use crate::devices::bus::BusDevice;
 
-/// Where guest console output goes. Output is buffered and flushed at each newline, when the
-/// buffer fills, and by the VMM's event loop shortly after the last byte.
+/// Where guest console output goes. The vCPU thread only appends to a bounded buffer; a
+/// writer thread writes it out, so a host that stops reading stdout stalls neither the guest
+/// nor the event loop. Bytes that do not fit are dropped and counted. The buffer is handed
+/// to the writer at each newline, when it holds [`FLUSH_THRESHOLD`] bytes, and by the VMM's
+/// event loop shortly after the last byte.
 pub struct ConsoleOut {
-    sink: Sink,
+    shared: Arc<ConsoleShared>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+struct ConsoleShared {
+    state: Mutex<ConsoleState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct ConsoleState {
+    /// Bytes for the writer.
     buffer: Vec<u8>,
+    /// How many leading bytes of `buffer` the writer may take now.
+    handed: usize,
+    /// Bytes the writer is writing.
+    in_flight: usize,
+    dropped: u64,
+    /// Of `dropped`, how many the log has reported.
+    reported: u64,
     broken: bool,
+    closing: bool,
 }
 
 enum Sink {
@@ -23,62 +47,152 @@ enum Sink {
     File(File),
 }
 
+impl Sink {
+    fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Sink::Stdout(out) => {
+                let mut out = out.lock();
+                out.write_all(bytes).and_then(|()| out.flush())
+            }
+            Sink::File(file) => file.write_all(bytes),
+        }
+    }
+}
+
 const FLUSH_THRESHOLD: usize = 4096;
+/// Most console bytes held for a host that does not read them.
+pub const CONSOLE_BUFFER_LIMIT: usize = 1 << 20;
+/// How long dropping the console waits for the writer to write what is buffered.
+const DRAIN_ON_DROP: Duration = Duration::from_secs(2);
+
+fn lock_state(shared: &ConsoleShared) -> std::sync::MutexGuard<'_, ConsoleState> {
+    shared.state.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 impl ConsoleOut {
     /// Console output to the VMM's stdout.
     pub fn stdout() -> Self {
-        Self {
-            sink: Sink::Stdout(io::stdout()),
-            buffer: Vec::with_capacity(FLUSH_THRESHOLD),
-            broken: false,
-        }
+        Self::with_sink(Sink::Stdout(io::stdout()))
     }
 
     /// Console output appended to `file`.
     pub fn file(file: File) -> Self {
-        Self {
-            sink: Sink::File(file),
-            buffer: Vec::with_capacity(FLUSH_THRESHOLD),
-            broken: false,
-        }
+        Self::with_sink(Sink::File(file))
     }
 
-    /// Whether bytes wait to be written.
-    pub fn has_pending(&self) -> bool {
-        !self.buffer.is_empty()
-    }
-
-    /// Writes the buffered bytes out. After the first failure (say, a closed pipe) console
-    /// output is dropped, once logged, so the guest keeps running.
-    pub fn write_pending(&mut self) -> io::Result<()> {
-        if self.broken {
-            self.buffer.clear();
-        }
-        if self.buffer.is_empty() {
-            return Ok(());
-        }
-        let result = match &mut self.sink {
-            Sink::Stdout(out) => {
-                let mut out = out.lock();
-                out.write_all(&self.buffer).and_then(|()| out.flush())
+    fn with_sink(sink: Sink) -> Self {
+        let shared = Arc::new(ConsoleShared {
+            state: Mutex::new(ConsoleState::default()),
+            changed: Condvar::new(),
+        });
+        let theirs = Arc::clone(&shared);
+        let writer = std::thread::Builder::new()
+            .name("console".into())
+            .spawn(move || write_out(&theirs, sink));
+        let writer = match writer {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                log::warn!("cannot start the console writer: {e}; console output is dropped");
+                lock_state(&shared).broken = true;
+                None
             }
-            Sink::File(file) => file.write_all(&self.buffer),
         };
-        self.buffer.clear();
-        if let Err(e) = result {
-            self.broken = true;
-            log::warn!("console output stopped: {e}");
-        }
+        Self { shared, writer }
+    }
+
+    /// Whether bytes wait to be handed to the writer.
+    pub fn has_pending(&self) -> bool {
+        let state = lock_state(&self.shared);
+        state.buffer.len() > state.handed
+    }
+
+    /// Console bytes dropped because the buffer was full (the host was not reading).
+    pub fn dropped_bytes(&self) -> u64 {
+        lock_state(&self.shared).dropped
+    }
+
+    /// Hands the buffered bytes to the writer thread; never blocks on the sink. After the
+    /// first write failure (say, a closed pipe) console output is dropped, once logged.
+    pub fn write_pending(&mut self) -> io::Result<()> {
+        let mut state = lock_state(&self.shared);
+        state.handed = state.buffer.len();
+        drop(state);
+        self.shared.changed.notify_all();
         Ok(())
+    }
+
+    /// Waits up to `timeout` until the writer wrote everything handed to it; false if it
+    /// did not.
+    pub fn drain(&mut self, timeout: Duration) -> bool {
+        let _ = self.write_pending();
+        let state = lock_state(&self.shared);
+        let (state, _) = self
+            .shared
+            .changed
+            .wait_timeout_while(state, timeout, |s| {
+                !s.broken && (s.handed > 0 || s.in_flight > 0)
+            })
+            .unwrap_or_else(|e| e.into_inner());
+        state.broken || (state.handed == 0 && state.in_flight == 0)
+    }
+}
+
+/// The writer thread: writes what is handed to it until the console closes.
+fn write_out(shared: &ConsoleShared, mut sink: Sink) {
+    loop {
+        let mut state = lock_state(shared);
+        while state.handed == 0 && !state.closing {
+            state = shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        if state.handed == 0 {
+            return;
+        }
+        let handed = state.handed;
+        let bytes: Vec<u8> = state.buffer.drain(..handed).collect();
+        state.handed = 0;
+        state.in_flight = bytes.len();
+        let newly_dropped = state.dropped - state.reported;
+        state.reported = state.dropped;
+        let total = state.dropped;
+        drop(state);
+        if newly_dropped > 0 {
+            log::warn!(
+                "console: the host did not read console output; dropped {newly_dropped} bytes ({total} in all)"
+            );
+        }
+        let result = sink.write_all(&bytes);
+        let mut state = lock_state(shared);
+        state.in_flight = 0;
+        if let Err(e) = result {
+            state.broken = true;
+            state.buffer.clear();
+            drop(state);
+            shared.changed.notify_all();
+            log::warn!("console output stopped: {e}");
+            return;
+        }
+        drop(state);
+        shared.changed.notify_all();
     }
 }
 
 impl Write for ConsoleOut {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.buffer.extend_from_slice(buf);
-        if buf.contains(&b'\n') || self.buffer.len() >= FLUSH_THRESHOLD {
-            self.write_pending()?;
+        let mut state = lock_state(&self.shared);
+        if state.broken {
+            return Ok(buf.len());
+        }
+        let room = CONSOLE_BUFFER_LIMIT.saturating_sub(state.buffer.len() + state.in_flight);
+        let taken = buf.len().min(room);
+        state.buffer.extend_from_slice(&buf[..taken]);
+        state.dropped += (buf.len() - taken) as u64;
+        if buf[..taken].contains(&b'\n') || state.buffer.len() - state.handed >= FLUSH_THRESHOLD {
+            state.handed = state.buffer.len();
+            drop(state);
+            self.shared.changed.notify_all();
         }
         Ok(buf.len())
     }
@@ -86,6 +200,20 @@ impl Write for ConsoleOut {
     /// A no-op: the UART flushes after every byte, and batching is the point of the buffer.
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+impl Drop for ConsoleOut {
+    /// Lets the writer finish what is buffered, for at most [`DRAIN_ON_DROP`].
+    fn drop(&mut self) {
+        let drained = self.drain(DRAIN_ON_DROP);
+        lock_state(&self.shared).closing = true;
+        self.shared.changed.notify_all();
+        if let Some(writer) = self.writer.take() {
+            if drained {
+                let _ = writer.join();
+            }
+        }
     }
 }
 
@@ -215,7 +343,6 @@ impl BusDevice for SerialDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
     use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
     fn serial() -> SerialDevice {
@@ -245,5 +372,47 @@ mod tests {
         assert_eq!(dev.empty_polls(), POLLS_BEFORE_PACING);
         assert_eq!(dev.enqueue_input(b"k"), 1);
         assert_eq!(dev.empty_polls(), 0, "input resets the count");
+    }
+
+    #[test]
+    fn a_host_that_does_not_read_stalls_nothing_and_drops_with_a_count() {
+        let (reader, writer) = std::os::unix::net::UnixStream::pair().expect("pair");
+        let mut out = ConsoleOut::file(File::from(std::os::fd::OwnedFd::from(writer)));
+        let line = [b'x'; 1023];
+        let started = std::time::Instant::now();
+        // Far more than the socket buffer and the console buffer together.
+        for _ in 0..(4 * CONSOLE_BUFFER_LIMIT / 1024) {
+            out.write_all(&line).expect("write");
+            out.write_all(b"\n").expect("write");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the writer of console bytes blocked"
+        );
+        assert!(out.dropped_bytes() > 0, "nothing was dropped");
+        assert!(
+            !out.drain(Duration::from_millis(50)),
+            "nobody reads: cannot drain"
+        );
+        // Once the host reads again, what was buffered arrives.
+        let mut reader = reader;
+        reader
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut got = vec![0u8; 4096];
+        assert!(io::Read::read(&mut reader, &mut got).expect("read") > 0);
+        drop(reader);
+        drop(out);
+    }
+
+    #[test]
+    fn buffered_output_is_written_when_the_console_closes() {
+        let file = tempfile::NamedTempFile::new().expect("file");
+        let mut out = ConsoleOut::file(file.reopen().expect("reopen"));
+        out.write_all(b"no newline yet").expect("write");
+        assert!(out.has_pending());
+        drop(out);
+        let text = std::fs::read_to_string(file.path()).expect("read");
+        assert_eq!(text, "no newline yet");
     }
 }

@@ -25,17 +25,24 @@ pub enum ChainError {
         /// Queue size.
         size: u16,
     },
-    /// The chain has no end within the queue.
-    #[error("the chain has no end within {size} descriptors: it loops")]
+    /// The chain has no end: it comes back to a descriptor it already passed.
+    #[error("the chain has no end: it loops after {count} descriptor(s), descriptor {from} linking back to descriptor {to}")]
     Loops {
-        /// Queue size.
-        size: u16,
+        /// Distinct descriptors before the chain comes back.
+        count: usize,
+        /// The descriptor whose next index closes the loop.
+        from: u16,
+        /// The descriptor it links back to.
+        to: u16,
     },
-    /// The chain ended early for another reason (an indirect table, say).
-    #[error("the chain stops after {count} descriptor(s) without an end")]
+    /// The chain ended early for another reason (an indirect table, or a next index the
+    /// device could not follow).
+    #[error("the chain stops after {count} descriptor(s) without an end: the last names next index {next}, which could not be read")]
     Unterminated {
         /// Descriptors read.
         count: usize,
+        /// The last descriptor's next index.
+        next: u16,
     },
     /// A buffer lies outside guest memory.
     #[error("buffer {addr:#x}+{len:#x} lies outside guest memory")]
@@ -132,19 +139,52 @@ impl Chain {
     }
 }
 
-fn check_termination(head: u16, descriptors: &[Descriptor], size: u16) -> Result<(), ChainError> {
-    match descriptors.last() {
-        None => Err(ChainError::HeadBeyondQueue { head, size }),
-        Some(last) if !last.has_next() => Ok(()),
-        Some(last) if last.next() >= size => Err(ChainError::NextBeyondQueue {
+/// Checks that a collected chain (the descriptors a `DescriptorChain` yielded from `head`
+/// in a queue of `size`) ends: the reason it does not, named.
+pub fn check_termination(
+    head: u16,
+    descriptors: &[Descriptor],
+    size: u16,
+) -> Result<(), ChainError> {
+    let Some(last) = descriptors.last() else {
+        return Err(ChainError::HeadBeyondQueue { head, size });
+    };
+    if !last.has_next() {
+        return Ok(());
+    }
+    if let Some(looped) = find_loop(head, descriptors) {
+        return Err(looped);
+    }
+    if last.next() >= size {
+        return Err(ChainError::NextBeyondQueue {
             next: last.next(),
             size,
-        }),
-        Some(_) if descriptors.len() >= usize::from(size) => Err(ChainError::Loops { size }),
-        Some(_) => Err(ChainError::Unterminated {
-            count: descriptors.len(),
-        }),
+        });
     }
+    Err(ChainError::Unterminated {
+        count: descriptors.len(),
+        next: last.next(),
+    })
+}
+
+/// The first descriptor whose next index leads back into the chain, if any.
+fn find_loop(head: u16, descriptors: &[Descriptor]) -> Option<ChainError> {
+    let mut seen = vec![head];
+    for desc in descriptors {
+        if !desc.has_next() {
+            return None;
+        }
+        let next = desc.next();
+        if seen.contains(&next) {
+            return Some(ChainError::Loops {
+                count: seen.len(),
+                from: seen.last().copied().unwrap_or(head),
+                to: next,
+            });
+        }
+        seen.push(next);
+    }
+    None
 }
 
 fn check_range(mem: &GuestMemoryMmap, addr: GuestAddress, len: u32) -> Result<(), ChainError> {
@@ -242,12 +282,23 @@ mod tests {
 
     #[test]
     fn hostile_chains_are_named() {
-        let cases: [(&[Desc], &str); 5] = [
+        let cases: [(&[Desc], &str); 6] = [
             (
                 &[(0x8000, 12, F_NEXT, 9)],
                 "next index 9, beyond the queue of 8",
             ),
-            (&[(0x8000, 12, F_NEXT, 0)], "no end within 8 descriptors"),
+            (
+                &[(0x8000, 12, F_NEXT, 0)],
+                "loops after 1 descriptor(s), descriptor 0 linking back to descriptor 0",
+            ),
+            (
+                &[
+                    (0x8000, 12, F_NEXT, 1),
+                    (0x9000, 12, F_NEXT, 2),
+                    (0xa000, 4, F_NEXT, 1),
+                ],
+                "loops after 3 descriptor(s), descriptor 2 linking back to descriptor 1",
+            ),
             (&[(1 << 40, 12, 0, 0)], "lies outside guest memory"),
             (
                 &[(0x8000, 12, F_WRITE | F_NEXT, 1), (0x9000, 12, 0, 0)],

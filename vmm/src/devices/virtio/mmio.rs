@@ -483,3 +483,213 @@ impl snapshot::Persist for MmioTransport {
         Ok(transport)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    use vm_memory::GuestAddress;
+    use vmm_sys_util::eventfd::EventFd;
+
+    use super::*;
+    use crate::devices::virtio::persist::DevicePersistKind;
+    use crate::devices::virtio::INTERRUPT_CONFIG;
+
+    /// Counts activations, resets and notifications.
+    #[derive(Default)]
+    struct Counts {
+        activated: AtomicUsize,
+        reset: AtomicUsize,
+        notified: AtomicUsize,
+    }
+
+    struct Dummy(Arc<Counts>);
+
+    impl VirtioDevice for Dummy {
+        fn device_type(&self) -> u32 {
+            42
+        }
+        fn avail_features(&self) -> u64 {
+            1 << 5
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16, 8]
+        }
+        fn read_config(&self, offset: u64, data: &mut [u8]) {
+            read_config_bytes(b"config!", offset, data);
+        }
+        fn activate(&mut self, _acked_features: u64) {
+            self.0.activated.fetch_add(1, Ordering::SeqCst);
+        }
+        fn reset(&mut self) {
+            self.0.reset.fetch_add(1, Ordering::SeqCst);
+        }
+        fn process_queue(&mut self, _queue: usize, _ctx: &mut QueueContext<'_>) {
+            self.0.notified.fetch_add(1, Ordering::SeqCst);
+        }
+        fn name(&self) -> String {
+            "dummy".into()
+        }
+        fn persist_kind(&self) -> DevicePersistKind {
+            DevicePersistKind::Vsock {
+                guest_cid: 3,
+                uds_path: "/nonexistent".into(),
+            }
+        }
+    }
+
+    fn transport() -> (MmioTransport, Arc<Counts>) {
+        let counts = Arc::new(Counts::default());
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("mem");
+        let irq = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
+        let t = MmioTransport::new(
+            Box::new(Dummy(Arc::clone(&counts))),
+            mem,
+            Interrupt::new(Arc::new(irq)),
+        );
+        (t, counts)
+    }
+
+    fn read(t: &mut MmioTransport, offset: u64) -> u32 {
+        let mut data = [0xffu8; 4];
+        t.read(offset, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    fn write(t: &mut MmioTransport, offset: u64, value: u32) {
+        t.write(offset, &value.to_le_bytes());
+    }
+
+    /// Sets up queue `index` of `size` with its rings at `base`.
+    fn setup_queue(t: &mut MmioTransport, index: u32, size: u32, base: u32) {
+        write(t, REG_QUEUE_SEL, index);
+        write(t, REG_QUEUE_NUM, size);
+        write(t, REG_QUEUE_DESC_LOW, base);
+        write(t, REG_QUEUE_DRIVER_LOW, base + 0x1000);
+        write(t, REG_QUEUE_DEVICE_LOW, base + 0x2000);
+        write(t, REG_QUEUE_READY, 1);
+    }
+
+    fn negotiate(t: &mut MmioTransport) {
+        write(t, REG_STATUS, status::ACKNOWLEDGE | status::DRIVER);
+        write(t, REG_DRIVER_FEATURES_SEL, 1);
+        write(t, REG_DRIVER_FEATURES, 1);
+        write(
+            t,
+            REG_STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
+    }
+
+    const RUNNING: u32 =
+        status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK;
+
+    #[test]
+    fn identity_registers_and_config_space() {
+        let (mut t, _) = transport();
+        assert_eq!(read(&mut t, REG_MAGIC), MAGIC_VALUE);
+        assert_eq!(read(&mut t, REG_VERSION), 2);
+        assert_eq!(read(&mut t, REG_DEVICE_ID), 42);
+        assert_eq!(read(&mut t, REG_VENDOR_ID), VENDOR_ID);
+        write(&mut t, REG_QUEUE_SEL, 1);
+        assert_eq!(read(&mut t, REG_QUEUE_NUM_MAX), 8);
+        write(&mut t, REG_QUEUE_SEL, 7);
+        assert_eq!(read(&mut t, REG_QUEUE_NUM_MAX), 0, "no such queue");
+        let mut config = [0u8; 8];
+        t.read(CONFIG_SPACE + 2, &mut config);
+        assert_eq!(&config, b"nfig!\0\0\0");
+    }
+
+    #[test]
+    fn features_are_offered_by_page_and_acked_within_the_offer() {
+        let (mut t, _) = transport();
+        assert_eq!(read(&mut t, REG_DEVICE_FEATURES), 1 << 5);
+        write(&mut t, REG_DEVICE_FEATURES_SEL, 1);
+        assert_eq!(read(&mut t, REG_DEVICE_FEATURES), 1, "VIRTIO_F_VERSION_1");
+        write(&mut t, REG_DEVICE_FEATURES_SEL, 2);
+        assert_eq!(read(&mut t, REG_DEVICE_FEATURES), 0);
+        write(&mut t, REG_DRIVER_FEATURES, 0xffff_ffff);
+        assert_eq!(
+            t.registers().acked_features,
+            1 << 5,
+            "only offered bits stick"
+        );
+    }
+
+    #[test]
+    fn features_ok_needs_version_1() {
+        let (mut t, _) = transport();
+        write(&mut t, REG_STATUS, status::ACKNOWLEDGE | status::DRIVER);
+        write(
+            &mut t,
+            REG_STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
+        assert_eq!(read(&mut t, REG_STATUS) & status::FEATURES_OK, 0);
+        negotiate(&mut t);
+        assert_ne!(read(&mut t, REG_STATUS) & status::FEATURES_OK, 0);
+    }
+
+    #[test]
+    fn driver_ok_activates_and_freezes_queue_setup_until_reset() {
+        let (mut t, counts) = transport();
+        negotiate(&mut t);
+        setup_queue(&mut t, 0, 16, 0x1_0000);
+        setup_queue(&mut t, 1, 8, 0x2_0000);
+        write(&mut t, REG_STATUS, RUNNING);
+        assert!(t.is_activated());
+        assert_eq!(counts.activated.load(Ordering::SeqCst), 1);
+        write(&mut t, REG_QUEUE_NOTIFY, 1);
+        write(&mut t, REG_QUEUE_NOTIFY, 9);
+        assert_eq!(
+            counts.notified.load(Ordering::SeqCst),
+            1,
+            "queue 9 does not exist"
+        );
+        // Queue registers are read-only while the device runs.
+        write(&mut t, REG_QUEUE_SEL, 0);
+        write(&mut t, REG_QUEUE_NUM, 4);
+        write(&mut t, REG_QUEUE_READY, 0);
+        assert_eq!(read(&mut t, REG_QUEUE_READY), 1);
+        assert_eq!(t.queues[0].size(), 16);
+        // Writing 0 to status resets the device and its queues.
+        write(&mut t, REG_STATUS, 0);
+        assert_eq!(counts.reset.load(Ordering::SeqCst), 1);
+        assert_eq!(read(&mut t, REG_STATUS), 0);
+        assert_eq!(read(&mut t, REG_QUEUE_READY), 0);
+        assert!(!t.is_activated());
+    }
+
+    #[test]
+    fn a_queue_outside_guest_memory_makes_the_device_need_reset() {
+        let (mut t, counts) = transport();
+        negotiate(&mut t);
+        setup_queue(&mut t, 0, 16, 0x1_0000);
+        write(&mut t, REG_QUEUE_SEL, 1);
+        write(&mut t, REG_QUEUE_NUM, 8);
+        write(&mut t, REG_QUEUE_DESC_HIGH, 0x100);
+        write(&mut t, REG_QUEUE_READY, 1);
+        write(&mut t, REG_STATUS, RUNNING);
+        assert_ne!(read(&mut t, REG_STATUS) & status::DEVICE_NEEDS_RESET, 0);
+        assert!(!t.is_activated());
+        assert_eq!(counts.activated.load(Ordering::SeqCst), 0);
+        assert_ne!(read(&mut t, REG_INTERRUPT_STATUS) & INTERRUPT_CONFIG, 0);
+        write(&mut t, REG_INTERRUPT_ACK, INTERRUPT_CONFIG);
+        assert_eq!(read(&mut t, REG_INTERRUPT_STATUS), 0);
+    }
+
+    #[test]
+    fn odd_sized_and_unaligned_register_accesses_are_ignored() {
+        let (mut t, _) = transport();
+        let mut two = [0xffu8; 2];
+        t.read(REG_MAGIC, &mut two);
+        assert_eq!(two, [0, 0]);
+        let mut four = [0xffu8; 4];
+        t.read(REG_MAGIC + 1, &mut four);
+        assert_eq!(four, [0; 4]);
+        t.write(REG_STATUS, &[status::ACKNOWLEDGE as u8]);
+        t.write(REG_STATUS + 2, &status::ACKNOWLEDGE.to_le_bytes());
+        assert_eq!(read(&mut t, REG_STATUS), 0);
+    }
+}

@@ -25,11 +25,9 @@ pub enum ChainError {
     /// No descriptor at all (head index beyond the queue, or unreadable table).
     #[error("empty descriptor chain (head index beyond the queue or descriptor table unreadable)")]
     Empty,
-    /// The chain did not end where it said it would.
-    #[error(
-        "descriptor chain loops, is longer than the queue, or names a next index beyond the queue"
-    )]
-    Unterminated,
+    /// The chain has no end (the shared validator says why).
+    #[error("descriptor chain: {0}")]
+    Unterminated(crate::devices::virtio::chain::ChainError),
     /// Too few descriptors.
     #[error("descriptor chain has {0} descriptor(s); a request needs a header and a status")]
     TooShort(usize),
@@ -118,12 +116,16 @@ fn check_range(mem: &GuestMemoryMmap, desc: &Descriptor) -> Result<(), ChainErro
 pub fn collect_chain(
     chain: DescriptorChain<&GuestMemoryMmap>,
 ) -> Result<Vec<Descriptor>, ChainError> {
+    let head = chain.head_index();
     let descriptors: Vec<Descriptor> = chain.collect();
-    match descriptors.last() {
-        None => Err(ChainError::Empty),
-        Some(last) if last.has_next() => Err(ChainError::Unterminated),
-        Some(_) => Ok(descriptors),
+    if descriptors.is_empty() {
+        return Err(ChainError::Empty);
     }
+    // The queue size is not at hand: the iterator already stopped at it, so a next index it
+    // could not follow is reported as such.
+    crate::devices::virtio::chain::check_termination(head, &descriptors, u16::MAX)
+        .map_err(ChainError::Unterminated)?;
+    Ok(descriptors)
 }
 
 /// The status buffer of a chain, if its last descriptor can take one: used to report an
@@ -186,4 +188,195 @@ pub fn parse(mem: &GuestMemoryMmap, descriptors: &[Descriptor]) -> Result<Reques
         return Err(ChainError::PartialSector(request.data_len()));
     }
     Ok(request)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_queue::{Queue, QueueT};
+
+    const SIZE: u16 = 16;
+    const F_NEXT: u16 = 1;
+    const F_WRITE: u16 = 2;
+    const HDR: u64 = 0x8000;
+    const DATA: u64 = 0x9000;
+    const STATUS: u64 = 0xa000;
+
+    /// A descriptor: address, length, flags, next.
+    type Desc = (u64, u32, u16, u16);
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("mem")
+    }
+
+    /// Collects the chain of `descs` (head 0) from a queue in `mem`.
+    fn collect(mem: &GuestMemoryMmap, descs: &[Desc]) -> Result<Vec<Descriptor>, ChainError> {
+        let mut q = Queue::new(SIZE).expect("queue");
+        q.set_desc_table_address(Some(0x1000), Some(0));
+        q.set_avail_ring_address(Some(0x2000), Some(0));
+        q.set_used_ring_address(Some(0x3000), Some(0));
+        q.set_ready(true);
+        for (i, &(addr, len, flags, next)) in descs.iter().enumerate() {
+            mem.write_obj(
+                Descriptor::new(addr, len, flags, next),
+                GuestAddress(0x1000 + 16 * i as u64),
+            )
+            .expect("desc");
+        }
+        mem.write_obj(0u16, GuestAddress(0x2004)).expect("ring");
+        mem.write_obj(1u16, GuestAddress(0x2002)).expect("idx");
+        let chain = q.pop_descriptor_chain(mem).expect("a chain");
+        collect_chain(chain)
+    }
+
+    /// A request header of `request_type` for `sector` at HDR.
+    fn header(mem: &GuestMemoryMmap, request_type: u32, sector: u64) {
+        mem.write_obj(request_type, GuestAddress(HDR))
+            .expect("type");
+        mem.write_obj(sector, GuestAddress(HDR + 8))
+            .expect("sector");
+    }
+
+    fn parse_chain(request_type: u32, descs: &[Desc]) -> Result<Request, ChainError> {
+        let mem = mem();
+        header(&mem, request_type, 7);
+        let descriptors = collect(&mem, descs)?;
+        parse(&mem, &descriptors)
+    }
+
+    #[test]
+    fn reads_writes_flushes_and_id_requests_parse() {
+        let read = parse_chain(
+            VIRTIO_BLK_T_IN,
+            &[
+                (HDR, 16, F_NEXT, 1),
+                (DATA, 1024, F_WRITE | F_NEXT, 2),
+                (STATUS, 1, F_WRITE, 0),
+            ],
+        )
+        .expect("read");
+        assert_eq!(read.sector, 7);
+        assert_eq!(read.data, vec![(GuestAddress(DATA), 1024)]);
+        assert_eq!(read.status, GuestAddress(STATUS));
+        let write = parse_chain(
+            VIRTIO_BLK_T_OUT,
+            &[
+                (HDR, 16, F_NEXT, 1),
+                (DATA, 512, F_NEXT, 2),
+                (DATA + 512, 512, F_NEXT, 3),
+                (STATUS, 1, F_WRITE, 0),
+            ],
+        )
+        .expect("write");
+        assert_eq!(write.data_len(), 1024);
+        let flush = parse_chain(
+            VIRTIO_BLK_T_FLUSH,
+            &[(HDR, 16, F_NEXT, 1), (STATUS, 1, F_WRITE, 0)],
+        )
+        .expect("flush");
+        assert!(flush.data.is_empty());
+        let id = parse_chain(
+            VIRTIO_BLK_T_GET_ID,
+            &[
+                (HDR, 16, F_NEXT, 1),
+                (DATA, VIRTIO_BLK_ID_BYTES, F_WRITE | F_NEXT, 2),
+                (STATUS, 1, F_WRITE, 0),
+            ],
+        )
+        .expect("get id");
+        assert_eq!(id.data_len(), u64::from(VIRTIO_BLK_ID_BYTES));
+    }
+
+    #[test]
+    fn each_bad_request_is_refused_with_its_own_message() {
+        let cases: [(u32, &[Desc], &str); 8] = [
+            (
+                VIRTIO_BLK_T_IN,
+                &[(HDR, 16, F_WRITE, 0)],
+                "has 1 descriptor(s); a request needs a header and a status",
+            ),
+            (
+                VIRTIO_BLK_T_IN,
+                &[(HDR, 16, F_WRITE | F_NEXT, 1), (STATUS, 1, F_WRITE, 0)],
+                "request header must be a device-readable buffer of at least 16 bytes (got len 16, write-only true)",
+            ),
+            (
+                VIRTIO_BLK_T_IN,
+                &[(HDR, 8, F_NEXT, 1), (STATUS, 1, F_WRITE, 0)],
+                "(got len 8, write-only false)",
+            ),
+            (
+                VIRTIO_BLK_T_FLUSH,
+                &[(HDR, 16, F_NEXT, 1), (STATUS, 1, 0, 0)],
+                "status must be a device-writable buffer of at least 1 byte (got len 1, write-only false)",
+            ),
+            (
+                VIRTIO_BLK_T_IN,
+                &[(HDR, 16, F_NEXT, 1), (DATA, 512, F_NEXT, 2), (STATUS, 1, F_WRITE, 0)],
+                "data buffer 0x9000+0x200 has the wrong direction for request type 0",
+            ),
+            (
+                VIRTIO_BLK_T_OUT,
+                &[(HDR, 16, F_NEXT, 1), (DATA, 100, F_NEXT, 2), (STATUS, 1, F_WRITE, 0)],
+                "data length 100 is not a multiple of 512",
+            ),
+            (
+                VIRTIO_BLK_T_OUT,
+                &[(HDR, 16, F_NEXT, 1), (1 << 40, 512, F_NEXT, 2), (STATUS, 1, F_WRITE, 0)],
+                "buffer 0x10000000000+0x200 lies outside guest memory",
+            ),
+            (
+                VIRTIO_BLK_T_IN,
+                &[(HDR, 16, F_NEXT, 1), (0xf_ff00, 0x200, F_WRITE | F_NEXT, 2), (STATUS, 1, F_WRITE, 0)],
+                "buffer 0xfff00+0x200 lies outside guest memory",
+            ),
+        ];
+        for (request_type, descs, want) in cases {
+            let err = parse_chain(request_type, descs).expect_err(want);
+            assert!(err.to_string().contains(want), "{err} lacks {want:?}");
+        }
+    }
+
+    #[test]
+    fn unterminated_chains_are_named_apart() {
+        let mem = mem();
+        let looped = collect(
+            &mem,
+            &[(HDR, 16, F_NEXT, 1), (STATUS, 1, F_WRITE | F_NEXT, 0)],
+        )
+        .expect_err("loop");
+        assert_eq!(
+            looped.to_string(),
+            "descriptor chain: the chain has no end: it loops after 2 descriptor(s), descriptor 1 linking back to descriptor 0"
+        );
+        let long: Vec<Desc> = (0..SIZE)
+            .map(|i| (HDR, 16, F_NEXT, (i + 1) % SIZE))
+            .collect();
+        let err = collect(&mem, &long).expect_err("long");
+        assert!(
+            err.to_string().contains(
+                "loops after 16 descriptor(s), descriptor 15 linking back to descriptor 0"
+            ),
+            "{err}"
+        );
+        let err = collect(
+            &mem,
+            &[
+                (HDR, 16, F_NEXT, 1),
+                (STATUS, 1, F_WRITE | F_NEXT, SIZE + 5),
+            ],
+        )
+        .expect_err("bad next");
+        assert!(
+            err.to_string().contains(
+                "stops after 2 descriptor(s) without an end: the last names next index 21"
+            ),
+            "{err}"
+        );
+        // A status buffer for the error answer is found only when the last descriptor can take it.
+        let ok = collect(&mem, &[(HDR, 16, F_NEXT, 1), (STATUS, 1, F_WRITE, 0)]).expect("chain");
+        assert_eq!(status_of(&mem, &ok), Some(GuestAddress(STATUS)));
+        let ro = collect(&mem, &[(HDR, 16, F_NEXT, 1), (STATUS, 1, 0, 0)]).expect("chain");
+        assert_eq!(status_of(&mem, &ro), None);
+    }
 }

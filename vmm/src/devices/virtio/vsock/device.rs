@@ -223,6 +223,12 @@ impl VirtioDevice for Vsock {
     }
 
     fn reset(&mut self) {
+        let (dropped, refused) = (self.muxer.dropped_control(), self.muxer.refused_conns());
+        if dropped > 0 || refused > 0 {
+            log::info!(
+                "virtio-vsock: reset; so far {dropped} control packets dropped (no RX buffers), {refused} connections refused (limit)"
+            );
+        }
         self.muxer.reset();
         self.stalled = [false; 3];
     }
@@ -531,7 +537,7 @@ mod tests {
             ),
             (
                 &[(hdr, 44, F_NEXT, 1), (data, 16, F_NEXT, 0)],
-                "no end within 16 descriptors: it loops",
+                "it loops after 2 descriptor(s), descriptor 1 linking back to descriptor 0",
             ),
             (
                 &[(hdr, 44, F_NEXT, 1), (1 << 40, 16, 0, 0)],

@@ -111,34 +111,9 @@ impl PacketHeader {
 /// Why a guest buffer was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BufferError {
-    /// The head index names no descriptor.
-    #[error("head index {head} is beyond the queue of {size}")]
-    HeadBeyondQueue {
-        /// The head index.
-        head: u16,
-        /// Queue size.
-        size: u16,
-    },
-    /// A descriptor's next index names no descriptor.
-    #[error("descriptor chain names next index {next}, beyond the queue of {size}")]
-    NextBeyondQueue {
-        /// The bad next index.
-        next: u16,
-        /// Queue size.
-        size: u16,
-    },
-    /// The chain runs on past the queue size: it loops.
-    #[error("descriptor chain has no end within {size} descriptors: it loops")]
-    Loops {
-        /// Queue size.
-        size: u16,
-    },
-    /// The chain stops before its end for another reason.
-    #[error("descriptor chain stops after {count} descriptors without an end (lengths over 4 GiB, a bad indirect table, or an unreadable descriptor)")]
-    Unterminated {
-        /// Descriptors read.
-        count: usize,
-    },
+    /// The chain has no descriptor or no end (the shared validator says why).
+    #[error("descriptor chain: {0}")]
+    Chain(#[from] crate::devices::virtio::chain::ChainError),
     /// A buffer has the wrong direction.
     #[error(
         "descriptor {addr:#x}+{len:#x} is device-{is}; this queue takes device-{needs} buffers"
@@ -214,23 +189,8 @@ pub fn collect_chain(
 ) -> Result<Vec<Descriptor>, BufferError> {
     let head = chain.head_index();
     let descriptors: Vec<Descriptor> = chain.collect();
-    match descriptors.last() {
-        None => Err(BufferError::HeadBeyondQueue {
-            head,
-            size: queue_size,
-        }),
-        Some(last) if !last.has_next() => Ok(descriptors),
-        Some(last) if last.next() >= queue_size => Err(BufferError::NextBeyondQueue {
-            next: last.next(),
-            size: queue_size,
-        }),
-        Some(_) if descriptors.len() >= usize::from(queue_size) => {
-            Err(BufferError::Loops { size: queue_size })
-        }
-        Some(_) => Err(BufferError::Unterminated {
-            count: descriptors.len(),
-        }),
-    }
+    crate::devices::virtio::chain::check_termination(head, &descriptors, queue_size)?;
+    Ok(descriptors)
 }
 
 /// Reads a guest TX packet from a collected chain: header plus up to `max_payload` bytes of

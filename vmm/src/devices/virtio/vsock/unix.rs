@@ -20,6 +20,15 @@ pub const BUF_ALLOC: u32 = 256 * 1024;
 const MAX_PREAMBLE: usize = 32;
 /// First host port handed to host-initiated connections.
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
+/// Most connections (established, or waiting for CONNECT) at once: each holds a host fd.
+/// Firecracker's limit.
+pub const MAX_CONNECTIONS: usize = 1023;
+/// Most control packets queued for the guest: they wait for RX buffers the guest may never
+/// give. Firecracker's limit.
+pub const MAX_CONTROL: usize = 256;
+/// Most control packets one connection keeps while the queue is full (a request or response,
+/// a credit update, a shutdown); a connection that needs more is reset.
+const MAX_DEFERRED: usize = 4;
 
 const TOKEN_LISTENER: u64 = u64::MAX;
 const TOKEN_PENDING_BIT: u64 = 1 << 63;
@@ -49,6 +58,8 @@ struct Conn {
     readable: bool,
     host_eof: bool,
     token: u64,
+    /// Control packets that found the queue full, in order; sent before any more data.
+    deferred: Vec<PacketHeader>,
 }
 
 impl Conn {
@@ -65,6 +76,7 @@ impl Conn {
             readable: false,
             host_eof: false,
             token,
+            deferred: Vec::new(),
         }
     }
 
@@ -126,6 +138,11 @@ pub struct UnixMuxer {
     next_token: u64,
     next_local_port: u32,
     control: VecDeque<PacketHeader>,
+    max_conns: usize,
+    /// Control packets dropped because the queue was full.
+    dropped_control: u64,
+    /// Connections refused because [`MAX_CONNECTIONS`] were open.
+    refused_conns: u64,
 }
 
 fn epoll_add(epoll: &Epoll, fd: RawFd, events: EventSet, token: u64) -> std::io::Result<()> {
@@ -168,7 +185,24 @@ impl UnixMuxer {
             next_token: 1,
             next_local_port: FIRST_LOCAL_PORT,
             control: VecDeque::new(),
+            max_conns: MAX_CONNECTIONS,
+            dropped_control: 0,
+            refused_conns: 0,
         })
+    }
+
+    /// Control packets dropped because the guest gave no RX buffers for them.
+    pub fn dropped_control(&self) -> u64 {
+        self.dropped_control
+    }
+
+    /// Connections refused because too many were open.
+    pub fn refused_conns(&self) -> u64 {
+        self.refused_conns
+    }
+
+    fn at_connection_limit(&self) -> bool {
+        self.conns.len() + self.pending.len() >= self.max_conns
     }
 
     /// The host-side socket path.
@@ -207,16 +241,56 @@ impl UnixMuxer {
     }
 
     fn push_control(&mut self, key: ConnKey, op: u16, flags: u32) {
+        let queued = |h: &PacketHeader| h.op == op && (h.src_port, h.dst_port) == key;
+        if op == op::CREDIT_UPDATE && self.control.iter().any(queued) {
+            return;
+        }
         let mut h = self.header(key, op);
         h.flags = flags;
-        self.control.push_back(h);
+        self.enqueue(h);
     }
 
     /// Refuses a guest packet for a connection we don't know.
     fn push_rst_for(&mut self, guest: &PacketHeader) {
         let mut h = self.header((guest.dst_port, guest.src_port), op::RST);
         h.dst_cid = guest.src_cid;
-        self.control.push_back(h);
+        self.enqueue(h);
+    }
+
+    /// Queues a control packet. When [`MAX_CONTROL`] wait already, a live connection keeps
+    /// its packet until there is room (as Firecracker rebuilds its queue from connection
+    /// state); any other packet (a reset for an unknown connection) is dropped and counted.
+    fn enqueue(&mut self, h: PacketHeader) {
+        let full = self.control.len() >= MAX_CONTROL;
+        let key = (h.src_port, h.dst_port);
+        match self.conns.get_mut(&key) {
+            Some(conn) if full || !conn.deferred.is_empty() => {
+                let coalesced = h.op == op::CREDIT_UPDATE
+                    && conn.deferred.iter().any(|d| d.op == op::CREDIT_UPDATE);
+                if coalesced {
+                    return;
+                }
+                if conn.deferred.len() < MAX_DEFERRED {
+                    conn.deferred.push(h);
+                    return;
+                }
+            }
+            _ if !full => {
+                self.control.push_back(h);
+                return;
+            }
+            _ => {}
+        }
+        self.dropped_control += 1;
+        log::warn!(
+            "vsock: guest gives no RX buffers: {} control packets wait; dropped op {} for ports {}->{} ({} dropped so far)",
+            self.control.len(),
+            h.op,
+            h.src_port,
+            h.dst_port,
+            self.dropped_control
+        );
+        self.remove_conn((h.src_port, h.dst_port));
     }
 
     fn remove_conn(&mut self, key: ConnKey) {
@@ -298,6 +372,16 @@ impl UnixMuxer {
     fn accept_all(&mut self) {
         loop {
             match self.listener.accept() {
+                Ok((mut stream, _)) if self.at_connection_limit() => {
+                    self.refused_conns += 1;
+                    log::warn!(
+                        "vsock: {} connections open; refused a host connection on {}",
+                        self.max_conns,
+                        self.uds_path.display()
+                    );
+                    let _ = stream.set_nonblocking(true);
+                    let _ = stream.write_all(b"ERR too many connections\n");
+                }
                 Ok((stream, _)) => {
                     if let Err(e) = stream.set_nonblocking(true) {
                         log::warn!("vsock: cannot set up a host connection: {e}");
@@ -507,9 +591,20 @@ impl UnixMuxer {
             self.push_control(key, op::RST, 0);
             return;
         }
+        if self.at_connection_limit() {
+            self.refused_conns += 1;
+            log::warn!(
+                "vsock: {} connections open; refused guest port {} connecting to host port {}",
+                self.max_conns,
+                key.1,
+                key.0
+            );
+            self.push_control(key, op::RST, 0);
+            return;
+        }
         let mut path = self.uds_path.clone().into_os_string();
         path.push(format!("_{}", key.0));
-        match UnixStream::connect(&path) {
+        match connect_nonblocking(Path::new(&path)) {
             Ok(stream) => match self.add_conn(key, stream, ConnState::Established) {
                 Ok(()) => self.push_control(key, op::RESPONSE, 0),
                 Err(e) => {
@@ -520,6 +615,14 @@ impl UnixMuxer {
                     self.push_control(key, op::RST, 0);
                 }
             },
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                log::warn!(
+                    "vsock: guest connect to host port {}: {} has a full backlog (not accepting); refused",
+                    key.0,
+                    Path::new(&path).display()
+                );
+                self.push_control(key, op::RST, 0);
+            }
             Err(e) => {
                 log::info!(
                     "vsock: guest connect to host port {}: {}: {e}",
@@ -538,6 +641,13 @@ impl UnixMuxer {
                 header.fwd_cnt = conn.fwd_cnt.0;
                 conn.last_fwd_cnt_sent = conn.fwd_cnt;
             }
+            return Some((header, Vec::new()));
+        }
+        // Control packets that waited for room go before any data.
+        if let Some(conn) = self.conns.values_mut().find(|c| !c.deferred.is_empty()) {
+            let mut header = conn.deferred.remove(0);
+            header.fwd_cnt = conn.fwd_cnt.0;
+            conn.last_fwd_cnt_sent = conn.fwd_cnt;
             return Some((header, Vec::new()));
         }
         let keys: Vec<ConnKey> = self
@@ -590,11 +700,61 @@ impl UnixMuxer {
     /// Whether a packet is ready for the guest (control, or data with credit).
     pub fn has_rx(&self) -> bool {
         !self.control.is_empty()
-            || self
-                .conns
-                .values()
-                .any(|c| c.readable && c.state == ConnState::Established && c.peer_credit() > 0)
+            || self.conns.values().any(|c| {
+                !c.deferred.is_empty()
+                    || (c.readable && c.state == ConnState::Established && c.peer_credit() > 0)
+            })
     }
+}
+
+/// Connects to the Unix socket `path` without blocking: a listener whose backlog is full
+/// answers `WouldBlock` at once instead of stalling the event loop.
+fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: an all-zero sockaddr_un is a valid (empty) address.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "socket path is longer than {} bytes",
+                addr.sun_path.len() - 1
+            ),
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket that nothing else owns.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `addr` is a valid sockaddr_un whose first `len` bytes hold the family and the
+    // NUL-terminated path.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            std::ptr::addr_of!(addr).cast::<libc::sockaddr>(),
+            len as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(UnixStream::from(owned))
 }
 
 impl Drop for UnixMuxer {
@@ -602,5 +762,203 @@ impl Drop for UnixMuxer {
         if let Err(e) = std::fs::remove_file(&self.uds_path) {
             log::debug!("vsock: removing {}: {e}", self.uds_path.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+
+    use super::*;
+
+    const GUEST_CID: u64 = 3;
+
+    fn muxer(dir: &Path) -> UnixMuxer {
+        UnixMuxer::new(GUEST_CID, &dir.join("v.sock")).expect("muxer")
+    }
+
+    /// A packet from guest port `src` to host port `dst`.
+    fn from_guest(src: u32, dst: u32, op: u16) -> PacketHeader {
+        PacketHeader {
+            src_cid: GUEST_CID,
+            dst_cid: HOST_CID,
+            src_port: src,
+            dst_port: dst,
+            type_: TYPE_STREAM,
+            op,
+            buf_alloc: BUF_ALLOC,
+            ..Default::default()
+        }
+    }
+
+    fn ops(m: &UnixMuxer) -> Vec<u16> {
+        m.control.iter().map(|h| h.op).collect()
+    }
+
+    fn conn(buf_alloc: u32) -> Conn {
+        let (a, _b) = UnixStream::pair().expect("pair");
+        let mut c = Conn::new(a, ConnState::Established, 1);
+        c.peer_buf_alloc = buf_alloc;
+        c
+    }
+
+    #[test]
+    fn peer_credit_is_buffer_less_bytes_in_flight_across_wraparound() {
+        let mut c = conn(1000);
+        assert_eq!(c.peer_credit(), 1000);
+        c.tx_cnt = Wrapping(u32::MAX - 99);
+        c.peer_fwd_cnt = Wrapping(u32::MAX - 399);
+        assert_eq!(c.peer_credit(), 700, "300 bytes in flight");
+        c.tx_cnt += Wrapping(500);
+        assert_eq!(c.peer_credit(), 200, "800 in flight, counters wrapped");
+        c.peer_fwd_cnt = c.tx_cnt;
+        assert_eq!(c.peer_credit(), 1000);
+        // A guest that shrinks its buffer below what is in flight gets no credit, not a wrap.
+        c.tx_cnt += Wrapping(900);
+        c.peer_buf_alloc = 100;
+        assert_eq!(c.peer_credit(), 0);
+    }
+
+    #[test]
+    fn forwarded_bytes_are_counted_and_credit_updates_come_every_quarter_buffer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut m = muxer(dir.path());
+        let (ours, mut theirs) = UnixStream::pair().expect("pair");
+        let key = (5000, 1000);
+        m.add_conn(key, ours, ConnState::Established).expect("add");
+        let chunk = vec![7u8; (BUF_ALLOC / 8) as usize];
+        let mut rw = from_guest(1000, 5000, op::RW);
+        m.handle_guest_packet(&rw, &chunk);
+        assert!(ops(&m).is_empty(), "an eighth of the buffer: no update yet");
+        m.handle_guest_packet(&rw, &chunk);
+        assert_eq!(ops(&m), [op::CREDIT_UPDATE]);
+        m.handle_guest_packet(&rw, &chunk);
+        m.handle_guest_packet(&rw, &chunk);
+        assert_eq!(ops(&m), [op::CREDIT_UPDATE], "one queued update is enough");
+        let (h, _) = m.next_rx(4096).expect("update");
+        assert_eq!(h.fwd_cnt, BUF_ALLOC / 2, "bytes written to the host");
+        let mut got = vec![0u8; (BUF_ALLOC / 2) as usize];
+        theirs.read_exact(&mut got).expect("host reads");
+        // More than the advertised buffer unread on the host: the guest overran its credit.
+        theirs.set_nonblocking(true).expect("nonblocking host end");
+        rw.len = 0;
+        let big = vec![0u8; BUF_ALLOC as usize];
+        for _ in 0..8 {
+            m.handle_guest_packet(&rw, &big);
+        }
+        assert!(!m.conns.contains_key(&key), "overrun resets the connection");
+        assert_eq!(m.control.back().map(|h| h.op), Some(op::RST));
+    }
+
+    #[test]
+    fn control_queue_is_bounded_when_the_guest_gives_no_rx_buffers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut m = muxer(dir.path());
+        for port in 0..(MAX_CONTROL as u32 + 1000) {
+            // Data for connections that do not exist: each would be answered with RST.
+            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
+        }
+        assert_eq!(m.control.len(), MAX_CONTROL);
+        assert_eq!(m.dropped_control(), 1000);
+        // A guest asking again and again for credit on a live connection gets one update.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut m = muxer(dir.path());
+        let (ours, _theirs) = UnixStream::pair().expect("pair");
+        m.add_conn((5000, 1000), ours, ConnState::Established)
+            .expect("add");
+        for _ in 0..1000 {
+            m.handle_guest_packet(&from_guest(1000, 5000, op::CREDIT_REQUEST), &[]);
+        }
+        assert_eq!(ops(&m), [op::CREDIT_UPDATE]);
+    }
+
+    #[test]
+    fn a_connections_control_packets_wait_for_room_and_go_before_its_data() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut m = muxer(dir.path());
+        let listener = UnixListener::bind(dir.path().join("v.sock_5000")).expect("listen");
+        for port in 0..MAX_CONTROL as u32 {
+            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
+        }
+        m.handle_guest_packet(&from_guest(1000, 5000, op::REQUEST), &[]);
+        assert_eq!(m.conns.len(), 1, "the connection is kept");
+        assert_eq!(m.dropped_control(), 0);
+        let (mut host, _) = listener.accept().expect("the host saw the connect");
+        host.write_all(b"early data").expect("host writes");
+        // Credit from the guest, asked for again and again: one update waits, coalesced.
+        for _ in 0..10 {
+            m.handle_guest_packet(&from_guest(1000, 5000, op::CREDIT_REQUEST), &[]);
+        }
+        assert_eq!(m.control.len(), MAX_CONTROL);
+        let mut sent = Vec::new();
+        while let Some((h, payload)) = m.next_rx(4096) {
+            sent.push((h.op, payload.len()));
+        }
+        let ours: Vec<(u16, usize)> = sent[MAX_CONTROL..].to_vec();
+        assert_eq!(
+            ours,
+            [(op::RESPONSE, 0), (op::CREDIT_UPDATE, 0), (op::RW, 10)],
+            "RESPONSE before the host's data"
+        );
+        // A reset for an unknown connection finds no room and is dropped, counted.
+        for port in 0..=MAX_CONTROL as u32 {
+            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
+        }
+        assert_eq!(m.dropped_control(), 1);
+    }
+
+    #[test]
+    fn guest_connection_flood_is_capped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut m = muxer(dir.path());
+        m.max_conns = 4;
+        let listener = UnixListener::bind(dir.path().join("v.sock_5000")).expect("listen");
+        for port in 0..10 {
+            m.handle_guest_packet(&from_guest(1000 + port, 5000, op::REQUEST), &[]);
+        }
+        assert_eq!(m.conns.len(), 4);
+        assert_eq!(m.refused_conns(), 6);
+        let responses = ops(&m).iter().filter(|&&o| o == op::RESPONSE).count();
+        let resets = ops(&m).iter().filter(|&&o| o == op::RST).count();
+        assert_eq!((responses, resets), (4, 6));
+        // Host-initiated connections count too: one more is refused at once.
+        let mut host = UnixStream::connect(dir.path().join("v.sock")).expect("connect");
+        m.accept_all();
+        let mut reply = String::new();
+        host.read_to_string(&mut reply).expect("read");
+        assert_eq!(reply, "ERR too many connections\n");
+        assert!(m.pending.is_empty());
+        drop(listener);
+    }
+
+    #[test]
+    fn a_host_listener_with_a_full_backlog_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v.sock_5000");
+        let listener = UnixListener::bind(&path).expect("listen");
+        // SAFETY: listen(2) on a socket we own; a second call only shrinks the backlog.
+        assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+        let mut queued = Vec::new();
+        loop {
+            match connect_nonblocking(&path) {
+                Ok(s) => queued.push(s),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(queued.len() < 4096, "the backlog never filled");
+        }
+        let mut m = muxer(dir.path());
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            m.handle_guest_packet(&from_guest(1000, 5000, op::REQUEST), &[]);
+            let _ = tx.send(ops(&m));
+        });
+        let answered = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the guest's connect blocked the event loop");
+        assert_eq!(answered, [op::RST]);
+        drop(listener);
     }
 }
