@@ -517,7 +517,12 @@ fn run(args: Args) -> Result<i32, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(args) {
+    let result = run(args);
+    let dropped = vmm::logger::dropped_lines();
+    if dropped > 0 {
+        eprintln!("rollbox-vmm: {dropped} log lines were dropped by the rate limit");
+    }
+    match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(message) => {
             eprintln!("rollbox-vmm: error: {message}");

@@ -3,7 +3,7 @@
 
 use crate::io::{pause, Deadline};
 use crate::virtio::{
-    wait_ms, Buf, Hostile, Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE, HOSTILE_WAIT_MS,
+    Buf, Hostile, Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE,
 };
 
 pub const DEVICE_ID: u32 = 2;
@@ -276,7 +276,7 @@ impl Blk {
             }
         }
         self.transport.notify(&self.queue);
-        wait_ms(tpm, HOSTILE_WAIT_MS);
+        self.transport.wait_hostile_met(&mut self.queue, tpm)?;
         self.ready = false;
         self.posted = false;
         self.ensure_ready(dma, tpm)

@@ -33,14 +33,15 @@ const STATUS_DRIVER: u32 = 2;
 const STATUS_DRIVER_OK: u32 = 4;
 const STATUS_FEATURES_OK: u32 = 8;
 const STATUS_FAILED: u32 = 128;
+const STATUS_DEVICE_NEEDS_RESET: u32 = 64;
 
 pub const F_VERSION_1: u64 = 1 << 32;
 
 pub const DESC_F_NEXT: u16 = 1;
 pub const DESC_F_WRITE: u16 = 2;
 
-/// How long a device is given to meet a hostile chain before the guest resets it.
-pub const HOSTILE_WAIT_MS: u64 = 50;
+/// How long a device has to meet a hostile chain (return it, or ask for a reset).
+pub const HOSTILE_DEADLINE_MS: u64 = 5000;
 
 /// Malformed chains the `hostile` commands post; their buffers depend on the device.
 #[derive(Clone, Copy)]
@@ -89,14 +90,6 @@ impl Buf {
         } else {
             0
         }
-    }
-}
-
-/// Waits `ms` milliseconds.
-pub fn wait_ms(ticks_per_ms: u64, ms: u64) {
-    let deadline = Deadline::after_ms(ticks_per_ms, ms);
-    while !deadline.passed() {
-        pause();
     }
 }
 
@@ -288,6 +281,24 @@ impl Transport {
                 return (hi << 32) | lo;
             }
         }
+    }
+
+    /// Whether the device set DEVICE_NEEDS_RESET: it stopped serving a queue.
+    pub fn needs_reset(&self) -> bool {
+        self.read(REG_STATUS) & STATUS_DEVICE_NEEDS_RESET != 0
+    }
+
+    /// Waits until the device met a hostile chain posted on `queue`: it returned a chain on
+    /// the used ring, or it set DEVICE_NEEDS_RESET (a queue it will not serve until reset).
+    pub fn wait_hostile_met(&self, queue: &mut Queue, ticks_per_ms: u64) -> Result<(), &'static str> {
+        let deadline = Deadline::after_ms(ticks_per_ms, HOSTILE_DEADLINE_MS);
+        while queue.pop_used().is_none() && !self.needs_reset() {
+            if deadline.passed() {
+                return Err("hostile-chain-not-met");
+            }
+            pause();
+        }
+        Ok(())
     }
 
     pub fn notify(&self, queue: &Queue) {

@@ -3,7 +3,7 @@
 
 use crate::io::{pause, Deadline};
 use crate::virtio::{
-    wait_ms, Buf, Hostile, Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE, HOSTILE_WAIT_MS,
+    Buf, Hostile, Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE,
 };
 
 pub const DEVICE_ID: u32 = 19;
@@ -459,8 +459,8 @@ impl Vsock {
             self.send(&mut dma.tx, answered)?;
         }
         if let VsockHostile::Tx(Hostile::BadAvail) = kind {
-            // A stalled queue returns nothing the guest could wait for.
-            wait_ms(tpm, HOSTILE_WAIT_MS);
+            // A stalled queue returns nothing: the device asks for a reset instead.
+            self.transport.wait_hostile_met(&mut self.queues[queue], tpm)?;
         } else {
             // The device returns a refused chain: wait for that instead of a fixed time.
             let deadline = Deadline::after_ms(tpm, TX_WAIT_MS);

@@ -238,6 +238,7 @@ impl MmioTransport {
         self.acked_features = 0;
         self.status = 0;
         self.interrupt.set_status(0);
+        self.interrupt.clear_needs_reset();
     }
 
     fn set_status(&mut self, value: u32) {
@@ -318,6 +319,7 @@ impl MmioTransport {
                 .map(|q| u32::from(q.ready()))
                 .unwrap_or(0),
             REG_INTERRUPT_STATUS => self.interrupt.status(),
+            REG_STATUS if self.interrupt.needs_reset() => self.status | status::DEVICE_NEEDS_RESET,
             REG_STATUS => self.status,
             REG_CONFIG_GENERATION => self.config_generation,
             _ => {
@@ -502,6 +504,7 @@ mod tests {
         activated: AtomicUsize,
         reset: AtomicUsize,
         notified: AtomicUsize,
+        stall_on_notify: std::sync::atomic::AtomicBool,
     }
 
     struct Dummy(Arc<Counts>);
@@ -525,8 +528,11 @@ mod tests {
         fn reset(&mut self) {
             self.0.reset.fetch_add(1, Ordering::SeqCst);
         }
-        fn process_queue(&mut self, _queue: usize, _ctx: &mut QueueContext<'_>) {
+        fn process_queue(&mut self, _queue: usize, ctx: &mut QueueContext<'_>) {
             self.0.notified.fetch_add(1, Ordering::SeqCst);
+            if self.0.stall_on_notify.load(Ordering::SeqCst) {
+                ctx.interrupt.signal_needs_reset();
+            }
         }
         fn name(&self) -> String {
             "dummy".into()
@@ -677,6 +683,33 @@ mod tests {
         assert_ne!(read(&mut t, REG_INTERRUPT_STATUS) & INTERRUPT_CONFIG, 0);
         write(&mut t, REG_INTERRUPT_ACK, INTERRUPT_CONFIG);
         assert_eq!(read(&mut t, REG_INTERRUPT_STATUS), 0);
+    }
+
+    #[test]
+    fn a_device_that_stops_serving_a_queue_asks_for_a_reset_once_until_reset() {
+        let (mut t, counts) = transport();
+        negotiate(&mut t);
+        setup_queue(&mut t, 0, 16, 0x1_0000);
+        write(&mut t, REG_STATUS, RUNNING);
+        assert!(t.is_activated());
+        counts.stall_on_notify.store(true, Ordering::SeqCst);
+        write(&mut t, REG_QUEUE_NOTIFY, 0);
+        assert_ne!(read(&mut t, REG_STATUS) & status::DEVICE_NEEDS_RESET, 0);
+        assert_ne!(read(&mut t, REG_INTERRUPT_STATUS) & INTERRUPT_CONFIG, 0);
+        write(&mut t, REG_INTERRUPT_ACK, INTERRUPT_CONFIG);
+        write(&mut t, REG_QUEUE_NOTIFY, 0);
+        assert_eq!(
+            read(&mut t, REG_INTERRUPT_STATUS) & INTERRUPT_CONFIG,
+            0,
+            "one configuration interrupt per stall"
+        );
+        counts.stall_on_notify.store(false, Ordering::SeqCst);
+        write(&mut t, REG_STATUS, 0);
+        assert_eq!(read(&mut t, REG_STATUS), 0);
+        negotiate(&mut t);
+        setup_queue(&mut t, 0, 16, 0x1_0000);
+        write(&mut t, REG_STATUS, RUNNING);
+        assert_eq!(read(&mut t, REG_STATUS) & status::DEVICE_NEEDS_RESET, 0);
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod vsock;
 
 use std::num::Wrapping;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use crate::vstate::memory::GuestMemoryMmap;
@@ -113,6 +113,8 @@ pub fn return_chain(
 pub struct Interrupt {
     status: Arc<AtomicU32>,
     irqfd: Arc<EventFd>,
+    /// A queue the device stopped serving: DEVICE_NEEDS_RESET until the driver resets it.
+    needs_reset: Arc<AtomicBool>,
     /// Bits that always read as set (see [`Interrupt::with_sticky_used_ring`]).
     sticky: u32,
 }
@@ -123,6 +125,7 @@ impl Interrupt {
         Self {
             status: Arc::new(AtomicU32::new(0)),
             irqfd,
+            needs_reset: Arc::new(AtomicBool::new(false)),
             sticky: 0,
         }
     }
@@ -147,6 +150,24 @@ impl Interrupt {
     /// Tells the driver that configuration space changed.
     pub fn signal_config_change(&self) {
         self.raise(INTERRUPT_CONFIG);
+    }
+
+    /// Tells the driver that the device stopped serving a queue and needs a reset: the
+    /// status register shows DEVICE_NEEDS_RESET, with one configuration-change interrupt.
+    pub fn signal_needs_reset(&self) {
+        if !self.needs_reset.swap(true, Ordering::SeqCst) {
+            self.raise(INTERRUPT_CONFIG);
+        }
+    }
+
+    /// Whether [`Interrupt::signal_needs_reset`] was called since the last device reset.
+    pub fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
+    }
+
+    /// A device reset by the driver: the device serves its queues again.
+    pub fn clear_needs_reset(&self) {
+        self.needs_reset.store(false, Ordering::SeqCst);
     }
 
     fn raise(&self, bit: u32) {

@@ -182,6 +182,7 @@ impl VirtioDevice for Block {
         loop {
             if let Err(e) = check_avail(queue, mem) {
                 log::warn!("{name}: {e}; ignoring the queue until reset");
+                ctx.interrupt.signal_needs_reset();
                 break;
             }
             let Some(chain) = queue.pop_descriptor_chain(mem) else {

@@ -325,6 +325,9 @@ impl Net {
         if used_any {
             ctx.interrupt.signal_used_ring();
         }
+        if self.stalled.contains(&true) {
+            ctx.interrupt.signal_needs_reset();
+        }
     }
 }
 

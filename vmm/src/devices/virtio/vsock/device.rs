@@ -202,6 +202,9 @@ impl Vsock {
         if used_any {
             ctx.interrupt.signal_used_ring();
         }
+        if self.stalled.contains(&true) {
+            ctx.interrupt.signal_needs_reset();
+        }
     }
 }
 
