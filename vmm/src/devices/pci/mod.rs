@@ -5,3 +5,4 @@
 //! passthrough (issue 9).
 
 pub mod config;
+pub mod msix;
