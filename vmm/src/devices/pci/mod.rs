@@ -6,3 +6,4 @@
 
 pub mod config;
 pub mod msix;
+pub mod router;
