@@ -7,3 +7,4 @@
 pub mod config;
 pub mod msix;
 pub mod router;
+pub mod bus;
