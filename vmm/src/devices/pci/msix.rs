@@ -17,9 +17,24 @@ pub const CONTROL_FUNCTION_MASK: u16 = 1 << 14;
 /// Vector control: mask bit.
 const VECTOR_MASKED: u32 = 1;
 
+use super::config::{ConfigError, ConfigSpace};
+
 /// Errors from MSI-X emulation; each names the offending vector or access.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MsixError {
+    /// The capability could not be added to configuration space.
+    #[error("MSI-X capability: {0}")]
+    Config(#[from] ConfigError),
+    /// The table or PBA does not fit in its BAR, or the two overlap.
+    #[error("MSI-X table ({table_bytes} bytes at BAR {table_bar} {table_offset:#x}) or PBA does not fit its BAR or they overlap")]
+    Layout {
+        /// The table's BAR.
+        table_bar: u8,
+        /// The table's offset.
+        table_offset: u32,
+        /// The table's size.
+        table_bytes: u64,
+    },
     /// A table size outside 1..=2048.
     #[error("an MSI-X table of {0} vectors; 1 to {MAX_VECTORS} are allowed")]
     VectorCount(usize),
@@ -329,9 +344,124 @@ impl Msix {
     }
 }
 
+/// MSI-X as a function has it: the capability in its configuration space, and the table and
+/// PBA in its BARs.
+pub struct MsixCapability {
+    offset: usize,
+    table: BarOffset,
+    pba: BarOffset,
+    /// The vectors.
+    pub state: Msix,
+}
+
+impl MsixCapability {
+    /// Adds an MSI-X capability of `vectors` to `config`, with the table and PBA at the given
+    /// places; the BARs must be declared and big enough.
+    pub fn add_to(
+        config: &mut ConfigSpace,
+        vectors: usize,
+        table: BarOffset,
+        pba: BarOffset,
+    ) -> Result<Self, MsixError> {
+        let state = Msix::new(vectors)?;
+        let fits = |place: BarOffset, len: u64| {
+            config
+                .bar(usize::from(place.bar))
+                .is_some_and(|bar| u64::from(place.offset) + len <= bar.size)
+        };
+        let range = |place: BarOffset, len: u64| {
+            let start = u64::from(place.offset);
+            (place.bar, start, start + len)
+        };
+        let (tb, ts, te) = range(table, state.table_bytes());
+        let (pb, ps, pe) = range(pba, state.pba_bytes());
+        let overlap = tb == pb && ts < pe && ps < te;
+        if !fits(table, state.table_bytes()) || !fits(pba, state.pba_bytes()) || overlap {
+            return Err(MsixError::Layout {
+                table_bar: table.bar,
+                table_offset: table.offset,
+                table_bytes: state.table_bytes(),
+            });
+        }
+        let (body, writable) = state.capability(table, pba)?;
+        let offset = config.add_capability(MSIX_CAPABILITY_ID, &body, &writable)?;
+        Ok(Self {
+            offset,
+            table,
+            pba,
+            state,
+        })
+    }
+
+    /// The capability's offset in configuration space.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// After a guest configuration write of `len` bytes at `offset` (already applied to
+    /// `config`): picks up message control when the write touched it. Returns the pending
+    /// vectors to deliver now.
+    pub fn config_written(
+        &mut self,
+        config: &ConfigSpace,
+        offset: usize,
+        len: usize,
+    ) -> Vec<(u16, MsiMessage)> {
+        let control = self.offset + 2;
+        if offset < control + 2 && control < offset + len {
+            self.state.control_written(config.u16_at(control))
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn place(&self, bar: usize, offset: u64) -> Option<(bool, u64)> {
+        let inside = |place: BarOffset, len: u64| {
+            let start = u64::from(place.offset);
+            (usize::from(place.bar) == bar && offset >= start && offset < start + len)
+                .then(|| offset - start)
+        };
+        inside(self.table, self.state.table_bytes())
+            .map(|at| (true, at))
+            .or_else(|| inside(self.pba, self.state.pba_bytes()).map(|at| (false, at)))
+    }
+
+    /// A BAR read: `None` when it is not in the table or PBA (the device handles it).
+    pub fn read_bar(
+        &self,
+        bar: usize,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Option<Result<(), MsixError>> {
+        let (table, at) = self.place(bar, offset)?;
+        Some(if table {
+            self.state.read_table(at, data)
+        } else {
+            self.state.read_pba(at, data)
+        })
+    }
+
+    /// A BAR write: `None` when it is not in the table or PBA. PBA writes are ignored (it is
+    /// read-only). Returns the pending vectors to deliver now.
+    pub fn write_bar(
+        &mut self,
+        bar: usize,
+        offset: u64,
+        data: &[u8],
+    ) -> Option<Result<Vec<(u16, MsiMessage)>, MsixError>> {
+        let (table, at) = self.place(bar, offset)?;
+        Some(if table {
+            self.state.write_table(at, data)
+        } else {
+            Ok(Vec::new())
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::pci::config::{Bar, BarKind, DeviceIdentity};
 
     fn write32(msix: &mut Msix, offset: u64, value: u32) -> Vec<(u16, MsiMessage)> {
         msix.write_table(offset, &value.to_le_bytes())
@@ -488,5 +618,100 @@ mod tests {
         // Disabling drops nothing that is pending but delivers nothing either.
         msix.control_written(0);
         assert_eq!(msix.signal(0), Ok(Signal::Disabled));
+    }
+
+    #[test]
+    fn the_guest_drives_msix_through_config_space_and_the_bar() {
+        let mut config = ConfigSpace::new(DeviceIdentity::default());
+        config
+            .add_bar(
+                0,
+                Bar {
+                    kind: BarKind::Memory32 {
+                        prefetchable: false,
+                    },
+                    size: 0x4000,
+                },
+            )
+            .expect("bar");
+        let table = BarOffset { bar: 0, offset: 0 };
+        let pba = BarOffset {
+            bar: 0,
+            offset: 0x2000,
+        };
+        let mut cap = MsixCapability::add_to(&mut config, 8, table, pba).expect("msix");
+        assert_eq!(cap.offset(), 0x40);
+        let mut dword = [0u8; 4];
+        config.read(0x40, &mut dword);
+        assert_eq!(u32::from_le_bytes(dword), 0x0007_0011, "ID, no next, N-1 = 7");
+        // The guest programs vector 3 and enables MSI-X with the function masked.
+        let entry = 3 * TABLE_ENTRY_SIZE;
+        assert_eq!(
+            cap.write_bar(0, entry, &0xfee0_0000u32.to_le_bytes()),
+            Some(Ok(vec![]))
+        );
+        assert!(cap.write_bar(0, entry + 8, &0x61u32.to_le_bytes()).is_some());
+        assert!(cap.write_bar(0, entry + 12, &0u32.to_le_bytes()).is_some());
+        let control = CONTROL_ENABLE | CONTROL_FUNCTION_MASK | 0x7ff;
+        assert!(config.write(0x42, &control.to_le_bytes()));
+        assert!(cap.config_written(&config, 0x42, 2).is_empty());
+        assert_eq!(config.u16_at(0x42), CONTROL_ENABLE | CONTROL_FUNCTION_MASK | 7);
+        assert_eq!(cap.state.signal(3), Ok(Signal::Pending));
+        let mut qword = [0u8; 8];
+        assert_eq!(cap.read_bar(0, 0x2000, &mut qword), Some(Ok(())));
+        assert_eq!(u64::from_le_bytes(qword), 1 << 3);
+        // PBA writes do nothing; accesses outside the table and PBA are the device's.
+        assert_eq!(cap.write_bar(0, 0x2000, &[0; 8]), Some(Ok(vec![])));
+        assert!(cap.state.is_pending(3));
+        assert_eq!(cap.read_bar(0, 0x3000, &mut qword), None);
+        assert_eq!(cap.read_bar(1, 0, &mut qword), None);
+        // A write elsewhere in config space leaves MSI-X alone.
+        assert!(config.write(0x04, &[0x02]));
+        assert!(cap.config_written(&config, 0x04, 1).is_empty());
+        assert!(cap.state.function_masked());
+        // A dword write over the capability header clears the function mask: delivery.
+        let header = 0x11 | (u32::from(CONTROL_ENABLE) << 16);
+        assert!(config.write(0x40, &header.to_le_bytes()));
+        assert_eq!(
+            cap.config_written(&config, 0x40, 4),
+            vec![(
+                3,
+                MsiMessage {
+                    address: 0xfee0_0000,
+                    data: 0x61
+                }
+            )]
+        );
+        assert!(!cap.state.is_pending(3));
+    }
+
+    #[test]
+    fn a_table_that_does_not_fit_its_bar_is_refused() {
+        let mut config = ConfigSpace::new(DeviceIdentity::default());
+        config
+            .add_bar(
+                0,
+                Bar {
+                    kind: BarKind::Memory32 {
+                        prefetchable: false,
+                    },
+                    size: 0x1000,
+                },
+            )
+            .expect("bar");
+        let at = |offset| BarOffset { bar: 0, offset };
+        assert!(matches!(
+            MsixCapability::add_to(&mut config, 512, at(0), at(0x800)),
+            Err(MsixError::Layout { .. })
+        ));
+        assert!(matches!(
+            MsixCapability::add_to(&mut config, 8, at(0), at(0x40)),
+            Err(MsixError::Layout { .. })
+        ));
+        assert!(matches!(
+            MsixCapability::add_to(&mut config, 8, at(0), BarOffset { bar: 1, offset: 0 }),
+            Err(MsixError::Layout { .. })
+        ));
+        assert!(MsixCapability::add_to(&mut config, 8, at(0), at(0x80)).is_ok());
     }
 }
