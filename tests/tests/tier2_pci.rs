@@ -58,7 +58,9 @@ fn msi_routes_irqfds_and_signal_msi_reach_the_local_apic() {
     msix.write_table(entry + 12, &0u32.to_le_bytes())
         .expect("unmask");
     msix.control_written(CONTROL_ENABLE);
-    let message = msix.message(vector).expect("routable once enabled and unmasked");
+    let message = msix
+        .message(vector)
+        .expect("routable once enabled and unmasked");
     assert_eq!(msix.signal(vector), Ok(Signal::Deliver(message)));
 
     let mut router = MsiRouter::for_kvm(&kvm);
@@ -88,6 +90,8 @@ fn msi_routes_irqfds_and_signal_msi_reach_the_local_apic() {
 
     // A masked vector loses its route; the table without it applies.
     router.set_route(gsi, None).expect("unroute");
-    router.apply(vm.fd()).expect("KVM_SET_GSI_ROUTING without MSI routes");
+    router
+        .apply(vm.fd())
+        .expect("KVM_SET_GSI_ROUTING without MSI routes");
     router.release(gsi).expect("release");
 }

@@ -37,7 +37,9 @@ pub enum PciBusError {
     #[error("PCI slot {0} is taken or out of range")]
     SlotTaken(usize),
     /// A BAR does not fit in its window.
-    #[error("BAR {bar} of device 00:{slot:02x}.0 ({size:#x} bytes) does not fit in the {window} window")]
+    #[error(
+        "BAR {bar} of device 00:{slot:02x}.0 ({size:#x} bytes) does not fit in the {window} window"
+    )]
     NoRoom {
         /// The device's slot.
         slot: usize,
@@ -443,7 +445,8 @@ impl BusDevice for PciEcam {
             data.fill(0xff);
             return;
         }
-        self.root.config_read(ConfigAddress::from_ecam(offset), data);
+        self.root
+            .config_read(ConfigAddress::from_ecam(offset), data);
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
@@ -697,12 +700,19 @@ mod tests {
         assert_eq!(small[0].addr, PCI_MMIO32_START);
         assert_eq!(small[1].addr, PCI_MMIO32_START + (16 << 20));
         let io: Vec<_> = placed.iter().filter(|p| p.bar == 4).collect();
-        assert_eq!((io[0].addr, io[1].addr), (PCI_IO_START, PCI_IO_START + 0x80));
+        assert_eq!(
+            (io[0].addr, io[1].addr),
+            (PCI_IO_START, PCI_IO_START + 0x80)
+        );
         // The addresses are in the devices' BAR registers, as the guest will read them.
         let mut ecam = PciEcam::new(root.clone());
         let mut data = [0u8; 4];
         ecam.read((2 << 15) | 0x18, &mut data);
-        assert_eq!(u32::from_le_bytes(data), 0xc, "low half: 64-bit prefetchable");
+        assert_eq!(
+            u32::from_le_bytes(data),
+            0xc,
+            "low half: 64-bit prefetchable"
+        );
         ecam.read((2 << 15) | 0x1c, &mut data);
         assert_eq!(u32::from_le_bytes(data), 0x80, "512 GiB >> 32");
     }

@@ -296,7 +296,11 @@ impl ConfigSpace {
                 min,
             });
         }
-        let low_type_mask: u64 = if bar.kind == BarKind::Io { 0b11 } else { 0b1111 };
+        let low_type_mask: u64 = if bar.kind == BarKind::Io {
+            0b11
+        } else {
+            0b1111
+        };
         let address_mask = !(bar.size - 1) & !low_type_mask;
         let low_mask = match bar.kind {
             // I/O BARs decode 16 bits of port; the upper bits stay zero.
@@ -353,7 +357,7 @@ impl ConfigSpace {
             BarKind::Memory64 { .. } => u64::MAX,
         };
         let fits = addr.checked_add(bar.size).is_some_and(|end| end <= limit);
-        if addr % bar.size != 0 || !fits {
+        if !addr.is_multiple_of(bar.size) || !fits {
             return Err(ConfigError::BarAddress { index, addr });
         }
         let offset = reg::BAR0 + 4 * index;
@@ -414,7 +418,7 @@ impl ConfigSpace {
     /// Whether an access of `len` bytes at `offset` is one the space answers: 1, 2 or 4
     /// bytes, naturally aligned, inside the 4 KiB.
     pub fn access_ok(offset: usize, len: usize) -> bool {
-        matches!(len, 1 | 2 | 4) && offset % len == 0 && offset + len <= CONFIG_SPACE_SIZE
+        matches!(len, 1 | 2 | 4) && offset.is_multiple_of(len) && offset + len <= CONFIG_SPACE_SIZE
     }
 
     /// Guest read. A malformed access reads all ones.
@@ -662,9 +666,7 @@ mod tests {
             .add_bar(
                 0,
                 Bar {
-                    kind: BarKind::Memory64 {
-                        prefetchable: true,
-                    },
+                    kind: BarKind::Memory64 { prefetchable: true },
                     size: 1 << 30,
                 },
             )
@@ -703,14 +705,20 @@ mod tests {
             .expect("second");
         assert_eq!(first, 0x40);
         assert_eq!(second, 0x48, "dword aligned after 5 bytes");
-        assert_eq!(space.u16_at(reg::STATUS) & STATUS_CAPABILITIES, STATUS_CAPABILITIES);
+        assert_eq!(
+            space.u16_at(reg::STATUS) & STATUS_CAPABILITIES,
+            STATUS_CAPABILITIES
+        );
         let mut byte = [0u8];
         space.read(reg::CAPABILITIES, &mut byte);
         assert_eq!(byte[0], 0x40);
         assert_eq!(read32(&space, 0x40), 0x0201_4809);
         assert_eq!(read32(&space, 0x48) & 0xffff, 0x0011, "last has no next");
         assert!(space.write(0x40, &[0xaa, 0xbb, 0xcc, 0xdd]));
-        assert_eq!(read32(&space, 0x40), 0x0201_4809 & 0xff00_ffff | 0x00cc_0000);
+        assert_eq!(
+            read32(&space, 0x40),
+            0x0201_4809 & 0xff00_ffff | 0x00cc_0000
+        );
         assert_eq!(
             space.add_capability(0x10, &[0; 200], &[0; 200]),
             Err(ConfigError::CapabilityTooBig { id: 0x10, len: 202 })

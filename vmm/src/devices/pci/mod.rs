@@ -4,7 +4,7 @@
 //! Nothing here is wired into the default VM: it is the foundation for PCI and VFIO
 //! passthrough (issue 9).
 
+pub mod bus;
 pub mod config;
 pub mod msix;
 pub mod router;
-pub mod bus;

@@ -97,7 +97,7 @@ pub struct BarOffset {
 
 impl BarOffset {
     fn register(self) -> Result<u32, MsixError> {
-        if self.bar > 5 || self.offset % 8 != 0 {
+        if self.bar > 5 || !self.offset.is_multiple_of(8) {
             return Err(MsixError::Placement {
                 bar: self.bar,
                 offset: self.offset,
@@ -276,8 +276,10 @@ impl Msix {
         size: u64,
     ) -> Result<(), MsixError> {
         let ok = matches!(len, 4 | 8)
-            && offset % len as u64 == 0
-            && offset.checked_add(len as u64).is_some_and(|end| end <= size);
+            && offset.is_multiple_of(len as u64)
+            && offset
+                .checked_add(len as u64)
+                .is_some_and(|end| end <= size);
         if ok {
             Ok(())
         } else {
@@ -507,11 +509,17 @@ mod tests {
         assert_eq!(u16::from_le_bytes([writable[0], writable[1]]), 0xc000);
         assert_eq!(&writable[2..], &[0; 8]);
         assert!(matches!(
-            msix.capability(BarOffset { bar: 6, offset: 0 }, BarOffset { bar: 0, offset: 0 }),
+            msix.capability(
+                BarOffset { bar: 6, offset: 0 },
+                BarOffset { bar: 0, offset: 0 }
+            ),
             Err(MsixError::Placement { bar: 6, .. })
         ));
         assert!(msix
-            .capability(BarOffset { bar: 0, offset: 4 }, BarOffset { bar: 0, offset: 0 })
+            .capability(
+                BarOffset { bar: 0, offset: 4 },
+                BarOffset { bar: 0, offset: 0 }
+            )
             .is_err());
     }
 
@@ -542,7 +550,10 @@ mod tests {
             Err(MsixError::BadAccess { len: 2, .. })
         ));
         assert!(msix.write_table(2, &[0; 4]).is_err());
-        assert!(msix.write_table(4, &[0; 8]).is_err(), "qword at dword offset");
+        assert!(
+            msix.write_table(4, &[0; 8]).is_err(),
+            "qword at dword offset"
+        );
         assert!(msix.write_table(32, &[0; 4]).is_err(), "past the table");
         let mut four = [0u8; 4];
         assert!(msix.read_pba(8, &mut four).is_err());
@@ -597,8 +608,13 @@ mod tests {
         assert_eq!(msix.signal(69), Ok(Signal::Pending));
         assert_eq!(msix.message(0), None);
         let mut pba = [0u8; 4];
-        msix.read_pba(8, &mut pba).expect("pba high qword, low dword");
-        assert_eq!(u32::from_le_bytes(pba), 1 << 5, "vector 69 is bit 5 of qword 1");
+        msix.read_pba(8, &mut pba)
+            .expect("pba high qword, low dword");
+        assert_eq!(
+            u32::from_le_bytes(pba),
+            1 << 5,
+            "vector 69 is bit 5 of qword 1"
+        );
         // Masking the vector itself keeps it pending through the function unmask.
         write32(&mut msix, 69 * 16 + 12, 1);
         let delivered = msix.control_written(CONTROL_ENABLE);
@@ -643,19 +659,28 @@ mod tests {
         assert_eq!(cap.offset(), 0x40);
         let mut dword = [0u8; 4];
         config.read(0x40, &mut dword);
-        assert_eq!(u32::from_le_bytes(dword), 0x0007_0011, "ID, no next, N-1 = 7");
+        assert_eq!(
+            u32::from_le_bytes(dword),
+            0x0007_0011,
+            "ID, no next, N-1 = 7"
+        );
         // The guest programs vector 3 and enables MSI-X with the function masked.
         let entry = 3 * TABLE_ENTRY_SIZE;
         assert_eq!(
             cap.write_bar(0, entry, &0xfee0_0000u32.to_le_bytes()),
             Some(Ok(vec![]))
         );
-        assert!(cap.write_bar(0, entry + 8, &0x61u32.to_le_bytes()).is_some());
+        assert!(cap
+            .write_bar(0, entry + 8, &0x61u32.to_le_bytes())
+            .is_some());
         assert!(cap.write_bar(0, entry + 12, &0u32.to_le_bytes()).is_some());
         let control = CONTROL_ENABLE | CONTROL_FUNCTION_MASK | 0x7ff;
         assert!(config.write(0x42, &control.to_le_bytes()));
         assert!(cap.config_written(&config, 0x42, 2).is_empty());
-        assert_eq!(config.u16_at(0x42), CONTROL_ENABLE | CONTROL_FUNCTION_MASK | 7);
+        assert_eq!(
+            config.u16_at(0x42),
+            CONTROL_ENABLE | CONTROL_FUNCTION_MASK | 7
+        );
         assert_eq!(cap.state.signal(3), Ok(Signal::Pending));
         let mut qword = [0u8; 8];
         assert_eq!(cap.read_bar(0, 0x2000, &mut qword), Some(Ok(())));

@@ -197,8 +197,8 @@ impl MsiRouter {
         if !self.routes.contains_key(&gsi) {
             return Err(RouterError::UnknownGsi(gsi));
         }
-        let fd = EventFd::new(libc::EFD_NONBLOCK)
-            .map_err(|e| RouterError::Irqfd { gsi, source: e })?;
+        let fd =
+            EventFd::new(libc::EFD_NONBLOCK).map_err(|e| RouterError::Irqfd { gsi, source: e })?;
         vm.register_irqfd(&fd, gsi)
             .map_err(|e| RouterError::Irqfd {
                 gsi,
@@ -250,8 +250,14 @@ mod tests {
         }
         // SAFETY: irqchip routes.
         unsafe {
-            assert_eq!(find(4, KVM_IRQCHIP_PIC_MASTER).expect("COM1").u.irqchip.pin, 4);
-            assert_eq!(find(12, KVM_IRQCHIP_PIC_SLAVE).expect("PIC").u.irqchip.pin, 4);
+            assert_eq!(
+                find(4, KVM_IRQCHIP_PIC_MASTER).expect("COM1").u.irqchip.pin,
+                4
+            );
+            assert_eq!(
+                find(12, KVM_IRQCHIP_PIC_SLAVE).expect("PIC").u.irqchip.pin,
+                4
+            );
         }
         assert!(find(16, KVM_IRQCHIP_PIC_MASTER).is_none());
         assert!(find(16, KVM_IRQCHIP_PIC_SLAVE).is_none());
@@ -265,7 +271,10 @@ mod tests {
         assert_eq!((a, b), (24, 25));
         router.release(a).expect("release");
         assert_eq!(router.allocate().expect("again"), 24);
-        assert!(matches!(router.release(99), Err(RouterError::UnknownGsi(99))));
+        assert!(matches!(
+            router.release(99),
+            Err(RouterError::UnknownGsi(99))
+        ));
         assert!(matches!(
             router.set_route(3, None),
             Err(RouterError::UnknownGsi(3))
