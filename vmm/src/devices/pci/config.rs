@@ -269,6 +269,23 @@ impl ConfigSpace {
         self.put_u16(reg::STATUS, status);
     }
 
+    /// Sets the 32-bit register at `offset` as the device (not the guest) does, for
+    /// read-only state such as MSI pending bits.
+    pub fn set_register_u32(&mut self, offset: usize, value: u32) {
+        if offset + 4 <= CONFIG_SPACE_SIZE {
+            self.put_u32(offset, value);
+        }
+    }
+
+    /// The 32-bit register at `offset`.
+    pub fn register_u32(&self, offset: usize) -> u32 {
+        if offset + 4 <= CONFIG_SPACE_SIZE {
+            self.u32_at(offset)
+        } else {
+            u32::MAX
+        }
+    }
+
     /// Sets the INTx pin (1 = INTA#..4 = INTD#; 0 = none).
     pub fn set_interrupt_pin(&mut self, pin: u8) {
         self.bytes[reg::INTERRUPT_PIN] = pin;

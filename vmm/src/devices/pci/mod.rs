@@ -6,6 +6,7 @@
 
 pub mod bus;
 pub mod config;
+pub mod msi;
 pub mod msix;
 pub mod router;
 
