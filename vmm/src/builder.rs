@@ -680,6 +680,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
                 vcpus: vcpu_count,
                 ioapic_id: ioapic_id(vcpu_count),
                 virtio_mmio: attached.virtio.iter().map(|v| (v.base, v.irq)).collect(),
+                pci: None,
             },
         )?)
     } else {

@@ -9,6 +9,7 @@
 use acpi_tables::aml;
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
+use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
@@ -16,8 +17,10 @@ use acpi_tables::Aml;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::{
-    ACPI_END, ACPI_START, APIC_START, GED_IRQ, I8042_IRQ, I8042_PORT, IOAPIC_START, PVPANIC_PORT,
-    SERIAL_IRQ, SERIAL_PORT, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT, VIRTIO_MMIO_SIZE, VMGENID_ADDR,
+    ACPI_END, ACPI_START, APIC_START, GED_IRQ, I8042_IRQ, I8042_PORT, IOAPIC_START,
+    PCI_CONFIG_IO_PORT, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE, PCI_IO_START, PCI_MMIO32_SIZE,
+    PCI_MMIO32_START, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT,
+    VIRTIO_MMIO_SIZE, VMGENID_ADDR,
 };
 use crate::vstate::memory::GuestMemoryMmap;
 
@@ -74,6 +77,82 @@ pub struct AcpiConfig {
     pub ioapic_id: u8,
     /// virtio-mmio devices: (MMIO base, GSI), in the order the guest should number them.
     pub virtio_mmio: Vec<(u64, u32)>,
+    /// The opt-in PCI root: an MCFG for ECAM and a PNP0A08 host bridge in the DSDT.
+    pub pci: Option<PciAcpi>,
+}
+
+/// The PCI root bus the tables describe: bus 0, ECAM at [`PCI_ECAM_START`], the I/O and
+/// 32-bit windows of the layout and this 64-bit window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PciAcpi {
+    /// The 64-bit memory window: (start, size).
+    pub mmio64: (u64, u64),
+}
+
+/// The DSDT's PCI root (`PCI0`) and the motherboard resource that reserves ECAM, which
+/// Linux wants before it trusts the MCFG.
+fn pci_devices(pci: &PciAcpi) -> Vec<u8> {
+    let (mmio64_start, mmio64_size) = pci.mmio64;
+    let mut bytes = aml_bytes(&aml::Device::new(
+        "PCI0".into(),
+        vec![
+            &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0A08")),
+            &aml::Name::new("_CID".into(), &aml::EISAName::new("PNP0A03")),
+            &aml::Name::new("_ADR".into(), &aml::ZERO),
+            &aml::Name::new("_SEG".into(), &aml::ZERO),
+            &aml::Name::new("_UID".into(), &aml::ZERO),
+            &aml::Name::new("_BBN".into(), &aml::ZERO),
+            &aml::Name::new(
+                "_CRS".into(),
+                &aml::ResourceTemplate::new(vec![
+                    &aml::AddressSpace::new_bus_number(0u16, 0u16),
+                    &aml::IO::new(PCI_CONFIG_IO_PORT, PCI_CONFIG_IO_PORT, 1, 8),
+                    &aml::AddressSpace::new_io(
+                        PCI_IO_START as u16,
+                        (PCI_IO_START + PCI_IO_SIZE - 1) as u16,
+                        None,
+                    ),
+                    &aml::AddressSpace::new_memory(
+                        aml::AddressSpaceCacheable::NotCacheable,
+                        true,
+                        PCI_MMIO32_START as u32,
+                        (PCI_MMIO32_START + PCI_MMIO32_SIZE - 1) as u32,
+                        None,
+                    ),
+                    &aml::AddressSpace::new_memory(
+                        aml::AddressSpaceCacheable::PreFetchable,
+                        true,
+                        mmio64_start,
+                        mmio64_start + mmio64_size - 1,
+                        None,
+                    ),
+                ]),
+            ),
+        ],
+    ));
+    bytes.extend(aml_bytes(&aml::Device::new(
+        "MRES".into(),
+        vec![
+            &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C02")),
+            &aml::Name::new("_UID".into(), &aml::ZERO),
+            &aml::Name::new(
+                "_CRS".into(),
+                &aml::ResourceTemplate::new(vec![&aml::Memory32Fixed::new(
+                    false,
+                    PCI_ECAM_START as u32,
+                    PCI_ECAM_SIZE as u32,
+                )]),
+            ),
+        ],
+    )));
+    bytes
+}
+
+/// The MCFG: one ECAM region, segment 0, bus 0 only.
+fn mcfg() -> Vec<u8> {
+    let mut mcfg = MCFG::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    mcfg.add_ecam(PCI_ECAM_START, 0, 0, 0);
+    aml_bytes(&mcfg)
 }
 
 fn io_register(port: u16) -> GAS {
@@ -190,6 +269,9 @@ fn dsdt_body(config: &AcpiConfig) -> Vec<u8> {
             ),
         ],
     )));
+    if let Some(pci) = &config.pci {
+        devices.extend(pci_devices(pci));
+    }
     let mut body = aml::Scope::raw("\\_SB_".into(), devices);
     body.extend(aml_bytes(&aml::Name::new(
         "_S5_".into(),
@@ -241,20 +323,25 @@ fn align8(addr: u64) -> u64 {
     (addr + 7) & !7
 }
 
-/// Lays the tables out from [`ACPI_START`]: RSDP, XSDT, FADT, MADT, DSDT. Returns
-/// (address, bytes) pairs in that order.
+/// Lays the tables out from [`ACPI_START`]: RSDP, XSDT, FADT, MADT, DSDT, and with PCI an
+/// MCFG. Returns (address, bytes) pairs in that order.
 fn build(config: &AcpiConfig) -> Result<Vec<(u64, Vec<u8>)>, AcpiError> {
     let rsdp_addr = ACPI_START;
     let xsdt_addr = align8(rsdp_addr + Rsdp::len() as u64);
-    // The XSDT holds two entries.
-    let xsdt_len = 36 + 2 * 8;
+    let mcfg = config.pci.as_ref().map(|_| mcfg());
+    // The XSDT holds the FADT, the MADT and the MCFG if there is one.
+    let xsdt_len = 36 + (2 + mcfg.iter().len() as u64) * 8;
     let fadt_addr = align8(xsdt_addr + xsdt_len);
     let dsdt = dsdt(config);
     let madt = madt(config);
     let fadt_bytes = fadt(0);
     let madt_addr = align8(fadt_addr + fadt_bytes.len() as u64);
     let dsdt_addr = align8(madt_addr + madt.len() as u64);
-    let end = dsdt_addr + dsdt.len() as u64;
+    let mcfg_addr = align8(dsdt_addr + dsdt.len() as u64);
+    let end = match &mcfg {
+        Some(bytes) => mcfg_addr + bytes.len() as u64,
+        None => dsdt_addr + dsdt.len() as u64,
+    };
     if end > ACPI_END {
         return Err(AcpiError::TooBig {
             need: end - ACPI_START,
@@ -264,23 +351,28 @@ fn build(config: &AcpiConfig) -> Result<Vec<(u64, Vec<u8>)>, AcpiError> {
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     xsdt.add_entry(fadt_addr);
     xsdt.add_entry(madt_addr);
+    if mcfg.is_some() {
+        xsdt.add_entry(mcfg_addr);
+    }
     let mut xsdt_bytes = Vec::new();
     xsdt.to_aml_bytes(&mut xsdt_bytes);
     debug_assert_eq!(xsdt_bytes.len() as u64, xsdt_len);
     let mut rsdp_bytes = Vec::new();
     Rsdp::new(OEM_ID, xsdt_addr).to_aml_bytes(&mut rsdp_bytes);
-    Ok(vec![
+    let mut tables = vec![
         (rsdp_addr, rsdp_bytes),
         (xsdt_addr, xsdt_bytes),
         (fadt_addr, fadt(dsdt_addr)),
         (madt_addr, madt.as_slice().to_vec()),
         (dsdt_addr, dsdt.as_slice().to_vec()),
-    ])
+    ];
+    tables.extend(mcfg.map(|bytes| (mcfg_addr, bytes)));
+    Ok(tables)
 }
 
 /// Writes the tables into guest memory; returns the RSDP's address.
 pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, AcpiError> {
-    const NAMES: [&str; 5] = ["RSDP", "XSDT", "FADT", "MADT", "DSDT"];
+    const NAMES: [&str; 6] = ["RSDP", "XSDT", "FADT", "MADT", "DSDT", "MCFG"];
     for ((addr, bytes), table) in build(config)?.into_iter().zip(NAMES) {
         mem.write_slice(&bytes, GuestAddress(addr))
             .map_err(|source| AcpiError::Write {
@@ -308,6 +400,7 @@ mod tests {
             virtio_mmio: (0..18)
                 .map(|i| (0xd000_0000 + i * 0x1000, 5 + i as u32))
                 .collect(),
+            pci: None,
         })
         .expect("tables");
         let (rsdp_addr, rsdp) = &tables[0];
@@ -333,6 +426,7 @@ mod tests {
             vcpus: 2,
             ioapic_id: 2,
             virtio_mmio: vec![],
+            pci: None,
         })
         .expect("tables");
         let xsdt = &tables[1].1;
@@ -360,6 +454,7 @@ mod tests {
             vcpus: 4,
             ioapic_id: 4,
             virtio_mmio: vec![],
+            pci: None,
         });
         let bytes = madt.as_slice();
         let mut at = 44;
@@ -388,6 +483,7 @@ mod tests {
             vcpus: 1,
             ioapic_id: 1,
             virtio_mmio: vec![(0xd000_0000, 5)],
+            pci: None,
         });
         let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
         for needle in [
@@ -401,5 +497,82 @@ mod tests {
         ] {
             assert!(has(needle), "{}", String::from_utf8_lossy(needle));
         }
+    }
+
+    fn pci_config() -> AcpiConfig {
+        AcpiConfig {
+            vcpus: 2,
+            ioapic_id: 2,
+            virtio_mmio: vec![(0xd000_0000, 5)],
+            pci: Some(PciAcpi {
+                mmio64: (1 << 32, (1 << 46) - (1 << 32)),
+            }),
+        }
+    }
+
+    #[test]
+    fn without_pci_there_is_no_mcfg_and_no_pci_root() {
+        let config = AcpiConfig {
+            pci: None,
+            ..pci_config()
+        };
+        let tables = build(&config).expect("tables");
+        assert_eq!(tables.len(), 5);
+        assert_eq!(tables[1].1.len(), 36 + 2 * 8, "XSDT: FADT and MADT");
+        let body = dsdt_body(&config);
+        let pnp0a08 = aml_bytes(&aml::EISAName::new("PNP0A08"));
+        assert!(!body.windows(pnp0a08.len()).any(|w| w == pnp0a08));
+        assert!(!body.windows(4).any(|w| w == b"PCI0"));
+    }
+
+    #[test]
+    fn with_pci_the_xsdt_lists_an_mcfg_for_bus_0() {
+        let tables = build(&pci_config()).expect("tables");
+        assert_eq!(tables.len(), 6);
+        let (mcfg_addr, mcfg) = &tables[5];
+        assert_eq!(&mcfg[..4], b"MCFG");
+        assert_eq!(sum(mcfg), 0, "MCFG checksum");
+        assert_eq!(mcfg.len(), 44 + 16, "header, reserved, one allocation");
+        let base = u64::from_le_bytes(mcfg[44..52].try_into().expect("8 bytes"));
+        assert_eq!(base, PCI_ECAM_START);
+        assert_eq!(&mcfg[52..56], &[0, 0, 0, 0], "segment 0, buses 0..=0");
+        let xsdt = &tables[1].1;
+        assert_eq!(xsdt.len(), 36 + 3 * 8);
+        assert_eq!(sum(xsdt), 0);
+        let third = u64::from_le_bytes(xsdt[52..60].try_into().expect("8 bytes"));
+        assert_eq!(third, *mcfg_addr);
+        assert!(*mcfg_addr >= tables[4].0 + tables[4].1.len() as u64);
+        assert!(mcfg_addr + mcfg.len() as u64 <= ACPI_END);
+    }
+
+    #[test]
+    fn with_pci_the_dsdt_has_a_pci_root_with_its_windows() {
+        let config = pci_config();
+        let body = dsdt_body(&config);
+        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+        for name in ["PNP0A08", "PNP0A03", "PNP0C02"] {
+            assert!(has(&aml_bytes(&aml::EISAName::new(name))), "{name}");
+        }
+        for needle in [&b"PCI0"[..], b"_BBN", b"_SEG", b"MRES", b"LNRO0005"] {
+            assert!(has(needle), "{}", String::from_utf8_lossy(needle));
+        }
+        let (start, size) = config.pci.expect("pci").mmio64;
+        let window = aml_bytes(&aml::AddressSpace::new_memory(
+            aml::AddressSpaceCacheable::PreFetchable,
+            true,
+            start,
+            start + size - 1,
+            None,
+        ));
+        assert!(has(&window), "64-bit window in _CRS");
+        let ecam = aml_bytes(&aml::Memory32Fixed::new(
+            false,
+            PCI_ECAM_START as u32,
+            PCI_ECAM_SIZE as u32,
+        ));
+        assert!(has(&ecam), "ECAM reserved as a motherboard resource");
+        let tables = build(&config).expect("tables");
+        let (_, dsdt) = &tables[4];
+        assert_eq!(sum(dsdt), 0);
     }
 }

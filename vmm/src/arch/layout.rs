@@ -10,6 +10,11 @@
 //! 0xc000_0000  MMIO gap: virtio-mmio windows from 0xd000_0000, IOAPIC, LAPIC
 //! 0x1_0000_0000  RAM above the gap
 //! ```
+//!
+//! PCI (only with the opt-in PCI root): 32-bit BARs in 0xc000_0000..0xd000_0000, ECAM for
+//! bus 0 at 0xe000_0000 (1 MiB), I/O BARs in ports 0xc000..0x10000, 64-bit BARs in a window
+//! from the first 1 GiB boundary above RAM to the guest's physical-address limit
+//! ([`pci_mmio64_window`]).
 
 /// Start of the GDT.
 pub const GDT_START: u64 = 0x500;
@@ -76,6 +81,36 @@ pub const SLEEP_STATUS_PORT: u16 = 0x3c1;
 /// pvpanic: the guest writes 1 here when its kernel panics.
 pub const PVPANIC_PORT: u16 = 0x505;
 
+/// PCI window for 32-bit memory BARs: the bottom of the MMIO gap, below the virtio-mmio windows.
+pub const PCI_MMIO32_START: u64 = MMIO_GAP_START;
+/// Size of the 32-bit PCI window (256 MiB).
+pub const PCI_MMIO32_SIZE: u64 = VIRTIO_MMIO_START - MMIO_GAP_START;
+/// PCI Express enhanced configuration (ECAM) for bus 0.
+pub const PCI_ECAM_START: u64 = 0xe000_0000;
+/// ECAM size: 1 MiB per bus; only bus 0 exists.
+pub const PCI_ECAM_SIZE: u64 = 1 << 20;
+/// The CF8 address port; CFC..CFF is the data window.
+pub const PCI_CONFIG_IO_PORT: u16 = 0xcf8;
+/// PCI window for I/O BARs.
+pub const PCI_IO_START: u64 = 0xc000;
+/// Size of the I/O window.
+pub const PCI_IO_SIZE: u64 = 0x4000;
+/// First GSI for MSI and MSI-X routes (above the IOAPIC's pins).
+pub const MSI_GSI_BASE: u32 = IOAPIC_LAST_PIN + 1;
+/// Alignment of the 64-bit PCI window's start.
+pub const PCI_MMIO64_ALIGN: u64 = 1 << 30;
+
+/// The 64-bit PCI window (start, size) for `mem_bytes` of RAM and a guest with
+/// `phys_bits` of physical address: from the first 1 GiB boundary at or above the end of RAM
+/// (and 4 GiB) to `1 << phys_bits`. `None` when nothing is left.
+pub fn pci_mmio64_window(mem_bytes: u64, phys_bits: u8) -> Option<(u64, u64)> {
+    let limit = 1u64.checked_shl(u32::from(phys_bits))?;
+    let start = ram_end(mem_bytes)
+        .max(MMIO_GAP_END)
+        .checked_next_multiple_of(PCI_MMIO64_ALIGN)?;
+    (limit > start).then(|| (start, limit - start))
+}
+
 /// The RAM regions (guest address, size) for `mem_bytes` of guest memory, split around
 /// the MMIO gap.
 pub fn ram_regions(mem_bytes: u64) -> Vec<(u64, u64)> {
@@ -117,5 +152,24 @@ mod tests {
             ]
         );
         assert_eq!(ram_end(4 << 30), MMIO_GAP_END + (1 << 30));
+    }
+
+    #[test]
+    fn pci_windows_stay_clear_of_ram_and_devices() {
+        assert_eq!(PCI_MMIO32_START + PCI_MMIO32_SIZE, VIRTIO_MMIO_START);
+        const {
+            assert!(PCI_ECAM_START >= VIRTIO_MMIO_START + 0x100 * VIRTIO_MMIO_SIZE);
+            assert!(PCI_ECAM_START + PCI_ECAM_SIZE <= IOAPIC_START);
+        }
+        // 128 MiB of RAM, 46 address bits: from 4 GiB to 64 TiB.
+        assert_eq!(
+            pci_mmio64_window(128 << 20, 46),
+            Some((1 << 32, (1 << 46) - (1 << 32)))
+        );
+        // 6.5 GiB of RAM ends at 7.5 GiB: the window starts at 8 GiB.
+        let (start, _) = pci_mmio64_window(13 << 29, 46).expect("window");
+        assert_eq!(start, 8 << 30);
+        assert!(start >= ram_end(13 << 29));
+        assert_eq!(pci_mmio64_window(1 << 40, 40), None);
     }
 }

@@ -1,0 +1,97 @@
+//! Tier 2: MSI routing on this machine's real KVM. No guest runs: the test drives
+//! `vmm::devices::pci::router::MsiRouter` against a real VM fd and reads vCPU 0's local APIC
+//! to see that the interrupts arrived.
+
+use std::time::{Duration, Instant};
+
+use rollbox_tests::kvm_available;
+use vmm::devices::pci::msix::{Msix, Signal, CONTROL_ENABLE, TABLE_ENTRY_SIZE};
+use vmm::devices::pci::router::MsiRouter;
+use vmm::vstate::vm::{open_kvm, Vm};
+
+/// Local APIC registers (offsets in KVM's `kvm_lapic_state::regs`).
+const APIC_SPURIOUS_VECTOR: usize = 0xf0;
+const APIC_SOFTWARE_ENABLE: u8 = 1;
+const APIC_IRR: usize = 0x200;
+/// An MSI to APIC ID 0, physical destination, fixed delivery.
+const MSI_TO_CPU0: u64 = 0xfee0_0000;
+
+#[test]
+fn msi_routes_irqfds_and_signal_msi_reach_the_local_apic() {
+    if !kvm_available() {
+        return;
+    }
+    let kvm = open_kvm().expect("open /dev/kvm");
+    let vm = Vm::new(&kvm).expect("create VM");
+    vm.setup_irqchip().expect("irqchip");
+    let vcpu = vm.fd().create_vcpu(0).expect("create vCPU 0");
+    // The APIC accepts fixed interrupts only when software-enabled.
+    let mut lapic = vcpu.get_lapic().expect("KVM_GET_LAPIC");
+    lapic.regs[APIC_SPURIOUS_VECTOR + 1] |= APIC_SOFTWARE_ENABLE as std::os::raw::c_char;
+    lapic.regs[APIC_SPURIOUS_VECTOR] = 0xff_u8 as std::os::raw::c_char;
+    vcpu.set_lapic(&lapic).expect("KVM_SET_LAPIC");
+    let requested = |vector: u8| {
+        let lapic = vcpu.get_lapic().expect("KVM_GET_LAPIC");
+        let reg = APIC_IRR + usize::from(vector / 32) * 0x10;
+        let word = u32::from_le_bytes(std::array::from_fn(|i| lapic.regs[reg + i] as u8));
+        word & (1 << (vector % 32)) != 0
+    };
+    let wait_for = |vector: u8| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !requested(vector) {
+            assert!(
+                Instant::now() < deadline,
+                "vector {vector:#x} never reached the local APIC's IRR"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+
+    // An MSI-X vector as a guest would program it, then routed through a GSI and an irqfd.
+    let mut msix = Msix::new(2).expect("msix");
+    let vector = 1u16;
+    let entry = u64::from(vector) * TABLE_ENTRY_SIZE;
+    msix.write_table(entry, &(MSI_TO_CPU0 as u32).to_le_bytes())
+        .expect("address");
+    msix.write_table(entry + 8, &0x41u32.to_le_bytes())
+        .expect("data");
+    msix.write_table(entry + 12, &0u32.to_le_bytes())
+        .expect("unmask");
+    msix.control_written(CONTROL_ENABLE);
+    let message = msix
+        .message(vector)
+        .expect("routable once enabled and unmasked");
+    assert_eq!(msix.signal(vector), Ok(Signal::Deliver(message)));
+
+    let mut router = MsiRouter::for_kvm(&kvm);
+    assert!(
+        router.capacity() > 0,
+        "KVM_CAP_IRQ_ROUTING reports no room for MSI routes"
+    );
+    let gsi = router.allocate().expect("GSI");
+    router.set_route(gsi, Some(message)).expect("route");
+    router.apply(vm.fd()).expect("KVM_SET_GSI_ROUTING");
+    let irqfd = router.irqfd(vm.fd(), gsi).expect("irqfd");
+    assert!(!requested(0x41));
+    irqfd.write(1).expect("signal the irqfd");
+    wait_for(0x41);
+
+    // Without a route, KVM_SIGNAL_MSI delivers directly.
+    assert!(!requested(0x52));
+    MsiRouter::signal(
+        vm.fd(),
+        vmm::devices::pci::msix::MsiMessage {
+            address: MSI_TO_CPU0,
+            data: 0x52,
+        },
+    )
+    .expect("KVM_SIGNAL_MSI");
+    wait_for(0x52);
+
+    // A masked vector loses its route; the table without it applies.
+    router.set_route(gsi, None).expect("unroute");
+    router
+        .apply(vm.fd())
+        .expect("KVM_SET_GSI_ROUTING without MSI routes");
+    router.release(gsi).expect("release");
+}
