@@ -1,5 +1,6 @@
-//! `rollbox-bench snapshot`: snapshot and restore figures of rollbox-vmm with the test guest,
-//! side by side with Firecracker v1.16.1's figures measured on these machines.
+//! `rollbox-bench snapshot`: snapshot and restore figures of rollbox-vmm with the test guest.
+//! Only rollbox-vmm's own figures from this run: no other VMM runs here, so nothing is
+//! compared and no ratio is printed.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -48,7 +49,7 @@ pub struct SnapshotBenchConfig {
     pub sizes: Vec<u64>,
     /// Repetitions per figure.
     pub reps: usize,
-    /// Where snapshots go (tmpfs, like Firecracker's figures).
+    /// Where snapshots go (a tmpfs such as /dev/shm keeps the disk out of the figures).
     pub dir: PathBuf,
     /// Clones in the fan-out figure.
     pub fanout: usize,
@@ -492,98 +493,62 @@ fn cell(s: &Option<Summary>) -> String {
     })
 }
 
-/// Firecracker v1.16.1 on these machines (shared/bench/README.md), by guest size.
-fn firecracker(mem_mib: u64) -> (&'static str, &'static str, &'static str) {
-    match mem_mib {
-        64 => ("42", "10.8 + 9.8", "4260"),
-        256 => ("159", "9.9 + 10.1", "4360"),
-        1024 => ("1128", "9.0 + 9.5", "4348"),
-        _ => ("n/a", "n/a", "n/a"),
-    }
-}
-
-/// The figures as a markdown table, p50 / p90 / min, with Firecracker beside them.
+/// The figures as a markdown table, p50 / p90 / min: rollbox-vmm's own, measured in this run.
+/// No other VMM is run here, so there is no comparison column and no ratio.
 pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String {
     let mut out = format!(
-        "rollbox-vmm snapshot figures: {} reps, snapshots on {}, working set {} MiB, fan-out {} clones\n\n",
+        "rollbox-vmm snapshot figures (this run only): {} reps, snapshots on {}, working set {} MiB, fan-out {} clones\n\n",
         config.reps,
         config.dir.display(),
         config.working_set_mib,
         config.fanout
     );
     for r in reports {
-        let (fc_snap, fc_restore, _) = firecracker(r.mem_mib);
-        let fc_restore_total: Option<f64> = fc_restore
-            .split(" + ")
-            .map(|v| v.parse::<f64>().ok())
-            .sum::<Option<f64>>();
-        let with_ratio = |s: &Option<Summary>| match (s, fc_restore_total) {
-            (Some(v), Some(fc)) if v.p50 > 0.0 => {
-                format!("{} ({:.1}x faster)", cell(s), fc / v.p50)
-            }
-            _ => cell(s),
-        };
-        let fc_load = fc_restore.split(" + ").next().unwrap_or("n/a");
-        let rows: Vec<(String, String, String)> = vec![
-            (
-                "snapshot, Full, running VM".into(),
-                cell(&r.snapshot_full_ms),
-                format!("{fc_snap} (Full, /dev/shm)"),
-            ),
+        let rows: Vec<(String, String)> = vec![
+            ("snapshot, Full, running VM".into(), cell(&r.snapshot_full_ms)),
             (
                 "snapshot, Diff (4 MiB dirtied)".into(),
                 cell(&r.snapshot_diff_ms),
-                "n/a".into(),
             ),
             (
                 "restore cow: process start -> first serial byte".into(),
-                with_ratio(&r.restore_cow_ms),
-                format!("{fc_restore} (load call + load -> serial)"),
+                cell(&r.restore_cow_ms),
             ),
             (
                 "restore into a pre-built VM (cow): load call".into(),
                 cell(&r.shell_load_call_ms),
-                format!("{fc_load} (load call)"),
             ),
             (
                 "restore into a pre-built VM (cow): load sent -> first serial byte".into(),
-                with_ratio(&r.shell_load_to_first_byte_ms),
-                fc_restore.to_string(),
+                cell(&r.shell_load_to_first_byte_ms),
             ),
             (
                 "restore uffd: process start -> first serial byte".into(),
                 cell(&r.restore_uffd_ms),
-                "n/a".into(),
             ),
             (
                 "restore copy: process start -> first serial byte".into(),
                 cell(&r.restore_copy_ms),
-                "n/a".into(),
             ),
             (
                 "working set read after restore, uffd".into(),
                 cell(&r.working_set_uffd_ms),
-                String::new(),
             ),
             (
                 "working set read after restore, uffd + prefetch".into(),
                 cell(&r.working_set_uffd_prefetch_ms),
-                String::new(),
             ),
             (
                 "working set read after restore, cow".into(),
                 cell(&r.working_set_cow_ms),
-                String::new(),
             ),
             (
                 "fork 16 clones (POST /fork, warm --fork-pool; all loaded and running)".into(),
                 cell(&r.fork16_ms),
-                "n/a".into(),
             ),
             (
                 "fork 16 clones: parent paused".into(),
                 cell(&r.fork16_paused_ms),
-                "n/a".into(),
             ),
             (
                 format!(
@@ -591,24 +556,25 @@ pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String 
                     config.fanout
                 ),
                 format!("{:.1}", r.fanout_wall_ms.unwrap_or(f64::NAN)),
-                "n/a".into(),
             ),
             (
                 format!("fan-out {} clones: total PSS (MiB)", config.fanout),
+                format!("{:.1}", r.fanout_total_pss_mib.unwrap_or(f64::NAN)),
+            ),
+            (
                 format!(
-                    "{:.1} (vs {} MiB for private copies)",
-                    r.fanout_total_pss_mib.unwrap_or(f64::NAN),
-                    config.fanout as u64 * r.mem_mib
+                    "private copies for comparison: {} x guest memory (MiB; computed, not measured)",
+                    config.fanout
                 ),
-                "n/a".into(),
+                format!("{}", config.fanout as u64 * r.mem_mib),
             ),
         ];
         out.push_str(&format!(
-            "### {} MiB guest\n\n| figure (ms, p50 / p90 / min) | rollbox-vmm | Firecracker v1.16.1 |\n|---|---|---|\n",
+            "### {} MiB guest\n\n| figure (ms unless named, p50 / p90 / min) | rollbox-vmm |\n|---|---|\n",
             r.mem_mib
         ));
-        for (figure, ours, theirs) in rows {
-            out.push_str(&format!("| {figure} | {ours} | {theirs} |\n"));
+        for (figure, ours) in rows {
+            out.push_str(&format!("| {figure} | {ours} |\n"));
         }
         out.push('\n');
     }
@@ -620,7 +586,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn table_has_every_figure_and_the_firecracker_ratio() {
+    fn table_has_every_figure_and_only_this_runs_figures() {
         let one = summarize(&[2.0, 3.0, 4.0]);
         let report = SizeReport {
             mem_mib: 256,
@@ -654,13 +620,24 @@ mod tests {
                 .lines()
                 .filter(|l| l.starts_with("| ") && !l.starts_with("| figure"))
                 .count(),
-            14
+            15
         );
-        // Firecracker: 9.9 + 10.1 ms at 256 MiB against a p50 of 3 ms.
         assert!(
-            table.contains("3.00 / 4.00 / 2.00 (6.7x faster)"),
+            table.contains(
+                "| restore cow: process start -> first serial byte | 3.00 / 4.00 / 2.00 |"
+            ),
             "{table}"
         );
-        assert!(table.contains("(vs 2560 MiB for private copies)"));
+        // Nothing from another harness or run: no other VMM, no ratio.
+        for word in ["Firecracker", "faster", "x (", "vs "] {
+            assert!(!table.contains(word), "{word:?} in {table}");
+        }
+        // The private-copies figure is arithmetic and says so.
+        assert!(
+            table.contains(
+                "| private copies for comparison: 10 x guest memory (MiB; computed, not measured) | 2560 |"
+            ),
+            "{table}"
+        );
     }
 }

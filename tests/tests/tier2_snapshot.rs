@@ -291,33 +291,36 @@ fn a_block_request_in_flight_spans_the_snapshot() {
     assert!(data.starts_with(&expected), "{data}");
 }
 
+/// The values of one `prng N` answer (`OK v1 v2 ...` without the `OK`).
+fn prng_values(answer: &str) -> Vec<String> {
+    answer.split_whitespace().map(str::to_string).collect()
+}
+
 #[test]
 fn deterministic_restores_repeat_and_new_generations_diverge() {
     if !kvm_available() {
         return;
     }
+    const DRAWS: usize = 64;
     let (_keep, dir) = snapdir("det");
     let mut vm = boot_with_api(&[]);
-    let first = vm.ok("prng 4");
+    let first = prng_values(&vm.ok("prng 4"));
     let generation = vm.ok("generation");
     snapshot(&vm, &dir, "Full");
     resume(&vm);
-    let parent_next = vm.ok("prng 8");
-    let mut runs = Vec::new();
+    // What the snapshot state draws with no reseed: the parent's own next values.
+    let parent_next = prng_values(&vm.ok(&format!("prng {DRAWS}")));
+    assert_eq!(parent_next.len(), DRAWS, "{parent_next:?}");
     for _ in 0..2 {
         let mut clone = restore(&dir, &[]);
         assert_eq!(clone.ok("generation"), generation);
-        runs.push(clone.ok("prng 8"));
+        assert_eq!(
+            prng_values(&clone.ok(&format!("prng {DRAWS}"))),
+            parent_next,
+            "a restore without a new generation must draw exactly the parent's values"
+        );
     }
-    assert_eq!(
-        runs[0], runs[1],
-        "two deterministic restores must print the same sequence"
-    );
-    assert_eq!(
-        runs[0], parent_next,
-        "a restore continues exactly like the parent"
-    );
-    assert_ne!(runs[0], first);
+    assert!(first.iter().all(|v| !parent_next.contains(v)), "{first:?}");
     let mut fresh = Vec::new();
     for _ in 0..2 {
         let mut clone = restore(&dir, &["--new-generation"]);
@@ -326,13 +329,25 @@ fn deterministic_restores_repeat_and_new_generations_diverge() {
             generation,
             "a clone must see a new generation"
         );
-        fresh.push(clone.ok("prng 8"));
+        let values = prng_values(&clone.ok("prng 8"));
+        assert_eq!(values.len(), 8, "{values:?}");
+        fresh.push(values);
     }
-    assert_ne!(
-        fresh[0], runs[0],
-        "a clone told of its new generation reseeds"
+    // A reseed must move the generator off the snapshot's sequence, not merely skip
+    // along it: no value a reseeded clone draws may be one of the parent's next draws.
+    for (clone, values) in fresh.iter().enumerate() {
+        let shared: Vec<_> = values.iter().filter(|v| parent_next.contains(v)).collect();
+        assert!(
+            shared.is_empty(),
+            "clone {clone} with a new generation drew {shared:?}, values of the parent's own \
+             sequence {parent_next:?}: its generator was not reseeded"
+        );
+    }
+    let shared: Vec<_> = fresh[0].iter().filter(|v| fresh[1].contains(v)).collect();
+    assert!(
+        shared.is_empty(),
+        "two clones with new generations drew the same values {shared:?}: they must reseed differently"
     );
-    assert_ne!(fresh[0], fresh[1], "two clones reseed differently");
 }
 
 #[test]
@@ -494,17 +509,36 @@ fn bad_snapshots_get_clear_errors() {
     assert!(restore_fails(&more).contains("the snapshot has 128 MiB"));
 }
 
-#[test]
-fn kill_during_snapshot_never_leaves_a_complete_looking_snapshot() {
-    if !kvm_available() {
-        return;
-    }
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let dir = scratch.path().join("killed");
+/// The temporary memory file of a snapshot being written into `dir` (`.memory.tmp-PID`).
+fn memory_temp_file(dir: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with(".memory.tmp-"))
+        })
+}
+
+fn allocated_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|meta| meta.blocks() * 512)
+}
+
+/// Boots a guest that touched `touched_mib` MiB, starts a Full snapshot into `dir` and
+/// SIGKILLs the VMM once the snapshot's temporary memory file holds 8 MiB and is growing.
+/// Returns the temporary file and its allocated bytes after the kill, or None when the
+/// snapshot got past its memory file before the kill could land.
+fn kill_while_memory_is_written(dir: &Path, touched_mib: u64) -> Option<(PathBuf, u64)> {
     let mut vm = boot_with_api(&["--memory-mib", "1024"]);
-    assert_eq!(vm.ok("touch 512 9"), "131072");
+    assert_eq!(
+        vm.ok(&format!("touch {touched_mib} 9")),
+        (touched_mib * 256).to_string()
+    );
     call(&vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
-    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::create_dir_all(dir).expect("mkdir");
     let sock = vm.path("api.sock");
     let body = format!(
         r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
@@ -521,18 +555,77 @@ fn kill_during_snapshot_never_leaves_a_complete_looking_snapshot() {
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);
     });
-    std::thread::sleep(Duration::from_millis(30));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut last_seen = 0;
+    let mut growing = false;
+    while std::time::Instant::now() < deadline {
+        let exited = matches!(vm.child.try_wait(), Ok(Some(_)));
+        if exited || dir.join("memory").exists() || dir.join("vmstate").exists() {
+            break;
+        }
+        if let Some(size) = memory_temp_file(dir).and_then(|tmp| allocated_bytes(&tmp)) {
+            if last_seen >= 8 << 20 && size > last_seen {
+                growing = true;
+                break;
+            }
+            last_seen = size;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
     let _ = vm.child.kill();
     let _ = vm.child.wait();
     let _ = writer.join();
-    if dir.join("vmstate").exists() {
-        // The kill came after the final rename: the snapshot must then be complete.
-        let mut clone = restore(&dir, &[]);
-        assert_eq!(clone.ok("check 512 9"), "0");
-    } else {
-        let err = restore_fails(&["--restore".to_string(), dir.display().to_string()]);
-        assert!(err.contains("no vmstate"), "{err}");
+    if !growing {
+        return None;
     }
+    // The kill landed mid-snapshot only if the memory file was never renamed into place.
+    let tmp = memory_temp_file(dir)?;
+    if dir.join("memory").exists() {
+        return None;
+    }
+    let allocated = allocated_bytes(&tmp)?;
+    Some((tmp, allocated))
+}
+
+#[test]
+fn kill_during_snapshot_never_leaves_a_complete_looking_snapshot() {
+    if !kvm_available() {
+        return;
+    }
+    const TOUCHED_MIB: u64 = 512;
+    const ATTEMPTS: usize = 3;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    for attempt in 1..=ATTEMPTS {
+        let dir = scratch.path().join(format!("killed{attempt}"));
+        let Some((tmp, allocated)) = kill_while_memory_is_written(&dir, TOUCHED_MIB) else {
+            eprintln!(
+                "attempt {attempt}: the kill did not land while the memory file was being written; again"
+            );
+            continue;
+        };
+        eprintln!(
+            "attempt {attempt}: killed mid-snapshot, {} KiB of the {TOUCHED_MIB} MiB the guest \
+             touched written to {}",
+            allocated >> 10,
+            tmp.display()
+        );
+        // Nothing that looks like a finished snapshot: no memory file, no state file.
+        assert!(
+            !dir.join("memory").exists(),
+            "a complete-looking memory file"
+        );
+        assert!(!dir.join("vmstate").exists(), "a complete-looking vmstate");
+        let err = restore_fails(&["--restore".to_string(), dir.display().to_string()]);
+        assert!(
+            err.contains("no vmstate") && err.contains(&dir.display().to_string()),
+            "{err}"
+        );
+        return;
+    }
+    panic!(
+        "in {ATTEMPTS} attempts the kill never landed while the snapshot's memory file was being \
+         written, so the test proved nothing"
+    );
 }
 
 #[test]
