@@ -832,7 +832,12 @@ mod tier4 {
             std::fs::read_dir(&share)
                 .expect("share")
                 .filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str()?.strip_prefix(prefix).map(String::from))
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_str()?
+                        .strip_prefix(prefix)
+                        .map(String::from)
+                })
                 .collect()
         };
         let deadline = Instant::now() + Duration::from_secs(1500);
@@ -884,7 +889,10 @@ mod tier4 {
         let mut owners = finished("own-");
         owners.sort();
         assert_eq!(ids.len(), clones, "one done file per clone: {ids:?}");
-        assert_eq!(owners, ids, "one own file per clone, named as its done file");
+        assert_eq!(
+            owners, ids,
+            "one own file per clone, named as its done file"
+        );
         for id in &ids {
             let text = std::fs::read_to_string(share.join(format!("own-{id}"))).expect("own file");
             let records: Vec<(String, usize)> = text.lines().map(parse).collect();
@@ -895,7 +903,10 @@ mod tier4 {
         let mut seen = std::collections::BTreeSet::new();
         for line in common.lines() {
             let record = parse(line);
-            assert!(ids.contains(&record.0), "record of an unknown clone {line:?}");
+            assert!(
+                ids.contains(&record.0),
+                "record of an unknown clone {line:?}"
+            );
             assert!(seen.insert(record), "duplicated record {line:?}");
         }
         assert_eq!(seen.len(), RECORDS * clones, "records missing from common");

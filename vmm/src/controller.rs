@@ -95,6 +95,8 @@ pub struct Controller {
     shell: Option<VmShell>,
     fork_pool: Option<ForkPool>,
     fork_control: Option<(ShellControl, OnDetach)>,
+    /// Block queues served by a worker thread each (true), or on the event loop.
+    block_io_threads: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +144,14 @@ impl Controller {
             shell: None,
             fork_pool: None,
             fork_control: None,
+            block_io_threads: true,
         })
+    }
+
+    /// Whether block queues get a worker thread each (the default) or are served on the
+    /// event loop, as before worker threads existed.
+    pub fn set_block_io_threads(&mut self, on: bool) {
+        self.block_io_threads = on;
     }
 
     /// What a signal handler calls to stop the event loop.
@@ -243,7 +252,7 @@ impl Controller {
         match control.parent_word() {
             ParentWord::Detach => {
                 on_detach();
-                if let Some(vm) = self.microvm.as_mut() {
+                if let Some(vm) = self.microvm.as_mut().filter(|vm| vm.paused) {
                     vm.resume();
                 }
                 if let Err(e) = control.running() {
@@ -275,7 +284,7 @@ impl Controller {
                 let device = transport.device();
                 (device.device_type() == TYPE_BLOCK, device.name())
             };
-            if slot.notify_polled && is_block {
+            if slot.notify_polled && is_block && self.block_io_threads {
                 let notify = slot
                     .notify
                     .iter()

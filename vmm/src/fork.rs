@@ -4,8 +4,8 @@
 //! Each clone is a `rollbox-vmm` process (the binary given to [`Launcher::new`]) started as a
 //! shell with a control socket: it builds an empty VM of the parent's shape, says `ready`, and
 //! waits for one [`ShellLoad`]. The parent pauses, snapshots, copies drives, resumes, and sends
-//! every clone its load; each answers `loaded` or `error ...` and stays paused. Once all have
-//! answered, the parent sends `detach` and each clone resumes. Until then a clone dies with its
+//! every clone its load; each answers `loaded` or `error ...` and runs. Once all have
+//! answered, the parent sends `detach` and each clone says it runs. Until then a clone dies with its
 //! parent (PR_SET_PDEATHSIG and end of file on the control socket); after it, a clone is a VM
 //! of its own and outlives the parent.
 //! What a clone leaves behind is removed when it ends ([`CloneCleanup`]).
@@ -1084,8 +1084,8 @@ fn load_clone(
             mem_file_path: None,
             enable_diff_snapshots: false,
             track_dirty_pages,
-            // Clones run once detached: none spins while its siblings still load.
-            resume_vm: false,
+            // A clone runs as soon as it has loaded; it still dies with the parent until detached.
+            resume_vm: true,
             vsock_override: clone
                 .info
                 .vsock_uds

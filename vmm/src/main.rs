@@ -340,8 +340,14 @@ fn handle_signals(controller: &Controller) {
     }
 }
 
-/// Lets `controller` fork: clones re-run this binary.
+/// Lets `controller` fork (clones re-run this binary) and reads the process-wide block I/O
+/// setting.
 fn enable_fork(controller: &mut Controller, pool: usize) -> Result<(), String> {
+    // ROLLBOX_BLOCK_IO_THREADS=0 serves block queues on the event loop (clones inherit it):
+    // the nested lab sets it, as QEMU 7.2's TCG crashes L1 with the worker threads.
+    controller.set_block_io_threads(
+        std::env::var_os("ROLLBOX_BLOCK_IO_THREADS").is_none_or(|v| v != "0"),
+    );
     let exe = std::env::current_exe().map_err(|e| format!("cannot find rollbox-vmm: {e}"))?;
     controller
         .enable_fork(exe, pool)
