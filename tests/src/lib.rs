@@ -348,6 +348,25 @@ pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, S
         .unwrap_or_else(|e| panic!("{method} {path} on {}: {e}", sock.display()))
 }
 
+/// Boots the test guest with an API socket (`api.sock`), a 4 MiB drive (`disk.img`) and vsock
+/// (`v.sock`, CID 5) in its scratch dir, plus `extra` flags; returns once the API listens.
+pub fn boot_with_api(extra: &[&str]) -> Vm {
+    let mut args = vec![
+        "--api-sock",
+        "{dir}/api.sock",
+        "--drive",
+        "{dir}/disk.img",
+        "--vsock-uds",
+        "{dir}/v.sock",
+        "--vsock-cid",
+        "5",
+    ];
+    args.extend_from_slice(extra);
+    let vm = Vm::boot_with(|dir| raw_image(&dir.join("disk.img"), 4 << 20), &args);
+    wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
+    vm
+}
+
 /// Waits until `path` accepts connections.
 pub fn wait_for_socket(path: &Path, timeout: Duration) {
     let deadline = Instant::now() + timeout;

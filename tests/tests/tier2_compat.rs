@@ -5,23 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rollbox_tests::{api, kvm_available, raw_image, wait_for_socket, Vm};
-
-fn boot_with_api() -> Vm {
-    let args = [
-        "--api-sock",
-        "{dir}/api.sock",
-        "--drive",
-        "{dir}/disk.img",
-        "--vsock-uds",
-        "{dir}/v.sock",
-        "--vsock-cid",
-        "5",
-    ];
-    let vm = Vm::boot_with(|dir| raw_image(&dir.join("disk.img"), 4 << 20), &args);
-    wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
-    vm
-}
+use rollbox_tests::{api, boot_with_api, kvm_available, wait_for_socket, Vm};
 
 /// A rollbox-vmm waiting on its API socket, with no VM yet.
 fn empty_vmm() -> Vm {
@@ -87,7 +71,7 @@ fn load_fields_that_would_change_the_restore_are_refused_not_ignored() {
     }
     let scratch = tempfile::tempdir().expect("tempdir");
     let snap = scratch.path().join("snap");
-    let mut vm = boot_with_api();
+    let mut vm = boot_with_api(&[]);
     full_snapshot(&vm, &snap);
     let _ = vm.child.kill();
     let memory = snap.join("memory");

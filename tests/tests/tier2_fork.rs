@@ -8,24 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rollbox_tests::{api, kvm_available, raw_image, wait_for_socket, Vm};
-
-fn boot_with_api(extra: &[&str]) -> Vm {
-    let mut args = vec![
-        "--api-sock",
-        "{dir}/api.sock",
-        "--drive",
-        "{dir}/disk.img",
-        "--vsock-uds",
-        "{dir}/v.sock",
-        "--vsock-cid",
-        "5",
-    ];
-    args.extend_from_slice(extra);
-    let vm = Vm::boot_with(|dir| raw_image(&dir.join("disk.img"), 4 << 20), &args);
-    wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
-    vm
-}
+use rollbox_tests::{api, boot_with_api, kvm_available, raw_image, Vm};
 
 /// `POST /fork` on `vm`; returns the clones of the answer (asserting a 200).
 fn fork(vm: &Vm, body: &str) -> Vec<serde_json::Value> {

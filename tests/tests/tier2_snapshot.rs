@@ -9,26 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use rollbox_tests::{
-    api, kvm_available, raw_image, skip_even_in_ci, vmm_binary, wait_for_socket, Vm,
-};
-
-fn boot_with_api(extra: &[&str]) -> Vm {
-    let mut args = vec![
-        "--api-sock",
-        "{dir}/api.sock",
-        "--drive",
-        "{dir}/disk.img",
-        "--vsock-uds",
-        "{dir}/v.sock",
-        "--vsock-cid",
-        "5",
-    ];
-    args.extend_from_slice(extra);
-    let vm = Vm::boot_with(|dir| raw_image(&dir.join("disk.img"), 4 << 20), &args);
-    wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
-    vm
-}
+use rollbox_tests::{api, boot_with_api, kvm_available, skip_even_in_ci, vmm_binary, Vm};
 
 fn call(vm: &Vm, method: &str, path: &str, body: &str) {
     let (status, answer) = api(&vm.path("api.sock"), method, path, Some(body));

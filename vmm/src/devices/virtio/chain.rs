@@ -187,7 +187,12 @@ fn find_loop(head: u16, descriptors: &[Descriptor]) -> Option<ChainError> {
     None
 }
 
-fn check_range(mem: &GuestMemoryMmap, addr: GuestAddress, len: u32) -> Result<(), ChainError> {
+/// Checks that `len` bytes at `addr` lie in guest memory (a zero length always does).
+pub(crate) fn check_range(
+    mem: &GuestMemoryMmap,
+    addr: GuestAddress,
+    len: u32,
+) -> Result<(), ChainError> {
     if len == 0 {
         return Ok(());
     }

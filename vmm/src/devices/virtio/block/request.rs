@@ -3,7 +3,7 @@
 use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
+use vm_memory::{Address, Bytes, GuestAddress};
 
 /// virtio-blk request types.
 pub const VIRTIO_BLK_T_IN: u32 = 0;
@@ -96,20 +96,12 @@ impl Request {
 }
 
 fn check_range(mem: &GuestMemoryMmap, desc: &Descriptor) -> Result<(), ChainError> {
-    let err = ChainError::OutOfMemory {
-        addr: desc.addr().raw_value(),
-        len: desc.len(),
-    };
-    if desc.len() == 0 {
-        return Ok(());
-    }
-    desc.addr()
-        .checked_add(u64::from(desc.len()) - 1)
-        .ok_or_else(|| err.clone())?;
-    if !mem.check_range(desc.addr(), desc.len() as usize) {
-        return Err(err);
-    }
-    Ok(())
+    crate::devices::virtio::chain::check_range(mem, desc.addr(), desc.len()).map_err(|_| {
+        ChainError::OutOfMemory {
+            addr: desc.addr().raw_value(),
+            len: desc.len(),
+        }
+    })
 }
 
 /// Collects a chain's descriptors, refusing chains that do not terminate.
