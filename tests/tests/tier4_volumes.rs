@@ -774,10 +774,10 @@ mod tier4 {
     /// ROLLBOX_VOLUME_CLONES=N makes it N clones.
     #[test]
     fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
-        let count: usize = std::env::var("ROLLBOX_VOLUME_CLONES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(64);
+        let count: usize = std::env::var("ROLLBOX_VOLUME_CLONES").map_or(64, |v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("ROLLBOX_VOLUME_CLONES={v:?} is not a count"))
+        });
         const RECORDS: usize = 1000;
         let test = "tier4::sixty_four_clones_append_to_their_own_files_and_one_common_file";
         let Some((work, share, mut parent)) =

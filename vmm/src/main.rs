@@ -345,9 +345,18 @@ fn handle_signals(controller: &Controller) {
 fn enable_fork(controller: &mut Controller, pool: usize) -> Result<(), String> {
     // ROLLBOX_BLOCK_IO_THREADS=0 serves block queues on the event loop (clones inherit it):
     // the nested lab sets it, as QEMU 7.2's TCG crashes L1 with the worker threads.
-    controller.set_block_io_threads(
-        std::env::var_os("ROLLBOX_BLOCK_IO_THREADS").is_none_or(|v| v != "0"),
-    );
+    let threads = match std::env::var_os("ROLLBOX_BLOCK_IO_THREADS") {
+        None => true,
+        Some(v) if v == "1" => true,
+        Some(v) if v == "0" => false,
+        Some(v) => {
+            return Err(format!(
+                "ROLLBOX_BLOCK_IO_THREADS must be 0 or 1, not {:?}",
+                v.to_string_lossy()
+            ))
+        }
+    };
+    controller.set_block_io_threads(threads);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find rollbox-vmm: {e}"))?;
     controller
         .enable_fork(exe, pool)
