@@ -61,18 +61,14 @@ for binary in tier4_linux tier4_volumes tier4_network; do
         status=1
     fi
 done
-# Every binary runs even when an earlier one fails; the status is the first failure's.
-tier4_script='rc=0; for bin in "$@"; do "$bin" --test-threads=1 --color never || { [ "$rc" -ne 0 ] || rc=$?; }; done; exit "$rc"'
+# One test per process under a time limit (scripts/tier4-tests.sh): a failing test does not
+# stop the others, and a stuck one is named.
 if [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
     echo "tier 4: this host's KVM has hardware virtualization; running directly"
     modprobe tun 2>/dev/null || true
-    bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 | tee -a "$log" || status=$?
+    scripts/tier4-tests.sh "${tier4_bins[@]}" 2>&1 | tee -a "$log" || status=$?
 else
     echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
-    # Tier 4 takes about 10 minutes here. A lab still running after 22 minutes (a Linux guest
-    # stuck under nested TCG has hung a test now and then), or one that fails to start or
-    # crashes (status 125: L1's kernel under TCG, not a test), is the lab's failure; it gets
-    # one more try.
     # 64 Linux guests at once saturate the lab's two emulated CPUs (QEMU 7.2's main loop at
     # 100%), and 16 crashed L1 in 2 of 5 runs: the shared-volume fan-out runs 8 clones here
     # (64 where tier 4 runs directly).
@@ -80,17 +76,36 @@ else
     # Block worker threads made QEMU 7.2's TCG crash L1 (4 of 4 volume forks); in the lab the
     # block queues are served on the event loop. Tier 2 covers the worker threads.
     export ROLLBOX_BLOCK_IO_THREADS="${ROLLBOX_BLOCK_IO_THREADS:-0}"
-    lab_status=0
-    scripts/lab/run.sh --timeout 1320 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
-        tee "$log.lab" || lab_status=$?
-    if [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]]; then
-        echo "tier 4: the lab itself failed (status $lab_status, not a test result); running tier 4 once more"
+    # L1's kernel under QEMU 7.2's TCG crashes now and then while Linux guests run (a page
+    # fault taken while the guest's GS base is still loaded, right after a #VMEXIT: QEMU's
+    # SVM emulation, not rollbox), and a Linux guest under nested TCG has hung a test now and
+    # then. Either is the lab's failure (status 125, or 124 for a test past its limit or a
+    # lab past 22 minutes), not a test result: the lab starts again, at most twice, and
+    # runs only the tests that have no result yet. A test's failure is never retried.
+    lab_attempt=1
+    finished=()
+    while :; do
+        done_args=()
+        for name in "${finished[@]}"; do done_args+=(--done "$name"); done
         lab_status=0
-        scripts/lab/run.sh --timeout 1320 --modprobe tun -- bash -c "$tier4_script" tier4 "${tier4_bins[@]}" 2>&1 |
+        scripts/lab/run.sh --timeout 1320 --modprobe tun -- \
+            "$PWD/scripts/tier4-tests.sh" --limit 900 "${done_args[@]}" "${tier4_bins[@]}" 2>&1 |
             tee "$log.lab" || lab_status=$?
+        cat "$log.lab" >> "$log"
+        mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$log.lab")
+        rm -f "$log.lab"
+        [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
+        if [[ "$lab_attempt" -ge 3 ]]; then
+            echo "tier 4: the lab failed $lab_attempt times (status $lab_status); giving up"
+            break
+        fi
+        lab_attempt=$((lab_attempt + 1))
+        echo "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of 3) for the ${#finished[@]} tests with a result kept"
+    done
+    # A test that failed in an attempt the lab later lost still fails the run.
+    if grep -q '^test .* \.\.\. FAILED$' "$log" && [[ "$lab_status" -eq 0 ]]; then
+        lab_status=1
     fi
-    cat "$log.lab" >> "$log"
-    rm -f "$log.lab"
     [[ "$lab_status" -eq 0 ]] || status="$lab_status"
 fi
 step "done"

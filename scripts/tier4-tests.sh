@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs tier-4 test binaries one test per process, each under a time limit, so that one
+# stuck Linux guest is named instead of eating the whole run.
+#
+# Usage: scripts/tier4-tests.sh [--limit S] [--done NAME]... BINARY...
+#   --limit S    seconds one test may run (default 900)
+#   --done NAME  a test that already has a result (an earlier lab run); not run again
+#
+# Every test prints libtest's own lines ("test NAME ... ok", "test result: ..."), plus
+# "tier 4: NAME took N s". A failing test does not stop the others; the status is the
+# first failure's. A test that runs past its limit stops the run at once with status 124
+# and the line "tier 4: NAME ran past S s": the caller decides whether to try again.
+set -uo pipefail
+
+limit=900
+declare -A done_tests=()
+binaries=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --limit)
+            [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || { echo "tier4-tests.sh: --limit needs a whole number of seconds, got '${2:-}'" >&2; exit 2; }
+            limit="$2"; shift 2 ;;
+        --done)
+            [[ -n "${2:-}" ]] || { echo "tier4-tests.sh: --done needs a test name" >&2; exit 2; }
+            done_tests["$2"]=1; shift 2 ;;
+        -*) echo "tier4-tests.sh: unknown option '$1'" >&2; exit 2 ;;
+        *) binaries+=("$1"); shift ;;
+    esac
+done
+[[ ${#binaries[@]} -gt 0 ]] || { echo "tier4-tests.sh: no test binary given" >&2; exit 2; }
+
+status=0
+for binary in "${binaries[@]}"; do
+    [[ -x "$binary" ]] || { echo "tier4-tests.sh: '$binary' is not an executable test binary" >&2; exit 2; }
+    # Listing never runs a test; a binary that cannot list is broken, which is a failure.
+    if ! names="$("$binary" --list --format terse 2>&1)"; then
+        echo "tier4-tests.sh: '$binary --list' failed: $names" >&2
+        [[ "$status" -ne 0 ]] || status=1
+        continue
+    fi
+    while IFS= read -r name; do
+        [[ -n "$name" && -z "${done_tests[$name]:-}" ]] || continue
+        started=$SECONDS
+        rc=0
+        timeout -k 10 "$limit" "$binary" --exact "$name" --test-threads=1 --color never || rc=$?
+        if [[ "$rc" -eq 124 || "$rc" -eq 137 ]]; then
+            echo "tier 4: $name ran past $limit s"
+            exit 124
+        fi
+        echo "tier 4: $name took $((SECONDS - started)) s"
+        [[ "$rc" -eq 0 || "$status" -ne 0 ]] || status="$rc"
+    done < <(sed -n 's/: test$//p' <<<"$names")
+done
+exit "$status"
