@@ -30,6 +30,8 @@ done
 [[ ${#binaries[@]} -gt 0 ]] || { echo "tier4-tests.sh: no test binary given" >&2; exit 2; }
 
 status=0
+output="$(mktemp)"
+trap 'rm -f "$output"' EXIT
 for binary in "${binaries[@]}"; do
     [[ -x "$binary" ]] || { echo "tier4-tests.sh: '$binary' is not an executable test binary" >&2; exit 2; }
     # Listing never runs a test; a binary that cannot list is broken, which is a failure.
@@ -38,17 +40,30 @@ for binary in "${binaries[@]}"; do
         [[ "$status" -ne 0 ]] || status=1
         continue
     fi
+    listed="$(sed -n 's/: test$//p' <<<"$names")"
+    if [[ -z "$listed" ]]; then
+        echo "tier4-tests.sh: '$binary --list' names no test" >&2
+        [[ "$status" -ne 0 ]] || status=1
+        continue
+    fi
+    # A here-string, not process substitution: L1 in the lab has no /dev/fd.
     while IFS= read -r name; do
-        [[ -n "$name" && -z "${done_tests[$name]:-}" ]] || continue
+        [[ -z "${done_tests[$name]:-}" ]] || continue
         started=$SECONDS
         rc=0
-        timeout -k 10 "$limit" "$binary" --exact "$name" --test-threads=1 --color never || rc=$?
+        timeout -k 10 "$limit" "$binary" --exact "$name" --test-threads=1 --color never > "$output" 2>&1 || rc=$?
+        cat "$output"
         if [[ "$rc" -eq 124 || "$rc" -eq 137 ]]; then
             echo "tier 4: $name ran past $limit s"
             exit 124
         fi
         echo "tier 4: $name took $((SECONDS - started)) s"
+        # A test that ran prints its result line; without one it did not run.
+        if ! grep -q -x -F -e "test $name ... ok" -e "test $name ... FAILED" -e "test $name ... ignored" "$output"; then
+            echo "tier4-tests.sh: $name printed no result (status $rc)" >&2
+            [[ "$rc" -ne 0 ]] || rc=1
+        fi
         [[ "$rc" -eq 0 || "$status" -ne 0 ]] || status="$rc"
-    done < <(sed -n 's/: test$//p' <<<"$names")
+    done <<<"$listed"
 done
 exit "$status"
