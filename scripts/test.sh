@@ -79,17 +79,19 @@ else
     # L1's kernel under QEMU 7.2's TCG crashes now and then while Linux guests run (a page
     # fault taken while the guest's GS base is still loaded, right after a #VMEXIT: QEMU's
     # SVM emulation, not rollbox), and a Linux guest under nested TCG has hung a test now and
-    # then. Either is the lab's failure (status 125, or 124 for a test past its limit or a
-    # lab past 22 minutes), not a test result: the lab starts again, at most twice, and
-    # runs only the tests that have no result yet. A test's failure is never retried.
+    # then, and a CPU of L1 has stayed stuck inside KVM_RUN (scripts/lab/run.sh stops such a
+    # wedged L1 after 60 s). Each is the lab's failure (status 125, or 124 for a test past its
+    # 10-minute limit or a lab past 30 minutes), not a test result: the lab starts again, at
+    # most twice, and runs only the tests that have no result yet. A test's failure is never
+    # retried.
     lab_attempt=1
     finished=()
     while :; do
         done_args=()
         for name in "${finished[@]}"; do done_args+=(--done "$name"); done
         lab_status=0
-        scripts/lab/run.sh --timeout 1320 --modprobe tun -- \
-            "$PWD/scripts/tier4-tests.sh" --limit 900 "${done_args[@]}" "${tier4_bins[@]}" 2>&1 |
+        scripts/lab/run.sh --timeout 1800 --modprobe tun -- \
+            "$PWD/scripts/tier4-tests.sh" --limit 600 "${done_args[@]}" "${tier4_bins[@]}" 2>&1 |
             tee "$log.lab" || lab_status=$?
         cat "$log.lab" >> "$log"
         mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$log.lab")

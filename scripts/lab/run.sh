@@ -117,8 +117,33 @@ args=(
     -virtfs "local,path=$run,mount_tag=labrun,security_model=none,multidevs=remap"
     "${qemu_extra[@]}"
 )
+# A wedged L1: under QEMU 7.2's TCG a CPU of L1 sometimes stays stuck inside KVM_RUN (the soft
+# lockup watchdog reports it every ~30 s, and it has never come back here: 425 s seen). Waiting
+# for the timeout wastes the rest of it; after a lockup of 60 s or more the lab stops at once.
+watch_for_wedged_l1() {
+    local qemu_parent="$1"
+    while sleep 5; do
+        if grep -q -E 'soft lockup - CPU#[0-9]+ stuck for ([6-9][0-9]|[0-9]{3,})s' "$run/console.log" 2>/dev/null; then
+            touch "$run/wedged"
+            pkill -TERM -P "$qemu_parent" 2>/dev/null || true
+            return
+        fi
+    done
+}
 status=0
-timeout -k 10 "$timeout_s" "$qemu" "${args[@]}" < /dev/null || status=$?
+timeout -k 10 "$timeout_s" "$qemu" "${args[@]}" < /dev/null &
+qemu_parent=$!
+watch_for_wedged_l1 "$qemu_parent" &
+watcher=$!
+wait "$qemu_parent" || status=$?
+kill "$watcher" 2>/dev/null || true
+wait "$watcher" 2>/dev/null || true
+if [[ -f "$run/wedged" ]]; then
+    echo "lab: L1 wedged (a CPU stuck for 60 s or more); last L1 console lines:" >&2
+    tail -n 20 "$run/console.log" >&2 || true
+    keep=1
+    cannot_start "L1 wedged under TCG, stopped early (console log kept in $run/console.log)"
+fi
 if [[ "$status" -eq 124 || "$status" -eq 137 ]]; then
     echo "lab: timed out after $timeout_s s; last L1 console lines:" >&2
     tail -n 20 "$run/console.log" >&2 || true
