@@ -95,14 +95,20 @@ pub enum SandboxCommand {
         page_token: Option<String>,
     },
     /// Show one sandbox.
-    Get { id: String },
+    Get {
+        id: String,
+    },
     /// End sandboxes (ending one that is gone already succeeds).
     Rm {
         #[arg(required = true)]
         ids: Vec<String>,
     },
-    Pause { id: String },
-    Resume { id: String },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
     /// Set the TTL to SECS from now.
     Keepalive {
         id: String,
@@ -132,7 +138,9 @@ pub enum TemplateCommand {
         memory_mib: Option<i64>,
     },
     Ls,
-    Rm { name: String },
+    Rm {
+        name: String,
+    },
 }
 
 fn read_key(file: Option<&PathBuf>) -> Result<String, String> {
@@ -472,7 +480,11 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), String> {
                 print_json(&response);
             } else {
                 let sandbox: Sandbox = parse(&response)?;
-                println!("{}: expires in {}", sandbox.id, seconds_left(sandbox.expires_at_ms));
+                println!(
+                    "{}: expires in {}",
+                    sandbox.id,
+                    seconds_left(sandbox.expires_at_ms)
+                );
             }
         }
     }

@@ -81,7 +81,11 @@ impl Server {
                 "rollbox serve never listened:\n{}",
                 self.log()
             );
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 panic!("rollbox serve ended: {status}\n{}", self.log());
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -101,10 +105,8 @@ impl Server {
 
     fn raw(&self, method: &str, path: &str, key: Option<&str>, body: Option<&[u8]>) -> Response {
         let auth = key.map(|k| format!("Bearer {k}"));
-        let headers: Vec<(&str, &str)> = auth
-            .iter()
-            .map(|a| ("Authorization", a.as_str()))
-            .collect();
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
         Endpoint::Unix(self.sock())
             .request(method, path, &headers, body, Duration::from_secs(60))
             .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", self.log()))
@@ -216,10 +218,14 @@ fn create_get_list_filter_paginate_and_delete() {
     }
     let server = Server::start(&[]);
     server.add_guest_template("guest");
-    let a = server.create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r1", "idx": "0"}}));
+    let a = server
+        .create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r1", "idx": "0"}}));
     let b = server.create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r1", "idx": "1"}, "metadata": {"note": "x"}}));
     let c = server.create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r2"}, "vcpus": 2, "memory_mib": 48}));
-    assert_eq!((c["vcpus"].as_u64(), c["memory_mib"].as_u64()), (Some(2), Some(48)));
+    assert_eq!(
+        (c["vcpus"].as_u64(), c["memory_mib"].as_u64()),
+        (Some(2), Some(48))
+    );
     let a_id = a["id"].as_str().expect("id");
     let got = server.get(a_id);
     assert_eq!(got["labels"]["run"], "r1");
@@ -286,7 +292,10 @@ fn create_get_list_filter_paginate_and_delete() {
     .expect("create --json");
     let cli_id = made["id"].as_str().expect("id").to_string();
     let table = cli(&["sandbox", "ls", "--label", "run=cli"]);
-    assert!(table.contains(&cli_id) && table.contains("running"), "{table}");
+    assert!(
+        table.contains(&cli_id) && table.contains("running"),
+        "{table}"
+    );
     assert!(cli(&["template", "ls"]).contains("guest"));
     cli(&["sandbox", "rm", &cli_id]);
     assert_eq!(server.get(&cli_id)["state"], "deleted");
@@ -333,7 +342,10 @@ fn idempotent_create_returns_the_first_sandbox_also_when_racing() {
     });
     let created = results.iter().filter(|(s, _)| *s == 201).count();
     assert_eq!(created, 1, "{results:?}");
-    assert!(results.iter().all(|(s, _)| *s == 200 || *s == 201), "{results:?}");
+    assert!(
+        results.iter().all(|(s, _)| *s == 200 || *s == 201),
+        "{results:?}"
+    );
     let race_ids: BTreeSet<&str> = results
         .iter()
         .map(|(_, v)| v["id"].as_str().expect("id"))
@@ -381,7 +393,9 @@ fn ttl_idle_ttl_and_keepalive() {
                 && !PathBuf::from(last["dir"].as_str().unwrap_or("/")).exists()
         });
         assert!(
-            last["end_reason"].as_str().is_some_and(|r| r.starts_with(reason)),
+            last["end_reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with(reason)),
             "{last}"
         );
         assert!(!vm::is_ours(pid, start), "{id}: VMM outlived its {reason}");
@@ -408,12 +422,25 @@ fn pause_and_resume_through_the_vmm_api() {
         serde_json::from_slice::<Value>(&r.body).expect("VMM json")["state"].clone()
     };
     let (status, paused) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
-    assert_eq!((status, paused["state"].as_str()), (200, Some("paused")), "{paused}");
+    assert_eq!(
+        (status, paused["state"].as_str()),
+        (200, Some("paused")),
+        "{paused}"
+    );
     assert_eq!(vm_state(), "Paused");
     // Pausing twice is fine; resuming a running one is fine; both say where it is.
-    assert_eq!(server.call("POST", &format!("/sandboxes/{id}/pause"), None).0, 200);
+    assert_eq!(
+        server
+            .call("POST", &format!("/sandboxes/{id}/pause"), None)
+            .0,
+        200
+    );
     let (status, resumed) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
-    assert_eq!((status, resumed["state"].as_str()), (200, Some("running")), "{resumed}");
+    assert_eq!(
+        (status, resumed["state"].as_str()),
+        (200, Some("running")),
+        "{resumed}"
+    );
     assert_eq!(vm_state(), "Running");
     server.call("DELETE", &format!("/sandboxes/{id}"), None);
     let (status, body) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
@@ -424,7 +451,11 @@ fn pause_and_resume_through_the_vmm_api() {
 fn missing_or_wrong_key_is_401() {
     let server = Server::start(&[]);
     for key in [None, Some("wrong"), Some("")] {
-        for (method, path) in [("GET", "/sandboxes"), ("POST", "/sandboxes"), ("GET", "/nope")] {
+        for (method, path) in [
+            ("GET", "/sandboxes"),
+            ("POST", "/sandboxes"),
+            ("GET", "/nope"),
+        ] {
             let response = server.raw(method, path, key, Some(b"{}"));
             assert_eq!(response.status, 401, "{method} {path} with {key:?}");
             assert!(response.error_message().contains("API key"));
@@ -439,22 +470,94 @@ fn bad_requests_get_4xx_naming_the_field() {
     let server = Server::start(&[]);
     server.add_guest_template("guest");
     let cases: Vec<(&str, &str, Value, u16, &str)> = vec![
-        ("POST", "/sandboxes", json!({"template": "nosuch", "ttl_s": 5}), 400, "template"),
-        ("POST", "/sandboxes", json!({"template": "guest", "ttl_s": 5, "memory_mib": -64}), 400, "memory_mib"),
-        ("POST", "/sandboxes", json!({"template": "guest", "ttl_s": 5, "memory_mib": 0}), 400, "memory_mib"),
-        ("POST", "/sandboxes", json!({"template": "guest", "ttl_s": 5, "labels": {"no spaces": "x"}}), 400, "labels"),
-        ("POST", "/sandboxes", json!({"template": "guest", "ttl_s": 5, "labels": {"k": ["x"]}}), 400, "labels.k"),
-        ("POST", "/sandboxes", json!({"template": "guest", "ttl_s": 5, "colour": "red"}), 400, "colour"),
-        ("POST", "/sandboxes", json!({"template": "guest"}), 400, "ttl_s"),
-        ("POST", "/sandboxes", json!({"template": "guest", "ttl_s": -1}), 400, "ttl_s"),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "nosuch", "ttl_s": 5}),
+            400,
+            "template",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "memory_mib": -64}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "memory_mib": 0}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "labels": {"no spaces": "x"}}),
+            400,
+            "labels",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "labels": {"k": ["x"]}}),
+            400,
+            "labels.k",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "colour": "red"}),
+            400,
+            "colour",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest"}),
+            400,
+            "ttl_s",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": -1}),
+            400,
+            "ttl_s",
+        ),
         ("GET", "/sandboxes/not-an-id", Value::Null, 400, "id"),
         ("DELETE", "/sandboxes/sb-123", Value::Null, 400, "id"),
         ("GET", "/sandboxes?state=zombie", Value::Null, 400, "state"),
         ("GET", "/sandboxes?label=nokey", Value::Null, 400, "label"),
-        ("GET", "/sandboxes/sb-00000000000000aa", Value::Null, 404, "sb-00000000000000aa"),
-        ("POST", "/templates", json!({"name": "t2", "kernel": "/no/such/kernel"}), 400, "kernel"),
-        ("POST", "/templates", json!({"name": "t2", "kernel": test_guest(), "memory_mib": -1}), 400, "memory_mib"),
-        ("POST", "/templates", json!({"name": "guest", "kernel": test_guest()}), 409, "name"),
+        (
+            "GET",
+            "/sandboxes/sb-00000000000000aa",
+            Value::Null,
+            404,
+            "sb-00000000000000aa",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "t2", "kernel": "/no/such/kernel"}),
+            400,
+            "kernel",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "t2", "kernel": test_guest(), "memory_mib": -1}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "guest", "kernel": test_guest()}),
+            409,
+            "name",
+        ),
         ("PUT", "/sandboxes", Value::Null, 405, "PUT"),
         ("GET", "/nope", Value::Null, 404, "no route"),
     ];
@@ -463,12 +566,19 @@ fn bad_requests_get_4xx_naming_the_field() {
         let (got, answer) = server.call(method, path, body.clone());
         let error = answer["error"].as_str().unwrap_or_default();
         assert_eq!(got, status, "{method} {path} {body:?}: {answer}");
-        assert!(error.contains(needle), "{method} {path} {body:?}: {error:?} does not name {needle}");
+        assert!(
+            error.contains(needle),
+            "{method} {path} {body:?}: {error:?} does not name {needle}"
+        );
     }
     let big = vec![b'x'; 2 << 20];
     let response = server.raw("POST", "/sandboxes", Some(KEY), Some(&big));
     assert_eq!(response.status, 413);
-    assert!(response.error_message().contains("body"), "{}", response.error_message());
+    assert!(
+        response.error_message().contains("body"),
+        "{}",
+        response.error_message()
+    );
     let response = server.raw("POST", "/sandboxes", Some(KEY), Some(b"{not json"));
     assert_eq!(response.status, 400);
     // Nothing above started a VMM.
@@ -507,14 +617,26 @@ fn over_the_pending_limit_is_429_with_retry_after() {
             .collect()
     });
     let statuses: Vec<u16> = results.iter().map(|r| r.status).collect();
-    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 1, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        1,
+        "{statuses:?}"
+    );
     for r in results.iter().filter(|r| r.status == 429) {
         assert_eq!(r.header("retry-after"), Some("1"));
         assert!(r.error_message().contains("in flight"));
     }
-    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 3, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        3,
+        "{statuses:?}"
+    );
     // Once it finished, a create goes through again.
-    let (status, body) = server.call("POST", "/sandboxes", Some(json!({"template": "guest", "ttl_s": 30})));
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "guest", "ttl_s": 30})),
+    );
     assert_eq!(status, 201, "{body}");
 }
 
@@ -552,7 +674,10 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
         // SIGKILL: nothing of the daemon runs after this.
         let pid = server.child.as_ref().map(|c| c.id()).expect("daemon pid");
         let (_, live) = server.call("GET", "/sandboxes", None);
-        assert!(!ids(&live).is_empty(), "no sandbox was created before the kill");
+        assert!(
+            !ids(&live).is_empty(),
+            "no sandbox was created before the kill"
+        );
         let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
@@ -560,13 +685,17 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
     server.spawn();
 
     let all = |state: &str| {
-        let (status, list) = server.call("GET", &format!("/sandboxes?state={state}&limit=1000"), None);
+        let (status, list) =
+            server.call("GET", &format!("/sandboxes?state={state}&limit=1000"), None);
         assert_eq!(status, 200);
         list["sandboxes"].as_array().cloned().unwrap_or_default()
     };
     let running = all("running");
     let failed = all("failed");
-    assert!(all("creating").is_empty(), "a create is stuck after the restart");
+    assert!(
+        all("creating").is_empty(),
+        "a create is stuck after the restart"
+    );
     eprintln!(
         "after the restart: {} running (re-attached), {} failed",
         running.len(),
@@ -579,7 +708,9 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
     }
     for sandbox in &failed {
         assert!(
-            sandbox["end_reason"].as_str().is_some_and(|r| !r.is_empty()),
+            sandbox["end_reason"]
+                .as_str()
+                .is_some_and(|r| !r.is_empty()),
             "{sandbox}"
         );
         assert!(!PathBuf::from(sandbox["dir"].as_str().expect("dir")).exists());
@@ -590,12 +721,18 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
         .collect();
     let vmm_ids: BTreeSet<String> = server.vmms().into_iter().map(|f| f.id).collect();
     assert_eq!(vmm_ids, running_ids, "VMMs the DB does not know (or lost)");
-    assert_eq!(server.dirs(), running_ids, "directories the DB does not know");
+    assert_eq!(
+        server.dirs(),
+        running_ids,
+        "directories the DB does not know"
+    );
 
     // The restarted daemon still enforces their TTLs (4 s).
-    wait_for("the re-attached sandboxes to expire", Duration::from_secs(15), || {
-        server.vmms().is_empty() && all("running").is_empty()
-    });
+    wait_for(
+        "the re-attached sandboxes to expire",
+        Duration::from_secs(15),
+        || server.vmms().is_empty() && all("running").is_empty(),
+    );
     assert!(server.dirs().is_empty());
     assert_eq!(all("expired").len() + all("exited").len(), running.len());
 }
@@ -620,7 +757,10 @@ fn openapi_document_matches_the_routes() {
         .iter()
         .map(|(m, p)| (m.to_string(), p.to_string()))
         .collect();
-    assert_eq!(documented, served, "docs/api/openapi.yaml and api::ROUTES differ");
+    assert_eq!(
+        documented, served,
+        "docs/api/openapi.yaml and api::ROUTES differ"
+    );
 
     // And the live server answers each of them (never 404 "no route" or 405).
     let server = Server::start(&[]);

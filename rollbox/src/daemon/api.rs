@@ -253,7 +253,12 @@ pub enum Action {
 }
 
 /// Parses one request into an [`Action`] (the body is already capped at [`MAX_BODY`]).
-pub fn parse(method: &str, path: &str, query: Option<&str>, body: &[u8]) -> Result<Action, ApiError> {
+pub fn parse(
+    method: &str,
+    path: &str,
+    query: Option<&str>,
+    body: &[u8],
+) -> Result<Action, ApiError> {
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let no_query = || match query {
         Some(q) if !q.is_empty() => Err(bad(format!("{path} takes no query parameters"))),
@@ -282,7 +287,9 @@ pub fn parse(method: &str, path: &str, query: Option<&str>, body: &[u8]) -> Resu
         ("POST", ["sandboxes", id, "pause"]) => Action::Pause(check_id(id)?),
         ("POST", ["sandboxes", id, "resume"]) => Action::Resume(check_id(id)?),
         _ => {
-            let known = ROUTES.iter().any(|(_, pattern)| matches_pattern(pattern, &segments));
+            let known = ROUTES
+                .iter()
+                .any(|(_, pattern)| matches_pattern(pattern, &segments));
             return Err(if known {
                 ApiError::MethodNotAllowed {
                     method: method.to_string(),
@@ -320,8 +327,7 @@ fn from_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
             bad(format!("{path}: {}", e.inner()))
         }
     })?;
-    de.end()
-        .map_err(|e| bad(format!("bad JSON body: {e}")))?;
+    de.end().map_err(|e| bad(format!("bad JSON body: {e}")))?;
     Ok(value)
 }
 
@@ -342,7 +348,9 @@ pub fn check_template_name(name: &str, field: &str) -> Result<String, ApiError> 
     let ok = !name.is_empty()
         && name.len() <= 63
         && name.bytes().enumerate().all(|(i, b)| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || (i > 0 && matches!(b, b'.' | b'_' | b'-'))
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || (i > 0 && matches!(b, b'.' | b'_' | b'-'))
         });
     if ok {
         Ok(name.to_string())
@@ -590,12 +598,18 @@ mod tests {
             (r#"{"template":"t","colour":"red"}"#, "colour"),
             (r#"{"template":"T!"}"#, "template"),
             (r#"{"ttl_s":5}"#, "template"),
-            (r#"{"template":"t","idempotency_key":""}"#, "idempotency_key"),
+            (
+                r#"{"template":"t","idempotency_key":""}"#,
+                "idempotency_key",
+            ),
             (r#"{"template":"t"} trailing"#, "JSON"),
         ];
         for (body, field) in cases {
             let message = err(parse("POST", "/sandboxes", None, body.as_bytes()));
-            assert!(message.contains(field), "{body}: {message:?} does not name {field}");
+            assert!(
+                message.contains(field),
+                "{body}: {message:?} does not name {field}"
+            );
         }
         assert!(err(parse("POST", "/sandboxes", None, b"")).contains("JSON body"));
     }
@@ -609,7 +623,9 @@ mod tests {
             br#"{"name":"guest","kernel":"/k","cmdline":"console=ttyS0","memory_mib":64}"#,
         )
         .expect("parse");
-        let Action::AddTemplate(t) = ok else { panic!("{ok:?}") };
+        let Action::AddTemplate(t) = ok else {
+            panic!("{ok:?}")
+        };
         assert_eq!((t.vcpus, t.memory_mib), (1, 64));
         for (body, field) in [
             (r#"{"name":"g","kernel":"rel/k"}"#, "kernel"),
@@ -650,8 +666,7 @@ mod tests {
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
                 _ => b"",
             };
-            parse(method, &path, None, body)
-                .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+            parse(method, &path, None, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         }
     }
 
@@ -693,7 +708,10 @@ mod tests {
         let path = format!("/sandboxes/{id}/keepalive");
         assert_eq!(
             parse("POST", &path, None, br#"{"ttl_s":30}"#).expect("parse"),
-            Action::Keepalive { id: id.into(), ttl_s: 30 }
+            Action::Keepalive {
+                id: id.into(),
+                ttl_s: 30
+            }
         );
         assert!(err(parse("POST", &path, None, br#"{"ttl_s":-30}"#)).contains("ttl_s"));
         assert!(err(parse("POST", &path, None, br#"{}"#)).contains("ttl_s"));

@@ -167,7 +167,9 @@ fn read_response(stream: &mut dyn Stream) -> Result<Response, ReadError> {
         }
         let n = stream.read(&mut chunk).map_err(ReadError::Io)?;
         if n == 0 {
-            return Err(ReadError::Bad("connection closed before the headers ended".into()));
+            return Err(ReadError::Bad(
+                "connection closed before the headers ended".into(),
+            ));
         }
         buf.extend_from_slice(&chunk[..n]);
     };

@@ -218,9 +218,8 @@ async fn handle(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Result<Repl
 }
 
 fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Full<Bytes>> {
-    let body = serde_json::to_vec(value).unwrap_or_else(|e| {
-        format!(r#"{{"error":"cannot encode the reply: {e}"}}"#).into_bytes()
-    });
+    let body = serde_json::to_vec(value)
+        .unwrap_or_else(|e| format!(r#"{{"error":"cannot encode the reply: {e}"}}"#).into_bytes());
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() =
         hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);

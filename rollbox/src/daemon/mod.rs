@@ -239,9 +239,12 @@ impl Daemon {
                     request.template
                 ))
             })?;
-        let ttl_s = request.ttl_s.or(self.options.default_ttl_s).ok_or_else(|| {
-            ApiError::BadRequest("ttl_s: required (this server has no --default-ttl)".into())
-        })?;
+        let ttl_s = request
+            .ttl_s
+            .or(self.options.default_ttl_s)
+            .ok_or_else(|| {
+                ApiError::BadRequest("ttl_s: required (this server has no --default-ttl)".into())
+            })?;
         let Ok(_permit) = Arc::clone(&self.pending).try_acquire_owned() else {
             return Err(ApiError::Overloaded(self.options.max_pending_creates));
         };
@@ -268,7 +271,7 @@ impl Daemon {
         };
         let inserted = self.store().insert_sandbox(&sandbox).map_err(internal)?;
         if let Inserted::Existing(first) = inserted {
-            return self.existing(first).await;
+            return self.existing(*first).await;
         }
         match self.start_vmm(&sandbox, &template).await {
             Ok(()) => self.sandbox_reply(&id).map(|reply| match reply {

@@ -65,7 +65,7 @@ pub struct Store {
 pub enum Inserted {
     New,
     /// A sandbox with the same idempotency key exists already.
-    Existing(Sandbox),
+    Existing(Box<Sandbox>),
 }
 
 fn json_column<T: serde::de::DeserializeOwned>(
@@ -197,7 +197,7 @@ impl Store {
                 )
                 .optional()?;
             if let Some(raw) = existing {
-                return Ok(Inserted::Existing(finish(raw)?.1));
+                return Ok(Inserted::Existing(Box::new(finish(raw)?.1)));
             }
         }
         tx.execute(
@@ -308,7 +308,13 @@ impl Store {
     }
 
     /// Ends a live sandbox; false if it had ended already.
-    pub fn end(&self, id: &str, state: State, reason: &str, now_ms: u64) -> Result<bool, StoreError> {
+    pub fn end(
+        &self,
+        id: &str,
+        state: State,
+        reason: &str,
+        now_ms: u64,
+    ) -> Result<bool, StoreError> {
         Ok(self.conn.execute(
             "UPDATE sandboxes SET state = ?2, end_reason = ?3, ended_at_ms = ?4 \
              WHERE id = ?1 AND state IN ('creating', 'running', 'paused')",
@@ -383,21 +389,32 @@ mod tests {
             ));
         }
         assert!(store.end("d", State::Deleted, "gone", 5).expect("end"));
-        assert!(!store.end("d", State::Deleted, "gone", 6).expect("end again"));
+        assert!(!store
+            .end("d", State::Deleted, "gone", 6)
+            .expect("end again"));
         let mut query = ListQuery {
             labels: vec![("run".into(), "1".into())],
             limit: 2,
             ..ListQuery::default()
         };
         let (page, next) = store.list(&query).expect("list");
-        assert_eq!(page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["a", "c"]);
+        assert_eq!(
+            page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            ["a", "c"]
+        );
         query.after = next.and_then(|t| t.parse().ok());
         let (page, next) = store.list(&query).expect("list");
-        assert_eq!(page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["e"]);
+        assert_eq!(
+            page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            ["e"]
+        );
         assert_eq!(next, None);
         query.state = Some(State::Deleted);
         query.after = None;
         let (page, _) = store.list(&query).expect("list");
-        assert_eq!(page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["d"]);
+        assert_eq!(
+            page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            ["d"]
+        );
     }
 }

@@ -27,7 +27,9 @@ pub enum VmError {
         vmm: PathBuf,
         source: std::io::Error,
     },
-    #[error("rollbox-vmm (pid {pid}) ended before its API socket {sock} listened: {status}; see {log}")]
+    #[error(
+        "rollbox-vmm (pid {pid}) ended before its API socket {sock} listened: {status}; see {log}"
+    )]
     EarlyExit {
         pid: u32,
         sock: PathBuf,
@@ -131,7 +133,11 @@ pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError>
 }
 
 /// Waits until the VMM's API socket accepts a connection.
-pub async fn wait_ready(child: &mut Child, paths: &Paths, timeout: Duration) -> Result<(), VmError> {
+pub async fn wait_ready(
+    child: &mut Child,
+    paths: &Paths,
+    timeout: Duration,
+) -> Result<(), VmError> {
     let deadline = Instant::now() + timeout;
     loop {
         if std::os::unix::net::UnixStream::connect(&paths.api_sock).is_ok() {
@@ -213,7 +219,11 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
     };
     let mut found = Vec::new();
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
@@ -248,7 +258,13 @@ use std::os::unix::ffi::OsStrExt;
 pub fn set_vm_state(api_sock: &Path, state: &str) -> Result<(), VmError> {
     let body = format!(r#"{{"state":"{state}"}}"#);
     let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
-        .request("PATCH", "/vm", &[], Some(body.as_bytes()), Duration::from_secs(10))
+        .request(
+            "PATCH",
+            "/vm",
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(10),
+        )
         .map_err(|e| VmError::Api {
             sock: api_sock.to_path_buf(),
             message: e.to_string(),
