@@ -299,6 +299,41 @@ fn create_get_list_filter_paginate_and_delete() {
     assert!(cli(&["template", "ls"]).contains("guest"));
     cli(&["sandbox", "rm", &cli_id]);
     assert_eq!(server.get(&cli_id)["state"], "deleted");
+
+    // A VMM that cannot start: the create fails cleanly, naming why, and leaves nothing.
+    let not_kernel = server.dir.path().join("not-a-kernel");
+    std::fs::write(&not_kernel, "not a kernel\n").expect("write");
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({"name": "broken", "kernel": not_kernel})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "broken", "ttl_s": 60})),
+    );
+    assert_eq!(status, 500, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("rollbox-vmm")),
+        "{body}"
+    );
+    let (_, failed) = server.call("GET", "/sandboxes?state=failed", None);
+    let failed = failed["sandboxes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0]["end_reason"]
+        .as_str()
+        .is_some_and(|r| !r.is_empty()));
+    let live: BTreeSet<String> = ids(&server.call("GET", "/sandboxes", None).1)
+        .into_iter()
+        .collect();
+    assert_eq!(server.dirs(), live);
+    let vmm_ids: BTreeSet<String> = server.vmms().into_iter().map(|f| f.id).collect();
+    assert_eq!(vmm_ids, live);
+
     let out = Command::new(rollbox_binary())
         .args(["sandbox", "ls", "--socket"])
         .arg(server.dir.path().join("nobody.sock"))
@@ -365,8 +400,6 @@ fn ttl_idle_ttl_and_keepalive() {
     }
     let server = Server::start(&[]);
     server.add_guest_template("guest");
-    let hard = server.create(json!({"template": "guest", "ttl_s": 1}));
-    let idle = server.create(json!({"template": "guest", "ttl_s": 60, "idle_ttl_s": 1}));
     let kept = server.create(json!({"template": "guest", "ttl_s": 2}));
     let kept_id = kept["id"].as_str().expect("id");
     let (status, extended) = server.call(
@@ -376,6 +409,9 @@ fn ttl_idle_ttl_and_keepalive() {
     );
     assert_eq!(status, 200, "{extended}");
     assert!(extended["expires_at_ms"].as_u64() > kept["expires_at_ms"].as_u64());
+    let kept_at = Instant::now();
+    let hard = server.create(json!({"template": "guest", "ttl_s": 1}));
+    let idle = server.create(json!({"template": "guest", "ttl_s": 60, "idle_ttl_s": 1}));
     for (sandbox, reason) in [(&hard, "ttl"), (&idle, "idle_ttl")] {
         let id = sandbox["id"].as_str().expect("id");
         let (pid, start) = pid_of(sandbox);
@@ -401,7 +437,8 @@ fn ttl_idle_ttl_and_keepalive() {
         assert!(!vm::is_ours(pid, start), "{id}: VMM outlived its {reason}");
         assert!(!PathBuf::from(last["dir"].as_str().expect("dir")).exists());
     }
-    std::thread::sleep(Duration::from_millis(1500));
+    // Past its first TTL (2 s), the kept one still runs.
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(kept_at.elapsed()));
     assert_eq!(server.get(kept_id)["state"], "running");
 }
 
@@ -463,6 +500,55 @@ fn missing_or_wrong_key_is_401() {
         }
     }
     assert_eq!(server.raw("GET", "/healthz", Some(KEY), None).status, 200);
+}
+
+#[test]
+fn serves_loopback_tcp_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let serve = |listen: &str| {
+        Command::new(rollbox_binary())
+            .args(["serve", "--listen", listen, "--state-dir"])
+            .arg(dir.path().join("state"))
+            .env("ROLLBOX_API_KEY", KEY)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rollbox serve")
+    };
+    let refused = serve("0.0.0.0:0").wait_with_output().expect("wait");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a loopback address"));
+
+    // Port 0: the daemon names the port it got in its first line.
+    let mut child = serve("127.0.0.1:0");
+    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .filter(|u| u.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_string();
+    let endpoint = Endpoint::from_url(&url).expect("url");
+    let auth = format!("Bearer {KEY}");
+    let ok = endpoint
+        .request(
+            "GET",
+            "/healthz",
+            &[("Authorization", &auth)],
+            None,
+            Duration::from_secs(10),
+        )
+        .expect("GET /healthz");
+    let no_key = endpoint
+        .request("GET", "/healthz", &[], None, Duration::from_secs(10))
+        .expect("GET /healthz");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((ok.status, no_key.status), (200, 401));
 }
 
 #[test]

@@ -28,13 +28,14 @@ pub enum VmError {
         source: std::io::Error,
     },
     #[error(
-        "rollbox-vmm (pid {pid}) ended before its API socket {sock} listened: {status}; see {log}"
+        "rollbox-vmm (pid {pid}) ended before its API socket {sock} listened: {status}; its output: {output}"
     )]
     EarlyExit {
         pid: u32,
         sock: PathBuf,
         status: std::process::ExitStatus,
-        log: PathBuf,
+        /// The end of vmm.log (the directory goes with the failed sandbox).
+        output: String,
     },
     #[error("rollbox-vmm (pid {pid}): its API socket {sock} did not listen within {secs} s")]
     NotReady { pid: u32, sock: PathBuf, secs: u64 },
@@ -132,7 +133,7 @@ pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError>
     })
 }
 
-/// Waits until the VMM's API socket accepts a connection.
+/// Waits until the VMM's API answers (its VM started), or it ended.
 pub async fn wait_ready(
     child: &mut Child,
     paths: &Paths,
@@ -140,15 +141,26 @@ pub async fn wait_ready(
 ) -> Result<(), VmError> {
     let deadline = Instant::now() + timeout;
     loop {
+        // The socket listens before the VM is built; its event loop answers `GET /` only once
+        // the VM started (a kernel that fails to load ends the VMM instead).
         if std::os::unix::net::UnixStream::connect(&paths.api_sock).is_ok() {
-            return Ok(());
+            let endpoint = super::client::Endpoint::Unix(paths.api_sock.clone());
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(100));
+            let answer =
+                tokio::task::spawn_blocking(move || endpoint.request("GET", "/", &[], None, left))
+                    .await;
+            if matches!(answer, Ok(Ok(ref r)) if r.status == 200) {
+                return Ok(());
+            }
         }
         if let Ok(Some(status)) = child.try_wait() {
             return Err(VmError::EarlyExit {
                 pid: child.id(),
                 sock: paths.api_sock.clone(),
                 status,
-                log: paths.log.clone(),
+                output: log_tail(&paths.log),
             });
         }
         if Instant::now() >= deadline {
@@ -160,6 +172,13 @@ pub async fn wait_ready(
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// The last 1000 bytes of a log, on one line.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let tail = &text[text.len().saturating_sub(1000)..];
+    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
 }
 
 /// /proc/PID/stat field 22 (start time in clock ticks since boot), or None when there is no
