@@ -17,7 +17,8 @@ pub const DEFAULT_SOCKET: &str = "/run/rollbox/rollbox.sock";
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Serve on this Unix socket [default: /run/rollbox/rollbox.sock unless --listen].
+    /// Serve on this Unix socket [default: $ROLLBOX_SOCKET, else /run/rollbox/rollbox.sock,
+    /// unless --listen].
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     socket: Option<PathBuf>,
     /// Serve on this loopback TCP address instead, e.g. 127.0.0.1:7070.
@@ -42,7 +43,8 @@ pub struct ServeArgs {
 
 #[derive(Args)]
 pub struct ConnArgs {
-    /// The daemon's Unix socket [default: /run/rollbox/rollbox.sock].
+    /// The daemon's Unix socket [default: $ROLLBOX_URL or $ROLLBOX_SOCKET, else
+    /// /run/rollbox/rollbox.sock].
     #[arg(long, value_name = "PATH", global = true, conflicts_with = "url")]
     socket: Option<PathBuf>,
     /// The daemon's loopback URL, e.g. http://127.0.0.1:7070.
@@ -143,6 +145,15 @@ pub enum TemplateCommand {
     },
 }
 
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// `$ROLLBOX_SOCKET`, else [`DEFAULT_SOCKET`].
+fn default_socket() -> PathBuf {
+    PathBuf::from(env("ROLLBOX_SOCKET").unwrap_or_else(|| DEFAULT_SOCKET.to_string()))
+}
+
 fn read_key(file: Option<&PathBuf>) -> Result<String, String> {
     match file {
         Some(path) => std::fs::read_to_string(path)
@@ -176,7 +187,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
     let listen = match (args.listen, args.socket) {
         (Some(addr), _) => Listen::Tcp(addr),
         (None, Some(path)) => Listen::Unix(path),
-        (None, None) => Listen::Unix(PathBuf::from(DEFAULT_SOCKET)),
+        (None, None) => Listen::Unix(default_socket()),
     };
     if let Listen::Unix(path) = &listen {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -243,7 +254,10 @@ impl Conn {
         let endpoint = match (&args.url, &args.socket) {
             (Some(url), _) => Endpoint::from_url(url).map_err(|e| e.to_string())?,
             (None, Some(path)) => Endpoint::Unix(path.clone()),
-            (None, None) => Endpoint::Unix(PathBuf::from(DEFAULT_SOCKET)),
+            (None, None) => match env("ROLLBOX_URL") {
+                Some(url) => Endpoint::from_url(&url).map_err(|e| format!("ROLLBOX_URL: {e}"))?,
+                None => Endpoint::Unix(default_socket()),
+            },
         };
         Ok(Conn {
             endpoint,
@@ -595,4 +609,19 @@ pub fn sandbox(conn: ConnArgs, command: SandboxCommand) -> ExitCode {
 /// `rollbox template ...`.
 pub fn template(conn: ConnArgs, command: TemplateCommand) -> ExitCode {
     finish(Conn::new(&conn).and_then(|conn| run_template(&conn, command)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_value_flags_and_query_encoding() {
+        let map = key_values(&["a=1".into(), "b=x=y".into()], "label").expect("parse");
+        assert_eq!(map["a"], "1");
+        assert_eq!(map["b"], "x=y");
+        let error = key_values(&["novalue".into()], "label").expect_err("no =");
+        assert!(error.contains("--label") && error.contains("KEY=VALUE"), "{error}");
+        assert_eq!(encode("run=a b/c"), "run%3Da%20b%2Fc");
+    }
 }
