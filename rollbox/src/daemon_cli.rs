@@ -9,8 +9,39 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use rollbox::daemon::api::{Sandbox, SandboxList, Template};
-use rollbox::daemon::client::{Endpoint, Response};
+use rollbox::daemon::client::{ClientError, Endpoint, Response};
 use rollbox::daemon::{Listen, ServeOptions};
+
+/// A CLI command that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("cannot read the API key from {path}: {source}")]
+    KeyFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no API key: pass --api-key-file FILE or set ROLLBOX_API_KEY")]
+    NoKey,
+    #[error("{flag}: {source}")]
+    Url {
+        flag: &'static str,
+        source: ClientError,
+    },
+    #[error("{0}\nhint: is `rollbox serve` running? start it with `rollbox serve --socket PATH --api-key-file FILE`, and point --socket or --url at it")]
+    NotRunning(ClientError),
+    #[error(transparent)]
+    Request(ClientError),
+    #[error("{message} ({status}){hint}")]
+    Refused {
+        status: u16,
+        message: String,
+        hint: &'static str,
+    },
+    #[error("the daemon's answer is not what this CLI expects: {0}")]
+    Answer(serde_json::Error),
+    #[error("--{flag} {pair:?}: expected KEY=VALUE")]
+    KeyValue { flag: &'static str, pair: String },
+}
 
 /// Where `rollbox serve` listens, and the CLI connects, without --socket or --url.
 pub const DEFAULT_SOCKET: &str = "/run/rollbox/rollbox.sock";
@@ -154,14 +185,17 @@ fn default_socket() -> PathBuf {
     PathBuf::from(env("ROLLBOX_SOCKET").unwrap_or_else(|| DEFAULT_SOCKET.to_string()))
 }
 
-fn read_key(file: Option<&PathBuf>) -> Result<String, String> {
+fn read_key(file: Option<&PathBuf>) -> Result<String, CliError> {
     match file {
         Some(path) => std::fs::read_to_string(path)
             .map(|k| k.trim().to_string())
-            .map_err(|e| format!("cannot read the API key from {}: {e}", path.display())),
-        None => std::env::var("ROLLBOX_API_KEY")
+            .map_err(|source| CliError::KeyFile {
+                path: path.clone(),
+                source,
+            }),
+        None => env("ROLLBOX_API_KEY")
             .map(|k| k.trim().to_string())
-            .map_err(|_| "no API key: pass --api-key-file FILE or set ROLLBOX_API_KEY".to_string()),
+            .ok_or(CliError::NoKey),
     }
 }
 
@@ -250,12 +284,18 @@ struct Conn {
 }
 
 impl Conn {
-    fn new(args: &ConnArgs) -> Result<Conn, String> {
+    fn new(args: &ConnArgs) -> Result<Conn, CliError> {
         let endpoint = match (&args.url, &args.socket) {
-            (Some(url), _) => Endpoint::from_url(url).map_err(|e| e.to_string())?,
+            (Some(url), _) => Endpoint::from_url(url).map_err(|source| CliError::Url {
+                flag: "--url",
+                source,
+            })?,
             (None, Some(path)) => Endpoint::Unix(path.clone()),
             (None, None) => match env("ROLLBOX_URL") {
-                Some(url) => Endpoint::from_url(&url).map_err(|e| format!("ROLLBOX_URL: {e}"))?,
+                Some(url) => Endpoint::from_url(&url).map_err(|source| CliError::Url {
+                    flag: "ROLLBOX_URL",
+                    source,
+                })?,
                 None => Endpoint::Unix(default_socket()),
             },
         };
@@ -267,7 +307,7 @@ impl Conn {
     }
 
     /// One request; a non-2xx answer becomes an error with a hint.
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Response, String> {
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Response, CliError> {
         let auth = format!("Bearer {}", self.key);
         let body = body.map(|b| b.to_string());
         let response = self
@@ -281,11 +321,9 @@ impl Conn {
             )
             .map_err(|e| {
                 if e.is_connect() {
-                    format!(
-                        "{e}\nhint: is `rollbox serve` running? start it with `rollbox serve --socket PATH --api-key-file FILE`, and point --socket or --url at it"
-                    )
+                    CliError::NotRunning(e)
                 } else {
-                    e.to_string()
+                    CliError::Request(e)
                 }
             })?;
         if (200..300).contains(&response.status) {
@@ -296,21 +334,27 @@ impl Conn {
             429 => "\nhint: the daemon has too many creates in flight; retry shortly (it said Retry-After)",
             _ => "",
         };
-        Err(format!(
-            "{} ({}){hint}",
-            response.error_message(),
-            response.status
-        ))
+        Err(CliError::Refused {
+            status: response.status,
+            message: response.error_message(),
+            hint,
+        })
     }
 }
 
-fn key_values(pairs: &[String], flag: &str) -> Result<serde_json::Map<String, Value>, String> {
+fn key_values(
+    pairs: &[String],
+    flag: &'static str,
+) -> Result<serde_json::Map<String, Value>, CliError> {
     pairs
         .iter()
         .map(|pair| {
             pair.split_once('=')
                 .map(|(k, v)| (k.to_string(), Value::String(v.to_string())))
-                .ok_or_else(|| format!("--{flag} {pair:?}: expected KEY=VALUE"))
+                .ok_or_else(|| CliError::KeyValue {
+                    flag,
+                    pair: pair.clone(),
+                })
         })
         .collect()
 }
@@ -327,9 +371,8 @@ fn encode(text: &str) -> String {
         .collect()
 }
 
-fn parse<T: serde::de::DeserializeOwned>(response: &Response) -> Result<T, String> {
-    serde_json::from_slice(&response.body)
-        .map_err(|e| format!("the daemon's answer is not what this CLI expects: {e}"))
+fn parse<T: serde::de::DeserializeOwned>(response: &Response) -> Result<T, CliError> {
+    serde_json::from_slice(&response.body).map_err(CliError::Answer)
 }
 
 fn print_json(response: &Response) {
@@ -390,7 +433,7 @@ fn print_sandbox(s: &Sandbox) {
     }
 }
 
-fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), String> {
+fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), CliError> {
     match command {
         SandboxCommand::Create {
             template,
@@ -505,7 +548,7 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), String> {
     Ok(())
 }
 
-fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), String> {
+fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), CliError> {
     let response = conn.call("POST", &format!("/sandboxes/{id}/{verb}"), None)?;
     if conn.json {
         print_json(&response);
@@ -516,7 +559,7 @@ fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), String> {
+fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
     match command {
         TemplateCommand::Add {
             name,
@@ -591,7 +634,7 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), String> {
     Ok(())
 }
 
-fn finish(result: Result<(), String>) -> ExitCode {
+fn finish(result: Result<(), CliError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -620,8 +663,13 @@ mod tests {
         let map = key_values(&["a=1".into(), "b=x=y".into()], "label").expect("parse");
         assert_eq!(map["a"], "1");
         assert_eq!(map["b"], "x=y");
-        let error = key_values(&["novalue".into()], "label").expect_err("no =");
-        assert!(error.contains("--label") && error.contains("KEY=VALUE"), "{error}");
+        let error = key_values(&["novalue".into()], "label")
+            .expect_err("no =")
+            .to_string();
+        assert!(
+            error.contains("--label") && error.contains("KEY=VALUE"),
+            "{error}"
+        );
         assert_eq!(encode("run=a b/c"), "run%3Da%20b%2Fc");
     }
 }

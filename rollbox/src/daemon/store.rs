@@ -384,10 +384,20 @@ mod tests {
         }
         for id in ["c", "d", "e"] {
             assert!(matches!(
-                store.insert_sandbox(&sandbox(id, None, &[("run", "1")])),
+                store.insert_sandbox(&sandbox(id, None, &[("run", "1"), ("app.io/name", id)])),
                 Ok(Inserted::New)
             ));
         }
+        let dotted = ListQuery {
+            labels: vec![("app.io/name".into(), "c".into())],
+            limit: 10,
+            ..ListQuery::default()
+        };
+        let (page, _) = store.list(&dotted).expect("list");
+        assert_eq!(
+            page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            ["c"]
+        );
         assert!(store.end("d", State::Deleted, "gone", 5).expect("end"));
         assert!(!store
             .end("d", State::Deleted, "gone", 6)
