@@ -2,6 +2,7 @@
 //! end its process group, and find VMMs that belong to no sandbox.
 
 use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -270,8 +271,6 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
     }
     found
 }
-
-use std::os::unix::ffi::OsStrExt;
 
 /// `PATCH /vm {"state": STATE}` on the VMM's API socket (blocking).
 pub fn set_vm_state(api_sock: &Path, state: &str) -> Result<(), VmError> {
