@@ -7,6 +7,8 @@ use clap::{Args, Parser, Subcommand};
 
 use rollbox::images::{self, progress::Progress, BuildOptions, SourceSpec};
 
+mod daemon_cli;
+
 /// Where `cargo xtask` (or the agent's build script) leaves the static guest agent.
 const DEFAULT_AGENT: &str = "target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent";
 
@@ -27,6 +29,22 @@ enum Command {
     /// Per-sandbox host networking: tap, /30 lease, NAT and egress policy (needs root).
     #[command(subcommand)]
     Net(NetCommand),
+    /// The daemon: an HTTP/JSON API (bearer key) for sandboxes and templates.
+    Serve(daemon_cli::ServeArgs),
+    /// Sandboxes, through the daemon.
+    Sandbox {
+        #[command(flatten)]
+        conn: daemon_cli::ConnArgs,
+        #[command(subcommand)]
+        command: daemon_cli::SandboxCommand,
+    },
+    /// Templates (what sandboxes boot), through the daemon.
+    Template {
+        #[command(flatten)]
+        conn: daemon_cli::ConnArgs,
+        #[command(subcommand)]
+        command: daemon_cli::TemplateCommand,
+    },
 }
 
 #[derive(Subcommand)]
@@ -282,6 +300,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Image(ImageCommand::Build(args)) => build(args),
         Command::Exec(args) => return exec(args),
+        Command::Serve(args) => return daemon_cli::serve(args),
+        Command::Sandbox { conn, command } => return daemon_cli::sandbox(conn, command),
+        Command::Template { conn, command } => return daemon_cli::template(conn, command),
         Command::Net(command) => {
             return match net(command) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,719 @@
+//! The daemon's API: request and response types, the typed [`Action`] every request parses
+//! into, and [`ApiError`], which carries the HTTP status of a refusal.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// The largest request body the daemon reads.
+pub const MAX_BODY: usize = 1 << 20;
+
+/// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
+/// document (docs/api/openapi.yaml) lists exactly these; a test checks both ways.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/healthz"),
+    ("GET", "/templates"),
+    ("POST", "/templates"),
+    ("GET", "/templates/{name}"),
+    ("DELETE", "/templates/{name}"),
+    ("GET", "/sandboxes"),
+    ("POST", "/sandboxes"),
+    ("GET", "/sandboxes/{id}"),
+    ("DELETE", "/sandboxes/{id}"),
+    ("POST", "/sandboxes/{id}/keepalive"),
+    ("POST", "/sandboxes/{id}/pause"),
+    ("POST", "/sandboxes/{id}/resume"),
+];
+
+/// Limits on what a request may ask for.
+pub const MAX_VCPUS: u32 = 32;
+/// Largest guest memory in MiB.
+pub const MAX_MEMORY_MIB: u32 = 256 * 1024;
+/// Longest TTL (and idle TTL): 30 days.
+pub const MAX_TTL_S: u64 = 30 * 24 * 3600;
+const MAX_LABELS: usize = 32;
+const MAX_METADATA: usize = 64;
+const MAX_LIST_LIMIT: u32 = 1000;
+const DEFAULT_LIST_LIMIT: u32 = 100;
+
+/// A refused or failed request; [`ApiError::status`] is its HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("missing or wrong API key: send `Authorization: Bearer KEY`")]
+    Unauthorized,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("{0}")]
+    Conflict(String),
+    #[error("request body is over {MAX_BODY} bytes")]
+    TooLarge,
+    #[error("{0} creates are already in flight; retry later")]
+    Overloaded(usize),
+    #[error("{0}")]
+    Internal(String),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl ApiError {
+    /// The HTTP status code.
+    pub fn status(&self) -> u16 {
+        match self {
+            ApiError::BadRequest(_) => 400,
+            ApiError::Unauthorized => 401,
+            ApiError::NotFound(_) => 404,
+            ApiError::MethodNotAllowed { .. } => 405,
+            ApiError::Conflict(_) => 409,
+            ApiError::TooLarge => 413,
+            ApiError::Overloaded(_) => 429,
+            ApiError::Internal(_) => 500,
+            ApiError::Unavailable(_) => 503,
+        }
+    }
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(message.into())
+}
+
+/// A sandbox's lifecycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    /// Its VMM is being started.
+    Creating,
+    Running,
+    Paused,
+    /// Its VMM ended on its own (guest power-off, crash).
+    Exited,
+    /// The create did not finish (see `end_reason`).
+    Failed,
+    /// Ended by DELETE.
+    Deleted,
+    /// Ended by its TTL or idle TTL.
+    Expired,
+}
+
+impl State {
+    pub const ALL: [State; 7] = [
+        State::Creating,
+        State::Running,
+        State::Paused,
+        State::Exited,
+        State::Failed,
+        State::Deleted,
+        State::Expired,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Creating => "creating",
+            State::Running => "running",
+            State::Paused => "paused",
+            State::Exited => "exited",
+            State::Failed => "failed",
+            State::Deleted => "deleted",
+            State::Expired => "expired",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<State> {
+        State::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+
+    /// Whether a VMM process may belong to it.
+    pub fn is_live(self) -> bool {
+        matches!(self, State::Creating | State::Running | State::Paused)
+    }
+}
+
+/// A registered template: what a sandbox boots.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Template {
+    pub name: String,
+    pub kernel: PathBuf,
+    pub rootfs: Option<PathBuf>,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub created_at_ms: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TemplateBody {
+    name: String,
+    kernel: PathBuf,
+    rootfs: Option<PathBuf>,
+    initrd: Option<PathBuf>,
+    #[serde(default)]
+    cmdline: String,
+    vcpus: Option<i64>,
+    memory_mib: Option<i64>,
+}
+
+/// POST /sandboxes, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateSandbox {
+    pub template: String,
+    pub vcpus: Option<u32>,
+    pub memory_mib: Option<u32>,
+    pub ttl_s: Option<u64>,
+    pub idle_ttl_s: Option<u64>,
+    pub labels: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    template: String,
+    vcpus: Option<i64>,
+    memory_mib: Option<i64>,
+    ttl_s: Option<i64>,
+    idle_ttl_s: Option<i64>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
+    idempotency_key: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeepaliveBody {
+    ttl_s: i64,
+}
+
+/// GET /sandboxes query.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ListQuery {
+    /// Every (key, value) must match.
+    pub labels: Vec<(String, String)>,
+    pub state: Option<State>,
+    pub limit: u32,
+    /// Only sandboxes after this position (from `next_page_token`).
+    pub after: Option<i64>,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sandbox {
+    pub id: String,
+    pub template: String,
+    pub state: State,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub labels: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub idempotency_key: Option<String>,
+    pub created_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub idle_ttl_s: Option<u64>,
+    pub last_active_at_ms: u64,
+    pub pid: Option<u32>,
+    /// The VMM's start time (/proc/PID/stat field 22), so a re-used pid is never taken for it.
+    pub pid_start_time: Option<u64>,
+    /// The sandbox's directory: `api.sock` (the VMM's Firecracker API), `vsock.sock`,
+    /// `console.log`, `vmm.log`.
+    pub dir: PathBuf,
+    pub ended_at_ms: Option<u64>,
+    pub end_reason: Option<String>,
+}
+
+/// GET /sandboxes answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+    pub next_page_token: Option<String>,
+}
+
+/// What a request asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    Health,
+    ListTemplates,
+    AddTemplate(Template),
+    GetTemplate(String),
+    RemoveTemplate(String),
+    ListSandboxes(ListQuery),
+    CreateSandbox(CreateSandbox),
+    GetSandbox(String),
+    DeleteSandbox(String),
+    Keepalive { id: String, ttl_s: u64 },
+    Pause(String),
+    Resume(String),
+}
+
+/// Parses one request into an [`Action`] (the body is already capped at [`MAX_BODY`]).
+pub fn parse(
+    method: &str,
+    path: &str,
+    query: Option<&str>,
+    body: &[u8],
+) -> Result<Action, ApiError> {
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let no_query = || match query {
+        Some(q) if !q.is_empty() => Err(bad(format!("{path} takes no query parameters"))),
+        _ => Ok(()),
+    };
+    let action = match (method, segments.as_slice()) {
+        ("GET", ["healthz"]) => Action::Health,
+        ("GET", ["templates"]) => Action::ListTemplates,
+        ("POST", ["templates"]) => Action::AddTemplate(parse_template(body)?),
+        ("GET", ["templates", name]) => Action::GetTemplate(check_template_name(name, "name")?),
+        ("DELETE", ["templates", name]) => {
+            Action::RemoveTemplate(check_template_name(name, "name")?)
+        }
+        ("GET", ["sandboxes"]) => return Ok(Action::ListSandboxes(parse_query(query)?)),
+        ("POST", ["sandboxes"]) => Action::CreateSandbox(parse_create(body)?),
+        ("GET", ["sandboxes", id]) => Action::GetSandbox(check_id(id)?),
+        ("DELETE", ["sandboxes", id]) => Action::DeleteSandbox(check_id(id)?),
+        ("POST", ["sandboxes", id, "keepalive"]) => {
+            let id = check_id(id)?;
+            let body: KeepaliveBody = from_json(body)?;
+            Action::Keepalive {
+                id,
+                ttl_s: ttl(body.ttl_s, "ttl_s")?,
+            }
+        }
+        ("POST", ["sandboxes", id, "pause"]) => Action::Pause(check_id(id)?),
+        ("POST", ["sandboxes", id, "resume"]) => Action::Resume(check_id(id)?),
+        _ => {
+            let known = ROUTES
+                .iter()
+                .any(|(_, pattern)| matches_pattern(pattern, &segments));
+            return Err(if known {
+                ApiError::MethodNotAllowed {
+                    method: method.to_string(),
+                    path: path.to_string(),
+                }
+            } else {
+                ApiError::NotFound(format!("no route {method} {path}"))
+            });
+        }
+    };
+    no_query()?;
+    Ok(action)
+}
+
+fn matches_pattern(pattern: &str, segments: &[&str]) -> bool {
+    let parts: Vec<&str> = pattern.trim_start_matches('/').split('/').collect();
+    parts.len() == segments.len()
+        && parts
+            .iter()
+            .zip(segments)
+            .all(|(p, s)| p.starts_with('{') || p == s)
+}
+
+/// Deserializes JSON; an error names the field it is about.
+fn from_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(bad("the request needs a JSON body"));
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            bad(format!("bad JSON body: {}", e.inner()))
+        } else {
+            bad(format!("{path}: {}", e.inner()))
+        }
+    })?;
+    de.end().map_err(|e| bad(format!("bad JSON body: {e}")))?;
+    Ok(value)
+}
+
+/// Sandbox ids: `sb-` and 16 lowercase hex digits.
+pub fn check_id(id: &str) -> Result<String, ApiError> {
+    let hex = id.strip_prefix("sb-").unwrap_or("");
+    if hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(id.to_string())
+    } else {
+        Err(bad(format!(
+            "id: {id:?} is not a sandbox id (sb- and 16 hex digits)"
+        )))
+    }
+}
+
+/// Template names: 1-63 of a-z 0-9 . _ -, starting with a letter or digit.
+pub fn check_template_name(name: &str, field: &str) -> Result<String, ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().enumerate().all(|(i, b)| {
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || (i > 0 && matches!(b, b'.' | b'_' | b'-'))
+        });
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(bad(format!(
+            "{field}: {name:?} is not a template name (1-63 of a-z 0-9 . _ -, starting with a letter or digit)"
+        )))
+    }
+}
+
+fn in_range(value: Option<i64>, field: &str, min: u32, max: u32) -> Result<Option<u32>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(v) if v >= i64::from(min) && v <= i64::from(max) => Ok(u32::try_from(v).ok()),
+        Some(v) => Err(bad(format!("{field}: {v} is out of range ({min}-{max})"))),
+    }
+}
+
+fn ttl(value: i64, field: &str) -> Result<u64, ApiError> {
+    match u64::try_from(value) {
+        Ok(v) if (1..=MAX_TTL_S).contains(&v) => Ok(v),
+        _ => Err(bad(format!(
+            "{field}: {value} is out of range (1-{MAX_TTL_S} seconds)"
+        ))),
+    }
+}
+
+fn absolute(path: &std::path::Path, field: &str) -> Result<(), ApiError> {
+    if path.is_absolute() {
+        Ok(())
+    } else {
+        Err(bad(format!(
+            "{field}: {} is not an absolute path",
+            path.display()
+        )))
+    }
+}
+
+fn parse_template(body: &[u8]) -> Result<Template, ApiError> {
+    let body: TemplateBody = from_json(body)?;
+    let name = check_template_name(&body.name, "name")?;
+    absolute(&body.kernel, "kernel")?;
+    for (path, field) in [(&body.rootfs, "rootfs"), (&body.initrd, "initrd")] {
+        if let Some(path) = path {
+            absolute(path, field)?;
+        }
+    }
+    if body.cmdline.len() > 2048 || body.cmdline.chars().any(char::is_control) {
+        return Err(bad(
+            "cmdline: must be at most 2048 bytes with no control characters",
+        ));
+    }
+    Ok(Template {
+        name,
+        kernel: body.kernel,
+        rootfs: body.rootfs,
+        initrd: body.initrd,
+        cmdline: body.cmdline,
+        vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?.unwrap_or(1),
+        memory_mib: in_range(body.memory_mib, "memory_mib", 1, MAX_MEMORY_MIB)?.unwrap_or(128),
+        created_at_ms: 0,
+    })
+}
+
+/// Label keys: 1-63 of A-Z a-z 0-9 . _ / -, starting with a letter or digit.
+fn check_label_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 63
+        && key.bytes().enumerate().all(|(i, b)| {
+            b.is_ascii_alphanumeric() || (i > 0 && matches!(b, b'.' | b'_' | b'/' | b'-'))
+        })
+}
+
+fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(bad(format!("labels: more than {MAX_LABELS}")));
+    }
+    for (key, value) in labels {
+        if !check_label_key(key) {
+            return Err(bad(format!(
+                "labels: key {key:?} is not 1-63 of A-Z a-z 0-9 . _ / - starting with a letter or digit"
+            )));
+        }
+        if value.len() > 255 || value.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "labels.{key}: the value must be at most 255 bytes with no control characters"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
+    let body: CreateBody = from_json(body)?;
+    check_labels(&body.labels)?;
+    if body.metadata.len() > MAX_METADATA
+        || body
+            .metadata
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.len() > 128 || v.len() > 4096)
+    {
+        return Err(bad(format!(
+            "metadata: at most {MAX_METADATA} entries, keys of 1-128 bytes, values of at most 4096"
+        )));
+    }
+    if let Some(key) = &body.idempotency_key {
+        if key.is_empty() || key.len() > 128 || key.chars().any(char::is_control) {
+            return Err(bad(
+                "idempotency_key: must be 1-128 bytes with no control characters",
+            ));
+        }
+    }
+    Ok(CreateSandbox {
+        template: check_template_name(&body.template, "template")?,
+        vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?,
+        memory_mib: in_range(body.memory_mib, "memory_mib", 1, MAX_MEMORY_MIB)?,
+        ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
+        idle_ttl_s: body.idle_ttl_s.map(|v| ttl(v, "idle_ttl_s")).transpose()?,
+        labels: body.labels,
+        metadata: body.metadata,
+        idempotency_key: body.idempotency_key,
+    })
+}
+
+/// Decodes %XX escapes and `+`.
+fn percent_decode(text: &str, field: &str) -> Result<String, ApiError> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| bad(format!("{field}: bad %-escape in {text:?}")))?;
+                out.push(hex);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad(format!("{field}: {text:?} is not UTF-8")))
+}
+
+fn parse_query(query: Option<&str>) -> Result<ListQuery, ApiError> {
+    let mut out = ListQuery {
+        limit: DEFAULT_LIST_LIMIT,
+        ..ListQuery::default()
+    };
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let name = percent_decode(name, "query")?;
+        let value = percent_decode(value, &name)?;
+        match name.as_str() {
+            "label" => {
+                let (key, want) = value
+                    .split_once('=')
+                    .ok_or_else(|| bad(format!("label: {value:?} is not KEY=VALUE")))?;
+                if !check_label_key(key) {
+                    return Err(bad(format!("label: {key:?} is not a label key")));
+                }
+                out.labels.push((key.to_string(), want.to_string()));
+            }
+            "state" => {
+                out.state = Some(State::parse(&value).ok_or_else(|| {
+                    bad(format!(
+                        "state: {value:?} is not one of creating, running, paused, exited, failed, deleted, expired"
+                    ))
+                })?)
+            }
+            "limit" => {
+                out.limit = value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|l| (1..=MAX_LIST_LIMIT).contains(l))
+                    .ok_or_else(|| bad(format!("limit: {value:?} is not 1-{MAX_LIST_LIMIT}")))?
+            }
+            "page_token" => {
+                out.after = Some(
+                    value
+                        .parse::<i64>()
+                        .ok()
+                        .filter(|v| *v >= 0)
+                        .ok_or_else(|| bad(format!("page_token: {value:?} is not a page token")))?,
+                )
+            }
+            other => {
+                return Err(bad(format!(
+                    "{other}: unknown query parameter (label, state, limit, page_token)"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(result: Result<Action, ApiError>) -> String {
+        match result {
+            Err(e) => e.to_string(),
+            Ok(a) => panic!("accepted: {a:?}"),
+        }
+    }
+
+    #[test]
+    fn create_parses_and_defaults() {
+        let action = parse(
+            "POST",
+            "/sandboxes",
+            None,
+            br#"{"template":"t1","ttl_s":60,"labels":{"run":"a"},"idempotency_key":"k"}"#,
+        )
+        .expect("parse");
+        let Action::CreateSandbox(c) = action else {
+            panic!("{action:?}")
+        };
+        assert_eq!(c.template, "t1");
+        assert_eq!(c.ttl_s, Some(60));
+        assert_eq!(c.vcpus, None);
+        assert_eq!(c.labels.get("run").map(String::as_str), Some("a"));
+    }
+
+    #[test]
+    fn bad_create_bodies_name_the_field() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{"template":"t","memory_mib":-5}"#, "memory_mib"),
+            (r#"{"template":"t","memory_mib":0}"#, "memory_mib"),
+            (r#"{"template":"t","vcpus":999}"#, "vcpus"),
+            (r#"{"template":"t","ttl_s":0}"#, "ttl_s"),
+            (r#"{"template":"t","idle_ttl_s":-1}"#, "idle_ttl_s"),
+            (r#"{"template":"t","labels":{"bad key":"v"}}"#, "labels"),
+            (r#"{"template":"t","labels":{"k":7}}"#, "labels.k"),
+            (r#"{"template":"t","colour":"red"}"#, "colour"),
+            (r#"{"template":"T!"}"#, "template"),
+            (r#"{"ttl_s":5}"#, "template"),
+            (
+                r#"{"template":"t","idempotency_key":""}"#,
+                "idempotency_key",
+            ),
+            (r#"{"template":"t"} trailing"#, "JSON"),
+        ];
+        for (body, field) in cases {
+            let message = err(parse("POST", "/sandboxes", None, body.as_bytes()));
+            assert!(
+                message.contains(field),
+                "{body}: {message:?} does not name {field}"
+            );
+        }
+        assert!(err(parse("POST", "/sandboxes", None, b"")).contains("JSON body"));
+    }
+
+    #[test]
+    fn templates_parse_and_validate() {
+        let ok = parse(
+            "POST",
+            "/templates",
+            None,
+            br#"{"name":"guest","kernel":"/k","cmdline":"console=ttyS0","memory_mib":64}"#,
+        )
+        .expect("parse");
+        let Action::AddTemplate(t) = ok else {
+            panic!("{ok:?}")
+        };
+        assert_eq!((t.vcpus, t.memory_mib), (1, 64));
+        for (body, field) in [
+            (r#"{"name":"g","kernel":"rel/k"}"#, "kernel"),
+            (r#"{"name":"g","kernel":"/k","rootfs":"r"}"#, "rootfs"),
+            (r#"{"name":"g","kernel":"/k","vcpus":0}"#, "vcpus"),
+            (r#"{"name":"-g","kernel":"/k"}"#, "name"),
+            (r#"{"name":"g","kernel":"/k","cmdline":"a\nb"}"#, "cmdline"),
+        ] {
+            let message = err(parse("POST", "/templates", None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+    }
+
+    #[test]
+    fn ids_and_routes() {
+        assert_eq!(
+            parse("GET", "/sandboxes/sb-0123456789abcdef", None, b"").expect("get"),
+            Action::GetSandbox("sb-0123456789abcdef".into())
+        );
+        assert!(err(parse("GET", "/sandboxes/sb-XYZ", None, b"")).contains("id"));
+        assert!(err(parse("GET", "/sandboxes/../etc", None, b"")).contains("no route"));
+        assert!(matches!(
+            parse("PUT", "/sandboxes", None, b""),
+            Err(ApiError::MethodNotAllowed { .. })
+        ));
+        assert!(err(parse("GET", "/nope", None, b"")).contains("no route"));
+    }
+
+    #[test]
+    fn every_route_parses() {
+        for (method, pattern) in ROUTES {
+            let path = pattern
+                .replace("{id}", "sb-0123456789abcdef")
+                .replace("{name}", "guest");
+            let body: &[u8] = match (*method, path.as_str()) {
+                ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
+                ("POST", "/sandboxes") => br#"{"template":"g"}"#,
+                ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
+                _ => b"",
+            };
+            parse(method, &path, None, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        }
+    }
+
+    #[test]
+    fn list_query_parses() {
+        let q = parse(
+            "GET",
+            "/sandboxes",
+            Some("label=run%3Da%3Db&state=running&limit=5&page_token=12"),
+            b"",
+        )
+        .expect("parse");
+        assert_eq!(
+            q,
+            Action::ListSandboxes(ListQuery {
+                labels: vec![("run".into(), "a=b".into())],
+                state: Some(State::Running),
+                limit: 5,
+                after: Some(12),
+            })
+        );
+        for (query, field) in [
+            ("label=novalue", "label"),
+            ("state=zombie", "state"),
+            ("limit=0", "limit"),
+            ("limit=abc", "limit"),
+            ("page_token=-3", "page_token"),
+            ("colour=red", "colour"),
+        ] {
+            let message = err(parse("GET", "/sandboxes", Some(query), b""));
+            assert!(message.starts_with(field), "{query}: {message:?}");
+        }
+        assert!(err(parse("GET", "/templates", Some("x=1"), b"")).contains("no query"));
+    }
+
+    #[test]
+    fn keepalive_needs_a_ttl() {
+        let id = "sb-0123456789abcdef";
+        let path = format!("/sandboxes/{id}/keepalive");
+        assert_eq!(
+            parse("POST", &path, None, br#"{"ttl_s":30}"#).expect("parse"),
+            Action::Keepalive {
+                id: id.into(),
+                ttl_s: 30
+            }
+        );
+        assert!(err(parse("POST", &path, None, br#"{"ttl_s":-30}"#)).contains("ttl_s"));
+        assert!(err(parse("POST", &path, None, br#"{}"#)).contains("ttl_s"));
+    }
+}

@@ -1,0 +1,289 @@
+//! The HTTP layer: accept, check the key, cap the body, parse into an action, run it, and
+//! write the typed reply as JSON. Nothing else happens here.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+
+use super::api::{self, ApiError, MAX_BODY};
+use super::{Daemon, DaemonError, Listen, Reply};
+
+/// A bound listener.
+pub enum Listener {
+    Unix(tokio::net::UnixListener, std::path::PathBuf),
+    Tcp(tokio::net::TcpListener),
+}
+
+impl Listener {
+    pub fn bind(listen: &Listen) -> Result<Listener, DaemonError> {
+        match listen {
+            Listen::Unix(path) => {
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(DaemonError::SocketInUse(path.clone()));
+                }
+                // Nothing answers: a stale socket of a daemon that died.
+                let _ = std::fs::remove_file(path);
+                let listener =
+                    tokio::net::UnixListener::bind(path).map_err(|source| DaemonError::Listen {
+                        what: path.display().to_string(),
+                        source,
+                    })?;
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(
+                    |source| DaemonError::Listen {
+                        what: path.display().to_string(),
+                        source,
+                    },
+                )?;
+                Ok(Listener::Unix(listener, path.clone()))
+            }
+            Listen::Tcp(addr) => {
+                if !addr.ip().is_loopback() {
+                    return Err(DaemonError::NotLoopback(*addr));
+                }
+                let std_listener =
+                    std::net::TcpListener::bind(addr).map_err(|source| DaemonError::Listen {
+                        what: addr.to_string(),
+                        source,
+                    })?;
+                let listen_error = |source| DaemonError::Listen {
+                    what: addr.to_string(),
+                    source,
+                };
+                std_listener.set_nonblocking(true).map_err(listen_error)?;
+                let listener =
+                    tokio::net::TcpListener::from_std(std_listener).map_err(listen_error)?;
+                Ok(Listener::Tcp(listener))
+            }
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Listener::Unix(_, path) => path.display().to_string(),
+            Listener::Tcp(l) => l
+                .local_addr()
+                .map(|a| format!("http://{a}"))
+                .unwrap_or_else(|e| format!("tcp ({e})")),
+        }
+    }
+}
+
+/// Serves connections until `shutdown` completes.
+pub async fn run(
+    listener: Listener,
+    daemon: Arc<Daemon>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DaemonError> {
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            accepted = accept(&listener) => accepted,
+        };
+        let io = match accepted {
+            Ok(io) => io,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                super::log_line(&format!("accept: {e}"));
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let daemon = Arc::clone(&daemon);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let daemon = Arc::clone(&daemon);
+                async move { Ok::<_, Infallible>(respond(&daemon, request).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, service)
+                .await;
+        });
+    }
+}
+
+enum Io {
+    Unix(TokioIo<tokio::net::UnixStream>),
+    Tcp(TokioIo<tokio::net::TcpStream>),
+}
+
+async fn accept(listener: &Listener) -> std::io::Result<Io> {
+    Ok(match listener {
+        Listener::Unix(l, _) => Io::Unix(TokioIo::new(l.accept().await?.0)),
+        Listener::Tcp(l) => Io::Tcp(TokioIo::new(l.accept().await?.0)),
+    })
+}
+
+// hyper needs one I/O type per connection future: dispatch by hand.
+impl hyper::rt::Read for Io {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Io::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl hyper::rt::Write for Io {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Io::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Io::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Io::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Io::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Compares without an early exit, so timing does not reveal how much of a key matched.
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+fn authorized(request: &Request<Incoming>, key: &str) -> bool {
+    request
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
+}
+
+async fn respond(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Response<Full<Bytes>> {
+    match handle(daemon, request).await {
+        Ok(reply) => reply_response(reply),
+        Err(error) => error_response(&error),
+    }
+}
+
+async fn handle(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Result<Reply, ApiError> {
+    if !authorized(&request, &daemon.options.api_key) {
+        return Err(ApiError::Unauthorized);
+    }
+    let declared = request
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(ApiError::TooLarge);
+    }
+    let method = request.method().as_str().to_string();
+    let path = request.uri().path().to_string();
+    let query = request.uri().query().map(str::to_string);
+    let body = Limited::new(request.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::TooLarge
+            } else {
+                ApiError::BadRequest(format!("cannot read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    let action = api::parse(&method, &path, query.as_deref(), &body)?;
+    daemon.handle(action).await
+}
+
+fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    let body = serde_json::to_vec(value)
+        .unwrap_or_else(|e| format!(r#"{{"error":"cannot encode the reply: {e}"}}"#).into_bytes());
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() =
+        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn reply_response(reply: Reply) -> Response<Full<Bytes>> {
+    match reply {
+        Reply::Health => json_response(200, &serde_json::json!({ "status": "ok" })),
+        Reply::Template { created, template } => {
+            json_response(if created { 201 } else { 200 }, &template)
+        }
+        Reply::Templates(templates) => {
+            json_response(200, &serde_json::json!({ "templates": templates }))
+        }
+        Reply::Sandbox { created, sandbox } => {
+            json_response(if created { 201 } else { 200 }, &sandbox)
+        }
+        Reply::Sandboxes(list) => json_response(200, &list),
+        Reply::NoContent => {
+            let mut response = Response::new(Full::new(Bytes::new()));
+            *response.status_mut() = hyper::StatusCode::NO_CONTENT;
+            response
+        }
+    }
+}
+
+fn error_response(error: &ApiError) -> Response<Full<Bytes>> {
+    let mut response = json_response(
+        error.status(),
+        &serde_json::json!({ "error": error.to_string() }),
+    );
+    let headers = response.headers_mut();
+    match error {
+        ApiError::Overloaded(_) => {
+            headers.insert(
+                hyper::header::RETRY_AFTER,
+                hyper::header::HeaderValue::from_static("1"),
+            );
+        }
+        ApiError::Unauthorized => {
+            headers.insert(
+                hyper::header::WWW_AUTHENTICATE,
+                hyper::header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        _ => {}
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(same_key(b"secret", b"secret"));
+        assert!(!same_key(b"secre", b"secret"));
+        assert!(!same_key(b"secreT", b"secret"));
+        assert!(!same_key(b"", b"secret"));
+    }
+}

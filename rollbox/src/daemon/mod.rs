@@ -1,0 +1,581 @@
+//! `rollbox serve`: the daemon. HTTP/JSON (bearer key) → [`api::Action`] → [`Daemon::handle`]
+//! → [`Reply`]. One `rollbox-vmm` process per sandbox, state in SQLite, a reaper for TTLs and
+//! VMMs that ended, and re-attachment to live VMMs after a restart.
+//!
+//! Not here yet (issue 11): exec, files, snapshots, fork, reset, batches, usage, and templates
+//! built from OCI images (`rollbox::images` builds the rootfs; register it with `rootfs`).
+
+pub mod api;
+pub mod client;
+mod http;
+pub mod store;
+pub mod vm;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use api::{Action, ApiError, CreateSandbox, Sandbox, SandboxList, State, Template};
+use store::{Inserted, Store, StoreError};
+
+/// A daemon that cannot start or stopped on an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("state directory {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {what}: {source}")]
+    Listen {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("{0} is not a loopback address: the API is for this host only (use --socket for a Unix socket)")]
+    NotLoopback(SocketAddr),
+    #[error("{0} is in use by a running daemon; stop it or pick another --socket")]
+    SocketInUse(PathBuf),
+    #[error("the API key is empty: put a key in --api-key-file or ROLLBOX_API_KEY")]
+    EmptyKey,
+    #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
+    PathTooLong(PathBuf),
+}
+
+/// Where the API listens.
+#[derive(Debug, Clone)]
+pub enum Listen {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+/// `rollbox serve` options.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub listen: Listen,
+    pub api_key: String,
+    pub state_dir: PathBuf,
+    /// The `rollbox-vmm` binary.
+    pub vmm: PathBuf,
+    /// TTL for creates that give none; without it `ttl_s` is required.
+    pub default_ttl_s: Option<u64>,
+    pub max_pending_creates: usize,
+    /// How often the reaper looks at TTLs and processes.
+    pub reap_interval: Duration,
+    /// How long a new VMM may take to open its API socket.
+    pub ready_timeout: Duration,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// 16 random hex digits from the kernel.
+fn random_hex() -> String {
+    let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer it is given.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if usize::try_from(n).ok() != Some(bytes.len()) {
+        // Not reached on Linux >= 3.17; the time and pid still make a unique-enough id.
+        bytes = (now_ms() ^ (u64::from(std::process::id()) << 40)).to_le_bytes();
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A typed answer; [`http`] turns it into a response.
+#[derive(Debug)]
+pub enum Reply {
+    Health,
+    Template { created: bool, template: Template },
+    Templates(Vec<Template>),
+    Sandbox { created: bool, sandbox: Sandbox },
+    Sandboxes(SandboxList),
+    NoContent,
+}
+
+/// The daemon's shared state.
+pub struct Daemon {
+    options: ServeOptions,
+    sandboxes_dir: PathBuf,
+    store: Mutex<Store>,
+    /// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
+    children: Mutex<HashMap<String, Child>>,
+    pending: Arc<tokio::sync::Semaphore>,
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+impl Daemon {
+    fn store(&self) -> MutexGuard<'_, Store> {
+        // A panic while holding the lock leaves SQLite consistent (each call is one statement
+        // or one transaction), so a poisoned lock is still usable.
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn children(&self) -> MutexGuard<'_, HashMap<String, Child>> {
+        self.children.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs one action.
+    pub async fn handle(self: &Arc<Self>, action: Action) -> Result<Reply, ApiError> {
+        match action {
+            Action::Health => Ok(Reply::Health),
+            Action::ListTemplates => Ok(Reply::Templates(
+                self.store().templates().map_err(internal)?,
+            )),
+            Action::AddTemplate(template) => self.add_template(template),
+            Action::GetTemplate(name) => match self.store().template(&name).map_err(internal)? {
+                Some(template) => Ok(Reply::Template {
+                    created: false,
+                    template,
+                }),
+                None => Err(ApiError::NotFound(format!("no template {name:?}"))),
+            },
+            Action::RemoveTemplate(name) => {
+                if self.store().remove_template(&name).map_err(internal)? {
+                    Ok(Reply::NoContent)
+                } else {
+                    Err(ApiError::NotFound(format!("no template {name:?}")))
+                }
+            }
+            Action::ListSandboxes(query) => {
+                let (sandboxes, next_page_token) = self.store().list(&query).map_err(internal)?;
+                Ok(Reply::Sandboxes(SandboxList {
+                    sandboxes,
+                    next_page_token,
+                }))
+            }
+            Action::CreateSandbox(request) => self.create(request).await,
+            Action::GetSandbox(id) => {
+                let sandbox = self.touch(&id)?;
+                Ok(Reply::Sandbox {
+                    created: false,
+                    sandbox,
+                })
+            }
+            Action::DeleteSandbox(id) => {
+                self.end(&id, State::Deleted, "deleted by the API").await?;
+                Ok(Reply::NoContent)
+            }
+            Action::Keepalive { id, ttl_s } => {
+                self.touch(&id)?;
+                let expires = now_ms().saturating_add(ttl_s.saturating_mul(1000));
+                if !self.store().set_expiry(&id, expires).map_err(internal)? {
+                    return Err(ApiError::Conflict(format!("sandbox {id} has ended")));
+                }
+                self.sandbox_reply(&id)
+            }
+            Action::Pause(id) => self.pause_resume(&id, true).await,
+            Action::Resume(id) => self.pause_resume(&id, false).await,
+        }
+    }
+
+    fn sandbox_reply(&self, id: &str) -> Result<Reply, ApiError> {
+        match self.store().sandbox(id).map_err(internal)? {
+            Some(sandbox) => Ok(Reply::Sandbox {
+                created: false,
+                sandbox,
+            }),
+            None => Err(ApiError::NotFound(format!("no sandbox {id}"))),
+        }
+    }
+
+    /// Records an API call on the sandbox and returns it.
+    fn touch(&self, id: &str) -> Result<Sandbox, ApiError> {
+        let store = self.store();
+        store.touch(id, now_ms()).map_err(internal)?;
+        store
+            .sandbox(id)
+            .map_err(internal)?
+            .ok_or_else(|| ApiError::NotFound(format!("no sandbox {id}")))
+    }
+
+    fn add_template(&self, mut template: Template) -> Result<Reply, ApiError> {
+        let files = [
+            (Some(&template.kernel), "kernel"),
+            (template.rootfs.as_ref(), "rootfs"),
+            (template.initrd.as_ref(), "initrd"),
+        ];
+        for (path, field) in files {
+            if let Some(path) = path {
+                if !path.is_file() {
+                    return Err(ApiError::BadRequest(format!(
+                        "{field}: {} is not a readable file",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        template.created_at_ms = now_ms();
+        if !self.store().add_template(&template).map_err(internal)? {
+            return Err(ApiError::Conflict(format!(
+                "name: template {:?} exists; remove it first",
+                template.name
+            )));
+        }
+        Ok(Reply::Template {
+            created: true,
+            template,
+        })
+    }
+
+    async fn create(self: &Arc<Self>, request: CreateSandbox) -> Result<Reply, ApiError> {
+        let template = self
+            .store()
+            .template(&request.template)
+            .map_err(internal)?
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!(
+                    "template: no template {:?} (list them with GET /templates)",
+                    request.template
+                ))
+            })?;
+        let ttl_s = request
+            .ttl_s
+            .or(self.options.default_ttl_s)
+            .ok_or_else(|| {
+                ApiError::BadRequest("ttl_s: required (this server has no --default-ttl)".into())
+            })?;
+        let Ok(_permit) = Arc::clone(&self.pending).try_acquire_owned() else {
+            return Err(ApiError::Overloaded(self.options.max_pending_creates));
+        };
+        let now = now_ms();
+        let id = format!("sb-{}", random_hex());
+        let sandbox = Sandbox {
+            id: id.clone(),
+            template: template.name.clone(),
+            state: State::Creating,
+            vcpus: request.vcpus.unwrap_or(template.vcpus),
+            memory_mib: request.memory_mib.unwrap_or(template.memory_mib),
+            labels: request.labels,
+            metadata: request.metadata,
+            idempotency_key: request.idempotency_key,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(ttl_s.saturating_mul(1000)),
+            idle_ttl_s: request.idle_ttl_s,
+            last_active_at_ms: now,
+            pid: None,
+            pid_start_time: None,
+            dir: self.sandboxes_dir.join(&id),
+            ended_at_ms: None,
+            end_reason: None,
+        };
+        let inserted = self.store().insert_sandbox(&sandbox).map_err(internal)?;
+        if let Inserted::Existing(first) = inserted {
+            return self.existing(*first).await;
+        }
+        match self.start_vmm(&sandbox, &template).await {
+            Ok(()) => self.sandbox_reply(&id).map(|reply| match reply {
+                Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
+                    created: true,
+                    sandbox,
+                },
+                other => other,
+            }),
+            Err(message) => {
+                let _ = remove_dir(&sandbox.dir);
+                self.store()
+                    .end(&id, State::Failed, &message, now_ms())
+                    .map_err(internal)?;
+                Err(ApiError::Internal(format!("sandbox {id}: {message}")))
+            }
+        }
+    }
+
+    /// A create that repeats an idempotency key: the first sandbox, once it left `creating`.
+    async fn existing(&self, mut first: Sandbox) -> Result<Reply, ApiError> {
+        let deadline = std::time::Instant::now() + self.options.ready_timeout * 2;
+        while first.state == State::Creating && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            first = match self.store().sandbox(&first.id).map_err(internal)? {
+                Some(s) => s,
+                None => break,
+            };
+        }
+        Ok(Reply::Sandbox {
+            created: false,
+            sandbox: first,
+        })
+    }
+
+    /// Spawns the VMM and moves the sandbox to running; on error, nothing of it is left.
+    async fn start_vmm(&self, sandbox: &Sandbox, template: &Template) -> Result<(), String> {
+        let paths = vm::Paths::new(&sandbox.dir);
+        let vmm = self.options.vmm.clone();
+        let template = template.clone();
+        let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
+        let spawn_paths = vm::Paths::new(&sandbox.dir);
+        // Copying a rootfs may take a while: off the async threads.
+        let spawned = tokio::task::spawn_blocking(move || {
+            let shape = vm::Shape {
+                template: &template,
+                vcpus,
+                memory_mib,
+            };
+            vm::spawn(&vmm, &spawn_paths, &shape)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut child = spawned.map_err(|e| e.to_string())?;
+        let pid = child.id();
+        let ready = vm::wait_ready(&mut child, &paths, self.options.ready_timeout).await;
+        let start = vm::start_time(pid);
+        let result = match (ready, start) {
+            (Ok(()), Some(start)) => {
+                let store = self.store();
+                match store.set_running(&sandbox.id, pid, start) {
+                    Ok(true) => {
+                        self.children().insert(sandbox.id.clone(), child);
+                        return Ok(());
+                    }
+                    Ok(false) => Err("deleted while it was being created".to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            (Err(e), _) => Err(e.to_string()),
+            (Ok(()), None) => Err(vm::VmError::Vanished(pid).to_string()),
+        };
+        let _ = child.kill();
+        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        result
+    }
+
+    /// Ends a sandbox (DELETE, TTL): kills its VMM's process group, removes its directory and
+    /// records `state`. Ending one that has ended already succeeds.
+    async fn end(&self, id: &str, state: State, reason: &str) -> Result<(), ApiError> {
+        let Some(sandbox) = self.store().sandbox(id).map_err(internal)? else {
+            // Never existed, or long gone: deleting it is still success.
+            return Ok(());
+        };
+        if !sandbox.state.is_live() {
+            return Ok(());
+        }
+        // Record the end first: a create still in progress sees it and cleans up itself.
+        self.store()
+            .end(id, state, reason, now_ms())
+            .map_err(internal)?;
+        let child = self.children().remove(id);
+        let dir = sandbox.dir.clone();
+        tokio::task::spawn_blocking(move || {
+            if let (Some(pid), Some(start)) = (sandbox.pid, sandbox.pid_start_time) {
+                vm::kill(pid, start, Duration::from_secs(5));
+            }
+            if let Some(mut child) = child {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            remove_dir(&dir)
+        })
+        .await
+        .map_err(internal)?
+        .map_err(internal)
+    }
+
+    async fn pause_resume(&self, id: &str, pause: bool) -> Result<Reply, ApiError> {
+        let sandbox = self.touch(id)?;
+        let (from, to, word) = if pause {
+            (State::Running, State::Paused, "Paused")
+        } else {
+            (State::Paused, State::Running, "Resumed")
+        };
+        if sandbox.state == to {
+            return Ok(Reply::Sandbox {
+                created: false,
+                sandbox,
+            });
+        }
+        if sandbox.state != from {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} is {}, not {}",
+                sandbox.state.as_str(),
+                from.as_str()
+            )));
+        }
+        let sock = vm::Paths::new(&sandbox.dir).api_sock;
+        tokio::task::spawn_blocking(move || vm::set_vm_state(&sock, word))
+            .await
+            .map_err(internal)?
+            .map_err(internal)?;
+        if !self.store().transition(id, from, to).map_err(internal)? {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} changed state during the request"
+            )));
+        }
+        self.sandbox_reply(id)
+    }
+
+    /// One reaper pass: VMMs that ended on their own, then TTLs.
+    async fn reap(&self) -> Result<(), StoreError> {
+        let live = self.store().live()?;
+        let now = now_ms();
+        for sandbox in live {
+            if sandbox.state == State::Creating {
+                continue;
+            }
+            let exited = {
+                let mut children = self.children();
+                match children.get_mut(&sandbox.id) {
+                    Some(child) => match child.try_wait() {
+                        Ok(Some(status)) => {
+                            children.remove(&sandbox.id);
+                            Some(format!("the VMM ended: {status}"))
+                        }
+                        _ => None,
+                    },
+                    None => match (sandbox.pid, sandbox.pid_start_time) {
+                        (Some(pid), Some(start)) if vm::is_ours(pid, start) => None,
+                        _ => Some("the VMM ended".to_string()),
+                    },
+                }
+            };
+            if let Some(reason) = exited {
+                if self.store().end(&sandbox.id, State::Exited, &reason, now)? {
+                    let _ = remove_dir(&sandbox.dir);
+                }
+                continue;
+            }
+            let idle = sandbox.idle_ttl_s.is_some_and(|idle| {
+                now.saturating_sub(sandbox.last_active_at_ms) >= idle.saturating_mul(1000)
+            });
+            let reason = if now >= sandbox.expires_at_ms {
+                "ttl: its TTL ran out"
+            } else if idle {
+                "idle_ttl: no API call within its idle TTL"
+            } else {
+                continue;
+            };
+            if let Err(e) = self.end(&sandbox.id, State::Expired, reason).await {
+                log_line(&format!("reaper: cannot end {}: {e}", sandbox.id));
+            }
+        }
+        Ok(())
+    }
+
+    /// After a (re)start: re-attach live VMMs, fail unfinished creates, kill VMMs and remove
+    /// directories that belong to no live sandbox.
+    fn recover(&self) -> Result<(), DaemonError> {
+        let live = self.store().live()?;
+        let now = now_ms();
+        let mut keep = HashMap::new();
+        for sandbox in live {
+            match (sandbox.state, sandbox.pid, sandbox.pid_start_time) {
+                (State::Creating, _, _) => {
+                    self.store().end(
+                        &sandbox.id,
+                        State::Failed,
+                        "the daemon stopped during the create",
+                        now,
+                    )?;
+                }
+                (_, Some(pid), Some(start)) if vm::is_ours(pid, start) => {
+                    keep.insert(sandbox.id.clone(), (pid, start));
+                }
+                _ => {
+                    self.store().end(
+                        &sandbox.id,
+                        State::Exited,
+                        "the VMM ended while the daemon was down",
+                        now,
+                    )?;
+                }
+            }
+        }
+        for found in vm::find_vmms(&self.sandboxes_dir) {
+            if keep.get(&found.id) != Some(&(found.pid, found.start_time)) {
+                log_line(&format!(
+                    "killing rollbox-vmm pid {} of no live sandbox ({})",
+                    found.pid, found.id
+                ));
+                vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+        }
+        let entries =
+            std::fs::read_dir(&self.sandboxes_dir).map_err(|source| DaemonError::StateDir {
+                path: self.sandboxes_dir.clone(),
+                source,
+            })?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !keep.contains_key(&name) {
+                let _ = remove_dir(&entry.path());
+            }
+        }
+        if !keep.is_empty() {
+            log_line(&format!("re-attached {} running sandboxes", keep.len()));
+        }
+        Ok(())
+    }
+}
+
+fn remove_dir(dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn log_line(line: &str) {
+    eprintln!("rollbox serve: {line}");
+}
+
+/// Opens the state, recovers, and serves until `shutdown` completes. VMMs keep running after
+/// the daemon stops; the next start re-attaches to them.
+pub async fn serve(
+    options: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DaemonError> {
+    if options.api_key.trim().is_empty() {
+        return Err(DaemonError::EmptyKey);
+    }
+    let state_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| DaemonError::StateDir { path, source }
+    };
+    std::fs::create_dir_all(&options.state_dir).map_err(state_error(&options.state_dir))?;
+    let state_dir =
+        std::fs::canonicalize(&options.state_dir).map_err(state_error(&options.state_dir))?;
+    let sandboxes_dir = state_dir.join("sandboxes");
+    std::fs::create_dir_all(&sandboxes_dir).map_err(state_error(&sandboxes_dir))?;
+    // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX/vsock.sock_PORT (up to 5 digits).
+    if sandboxes_dir.as_os_str().len() + "/sb-0123456789abcdef/vsock.sock_65535".len() >= 108 {
+        return Err(DaemonError::PathTooLong(sandboxes_dir));
+    }
+    let store = Store::open(&state_dir.join("state.db"))?;
+    let daemon = Arc::new(Daemon {
+        pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
+        options,
+        sandboxes_dir,
+        store: Mutex::new(store),
+        children: Mutex::new(HashMap::new()),
+    });
+    daemon.recover()?;
+    let listener = http::Listener::bind(&daemon.options.listen)?;
+    let reaper = {
+        let daemon = Arc::clone(&daemon);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(daemon.options.reap_interval);
+            loop {
+                tick.tick().await;
+                if let Err(e) = daemon.reap().await {
+                    log_line(&format!("reaper: {e}"));
+                }
+            }
+        })
+    };
+    log_line(&format!("listening on {}", listener.describe()));
+    let result = http::run(listener, Arc::clone(&daemon), shutdown).await;
+    reaper.abort();
+    if let Listen::Unix(path) = &daemon.options.listen {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}

@@ -1,0 +1,350 @@
+//! `rollbox-vmm` processes: spawn one per sandbox, recognise it again by (pid, start time),
+//! end its process group, and find VMMs that belong to no sandbox.
+
+use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::api::Template;
+
+/// A failed VMM operation.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("cannot create sandbox directory {path}: {source}")]
+    Dir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot copy rootfs {from} to {to}: {source}")]
+    Rootfs {
+        from: PathBuf,
+        to: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start {vmm}: {source}")]
+    Spawn {
+        vmm: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "rollbox-vmm (pid {pid}) ended before its API socket {sock} listened: {status}; its output: {output}"
+    )]
+    EarlyExit {
+        pid: u32,
+        sock: PathBuf,
+        status: std::process::ExitStatus,
+        /// The end of vmm.log (the directory goes with the failed sandbox).
+        output: String,
+    },
+    #[error("rollbox-vmm (pid {pid}): its API socket {sock} did not listen within {secs} s")]
+    NotReady { pid: u32, sock: PathBuf, secs: u64 },
+    #[error("rollbox-vmm (pid {0}) vanished before its start time could be read")]
+    Vanished(u32),
+    #[error("VMM API {sock}: {message}")]
+    Api { sock: PathBuf, message: String },
+}
+
+/// The files in a sandbox's directory.
+pub struct Paths {
+    pub dir: PathBuf,
+    pub api_sock: PathBuf,
+    pub vsock: PathBuf,
+    pub console: PathBuf,
+    pub log: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+impl Paths {
+    pub fn new(dir: &Path) -> Paths {
+        Paths {
+            dir: dir.to_path_buf(),
+            api_sock: dir.join("api.sock"),
+            vsock: dir.join("vsock.sock"),
+            console: dir.join("console.log"),
+            log: dir.join("vmm.log"),
+            rootfs: dir.join("rootfs.img"),
+        }
+    }
+}
+
+/// What one VMM runs.
+pub struct Shape<'a> {
+    pub template: &'a Template,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+}
+
+/// Makes the sandbox directory (and its rootfs copy) and starts `vmm` in its own process
+/// group, stdin from /dev/null, stdout and stderr into `vmm.log`.
+pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError> {
+    let dir_error = |source| VmError::Dir {
+        path: paths.dir.clone(),
+        source,
+    };
+    std::fs::create_dir(&paths.dir).map_err(dir_error)?;
+    let template = shape.template;
+    let mut command = Command::new(vmm);
+    command
+        .arg("--kernel")
+        .arg(&template.kernel)
+        .arg("--vcpus")
+        .arg(shape.vcpus.to_string())
+        .arg("--memory-mib")
+        .arg(shape.memory_mib.to_string())
+        .arg("--api-sock")
+        .arg(&paths.api_sock)
+        .arg("--vsock-uds")
+        .arg(&paths.vsock)
+        .args(["--vsock-cid", "3"])
+        .arg("--console")
+        .arg(&paths.console);
+    if !template.cmdline.is_empty() {
+        command.arg("--cmdline").arg(&template.cmdline);
+    }
+    if let Some(initrd) = &template.initrd {
+        command.arg("--initrd").arg(initrd);
+    }
+    if let Some(rootfs) = &template.rootfs {
+        // A private copy: the guest writes to it. (copy_file_range: a reflink where the file
+        // system has them.)
+        std::fs::copy(rootfs, &paths.rootfs).map_err(|source| VmError::Rootfs {
+            from: rootfs.clone(),
+            to: paths.rootfs.clone(),
+            source,
+        })?;
+        let mut drive = paths.rootfs.clone().into_os_string();
+        drive.push(",root");
+        command.arg("--drive").arg(drive);
+    }
+    let log = File::create(&paths.log).map_err(dir_error)?;
+    let log2 = log.try_clone().map_err(dir_error)?;
+    use std::os::unix::process::CommandExt;
+    command
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        // Its own process group: a signal to the daemon's group does not reach it, and
+        // ending the sandbox ends the group (virtiofsd and other helpers too).
+        .process_group(0);
+    command.spawn().map_err(|source| VmError::Spawn {
+        vmm: vmm.to_path_buf(),
+        source,
+    })
+}
+
+/// Waits until the VMM's API answers (its VM started), or it ended.
+pub async fn wait_ready(
+    child: &mut Child,
+    paths: &Paths,
+    timeout: Duration,
+) -> Result<(), VmError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        // The socket listens before the VM is built; its event loop answers `GET /` only once
+        // the VM started (a kernel that fails to load ends the VMM instead).
+        if std::os::unix::net::UnixStream::connect(&paths.api_sock).is_ok() {
+            let endpoint = super::client::Endpoint::Unix(paths.api_sock.clone());
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(100));
+            let answer =
+                tokio::task::spawn_blocking(move || endpoint.request("GET", "/", &[], None, left))
+                    .await;
+            if matches!(answer, Ok(Ok(ref r)) if r.status == 200) {
+                return Ok(());
+            }
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(VmError::EarlyExit {
+                pid: child.id(),
+                sock: paths.api_sock.clone(),
+                status,
+                output: log_tail(&paths.log),
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(VmError::NotReady {
+                pid: child.id(),
+                sock: paths.api_sock.clone(),
+                secs: timeout.as_secs(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The last 1000 bytes of a log, on one line.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let tail = &text[text.len().saturating_sub(1000)..];
+    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
+}
+
+/// /proc/PID/stat field 22 (start time in clock ticks since boot), or None when there is no
+/// such process or it is a zombie.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: split after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); field 22 is index 19.
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Whether the process `pid` is alive and is the one that started at `start`.
+pub fn is_ours(pid: u32, start: u64) -> bool {
+    start_time(pid) == Some(start)
+}
+
+/// SIGKILLs the process group of `pid` if `pid` is still the process that started at `start`,
+/// then waits up to `timeout` for it to be gone. True once it is gone.
+pub fn kill(pid: u32, start: u64, timeout: Duration) -> bool {
+    if !is_ours(pid, start) {
+        return true;
+    }
+    let Ok(pgid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: killpg only sends a signal; pgid is the VMM's own group (it was spawned with
+    // process_group(0), so its pid is its group id), checked alive by start time just above.
+    unsafe { libc::killpg(pgid, libc::SIGKILL) };
+    let deadline = Instant::now() + timeout;
+    while is_ours(pid, start) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// A VMM process found in /proc whose API socket lies under `sandboxes_dir`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    pub pid: u32,
+    pub start_time: u64,
+    /// The sandbox directory's name (the sandbox id).
+    pub id: String,
+}
+
+/// Every process whose command line has `--api-sock SANDBOXES_DIR/ID/...`.
+pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let sock = args
+            .windows(2)
+            .find(|w| w[0] == b"--api-sock")
+            .map(|w| Path::new(std::ffi::OsStr::from_bytes(w[1])));
+        let Some(id) = sock
+            .and_then(|s| s.strip_prefix(sandboxes_dir).ok())
+            .and_then(|rel| rel.components().next())
+            .and_then(|c| c.as_os_str().to_str())
+        else {
+            continue;
+        };
+        if let Some(start_time) = start_time(pid) {
+            found.push(Found {
+                pid,
+                start_time,
+                id: id.to_string(),
+            });
+        }
+    }
+    found
+}
+
+/// `PATCH /vm {"state": STATE}` on the VMM's API socket (blocking).
+pub fn set_vm_state(api_sock: &Path, state: &str) -> Result<(), VmError> {
+    let body = format!(r#"{{"state":"{state}"}}"#);
+    let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
+        .request(
+            "PATCH",
+            "/vm",
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(10),
+        )
+        .map_err(|e| VmError::Api {
+            sock: api_sock.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if (200..300).contains(&response.status) {
+        Ok(())
+    } else {
+        Err(VmError::Api {
+            sock: api_sock.to_path_buf(),
+            message: format!(
+                "PATCH /vm {state}: {} {}",
+                response.status,
+                String::from_utf8_lossy(&response.body).trim()
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_of_self_and_of_nobody() {
+        let me = std::process::id();
+        let start = start_time(me).expect("own start time");
+        assert!(is_ours(me, start));
+        assert!(!is_ours(me, start + 1));
+        assert_eq!(start_time(u32::MAX), None);
+    }
+
+    #[test]
+    fn finds_a_process_by_its_api_sock() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = dir.path().join("sb-0123456789abcdef/api.sock");
+        use std::os::unix::process::CommandExt;
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg("sleep 30; true")
+            .arg("--api-sock")
+            .arg(&sock)
+            .process_group(0)
+            .spawn()
+            .expect("spawn sh");
+        let pid = child.id();
+        // Until the child has exec'd, its command line is still the test's.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut found = find_vmms(dir.path());
+        while found.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+            found = find_vmms(dir.path());
+        }
+        assert!(
+            found
+                .iter()
+                .any(|f| f.pid == pid && f.id == "sb-0123456789abcdef"),
+            "{found:?}"
+        );
+        let start = start_time(pid).expect("start time");
+        // kill() waits for the process to be gone; the reaping here is the test's job.
+        let waiter = std::thread::spawn(move || child.wait());
+        assert!(kill(pid, start, Duration::from_secs(5)));
+        let _ = waiter.join();
+    }
+}

@@ -1,0 +1,675 @@
+//! `rollbox serve`, `rollbox sandbox ...` and `rollbox template ...`: the daemon and the CLI
+//! that talks to it.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+
+use rollbox::daemon::api::{Sandbox, SandboxList, Template};
+use rollbox::daemon::client::{ClientError, Endpoint, Response};
+use rollbox::daemon::{Listen, ServeOptions};
+
+/// A CLI command that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("cannot read the API key from {path}: {source}")]
+    KeyFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no API key: pass --api-key-file FILE or set ROLLBOX_API_KEY")]
+    NoKey,
+    #[error("{flag}: {source}")]
+    Url {
+        flag: &'static str,
+        source: ClientError,
+    },
+    #[error("{0}\nhint: is `rollbox serve` running? start it with `rollbox serve --socket PATH --api-key-file FILE`, and point --socket or --url at it")]
+    NotRunning(ClientError),
+    #[error(transparent)]
+    Request(ClientError),
+    #[error("{message} ({status}){hint}")]
+    Refused {
+        status: u16,
+        message: String,
+        hint: &'static str,
+    },
+    #[error("the daemon's answer is not what this CLI expects: {0}")]
+    Answer(serde_json::Error),
+    #[error("--{flag} {pair:?}: expected KEY=VALUE")]
+    KeyValue { flag: &'static str, pair: String },
+}
+
+/// Where `rollbox serve` listens, and the CLI connects, without --socket or --url.
+pub const DEFAULT_SOCKET: &str = "/run/rollbox/rollbox.sock";
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Serve on this Unix socket [default: $ROLLBOX_SOCKET, else /run/rollbox/rollbox.sock,
+    /// unless --listen].
+    #[arg(long, value_name = "PATH", conflicts_with = "listen")]
+    socket: Option<PathBuf>,
+    /// Serve on this loopback TCP address instead, e.g. 127.0.0.1:7070.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<std::net::SocketAddr>,
+    /// A file holding the API key [default: $ROLLBOX_API_KEY].
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<PathBuf>,
+    /// State: the SQLite database and one directory per sandbox.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/rollbox")]
+    state_dir: PathBuf,
+    /// The rollbox-vmm binary [default: rollbox-vmm beside this executable].
+    #[arg(long, value_name = "PATH")]
+    vmm: Option<PathBuf>,
+    /// TTL in seconds for creates that give no ttl_s (without it, ttl_s is required).
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=rollbox::daemon::api::MAX_TTL_S))]
+    default_ttl: Option<u64>,
+    /// Creates in flight at once; more get 429 with Retry-After.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    max_pending_creates: u64,
+}
+
+#[derive(Args)]
+pub struct ConnArgs {
+    /// The daemon's Unix socket [default: $ROLLBOX_URL or $ROLLBOX_SOCKET, else
+    /// /run/rollbox/rollbox.sock].
+    #[arg(long, value_name = "PATH", global = true, conflicts_with = "url")]
+    socket: Option<PathBuf>,
+    /// The daemon's loopback URL, e.g. http://127.0.0.1:7070.
+    #[arg(long, value_name = "URL", global = true)]
+    url: Option<String>,
+    /// A file holding the API key [default: $ROLLBOX_API_KEY].
+    #[arg(long, value_name = "FILE", global = true)]
+    api_key_file: Option<PathBuf>,
+    /// Print the daemon's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+pub enum SandboxCommand {
+    /// Create a sandbox from a template and print it.
+    Create {
+        template: String,
+        /// Hard TTL in seconds (required unless the daemon has --default-ttl).
+        #[arg(long, value_name = "SECS")]
+        ttl: Option<i64>,
+        /// End it after this many seconds without an API call on it.
+        #[arg(long, value_name = "SECS")]
+        idle_ttl: Option<i64>,
+        #[arg(long)]
+        vcpus: Option<i64>,
+        #[arg(long, value_name = "MIB")]
+        memory_mib: Option<i64>,
+        /// KEY=VALUE (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+        /// KEY=VALUE (repeatable).
+        #[arg(long = "metadata", value_name = "KEY=VALUE")]
+        metadata: Vec<String>,
+        /// A retried create with the same key returns the first sandbox.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
+    },
+    /// List live sandboxes (or those in --state).
+    Ls {
+        /// KEY=VALUE (repeatable; all must match).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+        #[arg(long)]
+        state: Option<String>,
+        /// At most this many (one page).
+        #[arg(long)]
+        limit: Option<u32>,
+        #[arg(long, value_name = "TOKEN")]
+        page_token: Option<String>,
+    },
+    /// Show one sandbox.
+    Get {
+        id: String,
+    },
+    /// End sandboxes (ending one that is gone already succeeds).
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
+    /// Set the TTL to SECS from now.
+    Keepalive {
+        id: String,
+        #[arg(long, value_name = "SECS")]
+        ttl: i64,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TemplateCommand {
+    /// Register a template from a kernel (and optional rootfs image and initrd).
+    Add {
+        name: String,
+        #[arg(long, value_name = "PATH")]
+        kernel: PathBuf,
+        /// A raw/ext4 root disk image (each sandbox gets its own copy), e.g. from `rollbox
+        /// image build`.
+        #[arg(long, value_name = "PATH")]
+        rootfs: Option<PathBuf>,
+        #[arg(long, value_name = "PATH")]
+        initrd: Option<PathBuf>,
+        #[arg(long, default_value = "")]
+        cmdline: String,
+        #[arg(long)]
+        vcpus: Option<i64>,
+        #[arg(long, value_name = "MIB")]
+        memory_mib: Option<i64>,
+    },
+    Ls,
+    Rm {
+        name: String,
+    },
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// `$ROLLBOX_SOCKET`, else [`DEFAULT_SOCKET`].
+fn default_socket() -> PathBuf {
+    PathBuf::from(env("ROLLBOX_SOCKET").unwrap_or_else(|| DEFAULT_SOCKET.to_string()))
+}
+
+fn read_key(file: Option<&PathBuf>) -> Result<String, CliError> {
+    match file {
+        Some(path) => std::fs::read_to_string(path)
+            .map(|k| k.trim().to_string())
+            .map_err(|source| CliError::KeyFile {
+                path: path.clone(),
+                source,
+            }),
+        None => env("ROLLBOX_API_KEY")
+            .map(|k| k.trim().to_string())
+            .ok_or(CliError::NoKey),
+    }
+}
+
+fn absolute(path: PathBuf) -> PathBuf {
+    std::path::absolute(&path).unwrap_or(path)
+}
+
+/// `rollbox serve`.
+pub fn serve(args: ServeArgs) -> ExitCode {
+    let api_key = match read_key(args.api_key_file.as_ref()) {
+        Ok(key) => key,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let vmm = args.vmm.unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join("rollbox-vmm")))
+            .unwrap_or_else(|| PathBuf::from("rollbox-vmm"))
+    });
+    let listen = match (args.listen, args.socket) {
+        (Some(addr), _) => Listen::Tcp(addr),
+        (None, Some(path)) => Listen::Unix(path),
+        (None, None) => Listen::Unix(default_socket()),
+    };
+    if let Listen::Unix(path) = &listen {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let _ = std::fs::create_dir_all(parent);
+        }
+    }
+    let options = ServeOptions {
+        listen,
+        api_key,
+        state_dir: args.state_dir,
+        vmm: absolute(vmm),
+        default_ttl_s: args.default_ttl,
+        max_pending_creates: usize::try_from(args.max_pending_creates).unwrap_or(64),
+        reap_interval: Duration::from_millis(250),
+        ready_timeout: Duration::from_secs(10),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let shutdown = async {
+            let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+            match term {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = tokio::signal::ctrl_c() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+            eprintln!("rollbox serve: stopping; sandboxes keep running and the next start re-attaches to them");
+        };
+        rollbox::daemon::serve(options, shutdown).await
+    });
+    // Blocking tasks (a VMM start in progress) do not hold the exit up.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Conn {
+    endpoint: Endpoint,
+    key: String,
+    json: bool,
+}
+
+impl Conn {
+    fn new(args: &ConnArgs) -> Result<Conn, CliError> {
+        let endpoint = match (&args.url, &args.socket) {
+            (Some(url), _) => Endpoint::from_url(url).map_err(|source| CliError::Url {
+                flag: "--url",
+                source,
+            })?,
+            (None, Some(path)) => Endpoint::Unix(path.clone()),
+            (None, None) => match env("ROLLBOX_URL") {
+                Some(url) => Endpoint::from_url(&url).map_err(|source| CliError::Url {
+                    flag: "ROLLBOX_URL",
+                    source,
+                })?,
+                None => Endpoint::Unix(default_socket()),
+            },
+        };
+        Ok(Conn {
+            endpoint,
+            key: read_key(args.api_key_file.as_ref())?,
+            json: args.json,
+        })
+    }
+
+    /// One request; a non-2xx answer becomes an error with a hint.
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Response, CliError> {
+        let auth = format!("Bearer {}", self.key);
+        let body = body.map(|b| b.to_string());
+        let response = self
+            .endpoint
+            .request(
+                method,
+                path,
+                &[("Authorization", &auth)],
+                body.as_deref().map(str::as_bytes),
+                Duration::from_secs(120),
+            )
+            .map_err(|e| {
+                if e.is_connect() {
+                    CliError::NotRunning(e)
+                } else {
+                    CliError::Request(e)
+                }
+            })?;
+        if (200..300).contains(&response.status) {
+            return Ok(response);
+        }
+        let hint = match response.status {
+            401 => "\nhint: the key must match the daemon's: check --api-key-file or ROLLBOX_API_KEY",
+            429 => "\nhint: the daemon has too many creates in flight; retry shortly (it said Retry-After)",
+            _ => "",
+        };
+        Err(CliError::Refused {
+            status: response.status,
+            message: response.error_message(),
+            hint,
+        })
+    }
+}
+
+fn key_values(
+    pairs: &[String],
+    flag: &'static str,
+) -> Result<serde_json::Map<String, Value>, CliError> {
+    pairs
+        .iter()
+        .map(|pair| {
+            pair.split_once('=')
+                .map(|(k, v)| (k.to_string(), Value::String(v.to_string())))
+                .ok_or_else(|| CliError::KeyValue {
+                    flag,
+                    pair: pair.clone(),
+                })
+        })
+        .collect()
+}
+
+/// Percent-encodes a query value.
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn parse<T: serde::de::DeserializeOwned>(response: &Response) -> Result<T, CliError> {
+    serde_json::from_slice(&response.body).map_err(CliError::Answer)
+}
+
+fn print_json(response: &Response) {
+    println!("{}", String::from_utf8_lossy(&response.body).trim());
+}
+
+fn seconds_left(at_ms: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    let left = (u128::from(at_ms).saturating_sub(now)) / 1000;
+    format!("{left}s")
+}
+
+fn print_sandboxes(sandboxes: &[Sandbox]) {
+    println!(
+        "{:<20} {:<9} {:<16} {:>5} {:>7} {:>9}  LABELS",
+        "ID", "STATE", "TEMPLATE", "VCPUS", "MEM_MIB", "EXPIRES"
+    );
+    for s in sandboxes {
+        let labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let expires = if s.state.is_live() {
+            seconds_left(s.expires_at_ms)
+        } else {
+            "-".to_string()
+        };
+        println!(
+            "{:<20} {:<9} {:<16} {:>5} {:>7} {:>9}  {}",
+            s.id,
+            s.state.as_str(),
+            s.template,
+            s.vcpus,
+            s.memory_mib,
+            expires,
+            labels.join(",")
+        );
+    }
+}
+
+fn print_sandbox(s: &Sandbox) {
+    println!("id:       {}", s.id);
+    println!("state:    {}", s.state.as_str());
+    println!("template: {}", s.template);
+    println!("vcpus:    {}   memory: {} MiB", s.vcpus, s.memory_mib);
+    if s.state.is_live() {
+        println!("expires:  in {}", seconds_left(s.expires_at_ms));
+    }
+    if let Some(pid) = s.pid {
+        println!("pid:      {pid}");
+    }
+    println!("dir:      {}", s.dir.display());
+    for (k, v) in &s.labels {
+        println!("label:    {k}={v}");
+    }
+    if let Some(reason) = &s.end_reason {
+        println!("ended:    {reason}");
+    }
+}
+
+fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), CliError> {
+    match command {
+        SandboxCommand::Create {
+            template,
+            ttl,
+            idle_ttl,
+            vcpus,
+            memory_mib,
+            labels,
+            metadata,
+            idempotency_key,
+        } => {
+            let mut body = json!({
+                "template": template,
+                "labels": key_values(&labels, "label")?,
+                "metadata": key_values(&metadata, "metadata")?,
+            });
+            for (field, value) in [
+                ("ttl_s", ttl),
+                ("idle_ttl_s", idle_ttl),
+                ("vcpus", vcpus),
+                ("memory_mib", memory_mib),
+            ] {
+                if let Some(v) = value {
+                    body[field] = json!(v);
+                }
+            }
+            if let Some(key) = idempotency_key {
+                body["idempotency_key"] = json!(key);
+            }
+            let response = conn.call("POST", "/sandboxes", Some(body))?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let sandbox: Sandbox = parse(&response)?;
+                if response.status == 200 {
+                    eprintln!("(an earlier create with this idempotency key made it)");
+                }
+                print_sandbox(&sandbox);
+            }
+        }
+        SandboxCommand::Ls {
+            labels,
+            state,
+            limit,
+            page_token,
+        } => {
+            let mut query: Vec<String> = labels
+                .iter()
+                .map(|l| format!("label={}", encode(l)))
+                .collect();
+            if let Some(state) = state {
+                query.push(format!("state={}", encode(&state)));
+            }
+            if let Some(limit) = limit {
+                query.push(format!("limit={limit}"));
+            }
+            if let Some(token) = page_token {
+                query.push(format!("page_token={}", encode(&token)));
+            }
+            let path = if query.is_empty() {
+                "/sandboxes".to_string()
+            } else {
+                format!("/sandboxes?{}", query.join("&"))
+            };
+            let response = conn.call("GET", &path, None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let list: SandboxList = parse(&response)?;
+                print_sandboxes(&list.sandboxes);
+                if let Some(token) = list.next_page_token {
+                    eprintln!("more: --page-token {token}");
+                }
+            }
+        }
+        SandboxCommand::Get { id } => {
+            let response = conn.call("GET", &format!("/sandboxes/{id}"), None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                print_sandbox(&parse(&response)?);
+            }
+        }
+        SandboxCommand::Rm { ids } => {
+            for id in ids {
+                conn.call("DELETE", &format!("/sandboxes/{id}"), None)?;
+                if !conn.json {
+                    println!("{id}: removed");
+                }
+            }
+        }
+        SandboxCommand::Pause { id } => pause_resume(conn, &id, "pause")?,
+        SandboxCommand::Resume { id } => pause_resume(conn, &id, "resume")?,
+        SandboxCommand::Keepalive { id, ttl } => {
+            let response = conn.call(
+                "POST",
+                &format!("/sandboxes/{id}/keepalive"),
+                Some(json!({ "ttl_s": ttl })),
+            )?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let sandbox: Sandbox = parse(&response)?;
+                println!(
+                    "{}: expires in {}",
+                    sandbox.id,
+                    seconds_left(sandbox.expires_at_ms)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), CliError> {
+    let response = conn.call("POST", &format!("/sandboxes/{id}/{verb}"), None)?;
+    if conn.json {
+        print_json(&response);
+    } else {
+        let sandbox: Sandbox = parse(&response)?;
+        println!("{}: {}", sandbox.id, sandbox.state.as_str());
+    }
+    Ok(())
+}
+
+fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
+    match command {
+        TemplateCommand::Add {
+            name,
+            kernel,
+            rootfs,
+            initrd,
+            cmdline,
+            vcpus,
+            memory_mib,
+        } => {
+            let mut body = json!({
+                "name": name,
+                "kernel": absolute(kernel),
+                "cmdline": cmdline,
+            });
+            if let Some(p) = rootfs {
+                body["rootfs"] = json!(absolute(p));
+            }
+            if let Some(p) = initrd {
+                body["initrd"] = json!(absolute(p));
+            }
+            if let Some(v) = vcpus {
+                body["vcpus"] = json!(v);
+            }
+            if let Some(v) = memory_mib {
+                body["memory_mib"] = json!(v);
+            }
+            let response = conn.call("POST", "/templates", Some(body))?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let template: Template = parse(&response)?;
+                println!("template {} added", template.name);
+            }
+        }
+        TemplateCommand::Ls => {
+            let response = conn.call("GET", "/templates", None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                #[derive(serde::Deserialize)]
+                struct List {
+                    templates: Vec<Template>,
+                }
+                let list: List = parse(&response)?;
+                println!(
+                    "{:<20} {:>5} {:>7}  {:<40}  ROOTFS",
+                    "NAME", "VCPUS", "MEM_MIB", "KERNEL"
+                );
+                for t in list.templates {
+                    println!(
+                        "{:<20} {:>5} {:>7}  {:<40}  {}",
+                        t.name,
+                        t.vcpus,
+                        t.memory_mib,
+                        t.kernel.display(),
+                        t.rootfs
+                            .as_ref()
+                            .map(|p| p.display().to_string())
+                            .unwrap_or_else(|| "-".into())
+                    );
+                }
+            }
+        }
+        TemplateCommand::Rm { name } => {
+            conn.call("DELETE", &format!("/templates/{name}"), None)?;
+            if !conn.json {
+                println!("template {name} removed");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn finish(result: Result<(), CliError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `rollbox sandbox ...`.
+pub fn sandbox(conn: ConnArgs, command: SandboxCommand) -> ExitCode {
+    finish(Conn::new(&conn).and_then(|conn| run_sandbox(&conn, command)))
+}
+
+/// `rollbox template ...`.
+pub fn template(conn: ConnArgs, command: TemplateCommand) -> ExitCode {
+    finish(Conn::new(&conn).and_then(|conn| run_template(&conn, command)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_value_flags_and_query_encoding() {
+        let map = key_values(&["a=1".into(), "b=x=y".into()], "label").expect("parse");
+        assert_eq!(map["a"], "1");
+        assert_eq!(map["b"], "x=y");
+        let error = key_values(&["novalue".into()], "label")
+            .expect_err("no =")
+            .to_string();
+        assert!(
+            error.contains("--label") && error.contains("KEY=VALUE"),
+            "{error}"
+        );
+        assert_eq!(encode("run=a b/c"), "run%3Da%20b%2Fc");
+    }
+}

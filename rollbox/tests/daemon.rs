@@ -1,0 +1,865 @@
+//! `rollbox serve` end to end: the real `rollbox` and `rollbox-vmm` binaries, with the tier-2
+//! test guest as the template's kernel (tier 2: needs /dev/kvm).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rollbox::daemon::api::ROUTES;
+use rollbox::daemon::client::{Endpoint, Response};
+use rollbox::daemon::vm;
+use rollbox_tests::{kvm_available, rollbox_binary, test_guest, vmm_binary, TEST_GUEST_CMDLINE};
+use serde_json::{json, Value};
+
+const KEY: &str = "test-key-0123";
+
+/// A `rollbox serve` on a Unix socket in a scratch directory; on drop it is killed and every
+/// VMM it left is ended.
+struct Server {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    args: Vec<String>,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("key"), format!("{KEY}\n")).expect("write key");
+        let mut server = Server {
+            child: None,
+            dir,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.spawn();
+        server
+    }
+
+    fn sock(&self) -> PathBuf {
+        self.dir.path().join("d.sock")
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    fn sandboxes_dir(&self) -> PathBuf {
+        std::fs::canonicalize(self.state())
+            .expect("state dir")
+            .join("sandboxes")
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("serve.log"))
+            .expect("log");
+        let mut command = Command::new(rollbox_binary());
+        command.arg("serve");
+        if !self.args.iter().any(|a| a == "--vmm") {
+            command.arg("--vmm").arg(vmm_binary());
+        }
+        let child = command
+            .arg("--socket")
+            .arg(self.sock())
+            .arg("--api-key-file")
+            .arg(self.dir.path().join("key"))
+            .arg("--state-dir")
+            .arg(self.state())
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn rollbox serve");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::os::unix::net::UnixStream::connect(self.sock()).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "rollbox serve never listened:\n{}",
+                self.log()
+            );
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("rollbox serve ended: {status}\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default()
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("kill -9 the daemon");
+            child.wait().expect("wait");
+        }
+    }
+
+    fn raw(&self, method: &str, path: &str, key: Option<&str>, body: Option<&[u8]>) -> Response {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+        Endpoint::Unix(self.sock())
+            .request(method, path, &headers, body, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", self.log()))
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let body = body.map(|b| b.to_string());
+        let response = self.raw(method, path, Some(KEY), body.as_deref().map(str::as_bytes));
+        let value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+        (response.status, value)
+    }
+
+    fn add_guest_template(&self, name: &str) {
+        let (status, body) = self.call(
+            "POST",
+            "/templates",
+            Some(json!({
+                "name": name,
+                "kernel": test_guest(),
+                "cmdline": TEST_GUEST_CMDLINE,
+                "memory_mib": 32,
+            })),
+        );
+        assert_eq!(status, 201, "{body}");
+    }
+
+    fn create(&self, body: Value) -> Value {
+        let (status, sandbox) = self.call("POST", "/sandboxes", Some(body));
+        assert_eq!(status, 201, "{sandbox}\n{}", self.log());
+        assert_eq!(sandbox["state"], "running", "{sandbox}");
+        sandbox
+    }
+
+    fn get(&self, id: &str) -> Value {
+        let (status, sandbox) = self.call("GET", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 200, "{sandbox}");
+        sandbox
+    }
+
+    /// VMM processes (alive, not zombies) under this daemon's state directory.
+    fn vmms(&self) -> Vec<vm::Found> {
+        vm::find_vmms(&self.sandboxes_dir())
+    }
+
+    fn dirs(&self) -> BTreeSet<String> {
+        std::fs::read_dir(self.sandboxes_dir())
+            .expect("sandboxes dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill9();
+        if let Ok(dir) = std::fs::canonicalize(self.state()) {
+            for found in vm::find_vmms(&dir.join("sandboxes")) {
+                vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+fn pid_of(sandbox: &Value) -> (u32, u64) {
+    (
+        u32::try_from(sandbox["pid"].as_u64().expect("pid")).expect("pid fits"),
+        sandbox["pid_start_time"].as_u64().expect("start time"),
+    )
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A `--vmm` that waits `secs` before it becomes rollbox-vmm: slow creates on demand.
+fn slow_vmm(dir: &Path, secs: &str) -> PathBuf {
+    let path = dir.join(format!("slow-vmm-{secs}.sh"));
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\nsleep {secs}\nexec '{}' \"$@\"\n",
+            vmm_binary().display()
+        ),
+    )
+    .expect("write wrapper");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
+fn ids(list: &Value) -> Vec<String> {
+    list["sandboxes"]
+        .as_array()
+        .expect("sandboxes")
+        .iter()
+        .map(|s| s["id"].as_str().expect("id").to_string())
+        .collect()
+}
+
+#[test]
+fn create_get_list_filter_paginate_and_delete() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let a = server
+        .create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r1", "idx": "0"}}));
+    let b = server.create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r1", "idx": "1"}, "metadata": {"note": "x"}}));
+    let c = server.create(json!({"template": "guest", "ttl_s": 120, "labels": {"run": "r2"}, "vcpus": 2, "memory_mib": 48}));
+    assert_eq!(
+        (c["vcpus"].as_u64(), c["memory_mib"].as_u64()),
+        (Some(2), Some(48))
+    );
+    let a_id = a["id"].as_str().expect("id");
+    let got = server.get(a_id);
+    assert_eq!(got["labels"]["run"], "r1");
+    let (pid, start) = pid_of(&got);
+    assert!(vm::is_ours(pid, start), "VMM of {a_id} is not running");
+    let dir = PathBuf::from(got["dir"].as_str().expect("dir"));
+    assert!(dir.join("api.sock").exists() && dir.join("console.log").exists());
+
+    // Label filter and pages of one.
+    let (status, all) = server.call("GET", "/sandboxes", None);
+    assert_eq!(status, 200);
+    assert_eq!(ids(&all).len(), 3);
+    let mut seen = Vec::new();
+    let mut path = "/sandboxes?label=run%3Dr1&limit=1".to_string();
+    loop {
+        let (status, page) = server.call("GET", &path, None);
+        assert_eq!(status, 200, "{page}");
+        let page_ids = ids(&page);
+        assert!(page_ids.len() <= 1);
+        seen.extend(page_ids);
+        match page["next_page_token"].as_str() {
+            Some(token) => path = format!("/sandboxes?label=run%3Dr1&limit=1&page_token={token}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, [a_id, b["id"].as_str().expect("id")]);
+    let (_, both) = server.call("GET", "/sandboxes?label=run%3Dr1&label=idx%3D1", None);
+    assert_eq!(ids(&both), [b["id"].as_str().expect("id")]);
+
+    // Delete: the VMM and the directory go; twice, or an id never seen, is still success.
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{a_id}"), None);
+    assert_eq!(status, 204);
+    assert!(!vm::is_ours(pid, start), "VMM survived DELETE");
+    assert!(!dir.exists(), "{} survived DELETE", dir.display());
+    assert_eq!(server.get(a_id)["state"], "deleted");
+    for id in [a_id, "sb-00000000000000aa"] {
+        let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204, "{body}");
+    }
+    let (_, running) = server.call("GET", "/sandboxes?state=running", None);
+    assert_eq!(ids(&running).len(), 2);
+    let (_, deleted) = server.call("GET", "/sandboxes?state=deleted", None);
+    assert_eq!(ids(&deleted), [a_id]);
+
+    // The CLI, for scripts (--json) and people (a table).
+    let cli = |args: &[&str]| {
+        let out = Command::new(rollbox_binary())
+            .args(args)
+            .arg("--socket")
+            .arg(server.sock())
+            .env("ROLLBOX_API_KEY", KEY)
+            .output()
+            .expect("run rollbox");
+        assert!(
+            out.status.success(),
+            "rollbox {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let made: Value = serde_json::from_str(&cli(&[
+        "sandbox", "create", "guest", "--ttl", "60", "--label", "run=cli", "--json",
+    ]))
+    .expect("create --json");
+    let cli_id = made["id"].as_str().expect("id").to_string();
+    let table = cli(&["sandbox", "ls", "--label", "run=cli"]);
+    assert!(
+        table.contains(&cli_id) && table.contains("running"),
+        "{table}"
+    );
+    assert!(cli(&["template", "ls"]).contains("guest"));
+    cli(&["sandbox", "rm", &cli_id]);
+    assert_eq!(server.get(&cli_id)["state"], "deleted");
+
+    // A VMM that cannot start: the create fails cleanly, naming why, and leaves nothing.
+    let not_kernel = server.dir.path().join("not-a-kernel");
+    std::fs::write(&not_kernel, "not a kernel\n").expect("write");
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({"name": "broken", "kernel": not_kernel})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "broken", "ttl_s": 60})),
+    );
+    assert_eq!(status, 500, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("rollbox-vmm")),
+        "{body}"
+    );
+    let (_, failed) = server.call("GET", "/sandboxes?state=failed", None);
+    let failed = failed["sandboxes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0]["end_reason"]
+        .as_str()
+        .is_some_and(|r| !r.is_empty()));
+    let live: BTreeSet<String> = ids(&server.call("GET", "/sandboxes", None).1)
+        .into_iter()
+        .collect();
+    assert_eq!(server.dirs(), live);
+    let vmm_ids: BTreeSet<String> = server.vmms().into_iter().map(|f| f.id).collect();
+    assert_eq!(vmm_ids, live);
+
+    let out = Command::new(rollbox_binary())
+        .args(["sandbox", "ls", "--socket"])
+        .arg(server.dir.path().join("nobody.sock"))
+        .env("ROLLBOX_API_KEY", KEY)
+        .output()
+        .expect("run rollbox");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is `rollbox serve` running?"));
+}
+
+#[test]
+fn idempotent_create_returns_the_first_sandbox_also_when_racing() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let body = json!({"template": "guest", "ttl_s": 60, "idempotency_key": "episode-1"});
+    let first = server.create(body.clone());
+    let (status, again) = server.call("POST", "/sandboxes", Some(body));
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["id"], first["id"]);
+
+    // Eight racing creates with one new key: one VM, one 201, all the same id.
+    let results: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                scope.spawn(|| {
+                    server.call(
+                        "POST",
+                        "/sandboxes",
+                        Some(json!({"template": "guest", "ttl_s": 60, "idempotency_key": "race"})),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    let created = results.iter().filter(|(s, _)| *s == 201).count();
+    assert_eq!(created, 1, "{results:?}");
+    assert!(
+        results.iter().all(|(s, _)| *s == 200 || *s == 201),
+        "{results:?}"
+    );
+    let race_ids: BTreeSet<&str> = results
+        .iter()
+        .map(|(_, v)| v["id"].as_str().expect("id"))
+        .collect();
+    assert_eq!(race_ids.len(), 1, "{results:?}");
+    let race_id = race_ids.into_iter().next().expect("one id").to_string();
+    let vmms = server.vmms();
+    assert_eq!(vmms.len(), 2, "{vmms:?}");
+    assert_eq!(vmms.iter().filter(|f| f.id == race_id).count(), 1);
+    assert_eq!(server.get(&race_id)["state"], "running");
+}
+
+#[test]
+fn ttl_idle_ttl_and_keepalive() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let kept = server.create(json!({"template": "guest", "ttl_s": 2}));
+    let kept_id = kept["id"].as_str().expect("id");
+    let (status, extended) = server.call(
+        "POST",
+        &format!("/sandboxes/{kept_id}/keepalive"),
+        Some(json!({"ttl_s": 60})),
+    );
+    assert_eq!(status, 200, "{extended}");
+    assert!(extended["expires_at_ms"].as_u64() > kept["expires_at_ms"].as_u64());
+    let kept_at = Instant::now();
+    let hard = server.create(json!({"template": "guest", "ttl_s": 1}));
+    let idle = server.create(json!({"template": "guest", "ttl_s": 60, "idle_ttl_s": 1}));
+    for (sandbox, reason) in [(&hard, "ttl"), (&idle, "idle_ttl")] {
+        let id = sandbox["id"].as_str().expect("id");
+        let (pid, start) = pid_of(sandbox);
+        let mut last = Value::Null;
+        wait_for(&format!("{id} to expire"), Duration::from_secs(10), || {
+            // Ask the list, not GET: a GET counts as activity for the idle TTL.
+            let (_, list) = server.call("GET", "/sandboxes?state=expired", None);
+            last = list["sandboxes"]
+                .as_array()
+                .and_then(|a| a.iter().find(|s| s["id"] == id).cloned())
+                .unwrap_or(Value::Null);
+            // The state flips first, then the reaper kills the VMM and removes the directory.
+            !last.is_null()
+                && !vm::is_ours(pid, start)
+                && !PathBuf::from(last["dir"].as_str().unwrap_or("/")).exists()
+        });
+        assert!(
+            last["end_reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with(reason)),
+            "{last}"
+        );
+        assert!(!vm::is_ours(pid, start), "{id}: VMM outlived its {reason}");
+        assert!(!PathBuf::from(last["dir"].as_str().expect("dir")).exists());
+    }
+    // Past its first TTL (2 s), the kept one still runs.
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(kept_at.elapsed()));
+    assert_eq!(server.get(kept_id)["state"], "running");
+}
+
+#[test]
+fn pause_and_resume_through_the_vmm_api() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 60}));
+    let id = sandbox["id"].as_str().expect("id");
+    let api_sock = PathBuf::from(sandbox["dir"].as_str().expect("dir")).join("api.sock");
+    let vm_state = || {
+        let r = Endpoint::Unix(api_sock.clone())
+            .request("GET", "/", &[], None, Duration::from_secs(10))
+            .expect("GET / on the VMM");
+        serde_json::from_slice::<Value>(&r.body).expect("VMM json")["state"].clone()
+    };
+    let (status, paused) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(
+        (status, paused["state"].as_str()),
+        (200, Some("paused")),
+        "{paused}"
+    );
+    assert_eq!(vm_state(), "Paused");
+    // Pausing twice is fine; resuming a running one is fine; both say where it is.
+    assert_eq!(
+        server
+            .call("POST", &format!("/sandboxes/{id}/pause"), None)
+            .0,
+        200
+    );
+    let (status, resumed) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+    assert_eq!(
+        (status, resumed["state"].as_str()),
+        (200, Some("running")),
+        "{resumed}"
+    );
+    assert_eq!(vm_state(), "Running");
+    server.call("DELETE", &format!("/sandboxes/{id}"), None);
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 409, "{body}");
+}
+
+#[test]
+fn missing_or_wrong_key_is_401() {
+    let server = Server::start(&[]);
+    for key in [None, Some("wrong"), Some("")] {
+        for (method, path) in [
+            ("GET", "/sandboxes"),
+            ("POST", "/sandboxes"),
+            ("GET", "/nope"),
+        ] {
+            let response = server.raw(method, path, key, Some(b"{}"));
+            assert_eq!(response.status, 401, "{method} {path} with {key:?}");
+            assert!(response.error_message().contains("API key"));
+            assert_eq!(response.header("www-authenticate"), Some("Bearer"));
+        }
+    }
+    assert_eq!(server.raw("GET", "/healthz", Some(KEY), None).status, 200);
+}
+
+#[test]
+fn serves_loopback_tcp_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let serve = |listen: &str| {
+        Command::new(rollbox_binary())
+            .args(["serve", "--listen", listen, "--state-dir"])
+            .arg(dir.path().join("state"))
+            .env("ROLLBOX_API_KEY", KEY)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rollbox serve")
+    };
+    let refused = serve("0.0.0.0:0").wait_with_output().expect("wait");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a loopback address"));
+
+    // Port 0: the daemon names the port it got in its first line.
+    let mut child = serve("127.0.0.1:0");
+    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .filter(|u| u.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_string();
+    let endpoint = Endpoint::from_url(&url).expect("url");
+    let auth = format!("Bearer {KEY}");
+    let ok = endpoint
+        .request(
+            "GET",
+            "/healthz",
+            &[("Authorization", &auth)],
+            None,
+            Duration::from_secs(10),
+        )
+        .expect("GET /healthz");
+    let no_key = endpoint
+        .request("GET", "/healthz", &[], None, Duration::from_secs(10))
+        .expect("GET /healthz");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((ok.status, no_key.status), (200, 401));
+}
+
+#[test]
+fn bad_requests_get_4xx_naming_the_field() {
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let cases: Vec<(&str, &str, Value, u16, &str)> = vec![
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "nosuch", "ttl_s": 5}),
+            400,
+            "template",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "memory_mib": -64}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "memory_mib": 0}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "labels": {"no spaces": "x"}}),
+            400,
+            "labels",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "labels": {"k": ["x"]}}),
+            400,
+            "labels.k",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "colour": "red"}),
+            400,
+            "colour",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest"}),
+            400,
+            "ttl_s",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": -1}),
+            400,
+            "ttl_s",
+        ),
+        ("GET", "/sandboxes/not-an-id", Value::Null, 400, "id"),
+        ("DELETE", "/sandboxes/sb-123", Value::Null, 400, "id"),
+        ("GET", "/sandboxes?state=zombie", Value::Null, 400, "state"),
+        ("GET", "/sandboxes?label=nokey", Value::Null, 400, "label"),
+        (
+            "GET",
+            "/sandboxes/sb-00000000000000aa",
+            Value::Null,
+            404,
+            "sb-00000000000000aa",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "t2", "kernel": "/no/such/kernel"}),
+            400,
+            "kernel",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "t2", "kernel": test_guest(), "memory_mib": -1}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "guest", "kernel": test_guest()}),
+            409,
+            "name",
+        ),
+        ("PUT", "/sandboxes", Value::Null, 405, "PUT"),
+        ("GET", "/nope", Value::Null, 404, "no route"),
+    ];
+    for (method, path, body, status, needle) in cases {
+        let body = (!body.is_null()).then_some(body);
+        let (got, answer) = server.call(method, path, body.clone());
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert_eq!(got, status, "{method} {path} {body:?}: {answer}");
+        assert!(
+            error.contains(needle),
+            "{method} {path} {body:?}: {error:?} does not name {needle}"
+        );
+    }
+    let big = vec![b'x'; 2 << 20];
+    let response = server.raw("POST", "/sandboxes", Some(KEY), Some(&big));
+    assert_eq!(response.status, 413);
+    assert!(
+        response.error_message().contains("body"),
+        "{}",
+        response.error_message()
+    );
+    let response = server.raw("POST", "/sandboxes", Some(KEY), Some(b"{not json"));
+    assert_eq!(response.status, 400);
+    // Nothing above started a VMM.
+    assert!(server.vmms().is_empty());
+}
+
+#[test]
+fn over_the_pending_limit_is_429_with_retry_after() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let slow = slow_vmm(scratch.path(), "1");
+    let server = Server::start(&[
+        "--max-pending-creates",
+        "1",
+        "--vmm",
+        slow.to_str().expect("utf-8"),
+    ]);
+    server.add_guest_template("guest");
+    let results: Vec<Response> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let server = &server;
+                scope.spawn(move || {
+                    // Stagger a little so the first one is surely in flight.
+                    std::thread::sleep(Duration::from_millis(100 * i));
+                    let body = json!({"template": "guest", "ttl_s": 30}).to_string();
+                    server.raw("POST", "/sandboxes", Some(KEY), Some(body.as_bytes()))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    let statuses: Vec<u16> = results.iter().map(|r| r.status).collect();
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        1,
+        "{statuses:?}"
+    );
+    for r in results.iter().filter(|r| r.status == 429) {
+        assert_eq!(r.header("retry-after"), Some("1"));
+        assert!(r.error_message().contains("in flight"));
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        3,
+        "{statuses:?}"
+    );
+    // Once it finished, a create goes through again.
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "guest", "ttl_s": 30})),
+    );
+    assert_eq!(status, 201, "{body}");
+}
+
+#[test]
+fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let slow = slow_vmm(scratch.path(), "0.2");
+    let mut server = Server::start(&["--vmm", slow.to_str().expect("utf-8")]);
+    server.add_guest_template("guest");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for worker in 0..3 {
+            let (server, stop) = (&server, &stop);
+            scope.spawn(move || {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let body = json!({"template": "guest", "ttl_s": 4, "labels": {"w": worker.to_string()}, "idempotency_key": format!("{worker}-{n}")}).to_string();
+                    let sock = server.sock();
+                    // The daemon dies under some of these: errors are expected.
+                    let _ = Endpoint::Unix(sock).request(
+                        "POST",
+                        "/sandboxes",
+                        &[("Authorization", &format!("Bearer {KEY}"))],
+                        Some(body.as_bytes()),
+                        Duration::from_secs(30),
+                    );
+                    n += 1;
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1100));
+        // SIGKILL: nothing of the daemon runs after this.
+        let pid = server.child.as_ref().map(|c| c.id()).expect("daemon pid");
+        let (_, live) = server.call("GET", "/sandboxes", None);
+        assert!(
+            !ids(&live).is_empty(),
+            "no sandbox was created before the kill"
+        );
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    server.kill9();
+    server.spawn();
+
+    let all = |state: &str| {
+        let (status, list) =
+            server.call("GET", &format!("/sandboxes?state={state}&limit=1000"), None);
+        assert_eq!(status, 200);
+        list["sandboxes"].as_array().cloned().unwrap_or_default()
+    };
+    let running = all("running");
+    let failed = all("failed");
+    assert!(
+        all("creating").is_empty(),
+        "a create is stuck after the restart"
+    );
+    eprintln!(
+        "after the restart: {} running (re-attached), {} failed",
+        running.len(),
+        failed.len()
+    );
+    assert!(!running.is_empty(), "no sandbox survived: {}", server.log());
+    for sandbox in &running {
+        let (pid, start) = pid_of(sandbox);
+        assert!(vm::is_ours(pid, start), "running {sandbox} has no VMM");
+    }
+    for sandbox in &failed {
+        assert!(
+            sandbox["end_reason"]
+                .as_str()
+                .is_some_and(|r| !r.is_empty()),
+            "{sandbox}"
+        );
+        assert!(!PathBuf::from(sandbox["dir"].as_str().expect("dir")).exists());
+    }
+    let running_ids: BTreeSet<String> = running
+        .iter()
+        .map(|s| s["id"].as_str().expect("id").to_string())
+        .collect();
+    let vmm_ids: BTreeSet<String> = server.vmms().into_iter().map(|f| f.id).collect();
+    assert_eq!(vmm_ids, running_ids, "VMMs the DB does not know (or lost)");
+    assert_eq!(
+        server.dirs(),
+        running_ids,
+        "directories the DB does not know"
+    );
+
+    // The restarted daemon still enforces their TTLs (4 s).
+    wait_for(
+        "the re-attached sandboxes to expire",
+        Duration::from_secs(15),
+        || server.vmms().is_empty() && all("running").is_empty(),
+    );
+    assert!(server.dirs().is_empty());
+    assert_eq!(all("expired").len() + all("exited").len(), running.len());
+}
+
+#[test]
+fn openapi_document_matches_the_routes() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(root.join("docs/api/openapi.yaml")).expect("openapi.yaml");
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text).expect("parse openapi.yaml");
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    let mut documented = BTreeSet::new();
+    for (path, item) in doc["paths"].as_mapping().expect("paths") {
+        let path = path.as_str().expect("path").to_string();
+        for (method, _) in item.as_mapping().expect("path item") {
+            let method = method.as_str().expect("method");
+            if ["get", "post", "put", "patch", "delete"].contains(&method) {
+                documented.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    let served: BTreeSet<(String, String)> = ROUTES
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    assert_eq!(
+        documented, served,
+        "docs/api/openapi.yaml and api::ROUTES differ"
+    );
+
+    // And the live server answers each of them (never 404 "no route" or 405).
+    let server = Server::start(&[]);
+    for (method, path) in &served {
+        let path = path
+            .replace("{id}", "sb-00000000000000aa")
+            .replace("{name}", "nosuch");
+        let response = server.raw(method, &path, Some(KEY), Some(b"{}"));
+        assert_ne!(response.status, 405, "{method} {path}");
+        assert!(
+            !response.error_message().contains("no route"),
+            "{method} {path}: {}",
+            response.error_message()
+        );
+    }
+}
