@@ -37,6 +37,9 @@ step "build: workspace, test guest, static agent"
 cargo build --workspace --bins --tests
 cargo xtask test-guest
 guest-agent/build-static.sh >/dev/null
+# The tests use the binaries just built; without this, a test's own `cargo build -p PACKAGE`
+# resolves features per package and rebuilds (and replaces) them mid-run.
+export ROLLBOX_PREBUILT=1
 step "tier 4 fixtures: kernels, initramfs and rootfs images for Linux guests"
 fixtures="${ROLLBOX_TIER4_FIXTURES:-/var/tmp/rollbox-lab/fixtures}"
 scripts/lab/tier4-fixtures.sh "$fixtures" >/dev/null
