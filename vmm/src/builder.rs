@@ -20,7 +20,9 @@ use crate::arch::layout::{
 };
 use crate::arch::mptable::{ioapic_id, setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
-use crate::config::{ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS};
+use crate::config::{
+    ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS, DEFAULT_BOOT_ARGS_PCI,
+};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::generation::{
     random_generation_id, write_generation_id, Generation, GenerationError, GENERATION_PORT,
@@ -32,6 +34,8 @@ use crate::devices::legacy::poweroff::PowerOff;
 use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
+use crate::devices::pci::bus::PciRoot;
+use crate::devices::pci::{host_phys_bits, PciError, PciMachine};
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::fs::{Daemon, Fs, FsError};
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
@@ -107,6 +111,9 @@ pub enum BuildError {
         /// The error.
         source: std::io::Error,
     },
+    /// The PCI root bus.
+    #[error(transparent)]
+    Pci(#[from] PciError),
     /// More virtio devices than interrupt lines.
     #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
     TooManyDevices(usize),
@@ -214,6 +221,8 @@ pub struct MicroVm {
     pub ged_interrupt: Arc<EventFd>,
     /// Threads serving block queues; paused with the vCPUs.
     pub queue_workers: Vec<crate::devices::virtio::block::QueueWorker>,
+    /// The PCI bus, with `--pci`.
+    pub pci: Option<PciMachine>,
 }
 
 impl MicroVm {
@@ -558,6 +567,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         attached,
         machine,
         memory,
+        pci,
     } = parts;
     let (exit_tx, exit_rx) = channel();
     let handlers = ExitHandlers {
@@ -590,6 +600,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         generation: attached.generation,
         ged_interrupt: attached.ged_interrupt,
         queue_workers: Vec::new(),
+        pci,
     })
 }
 
@@ -629,6 +640,8 @@ pub struct Assembly {
     pub machine: MachineConfig,
     /// Memory backing.
     pub memory: MemoryBacking,
+    /// The PCI bus, with `--pci`.
+    pub pci: Option<PciMachine>,
 }
 
 /// Builds and starts a microVM that boots a kernel.
@@ -648,9 +661,27 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         counter: 0,
         offer_wall_clock: true,
     };
-    let attached = attach_devices(&vm, &mem, devices, console, None, generation)?;
+    let mut attached = attach_devices(&vm, &mem, devices, console, None, generation)?;
+    let pci = if resources.machine.rollbox.has_pci() {
+        let root = PciRoot::new();
+        let placed = crate::devices::pci::attach(
+            root,
+            &mut attached.pio,
+            &mut attached.mmio,
+            mem_bytes,
+            host_phys_bits(),
+        )?;
+        Some(placed)
+    } else {
+        None
+    };
 
-    let user_args = boot.boot_args.as_deref().unwrap_or(DEFAULT_BOOT_ARGS);
+    let default_args = if pci.is_some() {
+        DEFAULT_BOOT_ARGS_PCI
+    } else {
+        DEFAULT_BOOT_ARGS
+    };
+    let user_args = boot.boot_args.as_deref().unwrap_or(default_args);
     let has_arg = |want: &str| user_args.split_whitespace().any(|arg| arg == want);
     // With ACPI the DSDT names the virtio devices (Linux numbers their interrupts itself on a
     // hardware-reduced platform); with `acpi=off` the MP table and the command line do.
@@ -680,7 +711,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
                 vcpus: vcpu_count,
                 ioapic_id: ioapic_id(vcpu_count),
                 virtio_mmio: attached.virtio.iter().map(|v| (v.base, v.irq)).collect(),
-                pci: None,
+                pci: pci.as_ref().map(|p| p.acpi.clone()),
             },
         )?)
     } else {
@@ -718,6 +749,10 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         attached,
         machine: resources.machine.clone(),
         memory,
+        pci: pci.map(|p| PciMachine {
+            root: p.root,
+            placements: p.placements,
+        }),
     };
     assemble(parts, vcpus, false)
 }
