@@ -142,3 +142,24 @@ fn without_pci_nothing_answers_on_cf8_or_ecam() {
     // Unclaimed MMIO reads zero in rollbox-vmm.
     assert_ne!(vm.ok("mmio-read 0xe0000000"), HOST_BRIDGE_ID);
 }
+
+#[test]
+fn a_vfio_path_that_is_no_vfio_device_is_one_error_line_naming_it() {
+    if !kvm_available() {
+        return;
+    }
+    let path = "/sys/bus/pci/devices/0000:ff:1f.7";
+    let out = std::process::Command::new(rollbox_tests::vmm_binary())
+        .args(["--kernel"])
+        .arg(rollbox_tests::test_guest())
+        .args(["--vfio", path])
+        .output()
+        .expect("run rollbox-vmm");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(path) && stderr.contains("not a PCI device"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+}

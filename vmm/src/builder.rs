@@ -35,6 +35,7 @@ use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::pci::bus::PciRoot;
+use crate::devices::pci::router::MsiRouter;
 use crate::devices::pci::{host_phys_bits, PciError, PciMachine};
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::fs::{Daemon, Fs, FsError};
@@ -114,6 +115,9 @@ pub enum BuildError {
     /// The PCI root bus.
     #[error(transparent)]
     Pci(#[from] PciError),
+    /// A VFIO device.
+    #[error(transparent)]
+    Vfio(#[from] crate::devices::pci::vfio::VfioError),
     /// More virtio devices than interrupt lines.
     #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
     TooManyDevices(usize),
@@ -651,6 +655,9 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     detect_kernel_format(&boot.kernel_image_path)?;
     let devices = create_devices(resources)?;
     let console = console_out(&resources.console)?;
+    for path in &resources.machine.rollbox.vfio {
+        crate::devices::pci::vfio::check_device(path)?;
+    }
 
     let mem_bytes = resources.machine.mem_size_mib << 20;
     let vcpu_count = resources.machine.vcpu_count as u8;
@@ -663,7 +670,18 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     };
     let mut attached = attach_devices(&vm, &mem, devices, console, None, generation)?;
     let pci = if resources.machine.rollbox.has_pci() {
-        let root = PciRoot::new();
+        let router = Arc::new(Mutex::new(MsiRouter::for_kvm(&kvm)));
+        let vfio = crate::devices::pci::vfio::open_devices(
+            &vm.shared_fd(),
+            &mem,
+            &resources.machine.rollbox.vfio,
+            &router,
+        )?;
+        let mut root = PciRoot::new();
+        for device in &vfio.devices {
+            root.add(Arc::clone(device) as crate::devices::pci::bus::SharedPciDevice)
+                .map_err(PciError::from)?;
+        }
         let placed = crate::devices::pci::attach(
             root,
             &mut attached.pio,
@@ -671,7 +689,19 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
             mem_bytes,
             host_phys_bits(),
         )?;
-        Some(placed)
+        for device in &vfio.devices {
+            crate::devices::bus::lock(device).enable_decoding();
+        }
+        for p in &placed.placements {
+            log::info!(
+                "PCI 00:{:02x}.0 BAR {} at {:#x} ({:#x} bytes)",
+                p.slot,
+                p.bar,
+                p.addr,
+                p.size
+            );
+        }
+        Some((placed, vfio, router))
     } else {
         None
     };
@@ -711,7 +741,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
                 vcpus: vcpu_count,
                 ioapic_id: ioapic_id(vcpu_count),
                 virtio_mmio: attached.virtio.iter().map(|v| (v.base, v.irq)).collect(),
-                pci: pci.as_ref().map(|p| p.acpi.clone()),
+                pci: pci.as_ref().map(|(p, _, _)| p.acpi),
             },
         )?)
     } else {
@@ -749,9 +779,11 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         attached,
         machine: resources.machine.clone(),
         memory,
-        pci: pci.map(|p| PciMachine {
+        pci: pci.map(|(p, vfio, router)| PciMachine {
             root: p.root,
             placements: p.placements,
+            vfio,
+            router,
         }),
     };
     assemble(parts, vcpus, false)

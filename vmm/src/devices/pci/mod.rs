@@ -9,6 +9,7 @@ pub mod config;
 pub mod msi;
 pub mod msix;
 pub mod router;
+pub mod vfio;
 
 use std::sync::{Arc, Mutex};
 
@@ -60,11 +61,28 @@ pub struct PciMachine {
     pub root: Arc<PciRoot>,
     /// Where the BARs went at boot.
     pub placements: Vec<bus::Placement>,
+    /// Devices passed through with VFIO.
+    pub vfio: vfio::VfioSet,
+    /// The MSI GSIs and routing table.
+    pub router: Arc<Mutex<router::MsiRouter>>,
 }
 
 impl PciMachine {
     /// Why a snapshot or fork of this machine is refused: PCI state is not saved yet.
     pub fn snapshot_refusal(&self) -> String {
+        if !self.vfio.paths.is_empty() {
+            let names: Vec<String> = self
+                .vfio
+                .paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            return format!(
+                "a microVM with VFIO device(s) {} cannot be snapshotted or forked: a passed-through \
+                 device's state cannot be saved without the device's help",
+                names.join(", ")
+            );
+        }
         "a microVM with a PCI bus (--pci) cannot be snapshotted or forked yet: its PCI \
          configuration, MSI-X tables and GSI routes are not saved; boot it without --pci"
             .into()
