@@ -604,6 +604,11 @@ impl VfioPci {
             for &(slot, gpa, offset, size) in &wanted {
                 let host = mapping.host as u64 + offset;
                 if set_slot(&vm, slot, gpa, size, host, &path) {
+                    log::info!(
+                        "VFIO device {}: BAR {index} at {gpa:#x} mapped into the guest \
+                         (offset {offset:#x}, {size:#x} bytes, KVM slot {slot})",
+                        path.display()
+                    );
                     mapping.slots.push((slot, gpa, offset, size));
                 }
             }
