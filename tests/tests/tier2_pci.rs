@@ -107,7 +107,11 @@ fn with_pci_the_guest_finds_the_host_bridge_on_cf8_and_ecam_and_snapshots_are_re
     }
     let mut vm = rollbox_tests::boot_with_api(&["--pci"]);
     assert_eq!(vm.ok("pci-read 0 0"), HOST_BRIDGE_ID);
-    assert_eq!(vm.ok("pci-read 0 8"), "0x6000000", "class 06/00: host bridge");
+    assert_eq!(
+        vm.ok("pci-read 0 8"),
+        "0x6000000",
+        "class 06/00: host bridge"
+    );
     assert_eq!(vm.ok("pci-read 1 0"), "0xffffffff", "slot 1 is empty");
     assert_eq!(vm.ok("mmio-read 0xe0000000"), HOST_BRIDGE_ID, "ECAM");
     assert_eq!(vm.ok("mmio-read 0xe0008000"), "0xffffffff");

@@ -113,7 +113,11 @@ fn write_sysfs(path: &str, value: &str) {
 
 /// Binds `dev` to vfio-pci (driver_override, unbind, bind), as an operator would.
 fn bind_vfio_pci(dev: &Path) {
-    let name = dev.file_name().expect("name").to_string_lossy().into_owned();
+    let name = dev
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned();
     let driver = std::fs::read_link(dev.join("driver"))
         .ok()
         .and_then(|l| l.file_name().map(|n| n.to_string_lossy().into_owned()));
@@ -126,7 +130,11 @@ fn bind_vfio_pci(dev: &Path) {
     }
     write_sysfs("/sys/bus/pci/drivers/vfio-pci/bind", &name);
     let now = std::fs::read_link(dev.join("driver")).expect("driver after bind");
-    assert!(now.ends_with("vfio-pci"), "{name} bound to {}", now.display());
+    assert!(
+        now.ends_with("vfio-pci"),
+        "{name} bound to {}",
+        now.display()
+    );
 }
 
 /// Compiles PCIPEEK_C statically into `dir`.
@@ -165,7 +173,10 @@ mod tier4 {
             return;
         };
         if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
-            rollbox_tests::skip(test, "vfio-pci is not loaded: run the lab with --modprobe vfio-pci");
+            rollbox_tests::skip(
+                test,
+                "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
+            );
             return;
         }
         bind_vfio_pci(&edu);
@@ -218,8 +229,16 @@ mod tier4 {
                 assert_eq!(code, Some(0), "{name}: pcipeek {args}: {out} {err}");
                 out.trim().to_string()
             };
-            assert_eq!(peek("0x0"), "0x010000ed", "{name}: edu identification register");
-            assert_eq!(peek("0x4 0x12345678"), "0xedcba987", "{name}: liveness (NOT)");
+            assert_eq!(
+                peek("0x0"),
+                "0x010000ed",
+                "{name}: edu identification register"
+            );
+            assert_eq!(
+                peek("0x4 0x12345678"),
+                "0xedcba987",
+                "{name}: liveness (NOT)"
+            );
             assert_eq!(peek("0x4 0x0"), "0xffffffff", "{name}: liveness (NOT)");
             // Factorial: write N to 0x08; the device computes while status bit 0 is set.
             peek("0x8 5");
@@ -234,11 +253,17 @@ mod tier4 {
             assert_eq!(peek("0x8"), "0x00000078", "{name}: 5! from the device");
             // DMA both ways through the IOMMU mapping of guest memory.
             let (code, out, err) = agent.sh_status(&format!("/tmp/pcipeek {found} dma"));
-            assert_eq!(code, Some(0), "{name}: edu DMA: {out} {err}\n{}", vm.report());
+            assert_eq!(
+                code,
+                Some(0),
+                "{name}: edu DMA: {out} {err}\n{}",
+                vm.report()
+            );
             eprintln!("{name}: {}", out.trim());
             // BAR 0 was a KVM memory slot (the mmap path), not trapped accesses.
             assert!(
-                vm.stderr().contains("BAR 0 at 0xc0000000 mapped into the guest"),
+                vm.stderr()
+                    .contains("BAR 0 at 0xc0000000 mapped into the guest"),
                 "{name}: BAR 0 was not mapped as a KVM slot\n{}",
                 vm.report()
             );

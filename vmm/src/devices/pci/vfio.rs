@@ -16,7 +16,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use kvm_bindings::{kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region};
+use kvm_bindings::{
+    kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region,
+};
 use kvm_ioctls::VmFd;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioDeviceFd, VfioOps};
 use vmm_sys_util::eventfd::EventFd;
@@ -667,7 +669,11 @@ impl VfioPci {
             for _ in 0..count {
                 let gsi = router.allocate().map_err(|e| e.to_string())?;
                 gsis.push(gsi);
-                fds.push(router.irqfd(&self.vm, gsi).map_err(|e: RouterError| e.to_string())?);
+                fds.push(
+                    router
+                        .irqfd(&self.vm, gsi)
+                        .map_err(|e: RouterError| e.to_string())?,
+                );
             }
             drop(router);
             self.device
@@ -734,10 +740,7 @@ impl VfioPci {
         let count = (1u32 << ((control >> 4) & 0b111).min(5)).min(msi.capable) as usize;
         let address_low = u64::from(bytes_u32(&msi.regs, 4));
         let (address, data_at) = if msi.wide {
-            (
-                address_low | (u64::from(bytes_u32(&msi.regs, 8)) << 32),
-                12,
-            )
+            (address_low | (u64::from(bytes_u32(&msi.regs, 8)) << 32), 12)
         } else {
             (address_low, 8)
         };
@@ -827,17 +830,15 @@ impl PciDevice for VfioPci {
     fn read_config(&mut self, offset: usize, data: &mut [u8]) {
         // Beyond the device's configuration region (conventional PCI above 256) reads zero.
         data.fill(0);
-        self.device
-            .region_read(CONFIG_REGION, data, offset as u64);
+        self.device.region_read(CONFIG_REGION, data, offset as u64);
         let mut emulated = [0u8; 4];
         self.config.read(offset & !3, &mut emulated);
         let msix_control = self.msix_control_range();
         let msi = self.msi_range();
         for (i, byte) in data.iter_mut().enumerate() {
             let at = offset + i;
-            if at == reg::INTERRUPT_PIN {
-                *byte = 0;
-            } else if (ROM_BAR..ROM_BAR + 4).contains(&at) {
+            // No INTx pin and no ROM.
+            if at == reg::INTERRUPT_PIN || (ROM_BAR..ROM_BAR + 4).contains(&at) {
                 *byte = 0;
             } else if emulated_header_byte(at) {
                 *byte = emulated[at & 3];
@@ -897,8 +898,7 @@ impl PciDevice for VfioPci {
         let virtual_only =
             touches(reg::BAR0..reg::BAR0 + 4 * BAR_COUNT) || touches(ROM_BAR..ROM_BAR + 4);
         if !virtual_only {
-            self.device
-                .region_write(CONFIG_REGION, data, offset as u64);
+            self.device.region_write(CONFIG_REGION, data, offset as u64);
         }
         if bars_or_command {
             self.sync_bars();
@@ -952,5 +952,59 @@ impl Drop for VfioPci {
         }
         self.disable_vectors();
         self.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake sysfs device directory: `config`, and a `driver` link when given.
+    fn fake_device(dir: &Path, driver: Option<&str>) -> PathBuf {
+        let dev = dir.join("0000:00:04.0");
+        std::fs::create_dir_all(&dev).expect("dir");
+        std::fs::write(dev.join("config"), [0u8; 64]).expect("config");
+        if let Some(driver) = driver {
+            let target = dir.join("drivers").join(driver);
+            std::fs::create_dir_all(&target).expect("driver dir");
+            std::os::unix::fs::symlink(&target, dev.join("driver")).expect("link");
+        }
+        dev
+    }
+
+    #[test]
+    fn checks_name_the_device_and_what_is_wrong() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("0000:ff:1f.7");
+        let err = check_device(&missing).expect_err("missing");
+        assert!(matches!(err, VfioError::NotADevice { .. }), "{err}");
+        assert!(err.to_string().contains("0000:ff:1f.7"), "{err}");
+
+        let dev = fake_device(dir.path(), Some("e1000"));
+        let err = check_device(&dev).expect_err("other driver");
+        let text = err.to_string();
+        assert!(text.contains("bound to e1000, not vfio-pci"), "{text}");
+        assert!(text.contains("drivers/vfio-pci/bind"), "{text}");
+
+        let other = tempfile::tempdir().expect("tempdir");
+        let dev = fake_device(other.path(), None);
+        let err = check_device(&dev).expect_err("no driver");
+        assert!(err.to_string().contains("bound to no driver"), "{err}");
+
+        let third = tempfile::tempdir().expect("tempdir");
+        let dev = fake_device(third.path(), Some("vfio-pci"));
+        let err = check_device(&dev).expect_err("no group");
+        assert!(matches!(err, VfioError::NoIommu { .. }), "{err}");
+        assert!(err.to_string().contains("intel_iommu=on"), "{err}");
+    }
+
+    #[test]
+    fn emulated_header_bytes_are_command_bars_rom_and_interrupt() {
+        for at in [0x04, 0x05, 0x10, 0x27, 0x30, 0x33, 0x3c, 0x3d] {
+            assert!(emulated_header_byte(at), "{at:#x}");
+        }
+        for at in [0x00, 0x02, 0x06, 0x08, 0x2c, 0x34, 0x40, 0x100] {
+            assert!(!emulated_header_byte(at), "{at:#x}");
+        }
     }
 }
