@@ -172,6 +172,30 @@ fn bind_vfio_pci(dev: &Path) {
     );
 }
 
+/// Runs rollbox-vmm with `--vfio dev` and returns its stderr, asserting that it failed at once
+/// with one line that names the device and contains `want`.
+fn refused(kernel: &Path, dev: &Path, want: &str) -> String {
+    let out = Command::new(rollbox_tests::vmm_binary())
+        .arg("--kernel")
+        .arg(kernel)
+        .arg("--vfio")
+        .arg(dev)
+        .output()
+        .expect("run rollbox-vmm");
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert!(
+        !out.status.success(),
+        "--vfio {} was accepted",
+        dev.display()
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains(&dev.display().to_string()) && stderr.contains(want),
+        "{stderr}"
+    );
+    stderr
+}
+
 /// Compiles PCIPEEK_C statically into `dir`.
 fn build_pcipeek(dir: &Path) -> Vec<u8> {
     let src = dir.join("pcipeek.c");
@@ -214,6 +238,12 @@ mod tier4 {
             );
             return;
         }
+        // Not bound to vfio-pci yet (edu has no host driver): refused, naming the device.
+        let bound =
+            std::fs::read_link(edu.join("driver")).is_ok_and(|driver| driver.ends_with("vfio-pci"));
+        if !bound {
+            eprintln!("{}", refused(&fx.path("OUR_VMLINUX"), &edu, "not vfio-pci"));
+        }
         bind_vfio_pci(&edu);
         let work = tempfile::tempdir().expect("tempdir");
         let pcipeek = build_pcipeek(work.path());
@@ -238,6 +268,10 @@ mod tier4 {
                 ],
             );
             let agent = vm.agent();
+            if round == 1 {
+                // A second VM cannot take the device this one holds; this one goes on.
+                eprintln!("{}", refused(&fx.path("OUR_VMLINUX"), &edu, "in use"));
+            }
             let found = agent.sh(&format!(
                 "for d in /sys/bus/pci/devices/*; do \
                  [ \"$(cat $d/vendor) $(cat $d/device)\" = \"{EDU_VENDOR} {EDU_DEVICE}\" ] && echo $d; \
