@@ -133,13 +133,31 @@ int main(int argc, char **argv) {
 }
 "#;
 
-/// The edu device's sysfs path in L1, or None.
-fn find_edu() -> Option<PathBuf> {
+/// The sysfs path in L1 of the first device `vendor`:`device`, or None.
+fn find_device(vendor: &str, device: &str) -> Option<PathBuf> {
     let entries = std::fs::read_dir("/sys/bus/pci/devices").ok()?;
     entries.flatten().map(|e| e.path()).find(|dev| {
         let read = |f: &str| std::fs::read_to_string(dev.join(f)).unwrap_or_default();
-        read("vendor").trim() == EDU_VENDOR && read("device").trim() == EDU_DEVICE
+        read("vendor").trim() == vendor && read("device").trim() == device
     })
+}
+
+fn find_edu() -> Option<PathBuf> {
+    find_device(EDU_VENDOR, EDU_DEVICE)
+}
+
+/// QEMU's ivshmem-plain: a 64-bit prefetchable BAR 2 backed by a host file, shaped like a
+/// GPU's BAR1.
+const IVSHMEM_VENDOR: &str = "0x1af4";
+const IVSHMEM_DEVICE: &str = "0x1110";
+
+/// The guest's sysfs path of `vendor`:`device` (bus 0), found through the agent.
+fn guest_device(agent: &Agent, vendor: &str, device: &str) -> String {
+    agent.sh(&format!(
+        "for d in /sys/bus/pci/devices/*; do \
+         [ \"$(cat $d/vendor) $(cat $d/device)\" = \"{vendor} {device}\" ] && echo $d; \
+         done"
+    ))
 }
 
 fn write_sysfs(path: &str, value: &str) {
@@ -272,11 +290,7 @@ mod tier4 {
                 // A second VM cannot take the device this one holds; this one goes on.
                 eprintln!("{}", refused(&fx.path("OUR_VMLINUX"), &edu, "in use"));
             }
-            let found = agent.sh(&format!(
-                "for d in /sys/bus/pci/devices/*; do \
-                 [ \"$(cat $d/vendor) $(cat $d/device)\" = \"{EDU_VENDOR} {EDU_DEVICE}\" ] && echo $d; \
-                 done"
-            ));
+            let found = guest_device(&agent, EDU_VENDOR, EDU_DEVICE);
             assert!(
                 found.starts_with("/sys/bus/pci/devices/0000:00:"),
                 "{name}: the guest has no edu device on bus 0: {found:?}\n{}\n{}",
@@ -367,6 +381,110 @@ mod tier4 {
             agent.start("poweroff -f");
             let status = vm.wait();
             assert_eq!(status.code(), Some(0), "{name}: poweroff\n{}", vm.report());
+        }
+    }
+
+    #[test]
+    fn ivshmem_16_gib_bar_lands_above_4_gib_and_guest_writes_reach_its_backing_file() {
+        let test = "tier4::ivshmem_16_gib_bar";
+        let Some(fx) = fixtures(test) else {
+            return;
+        };
+        let (Some(dev), Some(backing)) = (
+            find_device(IVSHMEM_VENDOR, IVSHMEM_DEVICE),
+            std::env::var_os("ROLLBOX_IVSHMEM_FILE"),
+        ) else {
+            rollbox_tests::skip(
+                test,
+                "no ivshmem-plain device with ROLLBOX_IVSHMEM_FILE naming its backing file (see README, PCI and VFIO)",
+            );
+            return;
+        };
+        if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
+            rollbox_tests::skip(
+                test,
+                "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
+            );
+            return;
+        }
+        bind_vfio_pci(&dev);
+        let work = tempfile::tempdir().expect("tempdir");
+        let pcipeek = build_pcipeek(work.path());
+        let dev_arg = dev.display().to_string();
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "ivshmem",
+            &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
+            &agent_cmdline(""),
+            &[
+                "--vcpus",
+                "1",
+                "--memory-mib",
+                "256",
+                "--vfio",
+                &dev_arg,
+                "--level",
+                "Info",
+            ],
+        );
+        let agent = vm.agent();
+        let found = guest_device(&agent, IVSHMEM_VENDOR, IVSHMEM_DEVICE);
+        assert!(
+            found.starts_with("/sys/bus/pci/devices/0000:00:"),
+            "no ivshmem in the guest: {found:?}\n{}",
+            vm.report()
+        );
+        let bar2 = agent.sh(&format!("sed -n 3p {found}/resource"));
+        eprintln!("ivshmem: {found}, BAR 2 {bar2}");
+        let fields: Vec<u64> = bar2
+            .split_whitespace()
+            .filter_map(|f| u64::from_str_radix(f.trim_start_matches("0x"), 16).ok())
+            .collect();
+        assert_eq!(fields.len(), 3, "{bar2}");
+        let (start, end) = (fields[0], fields[1]);
+        assert_eq!(end - start + 1, 16 << 30, "BAR 2 is 16 GiB: {bar2}");
+        assert!(
+            start >= 1 << 32 && start % (16 << 30) == 0,
+            "BAR 2 above 4 GiB, aligned: {bar2}"
+        );
+        assert!(
+            vm.stderr()
+                .contains(&format!("BAR 2 at {start:#x} mapped into the guest")),
+            "BAR 2 was not mapped as a KVM slot\n{}",
+            vm.report()
+        );
+        agent.sh("mkdir -p /tmp");
+        agent.write_file("/tmp/pcipeek", &pcipeek);
+        agent.sh("chmod 755 /tmp/pcipeek");
+        let marks = [
+            (0x0u64, 0x5a5a_a5a5u32),
+            ((16u64 << 30) - 4096, 0x0bad_cafe),
+        ];
+        for (offset, value) in marks {
+            let (code, out, err) = agent.sh_status(&format!(
+                "/tmp/pcipeek {found}/resource2 {offset:#x} {value:#x}"
+            ));
+            assert_eq!(code, Some(0), "pcipeek at {offset:#x}: {out} {err}");
+            assert_eq!(
+                out.trim(),
+                format!("{value:#010x}"),
+                "read back at {offset:#x}"
+            );
+        }
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "poweroff\n{}", vm.report());
+        // The host (L0) file behind the BAR holds what the L2 guest wrote.
+        let file = std::fs::File::open(&backing).expect("open the ivshmem backing file");
+        for (offset, value) in marks {
+            let mut word = [0u8; 4];
+            std::os::unix::fs::FileExt::read_exact_at(&file, &mut word, offset)
+                .expect("read the backing file");
+            assert_eq!(
+                u32::from_le_bytes(word),
+                value,
+                "backing file at {offset:#x}"
+            );
         }
     }
 }
