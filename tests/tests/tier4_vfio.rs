@@ -10,6 +10,7 @@
 //! elsewhere every test skips with its reason (ROLLBOX_REQUIRE_ALL=1 turns a skip into a
 //! failure).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -150,6 +151,10 @@ fn find_edu() -> Option<PathBuf> {
 /// GPU's BAR1.
 const IVSHMEM_VENDOR: &str = "0x1af4";
 const IVSHMEM_DEVICE: &str = "0x1110";
+
+/// QEMU's NVMe controller.
+const NVME_VENDOR: &str = "0x1b36";
+const NVME_DEVICE: &str = "0x0010";
 
 /// The guest's sysfs path of `vendor`:`device` (bus 0), found through the agent.
 fn guest_device(agent: &Agent, vendor: &str, device: &str) -> String {
@@ -486,5 +491,119 @@ mod tier4 {
                 "backing file at {offset:#x}"
             );
         }
+    }
+
+    #[test]
+    fn nvme_passed_through_reads_and_writes_its_backing_file_with_msix_interrupts() {
+        let test = "tier4::nvme_passed_through";
+        let Some(fx) = fixtures(test) else {
+            return;
+        };
+        let (Some(dev), Some(backing)) = (
+            find_device(NVME_VENDOR, NVME_DEVICE),
+            std::env::var_os("ROLLBOX_NVME_FILE"),
+        ) else {
+            rollbox_tests::skip(
+                test,
+                "no QEMU NVMe controller with ROLLBOX_NVME_FILE naming its backing file (see README, PCI and VFIO)",
+            );
+            return;
+        };
+        if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
+            rollbox_tests::skip(
+                test,
+                "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
+            );
+            return;
+        }
+        // What the host wrote into the backing file (read before the guest writes).
+        let file = std::fs::File::open(&backing).expect("open the NVMe backing file");
+        let mut head = vec![0u8; 1 << 20];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0).expect("read the file");
+        assert!(
+            head.iter().any(|&b| b != 0),
+            "the NVMe backing file starts with zeros"
+        );
+        bind_vfio_pci(&dev);
+        let work = tempfile::tempdir().expect("tempdir");
+        let dev_arg = dev.display().to_string();
+        let mut vm = LinuxVm::boot(
+            work.path(),
+            "nvme",
+            &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
+            &agent_cmdline(""),
+            &[
+                "--vcpus",
+                "2",
+                "--memory-mib",
+                "256",
+                "--vfio",
+                &dev_arg,
+                "--level",
+                "Info",
+            ],
+        );
+        let agent = vm.agent();
+        let (code, out, err) = agent.sh_status(
+            "for i in $(seq 100); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done; \
+             dd if=/dev/nvme0n1 of=/tmp/head bs=1M count=1 2>&1",
+        );
+        assert_eq!(
+            code,
+            Some(0),
+            "no /dev/nvme0n1 or read failed: {out} {err}\n{}\n{}",
+            agent.sh("dmesg | grep -i -e nvme -e pci | tail -30"),
+            vm.report()
+        );
+        assert!(
+            agent.read_file("/tmp/head") == head,
+            "the guest read other bytes than the backing file's first MiB"
+        );
+        // A new pattern at 8 MiB, written by the guest, read by the host after the VM ends.
+        let written = pattern(1 << 20, 0x9);
+        agent.write_file("/tmp/new", &written);
+        let (code, out, err) =
+            agent.sh_status("dd if=/tmp/new of=/dev/nvme0n1 bs=1M seek=8 count=1 2>&1 && sync");
+        assert_eq!(code, Some(0), "write to /dev/nvme0n1: {out} {err}");
+        // The controller's vectors are MSI-X in the guest, and they fired.
+        let modes = agent.sh(&format!(
+            "d=$(grep -l {NVME_DEVICE} /sys/bus/pci/devices/*/device); \
+             cat $(dirname $d)/msi_irqs/*"
+        ));
+        let interrupts = agent.sh("grep -i nvme /proc/interrupts");
+        eprintln!(
+            "nvme: {} vectors, modes {:?}; /proc/interrupts:\n{interrupts}",
+            modes.lines().count(),
+            modes.lines().collect::<BTreeSet<_>>()
+        );
+        assert!(
+            !modes.is_empty() && modes.lines().all(|m| m == "msix"),
+            "the guest's nvme vectors are not MSI-X: {modes:?}"
+        );
+        let fired: u64 = interrupts
+            .lines()
+            .flat_map(|l| {
+                l.split_whitespace()
+                    .skip(1)
+                    .map_while(|f| f.parse::<u64>().ok())
+                    .collect::<Vec<_>>()
+            })
+            .sum();
+        assert!(fired > 0, "no nvme interrupts counted:\n{interrupts}");
+        assert!(
+            vm.stderr().contains("MSI-X vector(s) enabled"),
+            "rollbox-vmm did not enable MSI-X through VFIO\n{}",
+            vm.report()
+        );
+        agent.start("poweroff -f");
+        assert_eq!(vm.wait().code(), Some(0), "poweroff\n{}", vm.report());
+        let mut back = vec![0u8; 1 << 20];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 8 << 20)
+            .expect("read the file at 8 MiB");
+        assert!(
+            back == written,
+            "the backing file at 8 MiB lacks the guest's write"
+        );
     }
 }

@@ -690,6 +690,15 @@ impl VfioPci {
             }
             return Err(e);
         }
+        log::info!(
+            "VFIO device {}: {count} {} vector(s) enabled on GSIs {gsis:?}",
+            self.path.display(),
+            if index == MSIX_IRQ_INDEX {
+                "MSI-X"
+            } else {
+                "MSI"
+            }
+        );
         self.vectors = Some(Vectors { index, gsis, fds });
         Ok(())
     }
