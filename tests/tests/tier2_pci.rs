@@ -1,6 +1,7 @@
-//! Tier 2: MSI routing on this machine's real KVM. No guest runs: the test drives
+//! Tier 2: PCI on this machine's real KVM. MSI routing without a guest (the test drives
 //! `vmm::devices::pci::router::MsiRouter` against a real VM fd and reads vCPU 0's local APIC
-//! to see that the interrupts arrived.
+//! to see that the interrupts arrived), and `--pci` with the test guest reading configuration
+//! space through CF8/CFC and ECAM.
 
 use std::time::{Duration, Instant};
 
@@ -94,4 +95,75 @@ fn msi_routes_irqfds_and_signal_msi_reach_the_local_apic() {
         .apply(vm.fd())
         .expect("KVM_SET_GSI_ROUTING without MSI routes");
     router.release(gsi).expect("release");
+}
+
+/// The host bridge's vendor and device ID as one dword (1b36:0008).
+const HOST_BRIDGE_ID: &str = "0x81b36";
+
+#[test]
+fn with_pci_the_guest_finds_the_host_bridge_on_cf8_and_ecam_and_snapshots_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = rollbox_tests::boot_with_api(&["--pci"]);
+    assert_eq!(vm.ok("pci-read 0 0"), HOST_BRIDGE_ID);
+    assert_eq!(
+        vm.ok("pci-read 0 8"),
+        "0x6000000",
+        "class 06/00: host bridge"
+    );
+    assert_eq!(vm.ok("pci-read 1 0"), "0xffffffff", "slot 1 is empty");
+    assert_eq!(vm.ok("mmio-read 0xe0000000"), HOST_BRIDGE_ID, "ECAM");
+    assert_eq!(vm.ok("mmio-read 0xe0008000"), "0xffffffff");
+    // PCI state is not saved yet: a snapshot and a fork are refused with the reason.
+    let sock = vm.path("api.sock");
+    let (code, _) = rollbox_tests::api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
+    assert_eq!(code, 204);
+    let body = format!(
+        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+        vm.path("vmstate").display(),
+        vm.path("memory").display()
+    );
+    let (code, answer) = rollbox_tests::api(&sock, "PUT", "/snapshot/create", Some(&body));
+    assert_eq!(code, 400, "{answer}");
+    assert!(answer.contains("--pci"), "{answer}");
+    assert!(!vm.path("vmstate").exists());
+    let (code, answer) = rollbox_tests::api(&sock, "POST", "/fork", Some(r#"{"count":1}"#));
+    assert_eq!(code, 400, "{answer}");
+    assert!(answer.contains("--pci"), "{answer}");
+    let (code, _) = rollbox_tests::api(&sock, "PATCH", "/vm", Some(r#"{"state":"Resumed"}"#));
+    assert_eq!(code, 204);
+    assert_eq!(vm.ok("pci-read 0 0"), HOST_BRIDGE_ID);
+}
+
+#[test]
+fn without_pci_nothing_answers_on_cf8_or_ecam() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = rollbox_tests::Vm::boot(&[]);
+    assert_eq!(vm.ok("pci-read 0 0"), "0xffffffff");
+    // Unclaimed MMIO reads zero in rollbox-vmm.
+    assert_ne!(vm.ok("mmio-read 0xe0000000"), HOST_BRIDGE_ID);
+}
+
+#[test]
+fn a_vfio_path_that_is_no_vfio_device_is_one_error_line_naming_it() {
+    if !kvm_available() {
+        return;
+    }
+    let path = "/sys/bus/pci/devices/0000:ff:1f.7";
+    let out = std::process::Command::new(rollbox_tests::vmm_binary())
+        .args(["--kernel"])
+        .arg(rollbox_tests::test_guest())
+        .args(["--vfio", path])
+        .output()
+        .expect("run rollbox-vmm");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(path) && stderr.contains("not a PCI device"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 }

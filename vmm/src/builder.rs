@@ -20,7 +20,10 @@ use crate::arch::layout::{
 };
 use crate::arch::mptable::{ioapic_id, setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
-use crate::config::{ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS};
+use crate::config::{
+    ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS,
+    DEFAULT_BOOT_ARGS_PCI,
+};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::generation::{
     random_generation_id, write_generation_id, Generation, GenerationError, GENERATION_PORT,
@@ -32,6 +35,9 @@ use crate::devices::legacy::poweroff::PowerOff;
 use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
 use crate::devices::legacy::EventTrigger;
+use crate::devices::pci::bus::PciRoot;
+use crate::devices::pci::router::MsiRouter;
+use crate::devices::pci::{host_phys_bits, PciError, PciMachine};
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::fs::{Daemon, Fs, FsError};
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
@@ -107,6 +113,12 @@ pub enum BuildError {
         /// The error.
         source: std::io::Error,
     },
+    /// The PCI root bus.
+    #[error(transparent)]
+    Pci(#[from] PciError),
+    /// A VFIO device.
+    #[error(transparent)]
+    Vfio(#[from] crate::devices::pci::vfio::VfioError),
     /// More virtio devices than interrupt lines.
     #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
     TooManyDevices(usize),
@@ -214,6 +226,8 @@ pub struct MicroVm {
     pub ged_interrupt: Arc<EventFd>,
     /// Threads serving block queues; paused with the vCPUs.
     pub queue_workers: Vec<crate::devices::virtio::block::QueueWorker>,
+    /// The PCI bus, with `--pci`.
+    pub pci: Option<PciMachine>,
 }
 
 impl MicroVm {
@@ -558,6 +572,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         attached,
         machine,
         memory,
+        pci,
     } = parts;
     let (exit_tx, exit_rx) = channel();
     let handlers = ExitHandlers {
@@ -590,6 +605,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
         generation: attached.generation,
         ged_interrupt: attached.ged_interrupt,
         queue_workers: Vec::new(),
+        pci,
     })
 }
 
@@ -629,6 +645,8 @@ pub struct Assembly {
     pub machine: MachineConfig,
     /// Memory backing.
     pub memory: MemoryBacking,
+    /// The PCI bus, with `--pci`.
+    pub pci: Option<PciMachine>,
 }
 
 /// Builds and starts a microVM that boots a kernel.
@@ -638,6 +656,9 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     detect_kernel_format(&boot.kernel_image_path)?;
     let devices = create_devices(resources)?;
     let console = console_out(&resources.console)?;
+    for path in &resources.machine.rollbox.vfio {
+        crate::devices::pci::vfio::check_device(path)?;
+    }
 
     let mem_bytes = resources.machine.mem_size_mib << 20;
     let vcpu_count = resources.machine.vcpu_count as u8;
@@ -648,9 +669,50 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         counter: 0,
         offer_wall_clock: true,
     };
-    let attached = attach_devices(&vm, &mem, devices, console, None, generation)?;
+    let mut attached = attach_devices(&vm, &mem, devices, console, None, generation)?;
+    let pci = if resources.machine.rollbox.has_pci() {
+        let router = Arc::new(Mutex::new(MsiRouter::for_kvm(&kvm)));
+        let vfio = crate::devices::pci::vfio::open_devices(
+            &vm.shared_fd(),
+            &mem,
+            &resources.machine.rollbox.vfio,
+            &router,
+        )?;
+        let mut root = PciRoot::new();
+        for device in &vfio.devices {
+            root.add(Arc::clone(device) as crate::devices::pci::bus::SharedPciDevice)
+                .map_err(PciError::from)?;
+        }
+        let placed = crate::devices::pci::attach(
+            root,
+            &mut attached.pio,
+            &mut attached.mmio,
+            mem_bytes,
+            host_phys_bits(),
+        )?;
+        for device in &vfio.devices {
+            crate::devices::bus::lock(device).enable_decoding();
+        }
+        for p in &placed.placements {
+            log::info!(
+                "PCI 00:{:02x}.0 BAR {} at {:#x} ({:#x} bytes)",
+                p.slot,
+                p.bar,
+                p.addr,
+                p.size
+            );
+        }
+        Some((placed, vfio, router))
+    } else {
+        None
+    };
 
-    let user_args = boot.boot_args.as_deref().unwrap_or(DEFAULT_BOOT_ARGS);
+    let default_args = if pci.is_some() {
+        DEFAULT_BOOT_ARGS_PCI
+    } else {
+        DEFAULT_BOOT_ARGS
+    };
+    let user_args = boot.boot_args.as_deref().unwrap_or(default_args);
     let has_arg = |want: &str| user_args.split_whitespace().any(|arg| arg == want);
     // With ACPI the DSDT names the virtio devices (Linux numbers their interrupts itself on a
     // hardware-reduced platform); with `acpi=off` the MP table and the command line do.
@@ -680,7 +742,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
                 vcpus: vcpu_count,
                 ioapic_id: ioapic_id(vcpu_count),
                 virtio_mmio: attached.virtio.iter().map(|v| (v.base, v.irq)).collect(),
-                pci: None,
+                pci: pci.as_ref().map(|(p, _, _)| p.acpi),
             },
         )?)
     } else {
@@ -718,6 +780,12 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
         attached,
         machine: resources.machine.clone(),
         memory,
+        pci: pci.map(|(p, vfio, router)| PciMachine {
+            root: p.root,
+            placements: p.placements,
+            vfio,
+            router,
+        }),
     };
     assemble(parts, vcpus, false)
 }

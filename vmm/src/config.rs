@@ -29,6 +29,9 @@ pub enum ConfigError {
     /// A Firecracker option rollbox-vmm does not implement.
     #[error("{0} is not supported by rollbox-vmm")]
     Unsupported(&'static str),
+    /// One host device passed through twice.
+    #[error("VFIO device {0} is given twice")]
+    VfioTwice(PathBuf),
     /// A guest CID that is reserved.
     #[error("guest_cid {0} is invalid: CIDs 0-2 are reserved, use 3 or more")]
     GuestCid(u64),
@@ -145,6 +148,8 @@ pub struct BootSourceConfig {
 
 /// The command line used when none is given.
 pub const DEFAULT_BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off";
+/// The command line used when none is given and the machine has a PCI bus.
+pub const DEFAULT_BOOT_ARGS_PCI: &str = "console=ttyS0 reboot=k panic=1";
 
 /// `PUT /machine-config`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -170,6 +175,34 @@ pub struct MachineConfig {
     /// kernel draws no host entropy, and its snapshots can be restored with `deterministic`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deterministic: bool,
+    /// rollbox extension (`"rollbox"` in the machine configuration): PCI and VFIO.
+    #[serde(default, skip_serializing_if = "MachineExtension::is_default")]
+    pub rollbox: MachineExtension,
+}
+
+/// rollbox's machine options that Firecracker does not have, under `"rollbox"` in
+/// `machine-config`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineExtension {
+    /// A PCI root bus (CF8/CFC and ECAM, announced by ACPI's MCFG and `PCI0`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pci: bool,
+    /// Host PCI devices bound to `vfio-pci` to pass through, as sysfs paths
+    /// (`/sys/bus/pci/devices/DDDD:BB:DD.F`); implies `pci`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vfio: Vec<PathBuf>,
+}
+
+impl MachineExtension {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Whether the machine has a PCI bus (asked for, or implied by a VFIO device).
+    pub fn has_pci(&self) -> bool {
+        self.pci || !self.vfio.is_empty()
+    }
 }
 
 impl Default for MachineConfig {
@@ -182,6 +215,7 @@ impl Default for MachineConfig {
             cpu_template: None,
             huge_pages: None,
             deterministic: false,
+            rollbox: MachineExtension::default(),
         }
     }
 }
@@ -209,6 +243,14 @@ impl MachineConfig {
         }
         if self.huge_pages.as_deref().is_some_and(|t| t != "None") {
             return Err(ConfigError::Unsupported("huge_pages"));
+        }
+        let vfio = &self.rollbox.vfio;
+        if let Some(twice) = vfio
+            .iter()
+            .enumerate()
+            .find_map(|(i, path)| vfio[..i].contains(path).then_some(path))
+        {
+            return Err(ConfigError::VfioTwice(twice.clone()));
         }
         Ok(())
     }
@@ -741,6 +783,31 @@ pub fn host_memory_mib() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pci_and_vfio_are_a_rollbox_extension_of_the_machine_config() {
+        let file: ConfigFile = serde_json::from_str(
+            r#"{"machine-config":{"vcpu_count":1,"mem_size_mib":64,
+                "rollbox":{"pci":true,"vfio":["/sys/bus/pci/devices/0000:00:04.0"]}}}"#,
+        )
+        .expect("parse");
+        let machine = file.machine_config.expect("machine");
+        assert!(machine.rollbox.pci && machine.rollbox.has_pci());
+        assert_eq!(machine.rollbox.vfio.len(), 1);
+        // Without it, nothing of the extension is written back.
+        let plain = serde_json::to_string(&MachineConfig::default()).expect("json");
+        assert!(!plain.contains("rollbox"), "{plain}");
+        // One device twice is refused, naming it.
+        let mut twice = machine.clone();
+        twice.rollbox.vfio.push(machine.rollbox.vfio[0].clone());
+        let err = twice.validate(1 << 20).expect_err("twice");
+        assert!(err.to_string().contains("0000:00:04.0"), "{err}");
+        let vfio_only = MachineExtension {
+            pci: false,
+            vfio: vec!["/x".into()],
+        };
+        assert!(vfio_only.has_pci(), "--vfio implies --pci");
+    }
 
     #[test]
     fn unknown_fields_are_refused() {

@@ -79,6 +79,9 @@ pub enum ForkError {
         /// The failure.
         reason: String,
     },
+    /// A microVM that cannot be forked (a PCI bus whose state is not saved).
+    #[error("fork: {0}")]
+    Refused(String),
     /// A pool larger than [`MAX_POOL`].
     #[error("a fork pool of {0} shells is too large: at most {MAX_POOL}")]
     PoolTooLarge(usize),
@@ -671,6 +674,9 @@ pub fn start_fork(
     params: &ForkParams,
     pool: &mut ForkPool,
 ) -> Result<PendingFork, ForkError> {
+    if let Some(pci) = &vm.pci {
+        return Err(ForkError::Refused(pci.snapshot_refusal()));
+    }
     let started = Instant::now();
     let backend = params
         .restore_backend

@@ -71,6 +71,13 @@ struct Args {
     /// reset (guest time and generation exactly as in the snapshot, no wall-clock update).
     #[arg(long, conflicts_with = "new_generation")]
     deterministic: bool,
+    /// A PCI root bus (rollbox extension): CF8/CFC and ECAM, with ACPI's MCFG and PCI0.
+    #[arg(long, conflicts_with = "restore")]
+    pci: bool,
+    /// Pass a host PCI device bound to vfio-pci through to the guest (rollbox extension):
+    /// /sys/bus/pci/devices/DDDD:BB:DD.F; repeat for more. Implies --pci.
+    #[arg(long = "vfio", conflicts_with = "restore")]
+    vfio: Vec<PathBuf>,
     /// Restore a snapshot instead of booting: a directory with `vmstate` and `memory`, or a
     /// state file.
     #[arg(long, conflicts_with_all = ["kernel", "config", "vcpus", "cmdline", "initrd", "fs"])]
@@ -187,6 +194,14 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
     if args.track_dirty_pages {
         resources.machine.track_dirty_pages = true;
     }
+    if args.pci {
+        resources.machine.rollbox.pci = true;
+    }
+    resources
+        .machine
+        .rollbox
+        .vfio
+        .extend(args.vfio.iter().cloned());
     if args.vsock_uds.is_some() && args.vsock_cid.is_none() {
         return Err("--vsock-uds needs --vsock-cid (except with --restore)".into());
     }

@@ -71,6 +71,9 @@ pub enum PersistError {
     /// A lazy restore with a shared volume.
     #[error("the uffd restore backend cannot serve a microVM with a virtio-fs volume ({0}): virtiofsd maps guest memory itself and would see pages not yet loaded; use copy (or cow, which means copy here)")]
     FsLazy(String),
+    /// A microVM whose PCI state cannot be saved.
+    #[error("{0}")]
+    Pci(String),
     /// The operation needs the VM paused.
     #[error("the microVM must be paused (PATCH /vm {{\"state\": \"Paused\"}}) before a snapshot")]
     NotPaused,
@@ -245,6 +248,9 @@ fn snapshot_paused(
     mem_path: &Path,
     base: Base,
 ) -> Result<SnapshotReport, PersistError> {
+    if let Some(pci) = &vm.pci {
+        return Err(PersistError::Pci(pci.snapshot_refusal()));
+    }
     if !vm.paused {
         return Err(PersistError::NotPaused);
     }
@@ -1064,6 +1070,7 @@ pub fn restore_microvm(
         attached,
         machine,
         memory,
+        pci: None,
     };
     let microvm = assemble(parts, vcpus, true)?;
     for slot in &microvm.virtio {

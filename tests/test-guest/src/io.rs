@@ -34,6 +34,14 @@ pub fn inl(port: u16) -> u32 {
     value
 }
 
+/// A 32-bit port write.
+pub fn outl(port: u16, value: u32) {
+    // SAFETY: as for `outb`.
+    unsafe {
+        asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack, preserves_flags))
+    };
+}
+
 pub fn pause() {
     // SAFETY: `pause` is a spin-loop hint with no side effects.
     unsafe { asm!("pause", options(nomem, nostack, preserves_flags)) };

@@ -243,6 +243,29 @@ impl Guest {
                 None => err(b"no-vsock-device"),
             },
             b"generation" => snap::print_generation(),
+            b"pci-read" => match numbers::<2>(args) {
+                Some(([dev, reg], _)) if dev < 32 && reg < 256 && reg % 4 == 0 => {
+                    // Configuration mechanism #1: bus 0, function 0.
+                    io::outl(0xcf8, 0x8000_0000 | (dev as u32) << 11 | reg as u32);
+                    puts(b"OK ");
+                    put_hex(u64::from(io::inl(0xcfc)));
+                    puts(b"\n");
+                }
+                Some(_) => err(b"out-of-range"),
+                None => err(b"usage: pci-read DEV REG"),
+            },
+            b"mmio-read" => match numbers::<1>(args) {
+                Some(([addr], _)) if addr % 4 == 0 && addr < (1 << 32) - 4 => {
+                    // SAFETY: the identity map covers 0..4 GiB; an address with no RAM or
+                    // device behind it exits to the VMM, which answers the read.
+                    let value = unsafe { core::ptr::read_volatile(addr as *const u32) };
+                    puts(b"OK ");
+                    put_hex(u64::from(value));
+                    puts(b"\n");
+                }
+                Some(_) => err(b"out-of-range"),
+                None => err(b"usage: mmio-read ADDR"),
+            },
             b"prng" => match numbers::<1>(args) {
                 Some(([n], _)) if (1..=snap::PRNG_MAX).contains(&n) => snap::prng(n),
                 Some(_) => err(b"count-out-of-range"),

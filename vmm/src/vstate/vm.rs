@@ -41,7 +41,7 @@ const TSS_ADDRESS: usize = 0xfffb_d000;
 
 /// A KVM VM with its memory registered.
 pub struct Vm {
-    fd: VmFd,
+    fd: std::sync::Arc<VmFd>,
 }
 
 impl Vm {
@@ -50,7 +50,9 @@ impl Vm {
     pub fn new(kvm: &Kvm) -> Result<Self, VmError> {
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
         fd.set_tss_address(TSS_ADDRESS).map_err(VmError::SetTss)?;
-        Ok(Self { fd })
+        Ok(Self {
+            fd: std::sync::Arc::new(fd),
+        })
     }
 
     /// Registers every region of `mem` as a KVM memory slot.
@@ -96,6 +98,12 @@ impl Vm {
     /// The KVM VM file descriptor.
     pub fn fd(&self) -> &VmFd {
         &self.fd
+    }
+
+    /// The VM file descriptor, shared with devices that change memory slots or irqfds while
+    /// the VM runs (VFIO BARs, MSI routes).
+    pub fn shared_fd(&self) -> std::sync::Arc<VmFd> {
+        std::sync::Arc::clone(&self.fd)
     }
 }
 

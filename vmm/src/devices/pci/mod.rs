@@ -1,14 +1,15 @@
 //! PCI: a root bus with configuration space over CF8/CFC and ECAM, BAR allocation in 32-bit
 //! and 64-bit windows, MSI-X emulation and MSI routing through KVM GSI routes and irqfds.
 //!
-//! Nothing here is wired into the default VM: [`attach`] puts a root on the buses, but no
-//! builder calls it yet. It is the foundation for PCI and VFIO passthrough (issue 9).
+//! Nothing here is in the default VM: the builder calls [`attach`] only for a machine with
+//! `--pci` (or `--vfio`, which implies it).
 
 pub mod bus;
 pub mod config;
 pub mod msi;
 pub mod msix;
 pub mod router;
+pub mod vfio;
 
 use std::sync::{Arc, Mutex};
 
@@ -52,6 +53,51 @@ pub struct AttachedPci {
     pub placements: Vec<bus::Placement>,
     /// The windows for the DSDT's `_CRS`.
     pub acpi: PciAcpi,
+}
+
+/// The PCI bus of a running microVM, kept for its lifetime.
+pub struct PciMachine {
+    /// The root bus.
+    pub root: Arc<PciRoot>,
+    /// Where the BARs went at boot.
+    pub placements: Vec<bus::Placement>,
+    /// Devices passed through with VFIO.
+    pub vfio: vfio::VfioSet,
+    /// The MSI GSIs and routing table.
+    pub router: Arc<Mutex<router::MsiRouter>>,
+}
+
+impl PciMachine {
+    /// Why a snapshot or fork of this machine is refused: PCI state is not saved yet.
+    pub fn snapshot_refusal(&self) -> String {
+        if !self.vfio.paths.is_empty() {
+            let names: Vec<String> = self
+                .vfio
+                .paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            return format!(
+                "a microVM with VFIO device(s) {} cannot be snapshotted or forked: a passed-through \
+                 device's state cannot be saved without the device's help",
+                names.join(", ")
+            );
+        }
+        "a microVM with a PCI bus (--pci) cannot be snapshotted or forked yet: its PCI \
+         configuration, MSI-X tables and GSI routes are not saved; boot it without --pci"
+            .into()
+    }
+}
+
+/// The guest's physical address width: the host CPU's (CPUID 0x8000_0008), which KVM passes
+/// through, at most 52.
+pub fn host_phys_bits() -> u8 {
+    let leaf = std::arch::x86_64::__cpuid(0x8000_0000);
+    if leaf.eax < 0x8000_0008 {
+        return 36;
+    }
+    let bits = std::arch::x86_64::__cpuid(0x8000_0008).eax & 0xff;
+    (bits as u8).clamp(36, 52)
 }
 
 /// Places `root`'s BARs and puts CF8/CFC on `pio` and ECAM and the memory and I/O windows on
