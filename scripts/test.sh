@@ -52,9 +52,9 @@ step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
 cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
 scripts/tcg/smoke.sh || status=$?
-step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network)"
+step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network, tier4_vfio)"
 tier4_bins=()
-for binary in tier4_linux tier4_volumes tier4_network; do
+for binary in tier4_linux tier4_volumes tier4_network tier4_vfio; do
     bin="$(cargo test -p rollbox-tests --test "$binary" --no-run --message-format=json 2>/dev/null |
         jq -r --arg name "$binary" 'select(.executable != null and .target.name == $name) | .executable' | tail -n 1)"
     if [[ -x "$bin" ]]; then
@@ -69,7 +69,12 @@ done
 if [[ -e /sys/module/kvm_intel || -e /sys/module/kvm_amd ]] && [[ ! -e /sys/module/kvm_pvm ]]; then
     echo "tier 4: this host's KVM has hardware virtualization; running directly"
     modprobe tun 2>/dev/null || true
-    scripts/tier4-tests.sh "${tier4_bins[@]}" 2>&1 | tee -a "$log" || status=$?
+    # tier4_vfio needs QEMU's emulated edu, NVMe and ivshmem devices, which only the lab has.
+    direct_bins=()
+    for bin in "${tier4_bins[@]}"; do
+        [[ "$(basename "$bin")" == tier4_vfio-* ]] || direct_bins+=("$bin")
+    done
+    scripts/tier4-tests.sh "${direct_bins[@]}" 2>&1 | tee -a "$log" || status=$?
 else
     echo "tier 4: this host's KVM cannot run Linux (PVM or no KVM); running in the nested lab"
     # 64 Linux guests at once saturate the lab's two emulated CPUs (QEMU 7.2's main loop at
@@ -87,13 +92,28 @@ else
     # 10-minute limit or a lab past 30 minutes), not a test result: the lab starts again, at
     # most twice, and runs only the tests that have no result yet. A test's failure is never
     # retried.
+    # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's IOMMU:
+    # edu, an NVMe drive on a 64 MiB file, and ivshmem-plain with a 16 GiB (sparse) BAR file.
+    lab_files=/var/tmp/rollbox-lab
+    mkdir -p "$lab_files"
+    vfio_bar="$lab_files/ivshmem-vfio.img"; rm -f "$vfio_bar"; truncate -s 16G "$vfio_bar"
+    vfio_nvme="$lab_files/nvme-vfio.img"; head -c 64M /dev/urandom > "$vfio_nvme"
+    export ROLLBOX_IVSHMEM_FILE="$vfio_bar" ROLLBOX_NVME_FILE="$vfio_nvme"
+    lab_devices=(
+        --modprobe vfio-pci
+        --qemu-arg -device --qemu-arg edu
+        --qemu-arg -drive --qemu-arg "file=$vfio_nvme,if=none,id=nv0,format=raw"
+        --qemu-arg -device --qemu-arg nvme,serial=rbx1,drive=nv0
+        --qemu-arg -object --qemu-arg "memory-backend-file,id=bar,size=16G,mem-path=$vfio_bar,share=on"
+        --qemu-arg -device --qemu-arg ivshmem-plain,memdev=bar
+    )
     lab_attempt=1
     finished=()
     while :; do
         done_args=()
         for name in "${finished[@]}"; do done_args+=(--done "$name"); done
         lab_status=0
-        scripts/lab/run.sh --timeout 1800 --modprobe tun -- \
+        scripts/lab/run.sh --timeout 1800 --modprobe tun "${lab_devices[@]}" -- \
             "$PWD/scripts/tier4-tests.sh" --limit 600 "${done_args[@]}" "${tier4_bins[@]}" 2>&1 |
             tee "$log.lab" || lab_status=$?
         cat "$log.lab" >> "$log"
@@ -107,6 +127,7 @@ else
         lab_attempt=$((lab_attempt + 1))
         echo "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of 3) for the ${#finished[@]} tests with a result kept"
     done
+    rm -f "$vfio_bar" "$vfio_nvme"
     # A test that failed in an attempt the lab later lost still fails the run.
     if grep -q '^test .* \.\.\. FAILED$' "$log" && [[ "$lab_status" -eq 0 ]]; then
         lab_status=1
