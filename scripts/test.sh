@@ -93,14 +93,15 @@ else
     # most twice, and runs only the tests that have no result yet. A test's failure is never
     # retried.
     # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's IOMMU:
-    # edu, an NVMe drive on a 64 MiB file, and ivshmem-plain with a 16 GiB (sparse) BAR file.
+    # edu, an NVMe drive on a 288 MiB file (L1's own nvme driver reads it first, for the
+    # baseline), and ivshmem-plain with a 16 GiB (sparse) BAR file.
     lab_files=/var/tmp/rollbox-lab
     mkdir -p "$lab_files"
     vfio_bar="$lab_files/ivshmem-vfio.img"; rm -f "$vfio_bar"; truncate -s 16G "$vfio_bar"
-    vfio_nvme="$lab_files/nvme-vfio.img"; head -c 64M /dev/urandom > "$vfio_nvme"
+    vfio_nvme="$lab_files/nvme-vfio.img"; head -c 288M /dev/urandom > "$vfio_nvme"
     export ROLLBOX_IVSHMEM_FILE="$vfio_bar" ROLLBOX_NVME_FILE="$vfio_nvme"
     lab_devices=(
-        --modprobe vfio-pci
+        --modprobe vfio-pci --modprobe nvme
         --qemu-arg -device --qemu-arg edu
         --qemu-arg -drive --qemu-arg "file=$vfio_nvme,if=none,id=nv0,format=raw"
         --qemu-arg -device --qemu-arg nvme,serial=rbx1,drive=nv0

@@ -6,7 +6,8 @@
 #   --limit S    seconds one test may run (default 900)
 #   --done NAME  a test that already has a result (an earlier lab run); not run again
 #
-# Every test prints libtest's own lines ("test NAME ... ok", "test result: ..."), plus
+# Every test prints libtest's own lines ("test NAME ... ok", "test result: ..."), what it printed
+# itself (figures; --show-output), plus
 # "tier 4: NAME took N s". A failing test does not stop the others; the status is the
 # first failure's. A test that runs past its limit stops the run at once with status 124
 # and the line "tier 4: NAME ran past S s": the caller decides whether to try again.
@@ -51,7 +52,7 @@ for binary in "${binaries[@]}"; do
         [[ -z "${done_tests[$name]:-}" ]] || continue
         started=$SECONDS
         rc=0
-        timeout -k 10 "$limit" "$binary" --exact "$name" --test-threads=1 --color never > "$output" 2>&1 || rc=$?
+        timeout -k 10 "$limit" "$binary" --exact "$name" --test-threads=1 --show-output --color never > "$output" 2>&1 || rc=$?
         cat "$output"
         if [[ "$rc" -eq 124 || "$rc" -eq 137 ]]; then
             echo "tier 4: $name ran past $limit s"

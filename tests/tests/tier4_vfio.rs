@@ -143,8 +143,36 @@ fn find_device(vendor: &str, device: &str) -> Option<PathBuf> {
     })
 }
 
-fn find_edu() -> Option<PathBuf> {
-    find_device(EDU_VENDOR, EDU_DEVICE)
+/// `vendor`:`device`'s sysfs path when the device is there and vfio-pci is loaded; otherwise a
+/// skip saying what is missing (`missing` for the device), and None.
+fn device_for_vfio(test: &str, vendor: &str, device: &str, missing: &str) -> Option<PathBuf> {
+    let Some(dev) = find_device(vendor, device) else {
+        rollbox_tests::skip(test, missing);
+        return None;
+    };
+    if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
+        rollbox_tests::skip(
+            test,
+            "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
+        );
+        return None;
+    }
+    Some(dev)
+}
+
+/// As [`device_for_vfio`], with the device's backing file on L0 named by the variable `var`.
+fn device_with_backing_file(
+    test: &str,
+    vendor: &str,
+    device: &str,
+    var: &str,
+    missing: &str,
+) -> Option<(PathBuf, std::ffi::OsString)> {
+    let Some(backing) = std::env::var_os(var) else {
+        rollbox_tests::skip(test, missing);
+        return None;
+    };
+    Some((device_for_vfio(test, vendor, device, missing)?, backing))
 }
 
 /// QEMU's ivshmem-plain: a 64-bit prefetchable BAR 2 backed by a host file, shaped like a
@@ -155,6 +183,74 @@ const IVSHMEM_DEVICE: &str = "0x1110";
 /// QEMU's NVMe controller.
 const NVME_VENDOR: &str = "0x1b36";
 const NVME_DEVICE: &str = "0x0010";
+/// The sequential read checked by checksum (the backing file is larger).
+const NVME_READ_MIB: usize = 256;
+/// Where the guest writes its 1 MiB pattern: past the range the test reads over 9p.
+const NVME_WRITE_MIB: usize = 264;
+
+/// The sum of every CPU's count on the `/proc/interrupts` lines given.
+fn nvme_interrupts(lines: &str) -> u64 {
+    lines
+        .lines()
+        .flat_map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .map_while(|f| f.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// Reads NVME_READ_MIB MiB from the controller at `dev` in L1 through L1's own nvme driver,
+/// checks the checksum, and returns MiB/s.
+fn l1_nvme_read_mib_s(dev: &Path, want_sha: &str) -> f64 {
+    if !dev.join("driver").exists() {
+        assert!(
+            Path::new("/sys/bus/pci/drivers/nvme").exists(),
+            "L1 has no nvme driver for the baseline read: run the lab with --modprobe nvme"
+        );
+        let name = dev
+            .file_name()
+            .expect("a sysfs device name")
+            .to_string_lossy()
+            .into_owned();
+        write_sysfs("/sys/bus/pci/drivers/nvme/bind", &name);
+    }
+    let namespace = std::fs::read_dir(dev.join("nvme"))
+        .ok()
+        .and_then(|mut d| d.next())
+        .and_then(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .unwrap_or_else(|| {
+            panic!(
+                "{} has no nvme controller in L1 (nvme driver bound?)",
+                dev.display()
+            )
+        });
+    let block = format!("/dev/{namespace}n1");
+    for _ in 0..100 {
+        if Path::new(&block).exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let started = std::time::Instant::now();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "dd if={block} bs=1M count={NVME_READ_MIB} iflag=direct 2>/dev/null | sha256sum"
+        ))
+        .output()
+        .expect("run dd in L1");
+    let mib_s = NVME_READ_MIB as f64 / seconds(started);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.split_whitespace().next(),
+        Some(want_sha),
+        "L1's own read of {block} differs from the backing file"
+    );
+    mib_s
+}
 
 /// The guest's sysfs path of `vendor`:`device` (bus 0), found through the agent.
 fn guest_device(agent: &Agent, vendor: &str, device: &str) -> String {
@@ -247,20 +343,14 @@ mod tier4 {
         let Some(fx) = fixtures(test) else {
             return;
         };
-        let Some(edu) = find_edu() else {
-            rollbox_tests::skip(
-                test,
-                "no edu device (1234:11e8): run the lab with --qemu-arg -device --qemu-arg edu",
-            );
+        let Some(edu) = device_for_vfio(
+            test,
+            EDU_VENDOR,
+            EDU_DEVICE,
+            "no edu device (1234:11e8): run the lab with --qemu-arg -device --qemu-arg edu",
+        ) else {
             return;
         };
-        if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
-            rollbox_tests::skip(
-                test,
-                "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
-            );
-            return;
-        }
         // Not bound to vfio-pci yet (edu has no host driver): refused, naming the device.
         let bound =
             std::fs::read_link(edu.join("driver")).is_ok_and(|driver| driver.ends_with("vfio-pci"));
@@ -395,26 +485,33 @@ mod tier4 {
         let Some(fx) = fixtures(test) else {
             return;
         };
-        let (Some(dev), Some(backing)) = (
-            find_device(IVSHMEM_VENDOR, IVSHMEM_DEVICE),
-            std::env::var_os("ROLLBOX_IVSHMEM_FILE"),
+        let Some((dev, backing)) = device_with_backing_file(
+            test,
+            IVSHMEM_VENDOR,
+            IVSHMEM_DEVICE,
+            "ROLLBOX_IVSHMEM_FILE",
+            "no ivshmem-plain device with ROLLBOX_IVSHMEM_FILE naming its backing file (see README, PCI and VFIO)",
         ) else {
-            rollbox_tests::skip(
-                test,
-                "no ivshmem-plain device with ROLLBOX_IVSHMEM_FILE naming its backing file (see README, PCI and VFIO)",
-            );
             return;
         };
-        if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
-            rollbox_tests::skip(
-                test,
-                "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
-            );
-            return;
-        }
         bind_vfio_pci(&dev);
         let work = tempfile::tempdir().expect("tempdir");
         let pcipeek = build_pcipeek(work.path());
+        // Start to agent without the device first, for the figure below (same guest and flags).
+        let started = std::time::Instant::now();
+        let mut plain = LinuxVm::boot(
+            work.path(),
+            "plain",
+            &fx.path("OUR_VMLINUX"),
+            &fx.path("BUSYBOX_ROOTFS"),
+            &agent_cmdline(""),
+            &["--vcpus", "1", "--memory-mib", "256", "--level", "Info"],
+        );
+        let plain_agent = plain.agent();
+        let plain_s = seconds(started);
+        plain_agent.start("poweroff -f");
+        assert_eq!(plain.wait().code(), Some(0), "poweroff\n{}", plain.report());
+        let started = std::time::Instant::now();
         let dev_arg = dev.display().to_string();
         let mut vm = LinuxVm::boot(
             work.path(),
@@ -434,6 +531,12 @@ mod tier4 {
             ],
         );
         let agent = vm.agent();
+        let bar_s = seconds(started);
+        eprintln!(
+            "figure: start to agent (lab, ratio only): with the 16 GiB BAR passed through \
+             {bar_s:.2} s, without {plain_s:.2} s, ratio {:.2}",
+            bar_s / plain_s
+        );
         let found = guest_device(&agent, IVSHMEM_VENDOR, IVSHMEM_DEVICE);
         assert!(
             found.starts_with("/sys/bus/pci/devices/0000:00:"),
@@ -499,23 +602,15 @@ mod tier4 {
         let Some(fx) = fixtures(test) else {
             return;
         };
-        let (Some(dev), Some(backing)) = (
-            find_device(NVME_VENDOR, NVME_DEVICE),
-            std::env::var_os("ROLLBOX_NVME_FILE"),
+        let Some((dev, backing)) = device_with_backing_file(
+            test,
+            NVME_VENDOR,
+            NVME_DEVICE,
+            "ROLLBOX_NVME_FILE",
+            "no QEMU NVMe controller with ROLLBOX_NVME_FILE naming its backing file (see README, PCI and VFIO)",
         ) else {
-            rollbox_tests::skip(
-                test,
-                "no QEMU NVMe controller with ROLLBOX_NVME_FILE naming its backing file (see README, PCI and VFIO)",
-            );
             return;
         };
-        if !Path::new("/sys/bus/pci/drivers/vfio-pci").exists() {
-            rollbox_tests::skip(
-                test,
-                "vfio-pci is not loaded: run the lab with --modprobe vfio-pci",
-            );
-            return;
-        }
         // What the host wrote into the backing file (read before the guest writes).
         let file = std::fs::File::open(&backing).expect("open the NVMe backing file");
         let mut head = vec![0u8; 1 << 20];
@@ -524,6 +619,16 @@ mod tier4 {
             head.iter().any(|&b| b != 0),
             "the NVMe backing file starts with zeros"
         );
+        let mut first = vec![0u8; NVME_READ_MIB << 20];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut first, 0).unwrap_or_else(|e| {
+            panic!(
+                "the NVMe backing file needs {NVME_READ_MIB} MiB (scripts/test.sh makes it): {e}"
+            )
+        });
+        let first_sha = sha256_hex(&first);
+        drop(first);
+        // The baseline: the same read in L1 through its own nvme driver, before VFIO takes it.
+        let l1_mib_s = l1_nvme_read_mib_s(&dev, &first_sha);
         bind_vfio_pci(&dev);
         let work = tempfile::tempdir().expect("tempdir");
         let dev_arg = dev.display().to_string();
@@ -560,11 +665,37 @@ mod tier4 {
             agent.read_file("/tmp/head") == head,
             "the guest read other bytes than the backing file's first MiB"
         );
-        // A new pattern at 8 MiB, written by the guest, read by the host after the VM ends.
+        // 256 MiB read in the guest: the same bytes, and the controller's interrupts rise.
+        let before = nvme_interrupts(&agent.sh("grep -i nvme /proc/interrupts"));
+        let started = std::time::Instant::now();
+        let sum = agent.sh(&format!(
+            "dd if=/dev/nvme0n1 bs=1M count={NVME_READ_MIB} 2>/dev/null | sha256sum"
+        ));
+        let l2_mib_s = NVME_READ_MIB as f64 / seconds(started);
+        let after = nvme_interrupts(&agent.sh("grep -i nvme /proc/interrupts"));
+        assert_eq!(
+            sum.split_whitespace().next(),
+            Some(first_sha.as_str()),
+            "the guest's {NVME_READ_MIB} MiB read differs from the backing file"
+        );
+        assert!(
+            after > before,
+            "nvme interrupts did not rise over a {NVME_READ_MIB} MiB read: {before} -> {after}"
+        );
+        eprintln!(
+            "figure: NVMe sequential read of {NVME_READ_MIB} MiB (lab, ratio only): L2 through VFIO \
+             {l2_mib_s:.1} MiB/s, L1 directly {l1_mib_s:.1} MiB/s, ratio {:.2}; \
+             nvme interrupts {before} -> {after}",
+            l2_mib_s / l1_mib_s
+        );
+        // A new pattern past the range read above (L1 reads the file over 9p, whose page cache
+        // would still hold the old bytes there), written by the guest, read by the host after
+        // the VM ends.
         let written = pattern(1 << 20, 0x9);
         agent.write_file("/tmp/new", &written);
-        let (code, out, err) =
-            agent.sh_status("dd if=/tmp/new of=/dev/nvme0n1 bs=1M seek=8 count=1 2>&1 && sync");
+        let (code, out, err) = agent.sh_status(&format!(
+            "dd if=/tmp/new of=/dev/nvme0n1 bs=1M seek={NVME_WRITE_MIB} count=1 2>&1 && sync"
+        ));
         assert_eq!(code, Some(0), "write to /dev/nvme0n1: {out} {err}");
         // The controller's vectors are MSI-X in the guest, and they fired.
         let modes = agent.sh(&format!(
@@ -581,15 +712,7 @@ mod tier4 {
             !modes.is_empty() && modes.lines().all(|m| m == "msix"),
             "the guest's nvme vectors are not MSI-X: {modes:?}"
         );
-        let fired: u64 = interrupts
-            .lines()
-            .flat_map(|l| {
-                l.split_whitespace()
-                    .skip(1)
-                    .map_while(|f| f.parse::<u64>().ok())
-                    .collect::<Vec<_>>()
-            })
-            .sum();
+        let fired = nvme_interrupts(&interrupts);
         assert!(fired > 0, "no nvme interrupts counted:\n{interrupts}");
         assert!(
             vm.stderr().contains("MSI-X vector(s) enabled"),
@@ -599,11 +722,11 @@ mod tier4 {
         agent.start("poweroff -f");
         assert_eq!(vm.wait().code(), Some(0), "poweroff\n{}", vm.report());
         let mut back = vec![0u8; 1 << 20];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 8 << 20)
-            .expect("read the file at 8 MiB");
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, (NVME_WRITE_MIB as u64) << 20)
+            .expect("read the file where the guest wrote");
         assert!(
             back == written,
-            "the backing file at 8 MiB lacks the guest's write"
+            "the backing file at {NVME_WRITE_MIB} MiB lacks the guest's write"
         );
     }
 }
