@@ -209,6 +209,43 @@ fn remove_unused_snapshot(dir: &Path) {
     }
 }
 
+/// Where forks and pools keep their files unless told otherwise.
+const SHM: &str = "/dev/shm";
+
+/// The pid in a `rollbox-fork-PID-SEQ` or `rollbox-pool-PID-SEQ` name.
+fn owner_of(name: &str) -> Option<u32> {
+    let rest = name
+        .strip_prefix("rollbox-fork-")
+        .or_else(|| name.strip_prefix("rollbox-pool-"))?;
+    let (pid, seq) = rest.split_once('-')?;
+    seq.parse::<u64>().ok()?;
+    pid.parse().ok()
+}
+
+/// Removes what forks of processes that are gone left in `base`. A parent killed while writing
+/// a fork's snapshot leaves its directory: its shells never learned of it. A fork directory is
+/// removed only when no running clone holds its snapshot; a pool directory only when empty.
+fn sweep_orphans(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(owner) = name.to_str().and_then(owner_of) else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{owner}")).exists() {
+            continue;
+        }
+        let path = entry.path();
+        if name.to_string_lossy().starts_with("rollbox-fork-") {
+            remove_unused_snapshot(&path);
+        } else {
+            let _ = std::fs::remove_dir(&path);
+        }
+    }
+}
+
 /// Held by a running clone: its shared lock on the fork's snapshot; cleans up when dropped.
 pub struct CloneGuard {
     cleanup: CloneCleanup,
@@ -505,7 +542,7 @@ impl ForkPool {
         Ok(Self {
             launcher,
             dir: PathBuf::from(format!(
-                "/dev/shm/rollbox-pool-{}-{seq}",
+                "{SHM}/rollbox-pool-{}-{seq}",
                 std::process::id()
             )),
             shells: Vec::new(),
@@ -696,11 +733,11 @@ pub fn start_fork(
     check_network_overrides(&kinds, params)?;
     let seq = FORKS.fetch_add(1, Ordering::SeqCst);
     let kept = params.dir.is_some();
+    if !kept {
+        sweep_orphans(Path::new(SHM));
+    }
     let dir = params.dir.clone().unwrap_or_else(|| {
-        PathBuf::from(format!(
-            "/dev/shm/rollbox-fork-{}-{seq}",
-            std::process::id()
-        ))
+        PathBuf::from(format!("{SHM}/rollbox-fork-{}-{seq}", std::process::id()))
     });
     // Clones come from the pool of ready shells; missing ones start now and build their empty
     // VMs while the parent snapshots.
@@ -1152,6 +1189,48 @@ mod tests {
             !fork_dir.exists(),
             "the last clone leaves the snapshot behind"
         );
+    }
+
+    #[test]
+    fn orphaned_fork_directories_go_unless_a_clone_holds_them_or_their_owner_lives() {
+        assert_eq!(owner_of("rollbox-fork-12-3"), Some(12));
+        assert_eq!(owner_of("rollbox-pool-12-3"), Some(12));
+        assert_eq!(owner_of("rollbox-fork-12"), None);
+        assert_eq!(owner_of("rollbox-fork-x-3"), None);
+        assert_eq!(owner_of("other-12-3"), None);
+
+        let base = tempfile::tempdir().expect("tempdir");
+        // A pid that is gone: a child that has been reaped.
+        let mut child = Command::new("true").spawn().expect("spawn true");
+        child.wait().expect("wait");
+        let dead = child.id();
+        let live = std::process::id();
+        let dir = |owner: u32, seq: u32, kind: &str| {
+            let dir = base.path().join(format!("rollbox-{kind}-{owner}-{seq}"));
+            std::fs::create_dir_all(dir.join("clone-0")).expect("mkdir");
+            dir
+        };
+        // A parent killed mid-snapshot: only its temporary memory file.
+        let half_written = dir(dead, 1, "fork");
+        std::fs::write(half_written.join(".memory.tmp-1"), b"x").expect("write");
+        // A finished fork whose clone still runs (holds the shared lock).
+        let held = dir(dead, 2, "fork");
+        std::fs::write(held.join("vmstate"), b"x").expect("write");
+        let lock = File::open(held.join("vmstate")).expect("open");
+        assert!(flock(&lock, libc::LOCK_SH | libc::LOCK_NB));
+        // A live parent's fork, and an empty pool directory of a dead one.
+        let own = dir(live, 3, "fork");
+        let pool = base.path().join(format!("rollbox-pool-{dead}-4"));
+        std::fs::create_dir(&pool).expect("mkdir");
+
+        sweep_orphans(base.path());
+        assert!(!half_written.exists(), "a dead parent's half-written fork stayed");
+        assert!(held.exists(), "a fork a running clone holds was removed");
+        assert!(own.exists(), "a live parent's fork was removed");
+        assert!(!pool.exists(), "a dead parent's empty pool directory stayed");
+        drop(lock);
+        sweep_orphans(base.path());
+        assert!(!held.exists(), "the fork stayed after its last clone ended");
     }
 
     #[test]
