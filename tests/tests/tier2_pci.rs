@@ -167,3 +167,74 @@ fn a_vfio_path_that_is_no_vfio_device_is_one_error_line_naming_it() {
     );
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 }
+
+#[test]
+fn put_vfio_over_the_api_checks_the_path_and_the_start_names_an_unbound_device() {
+    use rollbox_tests::{api, test_guest, wait_for_socket, Vm};
+    if !kvm_available() {
+        return;
+    }
+    // A PCI device of this host that is not bound to vfio-pci.
+    let Some(host_device) = std::fs::read_dir("/sys/bus/pci/devices")
+        .ok()
+        .and_then(|entries| {
+            entries.flatten().map(|e| e.path()).find(|dev| {
+                std::fs::read_link(dev.join("driver")).map_or(true, |d| !d.ends_with("vfio-pci"))
+            })
+        })
+    else {
+        rollbox_tests::skip(
+            "put_vfio_over_the_api",
+            "this host shows no PCI device that is not bound to vfio-pci",
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("api.sock");
+    let mut vm = Vm::spawn_raw(&["--api-sock".into(), sock.display().to_string()], dir);
+    wait_for_socket(&sock, Duration::from_secs(10));
+    let guest = test_guest().display().to_string();
+    let boot = format!(r#"{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0"}}"#);
+    assert_eq!(api(&sock, "PUT", "/boot-source", Some(&boot)).0, 204);
+
+    let (status, body) = api(
+        &sock,
+        "PUT",
+        "/vfio",
+        Some(r#"{"path":"/sys/bus/pci/devices/0000:ff:1f.7"}"#),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("0000:ff:1f.7") && body.contains("not a PCI device"),
+        "{body}"
+    );
+    let (status, body) = api(&sock, "PUT", "/vfio", Some(r#"{"path":"/x","bar":1}"#));
+    assert_eq!(status, 400, "{body}");
+
+    let good = format!(r#"{{"path":"{}"}}"#, host_device.display());
+    assert_eq!(api(&sock, "PUT", "/vfio", Some(&good)).0, 204);
+    let (status, body) = api(&sock, "PUT", "/vfio", Some(&good));
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("given twice"), "{body}");
+    let (_, machine) = api(&sock, "GET", "/machine-config", None);
+    assert!(
+        machine.contains(&host_device.display().to_string()),
+        "{machine}"
+    );
+
+    // The start checks the binding and refuses, naming the device; the VMM stays up.
+    let (status, body) = api(
+        &sock,
+        "PUT",
+        "/actions",
+        Some(r#"{"action_type":"InstanceStart"}"#),
+    );
+    assert_eq!(status, 400, "{body}");
+    let name = host_device
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    assert!(body.contains(&name), "{body}");
+    assert_eq!(api(&sock, "GET", "/", None).0, 200);
+    let _ = vm.child.kill();
+}

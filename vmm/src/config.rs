@@ -32,6 +32,9 @@ pub enum ConfigError {
     /// One host device passed through twice.
     #[error("VFIO device {0} is given twice")]
     VfioTwice(PathBuf),
+    /// A VFIO path that names no PCI device in sysfs.
+    #[error("VFIO device {0} is not a PCI device (expected /sys/bus/pci/devices/DDDD:BB:DD.F)")]
+    VfioNotPci(PathBuf),
     /// A guest CID that is reserved.
     #[error("guest_cid {0} is invalid: CIDs 0-2 are reserved, use 3 or more")]
     GuestCid(u64),
@@ -667,6 +670,20 @@ impl VmResources {
             )?;
         }
         self.fs.push(fs);
+        Ok(())
+    }
+
+    /// rollbox extension (`PUT /vfio`): a host PCI device to pass through. Whether it is bound
+    /// to vfio-pci and usable is checked when the VM starts; here only that it is a PCI device
+    /// and not given twice. (`PUT /machine-config` replaces the list, as it replaces the rest.)
+    pub fn add_vfio(&mut self, path: PathBuf) -> Result<(), ConfigError> {
+        if !path.join("config").is_file() {
+            return Err(ConfigError::VfioNotPci(path));
+        }
+        if self.machine.rollbox.vfio.contains(&path) {
+            return Err(ConfigError::VfioTwice(path));
+        }
+        self.machine.rollbox.vfio.push(path);
         Ok(())
     }
 

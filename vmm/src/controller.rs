@@ -674,6 +674,11 @@ impl Controller {
                 self.resources.add_fs(fs).map_err(config_err)?;
                 Ok(VmmData::Empty)
             }
+            VmmAction::PutVfio(device) => {
+                self.not_after_boot("PUT /vfio")?;
+                self.resources.add_vfio(device.path).map_err(config_err)?;
+                Ok(VmmData::Empty)
+            }
             VmmAction::PutVsock(vsock) => {
                 self.not_after_boot("PUT /vsock")?;
                 vsock.validate().map_err(config_err)?;

@@ -31,6 +31,9 @@ pub enum VmmAction {
     PutNetworkInterface(NetworkInterfaceConfig),
     /// rollbox extension: `PUT /fs/{tag}`, a shared volume over virtio-fs.
     PutFs(FsConfig),
+    /// rollbox extension: `PUT /vfio {"path": "/sys/bus/pci/devices/..."}`, a host PCI device
+    /// bound to vfio-pci passed through (implies a PCI bus).
+    PutVfio(VfioDevice),
     /// `PUT /actions {"action_type": "InstanceStart"}`
     InstanceStart,
     /// `PUT /actions {"action_type": "SendCtrlAltDel"}`
@@ -49,6 +52,14 @@ pub enum VmmAction {
     Fork(ForkParams),
     /// rollbox extension: `GET /fork-pool`, answered once the pool's shells are ready.
     GetForkPool,
+}
+
+/// `PUT /vfio` body (a rollbox extension).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VfioDevice {
+    /// The device's sysfs path, `/sys/bus/pci/devices/DDDD:BB:DD.F`.
+    pub path: std::path::PathBuf,
 }
 
 /// `PUT /snapshot/create` body (Firecracker's).
@@ -339,6 +350,7 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
             }
             Ok(VmmAction::PutFs(fs))
         }
+        ("PUT", ["vfio"]) => Ok(VmmAction::PutVfio(body(bytes)?)),
         ("PUT", ["actions"]) => {
             let action: ActionBody = body(bytes)?;
             match action.action_type.as_str() {
@@ -447,6 +459,19 @@ mod tests {
         )
         .expect("fs");
         assert!(matches!(a, VmmAction::PutFs(f) if f.readonly));
+        let v = parse_request(
+            "PUT",
+            "/vfio",
+            br#"{"path":"/sys/bus/pci/devices/0000:00:04.0"}"#,
+        )
+        .expect("vfio");
+        assert!(
+            matches!(v, VmmAction::PutVfio(d) if d.path.ends_with("0000:00:04.0")),
+            "PUT /vfio"
+        );
+        let e =
+            parse_request("PUT", "/vfio", br#"{"path":"/x","bar":1}"#).expect_err("unknown field");
+        assert!(e.message.contains("bar"), "{}", e.message);
         let e = parse_request("DELETE", "/vm", b"").expect_err("method");
         assert!(e.message.contains("invalid request method"));
         let e = parse_request("PUT", "/actions", b"{").expect_err("json");
