@@ -35,6 +35,14 @@ pub enum RouterError {
     /// A GSI this router did not hand out.
     #[error("GSI {0} is not an MSI GSI of this router")]
     UnknownGsi(u32),
+    /// A saved GSI outside this KVM's MSI range, or given twice.
+    #[error("saved MSI GSI {gsi} is outside {MSI_GSI_BASE}..{max} or given twice")]
+    Restore {
+        /// The GSI.
+        gsi: u32,
+        /// This KVM's GSI limit.
+        max: u32,
+    },
     /// KVM_SET_GSI_ROUTING failed.
     #[error("KVM_SET_GSI_ROUTING with {routes} routes failed: {source}")]
     SetRouting {
@@ -166,6 +174,34 @@ impl MsiRouter {
             .get_mut(&gsi)
             .ok_or(RouterError::UnknownGsi(gsi))?;
         *route = message;
+        Ok(())
+    }
+
+    /// Every allocated GSI with its message (`None`: no route now).
+    pub fn routes(&self) -> Vec<(u32, Option<MsiMessage>)> {
+        self.routes.iter().map(|(&gsi, &m)| (gsi, m)).collect()
+    }
+
+    /// Takes `gsi` again with `message`, as a saved VM had it (a restore).
+    pub fn restore_route(
+        &mut self,
+        gsi: u32,
+        message: Option<MsiMessage>,
+    ) -> Result<(), RouterError> {
+        let capacity = self.capacity();
+        if !(MSI_GSI_BASE..self.max_routes).contains(&gsi) || self.routes.contains_key(&gsi) {
+            return Err(RouterError::Restore {
+                gsi,
+                max: self.max_routes,
+            });
+        }
+        if self.routes.len() >= capacity {
+            return Err(RouterError::Exhausted {
+                in_use: self.routes.len(),
+                capacity,
+            });
+        }
+        self.routes.insert(gsi, message);
         Ok(())
     }
 
