@@ -316,10 +316,27 @@ fn clones_of_a_pci_vm_read_the_host_bridge() {
         }
     }
     reads_the_host_bridge(&mut vm, "parent after the fork");
+    // Clones end cleanly (SIGTERM), so the last one removes the fork's /dev/shm directory.
     for clone in &clones {
         let pid = clone["pid"].as_u64().expect("pid") as i32;
         // SAFETY: signals a clone this test's VMM started.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(Instant::now() < deadline, "clone {pid} did not end");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let prefix = format!("rollbox-fork-{}-", vm.child.id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+    {
+        assert!(Instant::now() < deadline, "/dev/shm/{prefix}* stays");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
