@@ -1049,6 +1049,31 @@ impl Drop for VfioPci {
 mod tests {
     use super::*;
 
+    #[test]
+    fn msi_pending_bits_follow_the_mask_bits_in_either_layout() {
+        let state = |wide: bool, per_vector_mask: bool, len: usize| MsiState {
+            cap: 0x50,
+            regs: vec![0; len],
+            writable: vec![0; len],
+            wide,
+            per_vector_mask,
+            capable: 4,
+        };
+        // 64-bit: mask at 0x10, pending at 0x14; 32-bit: mask at 0x0c, pending at 0x10.
+        assert_eq!(state(true, true, 24).pending_at(), Some(20));
+        assert_eq!(state(false, true, 20).pending_at(), Some(16));
+        assert_eq!(
+            state(true, false, 14).pending_at(),
+            None,
+            "no masks, no pending bits"
+        );
+        assert_eq!(
+            state(true, true, 20).pending_at(),
+            None,
+            "a cut-off capability"
+        );
+    }
+
     /// A fake sysfs device directory: `config`, and a `driver` link when given.
     fn fake_device(dir: &Path, driver: Option<&str>) -> PathBuf {
         let dev = dir.join("0000:00:04.0");
