@@ -1,13 +1,17 @@
 //! Tier 2: PCI on this machine's real KVM. MSI routing without a guest (the test drives
 //! `vmm::devices::pci::router::MsiRouter` against a real VM fd and reads vCPU 0's local APIC
 //! to see that the interrupts arrived), and `--pci` with the test guest reading configuration
-//! space through CF8/CFC and ECAM.
+//! space through CF8/CFC and ECAM, before and after a snapshot restored with every backend and
+//! in the clones of a fork; old-format, damaged and mismatched PCI state.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rollbox_tests::kvm_available;
+use snapshot::format::{read_state_file, write_state_file};
 use vmm::devices::pci::msix::{Msix, Signal, CONTROL_ENABLE, TABLE_ENTRY_SIZE};
-use vmm::devices::pci::router::MsiRouter;
+use vmm::devices::pci::router::{MsiRouter, VectorIrq};
+use vmm::persist::MicroVmState;
 use vmm::vstate::vm::{open_kvm, Vm};
 
 /// Local APIC registers (offsets in KVM's `kvm_lapic_state::regs`).
@@ -95,45 +99,245 @@ fn msi_routes_irqfds_and_signal_msi_reach_the_local_apic() {
         .apply(vm.fd())
         .expect("KVM_SET_GSI_ROUTING without MSI routes");
     router.release(gsi).expect("release");
+
+    // A device's eventfd vector (VFIO's path): a signal while masked is kept, not dropped,
+    // and arrives at the unmask; once as a pending bit the VMM took, once left in the eventfd.
+    for (data, taken) in [(0x61u32, true), (0x62, false)] {
+        let gsi = router.allocate().expect("GSI");
+        let message = vmm::devices::pci::msix::MsiMessage {
+            address: MSI_TO_CPU0,
+            data,
+        };
+        let mut irq = VectorIrq::new(&router, vm.fd(), gsi).expect("irqfd");
+        irq.mask(vm.fd()).expect("mask");
+        router.apply(vm.fd()).expect("no route while masked");
+        irq.fd().write(1).expect("the device signals while masked");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!requested(data as u8), "delivered while masked");
+        let pending = taken && irq.take_pending();
+        assert_eq!(pending, taken, "the masked signal is pending");
+        router.set_route(gsi, Some(message)).expect("route");
+        router.apply(vm.fd()).expect("route on unmask");
+        irq.unmask(vm.fd(), pending).expect("unmask");
+        wait_for(data as u8);
+        irq.mask(vm.fd()).expect("mask");
+        router.release(gsi).expect("release");
+    }
 }
 
 /// The host bridge's vendor and device ID as one dword (1b36:0008).
 const HOST_BRIDGE_ID: &str = "0x81b36";
 
+/// The guest reads the host bridge through CF8/CFC and ECAM, and nothing at slot 1.
+fn reads_the_host_bridge(vm: &mut rollbox_tests::Vm, who: &str) {
+    assert_eq!(vm.ok("pci-read 0 0"), HOST_BRIDGE_ID, "{who}: CF8/CFC");
+    assert_eq!(
+        vm.ok("pci-read 0 8"),
+        "0x6000000",
+        "{who}: class 06/00: host bridge"
+    );
+    assert_eq!(
+        vm.ok("pci-read 1 0"),
+        "0xffffffff",
+        "{who}: slot 1 is empty"
+    );
+    assert_eq!(vm.ok("mmio-read 0xe0000000"), HOST_BRIDGE_ID, "{who}: ECAM");
+    assert_eq!(vm.ok("mmio-read 0xe0008000"), "0xffffffff", "{who}");
+}
+
+fn call(vm: &rollbox_tests::Vm, method: &str, path: &str, body: &str) -> (u16, String) {
+    rollbox_tests::api(&vm.path("api.sock"), method, path, Some(body))
+}
+
+/// Pauses `vm` and takes a Full snapshot into `dir` (vmstate + memory).
+fn snapshot(vm: &rollbox_tests::Vm, dir: &Path) {
+    std::fs::create_dir_all(dir).expect("snapshot dir");
+    assert_eq!(call(vm, "PATCH", "/vm", r#"{"state":"Paused"}"#).0, 204);
+    let body = format!(
+        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+        dir.join("vmstate").display(),
+        dir.join("memory").display()
+    );
+    let (code, answer) = call(vm, "PUT", "/snapshot/create", &body);
+    assert_eq!(code, 204, "{answer}");
+}
+
+/// Restores `dir` in a new process with `backend`.
+fn restore(dir: &Path, backend: &str) -> rollbox_tests::Vm {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let args: Vec<String> = [
+        "--restore",
+        &dir.display().to_string(),
+        "--vsock-uds",
+        "{dir}/v.sock",
+        "--restore-backend",
+        backend,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    rollbox_tests::Vm::spawn_raw(&args, scratch)
+}
+
+/// A restore of `dir` that fails; returns its one line of stderr.
+fn restore_fails(dir: &Path) -> String {
+    let out = std::process::Command::new(rollbox_tests::vmm_binary())
+        .arg("--restore")
+        .arg(dir)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run rollbox-vmm");
+    assert!(
+        !out.status.success(),
+        "the restore of {} ran",
+        dir.display()
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(stderr.trim().lines().count(), 1, "want one line: {stderr}");
+    stderr
+}
+
+/// A copy of the snapshot in `from` at `to`, its state rewritten by `change`.
+fn rewritten(from: &Path, to: &Path, change: impl FnOnce(&mut MicroVmState)) -> PathBuf {
+    std::fs::create_dir_all(to).expect("mkdir");
+    // The memory file and its identity file are shared; only the state differs.
+    for entry in std::fs::read_dir(from).expect("snapshot dir").flatten() {
+        if entry.file_name() != "vmstate" {
+            std::fs::hard_link(entry.path(), to.join(entry.file_name())).expect("link");
+        }
+    }
+    let mut state: MicroVmState = read_state_file(&from.join("vmstate")).expect("read state");
+    change(&mut state);
+    write_state_file(&to.join("vmstate"), &state).expect("write state");
+    to.to_path_buf()
+}
+
 #[test]
-fn with_pci_the_guest_finds_the_host_bridge_on_cf8_and_ecam_and_snapshots_are_refused() {
+fn with_pci_the_guest_finds_the_host_bridge_and_keeps_it_across_snapshot_and_restore() {
     if !kvm_available() {
         return;
     }
     let mut vm = rollbox_tests::boot_with_api(&["--pci"]);
-    assert_eq!(vm.ok("pci-read 0 0"), HOST_BRIDGE_ID);
-    assert_eq!(
-        vm.ok("pci-read 0 8"),
-        "0x6000000",
-        "class 06/00: host bridge"
-    );
-    assert_eq!(vm.ok("pci-read 1 0"), "0xffffffff", "slot 1 is empty");
-    assert_eq!(vm.ok("mmio-read 0xe0000000"), HOST_BRIDGE_ID, "ECAM");
-    assert_eq!(vm.ok("mmio-read 0xe0008000"), "0xffffffff");
-    // PCI state is not saved yet: a snapshot and a fork are refused with the reason.
-    let sock = vm.path("api.sock");
-    let (code, _) = rollbox_tests::api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
-    assert_eq!(code, 204);
-    let body = format!(
-        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-        vm.path("vmstate").display(),
-        vm.path("memory").display()
-    );
-    let (code, answer) = rollbox_tests::api(&sock, "PUT", "/snapshot/create", Some(&body));
-    assert_eq!(code, 400, "{answer}");
-    assert!(answer.contains("--pci"), "{answer}");
-    assert!(!vm.path("vmstate").exists());
-    let (code, answer) = rollbox_tests::api(&sock, "POST", "/fork", Some(r#"{"count":1}"#));
-    assert_eq!(code, 400, "{answer}");
-    assert!(answer.contains("--pci"), "{answer}");
-    let (code, _) = rollbox_tests::api(&sock, "PATCH", "/vm", Some(r#"{"state":"Resumed"}"#));
-    assert_eq!(code, 204);
-    assert_eq!(vm.ok("pci-read 0 0"), HOST_BRIDGE_ID);
+    reads_the_host_bridge(&mut vm, "booted");
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let snap = scratch.path().join("snap");
+    snapshot(&vm, &snap);
+    assert_eq!(call(&vm, "PATCH", "/vm", r#"{"state":"Resumed"}"#).0, 204);
+    reads_the_host_bridge(&mut vm, "parent after the snapshot");
+    for backend in ["cow", "uffd", "copy"] {
+        let mut clone = restore(&snap, backend);
+        reads_the_host_bridge(&mut clone, backend);
+        assert_eq!(clone.ok("echo restored"), "restored", "{}", clone.stderr());
+    }
+
+    // A state file as builds before PCI state wrote it (no `pci` field, a VM without a bus)
+    // still loads; the guest then finds no bus.
+    let old = rewritten(&snap, &scratch.path().join("old"), |state| {
+        state.pci = None;
+        state.machine.rollbox.pci = false;
+    });
+    let mut clone = restore(&old, "cow");
+    assert_eq!(clone.ok("echo old"), "old", "{}", clone.stderr());
+    assert_eq!(clone.ok("pci-read 0 0"), "0xffffffff");
+
+    // A damaged PCI state (the state file's own CRC still right) is refused by name.
+    let damaged = rewritten(&snap, &scratch.path().join("damaged"), |state| {
+        let pci = state.pci.as_mut().expect("PCI state saved");
+        pci.functions[0].config[0x3c] ^= 0x5a;
+    });
+    let error = restore_fails(&damaged);
+    assert!(error.contains("PCI state is damaged"), "{error}");
+    // PCI state for a machine without a bus, and a bus without PCI state, are refused.
+    let stray = rewritten(&snap, &scratch.path().join("stray"), |state| {
+        state.machine.rollbox.pci = false;
+    });
+    let error = restore_fails(&stray);
+    assert!(error.contains("no PCI bus"), "{error}");
+    let lost = rewritten(&snap, &scratch.path().join("lost"), |state| {
+        state.pci = None;
+    });
+    let error = restore_fails(&lost);
+    assert!(error.contains("holds no PCI state"), "{error}");
+    let newer = rewritten(&snap, &scratch.path().join("newer"), |state| {
+        let pci = state.pci.as_mut().expect("PCI state saved");
+        pci.version = 99;
+        pci.crc = pci.checksum();
+    });
+    let error = restore_fails(&newer);
+    assert!(error.contains("PCI state is version 99"), "{error}");
+}
+
+/// Waits (up to 120 s) until `path` holds `count` lines equal to `want`; returns its text.
+fn wait_for_lines(path: &Path, want: &str, count: usize) -> String {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.lines().filter(|l| *l == want).count() >= count {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}: not {count} lines {want:?} within 120 s; it holds:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn clones_of_a_pci_vm_read_the_host_bridge() {
+    if !kvm_available() {
+        return;
+    }
+    let mut vm = rollbox_tests::boot_with_api(&["--pci"]);
+    // The reads wait in the serial FIFO behind the computation the fork interrupts, so each
+    // clone runs them after its restore.
+    vm.send("compute 60000\npci-read 0 0\nmmio-read 0xe0000000\npci-read 1 0\n");
+    vm.expect_line("progress 1");
+    let (code, answer) = call(&vm, "POST", "/fork", r#"{"count":2}"#);
+    assert_eq!(code, 200, "{answer}");
+    let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+    let clones = result["clones"].as_array().expect("clones").clone();
+    assert_eq!(clones.len(), 2);
+    for clone in &clones {
+        assert!(clone["error"].is_null(), "{clone}");
+        let console = PathBuf::from(clone["console"].as_str().expect("console"));
+        // CF8/CFC and ECAM read the host bridge; slot 1 reads all ones.
+        wait_for_lines(&console, &format!("OK {HOST_BRIDGE_ID}"), 2);
+        wait_for_lines(&console, "OK 0xffffffff", 1);
+    }
+    // The parent keeps its bus too.
+    loop {
+        let line = vm
+            .next_line(Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("parent: no answer; {}", vm.stderr()));
+        if line == "OK 0xffffffff" {
+            break;
+        }
+    }
+    reads_the_host_bridge(&mut vm, "parent after the fork");
+    // Clones end cleanly (SIGTERM), so the last one removes the fork's /dev/shm directory.
+    for clone in &clones {
+        let pid = clone["pid"].as_u64().expect("pid") as i32;
+        // SAFETY: signals a clone this test's VMM started.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(Instant::now() < deadline, "clone {pid} did not end");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let prefix = format!("rollbox-fork-{}-", vm.child.id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+    {
+        assert!(Instant::now() < deadline, "/dev/shm/{prefix}* stays");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]

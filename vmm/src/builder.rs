@@ -116,6 +116,12 @@ pub enum BuildError {
     /// The PCI root bus.
     #[error(transparent)]
     Pci(#[from] PciError),
+    /// The restored MSI routes could not be applied.
+    #[error("PCI: cannot apply the restored GSI routes: {0}")]
+    PciRoutes(String),
+    /// The saved PCI state does not restore.
+    #[error(transparent)]
+    PciState(#[from] crate::devices::pci::persist::PciPersistError),
     /// A VFIO device.
     #[error(transparent)]
     Vfio(#[from] crate::devices::pci::vfio::VfioError),
@@ -785,7 +791,40 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
             placements: p.placements,
             vfio,
             router,
+            config_io: p.config_io,
         }),
     };
     assemble(parts, vcpus, false)
+}
+
+/// Rebuilds the PCI bus of a restored microVM without VFIO: a fresh root (the host bridge)
+/// on `attached`'s buses, its saved configuration space, CF8 latch and MSI routes put back,
+/// and the GSI routing table applied to `vm`.
+pub fn restore_pci(
+    kvm: &Kvm,
+    vm: &Vm,
+    attached: &mut Attached,
+    mem_bytes: u64,
+    state: &crate::devices::pci::persist::PciPersistState,
+) -> Result<PciMachine, BuildError> {
+    use snapshot::Persist;
+    state.check()?;
+    let placed = crate::devices::pci::attach(
+        PciRoot::new(),
+        &mut attached.pio,
+        &mut attached.mmio,
+        mem_bytes,
+        host_phys_bits(),
+    )?;
+    let args = crate::devices::pci::persist::PciRestoreArgs {
+        root: placed.root,
+        placements: placed.placements,
+        config_io: placed.config_io,
+        router: Arc::new(Mutex::new(MsiRouter::for_kvm(kvm))),
+    };
+    let pci = PciMachine::restore(args, state)?;
+    crate::devices::bus::lock(&pci.router)
+        .apply(vm.fd())
+        .map_err(|e| BuildError::PciRoutes(e.to_string()))?;
+    Ok(pci)
 }

@@ -711,8 +711,8 @@ pub fn start_fork(
     params: &ForkParams,
     pool: &mut ForkPool,
 ) -> Result<PendingFork, ForkError> {
-    if let Some(pci) = &vm.pci {
-        return Err(ForkError::Refused(pci.snapshot_refusal()));
+    if let Some(reason) = vm.pci.as_ref().and_then(|p| p.snapshot_refusal()) {
+        return Err(ForkError::Refused(reason));
     }
     let started = Instant::now();
     let backend = params

@@ -28,6 +28,7 @@ use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::devices::bus::lock;
 use crate::devices::legacy::generation::{announce_new_generation, GenerationError};
 use crate::devices::legacy::persist::{I8042PersistState, SerialPersistState};
+use crate::devices::pci::persist::{PciPersistError, PciPersistState};
 use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
@@ -74,6 +75,9 @@ pub enum PersistError {
     /// A microVM whose PCI state cannot be saved.
     #[error("{0}")]
     Pci(String),
+    /// PCI state that cannot be saved or restored.
+    #[error(transparent)]
+    PciState(#[from] PciPersistError),
     /// The operation needs the VM paused.
     #[error("the microVM must be paused (PATCH /vm {{\"state\": \"Paused\"}}) before a snapshot")]
     NotPaused,
@@ -131,6 +135,9 @@ pub struct MicroVmState {
     /// The VM generation counter.
     #[serde(default)]
     pub generation: u64,
+    /// The PCI bus of a VM booted with `--pci` (absent without one, as in older snapshots).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci: Option<PciPersistState>,
 }
 
 /// Full or diff.
@@ -248,8 +255,8 @@ fn snapshot_paused(
     mem_path: &Path,
     base: Base,
 ) -> Result<SnapshotReport, PersistError> {
-    if let Some(pci) = &vm.pci {
-        return Err(PersistError::Pci(pci.snapshot_refusal()));
+    if let Some(reason) = vm.pci.as_ref().and_then(|p| p.snapshot_refusal()) {
+        return Err(PersistError::Pci(reason));
     }
     if !vm.paused {
         return Err(PersistError::NotPaused);
@@ -455,6 +462,7 @@ fn write_files(
             })
             .collect::<Result<Vec<_>, _>>()?,
         generation: vm.generation.load(Ordering::SeqCst),
+        pci: vm.pci.as_ref().map(|p| p.save()).transpose()?,
     };
     write_state_file(state_path, &state)?;
     Ok((layers, memory_bytes))
@@ -853,6 +861,29 @@ fn chosen_layers(
     Ok(layers)
 }
 
+/// Refuses a snapshot whose PCI state does not match its machine, or is damaged.
+fn check_pci_state(state_path: &Path, state: &MicroVmState) -> Result<(), PersistError> {
+    let rollbox = &state.machine.rollbox;
+    match &state.pci {
+        Some(_) if !rollbox.vfio.is_empty() => Err(PersistError::Mismatch(format!(
+            "{}: the snapshot's microVM has VFIO devices, which cannot be restored",
+            state_path.display()
+        ))),
+        Some(_) if !rollbox.has_pci() => Err(PersistError::Mismatch(format!(
+            "{}: the snapshot holds PCI state but its microVM has no PCI bus (--pci); it was not written by rollbox-vmm or was altered",
+            state_path.display()
+        ))),
+        Some(pci) => pci.check().map_err(|e| {
+            PersistError::Mismatch(format!("{}: {e}", state_path.display()))
+        }),
+        None if rollbox.has_pci() => Err(PersistError::Mismatch(format!(
+            "{}: the snapshot's microVM has a PCI bus (--pci) but the snapshot holds no PCI state",
+            state_path.display()
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Restores a microVM from the state file at `state_path`.
 pub fn restore_microvm(
     state_path: &Path,
@@ -902,6 +933,7 @@ pub fn restore_microvm(
             state.machine.vcpu_count
         )));
     }
+    check_pci_state(state_path, &state)?;
     let layers = chosen_layers(state_path, &state.memory_layers, options, total)?;
     if layers.first().is_none_or(|l| l.dirty.is_some()) {
         return Err(PersistError::Mismatch(format!(
@@ -1045,7 +1077,17 @@ pub fn restore_microvm(
         counter: generation,
         offer_wall_clock: !options.deterministic,
     };
-    let attached = attach_devices(&vm, &mem, devices, console, Some(&saved), view)?;
+    let mut attached = attach_devices(&vm, &mem, devices, console, Some(&saved), view)?;
+    let pci = match &state.pci {
+        Some(pci) => Some(crate::builder::restore_pci(
+            &kvm,
+            &vm,
+            &mut attached,
+            mem_mib << 20,
+            pci,
+        )?),
+        None => None,
+    };
     phase("device wiring");
     let mut vcpus = Vec::new();
     let msrs = saveable_msrs(&kvm)?;
@@ -1070,7 +1112,7 @@ pub fn restore_microvm(
         attached,
         machine,
         memory,
-        pci: None,
+        pci,
     };
     let microvm = assemble(parts, vcpus, true)?;
     for slot in &microvm.virtio {

@@ -77,6 +77,14 @@ pub trait PciDevice: Send {
     fn write_config(&mut self, offset: usize, data: &[u8]) {
         self.config_mut().write(offset, data);
     }
+    /// Its MSI-X vectors, if it has MSI-X the VMM emulates (saved in a snapshot).
+    fn msix(&self) -> Option<&super::msix::Msix> {
+        None
+    }
+    /// Its MSI-X vectors, to restore them.
+    fn msix_mut(&mut self) -> Option<&mut super::msix::Msix> {
+        None
+    }
     /// Guest read at `offset` in BAR `bar`.
     fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         let _ = (bar, offset);
@@ -254,6 +262,19 @@ impl PciRoot {
         }
     }
 
+    /// The functions present, with their slots.
+    pub fn functions(&self) -> impl Iterator<Item = (usize, &SharedPciDevice)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, device)| device.as_ref().map(|d| (slot, d)))
+    }
+
+    /// The function in `slot`, if any.
+    pub fn function(&self, slot: usize) -> Option<&SharedPciDevice> {
+        self.slots.get(slot)?.as_ref()
+    }
+
     fn device(&self, address: ConfigAddress) -> Option<&SharedPciDevice> {
         if address.bus != 0 || address.function != 0 {
             return None;
@@ -391,6 +412,16 @@ impl PciConfigIo {
     /// 8 ports long.
     pub fn new(root: Arc<PciRoot>) -> Self {
         Self { root, address: 0 }
+    }
+
+    /// The CF8 address register.
+    pub fn address(&self) -> u32 {
+        self.address
+    }
+
+    /// Sets the CF8 address register (a restore); undefined bits are dropped.
+    pub fn set_address(&mut self, address: u32) {
+        self.address = address & CONFIG_ADDRESS_MASK;
     }
 
     fn data_address(&self, offset: u64, len: usize) -> Option<ConfigAddress> {

@@ -432,6 +432,17 @@ impl ConfigSpace {
         Ok(offset)
     }
 
+    /// The whole space as the guest reads it (a snapshot saves this).
+    pub fn bytes(&self) -> &[u8; CONFIG_SPACE_SIZE] {
+        &self.bytes
+    }
+
+    /// Puts back bytes saved by [`ConfigSpace::bytes`] from a function built the same way:
+    /// BAR addresses, command, MSI registers. The writable masks stay as built.
+    pub fn restore_bytes(&mut self, bytes: &[u8; CONFIG_SPACE_SIZE]) {
+        self.bytes.copy_from_slice(bytes);
+    }
+
     /// Whether an access of `len` bytes at `offset` is one the space answers: 1, 2 or 4
     /// bytes, naturally aligned, inside the 4 KiB.
     pub fn access_ok(offset: usize, len: usize) -> bool {

@@ -8,6 +8,7 @@ pub mod bus;
 pub mod config;
 pub mod msi;
 pub mod msix;
+pub mod persist;
 pub mod router;
 pub mod vfio;
 
@@ -53,6 +54,8 @@ pub struct AttachedPci {
     pub placements: Vec<bus::Placement>,
     /// The windows for the DSDT's `_CRS`.
     pub acpi: PciAcpi,
+    /// Ports CF8-CFF (their address latch is saved in a snapshot).
+    pub config_io: Arc<Mutex<PciConfigIo>>,
 }
 
 /// The PCI bus of a running microVM, kept for its lifetime.
@@ -65,27 +68,28 @@ pub struct PciMachine {
     pub vfio: vfio::VfioSet,
     /// The MSI GSIs and routing table.
     pub router: Arc<Mutex<router::MsiRouter>>,
+    /// Ports CF8-CFF.
+    pub config_io: Arc<Mutex<PciConfigIo>>,
 }
 
 impl PciMachine {
-    /// Why a snapshot or fork of this machine is refused: PCI state is not saved yet.
-    pub fn snapshot_refusal(&self) -> String {
-        if !self.vfio.paths.is_empty() {
-            let names: Vec<String> = self
-                .vfio
-                .paths
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect();
-            return format!(
-                "a microVM with VFIO device(s) {} cannot be snapshotted or forked: a passed-through \
-                 device's state cannot be saved without the device's help",
-                names.join(", ")
-            );
+    /// Why a snapshot or fork of this machine is refused, if it is: VFIO devices' state
+    /// cannot be saved. A bus of emulated functions is saved ([`persist`]).
+    pub fn snapshot_refusal(&self) -> Option<String> {
+        if self.vfio.paths.is_empty() {
+            return None;
         }
-        "a microVM with a PCI bus (--pci) cannot be snapshotted or forked yet: its PCI \
-         configuration, MSI-X tables and GSI routes are not saved; boot it without --pci"
-            .into()
+        let names: Vec<String> = self
+            .vfio
+            .paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        Some(format!(
+            "a microVM with VFIO device(s) {} cannot be snapshotted or forked: a passed-through \
+             device's state cannot be saved without the device's help",
+            names.join(", ")
+        ))
     }
 }
 
@@ -117,8 +121,9 @@ pub fn attach(
     let placements = root.place_bars(&mut windows)?;
     let root = Arc::new(root);
     let range = |what| move |source| PciError::Range { what, source };
+    let config_io = Arc::new(Mutex::new(PciConfigIo::new(Arc::clone(&root))));
     pio.insert(
-        Arc::new(Mutex::new(PciConfigIo::new(Arc::clone(&root)))),
+        Arc::clone(&config_io) as Arc<Mutex<dyn crate::devices::bus::BusDevice>>,
         u64::from(PCI_CONFIG_IO_PORT),
         8,
     )
@@ -144,6 +149,7 @@ pub fn attach(
         root,
         placements,
         acpi: PciAcpi { mmio64 },
+        config_io,
     })
 }
 

@@ -56,6 +56,16 @@ pub enum MsixError {
         /// Access size.
         len: usize,
     },
+    /// Saved vectors that do not fit this table.
+    #[error("saved MSI-X state has {saved} vectors and {pending_words} pending words; this table has {vectors} vectors")]
+    Shape {
+        /// Vectors saved.
+        saved: usize,
+        /// Pending-bit words saved.
+        pending_words: usize,
+        /// Vectors in this table.
+        vectors: u16,
+    },
     /// A table or PBA offset that is not 8-byte aligned, or a BAR index above 5.
     #[error("MSI-X structure at BAR {bar} offset {offset:#x}: needs BAR 0-5 and 8-byte alignment")]
     Placement {
@@ -267,6 +277,48 @@ impl Msix {
             }
         }
         delivered
+    }
+
+    /// Each vector's table entry: address low, address high, data, vector control.
+    pub fn table(&self) -> Vec<[u32; 4]> {
+        self.entries
+            .iter()
+            .map(|e| [e.address_low, e.address_high, e.data, e.control])
+            .collect()
+    }
+
+    /// The pending bits, 64 vectors a word.
+    pub fn pending_words(&self) -> &[u64] {
+        &self.pending
+    }
+
+    /// Puts back a table, pending bits and control saved from a function of this size.
+    pub fn restore(
+        &mut self,
+        table: &[[u32; 4]],
+        pending: &[u64],
+        enabled: bool,
+        function_masked: bool,
+    ) -> Result<(), MsixError> {
+        if table.len() != self.entries.len() || pending.len() != self.pending.len() {
+            return Err(MsixError::Shape {
+                saved: table.len(),
+                pending_words: pending.len(),
+                vectors: self.vectors(),
+            });
+        }
+        for (entry, saved) in self.entries.iter_mut().zip(table) {
+            *entry = Entry {
+                address_low: saved[0] & !0b11,
+                address_high: saved[1],
+                data: saved[2],
+                control: saved[3] & VECTOR_MASKED,
+            };
+        }
+        self.pending.copy_from_slice(pending);
+        self.enabled = enabled;
+        self.function_masked = function_masked;
+        Ok(())
     }
 
     fn check_access(

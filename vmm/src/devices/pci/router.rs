@@ -35,6 +35,14 @@ pub enum RouterError {
     /// A GSI this router did not hand out.
     #[error("GSI {0} is not an MSI GSI of this router")]
     UnknownGsi(u32),
+    /// A saved GSI outside this KVM's MSI range, or given twice.
+    #[error("saved MSI GSI {gsi} is outside {MSI_GSI_BASE}..{max} or given twice")]
+    Restore {
+        /// The GSI.
+        gsi: u32,
+        /// This KVM's GSI limit.
+        max: u32,
+    },
     /// KVM_SET_GSI_ROUTING failed.
     #[error("KVM_SET_GSI_ROUTING with {routes} routes failed: {source}")]
     SetRouting {
@@ -169,6 +177,34 @@ impl MsiRouter {
         Ok(())
     }
 
+    /// Every allocated GSI with its message (`None`: no route now).
+    pub fn routes(&self) -> Vec<(u32, Option<MsiMessage>)> {
+        self.routes.iter().map(|(&gsi, &m)| (gsi, m)).collect()
+    }
+
+    /// Takes `gsi` again with `message`, as a saved VM had it (a restore).
+    pub fn restore_route(
+        &mut self,
+        gsi: u32,
+        message: Option<MsiMessage>,
+    ) -> Result<(), RouterError> {
+        let capacity = self.capacity();
+        if !(MSI_GSI_BASE..self.max_routes).contains(&gsi) || self.routes.contains_key(&gsi) {
+            return Err(RouterError::Restore {
+                gsi,
+                max: self.max_routes,
+            });
+        }
+        if self.routes.len() >= capacity {
+            return Err(RouterError::Exhausted {
+                in_use: self.routes.len(),
+                capacity,
+            });
+        }
+        self.routes.insert(gsi, message);
+        Ok(())
+    }
+
     /// The whole routing table: the default irqchip routes, then one per routed MSI GSI.
     pub fn entries(&self) -> Vec<kvm_irq_routing_entry> {
         let mut entries = default_routes();
@@ -222,6 +258,79 @@ impl MsiRouter {
                 data: message.data,
                 source,
             })
+    }
+}
+
+/// One vector of a device that signals through an eventfd (VFIO): while the vector is
+/// unmasked the eventfd is a KVM irqfd on its GSI; while it is masked the irqfd is taken away,
+/// so signals stay counted in the eventfd (the vector's pending bit) instead of being dropped
+/// by a GSI without a route.
+pub struct VectorIrq {
+    gsi: u32,
+    fd: EventFd,
+    registered: bool,
+}
+
+impl VectorIrq {
+    /// A new eventfd on `gsi` (allocated from `router`), registered as an irqfd.
+    pub fn new(router: &MsiRouter, vm: &VmFd, gsi: u32) -> Result<Self, RouterError> {
+        let fd = router.irqfd(vm, gsi)?;
+        Ok(Self {
+            gsi,
+            fd,
+            registered: true,
+        })
+    }
+
+    /// The GSI.
+    pub fn gsi(&self) -> u32 {
+        self.gsi
+    }
+
+    /// The eventfd the device signals.
+    pub fn fd(&self) -> &EventFd {
+        &self.fd
+    }
+
+    /// Whether KVM consumes the eventfd now (the vector is unmasked).
+    pub fn registered(&self) -> bool {
+        self.registered
+    }
+
+    /// Masks: KVM stops consuming the eventfd, so later signals stay pending in it.
+    pub fn mask(&mut self, vm: &VmFd) -> Result<(), RouterError> {
+        if self.registered {
+            vm.unregister_irqfd(&self.fd, self.gsi)
+                .map_err(|e| RouterError::Irqfd {
+                    gsi: self.gsi,
+                    source: std::io::Error::from_raw_os_error(e.errno()),
+                })?;
+            self.registered = false;
+        }
+        Ok(())
+    }
+
+    /// Unmasks (the GSI's route must be applied first): KVM consumes the eventfd again and
+    /// delivers a signal counted while masked at once; `pending` (a pending bit the VMM took
+    /// from the eventfd earlier, see [`VectorIrq::take_pending`]) is delivered too.
+    pub fn unmask(&mut self, vm: &VmFd, pending: bool) -> Result<(), RouterError> {
+        let irqfd_err = |gsi, e: std::io::Error| RouterError::Irqfd { gsi, source: e };
+        if !self.registered {
+            vm.register_irqfd(&self.fd, self.gsi)
+                .map_err(|e| irqfd_err(self.gsi, std::io::Error::from_raw_os_error(e.errno())))?;
+            self.registered = true;
+        }
+        if pending {
+            self.fd.write(1).map_err(|e| irqfd_err(self.gsi, e))?;
+        }
+        Ok(())
+    }
+
+    /// While masked: whether signals arrived since the last call (they are taken from the
+    /// eventfd; the caller keeps them as the pending bit). Always false while unmasked.
+    pub fn take_pending(&mut self) -> bool {
+        // A non-blocking eventfd reads its count and resets it, or fails when it is zero.
+        !self.registered && self.fd.read().is_ok_and(|count| count > 0)
     }
 }
 
@@ -325,5 +434,26 @@ mod tests {
         let router = MsiRouter::new(4096);
         assert_eq!(router.capacity(), 4096 - 40);
         assert!(MsiRouter::new(10).capacity() == 0);
+    }
+
+    #[test]
+    fn a_masked_vector_keeps_its_signals_as_pending() {
+        let fd = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
+        let mut vector = VectorIrq {
+            gsi: 24,
+            fd,
+            registered: false,
+        };
+        assert!(!vector.take_pending(), "nothing signalled yet");
+        vector.fd().write(1).expect("signal");
+        vector.fd().write(1).expect("signal again");
+        assert!(vector.take_pending(), "two signals: pending");
+        assert!(!vector.take_pending(), "taken: the bit is the caller's now");
+        vector.fd().write(1).expect("signal");
+        vector.registered = true;
+        assert!(
+            !vector.take_pending(),
+            "KVM consumes an unmasked vector's eventfd"
+        );
     }
 }

@@ -21,12 +21,11 @@ use kvm_bindings::{
 };
 use kvm_ioctls::VmFd;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioDeviceFd, VfioOps};
-use vmm_sys_util::eventfd::EventFd;
 
 use super::bus::PciDevice;
 use super::config::{command, reg, Bar, BarKind, ConfigSpace, DeviceIdentity, BAR_COUNT};
 use super::msix::{MsiMessage, Msix};
-use super::router::{MsiRouter, RouterError};
+use super::router::{MsiRouter, RouterError, VectorIrq};
 use crate::devices::bus::lock;
 use crate::vstate::memory::GuestMemoryMmap;
 
@@ -300,11 +299,21 @@ struct MsiState {
     capable: u32,
 }
 
-/// Interrupts enabled on the device: one GSI and eventfd per vector.
+impl MsiState {
+    /// Where the pending bits are in `regs` (with per-vector masking only; the mask bits are
+    /// the dword before).
+    fn pending_at(&self) -> Option<usize> {
+        let data = if self.wide { 12 } else { 8 };
+        let at = data + 8;
+        (self.per_vector_mask && at + 4 <= self.regs.len()).then_some(at)
+    }
+}
+
+/// Interrupts enabled on the device: one GSI and eventfd per vector; a masked vector's
+/// eventfd is no irqfd, so its signals wait there as the pending bit.
 struct Vectors {
     index: u32,
-    gsis: Vec<u32>,
-    fds: Vec<EventFd>,
+    irqs: Vec<VectorIrq>,
 }
 
 /// A host PCI function passed through with VFIO.
@@ -651,9 +660,9 @@ impl VfioPci {
             );
         }
         let mut router = lock(&self.router);
-        for (gsi, fd) in vectors.gsis.iter().zip(&vectors.fds) {
-            let _ = self.vm.unregister_irqfd(fd, *gsi);
-            let _ = router.release(*gsi);
+        for mut irq in vectors.irqs {
+            let _ = irq.mask(&self.vm);
+            let _ = router.release(irq.gsi());
         }
         if let Err(e) = router.apply(&self.vm) {
             log::error!("VFIO device {}: {e}", self.path.display());
@@ -662,28 +671,27 @@ impl VfioPci {
 
     /// Enables `count` vectors of VFIO interrupt `index`, each on a GSI with an irqfd.
     fn enable_vectors(&mut self, index: u32, count: usize) -> Result<(), String> {
+        let mut irqs: Vec<VectorIrq> = Vec::new();
         let mut gsis = Vec::new();
-        let mut fds = Vec::new();
         let result = (|| {
             let mut router = lock(&self.router);
             for _ in 0..count {
                 let gsi = router.allocate().map_err(|e| e.to_string())?;
                 gsis.push(gsi);
-                fds.push(
-                    router
-                        .irqfd(&self.vm, gsi)
+                irqs.push(
+                    VectorIrq::new(&router, &self.vm, gsi)
                         .map_err(|e: RouterError| e.to_string())?,
                 );
             }
             drop(router);
             self.device
-                .enable_irq(index, fds.iter().collect())
+                .enable_irq(index, irqs.iter().map(VectorIrq::fd).collect())
                 .map_err(|e| format!("VFIO_DEVICE_SET_IRQS: {e}"))
         })();
         if let Err(e) = result {
             let mut router = lock(&self.router);
-            for (gsi, fd) in gsis.iter().zip(&fds) {
-                let _ = self.vm.unregister_irqfd(fd, *gsi);
+            for irq in &mut irqs {
+                let _ = irq.mask(&self.vm);
             }
             for gsi in &gsis {
                 let _ = router.release(*gsi);
@@ -699,26 +707,69 @@ impl VfioPci {
                 "MSI"
             }
         );
-        self.vectors = Some(Vectors { index, gsis, fds });
+        self.vectors = Some(Vectors { index, irqs });
         Ok(())
     }
 
-    /// Points each enabled vector's GSI at its message (or nowhere while masked).
-    fn route_vectors(&mut self, messages: &[Option<MsiMessage>]) {
-        let Some(vectors) = &self.vectors else {
+    /// Points each enabled vector's GSI at its message, or masks it (no route, no irqfd: its
+    /// signals stay pending in the eventfd). An unmasked vector's pending signals are
+    /// delivered, and so is every vector in `pending` (bits the VMM had taken already).
+    fn route_vectors(&mut self, messages: &[Option<MsiMessage>], pending: &[u16]) {
+        let Some(vectors) = &mut self.vectors else {
             return;
         };
+        let path = &self.path;
+        for (irq, message) in vectors.irqs.iter_mut().zip(messages) {
+            if message.is_none() {
+                if let Err(e) = irq.mask(&self.vm) {
+                    log::error!("VFIO device {}: masking: {e}", path.display());
+                }
+            }
+        }
         let mut router = lock(&self.router);
-        for (gsi, message) in vectors.gsis.iter().zip(messages) {
-            let _ = router.set_route(*gsi, *message);
+        for (irq, message) in vectors.irqs.iter().zip(messages) {
+            let _ = router.set_route(irq.gsi(), *message);
         }
         if let Err(e) = router.apply(&self.vm) {
-            log::error!("VFIO device {}: {e}", self.path.display());
+            log::error!("VFIO device {}: {e}", path.display());
+        }
+        drop(router);
+        for (vector, (irq, message)) in vectors.irqs.iter_mut().zip(messages).enumerate() {
+            if message.is_some() {
+                let taken = pending.contains(&(vector as u16));
+                if let Err(e) = irq.unmask(&self.vm, taken) {
+                    log::error!("VFIO device {}: unmasking: {e}", path.display());
+                }
+            }
         }
     }
 
-    /// After a write to the MSI-X control or table: enables, disables or reroutes.
-    fn update_msix(&mut self) {
+    /// Moves signals that arrived on masked vectors into the emulated pending bits (the MSI-X
+    /// PBA, the MSI pending register), before the guest reads them.
+    fn collect_pending(&mut self) {
+        let Some(vectors) = &mut self.vectors else {
+            return;
+        };
+        for (vector, irq) in vectors.irqs.iter_mut().enumerate() {
+            if !irq.take_pending() {
+                continue;
+            }
+            if vectors.index == MSIX_IRQ_INDEX {
+                if let Some(msix) = &mut self.msix {
+                    let _ = msix.state.signal(vector as u16);
+                }
+            } else if let Some(msi) = &mut self.msi {
+                if let Some(at) = msi.pending_at() {
+                    let bits = bytes_u32(&msi.regs, at) | (1 << vector);
+                    msi.regs[at..at + 4].copy_from_slice(&bits.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// After a write to the MSI-X control or table: enables, disables or reroutes; `pending`
+    /// are vectors the write unmasked with their pending bit set.
+    fn update_msix(&mut self, pending: &[u16]) {
         let Some(msix) = &self.msix else { return };
         let enabled = msix.state.enabled();
         let count = usize::from(msix.state.vectors());
@@ -738,11 +789,22 @@ impl VfioPci {
                 return;
             }
         }
-        self.route_vectors(&messages);
+        self.route_vectors(&messages, pending);
     }
 
     /// After a write to the MSI capability.
     fn update_msi(&mut self) {
+        // Pending bits of vectors the guest unmasked are delivered and cleared.
+        let mut pending = Vec::new();
+        if let Some(msi) = &mut self.msi {
+            if let Some(at) = msi.pending_at() {
+                let mask = bytes_u32(&msi.regs, at - 4);
+                let bits = bytes_u32(&msi.regs, at);
+                let delivered = bits & !mask;
+                pending = (0..32u16).filter(|v| delivered & (1 << v) != 0).collect();
+                msi.regs[at..at + 4].copy_from_slice(&(bits & mask).to_le_bytes());
+            }
+        }
         let Some(msi) = &self.msi else { return };
         let control = bytes_u16(&msi.regs, 2);
         let enabled = control & 1 != 0;
@@ -767,7 +829,7 @@ impl VfioPci {
                 })
             })
             .collect();
-        let on = self.vectors.as_ref().map(|v| (v.index, v.gsis.len()));
+        let on = self.vectors.as_ref().map(|v| (v.index, v.irqs.len()));
         if !enabled {
             if on.is_some() {
                 self.disable_vectors();
@@ -781,7 +843,7 @@ impl VfioPci {
                 return;
             }
         }
-        self.route_vectors(&messages);
+        self.route_vectors(&messages, &pending);
     }
 
     /// Resets the device (if it can be) so the next VM gets it clean.
@@ -844,6 +906,12 @@ impl PciDevice for VfioPci {
         self.config.read(offset & !3, &mut emulated);
         let msix_control = self.msix_control_range();
         let msi = self.msi_range();
+        if msi
+            .as_ref()
+            .is_some_and(|r| offset < r.end && r.start < offset + data.len())
+        {
+            self.collect_pending();
+        }
         for (i, byte) in data.iter_mut().enumerate() {
             let at = offset + i;
             // No INTx pin and no ROM.
@@ -897,10 +965,18 @@ impl PciDevice for VfioPci {
                     }
                     let value = u16::from_le_bytes(control) & 0xc000;
                     msix.control = (msix.control & 0x3fff) | value;
-                    // Pending vectors are not kept (see docs/vmm.md): nothing to deliver.
-                    let _ = msix.state.control_written(msix.control);
                 }
-                self.update_msix();
+                self.collect_pending();
+                let pending: Vec<u16> = match self.msix.as_mut() {
+                    Some(msix) => msix
+                        .state
+                        .control_written(msix.control)
+                        .into_iter()
+                        .map(|(vector, _)| vector)
+                        .collect(),
+                    None => Vec::new(),
+                };
+                self.update_msix(&pending);
                 return;
             }
         }
@@ -916,6 +992,9 @@ impl PciDevice for VfioPci {
 
     fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         if let Some((table, at)) = self.msix_place(bar, offset, data.len()) {
+            if !table {
+                self.collect_pending();
+            }
             if let Some(msix) = &self.msix {
                 let result = if table {
                     msix.state.read_table(at, data)
@@ -934,13 +1013,15 @@ impl PciDevice for VfioPci {
     fn write_bar(&mut self, bar: usize, offset: u64, data: &[u8]) {
         if let Some((table, at)) = self.msix_place(bar, offset, data.len()) {
             if table {
-                let changed = self
+                // Signals that came while masked are pending bits before an unmask delivers them.
+                self.collect_pending();
+                let written = self
                     .msix
                     .as_mut()
-                    .map(|msix| msix.state.write_table(at, data).is_ok())
-                    .unwrap_or(false);
-                if changed {
-                    self.update_msix();
+                    .map(|msix| msix.state.write_table(at, data));
+                if let Some(Ok(delivered)) = written {
+                    let pending: Vec<u16> = delivered.into_iter().map(|(v, _)| v).collect();
+                    self.update_msix(&pending);
                 }
             }
             return;
@@ -967,6 +1048,31 @@ impl Drop for VfioPci {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn msi_pending_bits_follow_the_mask_bits_in_either_layout() {
+        let state = |wide: bool, per_vector_mask: bool, len: usize| MsiState {
+            cap: 0x50,
+            regs: vec![0; len],
+            writable: vec![0; len],
+            wide,
+            per_vector_mask,
+            capable: 4,
+        };
+        // 64-bit: mask at 0x10, pending at 0x14; 32-bit: mask at 0x0c, pending at 0x10.
+        assert_eq!(state(true, true, 24).pending_at(), Some(20));
+        assert_eq!(state(false, true, 20).pending_at(), Some(16));
+        assert_eq!(
+            state(true, false, 14).pending_at(),
+            None,
+            "no masks, no pending bits"
+        );
+        assert_eq!(
+            state(true, true, 20).pending_at(),
+            None,
+            "a cut-off capability"
+        );
+    }
 
     /// A fake sysfs device directory: `config`, and a `driver` link when given.
     fn fake_device(dir: &Path, driver: Option<&str>) -> PathBuf {
