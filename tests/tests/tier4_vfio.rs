@@ -201,9 +201,20 @@ fn nvme_interrupts(lines: &str) -> u64 {
         .sum()
 }
 
+/// 4 KiB direct reads for the IOPS figure, from a range no other read touches (MiB 272..).
+const IOPS_READS: usize = 2048;
+const IOPS_SKIP_4K: usize = 272 * 256;
+
+/// The shell command that makes IOPS_READS direct 4 KiB reads from `block`.
+fn iops_command(block: &str) -> String {
+    format!(
+        "dd if={block} of=/dev/null bs=4k count={IOPS_READS} skip={IOPS_SKIP_4K} iflag=direct 2>&1"
+    )
+}
+
 /// Reads NVME_READ_MIB MiB from the controller at `dev` in L1 through L1's own nvme driver,
-/// checks the checksum, and returns MiB/s.
-fn l1_nvme_read_mib_s(dev: &Path, want_sha: &str) -> f64 {
+/// checks the checksum, and returns MiB/s and the IOPS of 4 KiB direct reads.
+fn l1_nvme_read_mib_s(dev: &Path, want_sha: &str) -> (f64, f64) {
     if !dev.join("driver").exists() {
         assert!(
             Path::new("/sys/bus/pci/drivers/nvme").exists(),
@@ -249,7 +260,14 @@ fn l1_nvme_read_mib_s(dev: &Path, want_sha: &str) -> f64 {
         Some(want_sha),
         "L1's own read of {block} differs from the backing file"
     );
-    mib_s
+    let started = std::time::Instant::now();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(iops_command(&block))
+        .output()
+        .expect("run dd in L1");
+    assert!(out.status.success(), "L1's 4 KiB reads: {out:?}");
+    (mib_s, IOPS_READS as f64 / seconds(started))
 }
 
 /// The guest's sysfs path of `vendor`:`device` (bus 0), found through the agent.
@@ -628,7 +646,7 @@ mod tier4 {
         let first_sha = sha256_hex(&first);
         drop(first);
         // The baseline: the same read in L1 through its own nvme driver, before VFIO takes it.
-        let l1_mib_s = l1_nvme_read_mib_s(&dev, &first_sha);
+        let (l1_mib_s, l1_iops) = l1_nvme_read_mib_s(&dev, &first_sha);
         bind_vfio_pci(&dev);
         let work = tempfile::tempdir().expect("tempdir");
         let dev_arg = dev.display().to_string();
@@ -681,6 +699,15 @@ mod tier4 {
         assert!(
             after > before,
             "nvme interrupts did not rise over a {NVME_READ_MIB} MiB read: {before} -> {after}"
+        );
+        let started = std::time::Instant::now();
+        let (code, out, err) = agent.sh_status(&iops_command("/dev/nvme0n1"));
+        let l2_iops = IOPS_READS as f64 / seconds(started);
+        assert_eq!(code, Some(0), "the guest's 4 KiB direct reads: {out} {err}");
+        eprintln!(
+            "figure: NVMe 4 KiB direct reads (lab, ratio only): L2 through VFIO {l2_iops:.0} IOPS, \
+             L1 directly {l1_iops:.0} IOPS, ratio {:.2}",
+            l2_iops / l1_iops
         );
         eprintln!(
             "figure: NVMe sequential read of {NVME_READ_MIB} MiB (lab, ratio only): L2 through VFIO \
