@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use rollbox::daemon::api::ROUTES;
 use rollbox::daemon::client::{Endpoint, Response};
 use rollbox::daemon::vm;
-use rollbox_tests::{kvm_available, rollbox_binary, test_guest, vmm_binary, TEST_GUEST_CMDLINE};
+use rollbox_tests::{
+    agent_binary, kvm_available, rollbox_binary, test_guest, vmm_binary, TEST_GUEST_CMDLINE,
+};
 use serde_json::{json, Value};
 
 const KEY: &str = "test-key-0123";
@@ -862,4 +864,484 @@ fn openapi_document_matches_the_routes() {
             response.error_message()
         );
     }
+}
+
+/// A host `rollbox-agent --listen-unix`: the fast tests' stand-in for a guest's agent (the test
+/// guest has none), behind the same hybrid-vsock `CONNECT 1024` socket.
+struct HostAgent {
+    child: Child,
+    sock: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl HostAgent {
+    fn start() -> HostAgent {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = dir.path().join("agent.sock");
+        let child = Command::new(agent_binary())
+            .arg("--listen-unix")
+            .arg(&sock)
+            .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn rollbox-agent");
+        wait_for("the host agent's socket", Duration::from_secs(20), || {
+            sock.exists()
+        });
+        HostAgent {
+            child,
+            sock,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for HostAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A daemon whose sandboxes' agent traffic goes to a host agent, and one running sandbox.
+fn agent_server() -> (HostAgent, Server, String) {
+    let agent = HostAgent::start();
+    let sock = agent.sock.display().to_string();
+    let server = Server::start(&["--test-agent-socket", &sock]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    (agent, server, id)
+}
+
+fn exec(server: &Server, id: &str, body: Value) -> Value {
+    let (status, result) = server.call("POST", &format!("/sandboxes/{id}/exec"), Some(body));
+    assert_eq!(status, 200, "{result}\n{}", server.log());
+    result
+}
+
+/// A streaming exec: the response, read line by line.
+fn exec_stream(
+    server: &Server,
+    id: &str,
+    body: Value,
+) -> std::io::BufReader<rollbox::daemon::client::Streaming> {
+    let text = body.to_string();
+    let auth = format!("Bearer {KEY}");
+    let response = Endpoint::Unix(server.sock())
+        .open(
+            "POST",
+            &format!("/sandboxes/{id}/exec?stream=true"),
+            &[("Authorization", &auth)],
+            Some((&mut text.as_bytes(), text.len() as u64)),
+            Duration::from_secs(60),
+        )
+        .expect("streaming exec");
+    assert_eq!(response.status, 200);
+    assert_eq!(
+        response
+            .headers
+            .iter()
+            .find(|(n, _)| n == "content-type")
+            .map(|(_, v)| v.as_str()),
+        Some("application/x-ndjson")
+    );
+    std::io::BufReader::new(response)
+}
+
+fn next_line(lines: &mut impl std::io::BufRead) -> Value {
+    let mut line = String::new();
+    lines.read_line(&mut line).expect("read a line");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+#[test]
+fn exec_runs_through_the_agent_unary_and_streaming_with_signals() {
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, id) = agent_server();
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let cwd = scratch.path().display().to_string();
+
+    let result = exec(
+        &server,
+        &id,
+        json!({"cmd": ["sh", "-c", "echo out; echo err >&2; exit 3"]}),
+    );
+    assert_eq!(
+        (&result["exit_code"], &result["stdout"], &result["stderr"]),
+        (&json!(3), &json!("out\n"), &json!("err\n")),
+        "{result}"
+    );
+    assert_eq!(result["stdout_encoding"], "utf-8");
+    assert_eq!(
+        (&result["timed_out"], &result["oom"], &result["truncated"]),
+        (&json!(false), &json!(false), &json!(false))
+    );
+
+    // A shell string, stdin, env and cwd.
+    let result = exec(
+        &server,
+        &id,
+        json!({"cmd": "cat; echo $FOO; pwd", "stdin": "in\n", "env": {"FOO": "bar"}, "cwd": cwd}),
+    );
+    assert_eq!(result["stdout"], format!("in\nbar\n{cwd}\n"), "{result}");
+    // Bytes that are not UTF-8 come as base64.
+    let result = exec(&server, &id, json!({"cmd": "printf '\\377\\000'"}));
+    assert_eq!(
+        (&result["stdout"], &result["stdout_encoding"]),
+        (&json!("/wA="), &json!("base64")),
+        "{result}"
+    );
+    // Timeout and output cap.
+    let result = exec(
+        &server,
+        &id,
+        json!({"cmd": ["sleep", "30"], "timeout_s": 0.3}),
+    );
+    assert_eq!(result["timed_out"], true, "{result}");
+    let result = exec(
+        &server,
+        &id,
+        json!({"cmd": "head -c 100000 /dev/zero", "max_output_bytes": 1000}),
+    );
+    assert_eq!(result["truncated"], true, "{result}");
+    assert!(result["stdout"].as_str().expect("stdout").len() <= 1000);
+    // A program that does not exist is the agent's refusal, not a 200.
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/exec"),
+        Some(json!({"cmd": ["/nonexistent/prog"]})),
+    );
+    assert!((400..500).contains(&status), "{status} {body}");
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/exec"),
+        Some(json!({"cmd": ["ls"], "cwd": "tmp"})),
+    );
+    assert_eq!(status, 400);
+    assert!(
+        body["error"].as_str().expect("error").contains("cwd"),
+        "{body}"
+    );
+
+    // Streaming: sequence numbers from 0, started, output, exit.
+    let mut lines = exec_stream(
+        &server,
+        &id,
+        json!({"cmd": "echo a; echo b >&2; echo c; exit 5"}),
+    );
+    let mut seq = 0;
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    loop {
+        let line = next_line(&mut lines);
+        assert_eq!(line["seq"], seq, "{line}");
+        seq += 1;
+        match line["type"].as_str().expect("type") {
+            "started" => assert!(line["pid"].as_u64().is_some_and(|p| p > 0)),
+            "stdout" => stdout.push_str(line["data"].as_str().expect("data")),
+            "stderr" => stderr.push_str(line["data"].as_str().expect("data")),
+            "exit" => {
+                assert_eq!(line["exit_code"], 5, "{line}");
+                break;
+            }
+            other => panic!("unexpected line type {other}: {line}"),
+        }
+    }
+    assert_eq!((stdout.as_str(), stderr.as_str()), ("a\nc\n", "b\n"));
+
+    // Signals reach a process of a running streaming exec.
+    let mut lines = exec_stream(&server, &id, json!({"cmd": ["sleep", "30"]}));
+    let started = next_line(&mut lines);
+    assert_eq!(started["type"], "started", "{started}");
+    let pid = started["pid"].as_u64().expect("pid");
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/processes/{pid}/signal"),
+        Some(json!({"signal": "TERM"})),
+    );
+    assert_eq!(status, 204, "{body}");
+    let exit = next_line(&mut lines);
+    assert_eq!(
+        (&exit["type"], &exit["signal"]),
+        (&json!("exit"), &json!(15)),
+        "{exit}"
+    );
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/processes/{pid}/signal"),
+        Some(json!({"signal": 9})),
+    );
+    assert_eq!(status, 404, "{body}");
+
+    // The CLI streams and exits with the command's status.
+    let output = Command::new(rollbox_binary())
+        .args(["sandbox", "exec", "--socket"])
+        .arg(server.sock())
+        .arg("--api-key-file")
+        .arg(server.dir.path().join("key"))
+        .args([&id, "--", "sh", "-c", "echo hi; echo oops >&2; exit 7"])
+        .output()
+        .expect("rollbox sandbox exec");
+    assert_eq!(output.status.code(), Some(7), "{output:?}");
+    assert_eq!(output.stdout, b"hi\n");
+    assert_eq!(output.stderr, b"oops\n");
+
+    // A paused sandbox takes no exec.
+    let (status, _) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 200);
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/exec"),
+        Some(json!({"cmd": ["true"]})),
+    );
+    assert_eq!(status, 409, "{body}");
+}
+
+fn put(server: &Server, path: &str, data: &[u8]) -> Response {
+    let auth = format!("Bearer {KEY}");
+    let mut source = data;
+    Endpoint::Unix(server.sock())
+        .open(
+            "PUT",
+            path,
+            &[("Authorization", &auth)],
+            Some((&mut source, data.len() as u64)),
+            Duration::from_secs(60),
+        )
+        .expect("PUT")
+        .into_response()
+        .expect("PUT answer")
+}
+
+fn enc(path: &Path) -> String {
+    path.display()
+        .to_string()
+        .replace('%', "%25")
+        .replace(' ', "%20")
+}
+
+#[test]
+fn files_upload_download_stat_list_remove_and_tar() {
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, id) = agent_server();
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let root = scratch.path();
+    let file = root.join("a/b.txt");
+
+    let response = put(
+        &server,
+        &format!(
+            "/sandboxes/{id}/files?path={}&parents=true&mode=600",
+            enc(&file)
+        ),
+        b"hello",
+    );
+    assert_eq!(response.status, 201, "{}", response.error_message());
+    let written: Value = serde_json::from_slice(&response.body).expect("json");
+    assert_eq!(written["bytes"], 5);
+    assert_eq!(std::fs::read(&file).expect("uploaded"), b"hello");
+    let response = server.raw(
+        "GET",
+        &format!("/sandboxes/{id}/files?path={}", enc(&file)),
+        Some(KEY),
+        None,
+    );
+    assert_eq!(
+        (response.status, response.body.as_slice()),
+        (200, &b"hello"[..])
+    );
+    // A larger binary file streams both ways intact.
+    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let big_path = root.join("big.bin");
+    let response = put(
+        &server,
+        &format!("/sandboxes/{id}/files?path={}", enc(&big_path)),
+        &big,
+    );
+    assert_eq!(response.status, 201, "{}", response.error_message());
+    let response = server.raw(
+        "GET",
+        &format!("/sandboxes/{id}/files?path={}", enc(&big_path)),
+        Some(KEY),
+        None,
+    );
+    assert!(
+        response.body == big,
+        "download of {} bytes differs",
+        big.len()
+    );
+
+    let (status, info) = server.call(
+        "GET",
+        &format!("/sandboxes/{id}/files/stat?path={}", enc(&file)),
+        None,
+    );
+    assert_eq!(status, 200, "{info}");
+    assert_eq!(
+        (&info["kind"], &info["size"], &info["mode"]),
+        (&json!("file"), &json!(5), &json!(0o600)),
+        "{info}"
+    );
+    let (status, list) = server.call(
+        "GET",
+        &format!("/sandboxes/{id}/files/list?path={}", enc(&root.join("a"))),
+        None,
+    );
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(list["entries"][0]["name"], "b.txt", "{list}");
+
+    // Tar: upload unpacks into a directory, download packs one.
+    let mut archive = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_gnu();
+    header.set_size(3);
+    header.set_mode(0o644);
+    header.set_cksum();
+    archive
+        .append_data(&mut header, "x/y.txt", &b"yyy"[..])
+        .expect("tar");
+    let data = archive.into_inner().expect("tar");
+    let unpacked = root.join("t");
+    let response = put(
+        &server,
+        &format!("/sandboxes/{id}/tar?path={}", enc(&unpacked)),
+        &data,
+    );
+    assert_eq!(response.status, 201, "{}", response.error_message());
+    assert_eq!(
+        std::fs::read(unpacked.join("x/y.txt")).expect("unpacked"),
+        b"yyy"
+    );
+    let response = server.raw(
+        "GET",
+        &format!("/sandboxes/{id}/tar?path={}", enc(&unpacked)),
+        Some(KEY),
+        None,
+    );
+    assert_eq!(response.status, 200);
+    let names: Vec<String> = tar::Archive::new(response.body.as_slice())
+        .entries()
+        .expect("entries")
+        .map(|e| {
+            e.expect("entry")
+                .path()
+                .expect("path")
+                .display()
+                .to_string()
+        })
+        .collect();
+    assert!(names.iter().any(|n| n.ends_with("x/y.txt")), "{names:?}");
+
+    // Remove, then it is gone.
+    let (status, _) = server.call(
+        "DELETE",
+        &format!(
+            "/sandboxes/{id}/files?path={}&recursive=true",
+            enc(&root.join("a"))
+        ),
+        None,
+    );
+    assert_eq!(status, 204);
+    let (status, body) = server.call(
+        "GET",
+        &format!("/sandboxes/{id}/files/stat?path={}", enc(&file)),
+        None,
+    );
+    assert_eq!(status, 404, "{body}");
+    let response = server.raw(
+        "GET",
+        &format!("/sandboxes/{id}/files?path={}", enc(&file)),
+        Some(KEY),
+        None,
+    );
+    assert_eq!(response.status, 404);
+
+    // Bad paths name the field; an upload over the cap is 413.
+    for (query, word) in [
+        ("path=etc/passwd", "relative"),
+        ("path=/tmp/../../etc/passwd", "escapes"),
+        ("", "path"),
+    ] {
+        let (status, body) = server.call("GET", &format!("/sandboxes/{id}/files?{query}"), None);
+        assert_eq!(status, 400, "{query}: {body}");
+        assert!(
+            body["error"].as_str().expect("error").contains(word),
+            "{query}: {body}"
+        );
+    }
+    let auth = format!("Bearer {KEY}");
+    let huge = Endpoint::Unix(server.sock())
+        .open(
+            "PUT",
+            &format!("/sandboxes/{id}/files?path={}", enc(&root.join("huge"))),
+            &[("Authorization", &auth)],
+            Some((&mut &b"tiny"[..], 300 << 20)),
+            Duration::from_secs(60),
+        )
+        .expect("PUT")
+        .into_response()
+        .expect("answer");
+    assert_eq!(huge.status, 413, "{}", huge.error_message());
+    assert!(!root.join("huge").exists());
+
+    // `rollbox sandbox cp`, both ways, a file and a directory.
+    let cli = |args: &[&str]| {
+        let output = Command::new(rollbox_binary())
+            .args(["sandbox", "--socket"])
+            .arg(server.sock())
+            .arg("--api-key-file")
+            .arg(server.dir.path().join("key"))
+            .args(args)
+            .output()
+            .expect("rollbox sandbox");
+        assert!(output.status.success(), "{args:?}: {output:?}");
+    };
+    let host = tempfile::tempdir().expect("tempdir");
+    std::fs::write(host.path().join("in.txt"), b"cp in").expect("write");
+    std::fs::create_dir_all(host.path().join("tree/sub")).expect("mkdir");
+    std::fs::write(host.path().join("tree/sub/leaf"), b"leaf").expect("write");
+    let inside = root.join("cp");
+    let host_in = host.path().join("in.txt").display().to_string();
+    cli(&["cp", &host_in, &format!("{id}:{}/", inside.display())]);
+    assert_eq!(
+        std::fs::read(inside.join("in.txt")).expect("cp in"),
+        b"cp in"
+    );
+    let tree = host.path().join("tree").display().to_string();
+    cli(&[
+        "cp",
+        &tree,
+        &format!("{id}:{}", inside.join("tree").display()),
+    ]);
+    assert_eq!(
+        std::fs::read(inside.join("tree/sub/leaf")).expect("cp dir in"),
+        b"leaf"
+    );
+    let back = host.path().join("back");
+    cli(&[
+        "cp",
+        &format!("{id}:{}", inside.display()),
+        &back.display().to_string(),
+    ]);
+    assert_eq!(
+        std::fs::read(back.join("in.txt")).expect("cp dir out"),
+        b"cp in"
+    );
+    assert_eq!(
+        std::fs::read(back.join("tree/sub/leaf")).expect("cp dir out"),
+        b"leaf"
+    );
+    let one = host.path().join("one.txt");
+    cli(&[
+        "cp",
+        &format!("{id}:{}", inside.join("in.txt").display()),
+        &one.display().to_string(),
+    ]);
+    assert_eq!(std::fs::read(&one).expect("cp file out"), b"cp in");
 }

@@ -2,11 +2,14 @@
 //! → [`Reply`]. One `rollbox-vmm` process per sandbox, state in SQLite, a reaper for TTLs and
 //! VMMs that ended, and re-attachment to live VMMs after a restart.
 //!
-//! Not here yet (issue 11): exec, files, snapshots, fork, reset, batches, usage, and templates
-//! built from OCI images (`rollbox::images` builds the rootfs; register it with `rootfs`).
+//! Exec and files go through the sandbox's guest agent ([`guest`]).
+//!
+//! Not here yet (issue 11): snapshots, fork, reset, batches, usage, and templates built from
+//! OCI images (`rollbox::images` builds the rootfs; register it with `rootfs`).
 
 pub mod api;
 pub mod client;
+mod guest;
 mod http;
 pub mod store;
 pub mod vm;
@@ -68,6 +71,9 @@ pub struct ServeOptions {
     pub reap_interval: Duration,
     /// How long a new VMM may take to open its API socket.
     pub ready_timeout: Duration,
+    /// Test-only (`--test-agent-socket`): every sandbox's agent traffic goes to this hybrid
+    /// vsock socket (a host `rollbox-agent --listen-unix`) instead of the sandbox's own.
+    pub test_agent_socket: Option<PathBuf>,
 }
 
 fn now_ms() -> u64 {
@@ -93,12 +99,34 @@ fn random_hex() -> String {
 #[derive(Debug)]
 pub enum Reply {
     Health,
-    Template { created: bool, template: Template },
+    Template {
+        created: bool,
+        template: Template,
+    },
     Templates(Vec<Template>),
-    Sandbox { created: bool, sandbox: Sandbox },
+    Sandbox {
+        created: bool,
+        sandbox: Sandbox,
+    },
     Sandboxes(SandboxList),
+    Exec(api::ExecResult),
+    File(api::FileInfo),
+    Files(Vec<api::FileInfo>),
+    Written {
+        path: String,
+        bytes: u64,
+    },
+    /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
+    Stream {
+        content_type: &'static str,
+        body: tokio::sync::mpsc::Receiver<guest::Chunk>,
+    },
     NoContent,
 }
+
+/// Processes of running streaming execs: (sandbox id, pid) → the agent connection and the
+/// exec's request id, which is where the agent takes signals for it.
+type Processes = HashMap<(String, u32), (rollbox_agent_protocol::client::AgentClient, u64)>;
 
 /// The daemon's shared state.
 pub struct Daemon {
@@ -108,6 +136,7 @@ pub struct Daemon {
     /// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
     children: Mutex<HashMap<String, Child>>,
     pending: Arc<tokio::sync::Semaphore>,
+    processes: Mutex<Processes>,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -123,6 +152,10 @@ impl Daemon {
 
     fn children(&self) -> MutexGuard<'_, HashMap<String, Child>> {
         self.children.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn processes(&self) -> MutexGuard<'_, Processes> {
+        self.processes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs one action.
@@ -176,6 +209,14 @@ impl Daemon {
             }
             Action::Pause(id) => self.pause_resume(&id, true).await,
             Action::Resume(id) => self.pause_resume(&id, false).await,
+            Action::Exec { id, exec, stream } => self.exec(&id, exec, stream).await,
+            Action::Signal {
+                id,
+                pid,
+                signal,
+                group,
+            } => self.signal(&id, pid, signal, group).await,
+            Action::File { id, op } => self.file(&id, op).await,
         }
     }
 
@@ -556,6 +597,7 @@ pub async fn serve(
         sandboxes_dir,
         store: Mutex::new(store),
         children: Mutex::new(HashMap::new()),
+        processes: Mutex::new(HashMap::new()),
     });
     daemon.recover()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;
