@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
-use rollbox::daemon::api::{Sandbox, SandboxList, Template};
+use rollbox::daemon::api::{Sandbox, SandboxList, Snapshot, Template};
 use rollbox::daemon::client::{ClientError, Endpoint, Response, Streaming};
 use rollbox::daemon::{Listen, ServeOptions};
 
@@ -104,9 +104,13 @@ pub struct ConnArgs {
 
 #[derive(Subcommand)]
 pub enum SandboxCommand {
-    /// Create a sandbox from a template and print it.
+    /// Create a sandbox from a template (a boot) or from a snapshot (a restore) and print it.
     Create {
-        template: String,
+        #[arg(required_unless_present = "snapshot", conflicts_with = "snapshot")]
+        template: Option<String>,
+        /// Restore this snapshot instead of booting a template.
+        #[arg(long, value_name = "SNAPSHOT_ID")]
+        snapshot: Option<String>,
         /// Hard TTL in seconds (required unless the daemon has --default-ttl).
         #[arg(long, value_name = "SECS")]
         ttl: Option<i64>,
@@ -187,6 +191,43 @@ pub enum SandboxCommand {
     Cp {
         src: String,
         dest: String,
+    },
+    /// Take a memory snapshot (the sandbox keeps running unless --stop) and print its id.
+    Snapshot {
+        id: String,
+        /// End the sandbox once the snapshot is taken.
+        #[arg(long)]
+        stop: bool,
+    },
+    /// List snapshots (of one sandbox with --sandbox).
+    Snapshots {
+        #[arg(long, value_name = "ID")]
+        sandbox: Option<String>,
+    },
+    /// Delete snapshots (deleting one that is gone succeeds).
+    SnapshotRm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Fork into N new sandboxes (a fresh snapshot, restored N times); prints each new id
+    /// or why it failed, and fails if any did.
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: i64,
+        /// TTL of the new sandboxes [default: what the parent has left].
+        #[arg(long, value_name = "SECS")]
+        ttl: Option<i64>,
+        /// KEY=VALUE (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+    },
+    /// Reset in place (same id, fresh state) to a snapshot [default: the one it came from;
+    /// a sandbox that came from none boots afresh].
+    Reset {
+        id: String,
+        #[arg(long, value_name = "SNAPSHOT_ID")]
+        snapshot: Option<String>,
     },
 }
 
@@ -671,6 +712,7 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
     match command {
         SandboxCommand::Create {
             template,
+            snapshot,
             ttl,
             idle_ttl,
             vcpus,
@@ -680,10 +722,14 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             idempotency_key,
         } => {
             let mut body = json!({
-                "template": template,
                 "labels": key_values(&labels, "label")?,
                 "metadata": key_values(&metadata, "metadata")?,
             });
+            match (template, snapshot) {
+                (_, Some(snapshot)) => body["snapshot"] = json!(snapshot),
+                (Some(template), None) => body["template"] = json!(template),
+                (None, None) => {}
+            }
             for (field, value) in [
                 ("ttl_s", ttl),
                 ("idle_ttl_s", idle_ttl),
@@ -799,6 +845,99 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             return exec(conn, &id, body);
         }
         SandboxCommand::Cp { src, dest } => copy(conn, &src, &dest)?,
+        SandboxCommand::Snapshot { id, stop } => {
+            let response = conn.call(
+                "POST",
+                &format!("/sandboxes/{id}/snapshots"),
+                Some(json!({ "stop": stop })),
+            )?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let snapshot: Snapshot = parse(&response)?;
+                println!("{}", snapshot.id);
+            }
+        }
+        SandboxCommand::Snapshots { sandbox } => {
+            let path = match sandbox {
+                Some(id) => format!("/snapshots?sandbox={}", encode(&id)),
+                None => "/snapshots".to_string(),
+            };
+            let response = conn.call("GET", &path, None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let list: Value = parse(&response)?;
+                let snapshots: Vec<Snapshot> =
+                    serde_json::from_value(list["snapshots"].clone()).map_err(CliError::Answer)?;
+                println!("{:<22} {:<20} {:<22} TEMPLATE", "ID", "SANDBOX", "PARENT");
+                for s in snapshots {
+                    println!(
+                        "{:<22} {:<20} {:<22} {}",
+                        s.id,
+                        s.sandbox,
+                        s.parent.as_deref().unwrap_or("-"),
+                        s.template
+                    );
+                }
+            }
+        }
+        SandboxCommand::SnapshotRm { ids } => {
+            for id in ids {
+                conn.call("DELETE", &format!("/snapshots/{id}"), None)?;
+                if !conn.json {
+                    println!("{id} deleted");
+                }
+            }
+        }
+        SandboxCommand::Fork {
+            id,
+            count,
+            ttl,
+            labels,
+        } => {
+            let mut body = json!({ "count": count, "labels": key_values(&labels, "label")? });
+            if let Some(ttl) = ttl {
+                body["ttl_s"] = json!(ttl);
+            }
+            let response = conn.call("POST", &format!("/sandboxes/{id}/fork"), Some(body))?;
+            if conn.json {
+                print_json(&response);
+            }
+            let answer: Value = parse(&response)?;
+            let results: Vec<rollbox::daemon::api::ForkResult> =
+                serde_json::from_value(answer["results"].clone()).map_err(CliError::Answer)?;
+            let mut failed = 0usize;
+            for result in &results {
+                match (&result.sandbox, &result.error) {
+                    (Some(sandbox), _) if !conn.json => println!("{}", sandbox.id),
+                    (None, Some(error)) => {
+                        failed += 1;
+                        eprintln!("error: one fork failed: {error}");
+                    }
+                    _ => {}
+                }
+            }
+            if failed > 0 {
+                return Err(CliError::Usage(format!(
+                    "{failed} of {} forks failed (the others run)",
+                    results.len()
+                )));
+            }
+        }
+        SandboxCommand::Reset { id, snapshot } => {
+            let body = match snapshot {
+                Some(s) => json!({ "snapshot": s }),
+                None => json!({}),
+            };
+            let response = conn.call("POST", &format!("/sandboxes/{id}/reset"), Some(body))?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let sandbox: Sandbox = parse(&response)?;
+                println!("{}: reset ({})", sandbox.id, sandbox.state.as_str());
+            }
+        }
     }
     Ok(0)
 }

@@ -1345,3 +1345,192 @@ fn files_upload_download_stat_list_remove_and_tar() {
     ]);
     assert_eq!(std::fs::read(&one).expect("cp file out"), b"cp in");
 }
+
+/// The VMM's own view of its VM (`GET /` on its API socket): state "Running" or "Paused".
+fn vmm_state(sandbox: &Value) -> String {
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    let response = Endpoint::Unix(dir.join("api.sock"))
+        .request("GET", "/", &[], None, Duration::from_secs(10))
+        .expect("GET / on the VMM");
+    let info: Value = serde_json::from_slice(&response.body).expect("json");
+    info["state"].as_str().unwrap_or("").to_string()
+}
+
+fn console(sandbox: &Value) -> String {
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    std::fs::read_to_string(dir.join("console.log")).unwrap_or_default()
+}
+
+/// The command line of a running process.
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+#[test]
+fn snapshot_restore_fork_and_reset() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    wait_for(
+        "the test guest's ready line",
+        Duration::from_secs(30),
+        || console(&sandbox).contains("rollbox-test-guest: ready"),
+    );
+
+    // A snapshot leaves the sandbox running.
+    let (status, snap) = server.call("POST", &format!("/sandboxes/{id}/snapshots"), None);
+    assert_eq!(status, 201, "{snap}\n{}", server.log());
+    let snap_id = snap["id"].as_str().expect("snapshot id").to_string();
+    assert_eq!(
+        (&snap["sandbox"], &snap["parent"]),
+        (&json!(id), &Value::Null),
+        "{snap}"
+    );
+    let snap_dir = PathBuf::from(snap["dir"].as_str().expect("dir"));
+    assert!(snap_dir.join("vmstate").is_file() && snap_dir.join("memory").is_file());
+    assert_eq!(server.get(&id)["state"], "running");
+    assert_eq!(vmm_state(&sandbox), "Running");
+    let (status, list) = server.call("GET", &format!("/snapshots?sandbox={id}"), None);
+    assert_eq!(status, 200);
+    assert_eq!(list["snapshots"][0]["id"], snap_id.as_str(), "{list}");
+
+    // Create from the snapshot: a restore (the guest does not boot again), with a parent chain.
+    let restored = server.create(json!({"snapshot": snap_id, "ttl_s": 300}));
+    let restored_id = restored["id"].as_str().expect("id").to_string();
+    assert_eq!(restored["template"], "guest");
+    let (pid, _) = pid_of(&restored);
+    assert!(cmdline(pid).contains("--restore"), "{}", cmdline(pid));
+    assert_eq!(vmm_state(&restored), "Running");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !console(&restored).contains("ready"),
+        "the restored guest booted: {}",
+        console(&restored)
+    );
+    let (status, child_snap) = server.call(
+        "POST",
+        &format!("/sandboxes/{restored_id}/snapshots"),
+        Some(json!({"stop": true})),
+    );
+    assert_eq!(status, 201, "{child_snap}");
+    assert_eq!(child_snap["parent"], snap_id.as_str(), "{child_snap}");
+    assert_eq!(server.get(&restored_id)["state"], "deleted");
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"snapshot": "snap-00000000000000ff", "ttl_s": 30})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"].as_str().expect("error").contains("snapshot"),
+        "{body}"
+    );
+
+    // Fork into 3: each is its own running sandbox.
+    let (status, forked) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(json!({"count": 3, "labels": {"fork": "1"}})),
+    );
+    assert_eq!(status, 200, "{forked}\n{}", server.log());
+    let results = forked["results"].as_array().expect("results");
+    assert_eq!(results.len(), 3);
+    let mut fork_pids = BTreeSet::new();
+    for result in results {
+        assert_eq!(result["error"], Value::Null, "{result}");
+        let child = &result["sandbox"];
+        assert_eq!(
+            (
+                &child["state"],
+                &child["labels"]["fork"],
+                &child["metadata"]["forked_from"]
+            ),
+            (&json!("running"), &json!("1"), &json!(id)),
+            "{child}"
+        );
+        let (pid, start) = pid_of(child);
+        assert!(vm::is_ours(pid, start));
+        fork_pids.insert(pid);
+        assert_eq!(vmm_state(child), "Running");
+    }
+    assert_eq!(fork_pids.len(), 3);
+    assert_eq!(server.get(&id)["state"], "running");
+
+    // Reset: same id, a new VMM restored from the given snapshot.
+    let before = pid_of(&server.get(&id));
+    let (status, reset) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/reset"),
+        Some(json!({"snapshot": snap_id})),
+    );
+    assert_eq!(status, 200, "{reset}\n{}", server.log());
+    assert_eq!(
+        (&reset["id"], &reset["state"]),
+        (&json!(id), &json!("running"))
+    );
+    let after = pid_of(&reset);
+    assert_ne!(after, before);
+    assert!(!vm::is_ours(before.0, before.1), "the old VMM still runs");
+    assert!(cmdline(after.0).contains("--restore"));
+    assert_eq!(vmm_state(&reset), "Running");
+    // The reaper does not take the reset for an exit.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(server.get(&id)["state"], "running");
+    // Without a snapshot it goes back to the one it came from now.
+    let (status, again) = server.call("POST", &format!("/sandboxes/{id}/reset"), Some(json!({})));
+    assert_eq!(status, 200, "{again}");
+    assert_ne!(pid_of(&again), after);
+    // A sandbox that came from no snapshot resets by booting afresh.
+    let fresh = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let fresh_id = fresh["id"].as_str().expect("id");
+    let (status, rebooted) = server.call("POST", &format!("/sandboxes/{fresh_id}/reset"), None);
+    assert_eq!(status, 200, "{rebooted}");
+    wait_for(
+        "the rebooted guest's ready line",
+        Duration::from_secs(30),
+        || console(&rebooted).contains("rollbox-test-guest: ready"),
+    );
+
+    // Delete a snapshot: its files go; deleting it again is success.
+    let (status, _) = server.call("DELETE", &format!("/snapshots/{snap_id}"), None);
+    assert_eq!(status, 204);
+    assert!(!snap_dir.exists());
+    let (status, _) = server.call("DELETE", &format!("/snapshots/{snap_id}"), None);
+    assert_eq!(status, 204);
+    let (status, _) = server.call("GET", &format!("/snapshots/{snap_id}"), None);
+    assert_eq!(status, 404);
+
+    // The CLI: snapshot, create --snapshot, fork, reset.
+    let cli = |args: &[&str]| -> String {
+        let output = Command::new(rollbox_binary())
+            .args(["sandbox", "--socket"])
+            .arg(server.sock())
+            .arg("--api-key-file")
+            .arg(server.dir.path().join("key"))
+            .args(args)
+            .output()
+            .expect("rollbox sandbox");
+        assert!(output.status.success(), "{args:?}: {output:?}");
+        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    };
+    let snap = cli(&["snapshot", &id]);
+    assert!(snap.starts_with("snap-"), "{snap}");
+    assert!(cli(&["snapshots", "--sandbox", &id]).contains(&snap));
+    let restored = cli(&["--json", "create", "--snapshot", &snap, "--ttl", "60"]);
+    let restored: Value = serde_json::from_str(&restored).expect("json");
+    assert_eq!(restored["state"], "running");
+    let forks = cli(&["fork", &id, "--count", "2"]);
+    assert_eq!(
+        forks.lines().filter(|l| l.starts_with("sb-")).count(),
+        2,
+        "{forks}"
+    );
+    assert!(cli(&["reset", &id, "--snapshot", &snap]).contains("reset"));
+    cli(&["snapshot-rm", &snap]);
+}

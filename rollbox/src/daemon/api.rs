@@ -40,7 +40,15 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/sandboxes/{id}/files/list"),
     ("GET", "/sandboxes/{id}/tar"),
     ("PUT", "/sandboxes/{id}/tar"),
+    ("POST", "/sandboxes/{id}/snapshots"),
+    ("POST", "/sandboxes/{id}/fork"),
+    ("POST", "/sandboxes/{id}/reset"),
+    ("GET", "/snapshots"),
+    ("GET", "/snapshots/{snapshot}"),
+    ("DELETE", "/snapshots/{snapshot}"),
 ];
+/// Most sandboxes one fork makes.
+pub const MAX_FORK: u32 = 64;
 
 /// Limits on what a request may ask for.
 pub const MAX_VCPUS: u32 = 32;
@@ -174,10 +182,12 @@ struct TemplateBody {
     memory_mib: Option<i64>,
 }
 
-/// POST /sandboxes, validated.
+/// POST /sandboxes, validated: from a template (boot) or from a snapshot (restore).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CreateSandbox {
+    /// The template's name; empty when `snapshot` is given (the snapshot names it).
     pub template: String,
+    pub snapshot: Option<String>,
     pub vcpus: Option<u32>,
     pub memory_mib: Option<u32>,
     pub ttl_s: Option<u64>,
@@ -190,7 +200,8 @@ pub struct CreateSandbox {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CreateBody {
-    template: String,
+    template: Option<String>,
+    snapshot: Option<String>,
     vcpus: Option<i64>,
     memory_mib: Option<i64>,
     ttl_s: Option<i64>,
@@ -447,6 +458,63 @@ impl FileOp {
     }
 }
 
+/// A memory snapshot of a sandbox (the VMM's Full snapshot, plus a copy of its rootfs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub id: String,
+    /// The sandbox it was taken of.
+    pub sandbox: String,
+    /// The snapshot that sandbox was restored (or last reset) from: the parent chain.
+    pub parent: Option<String>,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// `vmstate`, `memory`, and `rootfs.img` when the template has a rootfs.
+    pub dir: PathBuf,
+    pub created_at_ms: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    #[serde(default)]
+    stop: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    count: i64,
+    ttl_s: Option<i64>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResetBody {
+    snapshot: Option<String>,
+}
+
+/// One sandbox of a fork: made, or why not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkResult {
+    pub sandbox: Option<Sandbox>,
+    pub error: Option<String>,
+}
+
+/// Snapshot ids: `snap-` and 16 lowercase hex digits.
+pub fn check_snapshot_id(id: &str, field: &str) -> Result<String, ApiError> {
+    let hex = id.strip_prefix("snap-").unwrap_or("");
+    if hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(id.to_string())
+    } else {
+        Err(bad(format!(
+            "{field}: {id:?} is not a snapshot id (snap- and 16 hex digits)"
+        )))
+    }
+}
+
 /// What a request asks for.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -480,6 +548,27 @@ pub enum Action {
     File {
         id: String,
         op: FileOp,
+    },
+    /// Snapshot a sandbox; `stop` ends it afterwards.
+    Snapshot {
+        id: String,
+        stop: bool,
+    },
+    ListSnapshots {
+        sandbox: Option<String>,
+    },
+    GetSnapshot(String),
+    DeleteSnapshot(String),
+    Fork {
+        id: String,
+        count: u32,
+        ttl_s: Option<u64>,
+        labels: BTreeMap<String, String>,
+    },
+    /// Same id, fresh state: from `snapshot`, else the one it came from (else a fresh boot).
+    Reset {
+        id: String,
+        snapshot: Option<String>,
     },
 }
 
@@ -546,6 +635,58 @@ pub fn parse(
                 signal: parse_signal(&body.signal)?,
                 group: body.group,
             }
+        }
+        ("POST", ["sandboxes", id, "snapshots"]) => {
+            let id = check_id(id)?;
+            let stop = if body.is_empty() {
+                false
+            } else {
+                from_json::<SnapshotBody>(body)?.stop
+            };
+            Action::Snapshot { id, stop }
+        }
+        ("POST", ["sandboxes", id, "fork"]) => {
+            let id = check_id(id)?;
+            let body: ForkBody = from_json(body)?;
+            check_labels(&body.labels)?;
+            Action::Fork {
+                id,
+                count: in_range(Some(body.count), "count", 1, MAX_FORK)?.unwrap_or(1),
+                ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
+                labels: body.labels,
+            }
+        }
+        ("POST", ["sandboxes", id, "reset"]) => {
+            let id = check_id(id)?;
+            let snapshot = if body.is_empty() {
+                None
+            } else {
+                from_json::<ResetBody>(body)?.snapshot
+            };
+            Action::Reset {
+                id,
+                snapshot: snapshot
+                    .map(|s| check_snapshot_id(&s, "snapshot"))
+                    .transpose()?,
+            }
+        }
+        ("GET", ["snapshots"]) => {
+            let mut sandbox = None;
+            for (name, value) in query_pairs(query)? {
+                match name.as_str() {
+                    "sandbox" => sandbox = Some(check_id(&value)?),
+                    other => {
+                        return Err(bad(format!("{other}: unknown query parameter (sandbox)")))
+                    }
+                }
+            }
+            return Ok(Action::ListSnapshots { sandbox });
+        }
+        ("GET", ["snapshots", snapshot]) => {
+            Action::GetSnapshot(check_snapshot_id(snapshot, "snapshot")?)
+        }
+        ("DELETE", ["snapshots", snapshot]) => {
+            Action::DeleteSnapshot(check_snapshot_id(snapshot, "snapshot")?)
         }
         (_, ["sandboxes", id, "files" | "tar", ..]) if file_route(method, &segments) => {
             let id = check_id(id)?;
@@ -915,8 +1056,25 @@ fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
             ));
         }
     }
+    let (template, snapshot) = match (body.template, body.snapshot) {
+        (Some(t), None) => (check_template_name(&t, "template")?, None),
+        (None, Some(s)) => {
+            if body.vcpus.is_some() || body.memory_mib.is_some() {
+                return Err(bad(
+                    "vcpus, memory_mib: a restore keeps its snapshot's shape; leave them out",
+                ));
+            }
+            (String::new(), Some(check_snapshot_id(&s, "snapshot")?))
+        }
+        _ => {
+            return Err(bad(
+                "template: give exactly one of template (boot) and snapshot (restore)",
+            ))
+        }
+    };
     Ok(CreateSandbox {
-        template: check_template_name(&body.template, "template")?,
+        template,
+        snapshot,
         vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?,
         memory_mib: in_range(body.memory_mib, "memory_mib", 1, MAX_MEMORY_MIB)?,
         ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
@@ -1111,7 +1269,8 @@ mod tests {
         for (method, pattern) in ROUTES {
             let path = pattern
                 .replace("{id}", "sb-0123456789abcdef")
-                .replace("{name}", "guest");
+                .replace("{name}", "guest")
+                .replace("{snapshot}", "snap-0123456789abcdef");
             let path = path.replace("{pid}", "42");
             let body: &[u8] = match (*method, path.as_str()) {
                 ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
@@ -1119,6 +1278,7 @@ mod tests {
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
                 ("POST", p) if p.ends_with("exec") => br#"{"cmd":["true"]}"#,
                 ("POST", p) if p.ends_with("signal") => br#"{"signal":"TERM"}"#,
+                ("POST", p) if p.ends_with("fork") => br#"{"count":2}"#,
                 _ => b"",
             };
             let query = (path.contains("/files") || path.ends_with("/tar")).then_some("path=/x");
@@ -1255,6 +1415,71 @@ mod tests {
             assert!(message.contains(field), "{query}: {message:?}");
         }
         assert!(is_upload("PUT", "/sandboxes/x/tar") && !is_upload("GET", "/sandboxes/x/tar"));
+    }
+
+    #[test]
+    fn snapshot_fork_reset_and_restore_bodies() {
+        let sb = "/sandboxes/sb-0123456789abcdef";
+        let snap = "snap-0123456789abcdef";
+        let create = parse(
+            "POST",
+            "/sandboxes",
+            None,
+            format!(r#"{{"snapshot":"{snap}","ttl_s":5}}"#).as_bytes(),
+        )
+        .expect("restore");
+        assert!(
+            matches!(create, Action::CreateSandbox(CreateSandbox { ref snapshot, .. }) if snapshot.as_deref() == Some(snap))
+        );
+        for (body, field) in [
+            (
+                format!(r#"{{"snapshot":"{snap}","template":"t"}}"#),
+                "template",
+            ),
+            (format!(r#"{{"snapshot":"{snap}","vcpus":2}}"#), "vcpus"),
+            (r#"{"snapshot":"snap-xyz"}"#.to_string(), "snapshot"),
+        ] {
+            let message = err(parse("POST", "/sandboxes", None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+        assert_eq!(
+            parse("POST", &format!("{sb}/snapshots"), None, b"").expect("snapshot"),
+            Action::Snapshot {
+                id: "sb-0123456789abcdef".into(),
+                stop: false
+            }
+        );
+        assert!(matches!(
+            parse(
+                "POST",
+                &format!("{sb}/snapshots"),
+                None,
+                br#"{"stop":true}"#
+            ),
+            Ok(Action::Snapshot { stop: true, .. })
+        ));
+        for (body, field) in [
+            (r#"{"count":0}"#, "count"),
+            (r#"{"count":65}"#, "count"),
+            (r#"{"count":2,"ttl_s":-1}"#, "ttl_s"),
+            (r#"{"count":2,"labels":{"bad key":"v"}}"#, "labels"),
+        ] {
+            let message = err(parse("POST", &format!("{sb}/fork"), None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+        assert!(err(parse(
+            "POST",
+            &format!("{sb}/reset"),
+            None,
+            br#"{"snapshot":"x"}"#
+        ))
+        .contains("snapshot"));
+        assert!(matches!(
+            parse("POST", &format!("{sb}/reset"), None, b""),
+            Ok(Action::Reset { snapshot: None, .. })
+        ));
+        assert!(err(parse("GET", "/snapshots/nope", None, b"")).contains("snapshot"));
+        assert!(err(parse("GET", "/snapshots", Some("sandbox=x"), b"")).contains("id"));
     }
 
     #[test]

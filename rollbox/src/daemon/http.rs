@@ -332,6 +332,13 @@ fn reply_response(reply: Reply) -> Response<Out> {
         }
         Reply::Sandboxes(list) => json_response(200, &list),
         Reply::Exec(result) => json_response(200, &result),
+        Reply::Snapshot { created, snapshot } => {
+            json_response(if created { 201 } else { 200 }, &snapshot)
+        }
+        Reply::Snapshots(snapshots) => {
+            json_response(200, &serde_json::json!({ "snapshots": snapshots }))
+        }
+        Reply::Forked(results) => json_response(200, &serde_json::json!({ "results": results })),
         Reply::File(info) => json_response(200, &info),
         Reply::Files(entries) => json_response(200, &serde_json::json!({ "entries": entries })),
         Reply::Written { path, bytes } => {
