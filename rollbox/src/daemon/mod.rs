@@ -2,10 +2,12 @@
 //! → [`Reply`]. One `rollbox-vmm` process per sandbox, state in SQLite, a reaper for TTLs and
 //! VMMs that ended, and re-attachment to live VMMs after a restart.
 //!
-//! Exec and files go through the sandbox's guest agent ([`guest`]).
+//! Exec and files go through the sandbox's guest agent ([`guest`]); snapshots, restores, fork
+//! and reset are in [`snapshots`].
 //!
-//! Not here yet (issue 11): snapshots, fork, reset, batches, usage, and templates built from
-//! OCI images (`rollbox::images` builds the rootfs; register it with `rootfs`).
+//! Not here yet (issue 11): batches, usage, snapshot retention, boot snapshots of templates,
+//! and templates built from OCI images (`rollbox::images` builds the rootfs; register it with
+//! `rootfs`).
 
 pub mod api;
 pub mod client;
@@ -626,6 +628,20 @@ impl Daemon {
             let name = entry.file_name().to_string_lossy().to_string();
             if !keep.contains_key(&name) {
                 let _ = remove_dir(&entry.path());
+            }
+        }
+        // Snapshot directories of no recorded snapshot (a daemon killed mid-snapshot).
+        let recorded: std::collections::HashSet<PathBuf> = self
+            .store()
+            .snapshots(None)?
+            .into_iter()
+            .map(|s| s.dir)
+            .collect();
+        if let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) {
+            for entry in entries.flatten() {
+                if !recorded.contains(&entry.path()) {
+                    let _ = remove_dir(&entry.path());
+                }
             }
         }
         if !keep.is_empty() {
