@@ -8,8 +8,8 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
-use rollbox::daemon::api::{Sandbox, SandboxList, Template};
-use rollbox::daemon::client::{ClientError, Endpoint, Response};
+use rollbox::daemon::api::{Sandbox, SandboxList, Snapshot, Template};
+use rollbox::daemon::client::{ClientError, Endpoint, Response, Streaming};
 use rollbox::daemon::{Listen, ServeOptions};
 
 /// A CLI command that failed.
@@ -41,6 +41,15 @@ pub enum CliError {
     Answer(serde_json::Error),
     #[error("--{flag} {pair:?}: expected KEY=VALUE")]
     KeyValue { flag: &'static str, pair: String },
+    #[error("{path}: {source}")]
+    Local {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the daemon's stream broke off: {0}")]
+    Stream(String),
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// Where `rollbox serve` listens, and the CLI connects, without --socket or --url.
@@ -70,6 +79,10 @@ pub struct ServeArgs {
     /// Creates in flight at once; more get 429 with Retry-After.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     max_pending_creates: u64,
+    /// Test only: send every sandbox's agent traffic (exec, files) to this hybrid-vsock Unix
+    /// socket, e.g. a host `rollbox-agent --listen-unix PATH`, instead of the sandbox's own.
+    #[arg(long, value_name = "PATH", hide = true)]
+    test_agent_socket: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -91,9 +104,13 @@ pub struct ConnArgs {
 
 #[derive(Subcommand)]
 pub enum SandboxCommand {
-    /// Create a sandbox from a template and print it.
+    /// Create a sandbox from a template (a boot) or from a snapshot (a restore) and print it.
     Create {
-        template: String,
+        #[arg(required_unless_present = "snapshot", conflicts_with = "snapshot")]
+        template: Option<String>,
+        /// Restore this snapshot instead of booting a template.
+        #[arg(long, value_name = "SNAPSHOT_ID")]
+        snapshot: Option<String>,
         /// Hard TTL in seconds (required unless the daemon has --default-ttl).
         #[arg(long, value_name = "SECS")]
         ttl: Option<i64>,
@@ -147,6 +164,70 @@ pub enum SandboxCommand {
         id: String,
         #[arg(long, value_name = "SECS")]
         ttl: i64,
+    },
+    /// Run a command in the sandbox, streaming its output; exits with its status (128 +
+    /// signal when a signal ended it, 124 on timeout).
+    Exec {
+        id: String,
+        /// NAME=VALUE (repeatable).
+        #[arg(long = "env", short = 'e', value_name = "NAME=VALUE")]
+        env: Vec<String>,
+        /// Working directory in the sandbox (absolute).
+        #[arg(long, value_name = "DIR")]
+        cwd: Option<String>,
+        /// User name or uid in the sandbox.
+        #[arg(long)]
+        user: Option<String>,
+        /// Kill the command's process group after this many seconds.
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<f64>,
+        /// The command and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        cmd: Vec<String>,
+    },
+    /// Copy a file or directory between the host and a sandbox, like `docker cp`: one side is
+    /// ID:/absolute/path. A directory's contents land in DEST (created if missing); a file
+    /// lands at DEST, or in it when DEST is a directory (host) or ends with / (sandbox).
+    Cp {
+        src: String,
+        dest: String,
+    },
+    /// Take a memory snapshot (the sandbox keeps running unless --stop) and print its id.
+    Snapshot {
+        id: String,
+        /// End the sandbox once the snapshot is taken.
+        #[arg(long)]
+        stop: bool,
+    },
+    /// List snapshots (of one sandbox with --sandbox).
+    Snapshots {
+        #[arg(long, value_name = "ID")]
+        sandbox: Option<String>,
+    },
+    /// Delete snapshots (deleting one that is gone succeeds).
+    SnapshotRm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Fork into N new sandboxes (a fresh snapshot, restored N times); prints each new id
+    /// or why it failed, and fails if any did.
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: i64,
+        /// TTL of the new sandboxes [default: what the parent has left].
+        #[arg(long, value_name = "SECS")]
+        ttl: Option<i64>,
+        /// KEY=VALUE (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+    },
+    /// Reset in place (same id, fresh state) to a snapshot [default: the one it came from;
+    /// a sandbox that came from none boots afresh].
+    Reset {
+        id: String,
+        #[arg(long, value_name = "SNAPSHOT_ID")]
+        snapshot: Option<String>,
     },
 }
 
@@ -237,6 +318,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         max_pending_creates: usize::try_from(args.max_pending_creates).unwrap_or(64),
         reap_interval: Duration::from_millis(250),
         ready_timeout: Duration::from_secs(10),
+        test_agent_socket: args.test_agent_socket,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -342,6 +424,199 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// One request whose answer is read as it comes; a non-2xx answer becomes an error.
+    fn open(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&mut dyn std::io::Read, u64)>,
+        content_type: &str,
+    ) -> Result<Streaming, CliError> {
+        let auth = format!("Bearer {}", self.key);
+        let response = self
+            .endpoint
+            .open(
+                method,
+                path,
+                &[("Authorization", &auth), ("Content-Type", content_type)],
+                body,
+                Duration::from_secs(3600),
+            )
+            .map_err(|e| {
+                if e.is_connect() {
+                    CliError::NotRunning(e)
+                } else {
+                    CliError::Request(e)
+                }
+            })?;
+        if (200..300).contains(&response.status) {
+            return Ok(response);
+        }
+        let response = response.into_response().map_err(CliError::Request)?;
+        Err(CliError::Refused {
+            status: response.status,
+            message: response.error_message(),
+            hint: "",
+        })
+    }
+}
+
+/// `rollbox sandbox exec`: streams the command's output; returns its exit status.
+fn exec(conn: &Conn, id: &str, body: Value) -> Result<u8, CliError> {
+    use rollbox::daemon::api::{decode_bytes, ExecLine, ExecRecord};
+    use std::io::{BufRead, Write};
+    let text = body.to_string();
+    let mut source = text.as_bytes();
+    let len = source.len() as u64;
+    let response = conn.open(
+        "POST",
+        &format!("/sandboxes/{id}/exec?stream=true"),
+        Some((&mut source, len)),
+        "application/json",
+    )?;
+    let mut lines = std::io::BufReader::new(response);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = lines
+            .read_line(&mut line)
+            .map_err(|e| CliError::Stream(e.to_string()))?;
+        if n == 0 {
+            return Err(CliError::Stream("it ended before the exit line".into()));
+        }
+        let parsed: ExecLine = serde_json::from_str(&line).map_err(CliError::Answer)?;
+        match parsed.record {
+            ExecRecord::Started { .. } => {}
+            ExecRecord::Stdout { data, encoding } => {
+                let mut out = std::io::stdout().lock();
+                let bytes = decode_bytes(&data, encoding).unwrap_or_default();
+                let _ = out.write_all(&bytes).and_then(|()| out.flush());
+            }
+            ExecRecord::Stderr { data, encoding } => {
+                let mut err = std::io::stderr().lock();
+                let bytes = decode_bytes(&data, encoding).unwrap_or_default();
+                let _ = err.write_all(&bytes).and_then(|()| err.flush());
+            }
+            ExecRecord::Exit(exit) => {
+                if exit.oom {
+                    eprintln!("rollbox: the OOM killer killed the command");
+                }
+                if exit.truncated {
+                    eprintln!("rollbox: output beyond the cap was dropped");
+                }
+                return Ok(if exit.timed_out {
+                    eprintln!("rollbox: timed out; the process group was killed");
+                    124
+                } else if let Some(signal) = exit.signal {
+                    128u8.saturating_add(u8::try_from(signal).unwrap_or(127))
+                } else {
+                    exit.exit_code
+                        .and_then(|c| u8::try_from(c & 0xff).ok())
+                        .unwrap_or(1)
+                });
+            }
+            ExecRecord::Error { message } => return Err(CliError::Stream(message)),
+        }
+    }
+}
+
+/// `ID:/path` → (id, path); anything else is a host path.
+fn remote(spec: &str) -> Option<(&str, &str)> {
+    let (id, path) = spec.split_once(':')?;
+    (id.starts_with("sb-") && path.starts_with('/')).then_some((id, path))
+}
+
+fn base_name(path: &str) -> Result<&str, CliError> {
+    std::path::Path::new(path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| CliError::Usage(format!("{path:?} names no file")))
+}
+
+/// `rollbox sandbox cp`.
+fn copy(conn: &Conn, src: &str, dest: &str) -> Result<(), CliError> {
+    let local = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| CliError::Local { path, source }
+    };
+    match (remote(src), remote(dest)) {
+        (None, Some((id, to))) => {
+            let from = std::path::Path::new(src);
+            let meta = std::fs::metadata(from).map_err(local(from))?;
+            if meta.is_dir() {
+                let mut archive = tar::Builder::new(Vec::new());
+                archive.follow_symlinks(false);
+                archive.append_dir_all(".", from).map_err(local(from))?;
+                let data = archive.into_inner().map_err(local(from))?;
+                let len = data.len() as u64;
+                conn.open(
+                    "PUT",
+                    &format!("/sandboxes/{id}/tar?path={}", encode(to)),
+                    Some((&mut data.as_slice(), len)),
+                    "application/x-tar",
+                )?
+                .into_response()
+                .map_err(CliError::Request)?;
+            } else {
+                let to = if to.ends_with('/') {
+                    format!("{to}{}", base_name(src)?)
+                } else {
+                    to.to_string()
+                };
+                let mut file = std::fs::File::open(from).map_err(local(from))?;
+                conn.open(
+                    "PUT",
+                    &format!("/sandboxes/{id}/files?path={}&parents=true", encode(&to)),
+                    Some((&mut file, meta.len())),
+                    "application/octet-stream",
+                )?
+                .into_response()
+                .map_err(CliError::Request)?;
+            }
+            Ok(())
+        }
+        (Some((id, from)), None) => {
+            let info = conn.call(
+                "GET",
+                &format!("/sandboxes/{id}/files/stat?path={}", encode(from)),
+                None,
+            )?;
+            let info: rollbox::daemon::api::FileInfo = parse(&info)?;
+            let to = std::path::Path::new(dest);
+            let broken = |e: std::io::Error| CliError::Stream(e.to_string());
+            if info.kind == rollbox_agent_protocol::messages::FileKind::Dir {
+                std::fs::create_dir_all(to).map_err(local(to))?;
+                let response = conn.open(
+                    "GET",
+                    &format!("/sandboxes/{id}/tar?path={}", encode(from)),
+                    None,
+                    "application/json",
+                )?;
+                tar::Archive::new(response).unpack(to).map_err(local(to))?;
+            } else {
+                let target = if to.is_dir() {
+                    to.join(base_name(from)?)
+                } else {
+                    to.to_path_buf()
+                };
+                let mut response = conn.open(
+                    "GET",
+                    &format!("/sandboxes/{id}/files?path={}", encode(from)),
+                    None,
+                    "application/json",
+                )?;
+                let mut file = std::fs::File::create(&target).map_err(local(&target))?;
+                std::io::copy(&mut response, &mut file).map_err(broken)?;
+            }
+            Ok(())
+        }
+        _ => Err(CliError::Usage(format!(
+            "cp {src} {dest}: exactly one side must be ID:/absolute/path in a sandbox"
+        ))),
+    }
+}
+
 fn key_values(
     pairs: &[String],
     flag: &'static str,
@@ -433,10 +708,11 @@ fn print_sandbox(s: &Sandbox) {
     }
 }
 
-fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), CliError> {
+fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
     match command {
         SandboxCommand::Create {
             template,
+            snapshot,
             ttl,
             idle_ttl,
             vcpus,
@@ -446,10 +722,14 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), CliError> {
             idempotency_key,
         } => {
             let mut body = json!({
-                "template": template,
                 "labels": key_values(&labels, "label")?,
                 "metadata": key_values(&metadata, "metadata")?,
             });
+            match (template, snapshot) {
+                (_, Some(snapshot)) => body["snapshot"] = json!(snapshot),
+                (Some(template), None) => body["template"] = json!(template),
+                (None, None) => {}
+            }
             for (field, value) in [
                 ("ttl_s", ttl),
                 ("idle_ttl_s", idle_ttl),
@@ -544,8 +824,122 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<(), CliError> {
                 );
             }
         }
+        SandboxCommand::Exec {
+            id,
+            env,
+            cwd,
+            user,
+            timeout,
+            cmd,
+        } => {
+            let mut body = json!({ "cmd": cmd, "env": Value::Object(key_values(&env, "env")?) });
+            if let Some(cwd) = cwd {
+                body["cwd"] = json!(cwd);
+            }
+            if let Some(user) = user {
+                body["user"] = json!(user);
+            }
+            if let Some(timeout) = timeout {
+                body["timeout_s"] = json!(timeout);
+            }
+            return exec(conn, &id, body);
+        }
+        SandboxCommand::Cp { src, dest } => copy(conn, &src, &dest)?,
+        SandboxCommand::Snapshot { id, stop } => {
+            let response = conn.call(
+                "POST",
+                &format!("/sandboxes/{id}/snapshots"),
+                Some(json!({ "stop": stop })),
+            )?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let snapshot: Snapshot = parse(&response)?;
+                println!("{}", snapshot.id);
+            }
+        }
+        SandboxCommand::Snapshots { sandbox } => {
+            let path = match sandbox {
+                Some(id) => format!("/snapshots?sandbox={}", encode(&id)),
+                None => "/snapshots".to_string(),
+            };
+            let response = conn.call("GET", &path, None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let list: Value = parse(&response)?;
+                let snapshots: Vec<Snapshot> =
+                    serde_json::from_value(list["snapshots"].clone()).map_err(CliError::Answer)?;
+                println!("{:<22} {:<20} {:<22} TEMPLATE", "ID", "SANDBOX", "PARENT");
+                for s in snapshots {
+                    println!(
+                        "{:<22} {:<20} {:<22} {}",
+                        s.id,
+                        s.sandbox,
+                        s.parent.as_deref().unwrap_or("-"),
+                        s.template
+                    );
+                }
+            }
+        }
+        SandboxCommand::SnapshotRm { ids } => {
+            for id in ids {
+                conn.call("DELETE", &format!("/snapshots/{id}"), None)?;
+                if !conn.json {
+                    println!("{id} deleted");
+                }
+            }
+        }
+        SandboxCommand::Fork {
+            id,
+            count,
+            ttl,
+            labels,
+        } => {
+            let mut body = json!({ "count": count, "labels": key_values(&labels, "label")? });
+            if let Some(ttl) = ttl {
+                body["ttl_s"] = json!(ttl);
+            }
+            let response = conn.call("POST", &format!("/sandboxes/{id}/fork"), Some(body))?;
+            if conn.json {
+                print_json(&response);
+            }
+            let answer: Value = parse(&response)?;
+            let results: Vec<rollbox::daemon::api::ForkResult> =
+                serde_json::from_value(answer["results"].clone()).map_err(CliError::Answer)?;
+            let mut failed = 0usize;
+            for result in &results {
+                match (&result.sandbox, &result.error) {
+                    (Some(sandbox), _) if !conn.json => println!("{}", sandbox.id),
+                    (None, Some(error)) => {
+                        failed += 1;
+                        eprintln!("error: one fork failed: {error}");
+                    }
+                    _ => {}
+                }
+            }
+            if failed > 0 {
+                return Err(CliError::Usage(format!(
+                    "{failed} of {} forks failed (the others run)",
+                    results.len()
+                )));
+            }
+        }
+        SandboxCommand::Reset { id, snapshot } => {
+            let body = match snapshot {
+                Some(s) => json!({ "snapshot": s }),
+                None => json!({}),
+            };
+            let response = conn.call("POST", &format!("/sandboxes/{id}/reset"), Some(body))?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let sandbox: Sandbox = parse(&response)?;
+                println!("{}: reset ({})", sandbox.id, sandbox.state.as_str());
+            }
+        }
     }
-    Ok(())
+    Ok(0)
 }
 
 fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), CliError> {
@@ -646,7 +1040,10 @@ fn finish(result: Result<(), CliError>) -> ExitCode {
 
 /// `rollbox sandbox ...`.
 pub fn sandbox(conn: ConnArgs, command: SandboxCommand) -> ExitCode {
-    finish(Conn::new(&conn).and_then(|conn| run_sandbox(&conn, command)))
+    match Conn::new(&conn).and_then(|conn| run_sandbox(&conn, command)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => finish(Err(e)),
+    }
 }
 
 /// `rollbox template ...`.

@@ -62,6 +62,15 @@ fn debug_binary(packages: &[&str], name: &str) -> PathBuf {
     path
 }
 
+/// Builds `rollbox-agent` for the host (once per test binary) and returns its path: tests run
+/// it with `--listen-unix` as a stand-in for a guest's agent.
+pub fn agent_binary() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| debug_binary(&["rollbox-agent"], "rollbox-agent"))
+        .clone()
+}
+
 /// Builds `rollbox-vmm` (once per test binary) and returns its path.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();

@@ -8,6 +8,13 @@ use serde::{Deserialize, Serialize};
 
 /// The largest request body the daemon reads.
 pub const MAX_BODY: usize = 1 << 20;
+/// The largest file or tar upload (streamed to the agent, never held whole).
+pub const MAX_UPLOAD: usize = 256 << 20;
+/// Default and largest stdout + stderr an exec keeps (the rest is dropped, `truncated` set).
+pub const DEFAULT_OUTPUT_BYTES: u64 = 16 << 20;
+pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
+/// Longest exec timeout: one day.
+pub const MAX_EXEC_TIMEOUT_S: f64 = 86_400.0;
 
 /// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
 /// document (docs/api/openapi.yaml) lists exactly these; a test checks both ways.
@@ -24,7 +31,24 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/sandboxes/{id}/keepalive"),
     ("POST", "/sandboxes/{id}/pause"),
     ("POST", "/sandboxes/{id}/resume"),
+    ("POST", "/sandboxes/{id}/exec"),
+    ("POST", "/sandboxes/{id}/processes/{pid}/signal"),
+    ("GET", "/sandboxes/{id}/files"),
+    ("PUT", "/sandboxes/{id}/files"),
+    ("DELETE", "/sandboxes/{id}/files"),
+    ("GET", "/sandboxes/{id}/files/stat"),
+    ("GET", "/sandboxes/{id}/files/list"),
+    ("GET", "/sandboxes/{id}/tar"),
+    ("PUT", "/sandboxes/{id}/tar"),
+    ("POST", "/sandboxes/{id}/snapshots"),
+    ("POST", "/sandboxes/{id}/fork"),
+    ("POST", "/sandboxes/{id}/reset"),
+    ("GET", "/snapshots"),
+    ("GET", "/snapshots/{snapshot}"),
+    ("DELETE", "/snapshots/{snapshot}"),
 ];
+/// Most sandboxes one fork makes.
+pub const MAX_FORK: u32 = 64;
 
 /// Limits on what a request may ask for.
 pub const MAX_VCPUS: u32 = 32;
@@ -50,8 +74,8 @@ pub enum ApiError {
     MethodNotAllowed { method: String, path: String },
     #[error("{0}")]
     Conflict(String),
-    #[error("request body is over {MAX_BODY} bytes")]
-    TooLarge,
+    #[error("request body is over {0} bytes")]
+    TooLarge(usize),
     #[error("{0} creates are already in flight; retry later")]
     Overloaded(usize),
     #[error("{0}")]
@@ -69,7 +93,7 @@ impl ApiError {
             ApiError::NotFound(_) => 404,
             ApiError::MethodNotAllowed { .. } => 405,
             ApiError::Conflict(_) => 409,
-            ApiError::TooLarge => 413,
+            ApiError::TooLarge(_) => 413,
             ApiError::Overloaded(_) => 429,
             ApiError::Internal(_) => 500,
             ApiError::Unavailable(_) => 503,
@@ -158,10 +182,12 @@ struct TemplateBody {
     memory_mib: Option<i64>,
 }
 
-/// POST /sandboxes, validated.
+/// POST /sandboxes, validated: from a template (boot) or from a snapshot (restore).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CreateSandbox {
+    /// The template's name; empty when `snapshot` is given (the snapshot names it).
     pub template: String,
+    pub snapshot: Option<String>,
     pub vcpus: Option<u32>,
     pub memory_mib: Option<u32>,
     pub ttl_s: Option<u64>,
@@ -174,7 +200,8 @@ pub struct CreateSandbox {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CreateBody {
-    template: String,
+    template: Option<String>,
+    snapshot: Option<String>,
     vcpus: Option<i64>,
     memory_mib: Option<i64>,
     ttl_s: Option<i64>,
@@ -235,6 +262,259 @@ pub struct SandboxList {
     pub next_page_token: Option<String>,
 }
 
+/// What to run: an argv, or a string for `/bin/sh -c`.
+pub use rollbox_agent_protocol::messages::Command as ExecCommand;
+pub use rollbox_agent_protocol::messages::FileInfo;
+
+/// POST /sandboxes/{id}/exec, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Exec {
+    pub command: ExecCommand,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub user: Option<String>,
+    /// Written to the process's stdin, which is then closed (no stdin: /dev/null).
+    pub stdin: Option<Vec<u8>>,
+    pub timeout_ms: Option<u64>,
+    pub max_output_bytes: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum CmdBody {
+    Argv(Vec<String>),
+    Shell(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExecBody {
+    cmd: CmdBody,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    cwd: Option<String>,
+    user: Option<String>,
+    stdin: Option<String>,
+    timeout_s: Option<f64>,
+    max_output_bytes: Option<i64>,
+}
+
+/// How a text field of an exec answer is encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Encoding {
+    #[serde(rename = "utf-8")]
+    Utf8,
+    #[serde(rename = "base64")]
+    Base64,
+}
+
+/// Bytes as UTF-8 text when they are, else base64.
+pub fn encode_bytes(bytes: &[u8]) -> (String, Encoding) {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => (text.to_string(), Encoding::Utf8),
+        Err(_) => {
+            use base64::Engine as _;
+            (
+                base64::engine::general_purpose::STANDARD.encode(bytes),
+                Encoding::Base64,
+            )
+        }
+    }
+}
+
+/// The inverse of [`encode_bytes`].
+pub fn decode_bytes(text: &str, encoding: Encoding) -> Option<Vec<u8>> {
+    match encoding {
+        Encoding::Utf8 => Some(text.as_bytes().to_vec()),
+        Encoding::Base64 => {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(text.as_bytes())
+                .ok()
+        }
+    }
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    /// The exit code, when the process exited (not killed by a signal).
+    pub exit_code: Option<i32>,
+    /// The signal that ended it.
+    pub signal: Option<i32>,
+    /// Its timeout fired and its process group was killed.
+    pub timed_out: bool,
+    /// The OOM killer killed a process of it.
+    pub oom: bool,
+    /// Output beyond `max_output_bytes` was dropped.
+    pub truncated: bool,
+    pub duration_ms: u64,
+}
+
+impl From<&rollbox_agent_protocol::messages::ExitStatus> for ExitInfo {
+    fn from(status: &rollbox_agent_protocol::messages::ExitStatus) -> ExitInfo {
+        ExitInfo {
+            exit_code: status.code,
+            signal: status.signal,
+            timed_out: status.timed_out,
+            oom: status.oom_killed,
+            truncated: status.truncated,
+            duration_ms: status.duration_ms,
+        }
+    }
+}
+
+/// The unary exec answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResult {
+    #[serde(flatten)]
+    pub exit: ExitInfo,
+    pub stdout: String,
+    pub stdout_encoding: Encoding,
+    pub stderr: String,
+    pub stderr_encoding: Encoding,
+}
+
+/// One line of a streaming exec (NDJSON); `seq` counts lines from 0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecLine {
+    pub seq: u64,
+    #[serde(flatten)]
+    pub record: ExecRecord,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecRecord {
+    /// The process started: signal it through /sandboxes/{id}/processes/{pid}/signal.
+    Started {
+        pid: u32,
+    },
+    Stdout {
+        data: String,
+        encoding: Encoding,
+    },
+    Stderr {
+        data: String,
+        encoding: Encoding,
+    },
+    /// The last line when the process ended.
+    Exit(ExitInfo),
+    /// The last line when the exec failed after it started.
+    Error {
+        message: String,
+    },
+}
+
+/// POST /sandboxes/{id}/processes/{pid}/signal.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignalBody {
+    signal: SignalValue,
+    #[serde(default)]
+    group: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SignalValue {
+    Number(i64),
+    Name(String),
+}
+
+/// A file operation through the agent; every path is absolute in the sandbox.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FileOp {
+    Read {
+        path: String,
+    },
+    Write {
+        path: String,
+        mode: Option<u32>,
+        parents: bool,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Stat {
+        path: String,
+    },
+    List {
+        path: String,
+    },
+    TarDownload {
+        path: String,
+    },
+    TarUpload {
+        path: String,
+    },
+}
+
+impl FileOp {
+    /// Whether the request body is the data (streamed, up to [`MAX_UPLOAD`]).
+    pub fn uploads(&self) -> bool {
+        matches!(self, FileOp::Write { .. } | FileOp::TarUpload { .. })
+    }
+}
+
+/// A memory snapshot of a sandbox (the VMM's Full snapshot, plus a copy of its rootfs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub id: String,
+    /// The sandbox it was taken of.
+    pub sandbox: String,
+    /// The snapshot that sandbox was restored (or last reset) from: the parent chain.
+    pub parent: Option<String>,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// `vmstate`, `memory`, and `rootfs.img` when the template has a rootfs.
+    pub dir: PathBuf,
+    pub created_at_ms: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    #[serde(default)]
+    stop: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    count: i64,
+    ttl_s: Option<i64>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResetBody {
+    snapshot: Option<String>,
+}
+
+/// One sandbox of a fork: made, or why not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkResult {
+    pub sandbox: Option<Sandbox>,
+    pub error: Option<String>,
+}
+
+/// Snapshot ids: `snap-` and 16 lowercase hex digits.
+pub fn check_snapshot_id(id: &str, field: &str) -> Result<String, ApiError> {
+    let hex = id.strip_prefix("snap-").unwrap_or("");
+    if hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(id.to_string())
+    } else {
+        Err(bad(format!(
+            "{field}: {id:?} is not a snapshot id (snap- and 16 hex digits)"
+        )))
+    }
+}
+
 /// What a request asks for.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -247,9 +527,55 @@ pub enum Action {
     CreateSandbox(CreateSandbox),
     GetSandbox(String),
     DeleteSandbox(String),
-    Keepalive { id: String, ttl_s: u64 },
+    Keepalive {
+        id: String,
+        ttl_s: u64,
+    },
     Pause(String),
     Resume(String),
+    Exec {
+        id: String,
+        exec: Exec,
+        /// Answer NDJSON lines as they come instead of one JSON object at the end.
+        stream: bool,
+    },
+    Signal {
+        id: String,
+        pid: u32,
+        signal: i32,
+        group: bool,
+    },
+    File {
+        id: String,
+        op: FileOp,
+    },
+    /// Snapshot a sandbox; `stop` ends it afterwards.
+    Snapshot {
+        id: String,
+        stop: bool,
+    },
+    ListSnapshots {
+        sandbox: Option<String>,
+    },
+    GetSnapshot(String),
+    DeleteSnapshot(String),
+    Fork {
+        id: String,
+        count: u32,
+        ttl_s: Option<u64>,
+        labels: BTreeMap<String, String>,
+    },
+    /// Same id, fresh state: from `snapshot`, else the one it came from (else a fresh boot).
+    Reset {
+        id: String,
+        snapshot: Option<String>,
+    },
+}
+
+/// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
+pub fn is_upload(method: &str, path: &str) -> bool {
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    method == "PUT" && matches!(segments.as_slice(), ["sandboxes", _, "files" | "tar"])
 }
 
 /// Parses one request into an [`Action`] (the body is already capped at [`MAX_BODY`]).
@@ -286,6 +612,89 @@ pub fn parse(
         }
         ("POST", ["sandboxes", id, "pause"]) => Action::Pause(check_id(id)?),
         ("POST", ["sandboxes", id, "resume"]) => Action::Resume(check_id(id)?),
+        ("POST", ["sandboxes", id, "exec"]) => {
+            let id = check_id(id)?;
+            let stream = parse_stream_query(query)?;
+            return Ok(Action::Exec {
+                id,
+                exec: parse_exec(body)?,
+                stream,
+            });
+        }
+        ("POST", ["sandboxes", id, "processes", pid, "signal"]) => {
+            let id = check_id(id)?;
+            let pid = pid
+                .parse::<u32>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| bad(format!("pid: {pid:?} is not a process id")))?;
+            let body: SignalBody = from_json(body)?;
+            Action::Signal {
+                id,
+                pid,
+                signal: parse_signal(&body.signal)?,
+                group: body.group,
+            }
+        }
+        ("POST", ["sandboxes", id, "snapshots"]) => {
+            let id = check_id(id)?;
+            let stop = if body.is_empty() {
+                false
+            } else {
+                from_json::<SnapshotBody>(body)?.stop
+            };
+            Action::Snapshot { id, stop }
+        }
+        ("POST", ["sandboxes", id, "fork"]) => {
+            let id = check_id(id)?;
+            let body: ForkBody = from_json(body)?;
+            check_labels(&body.labels)?;
+            Action::Fork {
+                id,
+                count: in_range(Some(body.count), "count", 1, MAX_FORK)?.unwrap_or(1),
+                ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
+                labels: body.labels,
+            }
+        }
+        ("POST", ["sandboxes", id, "reset"]) => {
+            let id = check_id(id)?;
+            let snapshot = if body.is_empty() {
+                None
+            } else {
+                from_json::<ResetBody>(body)?.snapshot
+            };
+            Action::Reset {
+                id,
+                snapshot: snapshot
+                    .map(|s| check_snapshot_id(&s, "snapshot"))
+                    .transpose()?,
+            }
+        }
+        ("GET", ["snapshots"]) => {
+            let mut sandbox = None;
+            for (name, value) in query_pairs(query)? {
+                match name.as_str() {
+                    "sandbox" => sandbox = Some(check_id(&value)?),
+                    other => {
+                        return Err(bad(format!("{other}: unknown query parameter (sandbox)")))
+                    }
+                }
+            }
+            return Ok(Action::ListSnapshots { sandbox });
+        }
+        ("GET", ["snapshots", snapshot]) => {
+            Action::GetSnapshot(check_snapshot_id(snapshot, "snapshot")?)
+        }
+        ("DELETE", ["snapshots", snapshot]) => {
+            Action::DeleteSnapshot(check_snapshot_id(snapshot, "snapshot")?)
+        }
+        (_, ["sandboxes", id, "files" | "tar", ..]) if file_route(method, &segments) => {
+            let id = check_id(id)?;
+            return Ok(Action::File {
+                id,
+                op: parse_file_op(method, &segments[2..], query)?,
+            });
+        }
         _ => {
             let known = ROUTES
                 .iter()
@@ -302,6 +711,190 @@ pub fn parse(
     };
     no_query()?;
     Ok(action)
+}
+
+fn file_route(method: &str, segments: &[&str]) -> bool {
+    matches!(
+        (method, segments.get(2..).unwrap_or(&[])),
+        ("GET" | "PUT" | "DELETE", ["files"])
+            | ("GET", ["files", "stat" | "list"])
+            | ("GET" | "PUT", ["tar"])
+    )
+}
+
+fn parse_stream_query(query: Option<&str>) -> Result<bool, ApiError> {
+    let mut stream = false;
+    for (name, value) in query_pairs(query)? {
+        match name.as_str() {
+            "stream" => stream = parse_bool(&value, "stream")?,
+            other => return Err(bad(format!("{other}: unknown query parameter (stream)"))),
+        }
+    }
+    Ok(stream)
+}
+
+fn parse_bool(value: &str, field: &str) -> Result<bool, ApiError> {
+    match value {
+        "true" | "1" | "" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err(bad(format!("{field}: {value:?} is not true or false"))),
+    }
+}
+
+fn query_pairs(query: Option<&str>) -> Result<Vec<(String, String)>, ApiError> {
+    let mut pairs = Vec::new();
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let name = percent_decode(name, "query")?;
+        let value = percent_decode(value, &name)?;
+        pairs.push((name, value));
+    }
+    Ok(pairs)
+}
+
+/// A path in the sandbox: absolute, no `..` (nothing may escape the sandbox's root), no NUL.
+pub fn check_guest_path(path: &str, field: &str) -> Result<String, ApiError> {
+    if !path.starts_with('/') {
+        return Err(bad(format!(
+            "{field}: {path:?} is relative; give an absolute path in the sandbox"
+        )));
+    }
+    if path.split('/').any(|c| c == "..") {
+        return Err(bad(format!(
+            "{field}: {path:?} escapes the sandbox root (it has a .. component)"
+        )));
+    }
+    if path.len() > 4096 || path.contains('\0') {
+        return Err(bad(format!(
+            "{field}: {path:?} is over 4096 bytes or holds a NUL"
+        )));
+    }
+    Ok(path.to_string())
+}
+
+fn parse_file_op(method: &str, rest: &[&str], query: Option<&str>) -> Result<FileOp, ApiError> {
+    let mut path = None;
+    let (mut mode, mut parents, mut recursive) = (None, false, false);
+    let writes = method == "PUT" && rest == ["files"];
+    let removes = method == "DELETE";
+    for (name, value) in query_pairs(query)? {
+        match name.as_str() {
+            "path" => path = Some(check_guest_path(&value, "path")?),
+            "mode" if writes => {
+                mode = Some(
+                    u32::from_str_radix(&value, 8)
+                        .ok()
+                        .filter(|m| *m <= 0o7777)
+                        .ok_or_else(|| bad(format!("mode: {value:?} is not octal 0-7777")))?,
+                )
+            }
+            "parents" if writes => parents = parse_bool(&value, "parents")?,
+            "recursive" if removes => recursive = parse_bool(&value, "recursive")?,
+            other => return Err(bad(format!("{other}: unknown query parameter here"))),
+        }
+    }
+    let path = path.ok_or_else(|| bad("path: required (?path=/absolute/path)"))?;
+    Ok(match (method, rest) {
+        ("GET", ["files"]) => FileOp::Read { path },
+        ("PUT", ["files"]) => FileOp::Write {
+            path,
+            mode,
+            parents,
+        },
+        ("DELETE", _) => FileOp::Remove { path, recursive },
+        ("GET", ["files", "stat"]) => FileOp::Stat { path },
+        ("GET", ["files", "list"]) => FileOp::List { path },
+        ("GET", ["tar"]) => FileOp::TarDownload { path },
+        _ => FileOp::TarUpload { path },
+    })
+}
+
+fn parse_signal(value: &SignalValue) -> Result<i32, ApiError> {
+    const NAMES: &[(&str, i32)] = &[
+        ("HUP", 1),
+        ("INT", 2),
+        ("QUIT", 3),
+        ("KILL", 9),
+        ("USR1", 10),
+        ("USR2", 12),
+        ("TERM", 15),
+        ("CONT", 18),
+        ("STOP", 19),
+    ];
+    match value {
+        SignalValue::Number(n) if (1..=64).contains(n) => Ok(i32::try_from(*n).unwrap_or(15)),
+        SignalValue::Number(n) => Err(bad(format!("signal: {n} is not 1-64"))),
+        SignalValue::Name(name) => {
+            let short = name.strip_prefix("SIG").unwrap_or(name);
+            NAMES
+                .iter()
+                .find(|(n, _)| *n == short)
+                .map(|(_, number)| *number)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "signal: {name:?} is not a number or one of HUP INT QUIT KILL USR1 USR2 TERM CONT STOP"
+                    ))
+                })
+        }
+    }
+}
+
+fn parse_exec(body: &[u8]) -> Result<Exec, ApiError> {
+    let body: ExecBody = from_json(body)?;
+    let command = match body.cmd {
+        CmdBody::Argv(argv) => {
+            if argv.first().is_none_or(|a| a.is_empty()) {
+                return Err(bad("cmd: the argv needs a non-empty program"));
+            }
+            if argv.iter().any(|a| a.contains('\0')) {
+                return Err(bad("cmd: an argument holds a NUL"));
+            }
+            ExecCommand::Argv(argv)
+        }
+        CmdBody::Shell(script) => {
+            if script.trim().is_empty() || script.contains('\0') {
+                return Err(bad("cmd: the shell command is empty or holds a NUL"));
+            }
+            ExecCommand::Shell(script)
+        }
+    };
+    for (key, value) in &body.env {
+        if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
+            return Err(bad(format!(
+                "env: {key:?} is not a variable name (non-empty, no = or NUL)"
+            )));
+        }
+    }
+    let cwd = body.cwd.map(|c| check_guest_path(&c, "cwd")).transpose()?;
+    let timeout_ms = match body.timeout_s {
+        None => None,
+        Some(t) if t > 0.0 && t <= MAX_EXEC_TIMEOUT_S => Some((t * 1000.0).ceil() as u64),
+        Some(t) => {
+            return Err(bad(format!(
+                "timeout_s: {t} is out of range (over 0, at most {MAX_EXEC_TIMEOUT_S})"
+            )))
+        }
+    };
+    let max_output_bytes = match body.max_output_bytes {
+        None => DEFAULT_OUTPUT_BYTES,
+        Some(n) => u64::try_from(n)
+            .ok()
+            .filter(|n| (1..=MAX_OUTPUT_BYTES).contains(n))
+            .ok_or_else(|| {
+                bad(format!(
+                    "max_output_bytes: {n} is out of range (1-{MAX_OUTPUT_BYTES})"
+                ))
+            })?,
+    };
+    Ok(Exec {
+        command,
+        env: body.env,
+        cwd,
+        user: body.user,
+        stdin: body.stdin.map(String::into_bytes),
+        timeout_ms,
+        max_output_bytes,
+    })
 }
 
 fn matches_pattern(pattern: &str, segments: &[&str]) -> bool {
@@ -463,8 +1056,25 @@ fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
             ));
         }
     }
+    let (template, snapshot) = match (body.template, body.snapshot) {
+        (Some(t), None) => (check_template_name(&t, "template")?, None),
+        (None, Some(s)) => {
+            if body.vcpus.is_some() || body.memory_mib.is_some() {
+                return Err(bad(
+                    "vcpus, memory_mib: a restore keeps its snapshot's shape; leave them out",
+                ));
+            }
+            (String::new(), Some(check_snapshot_id(&s, "snapshot")?))
+        }
+        _ => {
+            return Err(bad(
+                "template: give exactly one of template (boot) and snapshot (restore)",
+            ))
+        }
+    };
     Ok(CreateSandbox {
-        template: check_template_name(&body.template, "template")?,
+        template,
+        snapshot,
         vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?,
         memory_mib: in_range(body.memory_mib, "memory_mib", 1, MAX_MEMORY_MIB)?,
         ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
@@ -659,14 +1269,20 @@ mod tests {
         for (method, pattern) in ROUTES {
             let path = pattern
                 .replace("{id}", "sb-0123456789abcdef")
-                .replace("{name}", "guest");
+                .replace("{name}", "guest")
+                .replace("{snapshot}", "snap-0123456789abcdef");
+            let path = path.replace("{pid}", "42");
             let body: &[u8] = match (*method, path.as_str()) {
                 ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
                 ("POST", "/sandboxes") => br#"{"template":"g"}"#,
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
+                ("POST", p) if p.ends_with("exec") => br#"{"cmd":["true"]}"#,
+                ("POST", p) if p.ends_with("signal") => br#"{"signal":"TERM"}"#,
+                ("POST", p) if p.ends_with("fork") => br#"{"count":2}"#,
                 _ => b"",
             };
-            parse(method, &path, None, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+            let query = (path.contains("/files") || path.ends_with("/tar")).then_some("path=/x");
+            parse(method, &path, query, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         }
     }
 
@@ -700,6 +1316,170 @@ mod tests {
             assert!(message.starts_with(field), "{query}: {message:?}");
         }
         assert!(err(parse("GET", "/templates", Some("x=1"), b"")).contains("no query"));
+    }
+
+    #[test]
+    fn exec_bodies_parse_and_validate() {
+        let path = "/sandboxes/sb-0123456789abcdef/exec";
+        let ok = parse(
+            "POST",
+            path,
+            Some("stream=true"),
+            br#"{"cmd":"echo hi","env":{"A":"1"},"cwd":"/tmp","stdin":"x","timeout_s":1.5}"#,
+        )
+        .expect("parse");
+        let Action::Exec { exec, stream, .. } = ok else {
+            panic!("{ok:?}")
+        };
+        assert!(stream);
+        assert_eq!(exec.command, ExecCommand::Shell("echo hi".into()));
+        assert_eq!(exec.timeout_ms, Some(1500));
+        assert_eq!(exec.max_output_bytes, DEFAULT_OUTPUT_BYTES);
+        assert_eq!(exec.stdin.as_deref(), Some(&b"x"[..]));
+        for (body, field) in [
+            (r#"{"cmd":[]}"#, "cmd"),
+            (r#"{"cmd":[""]}"#, "cmd"),
+            (r#"{"cmd":7}"#, "cmd"),
+            (r#"{"cmd":"  "}"#, "cmd"),
+            (r#"{"cmd":["ls"],"cwd":"tmp"}"#, "cwd"),
+            (r#"{"cmd":["ls"],"cwd":"/a/../.."}"#, "cwd"),
+            (r#"{"cmd":["ls"],"env":{"A=B":"x"}}"#, "env"),
+            (r#"{"cmd":["ls"],"timeout_s":0}"#, "timeout_s"),
+            (
+                r#"{"cmd":["ls"],"max_output_bytes":-1}"#,
+                "max_output_bytes",
+            ),
+            (r#"{"cmd":["ls"],"shell":true}"#, "shell"),
+        ] {
+            let message = err(parse("POST", path, None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+        assert!(
+            err(parse("POST", path, Some("stream=maybe"), br#"{"cmd":"x"}"#)).contains("stream")
+        );
+    }
+
+    #[test]
+    fn signals_and_file_paths() {
+        let signal = |body: &[u8]| {
+            parse(
+                "POST",
+                "/sandboxes/sb-0123456789abcdef/processes/9/signal",
+                None,
+                body,
+            )
+        };
+        assert!(matches!(
+            signal(br#"{"signal":"SIGKILL","group":true}"#),
+            Ok(Action::Signal {
+                signal: 9,
+                group: true,
+                pid: 9,
+                ..
+            })
+        ));
+        assert!(matches!(
+            signal(br#"{"signal":2}"#),
+            Ok(Action::Signal { signal: 2, .. })
+        ));
+        assert!(err(signal(br#"{"signal":"BOOM"}"#)).contains("signal"));
+        assert!(err(signal(br#"{"signal":99}"#)).contains("signal"));
+        assert!(err(parse(
+            "POST",
+            "/sandboxes/sb-0123456789abcdef/processes/x/signal",
+            None,
+            br#"{"signal":2}"#
+        ))
+        .contains("pid"));
+        let files = "/sandboxes/sb-0123456789abcdef/files";
+        assert_eq!(
+            parse("PUT", files, Some("path=/a%20b&mode=600&parents=1"), b"").expect("put"),
+            Action::File {
+                id: "sb-0123456789abcdef".into(),
+                op: FileOp::Write {
+                    path: "/a b".into(),
+                    mode: Some(0o600),
+                    parents: true
+                }
+            }
+        );
+        for (method, query, field) in [
+            ("GET", "path=etc/passwd", "relative"),
+            ("GET", "path=/tmp/../../etc", "escapes"),
+            ("GET", "", "path"),
+            ("GET", "path=/x&mode=644", "mode"),
+            ("PUT", "path=/x&mode=999", "mode"),
+            ("DELETE", "path=/x&recursive=perhaps", "recursive"),
+        ] {
+            let message = err(parse(method, files, Some(query), b""));
+            assert!(message.contains(field), "{query}: {message:?}");
+        }
+        assert!(is_upload("PUT", "/sandboxes/x/tar") && !is_upload("GET", "/sandboxes/x/tar"));
+    }
+
+    #[test]
+    fn snapshot_fork_reset_and_restore_bodies() {
+        let sb = "/sandboxes/sb-0123456789abcdef";
+        let snap = "snap-0123456789abcdef";
+        let create = parse(
+            "POST",
+            "/sandboxes",
+            None,
+            format!(r#"{{"snapshot":"{snap}","ttl_s":5}}"#).as_bytes(),
+        )
+        .expect("restore");
+        assert!(
+            matches!(create, Action::CreateSandbox(CreateSandbox { ref snapshot, .. }) if snapshot.as_deref() == Some(snap))
+        );
+        for (body, field) in [
+            (
+                format!(r#"{{"snapshot":"{snap}","template":"t"}}"#),
+                "template",
+            ),
+            (format!(r#"{{"snapshot":"{snap}","vcpus":2}}"#), "vcpus"),
+            (r#"{"snapshot":"snap-xyz"}"#.to_string(), "snapshot"),
+        ] {
+            let message = err(parse("POST", "/sandboxes", None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+        assert_eq!(
+            parse("POST", &format!("{sb}/snapshots"), None, b"").expect("snapshot"),
+            Action::Snapshot {
+                id: "sb-0123456789abcdef".into(),
+                stop: false
+            }
+        );
+        assert!(matches!(
+            parse(
+                "POST",
+                &format!("{sb}/snapshots"),
+                None,
+                br#"{"stop":true}"#
+            ),
+            Ok(Action::Snapshot { stop: true, .. })
+        ));
+        for (body, field) in [
+            (r#"{"count":0}"#, "count"),
+            (r#"{"count":65}"#, "count"),
+            (r#"{"count":2,"ttl_s":-1}"#, "ttl_s"),
+            (r#"{"count":2,"labels":{"bad key":"v"}}"#, "labels"),
+        ] {
+            let message = err(parse("POST", &format!("{sb}/fork"), None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+        assert!(err(parse(
+            "POST",
+            &format!("{sb}/reset"),
+            None,
+            br#"{"snapshot":"x"}"#
+        ))
+        .contains("snapshot"));
+        assert!(matches!(
+            parse("POST", &format!("{sb}/reset"), None, b""),
+            Ok(Action::Reset { snapshot: None, .. })
+        ));
+        assert!(err(parse("GET", "/snapshots/nope", None, b"")).contains("snapshot"));
+        assert!(err(parse("GET", "/snapshots", Some("sandbox=x"), b"")).contains("id"));
     }
 
     #[test]

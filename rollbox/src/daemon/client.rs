@@ -99,6 +99,27 @@ impl Endpoint {
         body: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<Response, ClientError> {
+        let body = body.unwrap_or(b"");
+        let mut all = headers.to_vec();
+        if !body.is_empty() {
+            all.push(("Content-Type", "application/json"));
+        }
+        let mut source: &[u8] = body;
+        let len = body.len() as u64;
+        self.open(method, path, &all, Some((&mut source, len)), timeout)?
+            .into_response()
+    }
+
+    /// Sends one request whose body (of the given length) comes from a reader, and returns
+    /// the response with its body still to read (chunked bodies are decoded).
+    pub fn open(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<(&mut dyn Read, u64)>,
+        timeout: Duration,
+    ) -> Result<Streaming, ClientError> {
         let endpoint = self.to_string();
         let io = |source| ClientError::Io {
             endpoint: endpoint.clone(),
@@ -122,33 +143,72 @@ impl Endpoint {
                 Box::new(s)
             }
         };
-        let body = body.unwrap_or(b"");
+        let length = body.as_ref().map_or(0, |(_, len)| *len);
         let mut head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n",
-            body.len()
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {length}\r\n"
         );
-        if !body.is_empty() {
-            head.push_str("Content-Type: application/json\r\n");
-        }
         for (name, value) in headers {
             head.push_str(&format!("{name}: {value}\r\n"));
         }
         head.push_str("\r\n");
-        let written = stream
-            .write_all(head.as_bytes())
-            .and_then(|()| stream.write_all(body))
-            .and_then(|()| stream.flush());
-        let response = read_response(&mut stream);
+        let written = stream.write_all(head.as_bytes()).and_then(|()| {
+            if let Some((source, len)) = body {
+                let copied = std::io::copy(&mut source.take(len), &mut stream)?;
+                if copied != len {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("the request body ended after {copied} of {len} bytes"),
+                    ));
+                }
+            }
+            stream.flush()
+        });
+        let response = read_head(stream);
         // A server may answer early (a body over its limit) and close: its answer wins.
         if let (Err(e), Err(_)) = (written, &response) {
             return Err(io(e));
         }
-        response.map_err(|e| match e {
+        let mut response = response.map_err(|e| match e {
             ReadError::Io(source) => io(source),
             ReadError::Bad(message) => ClientError::BadResponse {
                 endpoint: endpoint.clone(),
                 message,
             },
+        })?;
+        response.endpoint = endpoint;
+        Ok(response)
+    }
+}
+
+/// A response whose body is read as it comes.
+pub struct Streaming {
+    pub status: u16,
+    /// Header names in lowercase.
+    pub headers: Vec<(String, String)>,
+    pub endpoint: String,
+    body: Box<dyn Read>,
+}
+
+impl Read for Streaming {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.body.read(buf)
+    }
+}
+
+impl Streaming {
+    /// Reads the rest of the body.
+    pub fn into_response(mut self) -> Result<Response, ClientError> {
+        let mut body = Vec::new();
+        self.body
+            .read_to_end(&mut body)
+            .map_err(|e| ClientError::BadResponse {
+                endpoint: self.endpoint.clone(),
+                message: format!("reading the body: {e}"),
+            })?;
+        Ok(Response {
+            status: self.status,
+            headers: self.headers,
+            body,
         })
     }
 }
@@ -158,7 +218,8 @@ enum ReadError {
     Bad(String),
 }
 
-fn read_response(stream: &mut dyn Stream) -> Result<Response, ReadError> {
+/// Reads the status line and headers; the body follows, framed by its length or chunked.
+fn read_head(mut stream: Box<dyn Stream>) -> Result<Streaming, ReadError> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 8192];
     let head_end = loop {
@@ -184,31 +245,114 @@ fn read_response(stream: &mut dyn Stream) -> Result<Response, ReadError> {
         .filter_map(|l| l.split_once(':'))
         .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
-    let length = headers
-        .iter()
-        .find(|(n, _)| n == "content-length")
-        .and_then(|(_, v)| v.parse::<usize>().ok());
-    let mut body = buf[head_end + 4..].to_vec();
-    match length {
-        Some(length) => {
-            while body.len() < length {
-                let n = stream.read(&mut chunk).map_err(ReadError::Io)?;
-                if n == 0 {
-                    return Err(ReadError::Bad("connection closed mid-body".into()));
-                }
-                body.extend_from_slice(&chunk[..n]);
-            }
-            body.truncate(length);
-        }
-        None => {
-            stream.read_to_end(&mut body).map_err(ReadError::Io)?;
-        }
-    }
-    Ok(Response {
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    };
+    let rest = std::io::Cursor::new(buf[head_end + 4..].to_vec()).chain(stream);
+    let body: Box<dyn Read> =
+        if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+            Box::new(Chunked {
+                inner: std::io::BufReader::new(rest),
+                left: 0,
+                done: false,
+            })
+        } else if let Some(length) = header("content-length").and_then(|v| v.parse::<u64>().ok()) {
+            Box::new(Exact {
+                inner: rest.take(length),
+                left: length,
+            })
+        } else {
+            Box::new(rest)
+        };
+    Ok(Streaming {
         status,
         headers,
+        endpoint: String::new(),
         body,
     })
+}
+
+/// A body of a known length: ending early is an error.
+struct Exact<R> {
+    inner: std::io::Take<R>,
+    left: u64,
+}
+
+impl<R: Read> Read for Exact<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.left -= n as u64;
+        if n == 0 && self.left > 0 && !buf.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "connection closed mid-body",
+            ));
+        }
+        Ok(n)
+    }
+}
+
+/// A chunked body, decoded; a body without its final chunk is an error.
+struct Chunked<R> {
+    inner: std::io::BufReader<R>,
+    left: u64,
+    done: bool,
+}
+
+impl<R: Read> Chunked<R> {
+    fn line(&mut self) -> std::io::Result<String> {
+        use std::io::BufRead;
+        let mut line = String::new();
+        if self.inner.read_line(&mut line)? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the chunked body ended without its last chunk (the server broke it off)",
+            ));
+        }
+        Ok(line.trim_end().to_string())
+    }
+}
+
+impl<R: Read> Read for Chunked<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.done || buf.is_empty() {
+            return Ok(0);
+        }
+        if self.left == 0 {
+            let line = self.line()?;
+            let size = line.split(';').next().unwrap_or("").trim();
+            self.left = u64::from_str_radix(size, 16).map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("bad chunk size {line:?}"),
+                )
+            })?;
+            if self.left == 0 {
+                // Trailers, up to the empty line.
+                while !self.line()?.is_empty() {}
+                self.done = true;
+                return Ok(0);
+            }
+        }
+        let want = usize::try_from(self.left)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "connection closed mid-chunk",
+            ));
+        }
+        self.left -= n as u64;
+        if self.left == 0 {
+            self.line()?;
+        }
+        Ok(n)
+    }
 }
 
 #[cfg(test)]
@@ -228,12 +372,33 @@ mod tests {
 
     #[test]
     fn reads_a_response_with_a_length() {
-        let mut data = std::io::Cursor::new(
+        let data = std::io::Cursor::new(
             b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\nRetry-After: 1\r\n\r\n{}extra".to_vec(),
         );
-        let response = read_response(&mut data).ok().expect("response");
+        let response = read_head(Box::new(data))
+            .ok()
+            .expect("head")
+            .into_response()
+            .expect("response");
         assert_eq!(response.status, 201);
         assert_eq!(response.body, b"{}");
         assert_eq!(response.header("retry-after"), Some("1"));
+    }
+
+    #[test]
+    fn decodes_a_chunked_body_and_notices_a_broken_one() {
+        let whole = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
+        let response = read_head(Box::new(std::io::Cursor::new(whole.to_vec())))
+            .ok()
+            .expect("head")
+            .into_response()
+            .expect("response");
+        assert_eq!(response.body, b"abcde");
+        let broken = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n";
+        let result = read_head(Box::new(std::io::Cursor::new(broken.to_vec())))
+            .ok()
+            .expect("head")
+            .into_response();
+        assert!(result.is_err());
     }
 }

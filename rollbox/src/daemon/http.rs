@@ -4,13 +4,84 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::{Bytes, Incoming};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http_body_util::{BodyExt, Limited};
+use hyper::body::{Body, Bytes, Frame, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 
-use super::api::{self, ApiError, MAX_BODY};
+use super::api::{self, Action, ApiError, MAX_BODY, MAX_UPLOAD};
+use super::guest::{BodyTooLarge, Chunk};
 use super::{Daemon, DaemonError, Listen, Reply};
+
+/// A response body: whole, or streamed from a channel (sent chunked).
+pub enum Out {
+    Full(Option<Bytes>),
+    Stream(tokio::sync::mpsc::Receiver<Chunk>),
+}
+
+impl Body for Out {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        match self.get_mut() {
+            Out::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            // An error aborts the response: a chunked body without its end tells the client.
+            Out::Stream(rx) => rx.poll_recv(cx).map(|c| c.map(|c| c.map(Frame::data))),
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            Out::Full(Some(bytes)) => hyper::body::SizeHint::with_exact(bytes.len() as u64),
+            Out::Full(None) => hyper::body::SizeHint::with_exact(0),
+            Out::Stream(_) => hyper::body::SizeHint::default(),
+        }
+    }
+}
+
+/// A request body as an `AsyncRead`, failing with [`BodyTooLarge`] past `limit` bytes.
+struct BodyReader {
+    body: Incoming,
+    left: Bytes,
+    read: usize,
+    limit: usize,
+}
+
+impl tokio::io::AsyncRead for BodyReader {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        while this.left.is_empty() {
+            match Pin::new(&mut this.body).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => return Poll::Ready(Ok(())),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(std::io::Error::other(e))),
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        this.read = this.read.saturating_add(data.len());
+                        if this.read > this.limit {
+                            return Poll::Ready(Err(std::io::Error::other(BodyTooLarge)));
+                        }
+                        this.left = data;
+                    }
+                }
+            }
+        }
+        let n = this.left.len().min(buf.remaining());
+        buf.put_slice(&this.left.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
 
 /// A bound listener.
 pub enum Listener {
@@ -180,7 +251,7 @@ fn authorized(request: &Request<Incoming>, key: &str) -> bool {
         .is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
 }
 
-async fn respond(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn respond(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Response<Out> {
     match handle(daemon, request).await {
         Ok(reply) => reply_response(reply),
         Err(error) => error_response(&error),
@@ -196,18 +267,35 @@ async fn handle(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Result<Repl
         .get(hyper::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return Err(ApiError::TooLarge);
-    }
     let method = request.method().as_str().to_string();
     let path = request.uri().path().to_string();
     let query = request.uri().query().map(str::to_string);
+    if api::is_upload(&method, &path) {
+        if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
+            return Err(ApiError::TooLarge(MAX_UPLOAD));
+        }
+        let Action::File { id, op } = api::parse(&method, &path, query.as_deref(), b"")? else {
+            return Err(ApiError::Internal(format!(
+                "{method} {path} is not an upload"
+            )));
+        };
+        let body = BodyReader {
+            body: request.into_body(),
+            left: Bytes::new(),
+            read: 0,
+            limit: MAX_UPLOAD,
+        };
+        return daemon.upload(&id, op, body).await;
+    }
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(ApiError::TooLarge(MAX_BODY));
+    }
     let body = Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await
         .map_err(|e| {
             if e.is::<http_body_util::LengthLimitError>() {
-                ApiError::TooLarge
+                ApiError::TooLarge(MAX_BODY)
             } else {
                 ApiError::BadRequest(format!("cannot read the request body: {e}"))
             }
@@ -217,10 +305,10 @@ async fn handle(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Result<Repl
     daemon.handle(action).await
 }
 
-fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Full<Bytes>> {
+fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Out> {
     let body = serde_json::to_vec(value)
         .unwrap_or_else(|e| format!(r#"{{"error":"cannot encode the reply: {e}"}}"#).into_bytes());
-    let mut response = Response::new(Full::new(Bytes::from(body)));
+    let mut response = Response::new(Out::Full(Some(Bytes::from(body))));
     *response.status_mut() =
         hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
     response.headers_mut().insert(
@@ -230,7 +318,7 @@ fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Full<By
     response
 }
 
-fn reply_response(reply: Reply) -> Response<Full<Bytes>> {
+fn reply_response(reply: Reply) -> Response<Out> {
     match reply {
         Reply::Health => json_response(200, &serde_json::json!({ "status": "ok" })),
         Reply::Template { created, template } => {
@@ -243,15 +331,36 @@ fn reply_response(reply: Reply) -> Response<Full<Bytes>> {
             json_response(if created { 201 } else { 200 }, &sandbox)
         }
         Reply::Sandboxes(list) => json_response(200, &list),
+        Reply::Exec(result) => json_response(200, &result),
+        Reply::Snapshot { created, snapshot } => {
+            json_response(if created { 201 } else { 200 }, &snapshot)
+        }
+        Reply::Snapshots(snapshots) => {
+            json_response(200, &serde_json::json!({ "snapshots": snapshots }))
+        }
+        Reply::Forked(results) => json_response(200, &serde_json::json!({ "results": results })),
+        Reply::File(info) => json_response(200, &info),
+        Reply::Files(entries) => json_response(200, &serde_json::json!({ "entries": entries })),
+        Reply::Written { path, bytes } => {
+            json_response(201, &serde_json::json!({ "path": path, "bytes": bytes }))
+        }
+        Reply::Stream { content_type, body } => {
+            let mut response = Response::new(Out::Stream(body));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(content_type),
+            );
+            response
+        }
         Reply::NoContent => {
-            let mut response = Response::new(Full::new(Bytes::new()));
+            let mut response = Response::new(Out::Full(None));
             *response.status_mut() = hyper::StatusCode::NO_CONTENT;
             response
         }
     }
 }
 
-fn error_response(error: &ApiError) -> Response<Full<Bytes>> {
+fn error_response(error: &ApiError) -> Response<Out> {
     let mut response = json_response(
         error.status(),
         &serde_json::json!({ "error": error.to_string() }),

@@ -2,12 +2,18 @@
 //! → [`Reply`]. One `rollbox-vmm` process per sandbox, state in SQLite, a reaper for TTLs and
 //! VMMs that ended, and re-attachment to live VMMs after a restart.
 //!
-//! Not here yet (issue 11): exec, files, snapshots, fork, reset, batches, usage, and templates
-//! built from OCI images (`rollbox::images` builds the rootfs; register it with `rootfs`).
+//! Exec and files go through the sandbox's guest agent ([`guest`]); snapshots, restores, fork
+//! and reset are in [`snapshots`].
+//!
+//! Not here yet (issue 11): batches, usage, snapshot retention, boot snapshots of templates,
+//! and templates built from OCI images (`rollbox::images` builds the rootfs; register it with
+//! `rootfs`).
 
 pub mod api;
 pub mod client;
+mod guest;
 mod http;
+mod snapshots;
 pub mod store;
 pub mod vm;
 
@@ -18,7 +24,7 @@ use std::process::Child;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use api::{Action, ApiError, CreateSandbox, Sandbox, SandboxList, State, Template};
+use api::{Action, ApiError, CreateSandbox, Sandbox, SandboxList, Snapshot, State, Template};
 use store::{Inserted, Store, StoreError};
 
 /// A daemon that cannot start or stopped on an error.
@@ -68,6 +74,9 @@ pub struct ServeOptions {
     pub reap_interval: Duration,
     /// How long a new VMM may take to open its API socket.
     pub ready_timeout: Duration,
+    /// Test-only (`--test-agent-socket`): every sandbox's agent traffic goes to this hybrid
+    /// vsock socket (a host `rollbox-agent --listen-unix`) instead of the sandbox's own.
+    pub test_agent_socket: Option<PathBuf>,
 }
 
 fn now_ms() -> u64 {
@@ -93,12 +102,40 @@ fn random_hex() -> String {
 #[derive(Debug)]
 pub enum Reply {
     Health,
-    Template { created: bool, template: Template },
+    Template {
+        created: bool,
+        template: Template,
+    },
     Templates(Vec<Template>),
-    Sandbox { created: bool, sandbox: Sandbox },
+    Sandbox {
+        created: bool,
+        sandbox: Sandbox,
+    },
     Sandboxes(SandboxList),
+    Exec(api::ExecResult),
+    File(api::FileInfo),
+    Files(Vec<api::FileInfo>),
+    Written {
+        path: String,
+        bytes: u64,
+    },
+    Snapshot {
+        created: bool,
+        snapshot: Snapshot,
+    },
+    Snapshots(Vec<Snapshot>),
+    Forked(Vec<api::ForkResult>),
+    /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
+    Stream {
+        content_type: &'static str,
+        body: tokio::sync::mpsc::Receiver<guest::Chunk>,
+    },
     NoContent,
 }
+
+/// Processes of running streaming execs: (sandbox id, pid) → the agent connection and the
+/// exec's request id, which is where the agent takes signals for it.
+type Processes = HashMap<(String, u32), (rollbox_agent_protocol::client::AgentClient, u64)>;
 
 /// The daemon's shared state.
 pub struct Daemon {
@@ -108,6 +145,10 @@ pub struct Daemon {
     /// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
     children: Mutex<HashMap<String, Child>>,
     pending: Arc<tokio::sync::Semaphore>,
+    processes: Mutex<Processes>,
+    /// Sandboxes whose VMM is being swapped (reset) or snapshotted: the reaper leaves them be.
+    busy: Mutex<std::collections::HashSet<String>>,
+    snapshots_dir: PathBuf,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -123,6 +164,10 @@ impl Daemon {
 
     fn children(&self) -> MutexGuard<'_, HashMap<String, Child>> {
         self.children.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn processes(&self) -> MutexGuard<'_, Processes> {
+        self.processes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs one action.
@@ -176,6 +221,35 @@ impl Daemon {
             }
             Action::Pause(id) => self.pause_resume(&id, true).await,
             Action::Resume(id) => self.pause_resume(&id, false).await,
+            Action::Exec { id, exec, stream } => self.exec(&id, exec, stream).await,
+            Action::Signal {
+                id,
+                pid,
+                signal,
+                group,
+            } => self.signal(&id, pid, signal, group).await,
+            Action::File { id, op } => self.file(&id, op).await,
+            Action::Snapshot { id, stop } => self.snapshot(&id, stop).await,
+            Action::ListSnapshots { sandbox } => Ok(Reply::Snapshots(
+                self.store()
+                    .snapshots(sandbox.as_deref())
+                    .map_err(internal)?,
+            )),
+            Action::GetSnapshot(id) => match self.store().snapshot(&id).map_err(internal)? {
+                Some(snapshot) => Ok(Reply::Snapshot {
+                    created: false,
+                    snapshot,
+                }),
+                None => Err(ApiError::NotFound(format!("no snapshot {id}"))),
+            },
+            Action::DeleteSnapshot(id) => self.delete_snapshot(&id).await,
+            Action::Fork {
+                id,
+                count,
+                ttl_s,
+                labels,
+            } => self.fork(&id, count, ttl_s, labels).await,
+            Action::Reset { id, snapshot } => self.reset(&id, snapshot).await,
         }
     }
 
@@ -229,14 +303,27 @@ impl Daemon {
     }
 
     async fn create(self: &Arc<Self>, request: CreateSandbox) -> Result<Reply, ApiError> {
+        let snapshot =
+            match &request.snapshot {
+                Some(id) => Some(self.store().snapshot(id).map_err(internal)?.ok_or_else(
+                    || {
+                        ApiError::BadRequest(format!(
+                            "snapshot: no snapshot {id:?} (list them with GET /snapshots)"
+                        ))
+                    },
+                )?),
+                None => None,
+            };
+        let template_name = snapshot
+            .as_ref()
+            .map_or(request.template.as_str(), |s| s.template.as_str());
         let template = self
             .store()
-            .template(&request.template)
+            .template(template_name)
             .map_err(internal)?
             .ok_or_else(|| {
                 ApiError::BadRequest(format!(
-                    "template: no template {:?} (list them with GET /templates)",
-                    request.template
+                    "template: no template {template_name:?} (list them with GET /templates)"
                 ))
             })?;
         let ttl_s = request
@@ -254,8 +341,14 @@ impl Daemon {
             id: id.clone(),
             template: template.name.clone(),
             state: State::Creating,
-            vcpus: request.vcpus.unwrap_or(template.vcpus),
-            memory_mib: request.memory_mib.unwrap_or(template.memory_mib),
+            vcpus: snapshot
+                .as_ref()
+                .map_or(request.vcpus.unwrap_or(template.vcpus), |s| s.vcpus),
+            memory_mib: snapshot
+                .as_ref()
+                .map_or(request.memory_mib.unwrap_or(template.memory_mib), |s| {
+                    s.memory_mib
+                }),
             labels: request.labels,
             metadata: request.metadata,
             idempotency_key: request.idempotency_key,
@@ -273,14 +366,21 @@ impl Daemon {
         if let Inserted::Existing(first) = inserted {
             return self.existing(*first).await;
         }
-        match self.start_vmm(&sandbox, &template).await {
-            Ok(()) => self.sandbox_reply(&id).map(|reply| match reply {
-                Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
-                    created: true,
-                    sandbox,
-                },
-                other => other,
-            }),
+        match self.start_vmm(&sandbox, &template, snapshot.as_ref()).await {
+            Ok(()) => {
+                if let Some(snapshot) = &snapshot {
+                    self.store()
+                        .set_source(&id, &snapshot.id)
+                        .map_err(internal)?;
+                }
+                self.sandbox_reply(&id).map(|reply| match reply {
+                    Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
+                        created: true,
+                        sandbox,
+                    },
+                    other => other,
+                })
+            }
             Err(message) => {
                 let _ = remove_dir(&sandbox.dir);
                 self.store()
@@ -307,45 +407,66 @@ impl Daemon {
         })
     }
 
-    /// Spawns the VMM and moves the sandbox to running; on error, nothing of it is left.
-    async fn start_vmm(&self, sandbox: &Sandbox, template: &Template) -> Result<(), String> {
+    /// Starts a VMM in the sandbox's directory (a boot of `template`, or a restore of
+    /// `snapshot`) and waits until its VM runs; on error the VMM is gone.
+    async fn launch(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+        snapshot: Option<&Snapshot>,
+    ) -> Result<(Child, u32, u64), String> {
         let paths = vm::Paths::new(&sandbox.dir);
         let vmm = self.options.vmm.clone();
         let template = template.clone();
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
         let spawn_paths = vm::Paths::new(&sandbox.dir);
+        let restore = snapshot.map(|s| s.dir.clone());
         // Copying a rootfs may take a while: off the async threads.
-        let spawned = tokio::task::spawn_blocking(move || {
-            let shape = vm::Shape {
-                template: &template,
-                vcpus,
-                memory_mib,
-            };
-            vm::spawn(&vmm, &spawn_paths, &shape)
+        let spawned = tokio::task::spawn_blocking(move || match restore {
+            Some(dir) => vm::spawn_restore(&vmm, &spawn_paths, &dir, template.rootfs.is_some()),
+            None => {
+                let shape = vm::Shape {
+                    template: &template,
+                    vcpus,
+                    memory_mib,
+                };
+                vm::spawn(&vmm, &spawn_paths, &shape)
+            }
         })
         .await
         .map_err(|e| e.to_string())?;
         let mut child = spawned.map_err(|e| e.to_string())?;
         let pid = child.id();
         let ready = vm::wait_ready(&mut child, &paths, self.options.ready_timeout).await;
-        let start = vm::start_time(pid);
-        let result = match (ready, start) {
-            (Ok(()), Some(start)) => {
-                let store = self.store();
-                match store.set_running(&sandbox.id, pid, start) {
-                    Ok(true) => {
-                        self.children().insert(sandbox.id.clone(), child);
-                        return Ok(());
-                    }
-                    Ok(false) => Err("deleted while it was being created".to_string()),
-                    Err(e) => Err(e.to_string()),
-                }
-            }
-            (Err(e), _) => Err(e.to_string()),
-            (Ok(()), None) => Err(vm::VmError::Vanished(pid).to_string()),
+        let error = match (ready, vm::start_time(pid)) {
+            (Ok(()), Some(start)) => return Ok((child, pid, start)),
+            (Err(e), _) => e.to_string(),
+            (Ok(()), None) => vm::VmError::Vanished(pid).to_string(),
         };
-        let _ = child.kill();
-        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        reap_child(child).await;
+        Err(error)
+    }
+
+    /// Spawns the VMM and moves the sandbox to running; on error, nothing of it is left.
+    async fn start_vmm(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+        snapshot: Option<&Snapshot>,
+    ) -> Result<(), String> {
+        let (child, pid, start) = self.launch(sandbox, template, snapshot).await?;
+        let result = {
+            let store = self.store();
+            match store.set_running(&sandbox.id, pid, start) {
+                Ok(true) => {
+                    self.children().insert(sandbox.id.clone(), child);
+                    return Ok(());
+                }
+                Ok(false) => Err("deleted while it was being created".to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        reap_child(child).await;
         result
     }
 
@@ -418,7 +539,7 @@ impl Daemon {
         let live = self.store().live()?;
         let now = now_ms();
         for sandbox in live {
-            if sandbox.state == State::Creating {
+            if sandbox.state == State::Creating || self.is_busy(&sandbox.id) {
                 continue;
             }
             let exited = {
@@ -509,11 +630,31 @@ impl Daemon {
                 let _ = remove_dir(&entry.path());
             }
         }
+        // Snapshot directories of no recorded snapshot (a daemon killed mid-snapshot).
+        let recorded: std::collections::HashSet<PathBuf> = self
+            .store()
+            .snapshots(None)?
+            .into_iter()
+            .map(|s| s.dir)
+            .collect();
+        if let Ok(entries) = std::fs::read_dir(&self.snapshots_dir) {
+            for entry in entries.flatten() {
+                if !recorded.contains(&entry.path()) {
+                    let _ = remove_dir(&entry.path());
+                }
+            }
+        }
         if !keep.is_empty() {
             log_line(&format!("re-attached {} running sandboxes", keep.len()));
         }
         Ok(())
     }
+}
+
+/// Kills a VMM this daemon started and waits for it, off the async threads.
+async fn reap_child(mut child: Child) {
+    let _ = child.kill();
+    let _ = tokio::task::spawn_blocking(move || child.wait()).await;
 }
 
 fn remove_dir(dir: &Path) -> std::io::Result<()> {
@@ -545,6 +686,8 @@ pub async fn serve(
         std::fs::canonicalize(&options.state_dir).map_err(state_error(&options.state_dir))?;
     let sandboxes_dir = state_dir.join("sandboxes");
     std::fs::create_dir_all(&sandboxes_dir).map_err(state_error(&sandboxes_dir))?;
+    let snapshots_dir = state_dir.join("snapshots");
+    std::fs::create_dir_all(&snapshots_dir).map_err(state_error(&snapshots_dir))?;
     // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX/vsock.sock_PORT (up to 5 digits).
     if sandboxes_dir.as_os_str().len() + "/sb-0123456789abcdef/vsock.sock_65535".len() >= 108 {
         return Err(DaemonError::PathTooLong(sandboxes_dir));
@@ -556,6 +699,9 @@ pub async fn serve(
         sandboxes_dir,
         store: Mutex::new(store),
         children: Mutex::new(HashMap::new()),
+        processes: Mutex::new(HashMap::new()),
+        busy: Mutex::new(std::collections::HashSet::new()),
+        snapshots_dir,
     });
     daemon.recover()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
-use super::api::{ListQuery, Sandbox, State, Template};
+use super::api::{ListQuery, Sandbox, Snapshot, State, Template};
 
 /// A failed database operation.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +50,17 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     end_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS snapshots (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    sandbox TEXT NOT NULL,
+    spec TEXT NOT NULL
+);
+-- The snapshot each sandbox was restored (or last reset) from.
+CREATE TABLE IF NOT EXISTS sandbox_sources (
+    sandbox TEXT PRIMARY KEY,
+    snapshot TEXT NOT NULL
+);
 ";
 
 const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
@@ -329,6 +340,75 @@ impl Store {
             params![id, now_ms],
         )?;
         Ok(())
+    }
+
+    pub fn add_snapshot(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
+        self.conn.execute(
+            "INSERT INTO snapshots (id, sandbox, spec) VALUES (?1, ?2, ?3)",
+            params![snapshot.id, snapshot.sandbox, to_json(snapshot, "spec")?],
+        )?;
+        Ok(())
+    }
+
+    pub fn snapshot(&self, id: &str) -> Result<Option<Snapshot>, StoreError> {
+        let spec: Option<String> = self
+            .conn
+            .query_row(
+                "SELECT spec FROM snapshots WHERE id = ?1",
+                params![id],
+                |row| row.get(0),
+            )
+            .optional()?;
+        spec.map(|s| json_column(&s, "spec")).transpose()
+    }
+
+    /// Snapshots, oldest first; only those of `sandbox` when given.
+    pub fn snapshots(&self, sandbox: Option<&str>) -> Result<Vec<Snapshot>, StoreError> {
+        let mut statement = self
+            .conn
+            .prepare("SELECT spec FROM snapshots WHERE ?1 IS NULL OR sandbox = ?1 ORDER BY seq")?;
+        let specs = statement
+            .query_map(params![sandbox], |row| row.get::<_, String>(0))?
+            .collect::<rusqlite::Result<Vec<String>>>()?;
+        specs.iter().map(|s| json_column(s, "spec")).collect()
+    }
+
+    /// Removes a snapshot's row; false if there was none.
+    pub fn remove_snapshot(&self, id: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .conn
+            .execute("DELETE FROM snapshots WHERE id = ?1", params![id])?
+            == 1)
+    }
+
+    /// Records the snapshot a sandbox was restored or reset from.
+    pub fn set_source(&self, sandbox: &str, snapshot: &str) -> Result<(), StoreError> {
+        self.conn.execute(
+            "INSERT INTO sandbox_sources (sandbox, snapshot) VALUES (?1, ?2) \
+             ON CONFLICT(sandbox) DO UPDATE SET snapshot = ?2",
+            params![sandbox, snapshot],
+        )?;
+        Ok(())
+    }
+
+    pub fn source(&self, sandbox: &str) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT snapshot FROM sandbox_sources WHERE sandbox = ?1",
+                params![sandbox],
+                |row| row.get(0),
+            )
+            .optional()?)
+    }
+
+    /// Points a live sandbox at a new VMM (after a reset); false if it is not live.
+    pub fn set_vmm(&self, id: &str, pid: u32, start_time: u64) -> Result<bool, StoreError> {
+        Ok(self.conn.execute(
+            "UPDATE sandboxes SET pid = ?2, pid_start_time = ?3, state = 'running' \
+             WHERE id = ?1 AND state IN ('running', 'paused')",
+            params![id, pid, start_time],
+        )? == 1)
     }
 
     /// Sets a live sandbox's expiry; false if it is not live.

@@ -115,7 +115,7 @@ pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError>
             source,
         })?;
         let mut drive = paths.rootfs.clone().into_os_string();
-        drive.push(",root");
+        drive.push(",root,id=rootfs");
         command.arg("--drive").arg(drive);
     }
     let log = File::create(&paths.log).map_err(dir_error)?;
@@ -132,6 +132,88 @@ pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError>
         vmm: vmm.to_path_buf(),
         source,
     })
+}
+
+/// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
+/// `rootfs.img` when `rootfs`: copied into the sandbox, since the guest writes to it).
+pub fn spawn_restore(
+    vmm: &Path,
+    paths: &Paths,
+    snapshot_dir: &Path,
+    rootfs: bool,
+) -> Result<Child, VmError> {
+    let dir_error = |source| VmError::Dir {
+        path: paths.dir.clone(),
+        source,
+    };
+    std::fs::create_dir(&paths.dir).map_err(dir_error)?;
+    let mut command = Command::new(vmm);
+    command
+        .arg("--restore")
+        .arg(snapshot_dir)
+        .arg("--api-sock")
+        .arg(&paths.api_sock)
+        .arg("--vsock-uds")
+        .arg(&paths.vsock)
+        .arg("--console")
+        .arg(&paths.console);
+    if rootfs {
+        let from = snapshot_dir.join("rootfs.img");
+        std::fs::copy(&from, &paths.rootfs).map_err(|source| VmError::Rootfs {
+            from,
+            to: paths.rootfs.clone(),
+            source,
+        })?;
+        let mut drive = std::ffi::OsString::from("rootfs=");
+        drive.push(&paths.rootfs);
+        command.arg("--drive-override").arg(drive);
+    }
+    let log = File::create(&paths.log).map_err(dir_error)?;
+    let log2 = log.try_clone().map_err(dir_error)?;
+    use std::os::unix::process::CommandExt;
+    command
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .process_group(0);
+    command.spawn().map_err(|source| VmError::Spawn {
+        vmm: vmm.to_path_buf(),
+        source,
+    })
+}
+
+/// `PUT /snapshot/create` (Full) into `dir`/vmstate and `dir`/memory; the VM must be paused.
+pub fn create_snapshot(api_sock: &Path, dir: &Path) -> Result<(), VmError> {
+    let body = serde_json::json!({
+        "snapshot_type": "Full",
+        "snapshot_path": dir.join("vmstate"),
+        "mem_file_path": dir.join("memory"),
+    })
+    .to_string();
+    let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
+        .request(
+            "PUT",
+            "/snapshot/create",
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(120),
+        )
+        .map_err(|e| VmError::Api {
+            sock: api_sock.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if (200..300).contains(&response.status) {
+        Ok(())
+    } else {
+        Err(VmError::Api {
+            sock: api_sock.to_path_buf(),
+            message: format!(
+                "PUT /snapshot/create: {} {}",
+                response.status,
+                String::from_utf8_lossy(&response.body).trim()
+            ),
+        })
+    }
 }
 
 /// Waits until the VMM's API answers (its VM started), or it ended.
