@@ -190,14 +190,25 @@ pub fn create_snapshot(api_sock: &Path, dir: &Path) -> Result<(), VmError> {
         "mem_file_path": dir.join("memory"),
     })
     .to_string();
+    vmm_call(
+        api_sock,
+        "PUT",
+        "/snapshot/create",
+        &body,
+        Duration::from_secs(120),
+    )
+}
+
+/// One call to the VMM's API socket (blocking); anything but 2xx is an error naming the call.
+fn vmm_call(
+    api_sock: &Path,
+    method: &str,
+    path: &str,
+    body: &str,
+    timeout: Duration,
+) -> Result<(), VmError> {
     let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
-        .request(
-            "PUT",
-            "/snapshot/create",
-            &[],
-            Some(body.as_bytes()),
-            Duration::from_secs(120),
-        )
+        .request(method, path, &[], Some(body.as_bytes()), timeout)
         .map_err(|e| VmError::Api {
             sock: api_sock.to_path_buf(),
             message: e.to_string(),
@@ -208,7 +219,7 @@ pub fn create_snapshot(api_sock: &Path, dir: &Path) -> Result<(), VmError> {
         Err(VmError::Api {
             sock: api_sock.to_path_buf(),
             message: format!(
-                "PUT /snapshot/create: {} {}",
+                "{method} {path} {body}: {} {}",
                 response.status,
                 String::from_utf8_lossy(&response.body).trim()
             ),
@@ -357,30 +368,7 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
 /// `PATCH /vm {"state": STATE}` on the VMM's API socket (blocking).
 pub fn set_vm_state(api_sock: &Path, state: &str) -> Result<(), VmError> {
     let body = format!(r#"{{"state":"{state}"}}"#);
-    let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
-        .request(
-            "PATCH",
-            "/vm",
-            &[],
-            Some(body.as_bytes()),
-            Duration::from_secs(10),
-        )
-        .map_err(|e| VmError::Api {
-            sock: api_sock.to_path_buf(),
-            message: e.to_string(),
-        })?;
-    if (200..300).contains(&response.status) {
-        Ok(())
-    } else {
-        Err(VmError::Api {
-            sock: api_sock.to_path_buf(),
-            message: format!(
-                "PATCH /vm {state}: {} {}",
-                response.status,
-                String::from_utf8_lossy(&response.body).trim()
-            ),
-        })
-    }
+    vmm_call(api_sock, "PATCH", "/vm", &body, Duration::from_secs(10))
 }
 
 #[cfg(test)]
