@@ -90,8 +90,8 @@ else
     # then, and a CPU of L1 has stayed stuck inside KVM_RUN (scripts/lab/run.sh stops such a
     # wedged L1 after 60 s). Each is the lab's failure (status 125, or 124 for a test past its
     # 10-minute limit or a lab past 30 minutes), not a test result: the lab starts again, at
-    # most twice, and runs only the tests that have no result yet. A test's failure is never
-    # retried.
+    # most three times, and runs only the tests that have no result yet. A test's failure is
+    # never retried.
     # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's IOMMU:
     # edu, an NVMe drive on a 288 MiB file (L1's own nvme driver reads it first, for the
     # baseline), and ivshmem-plain with a 16 GiB (sparse) BAR file.
@@ -110,23 +110,43 @@ else
     )
     lab_attempt=1
     finished=()
+    # Names this script's lab QEMU (`-name`), so the idle watch below stops no other lab.
+    lab_name="rollbox-tier4-$$"
     while :; do
         done_args=()
         for name in "${finished[@]}"; do done_args+=(--done "$name"); done
         lab_status=0
-        scripts/lab/run.sh --timeout 1800 --modprobe tun "${lab_devices[@]}" -- \
+        : > "$log.lab"
+        # Each test prints a line when it ends, and none may run past 600 s; L1 once went
+        # silent for longer without its own timeout firing (its clock or scheduler stuck).
+        # Silence past 720 s means a stuck L1: its QEMU is stopped and run.sh exits 125.
+        (
+            while sleep 20; do
+                idle=$(( $(date +%s) - $(stat -c %Y "$log.lab" 2>/dev/null || date +%s) ))
+                if [[ "$idle" -gt "${ROLLBOX_LAB_IDLE_S:-720}" ]]; then
+                    echo "tier 4: the lab printed nothing for $idle s; stopping its QEMU" >&2
+                    pkill -TERM -f "qemu-system-x86_64 .*-name ${lab_name}( |\$)" || true
+                    break
+                fi
+            done
+        ) &
+        idle_watch=$!
+        scripts/lab/run.sh --timeout 1800 --modprobe tun "${lab_devices[@]}" \
+            --qemu-arg -name --qemu-arg "$lab_name" -- \
             "$PWD/scripts/tier4-tests.sh" --limit 600 "${done_args[@]}" "${tier4_bins[@]}" 2>&1 |
             tee "$log.lab" || lab_status=$?
+        kill "$idle_watch" 2>/dev/null || true
+        wait "$idle_watch" 2>/dev/null || true
         cat "$log.lab" >> "$log"
         mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$log.lab")
         rm -f "$log.lab"
         [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
-        if [[ "$lab_attempt" -ge 3 ]]; then
+        if [[ "$lab_attempt" -ge 4 ]]; then
             echo "tier 4: the lab failed $lab_attempt times (status $lab_status); giving up"
             break
         fi
         lab_attempt=$((lab_attempt + 1))
-        echo "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of 3) for the ${#finished[@]} tests with a result kept"
+        echo "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of 4) for the ${#finished[@]} tests with a result kept"
     done
     rm -f "$vfio_bar" "$vfio_nvme"
     # A test that failed in an attempt the lab later lost still fails the run.
