@@ -484,10 +484,17 @@ impl Daemon {
         self.store()
             .end(id, state, reason, now_ms())
             .map_err(internal)?;
+        self.stop_vmm(id, &sandbox).await
+    }
+
+    /// Ends sandbox `id`'s VMM (by pid and start time, and the child handle if this daemon
+    /// started it) and removes its directory.
+    async fn stop_vmm(&self, id: &str, sandbox: &Sandbox) -> Result<(), ApiError> {
         let child = self.children().remove(id);
         let dir = sandbox.dir.clone();
+        let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
         tokio::task::spawn_blocking(move || {
-            if let (Some(pid), Some(start)) = (sandbox.pid, sandbox.pid_start_time) {
+            if let (Some(pid), Some(start)) = (pid, start) {
                 vm::kill(pid, start, Duration::from_secs(5));
             }
             if let Some(mut child) = child {

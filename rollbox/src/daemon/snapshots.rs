@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::api::{ApiError, CreateSandbox, ForkResult, Snapshot, State};
 use super::{internal, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
@@ -251,22 +250,7 @@ impl Daemon {
                 ))
             })?;
         // The old VMM goes first: the new one takes its sockets and directory.
-        let child = self.children().remove(id);
-        let dir = sandbox.dir.clone();
-        let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
-        tokio::task::spawn_blocking(move || {
-            if let (Some(pid), Some(start)) = (pid, start) {
-                vm::kill(pid, start, Duration::from_secs(5));
-            }
-            if let Some(mut child) = child {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            remove_dir(&dir)
-        })
-        .await
-        .map_err(internal)?
-        .map_err(internal)?;
+        self.stop_vmm(id, &sandbox).await?;
         let launched = self.launch(&sandbox, &template, snapshot.as_ref()).await;
         let (child, pid, start) = match launched {
             Ok(launched) => launched,

@@ -118,20 +118,7 @@ pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError>
         drive.push(",root,id=rootfs");
         command.arg("--drive").arg(drive);
     }
-    let log = File::create(&paths.log).map_err(dir_error)?;
-    let log2 = log.try_clone().map_err(dir_error)?;
-    use std::os::unix::process::CommandExt;
-    command
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(log2)
-        // Its own process group: a signal to the daemon's group does not reach it, and
-        // ending the sandbox ends the group (virtiofsd and other helpers too).
-        .process_group(0);
-    command.spawn().map_err(|source| VmError::Spawn {
-        vmm: vmm.to_path_buf(),
-        source,
-    })
+    start(command, vmm, paths)
 }
 
 /// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
@@ -168,6 +155,17 @@ pub fn spawn_restore(
         drive.push(&paths.rootfs);
         command.arg("--drive-override").arg(drive);
     }
+    start(command, vmm, paths)
+}
+
+/// Starts the VMM with its output in the sandbox's log, in its own process group: a signal to
+/// the daemon's group does not reach it, and ending the sandbox ends the group (virtiofsd and
+/// other helpers too).
+fn start(mut command: Command, vmm: &Path, paths: &Paths) -> Result<Child, VmError> {
+    let dir_error = |source| VmError::Dir {
+        path: paths.dir.clone(),
+        source,
+    };
     let log = File::create(&paths.log).map_err(dir_error)?;
     let log2 = log.try_clone().map_err(dir_error)?;
     use std::os::unix::process::CommandExt;
