@@ -401,26 +401,36 @@ impl Conn {
                 body.as_deref().map(str::as_bytes),
                 Duration::from_secs(120),
             )
-            .map_err(|e| {
-                if e.is_connect() {
-                    CliError::NotRunning(e)
-                } else {
-                    CliError::Request(e)
-                }
-            })?;
+            .map_err(transport_error)?;
         if (200..300).contains(&response.status) {
             return Ok(response);
         }
-        let hint = match response.status {
-            401 => "\nhint: the key must match the daemon's: check --api-key-file or ROLLBOX_API_KEY",
-            429 => "\nhint: the daemon has too many creates in flight; retry shortly (it said Retry-After)",
-            _ => "",
-        };
-        Err(CliError::Refused {
-            status: response.status,
-            message: response.error_message(),
-            hint,
-        })
+        Err(refused(response.status, response.error_message()))
+    }
+}
+
+/// A request that did not get an answer: the daemon not listening, or the transport failing.
+fn transport_error(e: ClientError) -> CliError {
+    if e.is_connect() {
+        CliError::NotRunning(e)
+    } else {
+        CliError::Request(e)
+    }
+}
+
+/// A non-2xx answer, with what to do next where the status says it.
+fn refused(status: u16, message: String) -> CliError {
+    let hint = match status {
+        401 => "\nhint: the key must match the daemon's: check --api-key-file or ROLLBOX_API_KEY",
+        429 => {
+            "\nhint: the daemon has too many creates in flight; retry shortly (it said Retry-After)"
+        }
+        _ => "",
+    };
+    CliError::Refused {
+        status,
+        message,
+        hint,
     }
 }
 
@@ -443,22 +453,12 @@ impl Conn {
                 body,
                 Duration::from_secs(3600),
             )
-            .map_err(|e| {
-                if e.is_connect() {
-                    CliError::NotRunning(e)
-                } else {
-                    CliError::Request(e)
-                }
-            })?;
+            .map_err(transport_error)?;
         if (200..300).contains(&response.status) {
             return Ok(response);
         }
         let response = response.into_response().map_err(CliError::Request)?;
-        Err(CliError::Refused {
-            status: response.status,
-            message: response.error_message(),
-            hint: "",
-        })
+        Err(refused(response.status, response.error_message()))
     }
 }
 
