@@ -101,8 +101,7 @@ impl Daemon {
                 .map_err(|e| e.to_string())
                 .and_then(|()| {
                     if rootfs {
-                        std::fs::copy(&paths.rootfs, dir.join("rootfs.img"))
-                            .map(|_| ())
+                        vm::copy_disk(&paths.rootfs, &dir.join("rootfs.img"))
                             .map_err(|e| format!("copying {}: {e}", paths.rootfs.display()))
                     } else {
                         Ok(())
