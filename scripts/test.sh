@@ -52,9 +52,9 @@ step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
 cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
 scripts/tcg/smoke.sh || status=$?
-step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network, tier4_vfio)"
+step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network, tier4_vfio, tier4_daemon)"
 tier4_bins=()
-for binary in tier4_linux tier4_volumes tier4_network tier4_vfio; do
+for binary in tier4_linux tier4_volumes tier4_network tier4_vfio tier4_daemon; do
     bin="$(cargo test -p rollbox-tests --test "$binary" --no-run --message-format=json 2>/dev/null |
         jq -r --arg name "$binary" 'select(.executable != null and .target.name == $name) | .executable' | tail -n 1)"
     if [[ -x "$bin" ]]; then

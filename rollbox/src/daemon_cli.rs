@@ -83,6 +83,14 @@ pub struct ServeArgs {
     /// socket, e.g. a host `rollbox-agent --listen-unix PATH`, instead of the sandbox's own.
     #[arg(long, value_name = "PATH", hide = true)]
     test_agent_socket: Option<PathBuf>,
+    /// The static guest agent installed into images built for templates [default:
+    /// $ROLLBOX_AGENT, else the build output under target/agent-static].
+    #[arg(long, value_name = "PATH")]
+    agent: Option<PathBuf>,
+    /// The image builder's cache [default: $XDG_CACHE_HOME/rollbox, else
+    /// /var/cache/rollbox/images].
+    #[arg(long, value_name = "DIR")]
+    image_cache: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -250,11 +258,63 @@ pub enum TemplateCommand {
         vcpus: Option<i64>,
         #[arg(long, value_name = "MIB")]
         memory_mib: Option<i64>,
+        /// Boot it once and keep a snapshot; creates then restore it (needs the agent).
+        #[arg(long)]
+        boot_snapshot: bool,
+    },
+    /// Build a template from an OCI/Docker image: the daemon builds the rootfs (with the guest
+    /// agent as init) and, with --boot-snapshot, boots it once and snapshots it.
+    Build {
+        /// Image reference, e.g. 127.0.0.1:5000/busybox:latest (with an archive or layout,
+        /// it picks one of several images).
+        image: Option<String>,
+        /// The template's name [default: the image's repository name].
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long, value_name = "PATH")]
+        kernel: PathBuf,
+        /// Read the image from a `docker save` tarball.
+        #[arg(long, value_name = "FILE", conflicts_with = "from_oci_layout")]
+        from_docker_archive: Option<PathBuf>,
+        /// Read the image from an OCI image layout directory.
+        #[arg(long, value_name = "DIR")]
+        from_oci_layout: Option<PathBuf>,
+        /// Plain HTTP to the registry.
+        #[arg(long)]
+        insecure: bool,
+        /// Root disk size in MiB [default: the content plus room to write].
+        #[arg(long, value_name = "MIB")]
+        size: Option<u64>,
+        /// Kernel command line [default: serial console, the agent as init].
+        #[arg(long)]
+        cmdline: Option<String>,
+        #[arg(long)]
+        vcpus: Option<i64>,
+        #[arg(long, value_name = "MIB")]
+        memory_mib: Option<i64>,
+        /// Boot it once and keep a snapshot; creates then restore it.
+        #[arg(long)]
+        boot_snapshot: bool,
     },
     Ls,
     Rm {
         name: String,
     },
+}
+
+/// A template name from an image reference: its last path component without tag or digest.
+fn name_from_image(image: &str) -> String {
+    let last = image.rsplit('/').next().unwrap_or(image);
+    let bare = last.split(['@', ':']).next().unwrap_or(last);
+    bare.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect()
 }
 
 fn env(name: &str) -> Option<String> {
@@ -319,6 +379,10 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         reap_interval: Duration::from_millis(250),
         ready_timeout: Duration::from_secs(10),
         test_agent_socket: args.test_agent_socket,
+        agent: Some(absolute(crate::agent_path(args.agent))),
+        image_cache: args
+            .image_cache
+            .unwrap_or_else(rollbox::images::default_cache_dir),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -390,6 +454,17 @@ impl Conn {
 
     /// One request; a non-2xx answer becomes an error with a hint.
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Response, CliError> {
+        self.call_within(method, path, body, Duration::from_secs(120))
+    }
+
+    /// [`Conn::call`] for long work (a template build), waiting up to `timeout`.
+    fn call_within(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        timeout: Duration,
+    ) -> Result<Response, CliError> {
         let auth = format!("Bearer {}", self.key);
         let body = body.map(|b| b.to_string());
         let response = self
@@ -399,7 +474,7 @@ impl Conn {
                 path,
                 &[("Authorization", &auth)],
                 body.as_deref().map(str::as_bytes),
-                Duration::from_secs(120),
+                timeout,
             )
             .map_err(transport_error)?;
         if (200..300).contains(&response.status) {
@@ -953,6 +1028,25 @@ fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), CliError> {
     Ok(())
 }
 
+/// How long the CLI waits for a template build (an image pull, a rootfs, a boot).
+const TEMPLATE_BUILD_TIMEOUT: Duration = Duration::from_secs(1800);
+
+fn print_template(conn: &Conn, response: &Response, done: &str) -> Result<(), CliError> {
+    if conn.json {
+        print_json(response);
+        return Ok(());
+    }
+    let template: Template = parse(response)?;
+    println!("template {} {done}", template.name);
+    if let Some(image) = &template.image {
+        println!("image: {image}");
+    }
+    if let Some(snapshot) = &template.boot_snapshot {
+        println!("boot snapshot: {snapshot}");
+    }
+    Ok(())
+}
+
 fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
     match command {
         TemplateCommand::Add {
@@ -963,11 +1057,13 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
             cmdline,
             vcpus,
             memory_mib,
+            boot_snapshot,
         } => {
             let mut body = json!({
                 "name": name,
                 "kernel": absolute(kernel),
                 "cmdline": cmdline,
+                "boot_snapshot": boot_snapshot,
             });
             if let Some(p) = rootfs {
                 body["rootfs"] = json!(absolute(p));
@@ -981,13 +1077,76 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
             if let Some(v) = memory_mib {
                 body["memory_mib"] = json!(v);
             }
-            let response = conn.call("POST", "/templates", Some(body))?;
-            if conn.json {
-                print_json(&response);
-            } else {
-                let template: Template = parse(&response)?;
-                println!("template {} added", template.name);
+            let response =
+                conn.call_within("POST", "/templates", Some(body), TEMPLATE_BUILD_TIMEOUT)?;
+            print_template(conn, &response, "added")?;
+        }
+        TemplateCommand::Build {
+            image,
+            name,
+            kernel,
+            from_docker_archive,
+            from_oci_layout,
+            insecure,
+            size,
+            cmdline,
+            vcpus,
+            memory_mib,
+            boot_snapshot,
+        } => {
+            let name = match (name, &image, &from_docker_archive) {
+                (Some(name), _, _) => name,
+                (None, Some(image), _) => name_from_image(image),
+                (None, None, Some(archive)) => name_from_image(
+                    &archive
+                        .file_stem()
+                        .map(|s| s.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                ),
+                (None, None, None) => {
+                    return Err(CliError::Usage(
+                        "give an image reference, --from-docker-archive or --name".into(),
+                    ))
+                }
+            };
+            let mut source = json!({ "insecure": insecure });
+            if let Some(image) = image {
+                source["reference"] = json!(image);
             }
+            if let Some(p) = from_docker_archive {
+                source["docker_archive"] = json!(absolute(p));
+            }
+            if let Some(p) = from_oci_layout {
+                source["oci_layout"] = json!(absolute(p));
+            }
+            if let Some(mib) = size {
+                source["size_mib"] = json!(mib);
+            }
+            let mut body = json!({
+                "name": name,
+                "kernel": absolute(kernel),
+                "image": source,
+                "boot_snapshot": boot_snapshot,
+            });
+            if let Some(c) = cmdline {
+                body["cmdline"] = json!(c);
+            }
+            if let Some(v) = vcpus {
+                body["vcpus"] = json!(v);
+            }
+            if let Some(v) = memory_mib {
+                body["memory_mib"] = json!(v);
+            }
+            let what = if boot_snapshot {
+                format!("building template {name} (image, then a boot and a snapshot)")
+            } else {
+                format!("building template {name}")
+            };
+            let spinner = rollbox::images::progress::Progress::for_stderr().spinner(what);
+            let response =
+                conn.call_within("POST", "/templates", Some(body), TEMPLATE_BUILD_TIMEOUT);
+            spinner.finish_and_clear();
+            print_template(conn, &response?, "built")?;
         }
         TemplateCommand::Ls => {
             let response = conn.call("GET", "/templates", None)?;

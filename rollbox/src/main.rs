@@ -178,7 +178,7 @@ struct BuildArgs {
 
 /// `--agent`, else `$ROLLBOX_AGENT`, else the build output: relative to the current
 /// directory, or to the workspace that holds this binary (target/<profile>/rollbox).
-fn agent_path(flag: Option<PathBuf>) -> PathBuf {
+pub(crate) fn agent_path(flag: Option<PathBuf>) -> PathBuf {
     if let Some(path) = flag {
         return path;
     }

@@ -1,6 +1,8 @@
 //! `rollbox serve` end to end: the real `rollbox` and `rollbox-vmm` binaries, with the tier-2
 //! test guest as the template's kernel (tier 2: needs /dev/kvm).
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -1593,4 +1595,125 @@ fn snapshots_carry_the_rootfs_and_restores_get_their_own_copy() {
         server.get(restored["id"].as_str().expect("id"))["state"],
         "running"
     );
+}
+
+#[test]
+fn templates_built_from_an_image_with_a_boot_snapshot() {
+    if !kvm_available()
+        || !common::root_or_skip("templates_built_from_an_image_with_a_boot_snapshot")
+    {
+        return;
+    }
+    let work = tempfile::tempdir().expect("tempdir");
+    let archive = work.path().join("image.tar");
+    common::standard_image().write_docker_archive(&archive, "rollbox-test/crafted:latest");
+    let agent = HostAgent::start();
+    let agent_sock = agent.sock.display().to_string();
+    let cache = work.path().join("cache").display().to_string();
+    let guest_agent = common::agent().display().to_string();
+    let server = Server::start(&[
+        "--test-agent-socket",
+        &agent_sock,
+        "--agent",
+        &guest_agent,
+        "--image-cache",
+        &cache,
+    ]);
+    let templates_dir = std::fs::canonicalize(server.state())
+        .expect("state dir")
+        .join("templates");
+
+    // A bad image leaves nothing: no template, no directory.
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "broken",
+            "kernel": test_guest(),
+            "image": {"docker_archive": "/nonexistent/image.tar"},
+        })),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"].as_str().unwrap_or("").contains("image"),
+        "{body}"
+    );
+    assert_eq!(server.call("GET", "/templates/broken", None).0, 404);
+    assert!(!templates_dir.join("broken").exists());
+
+    // Built from a `docker save` archive, booted once and snapshotted.
+    let (status, template) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "img",
+            "kernel": test_guest(),
+            "cmdline": TEST_GUEST_CMDLINE,
+            "memory_mib": 32,
+            "image": {"docker_archive": archive, "reference": "rollbox-test/crafted:latest"},
+            "boot_snapshot": true,
+        })),
+    );
+    assert_eq!(status, 201, "{template}\n{}", server.log());
+    let rootfs = PathBuf::from(template["rootfs"].as_str().expect("rootfs"));
+    assert_eq!(rootfs, templates_dir.join("img/rootfs.ext4"));
+    assert!(rootfs.is_file());
+    let image = template["image"].as_str().expect("image");
+    assert!(
+        image.starts_with("rollbox-test/crafted:latest@sha256:"),
+        "{image}"
+    );
+    let boot = template["boot_snapshot"]
+        .as_str()
+        .expect("boot_snapshot")
+        .to_string();
+    // The sandbox booted for it is gone.
+    wait_for(
+        "the boot sandbox's VMM to end",
+        Duration::from_secs(20),
+        || server.vmms().is_empty(),
+    );
+    let (_, booted) = server.call(
+        "GET",
+        &format!("/sandboxes?label={}%3Dimg", "rollbox.boot-snapshot-of"),
+        None,
+    );
+    for s in booted["sandboxes"].as_array().expect("sandboxes") {
+        assert_eq!(s["state"], "deleted", "{s}");
+    }
+
+    // Creates of the template's shape restore the boot snapshot; another shape boots.
+    let restored = server.create(json!({"template": "img", "ttl_s": 300}));
+    let (pid, _) = pid_of(&restored);
+    assert!(cmdline(pid).contains("--restore"), "{}", cmdline(pid));
+    let id = restored["id"].as_str().expect("id");
+    let out = exec(&server, id, json!({"cmd": ["sh", "-c", "echo ok"]}));
+    assert_eq!(out["stdout"], "ok\n", "{out}");
+    let booted = server.create(json!({"template": "img", "ttl_s": 300, "memory_mib": 48}));
+    let (pid, _) = pid_of(&booted);
+    assert!(!cmdline(pid).contains("--restore"), "{}", cmdline(pid));
+    assert!(cmdline(pid).contains("--drive"), "{}", cmdline(pid));
+
+    // Reset goes back to the boot snapshot.
+    let (status, reset) = server.call("POST", &format!("/sandboxes/{id}/reset"), Some(json!({})));
+    assert_eq!(status, 200, "{reset}");
+    let (pid, _) = pid_of(&reset);
+    assert!(cmdline(pid).contains("--restore"), "{}", cmdline(pid));
+
+    // The boot snapshot goes with its template only.
+    let (status, body) = server.call("DELETE", &format!("/snapshots/{boot}"), None);
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"].as_str().unwrap_or("").contains("img"),
+        "{body}"
+    );
+    let (status, body) = server.call("DELETE", "/templates/img", None);
+    assert_eq!(status, 204, "{body}");
+    assert_eq!(
+        server.call("GET", &format!("/snapshots/{boot}"), None).0,
+        404
+    );
+    assert!(!templates_dir.join("img").exists());
+    // Its sandboxes keep running on their own copies.
+    assert_eq!(server.get(id)["state"], "running");
 }

@@ -167,6 +167,37 @@ pub struct Template {
     pub vcpus: u32,
     pub memory_mib: u32,
     pub created_at_ms: u64,
+    /// The image its rootfs was built from (`reference@digest`), when it was built by the daemon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The snapshot taken once it booted: creates from the template restore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_snapshot: Option<String>,
+}
+
+/// Where a template's rootfs image comes from: a registry reference, a `docker save` tarball
+/// or an OCI layout directory.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageSource {
+    /// Registry reference; with an archive or layout, picks one of several images.
+    pub reference: Option<String>,
+    pub docker_archive: Option<PathBuf>,
+    pub oci_layout: Option<PathBuf>,
+    /// Plain HTTP to the registry.
+    #[serde(default)]
+    pub insecure: bool,
+    pub size_mib: Option<u64>,
+}
+
+/// POST /templates, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AddTemplate {
+    pub template: Template,
+    /// Build the rootfs from this image (instead of `template.rootfs`).
+    pub image: Option<ImageSource>,
+    /// Boot it once and keep a snapshot that creates restore.
+    pub boot_snapshot: bool,
 }
 
 #[derive(Deserialize)]
@@ -175,12 +206,20 @@ struct TemplateBody {
     name: String,
     kernel: PathBuf,
     rootfs: Option<PathBuf>,
+    image: Option<ImageSource>,
     initrd: Option<PathBuf>,
     #[serde(default)]
-    cmdline: String,
+    cmdline: Option<String>,
     vcpus: Option<i64>,
     memory_mib: Option<i64>,
+    #[serde(default)]
+    boot_snapshot: bool,
 }
+
+/// The kernel command line of templates built from images when the request gives none: our
+/// rootfs images start the agent as init.
+pub const IMAGE_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent";
 
 /// POST /sandboxes, validated: from a template (boot) or from a snapshot (restore).
 #[derive(Debug, Clone, PartialEq)]
@@ -520,7 +559,7 @@ pub fn check_snapshot_id(id: &str, field: &str) -> Result<String, ApiError> {
 pub enum Action {
     Health,
     ListTemplates,
-    AddTemplate(Template),
+    AddTemplate(AddTemplate),
     GetTemplate(String),
     RemoveTemplate(String),
     ListSandboxes(ListQuery),
@@ -982,7 +1021,7 @@ fn absolute(path: &std::path::Path, field: &str) -> Result<(), ApiError> {
     }
 }
 
-fn parse_template(body: &[u8]) -> Result<Template, ApiError> {
+fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
     let body: TemplateBody = from_json(body)?;
     let name = check_template_name(&body.name, "name")?;
     absolute(&body.kernel, "kernel")?;
@@ -991,21 +1030,78 @@ fn parse_template(body: &[u8]) -> Result<Template, ApiError> {
             absolute(path, field)?;
         }
     }
-    if body.cmdline.len() > 2048 || body.cmdline.chars().any(char::is_control) {
+    if let Some(image) = &body.image {
+        check_image(image, body.rootfs.is_some())?;
+    }
+    let cmdline = match (body.cmdline, &body.image) {
+        (Some(cmdline), _) => cmdline,
+        (None, Some(_)) => IMAGE_CMDLINE.to_string(),
+        (None, None) => String::new(),
+    };
+    if cmdline.len() > 2048 || cmdline.chars().any(char::is_control) {
         return Err(bad(
             "cmdline: must be at most 2048 bytes with no control characters",
         ));
     }
-    Ok(Template {
-        name,
-        kernel: body.kernel,
-        rootfs: body.rootfs,
-        initrd: body.initrd,
-        cmdline: body.cmdline,
-        vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?.unwrap_or(1),
-        memory_mib: in_range(body.memory_mib, "memory_mib", 1, MAX_MEMORY_MIB)?.unwrap_or(128),
-        created_at_ms: 0,
+    Ok(AddTemplate {
+        template: Template {
+            name,
+            kernel: body.kernel,
+            rootfs: body.rootfs,
+            initrd: body.initrd,
+            cmdline,
+            vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?.unwrap_or(1),
+            memory_mib: in_range(body.memory_mib, "memory_mib", 1, MAX_MEMORY_MIB)?.unwrap_or(128),
+            created_at_ms: 0,
+            image: None,
+            boot_snapshot: None,
+        },
+        image: body.image,
+        boot_snapshot: body.boot_snapshot,
     })
+}
+
+fn check_image(image: &ImageSource, has_rootfs: bool) -> Result<(), ApiError> {
+    if has_rootfs {
+        return Err(bad(
+            "image: give either rootfs (a built image) or image, not both",
+        ));
+    }
+    match (&image.docker_archive, &image.oci_layout) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                "image: give at most one of docker_archive and oci_layout",
+            ))
+        }
+        (Some(path), None) => absolute(path, "image.docker_archive")?,
+        (None, Some(path)) => absolute(path, "image.oci_layout")?,
+        (None, None) if image.reference.is_none() => {
+            return Err(bad(
+                "image.reference: required to pull from a registry (or give docker_archive or oci_layout)",
+            ))
+        }
+        (None, None) => {}
+    }
+    if let Some(reference) = &image.reference {
+        if reference.is_empty()
+            || reference.len() > 512
+            || reference
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(bad(format!(
+                "image.reference: {reference:?} is not an image reference"
+            )));
+        }
+    }
+    if let Some(size) = image.size_mib {
+        if !(16..=65536).contains(&size) {
+            return Err(bad(format!(
+                "image.size_mib: {size} is out of range (16 to 65536)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Label keys: 1-63 of A-Z a-z 0-9 . _ / -, starting with a letter or digit.
@@ -1236,13 +1332,49 @@ mod tests {
         let Action::AddTemplate(t) = ok else {
             panic!("{ok:?}")
         };
-        assert_eq!((t.vcpus, t.memory_mib), (1, 64));
+        assert_eq!((t.template.vcpus, t.template.memory_mib), (1, 64));
+        assert!(t.image.is_none() && !t.boot_snapshot);
+        let Action::AddTemplate(t) = parse(
+            "POST",
+            "/templates",
+            None,
+            br#"{"name":"bb","kernel":"/k","image":{"docker_archive":"/b.tar"},"boot_snapshot":true}"#,
+        )
+        .expect("parse image") else {
+            panic!("not a template")
+        };
+        assert_eq!(t.template.cmdline, IMAGE_CMDLINE);
+        assert!(t.boot_snapshot);
         for (body, field) in [
             (r#"{"name":"g","kernel":"rel/k"}"#, "kernel"),
             (r#"{"name":"g","kernel":"/k","rootfs":"r"}"#, "rootfs"),
             (r#"{"name":"g","kernel":"/k","vcpus":0}"#, "vcpus"),
             (r#"{"name":"-g","kernel":"/k"}"#, "name"),
             (r#"{"name":"g","kernel":"/k","cmdline":"a\nb"}"#, "cmdline"),
+            (
+                r#"{"name":"g","kernel":"/k","image":{}}"#,
+                "image.reference",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","rootfs":"/r","image":{"reference":"a"}}"#,
+                "image",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"docker_archive":"a.tar"}}"#,
+                "image.docker_archive",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a b"}}"#,
+                "image.reference",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","size_mib":1}}"#,
+                "image.size_mib",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","tag":1}}"#,
+                "tag",
+            ),
         ] {
             let message = err(parse("POST", "/templates", None, body.as_bytes()));
             assert!(message.contains(field), "{body}: {message:?}");

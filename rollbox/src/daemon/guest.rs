@@ -57,7 +57,7 @@ fn agent_error(id: &str, error: ClientError) -> ApiError {
 
 impl Daemon {
     /// The agent socket of a running sandbox.
-    fn agent_socket(&self, id: &str) -> Result<PathBuf, ApiError> {
+    pub(super) fn agent_socket(&self, id: &str) -> Result<PathBuf, ApiError> {
         let sandbox = self.touch(id)?;
         match sandbox.state {
             State::Running => {}

@@ -5,9 +5,8 @@
 //! Exec and files go through the sandbox's guest agent ([`guest`]); snapshots, restores, fork
 //! and reset are in [`snapshots`].
 //!
-//! Not here yet (issue 11): batches, usage, snapshot retention, boot snapshots of templates,
-//! and templates built from OCI images (`rollbox::images` builds the rootfs; register it with
-//! `rootfs`).
+//! Templates (from files or built from an image, with an optional boot snapshot) are in
+//! [`templates`].
 
 pub mod api;
 pub mod client;
@@ -15,6 +14,7 @@ mod guest;
 mod http;
 mod snapshots;
 pub mod store;
+mod templates;
 pub mod vm;
 
 use std::collections::HashMap;
@@ -77,6 +77,10 @@ pub struct ServeOptions {
     /// Test-only (`--test-agent-socket`): every sandbox's agent traffic goes to this hybrid
     /// vsock socket (a host `rollbox-agent --listen-unix`) instead of the sandbox's own.
     pub test_agent_socket: Option<PathBuf>,
+    /// The static guest agent installed into rootfs images built for templates.
+    pub agent: Option<PathBuf>,
+    /// The image builder's cache (layers and built rootfs images).
+    pub image_cache: PathBuf,
 }
 
 fn now_ms() -> u64 {
@@ -149,6 +153,7 @@ pub struct Daemon {
     /// Sandboxes whose VMM is being swapped (reset) or snapshotted: the reaper leaves them be.
     busy: Mutex<std::collections::HashSet<String>>,
     snapshots_dir: PathBuf,
+    templates_dir: PathBuf,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -177,7 +182,7 @@ impl Daemon {
             Action::ListTemplates => Ok(Reply::Templates(
                 self.store().templates().map_err(internal)?,
             )),
-            Action::AddTemplate(template) => self.add_template(template),
+            Action::AddTemplate(request) => self.add_template(request).await,
             Action::GetTemplate(name) => match self.store().template(&name).map_err(internal)? {
                 Some(template) => Ok(Reply::Template {
                     created: false,
@@ -185,13 +190,7 @@ impl Daemon {
                 }),
                 None => Err(ApiError::NotFound(format!("no template {name:?}"))),
             },
-            Action::RemoveTemplate(name) => {
-                if self.store().remove_template(&name).map_err(internal)? {
-                    Ok(Reply::NoContent)
-                } else {
-                    Err(ApiError::NotFound(format!("no template {name:?}")))
-                }
-            }
+            Action::RemoveTemplate(name) => self.remove_template(&name).await,
             Action::ListSandboxes(query) => {
                 let (sandboxes, next_page_token) = self.store().list(&query).map_err(internal)?;
                 Ok(Reply::Sandboxes(SandboxList {
@@ -273,35 +272,6 @@ impl Daemon {
             .ok_or_else(|| ApiError::NotFound(format!("no sandbox {id}")))
     }
 
-    fn add_template(&self, mut template: Template) -> Result<Reply, ApiError> {
-        let files = [
-            (Some(&template.kernel), "kernel"),
-            (template.rootfs.as_ref(), "rootfs"),
-            (template.initrd.as_ref(), "initrd"),
-        ];
-        for (path, field) in files {
-            if let Some(path) = path {
-                if !path.is_file() {
-                    return Err(ApiError::BadRequest(format!(
-                        "{field}: {} is not a readable file",
-                        path.display()
-                    )));
-                }
-            }
-        }
-        template.created_at_ms = now_ms();
-        if !self.store().add_template(&template).map_err(internal)? {
-            return Err(ApiError::Conflict(format!(
-                "name: template {:?} exists; remove it first",
-                template.name
-            )));
-        }
-        Ok(Reply::Template {
-            created: true,
-            template,
-        })
-    }
-
     async fn create(self: &Arc<Self>, request: CreateSandbox) -> Result<Reply, ApiError> {
         let snapshot =
             match &request.snapshot {
@@ -326,6 +296,16 @@ impl Daemon {
                     "template: no template {template_name:?} (list them with GET /templates)"
                 ))
             })?;
+        // A template's boot snapshot serves creates of its shape; another shape boots.
+        let snapshot = match (snapshot, &template.boot_snapshot) {
+            (None, Some(boot))
+                if request.vcpus.unwrap_or(template.vcpus) == template.vcpus
+                    && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
+            {
+                self.store().snapshot(boot).map_err(internal)?
+            }
+            (snapshot, _) => snapshot,
+        };
         let ttl_s = request
             .ttl_s
             .or(self.options.default_ttl_s)
@@ -695,6 +675,8 @@ pub async fn serve(
     std::fs::create_dir_all(&sandboxes_dir).map_err(state_error(&sandboxes_dir))?;
     let snapshots_dir = state_dir.join("snapshots");
     std::fs::create_dir_all(&snapshots_dir).map_err(state_error(&snapshots_dir))?;
+    let templates_dir = state_dir.join("templates");
+    std::fs::create_dir_all(&templates_dir).map_err(state_error(&templates_dir))?;
     // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX/vsock.sock_PORT (up to 5 digits).
     if sandboxes_dir.as_os_str().len() + "/sb-0123456789abcdef/vsock.sock_65535".len() >= 108 {
         return Err(DaemonError::PathTooLong(sandboxes_dir));
@@ -709,6 +691,7 @@ pub async fn serve(
         processes: Mutex::new(HashMap::new()),
         busy: Mutex::new(std::collections::HashSet::new()),
         snapshots_dir,
+        templates_dir,
     });
     daemon.recover()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;

@@ -101,8 +101,7 @@ impl Daemon {
                 .map_err(|e| e.to_string())
                 .and_then(|()| {
                     if rootfs {
-                        std::fs::copy(&paths.rootfs, dir.join("rootfs.img"))
-                            .map(|_| ())
+                        vm::copy_disk(&paths.rootfs, &dir.join("rootfs.img"))
                             .map_err(|e| format!("copying {}: {e}", paths.rootfs.display()))
                     } else {
                         Ok(())
@@ -127,8 +126,20 @@ impl Daemon {
     }
 
     /// Removes a snapshot and its files; removing one that is gone is success. Sandboxes
-    /// restored from it keep running (their memory mapping outlives the file).
+    /// restored from it keep running (their memory mapping outlives the file). A template's
+    /// boot snapshot goes with its template only.
     pub(super) async fn delete_snapshot(&self, id: &str) -> Result<Reply, ApiError> {
+        if let Some(template) = self.boot_snapshot_owner(id)? {
+            return Err(ApiError::Conflict(format!(
+                "snapshot {id} is the boot snapshot of template {template:?}; it goes when the template is removed"
+            )));
+        }
+        self.remove_snapshot_files(id).await?;
+        Ok(Reply::NoContent)
+    }
+
+    /// Forgets a snapshot and removes its directory.
+    pub(super) async fn remove_snapshot_files(&self, id: &str) -> Result<(), ApiError> {
         let snapshot = self.store().snapshot(id).map_err(internal)?;
         if let Some(snapshot) = snapshot {
             self.store().remove_snapshot(id).map_err(internal)?;
@@ -137,7 +148,13 @@ impl Daemon {
                 .map_err(internal)?
                 .map_err(internal)?;
         }
-        Ok(Reply::NoContent)
+        Ok(())
+    }
+
+    /// A snapshot of a running sandbox for its template's boot snapshot.
+    pub(super) async fn snapshot_for_template(&self, id: &str) -> Result<String, ApiError> {
+        let _busy = self.claim(id)?;
+        Ok(self.take_snapshot(id).await?.id)
     }
 
     /// A fresh snapshot of the sandbox, then `count` restores of it, each on its own.

@@ -187,6 +187,16 @@ impl Store {
         specs.iter().map(|s| json_column(s, "spec")).collect()
     }
 
+    /// Replaces a template's spec (its boot snapshot once taken).
+    pub fn update_template(&self, template: &Template) -> Result<bool, StoreError> {
+        let spec = to_json(template, "spec")?;
+        let changed = self.conn.execute(
+            "UPDATE templates SET spec = ?2 WHERE name = ?1",
+            params![template.name, spec],
+        )?;
+        Ok(changed == 1)
+    }
+
     /// Removes a template; false if there was none.
     pub fn remove_template(&self, name: &str) -> Result<bool, StoreError> {
         Ok(self
