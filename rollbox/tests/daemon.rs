@@ -2051,7 +2051,7 @@ fn snapshot_retention_keeps_the_newest_n_and_ttls_but_never_a_live_sandboxs_sour
     );
     assert!(!short_dir.exists(), "{short} expired but its files stay");
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(snapshot_ids(&server, &other_id), [kept.clone()]);
+    assert_eq!(snapshot_ids(&server, &other_id), [kept]);
     let user_id = user["id"].as_str().expect("id");
     let (status, _) = server.call("DELETE", &format!("/sandboxes/{user_id}"), None);
     assert_eq!(status, 204);

@@ -24,7 +24,8 @@ impl Daemon {
         let prepared = self.prepare_create(&request)?;
         let Ok(_permits) = Arc::clone(&self.pending).try_acquire_many_owned(count) else {
             self.counters.refused();
-            return Err(ApiError::Overloaded(limit));
+            let in_flight = limit.saturating_sub(self.pending.available_permits());
+            return Err(ApiError::Overloaded(in_flight));
         };
         let creates = (0..count).map(|index| {
             let mut item = request.clone();

@@ -5,9 +5,11 @@
 //! Exec and files go through the sandbox's guest agent ([`guest`]); snapshots, restores, fork
 //! and reset are in [`snapshots`].
 //!
-//! Not here yet (issue 11): batches, usage, snapshot retention, boot snapshots of templates,
-//! and templates built from OCI images (`rollbox::images` builds the rootfs; register it with
-//! `rootfs`).
+//! Batches are in [`batch`], CPU limits in [`cgroup`], usage and metrics in [`usage`],
+//! snapshot retention in [`retention`].
+//!
+//! Not here yet (issue 11): boot snapshots of templates, and templates built from OCI images
+//! (`rollbox::images` builds the rootfs; register it with `rootfs`).
 
 pub mod api;
 mod batch;

@@ -82,7 +82,7 @@ const RUN_MS_UNTIL_NOW: &str = "run_ms = run_ms + \
     MAX(0, COALESCE(CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER) - running_since_ms, 0))";
 
 /// SQLite's clock in Unix milliseconds (for usage accounting inside one statement).
-pub(super) const SQL_NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+const SQL_NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
 const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
