@@ -1720,7 +1720,11 @@ fn batches_create_n_and_get_and_delete_by_ids_and_labels() {
                 json!({"count": 3, "template": "guest", "ttl_s": 60, "labels": {"run": "b2"}});
             server.call("POST", "/sandboxes/batch", Some(body))
         });
-        std::thread::sleep(Duration::from_millis(300));
+        // The first batch holds its three places while its (slow) VMMs start.
+        wait_for("the first batch in flight", Duration::from_secs(20), || {
+            let (_, list) = server.call("GET", "/sandboxes?label=run%3Db2&state=creating", None);
+            ids(&list).len() == 3
+        });
         let body = json!({"count": 2, "template": "guest", "ttl_s": 60, "labels": {"run": "b3"}})
             .to_string();
         let second = server.raw("POST", "/sandboxes/batch", Some(KEY), Some(body.as_bytes()));

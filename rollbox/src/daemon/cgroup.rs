@@ -217,6 +217,27 @@ mod tests {
     }
 
     #[test]
+    fn a_v2_layout_gets_cpu_max_and_the_controller_delegated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            dir.path().join("cgroup.controllers"),
+            "cpuset cpu io memory\n",
+        )
+        .expect("write");
+        let groups = Cgroups::find(dir.path(), "rollbox-x").expect("find");
+        assert_eq!(groups.version, Version::V2);
+        let group = groups.create("sb-1", 1.5).expect("create");
+        assert_eq!(
+            std::fs::read_to_string(group.join("cpu.max")).expect("read"),
+            "150000 100000"
+        );
+        for subtree in [dir.path().to_path_buf(), groups.root.clone()] {
+            let control = subtree.join("cgroup.subtree_control");
+            assert_eq!(std::fs::read_to_string(control).expect("read"), "+cpu");
+        }
+    }
+
+    #[test]
     fn a_v1_layout_gets_a_cfs_quota() {
         // A fake v1 hierarchy: plain files stand in for the kernel's.
         let dir = tempfile::tempdir().expect("tempdir");
