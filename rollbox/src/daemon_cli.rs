@@ -91,6 +91,18 @@ pub struct ServeArgs {
     /// /var/cache/rollbox/images].
     #[arg(long, value_name = "DIR")]
     image_cache: Option<PathBuf>,
+    /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
+    /// was restored or reset from them.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    snapshot_retention: Option<u32>,
+    /// Where the cgroup hierarchies are mounted (for sandboxes' cpu_limit).
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/sys/fs/cgroup",
+        hide = true
+    )]
+    cgroup_fs: PathBuf,
 }
 
 #[derive(Args)]
@@ -138,6 +150,15 @@ pub enum SandboxCommand {
         /// A retried create with the same key returns the first sandbox.
         #[arg(long, value_name = "KEY")]
         idempotency_key: Option<String>,
+        /// KEY=VALUE (repeatable): environment of every exec in the sandbox.
+        #[arg(long = "env", value_name = "KEY=VALUE")]
+        env: Vec<String>,
+        /// Limit the sandbox to this many cores of CPU time (e.g. 0.5), by a cgroup.
+        #[arg(long, value_name = "CORES")]
+        cpu_limit: Option<f64>,
+        /// Create this many of the spec in one batch (each succeeds or fails on its own).
+        #[arg(long, value_name = "N")]
+        count: Option<i64>,
     },
     /// List live sandboxes (or those in --state).
     Ls {
@@ -156,10 +177,19 @@ pub enum SandboxCommand {
     Get {
         id: String,
     },
-    /// End sandboxes (ending one that is gone already succeeds).
+    /// End sandboxes by id, or every live one with --label (ending one that is gone already
+    /// succeeds).
     Rm {
-        #[arg(required = true)]
+        #[arg(required_unless_present = "labels", conflicts_with = "labels")]
         ids: Vec<String>,
+        /// KEY=VALUE (repeatable; all must match): end every live sandbox with these labels.
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+    },
+    /// Show a sandbox's usage: running seconds (paused time not counted), vCPU-seconds,
+    /// memory-MiB-seconds and measured CPU seconds.
+    Usage {
+        id: String,
     },
     Pause {
         id: String,
@@ -206,6 +236,9 @@ pub enum SandboxCommand {
         /// End the sandbox once the snapshot is taken.
         #[arg(long)]
         stop: bool,
+        /// Remove the snapshot after this many seconds (unless a live sandbox came from it).
+        #[arg(long, value_name = "SECS")]
+        ttl: Option<i64>,
     },
     /// List snapshots (of one sandbox with --sandbox).
     Snapshots {
@@ -383,6 +416,8 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         image_cache: args
             .image_cache
             .unwrap_or_else(rollbox::images::default_cache_dir),
+        cgroup_fs: args.cgroup_fs,
+        snapshot_retention: args.snapshot_retention,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -795,10 +830,14 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             labels,
             metadata,
             idempotency_key,
+            env,
+            cpu_limit,
+            count,
         } => {
             let mut body = json!({
                 "labels": key_values(&labels, "label")?,
                 "metadata": key_values(&metadata, "metadata")?,
+                "env": key_values(&env, "env")?,
             });
             match (template, snapshot) {
                 (_, Some(snapshot)) => body["snapshot"] = json!(snapshot),
@@ -817,6 +856,33 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             }
             if let Some(key) = idempotency_key {
                 body["idempotency_key"] = json!(key);
+            }
+            if let Some(cores) = cpu_limit {
+                body["cpu_limit"] = json!(cores);
+            }
+            if let Some(count) = count {
+                body["count"] = json!(count);
+                let response = conn.call("POST", "/sandboxes/batch", Some(body))?;
+                if conn.json {
+                    print_json(&response);
+                    return Ok(0);
+                }
+                #[derive(serde::Deserialize)]
+                struct Batch {
+                    results: Vec<rollbox::daemon::api::ForkResult>,
+                }
+                let batch: Batch = parse(&response)?;
+                let mut failed = 0u8;
+                for result in batch.results {
+                    match (result.sandbox, result.error) {
+                        (Some(s), _) => println!("{}\t{}", s.id, s.state.as_str()),
+                        (None, error) => {
+                            failed = 1;
+                            println!("-\tfailed: {}", error.unwrap_or_default());
+                        }
+                    }
+                }
+                return Ok(failed);
             }
             let response = conn.call("POST", "/sandboxes", Some(body))?;
             if conn.json {
@@ -872,12 +938,51 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
                 print_sandbox(&parse(&response)?);
             }
         }
-        SandboxCommand::Rm { ids } => {
+        SandboxCommand::Rm { labels, .. } if !labels.is_empty() => {
+            key_values(&labels, "label")?;
+            let query: Vec<String> = labels
+                .iter()
+                .map(|l| format!("label={}", encode(l)))
+                .collect();
+            let response = conn.call("DELETE", &format!("/sandboxes?{}", query.join("&")), None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                #[derive(serde::Deserialize)]
+                struct Deleted {
+                    deleted: Vec<String>,
+                }
+                let deleted: Deleted = parse(&response)?;
+                for id in &deleted.deleted {
+                    println!("{id}: removed");
+                }
+                if deleted.deleted.is_empty() {
+                    println!("no live sandbox has these labels");
+                }
+            }
+        }
+        SandboxCommand::Rm { ids, .. } => {
             for id in ids {
                 conn.call("DELETE", &format!("/sandboxes/{id}"), None)?;
                 if !conn.json {
                     println!("{id}: removed");
                 }
+            }
+        }
+        SandboxCommand::Usage { id } => {
+            let response = conn.call("GET", &format!("/sandboxes/{id}/usage"), None)?;
+            if conn.json {
+                print_json(&response);
+            } else {
+                let u: rollbox::daemon::usage::Usage = parse(&response)?;
+                println!("sandbox:            {} ({})", u.sandbox, u.state.as_str());
+                println!("running_s:          {}", u.running_s);
+                println!("vcpu_seconds:       {} ({} vCPUs)", u.vcpu_seconds, u.vcpus);
+                println!(
+                    "memory_mib_seconds: {} ({} MiB)",
+                    u.memory_mib_seconds, u.memory_mib
+                );
+                println!("cpu_seconds:        {:.3} (measured)", u.cpu_seconds);
             }
         }
         SandboxCommand::Pause { id } => pause_resume(conn, &id, "pause")?,
@@ -920,12 +1025,12 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             return exec(conn, &id, body);
         }
         SandboxCommand::Cp { src, dest } => copy(conn, &src, &dest)?,
-        SandboxCommand::Snapshot { id, stop } => {
-            let response = conn.call(
-                "POST",
-                &format!("/sandboxes/{id}/snapshots"),
-                Some(json!({ "stop": stop })),
-            )?;
+        SandboxCommand::Snapshot { id, stop, ttl } => {
+            let mut body = json!({ "stop": stop });
+            if let Some(ttl) = ttl {
+                body["ttl_s"] = json!(ttl);
+            }
+            let response = conn.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(body))?;
             if conn.json {
                 print_json(&response);
             } else {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use rollbox::daemon::api::ROUTES;
 use rollbox::daemon::client::{Endpoint, Response};
-use rollbox::daemon::vm;
+use rollbox::daemon::{cgroup, vm};
 use rollbox_tests::{
     agent_binary, kvm_available, rollbox_binary, test_guest, vmm_binary, TEST_GUEST_CMDLINE,
 };
@@ -170,6 +170,17 @@ impl Drop for Server {
         if let Ok(dir) = std::fs::canonicalize(self.state()) {
             for found in vm::find_vmms(&dir.join("sandboxes")) {
                 vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+            // The daemon's cgroup root (cpu_limit), once its sandboxes' groups are gone.
+            if let Some(groups) = host_cgroups(&dir) {
+                for entry in std::fs::read_dir(&groups.root)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    let _ = std::fs::remove_dir(entry.path());
+                }
+                let _ = std::fs::remove_dir(&groups.root);
             }
         }
     }
@@ -1595,6 +1606,532 @@ fn snapshots_carry_the_rootfs_and_restores_get_their_own_copy() {
         server.get(restored["id"].as_str().expect("id"))["state"],
         "running"
     );
+}
+
+#[test]
+fn create_env_is_stored_and_merged_under_each_exec_env() {
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, _) = agent_server();
+    let sandbox = server.create(json!({
+        "template": "guest", "ttl_s": 300,
+        "env": {"ROLLBOX_A": "from-sandbox", "ROLLBOX_B": "from-sandbox"},
+    }));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    assert_eq!(sandbox["env"]["ROLLBOX_A"], "from-sandbox", "{sandbox}");
+    let result = exec(
+        &server,
+        &id,
+        json!({"cmd": "echo $ROLLBOX_A $ROLLBOX_B", "env": {"ROLLBOX_B": "from-exec"}}),
+    );
+    assert_eq!(result["stdout"], "from-sandbox from-exec\n", "{result}");
+    // Streaming execs get it too.
+    let mut lines = exec_stream(&server, &id, json!({"cmd": "echo $ROLLBOX_A"}));
+    assert_eq!(next_line(&mut lines)["type"], "started");
+    let out = next_line(&mut lines);
+    assert_eq!(out["data"], "from-sandbox\n", "{out}");
+    // Bad env is a 400 naming it.
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "guest", "ttl_s": 30, "env": {"A=B": "x"}})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"].as_str().is_some_and(|e| e.contains("env")),
+        "{body}"
+    );
+}
+
+fn cli(server: &Server, args: &[&str]) -> String {
+    let out = Command::new(rollbox_binary())
+        .args(args)
+        .arg("--socket")
+        .arg(server.sock())
+        .env("ROLLBOX_API_KEY", KEY)
+        .output()
+        .expect("run rollbox");
+    assert!(
+        out.status.success(),
+        "rollbox {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+fn batch_ids(batch: &Value) -> Vec<String> {
+    batch["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|r| {
+            assert!(r["error"].is_null(), "{r}");
+            assert_eq!(r["sandbox"]["state"], "running", "{r}");
+            r["sandbox"]["id"].as_str().expect("id").to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn batches_create_n_and_get_and_delete_by_ids_and_labels() {
+    if !kvm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let slow = slow_vmm(scratch.path(), "1");
+    let server = Server::start(&[
+        "--max-pending-creates",
+        "4",
+        "--vmm",
+        slow.to_str().expect("utf-8"),
+    ]);
+    server.add_guest_template("guest");
+    let spec = json!({"count": 3, "template": "guest", "ttl_s": 120,
+        "labels": {"run": "b1"}, "idempotency_key": "batch-1"});
+    let (status, batch) = server.call("POST", "/sandboxes/batch", Some(spec.clone()));
+    assert_eq!(status, 200, "{batch}\n{}", server.log());
+    let made = batch_ids(&batch);
+    assert_eq!(made.len(), 3);
+    assert_eq!(
+        batch["results"][2]["sandbox"]["idempotency_key"], "batch-1/2",
+        "{batch}"
+    );
+    // A retried batch creates nothing twice.
+    let (status, again) = server.call("POST", "/sandboxes/batch", Some(spec));
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(batch_ids(&again), made);
+    let (_, listed) = server.call("GET", "/sandboxes?label=run%3Db1", None);
+    assert_eq!(ids(&listed), made);
+
+    // Over the limit as a whole: 400 naming count. Over what is free now: 429, nothing made.
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes/batch",
+        Some(json!({"count": 5, "template": "guest", "ttl_s": 60})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"].as_str().is_some_and(|e| e.contains("count")),
+        "{body}"
+    );
+    let (first, second) = std::thread::scope(|scope| {
+        let server = &server;
+        let first = scope.spawn(move || {
+            let body =
+                json!({"count": 3, "template": "guest", "ttl_s": 60, "labels": {"run": "b2"}});
+            server.call("POST", "/sandboxes/batch", Some(body))
+        });
+        // The first batch holds its three places while its (slow) VMMs start.
+        wait_for("the first batch in flight", Duration::from_secs(20), || {
+            let (_, list) = server.call("GET", "/sandboxes?label=run%3Db2&state=creating", None);
+            ids(&list).len() == 3
+        });
+        let body = json!({"count": 2, "template": "guest", "ttl_s": 60, "labels": {"run": "b3"}})
+            .to_string();
+        let second = server.raw("POST", "/sandboxes/batch", Some(KEY), Some(body.as_bytes()));
+        (first.join().expect("thread"), second)
+    });
+    assert_eq!(first.0, 200, "{}", first.1);
+    assert_eq!(batch_ids(&first.1).len(), 3);
+    assert_eq!(second.status, 429, "{}", second.error_message());
+    assert_eq!(second.header("retry-after"), Some("1"));
+    let (_, none) = server.call("GET", "/sandboxes?label=run%3Db3&state=failed", None);
+    assert!(ids(&none).is_empty(), "{none}");
+    let (_, none) = server.call("GET", "/sandboxes?label=run%3Db3", None);
+    assert!(ids(&none).is_empty(), "{none}");
+
+    // Get by ids (any state), delete by ids, delete by label.
+    let query = format!("ids={},{}", made[0], made[1]);
+    let (status, got) = server.call("GET", &format!("/sandboxes?{query}"), None);
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(ids(&got), made[..2]);
+    let (status, deleted) = server.call("DELETE", &format!("/sandboxes?ids={}", made[0]), None);
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(deleted["deleted"], json!([made[0]]));
+    let (status, deleted) = server.call("DELETE", "/sandboxes?label=run%3Db1", None);
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(deleted["deleted"], json!(made[1..]));
+    let (_, got) = server.call("GET", &format!("/sandboxes?{query}"), None);
+    let states: Vec<&Value> = got["sandboxes"]
+        .as_array()
+        .expect("sandboxes")
+        .iter()
+        .map(|s| &s["state"])
+        .collect();
+    assert_eq!(states, [&json!("deleted"), &json!("deleted")]);
+    let (status, body) = server.call("DELETE", "/sandboxes", None);
+    assert_eq!(status, 400, "{body}");
+
+    // The CLI: create --count, rm --label.
+    let out = cli(
+        &server,
+        &[
+            "sandbox", "create", "guest", "--ttl", "60", "--count", "2", "--label", "run=cli",
+        ],
+    );
+    assert_eq!(
+        out.lines().filter(|l| l.contains("running")).count(),
+        2,
+        "{out}"
+    );
+    let out = cli(&server, &["sandbox", "rm", "--label", "run=cli"]);
+    assert_eq!(
+        out.lines().filter(|l| l.ends_with("removed")).count(),
+        2,
+        "{out}"
+    );
+    let (_, left) = server.call("GET", "/sandboxes?label=run%3Dcli", None);
+    assert!(ids(&left).is_empty(), "{left}");
+    let (_, b2) = server.call("DELETE", "/sandboxes?label=run%3Db2", None);
+    assert_eq!(b2["deleted"].as_array().map(Vec::len), Some(3), "{b2}");
+    assert!(server.vmms().is_empty(), "VMMs left after the deletes");
+}
+
+/// This host's cpu controller, as the daemon with state in `state` uses it.
+fn host_cgroups(state: &Path) -> Option<cgroup::Cgroups> {
+    cgroup::Cgroups::find(Path::new("/sys/fs/cgroup"), &cgroup::root_name(state)).ok()
+}
+
+#[test]
+fn cpu_limit_puts_the_vmm_in_its_own_cgroup_with_the_quota() {
+    if !kvm_available() {
+        return;
+    }
+    let mut server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let state = std::fs::canonicalize(server.state()).expect("state dir");
+    let Some(groups) = host_cgroups(&state) else {
+        // No cpu controller: the create must say so, never run without the limit.
+        let (status, body) = server.call(
+            "POST",
+            "/sandboxes",
+            Some(json!({"template": "guest", "ttl_s": 60, "cpu_limit": 0.5})),
+        );
+        assert_eq!(status, 503, "{body}");
+        eprintln!("SKIPPED (partly): no cgroup cpu controller on this host");
+        return;
+    };
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 120, "cpu_limit": 0.5}));
+    assert_eq!(sandbox["cpu_limit"], 0.5, "{sandbox}");
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    let (pid, start) = pid_of(&sandbox);
+    let group = groups.path(&id);
+    let read = |name: &str| {
+        std::fs::read_to_string(group.join(name))
+            .unwrap_or_else(|e| panic!("{}/{name}: {e}", group.display()))
+    };
+    match groups.version {
+        cgroup::Version::V1 => {
+            assert_eq!(read("cpu.cfs_quota_us").trim(), "50000");
+            assert_eq!(read("cpu.cfs_period_us").trim(), "100000");
+        }
+        cgroup::Version::V2 => assert_eq!(read("cpu.max").trim(), "50000 100000"),
+    }
+    let procs = read("cgroup.procs");
+    assert!(
+        procs.lines().any(|l| l.trim() == pid.to_string()),
+        "VMM pid {pid} not in {}: {procs:?}",
+        group.display()
+    );
+    // A sandbox without a limit gets no group.
+    let free = server.create(json!({"template": "guest", "ttl_s": 120}));
+    assert!(!groups.path(free["id"].as_str().expect("id")).exists());
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 204);
+    assert!(!group.exists(), "{} survived DELETE", group.display());
+
+    // A group whose sandbox's VMM died while the daemon was down is reaped at restart.
+    let second = server.create(json!({"template": "guest", "ttl_s": 120, "cpu_limit": 1.5}));
+    let second_id = second["id"].as_str().expect("id").to_string();
+    assert!(groups.path(&second_id).exists());
+    server.kill9();
+    let (pid2, start2) = pid_of(&second);
+    vm::kill(pid2, start2, Duration::from_secs(5));
+    assert!(!vm::is_ours(pid2, start2));
+    assert!(!vm::is_ours(pid, start), "the deleted VMM lives");
+    server.spawn();
+    assert!(
+        !groups.path(&second_id).exists(),
+        "orphaned cgroup survived a restart\n{}",
+        server.log()
+    );
+
+    // Where no controller is writable, a create with cpu_limit is a 503 naming it.
+    let empty = tempfile::tempdir().expect("tempdir");
+    let nowhere = empty.path().to_str().expect("utf-8").to_string();
+    let other = Server::start(&["--cgroup-fs", &nowhere]);
+    other.add_guest_template("guest");
+    let (status, body) = other.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "guest", "ttl_s": 60, "cpu_limit": 0.5})),
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cpu_limit")),
+        "{body}"
+    );
+    let (_, none) = other.call("GET", "/sandboxes?state=failed", None);
+    assert!(ids(&none).is_empty(), "{none}");
+}
+
+fn usage(server: &Server, id: &str) -> Value {
+    let (status, usage) = server.call("GET", &format!("/sandboxes/{id}/usage"), None);
+    assert_eq!(status, 200, "{usage}");
+    usage
+}
+
+/// The value of the one /metrics sample `name{...sandbox="id"...}`, or a gauge by its labels.
+fn metric(text: &str, name: &str, label: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| {
+            (l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+                && l.contains(label)
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn usage_counts_running_seconds_not_paused_and_survives_a_restart() {
+    if !kvm_available() {
+        return;
+    }
+    let mut server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 300, "vcpus": 2}));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    std::thread::sleep(Duration::from_millis(2100));
+    let first = usage(&server, &id);
+    let ran = first["running_s"].as_u64().expect("running_s");
+    assert!((3..=8).contains(&ran), "{first}");
+    assert_eq!(first["vcpu_seconds"].as_u64(), Some(2 * ran), "{first}");
+    assert_eq!(
+        first["memory_mib_seconds"].as_u64(),
+        Some(32 * ran),
+        "{first}"
+    );
+    assert!(first["cpu_seconds"].as_f64().is_some(), "{first}");
+
+    // Paused time does not count.
+    let (status, _) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 200);
+    let paused = usage(&server, &id)["running_s"]
+        .as_u64()
+        .expect("running_s");
+    std::thread::sleep(Duration::from_millis(2100));
+    assert_eq!(usage(&server, &id)["running_s"].as_u64(), Some(paused));
+    let (status, _) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+    assert_eq!(status, 200);
+
+    // A restart loses nothing.
+    server.kill9();
+    server.spawn();
+    let after = usage(&server, &id)["running_s"]
+        .as_u64()
+        .expect("running_s");
+    assert!(after >= paused, "{after} < {paused}");
+
+    // /metrics: per-sandbox counters and daemon gauges, in Prometheus text.
+    let response = server.raw("GET", "/metrics", Some(KEY), None);
+    assert_eq!(response.status, 200);
+    assert!(response
+        .header("content-type")
+        .is_some_and(|t| t.starts_with("text/plain")));
+    let text = String::from_utf8(response.body.clone()).expect("utf-8");
+    let label = format!("sandbox=\"{id}\"");
+    let vcpu_s = metric(&text, "rollbox_sandbox_vcpu_seconds_total", &label)
+        .unwrap_or_else(|| panic!("no vcpu seconds for {id} in:\n{text}"));
+    assert!(vcpu_s >= 2.0 * after as f64, "{text}");
+    assert!(metric(&text, "rollbox_sandbox_memory_mib_seconds_total", &label).is_some());
+    assert!(metric(&text, "rollbox_sandbox_cpu_seconds_total", &label).is_some());
+    assert_eq!(
+        metric(&text, "rollbox_sandboxes", "state=\"running\""),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "rollbox_creates_total", "").is_some(),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "rollbox_creates_refused_total", "").is_some(),
+        "{text}"
+    );
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        assert!(
+            line.starts_with("# HELP ")
+                || line.starts_with("# TYPE ")
+                || line
+                    .rsplit(' ')
+                    .next()
+                    .is_some_and(|v| v.parse::<f64>().is_ok()),
+            "not a Prometheus line: {line:?}"
+        );
+    }
+
+    // Ended: kept, frozen.
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 204);
+    let ended = usage(&server, &id);
+    assert_eq!(ended["state"], "deleted");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(usage(&server, &id)["running_s"], ended["running_s"]);
+    assert!(
+        ended["cpu_seconds"].as_f64().is_some_and(|c| c > 0.0),
+        "{ended}"
+    );
+    let out = cli(&server, &["sandbox", "usage", &id]);
+    assert!(out.contains("vcpu_seconds") && out.contains(&id), "{out}");
+    let (status, _) = server.call("GET", "/sandboxes/sb-00000000000000aa/usage", None);
+    assert_eq!(status, 404);
+}
+
+fn snapshot_ids(server: &Server, sandbox: &str) -> Vec<String> {
+    let (status, list) = server.call("GET", &format!("/snapshots?sandbox={sandbox}"), None);
+    assert_eq!(status, 200, "{list}");
+    list["snapshots"]
+        .as_array()
+        .expect("snapshots")
+        .iter()
+        .map(|s| s["id"].as_str().expect("id").to_string())
+        .collect()
+}
+
+fn take_snapshot(server: &Server, id: &str, body: Value) -> (String, PathBuf) {
+    let (status, snap) = server.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(body));
+    assert_eq!(status, 201, "{snap}\n{}", server.log());
+    (
+        snap["id"].as_str().expect("id").to_string(),
+        PathBuf::from(snap["dir"].as_str().expect("dir")),
+    )
+}
+
+#[test]
+fn snapshot_retention_keeps_the_newest_n_and_ttls_but_never_a_live_sandboxs_source() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&["--snapshot-retention", "2"]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    let (_s1, s1_dir) = take_snapshot(&server, &id, json!({}));
+    let (s2, _) = take_snapshot(&server, &id, json!({}));
+    let (s3, _) = take_snapshot(&server, &id, json!({}));
+    assert_eq!(snapshot_ids(&server, &id), [s2.clone(), s3.clone()]);
+    assert!(!s1_dir.exists(), "{} outlived retention", s1_dir.display());
+
+    // s2 is the source of a live sandbox: kept past the newest two until that one ends.
+    let restored = server.create(json!({"snapshot": s2, "ttl_s": 300}));
+    let restored_id = restored["id"].as_str().expect("id").to_string();
+    let (s4, _) = take_snapshot(&server, &id, json!({}));
+    let (s5, _) = take_snapshot(&server, &id, json!({}));
+    assert_eq!(
+        snapshot_ids(&server, &id),
+        [s2.clone(), s4.clone(), s5.clone()]
+    );
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{restored_id}"), None);
+    assert_eq!(status, 204);
+    wait_for("s2 to go once unused", Duration::from_secs(10), || {
+        snapshot_ids(&server, &id) == [s4.clone(), s5.clone()]
+    });
+
+    // ttl_s: gone when it runs out, unless a live sandbox came from it.
+    let other = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let other_id = other["id"].as_str().expect("id").to_string();
+    let (short, short_dir) = take_snapshot(&server, &other_id, json!({"ttl_s": 1}));
+    let (kept, _) = take_snapshot(&server, &other_id, json!({"ttl_s": 2}));
+    let (status, got) = server.call("GET", &format!("/snapshots/{kept}"), None);
+    assert_eq!(status, 200);
+    assert!(got["expires_at_ms"].as_u64().is_some(), "{got}");
+    let user = server.create(json!({"snapshot": kept, "ttl_s": 300}));
+    wait_for(
+        "the short snapshot to expire",
+        Duration::from_secs(10),
+        || snapshot_ids(&server, &other_id) == [kept.clone()],
+    );
+    assert!(!short_dir.exists(), "{short} expired but its files stay");
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(snapshot_ids(&server, &other_id), [kept]);
+    let user_id = user["id"].as_str().expect("id");
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{user_id}"), None);
+    assert_eq!(status, 204);
+    wait_for(
+        "the kept snapshot to expire",
+        Duration::from_secs(10),
+        || snapshot_ids(&server, &other_id).is_empty(),
+    );
+}
+
+#[test]
+fn interactive_stdin_reaches_a_streaming_exec_until_closed() {
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, id) = agent_server();
+    let mut lines = exec_stream(&server, &id, json!({"cmd": ["cat"], "stdin_open": true}));
+    let started = next_line(&mut lines);
+    assert_eq!(started["type"], "started", "{started}");
+    let pid = started["pid"].as_u64().expect("pid");
+    let stdin = format!("/sandboxes/{id}/processes/{pid}/stdin");
+    let mut echoed = String::new();
+    for (body, want) in [
+        (json!({"data": "hello\n"}), "hello\n"),
+        (
+            json!({"data": "AAECdGhlcmUK", "encoding": "base64"}),
+            "\u{0}\u{1}\u{2}there\n",
+        ),
+    ] {
+        let (status, reply) = server.call("POST", &stdin, Some(body));
+        assert_eq!(status, 204, "{reply}");
+        let target = echoed.len() + want.len();
+        echoed.push_str(want);
+        let mut got = String::new();
+        while got.len() < want.len() {
+            let line = next_line(&mut lines);
+            assert_eq!(line["type"], "stdout", "{line}");
+            assert_eq!(line["encoding"], "utf-8", "{line}");
+            got.push_str(line["data"].as_str().expect("data"));
+        }
+        assert_eq!(got, want);
+        assert_eq!(echoed.len(), target);
+    }
+    let (status, reply) = server.call("POST", &stdin, Some(json!({"close": true})));
+    assert_eq!(status, 204, "{reply}");
+    let exit = next_line(&mut lines);
+    assert_eq!(
+        (&exit["type"], &exit["exit_code"]),
+        (&json!("exit"), &json!(0)),
+        "{exit}"
+    );
+    // Gone now: 404. A process started without stdin_open: 409.
+    let (status, _) = server.call("POST", &stdin, Some(json!({"data": "x"})));
+    assert_eq!(status, 404);
+    let mut lines = exec_stream(&server, &id, json!({"cmd": ["sleep", "30"]}));
+    let pid = next_line(&mut lines)["pid"].as_u64().expect("pid");
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/processes/{pid}/stdin"),
+        Some(json!({"data": "x"})),
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("stdin_open")),
+        "{body}"
+    );
+    let (status, _) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/processes/{pid}/signal"),
+        Some(json!({"signal": "KILL"})),
+    );
+    assert_eq!(status, 204);
 }
 
 #[test]

@@ -20,19 +20,24 @@ pub const MAX_EXEC_TIMEOUT_S: f64 = 86_400.0;
 /// document (docs/api/openapi.yaml) lists exactly these; a test checks both ways.
 pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/healthz"),
+    ("GET", "/metrics"),
     ("GET", "/templates"),
     ("POST", "/templates"),
     ("GET", "/templates/{name}"),
     ("DELETE", "/templates/{name}"),
     ("GET", "/sandboxes"),
     ("POST", "/sandboxes"),
+    ("DELETE", "/sandboxes"),
+    ("POST", "/sandboxes/batch"),
     ("GET", "/sandboxes/{id}"),
     ("DELETE", "/sandboxes/{id}"),
+    ("GET", "/sandboxes/{id}/usage"),
     ("POST", "/sandboxes/{id}/keepalive"),
     ("POST", "/sandboxes/{id}/pause"),
     ("POST", "/sandboxes/{id}/resume"),
     ("POST", "/sandboxes/{id}/exec"),
     ("POST", "/sandboxes/{id}/processes/{pid}/signal"),
+    ("POST", "/sandboxes/{id}/processes/{pid}/stdin"),
     ("GET", "/sandboxes/{id}/files"),
     ("PUT", "/sandboxes/{id}/files"),
     ("DELETE", "/sandboxes/{id}/files"),
@@ -49,9 +54,15 @@ pub const ROUTES: &[(&str, &str)] = &[
 ];
 /// Most sandboxes one fork makes.
 pub const MAX_FORK: u32 = 64;
+/// Most sandboxes one batch create makes.
+pub const MAX_BATCH: u32 = 1000;
+/// Most ids one `ids=` query names.
+const MAX_IDS: usize = 1000;
 
 /// Limits on what a request may ask for.
 pub const MAX_VCPUS: u32 = 32;
+/// Smallest `cpu_limit`, in cores.
+pub const MIN_CPU_LIMIT: f64 = 0.01;
 /// Largest guest memory in MiB.
 pub const MAX_MEMORY_MIB: u32 = 256 * 1024;
 /// Longest TTL (and idle TTL): 30 days.
@@ -222,7 +233,7 @@ pub const IMAGE_CMDLINE: &str =
     "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent";
 
 /// POST /sandboxes, validated: from a template (boot) or from a snapshot (restore).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct CreateSandbox {
     /// The template's name; empty when `snapshot` is given (the snapshot names it).
     pub template: String,
@@ -234,6 +245,10 @@ pub struct CreateSandbox {
     pub labels: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
     pub idempotency_key: Option<String>,
+    /// Environment of every exec in the sandbox (an exec's own `env` wins).
+    pub env: BTreeMap<String, String>,
+    /// Cores of CPU time (a cgroup quota on the VMM process); None: no limit.
+    pub cpu_limit: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -250,6 +265,9 @@ struct CreateBody {
     #[serde(default)]
     metadata: BTreeMap<String, String>,
     idempotency_key: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    cpu_limit: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -261,6 +279,8 @@ struct KeepaliveBody {
 /// GET /sandboxes query.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ListQuery {
+    /// Only these sandboxes (any state, unless `state` is given).
+    pub ids: Vec<String>,
     /// Every (key, value) must match.
     pub labels: Vec<(String, String)>,
     pub state: Option<State>,
@@ -292,6 +312,12 @@ pub struct Sandbox {
     pub dir: PathBuf,
     pub ended_at_ms: Option<u64>,
     pub end_reason: Option<String>,
+    /// Environment of every exec (under the exec's own `env`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// CPU time limit in cores (0.5: half a core), enforced by the VMM's cgroup.
+    #[serde(default)]
+    pub cpu_limit: Option<f64>,
 }
 
 /// GET /sandboxes answer.
@@ -312,8 +338,11 @@ pub struct Exec {
     pub env: BTreeMap<String, String>,
     pub cwd: Option<String>,
     pub user: Option<String>,
-    /// Written to the process's stdin, which is then closed (no stdin: /dev/null).
+    /// Written to the process's stdin, which is then closed (no stdin: /dev/null) unless
+    /// `stdin_open`.
     pub stdin: Option<Vec<u8>>,
+    /// Streaming only: stdin stays open for POST .../processes/{pid}/stdin.
+    pub stdin_open: bool,
     pub timeout_ms: Option<u64>,
     pub max_output_bytes: u64,
 }
@@ -334,8 +363,21 @@ struct ExecBody {
     cwd: Option<String>,
     user: Option<String>,
     stdin: Option<String>,
+    #[serde(default)]
+    stdin_open: bool,
     timeout_s: Option<f64>,
     max_output_bytes: Option<i64>,
+}
+
+/// POST /sandboxes/{id}/processes/{pid}/stdin.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StdinBody {
+    #[serde(default)]
+    data: String,
+    encoding: Option<Encoding>,
+    #[serde(default)]
+    close: bool,
 }
 
 /// How a text field of an exec answer is encoded.
@@ -511,6 +553,9 @@ pub struct Snapshot {
     /// `vmstate`, `memory`, and `rootfs.img` when the template has a rootfs.
     pub dir: PathBuf,
     pub created_at_ms: u64,
+    /// When retention removes it (its `ttl_s`), unless a live sandbox came from it.
+    #[serde(default)]
+    pub expires_at_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -518,6 +563,7 @@ pub struct Snapshot {
 struct SnapshotBody {
     #[serde(default)]
     stop: bool,
+    ttl_s: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -564,6 +610,17 @@ pub enum Action {
     RemoveTemplate(String),
     ListSandboxes(ListQuery),
     CreateSandbox(CreateSandbox),
+    /// `count` sandboxes of one spec; its idempotency key `K` gives item `i` the key `K/i`.
+    CreateBatch {
+        count: u32,
+        create: CreateSandbox,
+    },
+    /// End every live sandbox the query matches (it names ids or labels, never nothing).
+    DeleteSandboxes(ListQuery),
+    /// Running time and CPU of a sandbox, live or ended.
+    Usage(String),
+    /// Prometheus text.
+    Metrics,
     GetSandbox(String),
     DeleteSandbox(String),
     Keepalive {
@@ -584,14 +641,22 @@ pub enum Action {
         signal: i32,
         group: bool,
     },
+    /// Bytes for the stdin of a streaming exec started with `stdin_open`; `close` closes it.
+    Stdin {
+        id: String,
+        pid: u32,
+        data: Vec<u8>,
+        close: bool,
+    },
     File {
         id: String,
         op: FileOp,
     },
-    /// Snapshot a sandbox; `stop` ends it afterwards.
+    /// Snapshot a sandbox; `stop` ends it afterwards; `ttl_s`: retention removes it then.
     Snapshot {
         id: String,
         stop: bool,
+        ttl_s: Option<u64>,
     },
     ListSnapshots {
         sandbox: Option<String>,
@@ -631,6 +696,8 @@ pub fn parse(
     };
     let action = match (method, segments.as_slice()) {
         ("GET", ["healthz"]) => Action::Health,
+        ("GET", ["metrics"]) => Action::Metrics,
+        ("GET", ["sandboxes", id, "usage"]) => Action::Usage(check_id(id)?),
         ("GET", ["templates"]) => Action::ListTemplates,
         ("POST", ["templates"]) => Action::AddTemplate(parse_template(body)?),
         ("GET", ["templates", name]) => Action::GetTemplate(check_template_name(name, "name")?),
@@ -639,6 +706,21 @@ pub fn parse(
         }
         ("GET", ["sandboxes"]) => return Ok(Action::ListSandboxes(parse_query(query)?)),
         ("POST", ["sandboxes"]) => Action::CreateSandbox(parse_create(body)?),
+        ("POST", ["sandboxes", "batch"]) => parse_batch(body)?,
+        ("DELETE", ["sandboxes"]) => {
+            let query = parse_query(query)?;
+            if query.ids.is_empty() && query.labels.is_empty() {
+                return Err(bad(
+                    "ids, label: DELETE /sandboxes needs ids=ID,ID or label=KEY=VALUE (it never ends every sandbox)",
+                ));
+            }
+            if query.state.is_some() || query.after.is_some() {
+                return Err(bad(
+                    "state, page_token: DELETE /sandboxes takes only ids and label",
+                ));
+            }
+            return Ok(Action::DeleteSandboxes(query));
+        }
         ("GET", ["sandboxes", id]) => Action::GetSandbox(check_id(id)?),
         ("DELETE", ["sandboxes", id]) => Action::DeleteSandbox(check_id(id)?),
         ("POST", ["sandboxes", id, "keepalive"]) => {
@@ -654,19 +736,34 @@ pub fn parse(
         ("POST", ["sandboxes", id, "exec"]) => {
             let id = check_id(id)?;
             let stream = parse_stream_query(query)?;
-            return Ok(Action::Exec {
+            let exec = parse_exec(body)?;
+            if exec.stdin_open && !stream {
+                return Err(bad(
+                    "stdin_open: only a streaming exec (?stream=true) keeps stdin open",
+                ));
+            }
+            return Ok(Action::Exec { id, exec, stream });
+        }
+        ("POST", ["sandboxes", id, "processes", pid, "stdin"]) => {
+            let id = check_id(id)?;
+            let pid = check_pid(pid)?;
+            let body: StdinBody = from_json(body)?;
+            let encoding = body.encoding.unwrap_or(Encoding::Utf8);
+            let data =
+                decode_bytes(&body.data, encoding).ok_or_else(|| bad("data: not valid base64"))?;
+            if data.is_empty() && !body.close {
+                return Err(bad("data: empty, and close is not set: nothing to do"));
+            }
+            Action::Stdin {
                 id,
-                exec: parse_exec(body)?,
-                stream,
-            });
+                pid,
+                data,
+                close: body.close,
+            }
         }
         ("POST", ["sandboxes", id, "processes", pid, "signal"]) => {
             let id = check_id(id)?;
-            let pid = pid
-                .parse::<u32>()
-                .ok()
-                .filter(|p| *p > 0)
-                .ok_or_else(|| bad(format!("pid: {pid:?} is not a process id")))?;
+            let pid = check_pid(pid)?;
             let body: SignalBody = from_json(body)?;
             Action::Signal {
                 id,
@@ -677,12 +774,19 @@ pub fn parse(
         }
         ("POST", ["sandboxes", id, "snapshots"]) => {
             let id = check_id(id)?;
-            let stop = if body.is_empty() {
-                false
+            let body = if body.is_empty() {
+                SnapshotBody {
+                    stop: false,
+                    ttl_s: None,
+                }
             } else {
-                from_json::<SnapshotBody>(body)?.stop
+                from_json::<SnapshotBody>(body)?
             };
-            Action::Snapshot { id, stop }
+            Action::Snapshot {
+                id,
+                stop: body.stop,
+                ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
+            }
         }
         ("POST", ["sandboxes", id, "fork"]) => {
             let id = check_id(id)?;
@@ -750,6 +854,13 @@ pub fn parse(
     };
     no_query()?;
     Ok(action)
+}
+
+fn check_pid(pid: &str) -> Result<u32, ApiError> {
+    pid.parse::<u32>()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| bad(format!("pid: {pid:?} is not a process id")))
 }
 
 fn file_route(method: &str, segments: &[&str]) -> bool {
@@ -897,13 +1008,7 @@ fn parse_exec(body: &[u8]) -> Result<Exec, ApiError> {
             ExecCommand::Shell(script)
         }
     };
-    for (key, value) in &body.env {
-        if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
-            return Err(bad(format!(
-                "env: {key:?} is not a variable name (non-empty, no = or NUL)"
-            )));
-        }
-    }
+    check_env(&body.env)?;
     let cwd = body.cwd.map(|c| check_guest_path(&c, "cwd")).transpose()?;
     let timeout_ms = match body.timeout_s {
         None => None,
@@ -931,9 +1036,26 @@ fn parse_exec(body: &[u8]) -> Result<Exec, ApiError> {
         cwd,
         user: body.user,
         stdin: body.stdin.map(String::into_bytes),
+        stdin_open: body.stdin_open,
         timeout_ms,
         max_output_bytes,
     })
+}
+
+const MAX_ENV: usize = 256;
+
+fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if env.len() > MAX_ENV {
+        return Err(bad(format!("env: more than {MAX_ENV} variables")));
+    }
+    for (key, value) in env {
+        if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
+            return Err(bad(format!(
+                "env: {key:?} is not a variable name (non-empty, no = or NUL)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn matches_pattern(pattern: &str, segments: &[&str]) -> bool {
@@ -1135,6 +1257,7 @@ fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
 fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
     let body: CreateBody = from_json(body)?;
     check_labels(&body.labels)?;
+    check_env(&body.env)?;
     if body.metadata.len() > MAX_METADATA
         || body
             .metadata
@@ -1178,7 +1301,42 @@ fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         labels: body.labels,
         metadata: body.metadata,
         idempotency_key: body.idempotency_key,
+        env: body.env,
+        cpu_limit: body
+            .cpu_limit
+            .map(|c| {
+                if c.is_finite() && (MIN_CPU_LIMIT..=f64::from(MAX_VCPUS)).contains(&c) {
+                    Ok(c)
+                } else {
+                    Err(bad(format!(
+                        "cpu_limit: {c} is out of range ({MIN_CPU_LIMIT}-{MAX_VCPUS} cores)"
+                    )))
+                }
+            })
+            .transpose()?,
     })
+}
+
+/// POST /sandboxes/batch: `count` and the fields of POST /sandboxes.
+fn parse_batch(body: &[u8]) -> Result<Action, ApiError> {
+    let mut fields: serde_json::Map<String, serde_json::Value> = from_json(body)?;
+    let count = match fields.remove("count") {
+        Some(serde_json::Value::Number(n)) => n.as_i64(),
+        Some(other) => return Err(bad(format!("count: {other} is not a whole number"))),
+        None => return Err(bad("count: required (how many sandboxes)")),
+    };
+    let count = in_range(count, "count", 1, MAX_BATCH)?
+        .ok_or_else(|| bad(format!("count: not a whole number 1-{MAX_BATCH}")))?;
+    let spec = serde_json::to_vec(&fields).map_err(|e| bad(format!("bad JSON body: {e}")))?;
+    let create = parse_create(&spec)?;
+    if let Some(key) = &create.idempotency_key {
+        if key.len() > 120 {
+            return Err(bad(
+                "idempotency_key: a batch's key must be at most 120 bytes (items get KEY/INDEX)",
+            ));
+        }
+    }
+    Ok(Action::CreateBatch { count, create })
 }
 
 /// Decodes %XX escapes and `+`.
@@ -1220,6 +1378,14 @@ fn parse_query(query: Option<&str>) -> Result<ListQuery, ApiError> {
         let name = percent_decode(name, "query")?;
         let value = percent_decode(value, &name)?;
         match name.as_str() {
+            "ids" => {
+                for id in value.split(',').filter(|i| !i.is_empty()) {
+                    out.ids.push(check_id(id)?);
+                }
+                if out.ids.len() > MAX_IDS {
+                    return Err(bad(format!("ids: more than {MAX_IDS}")));
+                }
+            }
             "label" => {
                 let (key, want) = value
                     .split_once('=')
@@ -1254,7 +1420,7 @@ fn parse_query(query: Option<&str>) -> Result<ListQuery, ApiError> {
             }
             other => {
                 return Err(bad(format!(
-                    "{other}: unknown query parameter (label, state, limit, page_token)"
+                    "{other}: unknown query parameter (ids, label, state, limit, page_token)"
                 )))
             }
         }
@@ -1309,6 +1475,11 @@ mod tests {
                 "idempotency_key",
             ),
             (r#"{"template":"t"} trailing"#, "JSON"),
+            (r#"{"template":"t","env":{"A=B":"x"}}"#, "env"),
+            (r#"{"template":"t","env":{"A":7}}"#, "env.A"),
+            (r#"{"template":"t","cpu_limit":0}"#, "cpu_limit"),
+            (r#"{"template":"t","cpu_limit":-1}"#, "cpu_limit"),
+            (r#"{"template":"t","cpu_limit":"half"}"#, "cpu_limit"),
         ];
         for (body, field) in cases {
             let message = err(parse("POST", "/sandboxes", None, body.as_bytes()));
@@ -1407,13 +1578,21 @@ mod tests {
             let body: &[u8] = match (*method, path.as_str()) {
                 ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
                 ("POST", "/sandboxes") => br#"{"template":"g"}"#,
+                ("POST", "/sandboxes/batch") => br#"{"template":"g","count":2}"#,
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
                 ("POST", p) if p.ends_with("exec") => br#"{"cmd":["true"]}"#,
                 ("POST", p) if p.ends_with("signal") => br#"{"signal":"TERM"}"#,
+                ("POST", p) if p.ends_with("stdin") => br#"{"data":"x"}"#,
                 ("POST", p) if p.ends_with("fork") => br#"{"count":2}"#,
                 _ => b"",
             };
-            let query = (path.contains("/files") || path.ends_with("/tar")).then_some("path=/x");
+            let query = if path.contains("/files") || path.ends_with("/tar") {
+                Some("path=/x")
+            } else if (*method, path.as_str()) == ("DELETE", "/sandboxes") {
+                Some("label=run%3Da")
+            } else {
+                None
+            };
             parse(method, &path, query, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         }
     }
@@ -1430,6 +1609,7 @@ mod tests {
         assert_eq!(
             q,
             Action::ListSandboxes(ListQuery {
+                ids: Vec::new(),
                 labels: vec![("run".into(), "a=b".into())],
                 state: Some(State::Running),
                 limit: 5,
@@ -1515,6 +1695,27 @@ mod tests {
             Ok(Action::Signal { signal: 2, .. })
         ));
         assert!(err(signal(br#"{"signal":"BOOM"}"#)).contains("signal"));
+        let stdin = |body: &[u8]| {
+            parse(
+                "POST",
+                "/sandboxes/sb-0123456789abcdef/processes/9/stdin",
+                None,
+                body,
+            )
+        };
+        assert!(matches!(
+            stdin(br#"{"data":"AAE=","encoding":"base64","close":true}"#),
+            Ok(Action::Stdin { ref data, close: true, .. }) if data == &[0u8, 1]
+        ));
+        assert!(err(stdin(br#"{"data":"!!","encoding":"base64"}"#)).contains("data"));
+        assert!(err(stdin(br#"{}"#)).contains("data"));
+        assert!(err(parse(
+            "POST",
+            "/sandboxes/sb-0123456789abcdef/exec",
+            None,
+            br#"{"cmd":"cat","stdin_open":true}"#
+        ))
+        .contains("stdin_open"));
         assert!(err(signal(br#"{"signal":99}"#)).contains("signal"));
         assert!(err(parse(
             "POST",
@@ -1578,7 +1779,8 @@ mod tests {
             parse("POST", &format!("{sb}/snapshots"), None, b"").expect("snapshot"),
             Action::Snapshot {
                 id: "sb-0123456789abcdef".into(),
-                stop: false
+                stop: false,
+                ttl_s: None,
             }
         );
         assert!(matches!(
@@ -1590,6 +1792,13 @@ mod tests {
             ),
             Ok(Action::Snapshot { stop: true, .. })
         ));
+        assert!(err(parse(
+            "POST",
+            &format!("{sb}/snapshots"),
+            None,
+            br#"{"ttl_s":0}"#
+        ))
+        .contains("ttl_s"));
         for (body, field) in [
             (r#"{"count":0}"#, "count"),
             (r#"{"count":65}"#, "count"),
@@ -1612,6 +1821,46 @@ mod tests {
         ));
         assert!(err(parse("GET", "/snapshots/nope", None, b"")).contains("snapshot"));
         assert!(err(parse("GET", "/snapshots", Some("sandbox=x"), b"")).contains("id"));
+    }
+
+    #[test]
+    fn batches_and_bulk_deletes_parse() {
+        let action = parse(
+            "POST",
+            "/sandboxes/batch",
+            None,
+            br#"{"count":3,"template":"t","ttl_s":9,"idempotency_key":"k"}"#,
+        )
+        .expect("batch");
+        let Action::CreateBatch { count, create } = action else {
+            panic!("{action:?}")
+        };
+        assert_eq!((count, create.template.as_str()), (3, "t"));
+        assert_eq!(create.idempotency_key.as_deref(), Some("k"));
+        for (body, field) in [
+            (r#"{"template":"t"}"#, "count"),
+            (r#"{"count":0,"template":"t"}"#, "count"),
+            (r#"{"count":"2","template":"t"}"#, "count"),
+            (r#"{"count":2,"template":"t","colour":1}"#, "colour"),
+            (r#"{"count":2}"#, "template"),
+        ] {
+            let message = err(parse("POST", "/sandboxes/batch", None, body.as_bytes()));
+            assert!(message.contains(field), "{body}: {message:?}");
+        }
+        let ids = "sb-0123456789abcdef,sb-00000000000000aa";
+        assert!(matches!(
+            parse("DELETE", "/sandboxes", Some(&format!("ids={ids}")), b""),
+            Ok(Action::DeleteSandboxes(ListQuery { ref ids, .. })) if ids.len() == 2
+        ));
+        assert!(err(parse("DELETE", "/sandboxes", None, b"")).contains("ids"));
+        assert!(err(parse("DELETE", "/sandboxes", Some("ids=sb-x"), b"")).contains("id"));
+        assert!(err(parse(
+            "DELETE",
+            "/sandboxes",
+            Some("label=a%3Db&state=running"),
+            b""
+        ))
+        .contains("state"));
     }
 
     #[test]

@@ -108,7 +108,15 @@ impl Daemon {
             rollbox_agent_protocol::messages::Command::Argv(argv) => ExecRequest::argv(argv),
             rollbox_agent_protocol::messages::Command::Shell(script) => ExecRequest::shell(script),
         };
-        request.env = exec.env;
+        // The sandbox's env, under the exec's own.
+        let mut env = self
+            .store()
+            .sandbox(id)
+            .map_err(internal)?
+            .map(|s| s.env)
+            .unwrap_or_default();
+        env.extend(exec.env);
+        request.env = env;
         request.cwd = exec.cwd;
         request.user = exec.user;
         request.timeout_ms = exec.timeout_ms;
@@ -126,7 +134,7 @@ impl Daemon {
                 stderr_encoding,
             }));
         }
-        request.stdin = exec.stdin.is_some();
+        request.stdin = exec.stdin.is_some() || exec.stdin_open;
         let mut handle = client.exec(request).await.map_err(|e| agent_error(id, e))?;
         // A command that cannot start is an HTTP error, not a stream.
         let pid = handle.started().await.map_err(|e| agent_error(id, e))?;
@@ -135,11 +143,13 @@ impl Daemon {
                 .write_stdin(stdin)
                 .await
                 .map_err(|e| agent_error(id, e))?;
+        }
+        if exec.stdin.is_some() && !exec.stdin_open {
             handle.close_stdin().await.map_err(|e| agent_error(id, e))?;
         }
         let key = (id.to_string(), pid);
         self.processes()
-            .insert(key.clone(), (client.clone(), handle.id()));
+            .insert(key.clone(), (client.clone(), handle.id(), exec.stdin_open));
         let (tx, rx) = mpsc::channel::<Chunk>(16);
         let daemon = Arc::clone(self);
         tokio::spawn(async move {
@@ -201,7 +211,7 @@ impl Daemon {
     ) -> Result<Reply, ApiError> {
         self.touch(id)?;
         let found = self.processes().get(&(id.to_string(), pid)).cloned();
-        let Some((client, request)) = found else {
+        let Some((client, request, _)) = found else {
             return Err(ApiError::NotFound(format!(
                 "pid: no running process {pid} in sandbox {id} started by a streaming exec (only those can be signalled)"
             )));
@@ -210,6 +220,51 @@ impl Daemon {
             .send(request, ClientMessage::Signal { signal, group })
             .await
             .map_err(|e| agent_error(id, e))?;
+        Ok(Reply::NoContent)
+    }
+
+    /// Writes to the stdin of a streaming exec started with `stdin_open`, then closes it when
+    /// `close`.
+    pub(super) async fn write_stdin(
+        &self,
+        id: &str,
+        pid: u32,
+        data: Vec<u8>,
+        close: bool,
+    ) -> Result<Reply, ApiError> {
+        self.touch(id)?;
+        let key = (id.to_string(), pid);
+        let found = self.processes().get(&key).cloned();
+        let Some((client, request, open)) = found else {
+            return Err(ApiError::NotFound(format!(
+                "pid: no running process {pid} in sandbox {id} started by a streaming exec"
+            )));
+        };
+        if !open {
+            return Err(ApiError::Conflict(format!(
+                "pid: the stdin of process {pid} is closed (start it with \"stdin_open\": true to write to it)"
+            )));
+        }
+        for chunk in data.chunks(rollbox_agent_protocol::CHUNK_BYTES) {
+            client
+                .send(
+                    request,
+                    ClientMessage::Stdin {
+                        data: chunk.to_vec(),
+                    },
+                )
+                .await
+                .map_err(|e| agent_error(id, e))?;
+        }
+        if close {
+            if let Some(entry) = self.processes().get_mut(&key) {
+                entry.2 = false;
+            }
+            client
+                .send(request, ClientMessage::StdinClose)
+                .await
+                .map_err(|e| agent_error(id, e))?;
+        }
         Ok(Reply::NoContent)
     }
 

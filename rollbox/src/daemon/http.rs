@@ -339,6 +339,16 @@ fn reply_response(reply: Reply) -> Response<Out> {
             json_response(200, &serde_json::json!({ "snapshots": snapshots }))
         }
         Reply::Forked(results) => json_response(200, &serde_json::json!({ "results": results })),
+        Reply::Deleted(ids) => json_response(200, &serde_json::json!({ "deleted": ids })),
+        Reply::Usage(usage) => json_response(200, &usage),
+        Reply::Metrics(text) => {
+            let mut response = Response::new(Out::Full(Some(Bytes::from(text))));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            response
+        }
         Reply::File(info) => json_response(200, &info),
         Reply::Files(entries) => json_response(200, &serde_json::json!({ "entries": entries })),
         Reply::Written { path, bytes } => {

@@ -7,14 +7,20 @@
 //!
 //! Templates (from files or built from an image, with an optional boot snapshot) are in
 //! [`templates`].
+//! Batches are in [`batch`], CPU limits in [`cgroup`], usage and metrics in [`usage`],
+//! snapshot retention in [`retention`].
 
 pub mod api;
+mod batch;
+pub mod cgroup;
 pub mod client;
 mod guest;
 mod http;
+mod retention;
 mod snapshots;
 pub mod store;
 mod templates;
+pub mod usage;
 pub mod vm;
 
 use std::collections::HashMap;
@@ -81,9 +87,13 @@ pub struct ServeOptions {
     pub agent: Option<PathBuf>,
     /// The image builder's cache (layers and built rootfs images).
     pub image_cache: PathBuf,
+    /// Where the cgroup hierarchies are mounted (for `cpu_limit`): /sys/fs/cgroup.
+    pub cgroup_fs: PathBuf,
+    /// Keep each sandbox's newest N snapshots (see [`retention`]); None: keep all.
+    pub snapshot_retention: Option<u32>,
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -100,6 +110,13 @@ fn random_hex() -> String {
         bytes = (now_ms() ^ (u64::from(std::process::id()) << 40)).to_le_bytes();
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What [`Daemon::prepare_create`] found for a create.
+struct Prepared {
+    snapshot: Option<Snapshot>,
+    template: Template,
+    ttl_s: u64,
 }
 
 /// A typed answer; [`http`] turns it into a response.
@@ -129,6 +146,11 @@ pub enum Reply {
     },
     Snapshots(Vec<Snapshot>),
     Forked(Vec<api::ForkResult>),
+    /// The sandboxes a DELETE /sandboxes ended.
+    Deleted(Vec<String>),
+    Usage(usage::Usage),
+    /// Prometheus text.
+    Metrics(String),
     /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
     Stream {
         content_type: &'static str,
@@ -137,9 +159,10 @@ pub enum Reply {
     NoContent,
 }
 
-/// Processes of running streaming execs: (sandbox id, pid) → the agent connection and the
-/// exec's request id, which is where the agent takes signals for it.
-type Processes = HashMap<(String, u32), (rollbox_agent_protocol::client::AgentClient, u64)>;
+/// Processes of running streaming execs: (sandbox id, pid) → the agent connection, the
+/// exec's request id (where the agent takes signals and stdin for it), and whether its stdin
+/// is open for writes.
+type Processes = HashMap<(String, u32), (rollbox_agent_protocol::client::AgentClient, u64, bool)>;
 
 /// The daemon's shared state.
 pub struct Daemon {
@@ -154,6 +177,9 @@ pub struct Daemon {
     busy: Mutex<std::collections::HashSet<String>>,
     snapshots_dir: PathBuf,
     templates_dir: PathBuf,
+    counters: usage::Counters,
+    /// The cpu controller for `cpu_limit`, or why there is none.
+    cgroups: Result<cgroup::Cgroups, String>,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -199,6 +225,10 @@ impl Daemon {
                 }))
             }
             Action::CreateSandbox(request) => self.create(request).await,
+            Action::CreateBatch { count, create } => self.create_batch(count, create).await,
+            Action::DeleteSandboxes(query) => self.delete_matching(query).await,
+            Action::Usage(id) => self.usage(&id),
+            Action::Metrics => self.metrics(),
             Action::GetSandbox(id) => {
                 let sandbox = self.touch(&id)?;
                 Ok(Reply::Sandbox {
@@ -227,8 +257,14 @@ impl Daemon {
                 signal,
                 group,
             } => self.signal(&id, pid, signal, group).await,
+            Action::Stdin {
+                id,
+                pid,
+                data,
+                close,
+            } => self.write_stdin(&id, pid, data, close).await,
             Action::File { id, op } => self.file(&id, op).await,
-            Action::Snapshot { id, stop } => self.snapshot(&id, stop).await,
+            Action::Snapshot { id, stop, ttl_s } => self.snapshot(&id, stop, ttl_s).await,
             Action::ListSnapshots { sandbox } => Ok(Reply::Snapshots(
                 self.store()
                     .snapshots(sandbox.as_deref())
@@ -273,6 +309,16 @@ impl Daemon {
     }
 
     async fn create(self: &Arc<Self>, request: CreateSandbox) -> Result<Reply, ApiError> {
+        let prepared = self.prepare_create(&request)?;
+        let Ok(_permit) = Arc::clone(&self.pending).try_acquire_owned() else {
+            self.counters.refused();
+            return Err(ApiError::Overloaded(self.options.max_pending_creates));
+        };
+        self.create_admitted(request, &prepared).await
+    }
+
+    /// Looks up what a create names (snapshot, template) and its TTL.
+    fn prepare_create(&self, request: &CreateSandbox) -> Result<Prepared, ApiError> {
         let snapshot =
             match &request.snapshot {
                 Some(id) => Some(self.store().snapshot(id).map_err(internal)?.ok_or_else(
@@ -312,23 +358,36 @@ impl Daemon {
             .ok_or_else(|| {
                 ApiError::BadRequest("ttl_s: required (this server has no --default-ttl)".into())
             })?;
-        let Ok(_permit) = Arc::clone(&self.pending).try_acquire_owned() else {
-            return Err(ApiError::Overloaded(self.options.max_pending_creates));
-        };
+        self.cgroups_for(request.cpu_limit)?;
+        Ok(Prepared {
+            snapshot,
+            template,
+            ttl_s,
+        })
+    }
+
+    /// A create that holds its place among the pending creates.
+    async fn create_admitted(
+        &self,
+        request: CreateSandbox,
+        prepared: &Prepared,
+    ) -> Result<Reply, ApiError> {
+        let Prepared {
+            snapshot,
+            template,
+            ttl_s,
+        } = prepared;
+        let (snapshot, ttl_s) = (snapshot.as_ref(), *ttl_s);
         let now = now_ms();
         let id = format!("sb-{}", random_hex());
         let sandbox = Sandbox {
             id: id.clone(),
             template: template.name.clone(),
             state: State::Creating,
-            vcpus: snapshot
-                .as_ref()
-                .map_or(request.vcpus.unwrap_or(template.vcpus), |s| s.vcpus),
-            memory_mib: snapshot
-                .as_ref()
-                .map_or(request.memory_mib.unwrap_or(template.memory_mib), |s| {
-                    s.memory_mib
-                }),
+            vcpus: snapshot.map_or(request.vcpus.unwrap_or(template.vcpus), |s| s.vcpus),
+            memory_mib: snapshot.map_or(request.memory_mib.unwrap_or(template.memory_mib), |s| {
+                s.memory_mib
+            }),
             labels: request.labels,
             metadata: request.metadata,
             idempotency_key: request.idempotency_key,
@@ -341,14 +400,17 @@ impl Daemon {
             dir: self.sandboxes_dir.join(&id),
             ended_at_ms: None,
             end_reason: None,
+            env: request.env,
+            cpu_limit: request.cpu_limit,
         };
         let inserted = self.store().insert_sandbox(&sandbox).map_err(internal)?;
         if let Inserted::Existing(first) = inserted {
             return self.existing(*first).await;
         }
-        match self.start_vmm(&sandbox, &template, snapshot.as_ref()).await {
+        self.counters.created();
+        match self.start_vmm(&sandbox, template, snapshot).await {
             Ok(()) => {
-                if let Some(snapshot) = &snapshot {
+                if let Some(snapshot) = snapshot {
                     self.store()
                         .set_source(&id, &snapshot.id)
                         .map_err(internal)?;
@@ -362,6 +424,7 @@ impl Daemon {
                 })
             }
             Err(message) => {
+                self.counters.failed();
                 let _ = remove_dir(&sandbox.dir);
                 self.store()
                     .end(&id, State::Failed, &message, now_ms())
@@ -396,6 +459,14 @@ impl Daemon {
         snapshot: Option<&Snapshot>,
     ) -> Result<(Child, u32, u64), String> {
         let paths = vm::Paths::new(&sandbox.dir);
+        let groups = self
+            .cgroups_for(sandbox.cpu_limit)
+            .map_err(|e| e.to_string())?;
+        if let (Some(groups), Some(cores)) = (groups, sandbox.cpu_limit) {
+            groups
+                .create(&sandbox.id, cores)
+                .map_err(|e| e.to_string())?;
+        }
         let vmm = self.options.vmm.clone();
         let template = template.clone();
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
@@ -415,8 +486,22 @@ impl Daemon {
         })
         .await
         .map_err(|e| e.to_string())?;
-        let mut child = spawned.map_err(|e| e.to_string())?;
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                self.release_cgroup(sandbox);
+                return Err(e.to_string());
+            }
+        };
         let pid = child.id();
+        if let Some(groups) = groups {
+            // At once: the VMM has not created its vCPU threads yet, and those it has move too.
+            if let Err(e) = groups.enter(&sandbox.id, pid) {
+                reap_child(child).await;
+                self.release_cgroup(sandbox);
+                return Err(e.to_string());
+            }
+        }
         let ready = vm::wait_ready(&mut child, &paths, self.options.ready_timeout).await;
         let error = match (ready, vm::start_time(pid)) {
             (Ok(()), Some(start)) => return Ok((child, pid, start)),
@@ -424,6 +509,7 @@ impl Daemon {
             (Ok(()), None) => vm::VmError::Vanished(pid).to_string(),
         };
         reap_child(child).await;
+        self.release_cgroup(sandbox);
         Err(error)
     }
 
@@ -447,6 +533,7 @@ impl Daemon {
             }
         };
         reap_child(child).await;
+        self.release_cgroup(sandbox);
         result
     }
 
@@ -470,10 +557,11 @@ impl Daemon {
     /// Ends sandbox `id`'s VMM (by pid and start time, and the child handle if this daemon
     /// started it) and removes its directory.
     async fn stop_vmm(&self, id: &str, sandbox: &Sandbox) -> Result<(), ApiError> {
+        self.record_cpu(sandbox);
         let child = self.children().remove(id);
         let dir = sandbox.dir.clone();
         let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
-        tokio::task::spawn_blocking(move || {
+        let removed = tokio::task::spawn_blocking(move || {
             if let (Some(pid), Some(start)) = (pid, start) {
                 vm::kill(pid, start, Duration::from_secs(5));
             }
@@ -485,7 +573,9 @@ impl Daemon {
         })
         .await
         .map_err(internal)?
-        .map_err(internal)
+        .map_err(internal);
+        self.release_cgroup(sandbox);
+        removed
     }
 
     async fn pause_resume(&self, id: &str, pause: bool) -> Result<Reply, ApiError> {
@@ -548,6 +638,7 @@ impl Daemon {
             if let Some(reason) = exited {
                 if self.store().end(&sandbox.id, State::Exited, &reason, now)? {
                     let _ = remove_dir(&sandbox.dir);
+                    self.release_cgroup(&sandbox);
                 }
                 continue;
             }
@@ -565,7 +656,7 @@ impl Daemon {
                 log_line(&format!("reaper: cannot end {}: {e}", sandbox.id));
             }
         }
-        Ok(())
+        self.enforce_retention().await
     }
 
     /// After a (re)start: re-attach live VMMs, fail unfinished creates, kill VMMs and remove
@@ -615,6 +706,11 @@ impl Daemon {
             let name = entry.file_name().to_string_lossy().to_string();
             if !keep.contains_key(&name) {
                 let _ = remove_dir(&entry.path());
+            }
+        }
+        if let Ok(groups) = &self.cgroups {
+            for name in groups.reap(|name| keep.contains_key(name)) {
+                log_line(&format!("removed cgroup {name} of no live sandbox"));
             }
         }
         // Snapshot directories of no recorded snapshot (a daemon killed mid-snapshot).
@@ -682,6 +778,7 @@ pub async fn serve(
         return Err(DaemonError::PathTooLong(sandboxes_dir));
     }
     let store = Store::open(&state_dir.join("state.db"))?;
+    let cgroup_fs = options.cgroup_fs.clone();
     let daemon = Arc::new(Daemon {
         pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
         options,
@@ -692,6 +789,9 @@ pub async fn serve(
         busy: Mutex::new(std::collections::HashSet::new()),
         snapshots_dir,
         templates_dir,
+        counters: usage::Counters::default(),
+        cgroups: cgroup::Cgroups::find(&cgroup_fs, &cgroup::root_name(&state_dir))
+            .map_err(|e| e.to_string()),
     });
     daemon.recover()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;

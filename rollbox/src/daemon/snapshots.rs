@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::api::{ApiError, CreateSandbox, ForkResult, Snapshot, State};
-use super::{internal, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
+use super::{internal, log_line, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
 
 /// Marks a sandbox busy (the reaper skips it) until dropped.
 struct Busy<'a> {
@@ -43,11 +43,23 @@ impl Daemon {
 
     /// Pauses the VM (if it runs), takes a Full snapshot and a copy of its rootfs, and resumes
     /// it, or ends it when `stop`.
-    pub(super) async fn snapshot(&self, id: &str, stop: bool) -> Result<Reply, ApiError> {
-        let snapshot = {
+    pub(super) async fn snapshot(
+        &self,
+        id: &str,
+        stop: bool,
+        ttl_s: Option<u64>,
+    ) -> Result<Reply, ApiError> {
+        let mut snapshot = {
             let _busy = self.claim(id)?;
             self.take_snapshot(id).await?
         };
+        if let Some(ttl_s) = ttl_s {
+            let at = snapshot
+                .created_at_ms
+                .saturating_add(ttl_s.saturating_mul(1000));
+            snapshot.expires_at_ms = Some(at);
+            self.store().set_snapshot(&snapshot).map_err(internal)?;
+        }
         if stop {
             let reason = format!("stopped after snapshot {}", snapshot.id);
             self.end(id, State::Deleted, &reason).await?;
@@ -86,6 +98,7 @@ impl Daemon {
             vcpus: sandbox.vcpus,
             memory_mib: sandbox.memory_mib,
             created_at_ms: now_ms(),
+            expires_at_ms: None,
         };
         let paths = vm::Paths::new(&sandbox.dir);
         let dir = snapshot.dir.clone();
@@ -122,6 +135,9 @@ impl Daemon {
         .map_err(internal)?;
         taken.map_err(|e| ApiError::Internal(format!("snapshot of sandbox {id}: {e}")))?;
         self.store().add_snapshot(&snapshot).map_err(internal)?;
+        if let Err(e) = self.enforce_retention().await {
+            log_line(&format!("snapshot retention: {e}"));
+        }
         Ok(snapshot)
     }
 
@@ -189,6 +205,8 @@ impl Daemon {
                 labels: labels.clone(),
                 metadata: BTreeMap::from([("forked_from".to_string(), id.to_string())]),
                 idempotency_key: None,
+                env: parent.env.clone(),
+                cpu_limit: parent.cpu_limit,
             };
             let daemon = Arc::clone(self);
             async move { daemon.create(request).await }

@@ -63,13 +63,34 @@ CREATE TABLE IF NOT EXISTS sandbox_sources (
 );
 ";
 
+/// Schema upgrades, in order: step N brings `PRAGMA user_version` from N to N + 1, so a
+/// database file of an older daemon is upgraded in place when it is opened.
+const MIGRATIONS: &[&str] = &["
+ALTER TABLE sandboxes ADD COLUMN env TEXT NOT NULL DEFAULT '{}';
+ALTER TABLE sandboxes ADD COLUMN cpu_limit REAL;
+-- Usage: milliseconds spent running before `running_since_ms` (set while it runs).
+ALTER TABLE sandboxes ADD COLUMN run_ms INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sandboxes ADD COLUMN running_since_ms INTEGER;
+-- CPU time of the sandbox's ended VMMs (utime + stime), in ms.
+ALTER TABLE sandboxes ADD COLUMN cpu_ms INTEGER NOT NULL DEFAULT 0;
+UPDATE sandboxes SET running_since_ms = CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)
+    WHERE state = 'running';
+"];
+
+/// Adds the running time since `running_since_ms` to `run_ms` (an UPDATE's SET clause).
+const RUN_MS_UNTIL_NOW: &str = "run_ms = run_ms + \
+    MAX(0, COALESCE(CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER) - running_since_ms, 0))";
+
+/// SQLite's clock in Unix milliseconds (for usage accounting inside one statement).
+const SQL_NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
 const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
-    dir, ended_at_ms, end_reason";
+    dir, ended_at_ms, end_reason, env, cpu_limit";
 
 /// The open database.
 pub struct Store {
-    conn: Connection,
+    pub(super) conn: Connection,
 }
 
 /// What [`Store::insert_sandbox`] did.
@@ -96,6 +117,7 @@ struct RawRow {
     sandbox: Sandbox,
     labels: String,
     metadata: String,
+    env: String,
     state: String,
 }
 
@@ -105,6 +127,7 @@ fn raw_row(row: &Row) -> rusqlite::Result<RawRow> {
         seq: row.get(0)?,
         labels: row.get(7)?,
         metadata: row.get(8)?,
+        env: row.get(18)?,
         state: row.get(4)?,
         sandbox: Sandbox {
             id: row.get(1)?,
@@ -124,6 +147,8 @@ fn raw_row(row: &Row) -> rusqlite::Result<RawRow> {
             dir: PathBuf::from(dir),
             ended_at_ms: row.get(16)?,
             end_reason: row.get(17)?,
+            env: BTreeMap::new(),
+            cpu_limit: row.get(19)?,
         },
     })
 }
@@ -132,20 +157,39 @@ fn finish(raw: RawRow) -> Result<(i64, Sandbox), StoreError> {
     let mut sandbox = raw.sandbox;
     sandbox.labels = json_column(&raw.labels, "labels")?;
     sandbox.metadata = json_column(&raw.metadata, "metadata")?;
+    sandbox.env = json_column(&raw.env, "env")?;
     // A state this build does not know reads as failed.
     sandbox.state = State::parse(&raw.state).unwrap_or(State::Failed);
     Ok((raw.seq, sandbox))
+}
+
+/// Runs the [`MIGRATIONS`] the file has not had, each in one transaction.
+fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
+    loop {
+        let version: i64 = conn.pragma_query_value(None, "user_version", |row| row.get(0))?;
+        let Some(step) = usize::try_from(version)
+            .ok()
+            .and_then(|v| MIGRATIONS.get(v))
+        else {
+            return Ok(());
+        };
+        let tx = conn.transaction()?;
+        tx.execute_batch(step)?;
+        tx.pragma_update(None, "user_version", version + 1)?;
+        tx.commit()?;
+    }
 }
 
 impl Store {
     /// Opens (creating if needed) the database at `path`.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         let open = |path: &Path| -> rusqlite::Result<Connection> {
-            let conn = Connection::open(path)?;
+            let mut conn = Connection::open(path)?;
             // WAL: a killed daemon loses nothing it committed.
             conn.pragma_update(None, "journal_mode", "WAL")?;
             conn.pragma_update(None, "synchronous", "NORMAL")?;
             conn.execute_batch(SCHEMA)?;
+            migrate(&mut conn)?;
             Ok(conn)
         };
         let conn = open(path).map_err(|source| StoreError::Open {
@@ -224,8 +268,9 @@ impl Store {
         tx.execute(
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
              labels, metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, \
-             pid, pid_start_time, dir, ended_at_ms, end_reason) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+             pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
+             ?18, ?19)",
             params![
                 sandbox.id,
                 sandbox.idempotency_key,
@@ -244,6 +289,8 @@ impl Store {
                 sandbox.dir.to_string_lossy(),
                 sandbox.ended_at_ms,
                 sandbox.end_reason,
+                to_json(&sandbox.env, "env")?,
+                sandbox.cpu_limit,
             ],
         )?;
         tx.commit()?;
@@ -266,9 +313,16 @@ impl Store {
     pub fn list(&self, query: &ListQuery) -> Result<(Vec<Sandbox>, Option<String>), StoreError> {
         let mut sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE seq > ?");
         let mut values: Vec<rusqlite::types::Value> = vec![query.after.unwrap_or(0).into()];
+        if !query.ids.is_empty() {
+            let marks = vec!["?"; query.ids.len()].join(", ");
+            sql.push_str(&format!(" AND id IN ({marks})"));
+            values.extend(query.ids.iter().map(|id| id.clone().into()));
+        }
         if let Some(state) = query.state {
             sql.push_str(" AND state = ?");
             values.push(state.as_str().to_string().into());
+        } else if !query.ids.is_empty() {
+            // Sandboxes asked for by id show in any state.
         } else {
             // Ended sandboxes only show when asked for by state.
             sql.push_str(" AND state IN ('creating', 'running', 'paused')");
@@ -314,8 +368,10 @@ impl Store {
     /// Creating -> running with its process; false if the sandbox left `creating` meanwhile.
     pub fn set_running(&self, id: &str, pid: u32, start_time: u64) -> Result<bool, StoreError> {
         Ok(self.conn.execute(
-            "UPDATE sandboxes SET state = 'running', pid = ?2, pid_start_time = ?3 \
-             WHERE id = ?1 AND state = 'creating'",
+            &format!(
+                "UPDATE sandboxes SET state = 'running', pid = ?2, pid_start_time = ?3, \
+                 running_since_ms = {SQL_NOW_MS} WHERE id = ?1 AND state = 'creating'"
+            ),
             params![id, pid, start_time],
         )? == 1)
     }
@@ -323,7 +379,11 @@ impl Store {
     /// Moves a live sandbox from `from` to `to`; false if it was not in `from`.
     pub fn transition(&self, id: &str, from: State, to: State) -> Result<bool, StoreError> {
         Ok(self.conn.execute(
-            "UPDATE sandboxes SET state = ?3 WHERE id = ?1 AND state = ?2",
+            &format!(
+                "UPDATE sandboxes SET state = ?3, {RUN_MS_UNTIL_NOW}, \
+                 running_since_ms = CASE WHEN ?3 = 'running' THEN {SQL_NOW_MS} END \
+                 WHERE id = ?1 AND state = ?2"
+            ),
             params![id, from.as_str(), to.as_str()],
         )? == 1)
     }
@@ -337,7 +397,9 @@ impl Store {
         now_ms: u64,
     ) -> Result<bool, StoreError> {
         Ok(self.conn.execute(
-            "UPDATE sandboxes SET state = ?2, end_reason = ?3, ended_at_ms = ?4 \
+            "UPDATE sandboxes SET state = ?2, end_reason = ?3, ended_at_ms = ?4, \
+             run_ms = run_ms + MAX(0, ?4 - COALESCE(running_since_ms, ?4)), \
+             running_since_ms = NULL \
              WHERE id = ?1 AND state IN ('creating', 'running', 'paused')",
             params![id, state.as_str(), reason, now_ms],
         )? == 1)
@@ -356,6 +418,15 @@ impl Store {
         self.conn.execute(
             "INSERT INTO snapshots (id, sandbox, spec) VALUES (?1, ?2, ?3)",
             params![snapshot.id, snapshot.sandbox, to_json(snapshot, "spec")?],
+        )?;
+        Ok(())
+    }
+
+    /// Rewrites a snapshot's spec (its `expires_at_ms`).
+    pub fn set_snapshot(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
+        self.conn.execute(
+            "UPDATE snapshots SET spec = ?2 WHERE id = ?1",
+            params![snapshot.id, to_json(snapshot, "spec")?],
         )?;
         Ok(())
     }
@@ -415,8 +486,11 @@ impl Store {
     /// Points a live sandbox at a new VMM (after a reset); false if it is not live.
     pub fn set_vmm(&self, id: &str, pid: u32, start_time: u64) -> Result<bool, StoreError> {
         Ok(self.conn.execute(
-            "UPDATE sandboxes SET pid = ?2, pid_start_time = ?3, state = 'running' \
-             WHERE id = ?1 AND state IN ('running', 'paused')",
+            &format!(
+                "UPDATE sandboxes SET pid = ?2, pid_start_time = ?3, state = 'running', \
+                 running_since_ms = COALESCE(running_since_ms, {SQL_NOW_MS}) \
+                 WHERE id = ?1 AND state IN ('running', 'paused')"
+            ),
             params![id, pid, start_time],
         )? == 1)
     }
@@ -457,6 +531,8 @@ mod tests {
             dir: PathBuf::from("/nowhere"),
             ended_at_ms: None,
             end_reason: None,
+            env: BTreeMap::new(),
+            cpu_limit: None,
         }
     }
 
@@ -516,5 +592,35 @@ mod tests {
             page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
             ["d"]
         );
+    }
+
+    #[test]
+    fn a_database_of_the_first_schema_is_upgraded_in_place() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.db");
+        {
+            let conn = Connection::open(&path).expect("open");
+            conn.execute_batch(SCHEMA).expect("old schema");
+            conn.execute(
+                "INSERT INTO sandboxes (id, template, state, vcpus, memory_mib, labels, metadata, \
+                 created_at_ms, expires_at_ms, last_active_at_ms, dir) \
+                 VALUES ('old', 't', 'running', 2, 64, '{}', '{}', 1, 2, 1, '/x')",
+                [],
+            )
+            .expect("old row");
+        }
+        let store = Store::open(&path).expect("upgrade");
+        let old = store.sandbox("old").expect("read").expect("row kept");
+        assert_eq!((old.vcpus, old.memory_mib, old.cpu_limit), (2, 64, None));
+        assert!(old.env.is_empty());
+        let version: i64 = store
+            .conn
+            .pragma_query_value(None, "user_version", |row| row.get(0))
+            .expect("version");
+        assert_eq!(usize::try_from(version).ok(), Some(MIGRATIONS.len()));
+        drop(store);
+        // Opening again runs nothing twice.
+        let store = Store::open(&path).expect("reopen");
+        assert!(store.sandbox("old").expect("read").is_some());
     }
 }

@@ -158,14 +158,9 @@ impl Daemon {
     async fn take_boot_snapshot(self: &Arc<Self>, name: &str) -> Result<String, ApiError> {
         let request = CreateSandbox {
             template: name.to_string(),
-            snapshot: None,
-            vcpus: None,
-            memory_mib: None,
             ttl_s: Some(BOOT_TTL_S),
-            idle_ttl_s: None,
             labels: BTreeMap::from([(BOOT_LABEL.to_string(), name.to_string())]),
-            metadata: BTreeMap::new(),
-            idempotency_key: None,
+            ..CreateSandbox::default()
         };
         let sandbox = match self.create(request).await? {
             Reply::Sandbox { sandbox, .. } => sandbox,

@@ -444,13 +444,20 @@ mod tests {
         file.write_all_at(&[7u8; 8192], 40 << 20).expect("write");
         file.write_all_at(b"tail", (64 << 20) - 4).expect("write");
         // Written zeros (what a file system without SEEK_DATA reports as data) become holes.
-        file.write_all_at(&vec![0u8; 8 << 20], 8 << 20).expect("write zeros");
+        file.write_all_at(&vec![0u8; 8 << 20], 8 << 20)
+            .expect("write zeros");
         drop(file);
         let to = dir.path().join("to.img");
         copy_disk(&from, &to).expect("copy");
-        assert_eq!(std::fs::read(&from).expect("read"), std::fs::read(&to).expect("read"));
+        assert_eq!(
+            std::fs::read(&from).expect("read"),
+            std::fs::read(&to).expect("read")
+        );
         let allocated = std::fs::metadata(&to).expect("stat").blocks() * 512;
-        assert!(allocated < 4 << 20, "{allocated} bytes allocated for 16 KiB of data");
+        assert!(
+            allocated < 4 << 20,
+            "{allocated} bytes allocated for 16 KiB of data"
+        );
         // Never over an existing file.
         assert!(copy_disk(&from, &to).is_err());
     }

@@ -1,0 +1,80 @@
+//! Batches: create N sandboxes of one spec (all admitted at once, or a 429 and none), and end
+//! every sandbox a query of ids or labels names.
+
+use std::sync::Arc;
+
+use super::api::{ApiError, CreateSandbox, ForkResult, ListQuery, State};
+use super::{internal, Daemon, Reply};
+
+impl Daemon {
+    /// `count` creates, each succeeding or failing on its own. They take `count` places among
+    /// the pending creates at once: when there are not that many free, the answer is 429 and
+    /// nothing is created.
+    pub(super) async fn create_batch(
+        self: &Arc<Self>,
+        count: u32,
+        request: CreateSandbox,
+    ) -> Result<Reply, ApiError> {
+        let limit = self.options.max_pending_creates;
+        if usize::try_from(count).unwrap_or(usize::MAX) > limit {
+            return Err(ApiError::BadRequest(format!(
+                "count: {count} is over this server's --max-pending-creates {limit}; send smaller batches"
+            )));
+        }
+        let prepared = self.prepare_create(&request)?;
+        let Ok(_permits) = Arc::clone(&self.pending).try_acquire_many_owned(count) else {
+            self.counters.refused();
+            let in_flight = limit.saturating_sub(self.pending.available_permits());
+            return Err(ApiError::Overloaded(in_flight));
+        };
+        let creates = (0..count).map(|index| {
+            let mut item = request.clone();
+            item.idempotency_key = request
+                .idempotency_key
+                .as_ref()
+                .map(|key| format!("{key}/{index}"));
+            let prepared = &prepared;
+            async move { self.create_admitted(item, prepared).await }
+        });
+        let results = futures_util::future::join_all(creates)
+            .await
+            .into_iter()
+            .map(|result| match result {
+                Ok(Reply::Sandbox { sandbox, .. }) => ForkResult {
+                    sandbox: Some(sandbox),
+                    error: None,
+                },
+                Ok(other) => ForkResult {
+                    sandbox: None,
+                    error: Some(format!("unexpected reply {other:?}")),
+                },
+                Err(e) => ForkResult {
+                    sandbox: None,
+                    error: Some(e.to_string()),
+                },
+            })
+            .collect();
+        Ok(Reply::Forked(results))
+    }
+
+    /// Ends every live sandbox `query` matches; answers the ids it ended.
+    pub(super) async fn delete_matching(&self, mut query: ListQuery) -> Result<Reply, ApiError> {
+        let mut live = Vec::new();
+        query.limit = 1000;
+        loop {
+            let (page, next) = self.store().list(&query).map_err(internal)?;
+            live.extend(page.into_iter().filter(|s| s.state.is_live()).map(|s| s.id));
+            match next.and_then(|t| t.parse().ok()) {
+                Some(after) => query.after = Some(after),
+                None => break,
+            }
+        }
+        let ends = live
+            .iter()
+            .map(|id| self.end(id, State::Deleted, "deleted by the API (DELETE /sandboxes)"));
+        for (id, result) in live.iter().zip(futures_util::future::join_all(ends).await) {
+            result.map_err(|e| ApiError::Internal(format!("ending sandbox {id}: {e}")))?;
+        }
+        Ok(Reply::Deleted(live))
+    }
+}

@@ -1,0 +1,327 @@
+//! Usage: per-sandbox running time billed per second (vCPU-seconds, memory-MiB-seconds), the
+//! VMM's measured CPU time, and the daemon's counters, for `GET /sandboxes/{id}/usage` and
+//! `GET /metrics` (Prometheus text).
+//!
+//! The rule: a sandbox's running time counts from the moment its VMM runs (the create's
+//! `running`) to its end, less the time it was paused; it is billed in whole seconds, rounded
+//! up. vCPU-seconds = vCPUs × those seconds, memory-MiB-seconds = MiB × those seconds. The
+//! accumulated milliseconds and the start of the current running stretch are in the
+//! database, so a daemon restart loses nothing (and a VMM keeps counting while the daemon is
+//! down).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rusqlite::{params, OptionalExtension};
+use serde::{Deserialize, Serialize};
+
+use super::api::{ApiError, Sandbox, State};
+use super::store::{Store, StoreError};
+use super::{internal, now_ms, Daemon, Reply};
+
+/// Ended sandboxes stay in `/metrics` this long, so a scrape sees their final counts.
+const ENDED_IN_METRICS_MS: u64 = 10 * 60 * 1000;
+
+/// Daemon counters since it started.
+#[derive(Default)]
+pub struct Counters {
+    creates: AtomicU64,
+    failures: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl Counters {
+    /// A create inserted a new sandbox.
+    pub fn created(&self) {
+        self.creates.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A create's VMM did not start.
+    pub fn failed(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A create was refused with 429.
+    pub fn refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// GET /sandboxes/{id}/usage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    pub sandbox: String,
+    pub template: String,
+    pub state: State,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// Whole seconds it ran (paused time not counted), rounded up.
+    pub running_s: u64,
+    pub vcpu_seconds: u64,
+    pub memory_mib_seconds: u64,
+    /// CPU time (user + system) its VMM processes used, as /proc measured it.
+    pub cpu_seconds: f64,
+    pub ended_at_ms: Option<u64>,
+}
+
+/// One row's usage columns.
+struct Row {
+    sandbox: Sandbox,
+    run_ms: u64,
+    running_since_ms: Option<u64>,
+    cpu_ms: u64,
+}
+
+fn clock_ticks() -> u64 {
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    u64::try_from(ticks).ok().filter(|t| *t > 0).unwrap_or(100)
+}
+
+/// utime + stime of process `pid` (if it is still the one started at `start`), in ms.
+pub fn cpu_ms(pid: u32, start: u64) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3; utime is field 14, stime 15, starttime 22.
+    if fields.get(19)?.parse::<u64>().ok()? != start {
+        return None;
+    }
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks * 1000 / clock_ticks())
+}
+
+impl Store {
+    fn usage_rows(&self, id: Option<&str>, ended_since_ms: u64) -> Result<Vec<Row>, StoreError> {
+        let mut statement = self.conn.prepare(
+            "SELECT id, run_ms, running_since_ms, cpu_ms FROM sandboxes \
+             WHERE (?1 IS NULL AND (ended_at_ms IS NULL OR ended_at_ms >= ?2)) OR id = ?1 \
+             ORDER BY seq",
+        )?;
+        let found = statement
+            .query_map(params![id, ended_since_ms], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, u64>(1)?,
+                    row.get::<_, Option<u64>>(2)?,
+                    row.get::<_, u64>(3)?,
+                ))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let mut rows = Vec::new();
+        for (id, run_ms, running_since_ms, cpu_ms) in found {
+            if let Some(sandbox) = self.sandbox(&id)? {
+                rows.push(Row {
+                    sandbox,
+                    run_ms,
+                    running_since_ms,
+                    cpu_ms,
+                });
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Adds an ended VMM's CPU time to the sandbox's.
+    pub fn add_cpu_ms(&self, id: &str, ms: u64) -> Result<(), StoreError> {
+        self.conn.execute(
+            "UPDATE sandboxes SET cpu_ms = cpu_ms + ?2 WHERE id = ?1",
+            params![id, ms],
+        )?;
+        Ok(())
+    }
+
+    /// Sandboxes by state, every state listed.
+    fn state_counts(&self) -> Result<Vec<(State, u64)>, StoreError> {
+        let mut out = Vec::new();
+        for state in State::ALL {
+            let count: Option<u64> = self
+                .conn
+                .query_row(
+                    "SELECT COUNT(*) FROM sandboxes WHERE state = ?1",
+                    params![state.as_str()],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            out.push((state, count.unwrap_or(0)));
+        }
+        Ok(out)
+    }
+}
+
+fn usage_of(row: &Row, now: u64) -> Usage {
+    let running_ms = row.run_ms
+        + row
+            .running_since_ms
+            .map_or(0, |since| now.saturating_sub(since));
+    let running_s = running_ms.div_ceil(1000);
+    let s = &row.sandbox;
+    let live_cpu = match (s.state.is_live(), s.pid, s.pid_start_time) {
+        (true, Some(pid), Some(start)) => cpu_ms(pid, start).unwrap_or(0),
+        _ => 0,
+    };
+    Usage {
+        sandbox: s.id.clone(),
+        template: s.template.clone(),
+        state: s.state,
+        vcpus: s.vcpus,
+        memory_mib: s.memory_mib,
+        running_s,
+        vcpu_seconds: running_s * u64::from(s.vcpus),
+        memory_mib_seconds: running_s * u64::from(s.memory_mib),
+        cpu_seconds: (row.cpu_ms + live_cpu) as f64 / 1000.0,
+        ended_at_ms: s.ended_at_ms,
+    }
+}
+
+/// A Prometheus label value, escaped.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Daemon {
+    pub(super) fn usage(&self, id: &str) -> Result<Reply, ApiError> {
+        let rows = self.store().usage_rows(Some(id), 0).map_err(internal)?;
+        let row = rows
+            .first()
+            .ok_or_else(|| ApiError::NotFound(format!("no sandbox {id}")))?;
+        Ok(Reply::Usage(usage_of(row, now_ms())))
+    }
+
+    /// Records the CPU time of a VMM about to be killed.
+    pub(super) fn record_cpu(&self, sandbox: &Sandbox) {
+        if let (Some(pid), Some(start)) = (sandbox.pid, sandbox.pid_start_time) {
+            if let Some(ms) = cpu_ms(pid, start) {
+                let _ = self.store().add_cpu_ms(&sandbox.id, ms);
+            }
+        }
+    }
+
+    /// GET /metrics: Prometheus text format 0.0.4.
+    pub(super) fn metrics(&self) -> Result<Reply, ApiError> {
+        let now = now_ms();
+        let (rows, states) = {
+            let store = self.store();
+            (
+                store
+                    .usage_rows(None, now.saturating_sub(ENDED_IN_METRICS_MS))
+                    .map_err(internal)?,
+                store.state_counts().map_err(internal)?,
+            )
+        };
+        let mut out = String::new();
+        let usages: Vec<Usage> = rows.iter().map(|r| usage_of(r, now)).collect();
+        type Field = fn(&Usage) -> String;
+        let series: [(&str, &str, Field); 4] = [
+            (
+                "rollbox_sandbox_running_seconds_total",
+                "Whole seconds the sandbox ran, paused time not counted.",
+                |u| u.running_s.to_string(),
+            ),
+            (
+                "rollbox_sandbox_vcpu_seconds_total",
+                "vCPUs times running seconds.",
+                |u| u.vcpu_seconds.to_string(),
+            ),
+            (
+                "rollbox_sandbox_memory_mib_seconds_total",
+                "Memory MiB times running seconds.",
+                |u| u.memory_mib_seconds.to_string(),
+            ),
+            (
+                "rollbox_sandbox_cpu_seconds_total",
+                "CPU time its VMM processes used (measured).",
+                |u| u.cpu_seconds.to_string(),
+            ),
+        ];
+        for (name, help, value) in series {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for u in &usages {
+                let _ = writeln!(
+                    out,
+                    "{name}{{sandbox=\"{}\",template=\"{}\",state=\"{}\"}} {}",
+                    label(&u.sandbox),
+                    label(&u.template),
+                    u.state.as_str(),
+                    value(u)
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP rollbox_sandboxes Sandboxes in the database by state.\n# TYPE rollbox_sandboxes gauge"
+        );
+        for (state, count) in states {
+            let _ = writeln!(
+                out,
+                "rollbox_sandboxes{{state=\"{}\"}} {count}",
+                state.as_str()
+            );
+        }
+        let counters: [(&str, &str, &AtomicU64); 3] = [
+            (
+                "rollbox_creates_total",
+                "Creates that made a sandbox row, since the daemon started.",
+                &self.counters.creates,
+            ),
+            (
+                "rollbox_create_failures_total",
+                "Creates whose VMM did not start, since the daemon started.",
+                &self.counters.failures,
+            ),
+            (
+                "rollbox_creates_refused_total",
+                "Creates and batches refused with 429, since the daemon started.",
+                &self.counters.refused,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                value.load(Ordering::Relaxed)
+            );
+        }
+        Ok(Reply::Metrics(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_time_is_billed_in_whole_seconds_rounded_up() {
+        let mut sandbox: Sandbox = serde_json::from_value(serde_json::json!({
+            "id": "sb-1", "template": "t", "state": "paused", "vcpus": 2, "memory_mib": 64,
+            "labels": {}, "metadata": {}, "idempotency_key": null, "created_at_ms": 0,
+            "expires_at_ms": 1, "idle_ttl_s": null, "last_active_at_ms": 0, "pid": null,
+            "pid_start_time": null, "dir": "/x", "ended_at_ms": null, "end_reason": null,
+        }))
+        .expect("sandbox");
+        let paused = Row {
+            sandbox: sandbox.clone(),
+            run_ms: 2_001,
+            running_since_ms: None,
+            cpu_ms: 1_500,
+        };
+        let u = usage_of(&paused, 99_999);
+        assert_eq!(
+            (u.running_s, u.vcpu_seconds, u.memory_mib_seconds),
+            (3, 6, 192)
+        );
+        assert_eq!(u.cpu_seconds, 1.5);
+        sandbox.state = State::Running;
+        let running = Row {
+            sandbox,
+            run_ms: 1_000,
+            running_since_ms: Some(10_000),
+            cpu_ms: 0,
+        };
+        assert_eq!(usage_of(&running, 12_000).running_s, 3);
+        assert_eq!(label("a\"b\\c"), "a\\\"b\\\\c");
+    }
+}
