@@ -83,6 +83,19 @@ pub struct ServeArgs {
     /// socket, e.g. a host `rollbox-agent --listen-unix PATH`, instead of the sandbox's own.
     #[arg(long, value_name = "PATH", hide = true)]
     test_agent_socket: Option<PathBuf>,
+    /// Also serve the E2B-compatible API (control plane and envd data plane) on this loopback
+    /// address, e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000).
+    #[arg(long, value_name = "ADDR")]
+    e2b_listen: Option<std::net::SocketAddr>,
+    /// The `domain` E2B sandboxes report: data-plane traffic goes to {port}-{id}.DOMAIN unless
+    /// the client sets E2B_SANDBOX_URL.
+    #[arg(
+        long,
+        value_name = "DOMAIN",
+        default_value = "e2b.localhost",
+        requires = "e2b_listen"
+    )]
+    e2b_domain: String,
 }
 
 #[derive(Args)]
@@ -319,6 +332,12 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         reap_interval: Duration::from_millis(250),
         ready_timeout: Duration::from_secs(10),
         test_agent_socket: args.test_agent_socket,
+        e2b: args
+            .e2b_listen
+            .map(|listen| rollbox::daemon::e2b::E2bOptions {
+                listen,
+                domain: args.e2b_domain,
+            }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

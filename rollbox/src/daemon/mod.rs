@@ -11,6 +11,7 @@
 
 pub mod api;
 pub mod client;
+pub mod e2b;
 mod guest;
 mod http;
 mod snapshots;
@@ -77,6 +78,8 @@ pub struct ServeOptions {
     /// Test-only (`--test-agent-socket`): every sandbox's agent traffic goes to this hybrid
     /// vsock socket (a host `rollbox-agent --listen-unix`) instead of the sandbox's own.
     pub test_agent_socket: Option<PathBuf>,
+    /// The E2B-compatible API on its own listener (`--e2b-listen`).
+    pub e2b: Option<e2b::E2bOptions>,
 }
 
 fn now_ms() -> u64 {
@@ -712,6 +715,18 @@ pub async fn serve(
     });
     daemon.recover()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;
+    let e2b_server = match &daemon.options.e2b {
+        Some(options) => {
+            let e2b_listener = e2b::bind(options)?;
+            log_line(&format!("E2B API on {}", e2b_listener.describe()));
+            Some(tokio::spawn(e2b::run(
+                e2b_listener,
+                Arc::clone(&daemon),
+                options.clone(),
+            )))
+        }
+        None => None,
+    };
     let reaper = {
         let daemon = Arc::clone(&daemon);
         tokio::spawn(async move {
@@ -727,6 +742,9 @@ pub async fn serve(
     log_line(&format!("listening on {}", listener.describe()));
     let result = http::run(listener, Arc::clone(&daemon), shutdown).await;
     reaper.abort();
+    if let Some(e2b_server) = e2b_server {
+        e2b_server.abort();
+    }
     if let Listen::Unix(path) = &daemon.options.listen {
         let _ = std::fs::remove_file(path);
     }
