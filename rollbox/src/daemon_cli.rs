@@ -96,6 +96,12 @@ pub struct ServeArgs {
         requires = "e2b_listen"
     )]
     e2b_domain: String,
+    /// Serve the E2B API over TLS with this PEM certificate chain (with --e2b-tls-key).
+    #[arg(long, value_name = "FILE", requires_all = ["e2b_listen", "e2b_tls_key"])]
+    e2b_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --e2b-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "e2b_tls_cert")]
+    e2b_tls_key: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -337,6 +343,10 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             .map(|listen| rollbox::daemon::e2b::E2bOptions {
                 listen,
                 domain: args.e2b_domain,
+                tls: args
+                    .e2b_tls_cert
+                    .zip(args.e2b_tls_key)
+                    .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
             }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()

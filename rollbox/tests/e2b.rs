@@ -63,12 +63,105 @@ fn wait_for(what: &str, daemon: &Daemon, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// A daemon with the E2B listener, a host agent, and the test guest as template "guest".
-fn start_daemon() -> (Daemon, u16) {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// A private CA and a certificate for 127.0.0.1 and *.e2b.test signed by it, made with the
+/// openssl CLI: (ca.pem, server.pem, server.key).
+fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), String> {
+    let ext = dir.join("ext.cnf");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1,DNS:*.e2b.test\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let steps: [Vec<&str>; 3] = [
+        [
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=rollbox e2b test CA",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign",
+            ],
+        ]
+        .concat(),
+        [
+            &["req"][..],
+            &ec,
+            &[
+                "-keyout",
+                "server.key",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+        ]
+        .concat(),
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    ];
+    for args in steps {
+        let output = Command::new("openssl")
+            .args(&args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run openssl: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    Ok((
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    ))
+}
+
+/// A daemon with the E2B listener (TLS with `tls` = (cert, key)), a host agent, and the test
+/// guest as template "guest".
+fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Daemon, u16) {
     std::fs::write(dir.path().join("key"), format!("{KEY}\n")).expect("write key");
     let agent_sock = dir.path().join("agent.sock");
+    // `commands.run` is `bash -l`: with the host's HOME it would run the host's ~/.profile
+    // (which may be slow or take locks a killed command leaves behind). An empty HOME instead.
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(&home).expect("home");
     let agent = Command::new(agent_binary())
+        .env("HOME", &home)
         .arg("--listen-unix")
         .arg(&agent_sock)
         .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
@@ -85,8 +178,16 @@ fn start_daemon() -> (Daemon, u16) {
     let port = free_port();
     let log = std::fs::File::create(daemon.dir.path().join("serve.log")).expect("log");
     let sock = daemon.dir.path().join("d.sock");
-    let serve = Command::new(rollbox_binary())
-        .arg("serve")
+    let mut serve = Command::new(rollbox_binary());
+    serve.arg("serve");
+    if let Some((cert, key)) = &tls {
+        serve
+            .arg("--e2b-tls-cert")
+            .arg(cert)
+            .arg("--e2b-tls-key")
+            .arg(key);
+    }
+    let serve = serve
         .arg("--vmm")
         .arg(vmm_binary())
         .arg("--socket")
@@ -156,7 +257,7 @@ fn sdk_python(version: &str) -> Result<PathBuf, String> {
     }
 }
 
-fn run_sdk_suite(test: &str, version: &str) {
+fn run_sdk_suite(test: &str, version: &str, tls: bool) {
     if !kvm_available() {
         return;
     }
@@ -167,10 +268,27 @@ fn run_sdk_suite(test: &str, version: &str) {
             return;
         }
     };
-    let (daemon, port) = start_daemon();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ca, files) = if tls {
+        match make_certs(dir.path()) {
+            Ok((ca, cert, key)) => (Some(ca), Some((cert, key))),
+            Err(reason) => {
+                skip(test, &format!("no test certificate: {reason}"));
+                return;
+            }
+        }
+    } else {
+        (None, None)
+    };
+    let (daemon, port) = start_daemon(dir, files);
     let scratch = tempfile::tempdir().expect("scratch");
-    let url = format!("http://127.0.0.1:{port}");
-    let output = Command::new(&python)
+    let scheme = if tls { "https" } else { "http" };
+    let url = format!("{scheme}://127.0.0.1:{port}");
+    let mut command = Command::new(&python);
+    if let Some(ca) = &ca {
+        command.env("SSL_CERT_FILE", ca);
+    }
+    let output = command
         .arg(workspace_root().join("rollbox/tests/e2b/test_sdk.py"))
         .env("E2B_API_URL", &url)
         .env("E2B_API_KEY", KEY)
@@ -193,7 +311,14 @@ fn run_sdk_suite(test: &str, version: &str) {
     );
 }
 
+/// Over TLS with a private CA given through SSL_CERT_FILE, as a user would run it.
 #[test]
 fn stock_e2b_sdk_2_63_against_rollbox() {
-    run_sdk_suite("stock_e2b_sdk_2_63_against_rollbox", "2.63.0");
+    run_sdk_suite("stock_e2b_sdk_2_63_against_rollbox", "2.63.0", true);
+}
+
+/// SDK 2.0-2.50 creates with `POST /sandboxes` and connects with `/sandboxes/{id}/connect`.
+#[test]
+fn stock_e2b_sdk_2_50_against_rollbox() {
+    run_sdk_suite("stock_e2b_sdk_2_50_against_rollbox", "2.50.0", false);
 }

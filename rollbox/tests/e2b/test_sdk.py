@@ -16,6 +16,7 @@ import urllib.request
 
 import e2b
 from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b.api.client.models.sandbox_state import SandboxState
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
@@ -68,6 +69,13 @@ def main():
 
     sbx = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "e2b-sdk"}, envs={"GREETING": "hi there"})
     ok(f"create {sbx.sandbox_id}")
+    sdk = tuple(int(part) for part in importlib.metadata.version("e2b").split(".")[:2])
+    if sdk >= (2, 51):  # idempotency_key came with the v2 routes
+        first = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
+        again = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
+        assert first.sandbox_id == again.sandbox_id, (first.sandbox_id, again.sandbox_id)
+        first.kill()
+        ok("Idempotency-Key: a repeated create returns the first sandbox")
     try:
         run_checks(sbx)
     finally:
@@ -127,7 +135,13 @@ def run_checks(sbx):
     assert result.stdout == "abc\n", result
     ok("send_stdin and close_stdin")
 
-    expect_error("timeout kills the command", lambda: sbx.commands.run("sleep 30", timeout=1), "")
+    started = time.time()
+    expect_error("timeout kills the command", lambda: sbx.commands.run("sleep 30; echo late", timeout=1), "")
+    assert time.time() - started < 10
+    deadline = time.time() + 10  # the server kills it at its deadline, on its own clock
+    while [p for p in sbx.commands.list() if "sleep 30; echo late" in " ".join(p.args)]:
+        assert time.time() < deadline, "the command outlived its timeout"
+        time.sleep(0.1)
 
     base = f"{SCRATCH}/{sbx.sandbox_id}"
     info = sbx.files.write(f"{base}/a.txt", "content one")
@@ -169,6 +183,16 @@ def run_checks(sbx):
     assert same.sandbox_id == sbx.sandbox_id
     assert same.commands.run("echo again").stdout == "again\n"
     ok("connect")
+
+    assert sbx.pause()
+    assert not sbx.pause(), "pausing a paused sandbox is False (409)"
+    assert str(sbx.get_info().state) == "paused"
+    paused = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.PAUSED])).next_items()
+    assert [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert str(resumed.get_info().state) == "running"
+    assert resumed.commands.run("echo resumed").stdout == "resumed\n"
+    ok("pause, and connect resumes")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ mod envd;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hyper::body::{Bytes, Incoming};
@@ -47,6 +48,62 @@ pub struct E2bOptions {
     /// The `domain` sandboxes report: the SDK sends data-plane traffic to
     /// `https://{port}-{id}.{domain}` unless `E2B_SANDBOX_URL` is set.
     pub domain: String,
+    /// Serve TLS with this certificate chain and private key (PEM files).
+    pub tls: Option<TlsFiles>,
+}
+
+/// `--e2b-tls-cert` and `--e2b-tls-key`.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// The bound E2B listener, with its TLS acceptor when it serves TLS.
+pub struct E2bListener {
+    listener: Listener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+impl E2bListener {
+    pub fn describe(&self) -> String {
+        let plain = self.listener.describe();
+        match self.tls {
+            Some(_) => plain.replacen("http://", "https://", 1),
+            None => plain,
+        }
+    }
+}
+
+/// The TLS acceptor for `files` (HTTP/1.1 only in ALPN; the SDK's clients accept that).
+fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor, DaemonError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let fail = |what: &str, path: &std::path::Path, e: String| DaemonError::Listen {
+        what: format!("E2B TLS ({what} {})", path.display()),
+        source: std::io::Error::other(e),
+    };
+    let certs = CertificateDer::pem_file_iter(&files.cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| fail("--e2b-tls-cert", &files.cert, e.to_string()))?;
+    if certs.is_empty() {
+        return Err(fail(
+            "--e2b-tls-cert",
+            &files.cert,
+            "no CERTIFICATE in the file".into(),
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| fail("--e2b-tls-key", &files.key, e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail("--e2b-tls-cert", &files.cert, e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| fail("--e2b-tls-key", &files.key, e.to_string()))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
 /// The E2B server's state: the daemon, and processes started through envd.
@@ -77,19 +134,27 @@ impl E2b {
     }
 }
 
-/// Binds the E2B listener (loopback only, like the native API).
-pub fn bind(options: &E2bOptions) -> Result<Listener, DaemonError> {
-    Listener::bind(&Listen::Tcp(options.listen))
+/// Binds the E2B listener (loopback only, like the native API) and loads its TLS files.
+pub fn bind(options: &E2bOptions) -> Result<E2bListener, DaemonError> {
+    let tls = options.tls.as_ref().map(tls_acceptor).transpose()?;
+    Ok(E2bListener {
+        listener: Listener::bind(&Listen::Tcp(options.listen))?,
+        tls,
+    })
 }
 
 /// Serves E2B connections until the task is aborted.
-pub async fn run(listener: Listener, daemon: Arc<Daemon>, options: E2bOptions) {
+pub async fn run(listener: E2bListener, daemon: Arc<Daemon>, options: E2bOptions) {
     let e2b = Arc::new(E2b {
         daemon,
         options,
         processes: Mutex::new(HashMap::new()),
     });
-    let Listener::Tcp(listener) = listener else {
+    let E2bListener {
+        listener: Listener::Tcp(listener),
+        tls,
+    } = listener
+    else {
         return;
     };
     loop {
@@ -102,14 +167,28 @@ pub async fn run(listener: Listener, daemon: Arc<Daemon>, options: E2bOptions) {
             }
         };
         let e2b = Arc::clone(&e2b);
+        let tls = tls.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request| {
                 let e2b = Arc::clone(&e2b);
                 async move { Ok::<_, Infallible>(respond(&e2b, request).await) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
+            let http = hyper::server::conn::http1::Builder::new();
+            match tls {
+                None => {
+                    let _ = http
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                }
+                Some(acceptor) => {
+                    // A failed handshake (a plain-HTTP client, an unknown CA) ends the connection.
+                    if let Ok(stream) = acceptor.accept(stream).await {
+                        let _ = http
+                            .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                            .await;
+                    }
+                }
+            }
         });
     }
 }
