@@ -137,7 +137,7 @@ impl RpcError {
 /// A `connect-timeout-ms` value: SDK 1.x sends floats such as `1500.0`; 0 or none is no limit.
 pub fn timeout_ms(header: Option<&str>) -> Option<u64> {
     let ms = header?.trim().parse::<f64>().ok()?;
-    (ms.is_finite() && ms >= 1.0).then(|| ms as u64)
+    (ms.is_finite() && ms >= 1.0).then_some(ms as u64)
 }
 
 #[cfg(test)]
