@@ -39,10 +39,12 @@ def expect_error(name, call, *words):
     raise AssertionError(f"{name}: no error")
 
 
-def raw(method, path, key, body=None):
+def raw(method, path, key, body=None, headers=None):
     request = urllib.request.Request(API + path, method=method, data=body)
     if key is not None:
         request.add_header("X-API-KEY", key)
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, response.read()
@@ -88,6 +90,18 @@ def main():
 def run_checks(sbx):
     assert sbx.is_running()
     ok("is_running")
+
+    # Data-plane routing by host, as SDK 1.x and get_host() URLs do, and the proxy's answers.
+    domain = os.environ["E2B_DOMAIN"]
+    status, _ = raw("GET", "/health", None, headers={"Host": f"49983-{sbx.sandbox_id}.{domain}"})
+    assert status == 204, status
+    status, body = raw("GET", "/health", None, headers={"Host": f"8080-{sbx.sandbox_id}.{domain}"})
+    assert status == 502 and "port is not open" in json.loads(body)["message"], body
+    status, body = raw("GET", "/health", None, headers={"Host": f"49983-sb-0000000000000000.{domain}"})
+    assert status == 502 and "was not found" in json.loads(body)["message"], body
+    status, body = raw("GET", "/envs", None, headers={"Host": f"49983-{sbx.sandbox_id}.{domain}"})
+    assert status == 401, (status, body)
+    ok("host routing, proxy 502s, access token required")
 
     seen = []
     result = sbx.commands.run("echo hello; echo oops >&2", on_stdout=seen.append)
@@ -179,6 +193,8 @@ def run_checks(sbx):
     assert none == [], none
     ok("list with metadata")
 
+    figures(sbx)
+
     same = Sandbox.connect(sbx.sandbox_id)
     assert same.sandbox_id == sbx.sandbox_id
     assert same.commands.run("echo again").stdout == "again\n"
@@ -193,6 +209,45 @@ def run_checks(sbx):
     assert str(resumed.get_info().state) == "running"
     assert resumed.commands.run("echo resumed").stdout == "resumed\n"
     ok("pause, and connect resumes")
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def figures(sbx):
+    """Figures, not asserts: concurrency 1, this host, the host agent (not a guest)."""
+    runs = []
+    for _ in range(20):
+        started = time.perf_counter()
+        sbx.commands.run("true")
+        runs.append((time.perf_counter() - started) * 1000)
+    data = os.urandom(1 << 20)
+    path = f"{SCRATCH}/figure-{sbx.sandbox_id}.bin"
+    writes, reads = [], []
+    for _ in range(5):
+        started = time.perf_counter()
+        sbx.files.write(path, data)
+        writes.append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        assert sbx.files.read(path, format="bytes") == data
+        reads.append((time.perf_counter() - started) * 1000)
+    sbx.files.remove(path)
+    creates = []
+    for _ in range(3):
+        started = time.perf_counter()
+        other = Sandbox.create(TEMPLATE, timeout=60)
+        other.commands.run("echo first")
+        creates.append((time.perf_counter() - started) * 1000)
+        other.kill()
+    print(
+        "figure: commands.run('true') p50 %.1f ms p99 %.1f ms (n=20); 1 MiB write p50 %.1f ms, "
+        "read p50 %.1f ms (n=5); create to first output p50 %.1f ms (n=3)"
+        % (percentile(runs, 0.5), percentile(runs, 0.99), percentile(writes, 0.5),
+           percentile(reads, 0.5), percentile(creates, 0.5)),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
