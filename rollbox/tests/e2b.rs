@@ -219,7 +219,7 @@ fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Dae
     })
     .to_string();
     let auth = format!("Bearer {KEY}");
-    let response = Endpoint::Unix(sock)
+    let response = Endpoint::Unix(sock.clone())
         .request(
             "POST",
             "/templates",
@@ -229,6 +229,21 @@ fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Dae
         )
         .expect("POST /templates");
     assert_eq!(response.status, 201, "{}", response.error_message());
+    // A template whose kernel is gone after registration: its creates fail inside the VMM.
+    let kernel = daemon.dir.path().join("vanishing-kernel");
+    std::fs::copy(test_guest(), &kernel).expect("copy the kernel");
+    let body = json!({ "name": "broken", "kernel": kernel, "memory_mib": 32 }).to_string();
+    let response = Endpoint::Unix(daemon.dir.path().join("d.sock"))
+        .request(
+            "POST",
+            "/templates",
+            &[("Authorization", auth.as_str())],
+            Some(body.as_bytes()),
+            Duration::from_secs(30),
+        )
+        .expect("POST /templates");
+    assert_eq!(response.status, 201, "{}", response.error_message());
+    std::fs::remove_file(&kernel).expect("remove the kernel");
     (daemon, port)
 }
 

@@ -68,6 +68,16 @@ def main():
     status, body = raw("POST", "/v2/sandboxes", key, b"{not json")
     assert status == 400 and json.loads(body)["code"] == 400, body
     ok("bad json is 400 {code,message}")
+    request = urllib.request.Request(API + "/v2/sandboxes", method="POST", data=b'{"templateID":"broken"}')
+    request.add_header("X-API-KEY", key)
+    try:
+        urllib.request.urlopen(request)
+        raise AssertionError("a create whose kernel is gone succeeded")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        assert e.code == 500 and body["code"] == 500, (e.code, body)
+        assert e.headers.get("Should-Retry") == "false", dict(e.headers)
+    ok("a failed create is 500 with Should-Retry: false")
 
     sbx = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "e2b-sdk"}, envs={"GREETING": "hi there"})
     ok(f"create {sbx.sandbox_id}")
@@ -108,6 +118,10 @@ def run_checks(sbx):
     assert result.exit_code == 0 and result.stdout == "hello\n" and result.stderr == "oops\n", result
     assert "".join(seen) == "hello\n", seen
     ok("run foreground with on_stdout")
+
+    result = sbx.commands.run("pwd; id -un", cwd="/tmp", user="root")
+    assert result.stdout == "/tmp\nroot\n", result
+    ok("cwd and user")
 
     result = sbx.commands.run('echo "$GREETING" "$EXTRA"', envs={"EXTRA": "x"})
     assert result.stdout == "hi there x\n", result
