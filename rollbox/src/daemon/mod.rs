@@ -714,19 +714,15 @@ pub async fn serve(
         snapshots_dir,
     });
     daemon.recover()?;
+    // The E2B listener first: its TLS files are the likelier to be wrong.
+    let e2b_listener = daemon.options.e2b.as_ref().map(e2b::bind).transpose()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;
-    let e2b_server = match &daemon.options.e2b {
-        Some(options) => {
-            let e2b_listener = e2b::bind(options)?;
-            log_line(&format!("E2B API on {}", e2b_listener.describe()));
-            Some(tokio::spawn(e2b::run(
-                e2b_listener,
-                Arc::clone(&daemon),
-                options.clone(),
-            )))
-        }
-        None => None,
-    };
+    let e2b_server = e2b_listener
+        .zip(daemon.options.e2b.clone())
+        .map(|(bound, options)| {
+            log_line(&format!("E2B API on {}", bound.describe()));
+            tokio::spawn(e2b::run(bound, Arc::clone(&daemon), options))
+        });
     let reaper = {
         let daemon = Arc::clone(&daemon);
         tokio::spawn(async move {
