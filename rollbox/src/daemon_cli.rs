@@ -103,6 +103,25 @@ pub struct ServeArgs {
         hide = true
     )]
     cgroup_fs: PathBuf,
+    /// Also serve the E2B-compatible API (control plane and envd data plane) on this loopback
+    /// address, e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000).
+    #[arg(long, value_name = "ADDR")]
+    e2b_listen: Option<std::net::SocketAddr>,
+    /// The `domain` E2B sandboxes report: data-plane traffic goes to {port}-{id}.DOMAIN unless
+    /// the client sets E2B_SANDBOX_URL.
+    #[arg(
+        long,
+        value_name = "DOMAIN",
+        default_value = "e2b.localhost",
+        requires = "e2b_listen"
+    )]
+    e2b_domain: String,
+    /// Serve the E2B API over TLS with this PEM certificate chain (with --e2b-tls-key).
+    #[arg(long, value_name = "FILE", requires_all = ["e2b_listen", "e2b_tls_key"])]
+    e2b_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --e2b-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "e2b_tls_cert")]
+    e2b_tls_key: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -418,6 +437,16 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             .unwrap_or_else(rollbox::images::default_cache_dir),
         cgroup_fs: args.cgroup_fs,
         snapshot_retention: args.snapshot_retention,
+        e2b: args
+            .e2b_listen
+            .map(|listen| rollbox::daemon::e2b::E2bOptions {
+                listen,
+                domain: args.e2b_domain,
+                tls: args
+                    .e2b_tls_cert
+                    .zip(args.e2b_tls_key)
+                    .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
+            }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -79,7 +79,7 @@ impl Daemon {
         })
     }
 
-    async fn agent(&self, id: &str) -> Result<AgentClient, ApiError> {
+    pub(super) async fn agent(&self, id: &str) -> Result<AgentClient, ApiError> {
         let path = self.agent_socket(id)?;
         let deadline = tokio::time::Instant::now() + AGENT_WAIT;
         loop {

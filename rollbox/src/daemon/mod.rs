@@ -14,6 +14,7 @@ pub mod api;
 mod batch;
 pub mod cgroup;
 pub mod client;
+pub mod e2b;
 mod guest;
 mod http;
 mod retention;
@@ -91,6 +92,8 @@ pub struct ServeOptions {
     pub cgroup_fs: PathBuf,
     /// Keep each sandbox's newest N snapshots (see [`retention`]); None: keep all.
     pub snapshot_retention: Option<u32>,
+    /// The E2B-compatible API on its own listener (`--e2b-listen`).
+    pub e2b: Option<e2b::E2bOptions>,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -794,7 +797,15 @@ pub async fn serve(
             .map_err(|e| e.to_string()),
     });
     daemon.recover()?;
+    // The E2B listener first: its TLS files are the likelier to be wrong.
+    let e2b_listener = daemon.options.e2b.as_ref().map(e2b::bind).transpose()?;
     let listener = http::Listener::bind(&daemon.options.listen)?;
+    let e2b_server = e2b_listener
+        .zip(daemon.options.e2b.clone())
+        .map(|(bound, options)| {
+            log_line(&format!("E2B API on {}", bound.describe()));
+            tokio::spawn(e2b::run(bound, Arc::clone(&daemon), options))
+        });
     let reaper = {
         let daemon = Arc::clone(&daemon);
         tokio::spawn(async move {
@@ -810,6 +821,9 @@ pub async fn serve(
     log_line(&format!("listening on {}", listener.describe()));
     let result = http::run(listener, Arc::clone(&daemon), shutdown).await;
     reaper.abort();
+    if let Some(e2b_server) = e2b_server {
+        e2b_server.abort();
+    }
     if let Listen::Unix(path) = &daemon.options.listen {
         let _ = std::fs::remove_file(path);
     }

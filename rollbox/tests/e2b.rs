@@ -1,0 +1,339 @@
+//! The stock `e2b` Python SDK (from PyPI, pinned) against `rollbox serve --e2b-listen`: the real
+//! `rollbox` and `rollbox-vmm` with the tier-2 test guest as the template (needs /dev/kvm), and
+//! exec/files through a host `rollbox-agent --listen-unix` (the test guest has no agent).
+//! The SDK's venv comes from scripts/e2b-venv.sh (cached outside the repository); when it
+//! cannot be made the test is skipped, which ROLLBOX_REQUIRE_ALL=1 turns into a failure.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rollbox::daemon::client::Endpoint;
+use rollbox::daemon::vm;
+use rollbox_tests::{
+    agent_binary, kvm_available, rollbox_binary, skip, test_guest, vmm_binary, workspace_root,
+    TEST_GUEST_CMDLINE,
+};
+use serde_json::json;
+
+const KEY: &str = "e2b-test-key-0123";
+
+/// Ends the children and every VMM left under the state directory on drop.
+struct Daemon {
+    children: Vec<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Ok(dir) = std::fs::canonicalize(self.dir.path().join("state")) {
+            for found in vm::find_vmms(&dir.join("sandboxes")) {
+                vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+fn wait_for(what: &str, daemon: &Daemon, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}\n{}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A private CA and a certificate for 127.0.0.1 and *.e2b.test signed by it, made with the
+/// openssl CLI: (ca.pem, server.pem, server.key).
+fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), String> {
+    let ext = dir.join("ext.cnf");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1,DNS:*.e2b.test\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let steps: [Vec<&str>; 3] = [
+        [
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=rollbox e2b test CA",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign",
+            ],
+        ]
+        .concat(),
+        [
+            &["req"][..],
+            &ec,
+            &[
+                "-keyout",
+                "server.key",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+        ]
+        .concat(),
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    ];
+    for args in steps {
+        let output = Command::new("openssl")
+            .args(&args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run openssl: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    Ok((
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    ))
+}
+
+/// A daemon with the E2B listener (TLS with `tls` = (cert, key)), a host agent, and the test
+/// guest as template "guest".
+fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Daemon, u16) {
+    std::fs::write(dir.path().join("key"), format!("{KEY}\n")).expect("write key");
+    let agent_sock = dir.path().join("agent.sock");
+    // `commands.run` is `bash -l`: with the host's HOME it would run the host's ~/.profile
+    // (which may be slow or take locks a killed command leaves behind). An empty HOME instead.
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(&home).expect("home");
+    let agent = Command::new(agent_binary())
+        .env("HOME", &home)
+        .arg("--listen-unix")
+        .arg(&agent_sock)
+        .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn rollbox-agent");
+    let mut daemon = Daemon {
+        children: vec![agent],
+        dir,
+    };
+    wait_for("the host agent's socket", &daemon, || agent_sock.exists());
+    let port = free_port();
+    let log = std::fs::File::create(daemon.dir.path().join("serve.log")).expect("log");
+    let sock = daemon.dir.path().join("d.sock");
+    let mut serve = Command::new(rollbox_binary());
+    serve.arg("serve");
+    if let Some((cert, key)) = &tls {
+        serve
+            .arg("--e2b-tls-cert")
+            .arg(cert)
+            .arg("--e2b-tls-key")
+            .arg(key);
+    }
+    let serve = serve
+        .arg("--vmm")
+        .arg(vmm_binary())
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--api-key-file")
+        .arg(daemon.dir.path().join("key"))
+        .arg("--state-dir")
+        .arg(daemon.dir.path().join("state"))
+        .arg("--test-agent-socket")
+        .arg(&agent_sock)
+        .arg("--e2b-listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--e2b-domain")
+        .arg("e2b.test")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("spawn rollbox serve");
+    daemon.children.push(serve);
+    wait_for("rollbox serve", &daemon, || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let body = json!({
+        "name": "guest",
+        "kernel": test_guest(),
+        "cmdline": TEST_GUEST_CMDLINE,
+        "memory_mib": 32,
+    })
+    .to_string();
+    let auth = format!("Bearer {KEY}");
+    let response = Endpoint::Unix(sock.clone())
+        .request(
+            "POST",
+            "/templates",
+            &[("Authorization", auth.as_str())],
+            Some(body.as_bytes()),
+            Duration::from_secs(30),
+        )
+        .expect("POST /templates");
+    assert_eq!(response.status, 201, "{}", response.error_message());
+    // A template whose kernel is gone after registration: its creates fail inside the VMM.
+    let kernel = daemon.dir.path().join("vanishing-kernel");
+    std::fs::copy(test_guest(), &kernel).expect("copy the kernel");
+    let body = json!({ "name": "broken", "kernel": kernel, "memory_mib": 32 }).to_string();
+    let response = Endpoint::Unix(daemon.dir.path().join("d.sock"))
+        .request(
+            "POST",
+            "/templates",
+            &[("Authorization", auth.as_str())],
+            Some(body.as_bytes()),
+            Duration::from_secs(30),
+        )
+        .expect("POST /templates");
+    assert_eq!(response.status, 201, "{}", response.error_message());
+    std::fs::remove_file(&kernel).expect("remove the kernel");
+    (daemon, port)
+}
+
+/// The venv's python for SDK `version`, or why there is none.
+fn sdk_python(version: &str) -> Result<PathBuf, String> {
+    let script = workspace_root().join("scripts/e2b-venv.sh");
+    let output = Command::new("sh")
+        .arg(&script)
+        .arg(version)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} {version} failed ({}): {}",
+            script.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+    if python.is_file() {
+        Ok(python)
+    } else {
+        Err(format!("{} printed no python", script.display()))
+    }
+}
+
+fn run_sdk_suite(test: &str, version: &str, tls: bool) {
+    if !kvm_available() {
+        return;
+    }
+    let python = match sdk_python(version) {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(test, &format!("no e2b {version} venv: {reason}"));
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ca, files) = if tls {
+        match make_certs(dir.path()) {
+            Ok((ca, cert, key)) => (Some(ca), Some((cert, key))),
+            Err(reason) => {
+                skip(test, &format!("no test certificate: {reason}"));
+                return;
+            }
+        }
+    } else {
+        (None, None)
+    };
+    let (daemon, port) = start_daemon(dir, files);
+    let scratch = tempfile::tempdir().expect("scratch");
+    let scheme = if tls { "https" } else { "http" };
+    let url = format!("{scheme}://127.0.0.1:{port}");
+    let mut command = Command::new(&python);
+    if let Some(ca) = &ca {
+        command.env("SSL_CERT_FILE", ca);
+    }
+    let output = command
+        .arg(workspace_root().join("rollbox/tests/e2b/test_sdk.py"))
+        .env("E2B_API_URL", &url)
+        .env("E2B_API_KEY", KEY)
+        .env("E2B_DOMAIN", "e2b.test")
+        .env("E2B_SANDBOX_URL", &url)
+        .env("ROLLBOX_E2B_TEMPLATE", "guest")
+        .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+        .env_remove("E2B_DEBUG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run test_sdk.py");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    assert!(
+        output.status.success() && stdout.contains("all ok"),
+        "e2b {version} suite failed ({}):\n{stdout}\n{stderr}\n--- serve.log ---\n{}",
+        output.status,
+        daemon.log()
+    );
+}
+
+/// Over TLS with a private CA given through SSL_CERT_FILE, as a user would run it.
+#[test]
+fn stock_e2b_sdk_2_63_against_rollbox() {
+    run_sdk_suite("stock_e2b_sdk_2_63_against_rollbox", "2.63.0", true);
+}
+
+/// SDK 2.0-2.50 creates with `POST /sandboxes` and connects with `/sandboxes/{id}/connect`.
+#[test]
+fn stock_e2b_sdk_2_50_against_rollbox() {
+    run_sdk_suite("stock_e2b_sdk_2_50_against_rollbox", "2.50.0", false);
+}

@@ -1,0 +1,275 @@
+"""The stock `e2b` SDK against `rollbox serve --e2b-listen`: run by rollbox/tests/e2b.rs.
+
+Environment: E2B_API_URL, E2B_API_KEY, E2B_DOMAIN, E2B_SANDBOX_URL (what a user sets), plus
+ROLLBOX_E2B_TEMPLATE (a template the daemon has) and ROLLBOX_E2B_SCRATCH (a directory the
+agent may write: with the host agent, files land on this host).
+Prints `ok NAME` per check; any failure raises and exits non-zero.
+"""
+
+import importlib.metadata
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import e2b
+from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b.api.client.models.sandbox_state import SandboxState
+
+TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
+SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
+API = os.environ["E2B_API_URL"]
+
+
+def ok(name):
+    print(f"ok {name}", flush=True)
+
+
+def expect_error(name, call, *words):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - any SDK exception type
+        text = f"{type(e).__name__}: {e}"
+        for word in words:
+            assert word in text, f"{name}: {word!r} not in {text!r}"
+        ok(name)
+        return e
+    raise AssertionError(f"{name}: no error")
+
+
+def raw(method, path, key, body=None, headers=None):
+    request = urllib.request.Request(API + path, method=method, data=body)
+    if key is not None:
+        request.add_header("X-API-KEY", key)
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def main():
+    print(f"e2b SDK {importlib.metadata.version('e2b')}", flush=True)
+    key = os.environ["E2B_API_KEY"]
+
+    # E2B-shaped errors.
+    status, body = raw("GET", "/v2/sandboxes", None)
+    error = json.loads(body)
+    assert status == 401 and error["code"] == 401 and "X-API-KEY" in error["message"], body
+    ok("missing key is 401 {code,message}")
+    expect_error("wrong key", lambda: Sandbox.create(TEMPLATE, api_key="wrong-key"), "Authentication")
+    expect_error("unknown template", lambda: Sandbox.create("no-such-template"), "no-such-template", "not found")
+    expect_error("bad timeout", lambda: Sandbox.create(TEMPLATE, timeout=10**9), "timeout")
+    expect_error("unknown sandbox id", lambda: Sandbox.connect("sb-0000000000000000"), "not found")
+    status, body = raw("POST", "/v2/sandboxes", key, b"{not json")
+    assert status == 400 and json.loads(body)["code"] == 400, body
+    ok("bad json is 400 {code,message}")
+    request = urllib.request.Request(API + "/v2/sandboxes", method="POST", data=b'{"templateID":"broken"}')
+    request.add_header("X-API-KEY", key)
+    try:
+        urllib.request.urlopen(request)
+        raise AssertionError("a create whose kernel is gone succeeded")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        assert e.code == 500 and body["code"] == 500, (e.code, body)
+        assert e.headers.get("Should-Retry") == "false", dict(e.headers)
+    ok("a failed create is 500 with Should-Retry: false")
+
+    sbx = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "e2b-sdk"}, envs={"GREETING": "hi there"})
+    ok(f"create {sbx.sandbox_id}")
+    sdk = tuple(int(part) for part in importlib.metadata.version("e2b").split(".")[:2])
+    if sdk >= (2, 51):  # idempotency_key came with the v2 routes
+        first = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
+        again = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
+        assert first.sandbox_id == again.sandbox_id, (first.sandbox_id, again.sandbox_id)
+        first.kill()
+        ok("Idempotency-Key: a repeated create returns the first sandbox")
+    try:
+        run_checks(sbx)
+    finally:
+        sbx.kill()
+    assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
+    ok("kill, and kill again is False")
+    expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
+
+
+def run_checks(sbx):
+    assert sbx.is_running()
+    ok("is_running")
+
+    # Data-plane routing by host, as SDK 1.x and get_host() URLs do, and the proxy's answers.
+    domain = os.environ["E2B_DOMAIN"]
+    status, _ = raw("GET", "/health", None, headers={"Host": f"49983-{sbx.sandbox_id}.{domain}"})
+    assert status == 204, status
+    status, body = raw("GET", "/health", None, headers={"Host": f"8080-{sbx.sandbox_id}.{domain}"})
+    assert status == 502 and "port is not open" in json.loads(body)["message"], body
+    status, body = raw("GET", "/health", None, headers={"Host": f"49983-sb-0000000000000000.{domain}"})
+    assert status == 502 and "was not found" in json.loads(body)["message"], body
+    status, body = raw("GET", "/envs", None, headers={"Host": f"49983-{sbx.sandbox_id}.{domain}"})
+    assert status == 401, (status, body)
+    ok("host routing, proxy 502s, access token required")
+
+    seen = []
+    result = sbx.commands.run("echo hello; echo oops >&2", on_stdout=seen.append)
+    assert result.exit_code == 0 and result.stdout == "hello\n" and result.stderr == "oops\n", result
+    assert "".join(seen) == "hello\n", seen
+    ok("run foreground with on_stdout")
+
+    result = sbx.commands.run("pwd; id -un", cwd="/tmp", user="root")
+    assert result.stdout == "/tmp\nroot\n", result
+    ok("cwd and user")
+
+    result = sbx.commands.run('echo "$GREETING" "$EXTRA"', envs={"EXTRA": "x"})
+    assert result.stdout == "hi there x\n", result
+    ok("sandbox envVars and command envs")
+
+    failed = expect_error("non-zero exit raises", lambda: sbx.commands.run("echo bad >&2; exit 3"), "CommandExit")
+    assert isinstance(failed, CommandExitException) and failed.exit_code == 3, failed
+    assert failed.stderr == "bad\n", failed.stderr
+
+    handle = sbx.commands.run("sleep 0.5; echo bg", background=True)
+    assert handle.pid > 0
+    result = handle.wait()
+    assert result.stdout == "bg\n", result
+    ok("background + wait")
+
+    handle = sbx.commands.run("sleep 1.5; echo later", background=True)
+    pid = handle.pid
+    handle.disconnect()
+    again = sbx.commands.connect(pid)
+    result = again.wait()
+    assert result.exit_code == 0 and "later" in result.stdout, result
+    ok("disconnect, then connect by pid and wait")
+
+    handle = sbx.commands.run("sleep 60", background=True, timeout=0)
+    pid = handle.pid
+    handle.disconnect()
+    time.sleep(0.3)
+    assert pid in [p.pid for p in sbx.commands.list()], "a disconnect killed the process"
+    assert sbx.commands.kill(pid)
+    time.sleep(0.3)
+    assert pid not in [p.pid for p in sbx.commands.list()]
+    assert not sbx.commands.kill(pid)
+    ok("a disconnect does not kill; list and kill by pid")
+
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "abc\n")
+    sbx.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    assert result.stdout == "abc\n", result
+    ok("send_stdin and close_stdin")
+
+    started = time.time()
+    expect_error("timeout kills the command", lambda: sbx.commands.run("sleep 30; echo late", timeout=1), "")
+    assert time.time() - started < 10
+    deadline = time.time() + 10  # the server kills it at its deadline, on its own clock
+    while [p for p in sbx.commands.list() if "sleep 30; echo late" in " ".join(p.args)]:
+        assert time.time() < deadline, "the command outlived its timeout"
+        time.sleep(0.1)
+
+    base = f"{SCRATCH}/{sbx.sandbox_id}"
+    info = sbx.files.write(f"{base}/a.txt", "content one")
+    assert info.path == f"{base}/a.txt", info
+    assert sbx.files.read(f"{base}/a.txt") == "content one"
+    sbx.files.write(f"{base}/sub/b.bin", b"\x00\x01binary")
+    assert sbx.files.read(f"{base}/sub/b.bin", format="bytes") == bytearray(b"\x00\x01binary")
+    names = sorted(e.name for e in sbx.files.list(base))
+    assert names == ["a.txt", "sub"], names
+    deep = sorted(e.name for e in sbx.files.list(base, depth=2))
+    assert deep == ["a.txt", "b.bin", "sub"], deep
+    ok("files write/read/list")
+    assert sbx.files.exists(f"{base}/a.txt") and not sbx.files.exists(f"{base}/nope")
+    assert sbx.files.get_info(f"{base}/a.txt").size == len("content one")
+    assert sbx.files.make_dir(f"{base}/d") and not sbx.files.make_dir(f"{base}/d")
+    sbx.files.rename(f"{base}/a.txt", f"{base}/d/a.txt")
+    assert sbx.files.read(f"{base}/d/a.txt") == "content one"
+    sbx.files.remove(f"{base}/d")
+    assert not sbx.files.exists(f"{base}/d")
+    expect_error("read a missing file", lambda: sbx.files.read(f"{base}/missing"), "missing")
+    ok("files exists/get_info/make_dir/rename/remove")
+    sbx.files.remove(base)
+
+    sbx.set_timeout(200)
+    info = sbx.get_info()
+    left = info.end_at.timestamp() - time.time()
+    assert 150 < left <= 201, left
+    assert info.metadata == {"suite": "e2b-sdk"}, info.metadata
+    ok("set_timeout and get_info")
+
+    page = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}))
+    ids = [s.sandbox_id for s in page.next_items()]
+    assert ids == [sbx.sandbox_id], ids
+    none = Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items()
+    assert none == [], none
+    ok("list with metadata")
+
+    figures(sbx)
+
+    same = Sandbox.connect(sbx.sandbox_id)
+    assert same.sandbox_id == sbx.sandbox_id
+    assert same.commands.run("echo again").stdout == "again\n"
+    ok("connect")
+
+    assert sbx.pause()
+    assert not sbx.pause(), "pausing a paused sandbox is False (409)"
+    assert str(sbx.get_info().state) == "paused"
+    paused = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.PAUSED])).next_items()
+    assert [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert str(resumed.get_info().state) == "running"
+    assert resumed.commands.run("echo resumed").stdout == "resumed\n"
+    ok("pause, and connect resumes")
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def figures(sbx):
+    """Figures, not asserts: concurrency 1, this host, the host agent (not a guest)."""
+    runs = []
+    for _ in range(20):
+        started = time.perf_counter()
+        sbx.commands.run("true")
+        runs.append((time.perf_counter() - started) * 1000)
+    data = os.urandom(1 << 20)
+    path = f"{SCRATCH}/figure-{sbx.sandbox_id}.bin"
+    writes, reads = [], []
+    for _ in range(5):
+        started = time.perf_counter()
+        sbx.files.write(path, data)
+        writes.append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        assert sbx.files.read(path, format="bytes") == data
+        reads.append((time.perf_counter() - started) * 1000)
+    sbx.files.remove(path)
+    creates = []
+    for _ in range(3):
+        started = time.perf_counter()
+        other = Sandbox.create(TEMPLATE, timeout=60)
+        other.commands.run("echo first")
+        creates.append((time.perf_counter() - started) * 1000)
+        other.kill()
+    print(
+        "figure: commands.run('true') p50 %.1f ms p99 %.1f ms (n=20); 1 MiB write p50 %.1f ms, "
+        "read p50 %.1f ms (n=5); create to first output p50 %.1f ms (n=3)"
+        % (percentile(runs, 0.5), percentile(runs, 0.99), percentile(writes, 0.5),
+           percentile(reads, 0.5), percentile(creates, 0.5)),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(1)
+    print("all ok", flush=True)
