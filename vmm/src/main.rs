@@ -157,7 +157,6 @@ fn seccomp_mode(args: &Args) -> vmm::seccomp::Mode {
     match (&args.seccomp_filter, args.no_seccomp) {
         (Some(path), _) => vmm::seccomp::Mode::File(path.clone()),
         (None, true) => vmm::seccomp::Mode::Off,
-        (None, false) if std::env::var_os("ROLLBOX_SECCOMP_DISCOVERY").is_some() => vmm::seccomp::Mode::Off,
         (None, false) => vmm::seccomp::Mode::BuiltIn,
     }
 }

@@ -168,6 +168,7 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
         .map_err(|_| SeccompError::AlreadyConfigured)?;
     spawner();
     if on {
+        fix_malloc_arena_limit();
         install_sigsys_handler();
         snapshot::uffd::set_page_server_start_hook(|| apply(ThreadKind::PageServer));
         match mode {
@@ -182,6 +183,18 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
         log::info!("seccomp: off (--no-seccomp)");
     }
     Ok(())
+}
+
+/// Fixes glibc's malloc arena limit now (its default, 8 per CPU): otherwise glibc reads
+/// /sys/devices/system/cpu/online once a process has more than 8 arenas, from whichever
+/// thread needs the next one, and a vCPU or block worker must not need `openat` for that.
+fn fix_malloc_arena_limit() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let arenas = libc::c_int::try_from(8 * cpus).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt takes two integers and only changes malloc's tuning.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } != 1 {
+        log::debug!("seccomp: mallopt(M_ARENA_MAX, {arenas}) failed");
+    }
 }
 
 /// Whether filters are installed by [`apply`].
@@ -336,14 +349,21 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, context: *mu
         bytes: [0; 256],
         len: 0,
     };
-    line.push(b"rollbox-vmm: seccomp: a ");
+    // A thread that inherited its filter has no kind of its own: its name tells which it is.
+    let mut name = [0u8; 17];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes and a NUL into the 17-byte buffer.
+    unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr(), 0, 0, 0) };
+    let name_len = name.iter().position(|b| *b == 0).unwrap_or(0);
+    line.push(b"rollbox-vmm: seccomp: thread ");
+    line.push(&name[..name_len]);
+    line.push(b" (");
     line.push(
         ThreadKind::from_code(kind)
             .map(ThreadKind::name)
-            .unwrap_or("unfiltered")
+            .unwrap_or("inherited")
             .as_bytes(),
     );
-    line.push(b" thread made the forbidden syscall ");
+    line.push(b" filter) made the forbidden syscall ");
     line.push(syscall_name(i64::from(nr)).unwrap_or("?").as_bytes());
     line.push(b" (");
     line.push_number(u64::from(nr.unsigned_abs()));
@@ -473,7 +493,8 @@ const SYSCALLS: &[(&str, i64)] = syscalls![
     SYS_process_vm_readv, SYS_userfaultfd, SYS_seccomp, SYS_membarrier, SYS_getsockname,
     SYS_getpeername, SYS_uname, SYS_fdatasync, SYS_mincore, SYS_msync, SYS_waitid,
     SYS_pidfd_open, SYS_pidfd_send_signal, SYS_close_range, SYS_dup3, SYS_fchdir,
-    SYS_chdir, SYS_flock, SYS_setsid, SYS_setpgid, SYS_gettimeofday, SYS_time,
+    SYS_chdir, SYS_flock, SYS_setsid, SYS_setpgid, SYS_gettimeofday, SYS_time, SYS_mkdir,
+    SYS_rmdir, SYS_unlink, SYS_rename, SYS_renameat,
 ];
 
 /// The name of syscall `nr`, if the table has it.
@@ -517,7 +538,28 @@ const fn ioc(dir: u64, ty: u64, nr: u64, size: u64) -> u64 {
     (dir << 30) | (size << 16) | (ty << 8) | nr
 }
 const KVMIO: u64 = 0xAE;
+const IOW: u64 = 1;
 const KVM_RUN: u64 = ioc(0, KVMIO, 0x80, 0);
+// PCI config and MSI/MSI-X writes are emulated on the vCPU thread: they move BARs, route MSIs
+// and (for VFIO) switch the device's interrupts.
+const KVM_SET_USER_MEMORY_REGION: u64 = ioc(IOW, KVMIO, 0x46, 32);
+const KVM_SET_GSI_ROUTING: u64 = ioc(IOW, KVMIO, 0x6a, 8);
+const KVM_IRQFD: u64 = ioc(IOW, KVMIO, 0x76, 32);
+const KVM_IOEVENTFD: u64 = ioc(IOW, KVMIO, 0x79, 64);
+const KVM_SIGNAL_MSI: u64 = ioc(IOW, KVMIO, 0xa5, 32);
+const VFIO_DEVICE_SET_IRQS: u64 = ioc(0, b';' as u64, 100 + 10, 0);
+// virtio-net's activation (DRIVER_OK, written by the guest) sets the tap's offloads.
+const TUNSETOFFLOAD: u64 = ioc(IOW, b'T' as u64, 208, 4);
+const VCPU_IOCTLS: [u64; 8] = [
+    KVM_RUN,
+    KVM_SET_USER_MEMORY_REGION,
+    KVM_SET_GSI_ROUTING,
+    KVM_IRQFD,
+    KVM_IOEVENTFD,
+    KVM_SIGNAL_MSI,
+    VFIO_DEVICE_SET_IRQS,
+    TUNSETOFFLOAD,
+];
 /// The ioctl "types" (the request's second byte) the main thread may use: KVM, VFIO, tun,
 /// userfaultfd, and 'T' also holds FIONBIO/FIOCLEX and the tty ones std uses.
 const VMM_IOCTL_TYPES: [u64; 4] = [KVMIO, b';' as u64, b'T' as u64, 0xAA];
@@ -538,7 +580,7 @@ fn allow_memory_no_exec(rules: &mut Rules) -> BackendResult<()> {
 }
 
 /// What every filtered thread needs: memory, locks, time, signals, thread exit, writing a
-/// log line, and no core dump of guest memory (the SIGSYS handler's prctl).
+/// log line, and the SIGSYS handler's prctls (its name; no core dump of guest memory).
 fn common(rules: &mut Rules) -> BackendResult<()> {
     allow(
         rules,
@@ -563,9 +605,25 @@ fn common(rules: &mut Rules) -> BackendResult<()> {
             libc::SYS_getpid,
             libc::SYS_gettid,
             libc::SYS_getrandom,
+            libc::SYS_close,
+            libc::SYS_sched_getaffinity,
         ],
     );
     allow_memory_no_exec(rules)?;
+    // Descriptor flags only (std checks and duplicates descriptors; no locks, no seals).
+    for cmd in [
+        libc::F_GETFD,
+        libc::F_SETFD,
+        libc::F_GETFL,
+        libc::F_SETFL,
+        libc::F_DUPFD_CLOEXEC,
+    ] {
+        add_rule(
+            rules,
+            libc::SYS_fcntl,
+            vec![arg32(1, SeccompCmpOp::Eq, cmd as u64)?],
+        )?;
+    }
     add_rule(
         rules,
         libc::SYS_prctl,
@@ -573,6 +631,11 @@ fn common(rules: &mut Rules) -> BackendResult<()> {
             arg32(0, SeccompCmpOp::Eq, libc::PR_SET_DUMPABLE as u64)?,
             arg(1, SeccompCmpOp::Eq, 0)?,
         ],
+    )?;
+    add_rule(
+        rules,
+        libc::SYS_prctl,
+        vec![arg32(0, SeccompCmpOp::Eq, libc::PR_GET_NAME as u64)?],
     )
 }
 
@@ -612,8 +675,22 @@ fn rules(kind: ThreadKind) -> BackendResult<Rules> {
     common(&mut rules)?;
     match kind {
         ThreadKind::Vcpu => {
-            allow(&mut rules, &[libc::SYS_read]);
-            allow_values(&mut rules, libc::SYS_ioctl, 1, &[KVM_RUN])?;
+            // Device activation and reset run here (the guest writes the status register):
+            // epoll registrations, and virtio-fs's vhost-user messages to virtiofsd. read:
+            // MSI-X pending eventfds; pread64/pwrite64: a VFIO device's config space and
+            // unmapped BARs.
+            allow(
+                &mut rules,
+                &[
+                    libc::SYS_read,
+                    libc::SYS_epoll_ctl,
+                    libc::SYS_sendmsg,
+                    libc::SYS_recvmsg,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                ],
+            );
+            allow_values(&mut rules, libc::SYS_ioctl, 1, &VCPU_IOCTLS)?;
         }
         ThreadKind::Block => {
             allow(
@@ -658,10 +735,8 @@ fn rules(kind: ThreadKind) -> BackendResult<Rules> {
                     libc::SYS_recvfrom,
                     libc::SYS_sendto,
                     libc::SYS_writev,
-                    libc::SYS_close,
                     libc::SYS_shutdown,
                     libc::SYS_poll,
-                    libc::SYS_sched_getaffinity,
                 ],
             );
             allow_threads(&mut rules)?;
@@ -694,8 +769,13 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
             libc::SYS_statfs,
             libc::SYS_fstatfs,
             libc::SYS_getdents64,
+            libc::SYS_mkdir,
             libc::SYS_mkdirat,
+            libc::SYS_rmdir,
+            libc::SYS_unlink,
             libc::SYS_unlinkat,
+            libc::SYS_rename,
+            libc::SYS_renameat,
             libc::SYS_renameat2,
             libc::SYS_linkat,
             libc::SYS_symlinkat,
@@ -715,7 +795,6 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
             libc::SYS_getcwd,
             libc::SYS_dup,
             libc::SYS_dup3,
-            libc::SYS_fcntl,
             libc::SYS_pipe2,
             libc::SYS_memfd_create,
             libc::SYS_mincore,
@@ -752,7 +831,6 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
             libc::SYS_waitid,
             libc::SYS_userfaultfd,
             libc::SYS_rt_sigaction,
-            libc::SYS_sched_getaffinity,
             libc::SYS_getuid,
             libc::SYS_geteuid,
             libc::SYS_getppid,
@@ -763,6 +841,8 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
             libc::SYS_seccomp,
         ],
     );
+    // Every fcntl (the main thread also locks files and seals memfds).
+    rules.insert(libc::SYS_fcntl, Vec::new());
     // socket(): Unix sockets only (tap devices are files; see docs/security.md).
     allow_values(rules, libc::SYS_socket, 0, &[libc::AF_UNIX as u64])?;
     let ioctls = VMM_IOCTL_TYPES
@@ -787,9 +867,9 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
     Ok(())
 }
 
-/// Test-only hooks, compiled only with the `test-hooks` feature (the integration tests'
-/// build of rollbox-vmm); a release build has none.
-#[cfg(feature = "test-hooks")]
+/// Test-only hooks, compiled only into debug builds with the `test-hooks` feature (the
+/// integration tests' build of rollbox-vmm); a release build never has them.
+#[cfg(all(feature = "test-hooks", debug_assertions))]
 pub mod test_hooks {
     /// With ROLLBOX_TEST_FORBIDDEN_SYSCALL=execve in its environment, vCPU 0 calls execve
     /// right after installing its filter (which forbids it).
@@ -805,5 +885,85 @@ pub mod test_hooks {
         // that outlive the call; the filter stops it before it runs.
         unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
         log::error!("test hook: execve returned: {}", std::io::Error::last_os_error());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_filter_compiles_and_none_allows_starting_programs() {
+        let programs = built_in_programs().expect("built-in filters");
+        assert_eq!(programs.len(), ThreadKind::ALL.len());
+        for (kind, names) in built_in_summary().expect("summary") {
+            assert!(!names.contains(&"?"), "{kind:?} names an unknown syscall");
+            for forbidden in ["execve", "execveat", "fork", "vfork", "ptrace", "mount"] {
+                assert!(!names.contains(&forbidden), "{kind:?} allows {forbidden}");
+            }
+        }
+    }
+
+    #[test]
+    fn ioctl_numbers_are_the_kernels() {
+        assert_eq!(KVM_RUN, 0xae80);
+        assert_eq!(KVM_SET_USER_MEMORY_REGION, 0x4020_ae46);
+        assert_eq!(KVM_SET_GSI_ROUTING, 0x4008_ae6a);
+        assert_eq!(KVM_IRQFD, 0x4020_ae76);
+        assert_eq!(KVM_IOEVENTFD, 0x4040_ae79);
+        assert_eq!(KVM_SIGNAL_MSI, 0x4020_aea5);
+        assert_eq!(VFIO_DEVICE_SET_IRQS, 0x3b6e);
+        assert_eq!(TUNSETOFFLOAD, 0x4004_54d0);
+    }
+
+    #[test]
+    fn a_bad_filter_file_is_an_error_that_names_it_and_the_problem() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("missing.json");
+        let err = programs_from_file(&missing).expect_err("missing file");
+        assert!(
+            err.to_string()
+                .starts_with(&format!("seccomp filter file {}: ", missing.display())),
+            "{err}"
+        );
+        let bad = dir.path().join("bad.json");
+        std::fs::write(&bad, "[1, 2").expect("write");
+        let err = programs_from_file(&bad).expect_err("bad json");
+        assert!(err.to_string().contains("bad.json"), "{err}");
+        let filter = r#"{"default_action": "trap", "filter_action": "allow", "filter": [{"syscall": "read"}]}"#;
+        let only_vcpu = dir.path().join("vcpu.json");
+        std::fs::write(&only_vcpu, format!(r#"{{"vcpu": {filter}}}"#)).expect("write");
+        let err = programs_from_file(&only_vcpu).expect_err("kinds missing");
+        assert!(
+            err.to_string().contains("no filter for thread kind \"vmm\""),
+            "{err}"
+        );
+        let all: Vec<String> = ThreadKind::ALL
+            .iter()
+            .map(|k| format!(r#""{}": {filter}"#, k.name()))
+            .collect();
+        let good = dir.path().join("good.json");
+        std::fs::write(&good, format!("{{{}}}", all.join(","))).expect("write");
+        assert_eq!(programs_from_file(&good).expect("good").len(), 5);
+        let extra = dir.path().join("extra.json");
+        std::fs::write(&extra, format!(r#"{{{}, "vcpus": {filter}}}"#, all.join(",")))
+            .expect("write");
+        let err = programs_from_file(&extra).expect_err("unknown kind");
+        assert!(err.to_string().contains("unknown thread kind \"vcpus\""), "{err}");
+    }
+
+    #[test]
+    fn the_sigsys_line_names_the_syscall() {
+        assert_eq!(syscall_name(libc::SYS_execve), Some("execve"));
+        assert_eq!(syscall_name(libc::SYS_ioctl), Some("ioctl"));
+        assert_eq!(syscall_name(100_000), None);
+        let mut line = Line {
+            bytes: [0; 256],
+            len: 0,
+        };
+        line.push(b"nr ");
+        line.push_number(59);
+        line.push_number(0);
+        assert_eq!(&line.bytes[..line.len], b"nr 590");
     }
 }

@@ -443,7 +443,7 @@ impl Vcpu {
             .name(format!("vcpu{index}"))
             .spawn(move || {
                 crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
-                #[cfg(feature = "test-hooks")]
+                #[cfg(all(feature = "test-hooks", debug_assertions))]
                 crate::seccomp::test_hooks::forbidden_syscall_on_vcpu(index);
                 run_vcpu(index, &fd, &thread_control, &handlers)
             })
