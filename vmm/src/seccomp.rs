@@ -148,7 +148,13 @@ static LOG_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(
 thread_local! {
     /// This thread's kind (its code; 0 before it installs a filter), for the SIGSYS handler.
     static KIND: Cell<u8> = const { Cell::new(0) };
+    /// This thread's name, NUL-padded, once it installs a filter, for the SIGSYS handler.
+    static NAME: Cell<[u8; 16]> = const { Cell::new([0; 16]) };
 }
+
+/// Whether the built-in filters are in force (they let the SIGSYS handler ask the kernel for
+/// the name of a thread that inherited its filter; a custom filter may not).
+static BUILT_IN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Compiles the filters for `mode` and installs the SIGSYS handler; call once, early in
 /// `main`, before any thread that must run unfiltered (the spawner) is needed. Errors name
@@ -163,6 +169,7 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
         LOG_FD.store(fd, std::sync::atomic::Ordering::SeqCst);
     }
     let on = programs.is_some();
+    BUILT_IN.store(*mode == Mode::BuiltIn, std::sync::atomic::Ordering::SeqCst);
     FILTERS
         .set(programs)
         .map_err(|_| SeccompError::AlreadyConfigured)?;
@@ -212,6 +219,13 @@ pub fn apply(kind: ThreadKind) {
         return;
     };
     KIND.with(|k| k.set(kind.code()));
+    let mut name = [0u8; 16];
+    if let Some(own) = std::thread::current().name() {
+        for (dst, src) in name.iter_mut().take(15).zip(own.bytes()) {
+            *dst = src;
+        }
+    }
+    NAME.with(|n| n.set(name));
     if let Err(e) = seccompiler::apply_filter(program) {
         let message = format!(
             "rollbox-vmm: cannot install the {} seccomp filter: {e}; exiting rather than run unfiltered",
@@ -351,9 +365,13 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, context: *mu
     };
     // A thread that inherited its filter has no kind of its own: its name tells which it is.
     let mut name = [0u8; 17];
-    // SAFETY: PR_GET_NAME writes at most 16 bytes and a NUL into the 17-byte buffer.
-    unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr(), 0, 0, 0) };
-    let name_len = name.iter().position(|b| *b == 0).unwrap_or(0);
+    if kind != 0 {
+        name[..16].copy_from_slice(&NAME.with(Cell::get));
+    } else if BUILT_IN.load(std::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: PR_GET_NAME writes at most 16 bytes and a NUL into the 17-byte buffer.
+        unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr(), 0, 0, 0) };
+    }
+    let name_len = name.iter().position(|b| *b == 0).unwrap_or(16);
     line.push(b"rollbox-vmm: seccomp: thread ");
     line.push(&name[..name_len]);
     line.push(b" (");
@@ -548,10 +566,16 @@ const KVM_IRQFD: u64 = ioc(IOW, KVMIO, 0x76, 32);
 const KVM_IOEVENTFD: u64 = ioc(IOW, KVMIO, 0x79, 64);
 const KVM_SIGNAL_MSI: u64 = ioc(IOW, KVMIO, 0xa5, 32);
 const VFIO_DEVICE_SET_IRQS: u64 = ioc(0, b';' as u64, 100 + 10, 0);
+// A crash exit reports the vCPU's registers from its own thread.
+const IOR: u64 = 2;
+const KVM_GET_REGS: u64 = ioc(IOR, KVMIO, 0x81, 144);
+const KVM_GET_SREGS: u64 = ioc(IOR, KVMIO, 0x83, 312);
 // virtio-net's activation (DRIVER_OK, written by the guest) sets the tap's offloads.
 const TUNSETOFFLOAD: u64 = ioc(IOW, b'T' as u64, 208, 4);
-const VCPU_IOCTLS: [u64; 8] = [
+const VCPU_IOCTLS: [u64; 10] = [
     KVM_RUN,
+    KVM_GET_REGS,
+    KVM_GET_SREGS,
     KVM_SET_USER_MEMORY_REGION,
     KVM_SET_GSI_ROUTING,
     KVM_IRQFD,
@@ -907,6 +931,10 @@ mod tests {
     #[test]
     fn ioctl_numbers_are_the_kernels() {
         assert_eq!(KVM_RUN, 0xae80);
+        assert_eq!(KVM_GET_REGS, 0x8090_ae81);
+        assert_eq!(KVM_GET_SREGS, 0x8138_ae83);
+        assert_eq!(std::mem::size_of::<kvm_bindings::kvm_regs>(), 144);
+        assert_eq!(std::mem::size_of::<kvm_bindings::kvm_sregs>(), 312);
         assert_eq!(KVM_SET_USER_MEMORY_REGION, 0x4020_ae46);
         assert_eq!(KVM_SET_GSI_ROUTING, 0x4008_ae6a);
         assert_eq!(KVM_IRQFD, 0x4020_ae76);
