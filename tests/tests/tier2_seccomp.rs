@@ -59,6 +59,54 @@ fn every_thread_but_the_spawners_runs_filtered_and_no_seccomp_turns_it_off() {
     assert!(off.wait(Duration::from_secs(20)).success());
 }
 
+/// Forks `vm` once; returns the clone's pid.
+fn fork_one(vm: &rollbox_tests::Vm) -> u32 {
+    let (status, answer) =
+        rollbox_tests::api(&vm.path("api.sock"), "POST", "/fork", Some(r#"{"count":1}"#));
+    assert_eq!(status, 200, "{answer}");
+    let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
+    result["clones"][0]["pid"].as_u64().expect("pid") as u32
+}
+
+fn end(pid: u32) {
+    // SAFETY: signals a clone this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(std::time::Instant::now() < deadline, "clone {pid} did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn fork_clones_run_filtered_and_inherit_no_seccomp() {
+    if !kvm_available() {
+        return;
+    }
+    for (flags, want) in [(&[][..], "2"), (&["--no-seccomp"][..], "0")] {
+        let mut vm = boot_with_api(flags);
+        let clone = fork_one(&vm);
+        let as_wanted = |modes: &[(String, String)]| {
+            modes.iter().any(|(n, _)| n == "vcpu0")
+                && modes.iter().all(|(name, mode)| {
+                    let unfiltered = matches!(name.as_str(), "spawner" | "fork-launcher");
+                    mode == if unfiltered { "0" } else { want }
+                })
+        };
+        // The clone's main thread installs its filter once it runs on its own.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut modes = thread_modes(clone);
+        while !as_wanted(&modes) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            modes = thread_modes(clone);
+        }
+        assert!(as_wanted(&modes), "{flags:?}: clone threads {modes:?}");
+        end(clone);
+        vm.send("poweroff\n");
+        assert!(vm.wait(Duration::from_secs(20)).success());
+    }
+}
+
 #[test]
 fn a_forbidden_syscall_on_a_vcpu_kills_the_process_with_sigsys_and_the_log_names_it() {
     if !kvm_available() {

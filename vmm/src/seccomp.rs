@@ -156,6 +156,18 @@ thread_local! {
 /// the name of a thread that inherited its filter; a custom filter may not).
 static BUILT_IN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// The mode [`configure`] was given, for the processes this one starts (fork clones).
+static MODE: OnceLock<Mode> = OnceLock::new();
+
+/// The flags that give a child `rollbox-vmm` (a fork clone) this process's filters.
+pub fn child_args() -> Vec<std::ffi::OsString> {
+    match MODE.get() {
+        Some(Mode::Off) => vec!["--no-seccomp".into()],
+        Some(Mode::File(path)) => vec!["--seccomp-filter".into(), path.clone().into()],
+        Some(Mode::BuiltIn) | None => Vec::new(),
+    }
+}
+
 /// Compiles the filters for `mode` and installs the SIGSYS handler; call once, early in
 /// `main`, before any thread that must run unfiltered (the spawner) is needed. Errors name
 /// the filter file and what is wrong with it.
@@ -169,6 +181,11 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
         LOG_FD.store(fd, std::sync::atomic::Ordering::SeqCst);
     }
     let on = programs.is_some();
+    let absolute = match mode {
+        Mode::File(path) => Mode::File(std::path::absolute(path).unwrap_or_else(|_| path.clone())),
+        other => other.clone(),
+    };
+    let _ = MODE.set(absolute);
     BUILT_IN.store(*mode == Mode::BuiltIn, std::sync::atomic::Ordering::SeqCst);
     FILTERS
         .set(programs)
