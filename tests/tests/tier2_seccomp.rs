@@ -61,8 +61,12 @@ fn every_thread_but_the_spawners_runs_filtered_and_no_seccomp_turns_it_off() {
 
 /// Forks `vm` once; returns the clone's pid.
 fn fork_one(vm: &rollbox_tests::Vm) -> u32 {
-    let (status, answer) =
-        rollbox_tests::api(&vm.path("api.sock"), "POST", "/fork", Some(r#"{"count":1}"#));
+    let (status, answer) = rollbox_tests::api(
+        &vm.path("api.sock"),
+        "POST",
+        "/fork",
+        Some(r#"{"count":1}"#),
+    );
     assert_eq!(status, 200, "{answer}");
     let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
     result["clones"][0]["pid"].as_u64().expect("pid") as u32
@@ -73,7 +77,10 @@ fn end(pid: u32) {
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(std::time::Instant::now() < deadline, "clone {pid} did not end");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "clone {pid} did not end"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -135,7 +142,8 @@ fn a_forbidden_syscall_on_a_vcpu_kills_the_process_with_sigsys_and_the_log_names
         out.status
     );
     assert!(
-        stderr.contains("seccomp: thread vcpu0 (vcpu filter) made the forbidden syscall execve (59)"),
+        stderr
+            .contains("seccomp: thread vcpu0 (vcpu filter) made the forbidden syscall execve (59)"),
         "{stderr}"
     );
     assert!(!stderr.contains("execve returned"), "{stderr}");

@@ -55,7 +55,9 @@ pub enum SeccompError {
         known: String,
     },
     /// The custom filter file names a thread kind rollbox-vmm does not have.
-    #[error("seccomp filter file {path}: unknown thread kind {kind:?} (rollbox-vmm's are {known})")]
+    #[error(
+        "seccomp filter file {path}: unknown thread kind {kind:?} (rollbox-vmm's are {known})"
+    )]
     Unknown {
         /// The file.
         path: PathBuf,
@@ -201,7 +203,10 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
                 path.display(),
                 ThreadKind::known()
             ),
-            _ => log::info!("seccomp: built-in filters for threads {}", ThreadKind::known()),
+            _ => log::info!(
+                "seccomp: built-in filters for threads {}",
+                ThreadKind::known()
+            ),
         }
     } else {
         log::info!("seccomp: off (--no-seccomp)");
@@ -260,11 +265,12 @@ fn programs_from_file(path: &Path) -> Result<Programs, SeccompError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let compiled = seccompiler::compile_from_json(std::io::BufReader::new(file), arch())
-        .map_err(|source| SeccompError::Compile {
+    let compiled = seccompiler::compile_from_json(std::io::BufReader::new(file), arch()).map_err(
+        |source| SeccompError::Compile {
             path: path.to_path_buf(),
             source,
-        })?;
+        },
+    )?;
     let mut programs = Programs::new();
     for (name, program) in compiled {
         let kind = ThreadKind::ALL
@@ -303,10 +309,10 @@ fn built_in_programs() -> Result<Programs, SeccompError> {
                     SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, arch())
                 })
                 .and_then(BpfProgram::try_from)
-            .map_err(|source| SeccompError::BuiltIn {
-                kind: kind.name(),
-                source: seccompiler::Error::Backend(source),
-            })?;
+                .map_err(|source| SeccompError::BuiltIn {
+                    kind: kind.name(),
+                    source: seccompiler::Error::Backend(source),
+                })?;
             Ok((kind, filter))
         })
         .collect()
@@ -484,9 +490,18 @@ impl Spawner {
 /// Prints the built-in allow-lists: per thread kind, the count and the names.
 pub fn print_summary(out: &mut impl std::io::Write) -> std::io::Result<()> {
     let summary = built_in_summary().map_err(std::io::Error::other)?;
-    writeln!(out, "syscalls allowed per thread kind (built-in filters, x86_64):")?;
+    writeln!(
+        out,
+        "syscalls allowed per thread kind (built-in filters, x86_64):"
+    )?;
     for (kind, names) in &summary {
-        writeln!(out, "{:<12} {:>3}  {}", kind.name(), names.len(), names.join(" "))?;
+        writeln!(
+            out,
+            "{:<12} {:>3}  {}",
+            kind.name(),
+            names.len(),
+            names.join(" ")
+        )?;
     }
     writeln!(
         out,
@@ -506,30 +521,148 @@ macro_rules! syscalls {
 /// Every syscall the built-in filters name, and forbidden ones worth naming in a SIGSYS
 /// message.
 const SYSCALLS: &[(&str, i64)] = syscalls![
-    SYS_accept4, SYS_brk, SYS_clock_gettime, SYS_clock_nanosleep, SYS_clone, SYS_clone3,
-    SYS_close, SYS_connect, SYS_dup, SYS_epoll_create1, SYS_epoll_ctl, SYS_epoll_pwait,
-    SYS_epoll_wait, SYS_eventfd2, SYS_execve, SYS_execveat, SYS_exit, SYS_exit_group,
-    SYS_fallocate, SYS_fcntl, SYS_fdatasync, SYS_fork, SYS_fstat, SYS_fsync, SYS_ftruncate,
-    SYS_futex, SYS_getdents64, SYS_getpid, SYS_getrandom, SYS_gettid, SYS_ioctl, SYS_kill,
-    SYS_lseek, SYS_madvise, SYS_memfd_create, SYS_mkdirat, SYS_mmap, SYS_mprotect,
-    SYS_mremap, SYS_munmap, SYS_nanosleep, SYS_newfstatat, SYS_openat, SYS_pipe2, SYS_poll,
-    SYS_ppoll, SYS_prctl, SYS_pread64, SYS_preadv, SYS_ptrace, SYS_pwrite64, SYS_pwritev,
-    SYS_read, SYS_readlink, SYS_readv, SYS_recvfrom, SYS_recvmsg, SYS_renameat2,
-    SYS_rt_sigaction, SYS_rt_sigprocmask, SYS_rt_sigreturn, SYS_sched_yield,
-    SYS_sendmsg, SYS_sendto, SYS_setsockopt, SYS_shutdown, SYS_sigaltstack, SYS_socket,
-    SYS_socketpair, SYS_statx, SYS_tgkill, SYS_unlinkat, SYS_vfork, SYS_wait4, SYS_write,
-    SYS_writev, SYS_bind, SYS_listen, SYS_getsockopt, SYS_fchmod, SYS_symlinkat, SYS_linkat,
-    SYS_readlinkat, SYS_fstatfs, SYS_statfs, SYS_sched_getaffinity, SYS_timerfd_create,
-    SYS_timerfd_settime, SYS_getuid, SYS_geteuid, SYS_getppid, SYS_restart_syscall,
-    SYS_access, SYS_faccessat, SYS_faccessat2, SYS_fchown, SYS_copy_file_range,
-    SYS_sendfile, SYS_getcwd, SYS_prlimit64, SYS_sysinfo, SYS_rseq, SYS_set_robust_list,
-    SYS_mount, SYS_umount2, SYS_unshare, SYS_setns, SYS_pivot_root, SYS_chroot, SYS_setuid,
-    SYS_init_module, SYS_finit_module, SYS_bpf, SYS_perf_event_open, SYS_process_vm_writev,
-    SYS_process_vm_readv, SYS_userfaultfd, SYS_seccomp, SYS_membarrier, SYS_getsockname,
-    SYS_getpeername, SYS_uname, SYS_fdatasync, SYS_mincore, SYS_msync, SYS_waitid,
-    SYS_pidfd_open, SYS_pidfd_send_signal, SYS_close_range, SYS_dup3, SYS_fchdir,
-    SYS_chdir, SYS_flock, SYS_setsid, SYS_setpgid, SYS_gettimeofday, SYS_time, SYS_mkdir,
-    SYS_rmdir, SYS_unlink, SYS_rename, SYS_renameat,
+    SYS_accept4,
+    SYS_brk,
+    SYS_clock_gettime,
+    SYS_clock_nanosleep,
+    SYS_clone,
+    SYS_clone3,
+    SYS_close,
+    SYS_connect,
+    SYS_dup,
+    SYS_epoll_create1,
+    SYS_epoll_ctl,
+    SYS_epoll_pwait,
+    SYS_epoll_wait,
+    SYS_eventfd2,
+    SYS_execve,
+    SYS_execveat,
+    SYS_exit,
+    SYS_exit_group,
+    SYS_fallocate,
+    SYS_fcntl,
+    SYS_fdatasync,
+    SYS_fork,
+    SYS_fstat,
+    SYS_fsync,
+    SYS_ftruncate,
+    SYS_futex,
+    SYS_getdents64,
+    SYS_getpid,
+    SYS_getrandom,
+    SYS_gettid,
+    SYS_ioctl,
+    SYS_kill,
+    SYS_lseek,
+    SYS_madvise,
+    SYS_memfd_create,
+    SYS_mkdirat,
+    SYS_mmap,
+    SYS_mprotect,
+    SYS_mremap,
+    SYS_munmap,
+    SYS_nanosleep,
+    SYS_newfstatat,
+    SYS_openat,
+    SYS_pipe2,
+    SYS_poll,
+    SYS_ppoll,
+    SYS_prctl,
+    SYS_pread64,
+    SYS_preadv,
+    SYS_ptrace,
+    SYS_pwrite64,
+    SYS_pwritev,
+    SYS_read,
+    SYS_readlink,
+    SYS_readv,
+    SYS_recvfrom,
+    SYS_recvmsg,
+    SYS_renameat2,
+    SYS_rt_sigaction,
+    SYS_rt_sigprocmask,
+    SYS_rt_sigreturn,
+    SYS_sched_yield,
+    SYS_sendmsg,
+    SYS_sendto,
+    SYS_setsockopt,
+    SYS_shutdown,
+    SYS_sigaltstack,
+    SYS_socket,
+    SYS_socketpair,
+    SYS_statx,
+    SYS_tgkill,
+    SYS_unlinkat,
+    SYS_vfork,
+    SYS_wait4,
+    SYS_write,
+    SYS_writev,
+    SYS_bind,
+    SYS_listen,
+    SYS_getsockopt,
+    SYS_fchmod,
+    SYS_symlinkat,
+    SYS_linkat,
+    SYS_readlinkat,
+    SYS_fstatfs,
+    SYS_statfs,
+    SYS_sched_getaffinity,
+    SYS_timerfd_create,
+    SYS_timerfd_settime,
+    SYS_getuid,
+    SYS_geteuid,
+    SYS_getppid,
+    SYS_restart_syscall,
+    SYS_access,
+    SYS_faccessat,
+    SYS_faccessat2,
+    SYS_fchown,
+    SYS_copy_file_range,
+    SYS_sendfile,
+    SYS_getcwd,
+    SYS_prlimit64,
+    SYS_sysinfo,
+    SYS_rseq,
+    SYS_set_robust_list,
+    SYS_mount,
+    SYS_umount2,
+    SYS_unshare,
+    SYS_setns,
+    SYS_pivot_root,
+    SYS_chroot,
+    SYS_setuid,
+    SYS_init_module,
+    SYS_finit_module,
+    SYS_bpf,
+    SYS_perf_event_open,
+    SYS_process_vm_writev,
+    SYS_process_vm_readv,
+    SYS_userfaultfd,
+    SYS_seccomp,
+    SYS_membarrier,
+    SYS_getsockname,
+    SYS_getpeername,
+    SYS_uname,
+    SYS_fdatasync,
+    SYS_mincore,
+    SYS_msync,
+    SYS_waitid,
+    SYS_pidfd_open,
+    SYS_pidfd_send_signal,
+    SYS_close_range,
+    SYS_dup3,
+    SYS_fchdir,
+    SYS_chdir,
+    SYS_flock,
+    SYS_setsid,
+    SYS_setpgid,
+    SYS_gettimeofday,
+    SYS_time,
+    SYS_mkdir,
+    SYS_rmdir,
+    SYS_unlink,
+    SYS_rename,
+    SYS_renameat,
 ];
 
 /// The name of syscall `nr`, if the table has it.
@@ -701,7 +834,10 @@ fn allow_threads(rules: &mut Rules) -> BackendResult<()> {
             thread,
         )?])?],
     );
-    allow(rules, &[libc::SYS_clone3, libc::SYS_set_robust_list, libc::SYS_rseq]);
+    allow(
+        rules,
+        &[libc::SYS_clone3, libc::SYS_set_robust_list, libc::SYS_rseq],
+    );
     // A new thread names itself.
     add_rule(
         rules,
@@ -753,7 +889,12 @@ fn rules(kind: ThreadKind) -> BackendResult<Rules> {
         ThreadKind::PageServer => {
             allow(
                 &mut rules,
-                &[libc::SYS_read, libc::SYS_poll, libc::SYS_ppoll, libc::SYS_pread64],
+                &[
+                    libc::SYS_read,
+                    libc::SYS_poll,
+                    libc::SYS_ppoll,
+                    libc::SYS_pread64,
+                ],
             );
             // UFFDIO_COPY, UFFDIO_ZEROPAGE, UFFDIO_WAKE (type 0xAA).
             rules.insert(
@@ -888,9 +1029,7 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
     allow_values(rules, libc::SYS_socket, 0, &[libc::AF_UNIX as u64])?;
     let ioctls = VMM_IOCTL_TYPES
         .iter()
-        .map(|ty| {
-            SeccompRule::new(vec![arg32(1, SeccompCmpOp::MaskedEq(0xFF00), ty << 8)?])
-        })
+        .map(|ty| SeccompRule::new(vec![arg32(1, SeccompCmpOp::MaskedEq(0xFF00), ty << 8)?]))
         .collect::<BackendResult<Vec<_>>>()?;
     rules.insert(libc::SYS_ioctl, ioctls);
     // prctl: no new privileges (for the filters) and clearing a fork clone's parent-death
@@ -915,7 +1054,9 @@ pub mod test_hooks {
     /// With ROLLBOX_TEST_FORBIDDEN_SYSCALL=execve in its environment, vCPU 0 calls execve
     /// right after installing its filter (which forbids it).
     pub fn forbidden_syscall_on_vcpu(index: u8) {
-        if index != 0 || std::env::var_os("ROLLBOX_TEST_FORBIDDEN_SYSCALL").is_none_or(|v| v != "execve") {
+        if index != 0
+            || std::env::var_os("ROLLBOX_TEST_FORBIDDEN_SYSCALL").is_none_or(|v| v != "execve")
+        {
             return;
         }
         log::error!("test hook: vCPU 0 calls execve");
@@ -925,7 +1066,10 @@ pub mod test_hooks {
         // SAFETY: NUL-terminated path and NULL-terminated argument and environment arrays
         // that outlive the call; the filter stops it before it runs.
         unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
-        log::error!("test hook: execve returned: {}", std::io::Error::last_os_error());
+        log::error!(
+            "test hook: execve returned: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -980,7 +1124,8 @@ mod tests {
         std::fs::write(&only_vcpu, format!(r#"{{"vcpu": {filter}}}"#)).expect("write");
         let err = programs_from_file(&only_vcpu).expect_err("kinds missing");
         assert!(
-            err.to_string().contains("no filter for thread kind \"vmm\""),
+            err.to_string()
+                .contains("no filter for thread kind \"vmm\""),
             "{err}"
         );
         let all: Vec<String> = ThreadKind::ALL
@@ -991,10 +1136,16 @@ mod tests {
         std::fs::write(&good, format!("{{{}}}", all.join(","))).expect("write");
         assert_eq!(programs_from_file(&good).expect("good").len(), 5);
         let extra = dir.path().join("extra.json");
-        std::fs::write(&extra, format!(r#"{{{}, "vcpus": {filter}}}"#, all.join(",")))
-            .expect("write");
+        std::fs::write(
+            &extra,
+            format!(r#"{{{}, "vcpus": {filter}}}"#, all.join(",")),
+        )
+        .expect("write");
         let err = programs_from_file(&extra).expect_err("unknown kind");
-        assert!(err.to_string().contains("unknown thread kind \"vcpus\""), "{err}");
+        assert!(
+            err.to_string().contains("unknown thread kind \"vcpus\""),
+            "{err}"
+        );
     }
 
     #[test]
