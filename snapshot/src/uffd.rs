@@ -67,6 +67,14 @@ fn open_source(layer: &MemoryLayer, file: &File) -> Result<Source, UffdError> {
 /// memory map is changing) before the fault counts as unserved.
 const EAGAIN_TRIES: u32 = 1000;
 
+/// Run first by each page server thread (the VMM installs the thread's seccomp filter).
+static PAGE_SERVER_START_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Sets what each page server thread runs first (once per process; later calls are ignored).
+pub fn set_page_server_start_hook(hook: fn()) {
+    let _ = PAGE_SERVER_START_HOOK.set(hook);
+}
+
 /// Called once with the reason when the server meets a fault it cannot serve.
 pub type FailureHook = Box<dyn FnOnce(String) + Send>;
 
@@ -361,7 +369,12 @@ impl PageServer {
         let worker = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("page-server".into())
-            .spawn(move || worker.serve())
+            .spawn(move || {
+                if let Some(hook) = PAGE_SERVER_START_HOOK.get() {
+                    hook();
+                }
+                worker.serve()
+            })
             .map_err(UffdError::Thread)?;
         Ok(Self {
             shared,

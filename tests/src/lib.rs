@@ -42,9 +42,9 @@ pub fn prebuilt() -> bool {
         .any(|name| std::env::var(name).is_ok_and(|v| v == "1"))
 }
 
-/// A workspace binary in target/debug, built with `cargo build -p PACKAGE...` first unless
-/// [`prebuilt`].
-fn debug_binary(packages: &[&str], name: &str) -> PathBuf {
+/// A workspace binary in target/debug, built with `cargo build -p PACKAGE... --features
+/// FEATURE...` first unless [`prebuilt`].
+fn debug_binary(packages: &[&str], features: &[&str], name: &str) -> PathBuf {
     let path = workspace_root().join("target/debug").join(name);
     if prebuilt() {
         assert!(
@@ -57,6 +57,9 @@ fn debug_binary(packages: &[&str], name: &str) -> PathBuf {
         for package in packages {
             args.extend(["-p", package]);
         }
+        for feature in features {
+            args.extend(["--features", feature]);
+        }
         run_build(&args);
     }
     path
@@ -67,15 +70,16 @@ fn debug_binary(packages: &[&str], name: &str) -> PathBuf {
 pub fn agent_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
-        .get_or_init(|| debug_binary(&["rollbox-agent"], "rollbox-agent"))
+        .get_or_init(|| debug_binary(&["rollbox-agent"], &[], "rollbox-agent"))
         .clone()
 }
 
-/// Builds `rollbox-vmm` (once per test binary) and returns its path.
+/// Builds `rollbox-vmm` (once per test binary, with the test-only hooks, as a workspace build
+/// that includes this crate has them) and returns its path.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
-        .get_or_init(|| debug_binary(&["vmm", "snapshot"], "rollbox-vmm"))
+        .get_or_init(|| debug_binary(&["vmm", "snapshot"], &["vmm/test-hooks"], "rollbox-vmm"))
         .clone()
 }
 
@@ -83,7 +87,7 @@ pub fn vmm_binary() -> PathBuf {
 pub fn rollbox_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
-        .get_or_init(|| debug_binary(&["rollbox"], "rollbox"))
+        .get_or_init(|| debug_binary(&["rollbox"], &[], "rollbox"))
         .clone()
 }
 

@@ -466,6 +466,8 @@ fn spawn_shell(launcher: &Launcher, dir: &Path, machine: &MachineConfig) -> Resu
     if machine.track_dirty_pages {
         cmd.arg("--track-dirty-pages");
     }
+    // The parent's seccomp mode (off, or a custom filter file) holds for its clones too.
+    cmd.args(crate::seccomp::child_args());
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());

@@ -5,6 +5,7 @@
 //! - [`devices`]: serial, i8042, power-off, and virtio-mmio block and vsock.
 //! - [`api`]: the control API (Firecracker's REST API where the two overlap).
 //! - [`controller`]: the event loop that ties them together.
+//! - [`seccomp`]: per-thread seccomp filters.
 
 pub mod api;
 pub mod arch;
@@ -15,4 +16,5 @@ pub mod devices;
 pub mod fork;
 pub mod logger;
 pub mod persist;
+pub mod seccomp;
 pub mod vstate;

@@ -160,6 +160,13 @@ pub fn parse_level(name: &str) -> Result<log::LevelFilter, LoggerError> {
     })
 }
 
+/// The log file's descriptor, once [`init`] opened one (it stays open for the process).
+pub fn file_fd() -> Option<std::os::fd::RawFd> {
+    LOG_FILE_FD.get().copied()
+}
+
+static LOG_FILE_FD: std::sync::OnceLock<std::os::fd::RawFd> = std::sync::OnceLock::new();
+
 /// Installs the logger.
 pub fn init(path: Option<&Path>, level: log::LevelFilter) -> Result<(), LoggerError> {
     let file = match path {
@@ -175,6 +182,9 @@ pub fn init(path: Option<&Path>, level: log::LevelFilter) -> Result<(), LoggerEr
         ),
         None => None,
     };
+    if let Some(file) = &file {
+        let _ = LOG_FILE_FD.set(std::os::fd::AsRawFd::as_raw_fd(file));
+    }
     let logger = Box::leak(Box::new(Logger {
         sink: Mutex::new(Sink {
             file,

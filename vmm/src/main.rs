@@ -141,9 +141,30 @@ struct Args {
     /// Log level: Error, Warning, Info, Debug, Trace or Off.
     #[arg(long, default_value = "Warning")]
     level: String,
-    /// Accepted for Firecracker compatibility; rollbox-vmm installs no seccomp filter yet.
+    /// Run without seccomp filters (by default each thread kind has its own allow-list).
     #[arg(long)]
     no_seccomp: bool,
+    /// Use these seccomp filters instead of the built-in ones: Firecracker's JSON format, one
+    /// filter per thread kind (vmm, api, vcpu, block, page_server).
+    #[arg(long, value_name = "FILE", conflicts_with = "no_seccomp")]
+    seccomp_filter: Option<PathBuf>,
+    /// Print how many syscalls the built-in filters allow per thread kind, and which; then exit.
+    #[arg(long)]
+    print_seccomp_summary: bool,
+}
+
+fn seccomp_mode(args: &Args) -> vmm::seccomp::Mode {
+    match (&args.seccomp_filter, args.no_seccomp) {
+        (Some(path), _) => vmm::seccomp::Mode::File(path.clone()),
+        (None, true) => vmm::seccomp::Mode::Off,
+        (None, false) => vmm::seccomp::Mode::BuiltIn,
+    }
+}
+
+/// Installs the main thread's filter and runs the event loop.
+fn run_filtered(controller: &mut Controller) -> Result<i32, String> {
+    vmm::seccomp::apply(vmm::seccomp::ThreadKind::Vmm);
+    controller.run().map_err(|e| e.to_string())
 }
 
 fn resources_from(args: &Args) -> Result<VmResources, String> {
@@ -443,7 +464,7 @@ fn run_fork_shell(args: &Args, fd: RawFd) -> Result<i32, String> {
             }),
         )
         .map_err(|e| e.to_string())?;
-    let code = controller.run().map_err(|e| e.to_string())?;
+    let code = run_filtered(&mut controller)?;
     drop(controller);
     Ok(code)
 }
@@ -468,7 +489,7 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
         }
         None => None,
     };
-    let code = controller.run().map_err(|e| e.to_string())?;
+    let code = run_filtered(&mut controller)?;
     drop(controller);
     Ok(code)
 }
@@ -503,6 +524,9 @@ fn run(args: Args) -> Result<i32, String> {
     }
     let level = vmm::logger::parse_level(&args.level).map_err(|e| e.to_string())?;
     vmm::logger::init(args.log_path.as_deref(), level).map_err(|e| e.to_string())?;
+    // Before any thread starts: the spawner must be created unfiltered.
+    vmm::seccomp::configure(&seccomp_mode(&args), vmm::logger::file_fd())
+        .map_err(|e| e.to_string())?;
     if let Some(fd) = args.fork_shell_fd {
         return run_fork_shell(&args, fd);
     }
@@ -540,13 +564,22 @@ fn run(args: Args) -> Result<i32, String> {
     if boot_now {
         controller.start().map_err(|e| e.message)?;
     }
-    let code = controller.run().map_err(|e| e.to_string())?;
+    let code = run_filtered(&mut controller)?;
     drop(controller);
     Ok(code)
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.print_seccomp_summary {
+        return match vmm::seccomp::print_summary(&mut std::io::stdout()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rollbox-vmm: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = run(args);
     let dropped = vmm::logger::dropped_lines();
     if dropped > 0 {

@@ -62,6 +62,7 @@ pub fn start(
     std::thread::Builder::new()
         .name("api".into())
         .spawn(move || {
+            crate::seccomp::apply(crate::seccomp::ThreadKind::Api);
             for stream in listener.incoming() {
                 match stream {
                     Ok(stream) => {

@@ -441,7 +441,12 @@ impl Vcpu {
         let fd = Arc::clone(&self.fd);
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
-            .spawn(move || run_vcpu(index, &fd, &thread_control, &handlers))
+            .spawn(move || {
+                crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
+                #[cfg(all(feature = "test-hooks", debug_assertions))]
+                crate::seccomp::test_hooks::forbidden_syscall_on_vcpu(index);
+                run_vcpu(index, &fd, &thread_control, &handlers)
+            })
             .map_err(|source| VcpuError::Spawn { index, source })?;
         Ok(VcpuHandle {
             vcpu: self,

@@ -88,7 +88,10 @@ impl ConsoleOut {
         let theirs = Arc::clone(&shared);
         let writer = std::thread::Builder::new()
             .name("console".into())
-            .spawn(move || write_out(&theirs, sink));
+            .spawn(move || {
+                crate::seccomp::apply(crate::seccomp::ThreadKind::Vmm);
+                write_out(&theirs, sink)
+            });
         let writer = match writer {
             Ok(handle) => Some(handle),
             Err(e) => {

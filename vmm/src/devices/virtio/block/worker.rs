@@ -112,6 +112,7 @@ impl QueueWorker {
         let thread = std::thread::Builder::new()
             .name(format!("blk-{}", name.trim_start_matches("virtio-blk ")))
             .spawn(move || {
+                crate::seccomp::apply(crate::seccomp::ThreadKind::Block);
                 serve(&thread_name, &epoll, &notify, &transport, &thread_gate);
                 drop(thread_stop);
             })

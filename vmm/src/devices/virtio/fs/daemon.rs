@@ -112,7 +112,8 @@ impl Daemon {
                 Ok(())
             });
         }
-        let child = match command.spawn() {
+        // From the unfiltered spawner thread: children inherit their parent thread's filter.
+        let child = match crate::seccomp::spawner().spawn(command) {
             Ok(child) => child,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(dir);
