@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import List
 
-from rollbox_sdk import AsyncClient, Sandbox
+from rollbox_sdk import AsyncClient, RollboxError, Sandbox
 
 MAX_FORK = 64
 """The most sandboxes one fork call makes."""
@@ -40,8 +40,11 @@ async def episode(rb: AsyncClient, worker: Sandbox, number: int, steps: int, see
             env={"ACTION": str(action), "STEP": str(step), "EPISODE": str(number)},
             timeout_s=30,
         )
-        if not result.ok:
-            raise RuntimeError(f"{worker.id}: step {step} failed: {result.stderr!r}")
+        if not result.ok or not result.stdout.strip().isdigit():
+            raise RuntimeError(
+                f"{worker.id}: step {step} gave exit {result.exit_code}, "
+                f"stdout {result.stdout!r}, stderr {result.stderr!r}"
+            )
         total += float(result.stdout.strip()) / 10
     return total
 
@@ -110,4 +113,8 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(parse_args())))
+    try:
+        sys.exit(asyncio.run(main(parse_args())))
+    except RollboxError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
