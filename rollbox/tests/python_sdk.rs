@@ -5,6 +5,8 @@
 //! scripts/sdk-venv.sh (cached outside the repository); when it cannot be made the test is
 //! skipped, which ROLLBOX_REQUIRE_ALL=1 turns into a failure.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -181,7 +183,7 @@ fn python_sdk_suite_against_rollbox() {
     let scratch = tempfile::tempdir().expect("scratch");
     let output = python_command(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
-        .args(["-m", "not overload", "tests"])
+        .args(["-m", "not overload and not image", "tests"])
         .env("ROLLBOX_SOCKET", daemon.socket())
         .env("ROLLBOX_API_KEY", KEY)
         .env("ROLLBOX_SDK_KERNEL", test_guest())
@@ -251,7 +253,12 @@ fn python_sdk_rl_rollout_example_runs() {
         .env("ROLLBOX_API_KEY", KEY)
         .output()
         .expect("run rl_rollout.py");
-    check("rl_rollout.py", &output, &daemon, "rollout done: 4 sandboxes");
+    check(
+        "rl_rollout.py",
+        &output,
+        &daemon,
+        "rollout done: 4 sandboxes",
+    );
 }
 
 /// A create while another is in flight over --max-pending-creates is `Overloaded` with
@@ -293,6 +300,54 @@ fn python_sdk_overloaded_carries_retry_after() {
         .output()
         .expect("run pytest");
     check("the SDK's overload test", &output, &daemon, "1 passed");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!stdout.contains(" skipped"), "skipped:\n{stdout}");
+}
+
+/// A template built from an image (a `docker save` archive) with a boot snapshot, through
+/// `add_template(image=..., boot_snapshot=True)` (the builder needs root).
+#[test]
+fn python_sdk_builds_an_image_template_with_a_boot_snapshot() {
+    const TEST: &str = "python_sdk_builds_an_image_template_with_a_boot_snapshot";
+    if !kvm_available() || !common::root_or_skip(TEST) {
+        return;
+    }
+    let python = match sdk_python() {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(TEST, &reason);
+            return;
+        }
+    };
+    let work = tempfile::tempdir().expect("tempdir");
+    let archive = work.path().join("image.tar");
+    let reference = "rollbox-test/crafted:latest";
+    common::standard_image().write_docker_archive(&archive, reference);
+    let cache = work.path().join("cache").display().to_string();
+    let guest_agent = common::agent().display().to_string();
+    let daemon = start_daemon(
+        None,
+        None,
+        &["--agent", &guest_agent, "--image-cache", &cache],
+    );
+    let output = python_command(&python)
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
+        .args(["-m", "image", "tests"])
+        .env("ROLLBOX_SOCKET", daemon.socket())
+        .env("ROLLBOX_API_KEY", KEY)
+        .env("ROLLBOX_SDK_KERNEL", test_guest())
+        .env("ROLLBOX_SDK_CMDLINE", TEST_GUEST_CMDLINE)
+        .env("ROLLBOX_SDK_SCRATCH", work.path())
+        .env("ROLLBOX_SDK_IMAGE_ARCHIVE", &archive)
+        .env("ROLLBOX_SDK_IMAGE_REFERENCE", reference)
+        .output()
+        .expect("run pytest");
+    check(
+        "the SDK's image template test",
+        &output,
+        &daemon,
+        "1 passed",
+    );
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(!stdout.contains(" skipped"), "skipped:\n{stdout}");
 }

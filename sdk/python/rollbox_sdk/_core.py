@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from dataclasses import dataclass, field
@@ -444,8 +445,6 @@ def stdin_call(sandbox: SandboxRef, pid: int, data: Union[str, bytes], close: bo
         try:
             body["data"] = data.decode("utf-8")
         except UnicodeDecodeError:
-            import base64
-
             body["data"] = base64.b64encode(data).decode("ascii")
             body["encoding"] = "base64"
     elif data:
