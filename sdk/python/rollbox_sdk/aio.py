@@ -125,7 +125,7 @@ class AsyncClient:
             response = await self._http.request(
                 call.method,
                 call.path,
-                params=call.params or None,
+                params=tuple(call.params) or None,
                 json=call.json,
                 content=call.content,
                 headers=call.headers or None,
@@ -139,7 +139,7 @@ class AsyncClient:
     async def _stream_bytes(self, call: Call[Any], chunk_size: int) -> AsyncIterator[bytes]:
         try:
             async with self._http.stream(
-                call.method, call.path, params=call.params, timeout=httpx.Timeout(30.0, read=None)
+                call.method, call.path, params=tuple(call.params), timeout=httpx.Timeout(30.0, read=None)
             ) as response:
                 if not response.is_success:
                     await response.aread()
@@ -402,7 +402,7 @@ class AsyncClient:
         self,
         sandbox: SandboxRef,
         path: str,
-        content: Upload,
+        content: AsyncUpload,
         *,
         mode: Union[int, str, None] = None,
         parents: bool = False,
@@ -435,7 +435,7 @@ class AsyncClient:
         """:meth:`download_tar`, streamed in chunks."""
         return self._stream_bytes(_core.download_tar(sandbox, path), chunk_size)
 
-    async def upload_tar(self, sandbox: SandboxRef, path: str, tar: Upload) -> Written:
+    async def upload_tar(self, sandbox: SandboxRef, path: str, tar: AsyncUpload) -> Written:
         """Unpack a tar archive into directory ``path`` (created if missing)."""
         return await self._send(_core.upload_tar(sandbox, path, _aupload(tar)))
 

@@ -121,7 +121,7 @@ class Client:
             response = self._http.request(
                 call.method,
                 call.path,
-                params=call.params or None,
+                params=tuple(call.params) or None,
                 json=call.json,
                 content=call.content,
                 headers=call.headers or None,
@@ -135,7 +135,7 @@ class Client:
     def _stream_bytes(self, call: Call[Any], chunk_size: int) -> Iterator[bytes]:
         try:
             with self._http.stream(
-                call.method, call.path, params=call.params, timeout=httpx.Timeout(30.0, read=None)
+                call.method, call.path, params=tuple(call.params), timeout=httpx.Timeout(30.0, read=None)
             ) as response:
                 if not response.is_success:
                     response.read()
