@@ -30,6 +30,9 @@ const DEFAULT_KILL_GRACE: Duration = Duration::from_millis(2000);
 /// After the process exits, how long to keep reading pipes that its
 /// background children still hold open.
 const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
+/// At most this much more is taken from each pipe when that wait ends (a background child
+/// may write without end).
+const FINAL_DRAIN_BYTES: usize = 1 << 20;
 /// Highest valid signal number on Linux (SIGRTMAX).
 const MAX_SIGNAL: i32 = 64;
 
@@ -269,6 +272,15 @@ async fn read_opt(pipe: &mut Option<pipe::Receiver>, buf: &mut [u8]) -> std::io:
     }
 }
 
+/// A read that never waits: what is in the pipe now (0 when it is empty, closed or failed).
+fn read_now(pipe: &pipe::Receiver, buf: &mut [u8]) -> usize {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: reads at most `buf.len()` bytes into `buf` from a descriptor `pipe` owns; tokio
+    // opened it non-blocking, so the call returns at once.
+    let n = unsafe { libc::read(pipe.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    usize::try_from(n).unwrap_or(0)
+}
+
 async fn wait_opt(rx: &mut Option<oneshot::Receiver<WaitStatus>>) -> Option<WaitStatus> {
     match rx {
         Some(rx) => rx.await.ok(),
@@ -430,10 +442,26 @@ pub async fn run(
                 }
             },
             () = sleep_opt(drain_deadline) => {
-                // Background processes keep the pipes open; stop waiting for them.
+                // Background processes keep the pipes open; stop waiting for them. What the
+                // process wrote before it exited is in the pipes already: take it without
+                // waiting first (a starved loop may not have seen the pipes' readiness yet, and
+                // select! may pick this branch over a ready read).
                 drain_deadline = None;
-                stdout = None;
-                stderr = None;
+                for (pipe, stream) in [(stdout.take(), OutputStream::Stdout), (stderr.take(), OutputStream::Stderr)] {
+                    let Some(pipe) = pipe else { continue };
+                    let mut taken = 0;
+                    while taken < FINAL_DRAIN_BYTES {
+                        let n = read_now(&pipe, &mut out_buf);
+                        if n == 0 {
+                            break;
+                        }
+                        taken += n;
+                        let keep = cap.admit(stream, n);
+                        if keep > 0 && connected {
+                            connected = sink.output(stream, &out_buf[..keep]).await;
+                        }
+                    }
+                }
             }
         }
         if !connected && !cancelled {

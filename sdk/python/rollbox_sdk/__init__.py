@@ -1,0 +1,75 @@
+"""rollbox_sdk: a typed Python client for `rollbox serve`'s native API.
+
+Sandboxes (microVMs) from templates, exec (unary and streaming, with stdin and signals),
+files and tar, memory snapshots, fork into N clones, reset to a snapshot, batches, labels,
+TTLs, usage and metrics. :class:`Client` is synchronous, :class:`AsyncClient` asynchronous;
+both speak to the daemon over its Unix socket or loopback TCP.
+"""
+
+from ._core import DEFAULT_SOCKET, ImageSource, Page
+from .aio import AsyncClient, AsyncExecStream
+from .client import Client, ExecStream
+from .errors import (
+    ApiError,
+    BadRequest,
+    ConfigError,
+    Conflict,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    RollboxError,
+    ServerError,
+    StreamError,
+    TooLarge,
+    TransportError,
+    Unauthorized,
+    Unavailable,
+)
+from .types import (
+    ExecEvent,
+    ExecResult,
+    ExitInfo,
+    FileInfo,
+    ItemResult,
+    Sandbox,
+    Snapshot,
+    Template,
+    Usage,
+    Written,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "ApiError",
+    "AsyncClient",
+    "AsyncExecStream",
+    "BadRequest",
+    "Client",
+    "ConfigError",
+    "Conflict",
+    "ExecEvent",
+    "ExecResult",
+    "ExecStream",
+    "ExitInfo",
+    "FileInfo",
+    "ImageSource",
+    "ItemResult",
+    "MethodNotAllowed",
+    "NotFound",
+    "Overloaded",
+    "Page",
+    "RollboxError",
+    "Sandbox",
+    "ServerError",
+    "Snapshot",
+    "StreamError",
+    "Template",
+    "TooLarge",
+    "TransportError",
+    "Unauthorized",
+    "Unavailable",
+    "Usage",
+    "Written",
+]

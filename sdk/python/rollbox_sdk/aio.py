@@ -1,0 +1,626 @@
+"""The asynchronous client (httpx.AsyncClient underneath)."""
+
+from __future__ import annotations
+
+from typing import (
+    IO,
+    Any,
+    AsyncIterable,
+    AsyncIterator,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    TypeVar,
+    Union,
+)
+
+import httpx
+
+from . import _core
+from ._core import Call, Command, ImageSource, Page, SandboxRef
+from .client import CHUNK
+from .errors import StreamError, TransportError
+from .types import (
+    ExecEvent,
+    ExecResult,
+    FileInfo,
+    ItemResult,
+    Sandbox,
+    Snapshot,
+    Template,
+    Usage,
+    Written,
+)
+
+T = TypeVar("T")
+
+AsyncUpload = Union[bytes, str, IO[bytes], Iterable[bytes], AsyncIterable[bytes]]
+"""An upload body: bytes, text (UTF-8), a binary file object, or a (async) iterable of chunks."""
+
+
+async def _achunks(content: Any) -> AsyncIterator[bytes]:
+    if hasattr(content, "read"):
+        while True:
+            chunk = content.read(CHUNK)
+            if not chunk:
+                return
+            yield chunk
+    else:
+        for chunk in content:
+            yield chunk
+
+
+def _aupload(content: AsyncUpload) -> Any:
+    if isinstance(content, str):
+        return content.encode("utf-8")
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return bytes(content)
+    if hasattr(content, "__aiter__"):
+        return content
+    return _achunks(content)
+
+
+class AsyncClient:
+    """The asynchronous twin of :class:`~rollbox_sdk.Client`: the same methods, awaited.
+
+    Args:
+        url: ``http://127.0.0.1:PORT`` of a daemon serving loopback TCP.
+        socket: the daemon's Unix socket.
+        api_key: the bearer key.
+        timeout: seconds for ordinary calls. Creates, forks, resets, snapshots and execs wait
+            as long as they take (an exec with ``timeout_s`` waits that plus 30 s).
+
+    Without ``url`` or ``socket``: ``$ROLLBOX_URL``, else ``$ROLLBOX_SOCKET``, else
+    ``/run/rollbox/rollbox.sock``. Without ``api_key``: ``$ROLLBOX_API_KEY``.
+
+    Every method raises a :class:`~rollbox_sdk.errors.ApiError` subclass when the daemon
+    refuses (BadRequest with ``.field``, NotFound, Conflict, Overloaded with
+    ``.retry_after``...), and :class:`~rollbox_sdk.errors.TransportError` when it cannot be
+    reached. Use it as an async context manager, or await :meth:`aclose`.
+
+    Example::
+
+        async with AsyncClient() as rb:
+            sb = await rb.create_sandbox("python", ttl_s=600)
+            print((await rb.run(sb, ["python3", "-c", "print(6*7)"])).stdout)
+            await rb.delete_sandbox(sb)
+    """
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        *,
+        socket: Optional[str] = None,
+        api_key: Optional[str] = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.config = _core.resolve_config(url, socket, api_key, timeout)
+        transport = (
+            httpx.AsyncHTTPTransport(uds=self.config.socket) if self.config.socket else None
+        )
+        self._http = httpx.AsyncClient(
+            base_url=self.config.base_url,
+            transport=transport,
+            headers={"Authorization": f"Bearer {self.config.api_key}"},
+            timeout=timeout,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _send(self, call: Call[T]) -> T:
+        extra: Dict[str, Any] = {}
+        if call.timeout != "default":
+            extra["timeout"] = call.timeout
+        try:
+            response = await self._http.request(
+                call.method,
+                call.path,
+                params=tuple(call.params) or None,
+                json=call.json,
+                content=call.content,
+                headers=call.headers or None,
+                **extra,
+            )
+        except httpx.TransportError as e:
+            raise TransportError(f"{call.method} {call.path}: {e!r}") from e
+        _core.raise_for(response, call.method, call.path)
+        return call.parse(response)
+
+    async def _stream_bytes(self, call: Call[Any], chunk_size: int) -> AsyncIterator[bytes]:
+        try:
+            async with self._http.stream(
+                call.method, call.path, params=tuple(call.params), timeout=httpx.Timeout(30.0, read=None)
+            ) as response:
+                if not response.is_success:
+                    await response.aread()
+                    _core.raise_for(response, call.method, call.path)
+                async for chunk in response.aiter_bytes(chunk_size):
+                    yield chunk
+        except httpx.TransportError as e:
+            raise TransportError(f"{call.method} {call.path}: {e!r}") from e
+
+    # --- daemon ---------------------------------------------------------------------------
+
+    async def healthz(self) -> Dict[str, Any]:
+        """``{"status": "ok"}`` when the daemon answers (and the key is right)."""
+        return await self._send(_core.healthz())
+
+    async def metrics(self) -> str:
+        """The Prometheus text of GET /metrics."""
+        return await self._send(_core.metrics())
+
+    # --- templates ------------------------------------------------------------------------
+
+    async def add_template(
+        self,
+        name: str,
+        kernel: str,
+        *,
+        rootfs: Optional[str] = None,
+        image: Union[ImageSource, Mapping[str, Any], None] = None,
+        boot_snapshot: bool = False,
+        initrd: Optional[str] = None,
+        cmdline: Optional[str] = None,
+        vcpus: Optional[int] = None,
+        memory_mib: Optional[int] = None,
+    ) -> Template:
+        """Register a template from files on the daemon's host, or build its rootfs from an
+        OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
+        snapshot that creates restore. Returns once all of it is done; on an error nothing of
+        the template is left."""
+        return await self._send(
+            _core.add_template(
+                name, kernel, rootfs, image, boot_snapshot, initrd, cmdline, vcpus, memory_mib
+            )
+        )
+
+    async def list_templates(self) -> List[Template]:
+        return await self._send(_core.list_templates())
+
+    async def get_template(self, name: str) -> Template:
+        return await self._send(_core.get_template(name))
+
+    async def delete_template(self, name: str) -> None:
+        """Remove a template (its running sandboxes keep running)."""
+        await self._send(_core.delete_template(name))
+
+    # --- sandboxes ------------------------------------------------------------------------
+
+    async def create_sandbox(
+        self,
+        template: Optional[str] = None,
+        *,
+        snapshot: Union[str, Snapshot, None] = None,
+        vcpus: Optional[int] = None,
+        memory_mib: Optional[int] = None,
+        ttl_s: Optional[int] = None,
+        idle_ttl_s: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        metadata: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cpu_limit: Optional[float] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> Sandbox:
+        """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
+
+        ``ttl_s`` is the hard TTL (required unless the daemon has --default-ttl),
+        ``idle_ttl_s`` ends it after that long without an API call on it, ``env`` is the
+        environment of every exec, ``cpu_limit`` caps its CPU in cores. A repeated
+        ``idempotency_key`` returns the first sandbox.
+        """
+        snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        return await self._send(
+            _core.create_sandbox(
+                _core.create_body(
+                    template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
+                    env, cpu_limit, idempotency_key,
+                )
+            )
+        )
+
+    async def create_batch(
+        self,
+        count: int,
+        template: Optional[str] = None,
+        *,
+        snapshot: Union[str, Snapshot, None] = None,
+        vcpus: Optional[int] = None,
+        memory_mib: Optional[int] = None,
+        ttl_s: Optional[int] = None,
+        idle_ttl_s: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        metadata: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cpu_limit: Optional[float] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> List[ItemResult]:
+        """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
+        :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
+        places are free among the pending creates (then nothing was created)."""
+        snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        return await self._send(
+            _core.create_batch(
+                count,
+                _core.create_body(
+                    template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
+                    env, cpu_limit, idempotency_key,
+                ),
+            )
+        )
+
+    async def get_sandbox(self, sandbox: SandboxRef) -> Sandbox:
+        """One sandbox, in any state (counts as activity for its idle TTL)."""
+        return await self._send(_core.get_sandbox(sandbox))
+
+    async def list_sandboxes_page(
+        self,
+        *,
+        ids: Optional[Sequence[SandboxRef]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        limit: Optional[int] = None,
+        page_token: Optional[str] = None,
+    ) -> Page:
+        """One page of sandboxes, oldest first (see :meth:`list_sandboxes`)."""
+        return await self._send(_core.list_page(ids, labels, state, limit, page_token))
+
+    async def list_sandboxes(
+        self,
+        *,
+        ids: Optional[Sequence[SandboxRef]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        page_size: Optional[int] = None,
+    ) -> AsyncIterator[Sandbox]:
+        """Every matching sandbox, oldest first, fetched a page at a time as you iterate.
+
+        Without ``state`` (or ``ids``) only live ones (creating, running, paused); every
+        label given must match."""
+        token: Optional[str] = None
+        while True:
+            page = await self.list_sandboxes_page(
+                ids=ids, labels=labels, state=state, limit=page_size, page_token=token
+            )
+            for sandbox in page.sandboxes:
+                yield sandbox
+            token = page.next_page_token
+            if not token:
+                return
+
+    async def delete_sandbox(self, sandbox: SandboxRef) -> None:
+        """End a sandbox. Idempotent: one already gone (or never made) is success."""
+        await self._send(_core.delete_sandbox(sandbox))
+
+    async def delete_sandboxes(
+        self,
+        *,
+        ids: Optional[Sequence[SandboxRef]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+    ) -> List[str]:
+        """End every live sandbox named by ``ids`` and/or ``labels`` (both must match when
+        both are given); returns the ids it ended. Naming nothing is a BadRequest."""
+        return await self._send(_core.delete_sandboxes(ids, labels))
+
+    async def keepalive(self, sandbox: SandboxRef, ttl_s: int) -> Sandbox:
+        """Set the hard TTL to ``ttl_s`` seconds from now."""
+        return await self._send(_core.keepalive(sandbox, ttl_s))
+
+    async def pause(self, sandbox: SandboxRef) -> Sandbox:
+        """Pause its vCPUs (pausing a paused sandbox is success)."""
+        return await self._send(_core.pause(sandbox))
+
+    async def resume(self, sandbox: SandboxRef) -> Sandbox:
+        """Resume its vCPUs (resuming a running sandbox is success)."""
+        return await self._send(_core.resume(sandbox))
+
+    async def usage(self, sandbox: SandboxRef) -> Usage:
+        """Running seconds (paused time not counted), vCPU and memory seconds, CPU time."""
+        return await self._send(_core.usage(sandbox))
+
+    # --- exec -----------------------------------------------------------------------------
+
+    async def run(
+        self,
+        sandbox: SandboxRef,
+        cmd: Command,
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        stdin: Union[str, bytes, None] = None,
+        timeout_s: Optional[float] = None,
+        max_output_bytes: Optional[int] = None,
+    ) -> ExecResult:
+        """Run a command to its end; a non-zero exit is a result, not an exception.
+
+        ``cmd`` is an argv or a string for ``/bin/sh -c``. At ``timeout_s`` the process group
+        gets SIGTERM, then SIGKILL 2 s later (``timed_out`` set)."""
+        body = _core.exec_body(cmd, env, cwd, user, stdin, False, timeout_s, max_output_bytes)
+        return await self._send(_core.run(sandbox, body))
+
+    def stream(
+        self,
+        sandbox: SandboxRef,
+        cmd: Command,
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        stdin: Union[str, bytes, None] = None,
+        stdin_open: bool = False,
+        timeout_s: Optional[float] = None,
+        max_output_bytes: Optional[int] = None,
+    ) -> "AsyncExecStream":
+        """A command's event stream (see :class:`AsyncExecStream`); use it as
+        ``async with rb.stream(...) as proc``, which starts it.
+
+        With ``stdin_open`` its stdin stays open for :meth:`AsyncExecStream.write_stdin`."""
+        body = _core.exec_body(
+            cmd, env, cwd, user, stdin, stdin_open, timeout_s, max_output_bytes
+        )
+        return AsyncExecStream(self, sandbox, body)
+
+    async def write_stdin(
+        self, sandbox: SandboxRef, pid: int, data: Union[str, bytes], *, close: bool = False
+    ) -> None:
+        """Write to the stdin of a process a streaming exec started with ``stdin_open``."""
+        await self._send(_core.stdin_call(sandbox, pid, data, close))
+
+    async def close_stdin(self, sandbox: SandboxRef, pid: int) -> None:
+        await self._send(_core.stdin_call(sandbox, pid, b"", True))
+
+    async def signal(
+        self, sandbox: SandboxRef, pid: int, signal: Union[int, str], *, group: bool = False
+    ) -> None:
+        """Signal a process a streaming exec started: 1-64 or a name (TERM, SIGKILL...);
+        ``group`` signals its process group."""
+        await self._send(_core.signal_call(sandbox, pid, signal, group))
+
+    # --- files ----------------------------------------------------------------------------
+
+    async def read_file(self, sandbox: SandboxRef, path: str) -> bytes:
+        """A file's bytes (``path`` absolute in the sandbox)."""
+        return await self._send(_core.read_file(sandbox, path))
+
+    def iter_file(
+        self, sandbox: SandboxRef, path: str, *, chunk_size: int = CHUNK
+    ) -> AsyncIterator[bytes]:
+        """A file's bytes, streamed in chunks (read it to the end, or close the iterator)."""
+        return self._stream_bytes(_core.read_file(sandbox, path), chunk_size)
+
+    async def write_file(
+        self,
+        sandbox: SandboxRef,
+        path: str,
+        content: AsyncUpload,
+        *,
+        mode: Union[int, str, None] = None,
+        parents: bool = False,
+    ) -> Written:
+        """Upload one file, replaced atomically; a file object or iterable is streamed.
+
+        ``mode``: permission bits (``0o755`` or ``"755"``; default those of the file replaced,
+        else 644). ``parents`` creates missing parent directories."""
+        return await self._send(_core.write_file(sandbox, path, _aupload(content), mode, parents))
+
+    async def stat(self, sandbox: SandboxRef, path: str) -> FileInfo:
+        """A file's metadata (a final symlink is followed)."""
+        return await self._send(_core.stat(sandbox, path))
+
+    async def list_dir(self, sandbox: SandboxRef, path: str) -> List[FileInfo]:
+        """A directory's entries, sorted by name."""
+        return await self._send(_core.list_dir(sandbox, path))
+
+    async def remove(self, sandbox: SandboxRef, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, symlink or directory (a non-empty one only with ``recursive``)."""
+        await self._send(_core.remove(sandbox, path, recursive))
+
+    async def download_tar(self, sandbox: SandboxRef, path: str) -> bytes:
+        """A tar archive of a directory's contents (or of one file)."""
+        return await self._send(_core.download_tar(sandbox, path))
+
+    def iter_tar(
+        self, sandbox: SandboxRef, path: str, *, chunk_size: int = CHUNK
+    ) -> AsyncIterator[bytes]:
+        """:meth:`download_tar`, streamed in chunks."""
+        return self._stream_bytes(_core.download_tar(sandbox, path), chunk_size)
+
+    async def upload_tar(self, sandbox: SandboxRef, path: str, tar: AsyncUpload) -> Written:
+        """Unpack a tar archive into directory ``path`` (created if missing)."""
+        return await self._send(_core.upload_tar(sandbox, path, _aupload(tar)))
+
+    # --- snapshots, fork, reset -----------------------------------------------------------
+
+    async def snapshot(
+        self, sandbox: SandboxRef, *, stop: bool = False, ttl_s: Optional[int] = None
+    ) -> Snapshot:
+        """Take a memory snapshot. The sandbox keeps running, or ends with ``stop``.
+        ``ttl_s`` removes the snapshot that long after, unless a live sandbox came from it."""
+        return await self._send(_core.take_snapshot(sandbox, stop, ttl_s))
+
+    async def list_snapshots(self, *, sandbox: Optional[SandboxRef] = None) -> List[Snapshot]:
+        """Snapshots, oldest first; only those of ``sandbox`` when given."""
+        return await self._send(_core.list_snapshots(sandbox))
+
+    async def get_snapshot(self, snapshot: Union[str, Snapshot]) -> Snapshot:
+        return await self._send(_core.get_snapshot(snapshot))
+
+    async def delete_snapshot(self, snapshot: Union[str, Snapshot]) -> None:
+        """Delete a snapshot (one already gone is success; a template's boot snapshot is a
+        Conflict)."""
+        await self._send(_core.delete_snapshot(snapshot))
+
+    async def fork(
+        self,
+        sandbox: SandboxRef,
+        count: int,
+        *,
+        ttl_s: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+    ) -> List[ItemResult]:
+        """Fork a running sandbox into ``count`` (1-64) new ones from a fresh snapshot of it.
+        Each succeeds or fails on its own; their ``metadata["forked_from"]`` names the
+        parent."""
+        return await self._send(_core.fork(sandbox, count, ttl_s, labels))
+
+    async def reset(
+        self, sandbox: SandboxRef, *, snapshot: Union[str, Snapshot, None] = None
+    ) -> Sandbox:
+        """Same id, fresh state: restore ``snapshot`` (default: the one it was created or
+        last reset from; a sandbox that came from none boots afresh)."""
+        return await self._send(_core.reset(sandbox, snapshot))
+
+
+class AsyncExecStream:
+    """A streaming exec, asynchronously: ``async with`` starts it (then :attr:`pid` is
+    known), ``async for`` yields :class:`ExecEvent` s up to ``exit``.
+
+    An ``error`` line, a gap in ``seq`` or a body cut short raises
+    :class:`~rollbox_sdk.errors.StreamError`.
+
+    Example::
+
+        async with rb.stream(sb, ["cat"], stdin_open=True) as proc:
+            await proc.write_stdin(b"hello\\n")
+            await proc.close_stdin()
+            result = await proc.wait()
+    """
+
+    def __init__(self, client: AsyncClient, sandbox: SandboxRef, body: Dict[str, Any]) -> None:
+        self._client = client
+        self.sandbox_id = _core.sandbox_id(sandbox)
+        self._path = _core.stream_path(sandbox)
+        self._body = body
+        self._next_seq = 0
+        self._pending: List[ExecEvent] = []
+        self._context: Any = None
+        self._closed = False
+        self.exit: Optional[ExecEvent] = None
+        self.pid: int = 0
+
+    async def start(self) -> "AsyncExecStream":
+        """Send the request and read its ``started`` line (``async with`` does this)."""
+        self._context = self._client._http.stream(
+            "POST",
+            self._path,
+            params={"stream": "true"},
+            json=self._body,
+            timeout=_core.exec_timeout(self._body.get("timeout_s")),
+        )
+        try:
+            self._response = await self._context.__aenter__()
+        except httpx.TransportError as e:
+            self._closed = True
+            raise TransportError(f"POST {self._path}: {e!r}") from e
+        if not self._response.is_success:
+            try:
+                await self._response.aread()
+                _core.raise_for(self._response, "POST", self._path)
+            finally:
+                await self.aclose()
+        self._lines = self._response.aiter_lines()
+        first = await self._read()
+        if first is None or first.type != "started":
+            await self.aclose()
+            raise StreamError(f"POST {self._path}: the stream did not start with `started`")
+        self.pid = first.pid or 0
+        self._pending.append(first)
+        return self
+
+    async def _read(self) -> Optional[ExecEvent]:
+        try:
+            async for line in self._lines:
+                if line.strip():
+                    event = ExecEvent.from_json(_core.parse_line(line))
+                    if event.seq != self._next_seq:
+                        raise StreamError(
+                            f"exec stream of {self.sandbox_id}: seq {event.seq}, "
+                            f"expected {self._next_seq}"
+                        )
+                    self._next_seq += 1
+                    return event
+        except httpx.HTTPError as e:
+            raise StreamError(f"exec stream of {self.sandbox_id} broke off: {e!r}") from e
+        return None
+
+    async def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        if self._context is None:
+            await self.start()
+        while True:
+            if self._pending:
+                event = self._pending.pop(0)
+            elif self.exit is not None:
+                return
+            else:
+                read = await self._read()
+                if read is None:
+                    await self.aclose()
+                    raise StreamError(
+                        f"exec stream of {self.sandbox_id} ended before its exit line"
+                    )
+                event = read
+            if event.type == "error":
+                await self.aclose()
+                raise StreamError(f"exec in {self.sandbox_id} broke off: {event.message}")
+            if event.type == "exit":
+                self.exit = event
+                await self.aclose()
+            yield event
+            if event.type == "exit":
+                return
+
+    async def wait(self) -> ExecResult:
+        """Read to the end: the output of the events not yet read, and how it ended."""
+        out: List[bytes] = []
+        err: List[bytes] = []
+        async for event in self:
+            if event.type == "stdout":
+                out.append(event.data)
+            elif event.type == "stderr":
+                err.append(event.data)
+        if self.exit is None or self.exit.exit is None:
+            raise StreamError(f"exec stream of {self.sandbox_id} has no exit line")
+        info = self.exit.exit
+        return ExecResult(
+            exit_code=info.exit_code,
+            signal=info.signal,
+            timed_out=info.timed_out,
+            oom=info.oom,
+            truncated=info.truncated,
+            duration_ms=info.duration_ms,
+            stdout_bytes=b"".join(out),
+            stderr_bytes=b"".join(err),
+            raw=self.exit.raw,
+        )
+
+    async def write_stdin(self, data: Union[str, bytes]) -> None:
+        """Write to its stdin (needs ``stdin_open=True``)."""
+        await self._client.write_stdin(self.sandbox_id, self.pid, data)
+
+    async def close_stdin(self) -> None:
+        await self._client.close_stdin(self.sandbox_id, self.pid)
+
+    async def signal(self, signal: Union[int, str], *, group: bool = False) -> None:
+        await self._client.signal(self.sandbox_id, self.pid, signal, group=group)
+
+    async def aclose(self) -> None:
+        """Stop reading (the process keeps running until it ends or is signalled)."""
+        if not self._closed and self._context is not None:
+            self._closed = True
+            await self._context.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> "AsyncExecStream":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
