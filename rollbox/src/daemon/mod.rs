@@ -303,6 +303,7 @@ impl Daemon {
     }
 
     async fn create(self: &Arc<Self>, request: CreateSandbox) -> Result<Reply, ApiError> {
+        let started = std::time::Instant::now();
         let snapshot =
             match &request.snapshot {
                 Some(id) => Some(self.store().snapshot(id).map_err(internal)?.ok_or_else(
@@ -366,12 +367,19 @@ impl Daemon {
         if let Inserted::Existing(first) = inserted {
             return self.existing(*first).await;
         }
+        let inserted_ms = ms_since(started);
         match self.start_vmm(&sandbox, &template, snapshot.as_ref()).await {
             Ok(()) => {
                 if let Some(snapshot) = &snapshot {
                     self.store()
                         .set_source(&id, &snapshot.id)
                         .map_err(internal)?;
+                }
+                if debug_log() {
+                    log_line(&format!(
+                        "debug: create {id}: inserted {inserted_ms:.2} ms, total {:.2} ms",
+                        ms_since(started)
+                    ));
                 }
                 self.sandbox_reply(&id).map(|reply| match reply {
                     Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
@@ -421,6 +429,7 @@ impl Daemon {
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
         let spawn_paths = vm::Paths::new(&sandbox.dir);
         let restore = snapshot.map(|s| s.dir.clone());
+        let started = std::time::Instant::now();
         // Copying a rootfs may take a while: off the async threads.
         let spawned = tokio::task::spawn_blocking(move || match restore {
             Some(dir) => vm::spawn_restore(&vmm, &spawn_paths, &dir, template.rootfs.is_some()),
@@ -436,8 +445,16 @@ impl Daemon {
         .await
         .map_err(|e| e.to_string())?;
         let mut child = spawned.map_err(|e| e.to_string())?;
+        let spawn_ms = ms_since(started);
         let pid = child.id();
         let ready = vm::wait_ready(&mut child, &paths, self.options.ready_timeout).await;
+        if debug_log() {
+            log_line(&format!(
+                "debug: launch {}: spawn {spawn_ms:.2} ms, ready {:.2} ms",
+                sandbox.id,
+                ms_since(started) - spawn_ms
+            ));
+        }
         let error = match (ready, vm::start_time(pid)) {
             (Ok(()), Some(start)) => return Ok((child, pid, start)),
             (Err(e), _) => e.to_string(),
@@ -493,7 +510,9 @@ impl Daemon {
         let child = self.children().remove(id);
         let dir = sandbox.dir.clone();
         let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
+        let id = id.to_string();
         tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
             if let (Some(pid), Some(start)) = (pid, start) {
                 vm::kill(pid, start, Duration::from_secs(5));
             }
@@ -501,7 +520,15 @@ impl Daemon {
                 let _ = child.kill();
                 let _ = child.wait();
             }
-            remove_dir(&dir)
+            let killed_ms = ms_since(started);
+            let removed = remove_dir(&dir);
+            if debug_log() {
+                log_line(&format!(
+                    "debug: stop {id}: kill {killed_ms:.2} ms, remove {:.2} ms",
+                    ms_since(started) - killed_ms
+                ));
+            }
+            removed
         })
         .await
         .map_err(internal)?
@@ -673,6 +700,16 @@ fn remove_dir(dir: &Path) -> std::io::Result<()> {
 
 fn log_line(line: &str) {
     eprintln!("rollbox serve: {line}");
+}
+
+/// Whether `ROLLBOX_LOG=debug`: phase timings of creates go to the log.
+fn debug_log() -> bool {
+    static DEBUG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DEBUG.get_or_init(|| std::env::var("ROLLBOX_LOG").is_ok_and(|v| v == "debug"))
+}
+
+fn ms_since(start: std::time::Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1000.0
 }
 
 /// Opens the state, recovers, and serves until `shutdown` completes. VMMs keep running after
