@@ -80,6 +80,9 @@ pub struct DaemonReport {
     pub template_boot_ms: f64,
     pub snapshot_ms: f64,
     pub levels: Vec<ConcurrencyFigure>,
+    /// Where a create and a delete at concurrency 1 spend their time (the daemon's
+    /// `ROLLBOX_LOG=debug` lines): phase name → p50 ms.
+    pub phases: Vec<(String, f64)>,
     pub delete_ms: Summary,
     /// Create from the snapshot then delete, by `sustained_workers` workers.
     pub sustained_creates: usize,
@@ -93,11 +96,16 @@ pub struct DaemonReport {
     /// (RSS with `live` sandboxes - idle RSS) / live * 1000.
     pub daemon_kib_per_1000_extrapolated: f64,
     pub vmm_rss_p50_kib: Option<f64>,
+    /// Creates and deletes that failed (not in the latencies).
+    pub failures: usize,
+    pub first_failure: Option<String>,
 }
 
 struct Daemon {
     child: Child,
     scratch: PathBuf,
+    /// Creates and deletes that failed (the run goes on; the report counts them).
+    failures: std::sync::Mutex<Vec<String>>,
 }
 
 impl Daemon {
@@ -147,6 +155,32 @@ impl Daemon {
                 message: format!("{message}; daemon log: {}", self.log()),
             }),
         }
+    }
+
+    /// A create from `snapshot`: its id and latency, or `None` with the failure recorded.
+    fn try_create(&self, snapshot: &str) -> Option<(String, f64)> {
+        self.record(create(self, snapshot))
+    }
+
+    /// A delete's latency, or `None` with the failure recorded.
+    fn try_delete(&self, id: &str) -> Option<f64> {
+        self.record(delete(self, id))
+    }
+
+    fn record<T>(&self, result: Result<T, DaemonBenchError>) -> Option<T> {
+        result
+            .map_err(|e| {
+                eprintln!("daemon: {e}");
+                self.failures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(e.to_string());
+            })
+            .ok()
+    }
+
+    fn full_log(&self) -> String {
+        std::fs::read_to_string(self.scratch.join("serve.log")).unwrap_or_default()
     }
 
     fn rss_kib(&self) -> u64 {
@@ -221,6 +255,7 @@ fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchError> {
         .arg("--state-dir")
         .arg(scratch.join("state"))
         .args(["--max-pending-creates", "100000"])
+        .env("ROLLBOX_LOG", "debug")
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2)
@@ -229,7 +264,11 @@ fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchError> {
             rollbox: config.rollbox.clone(),
             source,
         })?;
-    let daemon = Daemon { child, scratch };
+    let daemon = Daemon {
+        child,
+        scratch,
+        failures: std::sync::Mutex::new(Vec::new()),
+    };
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::os::unix::net::UnixStream::connect(daemon.sock()).is_err() {
         if Instant::now() > deadline {
@@ -367,11 +406,14 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
     let mut deletes = Vec::new();
     eprintln!("daemon: {} creates at concurrency 1", config.serial);
     let mut serial = Vec::new();
+    let log_from = daemon.full_log().len();
     for _ in 0..config.serial.max(1) {
-        let (id, took) = create(&daemon, &snapshot)?;
-        serial.push(took);
-        deletes.push(delete(&daemon, &id)?);
+        if let Some((id, took)) = daemon.try_create(&snapshot) {
+            serial.push(took);
+            deletes.extend(daemon.try_delete(&id));
+        }
     }
+    let phases = phases(daemon.full_log().get(log_from..).unwrap_or_default());
     levels.push(ConcurrencyFigure {
         concurrency: 1,
         creates: serial.len(),
@@ -387,11 +429,14 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         let mut samples = Vec::new();
         let mut wall_total = 0.0;
         for _ in 0..config.rounds.max(1) {
-            let (made, wall) = parallel(concurrency, concurrency, |_| create(&daemon, &snapshot))?;
+            let (made, wall) = parallel(concurrency, concurrency, |_| {
+                Ok(daemon.try_create(&snapshot))
+            })?;
+            let made: Vec<(String, f64)> = made.into_iter().flatten().collect();
             wall_total += wall;
             samples.extend(made.iter().map(|(_, t)| *t));
-            let (took, _) = parallel(made.len(), 8, |i| delete(&daemon, &made[i].0))?;
-            deletes.extend(took);
+            let (took, _) = parallel(made.len(), 8, |i| Ok(daemon.try_delete(&made[i].0)))?;
+            deletes.extend(took.into_iter().flatten());
         }
         levels.push(ConcurrencyFigure {
             concurrency,
@@ -406,11 +451,13 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         "daemon: {} create+delete cycles by {} workers",
         config.sustained, config.sustained_workers
     );
-    let (_, sustained_wall) = parallel(config.sustained, config.sustained_workers, |_| {
-        let (id, _) = create(&daemon, &snapshot)?;
-        delete(&daemon, &id)
+    let (made, sustained_wall) = parallel(config.sustained, config.sustained_workers, |_| {
+        Ok(daemon
+            .try_create(&snapshot)
+            .map(|(id, _)| daemon.try_delete(&id)))
     })?;
-    let sustained_creates_per_s = config.sustained as f64 / sustained_wall.max(f64::MIN_POSITIVE);
+    let sustained_made = made.iter().flatten().count();
+    let sustained_creates_per_s = sustained_made as f64 / sustained_wall.max(f64::MIN_POSITIVE);
 
     let mut forks = Vec::new();
     for _ in 0..config.forks {
@@ -446,7 +493,16 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
     eprintln!("daemon: {} live sandboxes for the memory figure", config.live);
     std::thread::sleep(Duration::from_millis(500));
     let daemon_rss_idle_kib = daemon.rss_kib();
-    let (live, _) = parallel(config.live, 16, |_| create(&daemon, &snapshot))?;
+    // Each is paused once made: idle test guests still take a few % of a core each (timer
+    // exits), and hundreds of them would starve the machine, the daemon included.
+    let (live, _) = parallel(config.live, 16, |_| {
+        let made = daemon.try_create(&snapshot);
+        if let Some((id, _)) = &made {
+            daemon.record(daemon.expect("POST", &format!("/sandboxes/{id}/pause"), None, 200));
+        }
+        Ok(made)
+    })?;
+    let live: Vec<(String, f64)> = live.into_iter().flatten().collect();
     // A few reaper passes over all of them.
     std::thread::sleep(Duration::from_secs(1));
     let daemon_rss_live_kib = daemon.rss_kib();
@@ -455,11 +511,16 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         .take(20)
         .filter_map(|(id, _)| vmm_rss_kib(&daemon, id))
         .collect();
-    let (took, _) = parallel(live.len(), 8, |i| delete(&daemon, &live[i].0))?;
-    deletes.extend(took);
+    let (took, _) = parallel(live.len(), 8, |i| Ok(daemon.try_delete(&live[i].0)))?;
+    deletes.extend(took.into_iter().flatten());
     let per_1000 = (daemon_rss_live_kib.saturating_sub(daemon_rss_idle_kib)) as f64
-        / config.live.max(1) as f64
+        / live.len().max(1) as f64
         * 1000.0;
+    let failures = daemon
+        .failures
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     let vmm_rss_p50_kib = summarize(&vmm_rss).map(|s| s.p50);
 
     Ok(DaemonReport {
@@ -467,18 +528,54 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         template_boot_ms,
         snapshot_ms,
         levels,
+        phases,
         delete_ms: summary(&deletes, "deletes")?,
-        sustained_creates: config.sustained,
+        sustained_creates: sustained_made,
         sustained_workers: config.sustained_workers,
         sustained_creates_per_s,
         fork_count: config.fork_count,
         fork_ms: summarize(&forks),
-        live: config.live,
+        live: live.len(),
+        failures: failures.len(),
+        first_failure: failures.first().cloned(),
         daemon_rss_idle_kib,
         daemon_rss_live_kib,
         daemon_kib_per_1000_extrapolated: per_1000,
         vmm_rss_p50_kib,
     })
+}
+
+/// p50 of each phase in the daemon's `debug:` lines (`NAME X ms`, comma separated, after the
+/// sandbox id), keyed by the line's kind and the phase name.
+fn phases(log: &str) -> Vec<(String, f64)> {
+    let mut samples: Vec<(String, Vec<f64>)> = Vec::new();
+    for line in log.lines() {
+        let Some(rest) = line.split_once("debug: ").map(|(_, r)| r) else {
+            continue;
+        };
+        let Some((head, figures)) = rest.split_once(": ") else {
+            continue;
+        };
+        let kind = head.split_whitespace().next().unwrap_or_default();
+        for figure in figures.split(", ") {
+            let mut words = figure.split_whitespace();
+            let (Some(name), Some(value)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            let key = format!("{kind}: {name}");
+            match samples.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, all)) => all.push(value),
+                None => samples.push((key, vec![value])),
+            }
+        }
+    }
+    samples
+        .into_iter()
+        .filter_map(|(key, all)| summarize(&all).map(|s| (key, s.p50)))
+        .collect()
 }
 
 fn mib(kib: f64) -> String {
@@ -524,7 +621,7 @@ pub fn markdown(report: &DaemonReport) -> String {
         None => out.push_str(&format!("| fork({}) | not run | | |\n", report.fork_count)),
     }
     out.push_str(&format!(
-        "| daemon VmRSS: idle → with {} live sandboxes | {} → {} | | |\n",
+        "| daemon VmRSS: idle → with {} live (paused) sandboxes | {} → {} | | |\n",
         report.live,
         mib(report.daemon_rss_idle_kib as f64),
         mib(report.daemon_rss_live_kib as f64)
@@ -538,6 +635,22 @@ pub fn markdown(report: &DaemonReport) -> String {
         out.push_str(&format!(
             "| one restored VMM's VmRSS (p50 of up to 20) | {} | | |\n",
             mib(vmm)
+        ));
+    }
+    if !report.phases.is_empty() {
+        out.push_str("\nWhere the time goes at concurrency 1 (the daemon's `ROLLBOX_LOG=debug` lines, p50 ms): ");
+        let parts: Vec<String> = report
+            .phases
+            .iter()
+            .map(|(name, ms)| format!("{name} {ms:.2}"))
+            .collect();
+        out.push_str(&parts.join("; "));
+        out.push('\n');
+    }
+    if let Some(first) = &report.first_failure {
+        out.push_str(&format!(
+            "\n**{} creates or deletes failed** (not in the figures); the first: {first}\n",
+            report.failures
         ));
     }
     out.push_str(&format!(
@@ -554,4 +667,26 @@ pub fn default_paths(root: &Path) -> (PathBuf, PathBuf, PathBuf) {
         root.join("target/release/rollbox-vmm"),
         root.join("target/test-guest/test-guest"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_from_debug_lines() {
+        let log = "rollbox serve: listening\n\
+            rollbox serve: debug: launch sb-1: spawn 1.00 ms, ready 4.00 ms\n\
+            rollbox serve: debug: launch sb-2: spawn 3.00 ms, ready 6.00 ms\n\
+            rollbox serve: debug: create sb-1: inserted 0.50 ms, total 6.00 ms\n";
+        assert_eq!(
+            phases(log),
+            vec![
+                ("launch: spawn".to_string(), 1.0),
+                ("launch: ready".to_string(), 4.0),
+                ("create: inserted".to_string(), 0.5),
+                ("create: total".to_string(), 6.0),
+            ]
+        );
+    }
 }
