@@ -148,7 +148,10 @@ impl Daemon {
             Ok((got, value)) if got == status => Ok(value),
             Ok((got, value)) => Err(DaemonBenchError::Request {
                 what,
-                message: format!("{got} (wanted {status}): {value}; daemon log: {}", self.log()),
+                message: format!(
+                    "{got} (wanted {status}): {value}; daemon log: {}",
+                    self.log()
+                ),
             }),
             Err(message) => Err(DaemonBenchError::Request {
                 what,
@@ -392,7 +395,12 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
     let template_boot_ms = ms(started);
     let base_id = base["id"].as_str().unwrap_or_default().to_string();
     let started = Instant::now();
-    let snap = daemon.expect("POST", &format!("/sandboxes/{base_id}/snapshots"), None, 201)?;
+    let snap = daemon.expect(
+        "POST",
+        &format!("/sandboxes/{base_id}/snapshots"),
+        None,
+        201,
+    )?;
     let snapshot_ms = ms(started);
     let snapshot = snap["id"].as_str().unwrap_or_default().to_string();
 
@@ -490,7 +498,10 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         }
     }
 
-    eprintln!("daemon: {} live sandboxes for the memory figure", config.live);
+    eprintln!(
+        "daemon: {} live sandboxes for the memory figure",
+        config.live
+    );
     std::thread::sleep(Duration::from_millis(500));
     let daemon_rss_idle_kib = daemon.rss_kib();
     // Each is paused once made: idle test guests still take a few % of a core each (timer
@@ -589,7 +600,9 @@ pub fn markdown(report: &DaemonReport) -> String {
         "## rollbox-bench daemon (test guest, {} MiB; create = POST /sandboxes from a snapshot → 201)\n\n",
         report.memory_mib
     ));
-    out.push_str("| figure | measured | target (issue 11) | anchor (published, not measured here) |\n");
+    out.push_str(
+        "| figure | measured | target (issue 11) | anchor (published, not measured here) |\n",
+    );
     out.push_str("| --- | --- | --- | --- |\n");
     for level in &report.levels {
         let s = &level.create_ms;

@@ -72,7 +72,11 @@ fn thousand_create_delete_cycles_leak_nothing() {
             ids(&server.list(state))
         );
     }
-    let (_, deleted) = server.call("GET", "/sandboxes?state=deleted&label=load%3D1&limit=1", None);
+    let (_, deleted) = server.call(
+        "GET",
+        "/sandboxes?state=deleted&label=load%3D1&limit=1",
+        None,
+    );
     assert!(deleted["next_page_token"].is_string(), "{deleted}");
     assert!(server.vmms().is_empty(), "VMMs left: {:?}", server.vmms());
     // The daemon reaps a deleted sandbox's VMM before DELETE answers.
@@ -81,7 +85,11 @@ fn thousand_create_delete_cycles_leak_nothing() {
         "children of the daemon left: {:?}",
         children_of(daemon)
     );
-    assert!(server.dirs().is_empty(), "directories left: {:?}", server.dirs());
+    assert!(
+        server.dirs().is_empty(),
+        "directories left: {:?}",
+        server.dirs()
+    );
     assert_eq!(tree(&server.state()), tree_before, "files in the state dir");
     assert_eq!(interfaces(), interfaces_before, "tap devices");
     let fds_after = fds(daemon);
@@ -107,19 +115,21 @@ fn create_batch(server: &Server, specs: &[Value]) -> (Vec<String>, usize) {
     std::thread::scope(|scope| {
         for spec in specs {
             let (made, in_flight) = (&made, &in_flight);
-            scope.spawn(move || match server.try_call("POST", "/sandboxes", Some(spec)) {
-                Ok(response) if response.status == 201 => {
-                    let sandbox: Value =
-                        serde_json::from_slice(&response.body).expect("sandbox JSON");
-                    let id = sandbox["id"].as_str().expect("id").to_string();
-                    made.lock().expect("lock").push(id);
-                }
-                Ok(_) => {}
-                Err(e) if !e.is_connect() => {
-                    in_flight.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(_) => {}
-            });
+            scope.spawn(
+                move || match server.try_call("POST", "/sandboxes", Some(spec)) {
+                    Ok(response) if response.status == 201 => {
+                        let sandbox: Value =
+                            serde_json::from_slice(&response.body).expect("sandbox JSON");
+                        let id = sandbox["id"].as_str().expect("id").to_string();
+                        made.lock().expect("lock").push(id);
+                    }
+                    Ok(_) => {}
+                    Err(e) if !e.is_connect() => {
+                        in_flight.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {}
+                },
+            );
         }
     });
     (
@@ -154,9 +164,17 @@ fn check_after_restart(server: &Server, answered: &BTreeSet<String>) -> BTreeSet
         let (status, got) = server.call("GET", &format!("/sandboxes/{id}"), None);
         assert_eq!((status, got["state"].as_str()), (200, Some("running")));
         let (status, got) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
-        assert_eq!((status, got["state"].as_str()), (200, Some("paused")), "{got}");
+        assert_eq!(
+            (status, got["state"].as_str()),
+            (200, Some("paused")),
+            "{got}"
+        );
         let (status, got) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
-        assert_eq!((status, got["state"].as_str()), (200, Some("running")), "{got}");
+        assert_eq!(
+            (status, got["state"].as_str()),
+            (200, Some("running")),
+            "{got}"
+        );
     }
     let vmm_ids: BTreeSet<String> = server.vmms().into_iter().map(|f| f.id).collect();
     for state in ["failed", "exited"] {
@@ -166,7 +184,9 @@ fn check_after_restart(server: &Server, answered: &BTreeSet<String>) -> BTreeSet
             let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
             assert!(!dir.exists(), "{state} {id} still has {}", dir.display());
             assert!(
-                sandbox["end_reason"].as_str().is_some_and(|r| !r.is_empty()),
+                sandbox["end_reason"]
+                    .as_str()
+                    .is_some_and(|r| !r.is_empty()),
                 "{sandbox}"
             );
         }
@@ -219,7 +239,11 @@ fn kill_9_mid_batch_then_restart_repeatedly_loses_and_leaks_nothing() {
         eprintln!(
             "round {round}: kill -9 after {delay_ms} ms: {} created, {in_flight} in flight{}",
             answered.len(),
-            if finished_before_kill { " (the batch had finished)" } else { "" }
+            if finished_before_kill {
+                " (the batch had finished)"
+            } else {
+                ""
+            }
         );
         server.spawn();
         let answered: BTreeSet<String> = answered.into_iter().collect();
