@@ -91,7 +91,14 @@ fn thousand_create_delete_cycles_leak_nothing() {
         server.dirs()
     );
     assert_eq!(tree(&server.state()), tree_before, "files in the state dir");
-    assert_eq!(interfaces(), interfaces_before, "tap devices");
+    // Taps of rollbox sandboxes are named rbx…; other interfaces come and go with other
+    // work on a shared host.
+    let new_taps: Vec<String> = interfaces()
+        .difference(&interfaces_before)
+        .filter(|name| name.starts_with("rbx"))
+        .cloned()
+        .collect();
+    assert!(new_taps.is_empty(), "tap devices left: {new_taps:?}");
     let fds_after = fds(daemon);
     let sockets = |fds: &[String]| fds.iter().filter(|f| f.starts_with("socket:")).count();
     assert!(
