@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod daemon;
 mod guest;
 mod linux;
 mod linux_fs;
@@ -135,6 +136,52 @@ struct Args {
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Bench {
+    /// `rollbox serve` with the test-guest template: create-from-snapshot latency at
+    /// concurrency 1, 16 and 64, creates per second, fork(16), daemon memory per sandbox.
+    Daemon {
+        /// The rollbox CLI [default: target/release/rollbox].
+        #[arg(long)]
+        rollbox: Option<PathBuf>,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// The test guest ELF [default: target/test-guest/test-guest].
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 32)]
+        memory_mib: u64,
+        /// Where the scratch state directory goes (removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        dir: PathBuf,
+        /// Creates at concurrency 1.
+        #[arg(long, default_value_t = 100)]
+        serial: usize,
+        /// Concurrencies measured beside 1.
+        #[arg(long, value_delimiter = ',', default_value = "16,64")]
+        concurrency: Vec<usize>,
+        /// Rounds at each concurrency.
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
+        /// Create + delete cycles of the sustained figure.
+        #[arg(long, default_value_t = 500)]
+        sustained: usize,
+        /// Workers of the sustained figure.
+        #[arg(long, default_value_t = 16)]
+        sustained_workers: usize,
+        /// Fork repetitions.
+        #[arg(long, default_value_t = 3)]
+        forks: usize,
+        /// Sandboxes per fork.
+        #[arg(long, default_value_t = 16)]
+        fork_count: usize,
+        /// Sandboxes alive at once for the memory figure (extrapolated per 1,000).
+        #[arg(long, default_value_t = 200)]
+        live: usize,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// rollbox-vmm with the test guest: spawn to first serial byte, the VMM's own
     /// memory beyond guest memory, and port-I/O/MMIO exit round trips.
     Vmm {
@@ -329,6 +376,46 @@ fn workspace_root() -> PathBuf {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.bench {
+        Bench::Daemon {
+            rollbox,
+            vmm,
+            guest,
+            memory_mib,
+            dir,
+            serial,
+            concurrency,
+            rounds,
+            sustained,
+            sustained_workers,
+            forks,
+            fork_count,
+            live,
+            json,
+        } => {
+            let (default_rollbox, default_vmm, default_guest) =
+                daemon::default_paths(&workspace_root());
+            let config = daemon::DaemonBenchConfig {
+                rollbox: rollbox.unwrap_or(default_rollbox),
+                vmm: vmm.unwrap_or(default_vmm),
+                guest: guest.unwrap_or(default_guest),
+                memory_mib,
+                dir,
+                serial: serial.max(1),
+                concurrency: concurrency.into_iter().filter(|c| *c > 0).collect(),
+                rounds: rounds.max(1),
+                sustained: sustained.max(1),
+                sustained_workers: sustained_workers.max(1),
+                forks,
+                fork_count: fork_count.max(1),
+                live: live.max(1),
+            };
+            finish(
+                "daemon",
+                daemon::run(&config),
+                daemon::markdown,
+                json.as_deref(),
+            )
+        }
         Bench::LinuxNet {
             guest,
             qemu,

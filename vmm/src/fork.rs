@@ -543,10 +543,7 @@ impl ForkPool {
         let seq = FORKS.fetch_add(1, Ordering::SeqCst);
         Ok(Self {
             launcher,
-            dir: PathBuf::from(format!(
-                "{SHM}/rollbox-pool-{}-{seq}",
-                std::process::id()
-            )),
+            dir: PathBuf::from(format!("{SHM}/rollbox-pool-{}-{seq}", std::process::id())),
             shells: Vec::new(),
             next: 0,
             target,
@@ -1226,10 +1223,16 @@ mod tests {
         std::fs::create_dir(&pool).expect("mkdir");
 
         sweep_orphans(base.path());
-        assert!(!half_written.exists(), "a dead parent's half-written fork stayed");
+        assert!(
+            !half_written.exists(),
+            "a dead parent's half-written fork stayed"
+        );
         assert!(held.exists(), "a fork a running clone holds was removed");
         assert!(own.exists(), "a live parent's fork was removed");
-        assert!(!pool.exists(), "a dead parent's empty pool directory stayed");
+        assert!(
+            !pool.exists(),
+            "a dead parent's empty pool directory stayed"
+        );
         drop(lock);
         sweep_orphans(base.path());
         assert!(!held.exists(), "the fork stayed after its last clone ended");

@@ -381,6 +381,7 @@ impl Daemon {
             ttl_s,
         } = prepared;
         let (snapshot, ttl_s) = (snapshot.as_ref(), *ttl_s);
+        let started = std::time::Instant::now();
         let now = now_ms();
         let id = format!("sb-{}", random_hex());
         let sandbox = Sandbox {
@@ -410,6 +411,7 @@ impl Daemon {
         if let Inserted::Existing(first) = inserted {
             return self.existing(*first).await;
         }
+        let inserted_ms = ms_since(started);
         self.counters.created();
         match self.start_vmm(&sandbox, template, snapshot).await {
             Ok(()) => {
@@ -417,6 +419,12 @@ impl Daemon {
                     self.store()
                         .set_source(&id, &snapshot.id)
                         .map_err(internal)?;
+                }
+                if debug_log() {
+                    log_line(&format!(
+                        "debug: create {id}: inserted {inserted_ms:.2} ms, total {:.2} ms",
+                        ms_since(started)
+                    ));
                 }
                 self.sandbox_reply(&id).map(|reply| match reply {
                     Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
@@ -475,6 +483,7 @@ impl Daemon {
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
         let spawn_paths = vm::Paths::new(&sandbox.dir);
         let restore = snapshot.map(|s| s.dir.clone());
+        let started = std::time::Instant::now();
         // Copying a rootfs may take a while: off the async threads.
         let spawned = tokio::task::spawn_blocking(move || match restore {
             Some(dir) => vm::spawn_restore(&vmm, &spawn_paths, &dir, template.rootfs.is_some()),
@@ -496,6 +505,7 @@ impl Daemon {
                 return Err(e.to_string());
             }
         };
+        let spawn_ms = ms_since(started);
         let pid = child.id();
         if let Some(groups) = groups {
             // At once: the VMM has not created its vCPU threads yet, and those it has move too.
@@ -506,6 +516,13 @@ impl Daemon {
             }
         }
         let ready = vm::wait_ready(&mut child, &paths, self.options.ready_timeout).await;
+        if debug_log() {
+            log_line(&format!(
+                "debug: launch {}: spawn {spawn_ms:.2} ms, ready {:.2} ms",
+                sandbox.id,
+                ms_since(started) - spawn_ms
+            ));
+        }
         let error = match (ready, vm::start_time(pid)) {
             (Ok(()), Some(start)) => return Ok((child, pid, start)),
             (Err(e), _) => e.to_string(),
@@ -564,7 +581,9 @@ impl Daemon {
         let child = self.children().remove(id);
         let dir = sandbox.dir.clone();
         let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
+        let id = id.to_string();
         let removed = tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
             if let (Some(pid), Some(start)) = (pid, start) {
                 vm::kill(pid, start, Duration::from_secs(5));
             }
@@ -572,7 +591,15 @@ impl Daemon {
                 let _ = child.kill();
                 let _ = child.wait();
             }
-            remove_dir(&dir)
+            let killed_ms = ms_since(started);
+            let removed = remove_dir(&dir);
+            if debug_log() {
+                log_line(&format!(
+                    "debug: stop {id}: kill {killed_ms:.2} ms, remove {:.2} ms",
+                    ms_since(started) - killed_ms
+                ));
+            }
+            removed
         })
         .await
         .map_err(internal)?
@@ -752,6 +779,16 @@ fn remove_dir(dir: &Path) -> std::io::Result<()> {
 
 fn log_line(line: &str) {
     eprintln!("rollbox serve: {line}");
+}
+
+/// Whether `ROLLBOX_LOG=debug`: phase timings of creates go to the log.
+fn debug_log() -> bool {
+    static DEBUG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DEBUG.get_or_init(|| std::env::var("ROLLBOX_LOG").is_ok_and(|v| v == "debug"))
+}
+
+fn ms_since(start: std::time::Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1000.0
 }
 
 /// Opens the state, recovers, and serves until `shutdown` completes. VMMs keep running after
