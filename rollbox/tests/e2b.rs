@@ -337,3 +337,88 @@ fn stock_e2b_sdk_2_63_against_rollbox() {
 fn stock_e2b_sdk_2_50_against_rollbox() {
     run_sdk_suite("stock_e2b_sdk_2_50_against_rollbox", "2.50.0", false);
 }
+
+/// A JSON request to the E2B listener (plain HTTP) with the key as `X-API-KEY`.
+fn e2b_call(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+    let response = Endpoint::Tcp(format!("127.0.0.1:{port}"))
+        .request(
+            method,
+            path,
+            &[("X-API-KEY", KEY), ("Content-Type", "application/json")],
+            body.map(str::as_bytes),
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let value = if response.body.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&response.body).unwrap_or_else(|e| {
+            panic!(
+                "{method} {path}: not JSON ({e}): {}",
+                String::from_utf8_lossy(&response.body)
+            )
+        })
+    };
+    (response.status, value)
+}
+
+/// A JSON request to the daemon's native API.
+fn native_call(
+    daemon: &Daemon,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let auth = format!("Bearer {KEY}");
+    let response = Endpoint::Unix(daemon.dir.path().join("d.sock"))
+        .request(
+            method,
+            path,
+            &[("Authorization", auth.as_str())],
+            body.map(str::as_bytes),
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let value = serde_json::from_slice(&response.body).unwrap_or(serde_json::Value::Null);
+    (response.status, value)
+}
+
+/// E2B `envVars` are the daemon's sandbox `env`: native execs see them, and so do forks.
+#[test]
+fn e2b_env_vars_are_the_sandbox_env() {
+    if !kvm_available() {
+        return;
+    }
+    let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None);
+    let (status, created) = e2b_call(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"guest","timeout":60,"envVars":{"GREETING":"hi there"}}"#),
+    );
+    assert_eq!(status, 201, "{created}\n{}", daemon.log());
+    let id = created["sandboxID"].as_str().expect("sandboxID").to_string();
+    let (status, sandbox) = native_call(&daemon, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 200, "{sandbox}");
+    assert_eq!(sandbox["env"], json!({ "GREETING": "hi there" }), "{sandbox}");
+    let (status, ran) = native_call(
+        &daemon,
+        "POST",
+        &format!("/sandboxes/{id}/exec"),
+        Some(r#"{"cmd":"echo \"$GREETING\""}"#),
+    );
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(ran["stdout"], "hi there\n", "{ran}");
+    let (status, forks) = e2b_call(
+        port,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(r#"{"count":1}"#),
+    );
+    assert_eq!(status, 201, "{forks}\n{}", daemon.log());
+    let fork = forks[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no fork: {forks}"));
+    let (_, forked) = native_call(&daemon, "GET", &format!("/sandboxes/{fork}"), None);
+    assert_eq!(forked["env"], json!({ "GREETING": "hi there" }), "{forked}");
+}

@@ -267,12 +267,17 @@ impl Call {
         &self.sandbox.id
     }
 
+    /// The sandbox's env; sandboxes made before E2B envVars became the daemon's env kept
+    /// them as JSON in metadata [`ENV_VARS_KEY`].
     fn env_vars(&self) -> BTreeMap<String, String> {
-        self.sandbox
+        let mut env: BTreeMap<String, String> = self
+            .sandbox
             .metadata
             .get(ENV_VARS_KEY)
             .and_then(|text| serde_json::from_str(text).ok())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        env.extend(self.sandbox.env.clone());
+        env
     }
 
     /// The user's home: where relative paths and `~` resolve.
