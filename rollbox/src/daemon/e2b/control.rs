@@ -641,15 +641,18 @@ async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refu
             format!("snapshot {id:?} not found (rollbox deletes only snapshots, snap-…, through the E2B API; templates with `rollbox template rm`)"),
         ));
     }
-    match e2b
-        .daemon
-        .handle(Action::DeleteSnapshot(id.to_string()))
-        .await
-    {
-        Ok(_) => Ok(no_content()),
-        Err(ApiError::NotFound(_)) => Err(Refusal::new(404, format!("snapshot {id:?} not found"))),
-        Err(e) => Err(e.into()),
+    // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
+    match e2b.daemon.handle(Action::GetSnapshot(id.to_string())).await {
+        Ok(_) => {}
+        Err(ApiError::NotFound(_)) => {
+            return Err(Refusal::new(404, format!("snapshot {id:?} not found")))
+        }
+        Err(e) => return Err(e.into()),
     }
+    e2b.daemon
+        .handle(Action::DeleteSnapshot(id.to_string()))
+        .await?;
+    Ok(no_content())
 }
 
 #[derive(Deserialize)]
