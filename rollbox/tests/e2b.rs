@@ -153,7 +153,11 @@ fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), Stri
 
 /// A daemon with the E2B listener (TLS with `tls` = (cert, key)), a host agent, and the test
 /// guest as template "guest".
-fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Daemon, u16) {
+fn start_daemon(
+    dir: tempfile::TempDir,
+    tls: Option<(PathBuf, PathBuf)>,
+    extra_args: &[String],
+) -> (Daemon, u16) {
     std::fs::write(dir.path().join("key"), format!("{KEY}\n")).expect("write key");
     let agent_sock = dir.path().join("agent.sock");
     // `commands.run` is `bash -l`: with the host's HOME it would run the host's ~/.profile
@@ -202,6 +206,7 @@ fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Dae
         .arg(format!("127.0.0.1:{port}"))
         .arg("--e2b-domain")
         .arg("e2b.test")
+        .args(extra_args)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
@@ -249,7 +254,12 @@ fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Dae
 
 /// The venv's python for SDK `version`, or why there is none.
 fn sdk_python(version: &str) -> Result<PathBuf, String> {
-    let script = workspace_root().join("scripts/e2b-venv.sh");
+    venv_python("scripts/e2b-venv.sh", version)
+}
+
+/// The python that `script VERSION` prints after making its venv.
+fn venv_python(script: &str, version: &str) -> Result<PathBuf, String> {
+    let script = workspace_root().join(script);
     let output = Command::new("sh")
         .arg(&script)
         .arg(version)
@@ -295,7 +305,7 @@ fn run_sdk_suite(test: &str, version: &str, tls: bool) {
     } else {
         (None, None)
     };
-    let (daemon, port) = start_daemon(dir, files);
+    let (daemon, port) = start_daemon(dir, files, &[]);
     let scratch = tempfile::tempdir().expect("scratch");
     let scheme = if tls { "https" } else { "http" };
     let url = format!("{scheme}://127.0.0.1:{port}");
@@ -389,7 +399,7 @@ fn e2b_env_vars_are_the_sandbox_env() {
     if !kvm_available() {
         return;
     }
-    let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None);
+    let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
     let (status, created) = e2b_call(
         port,
         "POST",
@@ -421,4 +431,70 @@ fn e2b_env_vars_are_the_sandbox_env() {
         .unwrap_or_else(|| panic!("no fork: {forks}"));
     let (_, forked) = native_call(&daemon, "GET", &format!("/sandboxes/{fork}"), None);
     assert_eq!(forked["env"], json!({ "GREETING": "hi there" }), "{forked}");
+}
+
+/// The stock e2b-code-interpreter 2.11.5 `run_code` against rollbox: the daemon forwards
+/// sandbox port 49999 to our server (scripts/e2b-code-interpreter-server.py, an IPython kernel)
+/// on the host, as the host agent stands in for the guest.
+#[test]
+fn stock_e2b_code_interpreter_2_11_against_rollbox() {
+    let test = "stock_e2b_code_interpreter_2_11_against_rollbox";
+    if !kvm_available() {
+        return;
+    }
+    let python = match venv_python("scripts/e2b-ci-venv.sh", "2.11.5") {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(test, &format!("no e2b-code-interpreter venv: {reason}"));
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut server = Command::new(&python)
+        .arg(workspace_root().join("scripts/e2b-code-interpreter-server.py"))
+        .args(["--port", "0", "--cwd"])
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the code-interpreter server");
+    let mut line = String::new();
+    let stdout = server.stdout.take().expect("server stdout");
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+        .expect("read the server's address");
+    let Some(address) = line.trim().strip_prefix("listening ").map(str::to_string) else {
+        let _ = server.kill();
+        panic!("the code-interpreter server printed {line:?}, not its address");
+    };
+    let (mut daemon, port) = start_daemon(
+        dir,
+        None,
+        &[
+            "--e2b-test-port-forward".to_string(),
+            format!("49999={address}"),
+        ],
+    );
+    daemon.children.push(server);
+    let url = format!("http://127.0.0.1:{port}");
+    let output = Command::new(&python)
+        .arg(workspace_root().join("rollbox/tests/e2b/test_code_interpreter.py"))
+        .env("E2B_API_URL", &url)
+        .env("E2B_API_KEY", KEY)
+        .env("E2B_DOMAIN", "e2b.test")
+        .env("E2B_SANDBOX_URL", &url)
+        .env("ROLLBOX_E2B_TEMPLATE", "guest")
+        .env_remove("E2B_DEBUG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run test_code_interpreter.py");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    println!("{stdout}");
+    assert!(
+        output.status.success() && stdout.contains("all ok"),
+        "code interpreter suite failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr),
+        daemon.log()
+    );
 }

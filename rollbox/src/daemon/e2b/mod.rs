@@ -17,6 +17,7 @@
 pub mod connect;
 mod control;
 mod envd;
+mod forward;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -51,6 +52,9 @@ pub struct E2bOptions {
     pub domain: String,
     /// Serve TLS with this certificate chain and private key (PEM files).
     pub tls: Option<TlsFiles>,
+    /// Test-only: sandbox port → a host TCP address every sandbox's traffic for it goes to
+    /// (the code interpreter's 49999 with the host agent).
+    pub test_port_forwards: std::collections::BTreeMap<u16, SocketAddr>,
 }
 
 /// `--e2b-tls-cert` and `--e2b-tls-key`.
