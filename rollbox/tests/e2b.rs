@@ -498,3 +498,43 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
         daemon.log()
     );
 }
+
+/// Figures, not asserts (docs/benchmarks.md): rollbox/tests/e2b/bench.py with the stock SDK
+/// 2.63.0 over plain HTTP and the native API in the same run, at the concurrencies of
+/// ROLLBOX_E2B_BENCH_CONCURRENCY (default 1,16,64). Run with `--ignored --nocapture`.
+#[test]
+#[ignore = "benchmark: prints figures"]
+fn e2b_benchmark_figures() {
+    let test = "e2b_benchmark_figures";
+    if !kvm_available() {
+        return;
+    }
+    let python = match sdk_python("2.63.0") {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(test, &format!("no e2b 2.63.0 venv: {reason}"));
+            return;
+        }
+    };
+    let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
+    let scratch = tempfile::tempdir().expect("scratch");
+    let url = format!("http://127.0.0.1:{port}");
+    let status = Command::new(&python)
+        .arg(workspace_root().join("rollbox/tests/e2b/bench.py"))
+        .env("E2B_API_URL", &url)
+        .env("E2B_API_KEY", KEY)
+        .env("E2B_DOMAIN", "e2b.test")
+        .env("E2B_SANDBOX_URL", &url)
+        .env("ROLLBOX_E2B_TEMPLATE", "guest")
+        .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+        .env("ROLLBOX_NATIVE_SOCKET", daemon.dir.path().join("d.sock"))
+        .env_remove("E2B_DEBUG")
+        .stdin(Stdio::null())
+        .status()
+        .expect("run bench.py");
+    assert!(
+        status.success(),
+        "bench.py failed ({status})\n--- serve.log ---\n{}",
+        daemon.log()
+    );
+}
