@@ -283,6 +283,10 @@ fn venv_python(script: &str, version: &str) -> Result<PathBuf, String> {
 }
 
 fn run_sdk_suite(test: &str, version: &str, tls: bool) {
+    run_sdk_script(test, version, tls, "test_sdk.py");
+}
+
+fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     if !kvm_available() {
         return;
     }
@@ -314,8 +318,9 @@ fn run_sdk_suite(test: &str, version: &str, tls: bool) {
         command.env("SSL_CERT_FILE", ca);
     }
     let output = command
-        .arg(workspace_root().join("rollbox/tests/e2b/test_sdk.py"))
+        .arg(workspace_root().join("rollbox/tests/e2b").join(script))
         .env("E2B_API_URL", &url)
+        .env("ROLLBOX_E2B_PORT", port.to_string())
         .env("E2B_API_KEY", KEY)
         .env("E2B_DOMAIN", "e2b.test")
         .env("E2B_SANDBOX_URL", &url)
@@ -340,6 +345,18 @@ fn run_sdk_suite(test: &str, version: &str, tls: bool) {
 #[test]
 fn stock_e2b_sdk_2_63_against_rollbox() {
     run_sdk_suite("stock_e2b_sdk_2_63_against_rollbox", "2.63.0", true);
+}
+
+/// SDK 1.x: `https://api.{domain}` and host-routed `https://{port}-{id}.{domain}` only (the
+/// script stands in for wildcard DNS), `GET /sandboxes/{id}` to connect.
+#[test]
+fn stock_e2b_sdk_1_11_against_rollbox() {
+    run_sdk_script(
+        "stock_e2b_sdk_1_11_against_rollbox",
+        "1.11.1",
+        true,
+        "test_sdk_v1.py",
+    );
 }
 
 /// SDK 2.0-2.50 creates with `POST /sandboxes` and connects with `/sandboxes/{id}/connect`.
