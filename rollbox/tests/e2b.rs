@@ -424,10 +424,17 @@ fn e2b_env_vars_are_the_sandbox_env() {
         Some(r#"{"templateID":"guest","timeout":60,"envVars":{"GREETING":"hi there"}}"#),
     );
     assert_eq!(status, 201, "{created}\n{}", daemon.log());
-    let id = created["sandboxID"].as_str().expect("sandboxID").to_string();
+    let id = created["sandboxID"]
+        .as_str()
+        .expect("sandboxID")
+        .to_string();
     let (status, sandbox) = native_call(&daemon, "GET", &format!("/sandboxes/{id}"), None);
     assert_eq!(status, 200, "{sandbox}");
-    assert_eq!(sandbox["env"], json!({ "GREETING": "hi there" }), "{sandbox}");
+    assert_eq!(
+        sandbox["env"],
+        json!({ "GREETING": "hi there" }),
+        "{sandbox}"
+    );
     let (status, ran) = native_call(
         &daemon,
         "POST",

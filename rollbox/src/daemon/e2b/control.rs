@@ -14,9 +14,7 @@ use serde_json::{json, Value};
 use super::super::api::{self, Action, ApiError, ListQuery, Sandbox, State, MAX_BODY, MAX_TTL_S};
 use super::super::http::Out;
 use super::super::{now_ms, Reply};
-use super::{
-    json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION,
-};
+use super::{json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION};
 
 /// E2B calls rollbox does not serve, answered 501 with this reason.
 const REFUSED: &[(&str, &str)] = &[(
@@ -608,10 +606,8 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
             _ => {}
         }
     }
-    let Reply::Snapshots(mut snapshots) = e2b
-        .daemon
-        .handle(Action::ListSnapshots { sandbox })
-        .await?
+    let Reply::Snapshots(mut snapshots) =
+        e2b.daemon.handle(Action::ListSnapshots { sandbox }).await?
     else {
         return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
     };
@@ -686,11 +682,7 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
 /// (an average since start, in % of its vCPUs), memory the VMM's resident set (guest pages
 /// it touched), disk the sandbox's rootfs file (allocated and apparent size; 0 without one).
 async fn metric_now(e2b: &E2b, sandbox: &Sandbox) -> Result<Value, Refusal> {
-    let usage = match e2b
-        .daemon
-        .handle(Action::Usage(sandbox.id.clone()))
-        .await?
-    {
+    let usage = match e2b.daemon.handle(Action::Usage(sandbox.id.clone())).await? {
         Reply::Usage(usage) => usage,
         other => return Err(Refusal::new(500, format!("usage answered {other:?}"))),
     };
@@ -735,9 +727,9 @@ async fn metrics(e2b: &Arc<E2b>, id: &str, query: &str) -> Result<Response<Out>,
     let now_s = now_ms() / 1000;
     for (key, value) in query_pairs(query) {
         let bound = || {
-            value.parse::<u64>().map_err(|_| {
-                Refusal::new(400, format!("{key}: {value:?} is not unix seconds"))
-            })
+            value
+                .parse::<u64>()
+                .map_err(|_| Refusal::new(400, format!("{key}: {value:?} is not unix seconds")))
         };
         match key.as_str() {
             "start" if bound()? > now_s => return Ok(json(200, &json!([]))),
