@@ -277,10 +277,10 @@ def metrics_fork_snapshots(sbx):
     restored = Sandbox.create(snap.snapshot_id, timeout=60)
     try:
         assert restored.sandbox_id != sbx.sandbox_id
-        assert restored.commands.run("echo restored").stdout == "restored\n"
+        assert restored.commands.run('echo restored "$GREETING"').stdout == "restored hi there\n"
     finally:
         restored.kill()
-    ok("create_snapshot, list_snapshots, Sandbox.create(snapshot_id)")
+    ok("create_snapshot, list_snapshots, Sandbox.create(snapshot_id) with the envVars it had")
     expect_error("a named snapshot is refused", lambda: sbx.create_snapshot("named"), "no names")
     assert Sandbox.delete_snapshot(snap.snapshot_id)
     assert not Sandbox.delete_snapshot(snap.snapshot_id)

@@ -202,11 +202,24 @@ async fn create(
             format!("template {template:?} not found (rollbox templates: `rollbox template ls`)"),
         )
     };
-    match e2b.daemon.handle(lookup).await {
-        Ok(_) => {}
+    // A restore keeps the env its sandbox had (E2B's envd holds envVars in the memory the
+    // snapshot saved); the create's envVars go on top.
+    let mut env = match e2b.daemon.handle(lookup).await {
+        Ok(Reply::Snapshot { snapshot, .. }) => {
+            match e2b
+                .daemon
+                .handle(Action::GetSandbox(snapshot.sandbox))
+                .await
+            {
+                Ok(Reply::Sandbox { sandbox, .. }) => sandbox.env,
+                _ => BTreeMap::new(),
+            }
+        }
+        Ok(_) => BTreeMap::new(),
         Err(ApiError::NotFound(_)) => return Err(Refusal::new(404, missing)),
         Err(e) => return Err(e.into()),
-    }
+    };
+    env.extend(new.env_vars.unwrap_or_default());
     // E2B metadata is what lists filter on: rollbox labels. envVars are the sandbox's env,
     // which the daemon merges under every exec's own (forks inherit it).
     let (template, snapshot) = if from_snapshot {
@@ -219,7 +232,7 @@ async fn create(
         "snapshot": snapshot,
         "ttl_s": ttl_s,
         "labels": new.metadata.unwrap_or_default(),
-        "env": new.env_vars.unwrap_or_default(),
+        "env": env,
         "idempotency_key": idempotency_key,
     });
     let action =
