@@ -501,26 +501,31 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
     );
     daemon.children.push(server);
     let url = format!("http://127.0.0.1:{port}");
-    let output = Command::new(&python)
-        .arg(workspace_root().join("rollbox/tests/e2b/test_code_interpreter.py"))
-        .env("E2B_API_URL", &url)
-        .env("E2B_API_KEY", KEY)
-        .env("E2B_DOMAIN", "e2b.test")
-        .env("E2B_SANDBOX_URL", &url)
-        .env("ROLLBOX_E2B_TEMPLATE", "guest")
-        .env_remove("E2B_DEBUG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run test_code_interpreter.py");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    println!("{stdout}");
-    assert!(
-        output.status.success() && stdout.contains("all ok"),
-        "code interpreter suite failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr),
-        daemon.log()
-    );
+    let scratch = tempfile::tempdir().expect("scratch");
+    // The code interpreter, then AReaL's and Harbor's call patterns (which use run_code too).
+    for script in ["test_code_interpreter.py", "test_patterns.py"] {
+        let output = Command::new(&python)
+            .arg(workspace_root().join("rollbox/tests/e2b").join(script))
+            .env("E2B_API_URL", &url)
+            .env("E2B_API_KEY", KEY)
+            .env("E2B_DOMAIN", "e2b.test")
+            .env("E2B_SANDBOX_URL", &url)
+            .env("ROLLBOX_E2B_TEMPLATE", "guest")
+            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+            .env_remove("E2B_DEBUG")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("run {script}: {e}"));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        println!("{stdout}");
+        assert!(
+            output.status.success() && stdout.contains("all ok"),
+            "{script} failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            daemon.log()
+        );
+    }
 }
 
 /// Figures, not asserts (docs/benchmarks.md): rollbox/tests/e2b/bench.py with the stock SDK
