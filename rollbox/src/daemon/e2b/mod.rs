@@ -38,8 +38,8 @@ pub const ENVD_VERSION: &str = "0.5.7";
 pub const ENVD_PORT: u16 = 49983;
 /// Sandbox TTL when a create gives no `timeout` (the SDK's own default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
-/// The native metadata key where sandboxes made before 0.x-e2b2 kept their E2B `envVars`
-/// (JSON); new ones keep them as the daemon's sandbox `env`.
+/// The native metadata key where sandboxes made by the first E2B slice kept their `envVars`
+/// (JSON); sandboxes made since keep them as the daemon's sandbox `env`.
 pub const ENV_VARS_KEY: &str = "e2b.envVars";
 
 /// `rollbox serve --e2b-*` options.
