@@ -153,7 +153,11 @@ fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), Stri
 
 /// A daemon with the E2B listener (TLS with `tls` = (cert, key)), a host agent, and the test
 /// guest as template "guest".
-fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Daemon, u16) {
+fn start_daemon(
+    dir: tempfile::TempDir,
+    tls: Option<(PathBuf, PathBuf)>,
+    extra_args: &[String],
+) -> (Daemon, u16) {
     std::fs::write(dir.path().join("key"), format!("{KEY}\n")).expect("write key");
     let agent_sock = dir.path().join("agent.sock");
     // `commands.run` is `bash -l`: with the host's HOME it would run the host's ~/.profile
@@ -202,6 +206,7 @@ fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Dae
         .arg(format!("127.0.0.1:{port}"))
         .arg("--e2b-domain")
         .arg("e2b.test")
+        .args(extra_args)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
@@ -249,7 +254,12 @@ fn start_daemon(dir: tempfile::TempDir, tls: Option<(PathBuf, PathBuf)>) -> (Dae
 
 /// The venv's python for SDK `version`, or why there is none.
 fn sdk_python(version: &str) -> Result<PathBuf, String> {
-    let script = workspace_root().join("scripts/e2b-venv.sh");
+    venv_python("scripts/e2b-venv.sh", version)
+}
+
+/// The python that `script VERSION` prints after making its venv.
+fn venv_python(script: &str, version: &str) -> Result<PathBuf, String> {
+    let script = workspace_root().join(script);
     let output = Command::new("sh")
         .arg(&script)
         .arg(version)
@@ -273,6 +283,10 @@ fn sdk_python(version: &str) -> Result<PathBuf, String> {
 }
 
 fn run_sdk_suite(test: &str, version: &str, tls: bool) {
+    run_sdk_script(test, version, tls, "test_sdk.py");
+}
+
+fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     if !kvm_available() {
         return;
     }
@@ -295,7 +309,7 @@ fn run_sdk_suite(test: &str, version: &str, tls: bool) {
     } else {
         (None, None)
     };
-    let (daemon, port) = start_daemon(dir, files);
+    let (daemon, port) = start_daemon(dir, files, &[]);
     let scratch = tempfile::tempdir().expect("scratch");
     let scheme = if tls { "https" } else { "http" };
     let url = format!("{scheme}://127.0.0.1:{port}");
@@ -304,8 +318,9 @@ fn run_sdk_suite(test: &str, version: &str, tls: bool) {
         command.env("SSL_CERT_FILE", ca);
     }
     let output = command
-        .arg(workspace_root().join("rollbox/tests/e2b/test_sdk.py"))
+        .arg(workspace_root().join("rollbox/tests/e2b").join(script))
         .env("E2B_API_URL", &url)
+        .env("ROLLBOX_E2B_PORT", port.to_string())
         .env("E2B_API_KEY", KEY)
         .env("E2B_DOMAIN", "e2b.test")
         .env("E2B_SANDBOX_URL", &url)
@@ -332,8 +347,223 @@ fn stock_e2b_sdk_2_63_against_rollbox() {
     run_sdk_suite("stock_e2b_sdk_2_63_against_rollbox", "2.63.0", true);
 }
 
+/// SDK 1.x: `https://api.{domain}` and host-routed `https://{port}-{id}.{domain}` only (the
+/// script stands in for wildcard DNS), `GET /sandboxes/{id}` to connect.
+#[test]
+fn stock_e2b_sdk_1_11_against_rollbox() {
+    run_sdk_script(
+        "stock_e2b_sdk_1_11_against_rollbox",
+        "1.11.1",
+        true,
+        "test_sdk_v1.py",
+    );
+}
+
 /// SDK 2.0-2.50 creates with `POST /sandboxes` and connects with `/sandboxes/{id}/connect`.
 #[test]
 fn stock_e2b_sdk_2_50_against_rollbox() {
     run_sdk_suite("stock_e2b_sdk_2_50_against_rollbox", "2.50.0", false);
+}
+
+/// A JSON request to the E2B listener (plain HTTP) with the key as `X-API-KEY`.
+fn e2b_call(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+    let response = Endpoint::Tcp(format!("127.0.0.1:{port}"))
+        .request(
+            method,
+            path,
+            &[("X-API-KEY", KEY), ("Content-Type", "application/json")],
+            body.map(str::as_bytes),
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let value = if response.body.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&response.body).unwrap_or_else(|e| {
+            panic!(
+                "{method} {path}: not JSON ({e}): {}",
+                String::from_utf8_lossy(&response.body)
+            )
+        })
+    };
+    (response.status, value)
+}
+
+/// A JSON request to the daemon's native API.
+fn native_call(
+    daemon: &Daemon,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let auth = format!("Bearer {KEY}");
+    let response = Endpoint::Unix(daemon.dir.path().join("d.sock"))
+        .request(
+            method,
+            path,
+            &[("Authorization", auth.as_str())],
+            body.map(str::as_bytes),
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let value = serde_json::from_slice(&response.body).unwrap_or(serde_json::Value::Null);
+    (response.status, value)
+}
+
+/// E2B `envVars` are the daemon's sandbox `env`: native execs see them, and so do forks.
+#[test]
+fn e2b_env_vars_are_the_sandbox_env() {
+    if !kvm_available() {
+        return;
+    }
+    let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
+    let (status, created) = e2b_call(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"guest","timeout":60,"envVars":{"GREETING":"hi there"}}"#),
+    );
+    assert_eq!(status, 201, "{created}\n{}", daemon.log());
+    let id = created["sandboxID"]
+        .as_str()
+        .expect("sandboxID")
+        .to_string();
+    let (status, sandbox) = native_call(&daemon, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 200, "{sandbox}");
+    assert_eq!(
+        sandbox["env"],
+        json!({ "GREETING": "hi there" }),
+        "{sandbox}"
+    );
+    let (status, ran) = native_call(
+        &daemon,
+        "POST",
+        &format!("/sandboxes/{id}/exec"),
+        Some(r#"{"cmd":"echo \"$GREETING\""}"#),
+    );
+    assert_eq!(status, 200, "{ran}");
+    assert_eq!(ran["stdout"], "hi there\n", "{ran}");
+    let (status, forks) = e2b_call(
+        port,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(r#"{"count":1}"#),
+    );
+    assert_eq!(status, 201, "{forks}\n{}", daemon.log());
+    let fork = forks[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no fork: {forks}"));
+    let (_, forked) = native_call(&daemon, "GET", &format!("/sandboxes/{fork}"), None);
+    assert_eq!(forked["env"], json!({ "GREETING": "hi there" }), "{forked}");
+}
+
+/// The stock e2b-code-interpreter 2.11.5 `run_code` against rollbox: the daemon forwards
+/// sandbox port 49999 to our server (scripts/e2b-code-interpreter-server.py, an IPython kernel)
+/// on the host, as the host agent stands in for the guest.
+#[test]
+fn stock_e2b_code_interpreter_2_11_against_rollbox() {
+    let test = "stock_e2b_code_interpreter_2_11_against_rollbox";
+    if !kvm_available() {
+        return;
+    }
+    let python = match venv_python("scripts/e2b-ci-venv.sh", "2.11.5") {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(test, &format!("no e2b-code-interpreter venv: {reason}"));
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut server = Command::new(&python)
+        .arg(workspace_root().join("scripts/e2b-code-interpreter-server.py"))
+        .args(["--port", "0", "--cwd"])
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the code-interpreter server");
+    let mut line = String::new();
+    let stdout = server.stdout.take().expect("server stdout");
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+        .expect("read the server's address");
+    let Some(address) = line.trim().strip_prefix("listening ").map(str::to_string) else {
+        let _ = server.kill();
+        panic!("the code-interpreter server printed {line:?}, not its address");
+    };
+    let (mut daemon, port) = start_daemon(
+        dir,
+        None,
+        &[
+            "--e2b-test-port-forward".to_string(),
+            format!("49999={address}"),
+        ],
+    );
+    daemon.children.push(server);
+    let url = format!("http://127.0.0.1:{port}");
+    let scratch = tempfile::tempdir().expect("scratch");
+    // The code interpreter, then AReaL's and Harbor's call patterns (which use run_code too).
+    for script in ["test_code_interpreter.py", "test_patterns.py"] {
+        let output = Command::new(&python)
+            .arg(workspace_root().join("rollbox/tests/e2b").join(script))
+            .env("E2B_API_URL", &url)
+            .env("E2B_API_KEY", KEY)
+            .env("E2B_DOMAIN", "e2b.test")
+            .env("E2B_SANDBOX_URL", &url)
+            .env("ROLLBOX_E2B_TEMPLATE", "guest")
+            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+            .env_remove("E2B_DEBUG")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("run {script}: {e}"));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        println!("{stdout}");
+        assert!(
+            output.status.success() && stdout.contains("all ok"),
+            "{script} failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            daemon.log()
+        );
+    }
+}
+
+/// Figures, not asserts (docs/benchmarks.md): rollbox/tests/e2b/bench.py with the stock SDK
+/// 2.63.0 over plain HTTP and the native API in the same run, at the concurrencies of
+/// ROLLBOX_E2B_BENCH_CONCURRENCY (default 1,16,64). Run with `--ignored --nocapture`.
+#[test]
+#[ignore = "benchmark: prints figures"]
+fn e2b_benchmark_figures() {
+    let test = "e2b_benchmark_figures";
+    if !kvm_available() {
+        return;
+    }
+    let python = match sdk_python("2.63.0") {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(test, &format!("no e2b 2.63.0 venv: {reason}"));
+            return;
+        }
+    };
+    let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
+    let scratch = tempfile::tempdir().expect("scratch");
+    let url = format!("http://127.0.0.1:{port}");
+    let status = Command::new(&python)
+        .arg(workspace_root().join("rollbox/tests/e2b/bench.py"))
+        .env("E2B_API_URL", &url)
+        .env("E2B_API_KEY", KEY)
+        .env("E2B_DOMAIN", "e2b.test")
+        .env("E2B_SANDBOX_URL", &url)
+        .env("ROLLBOX_E2B_TEMPLATE", "guest")
+        .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+        .env("ROLLBOX_NATIVE_SOCKET", daemon.dir.path().join("d.sock"))
+        .env_remove("E2B_DEBUG")
+        .stdin(Stdio::null())
+        .status()
+        .expect("run bench.py");
+    assert!(
+        status.success(),
+        "bench.py failed ({status})\n--- serve.log ---\n{}",
+        daemon.log()
+    );
 }

@@ -151,8 +151,10 @@ def run_checks(sbx):
     time.sleep(0.3)
     assert pid in [p.pid for p in sbx.commands.list()], "a disconnect killed the process"
     assert sbx.commands.kill(pid)
-    time.sleep(0.3)
-    assert pid not in [p.pid for p in sbx.commands.list()]
+    deadline = time.time() + 10  # the kill is a signal: the exit comes a moment later
+    while pid in [p.pid for p in sbx.commands.list()]:
+        assert time.time() < deadline, "a killed process stayed listed"
+        time.sleep(0.1)
     assert not sbx.commands.kill(pid)
     ok("a disconnect does not kill; list and kill by pid")
 
@@ -208,6 +210,7 @@ def run_checks(sbx):
     ok("list with metadata")
 
     figures(sbx)
+    metrics_fork_snapshots(sbx)
 
     same = Sandbox.connect(sbx.sandbox_id)
     assert same.sandbox_id == sbx.sandbox_id
@@ -223,6 +226,66 @@ def run_checks(sbx):
     assert str(resumed.get_info().state) == "running"
     assert resumed.commands.run("echo resumed").stdout == "resumed\n"
     ok("pause, and connect resumes")
+
+
+def metrics_fork_snapshots(sbx):
+    key = os.environ["E2B_API_KEY"]
+    metrics = sbx.get_metrics()
+    assert len(metrics) == 1, metrics
+    metric = metrics[0]
+    assert metric.cpu_count == 1 and metric.mem_total == 32 << 20, metric
+    assert 0 < metric.mem_used and 0 <= metric.cpu_used_pct <= 100, metric
+    ok("get_metrics: one sample of now, from the host")
+    status, body = raw("GET", f"/sandboxes/metrics?sandbox_ids={sbx.sandbox_id},sb-0000000000000000", key)
+    assert status == 200 and list(json.loads(body)["sandboxes"]) == [sbx.sandbox_id], (status, body)
+    status, body = raw("GET", f"/sandboxes/{sbx.sandbox_id}/metrics?end=1", key)
+    assert status == 200 and json.loads(body) == [], (status, body)
+    ok("metrics of many sandboxes; a range without now is empty")
+
+    status, body = raw("POST", f"/sandboxes/{sbx.sandbox_id}/refreshes", key, b'{"duration":250}')
+    assert status == 204, (status, body)
+    left = sbx.get_info().end_at.timestamp() - time.time()
+    assert 200 < left <= 251, left
+    status, body = raw("POST", f"/sandboxes/{sbx.sandbox_id}/refreshes", key, b'{"duration":0}')
+    assert status == 400 and "duration" in json.loads(body)["message"], (status, body)
+    ok("refreshes extend the TTL; a bad duration is 400")
+
+    forks = sbx.fork(count=2, timeout=60)
+    assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+    try:
+        assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 3, forks
+        for fork in forks:
+            assert fork.commands.run('echo "$GREETING"').stdout == "hi there\n"
+            info = fork.get_info()
+            assert info.metadata == {"suite": "e2b-sdk"}, info.metadata
+            assert 30 < info.end_at.timestamp() - time.time() <= 61, info.end_at
+        assert sbx.is_running()
+        ok("fork(count=2): running clones with the parent's envVars and metadata")
+    finally:
+        for fork in forks:
+            if isinstance(fork, Sandbox):
+                fork.kill()
+    status, body = raw("POST", f"/sandboxes/{sbx.sandbox_id}/fork", key, b'{"count":21}')
+    assert status == 400 and "count" in json.loads(body)["message"], (status, body)
+    expect_error("fork an unknown sandbox", lambda: Sandbox.fork("sb-0000000000000000"), "not found")
+
+    snap = sbx.create_snapshot()
+    assert snap.snapshot_id.startswith("snap-") and snap.names == [snap.snapshot_id], snap
+    assert sbx.is_running() and sbx.commands.run("echo still").stdout == "still\n"
+    listed = [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    assert snap.snapshot_id in listed, listed
+    restored = Sandbox.create(snap.snapshot_id, timeout=60)
+    try:
+        assert restored.sandbox_id != sbx.sandbox_id
+        assert restored.commands.run('echo restored "$GREETING"').stdout == "restored hi there\n"
+    finally:
+        restored.kill()
+    ok("create_snapshot, list_snapshots, Sandbox.create(snapshot_id) with the envVars it had")
+    expect_error("a named snapshot is refused", lambda: sbx.create_snapshot("named"), "no names")
+    assert Sandbox.delete_snapshot(snap.snapshot_id)
+    assert not Sandbox.delete_snapshot(snap.snapshot_id)
+    assert snap.snapshot_id not in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+    ok("delete_snapshot, and again is False")
 
 
 def percentile(values, q):

@@ -14,18 +14,16 @@ use serde_json::{json, Value};
 use super::super::api::{self, Action, ApiError, ListQuery, Sandbox, State, MAX_BODY, MAX_TTL_S};
 use super::super::http::Out;
 use super::super::{now_ms, Reply};
-use super::{
-    json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION, ENV_VARS_KEY,
-};
+use super::{json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION};
 
-/// E2B calls rollbox does not serve (yet), answered 501 with this reason.
-const REFUSED: &[(&str, &str)] = &[
-    ("fork", "fork through the E2B API is not served yet; use rollbox's POST /sandboxes/{id}/fork"),
-    ("snapshots", "snapshots through the E2B API are not served yet; use rollbox's POST /sandboxes/{id}/snapshots"),
-    ("metrics", "sandbox metrics are not served yet"),
-    ("network", "network updates are not served: rollbox sandboxes have no E2B network policy"),
-    ("refreshes", "refreshes are not served; use POST /sandboxes/{id}/timeout"),
-];
+/// E2B calls rollbox does not serve, answered 501 with this reason.
+const REFUSED: &[(&str, &str)] = &[(
+    "network",
+    "network updates are not served: rollbox sandboxes have no E2B network policy",
+)];
+
+/// Forks per E2B fork call (the SDK checks 1 to 20 itself).
+const MAX_E2B_FORK: i64 = 20;
 
 /// A refused control-plane call.
 #[derive(Debug)]
@@ -117,6 +115,13 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
     match (method.as_str(), segments.as_slice()) {
         ("POST", ["sandboxes"]) => create(e2b, &body, idempotency_key).await,
         ("GET", ["sandboxes"]) => list(e2b, &query, v2).await,
+        ("GET", ["sandboxes", "metrics"]) => metrics_of_many(e2b, &query).await,
+        ("GET", ["sandboxes", id, "metrics"]) => metrics(e2b, id, &query).await,
+        ("POST", ["sandboxes", id, "fork"]) => fork(e2b, id, &body).await,
+        ("POST", ["sandboxes", id, "snapshots"]) => snapshot(e2b, id, &body).await,
+        ("POST", ["sandboxes", id, "refreshes"]) => refresh(e2b, id, &body).await,
+        ("GET", ["snapshots"]) => list_snapshots(e2b, &query).await,
+        ("DELETE", ["templates", id]) => delete_snapshot(e2b, id).await,
         ("GET", ["sandboxes", id]) => detail(e2b, id).await,
         ("DELETE", ["sandboxes", id]) => kill(e2b, id).await,
         ("POST", ["sandboxes", id, "timeout"]) => set_timeout(e2b, id, &body).await,
@@ -184,40 +189,65 @@ async fn create(
         Some(t) => check_timeout(t)?,
         None => DEFAULT_TIMEOUT_S,
     };
-    match e2b
-        .daemon
-        .handle(Action::GetTemplate(template.clone()))
-        .await
-    {
-        Ok(_) => {}
-        Err(ApiError::NotFound(_)) => {
-            return Err(Refusal::new(
-                404,
-                format!(
-                    "template {template:?} not found (rollbox templates: `rollbox template ls`)"
-                ),
-            ))
+    // `Sandbox.create(snapshot_id)`: the SDK sends a snapshot id as the template.
+    let from_snapshot = api::check_snapshot_id(&template, "templateID").is_ok();
+    let (lookup, missing) = if from_snapshot {
+        (
+            Action::GetSnapshot(template.clone()),
+            format!("snapshot {template:?} not found (rollbox snapshots: GET /snapshots)"),
+        )
+    } else {
+        (
+            Action::GetTemplate(template.clone()),
+            format!("template {template:?} not found (rollbox templates: `rollbox template ls`)"),
+        )
+    };
+    // A restore keeps the env its sandbox had (E2B's envd holds envVars in the memory the
+    // snapshot saved); the create's envVars go on top.
+    let mut env = match e2b.daemon.handle(lookup).await {
+        Ok(Reply::Snapshot { snapshot, .. }) => {
+            match e2b
+                .daemon
+                .handle(Action::GetSandbox(snapshot.sandbox))
+                .await
+            {
+                Ok(Reply::Sandbox { sandbox, .. }) => sandbox.env,
+                _ => BTreeMap::new(),
+            }
         }
+        Ok(_) => BTreeMap::new(),
+        Err(ApiError::NotFound(_)) => return Err(Refusal::new(404, missing)),
         Err(e) => return Err(e.into()),
-    }
-    let mut metadata = BTreeMap::new();
-    if let Some(envs) = new.env_vars.filter(|e| !e.is_empty()) {
-        let envs =
-            serde_json::to_string(&envs).map_err(|e| Refusal::new(400, format!("envVars: {e}")))?;
-        metadata.insert(ENV_VARS_KEY.to_string(), envs);
-    }
-    // E2B metadata is what lists filter on: rollbox labels.
+    };
+    env.extend(new.env_vars.unwrap_or_default());
+    // E2B metadata is what lists filter on: rollbox labels. envVars are the sandbox's env,
+    // which the daemon merges under every exec's own (forks inherit it).
+    let (template, snapshot) = if from_snapshot {
+        (None, Some(template))
+    } else {
+        (Some(template), None)
+    };
     let native = json!({
         "template": template,
+        "snapshot": snapshot,
         "ttl_s": ttl_s,
         "labels": new.metadata.unwrap_or_default(),
-        "metadata": metadata,
+        "env": env,
         "idempotency_key": idempotency_key,
     });
     let action =
         api::parse("POST", "/sandboxes", None, native.to_string().as_bytes()).map_err(|e| {
-            let message = e.to_string().replacen("labels", "metadata", 1);
-            let message = message.replacen("idempotency_key", "Idempotency-Key", 1);
+            let message = e.to_string();
+            let message = match message.split_once(':') {
+                Some((field, rest)) => {
+                    let field = field
+                        .replacen("labels", "metadata", 1)
+                        .replacen("env", "envVars", 1)
+                        .replacen("idempotency_key", "Idempotency-Key", 1);
+                    format!("{field}:{rest}")
+                }
+                None => message,
+            };
             Refusal::new(e.status(), message)
         })?;
     let sandbox = match e2b.daemon.handle(action).await {
@@ -460,4 +490,299 @@ async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Response<Out>, Re
         }
     }
     Ok(response)
+}
+
+#[derive(Deserialize)]
+struct ForkRequest {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+/// `POST /sandboxes/{id}/fork`: the daemon's fork (one snapshot, `count` restores). Without a
+/// `timeout` the forks get what the parent has left; they keep its metadata and envVars.
+async fn fork(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+    let request: ForkRequest = parse_json(body, "SandboxForkRequest")?;
+    let count = request.count.unwrap_or(1);
+    let count = u32::try_from(count)
+        .ok()
+        .filter(|c| (1..=MAX_E2B_FORK).contains(&i64::from(*c)))
+        .ok_or_else(|| {
+            Refusal::new(
+                400,
+                format!("count: {count} is out of range (1 to {MAX_E2B_FORK})"),
+            )
+        })?;
+    let ttl_s = request.timeout.map(check_timeout).transpose()?;
+    let parent = live(e2b, id).await?;
+    if parent.state != State::Running {
+        return Err(Refusal::new(
+            409,
+            format!("sandbox {id:?} is paused: connect to resume it before forking"),
+        ));
+    }
+    let reply = e2b
+        .daemon
+        .handle(Action::Fork {
+            id: id.to_string(),
+            count,
+            ttl_s,
+            labels: parent.labels.clone(),
+        })
+        .await?;
+    let Reply::Forked(results) = reply else {
+        return Err(Refusal::new(500, format!("fork answered {reply:?}")));
+    };
+    let results: Vec<Value> = results
+        .iter()
+        .map(|result| match (&result.sandbox, &result.error) {
+            (Some(sandbox), None) => json!({ "sandbox": sandbox_json(e2b, sandbox) }),
+            (_, error) => json!({ "error": {
+                "code": 500,
+                "message": error.as_deref().unwrap_or("the fork made no sandbox"),
+            }}),
+        })
+        .collect();
+    Ok(json(201, &Value::Array(results)))
+}
+
+#[derive(Deserialize)]
+struct SnapshotRequest {
+    name: Option<String>,
+    memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/snapshots`: a full (memory and disk) snapshot; the sandbox runs on.
+async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+    let request: SnapshotRequest = parse_json(body, "SandboxSnapshotRequest")?;
+    if let Some(name) = request.name {
+        return Err(Refusal::new(
+            400,
+            format!("name: {name:?}: rollbox snapshots have no names, only ids; omit the name"),
+        ));
+    }
+    if request.memory == Some(false) {
+        return Err(Refusal::new(
+            400,
+            "memory: false (filesystem-only snapshots) is not served; rollbox snapshots keep memory and disk",
+        ));
+    }
+    let sandbox = live(e2b, id).await?;
+    if sandbox.state != State::Running {
+        return Err(Refusal::new(
+            409,
+            format!("sandbox {id:?} is paused: connect to resume it before a snapshot"),
+        ));
+    }
+    let reply = e2b
+        .daemon
+        .handle(Action::Snapshot {
+            id: id.to_string(),
+            stop: false,
+            ttl_s: None,
+        })
+        .await?;
+    let Reply::Snapshot { snapshot, .. } = reply else {
+        return Err(Refusal::new(500, format!("snapshot answered {reply:?}")));
+    };
+    Ok(json(201, &snapshot_json(&snapshot)))
+}
+
+/// `SnapshotInfo`: rollbox snapshots have ids only, so the one name is the id.
+fn snapshot_json(snapshot: &api::Snapshot) -> Value {
+    json!({ "snapshotID": snapshot.id, "names": [snapshot.id] })
+}
+
+/// `GET /snapshots?sandboxID=&name=&limit=&nextToken=`, oldest first; the token is an offset.
+async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Refusal> {
+    let (mut sandbox, mut name, mut limit, mut offset) = (None, None, 100usize, 0usize);
+    for (key, value) in query_pairs(query) {
+        match key.as_str() {
+            "sandboxID" if !value.is_empty() => sandbox = Some(value),
+            "name" if !value.is_empty() => name = Some(value),
+            "limit" => {
+                limit = value
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| {
+                        Refusal::new(400, format!("limit: {value:?} is not 1 to 1000"))
+                    })?;
+            }
+            "nextToken" if !value.is_empty() => {
+                offset = value.parse().map_err(|_| {
+                    Refusal::new(
+                        400,
+                        format!("nextToken: {value:?} is not a token this server gave"),
+                    )
+                })?;
+            }
+            _ => {}
+        }
+    }
+    let Reply::Snapshots(mut snapshots) =
+        e2b.daemon.handle(Action::ListSnapshots { sandbox }).await?
+    else {
+        return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
+    };
+    snapshots.retain(|s| name.as_ref().is_none_or(|n| *n == s.id));
+    snapshots.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+    let page: Vec<Value> = snapshots
+        .iter()
+        .skip(offset)
+        .take(limit)
+        .map(snapshot_json)
+        .collect();
+    let mut response = json(200, &Value::Array(page));
+    if offset.saturating_add(limit) < snapshots.len() {
+        let next = (offset + limit).to_string();
+        if let Ok(value) = hyper::header::HeaderValue::from_str(&next) {
+            response.headers_mut().insert("x-next-token", value);
+        }
+    }
+    Ok(response)
+}
+
+/// `DELETE /templates/{id}`, which the SDK's `delete_snapshot` calls: snapshots only.
+async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
+    if api::check_snapshot_id(id, "snapshot").is_err() {
+        return Err(Refusal::new(
+            404,
+            format!("snapshot {id:?} not found (rollbox deletes only snapshots, snap-…, through the E2B API; templates with `rollbox template rm`)"),
+        ));
+    }
+    // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
+    match e2b.daemon.handle(Action::GetSnapshot(id.to_string())).await {
+        Ok(_) => {}
+        Err(ApiError::NotFound(_)) => {
+            return Err(Refusal::new(404, format!("snapshot {id:?} not found")))
+        }
+        Err(e) => return Err(e.into()),
+    }
+    e2b.daemon
+        .handle(Action::DeleteSnapshot(id.to_string()))
+        .await?;
+    Ok(no_content())
+}
+
+#[derive(Deserialize)]
+struct RefreshRequest {
+    duration: Option<i64>,
+}
+
+/// `POST /sandboxes/{id}/refreshes`: keep it alive `duration` s from now (never shorter).
+async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+    let request: RefreshRequest = parse_json(body, "SandboxRefreshRequest")?;
+    let ttl_s = match request.duration {
+        Some(d) => check_timeout(d).map_err(|r| Refusal {
+            message: r.message.replacen("timeout", "duration", 1),
+            ..r
+        })?,
+        None => DEFAULT_TIMEOUT_S,
+    };
+    let sandbox = live(e2b, id).await?;
+    if now_ms().saturating_add(ttl_s.saturating_mul(1000)) > sandbox.expires_at_ms {
+        e2b.daemon
+            .handle(Action::Keepalive {
+                id: id.to_string(),
+                ttl_s,
+            })
+            .await?;
+    }
+    Ok(no_content())
+}
+
+/// One `SandboxMetric` now, from the host: CPU is the VMM's CPU time over its running time
+/// (an average since start, in % of its vCPUs), memory the VMM's resident set (guest pages
+/// it touched), disk the sandbox's rootfs file (allocated and apparent size; 0 without one).
+async fn metric_now(e2b: &E2b, sandbox: &Sandbox) -> Result<Value, Refusal> {
+    let usage = match e2b.daemon.handle(Action::Usage(sandbox.id.clone())).await? {
+        Reply::Usage(usage) => usage,
+        other => return Err(Refusal::new(500, format!("usage answered {other:?}"))),
+    };
+    let capacity_s = (usage.running_s as f64) * f64::from(sandbox.vcpus.max(1));
+    let cpu_used_pct = if capacity_s > 0.0 {
+        (usage.cpu_seconds / capacity_s * 100.0).clamp(0.0, 100.0)
+    } else {
+        0.0
+    };
+    let mem_used = sandbox.pid.and_then(resident_bytes).unwrap_or(0);
+    let (disk_used, disk_total) = std::fs::metadata(sandbox.dir.join("rootfs.img"))
+        .map(|m| {
+            use std::os::unix::fs::MetadataExt as _;
+            (m.blocks().saturating_mul(512), m.len())
+        })
+        .unwrap_or((0, 0));
+    let now = now_ms();
+    Ok(json!({
+        "timestamp": rfc3339(now),
+        "timestampUnix": now / 1000,
+        "cpuCount": sandbox.vcpus,
+        "cpuUsedPct": (cpu_used_pct * 100.0).round() / 100.0,
+        "memUsed": mem_used,
+        "memTotal": u64::from(sandbox.memory_mib) * 1024 * 1024,
+        "memCache": 0,
+        "diskUsed": disk_used,
+        "diskTotal": disk_total,
+    }))
+}
+
+/// VmRSS of process `pid`, in bytes.
+fn resident_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// `GET /sandboxes/{id}/metrics?start=&end=`: rollbox keeps no history, so the answer is the
+/// one sample of now, or none when now is outside [start, end].
+async fn metrics(e2b: &Arc<E2b>, id: &str, query: &str) -> Result<Response<Out>, Refusal> {
+    let now_s = now_ms() / 1000;
+    for (key, value) in query_pairs(query) {
+        let bound = || {
+            value
+                .parse::<u64>()
+                .map_err(|_| Refusal::new(400, format!("{key}: {value:?} is not unix seconds")))
+        };
+        match key.as_str() {
+            "start" if bound()? > now_s => return Ok(json(200, &json!([]))),
+            "end" if bound()? < now_s => return Ok(json(200, &json!([]))),
+            _ => {}
+        }
+    }
+    let sandbox = live(e2b, id).await?;
+    Ok(json(200, &json!([metric_now(e2b, &sandbox).await?])))
+}
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: `{"sandboxes": {id: SandboxMetric}}` for the
+/// live ones among them.
+async fn metrics_of_many(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Refusal> {
+    let ids: Vec<String> = query_pairs(query)
+        .into_iter()
+        .filter(|(key, _)| key == "sandbox_ids")
+        .flat_map(|(_, value)| {
+            value
+                .split(',')
+                .filter(|id| !id.is_empty())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if ids.is_empty() {
+        return Err(Refusal::new(
+            400,
+            "sandbox_ids: required (comma-separated sandbox ids)",
+        ));
+    }
+    let mut sandboxes = serde_json::Map::new();
+    for id in ids {
+        match live(e2b, &id).await {
+            Ok(sandbox) => {
+                sandboxes.insert(id, metric_now(e2b, &sandbox).await?);
+            }
+            Err(refusal) if refusal.status == 404 => {}
+            Err(refusal) => return Err(refusal),
+        }
+    }
+    Ok(json(200, &json!({ "sandboxes": sandboxes })))
 }

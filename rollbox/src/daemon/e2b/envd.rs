@@ -85,7 +85,10 @@ pub(super) async fn respond(
     request: Request<Incoming>,
 ) -> Response<Out> {
     let id = target.id.clone();
-    if target.port != Some(ENVD_PORT) {
+    let forward_to = target
+        .port
+        .and_then(|port| e2b.options.test_port_forwards.get(&port).copied());
+    if target.port != Some(ENVD_PORT) && forward_to.is_none() {
         let port = target.port.map_or("?".to_string(), |p| p.to_string());
         return proxy_error(
             &id,
@@ -98,6 +101,14 @@ pub(super) async fn respond(
         Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live() => sandbox,
         _ => return proxy_error(&id, format!("The sandbox {id} was not found")),
     };
+    // Other ports are the guest's own services: envd's access token is not theirs to check
+    // (the code interpreter SDK sends it on /execute but not on /contexts).
+    if let Some(address) = forward_to {
+        return match super::forward::forward(address, request).await {
+            Ok(response) => response,
+            Err(why) => proxy_error(&id, format!("sandbox {id}: port is not open ({why})")),
+        };
+    }
     let path = request.uri().path().to_string();
     let method = request.method().as_str().to_string();
     if method == "GET" && path == "/health" {
@@ -267,12 +278,17 @@ impl Call {
         &self.sandbox.id
     }
 
+    /// The sandbox's env; sandboxes made before E2B envVars became the daemon's env kept
+    /// them as JSON in metadata [`ENV_VARS_KEY`].
     fn env_vars(&self) -> BTreeMap<String, String> {
-        self.sandbox
+        let mut env: BTreeMap<String, String> = self
+            .sandbox
             .metadata
             .get(ENV_VARS_KEY)
             .and_then(|text| serde_json::from_str(text).ok())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        env.extend(self.sandbox.env.clone());
+        env
     }
 
     /// The user's home: where relative paths and `~` resolve.

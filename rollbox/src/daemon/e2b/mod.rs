@@ -17,6 +17,7 @@
 pub mod connect;
 mod control;
 mod envd;
+mod forward;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -37,7 +38,8 @@ pub const ENVD_VERSION: &str = "0.5.7";
 pub const ENVD_PORT: u16 = 49983;
 /// Sandbox TTL when a create gives no `timeout` (the SDK's own default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
-/// The native metadata key that holds a sandbox's E2B `envVars` (JSON), hidden from E2B.
+/// The native metadata key where sandboxes made by the first E2B slice kept their `envVars`
+/// (JSON); sandboxes made since keep them as the daemon's sandbox `env`.
 pub const ENV_VARS_KEY: &str = "e2b.envVars";
 
 /// `rollbox serve --e2b-*` options.
@@ -50,6 +52,9 @@ pub struct E2bOptions {
     pub domain: String,
     /// Serve TLS with this certificate chain and private key (PEM files).
     pub tls: Option<TlsFiles>,
+    /// Test-only: sandbox port → a host TCP address every sandbox's traffic for it goes to
+    /// (the code interpreter's 49999 with the host agent).
+    pub test_port_forwards: std::collections::BTreeMap<u16, SocketAddr>,
 }
 
 /// `--e2b-tls-cert` and `--e2b-tls-key`.
