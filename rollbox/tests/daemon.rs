@@ -2055,7 +2055,12 @@ fn snapshot_retention_keeps_the_newest_n_and_ttls_but_never_a_live_sandboxs_sour
         Duration::from_secs(10),
         || snapshot_ids(&server, &other_id) == [kept.clone()],
     );
-    assert!(!short_dir.exists(), "{short} expired but its files stay");
+    // The row goes first, then the files (off the reaper's thread).
+    wait_for(
+        &format!("{short}'s files to go after it expired"),
+        Duration::from_secs(10),
+        || !short_dir.exists(),
+    );
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(snapshot_ids(&server, &other_id), [kept]);
     let user_id = user["id"].as_str().expect("id");

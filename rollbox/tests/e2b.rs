@@ -213,8 +213,9 @@ fn start_daemon(
         .spawn()
         .expect("spawn rollbox serve");
     daemon.children.push(serve);
+    // Both listeners: the E2B port alone could be another process's (free_port races).
     wait_for("rollbox serve", &daemon, || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        sock.exists() && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
     let body = json!({
         "name": "guest",
