@@ -12,7 +12,8 @@ use rollbox::daemon::api::ROUTES;
 use rollbox::daemon::client::{Endpoint, Response};
 use rollbox::daemon::{cgroup, vm};
 use rollbox_tests::{
-    agent_binary, kvm_available, rollbox_binary, test_guest, vmm_binary, TEST_GUEST_CMDLINE,
+    agent_binary, jailer_binary, kvm_available, rollbox_binary, test_guest, vmm_binary,
+    TEST_GUEST_CMDLINE,
 };
 use serde_json::{json, Value};
 
@@ -63,6 +64,9 @@ impl Server {
         command.arg("serve");
         if !self.args.iter().any(|a| a == "--vmm") {
             command.arg("--vmm").arg(vmm_binary());
+        }
+        if !self.args.iter().any(|a| a == "--jailer" || a == "--no-jailer") {
+            command.arg("--jailer").arg(jailer_binary());
         }
         let child = command
             .arg("--socket")
@@ -170,6 +174,17 @@ impl Drop for Server {
         if let Ok(dir) = std::fs::canonicalize(self.state()) {
             for found in vm::find_vmms(&dir.join("sandboxes")) {
                 vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+            // The groups of jails whose jailer went with the kill, and their parents.
+            let fs = Path::new("/sys/fs/cgroup");
+            let parent = cgroup::root_name(&dir);
+            for (_, group) in rollbox_jailer::all_jail_groups(fs, &parent) {
+                let _ = rollbox_jailer::remove_group(&group);
+            }
+            for (_, top) in rollbox_jailer::all_jail_groups(fs, "") {
+                if top.ends_with(&parent) {
+                    let _ = std::fs::remove_dir(top);
+                }
             }
             // The daemon's cgroup root (cpu_limit), once its sandboxes' groups are gone.
             if let Some(groups) = host_cgroups(&dir) {
