@@ -143,12 +143,11 @@ impl JailGroups {
         Ok(())
     }
 
-    /// Moves process `pid` into every group.
-    pub fn enter(&self, pid: u32) -> Result<(), JailError> {
+    /// Moves the calling process into every group ("0" names the writer, in any PID namespace).
+    pub fn enter_self(&self) -> Result<(), JailError> {
         for dir in &self.dirs {
             let procs = dir.join("cgroup.procs");
-            std::fs::write(&procs, pid.to_string())
-                .map_err(JailError::step("join cgroup", &procs))?;
+            std::fs::write(&procs, "0").map_err(JailError::step("join cgroup", &procs))?;
         }
         Ok(())
     }

@@ -224,6 +224,11 @@ fn run(args: Args) -> Result<i32, JailError> {
         .file_name()
         .ok_or_else(|| usage(format!("--exec {}: no file name", args.exec.display())))?;
     let mut binds = vec![(args.exec.clone(), PathBuf::from(exec_name), false)];
+    // A dynamically linked VMM needs its loader and libraries, at the same paths.
+    for library in shared_libraries(&args.exec)? {
+        let jail = jail_relative(&library)?;
+        binds.push((library, jail, false));
+    }
     for spec in &args.bind_ro {
         let (host, jail) = match spec.rsplit_once(':') {
             Some((host, jail)) => (PathBuf::from(host), jail_relative(Path::new(jail))?),
@@ -295,9 +300,7 @@ fn run(args: Args) -> Result<i32, JailError> {
             argv,
         };
         let groups = JailGroups::create(&args.cgroup_fs, &args.cgroup_parent, &args.id, &args.cgroup)?;
-        let status = groups
-            .enter(std::process::id())
-            .and_then(|()| start(&plan, &args));
+        let status = start(&plan, &args, &groups);
         // The jail has ended (or never started): its groups go.
         for error in groups.remove() {
             eprintln!("rollbox-jailer: {error}");
@@ -308,6 +311,43 @@ fn run(args: Args) -> Result<i32, JailError> {
         let _ = std::fs::remove_dir(path).or_else(|_| std::fs::remove_file(path));
     }
     result
+}
+
+/// The shared libraries and loader `exec` needs (from `ldd`; none for a static binary).
+fn shared_libraries(exec: &Path) -> Result<Vec<PathBuf>, JailError> {
+    let output = std::process::Command::new("ldd")
+        .arg(exec)
+        .output()
+        .map_err(JailError::step("run ldd on", exec))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        if text.contains("not a dynamic executable")
+            || String::from_utf8_lossy(&output.stderr).contains("not a dynamic executable")
+        {
+            return Ok(Vec::new());
+        }
+        return Err(usage(format!(
+            "ldd {}: {}",
+            exec.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    let mut libraries = Vec::new();
+    for line in text.lines() {
+        // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let path = match line.split_once("=>") {
+            Some((_, right)) => right.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        match path {
+            Some(path) if path.starts_with('/') => libraries.push(PathBuf::from(path)),
+            _ if line.contains("not found") => {
+                return Err(usage(format!("ldd {}: {}", exec.display(), line.trim())));
+            }
+            _ => {}
+        }
+    }
+    Ok(libraries)
 }
 
 /// Makes `root/jail` (a dir or an empty file) when missing, recording what it made.
@@ -336,17 +376,12 @@ fn make_mount_point(root: &Path, jail: &Path, dir: bool, made: &mut Vec<PathBuf>
 }
 
 /// Forks PID 1 of the new namespaces and waits for it; SIGTERM, SIGINT and SIGHUP end it.
-fn start(plan: &Plan, args: &Args) -> Result<i32, JailError> {
-    if let Some(netns) = &args.netns {
-        let file = std::fs::File::open(netns).map_err(JailError::step("--netns", netns))?;
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on a descriptor we hold open; it touches no memory of ours.
-        check(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, "join network namespace", netns)?;
-    }
-    let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
-    if args.new_netns {
-        flags |= libc::CLONE_NEWNET;
-    }
+fn start(plan: &Plan, args: &Args, groups: &JailGroups) -> Result<i32, JailError> {
+    let netns = args
+        .netns
+        .as_ref()
+        .map(|path| std::fs::File::open(path).map_err(JailError::step("--netns", path)).map(|f| (f, path.clone())))
+        .transpose()?;
     // SAFETY: sigset operations on local sets; sigprocmask changes only this thread's mask.
     let (waited, old_mask) = unsafe {
         let mut set = std::mem::zeroed::<libc::sigset_t>();
@@ -358,15 +393,23 @@ fn start(plan: &Plan, args: &Args) -> Result<i32, JailError> {
         libc::sigprocmask(libc::SIG_BLOCK, &set, &mut old);
         (set, old)
     };
+    // Only the PID namespace here (the child is its PID 1); the others in the child, so that
+    // this process keeps the host's mounts for the clean-up.
     // SAFETY: unshare takes flags only.
-    check(unsafe { libc::unshare(flags) }, "unshare namespaces for", &plan.root)?;
+    check(unsafe { libc::unshare(libc::CLONE_NEWPID) }, "unshare the PID namespace for", &plan.root)?;
     // SAFETY: this process has a single thread, so the child may run any code.
     let child = unsafe { libc::fork() };
     if child < 0 {
         return Err(os_error("fork jail for", &plan.root));
     }
     if child == 0 {
-        let code = match jail_init(plan, &old_mask) {
+        // PID 1 joins the groups (the jailer stays out of them, so it can remove them), before
+        // it starts anything.
+        let code = match groups
+            .enter_self()
+            .and_then(|()| enter_namespaces(plan, args.new_netns, netns.as_ref()))
+            .and_then(|()| jail_init(plan, &old_mask))
+        {
             Ok(code) => code,
             Err(e) => {
                 eprintln!("rollbox-jailer: {e}");
@@ -391,6 +434,25 @@ fn start(plan: &Plan, args: &Args) -> Result<i32, JailError> {
             unsafe { libc::kill(child, libc::SIGKILL) };
         }
     }
+}
+
+/// The child's own mount, IPC and UTS namespaces, and its network namespace.
+fn enter_namespaces(
+    plan: &Plan,
+    new_netns: bool,
+    netns: Option<&(std::fs::File, PathBuf)>,
+) -> Result<(), JailError> {
+    if let Some((file, path)) = netns {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on a descriptor we hold open; it touches no memory of ours.
+        check(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, "join network namespace", path)?;
+    }
+    let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    if new_netns {
+        flags |= libc::CLONE_NEWNET;
+    }
+    // SAFETY: unshare takes flags only.
+    check(unsafe { libc::unshare(flags) }, "unshare namespaces for", &plan.root)
 }
 
 fn exit_code(status: libc::c_int) -> i32 {
@@ -446,7 +508,9 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
         mount(none, &target, None, flags, None, "make read-only")?;
     }
     let dev = root.join("dev");
-    mount(Path::new("tmpfs"), &dev, Some("tmpfs"), nosuid | libc::MS_NOEXEC, Some("mode=755"), "mount jail /dev")?;
+    // Not nodev: its device nodes must work.
+    let dev_flags = libc::MS_NOSUID | libc::MS_NOEXEC;
+    mount(Path::new("tmpfs"), &dev, Some("tmpfs"), dev_flags, Some("mode=755"), "mount jail /dev")?;
     for dir in ["net", "shm"] {
         let path = dev.join(dir);
         std::fs::create_dir(&path).map_err(JailError::step("mkdir", &path))?;
