@@ -22,11 +22,13 @@ use clap::Parser;
 use rollbox_jailer::{JailError, JailGroups, Setting};
 
 /// The device nodes a jail gets (when the host has them), with their mode.
-const DEVICES: [(&str, u32); 4] = [
+/// (/dev/null too: the VMM's own children get their stdio from it.)
+const DEVICES: [(&str, u32); 5] = [
     ("kvm", 0o600),
     ("userfaultfd", 0o600),
     ("net/tun", 0o600),
     ("urandom", 0o666),
+    ("null", 0o666),
 ];
 
 #[derive(Parser, Debug)]
@@ -555,6 +557,9 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
         unsafe { libc::_exit(127) };
     }
     drop_privileges(plan)?;
+    // A change of credentials clears the parent-death signal: armed again.
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     loop {
         let mut status = 0;
         // SAFETY: reaps any child of PID 1 (the VMM, or an orphan of it); `status` is a local.

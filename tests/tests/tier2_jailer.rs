@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox_tests::{
-    api, jailer_binary, kvm_available, skip, test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
+    api, jailer_binary, kvm_available, raw_image, skip, test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
 };
 
 const UID: u32 = 64_123;
@@ -121,6 +121,18 @@ impl Jail {
     }
 }
 
+impl Drop for Jail {
+    fn drop(&mut self) {
+        // A jailer the test SIGKILLed (or that a panicking test's Vm drop killed) leaves its
+        // empty groups: the daemon's part, done here.
+        let fs = Path::new(CGROUP_FS);
+        let _ = rollbox_jailer::remove_jail_groups(fs, &cgroup_parent(), &self.id);
+        for top in rollbox_jailer::existing_groups(fs, "", &cgroup_parent()) {
+            let _ = std::fs::remove_dir(top);
+        }
+    }
+}
+
 fn with_disk(root: &Path) {
     let file = std::fs::File::create(root.join("disk.img")).expect("disk");
     file.set_len(4 << 20).expect("size disk");
@@ -195,15 +207,18 @@ fn call(sock: &Path, method: &str, path: &str, body: &str) {
     );
 }
 
-/// Pauses the jailed VM and snapshots it into its jail (`/vmstate`, `/memory`).
+/// Pauses the jailed VM and snapshots it into its jail's `/snap/` (`snap` on the host).
 fn snapshot_in_jail(jail: &Jail) {
+    let snap = jail.root().join("snap");
+    std::fs::create_dir(&snap).expect("snap dir");
+    std::os::unix::fs::chown(&snap, Some(UID), Some(GID)).expect("chown snap dir");
     let sock = jail.root().join("api.sock");
     call(&sock, "PATCH", "/vm", r#"{"state":"Paused"}"#);
     call(
         &sock,
         "PUT",
         "/snapshot/create",
-        r#"{"snapshot_type":"Full","snapshot_path":"/vmstate","mem_file_path":"/memory"}"#,
+        r#"{"snapshot_type":"Full","snapshot_path":"/snap/vmstate","mem_file_path":"/snap/memory"}"#,
     );
 }
 
@@ -212,10 +227,7 @@ fn restore_jailed(from: &Jail, id: &str, backend: &str) -> (Jail, Vm) {
     let jail = Jail::new(id, |root| {
         std::fs::copy(from.root().join("disk.img"), root.join("disk.img")).expect("copy disk");
     });
-    let binds = [
-        format!("{}:/snap/vmstate", from.root().join("vmstate").display()),
-        format!("{}:/snap/memory", from.root().join("memory").display()),
-    ];
+    let binds = [format!("{}:/snap", from.root().join("snap").display())];
     let vm = jail.spawn(
         &binds,
         &[
@@ -295,7 +307,7 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
 
     // Snapshot into the jail, then restores with cow and uffd, each in a jail of its own.
     snapshot_in_jail(&jail);
-    let owner = std::fs::metadata(jail.root().join("memory")).expect("memory");
+    let owner = std::fs::metadata(jail.root().join("snap/memory")).expect("memory");
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&owner), UID);
     for backend in ["cow", "uffd"] {
         let (_restored_jail, mut clone) = restore_jailed(&jail, &format!("restore-{backend}"), backend);
@@ -402,6 +414,11 @@ fn killing_a_jail_leaves_no_process_mount_namespace_or_cgroup() {
             std::thread::sleep(Duration::from_millis(10));
         }
         if case == "kill" {
+            // The kernel ends the rest of the jail with its PID 1; that may take a moment.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !processes_in("pid", &pid).is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             // Nothing was left to remove the groups: `rollbox serve` does, with this call.
             let errors = rollbox_jailer::remove_jail_groups(Path::new(CGROUP_FS), &cgroup_parent(), &jail.id);
             assert!(errors.is_empty(), "{errors:?}");
@@ -440,7 +457,7 @@ fn figure_what_jailing_adds_to_start_and_restore() {
     }
     for run in 0..RUNS {
         let started = Instant::now();
-        let _vm = Vm::boot(&["--drive", "{dir}/disk.img"]);
+        let _vm = Vm::boot_with(|d| raw_image(&d.join("disk.img"), 4 << 20), &["--drive", "{dir}/disk.img"]);
         boot_plain.push(started.elapsed());
 
         let jail = Jail::new(&format!("figure-boot-{run}"), with_disk);
@@ -455,7 +472,7 @@ fn figure_what_jailing_adds_to_start_and_restore() {
         let mut command = Command::new(vmm_binary());
         command
             .arg("--restore")
-            .arg(source.root())
+            .arg(source.root().join("snap"))
             .arg("--drive-override")
             .arg(format!("drive0={}", scratch.path().join("disk.img").display()))
             .arg("--vsock-uds")

@@ -428,9 +428,14 @@ pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Resu
         Duration::from_secs(120),
     );
     if jailed {
+        // vmstate, memory and whatever the VMM writes beside them (memory.id).
         let moved = made.and_then(|()| {
-            for name in ["vmstate", "memory"] {
-                move_file(&write_to.join(name), &dir.join(name))?;
+            let entries = std::fs::read_dir(&write_to).map_err(|source| VmError::Dir {
+                path: write_to.clone(),
+                source,
+            })?;
+            for entry in entries.flatten() {
+                move_file(&entry.path(), &dir.join(entry.file_name()))?;
             }
             Ok(())
         });
