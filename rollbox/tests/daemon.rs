@@ -712,6 +712,8 @@ fn over_the_pending_limit_is_429_with_retry_after() {
     let server = Server::start(&[
         "--max-pending-creates",
         "1",
+        // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+        "--no-jailer",
         "--vmm",
         slow.to_str().expect("utf-8"),
     ]);
@@ -764,7 +766,8 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
     }
     let scratch = tempfile::tempdir().expect("tempdir");
     let slow = slow_vmm(scratch.path(), "0.2");
-    let mut server = Server::start(&["--vmm", slow.to_str().expect("utf-8")]);
+    // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+    let mut server = Server::start(&["--no-jailer", "--vmm", slow.to_str().expect("utf-8")]);
     server.add_guest_template("guest");
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -1601,11 +1604,13 @@ fn snapshots_carry_the_rootfs_and_restores_get_their_own_copy() {
     assert!(dir.join("rootfs.img").is_file());
     let (pid, _) = pid_of(&restored);
     let line = cmdline(pid);
+    // The jailer's command line: the sandbox directory is the jail, seen as / by the VMM.
+    let jail = format!(
+        "--chroot-base {}",
+        dir.parent().expect("sandboxes dir").display()
+    );
     assert!(
-        line.contains(&format!(
-            "--drive-override rootfs={}",
-            dir.join("rootfs.img").display()
-        )),
+        line.contains(&jail) && line.contains("--drive-override rootfs=/rootfs.img"),
         "{line}"
     );
     assert_eq!(vmm_state(&restored), "Running");
@@ -1698,6 +1703,8 @@ fn batches_create_n_and_get_and_delete_by_ids_and_labels() {
     let server = Server::start(&[
         "--max-pending-creates",
         "4",
+        // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+        "--no-jailer",
         "--vmm",
         slow.to_str().expect("utf-8"),
     ]);
@@ -1844,9 +1851,14 @@ fn cpu_limit_puts_the_vmm_in_its_own_cgroup_with_the_quota() {
         cgroup::Version::V2 => assert_eq!(read("cpu.max").trim(), "50000 100000"),
     }
     let procs = read("cgroup.procs");
+    // The sandbox's pid is its jailer's, which stays outside; the jail (its PID 1, a child of
+    // the jailer, and the VMM) is in the group.
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default();
+    let jail_init = children.split_whitespace().next().expect("the jail's PID 1");
     assert!(
-        procs.lines().any(|l| l.trim() == pid.to_string()),
-        "VMM pid {pid} not in {}: {procs:?}",
+        procs.lines().any(|l| l.trim() == jail_init),
+        "jail of pid {pid} not in {}: {procs:?}",
         group.display()
     );
     // A sandbox without a limit gets no group.

@@ -616,8 +616,14 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
                 .find(|w| w[0] == flag)
                 .map(|w| std::ffi::OsStr::from_bytes(w[1]))
         };
+        // The jailer, not its child (PID 1 of the jail, same command line, another PID
+        // namespace).
         let jailed = value(b"--chroot-base")
             .filter(|base| Path::new(base) == sandboxes_dir)
+            .filter(|_| {
+                let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+                ns(&pid.to_string()).is_some_and(|theirs| ns("self") == Some(theirs))
+            })
             .and_then(|_| value(b"--id"))
             .and_then(|id| id.to_str());
         let Some(id) = sock
