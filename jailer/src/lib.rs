@@ -21,7 +21,10 @@ pub enum JailError {
 
 impl JailError {
     /// A failed `step` on `input`.
-    pub fn step(step: &'static str, input: impl AsRef<Path>) -> impl FnOnce(std::io::Error) -> Self {
+    pub fn step(
+        step: &'static str,
+        input: impl AsRef<Path>,
+    ) -> impl FnOnce(std::io::Error) -> Self {
         let input = input.as_ref().display().to_string();
         move |source| JailError::Step {
             step,
@@ -155,7 +158,10 @@ impl JailGroups {
     /// Removes every group (their processes must have ended; an exiting one may linger a
     /// moment). Returns the groups it could not remove.
     pub fn remove(&self) -> Vec<JailError> {
-        self.dirs.iter().filter_map(|d| remove_group(d).err()).collect()
+        self.dirs
+            .iter()
+            .filter_map(|d| remove_group(d).err())
+            .collect()
     }
 }
 
@@ -251,8 +257,13 @@ mod tests {
         }
         assert!(remove_jail_groups(fs.path(), "rollbox-x", "vm1").is_empty());
         assert!(existing_groups(fs.path(), "rollbox-x", "vm1").is_empty());
-        let error = JailGroups::create(fs.path(), "rollbox-x", "vm2", &["cpu.shares=2".parse().expect("parse")])
-            .expect_err("no cpu controller");
+        let error = JailGroups::create(
+            fs.path(),
+            "rollbox-x",
+            "vm2",
+            &["cpu.shares=2".parse().expect("parse")],
+        )
+        .expect_err("no cpu controller");
         assert!(error.to_string().contains("\"cpu\""), "{error}");
     }
 }

@@ -135,11 +135,19 @@ fn jail_relative(path: &Path) -> Result<PathBuf, JailError> {
         match component {
             Component::RootDir | Component::CurDir => {}
             Component::Normal(name) => out.push(name),
-            _ => return Err(usage(format!("jail path {}: only plain names, no ..", path.display()))),
+            _ => {
+                return Err(usage(format!(
+                    "jail path {}: only plain names, no ..",
+                    path.display()
+                )))
+            }
         }
     }
     if out.as_os_str().is_empty() {
-        return Err(usage(format!("jail path {}: names nothing", path.display())));
+        return Err(usage(format!(
+            "jail path {}: names nothing",
+            path.display()
+        )));
     }
     Ok(out)
 }
@@ -216,8 +224,14 @@ fn run(args: Args) -> Result<i32, JailError> {
         }
         _ => {}
     }
-    if std::fs::symlink_metadata(&root).map_err(JailError::step("jail directory", &root))?.is_symlink() {
-        return Err(usage(format!("jail directory {} is a symlink", root.display())));
+    if std::fs::symlink_metadata(&root)
+        .map_err(JailError::step("jail directory", &root))?
+        .is_symlink()
+    {
+        return Err(usage(format!(
+            "jail directory {} is a symlink",
+            root.display()
+        )));
     }
 
     // What gets bind-mounted: the VMM binary, then each --bind-ro.
@@ -261,10 +275,14 @@ fn run(args: Args) -> Result<i32, JailError> {
     let owned = |path: &Path| -> Result<(), JailError> {
         let c = cpath(path)?;
         // SAFETY: lchown on a NUL-terminated path; it touches no memory of ours.
-        check(unsafe { libc::lchown(c.as_ptr(), args.uid, args.gid) }, "chown", path)
+        let rc = unsafe { libc::lchown(c.as_ptr(), args.uid, args.gid) };
+        check(rc, "chown", path)
     };
     owned(&root)?;
-    for entry in std::fs::read_dir(&root).map_err(JailError::step("read jail directory", &root))?.flatten() {
+    for entry in std::fs::read_dir(&root)
+        .map_err(JailError::step("read jail directory", &root))?
+        .flatten()
+    {
         if let Ok(meta) = entry.metadata() {
             if meta.is_file() && meta.nlink() == 1 {
                 owned(&entry.path())?;
@@ -283,10 +301,19 @@ fn run(args: Args) -> Result<i32, JailError> {
         }
         let devices = DEVICES
             .iter()
-            .map(|(name, mode)| (Path::new("/dev").join(name), Path::new("dev").join(name), *mode))
+            .map(|(name, mode)| {
+                (
+                    Path::new("/dev").join(name),
+                    Path::new("dev").join(name),
+                    *mode,
+                )
+            })
             .filter(|(host, _, _)| host.exists())
             .collect();
-        let mut argv = vec![cstring(format!("/{}", exec_name.to_string_lossy()).as_bytes(), "--exec")?];
+        let mut argv = vec![cstring(
+            format!("/{}", exec_name.to_string_lossy()).as_bytes(),
+            "--exec",
+        )?];
         for arg in &args.vmm_args {
             argv.push(cstring(arg.as_bytes(), "a VMM argument")?);
         }
@@ -298,10 +325,14 @@ fn run(args: Args) -> Result<i32, JailError> {
             binds: binds.clone(),
             devices,
             rlimits,
-            exec_in_jail: cstring(Path::new("/").join(exec_name).as_os_str().as_bytes(), "--exec")?,
+            exec_in_jail: cstring(
+                Path::new("/").join(exec_name).as_os_str().as_bytes(),
+                "--exec",
+            )?,
             argv,
         };
-        let groups = JailGroups::create(&args.cgroup_fs, &args.cgroup_parent, &args.id, &args.cgroup)?;
+        let groups =
+            JailGroups::create(&args.cgroup_fs, &args.cgroup_parent, &args.id, &args.cgroup)?;
         let status = start(&plan, &args, &groups);
         // The jail has ended (or never started): its groups go.
         for error in groups.remove() {
@@ -353,7 +384,12 @@ fn shared_libraries(exec: &Path) -> Result<Vec<PathBuf>, JailError> {
 }
 
 /// Makes `root/jail` (a dir or an empty file) when missing, recording what it made.
-fn make_mount_point(root: &Path, jail: &Path, dir: bool, made: &mut Vec<PathBuf>) -> Result<(), JailError> {
+fn make_mount_point(
+    root: &Path,
+    jail: &Path,
+    dir: bool,
+    made: &mut Vec<PathBuf>,
+) -> Result<(), JailError> {
     let mut at = root.to_path_buf();
     let parts: Vec<&OsStr> = jail.iter().collect();
     for (i, part) in parts.iter().enumerate() {
@@ -382,7 +418,11 @@ fn start(plan: &Plan, args: &Args, groups: &JailGroups) -> Result<i32, JailError
     let netns = args
         .netns
         .as_ref()
-        .map(|path| std::fs::File::open(path).map_err(JailError::step("--netns", path)).map(|f| (f, path.clone())))
+        .map(|path| {
+            std::fs::File::open(path)
+                .map_err(JailError::step("--netns", path))
+                .map(|f| (f, path.clone()))
+        })
         .transpose()?;
     // SAFETY: sigset operations on local sets; sigprocmask changes only this thread's mask.
     let (waited, old_mask) = unsafe {
@@ -398,7 +438,8 @@ fn start(plan: &Plan, args: &Args, groups: &JailGroups) -> Result<i32, JailError
     // Only the PID namespace here (the child is its PID 1); the others in the child, so that
     // this process keeps the host's mounts for the clean-up.
     // SAFETY: unshare takes flags only.
-    check(unsafe { libc::unshare(libc::CLONE_NEWPID) }, "unshare the PID namespace for", &plan.root)?;
+    let rc = unsafe { libc::unshare(libc::CLONE_NEWPID) };
+    check(rc, "unshare the PID namespace for", &plan.root)?;
     // SAFETY: this process has a single thread, so the child may run any code.
     let child = unsafe { libc::fork() };
     if child < 0 {
@@ -447,14 +488,16 @@ fn enter_namespaces(
     if let Some((file, path)) = netns {
         use std::os::fd::AsRawFd;
         // SAFETY: setns on a descriptor we hold open; it touches no memory of ours.
-        check(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, "join network namespace", path)?;
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        check(rc, "join network namespace", path)?;
     }
     let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
     if new_netns {
         flags |= libc::CLONE_NEWNET;
     }
     // SAFETY: unshare takes flags only.
-    check(unsafe { libc::unshare(flags) }, "unshare namespaces for", &plan.root)
+    let rc = unsafe { libc::unshare(flags) };
+    check(rc, "unshare namespaces for", &plan.root)
 }
 
 fn exit_code(status: libc::c_int) -> i32 {
@@ -475,8 +518,12 @@ fn mount(
 ) -> Result<(), JailError> {
     let source_c = cpath(source)?;
     let target_c = cpath(target)?;
-    let fstype_c = fstype.map(|f| cstring(f.as_bytes(), "fstype")).transpose()?;
-    let data_c = data.map(|d| cstring(d.as_bytes(), "mount data")).transpose()?;
+    let fstype_c = fstype
+        .map(|f| cstring(f.as_bytes(), "fstype"))
+        .transpose()?;
+    let data_c = data
+        .map(|d| cstring(d.as_bytes(), "mount data"))
+        .transpose()?;
     // SAFETY: every pointer is a NUL-terminated string that outlives the call, or null.
     let rc = unsafe {
         libc::mount(
@@ -499,20 +546,41 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     let root = &plan.root;
     let none = Path::new("none");
-    mount(none, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None, "make mounts private")?;
+    mount(
+        none,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+        "make mounts private",
+    )?;
     mount(root, root, None, libc::MS_BIND, None, "bind jail root")?;
     let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
     for (host, jail, is_dir) in &plan.binds {
         let target = root.join(jail);
         let recursive = if *is_dir { libc::MS_REC } else { 0 };
-        mount(host, &target, None, libc::MS_BIND | recursive, None, "bind-mount into jail")?;
+        mount(
+            host,
+            &target,
+            None,
+            libc::MS_BIND | recursive,
+            None,
+            "bind-mount into jail",
+        )?;
         let flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | nosuid;
         mount(none, &target, None, flags, None, "make read-only")?;
     }
     let dev = root.join("dev");
     // Not nodev: its device nodes must work.
     let dev_flags = libc::MS_NOSUID | libc::MS_NOEXEC;
-    mount(Path::new("tmpfs"), &dev, Some("tmpfs"), dev_flags, Some("mode=755"), "mount jail /dev")?;
+    mount(
+        Path::new("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        dev_flags,
+        Some("mode=755"),
+        "mount jail /dev",
+    )?;
     for dir in ["net", "shm"] {
         let path = dev.join(dir);
         std::fs::create_dir(&path).map_err(JailError::step("mkdir", &path))?;
@@ -521,29 +589,44 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
     std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o1777))
         .map_err(JailError::step("chmod", &shm))?;
     for (host, node, mode) in &plan.devices {
-        let rdev = std::fs::metadata(host).map_err(JailError::step("stat device", host))?.rdev();
+        let rdev = std::fs::metadata(host)
+            .map_err(JailError::step("stat device", host))?
+            .rdev();
         let path = root.join(node);
         let c = cpath(&path)?;
         // SAFETY: mknod and chown on a NUL-terminated path; no memory of ours is touched.
         unsafe {
-            check(libc::mknod(c.as_ptr(), libc::S_IFCHR | mode, rdev), "mknod", &path)?;
+            check(
+                libc::mknod(c.as_ptr(), libc::S_IFCHR | mode, rdev),
+                "mknod",
+                &path,
+            )?;
             check(libc::chown(c.as_ptr(), plan.uid, plan.gid), "chown", &path)?;
             check(libc::chmod(c.as_ptr(), *mode), "chmod", &path)?;
         }
     }
     let proc_dir = root.join("proc");
-    mount(Path::new("proc"), &proc_dir, Some("proc"), nosuid | libc::MS_NOEXEC, None, "mount jail /proc")?;
+    mount(
+        Path::new("proc"),
+        &proc_dir,
+        Some("proc"),
+        nosuid | libc::MS_NOEXEC,
+        None,
+        "mount jail /proc",
+    )?;
     std::env::set_current_dir(root).map_err(JailError::step("chdir", root))?;
     let dot = cpath(Path::new("."))?;
     // SAFETY: pivot_root(".", ".") stacks the old root under the new one; both are paths.
     let rc = unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) };
     check(rc as libc::c_int, "pivot_root into", root)?;
     // SAFETY: detaches the old root (stacked on "."), leaving only the jail's tree.
-    check(unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) }, "detach the host root from", root)?;
+    let rc = unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) };
+    check(rc, "detach the host root from", root)?;
     std::env::set_current_dir("/").map_err(JailError::step("chdir", "/"))?;
     let name = plan.hostname.as_bytes();
     // SAFETY: the pointer and length describe `name`.
-    check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }, "sethostname", &plan.hostname)?;
+    let rc = unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) };
+    check(rc, "sethostname", &plan.hostname)?;
 
     // SAFETY: PID 1 is single-threaded, so the child may run any code.
     let vmm = unsafe { libc::fork() };
@@ -582,17 +665,42 @@ fn drop_privileges(plan: &Plan) -> Result<(), JailError> {
             if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
                 break;
             }
-            return Err(os_error("drop capability bounding set", format!("cap {cap}")));
+            return Err(os_error(
+                "drop capability bounding set",
+                format!("cap {cap}"),
+            ));
         }
     }
     let who = format!("{}:{}", plan.uid, plan.gid);
     // SAFETY: plain system calls with integer arguments (setgroups with an empty list).
     unsafe {
         check(libc::setgroups(0, std::ptr::null()), "setgroups", &who)?;
-        check(libc::setresgid(plan.gid, plan.gid, plan.gid), "setresgid", &who)?;
-        check(libc::setresuid(plan.uid, plan.uid, plan.uid), "setresuid", &who)?;
-        check(libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities", &who)?;
-        check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no-new-privs", &who)?;
+        check(
+            libc::setresgid(plan.gid, plan.gid, plan.gid),
+            "setresgid",
+            &who,
+        )?;
+        check(
+            libc::setresuid(plan.uid, plan.uid, plan.uid),
+            "setresuid",
+            &who,
+        )?;
+        check(
+            libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL,
+                0,
+                0,
+                0,
+            ),
+            "clear ambient capabilities",
+            &who,
+        )?;
+        check(
+            libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0),
+            "set no-new-privs",
+            &who,
+        )?;
     }
     Ok(())
 }
@@ -619,5 +727,8 @@ fn exec_vmm(plan: &Plan, old_mask: &libc::sigset_t) -> JailError {
     // SAFETY: a NUL-terminated path and a null-terminated array of NUL-terminated strings,
     // all alive until execv replaces the process (or fails).
     unsafe { libc::execv(plan.exec_in_jail.as_ptr(), argv.as_ptr()) };
-    os_error("exec", Path::new(OsStr::from_bytes(plan.exec_in_jail.as_bytes())))
+    os_error(
+        "exec",
+        Path::new(OsStr::from_bytes(plan.exec_in_jail.as_bytes())),
+    )
 }

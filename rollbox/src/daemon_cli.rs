@@ -112,10 +112,20 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "no_jailer")]
     jailer: Option<PathBuf>,
     /// The unprivileged uid every jailed VMM runs as.
-    #[arg(long, value_name = "UID", default_value_t = 64000, conflicts_with = "no_jailer")]
+    #[arg(
+        long,
+        value_name = "UID",
+        default_value_t = 64000,
+        conflicts_with = "no_jailer"
+    )]
     jail_uid: u32,
     /// The unprivileged gid every jailed VMM runs as.
-    #[arg(long, value_name = "GID", default_value_t = 64000, conflicts_with = "no_jailer")]
+    #[arg(
+        long,
+        value_name = "GID",
+        default_value_t = 64000,
+        conflicts_with = "no_jailer"
+    )]
     jail_gid: u32,
     /// Also serve the E2B-compatible API (control plane and envd data plane) on this loopback
     /// address, e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000).

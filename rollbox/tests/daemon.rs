@@ -65,7 +65,11 @@ impl Server {
         if !self.args.iter().any(|a| a == "--vmm") {
             command.arg("--vmm").arg(vmm_binary());
         }
-        if !self.args.iter().any(|a| a == "--jailer" || a == "--no-jailer") {
+        if !self
+            .args
+            .iter()
+            .any(|a| a == "--jailer" || a == "--no-jailer")
+        {
             command.arg("--jailer").arg(jailer_binary());
         }
         let child = command
@@ -1853,9 +1857,12 @@ fn cpu_limit_puts_the_vmm_in_its_own_cgroup_with_the_quota() {
     let procs = read("cgroup.procs");
     // The sandbox's pid is its jailer's, which stays outside; the jail (its PID 1, a child of
     // the jailer, and the VMM) is in the group.
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default();
-    let jail_init = children.split_whitespace().next().expect("the jail's PID 1");
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    let jail_init = children
+        .split_whitespace()
+        .next()
+        .expect("the jail's PID 1");
     assert!(
         procs.lines().any(|l| l.trim() == jail_init),
         "jail of pid {pid} not in {}: {procs:?}",

@@ -9,7 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox_tests::{
-    api, jailer_binary, kvm_available, raw_image, skip, test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
+    api, jailer_binary, kvm_available, raw_image, skip, test_guest, vmm_binary, Vm,
+    TEST_GUEST_CMDLINE,
 };
 
 const UID: u32 = 64_123;
@@ -182,9 +183,7 @@ fn processes_in(kind: &str, link: &Path) -> Vec<u32> {
         .expect("/proc")
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).is_ok_and(|l| l == link)
-        })
+        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).is_ok_and(|l| l == link))
         .collect()
 }
 
@@ -250,7 +249,16 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
         return;
     }
     let jail = Jail::new("boot", with_disk);
+    // A descriptor without close-on-exec, as a careless parent would leave one.
+    let marker = jail.base.path().join("inherited-marker");
+    std::fs::write(&marker, "secret").expect("marker");
+    let path = std::ffi::CString::new(marker.display().to_string()).expect("path");
+    // SAFETY: open on a NUL-terminated path; the descriptor is closed below.
+    let leaked = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY) };
+    assert!(leaked >= 0);
     let mut vm = jail.boot();
+    // SAFETY: closes the descriptor opened above.
+    unsafe { libc::close(leaked) };
     assert_eq!(vm.ok("echo jailed"), "jailed");
     assert_eq!(vm.ok("blk-write 0 3 6a61696c"), "");
 
@@ -261,7 +269,11 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
         assert_eq!(status_field(pid, "Gid"), format!("{GID} {GID} {GID} {GID}"));
         assert_eq!(status_field(pid, "Groups"), "");
         for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
-            assert_eq!(status_field(pid, caps), "0000000000000000", "{caps} of {pid}");
+            assert_eq!(
+                status_field(pid, caps),
+                "0000000000000000",
+                "{caps} of {pid}"
+            );
         }
         assert_eq!(status_field(pid, "NoNewPrivs"), "1");
     }
@@ -272,12 +284,31 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
             && l.split_whitespace().filter(|w| *w == "1024").count() == 2),
         "{limits}"
     );
-    // Only stdin, stdout and stderr were inherited: the VMM's descriptors point at nothing of
-    // the test's but those.
-    for kind in ["mnt", "pid", "ipc", "uts"] {
-        assert_ne!(ns(vmm, kind), ns(std::process::id(), kind), "{kind} namespace");
+    // Every inherited descriptor but stdin, stdout and stderr was closed.
+    for pid in [init, vmm] {
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .expect("fds")
+            .flatten()
+        {
+            let target = std::fs::read_link(fd.path()).unwrap_or_default();
+            assert!(
+                !target.ends_with("inherited-marker"),
+                "{pid} holds {target:?}"
+            );
+        }
     }
-    assert_eq!(ns(vmm, "net"), ns(std::process::id(), "net"), "no --netns: host net");
+    for kind in ["mnt", "pid", "ipc", "uts"] {
+        assert_ne!(
+            ns(vmm, kind),
+            ns(std::process::id(), kind),
+            "{kind} namespace"
+        );
+    }
+    assert_eq!(
+        ns(vmm, "net"),
+        ns(std::process::id(), "net"),
+        "no --netns: host net"
+    );
     let root = std::fs::read_link(format!("/proc/{vmm}/root")).expect("root link");
     assert_eq!(root, PathBuf::from("/"), "its root as it sees it");
 
@@ -296,13 +327,16 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
     assert_eq!(read("memory.limit_in_bytes"), "1073741824");
     assert_eq!(read("cpu.cfs_quota_us"), "150000");
     let pids_current: u32 = read("pids.current").parse().expect("pids.current");
-    assert!(pids_current >= 3 && pids_current <= 64, "{pids_current}");
+    assert!((3..=64).contains(&pids_current), "{pids_current}");
     let usage: u64 = read("memory.usage_in_bytes").parse().expect("usage");
     assert!(usage > 0, "the memory group charges the VM");
     let cgroup = std::fs::read_to_string(format!("/proc/{vmm}/cgroup")).expect("cgroup");
     for controller in ["pids", "memory", "cpu"] {
         let want = format!(":{controller}:/{}/boot", cgroup_parent());
-        assert!(cgroup.lines().any(|l| l.ends_with(&want) || l.contains(&format!("{want}\n"))), "{want} in {cgroup}");
+        assert!(
+            cgroup.lines().any(|l| l.ends_with(&want)),
+            "{want} in {cgroup}"
+        );
     }
 
     // Snapshot into the jail, then restores with cow and uffd, each in a jail of its own.
@@ -310,13 +344,23 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
     let owner = std::fs::metadata(jail.root().join("snap/memory")).expect("memory");
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&owner), UID);
     for backend in ["cow", "uffd"] {
-        let (_restored_jail, mut clone) = restore_jailed(&jail, &format!("restore-{backend}"), backend);
+        let (_restored_jail, mut clone) =
+            restore_jailed(&jail, &format!("restore-{backend}"), backend);
         assert_eq!(clone.ok("echo restored"), "restored", "{backend}");
-        assert_eq!(clone.ok("blk-read 0 3 1").get(..8), Some("6a61696c"), "{backend}");
+        assert_eq!(
+            clone.ok("blk-read 0 3 1").get(..8),
+            Some("6a61696c"),
+            "{backend}"
+        );
     }
 
     // Fork: the clones start inside the same jail (their dirs are jail paths).
-    call(&jail.root().join("api.sock"), "PATCH", "/vm", r#"{"state":"Resumed"}"#);
+    call(
+        &jail.root().join("api.sock"),
+        "PATCH",
+        "/vm",
+        r#"{"state":"Resumed"}"#,
+    );
     assert_eq!(vm.ok("echo resumed"), "resumed");
     let (status, answer) = api(
         &jail.root().join("api.sock"),
@@ -371,12 +415,19 @@ fn a_jailed_vmm_cannot_read_a_host_file_outside_its_directory() {
     );
     let (status, answer) = api(&sock, "PUT", "/snapshot/create", Some(&body));
     assert!(status >= 400, "{status} {answer}");
-    assert_eq!(std::fs::read_dir(outside.path()).expect("readdir").count(), 0);
+    assert_eq!(
+        std::fs::read_dir(outside.path()).expect("readdir").count(),
+        0
+    );
 }
 
 /// What a jail leaves: (processes in its mount and pid namespaces, mounts under its root, its
 /// cgroups, the mount points the jailer made).
-fn leftovers(jail: &Jail, mnt: &Path, pid: &Path) -> (Vec<u32>, Vec<String>, Vec<PathBuf>, Vec<PathBuf>) {
+fn leftovers(
+    jail: &Jail,
+    mnt: &Path,
+    pid: &Path,
+) -> (Vec<u32>, Vec<String>, Vec<PathBuf>, Vec<PathBuf>) {
     let made = ["kernel", "dev", "proc", "rollbox-vmm"]
         .iter()
         .map(|n| jail.root().join(n))
@@ -392,7 +443,11 @@ fn killing_a_jail_leaves_no_process_mount_namespace_or_cgroup() {
     if !jail_possible() {
         return;
     }
-    for (case, how) in [("vmm", "SIGKILL the VMM"), ("term", "SIGTERM the jailer"), ("kill", "SIGKILL the jailer")] {
+    for (case, how) in [
+        ("vmm", "SIGKILL the VMM"),
+        ("term", "SIGTERM the jailer"),
+        ("kill", "SIGKILL the jailer"),
+    ] {
         let jail = Jail::new(case, with_disk);
         let mut vm = jail.boot();
         let jailer = vm.child.id();
@@ -420,11 +475,18 @@ fn killing_a_jail_leaves_no_process_mount_namespace_or_cgroup() {
                 std::thread::sleep(Duration::from_millis(20));
             }
             // Nothing was left to remove the groups: `rollbox serve` does, with this call.
-            let errors = rollbox_jailer::remove_jail_groups(Path::new(CGROUP_FS), &cgroup_parent(), &jail.id);
+            let errors = rollbox_jailer::remove_jail_groups(
+                Path::new(CGROUP_FS),
+                &cgroup_parent(),
+                &jail.id,
+            );
             assert!(errors.is_empty(), "{errors:?}");
         }
         let (processes, mounts, groups, made) = leftovers(&jail, &mnt, &pid);
-        assert!(processes.is_empty(), "{how}: processes left in the jail's namespaces: {processes:?}");
+        assert!(
+            processes.is_empty(),
+            "{how}: processes left in the jail's namespaces: {processes:?}"
+        );
         assert!(mounts.is_empty(), "{how}: mounts left: {mounts:?}");
         assert!(groups.is_empty(), "{how}: cgroups left: {groups:?}");
         if case != "kill" {
@@ -457,7 +519,10 @@ fn figure_what_jailing_adds_to_start_and_restore() {
     }
     for run in 0..RUNS {
         let started = Instant::now();
-        let _vm = Vm::boot_with(|d| raw_image(&d.join("disk.img"), 4 << 20), &["--drive", "{dir}/disk.img"]);
+        let _vm = Vm::boot_with(
+            |d| raw_image(&d.join("disk.img"), 4 << 20),
+            &["--drive", "{dir}/disk.img"],
+        );
         boot_plain.push(started.elapsed());
 
         let jail = Jail::new(&format!("figure-boot-{run}"), with_disk);
@@ -467,14 +532,21 @@ fn figure_what_jailing_adds_to_start_and_restore() {
 
         // Restores until the guest answers, with the cow backend.
         let scratch = tempfile::tempdir().expect("tempdir");
-        std::fs::copy(source.root().join("disk.img"), scratch.path().join("disk.img")).expect("copy");
+        std::fs::copy(
+            source.root().join("disk.img"),
+            scratch.path().join("disk.img"),
+        )
+        .expect("copy");
         let started = Instant::now();
         let mut command = Command::new(vmm_binary());
         command
             .arg("--restore")
             .arg(source.root().join("snap"))
             .arg("--drive-override")
-            .arg(format!("drive0={}", scratch.path().join("disk.img").display()))
+            .arg(format!(
+                "drive0={}",
+                scratch.path().join("disk.img").display()
+            ))
             .arg("--vsock-uds")
             .arg(scratch.path().join("v.sock"));
         let mut plain = Vm::spawn_command(command, scratch);
@@ -493,8 +565,24 @@ fn figure_what_jailing_adds_to_start_and_restore() {
             .join(", ")
     };
     println!("jailer figure ({RUNS} runs each, ms; boot = spawn to the guest's ready line, restore = spawn to the first answer):");
-    println!("  boot    plain:  mean {:.1}  [{}]", mean_ms(&boot_plain), show(&boot_plain));
-    println!("  boot    jailed: mean {:.1}  [{}]", mean_ms(&boot_jailed), show(&boot_jailed));
-    println!("  restore plain:  mean {:.1}  [{}]", mean_ms(&restore_plain), show(&restore_plain));
-    println!("  restore jailed: mean {:.1}  [{}]", mean_ms(&restore_jailed_ms), show(&restore_jailed_ms));
+    println!(
+        "  boot    plain:  mean {:.1}  [{}]",
+        mean_ms(&boot_plain),
+        show(&boot_plain)
+    );
+    println!(
+        "  boot    jailed: mean {:.1}  [{}]",
+        mean_ms(&boot_jailed),
+        show(&boot_jailed)
+    );
+    println!(
+        "  restore plain:  mean {:.1}  [{}]",
+        mean_ms(&restore_plain),
+        show(&restore_plain)
+    );
+    println!(
+        "  restore jailed: mean {:.1}  [{}]",
+        mean_ms(&restore_jailed_ms),
+        show(&restore_jailed_ms)
+    );
 }

@@ -804,7 +804,10 @@ impl Daemon {
         if let Some(jail) = &self.jail {
             for (id, dir) in rollbox_jailer::all_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent) {
                 if !keep.contains_key(&id) && rollbox_jailer::remove_group(&dir).is_ok() {
-                    log_line(&format!("removed jail cgroup {} of no live sandbox", dir.display()));
+                    log_line(&format!(
+                        "removed jail cgroup {} of no live sandbox",
+                        dir.display()
+                    ));
                 }
             }
         }

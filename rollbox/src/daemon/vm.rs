@@ -180,7 +180,12 @@ impl<'a> Launch<'a> {
             .arg(id)
             .arg("--exec")
             .arg(vmm)
-            .args(["--uid", &jail.uid.to_string(), "--gid", &jail.gid.to_string()])
+            .args([
+                "--uid",
+                &jail.uid.to_string(),
+                "--gid",
+                &jail.gid.to_string(),
+            ])
             .arg("--chroot-base")
             .arg(base)
             .arg("--cgroup-fs")
@@ -385,9 +390,8 @@ fn start(mut command: Command, vmm: &Path, paths: &Paths) -> Result<Child, VmErr
 /// (`/snapshot-new/`), and they are moved to `dir` from there.
 pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Result<(), VmError> {
     use std::os::unix::fs::MetadataExt as _;
-    let jailed = jail_uid.is_some_and(|uid| {
-        std::fs::metadata(&paths.dir).is_ok_and(|m| m.uid() == uid)
-    });
+    let jailed =
+        jail_uid.is_some_and(|uid| std::fs::metadata(&paths.dir).is_ok_and(|m| m.uid() == uid));
     let (write_to, seen_as) = if jailed {
         let staging = paths.dir.join("snapshot-new");
         match std::fs::create_dir(&staging) {
@@ -736,7 +740,12 @@ mod tests {
         let args: Vec<_> = command.get_args().collect();
         assert_eq!(
             args,
-            ["--kernel", "/templates/vmlinux", "--api-sock", "/state/sandboxes/sb-1/api.sock"]
+            [
+                "--kernel",
+                "/templates/vmlinux",
+                "--api-sock",
+                "/state/sandboxes/sb-1/api.sock"
+            ]
         );
     }
 
