@@ -2288,3 +2288,62 @@ fn templates_built_from_an_image_with_a_boot_snapshot() {
     // Its sandboxes keep running on their own copies.
     assert_eq!(server.get(id)["state"], "running");
 }
+
+/// The children of `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn uid_of(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .expect("Uid line")
+        .split_whitespace()
+        .next()
+        .expect("real uid")
+        .to_string()
+}
+
+#[test]
+fn sandboxes_run_jailed_by_default_and_directly_with_no_jailer() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 120}));
+    let (pid, _) = pid_of(&sandbox);
+    assert!(cmdline(pid).contains("rollbox-jailer"), "{}", cmdline(pid));
+    let init = *children_of(pid).first().expect("the jail's PID 1");
+    let vmm = *children_of(init).first().expect("the jailed VMM");
+    assert!(
+        cmdline(vmm).starts_with("/rollbox-vmm "),
+        "{}",
+        cmdline(vmm)
+    );
+    assert_eq!(uid_of(vmm), "64000");
+    // Its sockets are in the sandbox directory on the host, made by the jail's uid.
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    let sock = std::fs::metadata(dir.join("api.sock")).expect("api.sock");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&sock), 64000);
+    // The daemon still reaches the VM through them (agent-free: pause and resume).
+    let id = sandbox["id"].as_str().expect("id");
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+    assert_eq!(status, 200, "{body}");
+
+    let direct = Server::start(&["--no-jailer"]);
+    direct.add_guest_template("guest");
+    let sandbox = direct.create(json!({"template": "guest", "ttl_s": 120}));
+    let (pid, _) = pid_of(&sandbox);
+    assert!(cmdline(pid).contains("rollbox-vmm"), "{}", cmdline(pid));
+    assert!(!cmdline(pid).contains("rollbox-jailer"), "{}", cmdline(pid));
+    assert_eq!(uid_of(pid), "0");
+}
