@@ -22,7 +22,7 @@ step "part 2 setup: dockerd, registry, guest kernel (cached), binaries, the busy
 scripts/start-dockerd.sh
 scripts/start-registry.sh
 kernel-config/build.sh | tail -n 1
-cargo build -p rollbox -p vmm --bins
+cargo build -p rollbox -p vmm -p rollbox-jailer --bins
 guest-agent/build-static.sh >/dev/null
 fixtures="${ROLLBOX_TIER4_FIXTURES:-/var/tmp/rollbox-lab/fixtures}"
 scripts/lab/tier4-fixtures.sh "$fixtures" >/dev/null

@@ -103,6 +103,30 @@ pub struct ServeArgs {
         hide = true
     )]
     cgroup_fs: PathBuf,
+    /// Run each VMM directly instead of inside `rollbox-jailer` (namespaces, chroot into the
+    /// sandbox directory, an unprivileged uid, cgroups): only where the daemon is not root or
+    /// for debugging.
+    #[arg(long)]
+    no_jailer: bool,
+    /// The rollbox-jailer binary [default: rollbox-jailer beside this executable].
+    #[arg(long, value_name = "PATH", conflicts_with = "no_jailer")]
+    jailer: Option<PathBuf>,
+    /// The unprivileged uid every jailed VMM runs as.
+    #[arg(
+        long,
+        value_name = "UID",
+        default_value_t = 64000,
+        conflicts_with = "no_jailer"
+    )]
+    jail_uid: u32,
+    /// The unprivileged gid every jailed VMM runs as.
+    #[arg(
+        long,
+        value_name = "GID",
+        default_value_t = 64000,
+        conflicts_with = "no_jailer"
+    )]
+    jail_gid: u32,
     /// Also serve the E2B-compatible API (control plane and envd data plane) on this loopback
     /// address, e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000).
     #[arg(long, value_name = "ADDR")]
@@ -428,6 +452,16 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             .and_then(|exe| exe.parent().map(|d| d.join("rollbox-vmm")))
             .unwrap_or_else(|| PathBuf::from("rollbox-vmm"))
     });
+    let jailer = (!args.no_jailer).then(|| rollbox::daemon::JailerOptions {
+        binary: absolute(args.jailer.unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|exe| exe.parent().map(|d| d.join("rollbox-jailer")))
+                .unwrap_or_else(|| PathBuf::from("rollbox-jailer"))
+        })),
+        uid: args.jail_uid,
+        gid: args.jail_gid,
+    });
     let listen = match (args.listen, args.socket) {
         (Some(addr), _) => Listen::Tcp(addr),
         (None, Some(path)) => Listen::Unix(path),
@@ -453,6 +487,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             .image_cache
             .unwrap_or_else(rollbox::images::default_cache_dir),
         cgroup_fs: args.cgroup_fs,
+        jailer,
         snapshot_retention: args.snapshot_retention,
         e2b: args
             .e2b_listen

@@ -12,7 +12,8 @@ use rollbox::daemon::api::ROUTES;
 use rollbox::daemon::client::{Endpoint, Response};
 use rollbox::daemon::{cgroup, vm};
 use rollbox_tests::{
-    agent_binary, kvm_available, rollbox_binary, test_guest, vmm_binary, TEST_GUEST_CMDLINE,
+    agent_binary, jailer_binary, kvm_available, rollbox_binary, test_guest, vmm_binary,
+    TEST_GUEST_CMDLINE,
 };
 use serde_json::{json, Value};
 
@@ -63,6 +64,13 @@ impl Server {
         command.arg("serve");
         if !self.args.iter().any(|a| a == "--vmm") {
             command.arg("--vmm").arg(vmm_binary());
+        }
+        if !self
+            .args
+            .iter()
+            .any(|a| a == "--jailer" || a == "--no-jailer")
+        {
+            command.arg("--jailer").arg(jailer_binary());
         }
         let child = command
             .arg("--socket")
@@ -170,6 +178,17 @@ impl Drop for Server {
         if let Ok(dir) = std::fs::canonicalize(self.state()) {
             for found in vm::find_vmms(&dir.join("sandboxes")) {
                 vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+            // The groups of jails whose jailer went with the kill, and their parents.
+            let fs = Path::new("/sys/fs/cgroup");
+            let parent = cgroup::root_name(&dir);
+            for (_, group) in rollbox_jailer::all_jail_groups(fs, &parent) {
+                let _ = rollbox_jailer::remove_group(&group);
+            }
+            for (_, top) in rollbox_jailer::all_jail_groups(fs, "") {
+                if top.ends_with(&parent) {
+                    let _ = std::fs::remove_dir(top);
+                }
             }
             // The daemon's cgroup root (cpu_limit), once its sandboxes' groups are gone.
             if let Some(groups) = host_cgroups(&dir) {
@@ -697,6 +716,8 @@ fn over_the_pending_limit_is_429_with_retry_after() {
     let server = Server::start(&[
         "--max-pending-creates",
         "1",
+        // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+        "--no-jailer",
         "--vmm",
         slow.to_str().expect("utf-8"),
     ]);
@@ -749,7 +770,8 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
     }
     let scratch = tempfile::tempdir().expect("tempdir");
     let slow = slow_vmm(scratch.path(), "0.2");
-    let mut server = Server::start(&["--vmm", slow.to_str().expect("utf-8")]);
+    // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+    let mut server = Server::start(&["--no-jailer", "--vmm", slow.to_str().expect("utf-8")]);
     server.add_guest_template("guest");
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -1586,11 +1608,13 @@ fn snapshots_carry_the_rootfs_and_restores_get_their_own_copy() {
     assert!(dir.join("rootfs.img").is_file());
     let (pid, _) = pid_of(&restored);
     let line = cmdline(pid);
+    // The jailer's command line: the sandbox directory is the jail, seen as / by the VMM.
+    let jail = format!(
+        "--chroot-base {}",
+        dir.parent().expect("sandboxes dir").display()
+    );
     assert!(
-        line.contains(&format!(
-            "--drive-override rootfs={}",
-            dir.join("rootfs.img").display()
-        )),
+        line.contains(&jail) && line.contains("--drive-override rootfs=/rootfs.img"),
         "{line}"
     );
     assert_eq!(vmm_state(&restored), "Running");
@@ -1683,6 +1707,8 @@ fn batches_create_n_and_get_and_delete_by_ids_and_labels() {
     let server = Server::start(&[
         "--max-pending-creates",
         "4",
+        // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+        "--no-jailer",
         "--vmm",
         slow.to_str().expect("utf-8"),
     ]);
@@ -1829,9 +1855,17 @@ fn cpu_limit_puts_the_vmm_in_its_own_cgroup_with_the_quota() {
         cgroup::Version::V2 => assert_eq!(read("cpu.max").trim(), "50000 100000"),
     }
     let procs = read("cgroup.procs");
+    // The sandbox's pid is its jailer's, which stays outside; the jail (its PID 1, a child of
+    // the jailer, and the VMM) is in the group.
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    let jail_init = children
+        .split_whitespace()
+        .next()
+        .expect("the jail's PID 1");
     assert!(
-        procs.lines().any(|l| l.trim() == pid.to_string()),
-        "VMM pid {pid} not in {}: {procs:?}",
+        procs.lines().any(|l| l.trim() == jail_init),
+        "jail of pid {pid} not in {}: {procs:?}",
         group.display()
     );
     // A sandbox without a limit gets no group.
@@ -2258,4 +2292,63 @@ fn templates_built_from_an_image_with_a_boot_snapshot() {
     assert!(!templates_dir.join("img").exists());
     // Its sandboxes keep running on their own copies.
     assert_eq!(server.get(id)["state"], "running");
+}
+
+/// The children of `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn uid_of(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .expect("Uid line")
+        .split_whitespace()
+        .next()
+        .expect("real uid")
+        .to_string()
+}
+
+#[test]
+fn sandboxes_run_jailed_by_default_and_directly_with_no_jailer() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 120}));
+    let (pid, _) = pid_of(&sandbox);
+    assert!(cmdline(pid).contains("rollbox-jailer"), "{}", cmdline(pid));
+    let init = *children_of(pid).first().expect("the jail's PID 1");
+    let vmm = *children_of(init).first().expect("the jailed VMM");
+    assert!(
+        cmdline(vmm).starts_with("/rollbox-vmm "),
+        "{}",
+        cmdline(vmm)
+    );
+    assert_eq!(uid_of(vmm), "64000");
+    // Its sockets are in the sandbox directory on the host, made by the jail's uid.
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    let sock = std::fs::metadata(dir.join("api.sock")).expect("api.sock");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&sock), 64000);
+    // The daemon still reaches the VM through them (agent-free: pause and resume).
+    let id = sandbox["id"].as_str().expect("id");
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+    assert_eq!(status, 200, "{body}");
+
+    let direct = Server::start(&["--no-jailer"]);
+    direct.add_guest_template("guest");
+    let sandbox = direct.create(json!({"template": "guest", "ttl_s": 120}));
+    let (pid, _) = pid_of(&sandbox);
+    assert!(cmdline(pid).contains("rollbox-vmm"), "{}", cmdline(pid));
+    assert!(!cmdline(pid).contains("rollbox-jailer"), "{}", cmdline(pid));
+    assert_eq!(uid_of(pid), "0");
 }

@@ -83,6 +83,14 @@ pub fn vmm_binary() -> PathBuf {
         .clone()
 }
 
+/// Builds `rollbox-jailer` (once per test binary) and returns its path.
+pub fn jailer_binary() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| debug_binary(&["rollbox-jailer"], &[], "rollbox-jailer"))
+        .clone()
+}
+
 /// Builds the `rollbox` CLI (once per test binary) and returns its path.
 pub fn rollbox_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
@@ -203,13 +211,20 @@ impl Vm {
             .iter()
             .map(|a| a.replace("{dir}", &dir.path().display().to_string()))
             .collect();
-        let mut child = Command::new(vmm_binary())
-            .args(&args)
+        let mut command = Command::new(vmm_binary());
+        command.args(&args);
+        Vm::spawn_command(command, dir)
+    }
+
+    /// Spawns `command` (a `rollbox-vmm`, or a launcher that runs one with the same stdin,
+    /// stdout and stderr, such as `rollbox-jailer`) with `dir` as its scratch directory.
+    pub fn spawn_command(mut command: Command, dir: tempfile::TempDir) -> Vm {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot spawn rollbox-vmm: {e}"));
+            .unwrap_or_else(|e| panic!("cannot spawn {command:?}: {e}"));
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = channel();
         std::thread::spawn(move || {

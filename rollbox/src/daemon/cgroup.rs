@@ -182,6 +182,16 @@ impl Daemon {
 
     /// Removes a sandbox's cgroup after its VMM ended (logged on failure).
     pub(super) fn release_cgroup(&self, sandbox: &Sandbox) {
+        // A jailer that was killed left its groups (cpu, memory, pids): they go here.
+        if let Some(jail) = &self.jail {
+            for e in rollbox_jailer::remove_jail_groups(
+                &jail.cgroup_fs,
+                &jail.cgroup_parent,
+                &sandbox.id,
+            ) {
+                log_line(&format!("sandbox {}: {e}", sandbox.id));
+            }
+        }
         if sandbox.cpu_limit.is_none() {
             return;
         }

@@ -37,6 +37,8 @@ use store::{Inserted, Store, StoreError};
 /// A daemon that cannot start or stopped on an error.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
+    #[error("jailer {path}: {why} (or run `rollbox serve --no-jailer`)")]
+    Jailer { path: PathBuf, why: String },
     #[error("state directory {path}: {source}")]
     StateDir {
         path: PathBuf,
@@ -94,6 +96,58 @@ pub struct ServeOptions {
     pub snapshot_retention: Option<u32>,
     /// The E2B-compatible API on its own listener (`--e2b-listen`).
     pub e2b: Option<e2b::E2bOptions>,
+    /// `rollbox-jailer` around every VMM (the default); None with `--no-jailer`.
+    pub jailer: Option<JailerOptions>,
+}
+
+/// `rollbox serve`'s jailer settings.
+#[derive(Debug, Clone)]
+pub struct JailerOptions {
+    /// The `rollbox-jailer` binary.
+    pub binary: PathBuf,
+    /// The unprivileged uid and gid every VMM runs as.
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The jail every VMM gets: the jailer must exist and the daemon must be root.
+fn jail_of(
+    jailer: &JailerOptions,
+    cgroup_fs: &Path,
+    state_dir: &Path,
+) -> Result<vm::Jail, DaemonError> {
+    let refuse = |why: String| DaemonError::Jailer {
+        path: jailer.binary.clone(),
+        why,
+    };
+    if !jailer.binary.is_file() {
+        return Err(refuse("no such file".into()));
+    }
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(refuse("it needs root (namespaces, mounts, cgroups)".into()));
+    }
+    if jailer.uid == 0 || jailer.gid == 0 {
+        return Err(refuse("--jail-uid and --jail-gid must not be 0".into()));
+    }
+    let has = |controller| rollbox_jailer::hierarchy(cgroup_fs, controller).is_ok();
+    let (memory_limits, pids_limits) = (has("memory"), has("pids"));
+    if !memory_limits || !pids_limits {
+        log_line(&format!(
+            "jailer: no {} cgroup controller under {}: jails get no such limit",
+            if memory_limits { "pids" } else { "memory" },
+            cgroup_fs.display()
+        ));
+    }
+    Ok(vm::Jail {
+        jailer: jailer.binary.clone(),
+        uid: jailer.uid,
+        gid: jailer.gid,
+        cgroup_fs: cgroup_fs.to_path_buf(),
+        cgroup_parent: cgroup::root_name(state_dir),
+        memory_limits,
+        pids_limits,
+    })
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -183,6 +237,8 @@ pub struct Daemon {
     counters: usage::Counters,
     /// The cpu controller for `cpu_limit`, or why there is none.
     cgroups: Result<cgroup::Cgroups, String>,
+    /// How VMMs are jailed; None with `--no-jailer`.
+    jail: Option<vm::Jail>,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -473,27 +529,56 @@ impl Daemon {
         let groups = self
             .cgroups_for(sandbox.cpu_limit)
             .map_err(|e| e.to_string())?;
+        // A jailed VMM's cpu group is made by its jailer (same path, with its memory and pids
+        // groups); an unjailed one's by the daemon.
+        let mut cpu_settings = Vec::new();
         if let (Some(groups), Some(cores)) = (groups, sandbox.cpu_limit) {
-            groups
-                .create(&sandbox.id, cores)
-                .map_err(|e| e.to_string())?;
+            if self.jail.is_some() {
+                let quota = cgroup::quota_us(cores);
+                cpu_settings = match groups.version {
+                    cgroup::Version::V1 => vec![
+                        format!("cpu.cfs_period_us={}", cgroup::PERIOD_US),
+                        format!("cpu.cfs_quota_us={quota}"),
+                    ],
+                    cgroup::Version::V2 => vec![format!("cpu.max={quota} {}", cgroup::PERIOD_US)],
+                };
+            } else {
+                groups
+                    .create(&sandbox.id, cores)
+                    .map_err(|e| e.to_string())?;
+            }
         }
+        let groups = groups.filter(|_| self.jail.is_none());
         let vmm = self.options.vmm.clone();
         let template = template.clone();
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
         let spawn_paths = vm::Paths::new(&sandbox.dir);
         let restore = snapshot.map(|s| s.dir.clone());
         let started = std::time::Instant::now();
+        let jail = self.jail.clone();
         // Copying a rootfs may take a while: off the async threads.
-        let spawned = tokio::task::spawn_blocking(move || match restore {
-            Some(dir) => vm::spawn_restore(&vmm, &spawn_paths, &dir, template.rootfs.is_some()),
-            None => {
-                let shape = vm::Shape {
-                    template: &template,
-                    vcpus,
-                    memory_mib,
-                };
-                vm::spawn(&vmm, &spawn_paths, &shape)
+        let spawned = tokio::task::spawn_blocking(move || {
+            let spec = jail.as_ref().map(|jail| vm::JailSpec {
+                jail,
+                cgroups: cpu_settings,
+                memory_mib,
+            });
+            match restore {
+                Some(dir) => vm::spawn_restore(
+                    &vmm,
+                    &spawn_paths,
+                    &dir,
+                    template.rootfs.is_some(),
+                    spec.as_ref(),
+                ),
+                None => {
+                    let shape = vm::Shape {
+                        template: &template,
+                        vcpus,
+                        memory_mib,
+                    };
+                    vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref())
+                }
             }
         })
         .await
@@ -743,6 +828,16 @@ impl Daemon {
                 log_line(&format!("removed cgroup {name} of no live sandbox"));
             }
         }
+        if let Some(jail) = &self.jail {
+            for (id, dir) in rollbox_jailer::all_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent) {
+                if !keep.contains_key(&id) && rollbox_jailer::remove_group(&dir).is_ok() {
+                    log_line(&format!(
+                        "removed jail cgroup {} of no live sandbox",
+                        dir.display()
+                    ));
+                }
+            }
+        }
         // Snapshot directories of no recorded snapshot (a daemon killed mid-snapshot).
         let recorded: std::collections::HashSet<PathBuf> = self
             .store()
@@ -819,6 +914,11 @@ pub async fn serve(
     }
     let store = Store::open(&state_dir.join("state.db"))?;
     let cgroup_fs = options.cgroup_fs.clone();
+    let jail = options
+        .jailer
+        .as_ref()
+        .map(|jailer| jail_of(jailer, &cgroup_fs, &state_dir))
+        .transpose()?;
     let daemon = Arc::new(Daemon {
         pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
         options,
@@ -832,6 +932,7 @@ pub async fn serve(
         counters: usage::Counters::default(),
         cgroups: cgroup::Cgroups::find(&cgroup_fs, &cgroup::root_name(&state_dir))
             .map_err(|e| e.to_string()),
+        jail,
     });
     daemon.recover()?;
     // The E2B listener first: its TLS files are the likelier to be wrong.

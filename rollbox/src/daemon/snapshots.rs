@@ -104,13 +104,14 @@ impl Daemon {
         let dir = snapshot.dir.clone();
         let running = sandbox.state == State::Running;
         let rootfs = template.rootfs.is_some();
+        let jail_uid = self.jail.as_ref().map(|j| j.uid);
         let taken = tokio::task::spawn_blocking(move || -> Result<(), String> {
             std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             if running {
                 vm::set_vm_state(&paths.api_sock, "Paused").map_err(|e| e.to_string())?;
             }
             // The disk is copied while the vCPUs are paused, so it matches the memory.
-            let result = vm::create_snapshot(&paths.api_sock, &dir)
+            let result = vm::create_snapshot(&paths, &dir, jail_uid)
                 .map_err(|e| e.to_string())
                 .and_then(|()| {
                     if rootfs {

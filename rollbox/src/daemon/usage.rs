@@ -88,7 +88,31 @@ pub fn cpu_ms(pid: u32, start: u64) -> Option<u64> {
         return None;
     }
     let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(ticks * 1000 / clock_ticks())
+    // A jailed VMM is a grandchild of the jailer (the sandbox's pid): its time counts too.
+    let descendants: u64 = children(pid).into_iter().map(tree_ticks).sum();
+    Some((ticks + descendants) * 1000 / clock_ticks())
+}
+
+/// The children of `pid` (empty where the kernel does not list them).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// utime + stime of `pid` and its descendants, in clock ticks.
+fn tree_ticks(pid: u32) -> u64 {
+    let own = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let rest = stat.get(stat.rfind(')')? + 1..)?.to_string();
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    own + children(pid).into_iter().map(tree_ticks).sum::<u64>()
 }
 
 impl Store {

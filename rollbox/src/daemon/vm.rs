@@ -23,6 +23,12 @@ pub enum VmError {
         to: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot move snapshot file {from} to {to}: {source}")]
+    Move {
+        from: PathBuf,
+        to: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot start {vmm}: {source}")]
     Spawn {
         vmm: PathBuf,
@@ -76,35 +82,167 @@ pub struct Shape<'a> {
     pub memory_mib: u32,
 }
 
-/// Makes the sandbox directory (and its rootfs copy) and starts `vmm` in its own process
-/// group, stdin from /dev/null, stdout and stderr into `vmm.log`.
-pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError> {
+/// How `rollbox serve` jails its VMMs with `rollbox-jailer` (the default; `--no-jailer`
+/// turns it off): the sandbox's directory is the jail's root, so its sockets, console and
+/// rootfs copy are where the daemon expects them, and the VMM sees them as `/api.sock` etc.
+#[derive(Debug, Clone)]
+pub struct Jail {
+    pub jailer: PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+    pub cgroup_fs: PathBuf,
+    /// Parent of each jail's cgroups: the daemon's own root name (see `cgroup::root_name`).
+    pub cgroup_parent: String,
+    /// Whether the host has memory and pids controllers for each jail's limits.
+    pub memory_limits: bool,
+    pub pids_limits: bool,
+}
+
+/// Memory a jail may use beyond its guest's (the VMM, its page cache, /dev/shm of a fork).
+const JAIL_MEMORY_OVERHEAD_MIB: u64 = 512;
+/// Processes and threads a jail may hold (vCPUs, I/O workers, clones and their threads).
+const JAIL_PIDS_MAX: u32 = 512;
+/// Descriptors a jailed VMM may hold.
+const JAIL_NOFILE: u32 = 4096;
+
+/// One sandbox's jail: the jail settings plus its own cgroup limits.
+pub struct JailSpec<'a> {
+    pub jail: &'a Jail,
+    /// `--cgroup` values beyond memory and pids (the cpu quota of a `cpu_limit`).
+    pub cgroups: Vec<String>,
+    pub memory_mib: u32,
+}
+
+/// A VMM command line being built: paths are the host's, or the jail's when jailed.
+struct Launch<'a> {
+    args: Vec<std::ffi::OsString>,
+    binds: Vec<std::ffi::OsString>,
+    jail: Option<&'a JailSpec<'a>>,
+}
+
+impl<'a> Launch<'a> {
+    fn new(jail: Option<&'a JailSpec<'a>>) -> Launch<'a> {
+        Launch {
+            args: Vec::new(),
+            binds: Vec::new(),
+            jail,
+        }
+    }
+
+    fn arg(&mut self, arg: impl AsRef<std::ffi::OsStr>) -> &mut Self {
+        self.args.push(arg.as_ref().to_os_string());
+        self
+    }
+
+    /// A file in the sandbox's directory: `/NAME` in the jail.
+    fn own(&mut self, flag: &str, path: &Path) -> &mut Self {
+        self.arg(flag);
+        match (self.jail, path.file_name()) {
+            (Some(_), Some(name)) => {
+                let mut inside = std::ffi::OsString::from("/");
+                inside.push(name);
+                self.arg(inside)
+            }
+            _ => self.arg(path),
+        }
+    }
+
+    /// A host file the VMM reads: bind-mounted read-only at `/NAME` in the jail.
+    fn host(&mut self, flag: &str, path: &Path, name: &str) -> &mut Self {
+        self.arg(flag);
+        if self.jail.is_some() {
+            let mut bind = path.as_os_str().to_os_string();
+            bind.push(format!(":/{name}"));
+            self.binds.push(bind);
+            self.arg(format!("/{name}"))
+        } else {
+            self.arg(path)
+        }
+    }
+
+    /// The command: the VMM itself, or `rollbox-jailer` around it.
+    fn command(&self, vmm: &Path, paths: &Paths) -> Result<(Command, PathBuf), VmError> {
+        let Some(spec) = self.jail else {
+            let mut command = Command::new(vmm);
+            command.args(&self.args);
+            return Ok((command, vmm.to_path_buf()));
+        };
+        let jail = spec.jail;
+        let (Some(base), Some(id)) = (paths.dir.parent(), paths.dir.file_name()) else {
+            return Err(VmError::Dir {
+                path: paths.dir.clone(),
+                source: std::io::ErrorKind::InvalidInput.into(),
+            });
+        };
+        let mut command = Command::new(&jail.jailer);
+        command
+            .arg("--id")
+            .arg(id)
+            .arg("--exec")
+            .arg(vmm)
+            .args([
+                "--uid",
+                &jail.uid.to_string(),
+                "--gid",
+                &jail.gid.to_string(),
+            ])
+            .arg("--chroot-base")
+            .arg(base)
+            .arg("--cgroup-fs")
+            .arg(&jail.cgroup_fs)
+            .args(["--cgroup-parent", &jail.cgroup_parent])
+            .args(["--rlimit", &format!("nofile={JAIL_NOFILE}")])
+            // Sandboxes have no network device: an empty network namespace.
+            .arg("--new-netns");
+        for setting in &spec.cgroups {
+            command.arg("--cgroup").arg(setting);
+        }
+        if jail.memory_limits {
+            let bytes = (u64::from(spec.memory_mib) + JAIL_MEMORY_OVERHEAD_MIB) << 20;
+            command.args(["--cgroup", &format!("memory.limit_in_bytes={bytes}")]);
+        }
+        if jail.pids_limits {
+            command.args(["--cgroup", &format!("pids.max={JAIL_PIDS_MAX}")]);
+        }
+        for bind in &self.binds {
+            command.arg("--bind-ro").arg(bind);
+        }
+        command.arg("--").args(&self.args);
+        Ok((command, jail.jailer.clone()))
+    }
+}
+
+/// Makes the sandbox directory (and its rootfs copy) and starts `vmm` (jailed when `jail`
+/// says so) in its own process group, stdin from /dev/null, stdout and stderr into `vmm.log`.
+pub fn spawn(
+    vmm: &Path,
+    paths: &Paths,
+    shape: &Shape,
+    jail: Option<&JailSpec>,
+) -> Result<Child, VmError> {
     let dir_error = |source| VmError::Dir {
         path: paths.dir.clone(),
         source,
     };
     std::fs::create_dir(&paths.dir).map_err(dir_error)?;
     let template = shape.template;
-    let mut command = Command::new(vmm);
-    command
-        .arg("--kernel")
-        .arg(&template.kernel)
+    let mut launch = Launch::new(jail);
+    launch
+        .host("--kernel", &template.kernel, "kernel")
         .arg("--vcpus")
         .arg(shape.vcpus.to_string())
         .arg("--memory-mib")
         .arg(shape.memory_mib.to_string())
-        .arg("--api-sock")
-        .arg(&paths.api_sock)
-        .arg("--vsock-uds")
-        .arg(&paths.vsock)
-        .args(["--vsock-cid", "3"])
-        .arg("--console")
-        .arg(&paths.console);
+        .own("--api-sock", &paths.api_sock)
+        .own("--vsock-uds", &paths.vsock)
+        .arg("--vsock-cid")
+        .arg("3")
+        .own("--console", &paths.console);
     if !template.cmdline.is_empty() {
-        command.arg("--cmdline").arg(&template.cmdline);
+        launch.arg("--cmdline").arg(&template.cmdline);
     }
     if let Some(initrd) = &template.initrd {
-        command.arg("--initrd").arg(initrd);
+        launch.host("--initrd", initrd, "initrd");
     }
     if let Some(rootfs) = &template.rootfs {
         // A private copy: the guest writes to it.
@@ -113,11 +251,16 @@ pub fn spawn(vmm: &Path, paths: &Paths, shape: &Shape) -> Result<Child, VmError>
             to: paths.rootfs.clone(),
             source,
         })?;
-        let mut drive = paths.rootfs.clone().into_os_string();
+        let mut drive = if jail.is_some() {
+            std::ffi::OsString::from("/rootfs.img")
+        } else {
+            paths.rootfs.clone().into_os_string()
+        };
         drive.push(",root,id=rootfs");
-        command.arg("--drive").arg(drive);
+        launch.arg("--drive").arg(drive);
     }
-    start(command, vmm, paths)
+    let (command, program) = launch.command(vmm, paths)?;
+    start(command, &program, paths)
 }
 
 /// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
@@ -127,22 +270,19 @@ pub fn spawn_restore(
     paths: &Paths,
     snapshot_dir: &Path,
     rootfs: bool,
+    jail: Option<&JailSpec>,
 ) -> Result<Child, VmError> {
     let dir_error = |source| VmError::Dir {
         path: paths.dir.clone(),
         source,
     };
     std::fs::create_dir(&paths.dir).map_err(dir_error)?;
-    let mut command = Command::new(vmm);
-    command
-        .arg("--restore")
-        .arg(snapshot_dir)
-        .arg("--api-sock")
-        .arg(&paths.api_sock)
-        .arg("--vsock-uds")
-        .arg(&paths.vsock)
-        .arg("--console")
-        .arg(&paths.console);
+    let mut launch = Launch::new(jail);
+    launch
+        .host("--restore", snapshot_dir, "snapshot")
+        .own("--api-sock", &paths.api_sock)
+        .own("--vsock-uds", &paths.vsock)
+        .own("--console", &paths.console);
     if rootfs {
         let from = snapshot_dir.join("rootfs.img");
         copy_disk(&from, &paths.rootfs).map_err(|source| VmError::Rootfs {
@@ -151,10 +291,15 @@ pub fn spawn_restore(
             source,
         })?;
         let mut drive = std::ffi::OsString::from("rootfs=");
-        drive.push(&paths.rootfs);
-        command.arg("--drive-override").arg(drive);
+        if jail.is_some() {
+            drive.push("/rootfs.img");
+        } else {
+            drive.push(&paths.rootfs);
+        }
+        launch.arg("--drive-override").arg(drive);
     }
-    start(command, vmm, paths)
+    let (command, program) = launch.command(vmm, paths)?;
+    start(command, &program, paths)
 }
 
 /// Copies a disk image for a sandbox or a snapshot: a reflink where the file system has them,
@@ -241,20 +386,84 @@ fn start(mut command: Command, vmm: &Path, paths: &Paths) -> Result<Child, VmErr
 }
 
 /// `PUT /snapshot/create` (Full) into `dir`/vmstate and `dir`/memory; the VM must be paused.
-pub fn create_snapshot(api_sock: &Path, dir: &Path) -> Result<(), VmError> {
+/// A jailed VMM (its directory owned by `jail_uid`) writes them into its own directory
+/// (`/snapshot-new/`), and they are moved to `dir` from there.
+pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Result<(), VmError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let jailed =
+        jail_uid.is_some_and(|uid| std::fs::metadata(&paths.dir).is_ok_and(|m| m.uid() == uid));
+    let (write_to, seen_as) = if jailed {
+        let staging = paths.dir.join("snapshot-new");
+        match std::fs::create_dir(&staging) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(VmError::Dir {
+                    path: staging,
+                    source: e,
+                });
+            }
+            _ => {}
+        }
+        // The jail's uid writes there: the owner of the sandbox directory.
+        let owner = std::fs::metadata(&paths.dir).map_err(|source| VmError::Dir {
+            path: paths.dir.clone(),
+            source,
+        })?;
+        std::os::unix::fs::chown(&staging, Some(owner.uid()), Some(owner.gid())).map_err(
+            |source| VmError::Dir {
+                path: staging.clone(),
+                source,
+            },
+        )?;
+        (staging, PathBuf::from("/snapshot-new"))
+    } else {
+        (dir.to_path_buf(), dir.to_path_buf())
+    };
     let body = serde_json::json!({
         "snapshot_type": "Full",
-        "snapshot_path": dir.join("vmstate"),
-        "mem_file_path": dir.join("memory"),
+        "snapshot_path": seen_as.join("vmstate"),
+        "mem_file_path": seen_as.join("memory"),
     })
     .to_string();
-    vmm_call(
-        api_sock,
+    let made = vmm_call(
+        &paths.api_sock,
         "PUT",
         "/snapshot/create",
         &body,
         Duration::from_secs(120),
-    )
+    );
+    if jailed {
+        // vmstate, memory and whatever the VMM writes beside them (memory.id).
+        let moved = made.and_then(|()| {
+            let entries = std::fs::read_dir(&write_to).map_err(|source| VmError::Dir {
+                path: write_to.clone(),
+                source,
+            })?;
+            for entry in entries.flatten() {
+                move_file(&entry.path(), &dir.join(entry.file_name()))?;
+            }
+            Ok(())
+        });
+        let _ = std::fs::remove_dir_all(&write_to);
+        return moved;
+    }
+    made
+}
+
+/// Renames `from` to `to`, or copies it where they are on different file systems.
+fn move_file(from: &Path, to: &Path) -> Result<(), VmError> {
+    let failed = |source| VmError::Move {
+        from: from.to_path_buf(),
+        to: to.to_path_buf(),
+        source,
+    };
+    match std::fs::rename(from, to) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            copy_disk(from, to).map_err(failed)?;
+            std::fs::remove_file(from).map_err(failed)
+        }
+        Err(e) => Err(failed(e)),
+    }
 }
 
 /// One call to the VMM's API socket (blocking); anything but 2xx is an error naming the call.
@@ -383,7 +592,8 @@ pub struct Found {
     pub id: String,
 }
 
-/// Every process whose command line has `--api-sock SANDBOXES_DIR/ID/...`.
+/// Every process whose command line has `--api-sock SANDBOXES_DIR/ID/...`, and every
+/// `rollbox-jailer` with `--chroot-base SANDBOXES_DIR --id ID`.
 pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -405,10 +615,26 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
             .windows(2)
             .find(|w| w[0] == b"--api-sock")
             .map(|w| Path::new(std::ffi::OsStr::from_bytes(w[1])));
+        let value = |flag: &[u8]| {
+            args.windows(2)
+                .find(|w| w[0] == flag)
+                .map(|w| std::ffi::OsStr::from_bytes(w[1]))
+        };
+        // The jailer, not its child (PID 1 of the jail, same command line, another PID
+        // namespace).
+        let jailed = value(b"--chroot-base")
+            .filter(|base| Path::new(base) == sandboxes_dir)
+            .filter(|_| {
+                let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+                ns(&pid.to_string()).is_some_and(|theirs| ns("self") == Some(theirs))
+            })
+            .and_then(|_| value(b"--id"))
+            .and_then(|id| id.to_str());
         let Some(id) = sock
             .and_then(|s| s.strip_prefix(sandboxes_dir).ok())
             .and_then(|rel| rel.components().next())
             .and_then(|c| c.as_os_str().to_str())
+            .or(jailed)
         else {
             continue;
         };
@@ -460,6 +686,100 @@ mod tests {
         );
         // Never over an existing file.
         assert!(copy_disk(&from, &to).is_err());
+    }
+
+    #[test]
+    fn a_jailed_launch_names_jail_paths_and_binds_host_files() {
+        let jail = Jail {
+            jailer: PathBuf::from("/usr/bin/rollbox-jailer"),
+            uid: 64000,
+            gid: 64001,
+            cgroup_fs: PathBuf::from("/sys/fs/cgroup"),
+            cgroup_parent: "rollbox-0123".into(),
+            memory_limits: true,
+            pids_limits: true,
+        };
+        let spec = JailSpec {
+            jail: &jail,
+            cgroups: vec!["cpu.cfs_quota_us=50000".into()],
+            memory_mib: 256,
+        };
+        let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
+        let mut launch = Launch::new(Some(&spec));
+        launch
+            .host("--kernel", Path::new("/templates/vmlinux"), "kernel")
+            .own("--api-sock", &paths.api_sock);
+        let (command, program) = launch
+            .command(Path::new("/usr/bin/rollbox-vmm"), &paths)
+            .expect("command");
+        assert_eq!(program, jail.jailer);
+        let args: Vec<String> = command
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let line = args.join(" ");
+        for want in [
+            "--id sb-1 --exec /usr/bin/rollbox-vmm --uid 64000 --gid 64001",
+            "--chroot-base /state/sandboxes",
+            "--cgroup cpu.cfs_quota_us=50000",
+            &format!("--cgroup memory.limit_in_bytes={}", (256u64 + 512) << 20),
+            "--cgroup pids.max=512",
+            "--bind-ro /templates/vmlinux:/kernel",
+            "-- --kernel /kernel --api-sock /api.sock",
+        ] {
+            assert!(line.contains(want), "{want:?} not in {line}");
+        }
+        // Unjailed: the host paths, the VMM itself.
+        let mut plain = Launch::new(None);
+        plain.host("--kernel", Path::new("/templates/vmlinux"), "kernel");
+        plain.own("--api-sock", &paths.api_sock);
+        let (command, program) = plain
+            .command(Path::new("/usr/bin/rollbox-vmm"), &paths)
+            .expect("command");
+        assert_eq!(program, PathBuf::from("/usr/bin/rollbox-vmm"));
+        let args: Vec<_> = command.get_args().collect();
+        assert_eq!(
+            args,
+            [
+                "--kernel",
+                "/templates/vmlinux",
+                "--api-sock",
+                "/state/sandboxes/sb-1/api.sock"
+            ]
+        );
+    }
+
+    #[test]
+    fn find_vmms_knows_a_jailer_by_its_chroot_base_and_id() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        use std::os::unix::process::CommandExt;
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg("sleep 30; true")
+            .arg("--id")
+            .arg("sb-00000000000000aa")
+            .arg("--chroot-base")
+            .arg(dir.path())
+            .process_group(0)
+            .spawn()
+            .expect("spawn sh");
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut found = find_vmms(dir.path());
+        while found.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+            found = find_vmms(dir.path());
+        }
+        assert!(
+            found
+                .iter()
+                .any(|f| f.pid == pid && f.id == "sb-00000000000000aa"),
+            "{found:?}"
+        );
+        let start = start_time(pid).expect("start time");
+        let waiter = std::thread::spawn(move || child.wait());
+        assert!(kill(pid, start, Duration::from_secs(5)));
+        let _ = waiter.join();
     }
 
     #[test]
