@@ -60,6 +60,8 @@ pub struct DaemonBenchConfig {
     pub fork_count: usize,
     /// Sandboxes kept alive at once for the memory figure.
     pub live: usize,
+    /// Whether the daemon jails its VMMs (its default) or runs them with `--no-jailer`.
+    pub jailer: bool,
 }
 
 /// Latency of creates (201) made `concurrency` at a time.
@@ -77,6 +79,8 @@ pub struct ConcurrencyFigure {
 #[derive(Debug, Serialize)]
 pub struct DaemonReport {
     pub memory_mib: u64,
+    /// Whether the VMMs ran inside rollbox-jailer.
+    pub jailed: bool,
     pub template_boot_ms: f64,
     pub snapshot_ms: f64,
     pub levels: Vec<ConcurrencyFigure>,
@@ -258,6 +262,7 @@ fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchError> {
         .arg("--state-dir")
         .arg(scratch.join("state"))
         .args(["--max-pending-creates", "100000"])
+        .args((!config.jailer).then_some("--no-jailer"))
         .env("ROLLBOX_LOG", "debug")
         .stdin(Stdio::null())
         .stdout(log)
@@ -535,6 +540,7 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
     let vmm_rss_p50_kib = summarize(&vmm_rss).map(|s| s.p50);
 
     Ok(DaemonReport {
+        jailed: config.jailer,
         memory_mib: config.memory_mib,
         template_boot_ms,
         snapshot_ms,
@@ -597,8 +603,9 @@ fn mib(kib: f64) -> String {
 pub fn markdown(report: &DaemonReport) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "## rollbox-bench daemon (test guest, {} MiB; create = POST /sandboxes from a snapshot → 201)\n\n",
-        report.memory_mib
+        "## rollbox-bench daemon (test guest, {} MiB, VMMs {}; create = POST /sandboxes from a snapshot → 201)\n\n",
+        report.memory_mib,
+        if report.jailed { "jailed (rollbox-jailer)" } else { "not jailed (--no-jailer)" }
     ));
     out.push_str(
         "| figure | measured | target (issue 11) | anchor (published, not measured here) |\n",

@@ -178,6 +178,9 @@ enum Bench {
         /// Sandboxes alive at once for the memory figure (extrapolated per 1,000).
         #[arg(long, default_value_t = 200)]
         live: usize,
+        /// Run the VMMs without rollbox-jailer (`rollbox serve --no-jailer`).
+        #[arg(long)]
+        no_jailer: bool,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -390,6 +393,7 @@ fn main() -> ExitCode {
             forks,
             fork_count,
             live,
+            no_jailer,
             json,
         } => {
             let (default_rollbox, default_vmm, default_guest) =
@@ -408,6 +412,7 @@ fn main() -> ExitCode {
                 forks,
                 fork_count: fork_count.max(1),
                 live: live.max(1),
+                jailer: !no_jailer,
             };
             finish(
                 "daemon",
