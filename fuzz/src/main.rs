@@ -297,7 +297,7 @@ fn fuzz(target: &Target, options: &RunOptions) -> Result<i32, DriverError> {
     let mut execs = 0u64;
     let started = Instant::now();
     let budget = Duration::from_secs(options.seconds);
-    let mut exec = |data: &Vec<u8>, execs: &mut u64| -> Result<u64, String> {
+    let exec = |data: &Vec<u8>, execs: &mut u64| -> Result<u64, String> {
         CURRENT_PTR.store(data.as_ptr().cast_mut(), Ordering::SeqCst);
         CURRENT_LEN.store(data.len(), Ordering::SeqCst);
         EXEC_STARTED_MS.store(now_ms().max(1), Ordering::SeqCst);
