@@ -41,6 +41,7 @@ for t in "${targets[@]}"; do
         line="fuzz $t: ABORTED (status $rc; input in fuzz/artifacts/$t/crash-abort)"
     fi
     [ $rc -ne 0 ] && failed=1
+    echo "$line"
     summary+=("$line")
 done
 echo "--- fuzz summary ($seconds s per target)"
