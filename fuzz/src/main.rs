@@ -307,13 +307,15 @@ fn fuzz(target: &Target, options: &RunOptions) -> Result<i32, DriverError> {
         result
     };
     let mut record = |data: &Vec<u8>, message: String| -> Result<(), DriverError> {
-        let path = options
-            .artifacts
-            .join(format!("crash-{:016x}", hash(data)));
+        let path = options.artifacts.join(format!("crash-{:016x}", hash(data)));
         std::fs::write(&path, data).map_err(io_err(&path))?;
         let location = message.rsplit(" at ").next().unwrap_or("").to_string();
         if unique.insert(location) {
-            println!("fuzz {}: CRASH {message} (input {})", target.name, path.display());
+            println!(
+                "fuzz {}: CRASH {message} (input {})",
+                target.name,
+                path.display()
+            );
         }
         Ok(())
     };
@@ -362,4 +364,40 @@ fn fuzz(target: &Target, options: &RunOptions) -> Result<i32, DriverError> {
         unique.len()
     );
     Ok(i32::from(crashes > 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn panics_on_x(data: &[u8]) -> u64 {
+        assert!(!data.starts_with(b"x"), "input starts with x");
+        7
+    }
+
+    fn no_seeds() -> Vec<(String, Vec<u8>)> {
+        Vec::new()
+    }
+
+    fn always() -> Option<String> {
+        None
+    }
+
+    /// A panicking input is reported with its message and location, and the next input runs.
+    #[test]
+    fn a_panic_is_a_finding_not_the_end() {
+        quiet_panics();
+        let target = Target {
+            name: "test",
+            about: "",
+            run: panics_on_x,
+            seeds: no_seeds,
+            available: always,
+            max_len: 8,
+        };
+        let err = run_one(&target, b"xyz").expect_err("a panic");
+        assert!(err.contains("input starts with x"), "{err}");
+        assert!(err.contains("main.rs"), "{err}");
+        assert_eq!(run_one(&target, b"abc"), Ok(7));
+    }
 }

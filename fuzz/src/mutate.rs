@@ -147,6 +147,9 @@ mod tests {
                 changed += 1;
             }
         }
-        assert!(changed > 900, "only {changed} of 1000 mutations changed the input");
+        assert!(
+            changed > 900,
+            "only {changed} of 1000 mutations changed the input"
+        );
     }
 }

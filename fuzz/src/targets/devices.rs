@@ -12,10 +12,10 @@ use vmm::devices::bus::BusDevice;
 use vmm::devices::virtio::block::{Block, BlockConfig};
 use vmm::devices::virtio::chain::{Chain, ChainRules};
 use vmm::devices::virtio::mmio::MmioTransport;
-use vmm::devices::virtio::VirtioDevice;
 use vmm::devices::virtio::net::{Net, NetConfig};
 use vmm::devices::virtio::vsock::Vsock;
 use vmm::devices::virtio::Interrupt;
+use vmm::devices::virtio::VirtioDevice;
 use vmm::vstate::memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -100,7 +100,11 @@ fn bring_up(t: &mut MmioTransport, queues: u32, size: u16) {
         write_reg(t, REG_QUEUE_DEVICE_LOW, base + USED_OFFSET as u32);
         write_reg(t, REG_QUEUE_READY, 1);
     }
-    write_reg(t, REG_STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK);
+    write_reg(
+        t,
+        REG_STATUS,
+        ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK,
+    );
 }
 
 /// Notifies every queue twice (the second time finds the rings as the device left them).
@@ -223,7 +227,9 @@ pub fn net_available() -> Option<String> {
                 NET.with(|n| *n.borrow_mut() = Some((t, mem)));
                 None
             }
-            Err(e) => Some(format!("no tap {TAP} here (needs root and /dev/net/tun): {e}")),
+            Err(e) => Some(format!(
+                "no tap {TAP} here (needs root and /dev/net/tun): {e}"
+            )),
         },
     }
 }
@@ -286,9 +292,13 @@ pub fn run_chain(data: &[u8]) -> u64 {
         let head = chain.head_index();
         match Chain::validate(&mem, chain, &rules) {
             Ok(chain) => {
-                assert!(chain.readable_len() <= rules.max_readable.max(0));
+                assert!(chain.readable_len() <= rules.max_readable);
                 assert!(chain.writable_len() <= rules.max_writable);
-                seen.push_str(&format!("ok {} {};", chain.readable.len(), chain.writable.len()));
+                seen.push_str(&format!(
+                    "ok {} {};",
+                    chain.readable.len(),
+                    chain.writable.len()
+                ));
             }
             Err(e) => seen.push_str(&format!("{e:?};")),
         }
@@ -320,7 +330,9 @@ pub fn run_mmio(data: &[u8]) -> u64 {
     let mut seen = Vec::new();
     for record in records.chunks_exact(9) {
         let kind = record[0];
-        let offset = u64::from(u32::from_le_bytes([record[1], record[2], record[3], record[4]]));
+        let offset = u64::from(u32::from_le_bytes([
+            record[1], record[2], record[3], record[4],
+        ]));
         let value = u32::from_le_bytes([record[5], record[6], record[7], record[8]]);
         let width = usize::from(kind >> 3) % 8 + 1;
         match kind % 8 {
@@ -396,7 +408,14 @@ impl Image {
     }
 }
 
-fn block_request(image: &mut Image, head: u16, request_type: u32, sector: u64, data_len: u32, slot: u64) {
+fn block_request(
+    image: &mut Image,
+    head: u16,
+    request_type: u32,
+    sector: u64,
+    data_len: u32,
+    slot: u64,
+) {
     let base = DATA + slot * 0x800;
     let mut header = Vec::new();
     header.extend_from_slice(&request_type.to_le_bytes());
@@ -404,7 +423,11 @@ fn block_request(image: &mut Image, head: u16, request_type: u32, sector: u64, d
     header.extend_from_slice(&sector.to_le_bytes());
     image.put(base, &header);
     let h = u64::from(head);
-    let data_flags = if request_type == 1 { F_NEXT } else { F_NEXT | F_WRITE };
+    let data_flags = if request_type == 1 {
+        F_NEXT
+    } else {
+        F_NEXT | F_WRITE
+    };
     if data_len > 0 {
         image.desc(0, h, base, 16, F_NEXT, head + 1);
         image.desc(0, h + 1, base + 0x10, data_len, data_flags, head + 2);
@@ -541,7 +564,11 @@ pub fn seeds_mmio() -> Vec<(String, Vec<u8>)> {
             records.push(record(0, REG_QUEUE_DEVICE_LOW, base + USED_OFFSET as u32));
             records.push(record(0, REG_QUEUE_READY, 1));
         }
-        records.push(record(0, REG_STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK));
+        records.push(record(
+            0,
+            REG_STATUS,
+            ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK,
+        ));
         for i in 0..queues {
             records.push(record(7, 0, i));
         }

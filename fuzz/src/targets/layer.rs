@@ -18,7 +18,11 @@ pub fn run(data: &[u8]) -> u64 {
         Err(e) => format!("{e:?}"),
     };
     let names: Vec<_> = std::fs::read_dir(dir.path())
-        .map(|entries| entries.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok().map(|e| e.file_name()))
+                .collect()
+        })
         .unwrap_or_default();
     assert!(
         names.len() == 1 && names[0] == "root",
@@ -32,7 +36,11 @@ fn tar_of(entries: &[(&str, tar::EntryType, &[u8], &str)]) -> Vec<u8> {
     for (path, kind, data, link) in entries {
         let mut header = tar::Header::new_gnu();
         header.set_entry_type(*kind);
-        header.set_mode(if *kind == tar::EntryType::Directory { 0o755 } else { 0o644 });
+        header.set_mode(if *kind == tar::EntryType::Directory {
+            0o755
+        } else {
+            0o644
+        });
         header.set_size(data.len() as u64);
         header.set_mtime(1_700_000_000);
         if !link.is_empty() {

@@ -153,7 +153,11 @@ mod tests {
         let seeds = (target.seeds)();
         assert!(!seeds.is_empty(), "{} has no seeds", target.name);
         for (name, bytes) in seeds {
-            assert!(bytes.len() <= target.max_len, "{}/{name} is too long", target.name);
+            assert!(
+                bytes.len() <= target.max_len,
+                "{}/{name} is too long",
+                target.name
+            );
             (target.run)(&bytes);
         }
     }

@@ -43,7 +43,10 @@ pub fn run(data: &[u8]) -> u64 {
     let path = Path::new("fuzz.state");
     match mode % 5 {
         0 => shape(&format!("{:?}", decode::<MicroVmState>(path, rest).err())),
-        1 => shape(&format!("{:?}", decode::<MicroVmState>(path, &wrap(rest)).err())),
+        1 => shape(&format!(
+            "{:?}",
+            decode::<MicroVmState>(path, &wrap(rest)).err()
+        )),
         2 => {
             let mem = scratch().join("mem");
             write(&mem, &vec![0u8; GUEST_LEN as usize]);
@@ -125,7 +128,10 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
     let state = Value::Map(vec![
         (
             text("machine"),
-            Value::Map(vec![(text("vcpu_count"), int(1)), (text("mem_size_mib"), int(128))]),
+            Value::Map(vec![
+                (text("vcpu_count"), int(1)),
+                (text("mem_size_mib"), int(128)),
+            ]),
         ),
         (text("regions"), Value::Array(vec![pair(0, 128 << 20)])),
         (

@@ -119,6 +119,9 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
     s.extend(packet(3, 1024, 5000, b""));
     s.extend(&drain);
     seeds.push(("guest-connect".to_string(), s));
-    seeds.push(("bad-connect-line".to_string(), host_line(b"CONNECT nope\r\n")));
+    seeds.push((
+        "bad-connect-line".to_string(),
+        host_line(b"CONNECT nope\r\n"),
+    ));
     seeds
 }
