@@ -8,3 +8,6 @@ mod unix;
 
 pub use device::{Vsock, VsockError};
 pub use packet::{PacketHeader, HEADER_LEN};
+/// The host side alone, for the fuzz targets (fuzz/).
+#[doc(hidden)]
+pub use unix::UnixMuxer;

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs the fuzz targets of fuzz/ (docs/fuzzing.md), one after the other, each for a bounded
+# time, niced, and prints per target: execs/s, total execs, crashes. Exits 1 if any crashed.
+#
+#   scripts/fuzz.sh [--seconds N] [--nightly] [TARGET...]
+#
+# Default 60 s per target; FUZZ_SECONDS sets it too. --nightly: 1800 s per target.
+# Crashing inputs go to fuzz/artifacts/<target>/; replay one with
+#   target/fuzz/rollbox-fuzz replay TARGET FILE
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds="${FUZZ_SECONDS:-60}"
+targets=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --seconds) seconds="$2"; shift 2 ;;
+        --nightly) seconds=1800; shift ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -*) echo "fuzz.sh: unknown flag $1" >&2; exit 2 ;;
+        *) targets+=("$1"); shift ;;
+    esac
+done
+
+CARGO_INCREMENTAL=0 nice -n 15 cargo build --offline --profile fuzz -p rollbox-fuzz
+bin=target/fuzz/rollbox-fuzz
+if [ ${#targets[@]} -eq 0 ]; then
+    mapfile -t targets < <("$bin" list | awk '{print $1}')
+fi
+
+failed=0
+summary=()
+for t in "${targets[@]}"; do
+    set +e
+    out=$(nice -n 15 "$bin" run "$t" --seconds "$seconds" 2>&1)
+    rc=$?
+    set -e
+    printf '%s\n' "$out" | grep -v '^fuzz .*: [0-9]* s,' || true
+    line=$(printf '%s\n' "$out" | grep "^fuzz $t: " | tail -1)
+    if [ $rc -gt 1 ]; then
+        line="fuzz $t: ABORTED (status $rc; input in fuzz/artifacts/$t/crash-abort)"
+    fi
+    [ $rc -ne 0 ] && failed=1
+    echo "$line"
+    summary+=("$line")
+done
+echo "--- fuzz summary ($seconds s per target)"
+printf '%s\n' "${summary[@]}"
+exit $failed
