@@ -2,30 +2,39 @@
 # Runs the fuzz targets of fuzz/ (docs/fuzzing.md), one after the other, each for a bounded
 # time, niced, and prints per target: execs/s, total execs, crashes. Exits 1 if any crashed.
 #
-#   scripts/fuzz.sh [--seconds N] [--nightly] [TARGET...]
+#   scripts/fuzz.sh [--seconds N] [--nightly] [--debug-build] [TARGET...]
 #
 # Default 60 s per target; FUZZ_SECONDS sets it too. --nightly: 1800 s per target.
+# --debug-build runs the workspace's debug build (target/debug; slower per input, but no
+# optimised build of the whole dependency tree first): what scripts/test.sh does in CI.
 # Crashing inputs go to fuzz/artifacts/<target>/; replay one with
 #   target/fuzz/rollbox-fuzz replay TARGET FILE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds="${FUZZ_SECONDS:-60}"
+debug_build=0
 targets=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --seconds) seconds="$2"; shift 2 ;;
         --nightly) seconds=1800; shift ;;
+        --debug-build) debug_build=1; shift ;;
         -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
         -*) echo "fuzz.sh: unknown flag $1" >&2; exit 2 ;;
         *) targets+=("$1"); shift ;;
     esac
 done
 
-CARGO_INCREMENTAL=0 nice -n 15 cargo build --offline --profile fuzz -p rollbox-fuzz
-bin=target/fuzz/rollbox-fuzz
+if [ "$debug_build" -eq 1 ]; then
+    nice -n 15 cargo build -p rollbox-fuzz
+    bin=target/debug/rollbox-fuzz
+else
+    CARGO_INCREMENTAL=0 nice -n 15 cargo build --profile fuzz -p rollbox-fuzz
+    bin=target/fuzz/rollbox-fuzz
+fi
 if [ ${#targets[@]} -eq 0 ]; then
-    mapfile -t targets < <("$bin" list | awk '{print $1}')
+    mapfile -t targets <<<"$("$bin" list | awk '{print $1}')"
 fi
 
 failed=0

@@ -5,6 +5,7 @@
 #   tier 1  unit and component tests (cargo test, all crates)
 #   tier 2  rollbox-vmm with the test guest on real /dev/kvm (tests/tests/tier2_*.rs)
 #   tier 3  the guest image under QEMU TCG (guest-agent/tests/tcg_guest.rs, rollbox images)
+#   fuzz    every fuzz target of fuzz/ for 20 s (scripts/fuzz.sh)
 #   tier 4  Linux under rollbox-vmm (tests/tests/tier4_{linux,volumes,network}.rs): directly
 #           where KVM has hardware virtualization, else inside the nested lab (scripts/lab/run.sh)
 # ROLLBOX_REQUIRE_ALL=1 (the default here) turns every "missing prerequisite" skip into a
@@ -52,6 +53,10 @@ step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
 cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
 scripts/tcg/smoke.sh || status=$?
+step "fuzz: every target for ${ROLLBOX_FUZZ_SECONDS:-20} s (scripts/fuzz.sh, docs/fuzzing.md)"
+# The workspace's debug build (overflow checks and debug assertions on): no optimised build
+# of the dependency tree first. A crash fails the run; its input is in fuzz/artifacts/.
+scripts/fuzz.sh --debug-build --seconds "${ROLLBOX_FUZZ_SECONDS:-20}" || status=1
 step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network, tier4_vfio, tier4_daemon)"
 tier4_bins=()
 for binary in tier4_linux tier4_volumes tier4_network tier4_vfio tier4_daemon; do
