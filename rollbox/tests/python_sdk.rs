@@ -287,7 +287,12 @@ fn python_sdk_overloaded_carries_retry_after() {
     .expect("write the wrapper");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let daemon = start_daemon(None, Some(&slow), &["--max-pending-creates", "1"]);
+    // A shell-script VMM cannot run inside the jail (it has no shell).
+    let daemon = start_daemon(
+        None,
+        Some(&slow),
+        &["--max-pending-creates", "1", "--no-jailer"],
+    );
     let scratch = tempfile::tempdir().expect("scratch");
     let output = python_command(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
