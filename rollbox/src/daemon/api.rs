@@ -817,7 +817,13 @@ pub fn parse(
             let mut sandbox = None;
             for (name, value) in query_pairs(query)? {
                 match name.as_str() {
-                    "sandbox" => sandbox = Some(check_id(&value)?),
+                    "sandbox" => {
+                        sandbox = Some(check_id(&value).map_err(|_| {
+                            bad(format!(
+                                "sandbox: {value:?} is not a sandbox id (sb- and 16 hex digits)"
+                            ))
+                        })?)
+                    }
                     other => {
                         return Err(bad(format!("{other}: unknown query parameter (sandbox)")))
                     }
@@ -1820,7 +1826,7 @@ mod tests {
             Ok(Action::Reset { snapshot: None, .. })
         ));
         assert!(err(parse("GET", "/snapshots/nope", None, b"")).contains("snapshot"));
-        assert!(err(parse("GET", "/snapshots", Some("sandbox=x"), b"")).contains("id"));
+        assert!(err(parse("GET", "/snapshots", Some("sandbox=x"), b"")).contains("sandbox: \"x\""));
     }
 
     #[test]
