@@ -855,10 +855,12 @@ fn rules(kind: ThreadKind) -> BackendResult<Rules> {
             // Device activation and reset run here (the guest writes the status register):
             // epoll registrations, and virtio-fs's vhost-user messages to virtiofsd. read:
             // MSI-X pending eventfds; pread64/pwrite64: a VFIO device's config space and
-            // unmapped BARs.
+            // unmapped BARs; eventfd2: the irqfds of VFIO MSI/MSI-X vectors the guest enables
+            // (seen in the lab: edu and NVMe).
             allow(
                 &mut rules,
                 &[
+                    libc::SYS_eventfd2,
                     libc::SYS_read,
                     libc::SYS_epoll_ctl,
                     libc::SYS_sendmsg,

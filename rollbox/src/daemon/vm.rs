@@ -199,7 +199,12 @@ impl<'a> Launch<'a> {
         }
         if jail.memory_limits {
             let bytes = (u64::from(spec.memory_mib) + JAIL_MEMORY_OVERHEAD_MIB) << 20;
-            command.args(["--cgroup", &format!("memory.limit_in_bytes={bytes}")]);
+            // cgroup v2 names it memory.max, v1 memory.limit_in_bytes.
+            let file = match rollbox_jailer::hierarchy(&jail.cgroup_fs, "memory") {
+                Ok((_, true)) => "memory.max",
+                _ => "memory.limit_in_bytes",
+            };
+            command.args(["--cgroup", &format!("{file}={bytes}")]);
         }
         if jail.pids_limits {
             command.args(["--cgroup", &format!("pids.max={JAIL_PIDS_MAX}")]);
