@@ -757,31 +757,39 @@ mod tests {
     #[test]
     fn find_vmms_knows_a_jailer_by_its_chroot_base_and_id() {
         let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().display().to_string();
+        finds_then_kills(
+            dir.path(),
+            &["--id", "sb-00000000000000aa", "--chroot-base", &base],
+            "sb-00000000000000aa",
+        );
+    }
+
+    /// Starts `sh` with a VMM-like command line `args`, checks that [`find_vmms`] under `dir`
+    /// names it as sandbox `id`, then ends it with [`kill`].
+    fn finds_then_kills(dir: &Path, args: &[&str], id: &str) {
         use std::os::unix::process::CommandExt;
         let mut child = Command::new("sh")
             .arg("-c")
             .arg("sleep 30; true")
-            .arg("--id")
-            .arg("sb-00000000000000aa")
-            .arg("--chroot-base")
-            .arg(dir.path())
+            .args(args)
             .process_group(0)
             .spawn()
             .expect("spawn sh");
         let pid = child.id();
+        // Until the child has exec'd, its command line is still the test's.
         let deadline = Instant::now() + Duration::from_secs(5);
-        let mut found = find_vmms(dir.path());
+        let mut found = find_vmms(dir);
         while found.is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
-            found = find_vmms(dir.path());
+            found = find_vmms(dir);
         }
         assert!(
-            found
-                .iter()
-                .any(|f| f.pid == pid && f.id == "sb-00000000000000aa"),
+            found.iter().any(|f| f.pid == pid && f.id == id),
             "{found:?}"
         );
         let start = start_time(pid).expect("start time");
+        // kill() waits for the process to be gone; the reaping here is the test's job.
         let waiter = std::thread::spawn(move || child.wait());
         assert!(kill(pid, start, Duration::from_secs(5)));
         let _ = waiter.join();
@@ -800,33 +808,7 @@ mod tests {
     fn finds_a_process_by_its_api_sock() {
         let dir = tempfile::tempdir().expect("tempdir");
         let sock = dir.path().join("sb-0123456789abcdef/api.sock");
-        use std::os::unix::process::CommandExt;
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg("sleep 30; true")
-            .arg("--api-sock")
-            .arg(&sock)
-            .process_group(0)
-            .spawn()
-            .expect("spawn sh");
-        let pid = child.id();
-        // Until the child has exec'd, its command line is still the test's.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut found = find_vmms(dir.path());
-        while found.is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-            found = find_vmms(dir.path());
-        }
-        assert!(
-            found
-                .iter()
-                .any(|f| f.pid == pid && f.id == "sb-0123456789abcdef"),
-            "{found:?}"
-        );
-        let start = start_time(pid).expect("start time");
-        // kill() waits for the process to be gone; the reaping here is the test's job.
-        let waiter = std::thread::spawn(move || child.wait());
-        assert!(kill(pid, start, Duration::from_secs(5)));
-        let _ = waiter.join();
+        let sock = sock.display().to_string();
+        finds_then_kills(dir.path(), &["--api-sock", &sock], "sb-0123456789abcdef");
     }
 }
