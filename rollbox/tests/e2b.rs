@@ -514,6 +514,7 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
             .env("ROLLBOX_E2B_TEMPLATE", "guest")
             .env("ROLLBOX_E2B_SCRATCH", scratch.path())
             .env_remove("E2B_DEBUG")
+            .env("PYTHONFAULTHANDLER", "1")
             .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("run {script}: {e}"));
