@@ -56,7 +56,7 @@ scripts/tcg/smoke.sh || status=$?
 step "fuzz: every target for ${ROLLBOX_FUZZ_SECONDS:-20} s (scripts/fuzz.sh, docs/fuzzing.md)"
 # The workspace's debug build (overflow checks and debug assertions on): no optimised build
 # of the dependency tree first. A crash fails the run; its input is in fuzz/artifacts/.
-scripts/fuzz.sh --debug-build --seconds "${ROLLBOX_FUZZ_SECONDS:-20}" || status=1
+scripts/fuzz.sh --debug-build --jobs "$(nproc)" --seconds "${ROLLBOX_FUZZ_SECONDS:-20}" || status=1
 step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network, tier4_vfio, tier4_daemon)"
 tier4_bins=()
 for binary in tier4_linux tier4_volumes tier4_network tier4_vfio tier4_daemon; do
