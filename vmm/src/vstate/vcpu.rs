@@ -580,53 +580,89 @@ fn run_vcpu(index: u8, fd: &Mutex<VcpuFd>, control: &Control, handlers: &ExitHan
         }
         let mut vcpu = lock(fd);
         // Run until something asks for a state change; the fd lock is released when paused.
-        while *lock(&control.state) == RunState::Running {
-            match handle_one_exit(index, &mut vcpu, handlers) {
-                Ok(()) => {}
-                Err(exit) => {
-                    *lock(&control.state) = RunState::Exiting;
-                    if handlers
-                        .exits
-                        .send(ExitReport { vcpu: index, exit })
-                        .is_err()
-                    {
-                        log::error!("vCPU {index}: the VMM stopped listening for exits");
-                    }
-                    if let Err(e) = handlers.exit_evt.write(1) {
-                        log::error!("vCPU {index}: cannot signal exit: {e}");
-                    }
-                    return;
-                }
+        let mut result = Ok(Served::Exit);
+        while result.is_ok() && *lock(&control.state) == RunState::Running {
+            result = handle_one_exit(index, &mut vcpu, handlers);
+        }
+        // A pause may save this vCPU's state: finish the instruction of the last exit first.
+        if result.is_ok() && *lock(&control.state) == RunState::Pausing {
+            result = complete_pending_io(index, &mut vcpu, handlers);
+        }
+        if let Err(exit) = result {
+            *lock(&control.state) = RunState::Exiting;
+            if handlers
+                .exits
+                .send(ExitReport { vcpu: index, exit })
+                .is_err()
+            {
+                log::error!("vCPU {index}: the VMM stopped listening for exits");
             }
+            if let Err(e) = handlers.exit_evt.write(1) {
+                log::error!("vCPU {index}: cannot signal exit: {e}");
+            }
+            return;
+        }
+    }
+}
+
+/// What one KVM_RUN ended with, when the VM goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// An exit was served; KVM completes its instruction (a read's data, RIP) on the next
+    /// KVM_RUN.
+    Exit,
+    /// KVM_RUN was interrupted (the kick signal); nothing is pending.
+    Interrupted,
+}
+
+/// KVM completes an I/O or MMIO instruction only when KVM_RUN is next entered, so state saved
+/// right after such an exit would have it half done (the KVM API's note on `immediate_exit`).
+/// Enters with `immediate_exit` set until KVM answers EINTR: it completes what is pending and
+/// returns without running the guest. A string access may exit again; each pass makes progress.
+fn complete_pending_io(
+    index: u8,
+    vcpu: &mut VcpuFd,
+    handlers: &ExitHandlers,
+) -> Result<Served, VmExit> {
+    loop {
+        vcpu.set_kvm_immediate_exit(1);
+        let served = handle_one_exit(index, vcpu, handlers);
+        vcpu.set_kvm_immediate_exit(0);
+        if served? == Served::Interrupted {
+            return Ok(Served::Interrupted);
         }
     }
 }
 
 /// Runs the vCPU until its next exit and serves it. `Err` ends the VM.
-fn handle_one_exit(index: u8, vcpu: &mut VcpuFd, handlers: &ExitHandlers) -> Result<(), VmExit> {
+fn handle_one_exit(
+    index: u8,
+    vcpu: &mut VcpuFd,
+    handlers: &ExitHandlers,
+) -> Result<Served, VmExit> {
     match vcpu.run() {
         Ok(VcpuExit::IoIn(port, data)) => {
             if !handlers.pio.read(u64::from(port), data) {
                 data.fill(0xff);
             }
-            Ok(())
+            Ok(Served::Exit)
         }
         Ok(VcpuExit::IoOut(port, data)) => {
             handlers.pio.write(u64::from(port), data);
-            Ok(())
+            Ok(Served::Exit)
         }
         Ok(VcpuExit::MmioRead(addr, data)) => {
             if !handlers.mmio.read(addr, data) {
                 log::debug!("vCPU {index}: MMIO read of unclaimed address {addr:#x}");
                 data.fill(0);
             }
-            Ok(())
+            Ok(Served::Exit)
         }
         Ok(VcpuExit::MmioWrite(addr, data)) => {
             if !handlers.mmio.write(addr, data) {
                 log::debug!("vCPU {index}: MMIO write to unclaimed address {addr:#x}");
             }
-            Ok(())
+            Ok(Served::Exit)
         }
         Ok(VcpuExit::Hlt) => Err(VmExit::Clean("guest halted")),
         Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
@@ -641,7 +677,7 @@ fn handle_one_exit(index: u8, vcpu: &mut VcpuFd, handlers: &ExitHandlers) -> Res
         Ok(VcpuExit::Shutdown) => Err(VmExit::Error(crash_report(
             index,
             vcpu,
-            "KVM_EXIT_SHUTDOWN (triple fault)",
+            "KVM_EXIT_SHUTDOWN (triple fault; on AMD, KVM has already reset the registers below)",
         ))),
         Ok(VcpuExit::InternalError) => {
             let detail = internal_error_detail(vcpu);
@@ -656,14 +692,16 @@ fn handle_one_exit(index: u8, vcpu: &mut VcpuFd, handlers: &ExitHandlers) -> Res
             vcpu,
             &format!("KVM_EXIT_FAIL_ENTRY (hardware reason {reason:#x}, cpu {cpu})"),
         ))),
-        Ok(VcpuExit::IoapicEoi(_)) | Ok(VcpuExit::Intr) | Ok(VcpuExit::IrqWindowOpen) => Ok(()),
+        Ok(VcpuExit::IoapicEoi(_)) | Ok(VcpuExit::Intr) | Ok(VcpuExit::IrqWindowOpen) => {
+            Ok(Served::Exit)
+        }
         Ok(other) => {
             let what = format!("unexpected exit {other:?}");
             Err(VmExit::Error(crash_report(index, vcpu, &what)))
         }
         Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
             vcpu.set_kvm_immediate_exit(0);
-            Ok(())
+            Ok(Served::Interrupted)
         }
         Err(e) => Err(VmExit::Error(crash_report(
             index,
