@@ -231,6 +231,10 @@ enum Bench {
         /// Working set the guest touches, MiB.
         #[arg(long, default_value_t = 32)]
         working_set_mib: u64,
+        /// The test guest halts between commands (as Linux does) instead of busy-polling
+        /// its serial port; the parent and every clone.
+        #[arg(long)]
+        idle_guest: bool,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -553,6 +557,7 @@ fn main() -> ExitCode {
             dir,
             fanout,
             working_set_mib,
+            idle_guest,
             json,
         } => {
             let root = workspace_root();
@@ -564,6 +569,7 @@ fn main() -> ExitCode {
                 dir,
                 fanout,
                 working_set_mib,
+                idle_guest,
             };
             match snapshot::run(&config) {
                 Ok(reports) => {
