@@ -634,11 +634,14 @@ fn main() -> ExitCode {
             let root = workspace_root();
             // The checkout's sibling ../shared, or ../../shared from a worktree in work/wt/NAME.
             let fcbench = fcbench.unwrap_or_else(|| {
-                ["../shared/bench/fcbench.py", "../../shared/bench/fcbench.py"]
-                    .iter()
-                    .map(|p| root.join(p))
-                    .find(|p| p.is_file())
-                    .unwrap_or_else(|| root.join("../shared/bench/fcbench.py"))
+                [
+                    "../shared/bench/fcbench.py",
+                    "../../shared/bench/fcbench.py",
+                ]
+                .iter()
+                .map(|p| root.join(p))
+                .find(|p| p.is_file())
+                .unwrap_or_else(|| root.join("../shared/bench/fcbench.py"))
             });
             if !fcbench.is_file() {
                 eprintln!(
@@ -660,16 +663,19 @@ fn main() -> ExitCode {
                 mem_mib: mem.max(1),
                 rounds: rounds.max(1),
             };
-            let result = side_by_side::run(&config).map_err(|e| e.to_string()).and_then(|vmms| {
-                println!("{}", side_by_side::markdown(&vmms, &config));
-                if let Some(path) = &json {
-                    let text = serde_json::to_string_pretty(&vmms).map_err(|e| e.to_string())?;
-                    std::fs::write(path, text + "\n")
-                        .map_err(|e| format!("writing {}: {e}", path.display()))?;
-                    println!("JSON written to {}", path.display());
-                }
-                Ok(())
-            });
+            let result = side_by_side::run(&config)
+                .map_err(|e| e.to_string())
+                .and_then(|vmms| {
+                    println!("{}", side_by_side::markdown(&vmms, &config));
+                    if let Some(path) = &json {
+                        let text =
+                            serde_json::to_string_pretty(&vmms).map_err(|e| e.to_string())?;
+                        std::fs::write(path, text + "\n")
+                            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+                        println!("JSON written to {}", path.display());
+                    }
+                    Ok(())
+                });
             match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

@@ -12,10 +12,16 @@ use crate::stats::{summarize, Summary};
 /// The figures compared: fcbench.py's JSON key, the row's name and its unit.
 pub const FIGURES: [(&str, &str); 6] = [
     ("spawn_to_api_ms", "process spawn -> GET / answered (ms)"),
-    ("start_to_serial_ms", "InstanceStart sent -> first serial byte (ms)"),
+    (
+        "start_to_serial_ms",
+        "InstanceStart sent -> first serial byte (ms)",
+    ),
     ("snapshot_create_ms", "snapshot create, Full (ms)"),
     ("load_call_ms", "snapshot load call, File backend (ms)"),
-    ("load_to_serial_ms", "load sent -> first new serial byte (ms)"),
+    (
+        "load_to_serial_ms",
+        "load sent -> first new serial byte (ms)",
+    ),
     ("overhead_kb", "VmRSS beyond touched guest memory (KiB)"),
 ];
 
@@ -275,7 +281,14 @@ mod tests {
         let figures = parse_result(&stdout, "x").expect("parsed");
         assert_eq!(
             figures,
-            vec![Some(2.5), Some(3.0), Some(6.0), Some(1.5), None, Some(4096.0)]
+            vec![
+                Some(2.5),
+                Some(3.0),
+                Some(6.0),
+                Some(1.5),
+                None,
+                Some(4096.0)
+            ]
         );
     }
 
@@ -298,7 +311,10 @@ mod tests {
     #[test]
     fn without_another_vmm_only_rollbox_figures_and_no_ratio() {
         let table = markdown(&[figures("rollbox-vmm", 2.0)], &config(false));
-        assert!(!table.contains("ratio") && !table.contains("/ rollbox-vmm"), "{table}");
+        assert!(
+            !table.contains("ratio") && !table.contains("/ rollbox-vmm"),
+            "{table}"
+        );
         assert!(!table.to_lowercase().contains("firecracker"), "{table}");
         assert_eq!(table.lines().filter(|l| l.starts_with("| ")).count(), 8);
     }

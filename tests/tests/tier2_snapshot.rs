@@ -919,9 +919,8 @@ fn vcpu0_halted_in_kvm(vm: &Vm) -> bool {
             std::fs::read_to_string(path.join("comm")).is_ok_and(|name| name.trim() == "vcpu0")
         })
         .expect("the VMM has a vcpu0 thread");
-    let halted = || {
-        std::fs::read_to_string(task.join("wchan")).is_ok_and(|w| w.trim() == "kvm_vcpu_block")
-    };
+    let halted =
+        || std::fs::read_to_string(task.join("wchan")).is_ok_and(|w| w.trim() == "kvm_vcpu_block");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut in_a_row = 0;
     while std::time::Instant::now() < deadline {
