@@ -220,8 +220,14 @@ fn cell(summary: Option<&Summary>) -> String {
 /// p50 to rollbox-vmm's (above 1: rollbox-vmm is faster or smaller).
 pub fn markdown(vmms: &[VmmFigures], config: &SideBySideConfig) -> String {
     let mut out = format!(
-        "fcbench.py side by side (this run only): {} MiB guest, {} rounds, VMMs alternating\n\n",
-        config.mem_mib, config.rounds
+        "fcbench.py side by side (this run only): {} MiB guest, {} rounds, {}\n\n",
+        config.mem_mib,
+        config.rounds,
+        if vmms.len() > 1 {
+            "VMMs alternating"
+        } else {
+            "rollbox-vmm only (no --other)"
+        }
     );
     let names: Vec<&str> = vmms.iter().map(|v| v.name.as_str()).collect();
     out.push_str(&format!(
