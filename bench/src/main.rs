@@ -12,6 +12,7 @@ mod linux;
 mod linux_fs;
 mod linux_net;
 mod procfs;
+mod side_by_side;
 mod snapshot;
 mod stats;
 mod vmm;
@@ -185,6 +186,37 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// rollbox-vmm beside another VMM that speaks Firecracker's API (e.g. Firecracker), both
+    /// measured by ../shared/bench/fcbench.py in one run, alternating round by round: spawn ->
+    /// API, InstanceStart -> first serial byte, snapshot create, load call, load -> first
+    /// serial byte, RSS beyond guest memory, and the ratios. Without --other: rollbox-vmm only.
+    SideBySide {
+        /// The other VMM's binary (run with --api-sock, --log-path, --level like rollbox-vmm).
+        #[arg(long)]
+        other: Option<PathBuf>,
+        /// The other VMM's name in the table.
+        #[arg(long, default_value = "other")]
+        other_name: String,
+        /// rollbox-vmm [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// fcbench.py [default: ../shared/bench/fcbench.py beside the workspace, or
+        /// ../../shared/bench/fcbench.py from a git worktree].
+        #[arg(long)]
+        fcbench: Option<PathBuf>,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 64)]
+        mem: u64,
+        /// Rounds (each runs every VMM once).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Where snapshots go.
+        #[arg(long, default_value = "/dev/shm/rollbox-side-by-side")]
+        snapdir: PathBuf,
+        /// Also write every sample as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// rollbox-vmm with the test guest: spawn to first serial byte, the VMM's own
     /// memory beyond guest memory, and port-I/O/MMIO exit round trips.
     Vmm {
@@ -231,6 +263,10 @@ enum Bench {
         /// Working set the guest touches, MiB.
         #[arg(long, default_value_t = 32)]
         working_set_mib: u64,
+        /// The test guest halts between commands (as Linux does) instead of busy-polling
+        /// its serial port; the parent and every clone.
+        #[arg(long)]
+        idle_guest: bool,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -553,6 +589,7 @@ fn main() -> ExitCode {
             dir,
             fanout,
             working_set_mib,
+            idle_guest,
             json,
         } => {
             let root = workspace_root();
@@ -564,6 +601,7 @@ fn main() -> ExitCode {
                 dir,
                 fanout,
                 working_set_mib,
+                idle_guest,
             };
             match snapshot::run(&config) {
                 Ok(reports) => {
@@ -579,6 +617,69 @@ fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("rollbox-bench snapshot: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Bench::SideBySide {
+            other,
+            other_name,
+            vmm,
+            fcbench,
+            mem,
+            rounds,
+            snapdir,
+            json,
+        } => {
+            let root = workspace_root();
+            // The checkout's sibling ../shared, or ../../shared from a worktree in work/wt/NAME.
+            let fcbench = fcbench.unwrap_or_else(|| {
+                [
+                    "../shared/bench/fcbench.py",
+                    "../../shared/bench/fcbench.py",
+                ]
+                .iter()
+                .map(|p| root.join(p))
+                .find(|p| p.is_file())
+                .unwrap_or_else(|| root.join("../shared/bench/fcbench.py"))
+            });
+            if !fcbench.is_file() {
+                eprintln!(
+                    "rollbox-bench side-by-side: {} not found (give --fcbench PATH)",
+                    fcbench.display()
+                );
+                return ExitCode::FAILURE;
+            }
+            let config = side_by_side::SideBySideConfig {
+                fcbench_dir: fcbench
+                    .parent()
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| PathBuf::from(".")),
+                fcbench,
+                work: root.join("target/fcbench"),
+                snapdir,
+                rollbox: vmm.unwrap_or_else(|| root.join("target/release/rollbox-vmm")),
+                other: other.map(|path| (path, other_name)),
+                mem_mib: mem.max(1),
+                rounds: rounds.max(1),
+            };
+            let result = side_by_side::run(&config)
+                .map_err(|e| e.to_string())
+                .and_then(|vmms| {
+                    println!("{}", side_by_side::markdown(&vmms, &config));
+                    if let Some(path) = &json {
+                        let text =
+                            serde_json::to_string_pretty(&vmms).map_err(|e| e.to_string())?;
+                        std::fs::write(path, text + "\n")
+                            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+                        println!("JSON written to {}", path.display());
+                    }
+                    Ok(())
+                });
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rollbox-bench side-by-side: {e}");
                     ExitCode::FAILURE
                 }
             }

@@ -55,6 +55,9 @@ pub struct SnapshotBenchConfig {
     pub fanout: usize,
     /// Working set the guest touches, in MiB.
     pub working_set_mib: u64,
+    /// The guest halts between commands (test guest `idle`) instead of busy-polling its
+    /// serial port, as Linux does; every clone inherits it.
+    pub idle_guest: bool,
 }
 
 /// Figures for one guest size.
@@ -297,6 +300,10 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     parent.wait_line("rollbox-test-guest: ready", Duration::from_secs(30))?;
     wait_socket(&sock)?;
     let mut parent = parent;
+    if config.idle_guest {
+        parent.send("idle\n");
+        parent.wait_line("OK", Duration::from_secs(30))?;
+    }
     parent.send(&format!("touch {ws} 11\n"));
     parent.wait_line("OK", Duration::from_secs(300))?;
 
@@ -497,11 +504,16 @@ fn cell(s: &Option<Summary>) -> String {
 /// No other VMM is run here, so there is no comparison column and no ratio.
 pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String {
     let mut out = format!(
-        "rollbox-vmm snapshot figures (this run only): {} reps, snapshots on {}, working set {} MiB, fan-out {} clones\n\n",
+        "rollbox-vmm snapshot figures (this run only): {} reps, snapshots on {}, working set {} MiB, fan-out {} clones, guest {}\n\n",
         config.reps,
         config.dir.display(),
         config.working_set_mib,
-        config.fanout
+        config.fanout,
+        if config.idle_guest {
+            "idle (halts between commands)"
+        } else {
+            "busy-polling its serial port"
+        }
     );
     for r in reports {
         let rows: Vec<(String, String)> = vec![
@@ -613,6 +625,7 @@ mod tests {
             dir: PathBuf::from("/dev/shm/x"),
             fanout: 10,
             working_set_mib: 32,
+            idle_guest: true,
         };
         let table = markdown(&[report], &config);
         assert_eq!(

@@ -905,3 +905,50 @@ fn a_moved_snapshot_chain_restores_from_its_new_place() {
     let mut folded = restore(&s("folded"), &[]);
     assert_eq!(folded.ok("check 4 2"), "0", "{}", folded.stderr());
 }
+
+/// Whether the VMM's vCPU 0 thread is halted inside KVM (its wchan is `kvm_vcpu_block`) in
+/// 20 samples 10 ms apart, tried for up to 10 s. A guest that busy-polls its serial port is
+/// running or in the serial device's paced `nanosleep` instead.
+fn vcpu0_halted_in_kvm(vm: &Vm) -> bool {
+    let pid = vm.child.id();
+    let task = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("list the VMM's threads")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| {
+            std::fs::read_to_string(path.join("comm")).is_ok_and(|name| name.trim() == "vcpu0")
+        })
+        .expect("the VMM has a vcpu0 thread");
+    let halted =
+        || std::fs::read_to_string(task.join("wchan")).is_ok_and(|w| w.trim() == "kvm_vcpu_block");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut in_a_row = 0;
+    while std::time::Instant::now() < deadline {
+        in_a_row = if halted() { in_a_row + 1 } else { 0 };
+        if in_a_row == 20 {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+#[test]
+fn an_idle_guest_halts_and_its_clones_wake_on_serial_input() {
+    if !kvm_available() {
+        return;
+    }
+    let (_keep, dir) = snapdir("idle");
+    let mut vm = boot_with_api(&["--memory-mib", "64"]);
+    assert_eq!(vm.ok("idle"), "");
+    assert!(vcpu0_halted_in_kvm(&vm), "vcpu0 did not halt after `idle`");
+    assert_eq!(vm.ok("echo woken"), "woken");
+    snapshot(&vm, &dir, "Full");
+    let _ = vm.child.kill();
+    for i in 0..3 {
+        let mut clone = restore(&dir, &[]);
+        assert_eq!(clone.ok(&format!("echo clone{i}")), format!("clone{i}"));
+        assert!(vcpu0_halted_in_kvm(&clone), "clone {i}: vcpu0 did not halt");
+        assert_eq!(clone.ok("echo again"), "again", "clone {i}");
+    }
+}

@@ -828,13 +828,17 @@ pub fn start_fork(
         }
     }
     let was_paused = vm.paused;
+    let pausing = Instant::now();
     // A vCPU that cannot be paused fails the fork like a failed snapshot. The clones'
     // snapshot must not become the parent's next diff base.
-    let snapshot = match vm.pause() {
+    let paused = vm.pause();
+    let snapshotting = Instant::now();
+    let snapshot = match paused {
         Ok(()) => create_detached_snapshot(vm, &dir.join("vmstate"), &dir.join("memory"))
             .map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
+    let copying = Instant::now();
     // Writable drives are copied once while the VM is paused, so they match the memory
     // snapshot; each clone copies that copy for itself while it loads.
     let live = clones.iter().any(|c| c.info.error.is_none());
@@ -842,10 +846,21 @@ pub fn start_fork(
         Ok(_) if live => copy_drive_bases(&kinds, &dir),
         _ => Ok(Vec::new()),
     };
+    let resuming = Instant::now();
     if !was_paused {
         vm.resume();
     }
     let paused_ms = started.elapsed().as_secs_f64() * 1e3;
+    let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
+    log::debug!(
+        "fork: {paused_ms:.2} ms from the request to resumed: before the pause (shells, \
+         cleanup lines) {:.2}, pause {:.2}, snapshot {:.2}, drive bases {:.2}, resume {:.2}",
+        ms(started, pausing),
+        ms(pausing, snapshotting),
+        ms(snapshotting, copying),
+        ms(copying, resuming),
+        resuming.elapsed().as_secs_f64() * 1e3
+    );
     if let Err(e) = snapshot {
         for clone in &mut clones {
             clone.fail("fork snapshot failed".into());

@@ -2,8 +2,8 @@
 //! Linux 64-bit boot protocol. It answers the serial protocol of `../PROTOCOL.md`.
 //!
 //! It runs in CPL0 under KVM's instruction emulator on the build machines, so it uses
-//! polled I/O only, never takes an interrupt or exception, and uses general registers
-//! only (`cargo xtask test-guest` rejects the ELF if objdump finds an SSE register).
+//! polled I/O, takes no exception and only one interrupt (COM1's, in `idle` mode, see
+//! idle.rs), and uses general registers only (`cargo xtask test-guest` rejects the ELF if objdump finds an SSE register).
 
 // Host unit tests (`cargo xtask test-guest --check`) build the pure logic with std.
 #![cfg_attr(not(test), no_std)]
@@ -12,6 +12,7 @@
 
 mod blk;
 mod boot;
+mod idle;
 mod io;
 mod mem;
 mod smp;
@@ -86,6 +87,8 @@ struct Guest {
     blk_count: usize,
     vsock: Option<&'static mut Vsock>,
     vsock_dma: &'static mut VsockDma,
+    /// `idle` was given: halt between commands instead of polling.
+    idle: bool,
 }
 
 extern "C" fn guest_main(boot_params: usize) -> ! {
@@ -110,6 +113,7 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
         blk_count: 0,
         vsock: None,
         vsock_dma,
+        idle: false,
     };
     let mut vsock_slot = Some(vsock);
     for dev in guest.boot.devices.iter().take(guest.boot.device_count) {
@@ -153,6 +157,7 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
                 }
                 None => too_long = true,
             },
+            None if guest.idle => idle::wait(),
             None => {
                 if let Some(v) = guest.vsock.as_deref_mut() {
                     v.poll(guest.vsock_dma);
@@ -243,6 +248,11 @@ impl Guest {
                 None => err(b"no-vsock-device"),
             },
             b"generation" => snap::print_generation(),
+            b"idle" => {
+                idle::enable();
+                self.idle = true;
+                ok();
+            }
             b"pci-read" => match numbers::<2>(args) {
                 Some(([dev, reg], _)) if dev < 32 && reg < 256 && reg % 4 == 0 => {
                     // Configuration mechanism #1: bus 0, function 0.
