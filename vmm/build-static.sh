@@ -5,13 +5,13 @@
 # the RUSTFLAGS do not invalidate the shared target/. Prints the binary's path on stdout (build
 # output goes to stderr).
 #
-#   vmm/build-static.sh            # release build
-#   PROFILE=dev vmm/build-static.sh
+#   vmm/build-static.sh            # profile dist: release with fat LTO, one codegen unit
+#   PROFILE=release vmm/build-static.sh
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 target=x86_64-unknown-linux-gnu
-profile="${PROFILE:-release}"
+profile="${PROFILE:-dist}"
 target_dir="$root/target/vmm-static"
 case "$profile" in
     release) out_dir=release ;;

@@ -850,11 +850,12 @@ pub fn start_fork(
     if !was_paused {
         vm.resume();
     }
-    let paused_ms = started.elapsed().as_secs_f64() * 1e3;
+    // The parent's pause: from asking the vCPUs to stop until they run again.
+    let paused_ms = pausing.elapsed().as_secs_f64() * 1e3;
     let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
     log::debug!(
-        "fork: {paused_ms:.2} ms from the request to resumed: before the pause (shells, \
-         cleanup lines) {:.2}, pause {:.2}, snapshot {:.2}, drive bases {:.2}, resume {:.2}",
+        "fork: parent paused {paused_ms:.2} ms, {:.2} ms after the request (shells, cleanup \
+         lines): pause {:.2}, snapshot {:.2}, drive bases {:.2}, resume {:.2}",
         ms(started, pausing),
         ms(pausing, snapshotting),
         ms(snapshotting, copying),
