@@ -82,6 +82,16 @@ chmod 0755 /lab-modprobe
 echo /lab-modprobe > /proc/sys/kernel/modprobe
 
 stty -F /dev/ttyS1 raw -echo 2>/dev/null
+# A heartbeat for the host (scripts/lab/run.sh stops an L1 whose heartbeat stops): a count, not
+# a time, since L1's clock may drift from the host's.
+(
+    beat=0
+    while :; do
+        beat=$((beat + 1))
+        echo "$beat" > "/host$run/heartbeat"
+        sleep 10
+    done
+) &
 chroot /host /bin/bash "$run/cmd" > /dev/ttyS1 2>&1 < /dev/null
 echo "$?" > "/host$run/status"
 sync

@@ -120,13 +120,25 @@ args=(
     "${qemu_extra[@]}"
 )
 # A wedged L1: under QEMU 7.2's TCG a CPU of L1 sometimes stays stuck inside KVM_RUN (the soft
-# lockup watchdog reports it every ~30 s, and it has never come back here: 425 s seen). Waiting
-# for the timeout wastes the rest of it; after a lockup of 60 s or more the lab stops at once.
+# lockup watchdog reports it every ~30 s, and it has never come back here: 425 s seen), and L1
+# has also frozen whole after an RCU stall, printing nothing more. Waiting for the timeout
+# wastes the rest of it; after a lockup of 60 s or more, or once L1's heartbeat (l1-init.sh,
+# every 10 s) has not moved for ROLLBOX_LAB_SILENT_S (150 s), the lab stops at once.
 watch_for_wedged_l1() {
-    local qemu_parent="$1"
+    local qemu_parent="$1" beat="" last_beat="" last_change
+    last_change=$(date +%s)
     while sleep 5; do
         if grep -q -E 'soft lockup - CPU#[0-9]+ stuck for ([6-9][0-9]|[0-9]{3,})s' "$run/console.log" 2>/dev/null; then
-            touch "$run/wedged"
+            echo "a CPU stuck for 60 s or more" > "$run/wedged"
+        fi
+        beat="$(cat "$run/heartbeat" 2>/dev/null || true)"
+        if [[ "$beat" != "$last_beat" ]]; then
+            last_beat="$beat"
+            last_change=$(date +%s)
+        elif [[ -n "$beat" ]] && (( $(date +%s) - last_change > ${ROLLBOX_LAB_SILENT_S:-150} )); then
+            echo "its heartbeat stopped $(( $(date +%s) - last_change )) s ago" > "$run/wedged"
+        fi
+        if [[ -f "$run/wedged" ]]; then
             pkill -TERM -P "$qemu_parent" 2>/dev/null || true
             return
         fi
@@ -141,7 +153,7 @@ wait "$qemu_parent" || status=$?
 kill "$watcher" 2>/dev/null || true
 wait "$watcher" 2>/dev/null || true
 if [[ -f "$run/wedged" ]]; then
-    echo "lab: L1 wedged (a CPU stuck for 60 s or more); last L1 console lines:" >&2
+    echo "lab: L1 wedged ($(cat "$run/wedged")); last L1 console lines:" >&2
     tail -n 20 "$run/console.log" >&2 || true
     keep=1
     cannot_start "L1 wedged under TCG, stopped early (console log kept in $run/console.log)"
