@@ -67,6 +67,32 @@ fn open_source(layer: &MemoryLayer, file: &File) -> Result<Source, UffdError> {
 /// memory map is changing) before the fault counts as unserved.
 const EAGAIN_TRIES: u32 = 1000;
 
+/// A fault installs the aligned block of this size around the faulting page, with one copy.
+pub const FAULT_BLOCK: u64 = 64 * 1024;
+
+/// The longest stretch of the working set prefetched with one read and one copy.
+const PREFETCH_RUN: u64 = 2 * 1024 * 1024;
+
+/// Sorted, deduplicated runs (file offset, length) of the pages `pages`, each at most `max`
+/// bytes long.
+fn coalesce(pages: &[u64], max: u64) -> Vec<(u64, u64)> {
+    let mut sorted = pages.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for page in sorted {
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == page && *len < max => *len += PAGE_SIZE,
+            _ => runs.push((page, PAGE_SIZE)),
+        }
+    }
+    runs
+}
+
+fn is_zero(bytes: &[u8]) -> bool {
+    bytes.iter().all(|b| *b == 0)
+}
+
 /// Run first by each page server thread (the VMM installs the thread's seccomp filter).
 static PAGE_SERVER_START_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
 
@@ -84,6 +110,7 @@ struct Shared {
     uffd: Uffd,
     faults: AtomicU64,
     prefetched: AtomicU64,
+    installs: AtomicU64,
     recorded: Mutex<Vec<u64>>,
     recording: bool,
     stop: AtomicBool,
@@ -100,9 +127,9 @@ unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
-    /// The topmost layer holding file offset `offset`.
-    fn source_for(&self, offset: u64) -> Option<&Source> {
-        self.sources.iter().rev().find(|s| match &s.ranges {
+    /// The topmost layer index holding file offset `offset`.
+    fn source_index(&self, offset: u64) -> Option<usize> {
+        self.sources.iter().rposition(|s| match &s.ranges {
             None => true,
             Some(ranges) => ranges
                 .iter()
@@ -110,71 +137,186 @@ impl Shared {
         })
     }
 
-    fn locate(&self, addr: u64) -> Option<(u64, *mut u8)> {
-        self.regions.iter().find_map(|r| {
-            let start = r.host as u64;
-            (addr >= start && addr < start + r.len).then(|| {
-                let page = (addr - start) & !(PAGE_SIZE - 1);
-                // SAFETY: `page` lies inside the region.
-                (r.file_offset + page, unsafe { r.host.add(page as usize) })
-            })
-        })
-    }
-
-    /// Fills `len` bytes at `dst` (file offset `offset`) from the layers.
-    fn fill(&self, offset: u64, dst: *mut u8, len: u64) -> Result<(), String> {
-        let mut page = vec![0u8; PAGE_SIZE as usize];
+    /// Fills `len` bytes at `dst` (file offset `offset`, page-aligned) from the layers: one
+    /// pread per stretch held by one layer, one UFFDIO_COPY per run of non-zero pages and one
+    /// UFFDIO_ZEROPAGE per run of zero pages. `buf` is reused and grows to `len`.
+    fn fill(&self, offset: u64, dst: *mut u8, len: u64, buf: &mut Vec<u8>) -> Result<(), String> {
+        if buf.len() < len as usize {
+            buf.resize(len as usize, 0);
+        }
         let mut done = 0;
         while done < len {
             let at = offset + done;
-            // SAFETY: `dst + done` stays inside the run the caller located.
-            let to = unsafe { dst.add(done as usize) };
-            let src = self
-                .source_for(at)
+            let index = self
+                .source_index(at)
                 .ok_or_else(|| format!("no memory layer holds offset {at:#x}"))?;
-            read_page(src, at, &mut page)?;
-            let zero = page.iter().all(|b| *b == 0);
-            self.place(to, &page, zero).map_err(|e| {
-                format!(
-                    "placing the page at offset {at:#x} of {}: {e}",
-                    src.path.display()
-                )
-            })?;
-            done += PAGE_SIZE;
+            let mut stretch = PAGE_SIZE;
+            while done + stretch < len && self.source_index(at + stretch) == Some(index) {
+                stretch += PAGE_SIZE;
+            }
+            let src = &self.sources[index];
+            let data = &mut buf[done as usize..(done + stretch) as usize];
+            read_at(src, at, data)?;
+            let mut page = 0;
+            while page < stretch {
+                let zero = is_zero(&data[page as usize..(page + PAGE_SIZE) as usize]);
+                let mut run = PAGE_SIZE;
+                while page + run < stretch
+                    && is_zero(&data[(page + run) as usize..(page + run + PAGE_SIZE) as usize])
+                        == zero
+                {
+                    run += PAGE_SIZE;
+                }
+                // SAFETY: `dst + done + page` starts a run inside the range the caller located.
+                let to = unsafe { dst.add((done + page) as usize) };
+                let from = (!zero).then(|| &data[page as usize..(page + run) as usize]);
+                self.install(to, from, run).map_err(|e| {
+                    format!(
+                        "placing {run:#x} bytes at offset {:#x} of {}: {e}",
+                        at + page,
+                        src.path.display()
+                    )
+                })?;
+                page += run;
+            }
+            done += stretch;
         }
         Ok(())
     }
 
-    /// Copies `page` (or a zero page) to the guest page `to`, retrying while the kernel
-    /// answers EAGAIN.
-    fn place(&self, to: *mut u8, page: &[u8], zero: bool) -> Result<(), String> {
-        for _ in 0..EAGAIN_TRIES {
-            // SAFETY: `to` is a registered, page-aligned guest page; `page` holds a page.
+    /// Installs `len` bytes at the guest pages `to`: a copy of `data`, or zero pages. Pages
+    /// already present (EEXIST: the prefetch or the fault server got there first) are woken and
+    /// skipped; EAGAIN (the guest's memory map is changing) is retried.
+    fn install(&self, to: *mut u8, data: Option<&[u8]>, len: u64) -> Result<(), String> {
+        let mut done = 0u64;
+        let mut tries = 0;
+        // After a partial UFFDIO_ZEROPAGE (the kernel does not say how far it got) go page by
+        // page.
+        let mut zero_step = len;
+        while done < len {
+            if tries >= EAGAIN_TRIES {
+                return Err(format!("the kernel answered EAGAIN {EAGAIN_TRIES} times"));
+            }
+            // SAFETY: `to + done` stays inside the run.
+            let at = unsafe { to.add(done as usize) };
+            let step = match data {
+                Some(_) => len - done,
+                None => zero_step.min(len - done),
+            };
+            // SAFETY: `at..at + step` are registered guest pages; `data` holds `len` bytes.
             let result = unsafe {
-                if zero {
-                    self.uffd.zeropage(to.cast(), PAGE_SIZE as usize, true)
-                } else {
-                    self.uffd
-                        .copy(page.as_ptr().cast(), to.cast(), PAGE_SIZE as usize, true)
+                match data {
+                    Some(data) => self.uffd.copy(
+                        data[done as usize..].as_ptr().cast(),
+                        at.cast(),
+                        step as usize,
+                        true,
+                    ),
+                    None => self.uffd.zeropage(at.cast(), step as usize, true),
                 }
             };
+            self.installs.fetch_add(1, Ordering::Relaxed);
             match result {
-                Ok(_) => return Ok(()),
+                Ok(n) if n > 0 => done += n as u64,
+                Ok(_) => tries += 1,
                 Err(userfaultfd::Error::CopyFailed(e))
                 | Err(userfaultfd::Error::ZeropageFailed(e))
                     if e as i32 == libc::EEXIST =>
                 {
-                    let _ = self.uffd.wake(to.cast(), PAGE_SIZE as usize);
-                    return Ok(());
+                    let _ = self.uffd.wake(at.cast(), PAGE_SIZE as usize);
+                    done += PAGE_SIZE;
                 }
-                Err(userfaultfd::Error::PartiallyCopied(_)) => std::thread::yield_now(),
+                // The count is negative (-EAGAIN) when nothing was copied.
+                Err(userfaultfd::Error::PartiallyCopied(n)) => {
+                    if (n as i64) > 0 {
+                        done += n as u64;
+                    } else {
+                        tries += 1;
+                        std::thread::yield_now();
+                    }
+                }
                 Err(userfaultfd::Error::ZeropageFailed(e)) if e as i32 == libc::EAGAIN => {
-                    std::thread::yield_now()
+                    if zero_step > PAGE_SIZE {
+                        zero_step = PAGE_SIZE;
+                    } else {
+                        tries += 1;
+                        std::thread::yield_now();
+                    }
                 }
                 Err(e) => return Err(format!("{e:?}")),
             }
         }
-        Err(format!("the kernel answered EAGAIN {EAGAIN_TRIES} times"))
+        Ok(())
+    }
+
+    /// The aligned block of at most [`FAULT_BLOCK`] bytes around guest address `addr`, clipped
+    /// to its region: (file offset, host address, length, file offset of the faulting page).
+    fn block_around(&self, addr: u64) -> Option<(u64, *mut u8, u64, u64)> {
+        self.regions.iter().find_map(|r| {
+            let start = r.host as u64;
+            (addr >= start && addr < start + r.len).then(|| {
+                let page = (addr - start) & !(PAGE_SIZE - 1);
+                let first = page & !(FAULT_BLOCK - 1);
+                let len = FAULT_BLOCK.min(r.len - first);
+                // SAFETY: `first` lies inside the region.
+                let host = unsafe { r.host.add(first as usize) };
+                (r.file_offset + first, host, len, r.file_offset + page)
+            })
+        })
+    }
+
+    /// Serves the fault on the page at file offset `page`: the whole block around it, or the
+    /// page alone when the block cannot be read (so a short file is named at the page).
+    fn serve_fault(&self, addr: u64, buf: &mut Vec<u8>) -> Result<(), String> {
+        let (offset, host, len, page) = self
+            .block_around(addr)
+            .ok_or_else(|| format!("fault at {addr:#x} outside guest memory"))?;
+        self.faults.fetch_add(1, Ordering::Relaxed);
+        if self.fill(offset, host, len, buf).is_ok() {
+            if self.recording {
+                let mut recorded = self.recorded.lock().unwrap_or_else(|e| e.into_inner());
+                recorded.push(page);
+                recorded.extend((0..len / PAGE_SIZE).map(|i| offset + i * PAGE_SIZE));
+            }
+            return Ok(());
+        }
+        // SAFETY: `page - offset` lies inside the block.
+        let dst = unsafe { host.add((page - offset) as usize) };
+        self.fill(page, dst, PAGE_SIZE, buf)?;
+        if self.recording {
+            self.recorded
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(page);
+        }
+        Ok(())
+    }
+
+    /// Prefetches `pages` (file offsets): sorted, coalesced into contiguous runs of at most
+    /// [`PREFETCH_RUN`] bytes, each installed with one read and one copy.
+    fn prefetch(&self, pages: &[u64], buf: &mut Vec<u8>) -> Result<(), String> {
+        for (mut offset, mut len) in coalesce(pages, PREFETCH_RUN) {
+            while len > 0 && !self.stop.load(Ordering::Relaxed) {
+                let Some(region) = self
+                    .regions
+                    .iter()
+                    .find(|r| offset >= r.file_offset && offset < r.file_offset + r.len)
+                else {
+                    offset += PAGE_SIZE;
+                    len -= PAGE_SIZE;
+                    continue;
+                };
+                let part = len.min(region.file_offset + region.len - offset);
+                // SAFETY: the offset lies inside this region.
+                let dst = unsafe { region.host.add((offset - region.file_offset) as usize) };
+                self.fill(offset, dst, part, buf)?;
+                self.prefetched
+                    .fetch_add(part / PAGE_SIZE, Ordering::Relaxed);
+                offset += part;
+                len -= part;
+            }
+        }
+        Ok(())
     }
 
     /// Records the first unserved fault, logs it and tells the hook, if one is set; later
@@ -192,7 +334,7 @@ impl Shared {
         }
     }
 
-    fn serve(&self) {
+    fn serve(&self, buf: &mut Vec<u8>) {
         let fd = self.uffd.as_raw_fd();
         while !self.stop.load(Ordering::Relaxed) {
             let mut poll = libc::pollfd {
@@ -208,18 +350,7 @@ impl Shared {
             loop {
                 match self.uffd.read_event() {
                     Ok(Some(Event::Pagefault { addr, .. })) => {
-                        let Some((offset, dst)) = self.locate(addr as u64) else {
-                            self.fail(format!("fault at {addr:?} outside guest memory"));
-                            continue;
-                        };
-                        self.faults.fetch_add(1, Ordering::Relaxed);
-                        if self.recording {
-                            self.recorded
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .push(offset);
-                        }
-                        if let Err(e) = self.fill(offset, dst, PAGE_SIZE) {
+                        if let Err(e) = self.serve_fault(addr as u64, buf) {
                             // Waking the thread would only fault again: it stays blocked and
                             // the owner ends the VM.
                             self.fail(format!("cannot serve a guest page fault: {e}"));
@@ -242,8 +373,12 @@ impl Shared {
 pub struct PageServerOptions {
     /// Prefetch the pages listed in this working-set file before the guest runs.
     pub prefetch_from: Option<PathBuf>,
-    /// Record the pages the guest faults in, written here when the server stops.
+    /// Record the pages the guest faults in, written here when the server stops. Each fault
+    /// records its page, then the pages of the block installed around it.
     pub record_to: Option<PathBuf>,
+    /// Prefetch on a thread of its own, so the guest can start before the prefetch ends
+    /// (faults on pages not yet prefetched are served as usual).
+    pub background_prefetch: bool,
 }
 
 /// Figures of a running page server.
@@ -251,14 +386,17 @@ pub struct PageServerOptions {
 pub struct PageServerStats {
     /// Pages served on demand.
     pub faults: u64,
-    /// Pages prefetched from the working set.
+    /// Pages of the working set the prefetch covered (some may have been present already).
     pub prefetched: u64,
+    /// UFFDIO_COPY and UFFDIO_ZEROPAGE calls made.
+    pub installs: u64,
 }
 
 /// The running page server.
 pub struct PageServer {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    prefetcher: Option<JoinHandle<()>>,
     record_to: Option<PathBuf>,
 }
 
@@ -339,46 +477,59 @@ impl PageServer {
             uffd,
             faults: AtomicU64::new(0),
             prefetched: AtomicU64::new(0),
+            installs: AtomicU64::new(0),
             recorded: Mutex::new(Vec::new()),
             recording: options.record_to.is_some(),
             stop: AtomicBool::new(false),
             unserved: AtomicU64::new(0),
             failure: Mutex::new((None, None)),
         });
-        if let Some(ws) = &options.prefetch_from {
-            let mut pages = read_working_set(ws)?;
-            pages.sort_unstable();
-            pages.dedup();
-            for offset in pages {
-                if offset >= guest_len {
-                    continue;
-                }
-                let Some((_, dst)) = shared.regions.iter().find_map(|r| {
-                    (offset >= r.file_offset && offset < r.file_offset + r.len)
-                        // SAFETY: the offset lies inside this region.
-                        .then(|| ((), unsafe { r.host.add((offset - r.file_offset) as usize) }))
-                }) else {
-                    continue;
-                };
-                shared
-                    .fill(offset, dst, PAGE_SIZE)
-                    .map_err(UffdError::Uffd)?;
-                shared.prefetched.fetch_add(1, Ordering::Relaxed);
+        let pages = match &options.prefetch_from {
+            Some(ws) => {
+                let mut pages = read_working_set(ws)?;
+                pages.retain(|p| *p < guest_len);
+                pages
+            }
+            None => Vec::new(),
+        };
+        let mut prefetcher = None;
+        if !pages.is_empty() {
+            let mut buf = Vec::with_capacity(PREFETCH_RUN as usize);
+            if options.background_prefetch {
+                let worker = Arc::clone(&shared);
+                prefetcher = Some(
+                    std::thread::Builder::new()
+                        .name("page-prefetch".into())
+                        .spawn(move || {
+                            if let Some(hook) = PAGE_SERVER_START_HOOK.get() {
+                                hook();
+                            }
+                            let result = worker.prefetch(&pages, &mut buf);
+                            if let (Err(e), false) = (result, worker.stop.load(Ordering::Relaxed)) {
+                                worker.fail(format!("cannot prefetch the working set: {e}"));
+                            }
+                        })
+                        .map_err(UffdError::Thread)?,
+                );
+            } else {
+                shared.prefetch(&pages, &mut buf).map_err(UffdError::Uffd)?;
             }
         }
         let worker = Arc::clone(&shared);
+        let mut buf = Vec::with_capacity(FAULT_BLOCK as usize);
         let thread = std::thread::Builder::new()
             .name("page-server".into())
             .spawn(move || {
                 if let Some(hook) = PAGE_SERVER_START_HOOK.get() {
                     hook();
                 }
-                worker.serve()
+                worker.serve(&mut buf)
             })
             .map_err(UffdError::Thread)?;
         Ok(Self {
             shared,
             thread: Some(thread),
+            prefetcher,
             record_to: options.record_to,
         })
     }
@@ -410,11 +561,19 @@ impl PageServer {
             .clone()
     }
 
+    /// Waits for a background prefetch to end (at once without one).
+    pub fn wait_prefetch(&mut self) {
+        if let Some(prefetcher) = self.prefetcher.take() {
+            let _ = prefetcher.join();
+        }
+    }
+
     /// Current figures.
     pub fn stats(&self) -> PageServerStats {
         PageServerStats {
             faults: self.shared.faults.load(Ordering::Relaxed),
             prefetched: self.shared.prefetched.load(Ordering::Relaxed),
+            installs: self.shared.installs.load(Ordering::Relaxed),
         }
     }
 
@@ -423,25 +582,29 @@ impl PageServer {
         let Some(path) = &self.record_to else {
             return Ok(());
         };
-        let pages = self
+        let mut seen = std::collections::HashSet::new();
+        let pages: Vec<u64> = self
             .shared
             .recorded
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
+            .iter()
+            .copied()
+            .filter(|p| seen.insert(*p))
+            .collect();
         write_working_set(path, &pages)
     }
 }
 
-/// Reads the page at `offset` of `src`: a short file or an I/O error is named.
-fn read_page(src: &Source, offset: u64, page: &mut [u8]) -> Result<(), String> {
+/// Reads `buf.len()` bytes at `offset` of `src`: a short file or an I/O error is named.
+fn read_at(src: &Source, offset: u64, buf: &mut [u8]) -> Result<(), String> {
     use std::os::unix::fs::FileExt;
-    src.file.read_exact_at(page, offset).map_err(|e| {
+    src.file.read_exact_at(buf, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             format!(
                 "memory file {} ends before offset {:#x} (truncated or replaced after the restore started)",
                 src.path.display(),
-                offset + PAGE_SIZE
+                offset + buf.len() as u64
             )
         } else {
             format!(
@@ -456,6 +619,7 @@ impl Drop for PageServer {
     fn drop(&mut self) {
         // Keep serving until the owner is done with guest memory; then stop and save.
         self.shared.stop.store(true, Ordering::Relaxed);
+        self.wait_prefetch();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -508,6 +672,7 @@ mod tests {
                 PageServerOptions {
                     prefetch_from: None,
                     record_to: Some(ws.clone()),
+                    background_prefetch: false,
                 },
             )
             .expect("start");
@@ -526,10 +691,19 @@ mod tests {
                     0
                 );
             }
-            assert_eq!(server.stats().faults, 3);
+            assert_eq!(server.stats().faults, 2, "page 7 came in page 3's block");
         }
+        // Each fault's page first, then the rest of the block installed around it.
+        let block = FAULT_BLOCK / PAGE_SIZE;
+        let expected: Vec<u64> = [3]
+            .into_iter()
+            .chain((0..block).filter(|p| *p != 3))
+            .chain([20])
+            .chain((block..2 * block).filter(|p| *p != 20))
+            .map(|p| p * PAGE_SIZE)
+            .collect();
         let recorded = read_working_set(&ws).expect("ws");
-        assert_eq!(recorded, vec![3 * PAGE_SIZE, 20 * PAGE_SIZE, 7 * PAGE_SIZE]);
+        assert_eq!(recorded, expected);
 
         let again = anon(len as usize);
         let regions = [HostRegion {
@@ -544,10 +718,11 @@ mod tests {
             PageServerOptions {
                 prefetch_from: Some(ws),
                 record_to: None,
+                background_prefetch: false,
             },
         )
         .expect("start");
-        assert_eq!(server.stats().prefetched, 3);
+        assert_eq!(server.stats().prefetched, 32);
         // SAFETY: reads inside the registered mapping.
         unsafe {
             assert_eq!(
@@ -627,5 +802,171 @@ mod tests {
         // Closing the userfaultfd releases the thread (the page is then plain anonymous memory).
         drop(server);
         assert_eq!(toucher.join().expect("toucher"), 0);
+    }
+
+    /// A full memory layer of `pages` pages, page `p` holding `mark(p)` in its first byte for
+    /// each `p` in `filled`; returns the layer and its open file.
+    fn layer_with(
+        dir: &Path,
+        pages: u64,
+        filled: impl IntoIterator<Item = u64>,
+    ) -> (MemoryLayer, File) {
+        let len = pages * PAGE_SIZE;
+        let src = anon(len as usize);
+        for page in filled {
+            // SAFETY: inside the mapping.
+            unsafe { *src.add((page * PAGE_SIZE) as usize) = mark(page) };
+        }
+        let layer = write_full(
+            &dir.join("mem"),
+            &[HostRegion {
+                host: src,
+                len,
+                file_offset: 0,
+            }],
+            len,
+            Sparseness::PrivateAnonymous,
+        )
+        .expect("write");
+        let file = crate::memory::open_layer(&layer, len).expect("open");
+        (layer, file)
+    }
+
+    fn mark(page: u64) -> u8 {
+        (page % 251) as u8 + 1
+    }
+
+    fn read_byte(base: *mut u8, page: u64) -> u8 {
+        // SAFETY: callers pass pages inside a registered mapping; the server fills them.
+        unsafe { std::ptr::read_volatile(base.add((page * PAGE_SIZE) as usize)) }
+    }
+
+    #[test]
+    fn coalesce_merges_contiguous_pages_up_to_the_limit() {
+        let p = |n: u64| n * PAGE_SIZE;
+        assert_eq!(
+            coalesce(&[p(5), p(1), p(2), p(3), p(3), p(9)], 2 * PAGE_SIZE),
+            vec![(p(1), p(2)), (p(3), p(1)), (p(5), p(1)), (p(9), p(1))]
+        );
+        assert_eq!(
+            coalesce(&[p(4), p(2), p(3)], PREFETCH_RUN),
+            vec![(p(2), p(3))]
+        );
+        assert!(coalesce(&[], PREFETCH_RUN).is_empty());
+    }
+
+    #[test]
+    fn a_contiguous_working_set_is_prefetched_with_one_copy_per_run() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pages = 64;
+        let (layer, file) = layer_with(dir.path(), pages, (2..10).chain([40]));
+        let ws = dir.path().join("mem.ws");
+        write_working_set(&ws, &[40, 9, 2, 3, 4, 5, 6, 7, 8].map(|p| p * PAGE_SIZE)).expect("ws");
+        let dst = anon((pages * PAGE_SIZE) as usize);
+        let regions = [HostRegion {
+            host: dst,
+            len: pages * PAGE_SIZE,
+            file_offset: 0,
+        }];
+        let server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            pages * PAGE_SIZE,
+            PageServerOptions {
+                prefetch_from: Some(ws),
+                ..PageServerOptions::default()
+            },
+        )
+        .expect("start");
+        let stats = server.stats();
+        assert_eq!(stats.prefetched, 9);
+        assert_eq!(
+            stats.installs, 2,
+            "pages 2-9 in one copy, page 40 in another"
+        );
+        for page in (2..10).chain([40]) {
+            assert_eq!(read_byte(dst, page), mark(page), "page {page}");
+        }
+        assert_eq!(server.stats().faults, 0, "prefetched pages must not fault");
+    }
+
+    #[test]
+    fn a_fault_installs_its_block_and_keeps_pages_already_present() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pages = 2 * FAULT_BLOCK / PAGE_SIZE;
+        let (layer, file) = layer_with(dir.path(), pages, 0..pages);
+        let ws = dir.path().join("mem.ws");
+        write_working_set(&ws, &[5 * PAGE_SIZE, 6 * PAGE_SIZE]).expect("ws");
+        let dst = anon((pages * PAGE_SIZE) as usize);
+        let regions = [HostRegion {
+            host: dst,
+            len: pages * PAGE_SIZE,
+            file_offset: 0,
+        }];
+        let server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            pages * PAGE_SIZE,
+            PageServerOptions {
+                prefetch_from: Some(ws),
+                ..PageServerOptions::default()
+            },
+        )
+        .expect("start");
+        // The guest changes a prefetched page before faulting next to it.
+        // SAFETY: page 5 is present (prefetched) and inside the mapping.
+        unsafe { std::ptr::write_volatile(dst.add((5 * PAGE_SIZE) as usize), 200) };
+        assert_eq!(read_byte(dst, 3), mark(3));
+        assert_eq!(server.stats().faults, 1);
+        assert_eq!(
+            read_byte(dst, 5),
+            200,
+            "a present page must not be overwritten"
+        );
+        let block = FAULT_BLOCK / PAGE_SIZE;
+        for page in (0..block).filter(|p| *p != 5) {
+            assert_eq!(read_byte(dst, page), mark(page), "page {page}");
+        }
+        assert_eq!(
+            server.stats().faults,
+            1,
+            "the whole block came with the first fault"
+        );
+        assert_eq!(read_byte(dst, block), mark(block));
+        assert_eq!(server.stats().faults, 2, "the next block faults on its own");
+    }
+
+    #[test]
+    fn a_background_prefetch_races_faults_without_losing_a_page() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pages = 1024;
+        let (layer, file) = layer_with(dir.path(), pages, 0..pages);
+        let ws = dir.path().join("mem.ws");
+        let listed: Vec<u64> = (0..pages).rev().map(|p| p * PAGE_SIZE).collect();
+        write_working_set(&ws, &listed).expect("ws");
+        let dst = anon((pages * PAGE_SIZE) as usize);
+        let regions = [HostRegion {
+            host: dst,
+            len: pages * PAGE_SIZE,
+            file_offset: 0,
+        }];
+        let mut server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            pages * PAGE_SIZE,
+            PageServerOptions {
+                prefetch_from: Some(ws),
+                background_prefetch: true,
+                ..PageServerOptions::default()
+            },
+        )
+        .expect("start");
+        // Read from the top down while the prefetch runs from the bottom up.
+        for page in (0..pages).rev() {
+            assert_eq!(read_byte(dst, page), mark(page), "page {page}");
+        }
+        server.wait_prefetch();
+        assert_eq!(server.failure(), None);
+        assert_eq!(server.stats().prefetched, pages);
     }
 }

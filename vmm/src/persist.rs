@@ -1045,6 +1045,7 @@ pub fn restore_microvm(
             let server_options = PageServerOptions {
                 prefetch_from: (options.prefetch && ws.exists()).then(|| ws.clone()),
                 record_to: options.record_working_set.then_some(ws),
+                background_prefetch: true,
             };
             let server = PageServer::start(&hosts, &files, total, server_options)?;
             (MemoryKind::Lazy, Some(server))
