@@ -93,10 +93,10 @@ else
     # fault taken while the guest's GS base is still loaded, right after a #VMEXIT: QEMU's
     # SVM emulation, not rollbox), and a Linux guest under nested TCG has hung a test now and
     # then, and a CPU of L1 has stayed stuck inside KVM_RUN (scripts/lab/run.sh stops such a
-    # wedged L1 after 60 s). Each is the lab's failure (status 125, or 124 for a test past its
-    # 10-minute limit or a lab past 30 minutes), not a test result: the lab starts again, at
-    # most three times, and runs only the tests that have no result yet. A test's failure is
-    # never retried.
+    # wedged L1 after 60 s, or a frozen one whose heartbeat stopped). Each is the lab's failure
+    # (status 125, or 124 for a test past its 10-minute limit or a lab past 30 minutes), not a
+    # test result: the lab starts again, at most five times (ROLLBOX_LAB_STARTS=6 starts in
+    # all), and runs only the tests that have no result yet. A test's failure is never retried.
     # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's IOMMU:
     # edu, an NVMe drive on a 288 MiB file (L1's own nvme driver reads it first, for the
     # baseline), and ivshmem-plain with a 16 GiB (sparse) BAR file.
@@ -114,6 +114,9 @@ else
         --qemu-arg -device --qemu-arg ivshmem-plain,memdev=bar
     )
     lab_attempt=1
+    # Each lost L1 costs its boot and the test it was running (about 3 minutes with the
+    # heartbeat): six starts fit the 45-minute budget.
+    lab_starts="${ROLLBOX_LAB_STARTS:-6}"
     finished=()
     # Names this script's lab QEMU (`-name`), so the idle watch below stops no other lab.
     lab_name="rollbox-tier4-$$"
@@ -146,12 +149,12 @@ else
         mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$log.lab")
         rm -f "$log.lab"
         [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
-        if [[ "$lab_attempt" -ge 4 ]]; then
+        if [[ "$lab_attempt" -ge "$lab_starts" ]]; then
             echo "tier 4: the lab failed $lab_attempt times (status $lab_status); giving up"
             break
         fi
         lab_attempt=$((lab_attempt + 1))
-        echo "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of 4) for the ${#finished[@]} tests with a result kept"
+        echo "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of $lab_starts) for the ${#finished[@]} tests with a result kept"
     done
     rm -f "$vfio_bar" "$vfio_nvme"
     # A test that failed in an attempt the lab later lost still fails the run.
