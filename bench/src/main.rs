@@ -663,26 +663,12 @@ fn main() -> ExitCode {
                 mem_mib: mem.max(1),
                 rounds: rounds.max(1),
             };
-            let result = side_by_side::run(&config)
-                .map_err(|e| e.to_string())
-                .and_then(|vmms| {
-                    println!("{}", side_by_side::markdown(&vmms, &config));
-                    if let Some(path) = &json {
-                        let text =
-                            serde_json::to_string_pretty(&vmms).map_err(|e| e.to_string())?;
-                        std::fs::write(path, text + "\n")
-                            .map_err(|e| format!("writing {}: {e}", path.display()))?;
-                        println!("JSON written to {}", path.display());
-                    }
-                    Ok(())
-                });
-            match result {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("rollbox-bench side-by-side: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+            finish(
+                "side-by-side",
+                side_by_side::run(&config),
+                |vmms| side_by_side::markdown(vmms, &config),
+                json.as_deref(),
+            )
         }
         Bench::Vmm {
             reps,
