@@ -832,6 +832,40 @@ mod tests {
         (layer, file)
     }
 
+    /// A page server over a layer of `pages` pages (`filled` as in [`layer_with`]) that
+    /// prefetches the working set `listed` (page numbers, in recording order); returns the
+    /// guest mapping it fills and the server.
+    fn prefetching_server(
+        dir: &Path,
+        pages: u64,
+        filled: impl IntoIterator<Item = u64>,
+        listed: &[u64],
+        background_prefetch: bool,
+    ) -> (*mut u8, PageServer) {
+        let (layer, file) = layer_with(dir, pages, filled);
+        let ws = dir.join("mem.ws");
+        let offsets: Vec<u64> = listed.iter().map(|p| p * PAGE_SIZE).collect();
+        write_working_set(&ws, &offsets).expect("ws");
+        let dst = anon((pages * PAGE_SIZE) as usize);
+        let regions = [HostRegion {
+            host: dst,
+            len: pages * PAGE_SIZE,
+            file_offset: 0,
+        }];
+        let server = PageServer::start(
+            &regions,
+            &[(layer, file)],
+            pages * PAGE_SIZE,
+            PageServerOptions {
+                prefetch_from: Some(ws),
+                background_prefetch,
+                ..PageServerOptions::default()
+            },
+        )
+        .expect("start");
+        (dst, server)
+    }
+
     fn mark(page: u64) -> u8 {
         (page % 251) as u8 + 1
     }
@@ -858,26 +892,13 @@ mod tests {
     #[test]
     fn a_contiguous_working_set_is_prefetched_with_one_copy_per_run() {
         let dir = tempfile::tempdir().expect("tmp");
-        let pages = 64;
-        let (layer, file) = layer_with(dir.path(), pages, (2..10).chain([40]));
-        let ws = dir.path().join("mem.ws");
-        write_working_set(&ws, &[40, 9, 2, 3, 4, 5, 6, 7, 8].map(|p| p * PAGE_SIZE)).expect("ws");
-        let dst = anon((pages * PAGE_SIZE) as usize);
-        let regions = [HostRegion {
-            host: dst,
-            len: pages * PAGE_SIZE,
-            file_offset: 0,
-        }];
-        let server = PageServer::start(
-            &regions,
-            &[(layer, file)],
-            pages * PAGE_SIZE,
-            PageServerOptions {
-                prefetch_from: Some(ws),
-                ..PageServerOptions::default()
-            },
-        )
-        .expect("start");
+        let (dst, server) = prefetching_server(
+            dir.path(),
+            64,
+            (2..10).chain([40]),
+            &[40, 9, 2, 3, 4, 5, 6, 7, 8],
+            false,
+        );
         let stats = server.stats();
         assert_eq!(stats.prefetched, 9);
         assert_eq!(
@@ -894,25 +915,7 @@ mod tests {
     fn a_fault_installs_its_block_and_keeps_pages_already_present() {
         let dir = tempfile::tempdir().expect("tmp");
         let pages = 2 * FAULT_BLOCK / PAGE_SIZE;
-        let (layer, file) = layer_with(dir.path(), pages, 0..pages);
-        let ws = dir.path().join("mem.ws");
-        write_working_set(&ws, &[5 * PAGE_SIZE, 6 * PAGE_SIZE]).expect("ws");
-        let dst = anon((pages * PAGE_SIZE) as usize);
-        let regions = [HostRegion {
-            host: dst,
-            len: pages * PAGE_SIZE,
-            file_offset: 0,
-        }];
-        let server = PageServer::start(
-            &regions,
-            &[(layer, file)],
-            pages * PAGE_SIZE,
-            PageServerOptions {
-                prefetch_from: Some(ws),
-                ..PageServerOptions::default()
-            },
-        )
-        .expect("start");
+        let (dst, server) = prefetching_server(dir.path(), pages, 0..pages, &[5, 6], false);
         // The guest changes a prefetched page before faulting next to it.
         // SAFETY: page 5 is present (prefetched) and inside the mapping.
         unsafe { std::ptr::write_volatile(dst.add((5 * PAGE_SIZE) as usize), 200) };
@@ -940,27 +943,8 @@ mod tests {
     fn a_background_prefetch_races_faults_without_losing_a_page() {
         let dir = tempfile::tempdir().expect("tmp");
         let pages = 1024;
-        let (layer, file) = layer_with(dir.path(), pages, 0..pages);
-        let ws = dir.path().join("mem.ws");
-        let listed: Vec<u64> = (0..pages).rev().map(|p| p * PAGE_SIZE).collect();
-        write_working_set(&ws, &listed).expect("ws");
-        let dst = anon((pages * PAGE_SIZE) as usize);
-        let regions = [HostRegion {
-            host: dst,
-            len: pages * PAGE_SIZE,
-            file_offset: 0,
-        }];
-        let mut server = PageServer::start(
-            &regions,
-            &[(layer, file)],
-            pages * PAGE_SIZE,
-            PageServerOptions {
-                prefetch_from: Some(ws),
-                background_prefetch: true,
-                ..PageServerOptions::default()
-            },
-        )
-        .expect("start");
+        let listed: Vec<u64> = (0..pages).rev().collect();
+        let (dst, mut server) = prefetching_server(dir.path(), pages, 0..pages, &listed, true);
         // Read from the top down while the prefetch runs from the bottom up.
         for page in (0..pages).rev() {
             assert_eq!(read_byte(dst, page), mark(page), "page {page}");
