@@ -117,6 +117,8 @@ else
     # Each lost L1 costs its boot and the test it was running (about 3 minutes with the
     # heartbeat): six starts fit the 45-minute budget.
     lab_starts="${ROLLBOX_LAB_STARTS:-6}"
+    [[ "$lab_starts" =~ ^[1-9][0-9]*$ ]] ||
+        { echo "tier 4: ROLLBOX_LAB_STARTS must be a count of at least 1, not '$lab_starts'" >&2; exit 2; }
     finished=()
     # Names this script's lab QEMU (`-name`), so the idle watch below stops no other lab.
     lab_name="rollbox-tier4-$$"

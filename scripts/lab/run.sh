@@ -69,6 +69,9 @@ for flag in svm npt; do
     grep -qx "$flag" <<<"$cpu_flags" || cannot_start "$qemu's TCG does not emulate the '$flag' CPU flag, so L1 gets no kvm_amd"
 done
 
+silent_s="${ROLLBOX_LAB_SILENT_S:-150}"
+[[ "$silent_s" =~ ^[1-9][0-9]*$ ]] ||
+    { echo "lab: ROLLBOX_LAB_SILENT_S must be a whole number of seconds, not '$silent_s'" >&2; exit 2; }
 kit="$("$SCRIPT_DIR/kit.sh" | tail -n 1)" || cannot_start "the L1 kit could not be built (see above)"
 [[ -f "$kit/kit-info" ]] || cannot_start "the L1 kit in $kit is incomplete"
 
@@ -135,7 +138,7 @@ watch_for_wedged_l1() {
         if [[ "$beat" != "$last_beat" ]]; then
             last_beat="$beat"
             last_change=$(date +%s)
-        elif [[ -n "$beat" ]] && (( $(date +%s) - last_change > ${ROLLBOX_LAB_SILENT_S:-150} )); then
+        elif [[ -n "$beat" ]] && (( $(date +%s) - last_change > silent_s )); then
             echo "its heartbeat stopped $(( $(date +%s) - last_change )) s ago" > "$run/wedged"
         fi
         if [[ -f "$run/wedged" ]]; then
