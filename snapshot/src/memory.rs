@@ -148,13 +148,22 @@ fn decode_id(record: &[u8]) -> Option<u64> {
 /// goes first, so a crash in between leaves a memory file without identity (refused), never
 /// a new memory file beside an old identity.
 fn commit_memory(out: AtomicFile, path: &Path, guest_len: u64) -> Result<u64, MemoryFileError> {
+    commit_memory_as(out, path, guest_len, random_id())
+}
+
+/// [`commit_memory`] with an identity chosen beforehand.
+fn commit_memory_as(
+    out: AtomicFile,
+    path: &Path,
+    guest_len: u64,
+    id: u64,
+) -> Result<u64, MemoryFileError> {
     let id_file = id_path(path);
     match std::fs::remove_file(&id_file) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&id_file)(e)),
         _ => {}
     }
     out.commit()?;
-    let id = random_id();
     let side = AtomicFile::create(&id_file)?;
     side.file()
         .write_all(&encode_id(guest_len, id))
@@ -363,10 +372,64 @@ pub fn write_full(
     guest_len: u64,
     sparseness: Sparseness<'_>,
 ) -> Result<MemoryLayer, MemoryFileError> {
-    let out = AtomicFile::create(path)?;
-    let tmp = out.tmp_path().to_path_buf();
-    let file = out.file();
-    file.set_len(guest_len).map_err(io_err(&tmp))?;
+    let out = FullMemoryFile::create(path, guest_len)?;
+    fill_full(out.file(), out.tmp_path(), regions, sparseness)?;
+    out.commit(random_id())
+}
+
+/// A full memory file being written: created guest-sized at a temporary path, filled with
+/// [`fill_full`] (possibly by another process holding the same file), then committed.
+pub struct FullMemoryFile {
+    out: AtomicFile,
+    path: PathBuf,
+    guest_len: u64,
+}
+
+impl FullMemoryFile {
+    /// Creates the temporary file beside `path`, `guest_len` bytes of holes.
+    pub fn create(path: &Path, guest_len: u64) -> Result<Self, MemoryFileError> {
+        let out = AtomicFile::create(path)?;
+        out.file()
+            .set_len(guest_len)
+            .map_err(io_err(out.tmp_path()))?;
+        Ok(Self {
+            out,
+            path: path.to_path_buf(),
+            guest_len,
+        })
+    }
+
+    /// The open temporary file.
+    pub fn file(&self) -> &File {
+        self.out.file()
+    }
+
+    /// The temporary path.
+    pub fn tmp_path(&self) -> &Path {
+        self.out.tmp_path()
+    }
+
+    /// Moves the file into place with identity `id` (chosen beforehand, so that a state file
+    /// naming this layer can be written before the data is).
+    pub fn commit(self, id: u64) -> Result<MemoryLayer, MemoryFileError> {
+        let id = commit_memory_as(self.out, &self.path, self.guest_len, id)?;
+        Ok(MemoryLayer {
+            path: self.path,
+            id,
+            dirty: None,
+        })
+    }
+}
+
+/// Writes every page of `regions` that is not all zeros (looking where `sparseness` says)
+/// into `file`, a guest-sized file of holes at `tmp`. Takes no locks: it runs in a child
+/// process started by fork(2) for a background snapshot.
+pub fn fill_full(
+    file: &File,
+    tmp: &Path,
+    regions: &[HostRegion],
+    sparseness: Sparseness<'_>,
+) -> Result<(), MemoryFileError> {
     for (index, region) in regions.iter().enumerate() {
         let candidates = match sparseness {
             Sparseness::PrivateAnonymous => touched_pages(region.host, region.len),
@@ -398,7 +461,7 @@ pub fn write_full(
             let src = unsafe { region.host.add((start * PAGE_SIZE) as usize) };
             host_io(
                 file,
-                &tmp,
+                tmp,
                 src,
                 (page - start) * PAGE_SIZE,
                 region.file_offset + start * PAGE_SIZE,
@@ -406,12 +469,7 @@ pub fn write_full(
             )?;
         }
     }
-    let id = commit_memory(out, path, guest_len)?;
-    Ok(MemoryLayer {
-        path: path.to_path_buf(),
-        id,
-        dirty: None,
-    })
+    Ok(())
 }
 
 /// Writes the dirty pages of every region into a new diff memory file at `path`.

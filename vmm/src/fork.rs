@@ -29,11 +29,12 @@ use crate::api::{
     ActionError, CloneInfo, ForkParams, ForkResult, LoadSnapshotParams, MemBackend,
     NetworkOverride, RestoreExtension, VsockOverride,
 };
+use crate::background_snapshot::{BackgroundSnapshotError, DumpJob, PendingMemory, StartedDump};
 use crate::builder::MicroVm;
 use crate::config::MachineConfig;
 use crate::devices::bus::lock;
 use crate::devices::virtio::persist::DevicePersistKind;
-use crate::persist::{create_detached_snapshot, RestoreBackend};
+use crate::persist::{create_fork_snapshot, ForkMemory, RestoreBackend};
 
 /// How long a clone may take to build its empty VM and say `ready`.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -117,25 +118,41 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
+/// Work for the launcher thread: the processes it creates.
+enum LauncherRequest {
+    /// A clone shell.
+    Spawn(Command, Sender<std::io::Result<Child>>),
+    /// A background memory snapshot's writer (fork(2) of this process).
+    Dump(
+        DumpJob,
+        Sender<Result<StartedDump, BackgroundSnapshotError>>,
+    ),
+}
 
 /// Starts clone processes from one long-lived thread. PR_SET_PDEATHSIG fires when the *thread*
 /// that started a child ends, so shells started from a caller's short-lived thread would die
 /// early; these die when the last handle to the launcher is dropped (or the process ends).
 pub struct Launcher {
     binary: PathBuf,
-    requests: Sender<SpawnRequest>,
+    requests: Sender<LauncherRequest>,
 }
 
 impl Launcher {
     /// A launcher that runs `binary` (a `rollbox-vmm`) for each clone.
     pub fn new(binary: PathBuf) -> Result<Arc<Self>, ForkError> {
-        let (requests, incoming) = channel::<SpawnRequest>();
+        let (requests, incoming) = channel::<LauncherRequest>();
         std::thread::Builder::new()
             .name("fork-launcher".into())
             .spawn(move || {
-                for (mut command, reply) in incoming {
-                    let _ = reply.send(command.spawn());
+                for request in incoming {
+                    match request {
+                        LauncherRequest::Spawn(mut command, reply) => {
+                            let _ = reply.send(command.spawn());
+                        }
+                        LauncherRequest::Dump(job, reply) => {
+                            let _ = reply.send(job.start());
+                        }
+                    }
                 }
             })
             .map_err(ForkError::Launcher)?;
@@ -150,7 +167,24 @@ impl Launcher {
     fn spawn(&self, command: Command) -> std::io::Result<Child> {
         let ended = || std::io::Error::other("the fork launcher thread has ended");
         let (reply, answer) = channel();
-        self.requests.send((command, reply)).map_err(|_| ended())?;
+        self.requests
+            .send(LauncherRequest::Spawn(command, reply))
+            .map_err(|_| ended())?;
+        answer.recv().map_err(|_| ended())?
+    }
+
+    /// Forks the writer of a background memory snapshot from the launcher thread, which no
+    /// seccomp filter keeps from creating processes.
+    fn start_dump(&self, job: DumpJob) -> Result<StartedDump, BackgroundSnapshotError> {
+        let path = job.path().to_path_buf();
+        let ended = || BackgroundSnapshotError::Fork {
+            path: path.clone(),
+            source: std::io::Error::other("the fork launcher thread has ended"),
+        };
+        let (reply, answer) = channel();
+        self.requests
+            .send(LauncherRequest::Dump(job, reply))
+            .map_err(|_| ended())?;
         answer.recv().map_err(|_| ended())?
     }
 }
@@ -700,6 +734,8 @@ pub struct PendingFork {
     track_dirty_pages: bool,
     started: Instant,
     paused_ms: f64,
+    /// The memory file, while a child process writes it.
+    memory: Option<PendingMemory>,
 }
 
 /// Pauses `vm`, snapshots it, resumes it, and starts `params.count` clones (from `pool` where
@@ -834,8 +870,10 @@ pub fn start_fork(
     let paused = vm.pause();
     let snapshotting = Instant::now();
     let snapshot = match paused {
-        Ok(()) => create_detached_snapshot(vm, &dir.join("vmstate"), &dir.join("memory"))
-            .map_err(|e| e.to_string()),
+        Ok(()) => create_fork_snapshot(vm, &dir.join("vmstate"), &dir.join("memory"), |job| {
+            launcher.start_dump(job)
+        })
+        .map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
     let copying = Instant::now();
@@ -855,25 +893,33 @@ pub fn start_fork(
     let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
     log::debug!(
         "fork: parent paused {paused_ms:.2} ms, {:.2} ms after the request (shells, cleanup \
-         lines): pause {:.2}, snapshot {:.2}, drive bases {:.2}, resume {:.2}",
+         lines): pause {:.2}, snapshot {:.2} (memory {}), drive bases {:.2}, resume {:.2}",
         ms(started, pausing),
         ms(pausing, snapshotting),
         ms(snapshotting, copying),
+        match &snapshot {
+            Ok(ForkMemory::Background(_)) => "written in the background",
+            _ => "written while paused",
+        },
         ms(copying, resuming),
         resuming.elapsed().as_secs_f64() * 1e3
     );
-    if let Err(e) = snapshot {
-        for clone in &mut clones {
-            clone.fail("fork snapshot failed".into());
+    let memory = match snapshot {
+        Ok(ForkMemory::Written) => None,
+        Ok(ForkMemory::Background(memory)) => Some(memory),
+        Err(e) => {
+            for clone in &mut clones {
+                clone.fail("fork snapshot failed".into());
+            }
+            if !kept {
+                remove_dir_all_quietly(&dir);
+            }
+            return Err(ForkError::Snapshot {
+                path: dir,
+                reason: e.to_string(),
+            });
         }
-        if !kept {
-            remove_dir_all_quietly(&dir);
-        }
-        return Err(ForkError::Snapshot {
-            path: dir,
-            reason: e.to_string(),
-        });
-    }
+    };
     let drives = drives.unwrap_or_else(|e| {
         for clone in &mut clones {
             clone.fail(e.clone());
@@ -900,6 +946,7 @@ pub fn start_fork(
         track_dirty_pages: vm.machine.track_dirty_pages,
         started,
         paused_ms,
+        memory,
     })
 }
 
@@ -909,6 +956,20 @@ impl PendingFork {
     pub fn finish(mut self) -> ForkResult {
         let state = self.dir.join("vmstate");
         let memory = self.dir.join("memory");
+        if let Some(pending) = self.memory.take() {
+            let waiting = Instant::now();
+            match pending.wait() {
+                Ok(_) => log::debug!(
+                    "fork: waited {:.2} ms for the memory file",
+                    waiting.elapsed().as_secs_f64() * 1e3
+                ),
+                Err(e) => {
+                    for clone in &mut self.clones {
+                        clone.fail(format!("fork snapshot failed: {e}"));
+                    }
+                }
+            }
+        }
         std::thread::scope(|scope| {
             for clone in self.clones.iter_mut().filter(|c| c.info.error.is_none()) {
                 let (state, memory, backend) = (&state, &memory, &self.backend);

@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod arch;
+pub mod background_snapshot;
 pub mod builder;
 pub mod config;
 pub mod controller;

@@ -10,8 +10,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use snapshot::format::{read_state_file, write_state_file, FormatError};
 use snapshot::memory::{
-    apply_layer, open_layer, relative_to, resolve_in, write_diff, write_full, HostRegion,
-    MemoryFileError, MemoryLayer, Sparseness, PAGE_SIZE,
+    apply_layer, fill_full, open_layer, random_id, relative_to, resolve_in, write_diff, write_full,
+    FullMemoryFile, HostRegion, MemoryFileError, MemoryLayer, Sparseness, PAGE_SIZE,
 };
 use snapshot::uffd::{PageServer, PageServerOptions, UffdError};
 use vm_memory::bitmap::{AtomicBitmap, Bitmap, NewBitmap};
@@ -20,6 +20,9 @@ use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap, MmapRegion,
 };
 
+use crate::background_snapshot::{
+    BackgroundSnapshotError, DumpJob, ImageKind, PendingMemory, StartedDump,
+};
 use crate::builder::{
     assemble, attach_devices, console_out, create_vm, Assembly, BuildError, GenerationView,
     MemoryBacking, MemoryKind, MicroVm, SavedDevices,
@@ -248,6 +251,78 @@ pub fn create_detached_snapshot(
     )
 }
 
+/// How [`create_fork_snapshot`] wrote a fork's memory file.
+pub enum ForkMemory {
+    /// Written while the VM was paused.
+    Written,
+    /// Being written by a child process from the image of the pause; wait for it before the
+    /// snapshot is used.
+    Background(PendingMemory),
+}
+
+/// A Full snapshot for a fork of the paused `vm`, like [`create_detached_snapshot`], except
+/// that private guest memory is imaged by fork(2) (`start_dump` forks, from a thread that
+/// may) and written by the child while the VM runs on. The state file is written now and
+/// names the memory file's identity in advance. Shared (virtio-fs) and lazily served memory
+/// are written while paused.
+pub fn create_fork_snapshot(
+    vm: &mut MicroVm,
+    state_path: &Path,
+    mem_path: &Path,
+    start_dump: impl FnOnce(DumpJob) -> Result<StartedDump, BackgroundSnapshotError>,
+) -> Result<ForkMemory, PersistError> {
+    let has_fs = vm
+        .virtio
+        .iter()
+        .any(|slot| lock(&slot.transport).device().device_type() == TYPE_FS);
+    let image = match vm.memory.kind {
+        _ if has_fs => None,
+        MemoryKind::Anonymous if vm.mem.iter().all(|r| r.file_offset().is_none()) => {
+            Some(ImageKind::PrivateAnonymous)
+        }
+        MemoryKind::FileBacked => Some(ImageKind::PrivateFile),
+        MemoryKind::Anonymous | MemoryKind::Lazy => None,
+    };
+    let Some(image) = image else {
+        create_detached_snapshot(vm, state_path, mem_path)?;
+        return Ok(ForkMemory::Written);
+    };
+    with_backends_saved(vm, SnapshotType::Full, |vm| {
+        let regions: Vec<(u64, u64)> = vm.mem.iter().map(|r| (r.start_addr().0, r.len())).collect();
+        let memory = FullMemoryFile::create(mem_path, guest_len(&regions))?;
+        let id = random_id();
+        let mut layers = vec![MemoryLayer {
+            path: mem_path.to_path_buf(),
+            id,
+            dirty: None,
+        }];
+        let recorded = record_layers(state_path, &mut layers)?;
+        write_state(vm, state_path, regions, recorded)?;
+        let started =
+            DumpJob::new(&memory, mem_path, host_regions(&vm.mem), image).and_then(start_dump);
+        match started {
+            Ok(started) => Ok(ForkMemory::Background(PendingMemory::new(
+                memory, mem_path, id, started,
+            ))),
+            Err(e) => {
+                log::warn!("fork: {e}; writing memory while paused");
+                let sparseness = match image {
+                    ImageKind::PrivateAnonymous => Sparseness::PrivateAnonymous,
+                    ImageKind::PrivateFile => Sparseness::EveryPage,
+                };
+                fill_full(
+                    memory.file(),
+                    memory.tmp_path(),
+                    &host_regions(&vm.mem),
+                    sparseness,
+                )?;
+                memory.commit(id)?;
+                Ok(ForkMemory::Written)
+            }
+        }
+    })
+}
+
 fn snapshot_paused(
     vm: &mut MicroVm,
     kind: SnapshotType,
@@ -255,6 +330,20 @@ fn snapshot_paused(
     mem_path: &Path,
     base: Base,
 ) -> Result<SnapshotReport, PersistError> {
+    let started = Instant::now();
+    with_backends_saved(vm, kind, |vm| {
+        write_snapshot(vm, kind, state_path, mem_path, started, base)
+    })
+}
+
+/// Runs `write` on the paused VM once devices served by an outside backend (virtio-fs) have
+/// stopped their rings and saved the backend's state, so guest memory is written after the
+/// backend's last write; the rings start again afterwards, whether or not `write` succeeded.
+fn with_backends_saved<T>(
+    vm: &mut MicroVm,
+    kind: SnapshotType,
+    write: impl FnOnce(&mut MicroVm) -> Result<T, PersistError>,
+) -> Result<T, PersistError> {
     if let Some(reason) = vm.pci.as_ref().and_then(|p| p.snapshot_refusal()) {
         return Err(PersistError::Pci(reason));
     }
@@ -270,9 +359,6 @@ fn snapshot_paused(
             return Err(PersistError::FsDiff(fs));
         }
     }
-    let started = Instant::now();
-    // Devices served by an outside backend (virtio-fs) stop their rings and save the
-    // backend's state first, so guest memory is written after the backend's last write.
     let mut failed = None;
     for slot in &vm.virtio {
         let mut transport = lock(&slot.transport);
@@ -286,7 +372,7 @@ fn snapshot_paused(
     }
     let result = match failed {
         Some(e) => Err(e),
-        None => write_snapshot(vm, kind, state_path, mem_path, started, base),
+        None => write(vm),
     };
     // Rings start again whether or not the snapshot succeeded; the vCPUs are still paused.
     for slot in &vm.virtio {
@@ -420,9 +506,19 @@ fn write_files(
             return Err(PersistError::Diff("dirty page tracking"));
         }
     };
-    // Layers are recorded relative to the state file's directory, so the snapshot can move.
+    let recorded = record_layers(state_path, &mut layers)?;
+    write_state(vm, state_path, regions, recorded)?;
+    Ok((layers, memory_bytes))
+}
+
+/// The layers as a state file at `state_path` records them: relative to its directory, so the
+/// snapshot can move. `layers` become absolute.
+fn record_layers(
+    state_path: &Path,
+    layers: &mut [MemoryLayer],
+) -> Result<Vec<MemoryLayer>, PersistError> {
     let dir = state_dir(state_path);
-    let mut recorded = layers.clone();
+    let mut recorded = layers.to_vec();
     for (layer, stored) in layers.iter_mut().zip(&mut recorded) {
         stored.path = relative_to(&dir, &layer.path).map_err(|e| PersistError::Missing {
             path: layer.path.clone(),
@@ -430,6 +526,16 @@ fn write_files(
         })?;
         layer.path = resolve_in(&dir, &stored.path);
     }
+    Ok(recorded)
+}
+
+/// Saves every vCPU, the VM and the devices into the state file at `state_path`.
+fn write_state(
+    vm: &MicroVm,
+    state_path: &Path,
+    regions: Vec<(u64, u64)>,
+    recorded: Vec<MemoryLayer>,
+) -> Result<(), PersistError> {
     let mut vcpus = Vec::new();
     for vcpu in &vm.vcpus {
         vcpus.push(vcpu.vcpu().save()?);
@@ -465,7 +571,7 @@ fn write_files(
         pci: vm.pci.as_ref().map(|p| p.save()).transpose()?,
     };
     write_state_file(state_path, &state)?;
-    Ok((layers, memory_bytes))
+    Ok(())
 }
 
 /// How a restore backs guest memory.
