@@ -18,6 +18,7 @@ pub mod connect;
 mod control;
 mod envd;
 mod forward;
+mod watch;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -116,11 +117,19 @@ pub(crate) struct E2b {
     daemon: Arc<Daemon>,
     options: E2bOptions,
     processes: Mutex<envd::Processes>,
+    /// `CreateWatcher` watchers, by id.
+    watchers: Mutex<watch::Watchers>,
+    /// Numbers watcher ids.
+    next_watcher: std::sync::atomic::AtomicU64,
 }
 
 impl E2b {
     fn processes(&self) -> MutexGuard<'_, envd::Processes> {
         self.processes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn watchers(&self) -> MutexGuard<'_, watch::Watchers> {
+        self.watchers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The envd access token of sandbox `id`: derived from the API key, so it survives a
@@ -154,6 +163,8 @@ pub async fn run(listener: E2bListener, daemon: Arc<Daemon>, options: E2bOptions
         daemon,
         options,
         processes: Mutex::new(HashMap::new()),
+        watchers: Mutex::new(HashMap::new()),
+        next_watcher: std::sync::atomic::AtomicU64::new(1),
     });
     let E2bListener {
         listener: Listener::Tcp(listener),
