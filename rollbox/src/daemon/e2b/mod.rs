@@ -2,11 +2,12 @@
 //! plane (Connect RPCs with the JSON codec, `/files`, `/health`, `/envs`) on their own listener
 //! (`rollbox serve --e2b-listen`), because E2B's `POST /sandboxes` means something else than the
 //! native API's. Every call maps onto the daemon's own actions: its sandboxes, templates, TTLs
-//! and store; the only state kept here is the table of processes started through envd.
+//! and store; the only state kept here is the table of processes started through envd and the
+//! polled directory watchers (`CreateWatcher`).
 //!
 //! The data plane is translated here rather than served by the guest agent: the agent's
-//! protocol already has every operation envd needs (exec with stdin and signals, stat, list,
-//! mkdir, move, remove, file streams), one translator serves every guest image and agent
+//! protocol already has every operation envd needs (exec with stdin, signals and PTYs, stat,
+//! list, mkdir, move, remove, file streams, inotify watches), one translator serves every guest image and agent
 //! version, and envd's processes must outlive the HTTP stream that started them while the agent
 //! ends a connection's processes with the connection: the daemon owns those connections.
 //!
