@@ -258,9 +258,14 @@ def pty_checks(sbx, base):
     read_until("resized-2")
     assert "50 132" in seen.decode(errors="replace"), seen
     ok("pty.resize")
-    sbx.pty.stream_input(term.pid, [b"echo stream", "ed-$((2+3))\n"])
-    read_until("streamed-5")
-    ok("pty.stream_input (a client stream)")
+    # stream_input (envd's client-streaming StreamInput) is newer than some SDKs this script runs.
+    streams = hasattr(sbx.pty, "stream_input")
+    if streams:
+        sbx.pty.stream_input(term.pid, [b"echo stream", "ed-$((2+3))\n"])
+        read_until("streamed-5")
+        ok("pty.stream_input (a client stream)")
+    else:
+        print(f"skip pty.stream_input: not in e2b {importlib.metadata.version('e2b')}", flush=True)
     expect_error("close_stdin of a pty", lambda: sbx.commands.close_stdin(term.pid), "PTY")
     sbx.pty.send_stdin(term.pid, b"exit 7\n")
     rest = []
@@ -276,11 +281,14 @@ def pty_checks(sbx, base):
     assert not sbx.pty.kill(term.pid)
     ok("pty.kill")
 
-    handle = sbx.commands.run("cat", background=True, stdin=True)
-    sbx.commands.stream_input(handle.pid, ["one ", b"two\n"])
-    sbx.commands.close_stdin(handle.pid)
-    assert handle.wait().stdout == "one two\n"
-    ok("commands.stream_input")
+    if streams:
+        handle = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.stream_input(handle.pid, ["one ", b"two\n"])
+        sbx.commands.close_stdin(handle.pid)
+        assert handle.wait().stdout == "one two\n"
+        ok("commands.stream_input")
+    else:
+        print(f"skip commands.stream_input: not in e2b {importlib.metadata.version('e2b')}", flush=True)
 
 
 def wait_for_events(watcher, wanted, what):
