@@ -523,6 +523,54 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_overflowing_kernel_queue_is_reported_and_the_watch_goes_on() {
+        let limit: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
+            .expect("read max_queued_events")
+            .trim()
+            .parse()
+            .expect("a number");
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Room for one frame: the watch blocks on its second, and events pile up in the kernel.
+        let (out, mut frames) = mpsc::channel(1);
+        let (stop, stop_rx) = mpsc::unbounded_channel();
+        let req = WatchRequest {
+            path: dir.path().display().to_string(),
+            recursive: false,
+        };
+        let task = tokio::spawn(async move { run(req, 9, &out, stop_rx).await });
+        assert_eq!(
+            frames.recv().await.expect("watching").body,
+            ServerMessage::Watching
+        );
+        for i in 0..limit + 100 {
+            std::fs::File::create(dir.path().join(format!("f{i}"))).expect("create");
+        }
+        let notice = loop {
+            let frame = tokio::time::timeout(Duration::from_secs(10), frames.recv())
+                .await
+                .expect("a frame within 10 s")
+                .expect("the watch runs");
+            if let ServerMessage::Notice { message } = frame.body {
+                break message;
+            }
+        };
+        assert!(
+            notice.contains("overflowed and events were lost"),
+            "{notice}"
+        );
+        // Still watching after the overflow.
+        std::fs::write(dir.path().join("after"), b"x").expect("write");
+        let want = event("after", FsEventKind::Write);
+        let mut running = Running { frames, stop, task };
+        events_until(&mut running, &want).await;
+        running.stop.send(()).expect("stop");
+        assert!(matches!(
+            running.task.await.expect("task"),
+            ServerMessage::WatchEnded { .. }
+        ));
+    }
+
+    #[tokio::test]
     async fn watching_a_missing_or_plain_file_fails_by_name() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("plain");

@@ -1366,6 +1366,30 @@ mod tests {
     }
 
     #[test]
+    fn pty_sizes_are_checked_by_name() {
+        let pty: Pty =
+            serde_json::from_value(json!({"size": {"rows": 24, "cols": 80}})).expect("pty");
+        assert_eq!(pty.size(), Ok(PtySize { rows: 24, cols: 80 }));
+        let missing: Pty = serde_json::from_value(json!({})).expect("pty");
+        assert_eq!(
+            missing.size().map_err(|e| e.message),
+            Err("pty.size: required".into())
+        );
+        // The SDK leaves zero values out: an absent cols is 0.
+        let zero: Pty = serde_json::from_value(json!({"size": {"rows": 24}})).expect("pty");
+        let huge: Pty =
+            serde_json::from_value(json!({"size": {"rows": 70000, "cols": 1}})).expect("pty");
+        for (pty, text) in [
+            (zero, "rows 24 and cols 0"),
+            (huge, "rows 70000 and cols 1"),
+        ] {
+            let err = pty.size().expect_err("refused");
+            assert_eq!(err.code, Code::InvalidArgument);
+            assert!(err.message.contains(text), "{err}");
+        }
+    }
+
+    #[test]
     fn end_events_use_go_wording() {
         let mut status = ExitStatus {
             code: Some(3),
