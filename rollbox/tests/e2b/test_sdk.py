@@ -333,6 +333,25 @@ def watch_checks(sbx, base):
     ok("recursive watch_dir, and its end when the directory goes")
     expect_error("watch a missing directory", lambda: sbx.files.watch_dir(f"{base}/missing"), "missing")
 
+    # A polled watcher keeps at most 10,000 uncollected events; past that it stops and says so.
+    flood = f"{base}/flood"
+    sbx.files.make_dir(flood)
+    watcher = sbx.files.watch_dir(flood)
+    sbx.commands.run(f"cd {flood} && for i in $(seq 10100); do : > f$i; done")
+    time.sleep(2)  # the daemon takes them in meanwhile; a poll before that would make room
+    collected = []
+
+    def collect_until_the_end():
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            collected.extend(watcher.get_new_events())
+            time.sleep(0.1)
+        raise AssertionError(f"the flooded watcher did not stop ({len(collected)} events)")
+
+    expect_error("a flooded watcher", collect_until_the_end, "uncollected", "events were lost")
+    assert 0 < len(collected) <= 10_000, len(collected)
+    ok("a polled watcher past 10,000 uncollected events stops and says events were lost")
+
     sbx.files.make_dir(watched)
     asyncio.run(async_watch(sbx.sandbox_id, watched))
     ok("the async SDK's watch_dir (a WatchDir stream)")
