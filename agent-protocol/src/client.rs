@@ -448,6 +448,16 @@ impl AgentClient {
         }
     }
 
+    /// Watch a directory. Once the agent answers `Watching`, read `FsEvents` (and `Notice`s of
+    /// lost events) from the request until `WatchEnded`; send `Cancel` to stop it.
+    pub async fn watch(&self, request: WatchRequest) -> Result<RawRequest, ClientError> {
+        let mut raw = self.open(ClientMessage::Watch(request)).await?;
+        match raw.recv().await? {
+            ServerMessage::Watching => Ok(raw),
+            other => Err(unexpected("watching", &other)),
+        }
+    }
+
     /// Run a container; events as for `exec`.
     pub async fn docker_run(&self, request: DockerRunRequest) -> Result<ExecHandle, ClientError> {
         let raw = self.open(ClientMessage::DockerRun(request)).await?;
@@ -743,6 +753,11 @@ impl ExecHandle {
         Ok(())
     }
 
+    /// Resize the terminal of a `pty` exec.
+    pub async fn resize(&self, size: PtySize) -> Result<(), ClientError> {
+        self.raw.send(ClientMessage::Resize(size)).await
+    }
+
     pub async fn close_stdin(&self) -> Result<(), ClientError> {
         self.raw.send(ClientMessage::StdinClose).await
     }
@@ -765,7 +780,7 @@ impl ExecHandle {
             match event {
                 ExecEvent::Started { .. } | ExecEvent::Notice(_) => {}
                 ExecEvent::Output { stream, data, .. } => match stream {
-                    OutputStream::Stdout => stdout.extend_from_slice(&data),
+                    OutputStream::Stdout | OutputStream::Pty => stdout.extend_from_slice(&data),
                     OutputStream::Stderr => stderr.extend_from_slice(&data),
                 },
                 ExecEvent::Exited(status) => {

@@ -155,6 +155,11 @@ pub enum ClientMessage {
     },
     /// Run a container through the docker CLI; streams like `Exec`.
     DockerRun(DockerRunRequest),
+    /// (stream input) New terminal size for an `Exec` started with `pty`.
+    Resize(PtySize),
+    /// Watch a directory with inotify: `Watching`, then `FsEvents`* until the client sends
+    /// `Cancel` or the directory is removed or moved, ended by `WatchEnded`.
+    Watch(WatchRequest),
 }
 
 fn default_true() -> bool {
@@ -205,6 +210,51 @@ pub struct ExecRequest {
     /// Stdin contents for `Run` (written, then closed).
     #[serde(default, with = "crate::b64::option")]
     pub stdin_data: Option<Vec<u8>>,
+    /// Run on a new pseudo-terminal of this size (`Exec` only): stdin, stdout and stderr are
+    /// the terminal, `Stdin` frames are typed into it, output comes as one `pty` stream, and
+    /// `Resize` changes its size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+}
+
+/// A terminal size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// A directory to watch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchRequest {
+    pub path: String,
+    /// Watch every subdirectory too, including ones created later.
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// What happened to an entry under a watched directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsEventKind {
+    /// Created, or moved in.
+    Create,
+    /// Its contents were written.
+    Write,
+    /// Deleted.
+    Remove,
+    /// Moved away (its new name, if under the watch, comes as `Create`).
+    Rename,
+    /// Permissions, owner or other metadata changed.
+    Chmod,
+}
+
+/// One file system event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEvent {
+    /// The entry's path relative to the watched directory (`sub/file` in a recursive watch).
+    pub name: String,
+    pub kind: FsEventKind,
 }
 
 impl ExecRequest {
@@ -235,6 +285,7 @@ impl ExecRequest {
             memory_limit_bytes: None,
             stdin: false,
             stdin_data: None,
+            pty: None,
         }
     }
 }
@@ -379,6 +430,17 @@ pub enum ServerMessage {
         started: bool,
         waited_ms: u64,
     },
+    /// The watch is set up (Watch); events from now on are reported.
+    Watching,
+    /// File system events of a `Watch`, in the order inotify gave them.
+    FsEvents {
+        events: Vec<FsEvent>,
+    },
+    /// The watch ended: the client cancelled it, or the watched directory was removed or
+    /// moved; `reason` says which.
+    WatchEnded {
+        reason: String,
+    },
     /// A stream input for a still-open request was refused (e.g. an invalid
     /// signal number); the request goes on. Not terminal.
     Notice {
@@ -397,6 +459,8 @@ impl ServerMessage {
                 | Self::Output { .. }
                 | Self::Data { .. }
                 | Self::Ready
+                | Self::Watching
+                | Self::FsEvents { .. }
                 | Self::Notice { .. }
         )
     }
@@ -407,6 +471,8 @@ impl ServerMessage {
 pub enum OutputStream {
     Stdout,
     Stderr,
+    /// The terminal of a `pty` exec (stdout and stderr together).
+    Pty,
 }
 
 /// How a process ended.
@@ -424,6 +490,7 @@ pub struct ExitStatus {
     pub oom_detection: OomDetection,
     /// Output beyond `output_limit_bytes` was dropped.
     pub truncated: bool,
+    /// Bytes of stdout, or of the terminal for a `pty` exec.
     pub stdout_bytes: u64,
     pub stderr_bytes: u64,
     pub duration_ms: u64,
@@ -599,6 +666,53 @@ mod tests {
             "running_processes":0}"#;
         let health: Health = serde_json::from_str(json).expect("parse");
         assert_eq!((health.generation, health.generation_applied), (None, None));
+    }
+
+    #[test]
+    fn pty_exec_and_watch_frames_round_trip() {
+        let json = r#"{"id":2,"body":{"op":"exec","command":{"shell":"tty"},"pty":{"rows":24,"cols":80}}}"#;
+        let frame: ClientFrame = serde_json::from_str(json).expect("parse");
+        let ClientMessage::Exec(req) = &frame.body else {
+            panic!("not an exec: {frame:?}");
+        };
+        assert_eq!(req.pty, Some(PtySize { rows: 24, cols: 80 }));
+        let resize = r#"{"id":2,"body":{"op":"resize","rows":50,"cols":132}}"#;
+        assert_eq!(
+            serde_json::from_str::<ClientFrame>(resize)
+                .expect("parse")
+                .body,
+            ClientMessage::Resize(PtySize {
+                rows: 50,
+                cols: 132
+            })
+        );
+        let watch = r#"{"id":3,"body":{"op":"watch","path":"/tmp"}}"#;
+        assert_eq!(
+            serde_json::from_str::<ClientFrame>(watch)
+                .expect("parse")
+                .body,
+            ClientMessage::Watch(WatchRequest {
+                path: "/tmp".into(),
+                recursive: false
+            })
+        );
+        let events = ServerMessage::FsEvents {
+            events: vec![FsEvent {
+                name: "a/b".into(),
+                kind: FsEventKind::Chmod,
+            }],
+        };
+        let text = serde_json::to_string(&events).expect("serialize");
+        assert_eq!(
+            text,
+            r#"{"type":"fs_events","events":[{"name":"a/b","kind":"chmod"}]}"#
+        );
+        assert!(!events.is_terminal());
+        assert!(!ServerMessage::Watching.is_terminal());
+        assert!(ServerMessage::WatchEnded {
+            reason: "cancelled".into()
+        }
+        .is_terminal());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Running processes: spawn (user, cwd, env, cgroup), stream or collect
 //! output under a cap, stdin, signals, a hard timeout that kills the whole
-//! process group, and the exit status with OOM evidence.
+//! process group, and the exit status with OOM evidence. With `pty` the
+//! process runs on a new terminal instead of pipes (see pty.rs).
 
 use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::process::CommandExt as _;
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rollbox_agent_protocol::{
-    Command, ErrorInfo, ExecRequest, ExitStatus, OomDetection, OutputStream, ServerFrame,
+    Command, ErrorInfo, ExecRequest, ExitStatus, OomDetection, OutputStream, PtySize, ServerFrame,
     ServerMessage, CHUNK_BYTES,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -20,6 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::agent::Agent;
 use crate::cgroup::{self, ExecCgroup};
 use crate::errors::{internal, SysError};
+use crate::pty::{self, Master};
 use crate::reaper::{reaper, WaitStatus};
 use crate::users;
 
@@ -42,6 +44,7 @@ pub enum ExecInput {
     Stdin(Vec<u8>),
     StdinClose,
     Signal { signal: i32, group: bool },
+    Resize(PtySize),
     Cancel,
 }
 
@@ -80,7 +83,7 @@ impl Sink {
             }
             Sink::Collect { stdout, stderr } => {
                 match stream {
-                    OutputStream::Stdout => stdout.extend_from_slice(data),
+                    OutputStream::Stdout | OutputStream::Pty => stdout.extend_from_slice(data),
                     OutputStream::Stderr => stderr.extend_from_slice(data),
                 }
                 true
@@ -95,6 +98,8 @@ struct Prepared {
     program: String,
     cgroup: Option<Arc<ExecCgroup>>,
     stdin: bool,
+    /// The agent's end of the process's terminal (`pty` execs).
+    master: Option<OwnedFd>,
 }
 
 fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
@@ -161,6 +166,9 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
             }
         }
     }
+    if req.pty.is_some() && !req.env.contains_key("TERM") {
+        command.env("TERM", "xterm-256color");
+    }
     command.envs(&req.env);
 
     let cgroup = match (&agent.cgroups, req.memory_limit_bytes) {
@@ -180,6 +188,15 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
         (None, None) => None,
     };
 
+    // The terminal is opened before the fork: its slave becomes stdin, stdout and stderr.
+    let terminal = match req.pty {
+        Some(size) => Some(
+            pty::open(size)
+                .map_err(|err| ErrorInfo::bad_request(format!("exec {program}: {err}")))?,
+        ),
+        None => None,
+    };
+    let on_terminal = terminal.is_some();
     let procs_fd: Option<RawFd> = cgroup.as_ref().map(|c| c.procs_fd());
     let ids = user.as_ref().map(|u| (u.uid, u.gid, u.groups.clone()));
     // SAFETY: the closure runs in the child between fork and exec. It only
@@ -190,6 +207,9 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
             // A new session: the process leads its own group, killed as one.
             if libc::setsid() == -1 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if on_terminal {
+                pty::take_controlling_terminal()?;
             }
             if let Some(fd) = procs_fd {
                 if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
@@ -207,16 +227,33 @@ fn prepare(agent: &Agent, req: &ExecRequest) -> Result<Prepared, ErrorInfo> {
             Ok(())
         });
     }
-    let stdin = req.stdin || req.stdin_data.is_some();
-    command
-        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let (stdin, master) = match terminal {
+        Some((master, slave)) => {
+            let dup = |fd: &OwnedFd| {
+                fd.try_clone()
+                    .map_err(|err| SysError::new("dup the terminal for", &program, err).to_info())
+            };
+            command
+                .stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave));
+            (true, Some(master))
+        }
+        None => {
+            let stdin = req.stdin || req.stdin_data.is_some();
+            command
+                .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            (stdin, None)
+        }
+    };
     Ok(Prepared {
         command,
         program,
         cgroup,
         stdin,
+        master,
     })
 }
 
@@ -233,7 +270,7 @@ impl OutputCap {
     /// How many of `n` new bytes may be kept.
     fn admit(&mut self, stream: OutputStream, n: usize) -> usize {
         match stream {
-            OutputStream::Stdout => self.stdout_bytes += n as u64,
+            OutputStream::Stdout | OutputStream::Pty => self.stdout_bytes += n as u64,
             OutputStream::Stderr => self.stderr_bytes += n as u64,
         }
         let Some(limit) = self.limit else { return n };
@@ -272,12 +309,20 @@ async fn read_opt(pipe: &mut Option<pipe::Receiver>, buf: &mut [u8]) -> std::io:
     }
 }
 
-/// A read that never waits: what is in the pipe now (0 when it is empty, closed or failed).
-fn read_now(pipe: &pipe::Receiver, buf: &mut [u8]) -> usize {
-    use std::os::fd::AsRawFd as _;
-    // SAFETY: reads at most `buf.len()` bytes into `buf` from a descriptor `pipe` owns; tokio
-    // opened it non-blocking, so the call returns at once.
-    let n = unsafe { libc::read(pipe.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+async fn read_terminal(master: &Option<Arc<Master>>, buf: &mut [u8]) -> std::io::Result<usize> {
+    match master {
+        Some(master) => master.read(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A read that never waits: what is in the pipe or terminal now (0 when it is empty, closed
+/// or failed). `fd` must be non-blocking.
+fn read_now(fd: RawFd, buf: &mut [u8]) -> usize {
+    // SAFETY: reads at most `buf.len()` bytes into `buf` from a descriptor its owner keeps
+    // open for the call; it is non-blocking (tokio's pipes, pty::open's master), so the call
+    // returns at once.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
     usize::try_from(n).unwrap_or(0)
 }
 
@@ -304,6 +349,15 @@ async fn write_stdin(mut pipe: pipe::Sender, mut rx: mpsc::UnboundedReceiver<Opt
     }
 }
 
+async fn write_terminal(master: Arc<Master>, mut rx: mpsc::UnboundedReceiver<Option<Vec<u8>>>) {
+    while let Some(Some(data)) = rx.recv().await {
+        if master.write_all(&data).await.is_err() {
+            // Nobody holds the terminal any more; later input has nowhere to go.
+            return;
+        }
+    }
+}
+
 /// Run one process to the end. Output goes to `sink`; `inputs` carries
 /// stdin and signals (its closing means the client is gone: kill).
 /// `cleanup` runs after a kill (e.g. `docker rm -f` of a container).
@@ -314,11 +368,17 @@ pub async fn run(
     mut inputs: mpsc::UnboundedReceiver<ExecInput>,
     cleanup: Option<Vec<String>>,
 ) -> Result<ExitStatus, ErrorInfo> {
+    if req.pty.is_some() && matches!(sink, Sink::Collect { .. }) {
+        return Err(ErrorInfo::bad_request(
+            "run: pty needs exec (a terminal's output is streamed)",
+        ));
+    }
     let Prepared {
         mut command,
         program,
         cgroup,
         stdin,
+        master,
     } = prepare(agent, &req)?;
     let oom_before = if cgroup.is_none() {
         cgroup::system_oom_kills()
@@ -329,6 +389,9 @@ pub async fn run(
     let (mut child, exit_rx) = reaper()
         .spawn(&mut command)
         .map_err(|err| SysError::new("exec", &program, err).to_info())?;
+    // The command holds the parent's copies of the terminal's slave: close them, so the master
+    // reads end-of-file once the process and its children are gone.
+    drop(command);
     let pid = i32::try_from(child.id()).map_err(|_| internal("child pid out of range"))?;
     let mut take_pipes = || -> std::io::Result<_> {
         let stdout = child
@@ -357,6 +420,14 @@ pub async fn run(
             return Err(SysError::new("set up pipes for", &program, err).to_info());
         }
     };
+    let mut terminal = match master.map(Master::new).transpose() {
+        Ok(master) => master.map(Arc::new),
+        Err(err) => {
+            kill_everything(pid, cgroup.as_deref());
+            return Err(SysError::new("set up the terminal of", &program, err).to_info());
+        }
+    };
+    let terminal_fd = terminal.as_ref().map(|t| t.raw_fd());
 
     let mut connected = sink.send(ServerMessage::Started { pid: pid as u32 }).await;
 
@@ -364,6 +435,8 @@ pub async fn run(
     let mut stdin_tx = Some(stdin_tx);
     if let Some(pipe) = stdin_pipe {
         tokio::spawn(write_stdin(pipe, stdin_rx));
+    } else if let Some(master) = &terminal {
+        tokio::spawn(write_terminal(Arc::clone(master), stdin_rx));
     }
     if let Some(data) = req.stdin_data.clone() {
         if let Some(tx) = stdin_tx.take() {
@@ -402,8 +475,9 @@ pub async fn run(
     let mut cancelled = false;
     let mut out_buf = vec![0u8; CHUNK_BYTES];
     let mut err_buf = vec![0u8; CHUNK_BYTES];
+    let mut term_buf = vec![0u8; if terminal.is_some() { CHUNK_BYTES } else { 0 }];
 
-    while wait_status.is_none() || stdout.is_some() || stderr.is_some() {
+    while wait_status.is_none() || stdout.is_some() || stderr.is_some() || terminal.is_some() {
         tokio::select! {
             read = read_opt(&mut stdout, &mut out_buf) => match read {
                 Ok(n) if n > 0 => {
@@ -423,6 +497,15 @@ pub async fn run(
                 }
                 _ => stderr = None,
             },
+            read = read_terminal(&terminal, &mut term_buf) => match read {
+                Ok(n) if n > 0 => {
+                    let keep = cap.admit(OutputStream::Pty, n);
+                    if keep > 0 && connected {
+                        connected = sink.output(OutputStream::Pty, &term_buf[..keep]).await;
+                    }
+                }
+                _ => terminal = None,
+            },
             status = wait_opt(&mut exit_rx) => {
                 exit_rx = None;
                 wait_status = Some(status.unwrap_or(WaitStatus(0)));
@@ -434,7 +517,7 @@ pub async fn run(
                     connected = false;
                 }
                 Some(input) => {
-                    if let Some(notice) = handle_input(input, pid, wait_status.is_some(), stdin, &mut stdin_tx, &mut cancelled, cgroup.as_deref()) {
+                    if let Some(notice) = handle_input(input, pid, wait_status.is_some(), stdin, terminal_fd, &mut stdin_tx, &mut cancelled, cgroup.as_deref()) {
                         if connected {
                             connected = sink.send(ServerMessage::Notice { message: notice }).await;
                         }
@@ -447,11 +530,18 @@ pub async fn run(
                 // waiting first (a starved loop may not have seen the pipes' readiness yet, and
                 // select! may pick this branch over a ready read).
                 drain_deadline = None;
-                for (pipe, stream) in [(stdout.take(), OutputStream::Stdout), (stderr.take(), OutputStream::Stderr)] {
-                    let Some(pipe) = pipe else { continue };
+                use std::os::fd::AsRawFd as _;
+                let (stdout, stderr, terminal) = (stdout.take(), stderr.take(), terminal.take());
+                let sources = [
+                    (stdout.as_ref().map(|p| p.as_raw_fd()), OutputStream::Stdout),
+                    (stderr.as_ref().map(|p| p.as_raw_fd()), OutputStream::Stderr),
+                    (terminal.as_ref().map(|t| t.raw_fd()), OutputStream::Pty),
+                ];
+                for (fd, stream) in sources {
+                    let Some(fd) = fd else { continue };
                     let mut taken = 0;
                     while taken < FINAL_DRAIN_BYTES {
-                        let n = read_now(&pipe, &mut out_buf);
+                        let n = read_now(fd, &mut out_buf);
                         if n == 0 {
                             break;
                         }
@@ -512,11 +602,13 @@ pub async fn run(
 }
 
 /// Apply one stream input; returns a notice when it was refused.
+#[allow(clippy::too_many_arguments)]
 fn handle_input(
     input: ExecInput,
     pid: i32,
     exited: bool,
     has_stdin: bool,
+    terminal: Option<RawFd>,
     stdin_tx: &mut Option<mpsc::UnboundedSender<Option<Vec<u8>>>>,
     cancelled: &mut bool,
     cgroup: Option<&ExecCgroup>,
@@ -532,11 +624,21 @@ fn handle_input(
                 .err()
                 .map(|_| "stdin refused: the process closed its stdin".into()),
         },
+        ExecInput::StdinClose if terminal.is_some() => Some(
+            "stdin_close refused: the process runs on a terminal, which cannot be closed alone (send \\x04 for end-of-file)".into(),
+        ),
         ExecInput::StdinClose => {
             // Dropping the sender ends the writer task, which closes the pipe.
             stdin_tx.take();
             None
         }
+        ExecInput::Resize(size) => match terminal {
+            None => Some(format!(
+                "resize to {}x{} refused: the process has no terminal (start it with \"pty\")",
+                size.rows, size.cols
+            )),
+            Some(fd) => pty::resize(fd, size).err().map(|err| err.to_string()),
+        },
         ExecInput::Signal { signal, group } => {
             if !(1..=MAX_SIGNAL).contains(&signal) {
                 return Some(format!(

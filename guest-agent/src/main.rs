@@ -13,11 +13,13 @@ mod generation;
 mod health;
 mod init;
 mod network;
+mod pty;
 mod reaper;
 mod server;
 mod users;
 mod volumes;
 mod vsock;
+mod watch;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -17,13 +17,15 @@ use crate::agent::Agent;
 use crate::errors::internal;
 use crate::exec::{self, ExecInput, Sink};
 use crate::files::{self, ChunkSender, UploadInput};
-use crate::{docker, fixups, health};
+use crate::{docker, fixups, health, watch};
 
 /// Input side of an open request.
 enum StreamInput {
     Exec(mpsc::UnboundedSender<ExecInput>),
     Upload(mpsc::Sender<UploadInput>),
     Download(Arc<AtomicBool>),
+    /// A `watch`: a unit is the client's `cancel`; dropping the sender ends it too.
+    Watch(mpsc::UnboundedSender<()>),
 }
 
 #[derive(Clone, Default)]
@@ -155,6 +157,7 @@ async fn dispatch(
         ClientMessage::Signal { signal, group } => {
             (Some(ExecInput::Signal { signal, group }), None)
         }
+        ClientMessage::Resize(size) => (Some(ExecInput::Resize(size)), None),
         ClientMessage::Data { data } => (None, Some(UploadInput::Data(data))),
         ClientMessage::End => (None, Some(UploadInput::End)),
         ClientMessage::Cancel => return cancel(id, out, streams).await,
@@ -166,7 +169,7 @@ async fn dispatch(
             _ => false,
         };
         if !delivered {
-            reply(out, id, no_stream(id, "stdin/signal")).await;
+            reply(out, id, no_stream(id, "stdin/signal/resize")).await;
         }
     }
     if let Some(input) = upload_input {
@@ -193,6 +196,10 @@ async fn cancel(id: u64, out: &mpsc::Sender<ServerFrame>, streams: &Streams) {
             }
             Some(StreamInput::Download(flag)) => {
                 flag.store(true, Ordering::Relaxed);
+                return;
+            }
+            Some(StreamInput::Watch(stop)) => {
+                let _ = stop.send(());
                 return;
             }
             Some(StreamInput::Upload(tx)) => Some(tx.clone()),
@@ -469,7 +476,17 @@ async fn start(
         ClientMessage::TarUpload { path } => upload(streams, out, id, move |rx, ready| {
             files::tar_upload(&path, rx, ready)
         }),
+        ClientMessage::Watch(req) => {
+            let (stop, stop_rx) = mpsc::unbounded_channel();
+            streams.lock().insert(id, StreamInput::Watch(stop));
+            tokio::spawn(async move {
+                let end = watch::run(req, id, &out, stop_rx).await;
+                streams.remove(id);
+                reply(&out, id, end).await;
+            });
+        }
         ClientMessage::Stdin { .. }
+        | ClientMessage::Resize(_)
         | ClientMessage::StdinClose
         | ClientMessage::Signal { .. }
         | ClientMessage::Cancel

@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::{alive, is_root, wait_gone, AgentProcess};
-use rollbox_agent_protocol::{ExecEvent, ExecRequest, OomDetection, OutputStream};
+use rollbox_agent_protocol::{ExecEvent, ExecRequest, OomDetection, OutputStream, PtySize};
 use rollbox_tests::{skip, skip_even_in_ci};
 
 #[tokio::test]
@@ -52,7 +52,7 @@ async fn exec_streams_stdout_and_stderr_with_sequence_numbers() {
             ExecEvent::Output { stream, seq, data } => {
                 seqs.push(seq);
                 match stream {
-                    OutputStream::Stdout => out.extend(data),
+                    OutputStream::Stdout | OutputStream::Pty => out.extend(data),
                     OutputStream::Stderr => err.extend(data),
                 }
             }
@@ -374,4 +374,117 @@ async fn run_output_is_capped_to_fit_one_frame() {
         .expect("collect");
     assert_eq!(output.stdout.len(), 20_000_000);
     assert!(!output.status.truncated);
+}
+
+/// Terminal output of `handle` until it contains `want` (the process must still be running).
+async fn pty_output_until(
+    handle: &mut rollbox_agent_protocol::ExecHandle,
+    seen: &mut String,
+    want: &str,
+) {
+    while !seen.contains(want) {
+        let event = tokio::time::timeout(Duration::from_secs(10), handle.next_event())
+            .await
+            .unwrap_or_else(|_| panic!("no {want:?} within 10 s; the terminal showed {seen:?}"))
+            .expect("event")
+            .expect("not finished");
+        match event {
+            ExecEvent::Output { stream, data, .. } => {
+                assert_eq!(stream, OutputStream::Pty);
+                seen.push_str(&String::from_utf8_lossy(&data));
+            }
+            other => panic!("unexpected {other:?} before {want:?}; terminal: {seen:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn exec_on_a_pty_types_input_resizes_and_reports_the_exit() {
+    let agent = AgentProcess::start();
+    let client = agent.client().await;
+    let mut request = ExecRequest::shell(
+        "tty; stty size; echo term=$TERM; read a; echo \"got $a\"; read b; stty size; exit 3",
+    );
+    request.pty = Some(PtySize { rows: 24, cols: 80 });
+    let mut handle = client.exec(request).await.expect("exec");
+    handle.started().await.expect("started");
+    let mut seen = String::new();
+    pty_output_until(&mut handle, &mut seen, "term=xterm-256color").await;
+    assert!(seen.contains("/dev/pts/"), "tty printed {seen:?}");
+    assert!(seen.contains("24 80"), "stty size printed {seen:?}");
+    handle.write_stdin(b"hello\n").await.expect("type");
+    pty_output_until(&mut handle, &mut seen, "got hello").await;
+    handle
+        .resize(PtySize {
+            rows: 50,
+            cols: 132,
+        })
+        .await
+        .expect("resize");
+    // The next stream input goes after the resize on the same connection, so the size is
+    // set before `read b` returns.
+    handle.write_stdin(b"\n").await.expect("type");
+    let mut rest = Vec::new();
+    let status = loop {
+        match handle
+            .next_event()
+            .await
+            .expect("event")
+            .expect("not finished")
+        {
+            ExecEvent::Output { stream, data, .. } => {
+                assert_eq!(stream, OutputStream::Pty);
+                rest.extend(data);
+            }
+            ExecEvent::Exited(status) => break status,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert!(
+        String::from_utf8_lossy(&rest).contains("50 132"),
+        "{rest:?}"
+    );
+    assert_eq!(status.code, Some(3));
+    assert!(status.stdout_bytes > 0 && status.stderr_bytes == 0);
+}
+
+#[tokio::test]
+async fn pty_misuse_is_refused_by_name() {
+    let agent = AgentProcess::start();
+    let client = agent.client().await;
+    // A terminal cannot be collected by `run`.
+    let mut request = ExecRequest::shell("true");
+    request.pty = Some(PtySize { rows: 24, cols: 80 });
+    let err = client.run(request.clone()).await.expect_err("run with pty");
+    assert!(err.to_string().contains("pty needs exec"), "{err}");
+    request.pty = Some(PtySize { rows: 0, cols: 80 });
+    let err = client
+        .exec(request)
+        .await
+        .expect("exec")
+        .started()
+        .await
+        .expect_err("0 rows");
+    assert!(err.to_string().contains("size 0x80"), "{err}");
+    // Resizing a process without a terminal is refused with a notice; the process goes on.
+    let mut request = ExecRequest::shell("read a; echo done");
+    request.stdin = true;
+    let mut handle = client.exec(request).await.expect("exec");
+    handle.started().await.expect("started");
+    handle
+        .resize(PtySize { rows: 10, cols: 10 })
+        .await
+        .expect("send resize");
+    match handle
+        .next_event()
+        .await
+        .expect("event")
+        .expect("not finished")
+    {
+        ExecEvent::Notice(message) => assert!(message.contains("has no terminal"), "{message}"),
+        other => panic!("expected a notice, got {other:?}"),
+    }
+    handle.write_stdin(b"\n").await.expect("type");
+    let output = handle.collect().await.expect("collect");
+    assert_eq!(output.stdout, b"done\n");
 }

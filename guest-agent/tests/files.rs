@@ -397,3 +397,63 @@ async fn tar_download_and_upload_of_a_directory() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn watch_reports_writes_through_the_agent_and_ends_on_cancel() {
+    use rollbox_agent_protocol::{
+        ClientMessage, FsEvent, FsEventKind, ServerMessage, WatchRequest,
+    };
+    let agent = AgentProcess::start();
+    let client = agent.client().await;
+    let dir = agent.scratch("watched");
+    client.mkdir(&dir, true).await.expect("mkdir");
+    let mut watch = client
+        .watch(WatchRequest {
+            path: dir.clone(),
+            recursive: false,
+        })
+        .await
+        .expect("watch");
+    // The agent's atomic write makes a temporary file and renames it over the target.
+    client
+        .write_file(&format!("{dir}/note.txt"), b"hi")
+        .await
+        .expect("write");
+    let want = FsEvent {
+        name: "note.txt".into(),
+        kind: FsEventKind::Create,
+    };
+    let mut seen = Vec::new();
+    while !seen.contains(&want) {
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(10), watch.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no {want:?} within 10 s; saw {seen:?}"))
+            .expect("reply");
+        match reply {
+            ServerMessage::FsEvents { events } => seen.extend(events),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    watch.send(ClientMessage::Cancel).await.expect("cancel");
+    loop {
+        match watch.recv().await.expect("reply") {
+            ServerMessage::FsEvents { .. } => continue,
+            ServerMessage::WatchEnded { reason } => {
+                assert_eq!(reason, "cancelled");
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let err = client
+        .watch(WatchRequest {
+            path: format!("{dir}/note.txt"),
+            recursive: false,
+        })
+        .await
+        .expect_err("a plain file cannot be watched");
+    assert!(
+        err.to_string().contains("note.txt: Not a directory"),
+        "{err}"
+    );
+}

@@ -1,6 +1,6 @@
 //! The static agent binary as PID 1 of a busybox container: it must run in
 //! a foreign rootfs (no glibc), look users up in that rootfs's /etc/passwd,
-//! and reap orphans. Needs `guest-agent/build-static.sh` and
+//! reap orphans, run a command on a terminal and watch a directory. Needs `guest-agent/build-static.sh` and
 //! `scripts/start-dockerd.sh`; skips with one line when either is missing,
 //! unless ROLLBOX_REQUIRE_ALL=1.
 
@@ -10,7 +10,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rollbox_agent_protocol::{AgentClient, ExecRequest, DEFAULT_PORT};
+use rollbox_agent_protocol::{
+    AgentClient, ClientMessage, ExecEvent, ExecRequest, FsEventKind, PtySize, ServerMessage,
+    WatchRequest, DEFAULT_PORT,
+};
 use rollbox_tests::skip;
 
 const IMAGE: &str = "rollbox-test/busybox:latest";
@@ -141,4 +144,65 @@ async fn static_agent_runs_as_pid1_in_a_busybox_container() {
         client.read_file("/tmp/x").await.expect("read"),
         b"in the container"
     );
+
+    // A terminal from the container's /dev/ptmx, opened by the static binary.
+    let mut req = ExecRequest::shell("tty; stty size");
+    req.pty = Some(PtySize { rows: 33, cols: 77 });
+    let output = client
+        .exec(req)
+        .await
+        .expect("exec on a pty")
+        .collect()
+        .await
+        .expect("collect");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        text.contains("/dev/pts/") && text.contains("33 77"),
+        "{output:?}"
+    );
+    assert_eq!(output.status.code, Some(0));
+    let mut handle = client
+        .exec({
+            let mut req = ExecRequest::shell("read line; echo \"typed $line\"");
+            req.pty = Some(PtySize { rows: 24, cols: 80 });
+            req
+        })
+        .await
+        .expect("exec");
+    handle.write_stdin(b"into busybox\n").await.expect("type");
+    let mut seen = Vec::new();
+    while let Some(event) = handle.next_event().await.expect("event") {
+        if let ExecEvent::Output { data, .. } = event {
+            seen.extend(data);
+        }
+    }
+    assert!(
+        String::from_utf8_lossy(&seen).contains("typed into busybox"),
+        "{}",
+        String::from_utf8_lossy(&seen)
+    );
+
+    // inotify in the container.
+    let mut watch = client
+        .watch(WatchRequest {
+            path: "/tmp".into(),
+            recursive: false,
+        })
+        .await
+        .expect("watch /tmp");
+    client.sh("echo y > /tmp/watched").await.expect("write");
+    loop {
+        match watch.recv().await.expect("watch reply") {
+            ServerMessage::FsEvents { events }
+                if events
+                    .iter()
+                    .any(|e| e.name == "watched" && e.kind == FsEventKind::Write) =>
+            {
+                break
+            }
+            ServerMessage::FsEvents { .. } => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    watch.send(ClientMessage::Cancel).await.expect("cancel");
 }

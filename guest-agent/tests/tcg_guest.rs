@@ -2,7 +2,8 @@
 //! reached over virtio-vsock (vhost-device-vsock's host side speaks the same
 //! "CONNECT <port>" preamble as rollbox-vmm). This covers what host mode
 //! cannot: the vsock listener, PID 1 mounts, cgroup2 delegation and OOM
-//! detection, and fixups that really set the (guest's) clock and hostname.
+//! detection, fixups that really set the (guest's) clock and hostname, and PTYs
+//! and inotify on the guest kernel.
 //!
 //! Needs the guest kernel (ROLLBOX_GUEST_KERNEL, else ROLLBOX_KERNEL_DIR/bzImage, else
 //! the newest /var/cache/rollbox/kernel/*/bzImage from kernel-config/build.sh), the static
@@ -14,7 +15,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use rollbox_agent_protocol::{AgentClient, ExecRequest, OomDetection, DEFAULT_PORT};
+use rollbox_agent_protocol::{
+    AgentClient, ClientMessage, ExecRequest, FsEventKind, OomDetection, PtySize, ServerMessage,
+    WatchRequest, DEFAULT_PORT,
+};
 use rollbox_tests::skip;
 
 fn repo() -> PathBuf {
@@ -305,6 +309,52 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
         client.read_file("/tmp/copy/sub/a.txt").await.expect("read"),
         b"in the guest"
     );
+
+    // A terminal on the guest's devpts, resized while the command waits for input.
+    let mut req = ExecRequest::shell("tty; stty size; read a; stty size");
+    req.pty = Some(PtySize { rows: 30, cols: 90 });
+    let handle = client.exec(req).await.expect("exec on a pty");
+    handle
+        .resize(PtySize {
+            rows: 40,
+            cols: 100,
+        })
+        .await
+        .expect("resize");
+    handle.write_stdin(b"\n").await.expect("type");
+    let output = handle.collect().await.expect("collect");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        text.contains("/dev/pts/") && text.contains("40 100"),
+        "{output:?}"
+    );
+
+    // inotify on the guest kernel, recursive.
+    let mut watch = client
+        .watch(WatchRequest {
+            path: "/root/work".into(),
+            recursive: true,
+        })
+        .await
+        .expect("watch");
+    client
+        .sh("echo more >> /root/work/sub/a.txt")
+        .await
+        .expect("append");
+    loop {
+        match watch.recv().await.expect("watch reply") {
+            ServerMessage::FsEvents { events }
+                if events
+                    .iter()
+                    .any(|e| e.name == "sub/a.txt" && e.kind == FsEventKind::Write) =>
+            {
+                break
+            }
+            ServerMessage::FsEvents { .. } => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    watch.send(ClientMessage::Cancel).await.expect("cancel");
     println!(
         "whole guest check: {:.1} s",
         started.elapsed().as_secs_f64()

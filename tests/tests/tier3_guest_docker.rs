@@ -554,6 +554,10 @@ async fn tier3_guest_docker() {
                 data,
                 ..
             } => stderr.extend(data),
+            ExecEvent::Output {
+                stream: OutputStream::Pty,
+                ..
+            } => panic!("docker_run has no terminal, yet sent pty output"),
             ExecEvent::Exited(status) => exited = Some(status),
             ExecEvent::Notice(notice) => eprintln!("{TEST}: notice: {notice}"),
         }

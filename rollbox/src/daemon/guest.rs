@@ -168,7 +168,9 @@ impl Daemon {
                     Ok(Some(ExecEvent::Output { stream, data, .. })) => {
                         let (data, encoding) = encode_bytes(&data);
                         match stream {
-                            OutputStream::Stdout => ExecRecord::Stdout { data, encoding },
+                            OutputStream::Stdout | OutputStream::Pty => {
+                                ExecRecord::Stdout { data, encoding }
+                            }
                             OutputStream::Stderr => ExecRecord::Stderr { data, encoding },
                         }
                     }

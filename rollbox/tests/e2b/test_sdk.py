@@ -6,6 +6,8 @@ agent may write: with the host agent, files land on this host).
 Prints `ok NAME` per check; any failure raises and exits non-zero.
 """
 
+import asyncio
+import faulthandler
 import importlib.metadata
 import json
 import os
@@ -15,7 +17,8 @@ import urllib.error
 import urllib.request
 
 import e2b
-from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, Sandbox, SandboxQuery
+from e2b.sandbox.commands.command_handle import PtySize
 from e2b.api.client.models.sandbox_state import SandboxState
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
@@ -193,6 +196,11 @@ def run_checks(sbx):
     assert not sbx.files.exists(f"{base}/d")
     expect_error("read a missing file", lambda: sbx.files.read(f"{base}/missing"), "missing")
     ok("files exists/get_info/make_dir/rename/remove")
+    # A stuck terminal or watch would block a read for ever: end the script with a traceback.
+    faulthandler.dump_traceback_later(120, exit=True)
+    pty_checks(sbx, base)
+    watch_checks(sbx, base)
+    faulthandler.cancel_dump_traceback_later()
     sbx.files.remove(base)
 
     sbx.set_timeout(200)
@@ -226,6 +234,139 @@ def run_checks(sbx):
     assert str(resumed.get_info().state) == "running"
     assert resumed.commands.run("echo resumed").stdout == "resumed\n"
     ok("pause, and connect resumes")
+
+
+def pty_checks(sbx, base):
+    sbx.files.make_dir(f"{base}/term")
+    term = sbx.pty.create(PtySize(rows=24, cols=80), cwd=f"{base}/term", timeout=0)
+    seen = bytearray()
+    events = iter(term)
+
+    def read_until(want):
+        # The typed line is echoed too: `want` is computed by the shell, so only its output matches.
+        while want not in seen.decode(errors="replace"):
+            _, _, chunk = next(events)
+            if chunk:
+                seen.extend(chunk)
+
+    sbx.pty.send_stdin(term.pid, b"stty size; echo pty-$((6*7)) in $(basename $PWD)\n")
+    read_until("pty-42 in term")
+    assert "24 80" in seen.decode(errors="replace"), seen
+    ok("pty.create runs an interactive bash on a terminal; send_stdin types into it")
+    sbx.pty.resize(term.pid, PtySize(rows=50, cols=132))
+    sbx.pty.send_stdin(term.pid, b"stty size; echo resized-$((1+1))\n")
+    read_until("resized-2")
+    assert "50 132" in seen.decode(errors="replace"), seen
+    ok("pty.resize")
+    # stream_input (envd's client-streaming StreamInput) is newer than some SDKs this script runs.
+    streams = hasattr(sbx.pty, "stream_input")
+    if streams:
+        sbx.pty.stream_input(term.pid, [b"echo stream", "ed-$((2+3))\n"])
+        read_until("streamed-5")
+        ok("pty.stream_input (a client stream)")
+    else:
+        print(f"skip pty.stream_input: not in e2b {importlib.metadata.version('e2b')}", flush=True)
+    expect_error("close_stdin of a pty", lambda: sbx.commands.close_stdin(term.pid), "PTY")
+    sbx.pty.send_stdin(term.pid, b"exit 7\n")
+    rest = []
+    error = expect_error("the pty's exit code", lambda: term.wait(on_pty=rest.append), "")
+    assert isinstance(error, CommandExitException) and error.exit_code == 7, repr(error)
+    ok("output through on_pty, and the exit code")
+
+    term = sbx.pty.create(PtySize(rows=10, cols=40), timeout=0)
+    assert term.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.pty.kill(term.pid)
+    error = expect_error("a killed pty", lambda: term.wait(), "")
+    assert isinstance(error, CommandExitException) and error.exit_code == -1, repr(error)
+    assert not sbx.pty.kill(term.pid)
+    ok("pty.kill")
+
+    if streams:
+        handle = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.stream_input(handle.pid, ["one ", b"two\n"])
+        sbx.commands.close_stdin(handle.pid)
+        assert handle.wait().stdout == "one two\n"
+        ok("commands.stream_input")
+    else:
+        print(f"skip commands.stream_input: not in e2b {importlib.metadata.version('e2b')}", flush=True)
+
+
+def wait_for_events(watcher, wanted, what):
+    """Polls a sync watcher until every (name, type) in `wanted` was seen; returns all events."""
+    seen = []
+    deadline = time.time() + 20
+    while not wanted <= {(e.name, e.type) for e in seen}:
+        assert time.time() < deadline, f"{what}: {wanted} not all in {[(e.name, e.type) for e in seen]}"
+        seen.extend(watcher.get_new_events())
+        time.sleep(0.1)
+    return seen
+
+
+def watch_checks(sbx, base):
+    watched = f"{base}/watched"
+    sbx.files.make_dir(f"{watched}/deep")
+    watcher = sbx.files.watch_dir(watched)
+    sbx.files.write(f"{watched}/by-sdk.txt", "x")
+    sbx.commands.run(f"cd {watched} && echo hi > by-cmd.txt && chmod 600 by-cmd.txt && rm by-sdk.txt && mv by-cmd.txt moved.txt")
+    T = FilesystemEventType
+    wait_for_events(watcher, {
+        ("by-sdk.txt", T.CREATE),
+        ("by-cmd.txt", T.CREATE),
+        ("by-cmd.txt", T.WRITE),
+        ("by-cmd.txt", T.CHMOD),
+        ("by-sdk.txt", T.REMOVE),
+        ("by-cmd.txt", T.RENAME),
+        ("moved.txt", T.CREATE),
+    }, "watch_dir")
+    watcher.stop()
+    expect_error("events of a stopped watcher", lambda: watcher.get_new_events(), "stopped")
+    ok("files.watch_dir sees files.write and a command's create/write/chmod/remove/rename")
+
+    watcher = sbx.files.watch_dir(watched, recursive=True)
+    sbx.files.write(f"{watched}/deep/inner.txt", "y")
+    sbx.files.make_dir(f"{watched}/new")
+    wait_for_events(watcher, {("deep/inner.txt", T.CREATE), ("new", T.CREATE)}, "recursive watch_dir")
+    sbx.commands.run(f"echo z > {watched}/new/later.txt")
+    wait_for_events(watcher, {("new/later.txt", T.WRITE)}, "a directory made after the watch began")
+    sbx.commands.run(f"rm -r {watched}")
+    expect_error("a watcher whose directory went", lambda: wait_for_events(watcher, {("never", T.CREATE)}, "gone"), "was removed")
+    ok("recursive watch_dir, and its end when the directory goes")
+    expect_error("watch a missing directory", lambda: sbx.files.watch_dir(f"{base}/missing"), "missing")
+
+    # A polled watcher keeps at most 10,000 uncollected events; past that it stops and says so.
+    flood = f"{base}/flood"
+    sbx.files.make_dir(flood)
+    watcher = sbx.files.watch_dir(flood)
+    sbx.commands.run(f"cd {flood} && for i in $(seq 10100); do : > f$i; done")
+    time.sleep(2)  # the daemon takes them in meanwhile; a poll before that would make room
+    collected = []
+
+    def collect_until_the_end():
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            collected.extend(watcher.get_new_events())
+            time.sleep(0.1)
+        raise AssertionError(f"the flooded watcher did not stop ({len(collected)} events)")
+
+    expect_error("a flooded watcher", collect_until_the_end, "uncollected", "events were lost")
+    assert 0 < len(collected) <= 10_000, len(collected)
+    ok("a polled watcher past 10,000 uncollected events stops and says events were lost")
+
+    sbx.files.make_dir(watched)
+    asyncio.run(async_watch(sbx.sandbox_id, watched))
+    ok("the async SDK's watch_dir (a WatchDir stream)")
+
+
+async def async_watch(sandbox_id, path):
+    sandbox = await AsyncSandbox.connect(sandbox_id)
+    events = asyncio.Queue()
+    handle = await sandbox.files.watch_dir(path, on_event=events.put_nowait, timeout=0)
+    await sandbox.files.write(f"{path}/async.txt", "a")
+    while True:
+        event = await asyncio.wait_for(events.get(), 20)
+        if (event.name, event.type) == ("async.txt", FilesystemEventType.CREATE):
+            break
+    await handle.stop()
 
 
 def metrics_fork_snapshots(sbx):

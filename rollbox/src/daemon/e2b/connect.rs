@@ -65,6 +65,31 @@ pub fn first_message(body: &[u8]) -> Result<&[u8], EnvelopeError> {
     })
 }
 
+/// One whole envelope of a client stream.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Envelope<'a> {
+    pub flag: u8,
+    pub payload: &'a [u8],
+    /// Bytes it took of the buffer, header included.
+    pub taken: usize,
+}
+
+/// The first whole envelope of a client stream's `buffer`; `None` while it is incomplete.
+pub fn next_envelope(buffer: &[u8]) -> Result<Option<Envelope<'_>>, EnvelopeError> {
+    let Some(header) = buffer.get(..5) else {
+        return Ok(None);
+    };
+    if header[0] & COMPRESSED != 0 {
+        return Err(EnvelopeError::Compressed);
+    }
+    let declared = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    Ok(buffer.get(5..5 + declared).map(|payload| Envelope {
+        flag: header[0],
+        payload,
+        taken: 5 + declared,
+    }))
+}
+
 /// Connect error codes envd answers with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Code {
@@ -78,6 +103,7 @@ pub enum Code {
     Internal,
     DeadlineExceeded,
     FailedPrecondition,
+    ResourceExhausted,
 }
 
 impl Code {
@@ -93,6 +119,7 @@ impl Code {
             Code::Internal => "internal",
             Code::DeadlineExceeded => "deadline_exceeded",
             Code::FailedPrecondition => "failed_precondition",
+            Code::ResourceExhausted => "resource_exhausted",
         }
     }
 
@@ -107,6 +134,7 @@ impl Code {
             Code::Unimplemented => 501,
             Code::Unavailable => 503,
             Code::DeadlineExceeded => 504,
+            Code::ResourceExhausted => 429,
             Code::Internal => 500,
         }
     }
@@ -166,6 +194,19 @@ mod tests {
         let body: Value = serde_json::from_slice(&end[5..]).expect("json");
         assert_eq!(body["error"]["code"], "not_found");
         assert_eq!(&end_stream(None)[5..], b"{}");
+    }
+
+    #[test]
+    fn client_stream_envelopes_come_out_whole() {
+        let mut stream = message(&json!({"start": {}}));
+        stream.extend_from_slice(&message(&json!({"keepalive": {}}))[..4]);
+        let first = next_envelope(&stream).expect("ok").expect("one whole");
+        assert_eq!((first.flag, first.payload), (0, &br#"{"start":{}}"#[..]));
+        assert_eq!(next_envelope(&stream[first.taken..]), Ok(None));
+        assert_eq!(
+            next_envelope(&[1, 0, 0, 0, 0]),
+            Err(EnvelopeError::Compressed)
+        );
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! it outlives the HTTP stream that started it (the agent ends a connection's processes with
 //! the connection). Its events fan out to the `Start` stream and to any `Connect` stream; a
 //! client that goes away only unsubscribes. An ended process keeps its end event for
-//! [`KEEP_ENDED`], so a late `Connect` still gets start + end.
+//! [`KEEP_ENDED`], so a late `Connect` still gets start + end. A process started with `pty`
+//! runs on a terminal in the agent: its output is `data.pty`, `SendInput`/`StreamInput` type
+//! into it and `Update` resizes it. Directory watches are in watch.rs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,7 +19,7 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response};
 use rollbox_agent_protocol::client::{AgentClient, ClientError, ExecEvent};
 use rollbox_agent_protocol::messages::{
-    ClientMessage, ExecRequest, ExitStatus, FileInfo, FileKind, OutputStream,
+    ClientMessage, ExecRequest, ExitStatus, FileInfo, FileKind, OutputStream, PtySize,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -28,6 +30,7 @@ use super::super::guest::Chunk;
 use super::super::http::Out;
 use super::super::Reply;
 use super::connect::{self, Code, RpcError};
+use super::watch::{AgentWatch, Next, Watcher};
 use super::{json, no_content, query_pairs, rfc3339, E2b, Target, ENVD_PORT, ENV_VARS_KEY};
 
 /// How long an ended process's end event stays for `Connect`.
@@ -45,6 +48,8 @@ pub(super) struct Process {
     config: Value,
     tag: Option<String>,
     stdin: bool,
+    /// Runs on a terminal (`Start` with `pty`).
+    pty: bool,
     client: AgentClient,
     /// The exec's request id on `client`: where the agent takes stdin and signals.
     request: u64,
@@ -65,9 +70,16 @@ impl Process {
 }
 
 impl E2b {
-    /// Drops the process table entries of a sandbox that ended.
+    /// Drops the process table entries and stops the watchers of a sandbox that ended.
     pub(super) fn forget_processes(&self, id: &str) {
         self.processes().retain(|(sandbox, _), _| sandbox != id);
+        self.watchers().retain(|_, watcher| {
+            let keep = watcher.sandbox != id;
+            if !keep {
+                watcher.stop();
+            }
+            keep
+        });
     }
 }
 
@@ -137,6 +149,8 @@ pub(super) async fn respond(
         ("POST", "/files") => call.upload(request).await,
         ("POST", "/process.Process/Start") => call.streaming(request, Stream::Start).await,
         ("POST", "/process.Process/Connect") => call.streaming(request, Stream::Connect).await,
+        ("POST", "/process.Process/StreamInput") => call.stream_input(request).await,
+        ("POST", "/filesystem.Filesystem/WatchDir") => call.watch_dir(request).await,
         ("POST", rpc_path) if rpc => call.unary(request, rpc_path).await,
         _ => json(
             404,
@@ -219,9 +233,42 @@ struct ProcessConfig {
 #[derive(Deserialize)]
 struct StartRequest {
     process: ProcessConfig,
-    pty: Option<Value>,
+    pty: Option<Pty>,
     tag: Option<String>,
     stdin: Option<bool>,
+}
+
+/// envd's `PTY` message.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Pty {
+    size: Option<TermSize>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct TermSize {
+    rows: u32,
+    cols: u32,
+}
+
+impl Pty {
+    /// The agent's terminal size; envd's `size` is required and each side 1..=65535.
+    fn size(&self) -> Result<PtySize, RpcError> {
+        let Some(size) = &self.size else {
+            return Err(RpcError::new(Code::InvalidArgument, "pty.size: required"));
+        };
+        match (u16::try_from(size.rows), u16::try_from(size.cols)) {
+            (Ok(rows @ 1..), Ok(cols @ 1..)) => Ok(PtySize { rows, cols }),
+            _ => Err(RpcError::new(
+                Code::InvalidArgument,
+                format!(
+                    "pty.size: rows {} and cols {} must each be 1..=65535",
+                    size.rows, size.cols
+                ),
+            )),
+        }
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -239,12 +286,20 @@ struct SelectorRequest {
     input: Option<Value>,
     #[serde(default)]
     signal: Option<Value>,
+    #[serde(default)]
+    pty: Option<Pty>,
 }
 
 #[derive(Deserialize)]
 struct PathRequest {
     #[serde(default)]
     path: String,
+    #[serde(default)]
+    recursive: bool,
+    #[serde(default, rename = "includeEntry", alias = "include_entry")]
+    include_entry: bool,
+    #[serde(default, rename = "watcherId", alias = "watcher_id")]
+    watcher_id: String,
     #[serde(default)]
     depth: Option<u32>,
     #[serde(default)]
@@ -390,30 +445,37 @@ impl Call {
                     .collect();
                 Ok(json!({ "processes": processes }))
             }
+            "Update" => {
+                let request: SelectorRequest = decode(body, method)?;
+                let process = self.running(&request.process)?;
+                // Nothing but the terminal size can be updated; without one there is nothing to do.
+                let Some(pty) = &request.pty else {
+                    return Ok(json!({}));
+                };
+                let size = pty.size()?;
+                if !process.pty {
+                    return Err(RpcError::new(
+                        Code::FailedPrecondition,
+                        format!("pty: process {:?} was started without a PTY, so it has no terminal to resize", request.process.pid),
+                    ));
+                }
+                process
+                    .client
+                    .send(process.request, ClientMessage::Resize(size))
+                    .await
+                    .map_err(|e| rpc_error(self.id(), e))?;
+                Ok(json!({}))
+            }
             "SendInput" | "CloseStdin" | "SendSignal" => {
                 let request: SelectorRequest = decode(body, method)?;
                 let process = self.running(&request.process)?;
                 let message = match method {
-                    "SendInput" => {
-                        if !process.stdin {
-                            return Err(RpcError::new(
-                                Code::FailedPrecondition,
-                                "process was started with stdin=false: its stdin is /dev/null",
-                            ));
-                        }
-                        let input = request.input.unwrap_or(Value::Null);
-                        let Some(data) = input.get("stdin").and_then(Value::as_str) else {
-                            return Err(RpcError::new(
-                                Code::Unimplemented,
-                                "input: only stdin is supported (rollbox has no PTY)",
-                            ));
-                        };
-                        let data = base64::engine::general_purpose::STANDARD
-                            .decode(data)
-                            .map_err(|e| {
-                                RpcError::new(Code::InvalidArgument, format!("input.stdin: {e}"))
-                            })?;
-                        ClientMessage::Stdin { data }
+                    "SendInput" => input_message(&process, request.input.as_ref())?,
+                    "CloseStdin" if process.pty => {
+                        return Err(RpcError::new(
+                            Code::FailedPrecondition,
+                            "process runs on a PTY, whose input cannot be closed alone: send \\x04 (Ctrl-D) for end-of-file",
+                        ))
                     }
                     "CloseStdin" => ClientMessage::StdinClose,
                     _ => ClientMessage::Signal {
@@ -428,9 +490,9 @@ impl Call {
                     .map_err(|e| rpc_error(self.id(), e))?;
                 Ok(json!({}))
             }
-            "Update" | "StreamInput" => Err(RpcError::new(
-                Code::Unimplemented,
-                format!("process.Process/{method} is not supported by rollbox (no PTY, no client streams)"),
+            "StreamInput" => Err(RpcError::new(
+                Code::InvalidArgument,
+                "process.Process/StreamInput is a client stream: send it as application/connect+json",
             )),
             other => Err(RpcError::new(
                 Code::Unimplemented,
@@ -441,11 +503,39 @@ impl Call {
 
     async fn filesystem_call(&self, method: &str, body: &[u8]) -> Result<Value, RpcError> {
         let request: PathRequest = decode(body, method)?;
+        match method {
+            "CreateWatcher" => return self.create_watcher(&request).await,
+            "GetWatcherEvents" => {
+                let watcher = self.watcher(&request.watcher_id)?;
+                let taken = watcher.take();
+                if taken.is_err() {
+                    // The end is told once; the watcher is gone after it.
+                    self.e2b.watchers().remove(&request.watcher_id);
+                }
+                return taken.map(|events| json!({ "events": events }));
+            }
+            "RemoveWatcher" => {
+                let watcher = self.watcher(&request.watcher_id)?;
+                watcher.stop();
+                self.e2b.watchers().remove(&request.watcher_id);
+                return Ok(json!({}));
+            }
+            "WatchDir" => {
+                return Err(RpcError::new(
+                    Code::InvalidArgument,
+                    "filesystem.Filesystem/WatchDir is a server stream: send it as application/connect+json",
+                ))
+            }
+            _ => {}
+        }
         let client = self.agent().await?;
         let fail = |e| rpc_error(self.id(), e);
         let result = match method {
             "Stat" => {
-                let info = client.lstat(&self.resolve(&request.path)).await.map_err(fail)?;
+                let info = client
+                    .lstat(&self.resolve(&request.path))
+                    .await
+                    .map_err(fail)?;
                 Ok(json!({ "entry": entry(&info) }))
             }
             "ListDir" => {
@@ -475,7 +565,10 @@ impl Call {
                 Ok(json!({ "entry": entry(&info) }))
             }
             "Move" => {
-                let (from, to) = (self.resolve(&request.source), self.resolve(&request.destination));
+                let (from, to) = (
+                    self.resolve(&request.source),
+                    self.resolve(&request.destination),
+                );
                 client.rename(&from, &to).await.map_err(fail)?;
                 let info = client.lstat(&to).await.map_err(fail)?;
                 Ok(json!({ "entry": entry(&info) }))
@@ -486,12 +579,6 @@ impl Call {
                     .await
                     .map_err(fail)?;
                 Ok(json!({}))
-            }
-            "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
-                Err(RpcError::new(
-                    Code::Unimplemented,
-                    format!("filesystem.Filesystem/{method}: watching is not supported by rollbox (the agent has no inotify operation)"),
-                ))
             }
             other => Err(RpcError::new(
                 Code::Unimplemented,
@@ -504,10 +591,7 @@ impl Call {
 
     /// `Start` and `Connect`: a stream of envelopes, errors in the end envelope.
     async fn streaming(&self, request: Request<Incoming>, kind: Stream) -> Response<Out> {
-        let keepalive = super::header(&request, "keepalive-ping-interval")
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .filter(|s| *s > 0)
-            .map_or(DEFAULT_KEEPALIVE, Duration::from_secs);
+        let keepalive = keepalive_of(&request);
         let timeout_ms = connect::timeout_ms(super::header(&request, "connect-timeout-ms"));
         let (tx, rx) = mpsc::channel::<Chunk>(16);
         let subscribed = match read_body(request, MAX_BODY).await {
@@ -528,12 +612,7 @@ impl Call {
                 let _ = tx.try_send(Ok(Bytes::from(connect::end_stream(Some(&error)))));
             }
         }
-        let mut response = Response::new(Out::Stream(rx));
-        response.headers_mut().insert(
-            hyper::header::CONTENT_TYPE,
-            hyper::header::HeaderValue::from_static("application/connect+json"),
-        );
-        response
+        connect_stream_response(Out::Stream(rx))
     }
 
     async fn start(
@@ -542,17 +621,13 @@ impl Call {
         timeout_ms: Option<u64>,
     ) -> Result<(u32, mpsc::UnboundedReceiver<Value>), RpcError> {
         let request: StartRequest = decode(message, "StartRequest")?;
-        if request.pty.is_some() {
-            return Err(RpcError::new(
-                Code::Unimplemented,
-                "pty: terminals are not supported by rollbox; run without a PTY",
-            ));
-        }
+        let pty = request.pty.as_ref().map(Pty::size).transpose()?;
         let config = &request.process;
         if config.cmd.is_empty() {
             return Err(RpcError::new(Code::InvalidArgument, "process.cmd: empty"));
         }
-        let stdin = request.stdin.unwrap_or(true);
+        // A terminal always takes input.
+        let stdin = pty.is_some() || request.stdin.unwrap_or(true);
         let mut argv = vec![config.cmd.clone()];
         argv.extend(config.args.iter().cloned());
         let mut exec = ExecRequest::argv(argv);
@@ -567,6 +642,7 @@ impl Call {
         exec.user = self.user.clone();
         exec.timeout_ms = timeout_ms;
         exec.stdin = stdin;
+        exec.pty = pty;
         let client = self.agent().await?;
         let mut handle = client
             .exec(exec)
@@ -581,6 +657,7 @@ impl Call {
             config: json!({ "cmd": config.cmd, "args": config.args, "envs": config.envs, "cwd": config.cwd }),
             tag: request.tag,
             stdin,
+            pty: pty.is_some(),
             client: client.clone(),
             request: handle.id(),
             state: Mutex::new(Watchers {
@@ -608,6 +685,7 @@ impl Call {
                         let field = match stream {
                             OutputStream::Stdout => "stdout",
                             OutputStream::Stderr => "stderr",
+                            OutputStream::Pty => "pty",
                         };
                         (json!({ "data": { field: data } }), false)
                     }
@@ -661,6 +739,191 @@ impl Call {
             None => watchers.subscribers.push(tx),
         }
         Ok((pid, rx))
+    }
+
+    /// `StreamInput`, a client stream: a `start` naming the process, then `data` inputs (and
+    /// `keepalive`s), each passed to the agent as it arrives; answered when the body ends.
+    async fn stream_input(&self, request: Request<Incoming>) -> Response<Out> {
+        let body = match self.take_input_stream(request.into_body()).await {
+            Ok(()) => [connect::message(&json!({})), connect::end_stream(None)].concat(),
+            Err(error) => connect::end_stream(Some(&error)),
+        };
+        connect_stream_response(Out::Full(Some(Bytes::from(body))))
+    }
+
+    async fn take_input_stream(&self, mut body: Incoming) -> Result<(), RpcError> {
+        #[derive(Deserialize)]
+        struct StreamInputRequest {
+            #[serde(default)]
+            start: Option<StartEvent>,
+            #[serde(default)]
+            data: Option<DataEvent>,
+            #[serde(default)]
+            keepalive: Option<Value>,
+        }
+        #[derive(Deserialize)]
+        struct StartEvent {
+            #[serde(default)]
+            process: Selector,
+        }
+        #[derive(Deserialize)]
+        struct DataEvent {
+            #[serde(default)]
+            input: Option<Value>,
+        }
+        let mut buffer: Vec<u8> = Vec::new();
+        let mut process: Option<Arc<Process>> = None;
+        let mut body_done = false;
+        loop {
+            while let Some(envelope) = connect::next_envelope(&buffer)
+                .map_err(|e| RpcError::new(Code::InvalidArgument, e.to_string()))?
+            {
+                let event: StreamInputRequest = decode(envelope.payload, "StreamInputRequest")?;
+                let taken = envelope.taken;
+                match (event.start, event.data, &process) {
+                    (Some(start), None, None) => process = Some(self.running(&start.process)?),
+                    (Some(_), _, Some(_)) => {
+                        return Err(RpcError::new(
+                            Code::InvalidArgument,
+                            "StreamInput: a second start event (one stream feeds one process)",
+                        ))
+                    }
+                    (None, Some(data), Some(process)) => {
+                        let message = input_message(process, data.input.as_ref())?;
+                        process
+                            .client
+                            .send(process.request, message)
+                            .await
+                            .map_err(|e| rpc_error(self.id(), e))?;
+                    }
+                    (None, Some(_), None) => {
+                        return Err(RpcError::new(
+                            Code::InvalidArgument,
+                            "StreamInput: data before the start event that names the process",
+                        ))
+                    }
+                    (None, None, _) if event.keepalive.is_some() => {}
+                    _ => {
+                        return Err(RpcError::new(
+                            Code::InvalidArgument,
+                            "StreamInput: an event is none of start, data or keepalive",
+                        ))
+                    }
+                }
+                buffer.drain(..taken);
+            }
+            if body_done {
+                break;
+            }
+            match body.frame().await {
+                None => body_done = true,
+                Some(Err(e)) => {
+                    return Err(RpcError::new(
+                        Code::InvalidArgument,
+                        format!("StreamInput: cannot read the request body: {e}"),
+                    ))
+                }
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        buffer.extend_from_slice(&data);
+                    }
+                    if buffer.len() > MAX_BODY {
+                        return Err(RpcError::new(
+                            Code::ResourceExhausted,
+                            format!("StreamInput: one envelope is over {MAX_BODY} bytes"),
+                        ));
+                    }
+                }
+            }
+        }
+        if !buffer.is_empty() {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                format!(
+                    "StreamInput: the body ends inside a Connect envelope ({} bytes left over)",
+                    buffer.len()
+                ),
+            ));
+        }
+        match process {
+            Some(_) => Ok(()),
+            None => Err(RpcError::new(
+                Code::InvalidArgument,
+                "StreamInput: the stream has no start event naming the process",
+            )),
+        }
+    }
+
+    /// Starts a watch of `request.path` on a new agent connection.
+    async fn open_watch(&self, request: &PathRequest) -> Result<(String, AgentWatch), RpcError> {
+        let path = self.resolve(&request.path);
+        let client = self.agent().await?;
+        let watch = AgentWatch::start(
+            client,
+            path.clone(),
+            request.recursive,
+            request.include_entry,
+        )
+        .await
+        .map_err(|e| rpc_error(self.id(), e))?;
+        Ok((path, watch))
+    }
+
+    /// `WatchDir`: `start`, then `filesystem` events (and `keepalive`s) until the client goes
+    /// or the watch ends, which the end envelope reports.
+    async fn watch_dir(&self, request: Request<Incoming>) -> Response<Out> {
+        let keepalive = keepalive_of(&request);
+        let (tx, rx) = mpsc::channel::<Chunk>(16);
+        let opened = match read_body(request, MAX_BODY).await {
+            Err(e) => Err(RpcError::new(Code::InvalidArgument, e)),
+            Ok(body) => match connect::first_message(&body) {
+                Err(e) => Err(RpcError::new(Code::InvalidArgument, e.to_string())),
+                Ok(message) => match decode::<PathRequest>(message, "WatchDirRequest") {
+                    Ok(request) => self.open_watch(&request).await,
+                    Err(e) => Err(e),
+                },
+            },
+        };
+        match opened {
+            Ok((_, watch)) => {
+                tokio::spawn(forward_watch(watch.pump(), tx, keepalive));
+            }
+            Err(error) => {
+                let _ = tx.try_send(Ok(Bytes::from(connect::end_stream(Some(&error)))));
+            }
+        }
+        connect_stream_response(Out::Stream(rx))
+    }
+
+    async fn create_watcher(&self, request: &PathRequest) -> Result<Value, RpcError> {
+        let (_, watch) = self.open_watch(request).await?;
+        let number = self
+            .e2b
+            .next_watcher
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!("{}-watcher-{number}", self.id());
+        let watcher = Watcher::spawn(id.clone(), self.id().to_string(), watch);
+        let mut watchers = self.e2b.watchers();
+        watchers.retain(|_, w| !w.expired());
+        watchers.insert(id.clone(), watcher);
+        Ok(json!({ "watcherId": id }))
+    }
+
+    fn watcher(&self, id: &str) -> Result<Arc<Watcher>, RpcError> {
+        self.e2b
+            .watchers()
+            .get(id)
+            .filter(|w| w.sandbox == self.id())
+            .cloned()
+            .ok_or_else(|| {
+                RpcError::new(
+                    Code::NotFound,
+                    format!(
+                        "watcher {id:?}: not found in sandbox {} (removed, ended and collected, or never made)",
+                        self.id()
+                    ),
+                )
+            })
     }
 
     async fn download(&self, request: Request<Incoming>) -> Response<Out> {
@@ -778,6 +1041,116 @@ impl Call {
 }
 
 use std::io::Read as _;
+
+/// The keepalive interval a stream asked for (`Keepalive-Ping-Interval`, seconds).
+fn keepalive_of(request: &Request<Incoming>) -> Duration {
+    super::header(request, "keepalive-ping-interval")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map_or(DEFAULT_KEEPALIVE, Duration::from_secs)
+}
+
+/// A 200 answer of Connect envelopes.
+fn connect_stream_response(body: Out) -> Response<Out> {
+    let mut response = Response::new(body);
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/connect+json"),
+    );
+    response
+}
+
+/// The agent input of a `ProcessInput` (`{stdin}` or `{pty}`, base64) for `process`.
+fn input_message(process: &Process, input: Option<&Value>) -> Result<ClientMessage, RpcError> {
+    let input = input.unwrap_or(&Value::Null);
+    let (field, data) = match (input.get("stdin"), input.get("pty")) {
+        (Some(data), None) => ("stdin", data),
+        (None, Some(data)) => ("pty", data),
+        _ => {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                "input: give exactly one of stdin or pty",
+            ))
+        }
+    };
+    if field == "pty" && !process.pty {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            "input.pty: the process was started without a PTY (send input.stdin)",
+        ));
+    }
+    if !process.stdin {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            "process was started with stdin=false: its stdin is /dev/null",
+        ));
+    }
+    let data = data.as_str().ok_or_else(|| {
+        RpcError::new(
+            Code::InvalidArgument,
+            format!("input.{field}: not a base64 string"),
+        )
+    })?;
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(data)
+        .map_err(|e| RpcError::new(Code::InvalidArgument, format!("input.{field}: {e}")))?;
+    Ok(ClientMessage::Stdin { data })
+}
+
+/// Writes a watch's events to a `WatchDir` stream: `start`, `filesystem` events, `keepalive`
+/// after `keepalive` of silence, then the end envelope. Returns when the client is gone
+/// (dropping `events` ends the watch).
+async fn forward_watch(
+    mut events: mpsc::Receiver<Next>,
+    tx: mpsc::Sender<Chunk>,
+    keepalive: Duration,
+) {
+    let send = |value: Value| {
+        let tx = tx.clone();
+        async move {
+            tx.send(Ok(Bytes::from(connect::message(&value))))
+                .await
+                .is_ok()
+        }
+    };
+    if !send(json!({ "start": {} })).await {
+        return;
+    }
+    loop {
+        let next = tokio::select! {
+            next = events.recv() => next,
+            () = tokio::time::sleep(keepalive) => {
+                if !send(json!({ "keepalive": {} })).await {
+                    return;
+                }
+                continue;
+            }
+            () = tx.closed() => return,
+        };
+        match next {
+            Some(Next::Events(batch)) => {
+                for event in batch {
+                    if !send(json!({ "filesystem": event })).await {
+                        return;
+                    }
+                }
+            }
+            Some(Next::Ended(error)) => {
+                let _ = tx
+                    .send(Ok(Bytes::from(connect::end_stream(Some(&error)))))
+                    .await;
+                return;
+            }
+            None => {
+                let error = RpcError::new(Code::Unavailable, "the watch's event pump stopped");
+                let _ = tx
+                    .send(Ok(Bytes::from(connect::end_stream(Some(&error)))))
+                    .await;
+                return;
+            }
+        }
+    }
+}
 
 /// envd's `/files` error body.
 fn files_error(status: u16, message: String) -> Response<Out> {
@@ -936,7 +1309,7 @@ async fn forward(
 }
 
 /// envd's `EntryInfo`.
-fn entry(info: &FileInfo) -> Value {
+pub(super) fn entry(info: &FileInfo) -> Value {
     let (kind, letter) = match info.kind {
         FileKind::File => ("FILE_TYPE_FILE", '-'),
         FileKind::Dir => ("FILE_TYPE_DIRECTORY", 'd'),
@@ -990,6 +1363,30 @@ mod tests {
         assert!(parts[1].1.is_empty());
         assert!(multipart("multipart/form-data", body).is_err());
         assert!(multipart("multipart/form-data; boundary=XY", b"--XY\r\nno end").is_err());
+    }
+
+    #[test]
+    fn pty_sizes_are_checked_by_name() {
+        let pty: Pty =
+            serde_json::from_value(json!({"size": {"rows": 24, "cols": 80}})).expect("pty");
+        assert_eq!(pty.size(), Ok(PtySize { rows: 24, cols: 80 }));
+        let missing: Pty = serde_json::from_value(json!({})).expect("pty");
+        assert_eq!(
+            missing.size().map_err(|e| e.message),
+            Err("pty.size: required".into())
+        );
+        // The SDK leaves zero values out: an absent cols is 0.
+        let zero: Pty = serde_json::from_value(json!({"size": {"rows": 24}})).expect("pty");
+        let huge: Pty =
+            serde_json::from_value(json!({"size": {"rows": 70000, "cols": 1}})).expect("pty");
+        for (pty, text) in [
+            (zero, "rows 24 and cols 0"),
+            (huge, "rows 70000 and cols 1"),
+        ] {
+            let err = pty.size().expect_err("refused");
+            assert_eq!(err.code, Code::InvalidArgument);
+            assert!(err.message.contains(text), "{err}");
+        }
     }
 
     #[test]

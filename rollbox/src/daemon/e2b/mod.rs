@@ -2,11 +2,12 @@
 //! plane (Connect RPCs with the JSON codec, `/files`, `/health`, `/envs`) on their own listener
 //! (`rollbox serve --e2b-listen`), because E2B's `POST /sandboxes` means something else than the
 //! native API's. Every call maps onto the daemon's own actions: its sandboxes, templates, TTLs
-//! and store; the only state kept here is the table of processes started through envd.
+//! and store; the only state kept here is the table of processes started through envd and the
+//! polled directory watchers (`CreateWatcher`).
 //!
 //! The data plane is translated here rather than served by the guest agent: the agent's
-//! protocol already has every operation envd needs (exec with stdin and signals, stat, list,
-//! mkdir, move, remove, file streams), one translator serves every guest image and agent
+//! protocol already has every operation envd needs (exec with stdin, signals and PTYs, stat,
+//! list, mkdir, move, remove, file streams, inotify watches), one translator serves every guest image and agent
 //! version, and envd's processes must outlive the HTTP stream that started them while the agent
 //! ends a connection's processes with the connection: the daemon owns those connections.
 //!
@@ -18,6 +19,7 @@ pub mod connect;
 mod control;
 mod envd;
 mod forward;
+mod watch;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -116,11 +118,19 @@ pub(crate) struct E2b {
     daemon: Arc<Daemon>,
     options: E2bOptions,
     processes: Mutex<envd::Processes>,
+    /// `CreateWatcher` watchers, by id.
+    watchers: Mutex<watch::Watchers>,
+    /// Numbers watcher ids.
+    next_watcher: std::sync::atomic::AtomicU64,
 }
 
 impl E2b {
     fn processes(&self) -> MutexGuard<'_, envd::Processes> {
         self.processes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn watchers(&self) -> MutexGuard<'_, watch::Watchers> {
+        self.watchers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The envd access token of sandbox `id`: derived from the API key, so it survives a
@@ -154,6 +164,8 @@ pub async fn run(listener: E2bListener, daemon: Arc<Daemon>, options: E2bOptions
         daemon,
         options,
         processes: Mutex::new(HashMap::new()),
+        watchers: Mutex::new(HashMap::new()),
+        next_watcher: std::sync::atomic::AtomicU64::new(1),
     });
     let E2bListener {
         listener: Listener::Tcp(listener),
