@@ -15,6 +15,7 @@ mod init;
 mod network;
 mod reaper;
 mod server;
+mod tcp;
 mod users;
 mod volumes;
 mod vsock;
