@@ -146,23 +146,6 @@ pub struct ServeArgs {
     /// The PEM private key of --e2b-tls-cert.
     #[arg(long, value_name = "FILE", requires = "e2b_tls_cert")]
     e2b_tls_key: Option<PathBuf>,
-    /// Tests only: every sandbox's E2B traffic for port PORT goes to host ADDR (HTTP/1.1).
-    #[arg(long, value_name = "PORT=ADDR", value_parser = parse_port_forward, requires = "e2b_listen", hide = true)]
-    e2b_test_port_forward: Vec<(u16, std::net::SocketAddr)>,
-}
-
-/// `PORT=HOST:PORT` of --e2b-test-port-forward.
-fn parse_port_forward(text: &str) -> Result<(u16, std::net::SocketAddr), String> {
-    let (port, address) = text
-        .split_once('=')
-        .ok_or_else(|| format!("{text:?}: expected PORT=HOST:PORT"))?;
-    let port = port
-        .parse()
-        .map_err(|e| format!("{text:?}: port {port:?}: {e}"))?;
-    let address = address
-        .parse()
-        .map_err(|e| format!("{text:?}: address {address:?}: {e}"))?;
-    Ok((port, address))
 }
 
 #[derive(Args)]
@@ -498,7 +481,6 @@ pub fn serve(args: ServeArgs) -> ExitCode {
                     .e2b_tls_cert
                     .zip(args.e2b_tls_key)
                     .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
-                test_port_forwards: args.e2b_test_port_forward.into_iter().collect(),
             }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()

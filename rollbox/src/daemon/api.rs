@@ -93,6 +93,9 @@ pub enum ApiError {
     Internal(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A guest service the request is for did not answer (nothing listens on its port).
+    #[error("{0}")]
+    BadGateway(String),
 }
 
 impl ApiError {
@@ -108,6 +111,7 @@ impl ApiError {
             ApiError::Overloaded(_) => 429,
             ApiError::Internal(_) => 500,
             ApiError::Unavailable(_) => 503,
+            ApiError::BadGateway(_) => 502,
         }
     }
 }

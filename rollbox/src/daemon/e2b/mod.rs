@@ -34,7 +34,7 @@ use super::{Daemon, DaemonError, Listen};
 /// The envd version rollbox reports: the newest whose features the façade implements
 /// (octet-stream and gzip uploads, CloseStdin: 0.5.7; file metadata xattrs, 0.6.2, are not).
 pub const ENVD_VERSION: &str = "0.5.7";
-/// envd's port in E2B sandboxes; other ports are refused as not open.
+/// envd's port in E2B sandboxes, served here; other ports go to the guest through the agent.
 pub const ENVD_PORT: u16 = 49983;
 /// Sandbox TTL when a create gives no `timeout` (the SDK's own default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
@@ -52,9 +52,6 @@ pub struct E2bOptions {
     pub domain: String,
     /// Serve TLS with this certificate chain and private key (PEM files).
     pub tls: Option<TlsFiles>,
-    /// Test-only: sandbox port → a host TCP address every sandbox's traffic for it goes to
-    /// (the code interpreter's 49999 with the host agent).
-    pub test_port_forwards: std::collections::BTreeMap<u16, SocketAddr>,
 }
 
 /// `--e2b-tls-cert` and `--e2b-tls-key`.
