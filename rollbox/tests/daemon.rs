@@ -2429,6 +2429,18 @@ fn guest_ports_through_the_agent_by_upgrade_and_port_forward() {
         refusal.error_message()
     );
 
+    // The CLI refuses a sandbox that is not there before it listens.
+    let output = Command::new(rollbox_binary())
+        .args(["sandbox", "port-forward", "--socket"])
+        .arg(server.sock())
+        .env("ROLLBOX_API_KEY", KEY)
+        .args(["sb-0000000000000000", "80"])
+        .output()
+        .expect("rollbox sandbox port-forward");
+    assert!(!output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("sb-0000000000000000"), "{stderr}");
+
     // The CLI serves the port on a host address it prints.
     let mut forward = Command::new(rollbox_binary())
         .args(["sandbox", "port-forward", "--socket"])

@@ -11,8 +11,9 @@
 //! ends a connection's processes with the connection: the daemon owns those connections.
 //!
 //! A request is for the data plane when it names a sandbox: an `E2b-Sandbox-Id` header (SDK
-//! 2.10+) or a host `{port}-{id}.{domain}`; everything else is the control plane. Wire facts:
-//! `shared/docs/e2b-compat.md`.
+//! 2.10+) or a host `{port}-{id}.{domain}`; everything else is the control plane. Ports other
+//! than envd's are the guest's own services, reached as HTTP/1.1 over the agent's
+//! `tcp_connect` (forward.rs). Wire facts: `shared/docs/e2b-compat.md`.
 
 pub mod connect;
 mod control;
