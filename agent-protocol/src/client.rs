@@ -113,20 +113,7 @@ impl AgentClient {
     /// Connect to a Unix socket that speaks the hybrid vsock preamble (the
     /// VMM's vsock socket, or an agent started with `--listen-unix`).
     pub async fn connect_unix(path: impl AsRef<Path>, port: u32) -> Result<Self, ClientError> {
-        let path_text = path.as_ref().display().to_string();
-        let mut stream = tokio::net::UnixStream::connect(path.as_ref())
-            .await
-            .map_err(|source| ClientError::Connect {
-                path: path_text.clone(),
-                source,
-            })?;
-        hybrid::client_handshake(&mut stream, port)
-            .await
-            .map_err(|source| ClientError::Handshake {
-                path: path_text,
-                source,
-            })?;
-        Ok(Self::from_stream(stream))
+        Ok(Self::from_stream(unix_stream(path.as_ref(), port).await?))
     }
 
     /// Use an already connected stream (handshake done, if any).
@@ -551,6 +538,75 @@ impl AgentClient {
             ServerMessage::Written { bytes } => Ok(bytes),
             other => Err(unexpected("written", &other)),
         }
+    }
+}
+
+/// A Unix socket connection past the hybrid vsock preamble.
+async fn unix_stream(path: &Path, port: u32) -> Result<tokio::net::UnixStream, ClientError> {
+    let path_text = path.display().to_string();
+    let mut stream = tokio::net::UnixStream::connect(path)
+        .await
+        .map_err(|source| ClientError::Connect {
+            path: path_text.clone(),
+            source,
+        })?;
+    hybrid::client_handshake(&mut stream, port)
+        .await
+        .map_err(|source| ClientError::Handshake {
+            path: path_text,
+            source,
+        })?;
+    Ok(stream)
+}
+
+/// `tcp_connect` over a new connection to the agent socket at `path` (see [`tcp_connect`]).
+pub async fn connect_unix_tcp(
+    path: impl AsRef<Path>,
+    vsock_port: u32,
+    host: &str,
+    port: u16,
+) -> Result<tokio::net::UnixStream, ClientError> {
+    tcp_connect(unix_stream(path.as_ref(), vsock_port).await?, host, port).await
+}
+
+/// Asks the agent on `stream`, a fresh connection (handshake done, nothing else sent), to open
+/// a TCP connection to `host:port` inside the guest, and returns `stream`, which from then on
+/// is a raw byte pipe to that socket: what is written reaches it, what it sends is read, and
+/// closing `stream` closes it. Not an [`AgentClient`] method because the pipe needs the stream
+/// itself, which a client shares between its requests.
+pub async fn tcp_connect<S>(mut stream: S, host: &str, port: u16) -> Result<S, ClientError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let id = 1;
+    let request = ClientFrame {
+        id,
+        body: ClientMessage::TcpConnect {
+            host: host.to_owned(),
+            port,
+        },
+    };
+    frame::write_frame(&mut stream, &request)
+        .await
+        .map_err(|err| match err {
+            FrameError::Io(io) => ClientError::Disconnected(format!("write failed: {io}")),
+            other => ClientError::Frame(other),
+        })?;
+    // The agent reads no further than this frame, and writes nothing after it but pipe bytes.
+    let reply: Option<ServerFrame> = frame::read_frame(&mut stream).await?;
+    match reply {
+        Some(ServerFrame {
+            id: got,
+            body: ServerMessage::TcpConnected { .. },
+        }) if got == id => Ok(stream),
+        Some(ServerFrame {
+            id: got,
+            body: ServerMessage::Error(info),
+        }) if got == id => Err(ClientError::Agent(info)),
+        Some(ServerFrame { body, .. }) => Err(unexpected("tcp_connected", &body)),
+        None => Err(ClientError::Disconnected(format!(
+            "the agent closed the connection before answering tcp_connect {host}:{port}"
+        ))),
     }
 }
 

@@ -160,6 +160,22 @@ pub enum ClientMessage {
     /// Watch a directory with inotify: `Watching`, then `FsEvents`* until the client sends
     /// `Cancel` or the directory is removed or moved, ended by `WatchEnded`.
     Watch(WatchRequest),
+    /// Open a TCP connection from inside the guest: `TcpConnected`, after which the connection
+    /// stops carrying frames and is a raw byte pipe to that socket, both ways, until either
+    /// side closes. Only `Hello` may come before it on a connection.
+    TcpConnect {
+        /// The guest address to dial (default `127.0.0.1`).
+        #[serde(default = "default_tcp_host")]
+        host: String,
+        port: u16,
+    },
+}
+
+/// Where `TcpConnect` dials when it names no host: the guest's own loopback.
+pub const DEFAULT_TCP_HOST: &str = "127.0.0.1";
+
+fn default_tcp_host() -> String {
+    DEFAULT_TCP_HOST.to_owned()
 }
 
 fn default_true() -> bool {
@@ -448,6 +464,10 @@ pub enum ServerMessage {
     },
     /// The request failed; terminal.
     Error(ErrorInfo),
+    /// `TcpConnect` reached `address`; the next byte either way is the pipe's. Terminal.
+    TcpConnected {
+        address: String,
+    },
 }
 
 impl ServerMessage {
@@ -711,6 +731,28 @@ mod tests {
         assert!(!ServerMessage::Watching.is_terminal());
         assert!(ServerMessage::WatchEnded {
             reason: "cancelled".into()
+        }
+        .is_terminal());
+    }
+
+    #[test]
+    fn tcp_connect_dials_loopback_unless_told() {
+        let frame: ClientFrame =
+            serde_json::from_str(r#"{"id":1,"body":{"op":"tcp_connect","port":8080}}"#)
+                .expect("parse");
+        assert_eq!(
+            frame.body,
+            ClientMessage::TcpConnect {
+                host: "127.0.0.1".into(),
+                port: 8080
+            }
+        );
+        let refused = serde_json::from_str::<ClientFrame>(
+            r#"{"id":1,"body":{"op":"tcp_connect","port":70000}}"#,
+        );
+        assert!(refused.is_err(), "a port above 65535 parsed");
+        assert!(ServerMessage::TcpConnected {
+            address: "127.0.0.1:8080".into()
         }
         .is_terminal());
     }

@@ -16,6 +16,7 @@ mod network;
 mod pty;
 mod reaper;
 mod server;
+mod tcp;
 mod users;
 mod volumes;
 mod vsock;

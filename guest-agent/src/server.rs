@@ -17,7 +17,7 @@ use crate::agent::Agent;
 use crate::errors::internal;
 use crate::exec::{self, ExecInput, Sink};
 use crate::files::{self, ChunkSender, UploadInput};
-use crate::{docker, fixups, health, watch};
+use crate::{docker, fixups, health, tcp, watch};
 
 /// Input side of an open request.
 enum StreamInput {
@@ -51,11 +51,12 @@ const UPLOAD_QUEUE: usize = 16;
 
 pub async fn serve<S>(agent: Arc<Agent>, stream: S)
 where
-    S: AsyncRead + AsyncWrite + Send + 'static,
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
     let (mut reader, mut writer) = tokio::io::split(stream);
     let (out, mut out_rx) = mpsc::channel::<ServerFrame>(OUT_QUEUE);
-    tokio::spawn(async move {
+    // Hands the writer back once every sender is gone, for `tcp_connect`'s pipe.
+    let writer_task = tokio::spawn(async move {
         while let Some(frame) = out_rx.recv().await {
             let id = frame.id;
             let result = match frame::write_frame(&mut writer, &frame).await {
@@ -73,9 +74,13 @@ where
                 break;
             }
         }
+        writer
     });
     let streams = Streams::default();
     let mut first = true;
+    // Whether a request other than `hello` came: then `tcp_connect` is refused, as the
+    // connection has answers still to carry.
+    let mut busy = false;
     loop {
         let body = match frame::read_frame_body(&mut reader).await {
             Ok(Some(body)) => body,
@@ -91,7 +96,44 @@ where
             check_generation(&agent).await;
         }
         match frame::decode::<ClientFrame>(&body) {
-            Ok(frame) => dispatch(&agent, frame, &out, &streams).await,
+            Ok(ClientFrame {
+                id,
+                body: ClientMessage::TcpConnect { host, port },
+            }) => {
+                let refusal = if busy {
+                    Some(ErrorInfo::bad_request(format!(
+                        "tcp_connect {host}:{port}: only hello may come before tcp_connect on a connection (it becomes a byte pipe); open a new connection"
+                    )))
+                } else {
+                    // A refused connect leaves the connection as it was: a retry may follow.
+                    match tcp::connect(&host, port).await {
+                        Ok(socket) => {
+                            let address = socket
+                                .peer_addr()
+                                .map_or_else(|_| format!("{host}:{port}"), |a| a.to_string());
+                            reply(&out, id, ServerMessage::TcpConnected { address }).await;
+                            // The writer task ends once it wrote every queued frame.
+                            drop(out);
+                            match writer_task.await {
+                                Ok(writer) => {
+                                    let mut connection = reader.unsplit(writer);
+                                    tcp::pipe(&mut connection, socket).await;
+                                }
+                                Err(err) => log::warn!("connection writer task failed: {err}"),
+                            }
+                            return;
+                        }
+                        Err(info) => Some(info),
+                    }
+                };
+                if let Some(info) = refusal {
+                    reply(&out, id, ServerMessage::Error(info)).await;
+                }
+            }
+            Ok(frame) => {
+                busy |= frame.body != ClientMessage::Hello;
+                dispatch(&agent, frame, &out, &streams).await
+            }
             Err(err) => {
                 // Answer under the frame's id when it has one, so the client can match it.
                 let id = serde_json::from_slice::<serde_json::Value>(&body)
@@ -484,6 +526,11 @@ async fn start(
                 streams.remove(id);
                 reply(&out, id, end).await;
             });
+        }
+        ClientMessage::TcpConnect { host, port } => {
+            // serve() takes tcp_connect before dispatch, as it needs the connection itself.
+            let message = format!("tcp_connect {host}:{port} reached the request starter");
+            reply(&out, id, ServerMessage::Error(internal(message))).await;
         }
         ClientMessage::Stdin { .. }
         | ClientMessage::Resize(_)

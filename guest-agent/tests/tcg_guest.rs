@@ -15,11 +15,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use rollbox_agent_protocol::client::connect_unix_tcp;
 use rollbox_agent_protocol::{
     AgentClient, ClientMessage, ExecRequest, FsEventKind, OomDetection, PtySize, ServerMessage,
     WatchRequest, DEFAULT_PORT,
 };
 use rollbox_tests::skip;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -355,6 +357,61 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
         }
     }
     watch.send(ClientMessage::Cancel).await.expect("cancel");
+
+    // tcp_connect over vsock to a service on the guest's loopback: busybox httpd.
+    let body = "from the guest's httpd";
+    client.mkdir("/www", true).await.expect("mkdir /www");
+    client
+        .write_file("/www/hello.txt", body.as_bytes())
+        .await
+        .expect("write");
+    let output = client
+        .sh("httpd -p 127.0.0.1:8080 -h /www")
+        .await
+        .expect("httpd");
+    assert!(output.status.success(), "httpd: {output:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut pipe = loop {
+        match connect_unix_tcp(&uds, DEFAULT_PORT, "127.0.0.1", 8080).await {
+            Ok(pipe) => break pipe,
+            // httpd forks into the background: it may not listen yet.
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            Err(e) => panic!("tcp_connect to the guest's httpd: {e}"),
+        }
+    };
+    pipe.write_all(b"GET /hello.txt HTTP/1.0\r\n\r\n")
+        .await
+        .expect("request");
+    // Read up to the body's end, whether or not the transport passes httpd's close on.
+    let mut answer = Vec::new();
+    let read_answer = async {
+        let mut chunk = [0u8; 4096];
+        while !answer.ends_with(body.as_bytes()) {
+            match pipe.read(&mut chunk).await.expect("answer") {
+                0 => break,
+                n => answer.extend_from_slice(&chunk[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read_answer)
+        .await
+        .expect("answer in time");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.") && answer.contains(" 200 ") && answer.ends_with(body),
+        "{answer}"
+    );
+    let refused = connect_unix_tcp(&uds, DEFAULT_PORT, "127.0.0.1", 8081)
+        .await
+        .expect_err("nothing listens on 8081");
+    assert_eq!(
+        refused.agent_error().map(|e| e.code.as_str()),
+        Some("ECONNREFUSED"),
+        "{refused}"
+    );
+
     println!(
         "whole guest check: {:.1} s",
         started.elapsed().as_secs_f64()

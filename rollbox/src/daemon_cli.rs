@@ -48,6 +48,11 @@ pub enum CliError {
     },
     #[error("the daemon's stream broke off: {0}")]
     Stream(String),
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        address: std::net::SocketAddr,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Usage(String),
 }
@@ -146,23 +151,6 @@ pub struct ServeArgs {
     /// The PEM private key of --e2b-tls-cert.
     #[arg(long, value_name = "FILE", requires = "e2b_tls_cert")]
     e2b_tls_key: Option<PathBuf>,
-    /// Tests only: every sandbox's E2B traffic for port PORT goes to host ADDR (HTTP/1.1).
-    #[arg(long, value_name = "PORT=ADDR", value_parser = parse_port_forward, requires = "e2b_listen", hide = true)]
-    e2b_test_port_forward: Vec<(u16, std::net::SocketAddr)>,
-}
-
-/// `PORT=HOST:PORT` of --e2b-test-port-forward.
-fn parse_port_forward(text: &str) -> Result<(u16, std::net::SocketAddr), String> {
-    let (port, address) = text
-        .split_once('=')
-        .ok_or_else(|| format!("{text:?}: expected PORT=HOST:PORT"))?;
-    let port = port
-        .parse()
-        .map_err(|e| format!("{text:?}: port {port:?}: {e}"))?;
-    let address = address
-        .parse()
-        .map_err(|e| format!("{text:?}: address {address:?}: {e}"))?;
-    Ok((port, address))
 }
 
 #[derive(Args)]
@@ -329,6 +317,18 @@ pub enum SandboxCommand {
         id: String,
         #[arg(long, value_name = "SNAPSHOT_ID")]
         snapshot: Option<String>,
+    },
+    /// Serve a sandbox's TCP port on a host address: each connection accepted there is
+    /// piped to the guest's 127.0.0.1:PORT through the agent. Prints the address, then runs
+    /// until interrupted.
+    PortForward {
+        id: String,
+        /// The guest port (1-65535).
+        #[arg(value_parser = clap::value_parser!(u16).range(1..))]
+        port: u16,
+        /// Where to listen on the host (port 0: any free port).
+        #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
+        listen: std::net::SocketAddr,
     },
 }
 
@@ -498,7 +498,6 @@ pub fn serve(args: ServeArgs) -> ExitCode {
                     .e2b_tls_cert
                     .zip(args.e2b_tls_key)
                     .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
-                test_port_forwards: args.e2b_test_port_forward.into_iter().collect(),
             }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -1200,8 +1199,82 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
                 println!("{}: reset ({})", sandbox.id, sandbox.state.as_str());
             }
         }
+        SandboxCommand::PortForward { id, port, listen } => port_forward(conn, &id, port, listen)?,
     }
     Ok(0)
+}
+
+/// `rollbox sandbox port-forward`: one thread per accepted connection, each with its own
+/// upgraded daemon connection (`GET /sandboxes/{id}/ports/{port}`).
+fn port_forward(
+    conn: &Conn,
+    id: &str,
+    port: u16,
+    listen: std::net::SocketAddr,
+) -> Result<(), CliError> {
+    // A sandbox that is not there fails now, not at the first connection.
+    conn.call("GET", &format!("/sandboxes/{id}"), None)?;
+    let listener = std::net::TcpListener::bind(listen).map_err(|source| CliError::Listen {
+        address: listen,
+        source,
+    })?;
+    let local = listener.local_addr().map_err(|source| CliError::Listen {
+        address: listen,
+        source,
+    })?;
+    println!("forwarding {local} -> sandbox {id} port {port}");
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let path = format!("/sandboxes/{id}/ports/{port}");
+    let auth = format!("Bearer {}", conn.key);
+    loop {
+        let client = match listener.accept() {
+            Ok((client, _)) => client,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                eprintln!("rollbox sandbox port-forward: accept on {local}: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let endpoint = conn.endpoint.clone();
+        let (path, auth) = (path.clone(), auth.clone());
+        std::thread::spawn(move || {
+            let upgraded = endpoint.upgrade(
+                &path,
+                &[("Authorization", &auth)],
+                "tcp",
+                Duration::from_secs(30),
+            );
+            match upgraded {
+                Ok(Ok(guest)) => splice(client, guest),
+                Ok(Err(refusal)) => eprintln!(
+                    "rollbox sandbox port-forward: {}: {} ({})",
+                    path,
+                    refusal.error_message(),
+                    refusal.status
+                ),
+                Err(e) => eprintln!("rollbox sandbox port-forward: {path}: {e}"),
+            }
+        });
+    }
+}
+
+/// Copies both ways until both directions ended, passing each end of input on.
+fn splice(client: std::net::TcpStream, guest: rollbox::daemon::client::Upgraded) {
+    let (Ok(mut client_out), Ok(mut guest_in)) = (client.try_clone(), guest.try_clone()) else {
+        eprintln!("rollbox sandbox port-forward: cannot duplicate a connection's descriptor");
+        return;
+    };
+    let upstream = std::thread::spawn(move || {
+        let mut client = client;
+        let _ = std::io::copy(&mut client, &mut guest_in);
+        let _ = guest_in.shutdown_write();
+    });
+    let mut guest = guest;
+    let _ = std::io::copy(&mut guest, &mut client_out);
+    let _ = client_out.shutdown(std::net::Shutdown::Write);
+    let _ = upstream.join();
 }
 
 fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<(), CliError> {

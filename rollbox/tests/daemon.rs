@@ -2352,3 +2352,130 @@ fn sandboxes_run_jailed_by_default_and_directly_with_no_jailer() {
     assert!(!cmdline(pid).contains("rollbox-jailer"), "{}", cmdline(pid));
     assert_eq!(uid_of(pid), "0");
 }
+
+/// `GET /sandboxes/{id}/ports/{port}` (an `Upgrade: tcp`) and `rollbox sandbox port-forward`
+/// reach a guest TCP port through the agent; the host agent's 127.0.0.1 is this machine's, so
+/// a listener here stands in for the guest's service.
+#[test]
+fn guest_ports_through_the_agent_by_upgrade_and_port_forward() {
+    use std::io::{BufRead, Read, Write};
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, id) = agent_server();
+    let service = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = service.local_addr().expect("address").port();
+    // Answers each connection with what it got, upper-cased, once its input ends.
+    std::thread::spawn(move || {
+        for connection in service.incoming() {
+            let Ok(mut connection) = connection else {
+                continue;
+            };
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                if connection.read_to_end(&mut got).is_ok() {
+                    let _ = connection.write_all(&got.to_ascii_uppercase());
+                }
+            });
+        }
+    });
+    let auth = format!("Bearer {KEY}");
+    let endpoint = Endpoint::Unix(server.sock());
+    let path = format!("/sandboxes/{id}/ports/{port}");
+    let mut guest = endpoint
+        .upgrade(
+            &path,
+            &[("Authorization", &auth)],
+            "tcp",
+            Duration::from_secs(30),
+        )
+        .expect("upgrade request")
+        .unwrap_or_else(|r| panic!("{} {}\n{}", r.status, r.error_message(), server.log()));
+    guest.write_all(b"through the daemon").expect("send");
+    guest.shutdown_write().expect("end of input");
+    let mut answer = String::new();
+    guest.read_to_string(&mut answer).expect("answer");
+    assert_eq!(answer, "THROUGH THE DAEMON");
+
+    // Without the upgrade headers it is a 400 saying what to send; a closed port is a 502.
+    let (status, body) = server.call("GET", &path, None);
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("Upgrade: tcp"),
+        "{body}"
+    );
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let refusal = endpoint
+        .upgrade(
+            &format!("/sandboxes/{id}/ports/{closed}"),
+            &[("Authorization", &auth)],
+            "tcp",
+            Duration::from_secs(30),
+        )
+        .expect("upgrade request")
+        .expect_err("nothing listens");
+    assert_eq!(refusal.status, 502, "{}", refusal.error_message());
+    assert!(
+        refusal
+            .error_message()
+            .contains(&format!("127.0.0.1:{closed}: Connection refused")),
+        "{}",
+        refusal.error_message()
+    );
+
+    // The CLI refuses a sandbox that is not there before it listens.
+    let output = Command::new(rollbox_binary())
+        .args(["sandbox", "port-forward", "--socket"])
+        .arg(server.sock())
+        .env("ROLLBOX_API_KEY", KEY)
+        .args(["sb-0000000000000000", "80"])
+        .output()
+        .expect("rollbox sandbox port-forward");
+    assert!(!output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("sb-0000000000000000"), "{stderr}");
+
+    // The CLI serves the port on a host address it prints.
+    let mut forward = Command::new(rollbox_binary())
+        .args(["sandbox", "port-forward", "--socket"])
+        .arg(server.sock())
+        .env("ROLLBOX_API_KEY", KEY)
+        .args([id.as_str(), &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("rollbox sandbox port-forward");
+    let mut line = String::new();
+    std::io::BufReader::new(forward.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("read its address");
+    let local = line
+        .strip_prefix("forwarding ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(str::to_string);
+    let result = std::panic::catch_unwind(|| {
+        let local = local.unwrap_or_else(|| panic!("port-forward printed {line:?}"));
+        for round in 0..3 {
+            let mut client = std::net::TcpStream::connect(&local).expect("connect");
+            let text = format!("round {round} through the cli");
+            client.write_all(text.as_bytes()).expect("send");
+            client
+                .shutdown(std::net::Shutdown::Write)
+                .expect("end of input");
+            let mut answer = String::new();
+            client.read_to_string(&mut answer).expect("answer");
+            assert_eq!(answer, text.to_uppercase());
+        }
+    });
+    let _ = forward.kill();
+    let _ = forward.wait();
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}

@@ -17,6 +17,8 @@ use rollbox_tests::{
 use serde_json::json;
 
 const KEY: &str = "e2b-test-key-0123";
+/// The sandbox port the code interpreter SDK calls.
+const CODE_INTERPRETER_PORT: u16 = 49999;
 
 /// Ends the children and every VMM left under the state directory on drop.
 struct Daemon {
@@ -458,9 +460,10 @@ fn e2b_env_vars_are_the_sandbox_env() {
     assert_eq!(forked["env"], json!({ "GREETING": "hi there" }), "{forked}");
 }
 
-/// The stock e2b-code-interpreter 2.11.5 `run_code` against rollbox: the daemon forwards
-/// sandbox port 49999 to our server (scripts/e2b-code-interpreter-server.py, an IPython kernel)
-/// on the host, as the host agent stands in for the guest.
+/// The stock e2b-code-interpreter 2.11.5 `run_code` against rollbox: the SDK calls sandbox
+/// port 49999, which the daemon reaches through the agent's `tcp_connect` to the guest's
+/// 127.0.0.1:49999. The host agent's loopback is this machine's, so our server
+/// (scripts/e2b-code-interpreter-server.py, an IPython kernel) listens here on 49999.
 #[test]
 fn stock_e2b_code_interpreter_2_11_against_rollbox() {
     let test = "stock_e2b_code_interpreter_2_11_against_rollbox";
@@ -474,33 +477,32 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
             return;
         }
     };
-    let dir = tempfile::tempdir().expect("tempdir");
+    if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", CODE_INTERPRETER_PORT)) {
+        panic!("127.0.0.1:{CODE_INTERPRETER_PORT} is taken ({e}): this test's code-interpreter server needs it, as the SDK always calls that sandbox port");
+    }
+    // Declared first, so it goes after the daemon (and the server with it).
+    let kernels_cwd = tempfile::tempdir().expect("tempdir");
+    let (mut daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
     let mut server = Command::new(&python)
         .arg(workspace_root().join("scripts/e2b-code-interpreter-server.py"))
-        .args(["--port", "0", "--cwd"])
-        .arg(dir.path())
+        .args(["--port", &CODE_INTERPRETER_PORT.to_string(), "--cwd"])
+        .arg(kernels_cwd.path())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn the code-interpreter server");
-    let mut line = String::new();
     let stdout = server.stdout.take().expect("server stdout");
+    // The daemon's drop ends it, whatever fails from here on.
+    daemon.children.push(server);
+    let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
         .expect("read the server's address");
-    let Some(address) = line.trim().strip_prefix("listening ").map(str::to_string) else {
-        let _ = server.kill();
-        panic!("the code-interpreter server printed {line:?}, not its address");
-    };
-    let (mut daemon, port) = start_daemon(
-        dir,
-        None,
-        &[
-            "--e2b-test-port-forward".to_string(),
-            format!("49999={address}"),
-        ],
+    assert_eq!(
+        line.trim(),
+        format!("listening 127.0.0.1:{CODE_INTERPRETER_PORT}"),
+        "the code-interpreter server did not say it listens"
     );
-    daemon.children.push(server);
     let url = format!("http://127.0.0.1:{port}");
     let scratch = tempfile::tempdir().expect("scratch");
     // The code interpreter, then AReaL's and Harbor's call patterns (which use run_code too).

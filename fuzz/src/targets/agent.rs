@@ -76,8 +76,16 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
         id: 1,
         body: ClientMessage::Exec(ExecRequest::shell("echo hi")),
     });
+    let tcp_connect = encoded(&ClientFrame {
+        id: 1,
+        body: ClientMessage::TcpConnect {
+            host: "127.0.0.1".into(),
+            port: 8080,
+        },
+    });
     let mut seeds = vec![
         ("client-exec".to_string(), frames(1, &[&exec])),
+        ("client-tcp-connect".to_string(), frames(1, &[&tcp_connect])),
         ("handshake".to_string(), b"\x02CONNECT 52\n".to_vec()),
     ];
     // The agent's side, as it sends them.
@@ -99,6 +107,9 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
         },
         ServerMessage::End { bytes: 3 },
         ServerMessage::Ok,
+        ServerMessage::TcpConnected {
+            address: "127.0.0.1:8080".into(),
+        },
     ]
     .into_iter()
     .map(|body| encoded(&ServerFrame { id: 1, body }))

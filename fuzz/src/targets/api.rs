@@ -176,6 +176,7 @@ pub fn seeds_daemon() -> Vec<(String, Vec<u8>)> {
             "raw file bytes",
         ),
         ("stat", "GET", "/sandboxes/sb-1/files/stat", "path=/etc", ""),
+        ("port", "GET", "/sandboxes/sb-1/ports/8080", "", ""),
         (
             "snapshot",
             "POST",

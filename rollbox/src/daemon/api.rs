@@ -51,6 +51,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/snapshots"),
     ("GET", "/snapshots/{snapshot}"),
     ("DELETE", "/snapshots/{snapshot}"),
+    ("GET", "/sandboxes/{id}/ports/{port}"),
 ];
 /// Most sandboxes one fork makes.
 pub const MAX_FORK: u32 = 64;
@@ -93,6 +94,9 @@ pub enum ApiError {
     Internal(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A guest service the request is for did not answer (nothing listens on its port).
+    #[error("{0}")]
+    BadGateway(String),
 }
 
 impl ApiError {
@@ -108,6 +112,7 @@ impl ApiError {
             ApiError::Overloaded(_) => 429,
             ApiError::Internal(_) => 500,
             ApiError::Unavailable(_) => 503,
+            ApiError::BadGateway(_) => 502,
         }
     }
 }
@@ -674,6 +679,12 @@ pub enum Action {
         id: String,
         snapshot: Option<String>,
     },
+    /// A TCP connection to `port` on the guest's loopback, as the byte stream of an HTTP
+    /// upgrade (`Upgrade: tcp`); only the HTTP layer can run it.
+    PortConnect {
+        id: String,
+        port: u16,
+    },
 }
 
 /// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
@@ -698,6 +709,10 @@ pub fn parse(
         ("GET", ["healthz"]) => Action::Health,
         ("GET", ["metrics"]) => Action::Metrics,
         ("GET", ["sandboxes", id, "usage"]) => Action::Usage(check_id(id)?),
+        ("GET", ["sandboxes", id, "ports", port]) => Action::PortConnect {
+            id: check_id(id)?,
+            port: check_port(port)?,
+        },
         ("GET", ["templates"]) => Action::ListTemplates,
         ("POST", ["templates"]) => Action::AddTemplate(parse_template(body)?),
         ("GET", ["templates", name]) => Action::GetTemplate(check_template_name(name, "name")?),
@@ -867,6 +882,13 @@ fn check_pid(pid: &str) -> Result<u32, ApiError> {
         .ok()
         .filter(|p| *p > 0)
         .ok_or_else(|| bad(format!("pid: {pid:?} is not a process id")))
+}
+
+fn check_port(port: &str) -> Result<u16, ApiError> {
+    port.parse::<u16>()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| bad(format!("port: {port:?} is not a TCP port (1-65535)")))
 }
 
 fn file_route(method: &str, segments: &[&str]) -> bool {
@@ -1580,7 +1602,7 @@ mod tests {
                 .replace("{id}", "sb-0123456789abcdef")
                 .replace("{name}", "guest")
                 .replace("{snapshot}", "snap-0123456789abcdef");
-            let path = path.replace("{pid}", "42");
+            let path = path.replace("{pid}", "42").replace("{port}", "8080");
             let body: &[u8] = match (*method, path.as_str()) {
                 ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
                 ("POST", "/sandboxes") => br#"{"template":"g"}"#,
@@ -1600,6 +1622,28 @@ mod tests {
                 None
             };
             parse(method, &path, query, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        }
+    }
+
+    #[test]
+    fn ports_parse_and_bad_ones_are_named() {
+        assert_eq!(
+            parse(
+                "GET",
+                "/sandboxes/sb-0123456789abcdef/ports/8080",
+                None,
+                b""
+            )
+            .expect("parse"),
+            Action::PortConnect {
+                id: "sb-0123456789abcdef".into(),
+                port: 8080
+            }
+        );
+        for port in ["0", "65536", "http"] {
+            let path = format!("/sandboxes/sb-0123456789abcdef/ports/{port}");
+            let message = err(parse("GET", &path, None, b""));
+            assert!(message.contains(&format!("port: {port:?}")), "{message}");
         }
     }
 

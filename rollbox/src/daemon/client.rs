@@ -180,6 +180,149 @@ impl Endpoint {
     }
 }
 
+/// A connection a `101 Switching Protocols` answer handed over: its bytes are the upgraded
+/// protocol's.
+#[derive(Debug)]
+pub enum Upgraded {
+    Unix(std::os::unix::net::UnixStream),
+    Tcp(std::net::TcpStream),
+}
+
+impl Upgraded {
+    /// Another handle on the same connection (to read and write from two threads).
+    pub fn try_clone(&self) -> std::io::Result<Upgraded> {
+        Ok(match self {
+            Upgraded::Unix(s) => Upgraded::Unix(s.try_clone()?),
+            Upgraded::Tcp(s) => Upgraded::Tcp(s.try_clone()?),
+        })
+    }
+
+    /// Ends what this side sends; the other side still sends until it is done.
+    pub fn shutdown_write(&self) -> std::io::Result<()> {
+        match self {
+            Upgraded::Unix(s) => s.shutdown(std::net::Shutdown::Write),
+            Upgraded::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
+        }
+    }
+}
+
+impl Read for Upgraded {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Upgraded::Unix(s) => s.read(buf),
+            Upgraded::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Upgraded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Upgraded::Unix(s) => s.write(buf),
+            Upgraded::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Upgraded::Unix(s) => s.flush(),
+            Upgraded::Tcp(s) => s.flush(),
+        }
+    }
+}
+
+/// Longest response head an upgrade reads.
+const MAX_UPGRADE_HEAD: usize = 16 << 10;
+
+impl Endpoint {
+    /// `GET path` asking to upgrade the connection to `protocol`: the connection on a 101,
+    /// else the refusal (read whole: its body has a length, as the daemon's errors do).
+    pub fn upgrade(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+        protocol: &str,
+        timeout: Duration,
+    ) -> Result<Result<Upgraded, Response>, ClientError> {
+        let endpoint = self.to_string();
+        let io = |source| ClientError::Io {
+            endpoint: endpoint.clone(),
+            source,
+        };
+        let connect = |source| ClientError::Connect {
+            endpoint: endpoint.clone(),
+            source,
+        };
+        let mut stream = match self {
+            Endpoint::Unix(path) => {
+                Upgraded::Unix(std::os::unix::net::UnixStream::connect(path).map_err(connect)?)
+            }
+            Endpoint::Tcp(addr) => {
+                Upgraded::Tcp(std::net::TcpStream::connect(addr).map_err(connect)?)
+            }
+        };
+        let set_timeout = |stream: &Upgraded, timeout| match stream {
+            Upgraded::Unix(s) => s.set_read_timeout(timeout),
+            Upgraded::Tcp(s) => s.set_read_timeout(timeout),
+        };
+        set_timeout(&stream, Some(timeout)).map_err(io)?;
+        let mut head = format!(
+            "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: {protocol}\r\n"
+        );
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
+        stream.write_all(head.as_bytes()).map_err(io)?;
+        // Byte by byte up to the blank line: what follows a 101 is the new protocol's.
+        let mut answer = Vec::new();
+        let mut byte = [0u8; 1];
+        while !answer.ends_with(b"\r\n\r\n") {
+            if stream.read(&mut byte).map_err(io)? == 0 {
+                return Err(ClientError::BadResponse {
+                    endpoint: endpoint.clone(),
+                    message: "connection closed before the headers ended".into(),
+                });
+            }
+            answer.push(byte[0]);
+            if answer.len() > MAX_UPGRADE_HEAD {
+                return Err(ClientError::BadResponse {
+                    endpoint: endpoint.clone(),
+                    message: format!("response head over {MAX_UPGRADE_HEAD} bytes"),
+                });
+            }
+        }
+        let response = read_head(Box::new(std::io::Cursor::new(answer))).map_err(|e| match e {
+            ReadError::Io(source) => io(source),
+            ReadError::Bad(message) => ClientError::BadResponse {
+                endpoint: endpoint.clone(),
+                message,
+            },
+        })?;
+        if response.status == 101 {
+            set_timeout(&stream, None).map_err(io)?;
+            return Ok(Ok(stream));
+        }
+        // The head was read alone: the body (by its length) is still on the connection.
+        let length = response
+            .headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .and_then(|(_, v)| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let mut body = Vec::new();
+        (&mut stream)
+            .take(length)
+            .read_to_end(&mut body)
+            .map_err(io)?;
+        Ok(Err(Response {
+            status: response.status,
+            headers: response.headers,
+            body,
+        }))
+    }
+}
+
 /// A response whose body is read as it comes.
 pub struct Streaming {
     pub status: u16,

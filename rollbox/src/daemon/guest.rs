@@ -97,6 +97,40 @@ impl Daemon {
         }
     }
 
+    /// A byte pipe to TCP `port` on the guest's loopback: a connection of its own to the
+    /// agent, which dials the port and then carries the bytes (the agent's `tcp_connect`).
+    /// Nothing listening there is an error naming the port.
+    pub(super) async fn guest_tcp(
+        &self,
+        id: &str,
+        port: u16,
+    ) -> Result<tokio::net::UnixStream, ApiError> {
+        let path = self.agent_socket(id)?;
+        let host = rollbox_agent_protocol::DEFAULT_TCP_HOST;
+        let deadline = tokio::time::Instant::now() + AGENT_WAIT;
+        loop {
+            match rollbox_agent_protocol::client::connect_unix_tcp(&path, DEFAULT_PORT, host, port)
+                .await
+            {
+                Ok(stream) => return Ok(stream),
+                Err(ClientError::Agent(info)) => {
+                    return Err(ApiError::BadGateway(format!(
+                        "sandbox {id}: guest port {port}: {}",
+                        info.message
+                    )))
+                }
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(ApiError::Unavailable(format!(
+                        "sandbox {id}: no agent answers on {} within {} s: {e}",
+                        path.display(),
+                        AGENT_WAIT.as_secs()
+                    )))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
     pub(super) async fn exec(
         self: &Arc<Self>,
         id: &str,

@@ -173,6 +173,7 @@ pub async fn run(
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(io, service)
+                .with_upgrades()
                 .await;
         });
     }
@@ -258,7 +259,51 @@ async fn respond(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Response<O
     }
 }
 
-async fn handle(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Result<Reply, ApiError> {
+/// Whether the request asks to turn the connection into a TCP stream.
+fn asks_tcp_upgrade(request: &Request<Incoming>) -> bool {
+    let has = |name, token: &str| {
+        request
+            .headers()
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|v| v.trim().eq_ignore_ascii_case(token))
+    };
+    has(hyper::header::CONNECTION, "upgrade") && has(hyper::header::UPGRADE, "tcp")
+}
+
+/// Answers 101 and, once hyper hands over the connection, pipes it to guest `port`.
+async fn port_connect(
+    daemon: &Arc<Daemon>,
+    request: &mut Request<Incoming>,
+    id: &str,
+    port: u16,
+) -> Result<Reply, ApiError> {
+    if !asks_tcp_upgrade(request) {
+        return Err(ApiError::BadRequest(format!(
+            "GET /sandboxes/{id}/ports/{port} is an HTTP upgrade: send `Connection: Upgrade` and `Upgrade: tcp`"
+        )));
+    }
+    let pipe = daemon.guest_tcp(id, port).await?;
+    let upgrade = hyper::upgrade::on(request);
+    let what = format!("sandbox {id} port {port}");
+    tokio::spawn(async move {
+        let mut pipe = pipe;
+        match upgrade.await {
+            Ok(upgraded) => {
+                let mut client = TokioIo::new(upgraded);
+                if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut pipe).await {
+                    super::log_line(&format!("{what}: the connection ended: {e}"));
+                }
+            }
+            Err(e) => super::log_line(&format!("{what}: the upgrade failed: {e}")),
+        }
+    });
+    Ok(Reply::SwitchingProtocols)
+}
+
+async fn handle(daemon: &Arc<Daemon>, mut request: Request<Incoming>) -> Result<Reply, ApiError> {
     if !authorized(&request, &daemon.options.api_key) {
         return Err(ApiError::Unauthorized);
     }
@@ -286,6 +331,12 @@ async fn handle(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Result<Repl
             limit: MAX_UPLOAD,
         };
         return daemon.upload(&id, op, body).await;
+    }
+    if method == "GET" && path.contains("/ports/") {
+        if let Action::PortConnect { id, port } = api::parse(&method, &path, query.as_deref(), b"")?
+        {
+            return port_connect(daemon, &mut request, &id, port).await;
+        }
     }
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
         return Err(ApiError::TooLarge(MAX_BODY));
@@ -365,6 +416,20 @@ fn reply_response(reply: Reply) -> Response<Out> {
         Reply::NoContent => {
             let mut response = Response::new(Out::Full(None));
             *response.status_mut() = hyper::StatusCode::NO_CONTENT;
+            response
+        }
+        Reply::SwitchingProtocols => {
+            let mut response = Response::new(Out::Full(None));
+            *response.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
+            let headers = response.headers_mut();
+            headers.insert(
+                hyper::header::CONNECTION,
+                hyper::header::HeaderValue::from_static("upgrade"),
+            );
+            headers.insert(
+                hyper::header::UPGRADE,
+                hyper::header::HeaderValue::from_static("tcp"),
+            );
             response
         }
     }

@@ -214,6 +214,8 @@ pub enum Reply {
         body: tokio::sync::mpsc::Receiver<guest::Chunk>,
     },
     NoContent,
+    /// 101: the connection now carries a guest TCP connection's bytes (`Upgrade: tcp`).
+    SwitchingProtocols,
 }
 
 /// Processes of running streaming execs: (sandbox id, pid) → the agent connection, the
@@ -344,6 +346,9 @@ impl Daemon {
                 labels,
             } => self.fork(&id, count, ttl_s, labels).await,
             Action::Reset { id, snapshot } => self.reset(&id, snapshot).await,
+            Action::PortConnect { id, port } => Err(ApiError::BadRequest(format!(
+                "GET /sandboxes/{id}/ports/{port} is an HTTP upgrade: send `Connection: Upgrade` and `Upgrade: tcp`"
+            ))),
         }
     }
 

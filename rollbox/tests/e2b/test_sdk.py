@@ -8,10 +8,13 @@ Prints `ok NAME` per check; any failure raises and exits non-zero.
 
 import asyncio
 import faulthandler
+import http.server
 import importlib.metadata
 import json
 import os
+import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +43,48 @@ def expect_error(name, call, *words):
         ok(name)
         return e
     raise AssertionError(f"{name}: no error")
+
+
+def closed_port():
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# A streamed answer larger than the agent's buffers.
+BIG = bytes(range(256)) * 8192
+
+
+class EchoHandler(http.server.BaseHTTPRequestHandler):
+    """`GET /big` answers BIG in chunks; anything else answers its method, path and body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if self.path != "/big":
+            return self.echo()
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for at in range(0, len(BIG), 100_000):
+            chunk = BIG[at:at + 100_000]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def do_POST(self):
+        self.echo()
+
+    def echo(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = f"{self.command} {self.path} ".encode() + self.rfile.read(length)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
 
 
 def raw(method, path, key, body=None, headers=None):
@@ -108,13 +153,34 @@ def run_checks(sbx):
     domain = os.environ["E2B_DOMAIN"]
     status, _ = raw("GET", "/health", None, headers={"Host": f"49983-{sbx.sandbox_id}.{domain}"})
     assert status == 204, status
-    status, body = raw("GET", "/health", None, headers={"Host": f"8080-{sbx.sandbox_id}.{domain}"})
-    assert status == 502 and "port is not open" in json.loads(body)["message"], body
+    closed = closed_port()
+    status, body = raw("GET", "/health", None, headers={"Host": f"{closed}-{sbx.sandbox_id}.{domain}"})
+    answer = json.loads(body)
+    assert status == 502 and "port is not open" in answer["message"], body
+    assert answer["sandboxId"] == sbx.sandbox_id and answer["code"] == 502, body
+    assert f"127.0.0.1:{closed}" in answer["message"], body
     status, body = raw("GET", "/health", None, headers={"Host": f"49983-sb-0000000000000000.{domain}"})
     assert status == 502 and "was not found" in json.loads(body)["message"], body
     status, body = raw("GET", "/envs", None, headers={"Host": f"49983-{sbx.sandbox_id}.{domain}"})
     assert status == 401, (status, body)
     ok("host routing, proxy 502s, access token required")
+
+    # Other ports are the guest's own services, reached through the agent. The agent of these
+    # tests runs on this machine, so its 127.0.0.1 is ours: a server here is the guest's.
+    service = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EchoHandler)
+    threading.Thread(target=service.serve_forever, daemon=True).start()
+    try:
+        port = service.server_address[1]
+        status, body = raw("POST", "/echo?x=1", None, body=b"ping",
+                           headers={"Host": f"{port}-{sbx.sandbox_id}.{domain}"})
+        assert (status, body) == (200, b"POST /echo?x=1 ping"), (status, body)
+        status, body = raw("GET", "/big", None,
+                           headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(port)})
+        assert (status, len(body)) == (200, len(BIG)) and body == BIG, (status, len(body))
+    finally:
+        service.shutdown()
+        service.server_close()
+    ok("other ports through the agent")
 
     seen = []
     result = sbx.commands.run("echo hello; echo oops >&2", on_stdout=seen.append)

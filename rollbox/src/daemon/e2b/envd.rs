@@ -97,29 +97,16 @@ pub(super) async fn respond(
     request: Request<Incoming>,
 ) -> Response<Out> {
     let id = target.id.clone();
-    let forward_to = target
-        .port
-        .and_then(|port| e2b.options.test_port_forwards.get(&port).copied());
-    if target.port != Some(ENVD_PORT) && forward_to.is_none() {
-        let port = target.port.map_or("?".to_string(), |p| p.to_string());
-        return proxy_error(
-            &id,
-            format!(
-                "sandbox {id}: port is not open ({port}; rollbox serves only envd's {ENVD_PORT})"
-            ),
-        );
-    }
     let sandbox = match e2b.daemon.handle(Action::GetSandbox(id.clone())).await {
         Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live() => sandbox,
         _ => return proxy_error(&id, format!("The sandbox {id} was not found")),
     };
-    // Other ports are the guest's own services: envd's access token is not theirs to check
-    // (the code interpreter SDK sends it on /execute but not on /contexts).
-    if let Some(address) = forward_to {
-        return match super::forward::forward(address, request).await {
-            Ok(response) => response,
-            Err(why) => proxy_error(&id, format!("sandbox {id}: port is not open ({why})")),
-        };
+    // Other ports are the guest's own services, reached through the agent: envd's access token
+    // is not theirs to check (the code interpreter SDK sends it on /execute but not /contexts).
+    match target.port {
+        Some(ENVD_PORT) => {}
+        Some(port) => return forward_port(e2b, &id, port, request).await,
+        None => return proxy_error(&id, format!("sandbox {id}: port is not open (no port)")),
     }
     let path = request.uri().path().to_string();
     let method = request.method().as_str().to_string();
@@ -156,6 +143,23 @@ pub(super) async fn respond(
             404,
             &json!({ "code": 404, "message": format!("envd has no route {method} {path}") }),
         ),
+    }
+}
+
+/// A request for guest `port`, forwarded through the agent; 502 "port is not open" when
+/// nothing listens there (the text the SDK keys on).
+async fn forward_port(
+    e2b: &Arc<E2b>,
+    id: &str,
+    port: u16,
+    request: Request<Incoming>,
+) -> Response<Out> {
+    let not_open = |why: String| proxy_error(id, format!("sandbox {id}: port is not open ({why})"));
+    match e2b.daemon.guest_tcp(id, port).await {
+        Ok(pipe) => super::forward::forward(pipe, port, request)
+            .await
+            .unwrap_or_else(not_open),
+        Err(e) => not_open(e.to_string()),
     }
 }
 

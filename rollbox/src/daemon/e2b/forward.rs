@@ -1,36 +1,36 @@
-//! Sandbox ports other than envd's, forwarded as HTTP/1.1 to a TCP address: the test-only
-//! `--e2b-test-port-forward PORT=ADDR` (the code interpreter's 49999 in host-agent tests).
-//! Real guests need an agent operation that opens a guest TCP connection over vsock; the
-//! agent protocol has none yet, so their other ports answer 502 "port is not open".
-
-use std::net::SocketAddr;
+//! Sandbox ports other than envd's: each request goes as HTTP/1.1 over a byte pipe the guest
+//! agent opens to that port on the guest's loopback (`tcp_connect`), and its answer streams
+//! back as it comes.
 
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
+use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::super::http::Out;
 
 /// Chunks of a forwarded answer in flight to the client.
 const CHUNKS_IN_FLIGHT: usize = 16;
 
-/// Sends `request` to `address` and streams its answer back; `Err` says why it could not.
-pub(super) async fn forward(
-    address: SocketAddr,
+/// Sends `request` over `pipe` (a connection to `port`) and streams its answer back; `Err`
+/// says why it could not.
+pub(super) async fn forward<S>(
+    pipe: S,
+    port: u16,
     request: Request<Incoming>,
-) -> Result<Response<Out>, String> {
-    let stream = tokio::net::TcpStream::connect(address)
-        .await
-        .map_err(|e| format!("cannot connect to {address}: {e}"))?;
+) -> Result<Response<Out>, String>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
     let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(pipe))
             .await
-            .map_err(|e| format!("HTTP handshake with {address}: {e}"))?;
+            .map_err(|e| format!("HTTP handshake with guest port {port}: {e}"))?;
     tokio::spawn(connection);
     let answer = sender
         .send_request(request)
         .await
-        .map_err(|e| format!("{address} gave no answer: {e}"))?;
+        .map_err(|e| format!("guest port {port} gave no answer: {e}"))?;
     let (parts, mut body) = answer.into_parts();
     let (chunks, receiver) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
     tokio::spawn(async move {
@@ -43,7 +43,8 @@ pub(super) async fn forward(
                 Err(e) => Err(std::io::Error::other(e)),
             };
             let failed = chunk.is_err();
-            // A client that went away ends the forward (and with it the upstream request).
+            // A client that went away ends the forward, and dropping the pipe closes the
+            // guest socket.
             if chunks.send(chunk).await.is_err() || failed {
                 return;
             }

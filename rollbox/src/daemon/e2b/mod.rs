@@ -12,8 +12,9 @@
 //! ends a connection's processes with the connection: the daemon owns those connections.
 //!
 //! A request is for the data plane when it names a sandbox: an `E2b-Sandbox-Id` header (SDK
-//! 2.10+) or a host `{port}-{id}.{domain}`; everything else is the control plane. Wire facts:
-//! `shared/docs/e2b-compat.md`.
+//! 2.10+) or a host `{port}-{id}.{domain}`; everything else is the control plane. Ports other
+//! than envd's are the guest's own services, reached as HTTP/1.1 over the agent's
+//! `tcp_connect` (forward.rs). Wire facts: `shared/docs/e2b-compat.md`.
 
 pub mod connect;
 mod control;
@@ -36,7 +37,7 @@ use super::{Daemon, DaemonError, Listen};
 /// The envd version rollbox reports: the newest whose features the façade implements
 /// (octet-stream and gzip uploads, CloseStdin: 0.5.7; file metadata xattrs, 0.6.2, are not).
 pub const ENVD_VERSION: &str = "0.5.7";
-/// envd's port in E2B sandboxes; other ports are refused as not open.
+/// envd's port in E2B sandboxes, served here; other ports go to the guest through the agent.
 pub const ENVD_PORT: u16 = 49983;
 /// Sandbox TTL when a create gives no `timeout` (the SDK's own default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
@@ -54,9 +55,6 @@ pub struct E2bOptions {
     pub domain: String,
     /// Serve TLS with this certificate chain and private key (PEM files).
     pub tls: Option<TlsFiles>,
-    /// Test-only: sandbox port → a host TCP address every sandbox's traffic for it goes to
-    /// (the code interpreter's 49999 with the host agent).
-    pub test_port_forwards: std::collections::BTreeMap<u16, SocketAddr>,
 }
 
 /// `--e2b-tls-cert` and `--e2b-tls-key`.
