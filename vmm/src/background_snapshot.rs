@@ -305,29 +305,14 @@ mod tests {
     use snapshot::memory::{open_layer, PAGE_SIZE};
     use std::os::unix::fs::FileExt;
 
-    fn anonymous(len: usize) -> *mut u8 {
-        // SAFETY: a fresh private anonymous mapping; the tests unmap it.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(host, libc::MAP_FAILED);
-        host.cast()
-    }
-
     #[test]
     fn the_file_holds_memory_as_it_was_at_the_fork_not_as_it_is_after() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("memory");
         let len = 64 * PAGE_SIZE as usize;
-        let host = anonymous(len);
-        // SAFETY: the mapping is `len` bytes long.
+        let mapping = vm_memory::MmapRegion::<()>::new(len).expect("mmap");
+        let host = mapping.as_ptr();
+        // SAFETY: the mapping is `len` bytes long and outlives `guest`.
         let guest = unsafe { std::slice::from_raw_parts_mut(host, len) };
         guest[0] = 1;
         guest[10 * PAGE_SIZE as usize] = 2;
@@ -352,8 +337,6 @@ mod tests {
             file.read_exact_at(&mut byte, offset).expect("read");
             assert_eq!(byte[0], want, "offset {offset}");
         }
-        // SAFETY: unmaps the mapping made above; `guest` is not used after.
-        unsafe { libc::munmap(host.cast(), len) };
     }
 
     #[test]
@@ -361,12 +344,12 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("memory");
         let len = 4 * PAGE_SIZE as usize;
-        let host = anonymous(len);
+        let mapping = vm_memory::MmapRegion::<()>::new(len).expect("mmap");
+        let host = mapping.as_ptr();
         // SAFETY: the first page of the mapping.
         unsafe { *host = 5 };
         let memory = FullMemoryFile::create(&path, len as u64).expect("create");
-        // A region that ends past the guest-sized file's end cannot be written where the
-        // file is read-only: reopen the descriptor read-only by swapping the file.
+        // The writer gets a read-only descriptor of the file, so its first write fails.
         let read_only = File::open(memory.tmp_path()).expect("reopen");
         let mut job = DumpJob::new(
             &memory,
@@ -391,7 +374,5 @@ mod tests {
         assert!(!path.exists());
         let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
         assert!(left.is_empty(), "the temporary file goes: {left:?}");
-        // SAFETY: unmaps the mapping made above.
-        unsafe { libc::munmap(host.cast(), len) };
     }
 }
