@@ -54,7 +54,7 @@ def run_checks(sbx):
 
     chunks = []
     result = sbx.commands.run(
-        "echo one; echo oops >&2; sleep 1; echo two",
+        "echo one; echo oops >&2; sleep 2; echo two",
         on_stdout=lambda data: chunks.append((time.perf_counter(), "out", data)),
         on_stderr=lambda data: chunks.append((time.perf_counter(), "err", data)),
     )
@@ -62,7 +62,7 @@ def run_checks(sbx):
     assert result.exit_code == 0 and result.stdout == "one\ntwo\n" and result.stderr == "oops\n", result
     assert "".join(d for _, s, d in chunks if s == "out") == "one\ntwo\n", chunks
     assert "".join(d for _, s, d in chunks if s == "err") == "oops\n", chunks
-    # Streamed: "one" arrived while the command still slept, not with the result.
+    # Streamed: "one" arrived while the command still slept (2 s), not with the result.
     assert ended - chunks[0][0] > 0.5, (ended, chunks)
     ok("foreground run streams stdout and stderr through the callbacks")
 
