@@ -2,18 +2,21 @@
 //! README's daemon walk-through, every step checked) builds a template from the busybox image's
 //! `docker save` archive and one from the Debian rootfs that `rollbox image build` made, each
 //! with a boot snapshot, then creates, execs, writes and reads a file, snapshots, forks, resets
-//! and deletes through the `rollbox` CLI.
+//! and deletes through the `rollbox` CLI. The stock `e2b` SDK (2.63.0, the venv of
+//! `scripts/e2b-venv.sh`) then runs `rollbox/tests/e2b/test_linux.py` against the daemon's E2B
+//! listener with the Debian template: commands, files, PTYs, watches, pause, fork and kill in a
+//! real Linux guest.
 //!
 //! Linux guests need hardware virtualization: `scripts/test.sh` runs this binary in the nested
 //! lab with the fixtures of `scripts/lab/tier4-fixtures.sh` (ROLLBOX_TIER4_FIXTURES).
 
 mod tier4 {
     use std::path::{Path, PathBuf};
-    use std::process::Command;
-    use std::time::Instant;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
 
     use rollbox_tests::linux::{fixtures, Fixtures};
-    use rollbox_tests::{rollbox_binary, vmm_binary};
+    use rollbox_tests::{rollbox_binary, skip, vmm_binary, workspace_root};
 
     fn demo() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -93,5 +96,216 @@ mod tier4 {
         };
         let rootfs = fixtures.text("DEBIAN_ROOTFS");
         run_demo(&fixtures, "debian", &["--rootfs".into(), rootfs], 2);
+    }
+
+    /// The python of the e2b `version` venv that `scripts/e2b-venv.sh` made on the host. (L1
+    /// sees the host's root read-only, so the venv must exist before the lab starts.)
+    fn sdk_python(version: &str) -> Result<PathBuf, String> {
+        let script = workspace_root().join("scripts/e2b-venv.sh");
+        let output = Command::new("sh")
+            .arg(&script)
+            .arg(version)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+        if !output.status.success() {
+            return Err(format!(
+                "{} {version} failed ({}): {}",
+                script.display(),
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+        if python.is_file() {
+            Ok(python)
+        } else {
+            Err(format!("{} printed no python", script.display()))
+        }
+    }
+
+    /// `rollbox serve` with its E2B listener; on drop, every sandbox is deleted (through the
+    /// daemon, so no VMM outlives the test) and the daemon ends.
+    struct Daemon {
+        serve: Child,
+        dir: tempfile::TempDir,
+        key: String,
+    }
+
+    impl Daemon {
+        fn socket(&self) -> PathBuf {
+            self.dir.path().join("d.sock")
+        }
+
+        /// The daemon's log, then the last lines of each sandbox's serial console.
+        fn log(&self) -> String {
+            let mut text =
+                std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default();
+            let sandboxes = self.dir.path().join("state/sandboxes");
+            for entry in std::fs::read_dir(sandboxes).into_iter().flatten().flatten() {
+                let console = entry.path().join("console.log");
+                if let Ok(lines) = std::fs::read_to_string(&console) {
+                    let tail: Vec<&str> = lines.lines().rev().take(20).collect();
+                    text.push_str(&format!("\n--- {} (last lines)\n", console.display()));
+                    for line in tail.iter().rev() {
+                        text.push_str(line);
+                        text.push('\n');
+                    }
+                }
+            }
+            text
+        }
+
+        /// `rollbox ARGS` as a client of this daemon.
+        fn cli(&self, args: &[&str]) -> std::process::Output {
+            Command::new(rollbox_binary())
+                .args(args)
+                .env("ROLLBOX_SOCKET", self.socket())
+                .env("ROLLBOX_API_KEY", &self.key)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap_or_else(|e| panic!("run rollbox {args:?}: {e}"))
+        }
+    }
+
+    impl Drop for Daemon {
+        fn drop(&mut self) {
+            let listed = self.cli(&["sandbox", "ls", "--json"]);
+            let ids: Vec<String> = serde_json::from_slice::<serde_json::Value>(&listed.stdout)
+                .ok()
+                .and_then(|v| v["sandboxes"].as_array().cloned())
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|s| s["id"].as_str().map(str::to_string))
+                .collect();
+            for id in ids {
+                let _ = self.cli(&["sandbox", "rm", &id]);
+            }
+            let _ = self.serve.kill();
+            let _ = self.serve.wait();
+        }
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port()
+    }
+
+    fn start_daemon(port: u16) -> Daemon {
+        // /tmp is L1's own tmpfs: the sandboxes' rootfs copies live there.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = "e2b-lab-key-0123".to_string();
+        let log = std::fs::File::create(dir.path().join("serve.log")).expect("serve.log");
+        let serve = Command::new(rollbox_binary())
+            .arg("serve")
+            .arg("--socket")
+            .arg(dir.path().join("d.sock"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--image-cache")
+            .arg(dir.path().join("cache"))
+            .args(["--e2b-listen", &format!("127.0.0.1:{port}")])
+            .args(["--e2b-domain", "e2b.test"])
+            .env("ROLLBOX_API_KEY", &key)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn rollbox serve");
+        let daemon = Daemon { serve, dir, key };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !(daemon.socket().exists()
+            && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+        {
+            assert!(
+                Instant::now() < deadline,
+                "rollbox serve did not listen\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        daemon
+    }
+
+    #[test]
+    fn stock_e2b_sdk_with_a_debian_template_end_to_end() {
+        let test = "tier4::stock_e2b_sdk_with_a_debian_template_end_to_end";
+        let Some(fixtures) = fixtures(test) else {
+            return;
+        };
+        let python = match sdk_python("2.63.0") {
+            Ok(python) => python,
+            Err(reason) => {
+                skip(test, &format!("no e2b 2.63.0 venv: {reason}"));
+                return;
+            }
+        };
+        assert_eq!(
+            rollbox_binary().parent(),
+            vmm_binary().parent(),
+            "rollbox serve finds rollbox-vmm beside itself"
+        );
+        let port = free_port();
+        let daemon = start_daemon(port);
+        let started = Instant::now();
+        let kernel = fixtures.path("OUR_VMLINUX");
+        let rootfs = fixtures.path("DEBIAN_ROOTFS");
+        let added = daemon.cli(&[
+            "template",
+            "add",
+            "debian",
+            "--kernel",
+            &kernel.display().to_string(),
+            "--rootfs",
+            &rootfs.display().to_string(),
+            "--memory-mib",
+            "256",
+            "--boot-snapshot",
+            "--cmdline",
+            "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent",
+        ]);
+        assert!(
+            added.status.success(),
+            "rollbox template add debian: {}\n{}\n{}",
+            added.status,
+            String::from_utf8_lossy(&added.stderr),
+            daemon.log()
+        );
+        println!(
+            "figure: the Debian template with a boot snapshot took {:.1} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
+        let url = format!("http://127.0.0.1:{port}");
+        let scratch = tempfile::tempdir().expect("scratch");
+        let started = Instant::now();
+        let output = Command::new(&python)
+            .arg(workspace_root().join("rollbox/tests/e2b/test_linux.py"))
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", &daemon.key)
+            .env("E2B_DOMAIN", "e2b.test")
+            .env("ROLLBOX_E2B_TEMPLATE", "debian")
+            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+            .env_remove("E2B_DEBUG")
+            // L1's root is read-only: no __pycache__ beside the scripts.
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run test_linux.py");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        println!("{stdout}");
+        assert!(
+            output.status.success() && stdout.contains("all ok"),
+            "test_linux.py failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            daemon.log()
+        );
+        println!(
+            "figure: the e2b SDK script took {:.1} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
     }
 }
