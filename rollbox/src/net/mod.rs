@@ -270,6 +270,7 @@ pub fn up(state: &StateDir, options: &UpOptions) -> Result<NetInfo, NetError> {
         link_made = true;
         tap::configure(&lease.tap, lease.host_ip, slot.subnet.netmask())?;
         tap::enable_forwarding()?;
+        nft::admit_through_docker()?;
         nft::apply_up(&nft::render_up(&sandbox_rules(&lease, &egress)))?;
         rules_made = true;
         lease.complete = true;

@@ -80,6 +80,32 @@ fn one_line(stderr: &str) -> String {
     }
 }
 
+/// The comment on the rules [`admit_through_docker`] adds, which finds them again.
+const DOCKER_RULE_COMMENT: &str = "rollbox: sandbox traffic (policy in table inet rollbox)";
+
+/// Where Docker's `ip filter` table has a `DOCKER-USER` chain, makes sure it accepts traffic
+/// from and to `rbx*` interfaces. netfilter runs every table's base chains, and dockerd sets
+/// its FORWARD policy to drop when it turned forwarding on itself: without these two rules a
+/// sandbox reaches nothing through the host. Accepting there only lifts Docker's drop; table
+/// inet rollbox still enforces each sandbox's egress. Added once, host-wide, like forwarding
+/// itself, and never removed.
+pub fn admit_through_docker() -> Result<(), NftError> {
+    let chain = match nft(&["list", "chain", "ip", "filter", "DOCKER-USER"], None) {
+        Ok(text) => text,
+        // No Docker (or no DOCKER-USER chain): nothing to lift.
+        Err(NftError::Rejected(_)) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if chain.contains(DOCKER_RULE_COMMENT) {
+        return Ok(());
+    }
+    let script = format!(
+        "insert rule ip filter DOCKER-USER iifname \"rbx*\" counter accept comment \"{DOCKER_RULE_COMMENT}\"\n\
+         insert rule ip filter DOCKER-USER oifname \"rbx*\" counter accept comment \"{DOCKER_RULE_COMMENT}\"\n"
+    );
+    apply(&script)
+}
+
 /// Applies a script atomically.
 pub fn apply(script: &str) -> Result<(), NftError> {
     nft(&["-f", "-"], Some(script)).map(|_| ())
