@@ -114,7 +114,9 @@ def run_checks(sbx):
     # A stuck terminal or watch would block a read for ever: end the script with a traceback.
     faulthandler.dump_traceback_later(240, exit=True)
     pty_checks(sbx, base)
-    watch_checks(sbx, base)
+    # Without the 10,000-event flood: a daemon-side limit the host suite covers, and 10,100
+    # files take the lab's guest longer than the SDK's 60 s command timeout at times.
+    watch_checks(sbx, base, flood=False)
     faulthandler.cancel_dump_traceback_later()
 
     runs = []
