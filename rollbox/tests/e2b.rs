@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use rollbox::daemon::client::Endpoint;
 use rollbox::daemon::vm;
 use rollbox_tests::{
-    agent_binary, kvm_available, rollbox_binary, skip, test_guest, vmm_binary, workspace_root,
-    TEST_GUEST_CMDLINE,
+    agent_binary, kvm_available, rollbox_binary, skip, test_guest, venv_python, vmm_binary,
+    workspace_root, TEST_GUEST_CMDLINE,
 };
 use serde_json::json;
 
@@ -257,32 +257,7 @@ fn start_daemon(
 
 /// The venv's python for SDK `version`, or why there is none.
 fn sdk_python(version: &str) -> Result<PathBuf, String> {
-    venv_python("scripts/e2b-venv.sh", version)
-}
-
-/// The python that `script VERSION` prints after making its venv.
-fn venv_python(script: &str, version: &str) -> Result<PathBuf, String> {
-    let script = workspace_root().join(script);
-    let output = Command::new("sh")
-        .arg(&script)
-        .arg(version)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-    if !output.status.success() {
-        return Err(format!(
-            "{} {version} failed ({}): {}",
-            script.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if python.is_file() {
-        Ok(python)
-    } else {
-        Err(format!("{} printed no python", script.display()))
-    }
+    venv_python("scripts/e2b-venv.sh", &[version])
 }
 
 fn run_sdk_suite(test: &str, version: &str, tls: bool) {
@@ -470,7 +445,7 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
     if !kvm_available() {
         return;
     }
-    let python = match venv_python("scripts/e2b-ci-venv.sh", "2.11.5") {
+    let python = match venv_python("scripts/e2b-ci-venv.sh", &["2.11.5"]) {
         Ok(python) => python,
         Err(reason) => {
             skip(test, &format!("no e2b-code-interpreter venv: {reason}"));

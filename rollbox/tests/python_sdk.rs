@@ -117,26 +117,7 @@ fn start_daemon(tcp: Option<u16>, vmm: Option<&Path>, extra: &[&str]) -> Daemon 
 
 /// The venv's python, or why there is none.
 fn sdk_python() -> Result<PathBuf, String> {
-    let script = workspace_root().join("scripts/sdk-venv.sh");
-    let output = Command::new("sh")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-    if !output.status.success() {
-        return Err(format!(
-            "{} failed ({}): {}",
-            script.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if python.is_file() {
-        Ok(python)
-    } else {
-        Err(format!("{} printed no python", script.display()))
-    }
+    rollbox_tests::venv_python("scripts/sdk-venv.sh", &[])
 }
 
 /// `python` with the SDK's test environment: no stray ROLLBOX_* from the caller, no bytecode

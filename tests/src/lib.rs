@@ -33,6 +33,35 @@ fn run_build(args: &[&str]) {
     assert!(status.success(), "cargo {args:?} failed: {status}");
 }
 
+/// The python that a venv script (`scripts/e2b-venv.sh VERSION`, `scripts/sdk-venv.sh`) prints
+/// after making its venv, or why there is none.
+pub fn venv_python(script: &str, args: &[&str]) -> Result<PathBuf, String> {
+    let script = workspace_root().join(script);
+    let invocation = std::iter::once(script.display().to_string())
+        .chain(args.iter().map(|a| a.to_string()))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let output = Command::new("sh")
+        .arg(&script)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{invocation} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+    if python.is_file() {
+        Ok(python)
+    } else {
+        Err(format!("{} printed no python", script.display()))
+    }
+}
+
 /// Whether the binaries were built before the tests started and must not be rebuilt: inside
 /// the nested lab (`scripts/lab/run.sh` sets ROLLBOX_IN_LAB; the workspace is read-only there),
 /// or with ROLLBOX_PREBUILT=1.

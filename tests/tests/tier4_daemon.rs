@@ -101,27 +101,7 @@ mod tier4 {
     /// The python of the e2b `version` venv that `scripts/e2b-venv.sh` made on the host. (L1
     /// sees the host's root read-only, so the venv must exist before the lab starts.)
     fn sdk_python(version: &str) -> Result<PathBuf, String> {
-        let script = workspace_root().join("scripts/e2b-venv.sh");
-        let output = Command::new("sh")
-            .arg(&script)
-            .arg(version)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-        if !output.status.success() {
-            return Err(format!(
-                "{} {version} failed ({}): {}",
-                script.display(),
-                output.status,
-                String::from_utf8_lossy(&output.stderr)
-            ));
-        }
-        let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-        if python.is_file() {
-            Ok(python)
-        } else {
-            Err(format!("{} printed no python", script.display()))
-        }
+        rollbox_tests::venv_python("scripts/e2b-venv.sh", &[version])
     }
 
     /// `rollbox serve` with its E2B listener; on drop, every sandbox is deleted (through the

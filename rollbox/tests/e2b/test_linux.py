@@ -10,14 +10,13 @@ and exits non-zero.
 import faulthandler
 import importlib.metadata
 import os
-import sys
 import time
 
 from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.api.client.models.sandbox_state import SandboxState
 
 # The host suite's PTY and watch checks, unchanged: they take the sandbox and a directory.
-from test_sdk import expect_error, ok, percentile, pty_checks, watch_checks
+from test_sdk import expect_error, ok, percentile, pty_checks, run_main, watch_checks
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 METADATA = {"suite": "e2b-linux"}
@@ -171,14 +170,4 @@ def run_checks(sbx):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        traceback.print_exc()
-        sys.exit(1)
-    print("all ok", flush=True)
-    # As test_sdk.py: leave without interpreter finalisation (a dependency sometimes aborts there).
-    sys.stderr.flush()
-    os._exit(0)
+    run_main(main)

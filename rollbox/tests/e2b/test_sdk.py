@@ -542,7 +542,8 @@ def figures(sbx):
     )
 
 
-if __name__ == "__main__":
+def run_main(main):
+    """Runs `main`: a traceback and exit status 1 on any failure, else "all ok" and exit 0."""
     try:
         main()
     except Exception:  # noqa: BLE001
@@ -556,3 +557,7 @@ if __name__ == "__main__":
     # error: Aborted" with no Python frame; about 1 run in 10 of test_patterns.py).
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    run_main(main)
