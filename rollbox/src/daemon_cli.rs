@@ -354,6 +354,8 @@ pub enum TemplateCommand {
         /// Boot it once and keep a snapshot; creates then restore it (needs the agent).
         #[arg(long)]
         boot_snapshot: bool,
+        #[command(flatten)]
+        commands: StartCommands,
     },
     /// Build a template from an OCI/Docker image: the daemon builds the rootfs (with the guest
     /// agent as init) and, with --boot-snapshot, boots it once and snapshots it.
@@ -388,11 +390,42 @@ pub enum TemplateCommand {
         /// Boot it once and keep a snapshot; creates then restore it.
         #[arg(long)]
         boot_snapshot: bool,
+        #[command(flatten)]
+        commands: StartCommands,
     },
     Ls,
     Rm {
         name: String,
     },
+}
+
+/// What a template runs once its agent answers after a boot (before a boot snapshot).
+#[derive(clap::Args)]
+pub struct StartCommands {
+    /// A shell command started in the background after boot, e.g. a server (its output goes
+    /// to the guest's /var/log/rollbox-start.log).
+    #[arg(long, value_name = "COMMAND")]
+    start_cmd: Option<String>,
+    /// A shell command run until it exits 0; creates return once it has (needs --start-cmd).
+    #[arg(long, value_name = "COMMAND", requires = "start_cmd")]
+    ready_cmd: Option<String>,
+    /// How long --ready-cmd may take to first exit 0 [default: 300].
+    #[arg(long, value_name = "SECONDS", requires = "ready_cmd")]
+    ready_timeout: Option<i64>,
+}
+
+impl StartCommands {
+    fn add_to(self, body: &mut serde_json::Value) {
+        if let Some(c) = self.start_cmd {
+            body["start_cmd"] = json!(c);
+        }
+        if let Some(c) = self.ready_cmd {
+            body["ready_cmd"] = json!(c);
+        }
+        if let Some(s) = self.ready_timeout {
+            body["ready_timeout_s"] = json!(s);
+        }
+    }
 }
 
 /// A template name from an image reference: its last path component without tag or digest.
@@ -1304,6 +1337,9 @@ fn print_template(conn: &Conn, response: &Response, done: &str) -> Result<(), Cl
     if let Some(snapshot) = &template.boot_snapshot {
         println!("boot snapshot: {snapshot}");
     }
+    if let Some(command) = &template.start_cmd {
+        println!("start command: {command}");
+    }
     Ok(())
 }
 
@@ -1318,6 +1354,7 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
             vcpus,
             memory_mib,
             boot_snapshot,
+            commands,
         } => {
             let mut body = json!({
                 "name": name,
@@ -1325,6 +1362,7 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
                 "cmdline": cmdline,
                 "boot_snapshot": boot_snapshot,
             });
+            commands.add_to(&mut body);
             if let Some(p) = rootfs {
                 body["rootfs"] = json!(absolute(p));
             }
@@ -1353,6 +1391,7 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
             vcpus,
             memory_mib,
             boot_snapshot,
+            commands,
         } => {
             let name = match (name, &image, &from_docker_archive) {
                 (Some(name), _, _) => name,
@@ -1388,6 +1427,7 @@ fn run_template(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
                 "image": source,
                 "boot_snapshot": boot_snapshot,
             });
+            commands.add_to(&mut body);
             if let Some(c) = cmdline {
                 body["cmdline"] = json!(c);
             }

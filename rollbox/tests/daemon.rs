@@ -2479,3 +2479,136 @@ fn guest_ports_through_the_agent_by_upgrade_and_port_forward() {
         std::panic::resume_unwind(panic);
     }
 }
+
+#[test]
+fn templates_run_their_start_command_after_boot_and_wait_until_ready() {
+    if !kvm_available() {
+        return;
+    }
+    // The host agent runs the commands on this host: they mark files in a scratch directory.
+    let agent = HostAgent::start();
+    let agent_sock = agent.sock.display().to_string();
+    let server = Server::start(&["--test-agent-socket", &agent_sock]);
+    let work = tempfile::tempdir().expect("tempdir");
+    let dir = work.path().display().to_string();
+    let started = work.path().join("started");
+    let want = work.path().join("want");
+    let lines = || {
+        std::fs::read_to_string(&started)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    // The start command marks itself a second late; the ready command waits for the mark the
+    // test expects, so a template add or create that returns early sees too few lines.
+    let start_cmd = format!("sleep 1; echo \"up $GREETING\" >> {dir}/started");
+    let ready_cmd = format!("[ \"$(wc -l < {dir}/started)\" -ge \"$(cat {dir}/want)\" ]");
+    std::fs::write(&want, "1").expect("want");
+    let (status, template) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "svc",
+            "kernel": test_guest(),
+            "cmdline": TEST_GUEST_CMDLINE,
+            "memory_mib": 32,
+            "boot_snapshot": true,
+            "start_cmd": start_cmd,
+            "ready_cmd": ready_cmd,
+            "ready_timeout_s": 60,
+        })),
+    );
+    assert_eq!(status, 201, "{template}\n{}", server.log());
+    assert_eq!(template["start_cmd"], start_cmd.as_str());
+    assert_eq!(template["ready_timeout_s"], 60);
+    assert!(template["boot_snapshot"].is_string(), "{template}");
+    assert_eq!(lines(), ["up "], "the boot before the snapshot ran it once");
+
+    // A restore of the boot snapshot does not run it again: the snapshot has it running.
+    let restored = server.create(json!({"template": "svc", "ttl_s": 300}));
+    assert!(cmdline(pid_of(&restored).0).contains("--restore"));
+    assert_eq!(lines(), ["up "]);
+
+    // A boot (another shape) runs it with the sandbox's env, and returns once it is ready.
+    std::fs::write(&want, "2").expect("want");
+    let booted = server.create(json!({
+        "template": "svc", "ttl_s": 300, "memory_mib": 48, "env": {"GREETING": "hi"},
+    }));
+    assert!(!cmdline(pid_of(&booted).0).contains("--restore"));
+    assert_eq!(lines(), ["up ", "up hi"]);
+
+    // A ready command that never succeeds fails the template add within its timeout and
+    // leaves nothing: no template, no snapshot, no VMM beyond the two above.
+    let before = server.vmms().len();
+    let asked = Instant::now();
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "never",
+            "kernel": test_guest(),
+            "cmdline": TEST_GUEST_CMDLINE,
+            "memory_mib": 32,
+            "boot_snapshot": true,
+            "start_cmd": "true",
+            "ready_cmd": "echo not yet >&2; false",
+            "ready_timeout_s": 2,
+        })),
+    );
+    assert_eq!(status, 503, "{body}");
+    let error = body["error"].as_str().unwrap_or("");
+    assert!(
+        error.contains("ready_cmd") && error.contains("within 2 s") && error.contains("not yet"),
+        "{body}"
+    );
+    assert!(asked.elapsed() < Duration::from_secs(30));
+    assert_eq!(server.call("GET", "/templates/never", None).0, 404);
+    wait_for(
+        "the failed boot's VMM to end",
+        Duration::from_secs(20),
+        || server.vmms().len() == before,
+    );
+
+    // The same failure on a create's boot: the create fails and its sandbox is failed.
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "late",
+            "kernel": test_guest(),
+            "cmdline": TEST_GUEST_CMDLINE,
+            "memory_mib": 32,
+            "start_cmd": "true",
+            "ready_cmd": "false",
+            "ready_timeout_s": 1,
+        })),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "late", "ttl_s": 300})),
+    );
+    assert_eq!(status, 503, "{body}");
+    wait_for(
+        "the failed create's VMM to end",
+        Duration::from_secs(20),
+        || server.vmms().len() == before,
+    );
+    let (_, list) = server.call("GET", "/sandboxes?state=failed", None);
+    let failed: Vec<&Value> = list["sandboxes"]
+        .as_array()
+        .expect("sandboxes")
+        .iter()
+        .filter(|s| s["template"] == "late")
+        .collect();
+    assert_eq!(failed.len(), 1, "{list}");
+    assert!(
+        failed[0]["end_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("ready_cmd"),
+        "{list}"
+    );
+}

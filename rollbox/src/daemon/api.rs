@@ -189,6 +189,16 @@ pub struct Template {
     /// The snapshot taken once it booted: creates from the template restore it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_snapshot: Option<String>,
+    /// Started in the background (`/bin/sh -c`) once the agent answers after a boot; with a
+    /// boot snapshot, it runs before the snapshot, so restored sandboxes have it running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_cmd: Option<String>,
+    /// Run (`/bin/sh -c`) after the start command until it exits 0: the sandbox is ready then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
+    /// How long the ready command may take to first exit 0 [default 300 s].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_timeout_s: Option<u32>,
 }
 
 /// Where a template's rootfs image comes from: a registry reference, a `docker save` tarball
@@ -230,6 +240,9 @@ struct TemplateBody {
     memory_mib: Option<i64>,
     #[serde(default)]
     boot_snapshot: bool,
+    start_cmd: Option<String>,
+    ready_cmd: Option<String>,
+    ready_timeout_s: Option<i64>,
 }
 
 /// The kernel command line of templates built from images when the request gives none: our
@@ -1193,6 +1206,20 @@ fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
             "cmdline: must be at most 2048 bytes with no control characters",
         ));
     }
+    for (command, field) in [
+        (&body.start_cmd, "start_cmd"),
+        (&body.ready_cmd, "ready_cmd"),
+    ] {
+        if let Some(command) = command {
+            check_template_command(command, field)?;
+        }
+    }
+    if body.ready_cmd.is_some() && body.start_cmd.is_none() {
+        return Err(bad("ready_cmd: needs a start_cmd to wait for"));
+    }
+    if body.ready_timeout_s.is_some() && body.ready_cmd.is_none() {
+        return Err(bad("ready_timeout_s: needs a ready_cmd to time"));
+    }
     Ok(AddTemplate {
         template: Template {
             name,
@@ -1205,10 +1232,26 @@ fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
             created_at_ms: 0,
             image: None,
             boot_snapshot: None,
+            start_cmd: body.start_cmd,
+            ready_cmd: body.ready_cmd,
+            ready_timeout_s: in_range(body.ready_timeout_s, "ready_timeout_s", 1, 3600)?,
         },
         image: body.image,
         boot_snapshot: body.boot_snapshot,
     })
+}
+
+/// A template's start or ready command: a non-empty shell command line of at most 4096 bytes.
+fn check_template_command(command: &str, field: &str) -> Result<(), ApiError> {
+    if command.trim().is_empty() {
+        return Err(bad(format!("{field}: must not be empty")));
+    }
+    if command.len() > 4096 || command.contains('\0') {
+        return Err(bad(format!(
+            "{field}: must be at most 4096 bytes with no NUL byte"
+        )));
+    }
+    Ok(())
 }
 
 fn check_image(image: &ImageSource, has_rootfs: bool) -> Result<(), ApiError> {
@@ -1544,12 +1587,32 @@ mod tests {
         };
         assert_eq!(t.template.cmdline, IMAGE_CMDLINE);
         assert!(t.boot_snapshot);
+        let Action::AddTemplate(t) = parse(
+            "POST",
+            "/templates",
+            None,
+            br#"{"name":"ci","kernel":"/k","start_cmd":"serve &","ready_cmd":"curl -f :1"}"#,
+        )
+        .expect("parse start_cmd") else {
+            panic!("not a template")
+        };
+        assert_eq!(t.template.start_cmd.as_deref(), Some("serve &"));
+        assert_eq!(t.template.ready_cmd.as_deref(), Some("curl -f :1"));
         for (body, field) in [
             (r#"{"name":"g","kernel":"rel/k"}"#, "kernel"),
             (r#"{"name":"g","kernel":"/k","rootfs":"r"}"#, "rootfs"),
             (r#"{"name":"g","kernel":"/k","vcpus":0}"#, "vcpus"),
             (r#"{"name":"-g","kernel":"/k"}"#, "name"),
             (r#"{"name":"g","kernel":"/k","cmdline":"a\nb"}"#, "cmdline"),
+            (r#"{"name":"g","kernel":"/k","start_cmd":" "}"#, "start_cmd"),
+            (
+                r#"{"name":"g","kernel":"/k","ready_cmd":"true"}"#,
+                "ready_cmd",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","start_cmd":"a","ready_cmd":"b","ready_timeout_s":0}"#,
+                "ready_timeout_s",
+            ),
             (
                 r#"{"name":"g","kernel":"/k","image":{}}"#,
                 "image.reference",

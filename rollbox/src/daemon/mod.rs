@@ -476,6 +476,16 @@ impl Daemon {
         self.counters.created();
         match self.start_vmm(&sandbox, template, snapshot).await {
             Ok(()) => {
+                if snapshot.is_none() {
+                    if let Err(e) = self
+                        .start_template_command(&id, template, &sandbox.env)
+                        .await
+                    {
+                        self.counters.failed();
+                        let _ = self.end(&id, State::Failed, &e.to_string()).await;
+                        return Err(e);
+                    }
+                }
                 if let Some(snapshot) = snapshot {
                     self.store()
                         .set_source(&id, &snapshot.id)

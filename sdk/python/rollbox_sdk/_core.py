@@ -233,6 +233,9 @@ def add_template(
     cmdline: Optional[str],
     vcpus: Optional[int],
     memory_mib: Optional[int],
+    start_cmd: Optional[str] = None,
+    ready_cmd: Optional[str] = None,
+    ready_timeout_s: Optional[int] = None,
 ) -> Call[Template]:
     body = _drop_none(
         {
@@ -243,6 +246,9 @@ def add_template(
             "cmdline": cmdline,
             "vcpus": vcpus,
             "memory_mib": memory_mib,
+            "start_cmd": start_cmd,
+            "ready_cmd": ready_cmd,
+            "ready_timeout_s": ready_timeout_s,
         }
     )
     if image is not None:

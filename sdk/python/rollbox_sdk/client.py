@@ -168,14 +168,30 @@ class Client:
         cmdline: Optional[str] = None,
         vcpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
+        start_cmd: Optional[str] = None,
+        ready_cmd: Optional[str] = None,
+        ready_timeout_s: Optional[int] = None,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
-        snapshot that creates restore. Returns once all of it is done; on an error nothing of
-        the template is left."""
+        snapshot that creates restore. ``start_cmd`` is started in the background after a
+        boot (before the boot snapshot), and ``ready_cmd`` runs until it exits 0 (at most
+        ``ready_timeout_s``, default 300). Returns once all of it is done; on an error nothing
+        of the template is left."""
         return self._send(
             _core.add_template(
-                name, kernel, rootfs, image, boot_snapshot, initrd, cmdline, vcpus, memory_mib
+                name,
+                kernel,
+                rootfs,
+                image,
+                boot_snapshot,
+                initrd,
+                cmdline,
+                vcpus,
+                memory_mib,
+                start_cmd,
+                ready_cmd,
+                ready_timeout_s,
             )
         )
 

@@ -55,6 +55,11 @@ class Template:
     """The image it was built from (REFERENCE@DIGEST), when the daemon built it."""
     boot_snapshot: Optional[str] = None
     """The snapshot that creates of its shape restore."""
+    start_cmd: Optional[str] = None
+    """Started in the background after a boot."""
+    ready_cmd: Optional[str] = None
+    """Run until it exits 0 before a create returns."""
+    ready_timeout_s: Optional[int] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -70,6 +75,9 @@ class Template:
             created_at_ms=data.get("created_at_ms", 0),
             image=data.get("image"),
             boot_snapshot=data.get("boot_snapshot"),
+            start_cmd=data.get("start_cmd"),
+            ready_cmd=data.get("ready_cmd"),
+            ready_timeout_s=data.get("ready_timeout_s"),
             raw=data,
         )
 

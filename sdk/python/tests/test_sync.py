@@ -54,6 +54,9 @@ def test_templates_add_get_list_delete_and_errors(rb: Client, kernel: str, cmdli
     with pytest.raises(BadRequest) as caught:
         rb.add_template("sdk-t2", kernel, memory_mib=0)
     assert caught.value.field == "memory_mib"
+    with pytest.raises(BadRequest) as caught:
+        rb.add_template("sdk-t2", kernel, ready_cmd="true")
+    assert caught.value.field == "ready_cmd"
     # An image that is not there: refused, and nothing of the template is left.
     with pytest.raises(BadRequest, match="image"):
         rb.add_template("sdk-t2", kernel, image=ImageSource(docker_archive="/nonexistent.tar"))
@@ -73,6 +76,24 @@ def test_boot_snapshot_template(rb: Client, kernel: str, cmdline: str) -> None:
     finally:
         rb.delete_sandbox(sb)
     rb.delete_template("sdk-boot")
+
+
+def test_template_start_and_ready_commands(rb: Client, kernel: str, cmdline: str, tmp_path) -> None:
+    # The daemon's sandboxes share a host agent: the commands run on this host.
+    mark = tmp_path / "started"
+    template = rb.add_template(
+        "sdk-start",
+        kernel,
+        cmdline=cmdline,
+        memory_mib=32,
+        boot_snapshot=True,
+        start_cmd=f"sleep 1; echo up > {mark}",
+        ready_cmd=f"test -s {mark}",
+        ready_timeout_s=60,
+    )
+    assert (template.start_cmd, template.ready_timeout_s) == (f"sleep 1; echo up > {mark}", 60)
+    assert mark.read_text() == "up\n"
+    rb.delete_template("sdk-start")
 
 
 def test_create_get_keepalive_pause_resume_usage_delete(rb: Client, template: str, tag: str) -> None:
