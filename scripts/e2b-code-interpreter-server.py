@@ -4,8 +4,9 @@ with `jupyter_client` + `ipykernel` (from PyPI, pinned in scripts/e2b-ci-venv.sh
 rollbox; no code of e2b-dev/code-interpreter is in it. Wire facts: shared/docs/e2b-compat.md
 section 3b.
 
-Usage: python e2b-code-interpreter-server.py [--host 127.0.0.1] [--port 49999] [--cwd DIR]
-It prints `listening HOST:PORT` once it serves (port 0: any free port).
+Usage: python e2b-code-interpreter-server.py [--host 127.0.0.1] [--port 49999] [--cwd DIR] [--warm]
+It prints `listening HOST:PORT` once it serves (port 0: any free port). With --warm the default
+context's kernel starts before it listens, so a template's boot snapshot holds a ready kernel.
 Each context is one kernel; executions in a context run one at a time. A client that goes
 away interrupts its execution.
 """
@@ -291,10 +292,13 @@ def main():
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=49999)
     parser.add_argument("--cwd", default=os.getcwd())
+    parser.add_argument("--warm", action="store_true", help="start the default kernel first")
     args = parser.parse_args()
     # SIGTERM ends the kernels too (through the `finally` below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     Handler.contexts = Contexts(args.cwd)
+    if args.warm:
+        Handler.contexts.get_default()
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     host, port = server.server_address[:2]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepares, on the host, what the tier-4 tests boot inside the lab: our kernel, Debian's distro
 # kernel with a small initramfs, and root filesystems that `rollbox image build` makes from a
-# busybox image and from a Debian bookworm image with Docker, each with the static agent as
-# init. Writes DIR/fixtures.env (KEY=path lines) and prints DIR last.
+# busybox image, from a Debian bookworm image with Docker and from the code-interpreter image
+# (scripts/code-interpreter-rootfs.sh), each with the static agent as init. Writes DIR/fixtures.env (KEY=path lines) and prints DIR last.
 #
 # Usage: scripts/lab/tier4-fixtures.sh DIR
 #
@@ -96,6 +96,19 @@ image_build debian "$tag" "$out/debian-image.tar" 1024
 rm -f "$out/debian-image.tar"
 log "debian rootfs: $out/debian.ext4"
 
+# The code-interpreter template's image: Python, ipykernel and our server.
+tarball="$("$ROOT/scripts/code-interpreter-rootfs.sh" | last_line)"
+hash="$(basename "$(dirname "$tarball")")"
+tag="rollbox-test/code-interpreter:${hash#ci-}"
+if ! docker image inspect "$tag" >/dev/null 2>&1; then
+    docker import --message "rollbox code-interpreter (scripts/code-interpreter-rootfs.sh)" \
+        "$tarball" "$tag" >/dev/null
+fi
+docker save -o "$out/code-interpreter-image.tar" "$tag"
+image_build code-interpreter "$tag" "$out/code-interpreter-image.tar" 1024
+rm -f "$out/code-interpreter-image.tar"
+log "code-interpreter rootfs: $out/code-interpreter.ext4"
+
 cat > "$out/fixtures.env" <<EOF
 OUR_VMLINUX=$kernel_dir/vmlinux
 OUR_BZIMAGE=$kernel_dir/bzImage
@@ -104,6 +117,7 @@ DISTRO_INITRD=$out/distro-initrd.gz
 DISTRO_RELEASE=$release
 BUSYBOX_ROOTFS=$out/busybox.ext4
 DEBIAN_ROOTFS=$out/debian.ext4
+CODE_INTERPRETER_ROOTFS=$out/code-interpreter.ext4
 BUSYBOX_IMAGE_TAR=$out/busybox-image.tar
 ROLLBOX_BIN=$rollbox
 EOF

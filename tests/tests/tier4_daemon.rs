@@ -5,7 +5,9 @@
 //! and deletes through the `rollbox` CLI. The stock `e2b` SDK (2.63.0, the venv of
 //! `scripts/e2b-venv.sh`) then runs `rollbox/tests/e2b/test_linux.py` against the daemon's E2B
 //! listener with the Debian template: commands, files, PTYs, watches, pause, fork and kill in a
-//! real Linux guest.
+//! real Linux guest. The stock `e2b-code-interpreter` SDK runs `test_code_interpreter.py` with
+//! the code-interpreter template (`scripts/code-interpreter-rootfs.sh`), whose start command
+//! serves `run_code` from an IPython kernel in the guest.
 //!
 //! Linux guests need hardware virtualization: `scripts/test.sh` runs this binary in the nested
 //! lab with the fixtures of `scripts/lab/tier4-fixtures.sh` (ROLLBOX_TIER4_FIXTURES).
@@ -209,6 +211,71 @@ mod tier4 {
         daemon
     }
 
+    /// `rollbox template add NAME` with the lab's kernel, a boot snapshot and `extra` flags.
+    fn add_template(daemon: &Daemon, fixtures: &Fixtures, name: &str, extra: &[&str]) {
+        let started = Instant::now();
+        let kernel = fixtures.path("OUR_VMLINUX").display().to_string();
+        let mut args = vec![
+            "template",
+            "add",
+            name,
+            "--kernel",
+            &kernel,
+            "--boot-snapshot",
+            "--cmdline",
+            "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent",
+        ];
+        args.extend_from_slice(extra);
+        let added = daemon.cli(&args);
+        assert!(
+            added.status.success(),
+            "rollbox template add {name}: {}\n{}\n{}",
+            added.status,
+            String::from_utf8_lossy(&added.stderr),
+            daemon.log()
+        );
+        println!(
+            "figure: the {name} template with a boot snapshot took {:.1} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
+    }
+
+    /// Runs `rollbox/tests/e2b/SCRIPT` with `python` against the daemon's E2B listener on
+    /// `port`, with sandboxes of `template`; it must print `all ok`.
+    fn run_e2b_script(daemon: &Daemon, port: u16, python: &Path, script: &str, template: &str) {
+        let url = format!("http://127.0.0.1:{port}");
+        let scratch = tempfile::tempdir().expect("scratch");
+        let started = Instant::now();
+        let output = Command::new(python)
+            .arg(workspace_root().join("rollbox/tests/e2b").join(script))
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", &daemon.key)
+            .env("E2B_DOMAIN", "e2b.test")
+            .env("ROLLBOX_E2B_TEMPLATE", template)
+            .env("ROLLBOX_E2B_LINUX_GUEST", "1")
+            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+            .env_remove("E2B_DEBUG")
+            // L1's root is read-only: no __pycache__ beside the scripts.
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("run {script}: {e}"));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        println!("{stdout}");
+        assert!(
+            output.status.success() && stdout.contains("all ok"),
+            "{script} failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            daemon.log()
+        );
+        println!(
+            "figure: {script} took {:.1} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
+    }
+
     #[test]
     fn stock_e2b_sdk_with_a_debian_template_end_to_end() {
         let test = "tier4::stock_e2b_sdk_with_a_debian_template_end_to_end";
@@ -229,63 +296,59 @@ mod tier4 {
         );
         let port = free_port();
         let daemon = start_daemon(port);
-        let started = Instant::now();
-        let kernel = fixtures.path("OUR_VMLINUX");
-        let rootfs = fixtures.path("DEBIAN_ROOTFS");
-        let added = daemon.cli(&[
-            "template",
-            "add",
+        let rootfs = fixtures.path("DEBIAN_ROOTFS").display().to_string();
+        add_template(
+            &daemon,
+            &fixtures,
             "debian",
-            "--kernel",
-            &kernel.display().to_string(),
-            "--rootfs",
-            &rootfs.display().to_string(),
-            "--memory-mib",
-            "256",
-            "--boot-snapshot",
-            "--cmdline",
-            "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent",
-        ]);
-        assert!(
-            added.status.success(),
-            "rollbox template add debian: {}\n{}\n{}",
-            added.status,
-            String::from_utf8_lossy(&added.stderr),
-            daemon.log()
+            &["--rootfs", &rootfs, "--memory-mib", "256"],
         );
-        println!(
-            "figure: the Debian template with a boot snapshot took {:.1} s in the lab",
-            started.elapsed().as_secs_f64()
+        run_e2b_script(&daemon, port, &python, "test_linux.py", "debian");
+    }
+
+    /// The code-interpreter template: its start command serves `POST :49999/execute` in the
+    /// guest with a warm IPython kernel, started before the boot snapshot; the stock
+    /// `e2b-code-interpreter` SDK's `run_code` reaches it through the daemon and the agent.
+    #[test]
+    fn stock_code_interpreter_sdk_with_the_code_interpreter_template() {
+        let test = "tier4::stock_code_interpreter_sdk_with_the_code_interpreter_template";
+        let Some(fixtures) = fixtures(test) else {
+            return;
+        };
+        let python = match rollbox_tests::venv_python("scripts/e2b-ci-venv.sh", &[]) {
+            Ok(python) => python,
+            Err(reason) => {
+                skip(test, &format!("no e2b-code-interpreter venv: {reason}"));
+                return;
+            }
+        };
+        let port = free_port();
+        let daemon = start_daemon(port);
+        let rootfs = fixtures
+            .path("CODE_INTERPRETER_ROOTFS")
+            .display()
+            .to_string();
+        add_template(
+            &daemon,
+            &fixtures,
+            "code-interpreter-v1",
+            &[
+                "--rootfs",
+                &rootfs,
+                "--memory-mib",
+                "512",
+                "--start-cmd",
+                "/opt/rollbox/code-interpreter/start",
+                "--ready-cmd",
+                "/opt/rollbox/code-interpreter/ready",
+            ],
         );
-        let url = format!("http://127.0.0.1:{port}");
-        let scratch = tempfile::tempdir().expect("scratch");
-        let started = Instant::now();
-        let output = Command::new(&python)
-            .arg(workspace_root().join("rollbox/tests/e2b/test_linux.py"))
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env("E2B_API_KEY", &daemon.key)
-            .env("E2B_DOMAIN", "e2b.test")
-            .env("ROLLBOX_E2B_TEMPLATE", "debian")
-            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
-            .env_remove("E2B_DEBUG")
-            // L1's root is read-only: no __pycache__ beside the scripts.
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .stdin(Stdio::null())
-            .output()
-            .expect("run test_linux.py");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        println!("{stdout}");
-        assert!(
-            output.status.success() && stdout.contains("all ok"),
-            "test_linux.py failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr),
-            daemon.log()
-        );
-        println!(
-            "figure: the e2b SDK script took {:.1} s in the lab",
-            started.elapsed().as_secs_f64()
+        run_e2b_script(
+            &daemon,
+            port,
+            &python,
+            "test_code_interpreter.py",
+            "code-interpreter-v1",
         );
     }
 }

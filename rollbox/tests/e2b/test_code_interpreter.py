@@ -1,15 +1,19 @@
-"""The stock `e2b-code-interpreter` SDK's `run_code` against rollbox: run by rollbox/tests/e2b.rs
-with the daemon forwarding sandbox port 49999 to scripts/e2b-code-interpreter-server.py on the
-host. Environment as test_sdk.py. Prints `ok NAME` per check; any failure exits non-zero.
+"""The stock `e2b-code-interpreter` SDK's `run_code` against rollbox. Run by rollbox/tests/e2b.rs
+with the host agent (sandbox port 49999 is scripts/e2b-code-interpreter-server.py on the host),
+and by tests/tests/tier4_daemon.rs with the code-interpreter template in a Linux guest
+(ROLLBOX_E2B_LINUX_GUEST=1 adds checks that the code runs there). Environment as test_sdk.py.
+Prints `ok NAME` per check; any failure exits non-zero.
 """
 
 import importlib.metadata
 import os
 import sys
+import time
 
 from e2b_code_interpreter import Sandbox
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
+LINUX_GUEST = os.environ.get("ROLLBOX_E2B_LINUX_GUEST") == "1"
 
 
 def ok(name):
@@ -18,8 +22,35 @@ def ok(name):
 
 def main():
     print(f"e2b-code-interpreter {importlib.metadata.version('e2b-code-interpreter')}", flush=True)
+    started = time.monotonic()
     sbx = Sandbox.create(TEMPLATE, timeout=120)
+    created = time.monotonic()
     try:
+        first = sbx.run_code("1")
+        assert first.text == "1", first
+        print(
+            f"figure: create {created - started:.2f} s, then the first run_code "
+            f"{time.monotonic() - created:.3f} s",
+            flush=True,
+        )
+        round_trips = []
+        for _ in range(5):
+            t = time.monotonic()
+            sbx.run_code("None")
+            round_trips.append(time.monotonic() - t)
+        print(f"figure: run_code('None') median {sorted(round_trips)[2] * 1000:.0f} ms", flush=True)
+        if LINUX_GUEST:
+            # The template's server, in the guest: the kernel runs in /home/user beside the
+            # template's files, on the same kernel as envd's commands.
+            execution = sbx.run_code(
+                "import os, platform; "
+                "(os.getcwd(), os.path.exists('/opt/rollbox/code-interpreter/server.py'))"
+            )
+            assert execution.text == "('/home/user', True)", execution
+            guest_kernel = sbx.commands.run("uname -r").stdout.strip()
+            assert sbx.run_code("platform.release()").text == repr(guest_kernel), guest_kernel
+            ok(f"run_code runs in the guest (kernel {guest_kernel})")
+
         execution = sbx.run_code("1+1")
         assert execution.text == "2" and execution.error is None, execution
         ok('run_code("1+1") is "2"')
