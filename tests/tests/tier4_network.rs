@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,11 @@ impl Drop for HostTap {
 
 /// Fetches `path` from the guest's HTTP server, retrying while it starts.
 fn http_get(addr: SocketAddr, path: &str) -> String {
+    try_http_get(addr, path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// GET `path` from `addr`, retrying for up to 60 s while the connection fails.
+fn try_http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
@@ -84,15 +89,34 @@ fn http_get(addr: SocketAddr, path: &str) -> String {
                 write!(stream, "GET {path} HTTP/1.0\r\nHost: guest\r\n\r\n").expect("request");
                 let mut answer = String::new();
                 stream.read_to_string(&mut answer).expect("answer");
-                return answer;
+                return Ok(answer);
             }
             Err(e) if Instant::now() < deadline => {
                 eprintln!("http {addr}: {e}; retrying");
                 std::thread::sleep(Duration::from_millis(500));
             }
-            Err(e) => panic!("http {addr}: {e}"),
+            Err(e) => return Err(format!("http {addr}: {e}")),
         }
     }
+}
+
+/// What a fork's clone left: alive or not, and the last lines of its console and VMM log.
+fn clone_report(clone: &serde_json::Value) -> String {
+    let alive = clone["pid"]
+        .as_u64()
+        .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+    let console = PathBuf::from(clone["console"].as_str().unwrap_or_default());
+    let mut report = format!(
+        "clone {} (pid {}, alive: {alive})",
+        clone["index"], clone["pid"]
+    );
+    for file in [console.clone(), console.with_file_name("vmm.log")] {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        report.push_str(&format!("\n--- {} (last lines)\n", file.display()));
+        report.push_str(&lines[lines.len().saturating_sub(15)..].join("\n"));
+    }
+    report
 }
 
 /// Boots the busybox guest on `tap`.
@@ -523,8 +547,9 @@ mod tier4 {
             agent.sh(&format!("echo {} > /tmp/www/index.html", tap.name));
         }
         // Every clone serves its own page at its own address, through its own tap.
-        for tap in &taps {
-            let answer = http_get(SocketAddr::from((tap.guest, 8080)), "/index.html");
+        for (clone, tap) in clones.iter().zip(&taps) {
+            let answer = try_http_get(SocketAddr::from((tap.guest, 8080)), "/index.html")
+                .unwrap_or_else(|e| panic!("{e}\n{}", clone_report(clone)));
             assert!(answer.contains(&tap.name), "{}: {answer}", tap.name);
         }
         eprintln!(
