@@ -204,6 +204,10 @@ pub enum SandboxCommand {
         /// Limit the sandbox to this many cores of CPU time (e.g. 0.5), by a cgroup.
         #[arg(long, value_name = "CORES")]
         cpu_limit: Option<f64>,
+        /// A deterministic machine: no RDRAND/RDSEED, and every restore (this create, each
+        /// reset) puts back the snapshot's guest time and generation exactly.
+        #[arg(long)]
+        deterministic: bool,
         /// Create this many of the spec in one batch (each succeeds or fails on its own).
         #[arg(long, value_name = "N")]
         count: Option<i64>,
@@ -946,6 +950,7 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             idempotency_key,
             env,
             cpu_limit,
+            deterministic,
             count,
         } => {
             let mut body = json!({
@@ -973,6 +978,9 @@ fn run_sandbox(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
             }
             if let Some(cores) = cpu_limit {
                 body["cpu_limit"] = json!(cores);
+            }
+            if deterministic {
+                body["deterministic"] = json!(true);
             }
             if let Some(count) = count {
                 body["count"] = json!(count);

@@ -2612,3 +2612,80 @@ fn templates_run_their_start_command_after_boot_and_wait_until_ready() {
         "{list}"
     );
 }
+
+#[test]
+fn deterministic_sandboxes_boot_restore_reset_and_fork_deterministically() {
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, plain) = agent_server();
+    let has_flag = |sandbox: &Value| cmdline(pid_of(sandbox).0).contains("--deterministic");
+    assert!(!has_flag(&server.get(&plain)));
+    let (plain_snap, _) = take_snapshot(&server, &plain, json!({}));
+
+    // A deterministic boot: the VMM runs with --deterministic, and the sandbox says so.
+    let det = server.create(json!({"template": "guest", "ttl_s": 300, "deterministic": true}));
+    assert_eq!(det["deterministic"], true, "{det}");
+    assert!(has_flag(&det), "{}", cmdline(pid_of(&det).0));
+    let id = det["id"].as_str().expect("id").to_string();
+    let (det_snap, _) = take_snapshot(&server, &id, json!({}));
+    let (_, snapshot) = server.call("GET", &format!("/snapshots/{det_snap}"), None);
+    assert_eq!(snapshot["deterministic"], true, "{snapshot}");
+
+    // Its resets restore deterministically; a snapshot of another sandbox is refused by name.
+    let (status, reset) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/reset"),
+        Some(json!({"snapshot": det_snap})),
+    );
+    assert_eq!(status, 200, "{reset}\n{}", server.log());
+    let line = cmdline(pid_of(&reset).0);
+    assert!(
+        line.contains("--restore") && line.contains("--deterministic"),
+        "{line}"
+    );
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/reset"),
+        Some(json!({"snapshot": plain_snap})),
+    );
+    assert_eq!(status, 400, "{body}");
+    let error = body["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("deterministic:") && error.contains(&plain_snap),
+        "{body}"
+    );
+    assert_eq!(
+        server.get(&id)["state"],
+        "running",
+        "a refused reset leaves it running"
+    );
+
+    // Creates from snapshots: a deterministic one only of a deterministic snapshot.
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"snapshot": plain_snap, "ttl_s": 300, "deterministic": true})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]
+        .as_str()
+        .unwrap_or("")
+        .starts_with("deterministic:"));
+    let restored =
+        server.create(json!({"snapshot": det_snap, "ttl_s": 300, "deterministic": true}));
+    assert!(has_flag(&restored));
+    let restored_plain = server.create(json!({"snapshot": det_snap, "ttl_s": 300}));
+    assert!(!has_flag(&restored_plain));
+
+    // Forks inherit it.
+    let (status, forked) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(json!({"count": 1})),
+    );
+    assert_eq!(status, 200, "{forked}\n{}", server.log());
+    let clone = &forked["results"][0]["sandbox"];
+    assert_eq!(clone["deterministic"], true, "{forked}");
+    assert!(has_flag(clone));
+}

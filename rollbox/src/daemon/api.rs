@@ -267,6 +267,9 @@ pub struct CreateSandbox {
     pub env: BTreeMap<String, String>,
     /// Cores of CPU time (a cgroup quota on the VMM process); None: no limit.
     pub cpu_limit: Option<f64>,
+    /// A deterministic machine: booted without RDRAND/RDSEED, and every restore (create,
+    /// reset) puts back the snapshot's guest time and generation exactly.
+    pub deterministic: bool,
 }
 
 #[derive(Deserialize)]
@@ -286,6 +289,8 @@ struct CreateBody {
     #[serde(default)]
     env: BTreeMap<String, String>,
     cpu_limit: Option<f64>,
+    #[serde(default)]
+    deterministic: bool,
 }
 
 #[derive(Deserialize)]
@@ -336,6 +341,9 @@ pub struct Sandbox {
     /// CPU time limit in cores (0.5: half a core), enforced by the VMM's cgroup.
     #[serde(default)]
     pub cpu_limit: Option<f64>,
+    /// Booted without RDRAND/RDSEED; its restores (reset) are exact (guest time, generation).
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 /// GET /sandboxes answer.
@@ -574,6 +582,9 @@ pub struct Snapshot {
     /// When retention removes it (its `ttl_s`), unless a live sandbox came from it.
     #[serde(default)]
     pub expires_at_ms: Option<u64>,
+    /// Taken of a deterministic sandbox (so deterministic sandboxes may restore it).
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 #[derive(Deserialize)]
@@ -1385,6 +1396,7 @@ fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
                 }
             })
             .transpose()?,
+        deterministic: body.deterministic,
     })
 }
 

@@ -406,13 +406,20 @@ impl Daemon {
                     "template: no template {template_name:?} (list them with GET /templates)"
                 ))
             })?;
-        // A template's boot snapshot serves creates of its shape; another shape boots.
+        if let Some(snapshot) = &snapshot {
+            check_deterministic(request.deterministic, snapshot)?;
+        }
+        // A template's boot snapshot serves creates of its shape (a deterministic create only
+        // a deterministic one); another shape boots.
         let snapshot = match (snapshot, &template.boot_snapshot) {
             (None, Some(boot))
                 if request.vcpus.unwrap_or(template.vcpus) == template.vcpus
                     && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
             {
-                self.store().snapshot(boot).map_err(internal)?
+                self.store()
+                    .snapshot(boot)
+                    .map_err(internal)?
+                    .filter(|s| s.deterministic || !request.deterministic)
             }
             (snapshot, _) => snapshot,
         };
@@ -467,6 +474,7 @@ impl Daemon {
             end_reason: None,
             env: request.env,
             cpu_limit: request.cpu_limit,
+            deterministic: request.deterministic,
         };
         let inserted = self.store().insert_sandbox(&sandbox).map_err(internal)?;
         if let Inserted::Existing(first) = inserted {
@@ -567,6 +575,7 @@ impl Daemon {
         let vmm = self.options.vmm.clone();
         let template = template.clone();
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
+        let deterministic = sandbox.deterministic;
         let spawn_paths = vm::Paths::new(&sandbox.dir);
         let restore = snapshot.map(|s| s.dir.clone());
         let started = std::time::Instant::now();
@@ -584,6 +593,7 @@ impl Daemon {
                     &spawn_paths,
                     &dir,
                     template.rootfs.is_some(),
+                    deterministic,
                     spec.as_ref(),
                 ),
                 None => {
@@ -591,6 +601,7 @@ impl Daemon {
                         template: &template,
                         vcpus,
                         memory_mib,
+                        deterministic,
                     };
                     vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref())
                 }
@@ -981,4 +992,16 @@ pub async fn serve(
         let _ = std::fs::remove_file(path);
     }
     result
+}
+
+/// A deterministic sandbox restores only snapshots of deterministic sandboxes: another's CPUID
+/// offers RDRAND, whose values no restore can repeat.
+fn check_deterministic(deterministic: bool, snapshot: &Snapshot) -> Result<(), ApiError> {
+    if deterministic && !snapshot.deterministic {
+        return Err(ApiError::BadRequest(format!(
+            "deterministic: snapshot {} was taken of a sandbox that is not deterministic (its CPUID offers RDRAND); create a deterministic sandbox, snapshot it, and restore that",
+            snapshot.id
+        )));
+    }
+    Ok(())
 }

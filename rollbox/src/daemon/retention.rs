@@ -117,6 +117,7 @@ mod tests {
             dir: format!("/s/{id}").into(),
             created_at_ms: 0,
             expires_at_ms,
+            deterministic: false,
         }
     }
 

@@ -99,6 +99,7 @@ impl Daemon {
             memory_mib: sandbox.memory_mib,
             created_at_ms: now_ms(),
             expires_at_ms: None,
+            deterministic: sandbox.deterministic,
         };
         let paths = vm::Paths::new(&sandbox.dir);
         let dir = snapshot.dir.clone();
@@ -208,6 +209,7 @@ impl Daemon {
                 idempotency_key: None,
                 env: parent.env.clone(),
                 cpu_limit: parent.cpu_limit,
+                deterministic: parent.deterministic,
             };
             let daemon = Arc::clone(self);
             async move { daemon.create(request).await }
@@ -274,6 +276,7 @@ impl Daemon {
                     s.id, s.template, s.vcpus, s.memory_mib, sandbox.template, sandbox.vcpus, sandbox.memory_mib
                 )));
             }
+            super::check_deterministic(sandbox.deterministic, s)?;
         }
         let template = self
             .store()

@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS sandbox_sources (
 
 /// Schema upgrades, in order: step N brings `PRAGMA user_version` from N to N + 1, so a
 /// database file of an older daemon is upgraded in place when it is opened.
-const MIGRATIONS: &[&str] = &["
+const MIGRATIONS: &[&str] = &[
+    "
 ALTER TABLE sandboxes ADD COLUMN env TEXT NOT NULL DEFAULT '{}';
 ALTER TABLE sandboxes ADD COLUMN cpu_limit REAL;
 -- Usage: milliseconds spent running before `running_since_ms` (set while it runs).
@@ -75,7 +76,11 @@ ALTER TABLE sandboxes ADD COLUMN running_since_ms INTEGER;
 ALTER TABLE sandboxes ADD COLUMN cpu_ms INTEGER NOT NULL DEFAULT 0;
 UPDATE sandboxes SET running_since_ms = CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)
     WHERE state = 'running';
-"];
+",
+    "
+ALTER TABLE sandboxes ADD COLUMN deterministic INTEGER NOT NULL DEFAULT 0;
+",
+];
 
 /// Adds the running time since `running_since_ms` to `run_ms` (an UPDATE's SET clause).
 const RUN_MS_UNTIL_NOW: &str = "run_ms = run_ms + \
@@ -86,7 +91,7 @@ const SQL_NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS IN
 
 const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
-    dir, ended_at_ms, end_reason, env, cpu_limit";
+    dir, ended_at_ms, end_reason, env, cpu_limit, deterministic";
 
 /// The open database.
 pub struct Store {
@@ -149,6 +154,7 @@ fn raw_row(row: &Row) -> rusqlite::Result<RawRow> {
             end_reason: row.get(17)?,
             env: BTreeMap::new(),
             cpu_limit: row.get(19)?,
+            deterministic: row.get(20)?,
         },
     })
 }
@@ -268,9 +274,9 @@ impl Store {
         tx.execute(
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
              labels, metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, \
-             pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit) \
+             pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit, deterministic) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-             ?18, ?19)",
+             ?18, ?19, ?20)",
             params![
                 sandbox.id,
                 sandbox.idempotency_key,
@@ -291,6 +297,7 @@ impl Store {
                 sandbox.end_reason,
                 to_json(&sandbox.env, "env")?,
                 sandbox.cpu_limit,
+                sandbox.deterministic,
             ],
         )?;
         tx.commit()?;
@@ -533,6 +540,7 @@ mod tests {
             end_reason: None,
             env: BTreeMap::new(),
             cpu_limit: None,
+            deterministic: false,
         }
     }
 

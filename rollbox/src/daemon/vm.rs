@@ -80,6 +80,8 @@ pub struct Shape<'a> {
     pub template: &'a Template,
     pub vcpus: u32,
     pub memory_mib: u32,
+    /// A deterministic machine (`--deterministic`: no RDRAND/RDSEED in CPUID).
+    pub deterministic: bool,
 }
 
 /// How `rollbox serve` jails its VMMs with `rollbox-jailer` (the default; `--no-jailer`
@@ -243,6 +245,9 @@ pub fn spawn(
         .arg("--vsock-cid")
         .arg("3")
         .own("--console", &paths.console);
+    if shape.deterministic {
+        launch.arg("--deterministic");
+    }
     if !template.cmdline.is_empty() {
         launch.arg("--cmdline").arg(&template.cmdline);
     }
@@ -270,11 +275,13 @@ pub fn spawn(
 
 /// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
 /// `rootfs.img` when `rootfs`: copied into the sandbox, since the guest writes to it).
+/// `deterministic`: the guest's time and generation exactly as in the snapshot.
 pub fn spawn_restore(
     vmm: &Path,
     paths: &Paths,
     snapshot_dir: &Path,
     rootfs: bool,
+    deterministic: bool,
     jail: Option<&JailSpec>,
 ) -> Result<Child, VmError> {
     let dir_error = |source| VmError::Dir {
@@ -288,6 +295,9 @@ pub fn spawn_restore(
         .own("--api-sock", &paths.api_sock)
         .own("--vsock-uds", &paths.vsock)
         .own("--console", &paths.console);
+    if deterministic {
+        launch.arg("--deterministic");
+    }
     if rootfs {
         let from = snapshot_dir.join("rootfs.img");
         copy_disk(&from, &paths.rootfs).map_err(|source| VmError::Rootfs {

@@ -290,6 +290,7 @@ def create_body(
     env: Optional[Mapping[str, str]],
     cpu_limit: Optional[float],
     idempotency_key: Optional[str],
+    deterministic: bool = False,
 ) -> Dict[str, Any]:
     body = _drop_none(
         {
@@ -306,6 +307,8 @@ def create_body(
     for key, value in (("labels", labels), ("metadata", metadata), ("env", env)):
         if value:
             body[key] = dict(value)
+    if deterministic:
+        body["deterministic"] = True
     return body
 
 

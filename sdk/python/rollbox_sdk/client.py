@@ -221,20 +221,24 @@ class Client:
         env: Optional[Mapping[str, str]] = None,
         cpu_limit: Optional[float] = None,
         idempotency_key: Optional[str] = None,
+        deterministic: bool = False,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
         ``ttl_s`` is the hard TTL (required unless the daemon has --default-ttl),
         ``idle_ttl_s`` ends it after that long without an API call on it, ``env`` is the
         environment of every exec, ``cpu_limit`` caps its CPU in cores. A repeated
-        ``idempotency_key`` returns the first sandbox.
+        ``idempotency_key`` returns the first sandbox. ``deterministic`` makes a machine
+        without RDRAND/RDSEED whose restores (this create, every reset) put back the
+        snapshot's guest time and generation exactly: every episode starts identical. It
+        restores only snapshots of deterministic sandboxes.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return self._send(
             _core.create_sandbox(
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key,
+                    env, cpu_limit, idempotency_key, deterministic,
                 )
             )
         )
@@ -254,6 +258,7 @@ class Client:
         env: Optional[Mapping[str, str]] = None,
         cpu_limit: Optional[float] = None,
         idempotency_key: Optional[str] = None,
+        deterministic: bool = False,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -264,7 +269,7 @@ class Client:
                 count,
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key,
+                    env, cpu_limit, idempotency_key, deterministic,
                 ),
             )
         )

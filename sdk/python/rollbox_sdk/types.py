@@ -106,6 +106,8 @@ class Sandbox:
     end_reason: Optional[str]
     env: Dict[str, str]
     cpu_limit: Optional[float]
+    deterministic: bool = False
+    """No RDRAND/RDSEED; restores (create, reset) put back the snapshot's time exactly."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -135,6 +137,7 @@ class Sandbox:
             end_reason=data.get("end_reason"),
             env=_str_map(data.get("env")),
             cpu_limit=data.get("cpu_limit"),
+            deterministic=bool(data.get("deterministic", False)),
             raw=data,
         )
 
@@ -185,6 +188,8 @@ class Snapshot:
     dir: str
     created_at_ms: int
     expires_at_ms: Optional[int]
+    deterministic: bool = False
+    """Taken of a deterministic sandbox (deterministic sandboxes restore only these)."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -199,6 +204,7 @@ class Snapshot:
             dir=data.get("dir", ""),
             created_at_ms=data.get("created_at_ms", 0),
             expires_at_ms=data.get("expires_at_ms"),
+            deterministic=bool(data.get("deterministic", False)),
             raw=data,
         )
 

@@ -390,6 +390,16 @@ def test_snapshots_fork_and_reset(rb: Client, template: str, tag: str) -> None:
         assert rb.reset(child, snapshot=snap).state == "running"
         assert rb.run(child, "true").ok
 
+        # A deterministic sandbox: shown as such, its snapshots too, and it restores only those.
+        det = rb.create_sandbox(template, ttl_s=120, labels={"test": tag}, deterministic=True)
+        assert det.deterministic and not parent.deterministic
+        det_snap = rb.snapshot(det)
+        assert det_snap.deterministic and not snap.deterministic
+        assert rb.reset(det, snapshot=det_snap).deterministic
+        with pytest.raises(BadRequest) as caught:
+            rb.create_sandbox(snapshot=snap, ttl_s=60, deterministic=True)
+        assert caught.value.field == "deterministic" and snap.id in caught.value.message
+
         with pytest.raises(BadRequest) as caught:
             rb.fork(parent, 0)
         assert caught.value.field == "count"
