@@ -2678,6 +2678,19 @@ fn deterministic_sandboxes_boot_restore_reset_and_fork_deterministically() {
     let restored_plain = server.create(json!({"snapshot": det_snap, "ttl_s": 300}));
     assert!(!has_flag(&restored_plain));
 
+    // A new sandbox from a snapshot is a clone of its VM: a new generation, unless it is
+    // deterministic. A reset keeps the sandbox's identity.
+    let new_generation = |sandbox: &Value| cmdline(pid_of(sandbox).0).contains("--new-generation");
+    assert!(new_generation(&restored_plain));
+    assert!(!new_generation(&restored) && !new_generation(&reset));
+    let (status, plain_reset) = server.call(
+        "POST",
+        &format!("/sandboxes/{plain}/reset"),
+        Some(json!({"snapshot": plain_snap})),
+    );
+    assert_eq!(status, 200, "{plain_reset}");
+    assert!(!new_generation(&plain_reset) && !has_flag(&plain_reset));
+
     // Forks inherit it.
     let (status, forked) = server.call(
         "POST",

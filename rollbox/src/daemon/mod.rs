@@ -541,12 +541,15 @@ impl Daemon {
     }
 
     /// Starts a VMM in the sandbox's directory (a boot of `template`, or a restore of
-    /// `snapshot`) and waits until its VM runs; on error the VMM is gone.
+    /// `snapshot`) and waits until its VM runs; on error the VMM is gone. A restore into a new
+    /// sandbox (`new_sandbox`) is a clone of the snapshot's VM: it gets a new VM generation,
+    /// unless the sandbox is deterministic.
     async fn launch(
         &self,
         sandbox: &Sandbox,
         template: &Template,
         snapshot: Option<&Snapshot>,
+        new_sandbox: bool,
     ) -> Result<(Child, u32, u64), String> {
         let paths = vm::Paths::new(&sandbox.dir);
         let groups = self
@@ -576,6 +579,11 @@ impl Daemon {
         let template = template.clone();
         let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
         let deterministic = sandbox.deterministic;
+        let identity = match (deterministic, new_sandbox) {
+            (true, _) => vm::Identity::Exact,
+            (false, true) => vm::Identity::Clone,
+            (false, false) => vm::Identity::Same,
+        };
         let spawn_paths = vm::Paths::new(&sandbox.dir);
         let restore = snapshot.map(|s| s.dir.clone());
         let started = std::time::Instant::now();
@@ -593,7 +601,7 @@ impl Daemon {
                     &spawn_paths,
                     &dir,
                     template.rootfs.is_some(),
-                    deterministic,
+                    identity,
                     spec.as_ref(),
                 ),
                 None => {
@@ -651,7 +659,7 @@ impl Daemon {
         template: &Template,
         snapshot: Option<&Snapshot>,
     ) -> Result<(), String> {
-        let (child, pid, start) = self.launch(sandbox, template, snapshot).await?;
+        let (child, pid, start) = self.launch(sandbox, template, snapshot, true).await?;
         let result = {
             let store = self.store();
             match store.set_running(&sandbox.id, pid, start) {

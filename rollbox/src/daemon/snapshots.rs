@@ -290,7 +290,9 @@ impl Daemon {
             })?;
         // The old VMM goes first: the new one takes its sockets and directory.
         self.stop_vmm(id, &sandbox).await?;
-        let launched = self.launch(&sandbox, &template, snapshot.as_ref()).await;
+        let launched = self
+            .launch(&sandbox, &template, snapshot.as_ref(), false)
+            .await;
         let (child, pid, start) = match launched {
             Ok(launched) => launched,
             Err(message) => {

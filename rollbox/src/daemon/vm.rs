@@ -273,15 +273,26 @@ pub fn spawn(
     start(command, &program, paths)
 }
 
+/// Who a restored guest is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Identity {
+    /// Guest time and generation exactly as in the snapshot (`--deterministic`).
+    Exact,
+    /// The snapshot's generation, the wall clock brought to now (a reset of the same sandbox).
+    Same,
+    /// A clone: a new VM generation (`--new-generation`), so the guest reseeds its CRNG and
+    /// the agent takes a new machine-id and hostname.
+    Clone,
+}
+
 /// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
 /// `rootfs.img` when `rootfs`: copied into the sandbox, since the guest writes to it).
-/// `deterministic`: the guest's time and generation exactly as in the snapshot.
 pub fn spawn_restore(
     vmm: &Path,
     paths: &Paths,
     snapshot_dir: &Path,
     rootfs: bool,
-    deterministic: bool,
+    identity: Identity,
     jail: Option<&JailSpec>,
 ) -> Result<Child, VmError> {
     let dir_error = |source| VmError::Dir {
@@ -295,8 +306,14 @@ pub fn spawn_restore(
         .own("--api-sock", &paths.api_sock)
         .own("--vsock-uds", &paths.vsock)
         .own("--console", &paths.console);
-    if deterministic {
-        launch.arg("--deterministic");
+    match identity {
+        Identity::Exact => {
+            launch.arg("--deterministic");
+        }
+        Identity::Clone => {
+            launch.arg("--new-generation");
+        }
+        Identity::Same => {}
     }
     if rootfs {
         let from = snapshot_dir.join("rootfs.img");
