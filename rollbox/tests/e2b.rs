@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use rollbox::daemon::client::Endpoint;
 use rollbox::daemon::vm;
 use rollbox_tests::{
-    agent_binary, kvm_available, rollbox_binary, skip, test_guest, venv_python, vmm_binary,
-    workspace_root, TEST_GUEST_CMDLINE,
+    agent_binary, e2b_script, kvm_available, rollbox_binary, skip, test_guest, venv_python,
+    vmm_binary, workspace_root, TEST_GUEST_CMDLINE,
 };
 use serde_json::json;
 
@@ -291,21 +291,12 @@ fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     let scratch = tempfile::tempdir().expect("scratch");
     let scheme = if tls { "https" } else { "http" };
     let url = format!("{scheme}://127.0.0.1:{port}");
-    let mut command = Command::new(&python);
+    let mut command = e2b_script(&python, script, &url, KEY, "guest", scratch.path());
     if let Some(ca) = &ca {
         command.env("SSL_CERT_FILE", ca);
     }
     let output = command
-        .arg(workspace_root().join("rollbox/tests/e2b").join(script))
-        .env("E2B_API_URL", &url)
         .env("ROLLBOX_E2B_PORT", port.to_string())
-        .env("E2B_API_KEY", KEY)
-        .env("E2B_DOMAIN", "e2b.test")
-        .env("E2B_SANDBOX_URL", &url)
-        .env("ROLLBOX_E2B_TEMPLATE", "guest")
-        .env("ROLLBOX_E2B_SCRATCH", scratch.path())
-        .env_remove("E2B_DEBUG")
-        .stdin(Stdio::null())
         .output()
         .expect("run test_sdk.py");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -482,17 +473,8 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
     let scratch = tempfile::tempdir().expect("scratch");
     // The code interpreter, then AReaL's and Harbor's call patterns (which use run_code too).
     for script in ["test_code_interpreter.py", "test_patterns.py"] {
-        let output = Command::new(&python)
-            .arg(workspace_root().join("rollbox/tests/e2b").join(script))
-            .env("E2B_API_URL", &url)
-            .env("E2B_API_KEY", KEY)
-            .env("E2B_DOMAIN", "e2b.test")
-            .env("E2B_SANDBOX_URL", &url)
-            .env("ROLLBOX_E2B_TEMPLATE", "guest")
-            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
-            .env_remove("E2B_DEBUG")
+        let output = e2b_script(&python, script, &url, KEY, "guest", scratch.path())
             .env("PYTHONFAULTHANDLER", "1")
-            .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("run {script}: {e}"));
         let stdout = String::from_utf8_lossy(&output.stdout);
@@ -527,17 +509,8 @@ fn e2b_benchmark_figures() {
     let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
     let scratch = tempfile::tempdir().expect("scratch");
     let url = format!("http://127.0.0.1:{port}");
-    let status = Command::new(&python)
-        .arg(workspace_root().join("rollbox/tests/e2b/bench.py"))
-        .env("E2B_API_URL", &url)
-        .env("E2B_API_KEY", KEY)
-        .env("E2B_DOMAIN", "e2b.test")
-        .env("E2B_SANDBOX_URL", &url)
-        .env("ROLLBOX_E2B_TEMPLATE", "guest")
-        .env("ROLLBOX_E2B_SCRATCH", scratch.path())
+    let status = e2b_script(&python, "bench.py", &url, KEY, "guest", scratch.path())
         .env("ROLLBOX_NATIVE_SOCKET", daemon.dir.path().join("d.sock"))
-        .env_remove("E2B_DEBUG")
-        .stdin(Stdio::null())
         .status()
         .expect("run bench.py");
     assert!(

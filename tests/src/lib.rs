@@ -62,6 +62,31 @@ pub fn venv_python(script: &str, args: &[&str]) -> Result<PathBuf, String> {
     }
 }
 
+/// `python rollbox/tests/e2b/SCRIPT` pointed at the E2B listener at `url` with API key `key`:
+/// API and sandbox traffic both to `url`, domain `e2b.test`, sandboxes of `template`, scratch
+/// files in `scratch`, no SDK debug mode, stdin closed. Callers add what their script needs.
+pub fn e2b_script(
+    python: &Path,
+    script: &str,
+    url: &str,
+    key: &str,
+    template: &str,
+    scratch: &Path,
+) -> Command {
+    let mut command = Command::new(python);
+    command
+        .arg(workspace_root().join("rollbox/tests/e2b").join(script))
+        .env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("E2B_API_KEY", key)
+        .env("E2B_DOMAIN", "e2b.test")
+        .env("ROLLBOX_E2B_TEMPLATE", template)
+        .env("ROLLBOX_E2B_SCRATCH", scratch)
+        .env_remove("E2B_DEBUG")
+        .stdin(Stdio::null());
+    command
+}
+
 /// Whether the binaries were built before the tests started and must not be rebuilt: inside
 /// the nested lab (`scripts/lab/run.sh` sets ROLLBOX_IN_LAB; the workspace is read-only there),
 /// or with ROLLBOX_PREBUILT=1.

@@ -18,7 +18,7 @@ mod tier4 {
     use std::time::{Duration, Instant};
 
     use rollbox_tests::linux::{fixtures, Fixtures};
-    use rollbox_tests::{rollbox_binary, skip, vmm_binary, workspace_root};
+    use rollbox_tests::{e2b_script, rollbox_binary, skip, vmm_binary};
 
     fn demo() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -246,19 +246,10 @@ mod tier4 {
         let url = format!("http://127.0.0.1:{port}");
         let scratch = tempfile::tempdir().expect("scratch");
         let started = Instant::now();
-        let output = Command::new(python)
-            .arg(workspace_root().join("rollbox/tests/e2b").join(script))
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env("E2B_API_KEY", &daemon.key)
-            .env("E2B_DOMAIN", "e2b.test")
-            .env("ROLLBOX_E2B_TEMPLATE", template)
+        let output = e2b_script(python, script, &url, &daemon.key, template, scratch.path())
             .env("ROLLBOX_E2B_LINUX_GUEST", "1")
-            .env("ROLLBOX_E2B_SCRATCH", scratch.path())
-            .env_remove("E2B_DEBUG")
             // L1's root is read-only: no __pycache__ beside the scripts.
             .env("PYTHONDONTWRITEBYTECODE", "1")
-            .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("run {script}: {e}"));
         let stdout = String::from_utf8_lossy(&output.stdout);
