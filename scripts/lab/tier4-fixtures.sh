@@ -2,7 +2,8 @@
 # Prepares, on the host, what the tier-4 tests boot inside the lab: our kernel, Debian's distro
 # kernel with a small initramfs, and root filesystems that `rollbox image build` makes from a
 # busybox image, from a Debian bookworm image with Docker and from the code-interpreter image
-# (scripts/code-interpreter-rootfs.sh), each with the static agent as init. Writes DIR/fixtures.env (KEY=path lines) and prints DIR last.
+# (scripts/code-interpreter-rootfs.sh), each with the static agent as init. Writes
+# DIR/fixtures.env (KEY=path lines) and prints DIR last.
 #
 # Usage: scripts/lab/tier4-fixtures.sh DIR
 #
@@ -84,30 +85,26 @@ docker save -o "$out/busybox-image.tar" "$BUSYBOX_IMAGE" || die "docker save $BU
 image_build busybox "$BUSYBOX_IMAGE" "$out/busybox-image.tar" 64
 log "busybox rootfs: $out/busybox.ext4"
 
-# The Debian + Docker base from the TCG tier, imported once per base tarball.
-tarball="$("$ROOT/scripts/tcg/docker-rootfs.sh" | last_line)"
-hash="$(basename "$(dirname "$tarball")")"
-tag="$DEBIAN_REPO:$hash"
-if ! docker image inspect "$tag" >/dev/null 2>&1; then
-    docker import --message "rollbox TCG-tier base (scripts/tcg/docker-rootfs.sh)" "$tarball" "$tag" >/dev/null
-fi
-docker save -o "$out/debian-image.tar" "$tag"
-image_build debian "$tag" "$out/debian-image.tar" 1024
-rm -f "$out/debian-image.tar"
-log "debian rootfs: $out/debian.ext4"
+# A rootfs tarball that a script builds (and caches by content hash, the last path component
+# of its directory): imported into Docker once per hash, then built into NAME.ext4.
+tarball_build() { # NAME SCRIPT REPO SIZE_MIB
+    local name="$1" script="$2" repo="$3" size="$4" tarball hash tag
+    tarball="$("$ROOT/$script" | last_line)" || die "$script failed"
+    hash="$(basename "$(dirname "$tarball")")"
+    tag="$repo:${hash#ci-}"
+    if ! docker image inspect "$tag" >/dev/null 2>&1; then
+        docker import --message "rollbox $name ($script)" "$tarball" "$tag" >/dev/null
+    fi
+    docker save -o "$out/$name-image.tar" "$tag"
+    image_build "$name" "$tag" "$out/$name-image.tar" "$size"
+    rm -f "$out/$name-image.tar"
+    log "$name rootfs: $out/$name.ext4"
+}
 
+# The Debian + Docker base from the TCG tier.
+tarball_build debian scripts/tcg/docker-rootfs.sh "$DEBIAN_REPO" 1024
 # The code-interpreter template's image: Python, ipykernel and our server.
-tarball="$("$ROOT/scripts/code-interpreter-rootfs.sh" | last_line)"
-hash="$(basename "$(dirname "$tarball")")"
-tag="rollbox-test/code-interpreter:${hash#ci-}"
-if ! docker image inspect "$tag" >/dev/null 2>&1; then
-    docker import --message "rollbox code-interpreter (scripts/code-interpreter-rootfs.sh)" \
-        "$tarball" "$tag" >/dev/null
-fi
-docker save -o "$out/code-interpreter-image.tar" "$tag"
-image_build code-interpreter "$tag" "$out/code-interpreter-image.tar" 1024
-rm -f "$out/code-interpreter-image.tar"
-log "code-interpreter rootfs: $out/code-interpreter.ext4"
+tarball_build code-interpreter scripts/code-interpreter-rootfs.sh rollbox-test/code-interpreter 1024
 
 cat > "$out/fixtures.env" <<EOF
 OUR_VMLINUX=$kernel_dir/vmlinux
