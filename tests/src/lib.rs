@@ -340,6 +340,21 @@ impl Vm {
         self.stderr.lock().expect("stderr lock").clone()
     }
 
+    /// The VMM's stderr from byte `from` on, once that part contains `needle`, or as it
+    /// stands after `timeout`. stderr arrives through a reader thread, so a line the VMM has
+    /// written may not be here yet.
+    pub fn stderr_after(&self, from: usize, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.stderr();
+            let new = log.get(from..).unwrap_or_default();
+            if new.contains(needle) || Instant::now() >= deadline {
+                return new.to_string();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The next console line.
     pub fn next_line(&mut self, timeout: Duration) -> Option<String> {
         match self.lines.recv_timeout(timeout) {

@@ -91,8 +91,8 @@ fn a_guest_connecting_to_a_full_host_listener_is_refused_and_the_api_keeps_answe
     let answer = vm.cmd("vsock-connect 5000 hello");
     assert_eq!(answer, "ERR connection-reset");
     api_answers(&vm.path("api.sock"), Duration::from_secs(5));
-    let log = vm.stderr();
-    assert!(log.contains("has a full backlog"), "{log}");
+    let log = vm.stderr_after(0, "has a full backlog", Duration::from_secs(5));
+    assert!(log.contains("has a full backlog"), "stderr:\n{log}");
     vm.send("poweroff\n");
     assert!(
         vm.wait(Duration::from_secs(30)).success(),
@@ -325,7 +325,7 @@ fn guest_floods_without_rx_buffers_keep_the_vmm_flat_and_the_api_answering() {
     );
     let held = holder.finish();
     assert!(held > 0, "no guest connection reached the host listener");
-    let log = vm.stderr();
+    let log = vm.stderr_after(0, "guest gives no RX buffers", Duration::from_secs(5));
     let dropped_lines = log
         .lines()
         .filter(|l| l.contains("guest gives no RX buffers"))

@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rollbox_tests::{kvm_available, raw_image, Vm};
 
@@ -276,19 +276,7 @@ fn hostile_descriptor_chains_are_logged_and_survived() {
             "survived",
             "hostile {kind}"
         );
-        // stderr arrives through a reader thread: wait for this kind's line.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !vm
-            .stderr()
-            .get(before..)
-            .unwrap_or_default()
-            .contains(problem)
-            && Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let log = vm.stderr();
-        let new = log.get(before..).unwrap_or_default();
+        let new = vm.stderr_after(before, problem, Duration::from_secs(5));
         assert!(
             new.contains(problem),
             "hostile {kind}: no line saying {problem:?} in:\n{new}"
@@ -379,14 +367,8 @@ fn hostile_vsock_chains_are_logged_and_survived() {
             "survived",
             "vsock-hostile {kind}"
         );
-        // stderr arrives through a reader thread: give it a moment, then a little more to
-        // catch any second line.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !vm.stderr().get(before..).unwrap_or_default().contains('\n')
-            && Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        // Wait for the first line, then a little more to catch any second line.
+        vm.stderr_after(before, "\n", Duration::from_secs(5));
         std::thread::sleep(Duration::from_millis(200));
         let log = vm.stderr();
         let new = log.get(before..).unwrap_or_default();
