@@ -171,6 +171,22 @@ step "done"
 # One closing line over every test binary; a skipped test returned early and counts as passed
 # in libtest's own summary, so it moves from passed to skipped here.
 skipped="$(grep -c . "$ROLLBOX_SKIP_LOG" || true)"
+# The last lines of each failed test's own output (its backtrace left out), here at the end,
+# where a log's tail shows them.
+if grep -q '^test .* \.\.\. FAILED$' "$log"; then
+    echo "failed, with the last lines of each one's output:"
+    awk 'match($0, /^test .* \.\.\. FAILED$/) { failed[substr($0, 6, length($0) - 16)] = 1 }
+         /^---- .* stdout ----$/ { name = substr($0, 6, length($0) - 17); n[name] = 0; next }
+         /^(failures:|successes:|test result:|stack backtrace:)/ { name = "" }
+         name != "" { text[name, n[name] % 30] = $0; n[name]++ }
+         END {
+             for (t in failed) {
+                 printf "  %s\n", t
+                 start = n[t] > 30 ? n[t] - 30 : 0
+                 for (i = start; i < n[t]; i++) printf "    | %s\n", text[t, i % 30]
+             }
+         }' "$log"
+fi
 # Ignored tests (too long for CI's lab, run by hand) did not run either; they are named too.
 awk -v skipped="$skipped" '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) g += $i } }
      END { printf "tests: %d passed, %d failed, %d skipped, %d ignored\n", p - skipped, f, skipped, g }' "$log"

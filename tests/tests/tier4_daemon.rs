@@ -56,10 +56,17 @@ mod tier4 {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         println!("{stdout}");
+        // The step and the demo's own complaint go last, where a log's tail shows them.
+        let last_step = stdout.lines().rfind(|l| l.starts_with("== ")).unwrap_or("");
+        let complaint: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("daemon-demo:"))
+            .collect();
         assert!(
             out.status.success(),
-            "daemon-demo.sh {name}: {}\n{stderr}",
-            out.status
+            "daemon-demo.sh {name}: {}\n{stderr}\nfailed in step {last_step:?}: {}",
+            out.status,
+            complaint.join("\n")
         );
         assert!(
             stdout.contains(&format!("daemon demo: ok ({name})")),
