@@ -37,6 +37,16 @@ export ROLLBOX_API_KEY="demo-$(head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \n
 daemon_pid=""
 cleanup() {
     local status=$?
+    # On failure, the logs first: deleting a sandbox deletes its directory.
+    if [[ "$status" -ne 0 && -f "$work/serve.log" ]]; then
+        echo "--- rollbox serve log (last 40 lines)" >&2
+        tail -n 40 "$work/serve.log" >&2
+        for log in "$work"/state/sandboxes/*/{console,vmm}.log; do
+            [[ -f "$log" ]] || continue
+            echo "--- $log (last 20 lines)" >&2
+            tail -n 20 "$log" >&2
+        done
+    fi
     if [[ -n "$daemon_pid" ]]; then
         # Ends every sandbox first, so that no VMM outlives the demo.
         for id in $("$rollbox" sandbox ls --json 2>/dev/null | jq -r '.sandboxes[].id' 2>/dev/null); do
@@ -44,15 +54,6 @@ cleanup() {
         done
         kill "$daemon_pid" 2>/dev/null || true
         wait "$daemon_pid" 2>/dev/null || true
-    fi
-    if [[ "$status" -ne 0 && -f "$work/serve.log" ]]; then
-        echo "--- rollbox serve log (last 40 lines)" >&2
-        tail -n 40 "$work/serve.log" >&2
-        for log in "$work"/state/sandboxes/*/console.log; do
-            [[ -f "$log" ]] || continue
-            echo "--- $log (last 20 lines)" >&2
-            tail -n 20 "$log" >&2
-        done
     fi
     rm -rf "$work"
     exit "$status"
@@ -73,8 +74,9 @@ timed() {
 }
 
 step "rollbox serve (state in $work/state)"
+# A generous VMM start timeout: under nested emulation four restores at once take seconds.
 "$rollbox" serve --state-dir "$work/state" --default-ttl 1800 --image-cache "$work/cache" \
-    > "$work/serve.log" 2>&1 &
+    --vmm-start-timeout 60 > "$work/serve.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 100); do [[ -S "$ROLLBOX_SOCKET" ]] && break; sleep 0.1; done
 [[ -S "$ROLLBOX_SOCKET" ]] || fail "rollbox serve did not listen on $ROLLBOX_SOCKET"
@@ -130,8 +132,8 @@ for clone in "${clones[@]}"; do
     echo "$clone: has the parent's file; writes its own"
 done
 for clone in "${clones[@]}"; do
-    [[ "$("$rollbox" sandbox exec "$clone" -- cat /root/who)" == "$clone" ]] ||
-        fail "fork $clone sees another fork's write"
+    who="$("$rollbox" sandbox exec "$clone" -- cat /root/who)" || fail "fork $clone: exec failed"
+    [[ "$who" == "$clone" ]] || fail "fork $clone sees another fork's write: $who"
 done
 
 step "reset (same id, back to the boot snapshot: the file is gone)"

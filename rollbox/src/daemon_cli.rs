@@ -84,6 +84,10 @@ pub struct ServeArgs {
     /// Creates in flight at once; more get 429 with Retry-After.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     max_pending_creates: u64,
+    /// Seconds a started rollbox-vmm may take to answer its API before the create, fork or
+    /// reset fails (raise it where VMs start slowly, such as under nested emulation).
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600))]
+    vmm_start_timeout: u64,
     /// Test only: send every sandbox's agent traffic (exec, files) to this hybrid-vsock Unix
     /// socket, e.g. a host `rollbox-agent --listen-unix PATH`, instead of the sandbox's own.
     #[arg(long, value_name = "PATH", hide = true)]
@@ -517,7 +521,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         default_ttl_s: args.default_ttl,
         max_pending_creates: usize::try_from(args.max_pending_creates).unwrap_or(64),
         reap_interval: Duration::from_millis(250),
-        ready_timeout: Duration::from_secs(10),
+        ready_timeout: Duration::from_secs(args.vmm_start_timeout),
         test_agent_socket: args.test_agent_socket,
         agent: Some(absolute(crate::agent_path(args.agent))),
         image_cache: args

@@ -2702,3 +2702,49 @@ fn deterministic_sandboxes_boot_restore_reset_and_fork_deterministically() {
     assert_eq!(clone["deterministic"], true, "{forked}");
     assert!(has_flag(clone));
 }
+
+#[test]
+fn a_vmm_that_ends_on_its_own_leaves_its_status_and_log_in_the_end_reason() {
+    if !kvm_available() {
+        return;
+    }
+    // A VMM logs nothing on a clean run: a wrapper writes one line to vmm.log first.
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let wrapper = scratch.path().join("vmm-says-hello.sh");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\necho 'wrapper: starting rollbox-vmm' >&2\nexec '{}' \"$@\"\n",
+            vmm_binary().display()
+        ),
+    )
+    .expect("write wrapper");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
+    let server = Server::start(&["--no-jailer", "--vmm", wrapper.to_str().expect("utf-8")]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let id = sandbox["id"].as_str().expect("id");
+    let (pid, _) = pid_of(&sandbox);
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    // SAFETY: kill(2) on the sandbox's own VMM process.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let mut last = Value::Null;
+    wait_for(&format!("{id} to be exited"), Duration::from_secs(20), || {
+        last = server.get(id);
+        last["state"] == "exited"
+    });
+    let reason = last["end_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.starts_with("the VMM ended: signal: 9 (SIGKILL)"),
+        "{last}"
+    );
+    assert!(
+        reason.ends_with("; the end of its log: wrapper: starting rollbox-vmm"),
+        "{reason}"
+    );
+    assert!(!dir.exists(), "{} outlived the sandbox", dir.display());
+    let daemon_log = server.log();
+    assert!(daemon_log.contains(&format!("sandbox {id}: {reason}")), "{daemon_log}");
+}

@@ -197,6 +197,8 @@ mod tier4 {
             .arg(dir.path().join("cache"))
             .args(["--e2b-listen", &format!("127.0.0.1:{port}")])
             .args(["--e2b-domain", "e2b.test"])
+            // The lab starts VMMs slowly, several at once for a fork.
+            .args(["--vmm-start-timeout", "60"])
             .env("ROLLBOX_API_KEY", &key)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))

@@ -784,7 +784,13 @@ impl Daemon {
                     },
                 }
             };
-            if let Some(reason) = exited {
+            if let Some(mut reason) = exited {
+                // Its directory goes: keep why in the record and the daemon's log.
+                let tail = vm::log_tail(&vm::Paths::new(&sandbox.dir).log);
+                if !tail.is_empty() {
+                    reason = format!("{reason}; the end of its log: {tail}");
+                }
+                log_line(&format!("sandbox {}: {reason}", sandbox.id));
                 if self.store().end(&sandbox.id, State::Exited, &reason, now)? {
                     let _ = remove_dir(&sandbox.dir);
                     self.release_cgroup(&sandbox);

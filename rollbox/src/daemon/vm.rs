@@ -568,7 +568,7 @@ pub async fn wait_ready(
 }
 
 /// The last 1000 bytes of a log, on one line.
-fn log_tail(path: &Path) -> String {
+pub(super) fn log_tail(path: &Path) -> String {
     let text = std::fs::read(path).unwrap_or_default();
     let tail = &text[text.len().saturating_sub(1000)..];
     String::from_utf8_lossy(tail).trim().replace('\n', " | ")
