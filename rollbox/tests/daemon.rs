@@ -2731,10 +2731,14 @@ fn a_vmm_that_ends_on_its_own_leaves_its_status_and_log_in_the_end_reason() {
     // SAFETY: kill(2) on the sandbox's own VMM process.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
     let mut last = Value::Null;
-    wait_for(&format!("{id} to be exited"), Duration::from_secs(20), || {
-        last = server.get(id);
-        last["state"] == "exited"
-    });
+    wait_for(
+        &format!("{id} to be exited"),
+        Duration::from_secs(20),
+        || {
+            last = server.get(id);
+            last["state"] == "exited"
+        },
+    );
     let reason = last["end_reason"].as_str().unwrap_or_default();
     assert!(
         reason.starts_with("the VMM ended: signal: 9 (SIGKILL)"),
@@ -2746,5 +2750,8 @@ fn a_vmm_that_ends_on_its_own_leaves_its_status_and_log_in_the_end_reason() {
     );
     assert!(!dir.exists(), "{} outlived the sandbox", dir.display());
     let daemon_log = server.log();
-    assert!(daemon_log.contains(&format!("sandbox {id}: {reason}")), "{daemon_log}");
+    assert!(
+        daemon_log.contains(&format!("sandbox {id}: {reason}")),
+        "{daemon_log}"
+    );
 }

@@ -12,6 +12,7 @@
 
 mod blk;
 mod boot;
+mod fs;
 mod idle;
 mod io;
 mod mem;
@@ -29,6 +30,7 @@ use core::panic::PanicInfo;
 
 use blk::{Blk, BlkDma};
 use boot::BootInfo;
+use fs::{Fs, FsDma};
 use io::{parse_u64, put_dec, put_hex, put_hex16, put_hex_bytes, puts, split_word, try_getc};
 use virtio::Hostile;
 use vsock::{ConnectError, Vsock, VsockDma, VsockHostile};
@@ -51,6 +53,8 @@ static mut BLK_DMA: [BlkDma; MAX_BLK] = [const { BlkDma::ZERO }; MAX_BLK];
 static mut VSOCK_DMA: VsockDma = VsockDma::ZERO;
 static mut BLKS: [Blk; MAX_BLK] = [const { Blk::new(0) }; MAX_BLK];
 static mut VSOCK: Vsock = Vsock::new(0);
+static mut FS: Fs = Fs::new(0);
+static mut FS_DMA: FsDma = FsDma::ZERO;
 
 // Entry from the VMM: long mode, identity map, RSI = boot_params.
 #[cfg(not(test))]
@@ -87,6 +91,9 @@ struct Guest {
     blk_count: usize,
     vsock: Option<&'static mut Vsock>,
     vsock_dma: &'static mut VsockDma,
+    /// The first virtio-fs device.
+    fs: Option<&'static mut Fs>,
+    fs_dma: &'static mut FsDma,
     /// `idle` was given: halt between commands instead of polling.
     idle: bool,
 }
@@ -97,12 +104,14 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
     // SAFETY: guest_main runs once, on the only CPU, and these are its only references
     // to the statics. (`&mut *&raw mut` avoids a direct reference to a `static mut`.)
     #[allow(clippy::deref_addrof)]
-    let (blks, blk_dma, vsock, vsock_dma) = unsafe {
+    let (blks, blk_dma, vsock, vsock_dma, fs, fs_dma) = unsafe {
         (
             &mut *(&raw mut BLKS),
             &mut *(&raw mut BLK_DMA),
             &mut *(&raw mut VSOCK),
             &mut *(&raw mut VSOCK_DMA),
+            &mut *(&raw mut FS),
+            &mut *(&raw mut FS_DMA),
         )
     };
     let mut guest = Guest {
@@ -113,9 +122,12 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
         blk_count: 0,
         vsock: None,
         vsock_dma,
+        fs: None,
+        fs_dma,
         idle: false,
     };
     let mut vsock_slot = Some(vsock);
+    let mut fs_slot = Some(fs);
     for dev in guest.boot.devices.iter().take(guest.boot.device_count) {
         match dev.device_id {
             Some(blk::DEVICE_ID) => {
@@ -128,6 +140,12 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
                 if let Some(v) = vsock_slot.take() {
                     *v = Vsock::new(dev.addr as usize);
                     guest.vsock = Some(v);
+                }
+            }
+            Some(fs::DEVICE_ID) => {
+                if let Some(f) = fs_slot.take() {
+                    *f = Fs::new(dev.addr as usize);
+                    guest.fs = Some(f);
                 }
             }
             _ => {}
@@ -307,6 +325,7 @@ impl Guest {
                 put_dec(smp::count());
                 puts(b"\n");
             }
+            b"fs-init" | b"fs-append" => self.cmd_fs(name, args),
             b"vsock-listen" => self.cmd_vsock_listen(args),
             b"vsock-connect" => self.cmd_vsock_connect(args),
             b"vsock-hostile" => self.cmd_vsock_hostile(args),
@@ -537,6 +556,38 @@ impl Guest {
             put_dec(snap::check(pages, seed));
         }
         puts(b"\n");
+    }
+
+    fn cmd_fs(&mut self, name: &[u8], args: &[u8]) {
+        let tpm = self.ticks_per_ms;
+        let Some(fs) = self.fs.as_deref_mut() else {
+            return err(b"no-fs-device");
+        };
+        if name == b"fs-init" {
+            match fs.init(self.fs_dma, tpm) {
+                Ok(minor) => {
+                    puts(b"OK 7.");
+                    put_dec(minor as u64);
+                    puts(b"\n");
+                }
+                Err(e) => err(e.as_bytes()),
+            }
+            return;
+        }
+        let Some(([count], _)) = numbers::<1>(args).filter(|([n], _)| *n <= 999_999) else {
+            return err(b"usage: fs-append N (at most 999999)");
+        };
+        let generation = snap::read_generation();
+        match fs.append(self.fs_dma, tpm, generation, count) {
+            Ok(()) => {
+                puts(b"OK appended ");
+                put_dec(count);
+                puts(b" as ");
+                put_hex16(generation);
+                puts(b"\n");
+            }
+            Err(e) => err(e.as_bytes()),
+        }
     }
 
     fn cmd_vsock_listen(&mut self, args: &[u8]) {

@@ -1,0 +1,297 @@
+//! Polled virtio-fs driver: a FUSE client just big enough to append records to files on a
+//! shared volume (FUSE_INIT, FUSE_CREATE with O_APPEND, FUSE_WRITE, FUSE_RELEASE), one
+//! request in flight on the first request queue.
+
+use crate::io::{hex_digit, pause, Deadline};
+use crate::virtio::{Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE};
+
+pub const DEVICE_ID: u32 = 26;
+
+const FUSE_WRITE: u32 = 16;
+const FUSE_RELEASE: u32 = 18;
+const FUSE_INIT: u32 = 26;
+const FUSE_CREATE: u32 = 35;
+const FUSE_KERNEL_VERSION: u32 = 7;
+const FUSE_MINOR_VERSION: u32 = 31;
+const ROOT_NODE: u64 = 1;
+const IN_HEADER: usize = 40;
+const OUT_HEADER: usize = 16;
+/// fuse_entry_out (128 bytes) then fuse_open_out (16): FUSE_CREATE's answer.
+const ENTRY_OUT: usize = 128;
+
+const O_WRONLY: u32 = 0o1;
+const O_CREAT: u32 = 0o100;
+const O_APPEND: u32 = 0o2000;
+
+/// One fixed-form record: 16 hex digits of the writer's VM generation, a space, a
+/// 6-digit sequence number, a newline.
+pub const RECORD_LEN: usize = 24;
+const REQUEST_TIMEOUT_MS: u64 = 10_000;
+
+/// The rings and the one request and answer buffer, shared with the device.
+#[repr(C, align(4096))]
+pub struct FsDma {
+    hiprio: RingPage,
+    requests: RingPage,
+    request: [u8; 4096],
+    answer: [u8; 4096],
+}
+
+impl FsDma {
+    pub const ZERO: FsDma = FsDma {
+        hiprio: RingPage::ZERO,
+        requests: RingPage::ZERO,
+        request: [0; 4096],
+        answer: [0; 4096],
+    };
+}
+
+/// A file opened by FUSE_CREATE.
+#[derive(Clone, Copy)]
+struct Open {
+    node: u64,
+    handle: u64,
+}
+
+pub struct Fs {
+    transport: Transport,
+    ready: bool,
+    hiprio: Queue,
+    queue: Queue,
+    unique: u64,
+}
+
+impl Fs {
+    pub const fn new(base: usize) -> Fs {
+        Fs {
+            transport: Transport { base },
+            ready: false,
+            hiprio: Queue::empty(),
+            queue: Queue::empty(),
+            unique: 0,
+        }
+    }
+
+    /// Initialises the device and the FUSE session; the FUSE minor version the device speaks.
+    pub fn init(&mut self, dma: &mut FsDma, tpm: u64) -> Result<u32, &'static str> {
+        self.transport.begin_init(
+            tpm,
+            DEVICE_ID,
+            0,
+            &mut [&mut self.hiprio, &mut self.queue],
+            &mut [&mut dma.hiprio, &mut dma.requests],
+        )?;
+        self.transport.finish_init()?;
+        self.ready = true;
+        let mut init = [0u8; 16];
+        init[0..4].copy_from_slice(&FUSE_KERNEL_VERSION.to_le_bytes());
+        init[4..8].copy_from_slice(&FUSE_MINOR_VERSION.to_le_bytes());
+        let answer = self.call(dma, tpm, FUSE_INIT, 0, &[&init], 64)?;
+        if read_u32(answer, 0) != FUSE_KERNEL_VERSION {
+            return Err("fuse-major-version");
+        }
+        Ok(read_u32(answer, 4))
+    }
+
+    /// Appends `count` records to `<generation>.log` and then `count` to `common`, both
+    /// opened with O_APPEND, and closes them.
+    pub fn append(
+        &mut self,
+        dma: &mut FsDma,
+        tpm: u64,
+        generation: u64,
+        count: u64,
+    ) -> Result<(), &'static str> {
+        if !self.ready {
+            return Err("fs-not-initialised");
+        }
+        let mut name = [0u8; 21];
+        hex16(generation, &mut name[..16]);
+        name[16..20].copy_from_slice(b".log");
+        let own = self.create(dma, tpm, &name)?;
+        let common = self.create(dma, tpm, b"common\0")?;
+        let mut record = [0u8; RECORD_LEN];
+        hex16(generation, &mut record[..16]);
+        record[16] = b' ';
+        record[23] = b'\n';
+        for file in [own, common] {
+            for seq in 0..count {
+                decimal6(seq, &mut record[17..23]);
+                self.write(dma, tpm, file, &record)?;
+            }
+        }
+        self.release(dma, tpm, own)?;
+        self.release(dma, tpm, common)
+    }
+
+    /// FUSE_CREATE of `name` (NUL-terminated) in the root, write-only, appending.
+    fn create(&mut self, dma: &mut FsDma, tpm: u64, name: &[u8]) -> Result<Open, &'static str> {
+        let mut create = [0u8; 16];
+        create[0..4].copy_from_slice(&(O_WRONLY | O_CREAT | O_APPEND).to_le_bytes());
+        create[4..8].copy_from_slice(&0o100644u32.to_le_bytes());
+        let answer = self.call(
+            dma,
+            tpm,
+            FUSE_CREATE,
+            ROOT_NODE,
+            &[&create, name],
+            ENTRY_OUT + 16,
+        )?;
+        if answer.len() < ENTRY_OUT + 8 {
+            return Err("short-create-answer");
+        }
+        Ok(Open {
+            node: read_u64(answer, 0),
+            handle: read_u64(answer, ENTRY_OUT),
+        })
+    }
+
+    fn write(
+        &mut self,
+        dma: &mut FsDma,
+        tpm: u64,
+        file: Open,
+        data: &[u8],
+    ) -> Result<(), &'static str> {
+        let mut write = [0u8; 40];
+        write[0..8].copy_from_slice(&file.handle.to_le_bytes());
+        // The offset is ignored: the file is open with O_APPEND.
+        write[16..20].copy_from_slice(&(data.len() as u32).to_le_bytes());
+        write[32..36].copy_from_slice(&(O_WRONLY | O_APPEND).to_le_bytes());
+        let answer = self.call(dma, tpm, FUSE_WRITE, file.node, &[&write, data], 8)?;
+        if answer.len() < 4 || read_u32(answer, 0) as usize != data.len() {
+            return Err("short-write");
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, dma: &mut FsDma, tpm: u64, file: Open) -> Result<(), &'static str> {
+        let mut release = [0u8; 24];
+        release[0..8].copy_from_slice(&file.handle.to_le_bytes());
+        release[8..12].copy_from_slice(&(O_WRONLY | O_APPEND).to_le_bytes());
+        self.call(dma, tpm, FUSE_RELEASE, file.node, &[&release], 0)?;
+        Ok(())
+    }
+
+    /// Sends one FUSE request (header, then `args`) and waits for its answer; the answer's
+    /// body (after the out header) on success, the errno as an error name otherwise.
+    fn call<'a>(
+        &mut self,
+        dma: &'a mut FsDma,
+        tpm: u64,
+        opcode: u32,
+        node: u64,
+        args: &[&[u8]],
+        answer_room: usize,
+    ) -> Result<&'a [u8], &'static str> {
+        let len = IN_HEADER + args.iter().map(|a| a.len()).sum::<usize>();
+        if len > dma.request.len() || OUT_HEADER + answer_room > dma.answer.len() {
+            return Err("request-too-large");
+        }
+        self.unique = self.unique.wrapping_add(2);
+        let header = &mut dma.request[..IN_HEADER];
+        header.fill(0);
+        header[0..4].copy_from_slice(&(len as u32).to_le_bytes());
+        header[4..8].copy_from_slice(&opcode.to_le_bytes());
+        header[8..16].copy_from_slice(&self.unique.to_le_bytes());
+        header[16..24].copy_from_slice(&node.to_le_bytes());
+        // Byte by byte: slicing by run-time lengths would bring in the panic formatter.
+        let mut slots = dma.request.iter_mut().skip(IN_HEADER);
+        for (slot, byte) in (&mut slots).zip(args.iter().flat_map(|a| a.iter())) {
+            *slot = *byte;
+        }
+        dma.answer[..OUT_HEADER].fill(0);
+        let q = &mut self.queue;
+        q.set_desc(0, dma.request.as_ptr() as u64, len as u32, DESC_F_NEXT, 1);
+        q.set_desc(
+            1,
+            dma.answer.as_ptr() as u64,
+            (OUT_HEADER + answer_room) as u32,
+            DESC_F_WRITE,
+            0,
+        );
+        q.push(0);
+        self.transport.notify(&self.queue);
+        let deadline = Deadline::after_ms(tpm, REQUEST_TIMEOUT_MS);
+        let written = loop {
+            if let Some((id, written)) = self.queue.pop_used() {
+                if id != 0 {
+                    return Err("unexpected-used-id");
+                }
+                break written as usize;
+            }
+            if deadline.passed() {
+                self.ready = false;
+                return Err("timeout");
+            }
+            pause();
+        };
+        // SAFETY: the device has finished with the answer buffer; volatile reads see its
+        // writes rather than values the compiler kept from before the request.
+        let out_len = unsafe { core::ptr::read_volatile(dma.answer.as_ptr() as *const u32) };
+        if written < OUT_HEADER || (out_len as usize) < OUT_HEADER {
+            return Err("short-answer");
+        }
+        let answer = dma
+            .answer
+            .get(..(out_len as usize).min(written))
+            .unwrap_or(&[]);
+        if read_u64(answer, 8) != self.unique {
+            return Err("answer-for-another-request");
+        }
+        match read_u32(answer, 4) as i32 {
+            0 => Ok(answer.get(OUT_HEADER..).unwrap_or(&[])),
+            -2 => Err("ENOENT"),
+            -13 => Err("EACCES"),
+            -30 => Err("EROFS"),
+            -28 => Err("ENOSPC"),
+            _ => Err("fuse-error"),
+        }
+    }
+}
+
+/// The little-endian u32 at `at`, or 0 past the end.
+fn read_u32(bytes: &[u8], at: usize) -> u32 {
+    bytes
+        .get(at..at.saturating_add(4))
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map_or(0, u32::from_le_bytes)
+}
+
+/// The little-endian u64 at `at`, or 0 past the end.
+fn read_u64(bytes: &[u8], at: usize) -> u64 {
+    bytes
+        .get(at..at.saturating_add(8))
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// Exactly 16 lower-case hex digits of `value` into `out`.
+fn hex16(value: u64, out: &mut [u8]) {
+    for (i, slot) in out.iter_mut().take(16).enumerate() {
+        *slot = hex_digit(((value >> ((15 - i) * 4)) & 0xf) as u8);
+    }
+}
+
+/// The last six decimal digits of `value`, zero-padded, into `out`.
+fn decimal6(mut value: u64, out: &mut [u8]) {
+    for slot in out.iter_mut().take(6).rev() {
+        *slot = b'0' + (value % 10) as u8;
+        value /= 10;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_fixed_form() {
+        let mut record = [0u8; RECORD_LEN];
+        hex16(0xab, &mut record[..16]);
+        record[16] = b' ';
+        decimal6(42, &mut record[17..23]);
+        record[23] = b'\n';
+        assert_eq!(&record, b"00000000000000ab 000042\n");
+    }
+}
