@@ -13,7 +13,7 @@ use rollbox::daemon::client::{Endpoint, Response};
 use rollbox::daemon::{cgroup, vm};
 use rollbox_tests::{
     agent_binary, jailer_binary, kvm_available, rollbox_binary, test_guest, vmm_binary,
-    TEST_GUEST_CMDLINE,
+    vmm_wrapper, TEST_GUEST_CMDLINE,
 };
 use serde_json::{json, Value};
 
@@ -222,18 +222,11 @@ fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 
 /// A `--vmm` that waits `secs` before it becomes rollbox-vmm: slow creates on demand.
 fn slow_vmm(dir: &Path, secs: &str) -> PathBuf {
-    let path = dir.join(format!("slow-vmm-{secs}.sh"));
-    std::fs::write(
-        &path,
-        format!(
-            "#!/bin/sh\nsleep {secs}\nexec '{}' \"$@\"\n",
-            vmm_binary().display()
-        ),
+    vmm_wrapper(
+        dir,
+        &format!("slow-vmm-{secs}.sh"),
+        &format!("sleep {secs}"),
     )
-    .expect("write wrapper");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    path
 }
 
 fn ids(list: &Value) -> Vec<String> {
@@ -2710,17 +2703,11 @@ fn a_vmm_that_ends_on_its_own_leaves_its_status_and_log_in_the_end_reason() {
     }
     // A VMM logs nothing on a clean run: a wrapper writes one line to vmm.log first.
     let scratch = tempfile::tempdir().expect("tempdir");
-    let wrapper = scratch.path().join("vmm-says-hello.sh");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\necho 'wrapper: starting rollbox-vmm' >&2\nexec '{}' \"$@\"\n",
-            vmm_binary().display()
-        ),
-    )
-    .expect("write wrapper");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let wrapper = vmm_wrapper(
+        scratch.path(),
+        "vmm-says-hello.sh",
+        "echo 'wrapper: starting rollbox-vmm' >&2",
+    );
     // A shell-script stand-in for the VMM cannot run in a jail (no shell there).
     let server = Server::start(&["--no-jailer", "--vmm", wrapper.to_str().expect("utf-8")]);
     server.add_guest_template("guest");

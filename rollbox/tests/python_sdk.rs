@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use rollbox::daemon::client::Endpoint;
 use rollbox::daemon::vm;
 use rollbox_tests::{
-    agent_binary, kvm_available, rollbox_binary, skip, test_guest, vmm_binary, workspace_root,
-    TEST_GUEST_CMDLINE,
+    agent_binary, kvm_available, rollbox_binary, skip, test_guest, vmm_binary, vmm_wrapper,
+    workspace_root, TEST_GUEST_CMDLINE,
 };
 use serde_json::json;
 
@@ -257,17 +257,7 @@ fn python_sdk_overloaded_carries_retry_after() {
         }
     };
     let wrapper_dir = tempfile::tempdir().expect("tempdir");
-    let slow = wrapper_dir.path().join("slow-vmm.sh");
-    std::fs::write(
-        &slow,
-        format!(
-            "#!/bin/sh\nsleep 2\nexec '{}' \"$@\"\n",
-            vmm_binary().display()
-        ),
-    )
-    .expect("write the wrapper");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let slow = vmm_wrapper(wrapper_dir.path(), "slow-vmm.sh", "sleep 2");
     // A shell-script VMM cannot run inside the jail (it has no shell).
     let daemon = start_daemon(
         None,

@@ -137,6 +137,21 @@ pub fn vmm_binary() -> PathBuf {
         .clone()
 }
 
+/// Writes `dir/name`, a shell script that runs `before` and then becomes rollbox-vmm with its
+/// arguments: a `--vmm` stand-in for tests (`--no-jailer`: a jail has no shell).
+pub fn vmm_wrapper(dir: &Path, name: &str, before: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    let script = format!(
+        "#!/bin/sh\n{before}\nexec '{}' \"$@\"\n",
+        vmm_binary().display()
+    );
+    std::fs::write(&path, script).expect("write the VMM wrapper");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+        .expect("chmod the VMM wrapper");
+    path
+}
+
 /// Builds `rollbox-jailer` (once per test binary) and returns its path.
 pub fn jailer_binary() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();

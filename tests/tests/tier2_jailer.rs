@@ -468,12 +468,15 @@ fn killing_a_jail_leaves_no_process_mount_namespace_or_cgroup() {
         while Path::new(&format!("/proc/{init}")).exists() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
+        // The kernel ends the rest of the jail with its PID 1, and the VMM's helpers die with
+        // it (their parent-death signal); on a loaded machine that may take a moment.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !(processes_in("pid", &pid).is_empty() && processes_in("mnt", &mnt).is_empty())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         if case == "kill" {
-            // The kernel ends the rest of the jail with its PID 1; that may take a moment.
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !processes_in("pid", &pid).is_empty() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
             // Nothing was left to remove the groups: `rollbox serve` does, with this call.
             let errors = rollbox_jailer::remove_jail_groups(
                 Path::new(CGROUP_FS),
