@@ -95,7 +95,7 @@ else
     # then, and a CPU of L1 has stayed stuck inside KVM_RUN (scripts/lab/run.sh stops such a
     # wedged L1 after 60 s, or a frozen one whose heartbeat stopped). Each is the lab's failure
     # (status 125, or 124 for a test past its 10-minute limit or a lab past 30 minutes), not a
-    # test result: the lab starts again, at most five times (ROLLBOX_LAB_STARTS=6 starts in
+    # test result: the lab starts again, at most nine times (ROLLBOX_LAB_STARTS=10 starts in
     # all), and runs only the tests that have no result yet. A test's failure is retried only
     # when a Linux guest triple-faulted, which guests under QEMU itself do in this lab too
     # (docs/testing.md): once, named in the log and in the closing lines.
@@ -118,7 +118,7 @@ else
     lab_attempt=1
     # Each lost L1 costs its boot and the test it was running (about 3 minutes with the
     # heartbeat): six starts fit the 45-minute budget.
-    lab_starts="${ROLLBOX_LAB_STARTS:-6}"
+    lab_starts="${ROLLBOX_LAB_STARTS:-10}"
     [[ "$lab_starts" =~ ^[1-9][0-9]*$ ]] ||
         { echo "tier 4: ROLLBOX_LAB_STARTS must be a count of at least 1, not '$lab_starts'" >&2; exit 2; }
     finished=()
