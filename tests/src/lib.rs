@@ -479,6 +479,41 @@ pub fn boot_with_api(extra: &[&str]) -> Vm {
     vm
 }
 
+/// The first line of the file at `path` for which `want` holds, once there is one; panics
+/// with the file's text after `timeout` (a clone's console, say, that another process writes).
+pub fn wait_for_file_line(path: &Path, timeout: Duration, want: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| want(l)) {
+            return line.to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}: no such line within {timeout:?}; it holds:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// PIDs of the virtiofsd processes serving rollbox-vmm `pid` (their socket path names it).
+pub fn virtiofsd_of(pid: u32) -> Vec<u32> {
+    let needle = format!("rollbox-vmm-{pid}-fs");
+    std::fs::read_dir("/proc")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|p| {
+                    std::fs::read(format!("/proc/{p}/cmdline"))
+                        .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                        .unwrap_or(false)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Waits until `path` accepts connections.
 pub fn wait_for_socket(path: &Path, timeout: Duration) {
     let deadline = Instant::now() + timeout;

@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rollbox_tests::{api, boot_with_api, kvm_available, raw_image, Vm};
+use rollbox_tests::{api, boot_with_api, kvm_available, raw_image, wait_for_file_line, Vm};
 
 /// `POST /fork` on `vm`; returns the clones of the answer (asserting a 200).
 fn fork(vm: &Vm, body: &str) -> Vec<serde_json::Value> {
@@ -108,23 +108,6 @@ fn markers(parent: u32) -> Vec<String> {
 
 fn our_processes(markers: &[String]) -> Vec<i32> {
     markers.iter().flat_map(|m| processes_with(m)).collect()
-}
-
-/// Reads `path` until a line satisfies `want`; returns that line.
-fn wait_for_file_line(path: &Path, timeout: Duration, want: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        if let Some(line) = text.lines().find(|l| want(l)) {
-            return line.to_string();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{}: no such line within {timeout:?}; it holds:\n{text}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn sector_bytes(image: &Path, sector: u64, len: usize) -> Vec<u8> {

@@ -4,10 +4,10 @@
 //! the same workload with Linux guests in the nested lab.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::{api, kvm_available, skip, Vm};
+use rollbox_tests::{api, kvm_available, skip, virtiofsd_of, wait_for_file_line, Vm};
 
 /// Clones of the fan-out: 64, or ROLLBOX_TIER2_VOLUME_CLONES.
 fn clone_count() -> usize {
@@ -21,40 +21,6 @@ const RECORDS: usize = 1000;
 /// `fs-append`'s record: 16 hex digits of the writer's generation, a space, 6 digits, `\n`.
 const RECORD_LEN: usize = 24;
 
-/// The console line that ends `fs-append` (`OK appended` or `ERR`), once it is in `path`.
-fn wait_for_append(path: &Path, timeout: Duration) -> Option<String> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        if let Some(line) = text
-            .lines()
-            .find(|l| l.starts_with("OK appended") || l.starts_with("ERR"))
-        {
-            return Some(line.to_string());
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// PIDs of the virtiofsd processes of rollbox-vmm `pid` (their socket path names it).
-fn virtiofsd_of(pid: u64) -> usize {
-    let needle = format!("rollbox-vmm-{pid}-fs");
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
-                let c = String::from_utf8_lossy(&c);
-                c.contains("virtiofsd") && c.contains(&needle)
-            })
-        })
-        .count()
-}
-
 /// Checks one record line: the writer's generation (16 hex digits) and its sequence number.
 fn parse_record(line: &str) -> Option<(String, usize)> {
     let (generation, seq) = line.split_once(' ')?;
@@ -63,8 +29,10 @@ fn parse_record(line: &str) -> Option<(String, usize)> {
         && generation.bytes().all(|b| b.is_ascii_hexdigit())
         && seq.len() == 6
         && seq.bytes().all(|b| b.is_ascii_digit());
-    ok.then(|| (generation.to_string(), seq.parse().ok()))
-        .and_then(|(g, s)| Some((g, s?)))
+    if !ok {
+        return None;
+    }
+    Some((generation.to_string(), seq.parse().ok()?))
 }
 
 #[test]
@@ -118,9 +86,9 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
     assert_eq!(clones.len(), count, "{answer}");
     for clone in &clones {
         assert!(clone["error"].is_null(), "{clone}");
-        let pid = clone["pid"].as_u64().expect("pid");
+        let pid = clone["pid"].as_u64().expect("pid") as u32;
         assert_eq!(
-            virtiofsd_of(pid),
+            virtiofsd_of(pid).len(),
             1,
             "clone {}: its own virtiofsd",
             clone["index"]
@@ -143,12 +111,8 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
     let mut writers = BTreeSet::from(["0000000000000000".to_string()]);
     for clone in &clones {
         let console = PathBuf::from(clone["console"].as_str().expect("console"));
-        let line = wait_for_append(&console, Duration::from_secs(600)).unwrap_or_else(|| {
-            panic!(
-                "clone {}: no answer to fs-append in {}",
-                clone["index"],
-                console.display()
-            )
+        let line = wait_for_file_line(&console, Duration::from_secs(600), |l| {
+            l.starts_with("OK appended") || l.starts_with("ERR")
         });
         let generation = line
             .strip_prefix(&format!("OK appended {RECORDS} as 0x"))

@@ -12,7 +12,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox_tests::linux::{agent_cmdline, fixtures, seconds, Agent, ClonePids, Fixtures, LinuxVm};
-use rollbox_tests::{api, skip, vmm_binary, wait_for_socket};
+use rollbox_tests::{api, skip, virtiofsd_of, vmm_binary, wait_for_socket};
 
 /// Runs rollbox-vmm with `args` and returns its status and stderr (for refusals).
 fn vmm_refuses(args: &[&str]) -> (ExitStatus, String) {
@@ -224,23 +224,6 @@ impl Guest {
             "a virtiofsd of {pid} outlived it"
         );
     }
-}
-
-/// PIDs of the virtiofsd processes serving rollbox-vmm `pid` (their socket path names it).
-fn virtiofsd_of(pid: u32) -> Vec<u32> {
-    let needle = format!("rollbox-vmm-{pid}-fs");
-    std::fs::read_dir("/proc")
-        .map(|dir| {
-            dir.filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .filter(|p| {
-                    std::fs::read(format!("/proc/{p}/cmdline"))
-                        .map(|c| String::from_utf8_lossy(&c).contains(&needle))
-                        .unwrap_or(false)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// The last lines of a fork clone's stderr and console (in its directory `dir`).
