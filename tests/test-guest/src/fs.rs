@@ -28,6 +28,8 @@ const O_APPEND: u32 = 0o2000;
 /// One fixed-form record: 16 hex digits of the writer's VM generation, a space, a
 /// 6-digit sequence number, a newline.
 pub const RECORD_LEN: usize = 24;
+/// Where a record's six sequence digits start.
+const SEQ_AT: usize = 17;
 const REQUEST_TIMEOUT_MS: u64 = 10_000;
 
 /// The rings and the one request and answer buffer, shared with the device.
@@ -157,18 +159,18 @@ impl Fs {
         // The offset is ignored: the file is open with O_APPEND.
         write[16..20].copy_from_slice(&(RECORD_LEN as u32).to_le_bytes());
         write[32..36].copy_from_slice(&(O_WRONLY | O_APPEND).to_le_bytes());
-        let mut record = [0u8; RECORD_LEN];
-        hex16(generation, &mut record[..16]);
-        record[16] = b' ';
-        decimal6(0, &mut record[17..23]);
-        record[23] = b'\n';
-        let len = self.prepare(dma, FUSE_WRITE, file.node, &[&write, &record])?;
+        let len = self.prepare(
+            dma,
+            FUSE_WRITE,
+            file.node,
+            &[&write, &first_record(generation)],
+        )?;
         for _ in 0..count {
             let answer = self.send(dma, tpm, len, 8)?;
             if read_u32(answer, 0) as usize != RECORD_LEN {
                 return Err("short-write");
             }
-            const DIGITS: usize = IN_HEADER + WRITE_IN + 17;
+            const DIGITS: usize = IN_HEADER + WRITE_IN + SEQ_AT;
             increment_decimal(&mut dma.request[DIGITS..DIGITS + 6]);
         }
         Ok(())
@@ -322,12 +324,11 @@ fn increment_decimal(digits: &mut [u8]) {
     }
 }
 
-/// The last six decimal digits of `value`, zero-padded, into `out`.
-fn decimal6(mut value: u64, out: &mut [u8]) {
-    for slot in out.iter_mut().take(6).rev() {
-        *slot = b'0' + (value % 10) as u8;
-        value /= 10;
-    }
+/// Record 0 of the writer with `generation`; later ones count up its digits at [`SEQ_AT`].
+fn first_record(generation: u64) -> [u8; RECORD_LEN] {
+    let mut record = *b"0000000000000000 000000\n";
+    hex16(generation, &mut record[..16]);
+    record
 }
 
 #[cfg(test)]
@@ -336,11 +337,10 @@ mod tests {
 
     #[test]
     fn records_are_fixed_form() {
-        let mut record = [0u8; RECORD_LEN];
-        hex16(0xab, &mut record[..16]);
-        record[16] = b' ';
-        decimal6(42, &mut record[17..23]);
-        record[23] = b'\n';
+        let mut record = first_record(0xab);
+        for _ in 0..42 {
+            increment_decimal(&mut record[SEQ_AT..SEQ_AT + 6]);
+        }
         assert_eq!(&record, b"00000000000000ab 000042\n");
     }
 
