@@ -7,7 +7,9 @@
 # Usage:
 #   scripts/lab/run.sh [options] -- COMMAND [ARGS...]
 #     --memory-mib N   L1 memory (default 8192; L2 guests live in it)
-#     --cpus N         L1 vCPUs (default 2)
+#     --cpus N         L1 vCPUs (default 2; ROLLBOX_LAB_CPUS)
+#     --tcg-thread T   QEMU's TCG threading: multi (one host thread per L1 vCPU) or single
+#                      (one host thread for all of them); default multi (ROLLBOX_LAB_TCG_THREAD)
 #     --timeout S      stop L1 after S seconds and exit 124 (default 3600)
 #     --cwd DIR        working directory of COMMAND (default: the current one)
 #     --env K=V        set K in COMMAND's environment (repeatable); ROLLBOX_*, RUST_*
@@ -17,6 +19,10 @@
 #     --qemu-arg ARG   one more QEMU argument (repeatable; one word each), e.g. an emulated
 #                      PCI device: --qemu-arg -device --qemu-arg edu
 #     --keep           keep the run directory (console log, status) and print its path
+#
+# ROLLBOX_LAB_QEMU: the qemu-system-x86_64 to run (default: the one on PATH, which
+# scripts/setup.sh installs from bookworm-backports; scripts/lab/qemu-7.2.sh prints one for
+# bookworm's 7.2, for comparison). The first line printed names its version and the settings.
 #
 # ROLLBOX_SKIP_LOG (see tests/src/lib.rs): skips that COMMAND records inside L1 are appended
 # to this file on the host.
@@ -39,12 +45,14 @@ die() { echo "lab: error: $*" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-memory=8192 cpus=2 timeout_s=3600 cwd="$PWD" keep=0
+memory=8192 cpus="${ROLLBOX_LAB_CPUS:-2}" tcg_thread="${ROLLBOX_LAB_TCG_THREAD:-multi}"
+timeout_s=3600 cwd="$PWD" keep=0
 envs=() modules=() qemu_extra=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --memory-mib) need_value "$@"; memory="$2"; shift 2 ;;
         --cpus) need_value "$@"; cpus="$2"; shift 2 ;;
+        --tcg-thread) need_value "$@"; tcg_thread="$2"; shift 2 ;;
         --timeout) need_value "$@"; timeout_s="$2"; shift 2 ;;
         --cwd) need_value "$@"; cwd="$2"; shift 2 ;;
         --env) need_value "$@"; [[ "$2" == *=* ]] || die "--env wants K=V, got '$2'"; envs+=("$2"); shift 2 ;;
@@ -52,18 +60,22 @@ while [[ $# -gt 0 ]]; do
         --qemu-arg) need_value "$@"; qemu_extra+=("$2"); shift 2 ;;
         --keep) keep=1; shift ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,37p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
 [[ $# -gt 0 ]] || die "no COMMAND given (usage: scripts/lab/run.sh [options] -- COMMAND [ARGS...])"
 { is_uint "$memory" && [[ "$memory" -ge 1024 ]]; } || die "--memory-mib must be an integer >= 1024, got '$memory'"
 { is_uint "$cpus" && [[ "$cpus" -ge 1 ]]; } || die "--cpus must be an integer >= 1, got '$cpus'"
+[[ "$tcg_thread" == multi || "$tcg_thread" == single ]] || die "--tcg-thread must be multi or single, got '$tcg_thread'"
 { is_uint "$timeout_s" && [[ "$timeout_s" -ge 1 ]]; } || die "--timeout must be a positive integer, got '$timeout_s'"
 [[ -d "$cwd" ]] || die "--cwd $cwd is not a directory"
 
-qemu=qemu-system-x86_64
+qemu="${ROLLBOX_LAB_QEMU:-qemu-system-x86_64}"
 command -v "$qemu" >/dev/null || cannot_start "$qemu is not installed (scripts/setup.sh installs qemu-system-x86)"
+qemu_version="$("$qemu" --version 2>/dev/null | sed -n '1s/^QEMU emulator version //p')"
+[[ -n "$qemu_version" ]] || cannot_start "$qemu --version printed no QEMU version"
+echo "lab: QEMU $qemu_version ($qemu), TCG thread=$tcg_thread, L1 with $cpus vCPUs and $memory MiB" >&2
 cpu_flags="$("$qemu" -accel tcg -cpu help 2>/dev/null | tr ' ' '\n')"
 for flag in svm npt; do
     grep -qx "$flag" <<<"$cpu_flags" || cannot_start "$qemu's TCG does not emulate the '$flag' CPU flag, so L1 gets no kvm_amd"
@@ -111,7 +123,7 @@ esac
 # no_timer_check: on a loaded host L1's kernel once panicked at boot with "timer doesn't work
 # through Interrupt-remapped IO-APIC" (TCG too slow for its check), not a real fault.
 args=(
-    -accel tcg,thread=multi -cpu max -smp "$cpus" -m "$memory"
+    -accel "tcg,thread=$tcg_thread" -cpu max -smp "$cpus" -m "$memory"
     -M q35,kernel-irqchip=split -device intel-iommu,intremap=on,caching-mode=on
     -nodefaults -display none -no-reboot
     -kernel "$kit/vmlinuz" -initrd "$kit/initrd.gz"

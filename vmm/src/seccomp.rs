@@ -17,8 +17,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -258,6 +259,42 @@ pub fn apply(kind: ThreadKind) {
         std::process::exit(1);
     }
     log::debug!("seccomp: {} filter installed", kind.name());
+}
+
+/// Starts a thread named `name` that runs `body` under `kind`'s filter, and returns once the
+/// thread has its name and filter. Between `clone` and the filter a new thread carries its
+/// parent's name and filter; waiting here means nothing after the call (another thread of
+/// the VMM, or anyone reading /proc) sees it in that state. The new thread says so with an
+/// atomic store, not a syscall: its first syscall under the filter is its body's own.
+pub fn spawn_filtered<F, T>(
+    name: String,
+    kind: ThreadKind,
+    body: F,
+) -> std::io::Result<std::thread::JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    let filtered = Arc::new(AtomicBool::new(false));
+    let theirs = Arc::clone(&filtered);
+    let handle = std::thread::Builder::new().name(name).spawn(move || {
+        apply(kind);
+        theirs.store(true, Ordering::Release);
+        let result = body();
+        drop(theirs);
+        result
+    })?;
+    // `apply` either installs the filter or ends the process, so the flag comes.
+    let mut polls = 0u32;
+    while !filtered.load(Ordering::Acquire) {
+        polls += 1;
+        if polls < 100 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+    Ok(handle)
 }
 
 fn programs_from_file(path: &Path) -> Result<Programs, SeccompError> {

@@ -59,27 +59,24 @@ pub fn start(
         source,
     })?;
     let guard = SocketGuard(path.to_path_buf());
-    std::thread::Builder::new()
-        .name("api".into())
-        .spawn(move || {
-            crate::seccomp::apply(crate::seccomp::ThreadKind::Api);
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(stream) => {
-                        let to_vmm = to_vmm.clone();
-                        let wake = Arc::clone(&wake);
-                        let spawned = std::thread::Builder::new()
-                            .name("api-conn".into())
-                            .spawn(move || serve_connection(stream, &to_vmm, &wake));
-                        if let Err(e) = spawned {
-                            log::error!("API: cannot start a connection thread: {e}");
-                        }
+    crate::seccomp::spawn_filtered("api".into(), crate::seccomp::ThreadKind::Api, move || {
+        for stream in listener.incoming() {
+            match stream {
+                Ok(stream) => {
+                    let to_vmm = to_vmm.clone();
+                    let wake = Arc::clone(&wake);
+                    let spawned = std::thread::Builder::new()
+                        .name("api-conn".into())
+                        .spawn(move || serve_connection(stream, &to_vmm, &wake));
+                    if let Err(e) = spawned {
+                        log::error!("API: cannot start a connection thread: {e}");
                     }
-                    Err(e) => log::warn!("API: accept failed: {e}"),
                 }
+                Err(e) => log::warn!("API: accept failed: {e}"),
             }
-        })
-        .map_err(ServerError::Thread)?;
+        }
+    })
+    .map_err(ServerError::Thread)?;
     Ok(guard)
 }
 

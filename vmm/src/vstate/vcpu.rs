@@ -439,15 +439,16 @@ impl Vcpu {
         let index = self.index;
         let thread_control = Arc::clone(&control);
         let fd = Arc::clone(&self.fd);
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{index}"))
-            .spawn(move || {
-                crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
+        let thread = crate::seccomp::spawn_filtered(
+            format!("vcpu{index}"),
+            crate::seccomp::ThreadKind::Vcpu,
+            move || {
                 #[cfg(all(feature = "test-hooks", debug_assertions))]
                 crate::seccomp::test_hooks::forbidden_syscall_on_vcpu(index);
                 run_vcpu(index, &fd, &thread_control, &handlers)
-            })
-            .map_err(|source| VcpuError::Spawn { index, source })?;
+            },
+        )
+        .map_err(|source| VcpuError::Spawn { index, source })?;
         Ok(VcpuHandle {
             vcpu: self,
             thread: Some(thread),

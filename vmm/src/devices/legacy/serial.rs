@@ -86,12 +86,11 @@ impl ConsoleOut {
             changed: Condvar::new(),
         });
         let theirs = Arc::clone(&shared);
-        let writer = std::thread::Builder::new()
-            .name("console".into())
-            .spawn(move || {
-                crate::seccomp::apply(crate::seccomp::ThreadKind::Vmm);
-                write_out(&theirs, sink)
-            });
+        let writer = crate::seccomp::spawn_filtered(
+            "console".into(),
+            crate::seccomp::ThreadKind::Vmm,
+            move || write_out(&theirs, sink),
+        );
         let writer = match writer {
             Ok(handle) => Some(handle),
             Err(e) => {

@@ -8,13 +8,12 @@ pub mod net;
 pub mod persist;
 pub mod vsock;
 
-use std::num::Wrapping;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use crate::vstate::memory::GuestMemoryMmap;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTIO_F_VERSION_1: the device speaks virtio 1.x.
@@ -49,25 +48,35 @@ pub enum QueueError {
     AvailUnreadable(virtio_queue::Error),
 }
 
-/// Checks the driver's available index before chains are popped. `pop_descriptor_chain`
-/// makes the same check but only answers `None`, with a log line that names no device.
-/// A queue that is not ready has no ring to check.
-pub fn check_avail(queue: &Queue, mem: &GuestMemoryMmap) -> Result<(), QueueError> {
+/// Pops the next chain of `queue`, reading the driver's available index once.
+/// `pop_descriptor_chain` would answer a runaway index only with `None` and a log line of
+/// virtio-queue's own that names no device; a check of the index before it would read it a
+/// second time, and a guest that changes it in between gets both lines. A queue that is not
+/// ready has no chain.
+pub fn pop_checked<'m>(
+    queue: &mut Queue,
+    mem: &'m GuestMemoryMmap,
+) -> Result<Option<virtio_queue::DescriptorChain<&'m GuestMemoryMmap>>, QueueError> {
     if !queue.ready() {
-        return Ok(());
+        return Ok(None);
     }
-    let avail = queue
-        .avail_idx(mem, Ordering::Acquire)
-        .map_err(QueueError::AvailUnreadable)?;
     let next = queue.next_avail();
-    if (avail - Wrapping(next)).0 > queue.size() {
-        return Err(QueueError::AvailTooFarAhead {
-            avail: avail.0,
-            next,
-            size: queue.size(),
-        });
+    let size = queue.size();
+    match queue.iter(mem) {
+        Ok(mut chains) => Ok(chains.next()),
+        Err(virtio_queue::Error::InvalidAvailRingIndex) => {
+            // The index that was refused is gone; this read names one the driver published.
+            let avail = queue
+                .avail_idx(mem, Ordering::Acquire)
+                .map_err(QueueError::AvailUnreadable)?;
+            Err(QueueError::AvailTooFarAhead {
+                avail: avail.0,
+                next,
+                size,
+            })
+        }
+        Err(e) => Err(QueueError::AvailUnreadable(e)),
     }
-    Ok(())
 }
 
 /// Takes the next chain of `queue` unless `stalled`. An available index that ran more than a
@@ -82,12 +91,14 @@ pub fn next_chain<'m>(
     if *stalled {
         return None;
     }
-    if let Err(e) = check_avail(queue, mem) {
-        log::warn!("{who}: {e}; ignoring the queue until reset");
-        *stalled = true;
-        return None;
+    match pop_checked(queue, mem) {
+        Ok(chain) => chain,
+        Err(e) => {
+            log::warn!("{who}: {e}; ignoring the queue until reset");
+            *stalled = true;
+            None
+        }
     }
-    queue.pop_descriptor_chain(mem)
 }
 
 /// Puts chain `head` on the used ring with `len` bytes written; false (logged, naming `who`)

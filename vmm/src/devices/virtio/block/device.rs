@@ -13,7 +13,7 @@ use super::request::{
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use crate::devices::virtio::mmio::read_config_bytes;
-use crate::devices::virtio::{check_avail, QueueContext, VirtioDevice, TYPE_BLOCK};
+use crate::devices::virtio::{pop_checked, QueueContext, VirtioDevice, TYPE_BLOCK};
 
 const VIRTIO_BLK_F_RO: u64 = 1 << 5;
 const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
@@ -180,13 +180,14 @@ impl VirtioDevice for Block {
         };
         let mut used_any = false;
         loop {
-            if let Err(e) = check_avail(queue, mem) {
-                log::warn!("{name}: {e}; ignoring the queue until reset");
-                ctx.interrupt.signal_needs_reset();
-                break;
-            }
-            let Some(chain) = queue.pop_descriptor_chain(mem) else {
-                break;
+            let chain = match pop_checked(queue, mem) {
+                Ok(Some(chain)) => chain,
+                Ok(None) => break,
+                Err(e) => {
+                    log::warn!("{name}: {e}; ignoring the queue until reset");
+                    ctx.interrupt.signal_needs_reset();
+                    break;
+                }
             };
             let head = chain.head_index();
             let (status_addr, status, len) = match collect_chain(chain) {

@@ -109,14 +109,15 @@ impl QueueWorker {
         let gate = Arc::new(Gate::default());
         let thread_gate = Arc::clone(&gate);
         let thread_name = name.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("blk-{}", name.trim_start_matches("virtio-blk ")))
-            .spawn(move || {
-                crate::seccomp::apply(crate::seccomp::ThreadKind::Block);
+        let thread = crate::seccomp::spawn_filtered(
+            format!("blk-{}", name.trim_start_matches("virtio-blk ")),
+            crate::seccomp::ThreadKind::Block,
+            move || {
                 serve(&thread_name, &epoll, &notify, &transport, &thread_gate);
                 drop(thread_stop);
-            })
-            .map_err(setup)?;
+            },
+        )
+        .map_err(setup)?;
         Ok(Self {
             gate,
             stop,
