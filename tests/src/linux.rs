@@ -14,6 +14,9 @@ use crate::{api, skip, vmm_binary};
 
 /// How long a guest may take to boot (or restore) to an answering agent in the lab.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long one agent call may take in the lab before the test fails naming it (a stuck guest
+/// shows as that call's failure, not as the lab's timeout); [`Agent::call_within`] for more.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(240);
 /// How long a guest may take to end after it was told to.
 pub const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Our rootfs images start the agent as init.
@@ -359,12 +362,33 @@ impl Agent {
         }
     }
 
+    /// Runs one agent call to its end, within [`CALL_TIMEOUT`]; panics naming `what` when the
+    /// call fails or the guest does not answer in time.
+    pub fn call<T, E: std::fmt::Display>(
+        &self,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> T {
+        self.call_within(what, CALL_TIMEOUT, call)
+    }
+
+    /// [`Agent::call`] with its own time limit.
+    pub fn call_within<T, E: std::fmt::Display>(
+        &self,
+        what: &str,
+        limit: Duration,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> T {
+        match self.runtime.block_on(tokio::time::timeout(limit, call)) {
+            Ok(Ok(value)) => value,
+            Ok(Err(e)) => panic!("{what}: {e}"),
+            Err(_) => panic!("{what}: the agent did not answer within {limit:?}"),
+        }
+    }
+
     /// Runs `script` with sh; returns (exit code, stdout, stderr).
     pub fn sh_status(&self, script: &str) -> (Option<i32>, String, String) {
-        let out = self
-            .runtime
-            .block_on(self.client.sh(script))
-            .unwrap_or_else(|e| panic!("exec {script:?}: {e}"));
+        let out = self.call(&format!("exec {script:?}"), self.client.sh(script));
         (
             out.status.code,
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -385,28 +409,25 @@ impl Agent {
 
     /// Starts `script` without waiting: for commands that end the guest (poweroff, reboot).
     pub fn start(&self, script: &str) {
-        let started = self.runtime.block_on(async {
+        self.call(&format!("start {script:?}"), async {
             let mut handle = self
                 .client
                 .exec(rollbox_agent_protocol::ExecRequest::shell(script))
                 .await?;
             handle.started().await
         });
-        started.unwrap_or_else(|e| panic!("start {script:?}: {e}"));
     }
 
     pub fn write_file(&self, path: &str, data: &[u8]) {
-        let written = self
-            .runtime
-            .block_on(self.client.write_file(path, data))
-            .unwrap_or_else(|e| panic!("write_file {path}: {e}"));
+        let written = self.call(
+            &format!("write_file {path}"),
+            self.client.write_file(path, data),
+        );
         assert_eq!(written, data.len() as u64);
     }
 
     pub fn read_file(&self, path: &str) -> Vec<u8> {
-        self.runtime
-            .block_on(self.client.read_file(path))
-            .unwrap_or_else(|e| panic!("read_file {path}: {e}"))
+        self.call(&format!("read_file {path}"), self.client.read_file(path))
     }
 }
 

@@ -367,10 +367,7 @@ mod tier4 {
             agent.sh("while [ $(cut -d. -f1 /proc/uptime) -lt 30 ]; do sleep 1; done");
             // Without RDRAND the guest's CRNG may not be initialized yet: 64 credited bytes
             // initialize it, and the reseed then starts its interval afresh.
-            let applied = agent
-                .runtime
-                .block_on(agent.client.reseed(&pattern(64, 4)))
-                .expect("reseed");
+            let applied = agent.call("reseed", agent.client.reseed(&pattern(64, 4)));
             assert!(
                 applied.detail.contains("reseeded the CRNG"),
                 "{}",
@@ -425,10 +422,15 @@ mod tier4 {
         let agent = vm.agent();
         assert!(agent.sh("cat /etc/os-release").contains("bookworm"));
         let t = Instant::now();
-        agent
-            .runtime
-            .block_on(agent.client.docker_ensure(Some(Duration::from_secs(600))))
-            .unwrap_or_else(|e| panic!("dockerd did not start: {e}\n{}", vm.report()));
+        let ensured = agent.runtime.block_on(tokio::time::timeout(
+            Duration::from_secs(400),
+            agent.client.docker_ensure(Some(Duration::from_secs(360))),
+        ));
+        match ensured {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => panic!("dockerd did not start: {e}\n{}", vm.report()),
+            Err(_) => panic!("docker_ensure: no answer within 400 s\n{}", vm.report()),
+        }
         eprintln!("docker: dockerd ready in {:.1} s", seconds(t));
         let image = std::fs::read(fx.path("BUSYBOX_IMAGE_TAR")).expect("busybox image tar");
         agent.write_file("/root/busybox.tar", &image);
@@ -455,17 +457,19 @@ mod tier4 {
             ensure_daemon: true,
         };
         request.env.insert("TIER".into(), "4".into());
-        let (stdout, status) = agent.runtime.block_on(async {
-            let mut handle = agent.client.docker_run(request).await.expect("docker run");
+        let (stdout, status) = agent.call("docker run", async {
+            let mut handle = agent.client.docker_run(request).await?;
             let mut stdout = Vec::new();
             loop {
-                match handle.next_event().await.expect("docker run event") {
+                match handle.next_event().await? {
                     Some(ExecEvent::Output {
                         stream: OutputStream::Stdout,
                         data,
                         ..
                     }) => stdout.extend(data),
-                    Some(ExecEvent::Exited(status)) => return (stdout, status),
+                    Some(ExecEvent::Exited(status)) => {
+                        return Ok::<_, rollbox_agent_protocol::ClientError>((stdout, status))
+                    }
                     Some(_) => {}
                     None => panic!("docker run ended without an exit status"),
                 }
@@ -478,10 +482,7 @@ mod tier4 {
         );
         assert_eq!(status.code, Some(3), "{status:?}");
         // Debian minbase has no poweroff binary: the agent ends the machine itself.
-        let applied = agent
-            .runtime
-            .block_on(agent.client.power_off(false))
-            .expect("power_off");
+        let applied = agent.call("power_off", agent.client.power_off(false));
         assert!(applied.applied, "{}", applied.detail);
         assert_eq!(vm.wait().code(), Some(0), "{}", vm.report());
     }

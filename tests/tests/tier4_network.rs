@@ -532,16 +532,29 @@ mod tier4 {
             assert!(clone["error"].is_null(), "clone failed: {clone}");
             let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
             let agent = Agent::connect(&uds, |_| Ok(()));
-            let applied = agent
-                .runtime
-                .block_on(agent.client.configure_network(&NetworkConfig {
+            let configured = agent.runtime.block_on(tokio::time::timeout(
+                CALL_TIMEOUT,
+                agent.client.configure_network(&NetworkConfig {
                     device: None,
                     address: format!("{}/30", tap.guest),
                     gateway: Some(tap.host.to_string()),
                     dns: vec![tap.host.to_string()],
                     mac: Some(tap.mac()),
-                }))
-                .expect("configure_network");
+                }),
+            ));
+            let applied = match configured {
+                Ok(Ok(applied)) => applied,
+                Ok(Err(e)) => panic!(
+                    "configure_network of {}: {e}\n{}",
+                    tap.name,
+                    clone_report(clone)
+                ),
+                Err(_) => panic!(
+                    "configure_network of {}: no answer within {CALL_TIMEOUT:?}\n{}",
+                    tap.name,
+                    clone_report(clone)
+                ),
+            };
             assert!(applied.applied, "{applied:?}");
             assert!(agent.sh("ip link show eth0").contains(&tap.mac()));
             agent.sh(&format!("echo {} > /tmp/www/index.html", tap.name));
