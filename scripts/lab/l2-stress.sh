@@ -69,14 +69,16 @@ run_guest() { # VMM INDEX ROUND
                 -drive "file=$disk,format=raw,if=none,id=d0" -device virtio-blk-device,drive=d0 \
                 > "$log" 2>&1 ;;
     esac
-    local rc=$? verdict=done
+    local rc=$? verdict=done oops
+    oops=$(grep -c -E "Oops|BUG:|general protection fault|Kernel panic" "$log")
     grep -q "l2-stress: done" "$log" || verdict=UNFINISHED
     grep -q "KVM_EXIT_SHUTDOWN" "$log" && verdict="UNFINISHED (KVM_EXIT_SHUTDOWN)"
     # QEMU with -no-reboot exits 0 when the guest resets (a triple fault is a reset).
     [[ "$which" == qemu && "$verdict" == UNFINISHED && $rc -eq 0 ]] &&
         verdict="UNFINISHED (the guest reset)"
-    echo "l2-stress: $which guest $i round $r: $verdict, exit $rc, $((SECONDS - start)) s"
-    [[ "$verdict" == done ]] || tail -n 5 "$log" | sed "s/^/    $which-$i-$r: /"
+    echo "l2-stress: $which guest $i round $r: $verdict, exit $rc, $((SECONDS - start)) s, $oops oops lines"
+    [[ "$verdict" == done && "$oops" -eq 0 ]] || tail -n 5 "$log" | sed "s/^/    $which-$i-$r: /"
+    [[ "$oops" -eq 0 ]] || grep -m 3 -E "Oops|BUG:|general protection fault|Kernel panic|RIP:|EFLAGS:" "$log" | sed "s/^/    $which-$i-$r: /"
     rm -f "$disk"
 }
 
@@ -90,6 +92,8 @@ done 2>&1 | tee "$work/summary"
 for which in rollbox qemu; do
     total=$(grep -c "l2-stress: $which guest" "$work/summary")
     bad=$(grep "l2-stress: $which guest" "$work/summary" | grep -c UNFINISHED)
-    echo "l2-stress: $which: $bad of $total guests did not finish"
+    faults=$(grep "l2-stress: $which guest" "$work/summary" | grep -c -e KVM_EXIT_SHUTDOWN -e "the guest reset")
+    oopsed=$(grep "l2-stress: $which guest" "$work/summary" | grep -vc ", 0 oops lines")
+    echo "l2-stress: $which: $bad of $total guests did not finish ($faults triple faults or resets), $oopsed oopsed"
 done
 rm -rf "$work"
