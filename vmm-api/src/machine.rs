@@ -121,6 +121,23 @@ pub struct DriveConfig {
     pub socket: Option<String>,
 }
 
+impl DriveConfig {
+    /// A writable, non-root drive `drive_id` backed by `path_on_host`, without options.
+    pub fn new(drive_id: impl Into<String>, path_on_host: impl Into<PathBuf>) -> Self {
+        Self {
+            drive_id: drive_id.into(),
+            path_on_host: path_on_host.into(),
+            is_root_device: false,
+            is_read_only: false,
+            partuuid: None,
+            cache_type: None,
+            io_engine: None,
+            rate_limiter: None,
+            socket: None,
+        }
+    }
+}
+
 /// `PUT /network-interfaces/{iface_id}` (Firecracker's body).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -242,15 +259,8 @@ mod tests {
 
     fn drive() -> DriveConfig {
         DriveConfig {
-            drive_id: "rootfs".into(),
-            path_on_host: "/r.img".into(),
             is_root_device: true,
-            is_read_only: false,
-            partuuid: None,
-            cache_type: None,
-            io_engine: None,
-            rate_limiter: None,
-            socket: None,
+            ..DriveConfig::new("rootfs", "/r.img")
         }
     }
 

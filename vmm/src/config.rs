@@ -539,17 +539,7 @@ pub fn parse_drive_flag(value: &str, index: usize) -> Result<DriveConfig, Config
         .next()
         .filter(|p| !p.is_empty())
         .ok_or_else(|| ConfigError::DriveFlag(value.into()))?;
-    let mut drive = DriveConfig {
-        drive_id: format!("drive{index}"),
-        path_on_host: PathBuf::from(path),
-        is_root_device: false,
-        is_read_only: false,
-        partuuid: None,
-        cache_type: None,
-        io_engine: None,
-        rate_limiter: None,
-        socket: None,
-    };
+    let mut drive = DriveConfig::new(format!("drive{index}"), path);
     for part in parts {
         match part.split_once('=') {
             None if part == "readonly" || part == "ro" => drive.is_read_only = true,

@@ -392,15 +392,8 @@ mod tests {
             "HTTP/1.1 204 No Content\r\nServer: rollbox-vmm\r\nContent-Length: 0\r\n\r\n",
         ));
         let drive = DriveConfig {
-            drive_id: "rootfs".into(),
-            path_on_host: "/r.img".into(),
             is_root_device: true,
-            is_read_only: false,
-            partuuid: None,
-            cache_type: None,
-            io_engine: None,
-            rate_limiter: None,
-            socket: None,
+            ..DriveConfig::new("rootfs", "/r.img")
         };
         Client::new(&server.sock).put_drive(&drive).expect("put");
         let body = r#"{"drive_id":"rootfs","path_on_host":"/r.img","is_root_device":true,"is_read_only":false}"#;
