@@ -21,7 +21,7 @@ use crate::arch::layout::{
 use crate::arch::mptable::{ioapic_id, setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
 use crate::config::{
-    ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS,
+    ConfigError, ConsoleConfig, MachineConfig, Validate, VmResources, DEFAULT_BOOT_ARGS,
     DEFAULT_BOOT_ARGS_PCI,
 };
 use crate::devices::bus::{Bus, BusError};

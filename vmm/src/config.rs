@@ -1,10 +1,17 @@
 //! Machine resources: what a microVM is built from, set by flags, a JSON file or the API.
 //! The JSON shapes are Firecracker's (`boot-source`, `machine-config`, `drives`, `vsock`),
-//! so Firecracker config files and API bodies work unchanged.
+//! so Firecracker config files and API bodies work unchanged; they are defined in
+//! [`vmm_api::machine`] and re-exported here. This module owns what rollbox-vmm makes of
+//! them: their checks ([`Validate`], [`ValidateMachine`]), the command-line flags, and
+//! [`VmResources`].
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+pub use vmm_api::machine::{
+    BootSourceConfig, ConfigFile, DriveConfig, FsCache, FsConfig, MachineConfig, MachineExtension,
+    NetworkInterfaceConfig, VsockConfig,
+};
 
 /// Errors in a configuration value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -135,18 +142,20 @@ pub enum ConfigError {
 /// Most vCPUs per microVM (the MP table lives in the 1 KiB EBDA).
 pub const MAX_VCPUS: u64 = 32;
 
-/// `PUT /boot-source`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BootSourceConfig {
-    /// ELF vmlinux or bzImage.
-    pub kernel_image_path: PathBuf,
-    /// Kernel command line; rollbox-vmm appends its device arguments.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub boot_args: Option<String>,
-    /// Initial ramdisk.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub initrd_path: Option<PathBuf>,
+/// rollbox-vmm's checks of a resource body before it takes it (the machine's are
+/// [`ValidateMachine`]); the error names the failing field and value.
+pub trait Validate {
+    /// What a valid body yields: a network interface's parsed MAC, else nothing.
+    type Valid;
+
+    /// Checks the body.
+    fn validate(&self) -> Result<Self::Valid, ConfigError>;
+}
+
+/// The checks of a machine configuration, which need the host's memory size.
+pub trait ValidateMachine {
+    /// Checks ranges and unsupported options against `host_mib` of host memory.
+    fn validate(&self, host_mib: u64) -> Result<(), ConfigError>;
 }
 
 /// The command line used when none is given.
@@ -154,78 +163,8 @@ pub const DEFAULT_BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off";
 /// The command line used when none is given and the machine has a PCI bus.
 pub const DEFAULT_BOOT_ARGS_PCI: &str = "console=ttyS0 reboot=k panic=1";
 
-/// `PUT /machine-config`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MachineConfig {
-    /// Number of vCPUs.
-    pub vcpu_count: u64,
-    /// Guest memory in MiB.
-    pub mem_size_mib: u64,
-    /// Simultaneous multithreading (only `false`).
-    #[serde(default)]
-    pub smt: bool,
-    /// Track dirty pages for diff snapshots.
-    #[serde(default)]
-    pub track_dirty_pages: bool,
-    /// Firecracker CPU templates are not offered.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cpu_template: Option<String>,
-    /// Huge pages ("None" only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub huge_pages: Option<String>,
-    /// rollbox extension: a deterministic machine. CPUID hides RDRAND and RDSEED, so the guest
-    /// kernel draws no host entropy, and its snapshots can be restored with `deterministic`.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub deterministic: bool,
-    /// rollbox extension (`"rollbox"` in the machine configuration): PCI and VFIO.
-    #[serde(default, skip_serializing_if = "MachineExtension::is_default")]
-    pub rollbox: MachineExtension,
-}
-
-/// rollbox's machine options that Firecracker does not have, under `"rollbox"` in
-/// `machine-config`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MachineExtension {
-    /// A PCI root bus (CF8/CFC and ECAM, announced by ACPI's MCFG and `PCI0`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub pci: bool,
-    /// Host PCI devices bound to `vfio-pci` to pass through, as sysfs paths
-    /// (`/sys/bus/pci/devices/DDDD:BB:DD.F`); implies `pci`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub vfio: Vec<PathBuf>,
-}
-
-impl MachineExtension {
-    fn is_default(&self) -> bool {
-        *self == Self::default()
-    }
-
-    /// Whether the machine has a PCI bus (asked for, or implied by a VFIO device).
-    pub fn has_pci(&self) -> bool {
-        self.pci || !self.vfio.is_empty()
-    }
-}
-
-impl Default for MachineConfig {
-    fn default() -> Self {
-        Self {
-            vcpu_count: 1,
-            mem_size_mib: 128,
-            smt: false,
-            track_dirty_pages: false,
-            cpu_template: None,
-            huge_pages: None,
-            deterministic: false,
-            rollbox: MachineExtension::default(),
-        }
-    }
-}
-
-impl MachineConfig {
-    /// Checks ranges and unsupported options against `host_mib` of host memory.
-    pub fn validate(&self, host_mib: u64) -> Result<(), ConfigError> {
+impl ValidateMachine for MachineConfig {
+    fn validate(&self, host_mib: u64) -> Result<(), ConfigError> {
         if self.vcpu_count == 0 || self.vcpu_count > MAX_VCPUS {
             return Err(ConfigError::VcpuCount(self.vcpu_count));
         }
@@ -259,40 +198,11 @@ impl MachineConfig {
     }
 }
 
-/// `PUT /drives/{drive_id}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DriveConfig {
-    /// Drive ID; also the virtio-blk device ID the guest reads.
-    pub drive_id: String,
-    /// Raw image on the host.
-    pub path_on_host: PathBuf,
-    /// Whether this drive is the guest's root file system (`root=/dev/vda`).
-    #[serde(default)]
-    pub is_root_device: bool,
-    /// Read-only for the guest.
-    #[serde(default)]
-    pub is_read_only: bool,
-    /// Partition UUID of the root partition.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub partuuid: Option<String>,
-    /// "Unsafe" or "Writeback" (flushes always reach the host file).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_type: Option<String>,
-    /// "Sync" only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub io_engine: Option<String>,
-    /// Rate limiters are not offered.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rate_limiter: Option<serde_json::Value>,
-    /// vhost-user block sockets are not offered.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub socket: Option<String>,
-}
+/// The ID and unsupported options.
+impl Validate for DriveConfig {
+    type Valid = ();
 
-impl DriveConfig {
-    /// Checks the ID and unsupported options.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    fn validate(&self) -> Result<(), ConfigError> {
         if !valid_id(&self.drive_id) {
             return Err(ConfigError::DriveId(self.drive_id.clone()));
         }
@@ -316,25 +226,6 @@ impl DriveConfig {
         }
         Ok(())
     }
-}
-
-/// `PUT /network-interfaces/{iface_id}` (Firecracker's body).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetworkInterfaceConfig {
-    /// Interface ID.
-    pub iface_id: String,
-    /// Host tap device; it is created if it does not exist (which needs CAP_NET_ADMIN).
-    pub host_dev_name: String,
-    /// The guest's MAC; without it the guest picks a random one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest_mac: Option<String>,
-    /// Rate limiters are not offered.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rx_rate_limiter: Option<serde_json::Value>,
-    /// Rate limiters are not offered.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tx_rate_limiter: Option<serde_json::Value>,
 }
 
 fn valid_id(id: &str) -> bool {
@@ -363,9 +254,11 @@ pub fn parse_mac(text: &str) -> Result<[u8; 6], ConfigError> {
     Ok(mac)
 }
 
-impl NetworkInterfaceConfig {
-    /// Checks the ID, tap name, MAC and unsupported options; returns the parsed MAC.
-    pub fn validate(&self) -> Result<Option<[u8; 6]>, ConfigError> {
+/// The ID, tap name, MAC and unsupported options; a valid interface yields its parsed MAC.
+impl Validate for NetworkInterfaceConfig {
+    type Valid = Option<[u8; 6]>;
+
+    fn validate(&self) -> Result<Option<[u8; 6]>, ConfigError> {
         if !valid_id(&self.iface_id) {
             return Err(ConfigError::IfaceId(self.iface_id.clone()));
         }
@@ -407,23 +300,11 @@ pub fn parse_net_flag(value: &str, index: usize) -> Result<NetworkInterfaceConfi
     Ok(iface)
 }
 
-/// `PUT /vsock`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VsockConfig {
-    /// The guest's context ID (3 or more).
-    pub guest_cid: u64,
-    /// Host-side Unix socket: the host connects here and sends `CONNECT <port>\n`; guest
-    /// connections to host port P arrive on `<uds_path>_P`.
-    pub uds_path: PathBuf,
-    /// Deprecated Firecracker field, accepted and ignored.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vsock_id: Option<String>,
-}
+/// The CID.
+impl Validate for VsockConfig {
+    type Valid = ();
 
-impl VsockConfig {
-    /// Checks the CID.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.guest_cid < 3 || self.guest_cid > u64::from(u32::MAX) {
             return Err(ConfigError::GuestCid(self.guest_cid));
         }
@@ -431,43 +312,11 @@ impl VsockConfig {
     }
 }
 
-/// virtiofsd's caching policy for a volume.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum FsCache {
-    /// virtiofsd's default: metadata and data cached with close-to-open consistency.
-    #[default]
-    Auto,
-    /// Cache as much as possible: only the guest changes the directory.
-    Always,
-    /// No caching: every access goes to the host (others change the directory too).
-    Never,
-}
+/// The tag, the directory and the socket.
+impl Validate for FsConfig {
+    type Valid = ();
 
-/// rollbox extension: a shared host directory over virtio-fs (`--fs`, `"fs"` in the config
-/// file, `PUT /fs/{tag}`). The guest mounts it with `mount -t virtiofs TAG DIR`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FsConfig {
-    /// The mount tag the guest sees (1-36 bytes).
-    pub tag: String,
-    /// The host directory.
-    pub shared_dir: PathBuf,
-    /// The guest may not change anything (virtiofsd `--readonly`).
-    #[serde(default)]
-    pub readonly: bool,
-    /// virtiofsd's cache policy.
-    #[serde(default)]
-    pub cache: FsCache,
-    /// The vhost-user socket of a virtiofsd the caller started; without it rollbox-vmm starts
-    /// one for the volume and stops it with the VM.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub socket: Option<PathBuf>,
-}
-
-impl FsConfig {
-    /// Checks the tag, the directory and the socket.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    fn validate(&self) -> Result<(), ConfigError> {
         let tag_ok = !self.tag.is_empty()
             && self.tag.len() <= 36
             && !self
@@ -523,57 +372,16 @@ impl ConsoleConfig {
     }
 }
 
-/// A Firecracker-style configuration file, plus rollbox's `console`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConfigFile {
-    /// Kernel, command line and initrd.
-    #[serde(
-        rename = "boot-source",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub boot_source: Option<BootSourceConfig>,
-    /// vCPUs and memory.
-    #[serde(
-        rename = "machine-config",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub machine_config: Option<MachineConfig>,
-    /// Block devices.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub drives: Vec<DriveConfig>,
-    /// The vsock device.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vsock: Option<VsockConfig>,
-    /// Network interfaces.
-    #[serde(
-        rename = "network-interfaces",
-        default,
-        skip_serializing_if = "Vec::is_empty"
-    )]
-    pub network_interfaces: Vec<NetworkInterfaceConfig>,
-    /// rollbox extension: "stdout" or a file path.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub console: Option<String>,
-    /// rollbox extension (not a Firecracker field): shared volumes over virtio-fs.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub fs: Vec<FsConfig>,
-}
-
-impl ConfigFile {
-    /// Reads and parses `path`; unknown fields are errors.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-            path: path.to_path_buf(),
-            detail: e.to_string(),
-        })?;
-        serde_json::from_str(&text).map_err(|e| ConfigError::File {
-            path: path.to_path_buf(),
-            detail: e.to_string(),
-        })
-    }
+/// Reads and parses the `--config` file at `path`; unknown fields are errors.
+pub fn load_config_file(path: &Path) -> Result<ConfigFile, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
+    serde_json::from_str(&text).map_err(|e| ConfigError::File {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })
 }
 
 /// Everything needed to build a microVM.
@@ -731,17 +539,7 @@ pub fn parse_drive_flag(value: &str, index: usize) -> Result<DriveConfig, Config
         .next()
         .filter(|p| !p.is_empty())
         .ok_or_else(|| ConfigError::DriveFlag(value.into()))?;
-    let mut drive = DriveConfig {
-        drive_id: format!("drive{index}"),
-        path_on_host: PathBuf::from(path),
-        is_root_device: false,
-        is_read_only: false,
-        partuuid: None,
-        cache_type: None,
-        io_engine: None,
-        rate_limiter: None,
-        socket: None,
-    };
+    let mut drive = DriveConfig::new(format!("drive{index}"), path);
     for part in parts {
         match part.split_once('=') {
             None if part == "readonly" || part == "ro" => drive.is_read_only = true,

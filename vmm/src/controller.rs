@@ -15,7 +15,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::api::server::ApiRequest;
 use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
-use crate::config::{host_memory_mib, VmResources};
+use crate::config::{host_memory_mib, Validate, ValidateMachine, VmResources};
 use crate::devices::bus::lock;
 use crate::devices::virtio::block::QueueWorker;
 use crate::devices::virtio::TYPE_BLOCK;

@@ -11,8 +11,8 @@ use std::sync::{Arc, OnceLock};
 
 use clap::Parser;
 use vmm::config::{
-    host_memory_mib, parse_drive_flag, parse_fs_flag, parse_net_flag, BootSourceConfig, ConfigFile,
-    ConsoleConfig, VmResources, VsockConfig,
+    host_memory_mib, load_config_file, parse_drive_flag, parse_fs_flag, parse_net_flag,
+    BootSourceConfig, ConsoleConfig, Validate, ValidateMachine, VmResources, VsockConfig,
 };
 use vmm::controller::{Controller, StopSignal};
 use vmm::fork::{CloneGuard, ShellControl};
@@ -174,7 +174,7 @@ fn resources_from(args: &Args) -> Result<VmResources, String> {
         ..Default::default()
     };
     if let Some(path) = &args.config {
-        let file = ConfigFile::load(path).map_err(|e| e.to_string())?;
+        let file = load_config_file(path).map_err(|e| e.to_string())?;
         resources
             .apply_file(file, host_mib)
             .map_err(|e| e.to_string())?;

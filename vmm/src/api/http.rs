@@ -1,12 +1,10 @@
-//! A small HTTP/1.1 reader and writer for the API socket: request line, headers,
-//! Content-Length bodies, keep-alive.
+//! The server half of HTTP/1.1 on the API socket: a request reader (request line, headers,
+//! Content-Length bodies, keep-alive) and the response writer. The client half is
+//! [`vmm_api::Client`]; [`unix_request`] only keeps its old callers working.
 
 use std::io::{self, Read, Write};
 
-/// Largest request head we read.
-const MAX_HEAD: usize = 16 * 1024;
-/// Largest request body we read.
-const MAX_BODY: usize = 1024 * 1024;
+use vmm_api::{MAX_BODY, MAX_HEAD};
 
 /// Errors reading a request.
 #[derive(Debug, thiserror::Error)]
@@ -151,8 +149,9 @@ pub fn write_response(out: &mut impl Write, status: u16, json: Option<&str>) -> 
     out.flush()
 }
 
-/// Sends one request over the Unix socket at `sock` and returns the status and body: the
-/// client used by fork, the integration tests and the benchmarks.
+/// Sends one request over the Unix socket at `sock` and returns the status and body, through
+/// [`vmm_api::Client::request`] (`timeout` is its one deadline; None: no deadline). Kept for
+/// the benches and the integration tests until they call [`vmm_api::Client`] themselves.
 pub fn unix_request(
     sock: &std::path::Path,
     method: &str,
@@ -160,48 +159,20 @@ pub fn unix_request(
     body: Option<&str>,
     timeout: Option<std::time::Duration>,
 ) -> io::Result<(u16, String)> {
-    let mut stream = std::os::unix::net::UnixStream::connect(sock)?;
-    stream.set_read_timeout(timeout)?;
-    let body = body.unwrap_or("");
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes())?;
-    let mut response = Vec::new();
-    let mut chunk = [0u8; 8192];
-    loop {
-        let n = stream.read(&mut chunk)?;
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "connection closed mid-response",
-            ));
-        }
-        response.extend_from_slice(&chunk[..n]);
-        let Some(head_end) = response.windows(4).position(|w| w == b"\r\n\r\n") else {
-            continue;
-        };
-        let head = String::from_utf8_lossy(&response[..head_end]).to_string();
-        let length = head
-            .lines()
-            .find_map(|l| {
-                l.split_once(':')
-                    .filter(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-            })
-            .and_then(|(_, v)| v.trim().parse::<usize>().ok())
-            .unwrap_or(0);
-        if response.len() >= head_end + 4 + length {
-            let status = head
-                .split_whitespace()
-                .nth(1)
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(0);
-            let body =
-                String::from_utf8_lossy(&response[head_end + 4..head_end + 4 + length]).to_string();
-            return Ok((status, body));
-        }
-    }
+    let client =
+        vmm_api::Client::new(sock).with_timeout(timeout.unwrap_or(std::time::Duration::MAX));
+    let response = client
+        .request(method, path, body.map(str::as_bytes))
+        .map_err(|e| {
+            // A socket error keeps its kind (NotFound, ConnectionRefused, ...).
+            let kind = match &e {
+                vmm_api::ClientError::Connect { source, .. }
+                | vmm_api::ClientError::Io { source, .. } => source.kind(),
+                _ => io::ErrorKind::Other,
+            };
+            io::Error::new(kind, e)
+        })?;
+    Ok((response.status, response.text()))
 }
 
 #[cfg(test)]
@@ -220,6 +191,15 @@ mod tests {
         let b = reader.next_request().expect("second");
         assert_eq!(b.path, "/");
         assert!(matches!(reader.next_request(), Err(HttpError::Closed)));
+    }
+
+    #[test]
+    fn unix_request_keeps_the_kind_of_a_socket_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = unix_request(&dir.path().join("absent.sock"), "GET", "/", None, None)
+            .expect_err("no socket");
+        assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+        assert!(err.to_string().contains("absent.sock: GET /"), "{err}");
     }
 
     #[test]

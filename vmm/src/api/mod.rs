@@ -1,15 +1,25 @@
 //! The per-VM control API. Where rollbox-vmm and Firecracker share an operation it speaks
-//! Firecracker's REST API: same paths, same bodies. Requests become one typed [`VmmAction`];
-//! the HTTP layer ([`http`], [`server`]) only moves bytes.
+//! Firecracker's REST API: same paths, same bodies. The bodies and the route table are
+//! [`vmm_api`]'s (re-exported here); this module turns a request into one typed
+//! [`VmmAction`], with the VMM's own refusals. The HTTP layer ([`http`], [`server`]) only
+//! moves bytes.
+//!
+//! The parsing stays here rather than in `vmm_api`: a [`VmmAction`] is the VMM's command
+//! set, answered with [`VmmData`] (which holds VMM types such as the fork pool's status) or
+//! an [`ActionError`] (the VMM's words and status codes); a client needs only the routes and
+//! the bodies.
 
 pub mod http;
 pub mod server;
 
-use serde::{Deserialize, Serialize};
+use vmm_api::{ActionBody, ActionType, Route, VmState, VmStateBody};
+pub use vmm_api::{
+    CloneInfo, CreateSnapshotParams, ForkParams, ForkResult, LoadSnapshotParams, MemBackend,
+    NetworkOverride, RestoreExtension, VfioDevice, VmInfo, VsockOverride,
+};
 
-use crate::config::FsConfig;
 use crate::config::{
-    BootSourceConfig, DriveConfig, MachineConfig, NetworkInterfaceConfig, VsockConfig,
+    BootSourceConfig, DriveConfig, FsConfig, MachineConfig, NetworkInterfaceConfig, VsockConfig,
 };
 
 /// Everything the API can ask of the VMM.
@@ -54,184 +64,6 @@ pub enum VmmAction {
     GetForkPool,
 }
 
-/// `PUT /vfio` body (a rollbox extension).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VfioDevice {
-    /// The device's sysfs path, `/sys/bus/pci/devices/DDDD:BB:DD.F`.
-    pub path: std::path::PathBuf,
-}
-
-/// `PUT /snapshot/create` body (Firecracker's).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSnapshotParams {
-    /// "Full" (default) or "Diff".
-    #[serde(default = "default_snapshot_type")]
-    pub snapshot_type: String,
-    /// Where the state file goes.
-    pub snapshot_path: std::path::PathBuf,
-    /// Where the memory file goes.
-    pub mem_file_path: std::path::PathBuf,
-    /// Deprecated Firecracker field, accepted and ignored.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub version: Option<String>,
-}
-
-fn default_snapshot_type() -> String {
-    "Full".into()
-}
-
-/// Firecracker's `mem_backend`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MemBackend {
-    /// "File" (the memory file; rollbox maps it copy-on-write) or "Uffd".
-    pub backend_type: String,
-    /// The memory file (File), or an external handler's socket (Uffd).
-    pub backend_path: std::path::PathBuf,
-}
-
-/// Firecracker's `vsock_override`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VsockOverride {
-    /// New host-side socket.
-    pub uds_path: std::path::PathBuf,
-}
-
-/// Firecracker's `network_overrides` entry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetworkOverride {
-    /// The interface, as in the snapshot.
-    pub iface_id: String,
-    /// Its new host tap.
-    pub host_dev_name: String,
-    /// rollbox extension: a new MAC for the device (a clone's; the agent applies it in the
-    /// guest with `configure_network`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest_mac: Option<String>,
-}
-
-/// rollbox's restore extension, under `"rollbox"` in the load body.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RestoreExtension {
-    /// "cow" (default), "uffd" (in-VMM page server) or "copy".
-    #[serde(default)]
-    pub restore_backend: Option<String>,
-    /// uffd: prefetch the recorded working set.
-    #[serde(default)]
-    pub prefetch: bool,
-    /// uffd: record the pages the guest touches.
-    #[serde(default)]
-    pub record_working_set: bool,
-    /// Tell the guest it is a clone (new generation counter value).
-    #[serde(default)]
-    pub new_generation: bool,
-    /// Deterministic reset: guest time and generation exactly as in the snapshot.
-    #[serde(default)]
-    pub deterministic: bool,
-    /// New image paths by drive ID.
-    #[serde(default)]
-    pub drive_overrides: std::collections::HashMap<String, std::path::PathBuf>,
-    /// New shared directories by volume tag (virtio-fs).
-    #[serde(default)]
-    pub fs_overrides: std::collections::HashMap<String, std::path::PathBuf>,
-    /// New memory files by layer index (0 = the full base, then the diffs).
-    #[serde(default)]
-    pub layer_overrides: std::collections::HashMap<usize, std::path::PathBuf>,
-}
-
-/// `PUT /snapshot/load` body (Firecracker's, plus the `rollbox` extension object).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LoadSnapshotParams {
-    /// The state file.
-    pub snapshot_path: std::path::PathBuf,
-    /// The memory backend.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mem_backend: Option<MemBackend>,
-    /// Deprecated: the memory file.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mem_file_path: Option<std::path::PathBuf>,
-    /// Deprecated name of `track_dirty_pages`.
-    #[serde(default)]
-    pub enable_diff_snapshots: bool,
-    /// Track dirty pages for diff snapshots of the restored VM.
-    #[serde(default)]
-    pub track_dirty_pages: bool,
-    /// Resume the VM after loading.
-    #[serde(default)]
-    pub resume_vm: bool,
-    /// New host-side vsock socket.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vsock_override: Option<VsockOverride>,
-    /// New host taps for the snapshot's network interfaces.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub network_overrides: Vec<NetworkOverride>,
-    /// rollbox extension.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollbox: Option<RestoreExtension>,
-}
-
-/// `POST /fork` body (rollbox extension).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ForkParams {
-    /// Number of clones (1-256).
-    pub count: u32,
-    /// Directory for the snapshot and the clones' files (default: under /dev/shm).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dir: Option<std::path::PathBuf>,
-    /// Give each clone a new generation counter value (default true); false makes every
-    /// clone bit-identical to the parent.
-    #[serde(default = "default_true")]
-    pub new_generation: bool,
-    /// Memory backend of the clones (default "cow").
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub restore_backend: Option<String>,
-    /// Host taps of each clone, one list per clone (clones cannot share a tap); required
-    /// when the VM has network interfaces.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub network_overrides: Vec<Vec<NetworkOverride>>,
-}
-
-fn default_true() -> bool {
-    true
-}
-
-/// One clone of a fork.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CloneInfo {
-    /// Index among the clones.
-    pub index: u32,
-    /// Process ID, when it started.
-    pub pid: Option<u32>,
-    /// The clone's API socket.
-    pub api_sock: std::path::PathBuf,
-    /// The clone's vsock socket, if the VM has vsock.
-    pub vsock_uds: Option<std::path::PathBuf>,
-    /// The clone's console log.
-    pub console: std::path::PathBuf,
-    /// Why the clone failed, if it did.
-    pub error: Option<String>,
-}
-
-/// `POST /fork` answer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ForkResult {
-    /// The snapshot the clones restored.
-    pub snapshot_dir: std::path::PathBuf,
-    /// How long the parent was paused, in milliseconds.
-    pub paused_ms: f64,
-    /// Total time until every clone was up or had failed, in milliseconds.
-    pub elapsed_ms: f64,
-    /// The clones.
-    pub clones: Vec<CloneInfo>,
-}
-
 /// What a successful action returns.
 #[derive(Debug, Clone, PartialEq)]
 pub enum VmmData {
@@ -245,19 +77,6 @@ pub enum VmmData {
     Fork(ForkResult),
     /// `GET /fork-pool` body.
     ForkPool(crate::fork::ForkPoolStatus),
-}
-
-/// The instance description of `GET /`, as Firecracker returns it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VmInfo {
-    /// Instance ID.
-    pub id: String,
-    /// "Not started", "Running" or "Paused".
-    pub state: String,
-    /// Version of the VMM.
-    pub vmm_version: String,
-    /// Application name.
-    pub app_name: String,
 }
 
 /// A refused action: HTTP status and the `fault_message`.
@@ -283,18 +102,6 @@ impl ActionError {
 /// The result of an action.
 pub type ActionResult = Result<VmmData, ActionError>;
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ActionBody {
-    action_type: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VmStateBody {
-    state: String,
-}
-
 fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ActionError> {
     if bytes.is_empty() {
         return Err(ActionError::bad_request("the request needs a JSON body"));
@@ -306,19 +113,19 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ActionError> 
 /// Turns an HTTP request into an action.
 pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction, ActionError> {
     let path = path.split('?').next().unwrap_or(path);
-    let segments: Vec<&str> = path
-        .trim_matches('/')
-        .split('/')
-        .filter(|s| !s.is_empty())
-        .collect();
-    match (method, segments.as_slice()) {
-        ("GET", []) => Ok(VmmAction::GetVmInfo),
-        ("GET", ["machine-config"]) => Ok(VmmAction::GetMachineConfig),
-        ("PUT", ["boot-source"]) => Ok(VmmAction::PutBootSource(body(bytes)?)),
-        ("PUT", ["machine-config"]) => Ok(VmmAction::PutMachineConfig(body(bytes)?)),
-        ("PUT", ["drives", id]) => {
+    let Some(route) = Route::parse(method, path) else {
+        return Err(ActionError::bad_request(format!(
+            "invalid request method and/or path: {method} {path}"
+        )));
+    };
+    match route {
+        Route::GetVmInfo => Ok(VmmAction::GetVmInfo),
+        Route::GetMachineConfig => Ok(VmmAction::GetMachineConfig),
+        Route::PutBootSource => Ok(VmmAction::PutBootSource(body(bytes)?)),
+        Route::PutMachineConfig => Ok(VmmAction::PutMachineConfig(body(bytes)?)),
+        Route::PutDrive(id) => {
             let drive: DriveConfig = body(bytes)?;
-            if drive.drive_id != *id {
+            if drive.drive_id != id {
                 return Err(ActionError::bad_request(format!(
                     "drive_id {:?} in the body does not match {:?} in the path",
                     drive.drive_id, id
@@ -326,10 +133,10 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
             }
             Ok(VmmAction::PutDrive(drive))
         }
-        ("PUT", ["vsock"]) => Ok(VmmAction::PutVsock(body(bytes)?)),
-        ("PUT", ["network-interfaces", id]) => {
+        Route::PutVsock => Ok(VmmAction::PutVsock(body(bytes)?)),
+        Route::PutNetworkInterface(id) => {
             let iface: NetworkInterfaceConfig = body(bytes)?;
-            if iface.iface_id != *id {
+            if iface.iface_id != id {
                 return Err(ActionError::bad_request(format!(
                     "iface_id {:?} in the body does not match {:?} in the path",
                     iface.iface_id, id
@@ -337,12 +144,12 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
             }
             Ok(VmmAction::PutNetworkInterface(iface))
         }
-        ("PATCH", ["network-interfaces", id]) => Err(ActionError::bad_request(format!(
+        Route::PatchNetworkInterface(id) => Err(ActionError::bad_request(format!(
             "PATCH /network-interfaces/{id}: rate limiters are not supported by rollbox-vmm"
         ))),
-        ("PUT", ["fs", tag]) => {
+        Route::PutFs(tag) => {
             let fs: FsConfig = body(bytes)?;
-            if fs.tag != *tag {
+            if fs.tag != tag {
                 return Err(ActionError::bad_request(format!(
                     "tag {:?} in the body does not match {:?} in the path",
                     fs.tag, tag
@@ -350,32 +157,34 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
             }
             Ok(VmmAction::PutFs(fs))
         }
-        ("PUT", ["vfio"]) => Ok(VmmAction::PutVfio(body(bytes)?)),
-        ("PUT", ["actions"]) => {
+        Route::PutVfio => Ok(VmmAction::PutVfio(body(bytes)?)),
+        Route::PutActions => {
             let action: ActionBody = body(bytes)?;
-            match action.action_type.as_str() {
-                "InstanceStart" => Ok(VmmAction::InstanceStart),
-                "SendCtrlAltDel" => Ok(VmmAction::SendCtrlAltDel),
-                "FlushMetrics" => Ok(VmmAction::FlushMetrics),
-                other => Err(ActionError::bad_request(format!(
-                    "unknown action_type {other:?}: expected InstanceStart, SendCtrlAltDel or FlushMetrics"
+            match ActionType::from_name(&action.action_type) {
+                Some(ActionType::InstanceStart) => Ok(VmmAction::InstanceStart),
+                Some(ActionType::SendCtrlAltDel) => Ok(VmmAction::SendCtrlAltDel),
+                Some(ActionType::FlushMetrics) => Ok(VmmAction::FlushMetrics),
+                None => Err(ActionError::bad_request(format!(
+                    "unknown action_type {:?}: expected InstanceStart, SendCtrlAltDel or FlushMetrics",
+                    action.action_type
                 ))),
             }
         }
-        ("PATCH", ["vm"]) => {
+        Route::PatchVm => {
             let state: VmStateBody = body(bytes)?;
-            match state.state.as_str() {
-                "Paused" => Ok(VmmAction::Pause),
-                "Resumed" => Ok(VmmAction::Resume),
-                other => Err(ActionError::bad_request(format!(
-                    "unknown state {other:?}: expected Paused or Resumed"
+            match VmState::from_name(&state.state) {
+                Some(VmState::Paused) => Ok(VmmAction::Pause),
+                Some(VmState::Resumed) => Ok(VmmAction::Resume),
+                None => Err(ActionError::bad_request(format!(
+                    "unknown state {:?}: expected Paused or Resumed",
+                    state.state
                 ))),
             }
         }
-        ("PUT", ["snapshot", "create"]) => Ok(VmmAction::CreateSnapshot(body(bytes)?)),
-        ("PUT", ["snapshot", "load"]) => Ok(VmmAction::LoadSnapshot(body(bytes)?)),
-        ("GET", ["fork-pool"]) => Ok(VmmAction::GetForkPool),
-        ("POST", ["fork"]) => {
+        Route::PutSnapshotCreate => Ok(VmmAction::CreateSnapshot(body(bytes)?)),
+        Route::PutSnapshotLoad => Ok(VmmAction::LoadSnapshot(body(bytes)?)),
+        Route::GetForkPool => Ok(VmmAction::GetForkPool),
+        Route::PostFork => {
             let params: ForkParams = body(bytes)?;
             if params.count == 0 || params.count > 256 {
                 return Err(ActionError::bad_request(format!(
@@ -385,9 +194,6 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
             }
             Ok(VmmAction::Fork(params))
         }
-        _ => Err(ActionError::bad_request(format!(
-            "invalid request method and/or path: {method} {path}"
-        ))),
     }
 }
 
@@ -476,5 +282,38 @@ mod tests {
         assert!(e.message.contains("invalid request method"));
         let e = parse_request("PUT", "/actions", b"{").expect_err("json");
         assert!(e.message.contains("invalid JSON"));
+    }
+
+    #[test]
+    fn refusals_keep_their_words() {
+        let refusal = |method, path, body: &[u8]| {
+            parse_request(method, path, body)
+                .expect_err("refused")
+                .message
+        };
+        assert_eq!(
+            refusal("PUT", "/actions", br#"{"action_type":"Reboot"}"#),
+            r#"unknown action_type "Reboot": expected InstanceStart, SendCtrlAltDel or FlushMetrics"#
+        );
+        assert_eq!(
+            refusal("PATCH", "/vm", br#"{"state":"paused"}"#),
+            r#"unknown state "paused": expected Paused or Resumed"#
+        );
+        assert_eq!(
+            refusal("PATCH", "/network-interfaces/eth0", b""),
+            "PATCH /network-interfaces/eth0: rate limiters are not supported by rollbox-vmm"
+        );
+        assert_eq!(
+            refusal("GET", "/nowhere?x=1", b""),
+            "invalid request method and/or path: GET /nowhere"
+        );
+        assert_eq!(
+            refusal("POST", "/fork", br#"{"count":0}"#),
+            "count 0 is invalid: fork 1 to 256 clones"
+        );
+        assert_eq!(
+            refusal("PUT", "/boot-source", b""),
+            "the request needs a JSON body"
+        );
     }
 }

@@ -137,7 +137,9 @@ fn respond(out: &mut impl Write, result: ActionResult) -> std::io::Result<()> {
         Err(e) => write_response(
             out,
             e.status,
-            Some(&json(&serde_json::json!({ "fault_message": e.message }))),
+            Some(&json(&vmm_api::ErrorBody {
+                fault_message: e.message,
+            })),
         ),
     }
 }
@@ -145,4 +147,41 @@ fn respond(out: &mut impl Write, result: ActionResult) -> std::io::Result<()> {
 fn json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value)
         .unwrap_or_else(|e| format!("{{\"fault_message\":\"serialization: {e}\"}}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(result: ActionResult) -> String {
+        let mut out = Vec::new();
+        respond(&mut out, result).expect("write");
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    #[test]
+    fn answers_carry_vmm_api_bodies() {
+        assert_eq!(
+            answer(Err(ActionError::bad_request("no kernel"))),
+            "HTTP/1.1 400 Bad Request\r\nServer: rollbox-vmm\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n{\"fault_message\":\"no kernel\"}"
+        );
+        assert_eq!(
+            answer(Ok(VmmData::Empty)),
+            "HTTP/1.1 204 No Content\r\nServer: rollbox-vmm\r\nContent-Length: 0\r\n\r\n"
+        );
+        // The pool's status is still vmm::fork's type; it must read as vmm_api's.
+        let pool = answer(Ok(VmmData::ForkPool(crate::fork::ForkPoolStatus {
+            target: 2,
+            ready: 1,
+        })));
+        let body = pool.split("\r\n\r\n").nth(1).expect("body");
+        let read: vmm_api::ForkPoolStatus = serde_json::from_str(body).expect("vmm_api type");
+        assert_eq!(
+            read,
+            vmm_api::ForkPoolStatus {
+                target: 2,
+                ready: 1
+            }
+        );
+    }
 }
