@@ -1,8 +1,6 @@
 //! `rollbox serve` end to end: the real `rollbox` and `rollbox-vmm` binaries, with the tier-2
 //! test guest as the template's kernel (tier 2: needs /dev/kvm).
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -12,7 +10,7 @@ use rollbox::daemon::api::ROUTES;
 use rollbox::daemon::client::{Endpoint, Response};
 use rollbox::daemon::{cgroup, vm};
 use rollbox_tests::{
-    agent_binary, jailer_binary, kvm_available, rollbox_binary, test_guest, vmm_binary,
+    agent_binary, images, jailer_binary, kvm_available, rollbox_binary, test_guest, vmm_binary,
     vmm_wrapper, TEST_GUEST_CMDLINE,
 };
 use serde_json::{json, Value};
@@ -2169,17 +2167,17 @@ fn interactive_stdin_reaches_a_streaming_exec_until_closed() {
 #[test]
 fn templates_built_from_an_image_with_a_boot_snapshot() {
     if !kvm_available()
-        || !common::root_or_skip("templates_built_from_an_image_with_a_boot_snapshot")
+        || !images::root_or_skip("templates_built_from_an_image_with_a_boot_snapshot")
     {
         return;
     }
     let work = tempfile::tempdir().expect("tempdir");
     let archive = work.path().join("image.tar");
-    common::standard_image().write_docker_archive(&archive, "rollbox-test/crafted:latest");
+    images::standard_image().write_docker_archive(&archive, "rollbox-test/crafted:latest");
     let agent = HostAgent::start();
     let agent_sock = agent.sock.display().to_string();
     let cache = work.path().join("cache").display().to_string();
-    let guest_agent = common::agent().display().to_string();
+    let guest_agent = images::agent().display().to_string();
     let server = Server::start(&[
         "--test-agent-socket",
         &agent_sock,

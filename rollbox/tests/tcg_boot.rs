@@ -9,14 +9,12 @@
 // Test code: a panic on a broken fixture is the failure report.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use rollbox_tests::images::*;
 use rollbox_tests::skip;
 
 fn workspace() -> PathBuf {

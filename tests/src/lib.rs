@@ -1,6 +1,12 @@
 //! Shared helpers for the integration tests: build the real binaries and the test guest,
-//! spawn `rollbox-vmm`, and talk to the guest over its serial console.
+//! spawn `rollbox-vmm`, and talk to the guest over its serial console. With features, the
+//! rollbox crate's tests get more: `daemon` (a real `rollbox serve`, [`daemon`]) and `images`
+//! (crafted container images, [`images`]).
 
+#[cfg(feature = "daemon")]
+pub mod daemon;
+#[cfg(feature = "images")]
+pub mod images;
 pub mod linux;
 
 use std::io::{BufRead, BufReader, Read, Write};
