@@ -30,7 +30,8 @@ const LOG_TAIL: usize = 4000;
 /// A `rollbox serve` on a Unix socket in a scratch directory; on drop it is killed and every
 /// VMM it left is ended, with the cgroups of their jails and of `cpu_limit`.
 pub struct Server {
-    child: Option<Child>,
+    /// The daemon process; None after [`Server::kill9`], until [`Server::spawn`].
+    pub child: Option<Child>,
     pub dir: tempfile::TempDir,
     args: Vec<String>,
 }
