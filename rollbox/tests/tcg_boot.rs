@@ -10,19 +10,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox_tests::images::*;
-use rollbox_tests::skip;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use rollbox_tests::{skip, workspace_root as workspace};
 
 fn kernel() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("ROLLBOX_KERNEL") {

@@ -1,9 +1,10 @@
 //! A real `rollbox serve` for the rollbox crate's daemon tests (rollbox/tests/daemon_*.rs):
 //! a Unix socket and state directory in a scratch directory, this workspace's rollbox-vmm and
 //! rollbox-jailer, the test guest as template, a host agent standing in for a guest's, and the
-//! small readers those tests share. Behind the `daemon` feature: it speaks through the rollbox
-//! crate's own client and finds VMMs as the daemon does, so only rollbox's tests (which
-//! dev-depend on this crate with the feature) build it.
+//! small readers those tests share; e2b.rs and python_sdk.rs end their VMMs with [`end_vmms`].
+//! Behind the `daemon` feature: it speaks through the rollbox crate's own client and finds
+//! VMMs as the daemon does, so only rollbox's tests (which dev-depend on this crate with the
+//! feature) build it.
 
 pub mod leaks;
 
