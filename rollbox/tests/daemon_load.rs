@@ -2,16 +2,15 @@
 //! binaries, the test guest on /dev/kvm): 1,000 create/delete cycles leak nothing, and a daemon
 //! killed while creates are in flight loses and leaks nothing once restarted.
 
-mod daemon_harness;
-
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use daemon_harness::{children_of, fds, ids, interfaces, tree, wait_for, Server};
 use rollbox::daemon::vm;
+use rollbox_tests::daemon::leaks::{children_of, fds, ids, interfaces, tree};
+use rollbox_tests::daemon::{wait_for, Server};
 use rollbox_tests::kvm_available;
 use serde_json::{json, Value};
 
@@ -21,19 +20,21 @@ const LOAD_CONCURRENCY: usize = 8;
 /// Fds the daemon may hold beyond its count before the cycles (tokio and SQLite may open a
 /// few lazily).
 const FD_SLACK: usize = 4;
+/// Room for every create of the load (the daemon's default limit is lower).
+const SERVE_FLAGS: &[&str] = &["--max-pending-creates", "1000"];
 
 #[test]
 fn thousand_create_delete_cycles_leak_nothing() {
     if !kvm_available() {
         return;
     }
-    let server = Server::start();
+    let server = Server::start(SERVE_FLAGS);
     let snapshot = server.guest_snapshot();
     let body = json!({"snapshot": snapshot, "ttl_s": 300, "labels": {"load": "1"}});
     // One cycle first: whatever the daemon opens once (thread pools, SQLite pages) is open.
     let cycle = |n: usize| {
         let (status, sandbox) = server.call("POST", "/sandboxes", Some(body.clone()));
-        assert_eq!(status, 201, "create {n}: {sandbox}\n{}", server.log());
+        assert_eq!(status, 201, "create {n}: {sandbox}\n{}", server.log_tail());
         let id = sandbox["id"].as_str().expect("id").to_string();
         let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
         assert_eq!(status, 204, "delete {id}: {body}");
@@ -161,7 +162,7 @@ fn check_after_restart(server: &Server, answered: &BTreeSet<String>) -> BTreeSet
     assert!(
         lost.is_empty(),
         "created (201) before the kill but not running after the restart: {lost:?}\n{}",
-        server.log()
+        server.log_tail()
     );
     for sandbox in &running {
         let id = sandbox["id"].as_str().expect("id");
@@ -208,7 +209,7 @@ fn kill_9_mid_batch_then_restart_repeatedly_loses_and_leaks_nothing() {
     if !kvm_available() {
         return;
     }
-    let mut server = Server::start();
+    let mut server = Server::start(SERVE_FLAGS);
     let snapshot = server.guest_snapshot();
     let mut live = BTreeSet::new();
     let mut in_flight_total = 0;

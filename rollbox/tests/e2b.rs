@@ -9,7 +9,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox::daemon::client::Endpoint;
-use rollbox::daemon::vm;
 use rollbox_tests::{
     agent_binary, e2b_script, kvm_available, rollbox_binary, skip, test_guest, venv_python,
     vmm_binary, workspace_root, TEST_GUEST_CMDLINE,
@@ -38,11 +37,7 @@ impl Drop for Daemon {
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Ok(dir) = std::fs::canonicalize(self.dir.path().join("state")) {
-            for found in vm::find_vmms(&dir.join("sandboxes")) {
-                vm::kill(found.pid, found.start_time, Duration::from_secs(5));
-            }
-        }
+        rollbox_tests::daemon::end_vmms(&self.dir.path().join("state"));
     }
 }
 

@@ -9,14 +9,12 @@
 // Test code: a panic on a broken fixture is the failure report.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::fs;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-use common::*;
+use rollbox_tests::images::*;
 use rollbox_tests::skip;
 
 fn arg(path: &Path) -> &str {
@@ -73,7 +71,7 @@ fn check_agent_and_metadata(image: &Path) {
     );
     assert_eq!(
         cat(image, "/.rollbox/rollbox-agent"),
-        fs::read(common::agent()).unwrap()
+        fs::read(rollbox_tests::images::agent()).unwrap()
     );
     let inside: serde_json::Value =
         serde_json::from_slice(&cat(image, "/.rollbox/image.json")).unwrap();

@@ -5,16 +5,13 @@
 //! scripts/sdk-venv.sh (cached outside the repository); when it cannot be made the test is
 //! skipped, which ROLLBOX_REQUIRE_ALL=1 turns into a failure.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox::daemon::client::Endpoint;
-use rollbox::daemon::vm;
 use rollbox_tests::{
-    agent_binary, kvm_available, rollbox_binary, skip, test_guest, vmm_binary, vmm_wrapper,
+    agent_binary, images, kvm_available, rollbox_binary, skip, test_guest, vmm_binary, vmm_wrapper,
     workspace_root, TEST_GUEST_CMDLINE,
 };
 use serde_json::json;
@@ -43,11 +40,7 @@ impl Drop for Daemon {
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Ok(dir) = std::fs::canonicalize(self.dir.path().join("state")) {
-            for found in vm::find_vmms(&dir.join("sandboxes")) {
-                vm::kill(found.pid, found.start_time, Duration::from_secs(5));
-            }
-        }
+        rollbox_tests::daemon::end_vmms(&self.dir.path().join("state"));
     }
 }
 
@@ -285,7 +278,7 @@ fn python_sdk_overloaded_carries_retry_after() {
 #[test]
 fn python_sdk_builds_an_image_template_with_a_boot_snapshot() {
     const TEST: &str = "python_sdk_builds_an_image_template_with_a_boot_snapshot";
-    if !kvm_available() || !common::root_or_skip(TEST) {
+    if !kvm_available() || !images::root_or_skip(TEST) {
         return;
     }
     let python = match sdk_python() {
@@ -298,9 +291,9 @@ fn python_sdk_builds_an_image_template_with_a_boot_snapshot() {
     let work = tempfile::tempdir().expect("tempdir");
     let archive = work.path().join("image.tar");
     let reference = "rollbox-test/crafted:latest";
-    common::standard_image().write_docker_archive(&archive, reference);
+    images::standard_image().write_docker_archive(&archive, reference);
     let cache = work.path().join("cache").display().to_string();
-    let guest_agent = common::agent().display().to_string();
+    let guest_agent = images::agent().display().to_string();
     let daemon = start_daemon(
         None,
         None,

@@ -9,22 +9,13 @@
 // Test code: a panic on a broken fixture is the failure report.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
-use rollbox_tests::skip;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use rollbox_tests::images::*;
+use rollbox_tests::{skip, workspace_root as workspace};
 
 fn kernel() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("ROLLBOX_KERNEL") {

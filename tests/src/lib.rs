@@ -1,6 +1,12 @@
 //! Shared helpers for the integration tests: build the real binaries and the test guest,
-//! spawn `rollbox-vmm`, and talk to the guest over its serial console.
+//! spawn `rollbox-vmm`, and talk to the guest over its serial console. With features, the
+//! rollbox crate's tests get more: `daemon` (a real `rollbox serve`, [`daemon`]) and `images`
+//! (crafted container images, [`images`]).
 
+#[cfg(feature = "daemon")]
+pub mod daemon;
+#[cfg(feature = "images")]
+pub mod images;
 pub mod linux;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -19,10 +25,36 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// A `cargo` in the workspace root. Without the variables cargo sets for the running test
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`...): build scripts that watch them (ring's does)
+/// would otherwise run again, and rebuild what depends on them, in every nested build and in
+/// the next `cargo test` after it.
 fn cargo() -> Command {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(workspace_root());
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if is_test_only_cargo_var(&name) {
+            cmd.env_remove(name.as_ref());
+        }
+    }
     cmd
+}
+
+/// Whether cargo sets `name` for the crate it builds or runs (not for cargo itself).
+fn is_test_only_cargo_var(name: &str) -> bool {
+    [
+        "CARGO_MANIFEST_",
+        "CARGO_PKG_",
+        "CARGO_BIN_EXE_",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+    ]
+    .iter()
+    .any(|prefix| name.starts_with(prefix))
 }
 
 fn run_build(args: &[&str]) {
@@ -548,6 +580,26 @@ mod tests {
                     None => std::env::remove_var(name),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn nested_cargo_drops_what_cargo_set_for_the_test_only() {
+        for name in [
+            "CARGO_MANIFEST_DIR",
+            "CARGO_PKG_NAME",
+            "CARGO_BIN_EXE_rollbox",
+        ] {
+            assert!(is_test_only_cargo_var(name), "{name}");
+        }
+        for name in [
+            "CARGO",
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO_BUILD_JOBS",
+            "PATH",
+        ] {
+            assert!(!is_test_only_cargo_var(name), "{name}");
         }
     }
 

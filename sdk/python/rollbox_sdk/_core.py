@@ -1,5 +1,6 @@
 """What the sync and async clients share: configuration, and each API call as a `Call`
-(method, path, query, body, and how to read the answer), so both send exactly the same."""
+(method, path, query, body, and how to read the answer), so both send exactly the same; and
+the one thing in which they truly differ, how an upload body is handed to httpx."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import (
+    IO,
     Any,
+    AsyncIterable,
+    AsyncIterator,
     Callable,
     Dict,
     Generic,
+    Iterable,
+    Iterator,
     List,
     Mapping,
     Optional,
@@ -49,6 +55,15 @@ Command = Union[str, Sequence[str]]
 """An argv, or a string that the sandbox runs with /bin/sh -c."""
 
 Params = List[Tuple[str, str]]
+
+CHUNK = 256 * 1024
+"""Bytes per chunk: file objects are uploaded, and downloads streamed, in pieces this big."""
+
+Upload = Union[bytes, str, IO[bytes], Iterable[bytes]]
+"""An upload body: bytes, text (UTF-8), a binary file object, or an iterable of chunks."""
+
+AsyncUpload = Union[bytes, str, IO[bytes], Iterable[bytes], AsyncIterable[bytes]]
+"""An upload body: bytes, text (UTF-8), a binary file object, or a (async) iterable of chunks."""
 
 
 @dataclass
@@ -495,6 +510,52 @@ def write_params(path: str, mode: Union[int, str, None], parents: bool) -> Param
     if parents:
         params.append(("parents", "true"))
     return params
+
+
+def _whole(content: Any) -> Optional[bytes]:
+    """Text or bytes as the bytes to send; None for a file object or an iterable."""
+    if isinstance(content, str):
+        return content.encode("utf-8")
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return bytes(content)
+    return None
+
+
+def _file_chunks(file: IO[bytes]) -> Iterator[bytes]:
+    while True:
+        chunk = file.read(CHUNK)
+        if not chunk:
+            return
+        yield chunk
+
+
+def upload_body(content: Upload) -> Any:
+    """An upload as the sync client hands it to httpx: bytes, a file object read in
+    CHUNK-sized pieces, or the caller's iterable as it is."""
+    whole = _whole(content)
+    if whole is not None:
+        return whole
+    if hasattr(content, "read"):
+        return _file_chunks(content)  # type: ignore[arg-type]
+    return content
+
+
+async def _achunks(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def aupload_body(content: AsyncUpload) -> Any:
+    """An upload as the async client hands it to httpx, which streams only async iterables:
+    bytes, the caller's async iterable, or a file object or iterable turned into one."""
+    whole = _whole(content)
+    if whole is not None:
+        return whole
+    if hasattr(content, "__aiter__"):
+        return content
+    if hasattr(content, "read"):
+        return _achunks(_file_chunks(content))  # type: ignore[arg-type]
+    return _achunks(content)  # type: ignore[arg-type]
 
 
 def write_file(

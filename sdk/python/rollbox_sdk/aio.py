@@ -1,14 +1,15 @@
+# unasync: module-doc
+# client.py, the sync client, is generated from this file by sdk/python/tools/unasync.py:
+# edit this one and regenerate (scripts/check-sdk-sync.sh fails while they differ).
 """The asynchronous client (httpx.AsyncClient underneath)."""
+# unasync: end
 
 from __future__ import annotations
 
 from typing import (
-    IO,
     Any,
-    AsyncIterable,
     AsyncIterator,
     Dict,
-    Iterable,
     List,
     Mapping,
     Optional,
@@ -20,8 +21,7 @@ from typing import (
 import httpx
 
 from . import _core
-from ._core import Call, Command, ImageSource, Page, SandboxRef
-from .client import CHUNK
+from ._core import CHUNK, AsyncUpload, Call, Command, ImageSource, Page, SandboxRef
 from .errors import StreamError, TransportError
 from .types import (
     ExecEvent,
@@ -37,33 +37,8 @@ from .types import (
 
 T = TypeVar("T")
 
-AsyncUpload = Union[bytes, str, IO[bytes], Iterable[bytes], AsyncIterable[bytes]]
-"""An upload body: bytes, text (UTF-8), a binary file object, or a (async) iterable of chunks."""
-
-
-async def _achunks(content: Any) -> AsyncIterator[bytes]:
-    if hasattr(content, "read"):
-        while True:
-            chunk = content.read(CHUNK)
-            if not chunk:
-                return
-            yield chunk
-    else:
-        for chunk in content:
-            yield chunk
-
-
-def _aupload(content: AsyncUpload) -> Any:
-    if isinstance(content, str):
-        return content.encode("utf-8")
-    if isinstance(content, (bytes, bytearray, memoryview)):
-        return bytes(content)
-    if hasattr(content, "__aiter__"):
-        return content
-    return _achunks(content)
-
-
 class AsyncClient:
+    # unasync: client-doc
     """The asynchronous twin of :class:`~rollbox_sdk.Client`: the same methods, awaited.
 
     Args:
@@ -88,6 +63,7 @@ class AsyncClient:
             print((await rb.run(sb, ["python3", "-c", "print(6*7)"])).stdout)
             await rb.delete_sandbox(sb)
     """
+    # unasync: end
 
     def __init__(
         self,
@@ -382,10 +358,12 @@ class AsyncClient:
         timeout_s: Optional[float] = None,
         max_output_bytes: Optional[int] = None,
     ) -> "AsyncExecStream":
+        # unasync: stream-doc
         """A command's event stream (see :class:`AsyncExecStream`); use it as
         ``async with rb.stream(...) as proc``, which starts it.
 
         With ``stdin_open`` its stdin stays open for :meth:`AsyncExecStream.write_stdin`."""
+        # unasync: end
         body = _core.exec_body(
             cmd, env, cwd, user, stdin, stdin_open, timeout_s, max_output_bytes
         )
@@ -432,7 +410,8 @@ class AsyncClient:
 
         ``mode``: permission bits (``0o755`` or ``"755"``; default those of the file replaced,
         else 644). ``parents`` creates missing parent directories."""
-        return await self._send(_core.write_file(sandbox, path, _aupload(content), mode, parents))
+        body = _core.aupload_body(content)
+        return await self._send(_core.write_file(sandbox, path, body, mode, parents))
 
     async def stat(self, sandbox: SandboxRef, path: str) -> FileInfo:
         """A file's metadata (a final symlink is followed)."""
@@ -458,7 +437,7 @@ class AsyncClient:
 
     async def upload_tar(self, sandbox: SandboxRef, path: str, tar: AsyncUpload) -> Written:
         """Unpack a tar archive into directory ``path`` (created if missing)."""
-        return await self._send(_core.upload_tar(sandbox, path, _aupload(tar)))
+        return await self._send(_core.upload_tar(sandbox, path, _core.aupload_body(tar)))
 
     # --- snapshots, fork, reset -----------------------------------------------------------
 
@@ -503,6 +482,7 @@ class AsyncClient:
 
 
 class AsyncExecStream:
+    # unasync: exec-stream-doc
     """A streaming exec, asynchronously: ``async with`` starts it (then :attr:`pid` is
     known), ``async for`` yields :class:`ExecEvent` s up to ``exit``.
 
@@ -516,6 +496,7 @@ class AsyncExecStream:
             await proc.close_stdin()
             result = await proc.wait()
     """
+    # unasync: end
 
     def __init__(self, client: AsyncClient, sandbox: SandboxRef, body: Dict[str, Any]) -> None:
         self._client = client
@@ -528,9 +509,16 @@ class AsyncExecStream:
         self._closed = False
         self.exit: Optional[ExecEvent] = None
         self.pid: int = 0
+        # unasync: stream-init
+        # unasync: end
 
+    # unasync: start
     async def start(self) -> "AsyncExecStream":
         """Send the request and read its ``started`` line (``async with`` does this)."""
+        return await self._start()
+
+    # unasync: end
+    async def _start(self) -> "AsyncExecStream":
         self._context = self._client._http.stream(
             "POST",
             self._path,
@@ -576,7 +564,7 @@ class AsyncExecStream:
 
     async def __aiter__(self) -> AsyncIterator[ExecEvent]:
         if self._context is None:
-            await self.start()
+            await self._start()
         while True:
             if self._pending:
                 event = self._pending.pop(0)
@@ -601,7 +589,8 @@ class AsyncExecStream:
                 return
 
     async def wait(self) -> ExecResult:
-        """Read to the end: the output of the events not yet read, and how it ended."""
+        """Read to the end: the output gathered from the events not yet read, and how it
+        ended."""
         out: List[bytes] = []
         err: List[bytes] = []
         async for event in self:
@@ -641,7 +630,9 @@ class AsyncExecStream:
             await self._context.__aexit__(None, None, None)
 
     async def __aenter__(self) -> "AsyncExecStream":
+        # unasync: enter
         return await self.start()
+        # unasync: end
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

@@ -1,13 +1,13 @@
+# Generated from aio.py by sdk/python/tools/unasync.py: do not edit. Edit aio.py, then run
+# `python3 sdk/python/tools/unasync.py` (scripts/check-sdk-sync.sh fails while they differ).
 """The synchronous client."""
 
 from __future__ import annotations
 
 from typing import (
-    IO,
     Any,
-    Dict,
-    Iterable,
     Iterator,
+    Dict,
     List,
     Mapping,
     Optional,
@@ -19,7 +19,7 @@ from typing import (
 import httpx
 
 from . import _core
-from ._core import Call, Command, ImageSource, Page, SandboxRef
+from ._core import CHUNK, Upload, Call, Command, ImageSource, Page, SandboxRef
 from .errors import StreamError, TransportError
 from .types import (
     ExecEvent,
@@ -34,30 +34,6 @@ from .types import (
 )
 
 T = TypeVar("T")
-
-CHUNK = 256 * 1024
-
-Upload = Union[bytes, str, IO[bytes], Iterable[bytes]]
-"""An upload body: bytes, text (UTF-8), a binary file object, or an iterable of chunks."""
-
-
-def _chunks(file: IO[bytes]) -> Iterator[bytes]:
-    while True:
-        chunk = file.read(CHUNK)
-        if not chunk:
-            return
-        yield chunk
-
-
-def _upload(content: Upload) -> Any:
-    if isinstance(content, str):
-        return content.encode("utf-8")
-    if isinstance(content, (bytes, bytearray, memoryview)):
-        return bytes(content)
-    if hasattr(content, "read"):
-        return _chunks(content)  # type: ignore[arg-type]
-    return content
-
 
 class Client:
     """A client of `rollbox serve`'s native API.
@@ -140,7 +116,8 @@ class Client:
                 if not response.is_success:
                     response.read()
                     _core.raise_for(response, call.method, call.path)
-                yield from response.iter_bytes(chunk_size)
+                for chunk in response.iter_bytes(chunk_size):
+                    yield chunk
         except httpx.TransportError as e:
             raise TransportError(f"{call.method} {call.path}: {e!r}") from e
 
@@ -307,7 +284,8 @@ class Client:
             page = self.list_sandboxes_page(
                 ids=ids, labels=labels, state=state, limit=page_size, page_token=token
             )
-            yield from page.sandboxes
+            for sandbox in page.sandboxes:
+                yield sandbox
             token = page.next_page_token
             if not token:
                 return
@@ -425,7 +403,8 @@ class Client:
 
         ``mode``: permission bits (``0o755`` or ``"755"``; default those of the file replaced,
         else 644). ``parents`` creates missing parent directories."""
-        return self._send(_core.write_file(sandbox, path, _upload(content), mode, parents))
+        body = _core.upload_body(content)
+        return self._send(_core.write_file(sandbox, path, body, mode, parents))
 
     def stat(self, sandbox: SandboxRef, path: str) -> FileInfo:
         """A file's metadata (a final symlink is followed)."""
@@ -451,7 +430,7 @@ class Client:
 
     def upload_tar(self, sandbox: SandboxRef, path: str, tar: Upload) -> Written:
         """Unpack a tar archive into directory ``path`` (created if missing)."""
-        return self._send(_core.upload_tar(sandbox, path, _upload(tar)))
+        return self._send(_core.upload_tar(sandbox, path, _core.upload_body(tar)))
 
     # --- snapshots, fork, reset -----------------------------------------------------------
 
@@ -515,16 +494,22 @@ class ExecStream:
         self._client = client
         self.sandbox_id = _core.sandbox_id(sandbox)
         self._path = _core.stream_path(sandbox)
+        self._body = body
         self._next_seq = 0
         self._pending: List[ExecEvent] = []
-        self.exit: Optional[ExecEvent] = None
+        self._context: Any = None
         self._closed = False
-        self._context = client._http.stream(
+        self.exit: Optional[ExecEvent] = None
+        self.pid: int = 0
+        self._start()
+
+    def _start(self) -> "ExecStream":
+        self._context = self._client._http.stream(
             "POST",
             self._path,
             params={"stream": "true"},
-            json=body,
-            timeout=_core.exec_timeout(body.get("timeout_s")),
+            json=self._body,
+            timeout=_core.exec_timeout(self._body.get("timeout_s")),
         )
         try:
             self._response = self._context.__enter__()
@@ -542,8 +527,9 @@ class ExecStream:
         if first is None or first.type != "started":
             self.close()
             raise StreamError(f"POST {self._path}: the stream did not start with `started`")
-        self.pid: int = first.pid or 0
+        self.pid = first.pid or 0
         self._pending.append(first)
+        return self
 
     def _read(self) -> Optional[ExecEvent]:
         try:
@@ -562,6 +548,8 @@ class ExecStream:
         return None
 
     def __iter__(self) -> Iterator[ExecEvent]:
+        if self._context is None:
+            self._start()
         while True:
             if self._pending:
                 event = self._pending.pop(0)
@@ -622,7 +610,7 @@ class ExecStream:
 
     def close(self) -> None:
         """Stop reading (the process keeps running until it ends or is signalled)."""
-        if not self._closed:
+        if not self._closed and self._context is not None:
             self._closed = True
             self._context.__exit__(None, None, None)
 

@@ -1,9 +1,7 @@
-//! Helpers for the image integration tests: crafted images (layers made with the `tar` crate),
-//! written as OCI layouts, `docker save` archives or pushed to the local registry; running the
-//! real `rollbox` binary; reading the resulting ext4 with debugfs.
-
-// Test helpers: panicking on a broken fixture is the right failure.
-#![allow(dead_code, clippy::unwrap_used)]
+//! Crafted container images for the image-builder tests (rollbox/tests/image_build.rs and
+//! the daemon's image templates): layers made with the `tar` crate, written as OCI layouts,
+//! `docker save` archives or pushed to the local registry; running the real `rollbox` binary;
+//! reading the ext4 it builds with debugfs. Behind the `images` feature.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -32,7 +30,7 @@ pub fn root_or_skip(test: &str) -> bool {
     if is_root() {
         return true;
     }
-    rollbox_tests::skip(
+    crate::skip(
         test,
         "needs root (the image builder sets ownership and makes device nodes)",
     );
@@ -50,9 +48,10 @@ pub fn is_root() -> bool {
 
 /// Does a registry answer GET /v2/ at 127.0.0.1:5000?
 pub fn registry_answers() -> bool {
-    let Ok(mut stream) =
-        TcpStream::connect_timeout(&REGISTRY.parse().unwrap(), Duration::from_secs(1))
-    else {
+    let Ok(mut stream) = TcpStream::connect_timeout(
+        &REGISTRY.parse().expect("the registry address"),
+        Duration::from_secs(1),
+    ) else {
         return false;
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
@@ -76,11 +75,8 @@ pub fn docker_works() -> bool {
 /// The agent to install: the real static agent if it is built, else busybox-static as a
 /// stand-in (any static executable will do for the image builder).
 pub fn agent() -> PathBuf {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let real = workspace.join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
+    let real = crate::workspace_root()
+        .join("target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent");
     if real.is_file() {
         return real;
     }
@@ -125,35 +121,45 @@ impl Layer {
         let mut header = Self::header(EntryType::Directory, mode, uid, gid, 0);
         self.builder
             .append_data(&mut header, path, std::io::empty())
-            .unwrap();
+            .expect("tar: a directory entry");
         self
     }
 
     pub fn file(mut self, path: &str, data: &[u8], mode: u32, uid: u64, gid: u64) -> Self {
         let mut header = Self::header(EntryType::Regular, mode, uid, gid, data.len() as u64);
-        self.builder.append_data(&mut header, path, data).unwrap();
+        self.builder
+            .append_data(&mut header, path, data)
+            .expect("tar: a file entry");
         self
     }
 
     pub fn symlink(mut self, path: &str, target: &str) -> Self {
         let mut header = Self::header(EntryType::Symlink, 0o777, 0, 0, 0);
-        self.builder.append_link(&mut header, path, target).unwrap();
+        self.builder
+            .append_link(&mut header, path, target)
+            .expect("tar: a symlink entry");
         self
     }
 
     pub fn hardlink(mut self, path: &str, target: &str) -> Self {
         let mut header = Self::header(EntryType::Link, 0o644, 0, 0, 0);
-        self.builder.append_link(&mut header, path, target).unwrap();
+        self.builder
+            .append_link(&mut header, path, target)
+            .expect("tar: a hard link entry");
         self
     }
 
     pub fn char_device(mut self, path: &str, major: u32, minor: u32) -> Self {
         let mut header = Self::header(EntryType::Char, 0o620, 0, 5, 0);
-        header.set_device_major(major).unwrap();
-        header.set_device_minor(minor).unwrap();
+        header
+            .set_device_major(major)
+            .expect("tar: the major number");
+        header
+            .set_device_minor(minor)
+            .expect("tar: the minor number");
         self.builder
             .append_data(&mut header, path, std::io::empty())
-            .unwrap();
+            .expect("tar: a device entry");
         self
     }
 
@@ -171,9 +177,13 @@ impl Layer {
             data.push(b'\n');
         }
         let mut header = Self::header(EntryType::XHeader, 0o644, 0, 0, data.len() as u64);
-        header.set_path("PaxHeaders/entry").unwrap();
+        header
+            .set_path("PaxHeaders/entry")
+            .expect("tar: the PAX header's path");
         header.set_cksum();
-        self.builder.append(&header, &data[..]).unwrap();
+        self.builder
+            .append(&header, &data[..])
+            .expect("tar: a PAX header");
         self
     }
 
@@ -182,19 +192,21 @@ impl Layer {
         let mut header = Self::header(EntryType::Regular, 0o644, 0, 0, data.len() as u64);
         header.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
         header.set_cksum();
-        self.builder.append(&header, data).unwrap();
+        self.builder
+            .append(&header, data)
+            .expect("tar: a raw entry");
         self
     }
 
     pub fn tar(self) -> Vec<u8> {
-        self.builder.into_inner().unwrap()
+        self.builder.into_inner().expect("tar: the finished layer")
     }
 }
 
 pub fn gzip(bytes: &[u8]) -> Vec<u8> {
     let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    encoder.write_all(bytes).unwrap();
-    encoder.finish().unwrap()
+    encoder.write_all(bytes).expect("gzip a layer");
+    encoder.finish().expect("gzip a layer")
 }
 
 /// Bytes that do not compress (xorshift), for disk-filling layers.
@@ -246,7 +258,7 @@ impl Image {
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
             "history": []
         }))
-        .unwrap()
+        .expect("the image config as JSON")
     }
 
     pub fn config_digest(&self) -> String {
@@ -275,20 +287,23 @@ impl Image {
             },
             "layers": layers
         }))
-        .unwrap()
+        .expect("the manifest as JSON")
     }
 
     /// Writes an OCI image layout with this image tagged `tag`.
     pub fn write_oci_layout(&self, dir: &Path, tag: &str) {
         let blobs = dir.join("blobs/sha256");
-        fs::create_dir_all(&blobs).unwrap();
-        fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+        fs::create_dir_all(&blobs).expect("create the layout's blobs directory");
+        fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#)
+            .expect("write oci-layout");
         for blob in &self.blobs {
-            fs::write(blobs.join(hex_of(&sha256(blob))), blob).unwrap();
+            fs::write(blobs.join(hex_of(&sha256(blob))), blob).expect("write a layer blob");
         }
-        fs::write(blobs.join(hex_of(&self.config_digest())), &self.config).unwrap();
+        fs::write(blobs.join(hex_of(&self.config_digest())), &self.config)
+            .expect("write the config blob");
         let manifest = self.manifest();
-        fs::write(blobs.join(hex_of(&sha256(&manifest))), &manifest).unwrap();
+        fs::write(blobs.join(hex_of(&sha256(&manifest))), &manifest)
+            .expect("write the manifest blob");
         let index = serde_json::json!({
             "schemaVersion": 2,
             "manifests": [{
@@ -298,7 +313,11 @@ impl Image {
                 "annotations": {"org.opencontainers.image.ref.name": tag}
             }]
         });
-        fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+        fs::write(
+            dir.join("index.json"),
+            serde_json::to_vec(&index).expect("the index as JSON"),
+        )
+        .expect("write index.json");
     }
 
     /// Path of the first layer's blob inside an OCI layout written by `write_oci_layout`.
@@ -309,14 +328,17 @@ impl Image {
 
     /// Writes a legacy `docker save` tarball (`<id>/layer.tar`, `<config hex>.json`).
     pub fn write_docker_archive(&self, file: &Path, repo_tag: &str) {
-        let mut builder = tar::Builder::new(fs::File::create(file).unwrap());
+        let mut builder =
+            tar::Builder::new(fs::File::create(file).expect("create the docker archive"));
         let mut add = |name: &str, data: &[u8]| {
             let mut header = Header::new_gnu();
             header.set_entry_type(EntryType::Regular);
             header.set_mode(0o644);
             header.set_size(data.len() as u64);
             header.set_mtime(1_700_000_000);
-            builder.append_data(&mut header, name, data).unwrap();
+            builder
+                .append_data(&mut header, name, data)
+                .expect("tar: an archive entry");
         };
         let mut layer_names = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
@@ -332,8 +354,14 @@ impl Image {
             "RepoTags": [repo_tag],
             "Layers": layer_names
         }]);
-        add("manifest.json", &serde_json::to_vec(&manifest).unwrap());
-        builder.into_inner().unwrap().sync_all().unwrap();
+        add(
+            "manifest.json",
+            &serde_json::to_vec(&manifest).expect("the archive manifest as JSON"),
+        );
+        builder
+            .into_inner()
+            .and_then(|f| f.sync_all())
+            .expect("finish the docker archive");
     }
 
     /// Pushes the image to the loopback registry with oci-client.
@@ -344,7 +372,7 @@ impl Image {
             protocol: ClientProtocol::Http,
             ..Default::default()
         });
-        let reference: oci_client::Reference = reference.parse().unwrap();
+        let reference: oci_client::Reference = reference.parse().expect("a valid image reference");
         let layers: Vec<ImageLayer> = self
             .blobs
             .iter()
@@ -364,7 +392,7 @@ impl Image {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .unwrap();
+            .expect("a tokio runtime");
         runtime
             .block_on(client.push(
                 &reference,
@@ -373,7 +401,7 @@ impl Image {
                 &oci_client::secrets::RegistryAuth::Anonymous,
                 None,
             ))
-            .unwrap();
+            .expect("push the image to the registry");
     }
 }
 
@@ -389,7 +417,7 @@ pub fn registry_manifest(repository: &str, reference: &str) -> Vec<u8> {
             "http://{REGISTRY}/v2/{repository}/manifests/{reference}"
         ))
         .output()
-        .unwrap();
+        .expect("run curl");
     assert!(
         output.status.success(),
         "GET manifest {repository}:{reference}"
@@ -424,10 +452,10 @@ pub fn registry_put_index(repository: &str, tag: &str, entries: &[(&str, &[u8])]
             "Content-Type: application/vnd.oci.image.index.v1+json",
             "--data-binary",
         ])
-        .arg(serde_json::to_string(&index).unwrap())
+        .arg(serde_json::to_string(&index).expect("the index as JSON"))
         .arg(format!("http://{REGISTRY}/v2/{repository}/manifests/{tag}"))
         .output()
-        .unwrap();
+        .expect("run curl");
     assert!(
         output.status.success(),
         "PUT index: {}",
@@ -480,11 +508,11 @@ pub fn standard_image() -> Image {
 
 /// Runs the real `rollbox` binary.
 pub fn rollbox(args: &[&str]) -> Output {
-    let output = Command::new(env!("CARGO_BIN_EXE_rollbox"))
+    let output = Command::new(crate::rollbox_binary())
         .args(args)
         .env_remove("ROLLBOX_AGENT")
         .output()
-        .unwrap();
+        .expect("run rollbox");
     eprintln!(
         "$ rollbox {}\n{}{}",
         args.join(" "),
@@ -505,7 +533,7 @@ pub struct Built {
 pub fn build_ok(args: &[&str]) -> Built {
     let output = rollbox(args);
     assert!(output.status.success(), "rollbox {args:?} failed");
-    let stdout = String::from_utf8(output.stdout).unwrap();
+    let stdout = String::from_utf8(output.stdout).expect("rollbox's stdout is UTF-8");
     let field = |key: &str| {
         stdout
             .lines()
@@ -519,10 +547,10 @@ pub fn build_ok(args: &[&str]) -> Built {
         size_bytes: field("size")
             .split_whitespace()
             .next()
-            .unwrap()
+            .expect("a size")
             .parse()
-            .unwrap(),
-        stderr: String::from_utf8(output.stderr).unwrap(),
+            .expect("the size in bytes"),
+        stderr: String::from_utf8(output.stderr).expect("rollbox's stderr is UTF-8"),
     }
 }
 
@@ -532,7 +560,7 @@ pub fn build_err(args: &[&str]) -> String {
         !output.status.success(),
         "rollbox {args:?} should have failed"
     );
-    String::from_utf8(output.stderr).unwrap()
+    String::from_utf8(output.stderr).expect("rollbox's stderr is UTF-8")
 }
 
 /// Runs one debugfs request against an image; returns stdout and stderr together.
@@ -565,24 +593,29 @@ pub fn stat(image: &Path, path: &str) -> Option<Inode> {
     if text.contains("File not found") {
         return None;
     }
-    let after = |key: &str| -> String {
-        let at = text
-            .find(key)
-            .unwrap_or_else(|| panic!("no {key} in debugfs output:\n{text}"));
-        text[at + key.len()..]
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .to_string()
-    };
+    let mode: String = field(&text, "Mode:");
     Some(Inode {
-        kind: after("Type:"),
-        mode: u32::from_str_radix(&after("Mode:"), 8).unwrap(),
-        uid: after("User:").parse().unwrap(),
-        gid: after("Group:").parse().unwrap(),
-        links: after("Links:").parse().unwrap(),
-        inode: after("Inode:").parse().unwrap(),
+        kind: field(&text, "Type:"),
+        mode: u32::from_str_radix(&mode, 8)
+            .unwrap_or_else(|e| panic!("Mode: {mode:?} in debugfs output: {e}\n{text}")),
+        uid: field(&text, "User:"),
+        gid: field(&text, "Group:"),
+        links: field(&text, "Links:"),
+        inode: field(&text, "Inode:"),
     })
+}
+
+/// The word after `key` in debugfs output, parsed.
+fn field<T: std::str::FromStr>(text: &str, key: &str) -> T
+where
+    T::Err: std::fmt::Display,
+{
+    let word = text
+        .find(key)
+        .and_then(|at| text[at + key.len()..].split_whitespace().next())
+        .unwrap_or_else(|| panic!("no {key} in debugfs output:\n{text}"));
+    word.parse()
+        .unwrap_or_else(|e| panic!("{key} {word:?} in debugfs output: {e}\n{text}"))
 }
 
 pub fn cat(image: &Path, path: &str) -> Vec<u8> {
@@ -591,7 +624,7 @@ pub fn cat(image: &Path, path: &str) -> Vec<u8> {
         .args(["-R", &format!("cat {path}")])
         .arg(image)
         .output()
-        .unwrap();
+        .expect("run debugfs");
     output.stdout
 }
 
@@ -601,8 +634,8 @@ pub fn assert_cache_clean(cache: &Path) {
         let dir = cache.join(sub);
         if dir.exists() {
             let left: Vec<_> = fs::read_dir(&dir)
-                .unwrap()
-                .map(|e| e.unwrap().path())
+                .expect("read the cache directory")
+                .map(|e| e.expect("a cache entry").path())
                 .collect();
             assert!(
                 left.is_empty(),

@@ -1,0 +1,243 @@
+//! `rollbox serve` end to end, the API itself: the key, loopback-only TCP, 4xx answers naming
+//! the field, and the OpenAPI document against the routes (each answered live).
+//! The real `rollbox` and `rollbox-vmm` binaries with the tier-2 test guest as the
+//! template's kernel (tier 2: needs /dev/kvm); `rollbox_tests::daemon` starts the daemon.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use rollbox::daemon::api::ROUTES;
+use rollbox::daemon::client::Endpoint;
+use rollbox_tests::daemon::{Server, KEY};
+use rollbox_tests::{rollbox_binary, test_guest};
+use serde_json::{json, Value};
+
+#[test]
+fn missing_or_wrong_key_is_401() {
+    let server = Server::start(&[]);
+    for key in [None, Some("wrong"), Some("")] {
+        for (method, path) in [
+            ("GET", "/sandboxes"),
+            ("POST", "/sandboxes"),
+            ("GET", "/nope"),
+        ] {
+            let response = server.raw(method, path, key, Some(b"{}"));
+            assert_eq!(response.status, 401, "{method} {path} with {key:?}");
+            assert!(response.error_message().contains("API key"));
+            assert_eq!(response.header("www-authenticate"), Some("Bearer"));
+        }
+    }
+    assert_eq!(server.raw("GET", "/healthz", Some(KEY), None).status, 200);
+}
+
+#[test]
+fn serves_loopback_tcp_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let serve = |listen: &str| {
+        Command::new(rollbox_binary())
+            .args(["serve", "--listen", listen, "--state-dir"])
+            .arg(dir.path().join("state"))
+            .env("ROLLBOX_API_KEY", KEY)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rollbox serve")
+    };
+    let refused = serve("0.0.0.0:0").wait_with_output().expect("wait");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a loopback address"));
+
+    // Port 0: the daemon names the port it got in its first line.
+    let mut child = serve("127.0.0.1:0");
+    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .filter(|u| u.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_string();
+    let endpoint = Endpoint::from_url(&url).expect("url");
+    let auth = format!("Bearer {KEY}");
+    let ok = endpoint
+        .request(
+            "GET",
+            "/healthz",
+            &[("Authorization", &auth)],
+            None,
+            Duration::from_secs(10),
+        )
+        .expect("GET /healthz");
+    let no_key = endpoint
+        .request("GET", "/healthz", &[], None, Duration::from_secs(10))
+        .expect("GET /healthz");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((ok.status, no_key.status), (200, 401));
+}
+
+#[test]
+fn bad_requests_get_4xx_naming_the_field() {
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let cases: Vec<(&str, &str, Value, u16, &str)> = vec![
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "nosuch", "ttl_s": 5}),
+            400,
+            "template",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "memory_mib": -64}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "memory_mib": 0}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "labels": {"no spaces": "x"}}),
+            400,
+            "labels",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "labels": {"k": ["x"]}}),
+            400,
+            "labels.k",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": 5, "colour": "red"}),
+            400,
+            "colour",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest"}),
+            400,
+            "ttl_s",
+        ),
+        (
+            "POST",
+            "/sandboxes",
+            json!({"template": "guest", "ttl_s": -1}),
+            400,
+            "ttl_s",
+        ),
+        ("GET", "/sandboxes/not-an-id", Value::Null, 400, "id"),
+        ("DELETE", "/sandboxes/sb-123", Value::Null, 400, "id"),
+        ("GET", "/sandboxes?state=zombie", Value::Null, 400, "state"),
+        ("GET", "/sandboxes?label=nokey", Value::Null, 400, "label"),
+        (
+            "GET",
+            "/sandboxes/sb-00000000000000aa",
+            Value::Null,
+            404,
+            "sb-00000000000000aa",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "t2", "kernel": "/no/such/kernel"}),
+            400,
+            "kernel",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "t2", "kernel": test_guest(), "memory_mib": -1}),
+            400,
+            "memory_mib",
+        ),
+        (
+            "POST",
+            "/templates",
+            json!({"name": "guest", "kernel": test_guest()}),
+            409,
+            "name",
+        ),
+        ("PUT", "/sandboxes", Value::Null, 405, "PUT"),
+        ("GET", "/nope", Value::Null, 404, "no route"),
+    ];
+    for (method, path, body, status, needle) in cases {
+        let body = (!body.is_null()).then_some(body);
+        let (got, answer) = server.call(method, path, body.clone());
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert_eq!(got, status, "{method} {path} {body:?}: {answer}");
+        assert!(
+            error.contains(needle),
+            "{method} {path} {body:?}: {error:?} does not name {needle}"
+        );
+    }
+    let big = vec![b'x'; 2 << 20];
+    let response = server.raw("POST", "/sandboxes", Some(KEY), Some(&big));
+    assert_eq!(response.status, 413);
+    assert!(
+        response.error_message().contains("body"),
+        "{}",
+        response.error_message()
+    );
+    let response = server.raw("POST", "/sandboxes", Some(KEY), Some(b"{not json"));
+    assert_eq!(response.status, 400);
+    // Nothing above started a VMM.
+    assert!(server.vmms().is_empty());
+}
+
+#[test]
+fn openapi_document_matches_the_routes() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(root.join("docs/api/openapi.yaml")).expect("openapi.yaml");
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text).expect("parse openapi.yaml");
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    let mut documented = BTreeSet::new();
+    for (path, item) in doc["paths"].as_mapping().expect("paths") {
+        let path = path.as_str().expect("path").to_string();
+        for (method, _) in item.as_mapping().expect("path item") {
+            let method = method.as_str().expect("method");
+            if ["get", "post", "put", "patch", "delete"].contains(&method) {
+                documented.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    let served: BTreeSet<(String, String)> = ROUTES
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    assert_eq!(
+        documented, served,
+        "docs/api/openapi.yaml and api::ROUTES differ"
+    );
+
+    // And the live server answers each of them (never 404 "no route" or 405).
+    let server = Server::start(&[]);
+    for (method, path) in &served {
+        let path = path
+            .replace("{id}", "sb-00000000000000aa")
+            .replace("{name}", "nosuch");
+        let response = server.raw(method, &path, Some(KEY), Some(b"{}"));
+        assert_ne!(response.status, 405, "{method} {path}");
+        assert!(
+            !response.error_message().contains("no route"),
+            "{method} {path}: {}",
+            response.error_message()
+        );
+    }
+}
