@@ -71,80 +71,111 @@ else
     # all), and runs only the tests that have no result yet. A test's failure is retried only
     # when a Linux guest triple-faulted, which guests under QEMU itself do in this lab too
     # (docs/testing.md): once, named in the log and in the closing lines.
-    # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's IOMMU:
-    # edu, an NVMe drive on a 288 MiB file (L1's own nvme driver reads it first, for the
-    # baseline), and ivshmem-plain with a 16 GiB (sparse) BAR file.
-    lab_files=/var/tmp/rollbox-lab
-    mkdir -p "$lab_files"
-    vfio_bar="$lab_files/ivshmem-vfio.img"; rm -f "$vfio_bar"; truncate -s 16G "$vfio_bar"
-    vfio_nvme="$lab_files/nvme-vfio.img"; head -c 288M /dev/urandom > "$vfio_nvme"
-    export ROLLBOX_IVSHMEM_FILE="$vfio_bar" ROLLBOX_NVME_FILE="$vfio_nvme"
-    lab_devices=(
-        --modprobe vfio-pci --modprobe nvme
-        --qemu-arg -device --qemu-arg edu
-        --qemu-arg -drive --qemu-arg "file=$vfio_nvme,if=none,id=nv0,format=raw"
-        --qemu-arg -device --qemu-arg nvme,serial=rbx1,drive=nv0
-        --qemu-arg -object --qemu-arg "memory-backend-file,id=bar,size=16G,mem-path=$vfio_bar,share=on"
-        --qemu-arg -device --qemu-arg ivshmem-plain,memdev=bar
-    )
-    lab_attempt=1
-    # Each lost L1 costs its boot and the test it was running (about 3 minutes with the
-    # heartbeat): six starts fit the 45-minute budget.
-    lab_starts="${ROLLBOX_LAB_STARTS:-10}"
+    lab_starts="${ROLLBOX_LAB_STARTS:-3}"
     [[ "$lab_starts" =~ ^[1-9][0-9]*$ ]] ||
         { echo "tier 4: ROLLBOX_LAB_STARTS must be a count of at least 1, not '$lab_starts'" >&2; exit 2; }
-    finished=()
-    attempt_log="$(mktemp)" all_log="$(mktemp)"
-    trap 'rm -f "$attempt_log" "$all_log"' EXIT
-    losses=()
-    # Names this script's lab QEMU (`-name`), so the idle watch below stops no other lab.
-    lab_name="rollbox-tier4-$$"
-    while :; do
-        done_args=()
-        for name in "${finished[@]}"; do done_args+=(--done "$name"); done
-        lab_status=0
-        : > "$attempt_log"
-        # Each test prints a line when it ends, and none may run past 600 s; L1 once went
-        # silent for longer without its own timeout firing (its clock or scheduler stuck).
-        # Silence past 720 s means a stuck L1: its QEMU is stopped and run.sh exits 125.
-        (
-            while sleep 20; do
-                idle=$(( $(date +%s) - $(stat -c %Y "$attempt_log" 2>/dev/null || date +%s) ))
-                if [[ "$idle" -gt "${ROLLBOX_LAB_IDLE_S:-720}" ]]; then
-                    echo "tier 4: the lab printed nothing for $idle s; stopping its QEMU" >&2
-                    pkill -TERM -f "qemu-system-x86_64 .*-name ${lab_name}( |\$)" || true
-                    break
-                fi
-            done
-        ) &
-        idle_watch=$!
-        scripts/lab/run.sh --timeout 1800 --modprobe tun "${lab_devices[@]}" \
-            --qemu-arg -name --qemu-arg "$lab_name" -- \
-            "$PWD/scripts/tier4-tests.sh" --limit 600 "${done_args[@]}" "${tier4_bins[@]}" 2>&1 |
-            tee "$attempt_log"
-        lab_status="${PIPESTATUS[0]}"
-        kill "$idle_watch" 2>/dev/null || true
-        wait "$idle_watch" 2>/dev/null || true
-        cat "$attempt_log" >> "$log"
-        cat "$attempt_log" >> "$all_log"
-        mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$attempt_log")
-        [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
-        why="$(grep -m 1 -E '^lab: (cannot start|timed out)|^tier 4: .* ran past|^tier 4: the lab printed nothing' "$attempt_log")"
-        losses+=("start $lab_attempt: status $lab_status: ${why:-no reason printed}")
-        if [[ "$lab_attempt" -ge "$lab_starts" ]]; then
-            say "tier 4: the lab failed $lab_attempt times (status $lab_status); giving up"
-            break
+    shards="${ROLLBOX_LAB_SHARDS:-2}"
+    [[ "$shards" == 1 || "$shards" == 2 ]] ||
+        { echo "tier 4: ROLLBOX_LAB_SHARDS must be 1 or 2, not '$shards'" >&2; exit 2; }
+    lab_files=/var/tmp/rollbox-lab
+    mkdir -p "$lab_files" || { echo "tier 4: cannot create $lab_files" >&2; exit 1; }
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+
+    # One lab's run of BINARY...: the lab starts again (at most $lab_starts starts) for the
+    # tests with no result yet whenever L1 itself is lost. Its output goes to $work/lab-N.log
+    # (and, marked, to stdout); its losses to $work/lab-N.losses; its status to $work/lab-N.status.
+    run_lab() {
+        local shard="$1"; shift
+        local bins=("$@") lab_devices=() finished=() done_args=() attempt=1 lab_status=0
+        local out="$work/lab-$shard.log" attempt_log="$work/lab-$shard.attempt" why name
+        : > "$out"; : > "$work/lab-$shard.losses"
+        # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's
+        # IOMMU: edu, an NVMe drive on a 288 MiB file (L1's own nvme driver reads it first, for
+        # the baseline), and ivshmem-plain with a 16 GiB (sparse) BAR file; only the lab that
+        # runs tier4_vfio gets them.
+        if printf '%s\n' "${bins[@]}" | grep -q '/tier4_vfio-'; then
+            local bar="$lab_files/ivshmem-vfio-$$-$shard.img" nvme="$lab_files/nvme-vfio-$$-$shard.img"
+            rm -f "$bar"; truncate -s 16G "$bar"; head -c 288M /dev/urandom > "$nvme"
+            export ROLLBOX_IVSHMEM_FILE="$bar" ROLLBOX_NVME_FILE="$nvme"
+            lab_devices=(
+                --modprobe vfio-pci --modprobe nvme
+                --qemu-arg -device --qemu-arg edu
+                --qemu-arg -drive --qemu-arg "file=$nvme,if=none,id=nv0,format=raw"
+                --qemu-arg -device --qemu-arg nvme,serial=rbx1,drive=nv0
+                --qemu-arg -object --qemu-arg "memory-backend-file,id=bar,size=16G,mem-path=$bar,share=on"
+                --qemu-arg -device --qemu-arg ivshmem-plain,memdev=bar
+            )
         fi
-        lab_attempt=$((lab_attempt + 1))
-        say "tier 4: the lab itself failed (status $lab_status, not a test result); starting it again (attempt $lab_attempt of $lab_starts) for the ${#finished[@]} tests with a result kept"
+        # Names this lab's QEMU (`-name`), so the idle watch below stops no other lab.
+        local lab_name="rollbox-tier4-$$-$shard"
+        while :; do
+            done_args=()
+            for name in "${finished[@]}"; do done_args+=(--done "$name"); done
+            : > "$attempt_log"
+            # Each test prints a line when it ends, and none may run past 600 s; L1 once went
+            # silent for longer without its own timeout firing (its clock or scheduler stuck).
+            # Silence past 720 s means a stuck L1: its QEMU is stopped and run.sh exits 125.
+            (
+                while sleep 20; do
+                    idle=$(( $(date +%s) - $(stat -c %Y "$attempt_log" 2>/dev/null || date +%s) ))
+                    if [[ "$idle" -gt "${ROLLBOX_LAB_IDLE_S:-720}" ]]; then
+                        echo "tier 4: the lab printed nothing for $idle s; stopping its QEMU" >> "$attempt_log"
+                        pkill -TERM -f "qemu-system-x86_64 .*-name ${lab_name}( |\$)" || true
+                        break
+                    fi
+                done
+            ) &
+            local idle_watch=$!
+            scripts/lab/run.sh --timeout 2400 --modprobe tun "${lab_devices[@]}" \
+                --qemu-arg -name --qemu-arg "$lab_name" -- \
+                "$PWD/scripts/tier4-tests.sh" --limit 600 "${done_args[@]}" "${bins[@]}" 2>&1 |
+                tee -a "$attempt_log" | sed -u "s/^/[lab $shard] /"
+            lab_status="${PIPESTATUS[0]}"
+            kill "$idle_watch" 2>/dev/null; wait "$idle_watch" 2>/dev/null
+            cat "$attempt_log" >> "$out"
+            mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$attempt_log")
+            [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
+            why="$(grep -m 1 -E '^lab: (cannot start|timed out)|^tier 4: .* ran past|^tier 4: the lab printed nothing' "$attempt_log")"
+            echo "lab $shard, start $attempt: status $lab_status: ${why:-no reason printed}" >> "$work/lab-$shard.losses"
+            if [[ "$attempt" -ge "$lab_starts" ]]; then
+                echo "tier 4: lab $shard failed $attempt times (status $lab_status); giving up" | tee -a "$out"
+                break
+            fi
+            attempt=$((attempt + 1))
+            echo "tier 4: lab $shard itself failed (status $lab_status, not a test result); starting it again (attempt $attempt of $lab_starts) for the ${#finished[@]} tests with a result kept" | tee -a "$out"
+        done
+        rm -f "$lab_files/ivshmem-vfio-$$-$shard.img" "$lab_files/nvme-vfio-$$-$shard.img"
+        # A test that failed in an attempt the lab later lost still fails the run.
+        if grep -q '^test .* \.\.\. FAILED$' "$out" && [[ "$lab_status" -eq 0 ]]; then
+            lab_status=1
+        fi
+        echo "$attempt $lab_status" > "$work/lab-$shard.status"
+    }
+
+    # Two labs side by side, each L1 with one vCPU, share the host's two cores: L1 with two
+    # vCPUs on two TCG threads crashed (an IPI between one CPU's #VMEXIT and its VMLOAD,
+    # docs/testing.md), and one vCPU per L1 has no other CPU to send it one. The binaries are
+    # split so that both labs take about as long (their times in docs/testing.md).
+    lab_a=() lab_b=()
+    for bin in "${tier4_bins[@]}"; do
+        case "$(basename "$bin")" in
+            tier4_linux-*|tier4_vfio-*|tier4_network-*) lab_a+=("$bin") ;;
+            *) if [[ "$shards" -eq 2 ]]; then lab_b+=("$bin"); else lab_a+=("$bin"); fi ;;
+        esac
     done
-    rm -f "$vfio_bar" "$vfio_nvme"
-    say "tier 4: $lab_attempt lab start(s), $((lab_attempt - 1)) restart(s)"
-    for loss in "${losses[@]}"; do say "tier 4: lab lost: $loss"; done
-    # A test that failed in an attempt the lab later lost still fails the run.
-    if grep -q '^test .* \.\.\. FAILED$' "$all_log" && [[ "$lab_status" -eq 0 ]]; then
-        lab_status=1
-    fi
-    [[ "$lab_status" -eq 0 ]] || status="$lab_status"
+    [[ ${#lab_a[@]} -gt 0 ]] && run_lab A "${lab_a[@]}" &
+    [[ ${#lab_b[@]} -gt 0 ]] && run_lab B "${lab_b[@]}" &
+    wait
+    starts=0 restarts=0
+    for shard in A B; do
+        [[ -f "$work/lab-$shard.log" ]] || continue
+        cat "$work/lab-$shard.log" >> "$log"
+        read -r attempts lab_status < "$work/lab-$shard.status" || { attempts=1; lab_status=1; }
+        starts=$((starts + attempts)) restarts=$((restarts + attempts - 1))
+        [[ "$lab_status" -eq 0 ]] || status="$lab_status"
+    done
+    say "tier 4: $starts lab start(s), $restarts restart(s)"
+    cat "$work"/lab-*.losses 2>/dev/null | sed 's/^/tier 4: lab lost: /' | tee -a "$log"
 fi
 exit "$status"

@@ -4,8 +4,9 @@
 # tells a fault of the lab's emulated SVM, which both VMMs see, from one of rollbox-vmm's.
 #
 # Usage (on the host): scripts/lab/run.sh -- scripts/lab/l2-stress.sh [--guests N] [--rounds R]
-#                      [--loops L]
-#   N guests of each VMM at once (default 3), R rounds (default 2), L workload loops (default 300)
+#                      [--loops L] [--guest-timeout S]
+#   N guests of each VMM at once (default 3), R rounds (default 2), L workload loops (default 300);
+#   a guest still running after S seconds (default 900) is stopped and counted as unfinished
 # The guest: our kernel (ROLLBOX_KERNEL_DIR, kernel-config/build.sh) and a small ext4 of static
 # busybox whose /init forks processes, touches memory and writes files L times, then prints
 # "l2-stress: done" and powers off. rollbox-vmm: target/debug (ROLLBOX_VMM to override).
@@ -14,12 +15,13 @@ set -uo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$SCRIPT_DIR/../.." && pwd)"
-guests=3 rounds=2 loops=300
+guests=3 rounds=2 loops=300 guest_timeout=900
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --guests) guests="$2"; shift 2 ;;
         --rounds) rounds="$2"; shift 2 ;;
         --loops) loops="$2"; shift 2 ;;
+        --guest-timeout) guest_timeout="$2"; shift 2 ;;
         *) echo "l2-stress: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -60,10 +62,10 @@ run_guest() { # VMM INDEX ROUND
     start=$SECONDS
     case "$which" in
         rollbox)
-            timeout 1200 "$vmm" --no-seccomp --kernel "$kernel" --cmdline "$cmdline" \
+            timeout "$guest_timeout" "$vmm" --no-seccomp --kernel "$kernel" --cmdline "$cmdline" \
                 --memory-mib 128 --drive "$disk,root" > "$log" 2>&1 ;;
         qemu)
-            timeout 1200 qemu-system-x86_64 -enable-kvm -cpu host -m 128 -smp 1 \
+            timeout "$guest_timeout" qemu-system-x86_64 -enable-kvm -cpu host -m 128 -smp 1 \
                 -M microvm,acpi=off -nodefaults -no-user-config -nographic -no-reboot \
                 -serial stdio -kernel "$kernel" -append "$cmdline" \
                 -drive "file=$disk,format=raw,if=none,id=d0" -device virtio-blk-device,drive=d0 \
@@ -73,6 +75,7 @@ run_guest() { # VMM INDEX ROUND
     oops=$(grep -c -E "Oops|BUG:|general protection fault|Kernel panic" "$log")
     grep -q "l2-stress: done" "$log" || verdict=UNFINISHED
     grep -q "KVM_EXIT_SHUTDOWN" "$log" && verdict="UNFINISHED (KVM_EXIT_SHUTDOWN)"
+    [[ $rc -eq 124 ]] && verdict="UNFINISHED (still running after $guest_timeout s: hung or slow)"
     # QEMU with -no-reboot exits 0 when the guest resets (a triple fault is a reset).
     [[ "$which" == qemu && "$verdict" == UNFINISHED && $rc -eq 0 ]] &&
         verdict="UNFINISHED (the guest reset)"
