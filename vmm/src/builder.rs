@@ -24,7 +24,6 @@ use crate::config::{
     ConfigError, ConsoleConfig, MachineConfig, VmResources, DEFAULT_BOOT_ARGS,
     DEFAULT_BOOT_ARGS_PCI,
 };
-use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::generation::{
     random_generation_id, write_generation_id, Generation, GenerationError, GENERATION_PORT,
     GENERATION_PORT_LEN,
@@ -45,6 +44,7 @@ use crate::devices::virtio::net::{Net, NetConfig, NetError};
 use crate::devices::virtio::persist::VirtioPersistState;
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
+use crate::vstate::bus::{Bus, BusError};
 use crate::vstate::memory::{create_guest_memory, MemoryError, Sharing};
 use crate::vstate::vcpu::{
     saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle, VmExit,
@@ -697,7 +697,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
             host_phys_bits(),
         )?;
         for device in &vfio.devices {
-            crate::devices::bus::lock(device).enable_decoding();
+            crate::vstate::bus::lock(device).enable_decoding();
         }
         for p in &placed.placements {
             log::info!(
@@ -823,7 +823,7 @@ pub fn restore_pci(
         router: Arc::new(Mutex::new(MsiRouter::for_kvm(kvm))),
     };
     let pci = PciMachine::restore(args, state)?;
-    crate::devices::bus::lock(&pci.router)
+    crate::vstate::bus::lock(&pci.router)
         .apply(vm.fd())
         .map_err(|e| BuildError::PciRoutes(e.to_string()))?;
     Ok(pci)

@@ -16,13 +16,13 @@ use crate::api::server::ApiRequest;
 use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
 use crate::config::{host_memory_mib, VmResources};
-use crate::devices::bus::lock;
 use crate::devices::virtio::block::QueueWorker;
 use crate::devices::virtio::TYPE_BLOCK;
 use crate::fork::{ForkError, ForkPool, ForkPoolStatus, Launcher, ParentWord, ShellControl};
 use crate::persist::{
     create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType, VmShell,
 };
+use crate::vstate::bus::lock;
 use crate::vstate::vcpu::VmExit;
 use std::path::{Path, PathBuf};
 use std::time::Instant;

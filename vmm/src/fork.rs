@@ -32,9 +32,9 @@ use crate::api::{
 use crate::background_snapshot::{BackgroundSnapshotError, DumpJob, PendingMemory, StartedDump};
 use crate::builder::MicroVm;
 use crate::config::MachineConfig;
-use crate::devices::bus::lock;
 use crate::devices::virtio::persist::DevicePersistKind;
 use crate::persist::{create_fork_snapshot, ForkMemory, RestoreBackend};
+use crate::vstate::bus::lock;
 
 /// How long a clone may take to build its empty VM and say `ready`.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);

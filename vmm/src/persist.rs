@@ -28,7 +28,6 @@ use crate::builder::{
     MemoryBacking, MemoryKind, MicroVm, SavedDevices,
 };
 use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
-use crate::devices::bus::lock;
 use crate::devices::legacy::generation::{announce_new_generation, GenerationError};
 use crate::devices::legacy::persist::{I8042PersistState, SerialPersistState};
 use crate::devices::pci::persist::{PciPersistError, PciPersistState};
@@ -37,6 +36,7 @@ use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{VirtioDevice, TYPE_FS};
+use crate::vstate::bus::lock;
 use crate::vstate::memory::GuestMemoryMmap;
 use crate::vstate::memory::{create_guest_memory, Sharing};
 use crate::vstate::vcpu::{saveable_msrs, Vcpu, VcpuError, VcpuRestoreArgs, VcpuState};

@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::arch::regs::{boot_fpu, boot_regs, boot_sregs};
-use crate::devices::bus::{lock, Bus};
+use crate::vstate::bus::{lock, Bus};
 
 /// Errors from creating, configuring and running vCPUs.
 #[derive(Debug, thiserror::Error)]

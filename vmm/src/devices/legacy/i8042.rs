@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 
 use super::EventTrigger;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 use vm_superio::Trigger;
 
 const DATA_OFFSET: u64 = 0;

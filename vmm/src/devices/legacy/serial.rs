@@ -10,7 +10,7 @@ use vm_superio::serial::SerialEvents;
 use vm_superio::Serial;
 
 use super::EventTrigger;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 
 /// Where guest console output goes. The vCPU thread only appends to a bounded buffer; a
 /// writer thread writes it out, so a host that stops reading stdout stalls neither the guest

@@ -6,7 +6,7 @@ use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::{Queue, QueueT};
 
 use super::{Interrupt, QueueContext, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 
 const MAGIC_VALUE: u32 = 0x7472_6976; // "virt"
 const MMIO_VERSION: u32 = 2;
