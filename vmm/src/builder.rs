@@ -28,11 +28,12 @@ use crate::devices::legacy::generation::{
     random_generation_id, write_generation_id, Generation, GenerationError, GENERATION_PORT,
     GENERATION_PORT_LEN,
 };
+use crate::devices::legacy::i8042::I8042PersistState;
 use crate::devices::legacy::i8042::I8042;
-use crate::devices::legacy::persist::{I8042PersistState, SerialArgs, SerialPersistState};
 use crate::devices::legacy::poweroff::PowerOff;
 use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
+use crate::devices::legacy::serial::{SerialArgs, SerialPersistState};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::pci::bus::PciRoot;
 use crate::devices::pci::router::MsiRouter;

@@ -29,7 +29,8 @@ use crate::builder::{
 };
 use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::devices::legacy::generation::{announce_new_generation, GenerationError};
-use crate::devices::legacy::persist::{I8042PersistState, SerialPersistState};
+use crate::devices::legacy::i8042::I8042PersistState;
+use crate::devices::legacy::serial::SerialPersistState;
 use crate::devices::pci::persist::{PciPersistError, PciPersistState};
 use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::net::{Net, NetConfig};
