@@ -539,7 +539,7 @@ pub fn attach_devices(
         }
         let transport = match saved.map(|s| s.virtio.get(i)) {
             Some(Some(state)) => {
-                <MmioTransport as Persist>::restore((device, mem.clone(), interrupt), state)
+                MmioTransport::restore((device, mem.clone(), interrupt), &state.transport_state())
                     .map_err(restore_err)?
             }
             Some(None) => return Err(restore_err(format!("{name}: not in the snapshot"))),

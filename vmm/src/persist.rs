@@ -562,12 +562,17 @@ fn write_state(
             .iter()
             .map(|slot| {
                 let transport = lock(&slot.transport);
-                transport.save().map_err(|detail| PersistError::Device {
+                let saved = transport.save().map_err(|detail| PersistError::Device {
                     device: transport.device().name(),
                     detail,
+                })?;
+                Ok(VirtioPersistState {
+                    kind: transport.device().persist_kind(),
+                    transport: saved.registers,
+                    queues: saved.queues,
                 })
             })
-            .collect::<Result<Vec<_>, _>>()?,
+            .collect::<Result<Vec<_>, PersistError>>()?,
         generation: vm.generation.load(Ordering::SeqCst),
         pci: vm.pci.as_ref().map(|p| p.save()).transpose()?,
     };
@@ -1241,8 +1246,7 @@ mod tests {
     use super::*;
     use crate::config::{FsCache, FsConfig};
     use crate::devices::virtio::fs::persist::FsPersistState;
-    use crate::devices::virtio::mmio::TransportRegisters;
-    use crate::devices::virtio::persist::QueuePersistState;
+    use crate::devices::virtio::mmio::persist::{QueuePersistState, TransportRegisters};
 
     /// The device fields of a [`MicroVmState`], in its order.
     #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
