@@ -32,9 +32,9 @@ use crate::api::{
 use crate::background_snapshot::{BackgroundSnapshotError, DumpJob, PendingMemory, StartedDump};
 use crate::builder::MicroVm;
 use crate::config::MachineConfig;
-use crate::devices::virtio::persist::DevicePersistKind;
+use crate::device_manager::DevicePersistKind;
+use crate::devices::virtio::net::NetOverride;
 use crate::persist::{create_fork_snapshot, ForkMemory, RestoreBackend};
-use crate::vstate::bus::lock;
 
 /// How long a clone may take to build its empty VM and say `ready`.
 const CLONE_READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -760,11 +760,10 @@ pub fn start_fork(
             name: backend.clone(),
             reason,
         })?;
-    let kinds: Vec<DevicePersistKind> = vm
-        .virtio
-        .iter()
-        .map(|s| lock(&s.transport).device().persist_kind())
-        .collect();
+    let kinds = vm
+        .devices
+        .virtio_kinds()
+        .map_err(|e| ForkError::Refused(e.to_string()))?;
     check_network_overrides(&kinds, params)?;
     let seq = FORKS.fetch_add(1, Ordering::SeqCst);
     let kept = params.dir.is_some();
@@ -926,9 +925,7 @@ pub fn start_fork(
         }
         Vec::new()
     });
-    let has_vsock = kinds
-        .iter()
-        .any(|k| matches!(k, DevicePersistKind::Vsock { .. }));
+    let has_vsock = kinds.iter().any(DevicePersistKind::is_vsock);
     // The parent holds the snapshot until every clone answered (each then holds it itself).
     let snapshot_lock = File::open(dir.join("vmstate"))
         .ok()
@@ -1061,10 +1058,8 @@ fn check_network_overrides(
 ) -> Result<(), ForkError> {
     let ifaces: Vec<&str> = kinds
         .iter()
-        .filter_map(|k| match k {
-            DevicePersistKind::Net { iface_id, .. } => Some(iface_id.as_str()),
-            _ => None,
-        })
+        .filter_map(DevicePersistKind::as_net)
+        .map(|net| net.iface_id.as_str())
         .collect();
     if ifaces.is_empty() {
         if params.network_overrides.is_empty() {
@@ -1091,7 +1086,7 @@ fn check_network_overrides(
             }
         }
         for o in list {
-            crate::persist::NetOverride::new(&o.host_dev_name, o.guest_mac.as_deref())
+            NetOverride::new(&o.host_dev_name, o.guest_mac.as_deref())
                 .map_err(|e| ForkError::NetworkOverrides(format!("clone {index}: {e}")))?;
             if !taps.insert(o.host_dev_name.clone()) {
                 return Err(ForkError::NetworkOverrides(format!(
@@ -1115,16 +1110,9 @@ struct CloneDrive {
 /// Copies the writable drives of `kinds` into `dir` once.
 fn copy_drive_bases(kinds: &[DevicePersistKind], dir: &Path) -> Result<Vec<CloneDrive>, String> {
     let mut drives = Vec::new();
-    for kind in kinds {
-        let DevicePersistKind::Block {
-            id,
-            path,
-            read_only,
-        } = kind
-        else {
-            continue;
-        };
-        let drive = if *read_only {
+    for state in kinds.iter().filter_map(DevicePersistKind::as_drive) {
+        let (id, path) = (&state.id, &state.path);
+        let drive = if state.read_only {
             CloneDrive {
                 id: id.clone(),
                 source: path.clone(),

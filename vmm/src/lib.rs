@@ -13,6 +13,7 @@ pub mod background_snapshot;
 pub mod builder;
 pub mod config;
 pub mod controller;
+pub mod device_manager;
 pub mod devices;
 pub mod fork;
 pub mod logger;

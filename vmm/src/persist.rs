@@ -24,20 +24,19 @@ use crate::background_snapshot::{
     BackgroundSnapshotError, DumpJob, ImageKind, PendingMemory, StartedDump,
 };
 use crate::builder::{
-    assemble, attach_devices, console_out, create_vm, Assembly, BuildError, GenerationView,
-    MemoryBacking, MemoryKind, MicroVm, SavedDevices,
+    assemble, create_vm, Assembly, BuildError, MemoryBacking, MemoryKind, MicroVm,
 };
 use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
+use crate::device_manager::persist::{check_overrides, rebuild_devices};
+use crate::device_manager::{
+    attach_devices, console_out, DeviceManagerError, DeviceOverrides, GenerationView, SavedDevices,
+    VirtioPersistState,
+};
 use crate::devices::legacy::generation::{announce_new_generation, GenerationError};
 use crate::devices::legacy::i8042::I8042PersistState;
 use crate::devices::legacy::serial::SerialPersistState;
 use crate::devices::pci::persist::{PciPersistError, PciPersistState};
-use crate::devices::virtio::block::{Block, BlockConfig};
-use crate::devices::virtio::net::{Net, NetConfig};
-use crate::devices::virtio::persist::{DevicePersistKind, VirtioPersistState};
-use crate::devices::virtio::vsock::Vsock;
-use crate::devices::virtio::{VirtioDevice, TYPE_FS};
-use crate::vstate::bus::lock;
+use crate::devices::virtio::net::NetOverride;
 use crate::vstate::memory::GuestMemoryMmap;
 use crate::vstate::memory::{create_guest_memory, Sharing};
 use crate::vstate::vcpu::{saveable_msrs, Vcpu, VcpuError, VcpuRestoreArgs, VcpuState};
@@ -69,6 +68,9 @@ pub enum PersistError {
     /// Announcing a new VM generation.
     #[error(transparent)]
     Generation(#[from] GenerationError),
+    /// Saving or rebuilding the devices.
+    #[error(transparent)]
+    Devices(#[from] DeviceManagerError),
     /// A Diff snapshot with a shared volume: virtiofsd's writes to guest memory are not in
     /// any dirty log.
     #[error("a Diff snapshot of a microVM with a virtio-fs volume ({0}) is not supported: virtiofsd writes guest memory outside KVM's dirty log; take a Full snapshot")]
@@ -272,10 +274,7 @@ pub fn create_fork_snapshot(
     mem_path: &Path,
     start_dump: impl FnOnce(DumpJob) -> Result<StartedDump, BackgroundSnapshotError>,
 ) -> Result<ForkMemory, PersistError> {
-    let has_fs = vm
-        .virtio
-        .iter()
-        .any(|slot| lock(&slot.transport).device().device_type() == TYPE_FS);
+    let has_fs = vm.devices.memory_mapper().is_some();
     let image = match vm.memory.kind {
         _ if has_fs => None,
         MemoryKind::Anonymous if vm.mem.iter().all(|r| r.file_offset().is_none()) => {
@@ -352,33 +351,16 @@ fn with_backends_saved<T>(
         return Err(PersistError::NotPaused);
     }
     if kind == SnapshotType::Diff {
-        if let Some(fs) = vm.virtio.iter().find_map(|slot| {
-            let transport = lock(&slot.transport);
-            let device = transport.device();
-            (device.device_type() == TYPE_FS).then(|| device.name())
-        }) {
+        if let Some(fs) = vm.devices.memory_mapper() {
             return Err(PersistError::FsDiff(fs));
         }
     }
-    let mut failed = None;
-    for slot in &vm.virtio {
-        let mut transport = lock(&slot.transport);
-        if let Err(detail) = transport.save_backend() {
-            failed = Some(PersistError::Device {
-                device: transport.device().name(),
-                detail,
-            });
-            break;
-        }
-    }
-    let result = match failed {
-        Some(e) => Err(e),
-        None => write(vm),
+    let result = match vm.devices.save_backends() {
+        Ok(()) => write(vm),
+        Err(e) => Err(e.into()),
     };
     // Rings start again whether or not the snapshot succeeded; the vCPUs are still paused.
-    for slot in &vm.virtio {
-        lock(&slot.transport).resume_backend();
-    }
+    vm.devices.resume_backends();
     result
 }
 
@@ -541,38 +523,16 @@ fn write_state(
     for vcpu in &vm.vcpus {
         vcpus.push(vcpu.vcpu().save()?);
     }
+    let devices = vm.devices.save()?;
     let state = MicroVmState {
         machine: vm.machine.clone(),
         regions,
         memory_layers: recorded,
         vm: vm.vm.save()?,
         vcpus,
-        serial: lock(&vm.serial)
-            .save()
-            .map_err(|detail| PersistError::Device {
-                device: "serial".into(),
-                detail,
-            })?,
-        i8042: match lock(&vm.i8042).save() {
-            Ok(state) => state,
-            Err(never) => match never {},
-        },
-        devices: vm
-            .virtio
-            .iter()
-            .map(|slot| {
-                let transport = lock(&slot.transport);
-                let saved = transport.save().map_err(|detail| PersistError::Device {
-                    device: transport.device().name(),
-                    detail,
-                })?;
-                Ok(VirtioPersistState {
-                    kind: transport.device().persist_kind(),
-                    transport: saved.registers,
-                    queues: saved.queues,
-                })
-            })
-            .collect::<Result<Vec<_>, PersistError>>()?,
+        serial: devices.serial,
+        i8042: devices.i8042,
+        devices: devices.virtio,
         generation: vm.generation.load(Ordering::SeqCst),
         pci: vm.pci.as_ref().map(|p| p.save()).transpose()?,
     };
@@ -605,44 +565,6 @@ impl std::str::FromStr for RestoreBackend {
                 "unknown restore backend {other:?}: use cow, uffd or copy"
             )),
         }
-    }
-}
-
-/// A network interface's new host side at restore time.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NetOverride {
-    /// The tap.
-    pub host_dev_name: String,
-    /// A new MAC for the device to report (a clone's; the guest's agent applies it).
-    pub guest_mac: Option<[u8; 6]>,
-}
-
-impl NetOverride {
-    /// Checks the tap name and the MAC, if any.
-    pub fn new(host_dev_name: &str, guest_mac: Option<&str>) -> Result<Self, String> {
-        crate::devices::virtio::net::tap::check_name(host_dev_name).map_err(|e| e.to_string())?;
-        let guest_mac = guest_mac
-            .map(crate::config::parse_mac)
-            .transpose()
-            .map_err(|e| e.to_string())?;
-        Ok(Self {
-            host_dev_name: host_dev_name.into(),
-            guest_mac,
-        })
-    }
-
-    /// Parses `TAP[,mac=MAC]` (the `--net-override ID=` value).
-    pub fn parse(value: &str) -> Result<Self, String> {
-        let mut parts = value.split(',');
-        let tap = parts.next().unwrap_or_default();
-        let mut guest_mac = None;
-        for part in parts {
-            match part.split_once('=') {
-                Some(("mac", mac)) => guest_mac = Some(mac),
-                _ => return Err(format!("{part:?}: expected mac=MAC")),
-            }
-        }
-        Self::new(tap, guest_mac)
     }
 }
 
@@ -686,6 +608,19 @@ pub struct RestoreOptions {
     pub virtiofsd: Option<PathBuf>,
 }
 
+impl RestoreOptions {
+    /// What the restored devices get instead of what the snapshot recorded.
+    fn device_overrides(&self) -> DeviceOverrides<'_> {
+        DeviceOverrides {
+            drives: &self.drive_overrides,
+            nets: &self.net_overrides,
+            vsock_uds: self.vsock_uds.as_deref(),
+            fs_dirs: &self.fs_overrides,
+            virtiofsd: self.virtiofsd.as_deref(),
+        }
+    }
+}
+
 /// Resolves `--restore PATH`: a directory holding `vmstate`, or the state file itself.
 pub fn state_path_of(path: &Path) -> Result<PathBuf, PersistError> {
     let meta = std::fs::metadata(path).map_err(|e| PersistError::Missing {
@@ -726,89 +661,6 @@ fn map_cow_region(
             .map_err(|e| map_err(e.to_string()))?;
     GuestRegionMmap::new(region, GuestAddress(guest_addr))
         .ok_or_else(|| map_err("region overflows".into()))
-}
-
-fn rebuild_device(
-    index: usize,
-    state: &VirtioPersistState,
-    options: &RestoreOptions,
-) -> Result<Box<dyn VirtioDevice>, PersistError> {
-    match &state.kind {
-        DevicePersistKind::Block {
-            id,
-            path,
-            read_only,
-        } => {
-            let path = options
-                .drive_overrides
-                .get(id)
-                .cloned()
-                .unwrap_or_else(|| path.clone());
-            let block = Block::new(BlockConfig {
-                id: id.clone(),
-                path,
-                read_only: *read_only,
-            })
-            .map_err(|e| PersistError::Device {
-                device: format!("drive {id}"),
-                detail: e.to_string(),
-            })?;
-            Ok(Box::new(block))
-        }
-        DevicePersistKind::Fs(fs) => {
-            let tag = &fs.config.tag;
-            let device_err = |detail: String| PersistError::Device {
-                device: format!("fs {tag}"),
-                detail,
-            };
-            let config = fs
-                .for_restore(options.fs_overrides.get(tag))
-                .map_err(device_err)?;
-            // The binary named now, else the one that served the VM if it is still there.
-            let binary = options
-                .virtiofsd
-                .clone()
-                .or_else(|| fs.virtiofsd.clone().filter(|p| p.is_file()));
-            let mut device = crate::builder::create_fs(binary.as_deref(), index, &config)?;
-            device
-                .load_state(&fs.backend_state)
-                .map_err(|e| device_err(e.to_string()))?;
-            Ok(Box::new(device))
-        }
-        DevicePersistKind::Vsock {
-            guest_cid,
-            uds_path,
-        } => {
-            let uds = options
-                .vsock_uds
-                .clone()
-                .unwrap_or_else(|| uds_path.clone());
-            let vsock = Vsock::new(*guest_cid, &uds).map_err(|e| PersistError::Device {
-                device: "vsock".into(),
-                detail: e.to_string(),
-            })?;
-            Ok(Box::new(vsock))
-        }
-        DevicePersistKind::Net {
-            iface_id,
-            host_dev_name,
-            guest_mac,
-        } => {
-            let over = options.net_overrides.get(iface_id);
-            let net = Net::new(NetConfig {
-                iface_id: iface_id.clone(),
-                host_dev_name: over
-                    .map(|o| o.host_dev_name.clone())
-                    .unwrap_or_else(|| host_dev_name.clone()),
-                guest_mac: over.and_then(|o| o.guest_mac).or(*guest_mac),
-            })
-            .map_err(|e| PersistError::Device {
-                device: format!("network interface {iface_id}"),
-                detail: e.to_string(),
-            })?;
-            Ok(Box::new(net))
-        }
-    }
 }
 
 /// An empty VM built ahead of a restore: memory registered, irqchip and PIT created, vCPUs
@@ -1057,52 +909,13 @@ pub fn restore_microvm(
         .iter()
         .map(|layer| open_layer(layer, total).map(|f| (layer.clone(), f)))
         .collect::<Result<Vec<_>, _>>()?;
-    for tag in options.fs_overrides.keys() {
-        let known = state
-            .devices
-            .iter()
-            .any(|d| matches!(&d.kind, DevicePersistKind::Fs(fs) if &fs.config.tag == tag));
-        if !known {
-            return Err(PersistError::Mismatch(format!(
-                "fs_overrides: the snapshot has no volume with tag {tag:?}"
-            )));
-        }
-    }
-    for id in options.drive_overrides.keys() {
-        let known = state
-            .devices
-            .iter()
-            .any(|d| matches!(&d.kind, DevicePersistKind::Block { id: drive, .. } if drive == id));
-        if !known {
-            return Err(PersistError::Mismatch(format!(
-                "drive_overrides: the snapshot has no drive with ID {id:?}"
-            )));
-        }
-    }
-    for id in options.net_overrides.keys() {
-        let known = state
-            .devices
-            .iter()
-            .any(|d| matches!(&d.kind, DevicePersistKind::Net { iface_id, .. } if iface_id == id));
-        if !known {
-            return Err(PersistError::Mismatch(format!(
-                "network_overrides: the snapshot has no network interface with iface_id {id:?}"
-            )));
-        }
-    }
-    let volume = state.devices.iter().find_map(|d| match &d.kind {
-        DevicePersistKind::Fs(fs) => Some(format!("fs {}", fs.config.tag)),
-        _ => None,
-    });
+    let overrides = options.device_overrides();
+    check_overrides(&state.devices, &overrides)?;
+    let volume = state.devices.iter().find_map(|d| d.kind.memory_mapper());
     if let (Some(volume), RestoreBackend::Uffd) = (&volume, options.backend) {
         return Err(PersistError::FsLazy(volume.clone()));
     }
-    let devices = state
-        .devices
-        .iter()
-        .enumerate()
-        .map(|(index, d)| rebuild_device(index, d, options))
-        .collect::<Result<Vec<_>, _>>()?;
+    let devices = rebuild_devices(&state.devices, &overrides)?;
     let console = console_out(&options.console)?;
     phase("memory files and devices");
 
@@ -1228,9 +1041,7 @@ pub fn restore_microvm(
         pci,
     };
     let microvm = assemble(parts, vcpus, true)?;
-    for slot in &microvm.virtio {
-        lock(&slot.transport).kick_after_restore();
-    }
+    microvm.devices.kick_after_restore();
     if options.new_generation {
         announce_new_generation(&microvm.mem, &microvm.ged_interrupt)?;
     }
@@ -1239,162 +1050,4 @@ pub fn restore_microvm(
         microvm.resume();
     }
     Ok(microvm)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::{FsCache, FsConfig};
-    use crate::devices::virtio::fs::persist::FsPersistState;
-    use crate::devices::virtio::mmio::persist::{QueuePersistState, TransportRegisters};
-
-    /// The device fields of a [`MicroVmState`], in its order.
-    #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-    struct DeviceFields {
-        serial: SerialPersistState,
-        i8042: I8042PersistState,
-        devices: Vec<VirtioPersistState>,
-    }
-
-    fn slot(n: u64, kind: DevicePersistKind) -> VirtioPersistState {
-        VirtioPersistState {
-            kind,
-            transport: TransportRegisters {
-                queue_select: n as u32,
-                device_features_select: 1,
-                driver_features_select: 1,
-                acked_features: (1 << 32) | n,
-                status: 0xf,
-                config_generation: 2,
-                interrupt_status: 1,
-            },
-            queues: vec![QueuePersistState {
-                max_size: 256,
-                size: 128,
-                ready: true,
-                desc_table: 0x1000 * n,
-                avail_ring: 0x1000 * n + 0x800,
-                used_ring: 0x1000 * n + 0xc00,
-                next_avail: 7,
-                next_used: 6,
-                event_idx_enabled: n.is_multiple_of(2),
-            }],
-        }
-    }
-
-    fn every_device() -> DeviceFields {
-        DeviceFields {
-            serial: SerialPersistState {
-                line_control: 3,
-                line_status: 0x60,
-                in_buffer: b"hi".to_vec(),
-                empty_polls: 12,
-                ..Default::default()
-            },
-            i8042: I8042PersistState {
-                control: 0x45,
-                status: 0x14,
-                output: vec![0xfa],
-                expecting: Some(0x60),
-            },
-            devices: vec![
-                slot(
-                    1,
-                    DevicePersistKind::Block {
-                        id: "rootfs".into(),
-                        path: "/images/rootfs.ext4".into(),
-                        read_only: true,
-                    },
-                ),
-                slot(
-                    2,
-                    DevicePersistKind::Vsock {
-                        guest_cid: 3,
-                        uds_path: "/run/v.sock".into(),
-                    },
-                ),
-                slot(
-                    3,
-                    DevicePersistKind::Net {
-                        iface_id: "eth0".into(),
-                        host_dev_name: "tap0".into(),
-                        guest_mac: Some([2, 0, 0, 0, 0, 1]),
-                    },
-                ),
-                slot(
-                    4,
-                    DevicePersistKind::Fs(Box::new(FsPersistState {
-                        config: FsConfig {
-                            tag: "data".into(),
-                            shared_dir: "/srv/data".into(),
-                            readonly: false,
-                            cache: FsCache::Never,
-                            socket: None,
-                        },
-                        virtiofsd: Some("/usr/libexec/virtiofsd".into()),
-                        backend_state: vec![1, 2, 3],
-                    })),
-                ),
-            ],
-        }
-    }
-
-    /// A state file of [`DeviceFields`] written by the types before per-device persist (commit
-    /// ea85953): one drive, vsock, network interface and volume.
-    const SAVED_BY_OLD_TYPES: &str = concat!(
-        "524258534e4150000100000023060000000000009dd16a6fa36673657269616cab70626175645f6469766973",
-        "6f725f6c6f770071626175645f64697669736f725f686967680070696e746572727570745f656e61626c6500",
-        "7818696e746572727570745f6964656e74696669636174696f6e006c6c696e655f636f6e74726f6c036b6c69",
-        "6e655f73746174757318606d6d6f64656d5f636f6e74726f6c006c6d6f64656d5f7374617475730067736372",
-        "617463680069696e5f62756666657282186818696b656d7074795f706f6c6c730c656938303432a467636f6e",
-        "74726f6c18456673746174757314666f75747075748118fa69657870656374696e6718606764657669636573",
-        "84a3646b696e64a165426c6f636ba362696466726f6f7466736470617468732f696d616765732f726f6f7466",
-        "732e6578743469726561645f6f6e6c79f5697472616e73706f7274a76c71756575655f73656c656374017664",
-        "65766963655f66656174757265735f73656c65637401766472697665725f66656174757265735f73656c6563",
-        "74016e61636b65645f66656174757265731b0000000100000001667374617475730f71636f6e6669675f6765",
-        "6e65726174696f6e0270696e746572727570745f737461747573016671756575657381a9686d61785f73697a",
-        "651901006473697a651880657265616479f56a646573635f7461626c651910006a617661696c5f72696e6719",
-        "180069757365645f72696e67191c006a6e6578745f617661696c07696e6578745f7573656406716576656e74",
-        "5f6964785f656e61626c6564f4a3646b696e64a16556736f636ba26967756573745f63696403687564735f70",
-        "6174686b2f72756e2f762e736f636b697472616e73706f7274a76c71756575655f73656c6563740276646576",
-        "6963655f66656174757265735f73656c65637401766472697665725f66656174757265735f73656c65637401",
-        "6e61636b65645f66656174757265731b0000000100000002667374617475730f71636f6e6669675f67656e65",
-        "726174696f6e0270696e746572727570745f737461747573016671756575657381a9686d61785f73697a6519",
-        "01006473697a651880657265616479f56a646573635f7461626c651920006a617661696c5f72696e67192800",
-        "69757365645f72696e67192c006a6e6578745f617661696c07696e6578745f7573656406716576656e745f69",
-        "64785f656e61626c6564f5a3646b696e64a1634e6574a36869666163655f696464657468306d686f73745f64",
-        "65765f6e616d6564746170306967756573745f6d616386020000000001697472616e73706f7274a76c717565",
-        "75655f73656c65637403766465766963655f66656174757265735f73656c65637401766472697665725f6665",
-        "6174757265735f73656c656374016e61636b65645f66656174757265731b0000000100000003667374617475",
-        "730f71636f6e6669675f67656e65726174696f6e0270696e746572727570745f737461747573016671756575",
-        "657381a9686d61785f73697a651901006473697a651880657265616479f56a646573635f7461626c65193000",
-        "6a617661696c5f72696e6719380069757365645f72696e67193c006a6e6578745f617661696c07696e657874",
-        "5f7573656406716576656e745f6964785f656e61626c6564f4a3646b696e64a1624673a366636f6e666967a4",
-        "6374616764646174616a7368617265645f646972692f7372762f6461746168726561646f6e6c79f465636163",
-        "6865656e657665726976697274696f667364762f7573722f6c6962657865632f76697274696f6673646d6261",
-        "636b656e645f737461746583010203697472616e73706f7274a76c71756575655f73656c6563740476646576",
-        "6963655f66656174757265735f73656c65637401766472697665725f66656174757265735f73656c65637401",
-        "6e61636b65645f66656174757265731b0000000100000004667374617475730f71636f6e6669675f67656e65",
-        "726174696f6e0270696e746572727570745f737461747573016671756575657381a9686d61785f73697a6519",
-        "01006473697a651880657265616479f56a646573635f7461626c651940006a617661696c5f72696e67194800",
-        "69757365645f72696e67194c006a6e6578745f617661696c07696e6578745f7573656406716576656e745f69",
-        "64785f656e61626c6564f5",
-    );
-
-    fn from_hex(hex: &str) -> Vec<u8> {
-        (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
-            .collect()
-    }
-
-    #[test]
-    fn a_state_file_of_the_old_device_types_loads_and_encodes_to_the_same_bytes() {
-        let old = from_hex(SAVED_BY_OLD_TYPES);
-        let loaded: DeviceFields =
-            snapshot::format::decode(Path::new("old-vmstate"), &old).expect("decode");
-        assert_eq!(loaded, every_device());
-        let again = snapshot::format::encode(&loaded).expect("encode");
-        assert!(again == old, "the encoding of the device state changed");
-    }
 }

@@ -415,7 +415,6 @@ mod tests {
     use vmm_sys_util::eventfd::EventFd;
 
     use super::*;
-    use crate::devices::virtio::persist::DevicePersistKind;
     use crate::devices::virtio::INTERRUPT_CONFIG;
 
     /// Counts activations, resets and notifications.
@@ -456,12 +455,6 @@ mod tests {
         }
         fn name(&self) -> String {
             "dummy".into()
-        }
-        fn persist_kind(&self) -> DevicePersistKind {
-            DevicePersistKind::Vsock {
-                guest_cid: 3,
-                uds_path: "/nonexistent".into(),
-            }
         }
     }
 
