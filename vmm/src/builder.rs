@@ -286,7 +286,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     // Everything that can fail on user input is checked before KVM work starts.
     let boot = resources.boot_source.clone().ok_or(ConfigError::NoKernel)?;
     detect_kernel_format(&boot.kernel_image_path)?;
-    let devices = create_devices(resources)?;
+    let devices = create_devices(resources).map_err(DeviceManagerError::from)?;
     let console = console_out(&resources.console)?;
     for path in &resources.machine.rollbox.vfio {
         crate::devices::pci::vfio::check_device(path)?;

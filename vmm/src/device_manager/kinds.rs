@@ -1,8 +1,8 @@
 //! The kinds of virtio device rollbox has, in one place: how each is created from the VM's
-//! configuration ([`create_devices`]), what a snapshot records of it ([`DevicePersistKind`],
-//! [`DevicePersistKind::save`]) and how a restore rebuilds it with the overrides it takes
-//! ([`DevicePersistKind::restore`]). A new device adds a line to each; its state and its
-//! restore live in its own folder's `persist.rs`.
+//! configuration ([`create_devices`], [`CreateError`]), what a snapshot records of it
+//! ([`DevicePersistKind`], [`DevicePersistKind::save`]) and how a restore rebuilds it with the
+//! overrides it takes ([`DevicePersistKind::restore`]). A new device adds a line or an arm to
+//! each of those; its model, state and restore live in its own folder (`persist.rs`).
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -13,21 +13,42 @@ use snapshot::Persist;
 
 use super::DeviceManagerError;
 use crate::arch::layout::{IRQ_BASE, IRQ_MAX};
-use crate::config::VmResources;
+use crate::config::{ConfigError, VmResources};
 use crate::devices::virtio::block::persist::{BlockPersistState, BlockRestoreArgs};
-use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::fs::persist::{FsPersistState, FsRestoreArgs, FsRestoreError};
-use crate::devices::virtio::fs::Fs;
+use crate::devices::virtio::fs::{Fs, FsError};
 use crate::devices::virtio::net::persist::{NetPersistState, NetRestoreArgs};
-use crate::devices::virtio::net::{Net, NetConfig, NetOverride};
+use crate::devices::virtio::net::{Net, NetConfig, NetError, NetOverride};
 use crate::devices::virtio::vsock::persist::{VsockPersistState, VsockRestoreArgs};
-use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::VirtioDevice;
 
+/// Why a device could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// Invalid device configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A drive.
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    /// The vsock device.
+    #[error(transparent)]
+    Vsock(#[from] VsockError),
+    /// A network interface.
+    #[error(transparent)]
+    Net(#[from] NetError),
+    /// A shared volume (virtio-fs).
+    #[error(transparent)]
+    Fs(#[from] FsError),
+    /// More virtio devices than interrupt lines.
+    #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
+    TooManyDevices(usize),
+}
+
 /// Creates the devices of `resources` (opening drives and binding the vsock socket).
-pub fn create_devices(
-    resources: &VmResources,
-) -> Result<Vec<Box<dyn VirtioDevice>>, DeviceManagerError> {
+pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevice>>, CreateError> {
     let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
     for drive in &resources.drives {
         devices.push(Box::new(Block::new(BlockConfig {
@@ -54,7 +75,7 @@ pub fn create_devices(
         )?));
     }
     if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
-        return Err(DeviceManagerError::TooManyDevices(devices.len()));
+        return Err(CreateError::TooManyDevices(devices.len()));
     }
     Ok(devices)
 }
@@ -165,7 +186,7 @@ impl DevicePersistKind {
                 };
                 match Fs::restore(args, state) {
                     // As when the VM was built: virtiofsd's own error.
-                    Err(FsRestoreError::Start(e)) => Err(DeviceManagerError::Fs(e)),
+                    Err(FsRestoreError::Start(e)) => Err(CreateError::Fs(e).into()),
                     result => rebuilt(format!("fs {tag}"), result),
                 }
             }

@@ -18,50 +18,31 @@ use snapshot::Persist;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::layout::{
-    GED_IRQ, I8042_IRQ, I8042_PORT, IRQ_BASE, IRQ_MAX, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT,
+    GED_IRQ, I8042_IRQ, I8042_PORT, IRQ_BASE, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT,
     SLEEP_CONTROL_PORT, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
 };
-use crate::config::{ConfigError, ConsoleConfig};
+use crate::config::ConsoleConfig;
 use crate::devices::legacy::generation::{Generation, GENERATION_PORT, GENERATION_PORT_LEN};
 use crate::devices::legacy::i8042::I8042;
 use crate::devices::legacy::poweroff::PowerOff;
 use crate::devices::legacy::pvpanic::PvPanic;
 use crate::devices::legacy::serial::{ConsoleOut, SerialArgs, SerialDevice};
 use crate::devices::legacy::EventTrigger;
-use crate::devices::virtio::block::BlockError;
-use crate::devices::virtio::fs::FsError;
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
-use crate::devices::virtio::net::NetError;
-use crate::devices::virtio::vsock::VsockError;
 use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::vstate::bus::{lock, Bus, BusError};
 use crate::vstate::memory::GuestMemoryMmap;
 use crate::vstate::vm::Vm;
 
-pub use kinds::{create_devices, DeviceOverrides, DevicePersistKind};
+pub use kinds::{create_devices, CreateError, DeviceOverrides, DevicePersistKind};
 pub use persist::{DeviceStates, SavedDevices, VirtioPersistState};
 
 /// Errors from creating, attaching, saving and restoring devices.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceManagerError {
-    /// Invalid device configuration.
+    /// A device could not be created.
     #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// A drive.
-    #[error(transparent)]
-    Block(#[from] BlockError),
-    /// The vsock device.
-    #[error(transparent)]
-    Vsock(#[from] VsockError),
-    /// A network interface.
-    #[error(transparent)]
-    Net(#[from] NetError),
-    /// A shared volume (virtio-fs).
-    #[error(transparent)]
-    Fs(#[from] FsError),
-    /// More virtio devices than interrupt lines.
-    #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
-    TooManyDevices(usize),
+    Create(#[from] CreateError),
     /// Device bus layout.
     #[error("device bus: {0}")]
     Bus(#[from] BusError),
