@@ -84,12 +84,14 @@ pub(super) fn write_state(
     for vcpu in &vm.vcpus {
         vcpus.push(vcpu.vcpu().save()?);
     }
+    // In the state file's order: the VM, then the devices.
+    let vm_state = vm.vm.save()?;
     let devices = vm.devices.save()?;
     let state = MicroVmState {
         machine: vm.machine.clone(),
         regions,
         memory_layers: recorded,
-        vm: vm.vm.save()?,
+        vm: vm_state,
         vcpus,
         serial: devices.serial,
         i8042: devices.i8042,
