@@ -8,13 +8,13 @@ use std::sync::{Mutex, OnceLock};
 type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
 
 /// Starts child processes from one long-lived thread that never installs a filter (children
-/// inherit their parent thread's filters across `execve`). Started by [`configure`], before
+/// inherit their parent thread's filters across `execve`). Started by [`super::configure`], before
 /// any filter exists.
 pub struct Spawner {
     requests: Mutex<Option<Sender<SpawnRequest>>>,
 }
 
-/// The process's spawner (started on first use; [`configure`] uses it first).
+/// The process's spawner (started on first use; [`super::configure`] uses it first).
 pub fn spawner() -> &'static Spawner {
     static SPAWNER: OnceLock<Spawner> = OnceLock::new();
     SPAWNER.get_or_init(|| {
