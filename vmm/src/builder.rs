@@ -1,56 +1,36 @@
 //! Builds a running microVM from [`VmResources`].
 
-use std::fs::OpenOptions;
-use std::os::fd::RawFd;
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 
-use crate::vstate::memory::GuestMemoryMmap;
-use kvm_ioctls::{IoEventAddress, Kvm};
+use kvm_ioctls::Kvm;
 use snapshot::memory::MemoryLayer;
 use snapshot::uffd::PageServer;
-use std::sync::atomic::AtomicU64;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::acpi::{setup_acpi, AcpiConfig, AcpiError};
 use crate::arch::boot::{build_cmdline, detect_kernel_format, load_boot_payload, BootError};
-use crate::arch::layout::{
-    GED_IRQ, I8042_IRQ, I8042_PORT, IRQ_BASE, IRQ_MAX, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT,
-    SLEEP_CONTROL_PORT, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
-};
 use crate::arch::mptable::{ioapic_id, setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
 use crate::config::{
-    ConfigError, ConsoleConfig, MachineConfig, Validate, VmResources, DEFAULT_BOOT_ARGS,
-    DEFAULT_BOOT_ARGS_PCI,
+    ConfigError, MachineConfig, VmResources, DEFAULT_BOOT_ARGS, DEFAULT_BOOT_ARGS_PCI,
 };
-use crate::devices::bus::{Bus, BusError};
+use crate::device_manager::{
+    attach_devices, console_out, create_devices, Attached, DeviceManager, DeviceManagerError,
+    GenerationView, VmEvents,
+};
 use crate::devices::legacy::generation::{
-    random_generation_id, write_generation_id, Generation, GenerationError, GENERATION_PORT,
-    GENERATION_PORT_LEN,
+    random_generation_id, write_generation_id, GenerationError,
 };
-use crate::devices::legacy::i8042::I8042;
-use crate::devices::legacy::persist::{I8042PersistState, SerialArgs, SerialPersistState};
-use crate::devices::legacy::poweroff::PowerOff;
-use crate::devices::legacy::pvpanic::PvPanic;
-use crate::devices::legacy::serial::{ConsoleOut, SerialDevice};
-use crate::devices::legacy::EventTrigger;
 use crate::devices::pci::bus::PciRoot;
 use crate::devices::pci::router::MsiRouter;
 use crate::devices::pci::{host_phys_bits, PciError, PciMachine};
-use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
-use crate::devices::virtio::fs::{Daemon, Fs, FsError};
-use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
-use crate::devices::virtio::net::{Net, NetConfig, NetError};
-use crate::devices::virtio::persist::VirtioPersistState;
-use crate::devices::virtio::vsock::{Vsock, VsockError};
-use crate::devices::virtio::{Interrupt, VirtioDevice};
-use crate::vstate::memory::{create_guest_memory, MemoryError, Sharing};
+use crate::vstate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError, Sharing};
 use crate::vstate::vcpu::{
     saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle, VmExit,
 };
 use crate::vstate::vm::{open_kvm, Vm, VmError};
-use snapshot::Persist;
 
 /// Errors from building a microVM.
 #[derive(Debug, thiserror::Error)]
@@ -58,21 +38,12 @@ pub enum BuildError {
     /// Invalid configuration.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// Creating or attaching the devices.
+    #[error(transparent)]
+    Devices(#[from] DeviceManagerError),
     /// Kernel, initrd or command line.
     #[error(transparent)]
     Boot(#[from] BootError),
-    /// A drive.
-    #[error(transparent)]
-    Block(#[from] BlockError),
-    /// The vsock device.
-    #[error(transparent)]
-    Vsock(#[from] VsockError),
-    /// A network interface.
-    #[error(transparent)]
-    Net(#[from] NetError),
-    /// A shared volume (virtio-fs).
-    #[error(transparent)]
-    Fs(#[from] FsError),
     /// KVM VM set-up.
     #[error(transparent)]
     Vm(#[from] VmError),
@@ -94,25 +65,6 @@ pub enum BuildError {
     /// Boot page tables and GDT.
     #[error(transparent)]
     Regs(#[from] RegsError),
-    /// Device bus layout.
-    #[error("device bus: {0}")]
-    Bus(#[from] BusError),
-    /// The console file could not be opened.
-    #[error("console {path}: {source}")]
-    Console {
-        /// The path.
-        path: std::path::PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// An eventfd, irqfd or ioeventfd could not be set up.
-    #[error("{what}: {source}")]
-    Event {
-        /// What was being set up.
-        what: String,
-        /// The error.
-        source: std::io::Error,
-    },
     /// The PCI root bus.
     #[error(transparent)]
     Pci(#[from] PciError),
@@ -125,58 +77,6 @@ pub enum BuildError {
     /// A VFIO device.
     #[error(transparent)]
     Vfio(#[from] crate::devices::pci::vfio::VfioError),
-    /// More virtio devices than interrupt lines.
-    #[error("too many virtio devices ({0}); at most {max} fit", max = IRQ_MAX - IRQ_BASE + 1)]
-    TooManyDevices(usize),
-}
-
-fn event_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BuildError {
-    let what = what.into();
-    move |source| BuildError::Event { what, source }
-}
-
-fn kvm_event_err(what: impl Into<String>) -> impl FnOnce(kvm_ioctls::Error) -> BuildError {
-    let what = what.into();
-    move |e| BuildError::Event {
-        what,
-        source: std::io::Error::from_raw_os_error(e.errno()),
-    }
-}
-
-fn new_eventfd(what: &str) -> Result<Arc<EventFd>, BuildError> {
-    EventFd::new(EFD_NONBLOCK)
-        .map(Arc::new)
-        .map_err(event_err(format!("eventfd for {what}")))
-}
-
-/// Eventfds the VMM's event loop watches for the microVM.
-pub struct VmEvents {
-    /// A vCPU reported the VM's end.
-    pub exit: Arc<EventFd>,
-    /// i8042 CPU reset.
-    pub reset: Arc<EventFd>,
-    /// Power-off register.
-    pub poweroff: Arc<EventFd>,
-    /// pvpanic: the guest kernel panicked.
-    pub panic: Arc<EventFd>,
-    /// The serial receive FIFO has room.
-    pub serial_room: Arc<EventFd>,
-}
-
-/// One virtio-mmio device slot.
-pub struct VirtioSlot {
-    /// The transport and device.
-    pub transport: Arc<Mutex<MmioTransport>>,
-    /// QueueNotify ioeventfds, one per queue.
-    pub notify: Vec<EventFd>,
-    /// MMIO base address.
-    pub base: u64,
-    /// Interrupt line.
-    pub irq: u32,
-    /// Backend fd the event loop watches, if any.
-    pub backend_fd: Option<RawFd>,
-    /// Whether the event loop polls `notify`; not when a vhost-user backend gets them.
-    pub notify_polled: bool,
 }
 
 /// How guest memory is backed, which decides how a snapshot finds the pages to write.
@@ -206,12 +106,8 @@ pub struct MicroVm {
     pub mem: GuestMemoryMmap,
     /// vCPU threads (dropped before the VM, which stops them).
     pub vcpus: Vec<VcpuHandle>,
-    /// COM1.
-    pub serial: Arc<Mutex<SerialDevice>>,
-    /// The i8042 controller.
-    pub i8042: Arc<Mutex<I8042>>,
-    /// Virtio devices, in MMIO order.
-    pub virtio: Vec<VirtioSlot>,
+    /// COM1, the i8042 and the virtio devices.
+    pub devices: DeviceManager,
     /// Exit reports from vCPU threads.
     pub exit_rx: Receiver<ExitReport>,
     /// Events for the event loop.
@@ -284,95 +180,6 @@ impl Drop for MicroVm {
     }
 }
 
-/// Opens the console sink.
-pub fn console_out(console: &ConsoleConfig) -> Result<ConsoleOut, BuildError> {
-    Ok(match console {
-        ConsoleConfig::Stdout => ConsoleOut::stdout(),
-        ConsoleConfig::File(path) => ConsoleOut::file(
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_err(|source| BuildError::Console {
-                    path: path.clone(),
-                    source,
-                })?,
-        ),
-    })
-}
-
-/// Devices, buses and events attached to a VM.
-pub struct Attached {
-    /// Port I/O bus.
-    pub pio: Bus,
-    /// MMIO bus.
-    pub mmio: Bus,
-    /// COM1.
-    pub serial: Arc<Mutex<SerialDevice>>,
-    /// i8042.
-    pub i8042: Arc<Mutex<I8042>>,
-    /// Virtio slots.
-    pub virtio: Vec<VirtioSlot>,
-    /// Event-loop events.
-    pub events: VmEvents,
-    /// `virtio_mmio.device=` kernel arguments.
-    pub mmio_args: Vec<String>,
-    /// The generation counter.
-    pub generation: Arc<AtomicU64>,
-    /// The ACPI Generic Event Device's interrupt.
-    pub ged_interrupt: Arc<EventFd>,
-}
-
-/// Creates the devices of `resources` (opening drives and binding the vsock socket).
-pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
-    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
-    for drive in &resources.drives {
-        devices.push(Box::new(Block::new(BlockConfig {
-            id: drive.drive_id.clone(),
-            path: drive.path_on_host.clone(),
-            read_only: drive.is_read_only,
-        })?));
-    }
-    if let Some(vsock) = &resources.vsock {
-        devices.push(Box::new(Vsock::new(vsock.guest_cid, &vsock.uds_path)?));
-    }
-    for iface in &resources.net {
-        devices.push(Box::new(Net::new(NetConfig {
-            iface_id: iface.iface_id.clone(),
-            host_dev_name: iface.host_dev_name.clone(),
-            guest_mac: iface.validate()?,
-        })?));
-    }
-    for (index, fs) in resources.fs.iter().enumerate() {
-        devices.push(Box::new(create_fs(
-            resources.virtiofsd.as_deref(),
-            index,
-            fs,
-        )?));
-    }
-    if devices.len() > (IRQ_MAX - IRQ_BASE + 1) as usize {
-        return Err(BuildError::TooManyDevices(devices.len()));
-    }
-    Ok(devices)
-}
-
-/// Starts virtiofsd for the `index`th volume (unless the caller gave its socket) and connects
-/// to it; `virtiofsd` is the binary named by `--virtiofsd`, if any.
-pub fn create_fs(
-    virtiofsd: Option<&std::path::Path>,
-    index: usize,
-    fs: &crate::config::FsConfig,
-) -> Result<Fs, BuildError> {
-    if let Some(socket) = &fs.socket {
-        return Ok(Fs::new(fs, socket.clone(), None)?);
-    }
-    let binary = crate::devices::virtio::fs::locate_virtiofsd(virtiofsd)?;
-    let dir = std::env::temp_dir().join(format!("rollbox-vmm-{}-fs{index}", std::process::id()));
-    let daemon = Daemon::start(&binary, fs, &dir)?;
-    let socket = daemon.socket().to_path_buf();
-    Ok(Fs::new(fs, socket, Some(daemon))?)
-}
-
 /// How guest memory must be mapped for `resources`: shared when a vhost-user backend maps it.
 pub fn memory_sharing(resources: &VmResources) -> Sharing {
     if resources.fs.is_empty() {
@@ -388,185 +195,6 @@ pub fn create_vm(kvm: &Kvm, mem: &GuestMemoryMmap, dirty_log: bool) -> Result<Vm
     vm.register_memory(mem, dirty_log)?;
     vm.setup_irqchip()?;
     Ok(vm)
-}
-
-/// Device states from a snapshot, restored through [`Persist`].
-pub struct SavedDevices<'a> {
-    /// COM1.
-    pub serial: &'a SerialPersistState,
-    /// i8042.
-    pub i8042: &'a I8042PersistState,
-    /// Virtio transports, in MMIO order.
-    pub virtio: &'a [VirtioPersistState],
-}
-
-fn restore_err(what: impl Into<String>) -> BuildError {
-    BuildError::Event {
-        what: what.into(),
-        source: std::io::ErrorKind::InvalidData.into(),
-    }
-}
-
-/// The VM generation as the guest sees it through the generation registers.
-#[derive(Debug, Clone, Copy)]
-pub struct GenerationView {
-    /// The counter value.
-    pub counter: u64,
-    /// Whether the host's wall clock is offered (not after a deterministic restore).
-    pub offer_wall_clock: bool,
-}
-
-/// Wires legacy and virtio devices to the VM: buses, irqfds, ioeventfds. With `saved`, every
-/// device comes back from its snapshot state.
-pub fn attach_devices(
-    vm: &Vm,
-    mem: &GuestMemoryMmap,
-    devices: Vec<Box<dyn VirtioDevice>>,
-    console: ConsoleOut,
-    saved: Option<&SavedDevices<'_>>,
-    generation: GenerationView,
-) -> Result<Attached, BuildError> {
-    let events = VmEvents {
-        exit: new_eventfd("vCPU exits")?,
-        reset: new_eventfd("i8042 reset")?,
-        poweroff: new_eventfd("power-off")?,
-        panic: new_eventfd("pvpanic")?,
-        serial_room: new_eventfd("serial input")?,
-    };
-    let ged_interrupt = new_eventfd("ACPI GED interrupt")?;
-    vm.fd()
-        .register_irqfd(&ged_interrupt, GED_IRQ)
-        .map_err(kvm_event_err("irqfd for the ACPI GED"))?;
-    let serial_irq = new_eventfd("COM1 interrupt")?;
-    vm.fd()
-        .register_irqfd(&serial_irq, SERIAL_IRQ)
-        .map_err(kvm_event_err("irqfd for COM1"))?;
-    let kbd_irq = new_eventfd("i8042 interrupt")?;
-    vm.fd()
-        .register_irqfd(&kbd_irq, I8042_IRQ)
-        .map_err(kvm_event_err("irqfd for i8042"))?;
-
-    let irq = EventTrigger(serial_irq);
-    let room = EventTrigger(Arc::clone(&events.serial_room));
-    let serial = match saved {
-        Some(saved) => SerialDevice::restore(
-            SerialArgs {
-                irq,
-                room,
-                out: console,
-            },
-            saved.serial,
-        )
-        .map_err(restore_err)?,
-        None => SerialDevice::new(irq, room, console),
-    };
-    let serial = Arc::new(Mutex::new(serial));
-    let i8042_args = (
-        EventTrigger(Arc::clone(&events.reset)),
-        EventTrigger(kbd_irq),
-    );
-    let i8042 = match saved {
-        Some(saved) => match I8042::restore(i8042_args, saved.i8042) {
-            Ok(device) => device,
-            Err(never) => match never {},
-        },
-        None => I8042::new(i8042_args.0, i8042_args.1),
-    };
-    let i8042 = Arc::new(Mutex::new(i8042));
-    let counter = Arc::new(AtomicU64::new(generation.counter));
-    let mut pio = Bus::default();
-    pio.insert(serial.clone(), u64::from(SERIAL_PORT), 8)?;
-    pio.insert(i8042.clone(), u64::from(I8042_PORT), 5)?;
-    pio.insert(
-        Arc::new(Mutex::new(PowerOff::new(EventTrigger(Arc::clone(
-            &events.poweroff,
-        ))))),
-        u64::from(SLEEP_CONTROL_PORT),
-        2,
-    )?;
-    pio.insert(
-        Arc::new(Mutex::new(PvPanic::new(EventTrigger(Arc::clone(
-            &events.panic,
-        ))))),
-        u64::from(PVPANIC_PORT),
-        1,
-    )?;
-    pio.insert(
-        Arc::new(Mutex::new(Generation::new(
-            Arc::clone(&counter),
-            generation.offer_wall_clock,
-        ))),
-        u64::from(GENERATION_PORT),
-        GENERATION_PORT_LEN,
-    )?;
-
-    let mut mmio = Bus::default();
-    let mut virtio = Vec::new();
-    let mut mmio_args = Vec::new();
-    for (i, mut device) in devices.into_iter().enumerate() {
-        let base = VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE;
-        let irq = IRQ_BASE + i as u32;
-        let name = device.name();
-        let irqfd = new_eventfd(&format!("{name} interrupt"))?;
-        vm.fd()
-            .register_irqfd(&irqfd, irq)
-            .map_err(kvm_event_err(format!("irqfd for {name}")))?;
-        let backend_fd = device.backend_fd();
-        let mut notify = Vec::new();
-        for queue in 0..device.queue_max_sizes().len() {
-            let evt =
-                EventFd::new(EFD_NONBLOCK).map_err(event_err(format!("ioeventfd for {name}")))?;
-            vm.fd()
-                .register_ioevent(
-                    &evt,
-                    &IoEventAddress::Mmio(base + REG_QUEUE_NOTIFY),
-                    queue as u32,
-                )
-                .map_err(kvm_event_err(format!("ioeventfd for {name} queue {queue}")))?;
-            notify.push(evt);
-        }
-        let mut interrupt = Interrupt::new(irqfd);
-        let notify_polled = !device.backend_serves_queues();
-        if !notify_polled {
-            let fds = notify
-                .iter()
-                .map(EventFd::try_clone)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(event_err(format!("ioeventfds for {name}")))?;
-            device.set_notify_fds(fds);
-            interrupt = interrupt.with_sticky_used_ring();
-        }
-        let transport = match saved.map(|s| s.virtio.get(i)) {
-            Some(Some(state)) => {
-                <MmioTransport as Persist>::restore((device, mem.clone(), interrupt), state)
-                    .map_err(restore_err)?
-            }
-            Some(None) => return Err(restore_err(format!("{name}: not in the snapshot"))),
-            None => MmioTransport::new(device, mem.clone(), interrupt),
-        };
-        let transport = Arc::new(Mutex::new(transport));
-        mmio.insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;
-        mmio_args.push(format!("virtio_mmio.device=4K@{base:#x}:{irq}"));
-        virtio.push(VirtioSlot {
-            transport,
-            notify,
-            base,
-            irq,
-            backend_fd,
-            notify_polled,
-        });
-    }
-    Ok(Attached {
-        pio,
-        mmio,
-        serial,
-        i8042,
-        virtio,
-        events,
-        mmio_args,
-        generation: counter,
-        ged_interrupt,
-    })
 }
 
 /// Starts vCPU threads and assembles the microVM.
@@ -598,9 +226,7 @@ pub fn assemble(parts: Assembly, vcpus: Vec<Vcpu>, paused: bool) -> Result<Micro
     Ok(MicroVm {
         mem,
         vcpus: handles,
-        serial: attached.serial,
-        i8042: attached.i8042,
-        virtio: attached.virtio,
+        devices: attached.devices,
         exit_rx,
         events: attached.events,
         vm,
@@ -660,7 +286,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
     // Everything that can fail on user input is checked before KVM work starts.
     let boot = resources.boot_source.clone().ok_or(ConfigError::NoKernel)?;
     detect_kernel_format(&boot.kernel_image_path)?;
-    let devices = create_devices(resources)?;
+    let devices = create_devices(resources).map_err(DeviceManagerError::from)?;
     let console = console_out(&resources.console)?;
     for path in &resources.machine.rollbox.vfio {
         crate::devices::pci::vfio::check_device(path)?;
@@ -697,7 +323,7 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
             host_phys_bits(),
         )?;
         for device in &vfio.devices {
-            crate::devices::bus::lock(device).enable_decoding();
+            crate::vstate::bus::lock(device).enable_decoding();
         }
         for p in &placed.placements {
             log::info!(
@@ -747,7 +373,12 @@ pub fn build_microvm(resources: &VmResources) -> Result<MicroVm, BuildError> {
             &AcpiConfig {
                 vcpus: vcpu_count,
                 ioapic_id: ioapic_id(vcpu_count),
-                virtio_mmio: attached.virtio.iter().map(|v| (v.base, v.irq)).collect(),
+                virtio_mmio: attached
+                    .devices
+                    .virtio
+                    .iter()
+                    .map(|v| (v.base, v.irq))
+                    .collect(),
                 pci: pci.as_ref().map(|(p, _, _)| p.acpi),
             },
         )?)
@@ -823,7 +454,7 @@ pub fn restore_pci(
         router: Arc::new(Mutex::new(MsiRouter::for_kvm(kvm))),
     };
     let pci = PciMachine::restore(args, state)?;
-    crate::devices::bus::lock(&pci.router)
+    crate::vstate::bus::lock(&pci.router)
         .apply(vm.fd())
         .map_err(|e| BuildError::PciRoutes(e.to_string()))?;
     Ok(pci)

@@ -16,13 +16,13 @@ use crate::api::server::ApiRequest;
 use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
 use crate::config::{host_memory_mib, Validate, ValidateMachine, VmResources};
-use crate::devices::bus::lock;
 use crate::devices::virtio::block::QueueWorker;
 use crate::devices::virtio::TYPE_BLOCK;
 use crate::fork::{ForkError, ForkPool, ForkPoolStatus, Launcher, ParentWord, ShellControl};
 use crate::persist::{
     create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType, VmShell,
 };
+use crate::vstate::bus::lock;
 use crate::vstate::vcpu::VmExit;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -278,7 +278,7 @@ impl Controller {
             (microvm.events.serial_room.as_raw_fd(), TOKEN_SERIAL_ROOM),
         ];
         let mut workers = Vec::new();
-        for (dev, slot) in microvm.virtio.iter().enumerate() {
+        for (dev, slot) in microvm.devices.virtio.iter().enumerate() {
             let (is_block, name) = {
                 let transport = lock(&slot.transport);
                 let device = transport.device();
@@ -387,7 +387,7 @@ impl Controller {
     fn feed_serial(&mut self) {
         let Some(vm) = &self.microvm else { return };
         if !self.stdin_pending.is_empty() {
-            let mut serial = lock(&vm.serial);
+            let mut serial = lock(&vm.devices.serial);
             let (front, _) = self.stdin_pending.as_slices();
             let taken = serial.enqueue_input(front);
             self.stdin_pending.drain(..taken);
@@ -431,12 +431,12 @@ impl Controller {
     fn console_pending(&self) -> bool {
         self.microvm
             .as_ref()
-            .is_some_and(|vm| lock(&vm.serial).has_pending_output())
+            .is_some_and(|vm| lock(&vm.devices.serial).has_pending_output())
     }
 
     fn flush_console(&self) {
         if let Some(vm) = &self.microvm {
-            lock(&vm.serial).flush_output();
+            lock(&vm.devices.serial).flush_output();
         }
     }
 
@@ -445,7 +445,11 @@ impl Controller {
             TOKEN_QUEUE => {
                 let dev = ((token >> 16) & 0xffff) as usize;
                 let queue = (token & 0xffff) as usize;
-                if let Some(slot) = self.microvm.as_ref().and_then(|vm| vm.virtio.get(dev)) {
+                if let Some(slot) = self
+                    .microvm
+                    .as_ref()
+                    .and_then(|vm| vm.devices.virtio.get(dev))
+                {
                     if let Some(evt) = slot.notify.get(queue) {
                         let _ = evt.read();
                     }
@@ -456,7 +460,11 @@ impl Controller {
             TOKEN_BACKEND => {
                 let dev = (token & 0xffff) as usize;
                 let mut failure = None;
-                if let Some(slot) = self.microvm.as_ref().and_then(|vm| vm.virtio.get(dev)) {
+                if let Some(slot) = self
+                    .microvm
+                    .as_ref()
+                    .and_then(|vm| vm.devices.virtio.get(dev))
+                {
                     let mut transport = lock(&slot.transport);
                     transport.process_backend();
                     failure = transport.device().failure();
@@ -691,9 +699,11 @@ impl Controller {
             }
             VmmAction::SendCtrlAltDel => {
                 let vm = self.running()?;
-                lock(&vm.i8042).trigger_ctrl_alt_del().map_err(|e| {
-                    ActionError::bad_request(format!("cannot inject Ctrl-Alt-Del: {e}"))
-                })?;
+                lock(&vm.devices.i8042)
+                    .trigger_ctrl_alt_del()
+                    .map_err(|e| {
+                        ActionError::bad_request(format!("cannot inject Ctrl-Alt-Del: {e}"))
+                    })?;
                 Ok(VmmData::Empty)
             }
             VmmAction::FlushMetrics => Ok(VmmData::Empty),
@@ -746,10 +756,13 @@ impl Controller {
     ) -> Result<RestoreOptions, ActionError> {
         let mut net_overrides = std::collections::HashMap::new();
         for o in &params.network_overrides {
-            let parsed = crate::persist::NetOverride::new(&o.host_dev_name, o.guest_mac.as_deref())
-                .map_err(|e| {
-                    ActionError::bad_request(format!("network_overrides {}: {e}", o.iface_id))
-                })?;
+            let parsed = crate::devices::virtio::net::NetOverride::new(
+                &o.host_dev_name,
+                o.guest_mac.as_deref(),
+            )
+            .map_err(|e| {
+                ActionError::bad_request(format!("network_overrides {}: {e}", o.iface_id))
+            })?;
             if net_overrides.insert(o.iface_id.clone(), parsed).is_some() {
                 return Err(ActionError::bad_request(format!(
                     "network_overrides: iface_id {:?} appears twice",

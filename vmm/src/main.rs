@@ -291,7 +291,7 @@ fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
         let (id, value) = entry
             .split_once('=')
             .ok_or_else(|| format!("--net-override {entry:?}: expected ID=TAP[,mac=MAC]"))?;
-        let parsed = vmm::persist::NetOverride::parse(value)
+        let parsed = vmm::devices::virtio::net::NetOverride::parse(value)
             .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
         net_overrides.insert(id.to_string(), parsed);
     }

@@ -76,7 +76,7 @@ pub enum VmmData {
     /// `POST /fork` body.
     Fork(ForkResult),
     /// `GET /fork-pool` body.
-    ForkPool(crate::fork::ForkPoolStatus),
+    ForkPool(vmm_api::ForkPoolStatus),
 }
 
 /// A refused action: HTTP status and the `fault_message`.

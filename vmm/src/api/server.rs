@@ -169,8 +169,8 @@ mod tests {
             answer(Ok(VmmData::Empty)),
             "HTTP/1.1 204 No Content\r\nServer: rollbox-vmm\r\nContent-Length: 0\r\n\r\n"
         );
-        // The pool's status is still vmm::fork's type; it must read as vmm_api's.
-        let pool = answer(Ok(VmmData::ForkPool(crate::fork::ForkPoolStatus {
+        // The pool's status goes out as vmm_api's JSON.
+        let pool = answer(Ok(VmmData::ForkPool(vmm_api::ForkPoolStatus {
             target: 2,
             ready: 1,
         })));

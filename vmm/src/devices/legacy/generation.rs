@@ -20,7 +20,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::layout::VMGENID_ADDR;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 use crate::vstate::memory::GuestMemoryMmap;
 
 /// First port of the counter.

@@ -1,10 +1,13 @@
 //! A minimal i8042 keyboard controller: CPU reset (command 0xfe) ends the VM, and
-//! Ctrl-Alt-Del can be injected for Linux's keyboard driver.
+//! Ctrl-Alt-Del can be injected for Linux's keyboard driver; its snapshot state.
 
 use std::collections::VecDeque;
 
+use serde::{Deserialize, Serialize};
+use snapshot::Persist;
+
 use super::EventTrigger;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 use vm_superio::Trigger;
 
 const DATA_OFFSET: u64 = 0;
@@ -58,8 +61,8 @@ impl I8042 {
     }
 
     /// The controller's registers, for snapshots.
-    pub fn state(&self) -> super::persist::I8042PersistState {
-        super::persist::I8042PersistState {
+    pub fn state(&self) -> I8042PersistState {
+        I8042PersistState {
             control: self.control,
             status: self.status,
             output: self.output.iter().copied().collect(),
@@ -68,7 +71,7 @@ impl I8042 {
     }
 
     /// Restores registers saved by [`I8042::state`].
-    pub fn load_state(&mut self, state: &super::persist::I8042PersistState) {
+    pub fn load_state(&mut self, state: &I8042PersistState) {
         self.control = state.control;
         self.status = state.status;
         self.output = state.output.iter().copied().take(BUFFER_LIMIT).collect();
@@ -135,6 +138,41 @@ impl BusDevice for I8042 {
             }
             _ => {}
         }
+    }
+}
+
+// ---- snapshot state ----
+
+/// The i8042's registers and output buffer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct I8042PersistState {
+    /// Controller command byte.
+    pub control: u8,
+    /// Status register (without the output-full bit).
+    pub status: u8,
+    /// Bytes waiting for the guest.
+    pub output: Vec<u8>,
+    /// A command waiting for its data byte.
+    pub expecting: Option<u8>,
+}
+
+impl Persist for I8042 {
+    type State = I8042PersistState;
+    /// The reset event and the keyboard interrupt.
+    type ConstructorArgs = (EventTrigger, EventTrigger);
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> Result<I8042PersistState, Self::Error> {
+        Ok(self.state())
+    }
+
+    fn restore(
+        args: (EventTrigger, EventTrigger),
+        state: &I8042PersistState,
+    ) -> Result<Self, Self::Error> {
+        let mut device = I8042::new(args.0, args.1);
+        device.load_state(state);
+        Ok(device)
     }
 }
 

@@ -3,7 +3,6 @@
 
 pub mod generation;
 pub mod i8042;
-pub mod persist;
 pub mod poweroff;
 pub mod pvpanic;
 pub mod serial;

@@ -3,7 +3,7 @@
 //! register reads 0 and ignores writes.
 
 use super::EventTrigger;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 use vm_superio::Trigger;
 
 const SLP_EN: u8 = 1 << 5;

@@ -3,7 +3,7 @@
 //! that `panic=N` does next.
 
 use super::EventTrigger;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 use vm_superio::Trigger;
 
 /// The guest panicked.

@@ -1,16 +1,18 @@
 //! COM1: a 16550 UART (vm-superio) whose output goes to stdout or a file and whose input
-//! comes from the VMM's stdin.
+//! comes from the VMM's stdin; its snapshot state (registers, FIFO, idle-poll count).
 
 use std::fs::File;
 use std::io::{self, Write};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use vm_superio::serial::SerialEvents;
+use serde::{Deserialize, Serialize};
+use snapshot::Persist;
+use vm_superio::serial::{SerialEvents, SerialState};
 use vm_superio::Serial;
 
 use super::EventTrigger;
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 
 /// Where guest console output goes. The vCPU thread only appends to a bounded buffer; a
 /// writer thread writes it out, so a host that stops reading stdout stalls neither the guest
@@ -259,7 +261,7 @@ impl SerialDevice {
 
     /// A UART restored from a snapshot.
     pub fn from_state(
-        state: &super::persist::SerialPersistState,
+        state: &SerialPersistState,
         irq: EventTrigger,
         room: EventTrigger,
         out: ConsoleOut,
@@ -278,7 +280,7 @@ impl SerialDevice {
     }
 
     /// The UART's registers and FIFO.
-    pub fn uart_state(&self) -> vm_superio::serial::SerialState {
+    pub fn uart_state(&self) -> SerialState {
         self.uart.state()
     }
 
@@ -339,6 +341,98 @@ impl BusDevice for SerialDevice {
                 log::warn!("serial: write to register {offset}: {e:?}");
             }
         }
+    }
+}
+
+// ---- snapshot state ----
+
+/// The 16550's registers and receive FIFO.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialPersistState {
+    /// Divisor latch low.
+    pub baud_divisor_low: u8,
+    /// Divisor latch high.
+    pub baud_divisor_high: u8,
+    /// IER.
+    pub interrupt_enable: u8,
+    /// IIR.
+    pub interrupt_identification: u8,
+    /// LCR.
+    pub line_control: u8,
+    /// LSR.
+    pub line_status: u8,
+    /// MCR.
+    pub modem_control: u8,
+    /// MSR.
+    pub modem_status: u8,
+    /// Scratch.
+    pub scratch: u8,
+    /// Bytes the guest has not read yet.
+    pub in_buffer: Vec<u8>,
+    /// Empty line-status polls in a row: a guest that was idle-polling stays paced after a
+    /// restore instead of spinning at full speed.
+    #[serde(default)]
+    pub empty_polls: u32,
+}
+
+impl From<SerialState> for SerialPersistState {
+    fn from(s: SerialState) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+            empty_polls: 0,
+        }
+    }
+}
+
+impl From<&SerialPersistState> for SerialState {
+    fn from(s: &SerialPersistState) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
+/// What a UART needs besides its saved state.
+pub struct SerialArgs {
+    /// Its interrupt line.
+    pub irq: EventTrigger,
+    /// Signalled when its receive FIFO empties.
+    pub room: EventTrigger,
+    /// Console output.
+    pub out: ConsoleOut,
+}
+
+impl Persist for SerialDevice {
+    type State = SerialPersistState;
+    type ConstructorArgs = SerialArgs;
+    type Error = String;
+
+    fn save(&self) -> Result<SerialPersistState, String> {
+        let mut state: SerialPersistState = self.uart_state().into();
+        state.empty_polls = self.empty_polls();
+        Ok(state)
+    }
+
+    fn restore(args: SerialArgs, state: &SerialPersistState) -> Result<Self, String> {
+        SerialDevice::from_state(state, args.irq, args.room, args.out)
     }
 }
 

@@ -8,7 +8,7 @@ use super::config::{BarKind, BarRegion, ConfigSpace, DeviceIdentity};
 use crate::arch::layout::{
     PCI_ECAM_SIZE, PCI_IO_SIZE, PCI_IO_START, PCI_MMIO32_SIZE, PCI_MMIO32_START,
 };
-use crate::devices::bus::{lock, BusDevice};
+use crate::vstate::bus::{lock, BusDevice};
 
 /// Device slots on bus 0.
 pub const SLOTS: usize = 32;
@@ -517,8 +517,8 @@ impl BusDevice for PciMmioWindow {
 mod tests {
     use super::*;
     use crate::arch::layout::{pci_mmio64_window, PCI_CONFIG_IO_PORT};
-    use crate::devices::bus::Bus;
     use crate::devices::pci::config::{command, reg, Bar};
+    use crate::vstate::bus::Bus;
 
     /// A device with a register file in BAR 0 and a big 64-bit prefetchable BAR 2.
     struct Scratch {

@@ -19,7 +19,7 @@ use crate::arch::layout::{
     pci_mmio64_window, PCI_CONFIG_IO_PORT, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE,
     PCI_IO_START, PCI_MMIO32_SIZE, PCI_MMIO32_START,
 };
-use crate::devices::bus::{Bus, BusError};
+use crate::vstate::bus::{Bus, BusError};
 use bus::{BarWindows, PciConfigIo, PciEcam, PciMmioWindow, PciRoot};
 
 /// Errors from putting the PCI root on the buses.
@@ -123,7 +123,7 @@ pub fn attach(
     let range = |what| move |source| PciError::Range { what, source };
     let config_io = Arc::new(Mutex::new(PciConfigIo::new(Arc::clone(&root))));
     pio.insert(
-        Arc::clone(&config_io) as Arc<Mutex<dyn crate::devices::bus::BusDevice>>,
+        Arc::clone(&config_io) as Arc<Mutex<dyn crate::vstate::bus::BusDevice>>,
         u64::from(PCI_CONFIG_IO_PORT),
         8,
     )
@@ -156,7 +156,7 @@ pub fn attach(
 /// The I/O window on the port bus: accesses go to the I/O BAR that decodes them.
 struct PciIoWindow(Arc<PciRoot>);
 
-impl crate::devices::bus::BusDevice for PciIoWindow {
+impl crate::vstate::bus::BusDevice for PciIoWindow {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         if !self.0.io_read(PCI_IO_START + offset, data) {
             data.fill(0xff);

@@ -16,7 +16,7 @@ use super::msix::MsiMessage;
 use super::router::MsiRouter;
 use super::vfio::VfioSet;
 use super::PciMachine;
-use crate::devices::bus::lock;
+use crate::vstate::bus::lock;
 
 /// The PCI state layout this build writes and reads.
 pub const PCI_STATE_VERSION: u32 = 1;
@@ -369,10 +369,10 @@ impl Persist for PciMachine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::bus::Bus;
     use crate::devices::pci::bus::{PciDevice, SharedPciDevice};
     use crate::devices::pci::config::{Bar, BarKind, ConfigSpace, DeviceIdentity};
     use crate::devices::pci::msix::{Msix, Signal, CONTROL_ENABLE};
+    use crate::vstate::bus::Bus;
 
     /// A function with a 64-bit BAR and emulated MSI-X vectors.
     struct Emulated {

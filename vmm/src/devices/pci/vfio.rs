@@ -26,7 +26,7 @@ use super::bus::PciDevice;
 use super::config::{command, reg, Bar, BarKind, ConfigSpace, DeviceIdentity, BAR_COUNT};
 use super::msix::{MsiMessage, Msix};
 use super::router::{MsiRouter, RouterError, VectorIrq};
-use crate::devices::bus::lock;
+use crate::vstate::bus::lock;
 use crate::vstate::memory::GuestMemoryMmap;
 
 // VFIO's region and interrupt indexes for a PCI device (linux/vfio.h).

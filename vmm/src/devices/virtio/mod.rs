@@ -1,13 +1,14 @@
-//! Virtio devices over the virtio-mmio transport.
+//! Virtio devices over the virtio-mmio transport. Each device's folder holds its model and its
+//! snapshot state (`persist.rs`); `crate::device_manager` attaches, saves and restores them.
 
 pub mod block;
 pub mod chain;
 pub mod fs;
 pub mod mmio;
 pub mod net;
-pub mod persist;
 pub mod vsock;
 
+use std::any::Any;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -214,8 +215,9 @@ pub struct QueueContext<'a> {
     pub interrupt: &'a Interrupt,
 }
 
-/// A virtio device model behind the MMIO transport.
-pub trait VirtioDevice: Send {
+/// A virtio device model behind the MMIO transport. `Any` lets the device manager reach the
+/// concrete device, whose `snapshot::Persist` saves it.
+pub trait VirtioDevice: Send + Any {
     /// Virtio device type.
     fn device_type(&self) -> u32;
     /// Feature bits the device offers.
@@ -270,10 +272,13 @@ pub trait VirtioDevice: Send {
     fn drain_backend(&mut self) {}
     /// A short name for logs.
     fn name(&self) -> String;
-    /// What a snapshot records to rebuild this device.
-    fn persist_kind(&self) -> persist::DevicePersistKind;
+    /// Whether something outside the VMM maps guest memory for this device (a vhost-user
+    /// backend): its writes are in no dirty log, and it needs memory it can map (shared).
+    fn maps_guest_memory(&self) -> bool {
+        false
+    }
     /// A snapshot of the paused VM is about to be taken: a device whose backend serves the
-    /// queues stops them and brings its backend's state into [`VirtioDevice::persist_kind`].
+    /// queues stops them and brings its backend's state into the device's saved state.
     fn save_backend(&mut self, _ctx: &mut QueueContext<'_>) -> Result<(), String> {
         Ok(())
     }

@@ -50,7 +50,7 @@ pub struct BlockConfig {
 
 /// A virtio-blk device backed by a raw image.
 pub struct Block {
-    config: BlockConfig,
+    pub(super) config: BlockConfig,
     file: File,
     capacity_sectors: u64,
     queue_sizes: [u16; 1],
@@ -227,14 +227,6 @@ impl VirtioDevice for Block {
         }
         if used_any {
             ctx.interrupt.signal_used_ring();
-        }
-    }
-
-    fn persist_kind(&self) -> crate::devices::virtio::persist::DevicePersistKind {
-        crate::devices::virtio::persist::DevicePersistKind::Block {
-            id: self.config.id.clone(),
-            path: self.config.path.clone(),
-            read_only: self.config.read_only,
         }
     }
 

@@ -8,8 +8,8 @@ use std::thread::JoinHandle;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::devices::bus::lock;
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::vstate::bus::lock;
 
 const TOKEN_STOP: u64 = u64::MAX;
 

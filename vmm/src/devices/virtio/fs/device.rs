@@ -2,17 +2,17 @@
 //! config space; virtiofsd serves the queues straight from (shared) guest memory.
 //!
 //! Notifications: the guest's QueueNotify writes land on the per-queue ioeventfds that the
-//! builder registers; this device hands those to the backend as kick fds, and the VMM does not
+//! device manager registers; this device hands those to the backend as kick fds, and the VMM does not
 //! poll them. Interrupts: the backend writes the device's irqfd itself (no VMM hop per
 //! completion). Linux's virtio-mmio driver reads InterruptStatus and scans the used rings only
 //! when the USED_RING bit is set, and the VMM never sees the backend's writes to set it, so the
-//! builder makes this device's bit sticky ([`super::super::Interrupt::with_sticky_used_ring`]):
+//! device manager makes this device's bit sticky ([`super::super::Interrupt::with_sticky_used_ring`]):
 //! a config-change interrupt then also scans the rings, which is harmless.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -25,11 +25,9 @@ use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::daemon::Daemon;
-use super::persist::FsPersistState;
+use super::daemon::{locate_virtiofsd, Daemon};
 use super::FsError;
 use crate::config::FsConfig;
-use crate::devices::virtio::persist::DevicePersistKind;
 use crate::devices::virtio::{QueueContext, VirtioDevice, TYPE_FS, VIRTIO_F_VERSION_1};
 
 /// Bytes of the tag in config space.
@@ -71,13 +69,13 @@ fn connect(socket: &std::path::Path) -> std::io::Result<UnixStream> {
 /// One shared volume.
 pub struct Fs {
     tag: String,
-    config: FsConfig,
+    pub(super) config: FsConfig,
     config_space: [u8; TAG_LEN + 4],
     frontend: Frontend,
     /// Whether the backend takes part in device-state transfer (snapshots).
     device_state: bool,
     /// virtiofsd's state, saved by the last snapshot.
-    backend_state: Vec<u8>,
+    pub(super) backend_state: Vec<u8>,
     /// The queues a snapshot stopped (GET_VRING_BASE), restarted after it.
     stopped: Vec<usize>,
     /// A second handle on the vhost-user socket, for the event loop to watch for hang-ups.
@@ -87,10 +85,28 @@ pub struct Fs {
     started: Vec<usize>,
     failure: Option<String>,
     /// Declared last: dropped (killed) after the socket closed.
-    daemon: Option<Daemon>,
+    pub(super) daemon: Option<Daemon>,
 }
 
 impl Fs {
+    /// The `index`th volume: starts virtiofsd for it (unless the caller gave its socket) and
+    /// connects; `virtiofsd` is the binary named by `--virtiofsd`, if any.
+    pub fn start_volume(
+        virtiofsd: Option<&Path>,
+        index: usize,
+        config: &FsConfig,
+    ) -> Result<Self, FsError> {
+        if let Some(socket) = &config.socket {
+            return Fs::new(config, socket.clone(), None);
+        }
+        let binary = locate_virtiofsd(virtiofsd)?;
+        let dir =
+            std::env::temp_dir().join(format!("rollbox-vmm-{}-fs{index}", std::process::id()));
+        let daemon = Daemon::start(&binary, config, &dir)?;
+        let socket = daemon.socket().to_path_buf();
+        Fs::new(config, socket, Some(daemon))
+    }
+
     /// Connects to `socket` (served by `daemon` when rollbox-vmm started it) and negotiates
     /// the vhost-user session up to the guest-independent part: owner and protocol features.
     pub fn new(
@@ -246,7 +262,7 @@ impl Fs {
     /// Snapshot, with the vCPUs paused: lets virtiofsd finish the guest's requests, stops every
     /// ring (GET_VRING_BASE; the queues then hold the backend's indices) and takes virtiofsd's
     /// state. [`Fs::restart`] starts the rings again.
-    fn save(&mut self, ctx: &mut QueueContext<'_>) -> Result<(), FsError> {
+    fn stop_and_save(&mut self, ctx: &mut QueueContext<'_>) -> Result<(), FsError> {
         if !self.device_state {
             return Err(FsError::MissingFeature {
                 tag: self.tag.clone(),
@@ -505,7 +521,7 @@ impl VirtioDevice for Fs {
     }
 
     fn save_backend(&mut self, ctx: &mut QueueContext<'_>) -> Result<(), String> {
-        self.save(ctx).map_err(|e| e.to_string())
+        self.stop_and_save(ctx).map_err(|e| e.to_string())
     }
 
     fn resume_backend(&mut self, ctx: &mut QueueContext<'_>) {
@@ -516,12 +532,8 @@ impl VirtioDevice for Fs {
         }
     }
 
-    fn persist_kind(&self) -> DevicePersistKind {
-        DevicePersistKind::Fs(Box::new(FsPersistState {
-            config: self.config.clone(),
-            virtiofsd: self.daemon.as_ref().map(|d| d.binary().to_path_buf()),
-            backend_state: self.backend_state.clone(),
-        }))
+    fn maps_guest_memory(&self) -> bool {
+        true
     }
 }
 

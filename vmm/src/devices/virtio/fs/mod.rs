@@ -1,6 +1,7 @@
 //! virtio-fs: shared host directories. The device model is a vhost-user frontend
 //! ([`device::Fs`]); the file system is served by virtiofsd ([`daemon`]), which rollbox-vmm
-//! starts per volume or which the caller started (`socket=PATH`).
+//! starts per volume or which the caller started (`socket=PATH`); its snapshot state is in
+//! [`persist`].
 
 pub mod daemon;
 pub mod device;

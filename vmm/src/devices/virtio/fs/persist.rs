@@ -1,12 +1,30 @@
 //! Snapshot state of a virtio-fs volume: its configuration, the virtiofsd that served it, and
 //! virtiofsd's own state (inodes and open files the guest holds), which the backend hands over
 //! through vhost-user device-state transfer. The blob lives inside the CRC-checked state file.
+//! A restore starts a virtiofsd of its own for the volume (on the directory `fs_overrides`
+//! names, if any) and hands it the blob.
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use snapshot::Persist;
 
+use super::{Fs, FsError};
 use crate::config::FsConfig;
+
+/// Why a volume cannot be restored.
+#[derive(Debug, thiserror::Error)]
+pub enum FsRestoreError {
+    /// The saved volume does not fit this host (no backend state, no shared directory).
+    #[error("{0}")]
+    Volume(String),
+    /// Its virtiofsd could not be started or reached.
+    #[error(transparent)]
+    Start(FsError),
+    /// virtiofsd refused the saved state.
+    #[error(transparent)]
+    Load(FsError),
+}
 
 /// What a snapshot records for one volume.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +65,48 @@ impl FsPersistState {
             ));
         }
         Ok(config)
+    }
+}
+
+/// What a restore chooses for a volume.
+#[derive(Debug, Clone, Default)]
+pub struct FsRestoreArgs {
+    /// A number no other device of the VM has (it names virtiofsd's directory).
+    pub index: usize,
+    /// Another shared directory (`fs_overrides`), else the recorded one.
+    pub shared_dir: Option<PathBuf>,
+    /// The virtiofsd binary named now (`--virtiofsd`), else the one that served the VM if it
+    /// is still there, then the usual search.
+    pub virtiofsd: Option<PathBuf>,
+}
+
+impl Persist for Fs {
+    type State = FsPersistState;
+    type ConstructorArgs = FsRestoreArgs;
+    type Error = FsRestoreError;
+
+    /// The volume with the backend state of the last [`crate::devices::virtio::VirtioDevice::save_backend`].
+    fn save(&self) -> Result<FsPersistState, FsRestoreError> {
+        Ok(FsPersistState {
+            config: self.config.clone(),
+            virtiofsd: self.daemon.as_ref().map(|d| d.binary().to_path_buf()),
+            backend_state: self.backend_state.clone(),
+        })
+    }
+
+    fn restore(args: FsRestoreArgs, state: &FsPersistState) -> Result<Self, FsRestoreError> {
+        let config = state
+            .for_restore(args.shared_dir.as_ref())
+            .map_err(FsRestoreError::Volume)?;
+        let binary = args
+            .virtiofsd
+            .or_else(|| state.virtiofsd.clone().filter(|p| p.is_file()));
+        let mut device = Fs::start_volume(binary.as_deref(), args.index, &config)
+            .map_err(FsRestoreError::Start)?;
+        device
+            .load_state(&state.backend_state)
+            .map_err(FsRestoreError::Load)?;
+        Ok(device)
     }
 }
 

@@ -11,7 +11,6 @@ use super::tap::{offload, Tap, TapError};
 use super::VNET_HDR_LEN;
 use crate::devices::virtio::chain::{Chain, ChainError, ChainRules};
 use crate::devices::virtio::mmio::read_config_bytes;
-use crate::devices::virtio::persist::DevicePersistKind;
 use crate::devices::virtio::{
     next_chain, return_chain, QueueContext, VirtioDevice, TYPE_NET, VIRTIO_F_VERSION_1,
 };
@@ -71,7 +70,7 @@ pub struct NetConfig {
 
 /// The virtio-net device.
 pub struct Net {
-    config: NetConfig,
+    pub(super) config: NetConfig,
     tap: Tap,
     /// Edge-triggered readiness of the tap, so a full RX queue does not spin the event loop.
     epoll: Epoll,
@@ -410,14 +409,6 @@ impl VirtioDevice for Net {
 
     fn name(&self) -> String {
         format!("virtio-net {}", self.config.iface_id)
-    }
-
-    fn persist_kind(&self) -> DevicePersistKind {
-        DevicePersistKind::Net {
-            iface_id: self.config.iface_id.clone(),
-            host_dev_name: self.config.host_dev_name.clone(),
-            guest_mac: self.config.guest_mac,
-        }
     }
 
     /// A frame read before the snapshot is gone; serve what the tap has now.

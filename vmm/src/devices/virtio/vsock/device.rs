@@ -36,8 +36,8 @@ pub enum VsockError {
 
 /// The virtio-vsock device.
 pub struct Vsock {
-    guest_cid: u64,
-    muxer: UnixMuxer,
+    pub(super) guest_cid: u64,
+    pub(super) muxer: UnixMuxer,
     queue_sizes: [u16; 3],
     /// Queues whose available index ran away: ignored until the driver resets the device.
     stalled: [bool; 3],
@@ -251,13 +251,6 @@ impl VirtioDevice for Vsock {
         self.muxer.process_events();
         // TX first: a CONNECT may be answered by a RESPONSE already queued.
         self.run(ctx, true);
-    }
-
-    fn persist_kind(&self) -> crate::devices::virtio::persist::DevicePersistKind {
-        crate::devices::virtio::persist::DevicePersistKind::Vsock {
-            guest_cid: self.guest_cid,
-            uds_path: self.muxer.uds_path().to_path_buf(),
-        }
     }
 
     /// Connections did not survive the snapshot: tell the guest with a TRANSPORT_RESET event,

@@ -1,4 +1,7 @@
-//! The virtio-mmio transport (virtio 1.x register layout, version 2).
+//! The virtio-mmio transport (virtio 1.x register layout, version 2); its snapshot state is in
+//! `persist.rs`.
+
+pub mod persist;
 
 use std::sync::atomic::{fence, Ordering};
 
@@ -6,7 +9,7 @@ use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::{Queue, QueueT};
 
 use super::{Interrupt, QueueContext, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::devices::bus::BusDevice;
+use crate::vstate::bus::BusDevice;
 
 const MAGIC_VALUE: u32 = 0x7472_6976; // "virt"
 const MMIO_VERSION: u32 = 2;
@@ -68,25 +71,6 @@ pub struct MmioTransport {
     config_generation: u32,
 }
 
-/// The transport's registers, for snapshots.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TransportRegisters {
-    /// QueueSel.
-    pub queue_select: u32,
-    /// DeviceFeaturesSel.
-    pub device_features_select: u32,
-    /// DriverFeaturesSel.
-    pub driver_features_select: u32,
-    /// Features the driver acknowledged.
-    pub acked_features: u64,
-    /// Device status.
-    pub status: u32,
-    /// ConfigGeneration.
-    pub config_generation: u32,
-    /// InterruptStatus.
-    pub interrupt_status: u32,
-}
-
 impl MmioTransport {
     /// Wraps `device`, whose queues live in `mem`, raising `interrupt`.
     pub fn new(device: Box<dyn VirtioDevice>, mem: GuestMemoryMmap, interrupt: Interrupt) -> Self {
@@ -123,35 +107,6 @@ impl MmioTransport {
     /// Number of queues.
     pub fn queue_count(&self) -> usize {
         self.queues.len()
-    }
-
-    /// The registers, for snapshots.
-    pub fn registers(&self) -> TransportRegisters {
-        TransportRegisters {
-            queue_select: self.queue_select,
-            device_features_select: self.device_features_select,
-            driver_features_select: self.driver_features_select,
-            acked_features: self.acked_features,
-            status: self.status,
-            config_generation: self.config_generation,
-            interrupt_status: self.interrupt.status(),
-        }
-    }
-
-    /// Restores registers and queues saved by a snapshot, re-activating the device if the
-    /// driver had it running.
-    pub fn load_state(&mut self, regs: &TransportRegisters, queues: Vec<Queue>) {
-        self.queue_select = regs.queue_select;
-        self.device_features_select = regs.device_features_select;
-        self.driver_features_select = regs.driver_features_select;
-        self.acked_features = regs.acked_features;
-        self.status = regs.status;
-        self.config_generation = regs.config_generation;
-        self.interrupt.set_status(regs.interrupt_status);
-        self.queues = queues;
-        if self.is_activated() {
-            self.activate_device();
-        }
     }
 
     /// Whether the driver set DRIVER_OK and the device has not failed.
@@ -451,41 +406,6 @@ pub fn read_config_bytes(src: &[u8], offset: u64, data: &mut [u8]) {
     data[..n].copy_from_slice(&src[start..start + n]);
 }
 
-impl snapshot::Persist for MmioTransport {
-    type State = super::persist::VirtioPersistState;
-    /// The rebuilt device, guest memory and the device's interrupt.
-    type ConstructorArgs = (Box<dyn VirtioDevice>, GuestMemoryMmap, Interrupt);
-    type Error = String;
-
-    fn save(&self) -> Result<Self::State, String> {
-        Ok(super::persist::VirtioPersistState {
-            kind: self.device.persist_kind(),
-            transport: self.registers(),
-            queues: self.queues.iter().map(Into::into).collect(),
-        })
-    }
-
-    fn restore(args: Self::ConstructorArgs, state: &Self::State) -> Result<Self, String> {
-        let (device, mem, interrupt) = args;
-        let queues = state
-            .queues
-            .iter()
-            .map(|q| q.to_queue())
-            .collect::<Result<Vec<_>, _>>()?;
-        if queues.len() != device.queue_max_sizes().len() {
-            return Err(format!(
-                "{}: the snapshot has {} queues, the device {}",
-                device.name(),
-                queues.len(),
-                device.queue_max_sizes().len()
-            ));
-        }
-        let mut transport = MmioTransport::new(device, mem, interrupt);
-        transport.load_state(&state.transport, queues);
-        Ok(transport)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
@@ -495,7 +415,6 @@ mod tests {
     use vmm_sys_util::eventfd::EventFd;
 
     use super::*;
-    use crate::devices::virtio::persist::DevicePersistKind;
     use crate::devices::virtio::INTERRUPT_CONFIG;
 
     /// Counts activations, resets and notifications.
@@ -536,12 +455,6 @@ mod tests {
         }
         fn name(&self) -> String {
             "dummy".into()
-        }
-        fn persist_kind(&self) -> DevicePersistKind {
-            DevicePersistKind::Vsock {
-                guest_cid: 3,
-                uds_path: "/nonexistent".into(),
-            }
         }
     }
 

@@ -1,0 +1,405 @@
+//! The built-in allow-lists: what each kind of thread may call, with the ioctl numbers and
+//! argument conditions that narrow them.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
+
+use super::ThreadKind;
+
+pub(super) type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+pub(super) type BackendResult<T> = Result<T, seccompiler::BackendError>;
+
+fn allow(rules: &mut Rules, syscalls: &[i64]) {
+    for nr in syscalls {
+        rules.insert(*nr, Vec::new());
+    }
+}
+
+fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
+    SeccompCondition::new(index, SeccompCmpArgLen::Qword, op, value)
+}
+
+fn arg32(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
+    SeccompCondition::new(index, SeccompCmpArgLen::Dword, op, value)
+}
+
+/// `nr` with `arg index == value` for each of `values`.
+fn allow_values(rules: &mut Rules, nr: i64, index: u8, values: &[u64]) -> BackendResult<()> {
+    let list = values
+        .iter()
+        .map(|v| SeccompRule::new(vec![arg32(index, SeccompCmpOp::Eq, *v)?]))
+        .collect::<BackendResult<Vec<_>>>()?;
+    rules.entry(nr).or_default().extend(list);
+    Ok(())
+}
+
+/// ioctl request numbers: `_IO`, `_IOR`, `_IOW`, `_IOWR` of type `ty`, number `nr`, with an
+/// argument of `size` bytes.
+const fn ioc(dir: u64, ty: u64, nr: u64, size: u64) -> u64 {
+    (dir << 30) | (size << 16) | (ty << 8) | nr
+}
+const KVMIO: u64 = 0xAE;
+const IOW: u64 = 1;
+const KVM_RUN: u64 = ioc(0, KVMIO, 0x80, 0);
+// PCI config and MSI/MSI-X writes are emulated on the vCPU thread: they move BARs, route MSIs
+// and (for VFIO) switch the device's interrupts.
+const KVM_SET_USER_MEMORY_REGION: u64 = ioc(IOW, KVMIO, 0x46, 32);
+const KVM_SET_GSI_ROUTING: u64 = ioc(IOW, KVMIO, 0x6a, 8);
+const KVM_IRQFD: u64 = ioc(IOW, KVMIO, 0x76, 32);
+const KVM_IOEVENTFD: u64 = ioc(IOW, KVMIO, 0x79, 64);
+const KVM_SIGNAL_MSI: u64 = ioc(IOW, KVMIO, 0xa5, 32);
+const VFIO_DEVICE_SET_IRQS: u64 = ioc(0, b';' as u64, 100 + 10, 0);
+// A crash exit reports the vCPU's registers from its own thread.
+const IOR: u64 = 2;
+const KVM_GET_REGS: u64 = ioc(IOR, KVMIO, 0x81, 144);
+const KVM_GET_SREGS: u64 = ioc(IOR, KVMIO, 0x83, 312);
+// virtio-net's activation (DRIVER_OK, written by the guest) sets the tap's offloads.
+const TUNSETOFFLOAD: u64 = ioc(IOW, b'T' as u64, 208, 4);
+const VCPU_IOCTLS: [u64; 10] = [
+    KVM_RUN,
+    KVM_GET_REGS,
+    KVM_GET_SREGS,
+    KVM_SET_USER_MEMORY_REGION,
+    KVM_SET_GSI_ROUTING,
+    KVM_IRQFD,
+    KVM_IOEVENTFD,
+    KVM_SIGNAL_MSI,
+    VFIO_DEVICE_SET_IRQS,
+    TUNSETOFFLOAD,
+];
+/// The ioctl "types" (the request's second byte) the main thread may use: KVM, VFIO, tun,
+/// userfaultfd, and 'T' also holds FIONBIO/FIOCLEX and the tty ones std uses.
+const VMM_IOCTL_TYPES: [u64; 4] = [KVMIO, b';' as u64, b'T' as u64, 0xAA];
+
+/// mmap and mprotect without PROT_EXEC.
+fn allow_memory_no_exec(rules: &mut Rules) -> BackendResult<()> {
+    for nr in [libc::SYS_mmap, libc::SYS_mprotect] {
+        rules.insert(
+            nr,
+            vec![SeccompRule::new(vec![arg(
+                2,
+                SeccompCmpOp::MaskedEq(libc::PROT_EXEC as u64),
+                0,
+            )?])?],
+        );
+    }
+    Ok(())
+}
+
+/// What every filtered thread needs: memory, locks, time, signals, thread exit, writing a
+/// log line, and the SIGSYS handler's prctls (its name; no core dump of guest memory).
+fn common(rules: &mut Rules) -> BackendResult<()> {
+    allow(
+        rules,
+        &[
+            libc::SYS_brk,
+            libc::SYS_munmap,
+            libc::SYS_madvise,
+            libc::SYS_mremap,
+            libc::SYS_futex,
+            libc::SYS_sched_yield,
+            libc::SYS_clock_gettime,
+            libc::SYS_gettimeofday,
+            libc::SYS_clock_nanosleep,
+            libc::SYS_nanosleep,
+            libc::SYS_rt_sigreturn,
+            libc::SYS_rt_sigprocmask,
+            libc::SYS_sigaltstack,
+            libc::SYS_restart_syscall,
+            libc::SYS_exit,
+            libc::SYS_exit_group,
+            libc::SYS_write,
+            libc::SYS_getpid,
+            libc::SYS_gettid,
+            libc::SYS_getrandom,
+            libc::SYS_close,
+            libc::SYS_sched_getaffinity,
+        ],
+    );
+    allow_memory_no_exec(rules)?;
+    // Descriptor flags only (std checks and duplicates descriptors; no locks, no seals).
+    for cmd in [
+        libc::F_GETFD,
+        libc::F_SETFD,
+        libc::F_GETFL,
+        libc::F_SETFL,
+        libc::F_DUPFD_CLOEXEC,
+    ] {
+        add_rule(
+            rules,
+            libc::SYS_fcntl,
+            vec![arg32(1, SeccompCmpOp::Eq, cmd as u64)?],
+        )?;
+    }
+    add_rule(
+        rules,
+        libc::SYS_prctl,
+        vec![
+            arg32(0, SeccompCmpOp::Eq, libc::PR_SET_DUMPABLE as u64)?,
+            arg(1, SeccompCmpOp::Eq, 0)?,
+        ],
+    )?;
+    add_rule(
+        rules,
+        libc::SYS_prctl,
+        vec![arg32(0, SeccompCmpOp::Eq, libc::PR_GET_NAME as u64)?],
+    )
+}
+
+/// Allows `nr` when all of `conditions` hold (besides its other rules).
+fn add_rule(rules: &mut Rules, nr: i64, conditions: Vec<SeccompCondition>) -> BackendResult<()> {
+    rules
+        .entry(nr)
+        .or_default()
+        .push(SeccompRule::new(conditions)?);
+    Ok(())
+}
+
+/// Thread creation: `clone` only with CLONE_THREAD (no new processes); `clone3`, whose
+/// flags seccomp cannot see, is allowed too (see docs/security.md).
+fn allow_threads(rules: &mut Rules) -> BackendResult<()> {
+    let thread = libc::CLONE_THREAD as u64;
+    rules.insert(
+        libc::SYS_clone,
+        vec![SeccompRule::new(vec![arg(
+            0,
+            SeccompCmpOp::MaskedEq(thread),
+            thread,
+        )?])?],
+    );
+    allow(
+        rules,
+        &[libc::SYS_clone3, libc::SYS_set_robust_list, libc::SYS_rseq],
+    );
+    // A new thread names itself.
+    add_rule(
+        rules,
+        libc::SYS_prctl,
+        vec![arg32(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?],
+    )
+}
+
+/// The allow-list of `kind`.
+pub(super) fn for_kind(kind: ThreadKind) -> BackendResult<Rules> {
+    let mut rules = Rules::new();
+    common(&mut rules)?;
+    match kind {
+        ThreadKind::Vcpu => {
+            // Device activation and reset run here (the guest writes the status register):
+            // epoll registrations, and virtio-fs's vhost-user messages to virtiofsd. read:
+            // MSI-X pending eventfds; pread64/pwrite64: a VFIO device's config space and
+            // unmapped BARs; eventfd2: the irqfds of VFIO MSI/MSI-X vectors the guest enables
+            // (seen in the lab: edu and NVMe).
+            allow(
+                &mut rules,
+                &[
+                    libc::SYS_eventfd2,
+                    libc::SYS_read,
+                    libc::SYS_epoll_ctl,
+                    libc::SYS_sendmsg,
+                    libc::SYS_recvmsg,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                ],
+            );
+            allow_values(&mut rules, libc::SYS_ioctl, 1, &VCPU_IOCTLS)?;
+        }
+        ThreadKind::Block => {
+            allow(
+                &mut rules,
+                &[
+                    libc::SYS_read,
+                    libc::SYS_epoll_wait,
+                    libc::SYS_epoll_pwait,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    libc::SYS_preadv,
+                    libc::SYS_pwritev,
+                    libc::SYS_fsync,
+                    libc::SYS_fdatasync,
+                    libc::SYS_lseek,
+                ],
+            );
+        }
+        ThreadKind::PageServer => {
+            allow(
+                &mut rules,
+                &[
+                    libc::SYS_read,
+                    libc::SYS_poll,
+                    libc::SYS_ppoll,
+                    libc::SYS_pread64,
+                ],
+            );
+            // UFFDIO_COPY, UFFDIO_ZEROPAGE, UFFDIO_WAKE (type 0xAA).
+            rules.insert(
+                libc::SYS_ioctl,
+                vec![SeccompRule::new(vec![arg32(
+                    1,
+                    SeccompCmpOp::MaskedEq(0xFF00),
+                    0xAA00,
+                )?])?],
+            );
+            // Its failure hook starts a timer thread.
+            allow_threads(&mut rules)?;
+        }
+        ThreadKind::Api => {
+            allow(
+                &mut rules,
+                &[
+                    libc::SYS_accept4,
+                    libc::SYS_read,
+                    libc::SYS_recvfrom,
+                    libc::SYS_sendto,
+                    libc::SYS_writev,
+                    libc::SYS_shutdown,
+                    libc::SYS_poll,
+                ],
+            );
+            allow_threads(&mut rules)?;
+        }
+        ThreadKind::Vmm => vmm_rules(&mut rules)?,
+    }
+    Ok(rules)
+}
+
+fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
+    allow_threads(rules)?;
+    allow(
+        rules,
+        &[
+            // files: snapshots, memory layers, drives, state, sockets' paths
+            libc::SYS_read,
+            libc::SYS_readv,
+            libc::SYS_writev,
+            libc::SYS_pread64,
+            libc::SYS_pwrite64,
+            libc::SYS_preadv,
+            libc::SYS_pwritev,
+            libc::SYS_openat,
+            libc::SYS_close,
+            libc::SYS_close_range,
+            libc::SYS_lseek,
+            libc::SYS_fstat,
+            libc::SYS_newfstatat,
+            libc::SYS_statx,
+            libc::SYS_statfs,
+            libc::SYS_fstatfs,
+            libc::SYS_getdents64,
+            libc::SYS_mkdir,
+            libc::SYS_mkdirat,
+            libc::SYS_rmdir,
+            libc::SYS_unlink,
+            libc::SYS_unlinkat,
+            libc::SYS_rename,
+            libc::SYS_renameat,
+            libc::SYS_renameat2,
+            libc::SYS_linkat,
+            libc::SYS_symlinkat,
+            libc::SYS_readlink,
+            libc::SYS_readlinkat,
+            libc::SYS_access,
+            libc::SYS_faccessat,
+            libc::SYS_faccessat2,
+            libc::SYS_ftruncate,
+            libc::SYS_fallocate,
+            libc::SYS_fsync,
+            libc::SYS_fdatasync,
+            libc::SYS_fchmod,
+            libc::SYS_flock,
+            libc::SYS_copy_file_range,
+            libc::SYS_sendfile,
+            libc::SYS_getcwd,
+            libc::SYS_dup,
+            libc::SYS_dup3,
+            libc::SYS_pipe2,
+            libc::SYS_memfd_create,
+            libc::SYS_mincore,
+            libc::SYS_msync,
+            // event loop and notifications
+            libc::SYS_epoll_create1,
+            libc::SYS_epoll_ctl,
+            libc::SYS_epoll_wait,
+            libc::SYS_epoll_pwait,
+            libc::SYS_eventfd2,
+            libc::SYS_poll,
+            libc::SYS_ppoll,
+            libc::SYS_timerfd_create,
+            libc::SYS_timerfd_settime,
+            // sockets: vsock's host side, vhost-user, fork control
+            libc::SYS_connect,
+            libc::SYS_bind,
+            libc::SYS_listen,
+            libc::SYS_accept4,
+            libc::SYS_socketpair,
+            libc::SYS_sendmsg,
+            libc::SYS_recvmsg,
+            libc::SYS_sendto,
+            libc::SYS_recvfrom,
+            libc::SYS_shutdown,
+            libc::SYS_getsockopt,
+            libc::SYS_setsockopt,
+            libc::SYS_getsockname,
+            libc::SYS_getpeername,
+            // vCPU kicks, child processes it started, lazy restores
+            libc::SYS_tgkill,
+            libc::SYS_kill,
+            libc::SYS_wait4,
+            libc::SYS_waitid,
+            libc::SYS_userfaultfd,
+            libc::SYS_rt_sigaction,
+            libc::SYS_getuid,
+            libc::SYS_geteuid,
+            libc::SYS_getppid,
+            libc::SYS_uname,
+            libc::SYS_sysinfo,
+            libc::SYS_prlimit64,
+            // installing the filters of the threads it starts
+            libc::SYS_seccomp,
+        ],
+    );
+    // Every fcntl (the main thread also locks files and seals memfds).
+    rules.insert(libc::SYS_fcntl, Vec::new());
+    // socket(): Unix sockets only (tap devices are files; see docs/security.md).
+    allow_values(rules, libc::SYS_socket, 0, &[libc::AF_UNIX as u64])?;
+    let ioctls = VMM_IOCTL_TYPES
+        .iter()
+        .map(|ty| SeccompRule::new(vec![arg32(1, SeccompCmpOp::MaskedEq(0xFF00), ty << 8)?]))
+        .collect::<BackendResult<Vec<_>>>()?;
+    rules.insert(libc::SYS_ioctl, ioctls);
+    // prctl: no new privileges (for the filters) and clearing a fork clone's parent-death
+    // signal (besides the common ones).
+    for (option, value) in [(libc::PR_SET_NO_NEW_PRIVS, 1), (libc::PR_SET_PDEATHSIG, 0)] {
+        add_rule(
+            rules,
+            libc::SYS_prctl,
+            vec![
+                arg32(0, SeccompCmpOp::Eq, option as u64)?,
+                arg(1, SeccompCmpOp::Eq, value)?,
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ioctl_numbers_are_the_kernels() {
+        assert_eq!(KVM_RUN, 0xae80);
+        assert_eq!(KVM_GET_REGS, 0x8090_ae81);
+        assert_eq!(KVM_GET_SREGS, 0x8138_ae83);
+        assert_eq!(std::mem::size_of::<kvm_bindings::kvm_regs>(), 144);
+        assert_eq!(std::mem::size_of::<kvm_bindings::kvm_sregs>(), 312);
+        assert_eq!(KVM_SET_USER_MEMORY_REGION, 0x4020_ae46);
+        assert_eq!(KVM_SET_GSI_ROUTING, 0x4008_ae6a);
+        assert_eq!(KVM_IRQFD, 0x4020_ae76);
+        assert_eq!(KVM_IOEVENTFD, 0x4040_ae79);
+        assert_eq!(KVM_SIGNAL_MSI, 0x4020_aea5);
+        assert_eq!(VFIO_DEVICE_SET_IRQS, 0x3b6e);
+        assert_eq!(TUNSETOFFLOAD, 0x4004_54d0);
+    }
+}
