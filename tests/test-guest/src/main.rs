@@ -2,8 +2,10 @@
 //! Linux 64-bit boot protocol. It answers the serial protocol of `../PROTOCOL.md`.
 //!
 //! It runs in CPL0 under KVM's instruction emulator on the build machines, so it uses
-//! polled I/O, takes no exception and only one interrupt (COM1's, in `idle` mode, see
-//! idle.rs), and uses general registers only (`cargo xtask test-guest` rejects the ELF if objdump finds an SSE register).
+//! polled I/O, takes no exception and interrupts only inside one `sti; hlt` (COM1's in `idle`
+//! mode, the virtio-fs device's and the PIT's while a FUSE request waits; see irq.rs), and
+//! uses general registers only (`cargo xtask test-guest` rejects the ELF if objdump finds an
+//! SSE register).
 
 // Host unit tests (`cargo xtask test-guest --check`) build the pure logic with std.
 #![cfg_attr(not(test), no_std)]
@@ -15,6 +17,7 @@ mod boot;
 mod fs;
 mod idle;
 mod io;
+mod irq;
 mod mem;
 mod smp;
 mod snap;
