@@ -56,7 +56,7 @@ static mut BLK_DMA: [BlkDma; MAX_BLK] = [const { BlkDma::ZERO }; MAX_BLK];
 static mut VSOCK_DMA: VsockDma = VsockDma::ZERO;
 static mut BLKS: [Blk; MAX_BLK] = [const { Blk::new(0) }; MAX_BLK];
 static mut VSOCK: Vsock = Vsock::new(0);
-static mut FS: Fs = Fs::new(0);
+static mut FS: Fs = Fs::new(0, 0);
 static mut FS_DMA: FsDma = FsDma::ZERO;
 
 // Entry from the VMM: long mode, identity map, RSI = boot_params.
@@ -147,7 +147,7 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
             }
             Some(fs::DEVICE_ID) => {
                 if let Some(f) = fs_slot.take() {
-                    *f = Fs::new(dev.addr as usize);
+                    *f = Fs::new(dev.addr as usize, dev.irq);
                     guest.fs = Some(f);
                 }
             }
@@ -571,7 +571,7 @@ impl Guest {
                 Ok(minor) => {
                     puts(b"OK 7.");
                     put_dec(minor as u64);
-                    puts(b"\n");
+                    puts(if fs.halts() { b" halt\n" } else { b" poll\n" });
                 }
                 Err(e) => err(e.as_bytes()),
             }
