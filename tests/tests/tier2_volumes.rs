@@ -62,8 +62,10 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         "--fs",
         &volume,
     ]);
+    // `7.<minor> halt` or `7.<minor> poll`: how the guests wait for answers, named in the figure.
     let minor = vm.ok("fs-init");
     assert!(minor.starts_with("7."), "FUSE version {minor}");
+    let wait = minor.split_once(' ').map_or("poll", |(_, wait)| wait);
     // The parent computes while the fork snapshots it; `fs-append` waits in the serial FIFO,
     // so every clone runs it as soon as the computation ends, all at once.
     vm.send(&format!("compute 60000\nfs-append {RECORDS}\n"));
@@ -168,7 +170,7 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         );
     }
     eprintln!(
-        "figure: fork of a test guest with a volume into {count} clones (each with its own virtiofsd) {:.2} s; all {} writers' {} records each to their own file and to common: {:.1} s after the fork began",
+        "figure: fork of a test guest with a volume into {count} clones (each with its own virtiofsd) {:.2} s; all {} writers' {} records each to their own file and to common: {:.1} s after the fork began (guests wait for answers: {wait})",
         forked.as_secs_f64(),
         writers.len(),
         RECORDS,

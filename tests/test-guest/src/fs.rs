@@ -1,9 +1,18 @@
-//! Polled virtio-fs driver: a FUSE client just big enough to append records to files on a
-//! shared volume (FUSE_INIT, FUSE_CREATE with O_APPEND, FUSE_WRITE, FUSE_RELEASE), one
-//! request in flight on the first request queue.
+//! virtio-fs driver: a FUSE client just big enough to append records to files on a shared
+//! volume (FUSE_INIT, FUSE_CREATE with O_APPEND, FUSE_WRITE, FUSE_RELEASE), one request in
+//! flight on the first request queue.
+//!
+//! A request waits for its answer by halting, not spinning (every spin is emulated on PVM
+//! hosts, and 65 guests spinning starve their virtiofsd processes): look at the used ring,
+//! `sti; hlt` until the device's interrupt or, at the latest, the PIT's one-shot about 55 ms
+//! on, acknowledge at the device, look again, until the answer or the TSC deadline. FUSE_INIT
+//! is polled; halting starts only once its answer showed that the device's line reaches the
+//! PIC (it is latched there) and the timer probe saw the PIT pulse, so a guest whose
+//! interrupts do not arrive polls as before instead of sleeping for good.
 
 use crate::io::{hex_digit, pause, Deadline};
-use crate::virtio::{Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE};
+use crate::irq::{self, Line};
+use crate::virtio::{Queue, RingPage, Transport, DESC_F_NEXT, DESC_F_WRITE, INTERRUPT_USED_RING};
 
 pub const DEVICE_ID: u32 = 26;
 
@@ -59,17 +68,23 @@ struct Open {
 
 pub struct Fs {
     transport: Transport,
+    /// The device's interrupt (GSI), from the command line.
+    irq: u64,
     ready: bool,
+    /// Requests wait in `hlt` (see the module's doc); else they poll.
+    halts: bool,
     hiprio: Queue,
     queue: Queue,
     unique: u64,
 }
 
 impl Fs {
-    pub const fn new(base: usize) -> Fs {
+    pub const fn new(base: usize, irq: u64) -> Fs {
         Fs {
             transport: Transport { base },
+            irq,
             ready: false,
+            halts: false,
             hiprio: Queue::empty(),
             queue: Queue::empty(),
             unique: 0,
@@ -77,7 +92,11 @@ impl Fs {
     }
 
     /// Initialises the device and the FUSE session; the FUSE minor version the device speaks.
+    /// Then decides how later requests wait ([`Fs::halts`]).
     pub fn init(&mut self, dma: &mut FsDma, tpm: u64) -> Result<u32, &'static str> {
+        // Before the first request: programming the PICs clears what they latched.
+        irq::init();
+        self.halts = false;
         self.transport.begin_init(
             tpm,
             DEVICE_ID,
@@ -94,7 +113,28 @@ impl Fs {
         if read_u32(answer, 0) != FUSE_KERNEL_VERSION {
             return Err("fuse-major-version");
         }
-        Ok(read_u32(answer, 4))
+        let minor = read_u32(answer, 4);
+        self.halts = self.interrupts_arrive(tpm);
+        Ok(minor)
+    }
+
+    /// Whether requests wait by halting (else by polling).
+    pub fn halts(&self) -> bool {
+        self.halts
+    }
+
+    /// Whether the device's answer to FUSE_INIT pulsed its line at the PIC and the PIT
+    /// pulses too; then both lines are unmasked for halting.
+    fn interrupts_arrive(&self, tpm: u64) -> bool {
+        let Some(line) = Line::of(self.irq) else {
+            return false;
+        };
+        if !irq::latches(line, tpm) || !irq::timer_works(tpm) {
+            return false;
+        }
+        irq::unmask(line);
+        irq::unmask(Line::TIMER);
+        true
     }
 
     /// Appends `count` records to `<generation>.log` and then `count` to `common`, both
@@ -258,13 +298,20 @@ impl Fs {
                 }
                 break written as usize;
             }
-            // The clock only now and then: reading it may exit to the hypervisor.
+            // The clock after every halt, else only now and then: reading it may exit to the
+            // hypervisor.
             polls = polls.wrapping_add(1);
-            if polls % 256 == 0 && deadline.passed() {
+            if (self.halts || polls.is_multiple_of(256)) && deadline.passed() {
                 self.ready = false;
                 return Err("timeout");
             }
-            pause();
+            if self.halts {
+                // Woken by the device, the timer or another unmasked line: the ring says which.
+                irq::halt_bounded();
+                self.transport.ack_interrupt(INTERRUPT_USED_RING);
+            } else {
+                pause();
+            }
         };
         // SAFETY: the device has finished with the answer buffer; volatile reads see its
         // writes rather than values the compiler kept from before the request.

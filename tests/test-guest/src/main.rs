@@ -2,8 +2,10 @@
 //! Linux 64-bit boot protocol. It answers the serial protocol of `../PROTOCOL.md`.
 //!
 //! It runs in CPL0 under KVM's instruction emulator on the build machines, so it uses
-//! polled I/O, takes no exception and only one interrupt (COM1's, in `idle` mode, see
-//! idle.rs), and uses general registers only (`cargo xtask test-guest` rejects the ELF if objdump finds an SSE register).
+//! polled I/O, takes no exception and interrupts only inside one `sti; hlt` (COM1's in `idle`
+//! mode, the virtio-fs device's and the PIT's while a FUSE request waits; see irq.rs), and
+//! uses general registers only (`cargo xtask test-guest` rejects the ELF if objdump finds an
+//! SSE register).
 
 // Host unit tests (`cargo xtask test-guest --check`) build the pure logic with std.
 #![cfg_attr(not(test), no_std)]
@@ -15,6 +17,7 @@ mod boot;
 mod fs;
 mod idle;
 mod io;
+mod irq;
 mod mem;
 mod smp;
 mod snap;
@@ -53,7 +56,7 @@ static mut BLK_DMA: [BlkDma; MAX_BLK] = [const { BlkDma::ZERO }; MAX_BLK];
 static mut VSOCK_DMA: VsockDma = VsockDma::ZERO;
 static mut BLKS: [Blk; MAX_BLK] = [const { Blk::new(0) }; MAX_BLK];
 static mut VSOCK: Vsock = Vsock::new(0);
-static mut FS: Fs = Fs::new(0);
+static mut FS: Fs = Fs::new(0, 0);
 static mut FS_DMA: FsDma = FsDma::ZERO;
 
 // Entry from the VMM: long mode, identity map, RSI = boot_params.
@@ -144,7 +147,7 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
             }
             Some(fs::DEVICE_ID) => {
                 if let Some(f) = fs_slot.take() {
-                    *f = Fs::new(dev.addr as usize);
+                    *f = Fs::new(dev.addr as usize, dev.irq);
                     guest.fs = Some(f);
                 }
             }
@@ -568,7 +571,7 @@ impl Guest {
                 Ok(minor) => {
                     puts(b"OK 7.");
                     put_dec(minor as u64);
-                    puts(b"\n");
+                    puts(if fs.halts() { b" halt\n" } else { b" poll\n" });
                 }
                 Err(e) => err(e.as_bytes()),
             }

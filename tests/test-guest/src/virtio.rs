@@ -1,4 +1,5 @@
-//! Polled virtio-mmio (version 2, "modern") transport and split virtqueues.
+//! virtio-mmio (version 2, "modern") transport and split virtqueues. Drivers poll the used
+//! rings; the virtio-fs driver also halts until the device interrupts (fs.rs).
 
 use core::ptr::{read_volatile, write_volatile};
 use core::sync::atomic::{compiler_fence, Ordering};
@@ -18,6 +19,7 @@ const REG_QUEUE_NUM_MAX: usize = 0x034;
 const REG_QUEUE_NUM: usize = 0x038;
 const REG_QUEUE_READY: usize = 0x044;
 const REG_QUEUE_NOTIFY: usize = 0x050;
+const REG_INTERRUPT_ACK: usize = 0x064;
 const REG_STATUS: usize = 0x070;
 const REG_QUEUE_DESC_LOW: usize = 0x080;
 const REG_QUEUE_DESC_HIGH: usize = 0x084;
@@ -36,6 +38,9 @@ const STATUS_FAILED: u32 = 128;
 const STATUS_DEVICE_NEEDS_RESET: u32 = 64;
 
 pub const F_VERSION_1: u64 = 1 << 32;
+
+/// InterruptStatus/InterruptACK bit: the device used buffers.
+pub const INTERRUPT_USED_RING: u32 = 1;
 
 pub const DESC_F_NEXT: u16 = 1;
 pub const DESC_F_WRITE: u16 = 2;
@@ -290,7 +295,11 @@ impl Transport {
 
     /// Waits until the device met a hostile chain posted on `queue`: it returned a chain on
     /// the used ring, or it set DEVICE_NEEDS_RESET (a queue it will not serve until reset).
-    pub fn wait_hostile_met(&self, queue: &mut Queue, ticks_per_ms: u64) -> Result<(), &'static str> {
+    pub fn wait_hostile_met(
+        &self,
+        queue: &mut Queue,
+        ticks_per_ms: u64,
+    ) -> Result<(), &'static str> {
         let deadline = Deadline::after_ms(ticks_per_ms, HOSTILE_DEADLINE_MS);
         while queue.pop_used().is_none() && !self.needs_reset() {
             if deadline.passed() {
@@ -299,6 +308,12 @@ impl Transport {
             pause();
         }
         Ok(())
+    }
+
+    /// Acknowledges interrupt bits (InterruptACK), so a level-triggered line drops and the
+    /// next interrupt is a new edge.
+    pub fn ack_interrupt(&self, bits: u32) {
+        self.write(REG_INTERRUPT_ACK, bits);
     }
 
     pub fn notify(&self, queue: &Queue) {
