@@ -77,6 +77,8 @@ else
     shards="${ROLLBOX_LAB_SHARDS:-2}"
     [[ "$shards" == 1 || "$shards" == 2 ]] ||
         { echo "tier 4: ROLLBOX_LAB_SHARDS must be 1 or 2, not '$shards'" >&2; exit 2; }
+    # Each of two labs gets one vCPU (see below); one lab alone keeps run.sh's default.
+    [[ "$shards" -eq 1 ]] || export ROLLBOX_LAB_CPUS="${ROLLBOX_LAB_CPUS:-1}"
     lab_files=/var/tmp/rollbox-lab
     mkdir -p "$lab_files" || { echo "tier 4: cannot create $lab_files" >&2; exit 1; }
     work="$(mktemp -d)"
