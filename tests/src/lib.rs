@@ -491,12 +491,6 @@ pub fn raw_image(path: &Path, bytes: u64) {
     file.set_len(bytes).expect("size image");
 }
 
-/// One request to an API socket: returns (status, body).
-pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    vmm::api::http::unix_request(sock, method, path, body, Some(Duration::from_secs(60)))
-        .unwrap_or_else(|e| panic!("{method} {path} on {}: {e}", sock.display()))
-}
-
 /// How long a test waits for one answer of a VMM's API.
 pub const API_TIMEOUT: Duration = Duration::from_secs(60);
 
