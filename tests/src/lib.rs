@@ -1,7 +1,7 @@
 //! Shared helpers for the integration tests: build the real binaries and the test guest,
-//! spawn `rollbox-vmm`, and talk to the guest over its serial console. With features, the
-//! rollbox crate's tests get more: `daemon` (a real `rollbox serve`, [`daemon`]) and `images`
-//! (crafted container images, [`images`]).
+//! spawn `rollbox-vmm`, call its API ([`api_client`], a `vmm_api::Client`), and talk to the
+//! guest over its serial console. With features, the rollbox crate's tests get more: `daemon`
+//! (a real `rollbox serve`, [`daemon`]) and `images` (crafted container images, [`images`]).
 
 #[cfg(feature = "daemon")]
 pub mod daemon;
