@@ -10,6 +10,7 @@ use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use vmm_api::{CreateSnapshotParams, ForkParams, LoadSnapshotParams, MemBackend};
 
 use crate::stats::{summarize, Summary};
 use crate::TEST_GUEST_CMDLINE;
@@ -28,6 +29,9 @@ pub enum SnapshotBenchError {
     /// The guest or VMM did not answer.
     #[error("{0}")]
     Guest(String),
+    /// An API call failed (the error names the socket and the call).
+    #[error(transparent)]
+    Api(#[from] vmm_api::ClientError),
     /// A file could not be written.
     #[error("{path}: {source}")]
     Io {
@@ -196,21 +200,10 @@ impl Vm {
     }
 }
 
-fn api(sock: &Path, method: &str, path: &str, body: &str) -> Result<String, SnapshotBenchError> {
-    let (status, answer) = vmm::api::http::unix_request(
-        sock,
-        method,
-        path,
-        Some(body),
-        Some(Duration::from_secs(600)),
-    )
-    .map_err(|e| SnapshotBenchError::Guest(format!("{method} {path}: {e}")))?;
-    if !(200..300).contains(&status) {
-        return Err(SnapshotBenchError::Guest(format!(
-            "{method} {path} -> {status}: {answer}"
-        )));
-    }
-    Ok(answer)
+/// The client of the VMM API socket at `sock`; a call may take up to 10 minutes (a fork of a
+/// large guest on a slow host).
+fn api(sock: &Path) -> vmm_api::Client {
+    vmm_api::Client::new(sock).with_timeout(Duration::from_secs(600))
 }
 
 fn wait_socket(path: &Path) -> Result<(), SnapshotBenchError> {
@@ -236,15 +229,18 @@ fn snapshot_call(sock: &Path, kind: &str, dir: &Path) -> Result<f64, SnapshotBen
         path: dir.to_path_buf(),
         source,
     })?;
-    api(sock, "PATCH", "/vm", r#"{"state":"Paused"}"#)?;
-    let body = format!(
-        r#"{{"snapshot_type":"{kind}","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
-        dir.display()
-    );
+    let api = api(sock);
+    api.pause()?;
+    let params = CreateSnapshotParams {
+        snapshot_type: kind.into(),
+        snapshot_path: dir.join("vmstate"),
+        mem_file_path: dir.join("memory"),
+        version: None,
+    };
     let started = Instant::now();
-    api(sock, "PUT", "/snapshot/create", &body)?;
+    api.create_snapshot(&params)?;
     let elapsed = ms(started.elapsed());
-    api(sock, "PATCH", "/vm", r#"{"state":"Resumed"}"#)?;
+    api.resume()?;
     Ok(elapsed)
 }
 
@@ -339,27 +335,24 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     for rep in 0..config.reps.min(5) {
         // GET /fork-pool answers once the pool's shells (--fork-pool 16) have built their
         // empty VMs.
-        let pool = api(&sock, "GET", "/fork-pool", "")?;
-        let pool: serde_json::Value =
-            serde_json::from_str(&pool).map_err(|e| SnapshotBenchError::Guest(e.to_string()))?;
-        if pool["ready"] != pool["target"] {
+        let pool = api(&sock).fork_pool()?;
+        if pool.ready != pool.target {
             return Err(SnapshotBenchError::Guest(format!(
-                "the fork pool did not fill within a minute: {pool}"
+                "the fork pool did not fill within a minute: {pool:?}"
             )));
         }
         let dir = base.join(format!("fork{rep}"));
-        let answer = api(
-            &sock,
-            "POST",
-            "/fork",
-            &format!(r#"{{"count":16,"dir":"{}"}}"#, dir.display()),
-        )?;
-        let value: serde_json::Value =
-            serde_json::from_str(&answer).map_err(|e| SnapshotBenchError::Guest(e.to_string()))?;
-        fork16.push(value["elapsed_ms"].as_f64().unwrap_or(f64::NAN));
-        fork16_paused.push(value["paused_ms"].as_f64().unwrap_or(f64::NAN));
-        for clone in value["clones"].as_array().into_iter().flatten() {
-            if let Some(pid) = clone["pid"].as_u64() {
+        let result = api(&sock).fork(&ForkParams {
+            count: 16,
+            dir: Some(dir.clone()),
+            new_generation: true,
+            restore_backend: None,
+            network_overrides: Vec::new(),
+        })?;
+        fork16.push(result.elapsed_ms);
+        fork16_paused.push(result.paused_ms);
+        for clone in &result.clones {
+            if let Some(pid) = clone.pid {
                 // SAFETY: ends a clone this benchmark started.
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             }
@@ -403,13 +396,24 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         .collect();
         let (vm, _) = Vm::spawn(&config.vmm, &args, "echo r\n")?;
         wait_socket(&shell_sock)?;
-        api(&shell_sock, "GET", "/", "")?;
-        let body = format!(
-            r#"{{"snapshot_path":"{0}/vmstate","mem_backend":{{"backend_type":"File","backend_path":"{0}/memory"}},"resume_vm":true,"track_dirty_pages":true}}"#,
-            snap.display()
-        );
+        let shell = api(&shell_sock);
+        shell.vm_info()?;
+        let load = LoadSnapshotParams {
+            snapshot_path: snap.join("vmstate"),
+            mem_backend: Some(MemBackend {
+                backend_type: "File".into(),
+                backend_path: snap.join("memory"),
+            }),
+            mem_file_path: None,
+            enable_diff_snapshots: false,
+            track_dirty_pages: true,
+            resume_vm: true,
+            vsock_override: None,
+            network_overrides: Vec::new(),
+            rollbox: None,
+        };
         let started = Instant::now();
-        api(&shell_sock, "PUT", "/snapshot/load", &body)?;
+        shell.load_snapshot(&load)?;
         shell_load.push(ms(started.elapsed()));
         let first = vm
             .first_byte

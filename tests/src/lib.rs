@@ -1,7 +1,7 @@
 //! Shared helpers for the integration tests: build the real binaries and the test guest,
-//! spawn `rollbox-vmm`, and talk to the guest over its serial console. With features, the
-//! rollbox crate's tests get more: `daemon` (a real `rollbox serve`, [`daemon`]) and `images`
-//! (crafted container images, [`images`]).
+//! spawn `rollbox-vmm`, call its API ([`api_client`], a `vmm_api::Client`), and talk to the
+//! guest over its serial console. With features, the rollbox crate's tests get more: `daemon`
+//! (a real `rollbox serve`, [`daemon`]) and `images` (crafted container images, [`images`]).
 
 #[cfg(feature = "daemon")]
 pub mod daemon;
@@ -471,6 +471,11 @@ impl Vm {
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
+
+    /// The client of `api.sock` in the scratch directory (where [`boot_with_api`] puts it).
+    pub fn api(&self) -> vmm_api::Client {
+        api_client(&self.path("api.sock"))
+    }
 }
 
 impl Drop for Vm {
@@ -486,10 +491,36 @@ pub fn raw_image(path: &Path, bytes: u64) {
     file.set_len(bytes).expect("size image");
 }
 
-/// One request to an API socket: returns (status, body).
-pub fn api(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    vmm::api::http::unix_request(sock, method, path, body, Some(Duration::from_secs(60)))
-        .unwrap_or_else(|e| panic!("{method} {path} on {}: {e}", sock.display()))
+/// How long a test waits for one answer of a VMM's API.
+pub const API_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The client of the VMM API socket at `sock`, with [`API_TIMEOUT`] per call: typed calls for
+/// a test's steps, [`vmm_api::Client::request`] where the test checks the raw answer.
+pub fn api_client(sock: &Path) -> vmm_api::Client {
+    vmm_api::Client::new(sock).with_timeout(API_TIMEOUT)
+}
+
+/// `POST /fork` of `count` clones with the VMM's defaults (a new generation each, the fork
+/// directory under /dev/shm, cow memory).
+pub fn fork_params(count: u32) -> vmm_api::ForkParams {
+    vmm_api::ForkParams {
+        count,
+        dir: None,
+        new_generation: true,
+        restore_backend: None,
+        network_overrides: Vec::new(),
+    }
+}
+
+/// `PUT /snapshot/create` of a `kind` ("Full" or "Diff") snapshot into `dir`: `dir/vmstate`
+/// and `dir/memory`.
+pub fn snapshot_params(kind: &str, dir: &Path) -> vmm_api::CreateSnapshotParams {
+    vmm_api::CreateSnapshotParams {
+        snapshot_type: kind.into(),
+        snapshot_path: dir.join("vmstate"),
+        mem_file_path: dir.join("memory"),
+        version: None,
+    }
 }
 
 /// Boots the test guest with an API socket (`api.sock`), a 4 MiB drive (`disk.img`) and vsock

@@ -9,8 +9,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rollbox_agent_protocol::{AgentClient, DEFAULT_PORT};
+use vmm_api::{CloneInfo, ForkParams};
 
-use crate::{api, skip, vmm_binary};
+use crate::{api_client, fork_params, skip, snapshot_params, vmm_binary};
 
 /// How long a guest may take to boot (or restore) to an answering agent in the lab.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -249,52 +250,41 @@ impl LinuxVm {
         }
     }
 
-    /// One API request; panics unless it succeeds.
-    pub fn call(&self, method: &str, path: &str, body: &str) -> String {
-        let (status, answer) = api(&self.api_sock(), method, path, Some(body));
-        assert!(
-            (200..300).contains(&status),
-            "{method} {path} {body}: {status} {answer}"
-        );
-        answer
+    /// The client of the VMM's API socket, with the tests' deadline per call.
+    pub fn api(&self) -> vmm_api::Client {
+        api_client(&self.api_sock())
     }
 
     /// Pauses the VM and writes a Full snapshot into `snapshot`.
     pub fn snapshot(&self, snapshot: &Path) {
         std::fs::create_dir_all(snapshot).expect("snapshot dir");
-        self.call("PATCH", "/vm", r#"{"state":"Paused"}"#);
-        let body = format!(
-            r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-            snapshot.join("vmstate").display(),
-            snapshot.join("memory").display()
-        );
-        self.call("PUT", "/snapshot/create", &body);
+        let api = self.api();
+        api.pause().unwrap_or_else(|e| panic!("{e}"));
+        api.create_snapshot(&snapshot_params("Full", snapshot))
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// `POST /fork` of `count` clones into `dir`; returns each clone's entry (pid, sockets,
     /// error) after checking there are `count`, and prints how long the fork took.
-    pub fn fork(&self, count: usize, dir: &Path) -> Vec<serde_json::Value> {
-        let body = format!(r#"{{"count":{count},"dir":"{}"}}"#, dir.display());
+    pub fn fork(&self, count: usize, dir: &Path) -> Vec<CloneInfo> {
+        let params = ForkParams {
+            dir: Some(dir.to_path_buf()),
+            ..fork_params(count as u32)
+        };
         let started = Instant::now();
         // A fork answers once every clone loaded, which on a loaded lab takes minutes.
-        let (status, answer) = vmm::api::http::unix_request(
-            &self.api_sock(),
-            "POST",
-            "/fork",
-            Some(&body),
-            Some(Duration::from_secs(600)),
-        )
-        .unwrap_or_else(|e| panic!("POST /fork: {e}\n{}", self.report()));
-        assert_eq!(status, 200, "POST /fork {body}: {answer}");
+        let result = self
+            .api()
+            .with_timeout(Duration::from_secs(600))
+            .fork(&params)
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.report()));
         eprintln!(
             "{}: fork of {count}: POST /fork answered in {:.2} s",
             self.name,
             seconds(started)
         );
-        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-        let clones = result["clones"].as_array().expect("clones").clone();
-        assert_eq!(clones.len(), count, "{answer}");
-        clones
+        assert_eq!(result.clones.len(), count, "{result:?}");
+        result.clones
     }
 
     pub fn kill(&mut self) {
@@ -507,14 +497,9 @@ pub fn agent_cmdline(extra: &str) -> String {
 pub struct ClonePids(pub Vec<u32>);
 
 impl ClonePids {
-    /// The pids in the answer's `clones` array.
-    pub fn of(clones: &[serde_json::Value]) -> ClonePids {
-        ClonePids(
-            clones
-                .iter()
-                .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
-                .collect(),
-        )
+    /// The pids of the answer's clones.
+    pub fn of(clones: &[CloneInfo]) -> ClonePids {
+        ClonePids(clones.iter().filter_map(|c| c.pid).collect())
     }
 }
 

@@ -5,7 +5,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use rollbox_tests::{api, kvm_available, raw_image, test_guest, vmm_binary, wait_for_socket, Vm};
+use rollbox_tests::{
+    api_client, kvm_available, raw_image, test_guest, vmm_binary, wait_for_socket, Vm,
+};
 
 /// Runs rollbox-vmm to completion in `dir` and returns (exit code, stderr).
 fn run_to_failure(dir: &Path, args: &[String]) -> (Option<i32>, String) {
@@ -180,76 +182,76 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
     let mut vm = Vm::spawn_raw(&["--api-sock".into(), sock.display().to_string()], dir);
     wait_for_socket(&sock, Duration::from_secs(10));
 
-    let (status, body) = api(&sock, "GET", "/", None);
-    assert_eq!(status, 200);
-    let info: serde_json::Value = serde_json::from_str(&body).expect("json");
+    // Firecracker's requests as its clients write them, and its answers' statuses: raw.
+    let api = api_client(&sock);
+    let send = |method: &str, path: &str, body: Option<&str>| {
+        api.request(method, path, body.map(str::as_bytes))
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let answer = send("GET", "/", None);
+    assert_eq!(answer.status, 200);
+    let info: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
     assert_eq!(info["state"], "Not started");
 
     let guest = test_guest().display().to_string();
     let boot = format!(
         r#"{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0 via-api acpi=off"}}"#
     );
-    assert_eq!(api(&sock, "PUT", "/boot-source", Some(&boot)).0, 204);
+    assert_eq!(send("PUT", "/boot-source", Some(&boot)).status, 204);
     assert_eq!(
-        api(
-            &sock,
+        send(
             "PUT",
             "/machine-config",
             Some(r#"{"vcpu_count":2,"mem_size_mib":96,"smt":false}"#)
         )
-        .0,
+        .status,
         204
     );
     let disk = vm.path("disk.img").display().to_string();
     let drive = format!(
         r#"{{"drive_id":"rootfs","path_on_host":"{disk}","is_root_device":true,"is_read_only":false}}"#
     );
-    assert_eq!(api(&sock, "PUT", "/drives/rootfs", Some(&drive)).0, 204);
+    assert_eq!(send("PUT", "/drives/rootfs", Some(&drive)).status, 204);
     let vsock = format!(
         r#"{{"guest_cid":9,"uds_path":"{}"}}"#,
         vm.path("v.sock").display()
     );
-    assert_eq!(api(&sock, "PUT", "/vsock", Some(&vsock)).0, 204);
+    assert_eq!(send("PUT", "/vsock", Some(&vsock)).status, 204);
 
     // Bad requests are refused with a fault message naming the problem.
-    let (status, body) = api(
-        &sock,
+    let answer = send(
         "PUT",
         "/machine-config",
         Some(r#"{"vcpu_count":1,"mem_size_mib":64,"x":1}"#),
     );
-    assert_eq!(status, 400);
+    let body = answer.text();
+    assert_eq!(answer.status, 400);
     assert!(
         body.contains("fault_message") && body.contains("unknown field `x`"),
         "{body}"
     );
-    let (status, body) = api(
-        &sock,
+    let answer = send(
         "PUT",
         "/boot-source",
         Some(r#"{"kernel_image_path":"/nope"}"#),
     );
-    assert_eq!(status, 400);
+    let body = answer.text();
+    assert_eq!(answer.status, 400);
     assert!(body.contains("/nope"), "{body}");
-    let (status, body) = api(
-        &sock,
-        "PUT",
-        "/actions",
-        Some(r#"{"action_type":"Explode"}"#),
-    );
-    assert_eq!(status, 400);
+    let answer = send("PUT", "/actions", Some(r#"{"action_type":"Explode"}"#));
+    let body = answer.text();
+    assert_eq!(answer.status, 400);
     assert!(body.contains("Explode"), "{body}");
-    let (status, _) = api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
-    assert_eq!(status, 400, "pausing before start must fail");
+    let answer = send("PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
+    assert_eq!(answer.status, 400, "pausing before start must fail");
 
     assert_eq!(
-        api(
-            &sock,
+        send(
             "PUT",
             "/actions",
             Some(r#"{"action_type":"InstanceStart"}"#)
         )
-        .0,
+        .status,
         204
     );
     vm.expect_line("rollbox-test-guest: ready");
@@ -262,18 +264,19 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
     );
     assert_eq!(vm.ok("blk-id 0"), "rootfs");
     assert_eq!(vm.ok("vsock-cid"), "9");
-    let (status, body) = api(&sock, "GET", "/machine-config", None);
-    assert_eq!(status, 200);
+    let answer = send("GET", "/machine-config", None);
+    let body = answer.text();
+    assert_eq!(answer.status, 200);
     assert!(body.contains(r#""mem_size_mib":96"#), "{body}");
 
     // Configuration after boot is refused.
-    let (status, body) = api(
-        &sock,
+    let answer = send(
         "PUT",
         "/machine-config",
         Some(r#"{"vcpu_count":1,"mem_size_mib":64}"#),
     );
-    assert_eq!(status, 400);
+    let body = answer.text();
+    assert_eq!(answer.status, 400);
     assert!(
         body.contains("not allowed after the microVM started"),
         "{body}"
@@ -281,10 +284,10 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
 
     // Pause: the guest stops answering; resume: the answer arrives.
     assert_eq!(
-        api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#)).0,
+        send("PATCH", "/vm", Some(r#"{"state":"Paused"}"#)).status,
         204
     );
-    let (_, body) = api(&sock, "GET", "/", None);
+    let body = send("GET", "/", None).text();
     assert!(body.contains(r#""state":"Paused""#), "{body}");
     vm.send("echo while-paused\n");
     assert_eq!(
@@ -293,7 +296,7 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
         "a paused guest must not answer"
     );
     assert_eq!(
-        api(&sock, "PATCH", "/vm", Some(r#"{"state":"Resumed"}"#)).0,
+        send("PATCH", "/vm", Some(r#"{"state":"Resumed"}"#)).status,
         204
     );
     assert_eq!(
@@ -301,13 +304,12 @@ fn configured_over_firecrackers_api_then_paused_and_resumed() {
         Some("OK while-paused")
     );
     assert_eq!(
-        api(
-            &sock,
+        send(
             "PUT",
             "/actions",
             Some(r#"{"action_type":"SendCtrlAltDel"}"#)
         )
-        .0,
+        .status,
         204
     );
 
@@ -451,7 +453,15 @@ fn network_interfaces_over_the_api() {
     let sock = dir.path().join("api.sock");
     let mut vm = Vm::spawn_raw(&["--api-sock".into(), sock.display().to_string()], dir);
     wait_for_socket(&sock, Duration::from_secs(10));
-    let put = |path: &str, body: &str| api(&sock, "PUT", path, Some(body));
+    // Refusals and their fault messages, and Firecracker's 204s: raw.
+    let api = api_client(&sock);
+    let send = |method: &str, path: &str, body: &str| {
+        let answer = api
+            .request(method, path, Some(body.as_bytes()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        (answer.status, answer.text())
+    };
+    let put = |path: &str, body: &str| send("PUT", path, body);
     let (status, body) = put(
         "/network-interfaces/eth0",
         r#"{"iface_id":"eth1","host_dev_name":"rbxt2api"}"#,
@@ -469,11 +479,10 @@ fn network_interfaces_over_the_api() {
     );
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("already used by interface eth0"), "{body}");
-    let (status, body) = api(
-        &sock,
+    let (status, body) = send(
         "PATCH",
         "/network-interfaces/eth0",
-        Some(r#"{"iface_id":"eth0","rx_rate_limiter":{}}"#),
+        r#"{"iface_id":"eth0","rx_rate_limiter":{}}"#,
     );
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("rate limiters are not supported"), "{body}");

@@ -5,7 +5,15 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rollbox_tests::{api, boot_with_api, kvm_available, wait_for_socket, Vm};
+use rollbox_tests::{boot_with_api, kvm_available, wait_for_socket, Vm};
+use vmm_api::{Client, Response};
+
+/// One raw request: these tests check Firecracker's bodies and the answers' statuses and
+/// fault messages as they are on the wire.
+fn send(api: &Client, method: &str, path: &str, body: &str) -> Response {
+    api.request(method, path, Some(body.as_bytes()))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
 
 /// A rollbox-vmm waiting on its API socket, with no VM yet.
 fn empty_vmm() -> Vm {
@@ -17,24 +25,25 @@ fn empty_vmm() -> Vm {
 
 fn full_snapshot(vm: &Vm, dir: &Path) {
     std::fs::create_dir_all(dir).expect("snapshot dir");
-    let sock = vm.path("api.sock");
-    let (status, body) = api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
-    assert_eq!(status, 204, "{body}");
+    let api = vm.api();
+    api.pause().unwrap_or_else(|e| panic!("{e}"));
     let create = format!(
         r#"{{"snapshot_type":"Full","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory","version":"1.0.0"}}"#,
         dir.display()
     );
-    let (status, body) = api(&sock, "PUT", "/snapshot/create", Some(&create));
+    let answer = send(&api, "PUT", "/snapshot/create", &create);
     assert_eq!(
-        status, 204,
-        "the deprecated version is accepted and ignored: {body}"
+        answer.status,
+        204,
+        "the deprecated version is accepted and ignored: {}",
+        answer.text()
     );
 }
 
 #[test]
 fn firecracker_endpoints_rollbox_lacks_are_refused_by_name() {
     let vmm = empty_vmm();
-    let sock = vmm.path("api.sock");
+    let api = vmm.api();
     for (method, path) in [
         ("PUT", "/logger"),
         ("PUT", "/metrics"),
@@ -48,20 +57,21 @@ fn firecracker_endpoints_rollbox_lacks_are_refused_by_name() {
         ("GET", "/version"),
         ("PUT", "/hotplug/memory"),
     ] {
-        let (status, body) = api(&sock, method, path, Some("{}"));
+        let answer = send(&api, method, path, "{}");
+        let (status, body) = (answer.status, answer.text());
         assert_eq!(status, 400, "{method} {path}: {body}");
         assert!(
             body.contains("invalid request method and/or path") && body.contains(path),
             "{method} {path}: {body}"
         );
     }
-    let (status, body) = api(
-        &sock,
-        "PUT",
-        "/actions",
-        Some(r#"{"action_type":"FlushMetrics"}"#),
+    let answer = send(&api, "PUT", "/actions", r#"{"action_type":"FlushMetrics"}"#);
+    assert_eq!(
+        answer.status,
+        204,
+        "FlushMetrics is accepted and ignored: {}",
+        answer.text()
     );
-    assert_eq!(status, 204, "FlushMetrics is accepted and ignored: {body}");
 }
 
 #[test]
@@ -78,10 +88,11 @@ fn load_fields_that_would_change_the_restore_are_refused_not_ignored() {
     let state = snap.join("vmstate");
 
     let vmm = empty_vmm();
-    let sock = vmm.path("api.sock");
+    let api = vmm.api();
     let load = |extra: &str| {
         let body = format!(r#"{{"snapshot_path":"{}"{extra}}}"#, state.display());
-        api(&sock, "PUT", "/snapshot/load", Some(&body))
+        let answer = send(&api, "PUT", "/snapshot/load", &body);
+        (answer.status, answer.text())
     };
     let (status, body) = load(&format!(
         r#","mem_file_path":"{0}","mem_backend":{{"backend_type":"File","backend_path":"{0}"}}"#,
@@ -109,6 +120,6 @@ fn load_fields_that_would_change_the_restore_are_refused_not_ignored() {
         vmm.path("v.sock").display()
     ));
     assert_eq!(status, 204, "{body}");
-    let (_, info) = api(&sock, "GET", "/", None);
-    assert!(info.contains("Running"), "{info}");
+    let info = api.vm_info().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(info.state, "Running", "{info:?}");
 }

@@ -5,21 +5,30 @@
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::{api, boot_with_api, kvm_available, raw_image, wait_for_file_line, Vm};
+use rollbox_tests::{
+    api_client, boot_with_api, fork_params, kvm_available, raw_image, wait_for_file_line, Vm,
+};
+use vmm_api::{CloneInfo, ForkParams};
 
-/// `POST /fork` on `vm`; returns the clones of the answer (asserting a 200).
-fn fork(vm: &Vm, body: &str) -> Vec<serde_json::Value> {
-    let (status, answer) = api(&vm.path("api.sock"), "POST", "/fork", Some(body));
-    assert_eq!(status, 200, "{answer}");
-    let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-    result["clones"].as_array().expect("clones").clone()
+/// `POST /fork` on `vm`; returns the clones of the answer (asserting it succeeded).
+fn fork(vm: &Vm, params: &ForkParams) -> Vec<CloneInfo> {
+    vm.api()
+        .fork(params)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .clones
 }
 
-fn pid_of(clone: &serde_json::Value) -> i32 {
-    clone["pid"].as_u64().expect("pid") as i32
+fn pid_of(clone: &CloneInfo) -> i32 {
+    clone.pid.expect("pid") as i32
+}
+
+/// Asserts that the clone whose API socket is `sock` runs its VM.
+fn assert_running(sock: &Path) {
+    let info = api_client(sock).vm_info().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(info.state, "Running", "{info:?}");
 }
 
 fn signal(pid: i32, signal: i32) {
@@ -133,7 +142,10 @@ fn fork_starts_clones_with_their_own_sockets_and_drives() {
     let fork_dir = vm.path("fork");
     let clones = fork(
         &vm,
-        &format!(r#"{{"count":4,"dir":"{}"}}"#, fork_dir.display()),
+        &ForkParams {
+            dir: Some(fork_dir),
+            ..fork_params(4)
+        },
     );
     assert_eq!(clones.len(), 4);
     // The parent keeps running: it ends the computation and reads its drive.
@@ -151,19 +163,18 @@ fn fork_starts_clones_with_their_own_sockets_and_drives() {
     assert_eq!(vm.ok("echo parent"), "parent");
     let mut uds = Vec::new();
     for clone in &clones {
-        assert!(clone["error"].is_null(), "{clone}");
-        let sock = PathBuf::from(clone["vsock_uds"].as_str().expect("uds"));
+        assert_eq!(clone.error, None, "{clone:?}");
+        let sock = clone.vsock_uds.clone().expect("uds");
         assert!(!uds.contains(&sock), "clones must not share a vsock socket");
         uds.push(sock.clone());
         // Each clone's guest read sector 3 from its own drive as it was at the fork.
-        let console = PathBuf::from(clone["console"].as_str().expect("console"));
-        let line = wait_for_file_line(&console, Duration::from_secs(120), |l| {
+        let line = wait_for_file_line(&clone.console, Duration::from_secs(120), |l| {
             l.starts_with("OK ") && !l.starts_with("OK 0x") || l.starts_with("ERR")
         });
         assert!(
             line.starts_with("OK 666f726b00"),
             "clone {}: its guest read {line:?} from sector 3",
-            clone["index"]
+            clone.index
         );
         let mut s = UnixStream::connect(&sock).expect("clone vsock");
         s.set_read_timeout(Some(Duration::from_secs(30)))
@@ -179,30 +190,27 @@ fn fork_starts_clones_with_their_own_sockets_and_drives() {
         let mut echo = [0u8; 5];
         s.read_exact(&mut echo).expect("echo");
         assert_eq!(&echo, b"ping\n");
-        let api_sock = PathBuf::from(clone["api_sock"].as_str().expect("api"));
-        let (_, info) = api(&api_sock, "GET", "/", None);
-        assert!(info.contains("Running"), "{info}");
+        assert_running(&clone.api_sock);
         // On the host: the clone's drive is a copy of its own, untouched by the parent.
-        let clone_dir = api_sock.parent().expect("clone dir");
+        let clone_dir = clone.api_sock.parent().expect("clone dir");
         let copy = clone_dir.join("drive0.img");
         assert_ne!(copy, vm.path("disk.img"));
         assert_eq!(
             sector_bytes(&copy, 3, 4),
             b"fork",
             "clone {}: {}",
-            clone["index"],
+            clone.index,
             copy.display()
         );
         signal(pid_of(clone), libc::SIGTERM);
     }
     assert_eq!(sector_bytes(&vm.path("disk.img"), 3, 4), b"pare");
-    let (status, body) = api(
-        &vm.path("api.sock"),
-        "POST",
-        "/fork",
-        Some(r#"{"count":0}"#),
-    );
-    assert_eq!(status, 400, "{body}");
+    // Raw: a count out of range, and the status of its refusal.
+    let answer = vm
+        .api()
+        .request("POST", "/fork", Some(br#"{"count":0}"#))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(answer.status, 400, "{}", answer.text());
 }
 
 /// Forks of 8 in this test: 50 by default (25 from a parent that is then SIGKILLed in the
@@ -216,20 +224,14 @@ fn fork_rounds() -> usize {
 
 /// Forks `rounds` times 8 clones of `vm` into default directories, checks every clone runs,
 /// and ends them; returns the clones of the last round still running when `keep_last`.
-fn fork_rounds_of_eight(vm: &Vm, rounds: usize, keep_last: bool) -> Vec<serde_json::Value> {
+fn fork_rounds_of_eight(vm: &Vm, rounds: usize, keep_last: bool) -> Vec<CloneInfo> {
     let mut kept = Vec::new();
     for round in 0..rounds {
-        let clones = fork(vm, r#"{"count":8}"#);
+        let clones = fork(vm, &fork_params(8));
         assert_eq!(clones.len(), 8);
         for clone in &clones {
-            assert!(clone["error"].is_null(), "round {round}: {clone}");
-            let (status, info) = api(
-                Path::new(clone["api_sock"].as_str().expect("api")),
-                "GET",
-                "/",
-                None,
-            );
-            assert!(status == 200 && info.contains("Running"), "{info}");
+            assert_eq!(clone.error, None, "round {round}: {clone:?}");
+            assert_running(&clone.api_sock);
         }
         if keep_last && round + 1 == rounds {
             kept = clones;
@@ -272,16 +274,10 @@ fn fifty_forks_of_eight_with_the_parent_killed_halfway_leave_no_processes_files_
     });
     let fds_a_after = settled_fd_count(pid_a);
 
-    let sock = parent.path("api.sock");
-    let in_flight = std::thread::spawn(move || {
-        vmm::api::http::unix_request(
-            &sock,
-            "POST",
-            "/fork",
-            Some(r#"{"count":8}"#),
-            Some(Duration::from_secs(120)),
-        )
-    });
+    // Raw: the test checks that no 200 comes back.
+    let api = parent.api().with_timeout(Duration::from_secs(120));
+    let in_flight =
+        std::thread::spawn(move || api.request("POST", "/fork", Some(br#"{"count":8}"#)));
     // Kill the parent once the clones of its next fork are starting.
     let fork_marker = format!("rollbox-fork-{pid_a}-");
     wait_until(
@@ -297,18 +293,12 @@ fn fifty_forks_of_eight_with_the_parent_killed_halfway_leave_no_processes_files_
     let _ = parent.child.wait();
     let answer = in_flight.join().expect("fork thread");
     assert!(
-        answer.as_ref().map_or(true, |(status, _)| *status != 200),
+        answer.as_ref().map_or(true, |answer| answer.status != 200),
         "the fork answered although its parent was killed: {answer:?}"
     );
     // The clones of earlier forks are VMs of their own and keep running.
     for clone in &survivors {
-        let (status, info) = api(
-            Path::new(clone["api_sock"].as_str().expect("api")),
-            "GET",
-            "/",
-            None,
-        );
-        assert!(status == 200 && info.contains("Running"), "{info}");
+        assert_running(&clone.api_sock);
     }
     // The half-started clones of the interrupted fork die with their parent.
     wait_until(
@@ -378,13 +368,20 @@ fn the_fork_pool_is_opt_in_and_bounded() {
     // Without --fork-pool a fork starts exactly its clones and nothing stays behind.
     let vm = boot_with_api(&[]);
     let ours = markers(vm.child.id());
-    let clones = fork(&vm, r#"{"count":8}"#);
+    let clones = fork(&vm, &fork_params(8));
     let mut pids: Vec<i32> = clones.iter().map(pid_of).collect();
     pids.sort_unstable();
     let mut running = our_processes(&ours);
     running.sort_unstable();
     assert_eq!(running, pids, "processes besides the clones");
-    let (_, body) = api(&vm.path("api.sock"), "GET", "/fork-pool", None);
+    // Raw: the pool's status as it is on the wire.
+    let pool = |vm: &Vm| {
+        vm.api()
+            .request("GET", "/fork-pool", None)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .text()
+    };
+    let body = pool(&vm);
     assert_eq!(body.trim(), r#"{"target":0,"ready":0}"#);
     for pid in pids {
         signal(pid, libc::SIGTERM);
@@ -397,11 +394,11 @@ fn the_fork_pool_is_opt_in_and_bounded() {
     // A pool keeps its size, whatever the forks ask for.
     let vm = boot_with_api(&["--fork-pool", "2"]);
     let ours = markers(vm.child.id());
-    let (_, body) = api(&vm.path("api.sock"), "GET", "/fork-pool", None);
+    let body = pool(&vm);
     assert_eq!(body.trim(), r#"{"target":2,"ready":2}"#);
-    let clones = fork(&vm, r#"{"count":8}"#);
-    assert!(clones.iter().all(|c| c["error"].is_null()), "{clones:?}");
-    let (_, body) = api(&vm.path("api.sock"), "GET", "/fork-pool", None);
+    let clones = fork(&vm, &fork_params(8));
+    assert!(clones.iter().all(|c| c.error.is_none()), "{clones:?}");
+    let body = pool(&vm);
     assert_eq!(body.trim(), r#"{"target":2,"ready":2}"#);
     assert_eq!(
         our_processes(&ours).len(),
@@ -450,7 +447,7 @@ fn a_running_parents_block_io_keeps_going_while_16_clones_load() {
     // 32 MiB of guest memory that every clone copies while loading (restore_backend copy):
     // a load phase long enough to measure on a fast host.
     assert_eq!(vm.ok("touch 32 1"), "8192");
-    let sock = vm.path("api.sock");
+    let api = vm.api();
     let kib_s = |n: usize, secs: f64| n as f64 * BYTES / secs / 1024.0;
 
     let before_start = Instant::now();
@@ -463,12 +460,10 @@ fn a_running_parents_block_io_keeps_going_while_16_clones_load() {
 
     let forked = std::thread::spawn(move || {
         let sent = Instant::now();
-        let answer = api(
-            &sock,
-            "POST",
-            "/fork",
-            Some(r#"{"count":16,"restore_backend":"copy"}"#),
-        );
+        let answer = api.fork(&ForkParams {
+            restore_backend: Some("copy".into()),
+            ..fork_params(16)
+        });
         (sent, Instant::now(), answer)
     });
     let mut done = Vec::new();
@@ -476,12 +471,11 @@ fn a_running_parents_block_io_keeps_going_while_16_clones_load() {
         assert_eq!(vm.ok(COMMAND), "");
         done.push(Instant::now());
     }
-    let (sent, answered, (status, body)) = forked.join().expect("fork thread");
-    assert_eq!(status, 200, "{body}");
-    let result: serde_json::Value = serde_json::from_str(&body).expect("json");
-    let paused = Duration::from_secs_f64(result["paused_ms"].as_f64().expect("paused_ms") / 1e3);
-    let clones = result["clones"].as_array().expect("clones");
-    assert!(clones.iter().all(|c| c["error"].is_null()), "{clones:?}");
+    let (sent, answered, answer) = forked.join().expect("fork thread");
+    let result = answer.unwrap_or_else(|e| panic!("{e}"));
+    let paused = Duration::from_secs_f64(result.paused_ms / 1e3);
+    let clones = &result.clones;
+    assert!(clones.iter().all(|c| c.error.is_none()), "{clones:?}");
     // The parent resumed `paused` after the request at the latest; clones loaded until the
     // answer. Before clone loads left the event loop, no command completed in that window.
     let resumed = sent + paused;
@@ -554,14 +548,12 @@ fn fork_is_a_library_call_that_returns_each_clones_result() {
     let mut vm = vmm::builder::build_microvm(&resources).expect("build the microVM");
     let launcher = vmm::fork::Launcher::new(rollbox_tests::vmm_binary()).expect("launcher");
     let mut pool = vmm::fork::ForkPool::new(launcher, 0).expect("pool");
-    let params: vmm::api::ForkParams = serde_json::from_str(r#"{"count":3}"#).expect("params");
-    let result = vmm::fork::fork(&mut vm, &params, &mut pool).expect("fork");
+    let result = vmm::fork::fork(&mut vm, &fork_params(3), &mut pool).expect("fork");
     assert_eq!(result.clones.len(), 3);
     assert!(!vm.paused, "the parent resumes");
     for clone in &result.clones {
         assert_eq!(clone.error, None, "clone {}", clone.index);
-        let (status, info) = api(&clone.api_sock, "GET", "/", None);
-        assert!(status == 200 && info.contains("Running"), "{info}");
+        assert_running(&clone.api_sock);
         let drive = clone.api_sock.with_file_name("drive0.img");
         assert!(drive.is_file(), "{} is missing", drive.display());
     }

@@ -10,7 +10,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox_tests::{
-    api, kvm_available, test_guest, vmm_binary, wait_for_socket, Vm, TEST_GUEST_CMDLINE,
+    api_client, kvm_available, snapshot_params, test_guest, vmm_binary, wait_for_socket, Vm,
+    TEST_GUEST_CMDLINE,
 };
 
 /// The connection limit of rollbox-vmm's vsock muxer (Firecracker's).
@@ -55,8 +56,7 @@ impl Drop for KillOnDrop {
 /// GET / answers within `limit`.
 fn api_answers(sock: &Path, limit: Duration) {
     let started = Instant::now();
-    let (status, body) = api(sock, "GET", "/", None);
-    assert_eq!(status, 200, "{body}");
+    api_client(sock).vm_info().unwrap_or_else(|e| panic!("{e}"));
     assert!(
         started.elapsed() < limit,
         "the API took {:?} to answer",
@@ -361,16 +361,10 @@ fn a_memory_file_truncated_under_a_lazy_restore_ends_the_vm_naming_it() {
     assert_eq!(vm.ok("touch 16 77"), "4096");
     let snap = tempfile::tempdir().expect("snapshot dir");
     let memory = snap.path().join("memory");
-    let sock = vm.path("api.sock");
-    let (status, body) = api(&sock, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
-    assert_eq!(status, 204, "{body}");
-    let create = format!(
-        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-        snap.path().join("vmstate").display(),
-        memory.display()
-    );
-    let (status, body) = api(&sock, "PUT", "/snapshot/create", Some(&create));
-    assert_eq!(status, 204, "{body}");
+    let api = vm.api();
+    api.pause().unwrap_or_else(|e| panic!("{e}"));
+    api.create_snapshot(&snapshot_params("Full", snap.path()))
+        .unwrap_or_else(|e| panic!("{e}"));
     drop(vm);
 
     let scratch = tempfile::tempdir().expect("tempdir");

@@ -9,9 +9,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox_tests::{
-    api, jailer_binary, kvm_available, raw_image, skip, test_guest, vmm_binary, Vm,
-    TEST_GUEST_CMDLINE,
+    api_client, fork_params, jailer_binary, kvm_available, raw_image, skip, snapshot_params,
+    test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
 };
+use vmm_api::ForkParams;
 
 const UID: u32 = 64_123;
 const GID: u32 = 64_124;
@@ -198,27 +199,16 @@ fn mounts_under(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-fn call(sock: &Path, method: &str, path: &str, body: &str) {
-    let (status, answer) = api(sock, method, path, Some(body));
-    assert!(
-        status == 204 || status == 200,
-        "{method} {path} -> {status} {answer}"
-    );
-}
-
 /// Pauses the jailed VM and snapshots it into its jail's `/snap/` (`snap` on the host).
 fn snapshot_in_jail(jail: &Jail) {
     let snap = jail.root().join("snap");
     std::fs::create_dir(&snap).expect("snap dir");
     std::os::unix::fs::chown(&snap, Some(UID), Some(GID)).expect("chown snap dir");
-    let sock = jail.root().join("api.sock");
-    call(&sock, "PATCH", "/vm", r#"{"state":"Paused"}"#);
-    call(
-        &sock,
-        "PUT",
-        "/snapshot/create",
-        r#"{"snapshot_type":"Full","snapshot_path":"/snap/vmstate","mem_file_path":"/snap/memory"}"#,
-    );
+    let api = api_client(&jail.root().join("api.sock"));
+    api.pause().unwrap_or_else(|e| panic!("{e}"));
+    // The VMM sees the jail's paths.
+    api.create_snapshot(&snapshot_params("Full", Path::new("/snap")))
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Restores the snapshot in `from`'s jail, in a new jail, with `backend`.
@@ -355,29 +345,25 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
     }
 
     // Fork: the clones start inside the same jail (their dirs are jail paths).
-    call(
-        &jail.root().join("api.sock"),
-        "PATCH",
-        "/vm",
-        r#"{"state":"Resumed"}"#,
-    );
+    let api = api_client(&jail.root().join("api.sock"));
+    api.resume().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(vm.ok("echo resumed"), "resumed");
-    let (status, answer) = api(
-        &jail.root().join("api.sock"),
-        "POST",
-        "/fork",
-        Some(r#"{"count":2,"dir":"/fork"}"#),
-    );
-    assert_eq!(status, 200, "{answer}");
-    let answer: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-    let clones = answer["clones"].as_array().expect("clones").clone();
-    assert_eq!(clones.len(), 2, "{answer}");
-    for clone in &clones {
-        assert!(clone["error"].is_null(), "{clone}");
-        let sock = clone["api_sock"].as_str().expect("api_sock");
-        let on_host = jail.root().join(sock.trim_start_matches('/'));
-        let (_, info) = api(&on_host, "GET", "/", None);
-        assert!(info.contains("Running"), "{info}");
+    let answer = api
+        .fork(&ForkParams {
+            dir: Some("/fork".into()),
+            ..fork_params(2)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let clones = &answer.clones;
+    assert_eq!(clones.len(), 2, "{answer:?}");
+    for clone in clones {
+        assert_eq!(clone.error, None, "{clone:?}");
+        let sock = &clone.api_sock;
+        let on_host = jail.root().join(sock.strip_prefix("/").unwrap_or(sock));
+        let info = api_client(&on_host)
+            .vm_info()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(info.state, "Running", "{info:?}");
     }
     assert_eq!(vm.ok("echo parent"), "parent");
 }
@@ -407,13 +393,17 @@ fn a_jailed_vmm_cannot_read_a_host_file_outside_its_directory() {
     let jail = Jail::new("escape2", with_disk);
     let _vm = jail.boot();
     let outside = tempfile::tempdir().expect("tempdir");
-    let sock = jail.root().join("api.sock");
-    call(&sock, "PATCH", "/vm", r#"{"state":"Paused"}"#);
+    let api = api_client(&jail.root().join("api.sock"));
+    api.pause().unwrap_or_else(|e| panic!("{e}"));
     let body = format!(
         r#"{{"snapshot_type":"Full","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
         outside.path().display()
     );
-    let (status, answer) = api(&sock, "PUT", "/snapshot/create", Some(&body));
+    // Raw: the test checks the refusal's status.
+    let answer = api
+        .request("PUT", "/snapshot/create", Some(body.as_bytes()))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (status, answer) = (answer.status, answer.text());
     assert!(status >= 400, "{status} {answer}");
     assert_eq!(
         std::fs::read_dir(outside.path()).expect("readdir").count(),

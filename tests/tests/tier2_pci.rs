@@ -145,21 +145,13 @@ fn reads_the_host_bridge(vm: &mut rollbox_tests::Vm, who: &str) {
     assert_eq!(vm.ok("mmio-read 0xe0008000"), "0xffffffff", "{who}");
 }
 
-fn call(vm: &rollbox_tests::Vm, method: &str, path: &str, body: &str) -> (u16, String) {
-    rollbox_tests::api(&vm.path("api.sock"), method, path, Some(body))
-}
-
 /// Pauses `vm` and takes a Full snapshot into `dir` (vmstate + memory).
 fn snapshot(vm: &rollbox_tests::Vm, dir: &Path) {
     std::fs::create_dir_all(dir).expect("snapshot dir");
-    assert_eq!(call(vm, "PATCH", "/vm", r#"{"state":"Paused"}"#).0, 204);
-    let body = format!(
-        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-        dir.join("vmstate").display(),
-        dir.join("memory").display()
-    );
-    let (code, answer) = call(vm, "PUT", "/snapshot/create", &body);
-    assert_eq!(code, 204, "{answer}");
+    let api = vm.api();
+    api.pause().unwrap_or_else(|e| panic!("{e}"));
+    api.create_snapshot(&rollbox_tests::snapshot_params("Full", dir))
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Restores `dir` in a new process with `backend`.
@@ -222,7 +214,7 @@ fn with_pci_the_guest_finds_the_host_bridge_and_keeps_it_across_snapshot_and_res
     let scratch = tempfile::tempdir().expect("tempdir");
     let snap = scratch.path().join("snap");
     snapshot(&vm, &snap);
-    assert_eq!(call(&vm, "PATCH", "/vm", r#"{"state":"Resumed"}"#).0, 204);
+    vm.api().resume().unwrap_or_else(|e| panic!("{e}"));
     reads_the_host_bridge(&mut vm, "parent after the snapshot");
     for backend in ["cow", "uffd", "copy"] {
         let mut clone = restore(&snap, backend);
@@ -294,17 +286,18 @@ fn clones_of_a_pci_vm_read_the_host_bridge() {
     // clone runs them after its restore.
     vm.send("compute 60000\npci-read 0 0\nmmio-read 0xe0000000\npci-read 1 0\n");
     vm.expect_line("progress 1");
-    let (code, answer) = call(&vm, "POST", "/fork", r#"{"count":2}"#);
-    assert_eq!(code, 200, "{answer}");
-    let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-    let clones = result["clones"].as_array().expect("clones").clone();
+    let result = vm
+        .api()
+        .fork(&rollbox_tests::fork_params(2))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let clones = result.clones;
     assert_eq!(clones.len(), 2);
     for clone in &clones {
-        assert!(clone["error"].is_null(), "{clone}");
-        let console = PathBuf::from(clone["console"].as_str().expect("console"));
+        assert_eq!(clone.error, None, "{clone:?}");
+        let console = &clone.console;
         // CF8/CFC and ECAM read the host bridge; slot 1 reads all ones.
-        wait_for_lines(&console, &format!("OK {HOST_BRIDGE_ID}"), 2);
-        wait_for_lines(&console, "OK 0xffffffff", 1);
+        wait_for_lines(console, &format!("OK {HOST_BRIDGE_ID}"), 2);
+        wait_for_lines(console, "OK 0xffffffff", 1);
     }
     // The parent keeps its bus too.
     loop {
@@ -318,7 +311,7 @@ fn clones_of_a_pci_vm_read_the_host_bridge() {
     reads_the_host_bridge(&mut vm, "parent after the fork");
     // Clones end cleanly (SIGTERM), so the last one removes the fork's /dev/shm directory.
     for clone in &clones {
-        let pid = clone["pid"].as_u64().expect("pid") as i32;
+        let pid = clone.pid.expect("pid") as i32;
         // SAFETY: signals a clone this test's VMM started.
         unsafe { libc::kill(pid, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -374,7 +367,7 @@ fn a_vfio_path_that_is_no_vfio_device_is_one_error_line_naming_it() {
 
 #[test]
 fn put_vfio_over_the_api_checks_the_path_and_the_start_names_an_unbound_device() {
-    use rollbox_tests::{api, test_guest, wait_for_socket, Vm};
+    use rollbox_tests::{api_client, test_guest, wait_for_socket, Vm};
     if !kvm_available() {
         return;
     }
@@ -397,12 +390,19 @@ fn put_vfio_over_the_api_checks_the_path_and_the_start_names_an_unbound_device()
     let sock = dir.path().join("api.sock");
     let mut vm = Vm::spawn_raw(&["--api-sock".into(), sock.display().to_string()], dir);
     wait_for_socket(&sock, Duration::from_secs(10));
+    // Raw: the test checks the statuses and the fault messages of the answers.
+    let client = api_client(&sock);
+    let api = |method: &str, path: &str, body: Option<&str>| {
+        let answer = client
+            .request(method, path, body.map(str::as_bytes))
+            .unwrap_or_else(|e| panic!("{e}"));
+        (answer.status, answer.text())
+    };
     let guest = test_guest().display().to_string();
     let boot = format!(r#"{{"kernel_image_path":"{guest}","boot_args":"console=ttyS0"}}"#);
-    assert_eq!(api(&sock, "PUT", "/boot-source", Some(&boot)).0, 204);
+    assert_eq!(api("PUT", "/boot-source", Some(&boot)).0, 204);
 
     let (status, body) = api(
-        &sock,
         "PUT",
         "/vfio",
         Some(r#"{"path":"/sys/bus/pci/devices/0000:ff:1f.7"}"#),
@@ -412,15 +412,15 @@ fn put_vfio_over_the_api_checks_the_path_and_the_start_names_an_unbound_device()
         body.contains("0000:ff:1f.7") && body.contains("not a PCI device"),
         "{body}"
     );
-    let (status, body) = api(&sock, "PUT", "/vfio", Some(r#"{"path":"/x","bar":1}"#));
+    let (status, body) = api("PUT", "/vfio", Some(r#"{"path":"/x","bar":1}"#));
     assert_eq!(status, 400, "{body}");
 
     let good = format!(r#"{{"path":"{}"}}"#, host_device.display());
-    assert_eq!(api(&sock, "PUT", "/vfio", Some(&good)).0, 204);
-    let (status, body) = api(&sock, "PUT", "/vfio", Some(&good));
+    assert_eq!(api("PUT", "/vfio", Some(&good)).0, 204);
+    let (status, body) = api("PUT", "/vfio", Some(&good));
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("given twice"), "{body}");
-    let (_, machine) = api(&sock, "GET", "/machine-config", None);
+    let (_, machine) = api("GET", "/machine-config", None);
     assert!(
         machine.contains(&host_device.display().to_string()),
         "{machine}"
@@ -428,7 +428,6 @@ fn put_vfio_over_the_api_checks_the_path_and_the_start_names_an_unbound_device()
 
     // The start checks the binding and refuses, naming the device; the VMM stays up.
     let (status, body) = api(
-        &sock,
         "PUT",
         "/actions",
         Some(r#"{"action_type":"InstanceStart"}"#),
@@ -439,6 +438,6 @@ fn put_vfio_over_the_api_checks_the_path_and_the_start_names_an_unbound_device()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     assert!(body.contains(&name), "{body}");
-    assert_eq!(api(&sock, "GET", "/", None).0, 200);
+    assert_eq!(api("GET", "/", None).0, 200);
     let _ = vm.child.kill();
 }

@@ -47,8 +47,7 @@ fn every_thread_but_the_spawners_runs_filtered_and_no_seccomp_turns_it_off() {
     let mut vm = boot_with_api(&["--vcpus", "2"]);
     assert_eq!(vm.ok("echo hi"), "hi");
     // The API threads and the event loop run too.
-    let (status, _) = rollbox_tests::api(&vm.path("api.sock"), "GET", "/", None);
-    assert_eq!(status, 200);
+    vm.api().vm_info().unwrap_or_else(|e| panic!("{e}"));
     let modes = thread_modes(vm.child.id());
     let names: Vec<&str> = modes.iter().map(|(n, _)| n.as_str()).collect();
     for want in ["vcpu0", "vcpu1", "api", "console", "spawner"] {
@@ -71,15 +70,11 @@ fn every_thread_but_the_spawners_runs_filtered_and_no_seccomp_turns_it_off() {
 
 /// Forks `vm` once; returns the clone's pid.
 fn fork_one(vm: &rollbox_tests::Vm) -> u32 {
-    let (status, answer) = rollbox_tests::api(
-        &vm.path("api.sock"),
-        "POST",
-        "/fork",
-        Some(r#"{"count":1}"#),
-    );
-    assert_eq!(status, 200, "{answer}");
-    let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-    result["clones"][0]["pid"].as_u64().expect("pid") as u32
+    let result = vm
+        .api()
+        .fork(&rollbox_tests::fork_params(1))
+        .unwrap_or_else(|e| panic!("{e}"));
+    result.clones.first().and_then(|c| c.pid).expect("pid")
 }
 
 /// Ends a clone when dropped (also when an assertion fails first).

@@ -9,30 +9,27 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use rollbox_tests::{api, boot_with_api, kvm_available, skip_even_in_ci, vmm_binary, Vm};
+use rollbox_tests::{
+    api_client, boot_with_api, fork_params, kvm_available, skip_even_in_ci, snapshot_params,
+    vmm_binary, Vm,
+};
+use vmm_api::ForkParams;
 
-fn call(vm: &Vm, method: &str, path: &str, body: &str) {
-    let (status, answer) = api(&vm.path("api.sock"), method, path, Some(body));
-    assert!(
-        status == 204 || status == 200,
-        "{method} {path} -> {status} {answer}"
-    );
+fn pause(vm: &Vm) {
+    vm.api().pause().unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Pauses and takes a snapshot into `dir` (vmstate + memory).
 fn snapshot(vm: &Vm, dir: &Path, kind: &str) {
     std::fs::create_dir_all(dir).expect("snapshot dir");
-    call(vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
-    let body = format!(
-        r#"{{"snapshot_type":"{kind}","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-        dir.join("vmstate").display(),
-        dir.join("memory").display()
-    );
-    call(vm, "PUT", "/snapshot/create", &body);
+    pause(vm);
+    vm.api()
+        .create_snapshot(&snapshot_params(kind, dir))
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 fn resume(vm: &Vm) {
-    call(vm, "PATCH", "/vm", r#"{"state":"Resumed"}"#);
+    vm.api().resume().unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Restores `dir` in a new process; `extra` adds flags. Does not wait for output.
@@ -518,23 +515,13 @@ fn kill_while_memory_is_written(dir: &Path, touched_mib: u64) -> Option<(PathBuf
         vm.ok(&format!("touch {touched_mib} 9")),
         (touched_mib * 256).to_string()
     );
-    call(&vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
+    pause(&vm);
     std::fs::create_dir_all(dir).expect("mkdir");
-    let sock = vm.path("api.sock");
-    let body = format!(
-        r#"{{"snapshot_type":"Full","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-        dir.join("vmstate").display(),
-        dir.join("memory").display()
-    );
+    let api = vm.api();
+    let params = snapshot_params("Full", dir);
+    // The VMM is killed before it answers: the call ends with an error, which is expected.
     let writer = std::thread::spawn(move || {
-        let mut s = UnixStream::connect(&sock).expect("connect");
-        let req = format!(
-            "PUT /snapshot/create HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        let _ = s.write_all(req.as_bytes());
-        let mut sink = Vec::new();
-        let _ = s.read_to_end(&mut sink);
+        let _ = api.create_snapshot(&params);
     });
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut last_seen = 0;
@@ -751,12 +738,19 @@ fn a_diff_that_fails_on_a_full_disk_or_over_its_base_loses_nothing() {
     snapshot(&vm, &s("s0"), "Full");
     resume(&vm);
     assert_eq!(vm.ok("touch 4 2"), "1024");
-    call(&vm, "PATCH", "/vm", r#"{"state":"Paused"}"#);
+    pause(&vm);
+    // Raw: the test checks the refusals' statuses and fault messages.
+    let create = |body: &str| {
+        let answer = api_client(&vm.path("api.sock"))
+            .request("PUT", "/snapshot/create", Some(body.as_bytes()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        (answer.status, answer.text())
+    };
     let body = format!(
         r#"{{"snapshot_type":"Diff","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
         full.0.display()
     );
-    let (status, answer) = api(&vm.path("api.sock"), "PUT", "/snapshot/create", Some(&body));
+    let (status, answer) = create(&body);
     assert_eq!(status, 400, "{answer}");
     assert!(answer.contains("No space left"), "{answer}");
     assert!(!full.0.join("vmstate").exists());
@@ -765,7 +759,7 @@ fn a_diff_that_fails_on_a_full_disk_or_over_its_base_loses_nothing() {
         r#"{{"snapshot_type":"Diff","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
         s("s0").display()
     );
-    let (status, answer) = api(&vm.path("api.sock"), "PUT", "/snapshot/create", Some(&body));
+    let (status, answer) = create(&body);
     assert_eq!(status, 400, "{answer}");
     assert!(answer.contains("layer 0 of the memory chain"), "{answer}");
     resume(&vm);
@@ -792,16 +786,13 @@ fn a_fork_leaves_the_parents_diff_base_alone() {
     snapshot(&vm, &s("s0"), "Full");
     resume(&vm);
     assert_eq!(vm.ok("touch 4 2"), "1024");
-    let (status, body) = api(
-        &vm.path("api.sock"),
-        "POST",
-        "/fork",
-        Some(&format!(r#"{{"count":1,"dir":"{}"}}"#, s("fork").display())),
-    );
-    assert_eq!(status, 200, "{body}");
-    let result: serde_json::Value = serde_json::from_str(&body).expect("json");
-    for clone in result["clones"].as_array().expect("clones") {
-        if let Some(pid) = clone["pid"].as_u64() {
+    let params = ForkParams {
+        dir: Some(s("fork")),
+        ..fork_params(1)
+    };
+    let result = vm.api().fork(&params).unwrap_or_else(|e| panic!("{e}"));
+    for clone in &result.clones {
+        if let Some(pid) = clone.pid {
             // SAFETY: ends a clone process this test started.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::{api, kvm_available, skip, virtiofsd_of, wait_for_file_line, Vm};
+use rollbox_tests::{fork_params, kvm_available, skip, virtiofsd_of, wait_for_file_line, Vm};
 
 /// Clones of the fan-out: 64, or ROLLBOX_TIER2_VOLUME_CLONES.
 fn clone_count() -> usize {
@@ -72,28 +72,24 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
     vm.expect_line("progress 1");
     let fork_dir = vm.path("fork");
     let started = Instant::now();
-    let (status, answer) = api(
-        &vm.path("api.sock"),
-        "POST",
-        "/fork",
-        Some(&format!(
-            r#"{{"count":{count},"dir":"{}"}}"#,
-            fork_dir.display()
-        )),
-    );
-    assert_eq!(status, 200, "{answer}");
+    let answer = vm
+        .api()
+        .fork(&vmm_api::ForkParams {
+            dir: Some(fork_dir),
+            ..fork_params(count as u32)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
     let forked = started.elapsed();
-    let answer: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-    let clones = answer["clones"].as_array().expect("clones").clone();
-    assert_eq!(clones.len(), count, "{answer}");
-    for clone in &clones {
-        assert!(clone["error"].is_null(), "{clone}");
-        let pid = clone["pid"].as_u64().expect("pid") as u32;
+    let clones = &answer.clones;
+    assert_eq!(clones.len(), count, "{answer:?}");
+    for clone in clones {
+        assert_eq!(clone.error, None, "{clone:?}");
+        let pid = clone.pid.expect("pid");
         assert_eq!(
             virtiofsd_of(pid).len(),
             1,
             "clone {}: its own virtiofsd",
-            clone["index"]
+            clone.index
         );
     }
 
@@ -111,18 +107,17 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         format!("OK appended {RECORDS} as 0x0000000000000000")
     );
     let mut writers = BTreeSet::from(["0000000000000000".to_string()]);
-    for clone in &clones {
-        let console = PathBuf::from(clone["console"].as_str().expect("console"));
-        let line = wait_for_file_line(&console, Duration::from_secs(600), |l| {
+    for clone in clones {
+        let line = wait_for_file_line(&clone.console, Duration::from_secs(600), |l| {
             l.starts_with("OK appended") || l.starts_with("ERR")
         });
         let generation = line
             .strip_prefix(&format!("OK appended {RECORDS} as 0x"))
-            .unwrap_or_else(|| panic!("clone {}: {line}", clone["index"]));
+            .unwrap_or_else(|| panic!("clone {}: {line}", clone.index));
         assert!(
             writers.insert(generation.to_string()),
             "clone {}: generation {generation} is another writer's too",
-            clone["index"]
+            clone.index
         );
     }
     let all_done = started.elapsed();
@@ -177,8 +172,8 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         all_done.as_secs_f64()
     );
 
-    for clone in &clones {
-        let pid = clone["pid"].as_u64().expect("pid") as libc::pid_t;
+    for clone in clones {
+        let pid = clone.pid.expect("pid") as libc::pid_t;
         // SAFETY: signals a clone this test forked.
         unsafe { libc::kill(pid, libc::SIGTERM) };
     }

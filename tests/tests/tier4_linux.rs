@@ -14,7 +14,6 @@
 
 use std::collections::BTreeSet;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -289,24 +288,23 @@ mod tier4 {
         let agent = parent.agent();
         let parent_id = agent.sh("cat /etc/machine-id 2>/dev/null || echo none");
         drop(agent);
-        let body = format!(
-            r#"{{"count":8,"dir":"{}"}}"#,
-            work.path().join("fork").display()
-        );
+        let params = vmm_api::ForkParams {
+            dir: Some(work.path().join("fork")),
+            ..rollbox_tests::fork_params(8)
+        };
         let started = Instant::now();
-        let answer = parent.call("POST", "/fork", &body);
+        let result = parent.api().fork(&params).unwrap_or_else(|e| panic!("{e}"));
         eprintln!(
             "fork of 8: POST /fork answered in {:.2} s",
             seconds(started)
         );
-        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-        let clones = result["clones"].as_array().expect("clones").clone();
-        assert_eq!(clones.len(), 8, "{answer}");
-        let _guard = ClonePids::of(&clones);
+        let clones = &result.clones;
+        assert_eq!(clones.len(), 8, "{result:?}");
+        let _guard = ClonePids::of(clones);
         let mut seen: [BTreeSet<String>; 3] = Default::default();
-        for clone in &clones {
-            assert!(clone["error"].is_null(), "clone failed: {clone}");
-            let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
+        for clone in clones {
+            assert_eq!(clone.error, None, "clone failed: {clone:?}");
+            let uds = clone.vsock_uds.clone().expect("vsock_uds");
             let agent = Agent::connect(&uds, |_| Ok(()));
             // Read first, before anything else could reseed on the agent's behalf.
             let random = agent.sh("head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n'");

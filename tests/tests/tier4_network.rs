@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -101,14 +101,14 @@ fn try_http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
 }
 
 /// What a fork's clone left: alive or not, and the last lines of its console and VMM log.
-fn clone_report(clone: &serde_json::Value) -> String {
-    let alive = clone["pid"]
-        .as_u64()
+fn clone_report(clone: &vmm_api::CloneInfo) -> String {
+    let alive = clone
+        .pid
         .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
-    let console = PathBuf::from(clone["console"].as_str().unwrap_or_default());
+    let console = &clone.console;
     let mut report = format!(
-        "clone {} (pid {}, alive: {alive})",
-        clone["index"], clone["pid"]
+        "clone {} (pid {:?}, alive: {alive})",
+        clone.index, clone.pid
     );
     for file in [console.clone(), console.with_file_name("vmm.log")] {
         let text = std::fs::read_to_string(&file).unwrap_or_default();
@@ -262,7 +262,6 @@ const MIB: usize = 1 << 20;
 mod tier4 {
     use super::*;
     use rollbox_agent_protocol::NetworkConfig;
-    use std::path::PathBuf;
 
     #[test]
     fn a_guest_on_a_tap_is_addressed_reaches_the_host_and_moves_64_mib_each_way() {
@@ -507,30 +506,28 @@ mod tier4 {
         let taps: Vec<HostTap> = (0..clones_wanted)
             .map(|i| HostTap::new(&format!("rbxf{i}"), 30 + i))
             .collect();
-        let overrides: Vec<serde_json::Value> = taps
-            .iter()
-            .map(|t| {
-                serde_json::json!([{
-                    "iface_id": "eth0",
-                    "host_dev_name": t.name,
-                    "guest_mac": t.mac(),
-                }])
-            })
-            .collect();
-        let body = serde_json::json!({
-            "count": clones_wanted,
-            "dir": work.path().join("fork"),
-            "network_overrides": overrides,
-        });
+        let params = vmm_api::ForkParams {
+            dir: Some(work.path().join("fork")),
+            network_overrides: taps
+                .iter()
+                .map(|t| {
+                    vec![vmm_api::NetworkOverride {
+                        iface_id: "eth0".into(),
+                        host_dev_name: t.name.clone(),
+                        guest_mac: Some(t.mac()),
+                    }]
+                })
+                .collect(),
+            ..rollbox_tests::fork_params(u32::from(clones_wanted))
+        };
         let started = Instant::now();
-        let answer = parent.call("POST", "/fork", &body.to_string());
-        let result: serde_json::Value = serde_json::from_str(&answer).expect("fork json");
-        let clones = result["clones"].as_array().expect("clones").clone();
-        let _guard = ClonePids::of(&clones);
-        assert_eq!(clones.len(), usize::from(clones_wanted), "{answer}");
+        let result = parent.api().fork(&params).unwrap_or_else(|e| panic!("{e}"));
+        let clones = &result.clones;
+        let _guard = ClonePids::of(clones);
+        assert_eq!(clones.len(), usize::from(clones_wanted), "{result:?}");
         for (clone, tap) in clones.iter().zip(&taps) {
-            assert!(clone["error"].is_null(), "clone failed: {clone}");
-            let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
+            assert_eq!(clone.error, None, "clone failed: {clone:?}");
+            let uds = clone.vsock_uds.clone().expect("vsock_uds");
             let agent = Agent::connect(&uds, |_| Ok(()));
             let configured = agent.runtime.block_on(tokio::time::timeout(
                 CALL_TIMEOUT,

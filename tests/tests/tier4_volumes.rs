@@ -12,7 +12,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox_tests::linux::{agent_cmdline, fixtures, seconds, Agent, ClonePids, Fixtures, LinuxVm};
-use rollbox_tests::{api, skip, virtiofsd_of, vmm_binary, wait_for_socket};
+use rollbox_tests::{api_client, skip, virtiofsd_of, vmm_binary, wait_for_socket};
 
 /// Runs rollbox-vmm with `args` and returns its status and stderr (for refusals).
 fn vmm_refuses(args: &[&str]) -> (ExitStatus, String) {
@@ -112,7 +112,14 @@ fn put_fs_checks_each_volume_and_refuses_clashes() {
         .spawn()
         .expect("spawn rollbox-vmm");
     wait_for_socket(&sock, Duration::from_secs(10));
-    let put = |tag: &str, body: String| api(&sock, "PUT", &format!("/fs/{tag}"), Some(&body));
+    // Raw: the test checks the refusals' statuses and fault messages.
+    let api = api_client(&sock);
+    let put = |tag: &str, body: String| {
+        let answer = api
+            .request("PUT", &format!("/fs/{tag}"), Some(body.as_bytes()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        (answer.status, answer.text())
+    };
     let body =
         |tag: &str, dir: &Path| format!(r#"{{"tag":"{tag}","shared_dir":"{}"}}"#, dir.display());
     assert_eq!(put("a", body("a", &share)).0, 204);
@@ -560,22 +567,24 @@ mod tier4 {
         let snap = work.path().join("snap");
         guest.vm.snapshot(&snap);
         // A Diff snapshot is refused by name: virtiofsd's writes are in no dirty log.
-        let (status, answer) = api(
-            &guest.vm.api_sock(),
-            "PUT",
-            "/snapshot/create",
-            Some(&format!(
-                r#"{{"snapshot_type":"Diff","snapshot_path":"{}","mem_file_path":"{}"}}"#,
-                work.path().join("diff-state").display(),
-                work.path().join("diff-mem").display()
-            )),
+        // Raw: the test checks the refusal's status and fault message.
+        let body = format!(
+            r#"{{"snapshot_type":"Diff","snapshot_path":"{}","mem_file_path":"{}"}}"#,
+            work.path().join("diff-state").display(),
+            work.path().join("diff-mem").display()
         );
+        let answer = guest
+            .vm
+            .api()
+            .request("PUT", "/snapshot/create", Some(body.as_bytes()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (status, answer) = (answer.status, answer.text());
         assert!(
             status == 400 && answer.contains("fs v"),
             "{status} {answer}"
         );
         // The original resumes with its rings restarted and keeps using the volume.
-        guest.vm.call("PATCH", "/vm", r#"{"state":"Resumed"}"#);
+        guest.vm.api().resume().unwrap_or_else(|e| panic!("{e}"));
         guest.sh("echo parent-after > /mnt/v/parent-after");
         assert_eq!(
             std::fs::read_to_string(share.join("parent-after")).expect("parent-after"),
@@ -649,15 +658,12 @@ mod tier4 {
         };
         let started = Instant::now();
         let clones = guest.vm.fork(8, &work.path().join("fork"));
-        let pids: Vec<u32> = clones
-            .iter()
-            .filter_map(|c| c["pid"].as_u64().map(|p| p as u32))
-            .collect();
+        let pids: Vec<u32> = clones.iter().filter_map(|c| c.pid).collect();
         let _guard = ClonePids(pids.clone());
         let mut daemons = std::collections::BTreeSet::new();
         for (i, clone) in clones.iter().enumerate() {
-            assert!(clone["error"].is_null(), "clone failed: {clone}");
-            let uds = PathBuf::from(clone["vsock_uds"].as_str().expect("vsock_uds"));
+            assert_eq!(clone.error, None, "clone failed: {clone:?}");
+            let uds = clone.vsock_uds.clone().expect("vsock_uds");
             let agent = Agent::connect(&uds, |_| Ok(()));
             let pid = pids[i];
             let own = virtiofsd_of(pid);
@@ -787,10 +793,10 @@ mod tier4 {
         let started = Instant::now();
         let mut guard = ClonePids(Vec::new());
         for clone in &parent.vm.fork(count, &work.path().join("fork")) {
-            if let Some(pid) = clone["pid"].as_u64() {
-                guard.0.push(pid as u32);
+            if let Some(pid) = clone.pid {
+                guard.0.push(pid);
             }
-            assert!(clone["error"].is_null(), "clone failed: {clone}");
+            assert_eq!(clone.error, None, "clone failed: {clone:?}");
         }
         eprintln!(
             "{} clones forked in {:.1} s, L1 {}",

@@ -102,13 +102,9 @@ pub enum LinuxBenchError {
     },
     #[error("{vm}: the console never showed {what} before the agent answered")]
     NoMilestone { vm: String, what: &'static str },
-    #[error("API {method} {path} on {sock}: {detail}")]
-    Api {
-        sock: PathBuf,
-        method: &'static str,
-        path: &'static str,
-        detail: String,
-    },
+    /// An API call failed (the error names the socket and the call).
+    #[error(transparent)]
+    Api(#[from] vmm_api::ClientError),
     #[error("{what}: no samples")]
     NoSamples { what: &'static str },
     #[error("{vm}: guest command `{script}`: {detail}")]

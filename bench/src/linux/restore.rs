@@ -43,33 +43,6 @@ pub struct RestoreReport {
     pub cow_restore_phases: Vec<String>,
 }
 
-fn api(
-    sock: &Path,
-    method: &'static str,
-    path: &'static str,
-    body: &str,
-) -> Result<(), LinuxBenchError> {
-    let err = |detail: String| LinuxBenchError::Api {
-        sock: sock.to_path_buf(),
-        method,
-        path,
-        detail,
-    };
-    let (status, answer) = vmm::api::http::unix_request(
-        sock,
-        method,
-        path,
-        Some(body),
-        Some(Duration::from_secs(600)),
-    )
-    .map_err(|e| err(e.to_string()))?;
-    if (200..300).contains(&status) {
-        Ok(())
-    } else {
-        Err(err(format!("status {status}: {answer}")))
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RestoreKind {
     Cold,
@@ -143,13 +116,16 @@ pub(super) fn run_restore(
     );
     let snap = work.join("snapshot");
     std::fs::create_dir_all(&snap).map_err(io_err("creating", &snap))?;
-    api(&api_sock, "PATCH", "/vm", r#"{"state":"Paused"}"#)?;
-    let body = format!(
-        r#"{{"snapshot_type":"Full","snapshot_path":"{0}/vmstate","mem_file_path":"{0}/memory"}}"#,
-        snap.display()
-    );
+    let api = vmm_api::Client::new(&api_sock).with_timeout(Duration::from_secs(600));
+    api.pause()?;
+    let params = vmm_api::CreateSnapshotParams {
+        snapshot_type: "Full".into(),
+        snapshot_path: snap.join("vmstate"),
+        mem_file_path: snap.join("memory"),
+        version: None,
+    };
     let started = Instant::now();
-    api(&api_sock, "PUT", "/snapshot/create", &body)?;
+    api.create_snapshot(&params)?;
     let snapshot_create_ms = ms(started.elapsed());
     source.stop();
     drop(source);

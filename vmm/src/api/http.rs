@@ -1,6 +1,6 @@
 //! The server half of HTTP/1.1 on the API socket: a request reader (request line, headers,
 //! Content-Length bodies, keep-alive) and the response writer. The client half is
-//! [`vmm_api::Client`]; [`unix_request`] only keeps its old callers working.
+//! [`vmm_api::Client`].
 
 use std::io::{self, Read, Write};
 
@@ -149,32 +149,6 @@ pub fn write_response(out: &mut impl Write, status: u16, json: Option<&str>) -> 
     out.flush()
 }
 
-/// Sends one request over the Unix socket at `sock` and returns the status and body, through
-/// [`vmm_api::Client::request`] (`timeout` is its one deadline; None: no deadline). Kept for
-/// the benches and the integration tests until they call [`vmm_api::Client`] themselves.
-pub fn unix_request(
-    sock: &std::path::Path,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-    timeout: Option<std::time::Duration>,
-) -> io::Result<(u16, String)> {
-    let client =
-        vmm_api::Client::new(sock).with_timeout(timeout.unwrap_or(std::time::Duration::MAX));
-    let response = client
-        .request(method, path, body.map(str::as_bytes))
-        .map_err(|e| {
-            // A socket error keeps its kind (NotFound, ConnectionRefused, ...).
-            let kind = match &e {
-                vmm_api::ClientError::Connect { source, .. }
-                | vmm_api::ClientError::Io { source, .. } => source.kind(),
-                _ => io::ErrorKind::Other,
-            };
-            io::Error::new(kind, e)
-        })?;
-    Ok((response.status, response.text()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,15 +165,6 @@ mod tests {
         let b = reader.next_request().expect("second");
         assert_eq!(b.path, "/");
         assert!(matches!(reader.next_request(), Err(HttpError::Closed)));
-    }
-
-    #[test]
-    fn unix_request_keeps_the_kind_of_a_socket_error() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let err = unix_request(&dir.path().join("absent.sock"), "GET", "/", None, None)
-            .expect_err("no socket");
-        assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
-        assert!(err.to_string().contains("absent.sock: GET /"), "{err}");
     }
 
     #[test]
