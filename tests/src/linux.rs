@@ -369,7 +369,11 @@ impl Agent {
         limit: Duration,
         call: impl std::future::Future<Output = Result<T, E>>,
     ) -> T {
-        match self.runtime.block_on(tokio::time::timeout(limit, call)) {
+        // The timer must be made inside the runtime (block_on's future), not before it.
+        match self
+            .runtime
+            .block_on(async { tokio::time::timeout(limit, call).await })
+        {
             Ok(Ok(value)) => value,
             Ok(Err(e)) => panic!("{what}: {e}"),
             Err(_) => panic!("{what}: the agent did not answer within {limit:?}"),

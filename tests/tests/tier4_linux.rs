@@ -420,10 +420,13 @@ mod tier4 {
         let agent = vm.agent();
         assert!(agent.sh("cat /etc/os-release").contains("bookworm"));
         let t = Instant::now();
-        let ensured = agent.runtime.block_on(tokio::time::timeout(
-            Duration::from_secs(400),
-            agent.client.docker_ensure(Some(Duration::from_secs(360))),
-        ));
+        let ensured = agent.runtime.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(400),
+                agent.client.docker_ensure(Some(Duration::from_secs(360))),
+            )
+            .await
+        });
         match ensured {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => panic!("dockerd did not start: {e}\n{}", vm.report()),

@@ -529,16 +529,19 @@ mod tier4 {
             assert_eq!(clone.error, None, "clone failed: {clone:?}");
             let uds = clone.vsock_uds.clone().expect("vsock_uds");
             let agent = Agent::connect(&uds, |_| Ok(()));
-            let configured = agent.runtime.block_on(tokio::time::timeout(
-                CALL_TIMEOUT,
-                agent.client.configure_network(&NetworkConfig {
-                    device: None,
-                    address: format!("{}/30", tap.guest),
-                    gateway: Some(tap.host.to_string()),
-                    dns: vec![tap.host.to_string()],
-                    mac: Some(tap.mac()),
-                }),
-            ));
+            let configured = agent.runtime.block_on(async {
+                tokio::time::timeout(
+                    CALL_TIMEOUT,
+                    agent.client.configure_network(&NetworkConfig {
+                        device: None,
+                        address: format!("{}/30", tap.guest),
+                        gateway: Some(tap.host.to_string()),
+                        dns: vec![tap.host.to_string()],
+                        mac: Some(tap.mac()),
+                    }),
+                )
+                .await
+            });
             let applied = match configured {
                 Ok(Ok(applied)) => applied,
                 Ok(Err(e)) => panic!(
