@@ -116,6 +116,8 @@ if [[ "$skipped" -gt 0 ]]; then
     echo "skipped:"
     sed 's/^/  /' "$ROLLBOX_SKIP_LOG"
 fi
+# Every lab start and loss of tier 4, named (scripts/tier4.sh).
+grep -E '^tier 4: ([0-9]+ lab start|lab lost: )' "$log" || true
 if grep -q '^tier 4: .* retried after a lab triple fault$' "$log"; then
     echo "retried once after a Linux guest triple-faulted in the nested lab (docs/testing.md):"
     sed -n 's/^tier 4: \(.*\) retried after a lab triple fault$/  \1/p' "$log"

@@ -57,6 +57,8 @@ for binary in "${binaries[@]}"; do
     # A here-string, not process substitution: L1 in the lab has no /dev/fd.
     while IFS= read -r name; do
         [[ -z "${done_tests[$name]:-}" ]] || continue
+        # Named before it runs, so a lab lost meanwhile knows which test it took with it.
+        echo "tier 4: starting $name"
         started=$SECONDS
         rc=0
         timeout -k 10 "$limit" "$binary" --exact "$name" --test-threads=1 --show-output --color never > "$output" 2>&1 || rc=$?

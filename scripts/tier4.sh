@@ -89,7 +89,8 @@ else
     # (and, marked, to stdout); its losses to $work/lab-N.losses; its status to $work/lab-N.status.
     run_lab() {
         local shard="$1"; shift
-        local bins=("$@") lab_devices=() finished=() done_args=() attempt=1 lab_status=0
+        local bins=("$@") lab_devices=() finished=() done_args=() attempt=1 lab_status=0 victim
+        local -A lost_during=()
         local out="$work/lab-$shard.log" attempt_log="$work/lab-$shard.attempt" why name
         : > "$out"; : > "$work/lab-$shard.losses"
         # VFIO passthrough (tier4_vfio.rs) is proved with emulated PCI devices behind L1's
@@ -139,7 +140,22 @@ else
             mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$attempt_log")
             [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
             why="$(grep -m 1 -E '^lab: (cannot start|timed out)|^tier 4: .* ran past|^tier 4: the lab printed nothing' "$attempt_log")"
-            echo "lab $shard, start $attempt: status $lab_status: ${why:-no reason printed}" >> "$work/lab-$shard.losses"
+            # The test that was running when L1 was lost: the last one started without a result.
+            victim="$(sed -n 's/^tier 4: starting //p' "$attempt_log" | tail -n 1)"
+            if [[ -n "$victim" ]] && grep -q -x -F -e "test $victim ... ok" -e "test $victim ... FAILED" -e "test $victim ... ignored" "$attempt_log"; then
+                victim=""
+            fi
+            echo "lab $shard, start $attempt: status $lab_status, during ${victim:-no test}: ${why:-no reason printed}" >> "$work/lab-$shard.losses"
+            # A test during which the lab was lost twice fails: that is a finding, not noise.
+            if [[ -n "$victim" ]]; then
+                lost_during["$victim"]=$(( ${lost_during["$victim"]:-0} + 1 ))
+                if [[ "${lost_during["$victim"]}" -ge 2 ]]; then
+                    { echo "tier 4: $victim failed: the lab was lost twice while it ran (docs/testing.md)"
+                      echo "test $victim ... FAILED"
+                      echo "test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out"; } | tee -a "$out"
+                    finished+=("$victim")
+                fi
+            fi
             if [[ "$attempt" -ge "$lab_starts" ]]; then
                 echo "tier 4: lab $shard failed $attempt times (status $lab_status); giving up" | tee -a "$out"
                 break
