@@ -1,7 +1,6 @@
 //! Intel MultiProcessor Specification 1.4 table, so that Linux finds its CPUs and the IOAPIC.
 
-use crate::vstate::memory::GuestMemoryMmap;
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::layout::{APIC_START, EBDA_START, IOAPIC_LAST_PIN, IOAPIC_START};
 
@@ -116,7 +115,7 @@ fn build(vcpus: u8, base: u64) -> Result<Vec<u8>, MptableError> {
 }
 
 /// Writes the MP table for `vcpus` CPUs into the EBDA.
-pub fn setup_mptable(mem: &GuestMemoryMmap, vcpus: u8) -> Result<(), MptableError> {
+pub fn setup_mptable(mem: &impl GuestMemoryBackend, vcpus: u8) -> Result<(), MptableError> {
     let bytes = build(vcpus, EBDA_START)?;
     mem.write_slice(&bytes, GuestAddress(EBDA_START))
         .map_err(|source| MptableError::Write {
