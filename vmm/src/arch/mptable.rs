@@ -41,6 +41,9 @@ fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |acc, b| acc.wrapping_add(*b)))
 }
 
+/// Most vCPUs per microVM: the MP table for them must fit in the 1 KiB EBDA.
+pub const MAX_VCPUS: u64 = 32;
+
 /// The IOAPIC's ID: the first one after the vCPUs' APIC IDs (the ACPI MADT uses it too).
 pub fn ioapic_id(vcpus: u8) -> u8 {
     vcpus
