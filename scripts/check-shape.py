@@ -5,7 +5,8 @@ and on a Rust file over 1,200 lines outside tests.
 A cycle: under one parent module, sibling modules whose code (tests left out) refers to each
 other, directly or around a loop. The parent's own file counts as one more sibling ("self"),
 so a child that calls back into its parent's items while the parent calls into it is a cycle
-too. References are `use` trees and paths through `crate::`, `super::` and `self::`.
+too. References are `use` trees and paths through `crate::`, `super::` and `self::` (inside an
+inline `mod name { ... }`, `super::` is the file's own module).
 
 Usage: scripts/check-shape.py [--print-graph] [ROOT]
 Cycles that are known and accepted are listed, one per line as "crate: a <-> b ...", in
@@ -46,7 +47,7 @@ def strip(text):
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     text = re.sub(r'r#*"(?:.|\n)*?"#*', '""', text)
     text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
-    cut = re.search(r"#\[cfg\(test\)\]\s*(pub\s+)?mod\s+\w+\s*\{", text)
+    cut = re.search(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", text)
     return text[: cut.start()] if cut else text
 
 
@@ -121,6 +122,32 @@ def references(module, text, children=()):
     return out
 
 
+INLINE_MOD = re.compile(r"\bmod\s+(\w+)\s*\{")
+
+
+def inline_modules(module, text):
+    """(module path, code) for a file's own code and for each inline `mod name { ... }` in it,
+    so that `super::` and `self::` inside an inline module resolve from that module."""
+    text = re.sub(r"'[{}]'", "' '", text)
+    outer, inner, pos = [], [], 0
+    while True:
+        m = INLINE_MOD.search(text, pos)
+        if not m:
+            outer.append(text[pos:])
+            break
+        outer.append(text[pos : m.start()])
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+            i += 1
+        inner.extend(inline_modules(module + (m.group(1),), text[m.end() : i - 1]))
+        pos = i
+    return [(module, "".join(outer))] + inner
+
+
 def check_crate(name, src):
     modules = {}
     for dirpath, _, filenames in os.walk(src):
@@ -133,14 +160,16 @@ def check_crate(name, src):
     for module, path in modules.items():
         with open(path, encoding="utf-8") as fh:
             text = strip(fh.read())
-        children = {m[len(module)] for m in known if len(m) == len(module) + 1 and m[: len(module)] == module}
-        for ref in references(module, text, children):
-            # The longest module the path names; what follows is an item in it.
-            target = ref
-            while target and target not in known:
-                target = target[:-1]
-            if target != module:
-                edges.add((module, target))
+        for scope, code in inline_modules(module, text):
+            children = {m[len(scope)] for m in known if len(m) == len(scope) + 1 and m[: len(scope)] == scope}
+            for ref in references(scope, code, children):
+                # The longest module the path names; what follows is an item in it (an inline
+                # module's items count as its file's).
+                target = ref
+                while target and target not in known:
+                    target = target[:-1]
+                if target != module:
+                    edges.add((module, target))
     cycles = []
     parents = {m[:-1] for m in known if m}
     for parent in sorted(parents):

@@ -6,7 +6,6 @@ use std::path::Path;
 
 use rollbox_agent_protocol::{ErrorInfo, ServerMessage};
 
-use crate::agent::Agent;
 use crate::errors::{sys, SysError};
 
 /// _IOW('R', 0x03, int[2])
@@ -22,7 +21,12 @@ fn applied(applied: bool, detail: impl Into<String>) -> ServerMessage {
     }
 }
 
-pub fn set_time(agent: &Agent, unix_seconds: i64, nanos: u32) -> Result<ServerMessage, ErrorInfo> {
+/// Sets the wall clock, unless `set_clock` is off (`--no-set-clock`): then it says so.
+pub fn set_time(
+    set_clock: bool,
+    unix_seconds: i64,
+    nanos: u32,
+) -> Result<ServerMessage, ErrorInfo> {
     if nanos >= 1_000_000_000 {
         return Err(ErrorInfo::bad_request(format!(
             "set_time: nanos {nanos} is not below 1000000000"
@@ -33,7 +37,7 @@ pub fn set_time(agent: &Agent, unix_seconds: i64, nanos: u32) -> Result<ServerMe
             "set_time: unix_seconds {unix_seconds} is before 1970"
         )));
     }
-    if !agent.config.set_clock {
+    if !set_clock {
         return Ok(applied(
             false,
             format!(

@@ -361,7 +361,7 @@ async fn start(
             unix_seconds,
             nanos,
         } => blocking(out, id, move || {
-            fixups::set_time(&agent, unix_seconds, nanos)
+            fixups::set_time(agent.config.set_clock, unix_seconds, nanos)
         }),
         ClientMessage::Reseed { seed } => blocking(out, id, move || fixups::reseed(&seed)),
         ClientMessage::PowerOff { reboot } => blocking(out, id, move || {

@@ -1,7 +1,7 @@
 //! The bodies that describe a microVM's resources (`PUT /boot-source`, `/machine-config`,
 //! `/drives/{id}`, `/network-interfaces/{id}`, `/vsock`, `/fs/{tag}`, `/vfio`) and the
 //! `rollbox-vmm --config FILE.json` file made of them. The JSON shapes are Firecracker's, plus
-//! rollbox's extensions; rollbox-vmm's checks of them live in `vmm::config`.
+//! rollbox's extensions; rollbox-vmm's checks of them live in `vmm::vmm_config`.
 
 use std::path::PathBuf;
 

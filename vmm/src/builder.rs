@@ -13,9 +13,6 @@ use crate::arch::acpi::{setup_acpi, AcpiConfig, AcpiError};
 use crate::arch::boot::{build_cmdline, detect_kernel_format, load_boot_payload, BootError};
 use crate::arch::mptable::{ioapic_id, setup_mptable, MptableError};
 use crate::arch::regs::{write_boot_tables, RegsError};
-use crate::config::{
-    ConfigError, MachineConfig, VmResources, DEFAULT_BOOT_ARGS, DEFAULT_BOOT_ARGS_PCI,
-};
 use crate::device_manager::{
     attach_devices, console_out, create_devices, Attached, DeviceManager, DeviceManagerError,
     GenerationView, VmEvents,
@@ -26,6 +23,9 @@ use crate::devices::legacy::generation::{
 use crate::devices::pci::bus::PciRoot;
 use crate::devices::pci::router::MsiRouter;
 use crate::devices::pci::{host_phys_bits, PciError, PciMachine};
+use crate::vmm_config::{
+    ConfigError, MachineConfig, VmResources, DEFAULT_BOOT_ARGS, DEFAULT_BOOT_ARGS_PCI,
+};
 use crate::vstate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError, Sharing};
 use crate::vstate::vcpu::{
     saveable_msrs, ExitHandlers, ExitReport, Vcpu, VcpuError, VcpuHandle, VmExit,

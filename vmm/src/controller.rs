@@ -15,13 +15,13 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::api::server::ApiRequest;
 use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
-use crate::config::{host_memory_mib, Validate, ValidateMachine, VmResources};
 use crate::devices::virtio::block::QueueWorker;
 use crate::devices::virtio::TYPE_BLOCK;
 use crate::fork::{ForkError, ForkPool, ForkPoolStatus, Launcher, ParentWord, ShellControl};
 use crate::persist::{
     create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType, VmShell,
 };
+use crate::vmm_config::{host_memory_mib, Validate, ValidateMachine, VmResources};
 use crate::vstate::bus::lock;
 use crate::vstate::vcpu::VmExit;
 use std::path::{Path, PathBuf};
@@ -181,7 +181,7 @@ impl Controller {
     /// skips KVM set-up (rollbox extension, used by fork).
     pub fn prebuild_shell(
         &mut self,
-        machine: &crate::config::MachineConfig,
+        machine: &crate::vmm_config::MachineConfig,
     ) -> Result<(), ActionError> {
         machine
             .validate(self.host_mib)
@@ -635,7 +635,8 @@ impl Controller {
     }
 
     fn handle_now(&mut self, action: VmmAction) -> ActionResult {
-        let config_err = |e: crate::config::ConfigError| ActionError::bad_request(e.to_string());
+        let config_err =
+            |e: crate::vmm_config::ConfigError| ActionError::bad_request(e.to_string());
         match action {
             VmmAction::GetVmInfo => Ok(VmmData::VmInfo(VmInfo {
                 id: "anonymous-instance".into(),

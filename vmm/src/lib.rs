@@ -12,12 +12,13 @@
 //! - [`api`]: the control API (Firecracker's REST API where the two overlap).
 //! - [`controller`]: the event loop that ties them together.
 //! - [`seccomp`]: per-thread seccomp filters; [`logger`]: the log.
-//! - [`config`]: the VM's configuration.
+//! - [`vmm_config`]: the VM's resources, one file per resource, and their checks.
 
 pub mod api;
 pub mod arch;
 pub mod background_snapshot;
 pub mod builder;
+#[doc(hidden)]
 pub mod config;
 pub mod controller;
 pub mod device_manager;
@@ -26,4 +27,5 @@ pub mod fork;
 pub mod logger;
 pub mod persist;
 pub mod seccomp;
+pub mod vmm_config;
 pub mod vstate;

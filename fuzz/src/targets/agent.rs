@@ -9,7 +9,7 @@ use std::task::{Context, Poll, Waker};
 use rollbox_agent_protocol::frame::read_frame_body;
 use rollbox_agent_protocol::{ClientFrame, ServerFrame};
 
-use super::shape;
+use super::signature::shape;
 
 /// Runs a future that never waits (its reader is a byte slice).
 fn block_on<F: Future>(future: F) -> Option<F::Output> {

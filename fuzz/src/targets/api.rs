@@ -4,7 +4,7 @@
 
 use std::io::Read;
 
-use super::shape;
+use super::signature::shape;
 
 /// Hands out the input a few bytes per read, as a slow client would.
 struct Trickle<'a> {

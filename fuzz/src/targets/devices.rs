@@ -19,7 +19,7 @@ use vmm::devices::virtio::VirtioDevice;
 use vmm::vstate::memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::bytes_signature;
+use super::signature::bytes_signature;
 
 /// Guest memory of every device target.
 const MEM_SIZE: usize = 0x1_0000;
@@ -306,7 +306,7 @@ pub fn run_chain(data: &[u8]) -> u64 {
             break;
         }
     }
-    super::shape(&seen)
+    super::signature::shape(&seen)
 }
 
 /// mmio: byte 0 picks the device (even: block, odd: vsock), byte 1 the number of 9-byte

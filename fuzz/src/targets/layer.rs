@@ -3,7 +3,7 @@
 
 use rollbox::images::layer::RootfsBuilder;
 
-use super::shape;
+use super::signature::shape;
 
 pub fn run(data: &[u8]) -> u64 {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("fuzz rig: temporary directory: {e}"));

@@ -7,7 +7,7 @@ use snapshot::format::{decode, FORMAT_VERSION, MAGIC};
 use snapshot::memory::{apply_layer, open_layer, HostRegion, MemoryLayer};
 use vmm::persist::MicroVmState;
 
-use super::shape;
+use super::signature::shape;
 
 const GUEST_LEN: u64 = 16 << 10;
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use vmm::devices::virtio::vsock::{PacketHeader, UnixMuxer, HEADER_LEN};
 
-use super::shape;
+use super::signature::shape;
 
 /// Records: kind byte, then for a guest packet (kind % 8 < 6) a 44-byte header, a length
 /// byte and the payload; for a host connection (6) a length byte and the line; 7 drains RX.

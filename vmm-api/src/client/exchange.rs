@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::{ClientError, Response, MAX_BODY, MAX_HEAD};
+use super::answer::{ClientError, Response, MAX_BODY, MAX_HEAD};
 
 /// One request and its answer on a fresh connection, under one deadline.
 pub(super) struct Exchange<'a> {

@@ -18,7 +18,7 @@ pub use vmm_api::{
     NetworkOverride, RestoreExtension, VfioDevice, VmInfo, VsockOverride,
 };
 
-use crate::config::{
+use crate::vmm_config::{
     BootSourceConfig, DriveConfig, FsConfig, MachineConfig, NetworkInterfaceConfig, VsockConfig,
 };
 

@@ -14,7 +14,7 @@ use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::layout::{
     ACPI_END, ACPI_START, APIC_START, GED_IRQ, I8042_IRQ, I8042_PORT, IOAPIC_START,
@@ -22,7 +22,6 @@ use super::layout::{
     PCI_MMIO32_START, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT,
     VIRTIO_MMIO_SIZE, VMGENID_ADDR,
 };
-use crate::vstate::memory::GuestMemoryMmap;
 
 /// Errors from writing the ACPI tables.
 #[derive(Debug, thiserror::Error)]
@@ -371,7 +370,7 @@ fn build(config: &AcpiConfig) -> Result<Vec<(u64, Vec<u8>)>, AcpiError> {
 }
 
 /// Writes the tables into guest memory; returns the RSDP's address.
-pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, AcpiError> {
+pub fn setup_acpi(mem: &impl GuestMemoryBackend, config: &AcpiConfig) -> Result<u64, AcpiError> {
     const NAMES: [&str; 6] = ["RSDP", "XSDT", "FADT", "MADT", "DSDT", "MCFG"];
     for ((addr, bytes), table) in build(config)?.into_iter().zip(NAMES) {
         mem.write_slice(&bytes, GuestAddress(addr))

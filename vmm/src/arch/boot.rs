@@ -5,7 +5,6 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use crate::vstate::memory::GuestMemoryMmap;
 use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::{load_cmdline, BzImage, Elf, KernelLoader};
@@ -123,7 +122,7 @@ pub fn detect_kernel_format(path: &Path) -> Result<KernelFormat, BootError> {
 /// Loads the kernel, the initrd and the command line, and writes the zero page (naming the
 /// ACPI RSDP when there is one).
 pub fn load_boot_payload(
-    mem: &GuestMemoryMmap,
+    mem: &impl GuestMemoryBackend,
     mem_bytes: u64,
     kernel: &Path,
     initrd: Option<&Path>,
@@ -227,7 +226,7 @@ pub fn load_boot_payload(
 
 /// Places the initrd page-aligned at the top of low memory.
 fn load_initrd(
-    mem: &GuestMemoryMmap,
+    mem: &impl GuestMemoryBackend,
     mem_bytes: u64,
     path: &Path,
     initrd_max: u64,

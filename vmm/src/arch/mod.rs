@@ -1,4 +1,5 @@
-//! x86-64 specifics: memory layout, boot protocol, ACPI and MP tables, boot registers.
+//! x86-64 specifics: memory layout, boot protocol, ACPI and MP tables, boot registers. They
+//! write into any guest memory (`impl GuestMemoryBackend`); [`crate::vstate`] builds on them.
 
 pub mod acpi;
 pub mod boot;

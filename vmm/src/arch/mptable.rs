@@ -1,7 +1,6 @@
 //! Intel MultiProcessor Specification 1.4 table, so that Linux finds its CPUs and the IOAPIC.
 
-use crate::vstate::memory::GuestMemoryMmap;
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::layout::{APIC_START, EBDA_START, IOAPIC_LAST_PIN, IOAPIC_START};
 
@@ -41,6 +40,9 @@ const CPU_FEATURES: u32 = (1 << 0) | (1 << 9);
 fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |acc, b| acc.wrapping_add(*b)))
 }
+
+/// Most vCPUs per microVM: the MP table for them must fit in the 1 KiB EBDA.
+pub const MAX_VCPUS: u64 = 32;
 
 /// The IOAPIC's ID: the first one after the vCPUs' APIC IDs (the ACPI MADT uses it too).
 pub fn ioapic_id(vcpus: u8) -> u8 {
@@ -116,7 +118,7 @@ fn build(vcpus: u8, base: u64) -> Result<Vec<u8>, MptableError> {
 }
 
 /// Writes the MP table for `vcpus` CPUs into the EBDA.
-pub fn setup_mptable(mem: &GuestMemoryMmap, vcpus: u8) -> Result<(), MptableError> {
+pub fn setup_mptable(mem: &impl GuestMemoryBackend, vcpus: u8) -> Result<(), MptableError> {
     let bytes = build(vcpus, EBDA_START)?;
     mem.write_slice(&bytes, GuestAddress(EBDA_START))
         .map_err(|source| MptableError::Write {

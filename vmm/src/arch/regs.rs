@@ -1,8 +1,7 @@
 //! Boot-time register, segment and page-table set-up for Linux's 64-bit entry point.
 
-use crate::vstate::memory::GuestMemoryMmap;
 use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, kvm_sregs};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::layout::{
     BOOT_STACK_POINTER, GDT_START, IDT_START, PDE_START, PDPTE_START, PML4_START, ZERO_PAGE_START,
@@ -78,7 +77,7 @@ fn segment_from_gdt(entry: u64, table_index: u8) -> kvm_segment {
 }
 
 fn write<T: vm_memory::ByteValued>(
-    mem: &GuestMemoryMmap,
+    mem: &impl GuestMemoryBackend,
     what: &'static str,
     addr: u64,
     value: T,
@@ -89,7 +88,7 @@ fn write<T: vm_memory::ByteValued>(
 
 /// Writes the GDT, an empty IDT and identity page tables for 0..4 GiB with 2 MiB pages.
 /// 2 MiB pages (not 1 GiB ones) because a 1 GiB page over MMIO stops the guest on PVM hosts.
-pub fn write_boot_tables(mem: &GuestMemoryMmap) -> Result<(), RegsError> {
+pub fn write_boot_tables(mem: &impl GuestMemoryBackend) -> Result<(), RegsError> {
     for (i, entry) in GDT_TABLE.iter().enumerate() {
         write(mem, "GDT", GDT_START + (i as u64) * 8, *entry)?;
     }
@@ -155,7 +154,7 @@ pub fn boot_fpu() -> kvm_fpu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::GuestMemoryBackend;
+    use crate::vstate::memory::GuestMemoryMmap;
 
     #[test]
     fn code_segment_is_64_bit() {

@@ -13,7 +13,6 @@ use snapshot::Persist;
 
 use super::DeviceManagerError;
 use crate::arch::layout::{IRQ_BASE, IRQ_MAX};
-use crate::config::{ConfigError, Validate, VmResources};
 use crate::devices::virtio::block::persist::{BlockPersistState, BlockRestoreArgs};
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::fs::persist::{FsPersistState, FsRestoreArgs, FsRestoreError};
@@ -23,6 +22,7 @@ use crate::devices::virtio::net::{Net, NetConfig, NetError, NetOverride};
 use crate::devices::virtio::vsock::persist::{VsockPersistState, VsockRestoreArgs};
 use crate::devices::virtio::vsock::{Vsock, VsockError};
 use crate::devices::virtio::VirtioDevice;
+use crate::vmm_config::{ConfigError, Validate, VmResources};
 
 /// Why a device could not be created.
 #[derive(Debug, thiserror::Error)]

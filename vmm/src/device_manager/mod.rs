@@ -21,7 +21,6 @@ use crate::arch::layout::{
     GED_IRQ, I8042_IRQ, I8042_PORT, IRQ_BASE, PVPANIC_PORT, SERIAL_IRQ, SERIAL_PORT,
     SLEEP_CONTROL_PORT, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
 };
-use crate::config::ConsoleConfig;
 use crate::devices::legacy::generation::{Generation, GENERATION_PORT, GENERATION_PORT_LEN};
 use crate::devices::legacy::i8042::I8042;
 use crate::devices::legacy::poweroff::PowerOff;
@@ -30,6 +29,7 @@ use crate::devices::legacy::serial::{ConsoleOut, SerialArgs, SerialDevice};
 use crate::devices::legacy::EventTrigger;
 use crate::devices::virtio::mmio::{MmioTransport, REG_QUEUE_NOTIFY};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
+use crate::vmm_config::ConsoleConfig;
 use crate::vstate::bus::{lock, Bus, BusError};
 use crate::vstate::memory::GuestMemoryMmap;
 use crate::vstate::vm::Vm;

@@ -142,11 +142,11 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::config::{FsCache, FsConfig};
     use crate::devices::virtio::block::persist::BlockPersistState;
     use crate::devices::virtio::fs::persist::FsPersistState;
     use crate::devices::virtio::net::persist::NetPersistState;
     use crate::devices::virtio::vsock::persist::VsockPersistState;
+    use crate::vmm_config::{FsCache, FsConfig};
 
     /// The device fields of a `MicroVmState`, in its order.
     #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]

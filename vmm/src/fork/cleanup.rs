@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +65,16 @@ pub(super) fn remove_unused_snapshot(dir: &Path) {
 
 /// Where forks and pools keep their files unless told otherwise.
 pub(super) const SHM: &str = "/dev/shm";
+
+/// Numbers this process's fork and pool directories.
+static FORKS: AtomicU32 = AtomicU32::new(0);
+
+/// A new directory name `SHM/rollbox-KIND-PID-SEQ` for a fork (`kind` "fork") or a pool
+/// ("pool"), as [`owner_of`] reads it back.
+pub(super) fn shm_dir(kind: &str) -> PathBuf {
+    let seq = FORKS.fetch_add(1, Ordering::SeqCst);
+    PathBuf::from(format!("{SHM}/rollbox-{kind}-{}-{seq}", std::process::id()))
+}
 
 /// The pid in a `rollbox-fork-PID-SEQ` or `rollbox-pool-PID-SEQ` name.
 fn owner_of(name: &str) -> Option<u32> {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::cleanup::{remove_dir_all_quietly, CloneCleanup};
+use super::error::ForkError;
 use super::shell::{Shell, ShellLoad};
-use super::ForkError;
 use crate::api::{
     CloneInfo, ForkParams, LoadSnapshotParams, MemBackend, NetworkOverride, RestoreExtension,
     VsockOverride,

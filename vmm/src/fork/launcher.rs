@@ -6,7 +6,7 @@ use std::process::{Child, Command};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 
-use super::ForkError;
+use super::error::ForkError;
 use crate::background_snapshot::{BackgroundSnapshotError, DumpJob, StartedDump};
 
 /// Work for the launcher thread: the processes it creates.

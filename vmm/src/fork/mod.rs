@@ -12,27 +12,27 @@
 //!
 //! Here: the fork itself ([`start_fork`], [`PendingFork::finish`], [`fork`]). Beside it: the
 //! launcher thread (`launcher.rs`), shells and their control socket (`shell.rs`), the warm
-//! pool (`pool.rs`), each clone's drives and load (`clone.rs`) and the cleanup of what clones
-//! leave (`cleanup.rs`).
+//! pool (`pool.rs`), each clone's drives and load (`clone.rs`), the cleanup of what clones
+//! leave (`cleanup.rs`) and the fork's errors (`error.rs`).
 
 mod cleanup;
 mod clone;
+mod error;
 mod launcher;
 mod pool;
 mod shell;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::api::{ActionError, CloneInfo, ForkParams, ForkResult};
+use crate::api::{CloneInfo, ForkParams, ForkResult};
 use crate::background_snapshot::PendingMemory;
 use crate::builder::MicroVm;
 use crate::device_manager::DevicePersistKind;
 use crate::persist::{create_fork_snapshot, ForkMemory, RestoreBackend};
-use cleanup::{flock, remove_dir_all_quietly, remove_unused_snapshot, sweep_orphans, SHM};
+use cleanup::{flock, remove_dir_all_quietly, remove_unused_snapshot, shm_dir, sweep_orphans, SHM};
 use clone::{
     check_network_overrides, copy_drive_bases, load_clone, prepare_devices, wait_ready, Clone,
     CloneDrive,
@@ -41,6 +41,7 @@ use shell::spawn_shell;
 
 pub use cleanup::{CloneCleanup, CloneGuard};
 pub use clone::copy_sparse;
+pub use error::ForkError;
 pub use launcher::Launcher;
 pub use pool::{ForkPool, ForkPoolStatus, MAX_POOL};
 pub use shell::{ParentWord, ShellControl, ShellLoad};
@@ -48,55 +49,6 @@ pub use shell::{ParentWord, ShellControl, ShellLoad};
 /// How long a loaded clone may take to resume once detached (on a loaded nested lab, a
 /// process can wait seconds for a CPU).
 const CLONE_RESUME_TIMEOUT: Duration = Duration::from_secs(60);
-
-static FORKS: AtomicU32 = AtomicU32::new(0);
-
-/// Errors of a fork as a whole (a failing clone is reported in its [`CloneInfo`] instead).
-#[derive(Debug, thiserror::Error)]
-pub enum ForkError {
-    /// The fork directory could not be created.
-    #[error("fork directory {path}: {source}")]
-    Dir {
-        /// The directory.
-        path: PathBuf,
-        /// The failure.
-        source: std::io::Error,
-    },
-    /// An unknown memory backend for the clones.
-    #[error("restore_backend {name:?}: {reason}")]
-    Backend {
-        /// The name given.
-        name: String,
-        /// Why it is refused.
-        reason: String,
-    },
-    /// Network overrides that do not give every clone its own taps.
-    #[error("network_overrides: {0}")]
-    NetworkOverrides(String),
-    /// The parent's snapshot failed.
-    #[error("fork snapshot into {path}: {reason}")]
-    Snapshot {
-        /// The snapshot directory.
-        path: PathBuf,
-        /// The failure.
-        reason: String,
-    },
-    /// A microVM that cannot be forked (a PCI bus whose state is not saved).
-    #[error("fork: {0}")]
-    Refused(String),
-    /// A pool larger than [`MAX_POOL`].
-    #[error("a fork pool of {0} shells is too large: at most {MAX_POOL}")]
-    PoolTooLarge(usize),
-    /// The launcher thread could not start.
-    #[error("cannot start the fork launcher thread: {0}")]
-    Launcher(std::io::Error),
-}
-
-impl From<ForkError> for ActionError {
-    fn from(e: ForkError) -> Self {
-        ActionError::bad_request(e.to_string())
-    }
-}
 
 /// A fork whose parent has resumed and whose clones still have to load: finish it on any
 /// thread with [`PendingFork::finish`].
@@ -145,14 +97,11 @@ pub fn start_fork(
         .virtio_kinds()
         .map_err(|e| ForkError::Refused(e.to_string()))?;
     check_network_overrides(&kinds, params)?;
-    let seq = FORKS.fetch_add(1, Ordering::SeqCst);
     let kept = params.dir.is_some();
     if !kept {
         sweep_orphans(Path::new(SHM));
     }
-    let dir = params.dir.clone().unwrap_or_else(|| {
-        PathBuf::from(format!("{SHM}/rollbox-fork-{}-{seq}", std::process::id()))
-    });
+    let dir = params.dir.clone().unwrap_or_else(|| shm_dir("fork"));
     // Clones come from the pool of ready shells; missing ones start now and build their empty
     // VMs while the parent snapshots.
     let launcher = Arc::clone(pool.launcher());

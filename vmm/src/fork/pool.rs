@@ -3,14 +3,13 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::cleanup::{remove_dir_all_quietly, SHM};
+use super::cleanup::{remove_dir_all_quietly, shm_dir};
+use super::error::ForkError;
 use super::launcher::Launcher;
 use super::shell::{spawn_shell, Shell};
-use super::{ForkError, FORKS};
 use crate::builder::MicroVm;
 
 /// The most shells a warm pool may keep: each is a process with an empty VM.
@@ -33,12 +32,14 @@ impl ForkPool {
     /// A pool keeping `target` shells (0: none, every fork starts its clones) once filled.
     pub fn new(launcher: Arc<Launcher>, target: usize) -> Result<Self, ForkError> {
         if target > MAX_POOL {
-            return Err(ForkError::PoolTooLarge(target));
+            return Err(ForkError::PoolTooLarge {
+                shells: target,
+                max: MAX_POOL,
+            });
         }
-        let seq = FORKS.fetch_add(1, Ordering::SeqCst);
         Ok(Self {
             launcher,
-            dir: PathBuf::from(format!("{SHM}/rollbox-pool-{}-{seq}", std::process::id())),
+            dir: shm_dir("pool"),
             shells: Vec::new(),
             next: 0,
             target,

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::cleanup::CloneCleanup;
 use super::launcher::Launcher;
 use crate::api::LoadSnapshotParams;
-use crate::config::MachineConfig;
+use crate::vmm_config::MachineConfig;
 
 /// The load a shell gets over its control socket.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

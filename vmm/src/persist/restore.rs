@@ -20,13 +20,13 @@ use super::PersistError;
 use crate::builder::{
     assemble, create_vm, Assembly, BuildError, MemoryBacking, MemoryKind, MicroVm,
 };
-use crate::config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::device_manager::persist::{check_overrides, rebuild_devices};
 use crate::device_manager::{
     attach_devices, console_out, DeviceOverrides, GenerationView, SavedDevices,
 };
 use crate::devices::legacy::generation::announce_new_generation;
 use crate::devices::virtio::net::NetOverride;
+use crate::vmm_config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::vstate::memory::{create_guest_memory, GuestMemoryMmap, Sharing};
 use crate::vstate::vcpu::{saveable_msrs, Vcpu, VcpuRestoreArgs};
 use crate::vstate::vm::{open_kvm, Vm};

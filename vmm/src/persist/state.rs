@@ -11,11 +11,11 @@ use snapshot::Persist;
 
 use super::PersistError;
 use crate::builder::MicroVm;
-use crate::config::MachineConfig;
 use crate::device_manager::VirtioPersistState;
 use crate::devices::legacy::i8042::I8042PersistState;
 use crate::devices::legacy::serial::SerialPersistState;
 use crate::devices::pci::persist::PciPersistState;
+use crate::vmm_config::MachineConfig;
 use crate::vstate::vcpu::VcpuState;
 use crate::vstate::vm::VmState;
 

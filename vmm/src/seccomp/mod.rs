@@ -12,14 +12,16 @@
 //! is installed: [`Spawner`] and the fork launcher. Those threads stay unfiltered; see
 //! docs/security.md for what that leaves open.
 //!
-//! Here: the thread kinds, the filters' set-up and installation, and the threads that start
-//! filtered. Beside it: the allow-lists (`rules.rs`), the syscall name table (`syscalls.rs`),
-//! the SIGSYS reporter (`sigsys.rs`) and the unfiltered process spawner (`spawner.rs`).
+//! Here: the filters' set-up and installation, and the threads that start filtered. Beside
+//! it: the thread kinds (`thread_kind.rs`), the allow-lists (`rules.rs`), the syscall name
+//! table (`syscalls.rs`), the SIGSYS reporter (`sigsys.rs`) and the unfiltered process
+//! spawner (`spawner.rs`).
 
 mod rules;
 mod sigsys;
 mod spawner;
 mod syscalls;
+mod thread_kind;
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
@@ -31,6 +33,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
 pub use spawner::{spawner, Spawner};
 pub use syscalls::syscall_name;
+pub use thread_kind::ThreadKind;
 
 /// Errors from building or installing the filters.
 #[derive(Debug, thiserror::Error)]
@@ -84,56 +87,6 @@ pub enum SeccompError {
     /// The filters were configured twice.
     #[error("seccomp filters are already configured")]
     AlreadyConfigured,
-}
-
-/// The kinds of threads that get a filter of their own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ThreadKind {
-    /// The main thread (event loop, device set-up, snapshots, restores, forks) and the helper
-    /// threads it starts (console writer, fork reapers, slow API answers).
-    Vmm,
-    /// The API socket's listener and its connection threads.
-    Api,
-    /// A vCPU: KVM_RUN and the device emulation it exits to.
-    Vcpu,
-    /// A virtio-blk I/O worker.
-    Block,
-    /// The userfaultfd page server of a lazy restore.
-    PageServer,
-}
-
-impl ThreadKind {
-    /// Every kind, in the order summaries print them.
-    pub const ALL: [ThreadKind; 5] = [
-        ThreadKind::Vmm,
-        ThreadKind::Api,
-        ThreadKind::Vcpu,
-        ThreadKind::Block,
-        ThreadKind::PageServer,
-    ];
-
-    /// The kind's key in a filter file.
-    pub fn name(self) -> &'static str {
-        match self {
-            ThreadKind::Vmm => "vmm",
-            ThreadKind::Api => "api",
-            ThreadKind::Vcpu => "vcpu",
-            ThreadKind::Block => "block",
-            ThreadKind::PageServer => "page_server",
-        }
-    }
-
-    pub(super) fn code(self) -> u8 {
-        self as u8 + 1
-    }
-
-    pub(super) fn from_code(code: u8) -> Option<Self> {
-        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
-    }
-
-    fn known() -> String {
-        Self::ALL.map(Self::name).join(", ")
-    }
 }
 
 /// Where the filters come from.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
 
-use super::ThreadKind;
+use super::thread_kind::ThreadKind;
 
 pub(super) type Rules = BTreeMap<i64, Vec<SeccompRule>>;
 pub(super) type BackendResult<T> = Result<T, seccompiler::BackendError>;

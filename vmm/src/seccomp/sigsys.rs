@@ -7,7 +7,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use super::syscalls::syscall_name;
-use super::ThreadKind;
+use super::thread_kind::ThreadKind;
 
 /// The log file's descriptor, for the SIGSYS handler (-1: stderr only).
 static LOG_FD: AtomicI32 = AtomicI32::new(-1);

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use vmm_api::{FsCache, FsConfig};
+
 use super::FsError;
-use crate::config::{FsCache, FsConfig};
 
 /// The version `scripts/virtiofsd.sh` installs by default, and its cache.
 pub const CACHED_VIRTIOFSD: &str = "/var/cache/rollbox/virtiofsd/1.14.0/bin/virtiofsd";

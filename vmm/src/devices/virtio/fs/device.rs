@@ -23,11 +23,11 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend, VhostUserVirtioFeatures};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestMemoryBackend};
+use vmm_api::FsConfig;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::daemon::{locate_virtiofsd, Daemon};
 use super::FsError;
-use crate::config::FsConfig;
 use crate::devices::virtio::{QueueContext, VirtioDevice, TYPE_FS, VIRTIO_F_VERSION_1};
 
 /// Bytes of the tag in config space.
@@ -540,8 +540,8 @@ impl VirtioDevice for Fs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::FsCache;
     use crate::devices::virtio::fs::locate_virtiofsd;
+    use vmm_api::FsCache;
 
     /// A volume served by a real virtiofsd, or None when none is installed here.
     fn volume(share: &std::path::Path, run: &std::path::Path) -> Option<Fs> {

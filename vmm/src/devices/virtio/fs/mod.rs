@@ -1,14 +1,16 @@
 //! virtio-fs: shared host directories. The device model is a vhost-user frontend
 //! ([`device::Fs`]); the file system is served by virtiofsd ([`daemon`]), which rollbox-vmm
 //! starts per volume or which the caller started (`socket=PATH`); its snapshot state is in
-//! [`persist`].
+//! [`persist`]; what it needs of a volume's configuration is checked by [`volume`].
 
 pub mod daemon;
 pub mod device;
 pub mod persist;
+pub mod volume;
 
 pub use daemon::{locate_virtiofsd, Daemon};
 pub use device::Fs;
+pub use volume::{check_volume, VolumeError};
 
 use std::path::PathBuf;
 

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use snapshot::Persist;
+use vmm_api::FsConfig;
 
 use super::{Fs, FsError};
-use crate::config::FsConfig;
 
 /// Why a volume cannot be restored.
 #[derive(Debug, thiserror::Error)]
@@ -113,7 +113,7 @@ impl Persist for Fs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::FsCache;
+    use vmm_api::FsCache;
 
     fn state(dir: &std::path::Path, blob: Vec<u8>) -> FsPersistState {
         FsPersistState {

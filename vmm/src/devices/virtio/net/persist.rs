@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 use snapshot::Persist;
 
+use super::mac::parse_mac;
 use super::tap::check_name;
 use super::{Net, NetConfig, NetError};
 
@@ -32,7 +33,7 @@ impl NetOverride {
     pub fn new(host_dev_name: &str, guest_mac: Option<&str>) -> Result<Self, String> {
         check_name(host_dev_name).map_err(|e| e.to_string())?;
         let guest_mac = guest_mac
-            .map(crate::config::parse_mac)
+            .map(parse_mac)
             .transpose()
             .map_err(|e| e.to_string())?;
         Ok(Self {

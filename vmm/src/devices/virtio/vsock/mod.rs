@@ -3,6 +3,7 @@
 //! once the guest accepts), and guest connections to host port P arrive on `<uds_path>_P`.
 //! Its snapshot state is in `persist.rs`.
 
+mod conn;
 mod device;
 mod packet;
 pub mod persist;
