@@ -534,16 +534,16 @@ fn fork_is_a_library_call_that_returns_each_clones_result() {
     let scratch = tempfile::tempdir().expect("tempdir");
     let disk = scratch.path().join("disk.img");
     raw_image(&disk, 4 << 20);
-    let mut resources = vmm::config::VmResources {
-        boot_source: Some(vmm::config::BootSourceConfig {
+    let mut resources = vmm::vmm_config::VmResources {
+        boot_source: Some(vmm::vmm_config::BootSourceConfig {
             kernel_image_path: rollbox_tests::test_guest(),
             boot_args: Some(rollbox_tests::TEST_GUEST_CMDLINE.into()),
             initrd_path: None,
         }),
-        console: vmm::config::ConsoleConfig::File(scratch.path().join("console.log")),
+        console: vmm::vmm_config::ConsoleConfig::File(scratch.path().join("console.log")),
         ..Default::default()
     };
-    let drive = vmm::config::parse_drive_flag(&disk.display().to_string(), 0).expect("drive");
+    let drive = vmm::vmm_config::DriveConfig::new("drive0", &disk);
     resources.upsert_drive(drive).expect("drive");
     let mut vm = vmm::builder::build_microvm(&resources).expect("build the microVM");
     let launcher = vmm::fork::Launcher::new(rollbox_tests::vmm_binary()).expect("launcher");

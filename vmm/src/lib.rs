@@ -18,8 +18,6 @@ pub mod api;
 pub mod arch;
 pub mod background_snapshot;
 pub mod builder;
-#[doc(hidden)]
-pub mod config;
 pub mod controller;
 pub mod device_manager;
 pub mod devices;
