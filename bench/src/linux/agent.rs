@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use rollbox_agent_protocol::frame;
 use rollbox_agent_protocol::{ClientFrame, ClientMessage, ServerFrame, ServerMessage};
 
-use super::vm::clean_line;
 use super::AGENT_PORT;
 
 /// `SO_VM_SOCKETS_CONNECT_TIMEOUT` (linux/vm_sockets.h; level AF_VSOCK, a `struct timeval`).
@@ -81,6 +80,14 @@ pub(crate) fn connect_agent_port(stream: &mut UnixStream) -> Result<(), String> 
     } else {
         Err(format!("CONNECT {AGENT_PORT} answered {line:?}"))
     }
+}
+
+/// Bytes read up to a newline as text, without the line ending (the preamble's answer here,
+/// console lines in vm.rs).
+pub(super) fn clean_line(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .trim_end_matches(['\r', '\n'])
+        .to_string()
 }
 
 /// The preamble's answer, byte by byte (nothing after the newline is consumed).

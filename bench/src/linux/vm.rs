@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use super::agent::{hello_once, Attempt, HelloTimes};
+use super::agent::{clean_line, hello_once, Attempt, HelloTimes};
 use super::{ms, AgentAddr, LinuxBenchError, ATTEMPT_TIMEOUT, INTERRUPTED, NOTE_EVERY, STOP_GRACE};
 
 /// Pause between failed `hello` attempts.
@@ -32,12 +32,6 @@ pub(crate) struct VmProcess {
     pub(super) lines: Vec<(Instant, String)>,
     stderr: Receiver<Vec<u8>>,
     stderr_text: Vec<u8>,
-}
-
-pub(super) fn clean_line(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes)
-        .trim_end_matches(['\r', '\n'])
-        .to_string()
 }
 
 /// Reads the console pipe; each line is stamped with the arrival of its last chunk.
