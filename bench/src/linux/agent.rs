@@ -11,8 +11,13 @@ use std::time::{Duration, Instant};
 use rollbox_agent_protocol::frame;
 use rollbox_agent_protocol::{ClientFrame, ClientMessage, ServerFrame, ServerMessage};
 
-use super::AGENT_PORT;
-
+/// The agent's log line once its vsock listener is bound (on the console: its stderr).
+pub(crate) const AGENT_LISTENING: &str = "listening on vsock port";
+pub(crate) const AGENT_PORT: u32 = rollbox_agent_protocol::DEFAULT_PORT;
+/// rollbox-vmm's guest CID (its host side is a Unix socket, so any CID >= 3 does).
+pub(crate) const ROLLBOX_CID: u32 = 3;
+/// One connection attempt (connect, handshake, hello) at most.
+pub(crate) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// `SO_VM_SOCKETS_CONNECT_TIMEOUT` (linux/vm_sockets.h; level AF_VSOCK, a `struct timeval`).
 const SO_VM_SOCKETS_CONNECT_TIMEOUT: libc::c_int = 6;
 
