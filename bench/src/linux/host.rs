@@ -1,11 +1,14 @@
-//! Checks of the host and the inputs before a Linux guest runs: a /dev/kvm that can run Linux,
-//! the guest kernel and rollbox-vmm, and what the initramfs packs.
+//! The host side before and around a Linux guest: a /dev/kvm that can run Linux, the guest
+//! kernel, rollbox-vmm and what the initramfs packs, the set-up `linux-net` and `linux-fs`
+//! share, and host commands that must succeed.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use super::config::LinuxBenchConfig;
 use super::error::LinuxBenchError;
-use super::initramfs::{fixture, must_exist};
+use super::initramfs::{fixture, must_exist, WorkDir};
+use super::signals::catch_signals;
 
 /// Refuses hosts whose /dev/kvm cannot run Linux, with one line saying why.
 pub(crate) fn check_kvm() -> Result<(), LinuxBenchError> {
@@ -59,4 +62,38 @@ pub(crate) fn initramfs_inputs_exist(config: &LinuxBenchConfig) -> Result<(), Li
         &config.busybox,
         "apt-get install busybox-static, or pass --busybox PATH",
     )
+}
+
+/// What `linux-net` and `linux-fs` both check first: the kernel, rollbox-vmm, the agent and
+/// busybox exist; then the signal handlers and the work directory.
+pub fn prepare(config: &LinuxBenchConfig) -> Result<(PathBuf, WorkDir), LinuxBenchError> {
+    let kernel = kernel_and_vmm(config)?;
+    initramfs_inputs_exist(config)?;
+    catch_signals();
+    let work = WorkDir::create(&config.dir)?;
+    Ok((kernel, work))
+}
+
+/// Runs `program args`, which must succeed; returns its stdout.
+pub(crate) fn host_cmd(program: &str, args: &[&str]) -> Result<String, LinuxBenchError> {
+    let command = format!("{program} {}", args.join(" "));
+    let out =
+        Command::new(program)
+            .args(args)
+            .output()
+            .map_err(|e| LinuxBenchError::HostCommand {
+                command: command.clone(),
+                detail: e.to_string(),
+            })?;
+    if !out.status.success() {
+        return Err(LinuxBenchError::HostCommand {
+            command,
+            detail: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -31,15 +31,16 @@ pub(crate) use agent::{
 pub(crate) use boot::{qemu_args, rollbox_boot_args};
 pub(crate) use error::io_err;
 pub(crate) use figures::{ms, summary};
-pub(crate) use host::{check_kvm, initramfs_inputs_exist, kernel_and_vmm};
+pub(crate) use host::{check_kvm, host_cmd, prepare};
 pub(crate) use initramfs::{build_initramfs, must_exist, WorkDir};
 pub(crate) use report::{cell, ratio};
-pub(crate) use signals::catch_signals;
 pub(crate) use vm::VmProcess;
 
 use boot::run_boot;
+use host::{initramfs_inputs_exist, kernel_and_vmm};
 use initramfs::fixture;
 use restore::run_restore;
+use signals::catch_signals;
 
 /// Runs the parts `config.parts` asks for.
 pub fn run(config: &LinuxBenchConfig) -> Result<LinuxReport, LinuxBenchError> {
