@@ -13,9 +13,9 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::stats::{percentile, summarize, Summary};
+use crate::test_guest::TEST_GUEST_CMDLINE;
 
 const KEY: &str = "rollbox-bench-daemon-key";
-const TEST_GUEST_CMDLINE: &str = crate::TEST_GUEST_CMDLINE;
 const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// A failed daemon benchmark (never a slow one).

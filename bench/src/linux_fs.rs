@@ -16,11 +16,9 @@ use serde::Serialize;
 
 use crate::guest::{parse_elapsed, timed, GuestShell};
 use crate::linux::{
-    build_initramfs, catch_signals, check_kvm, initramfs_inputs_exist, io_err, kernel_and_vmm,
-    must_exist, ratio, rollbox_boot_args, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError,
-    VmProcess, WorkDir, AGENT_LISTENING,
+    build_initramfs, check_kvm, host_cmd, io_err, must_exist, prepare, ratio, rollbox_boot_args,
+    summary, AgentAddr, LinuxBenchConfig, LinuxBenchError, VmProcess, AGENT_LISTENING,
 };
-use crate::linux_net::host_cmd;
 use crate::stats::Summary;
 
 /// One guest command at most.
@@ -64,16 +62,6 @@ pub struct FsReport {
     pub host_dir: String,
     pub blk: StoreFigures,
     pub fs: StoreFigures,
-}
-
-/// What `linux-net` and `linux-fs` both check first: the kernel, rollbox-vmm, the agent and
-/// busybox exist; then the signal handlers and the work directory.
-pub fn prepare(config: &LinuxBenchConfig) -> Result<(PathBuf, WorkDir), LinuxBenchError> {
-    let kernel = kernel_and_vmm(config)?;
-    initramfs_inputs_exist(config)?;
-    catch_signals();
-    let work = WorkDir::create(&config.dir)?;
-    Ok((kernel, work))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,8 +22,9 @@ use serde::Serialize;
 
 use crate::guest::GuestShell;
 use crate::linux::{
-    build_initramfs, cell, check_kvm, ms, must_exist, qemu_args, ratio, rollbox_boot_args, summary,
-    AgentAddr, LinuxBenchConfig, LinuxBenchError, VmProcess, WorkDir, AGENT_LISTENING,
+    build_initramfs, cell, check_kvm, host_cmd, ms, must_exist, prepare, qemu_args, ratio,
+    rollbox_boot_args, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError, VmProcess, WorkDir,
+    AGENT_LISTENING,
 };
 use crate::stats::Summary;
 
@@ -94,30 +95,6 @@ pub struct NetReport {
     pub net_down_ms: Option<Summary>,
     pub start_without_net: Option<StartFigures>,
     pub start_with_net: Option<StartFigures>,
-}
-
-/// Runs `program args`, which must succeed; returns its stdout.
-pub(crate) fn host_cmd(program: &str, args: &[&str]) -> Result<String, LinuxBenchError> {
-    let command = format!("{program} {}", args.join(" "));
-    let out =
-        Command::new(program)
-            .args(args)
-            .output()
-            .map_err(|e| LinuxBenchError::HostCommand {
-                command: command.clone(),
-                detail: e.to_string(),
-            })?;
-    if !out.status.success() {
-        return Err(LinuxBenchError::HostCommand {
-            command,
-            detail: format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The benchmark's tap with its /30: host `.1`, guest `.2`. Removed on drop.
@@ -575,7 +552,7 @@ fn run_start(
 
 /// Runs the parts `config.parts` asks for.
 pub fn run(config: &NetBenchConfig) -> Result<NetReport, LinuxBenchError> {
-    let (kernel, work) = crate::linux_fs::prepare(&config.linux)?;
+    let (kernel, work) = prepare(&config.linux)?;
     if !Path::new("/dev/net/tun").exists() {
         return Err(LinuxBenchError::Host(
             "/dev/net/tun is missing (in the lab: scripts/lab/run.sh --modprobe tun)".into(),

@@ -15,11 +15,8 @@ mod procfs;
 mod side_by_side;
 mod snapshot;
 mod stats;
+mod test_guest;
 mod vmm;
-
-/// The test guest's command line: it finds its virtio devices on the command line, so ACPI is
-/// off (with ACPI on, rollbox-vmm names them in the DSDT instead).
-const TEST_GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off acpi=off";
 
 /// Flags of `linux-net` and `linux-fs`: the guest, rollbox-vmm and the rounds.
 #[derive(clap::Args, Debug, Clone)]

@@ -13,7 +13,7 @@ use serde::Serialize;
 use vmm_api::{CreateSnapshotParams, ForkParams, LoadSnapshotParams, MemBackend};
 
 use crate::stats::{summarize, Summary};
-use crate::TEST_GUEST_CMDLINE;
+use crate::test_guest::TEST_GUEST_CMDLINE;
 
 /// Errors that stop the benchmark (never a slow figure).
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::procfs;
 use crate::stats::{summarize, Summary};
-use crate::TEST_GUEST_CMDLINE;
+use crate::test_guest::TEST_GUEST_CMDLINE;
 
 /// What the guest prints once it is ready for commands.
 const READY_LINE: &str = "rollbox-test-guest: ready";

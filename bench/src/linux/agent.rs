@@ -11,9 +11,13 @@ use std::time::{Duration, Instant};
 use rollbox_agent_protocol::frame;
 use rollbox_agent_protocol::{ClientFrame, ClientMessage, ServerFrame, ServerMessage};
 
-use super::vm::clean_line;
-use super::AGENT_PORT;
-
+/// The agent's log line once its vsock listener is bound (on the console: its stderr).
+pub(crate) const AGENT_LISTENING: &str = "listening on vsock port";
+pub(crate) const AGENT_PORT: u32 = rollbox_agent_protocol::DEFAULT_PORT;
+/// rollbox-vmm's guest CID (its host side is a Unix socket, so any CID >= 3 does).
+pub(crate) const ROLLBOX_CID: u32 = 3;
+/// One connection attempt (connect, handshake, hello) at most.
+pub(crate) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// `SO_VM_SOCKETS_CONNECT_TIMEOUT` (linux/vm_sockets.h; level AF_VSOCK, a `struct timeval`).
 const SO_VM_SOCKETS_CONNECT_TIMEOUT: libc::c_int = 6;
 
@@ -81,6 +85,14 @@ pub(crate) fn connect_agent_port(stream: &mut UnixStream) -> Result<(), String> 
     } else {
         Err(format!("CONNECT {AGENT_PORT} answered {line:?}"))
     }
+}
+
+/// Bytes read up to a newline as text, without the line ending (the preamble's answer here,
+/// console lines in vm.rs).
+pub(super) fn clean_line(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .trim_end_matches(['\r', '\n'])
+        .to_string()
 }
 
 /// The preamble's answer, byte by byte (nothing after the newline is consumed).

@@ -7,10 +7,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{
-    build_initramfs, io_err, ms, must_exist, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError,
-    VmProcess, AGENT_LISTENING, INIT_MARKER, ROLLBOX_CID,
-};
+use super::agent::{AgentAddr, AGENT_LISTENING, ROLLBOX_CID};
+use super::config::LinuxBenchConfig;
+use super::error::{io_err, LinuxBenchError};
+use super::figures::{ms, summary};
+use super::initramfs::{build_initramfs, must_exist, INIT_MARKER};
+use super::vm::VmProcess;
 use crate::stats::{summarize, Summary};
 
 /// Lines of the largest console gaps shown per VMM.

@@ -6,7 +6,11 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::{io_err, LinuxBenchConfig, LinuxBenchError, INIT_MARKER};
+use super::config::LinuxBenchConfig;
+use super::error::{io_err, LinuxBenchError};
+
+/// What the initramfs's `/init` prints first.
+pub const INIT_MARKER: &str = "rollbox-bench: /init running";
 
 /// `KEY=value` lines of a fixtures.env (blank lines and `#` comments skipped).
 pub fn parse_env(text: &str) -> Vec<(String, String)> {

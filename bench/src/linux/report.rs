@@ -1,8 +1,25 @@
-//! The Linux benches' figures as markdown: cells, ratios and verdicts against the targets.
+//! What `rollbox-bench linux` reports (as `--json` writes it), and the Linux benches' figures
+//! as markdown: cells, ratios and verdicts against the targets.
 
-use super::restore::ReadyFigures;
-use super::LinuxReport;
+use serde::Serialize;
+
+use super::boot::BootReport;
+use super::restore::{ReadyFigures, RestoreReport};
 use crate::stats::Summary;
+
+/// Everything, as `--json` writes it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinuxReport {
+    pub kernel: String,
+    pub rootfs: Option<String>,
+    pub memory_mib: u64,
+    pub vcpus: u32,
+    pub rounds: usize,
+    pub warmup: usize,
+    pub cmdline: String,
+    pub boot: Option<BootReport>,
+    pub restore: Option<RestoreReport>,
+}
 
 pub(crate) fn cell(s: &Summary) -> String {
     format!("{:.0} ({:.0}–{:.0})", s.p50, s.min, s.max)

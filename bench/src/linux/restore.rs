@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{
-    io_err, ms, summary, AgentAddr, LinuxBenchConfig, LinuxBenchError, VmProcess, AGENT_LISTENING,
-    ROLLBOX_CID,
-};
+use super::agent::{AgentAddr, AGENT_LISTENING, ROLLBOX_CID};
+use super::config::LinuxBenchConfig;
+use super::error::{io_err, LinuxBenchError};
+use super::figures::{ms, summary};
+use super::vm::VmProcess;
 use crate::stats::Summary;
 
 /// ms from process start until the agent answers, with the steps on the way.

@@ -10,9 +10,15 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use super::agent::{hello_once, Attempt, HelloTimes};
-use super::{ms, AgentAddr, LinuxBenchError, ATTEMPT_TIMEOUT, INTERRUPTED, NOTE_EVERY, STOP_GRACE};
+use super::agent::{clean_line, hello_once, AgentAddr, Attempt, HelloTimes, ATTEMPT_TIMEOUT};
+use super::error::LinuxBenchError;
+use super::figures::ms;
+use super::signals::INTERRUPTED;
 
+/// SIGTERM, then SIGKILL after this.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// A long wait says so this often (on stderr), so a stuck run shows where it stands.
+const NOTE_EVERY: Duration = Duration::from_secs(30);
 /// Pause between failed `hello` attempts.
 const RETRY: Duration = Duration::from_millis(2);
 
@@ -32,12 +38,6 @@ pub(crate) struct VmProcess {
     pub(super) lines: Vec<(Instant, String)>,
     stderr: Receiver<Vec<u8>>,
     stderr_text: Vec<u8>,
-}
-
-pub(super) fn clean_line(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes)
-        .trim_end_matches(['\r', '\n'])
-        .to_string()
 }
 
 /// Reads the console pipe; each line is stamped with the arrival of its last chunk.

@@ -1,0 +1,122 @@
+//! The apply loop: a root directory that layers are applied to in order, entry by entry, and
+//! the final pass that sets directory mtimes.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+use super::context::LayerCtx;
+use super::entry::apply_entry;
+use super::error::LayerError;
+use super::meta::read_meta;
+use super::path::normalize_entry_path;
+use super::sys::set_times_nofollow;
+use super::whiteout::apply_whiteout;
+
+/// What one layer did, for progress and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LayerStats {
+    pub entries: u64,
+    pub whiteouts: u64,
+    pub file_bytes: u64,
+}
+
+/// A root directory that layers are applied to, in order.
+pub struct RootfsBuilder {
+    root: PathBuf,
+    /// Directory mtimes are set last: adding children changes them.
+    dir_times: HashMap<PathBuf, (i64, u32)>,
+}
+
+impl RootfsBuilder {
+    pub fn new(root: &Path) -> Self {
+        Self {
+            root: root.to_path_buf(),
+            dir_times: HashMap::new(),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Applies one uncompressed layer tar stream. `layer` names the layer in errors.
+    pub fn apply_layer<R: Read>(
+        &mut self,
+        layer: &str,
+        tar_stream: R,
+    ) -> Result<LayerStats, LayerError> {
+        let mut ctx = LayerCtx {
+            layer,
+            entry: String::new(),
+            created: HashSet::new(),
+        };
+        let mut stats = LayerStats::default();
+        let mut archive = tar::Archive::new(tar_stream);
+        let entries = archive.entries().map_err(|e| ctx.read(e))?;
+        for entry in entries {
+            let mut entry = entry.map_err(|e| ctx.read(e))?;
+            let raw_path = entry.path().map_err(|e| ctx.read(e))?.into_owned();
+            ctx.entry = raw_path.display().to_string();
+            let rel = normalize_entry_path(&raw_path)
+                .map_err(|problem| problem.into_error(layer, &ctx.entry))?;
+            stats.entries += 1;
+
+            if apply_whiteout(&self.root, &mut ctx, &rel)? {
+                stats.whiteouts += 1;
+                continue;
+            }
+            let meta = read_meta(&mut entry).map_err(|e| ctx.read(e))?;
+            stats.file_bytes += apply_entry(
+                &self.root,
+                &mut self.dir_times,
+                &mut ctx,
+                &rel,
+                &mut entry,
+                meta,
+            )?;
+        }
+        Ok(stats)
+    }
+
+    /// Sets directory mtimes recorded from the layers. Call once, after the last change.
+    pub fn finish(&mut self) -> Result<(), LayerError> {
+        for (rel, mtime) in self.dir_times.drain() {
+            let full = self.root.join(&rel);
+            match set_times_nofollow(&full, mtime) {
+                Ok(()) => {}
+                // Removed by a later layer.
+                Err(e)
+                    if e.kind() == io::ErrorKind::NotFound
+                        || e.raw_os_error() == Some(libc::ENOTDIR) => {}
+                Err(source) => {
+                    return Err(LayerError::Io {
+                        layer: "(final pass)".to_string(),
+                        entry: rel.display().to_string(),
+                        action: "set mtime of",
+                        path: full.display().to_string(),
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_tar::LayerTar;
+    use super::*;
+
+    #[test]
+    fn truncated_layer_is_a_read_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rootfs = RootfsBuilder::new(dir.path());
+        let bytes = LayerTar::new()
+            .file("big", &[7u8; 10_000], 0o644, 0, 0)
+            .bytes();
+        let err = rootfs.apply_layer("cut", &bytes[..3000]).unwrap_err();
+        assert!(matches!(err, LayerError::Read { .. }), "{err}");
+    }
+}
