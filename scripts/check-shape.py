@@ -45,8 +45,11 @@ def strip(text):
     """The code without comments, strings and the trailing test module."""
     text = re.sub(r"//[^\n]*", "", text)
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    text = re.sub(r'r#*"(?:.|\n)*?"#*', '""', text)
-    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+    # Char literals first: '"' would open a string.
+    text = re.sub(r"'(?:\\.|[^'\\\n])'", "' '", text)
+    # A raw string starts with r (not a letter's tail: "addr"), and a string may run over lines.
+    text = re.sub(r'(?<![\w"])r(#*)"(?:.|\n)*?"\1', '""', text)
+    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text, flags=re.S)
     cut = re.search(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", text)
     return text[: cut.start()] if cut else text
 
