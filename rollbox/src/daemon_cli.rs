@@ -565,7 +565,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
                     let _ = tokio::signal::ctrl_c().await;
                 }
             }
-            eprintln!("rollbox serve: stopping; sandboxes keep running and the next start re-attaches to them");
+            log::info!("stopping; sandboxes keep running and the next start re-attaches to them");
         };
         rollbox::daemon::serve(options, shutdown).await
     });

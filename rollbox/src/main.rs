@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use rollbox::images::{self, progress::Progress, BuildOptions, SourceSpec};
 
 mod daemon_cli;
+mod logger;
 
 /// Where `cargo xtask` (or the agent's build script) leaves the static guest agent.
 const DEFAULT_AGENT: &str = "target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent";
@@ -300,7 +301,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Image(ImageCommand::Build(args)) => build(args),
         Command::Exec(args) => return exec(args),
-        Command::Serve(args) => return daemon_cli::serve(args),
+        Command::Serve(args) => {
+            logger::init("rollbox serve");
+            return daemon_cli::serve(args);
+        }
         Command::Sandbox { conn, command } => return daemon_cli::sandbox(conn, command),
         Command::Template { conn, command } => return daemon_cli::template(conn, command),
         Command::Net(command) => {

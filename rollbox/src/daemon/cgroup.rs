@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::api::{ApiError, Sandbox};
-use super::{log_line, Daemon};
+use super::Daemon;
 
 /// The CFS period every quota is a share of (100 ms, the kernel's default).
 pub const PERIOD_US: u64 = 100_000;
@@ -189,7 +189,7 @@ impl Daemon {
                 &jail.cgroup_parent,
                 &sandbox.id,
             ) {
-                log_line(&format!("sandbox {}: {e}", sandbox.id));
+                log::warn!("sandbox {}: {e}", sandbox.id);
             }
         }
         if sandbox.cpu_limit.is_none() {
@@ -197,7 +197,7 @@ impl Daemon {
         }
         if let Ok(groups) = &self.cgroups {
             if let Err(e) = groups.remove(&sandbox.id) {
-                log_line(&format!("sandbox {}: {e}", sandbox.id));
+                log::warn!("sandbox {}: {e}", sandbox.id);
             }
         }
     }

@@ -160,7 +160,7 @@ pub async fn run(
             Ok(io) => io,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
-                super::log_line(&format!("accept: {e}"));
+                log::warn!("accept: {e}");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             }
@@ -294,10 +294,10 @@ async fn port_connect(
             Ok(upgraded) => {
                 let mut client = TokioIo::new(upgraded);
                 if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut pipe).await {
-                    super::log_line(&format!("{what}: the connection ended: {e}"));
+                    log::info!("{what}: the connection ended: {e}");
                 }
             }
-            Err(e) => super::log_line(&format!("{what}: the upgrade failed: {e}")),
+            Err(e) => log::info!("{what}: the upgrade failed: {e}"),
         }
     });
     Ok(Reply::SwitchingProtocols)

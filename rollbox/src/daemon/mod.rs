@@ -133,11 +133,11 @@ fn jail_of(
     let has = |controller| rollbox_jailer::hierarchy(cgroup_fs, controller).is_ok();
     let (memory_limits, pids_limits) = (has("memory"), has("pids"));
     if !memory_limits || !pids_limits {
-        log_line(&format!(
+        log::warn!(
             "jailer: no {} cgroup controller under {}: jails get no such limit",
             if memory_limits { "pids" } else { "memory" },
             cgroup_fs.display()
-        ));
+        );
     }
     Ok(vm::Jail {
         jailer: jailer.binary.clone(),
@@ -499,11 +499,11 @@ impl Daemon {
                         .set_source(&id, &snapshot.id)
                         .map_err(internal)?;
                 }
-                if debug_log() {
-                    log_line(&format!(
-                        "debug: create {id}: inserted {inserted_ms:.2} ms, total {:.2} ms",
+                if log::log_enabled!(log::Level::Debug) {
+                    log::debug!(
+                        "create {id}: inserted {inserted_ms:.2} ms, total {:.2} ms",
                         ms_since(started)
-                    ));
+                    );
                 }
                 self.sandbox_reply(&id).map(|reply| match reply {
                     Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
@@ -635,12 +635,12 @@ impl Daemon {
             }
         }
         let ready = vm::wait_ready(&mut child, &paths, self.options.ready_timeout).await;
-        if debug_log() {
-            log_line(&format!(
-                "debug: launch {}: spawn {spawn_ms:.2} ms, ready {:.2} ms",
+        if log::log_enabled!(log::Level::Debug) {
+            log::debug!(
+                "launch {}: spawn {spawn_ms:.2} ms, ready {:.2} ms",
                 sandbox.id,
                 ms_since(started) - spawn_ms
-            ));
+            );
         }
         let error = match (ready, vm::start_time(pid)) {
             (Ok(()), Some(start)) => return Ok((child, pid, start)),
@@ -712,11 +712,11 @@ impl Daemon {
             }
             let killed_ms = ms_since(started);
             let removed = remove_dir(&dir);
-            if debug_log() {
-                log_line(&format!(
-                    "debug: stop {id}: kill {killed_ms:.2} ms, remove {:.2} ms",
+            if log::log_enabled!(log::Level::Debug) {
+                log::debug!(
+                    "stop {id}: kill {killed_ms:.2} ms, remove {:.2} ms",
                     ms_since(started) - killed_ms
-                ));
+                );
             }
             removed
         })
@@ -790,7 +790,7 @@ impl Daemon {
                 if !tail.is_empty() {
                     reason = format!("{reason}; the end of its log: {tail}");
                 }
-                log_line(&format!("sandbox {}: {reason}", sandbox.id));
+                log::info!("sandbox {}: {reason}", sandbox.id);
                 if self.store().end(&sandbox.id, State::Exited, &reason, now)? {
                     let _ = remove_dir(&sandbox.dir);
                     self.release_cgroup(&sandbox);
@@ -808,7 +808,7 @@ impl Daemon {
                 continue;
             };
             if let Err(e) = self.end(&sandbox.id, State::Expired, reason).await {
-                log_line(&format!("reaper: cannot end {}: {e}", sandbox.id));
+                log::warn!("reaper: cannot end {}: {e}", sandbox.id);
             }
         }
         self.enforce_retention().await
@@ -845,10 +845,11 @@ impl Daemon {
         }
         for found in vm::find_vmms(&self.sandboxes_dir) {
             if keep.get(&found.id) != Some(&(found.pid, found.start_time)) {
-                log_line(&format!(
+                log::info!(
                     "killing rollbox-vmm pid {} of no live sandbox ({})",
-                    found.pid, found.id
-                ));
+                    found.pid,
+                    found.id
+                );
                 vm::kill(found.pid, found.start_time, Duration::from_secs(5));
             }
         }
@@ -865,16 +866,13 @@ impl Daemon {
         }
         if let Ok(groups) = &self.cgroups {
             for name in groups.reap(|name| keep.contains_key(name)) {
-                log_line(&format!("removed cgroup {name} of no live sandbox"));
+                log::info!("removed cgroup {name} of no live sandbox");
             }
         }
         if let Some(jail) = &self.jail {
             for (id, dir) in rollbox_jailer::all_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent) {
                 if !keep.contains_key(&id) && rollbox_jailer::remove_group(&dir).is_ok() {
-                    log_line(&format!(
-                        "removed jail cgroup {} of no live sandbox",
-                        dir.display()
-                    ));
+                    log::info!("removed jail cgroup {} of no live sandbox", dir.display());
                 }
             }
         }
@@ -893,7 +891,7 @@ impl Daemon {
             }
         }
         if !keep.is_empty() {
-            log_line(&format!("re-attached {} running sandboxes", keep.len()));
+            log::info!("re-attached {} running sandboxes", keep.len());
         }
         Ok(())
     }
@@ -910,16 +908,6 @@ fn remove_dir(dir: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }
-}
-
-fn log_line(line: &str) {
-    eprintln!("rollbox serve: {line}");
-}
-
-/// Whether `ROLLBOX_LOG=debug`: phase timings of creates go to the log.
-fn debug_log() -> bool {
-    static DEBUG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DEBUG.get_or_init(|| std::env::var("ROLLBOX_LOG").is_ok_and(|v| v == "debug"))
 }
 
 fn ms_since(start: std::time::Instant) -> f64 {
@@ -981,7 +969,7 @@ pub async fn serve(
     let e2b_server = e2b_listener
         .zip(daemon.options.e2b.clone())
         .map(|(bound, options)| {
-            log_line(&format!("E2B API on {}", bound.describe()));
+            log::info!("E2B API on {}", bound.describe());
             tokio::spawn(e2b::run(bound, Arc::clone(&daemon), options))
         });
     let reaper = {
@@ -991,12 +979,12 @@ pub async fn serve(
             loop {
                 tick.tick().await;
                 if let Err(e) = daemon.reap().await {
-                    log_line(&format!("reaper: {e}"));
+                    log::error!("reaper: {e}");
                 }
             }
         })
     };
-    log_line(&format!("listening on {}", listener.describe()));
+    log::info!("listening on {}", listener.describe());
     let result = http::run(listener, Arc::clone(&daemon), shutdown).await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {

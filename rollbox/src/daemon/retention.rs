@@ -11,7 +11,7 @@ use rusqlite::params;
 
 use super::api::Snapshot;
 use super::store::{Store, StoreError};
-use super::{log_line, now_ms, remove_dir, Daemon};
+use super::{now_ms, remove_dir, Daemon};
 
 impl Store {
     /// Snapshots a live sandbox was restored or reset from.
@@ -93,7 +93,7 @@ impl Daemon {
         );
         for (snapshot, why) in gone {
             if self.store().remove_snapshot(&snapshot.id)? {
-                log_line(&format!("removed snapshot {}: {why}", snapshot.id));
+                log::info!("removed snapshot {}: {why}", snapshot.id);
                 let dir = snapshot.dir.clone();
                 let _ = tokio::task::spawn_blocking(move || remove_dir(&dir)).await;
             }

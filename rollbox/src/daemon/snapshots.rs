@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::api::{ApiError, CreateSandbox, ForkResult, Snapshot, State};
-use super::{internal, log_line, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
+use super::{internal, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
 
 /// Marks a sandbox busy (the reaper skips it) until dropped.
 struct Busy<'a> {
@@ -138,7 +138,7 @@ impl Daemon {
         taken.map_err(|e| ApiError::Internal(format!("snapshot of sandbox {id}: {e}")))?;
         self.store().add_snapshot(&snapshot).map_err(internal)?;
         if let Err(e) = self.enforce_retention().await {
-            log_line(&format!("snapshot retention: {e}"));
+            log::warn!("snapshot retention: {e}");
         }
         Ok(snapshot)
     }

@@ -176,7 +176,7 @@ pub async fn run(listener: E2bListener, daemon: Arc<Daemon>, options: E2bOptions
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             Err(e) => {
-                super::log_line(&format!("e2b accept: {e}"));
+                log::warn!("e2b accept: {e}");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             }
