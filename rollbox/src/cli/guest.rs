@@ -154,7 +154,7 @@ pub fn copy(conn: &Conn, src: &str, dest: &str) -> Result<(), CliError> {
             let info: rollbox::daemon::api::FileInfo = parse(&info)?;
             let to = std::path::Path::new(dest);
             let broken = |e: std::io::Error| CliError::Stream(e.to_string());
-            if info.kind == rollbox_agent_protocol::messages::FileKind::Dir {
+            if info.kind == rollbox::daemon::api::FileKind::Dir {
                 std::fs::create_dir_all(to).map_err(local(to))?;
                 let response = conn.open(
                     "GET",

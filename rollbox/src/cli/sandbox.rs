@@ -415,7 +415,7 @@ fn usage(conn: &Conn, id: &str) -> Result<u8, CliError> {
     if conn.json {
         print_json(&response);
     } else {
-        let u: rollbox::daemon::usage::Usage = parse(&response)?;
+        let u: rollbox::daemon::api::Usage = parse(&response)?;
         println!("sandbox:            {} ({})", u.sandbox, u.state.as_str());
         println!("running_s:          {}", u.running_s);
         println!("vcpu_seconds:       {} ({} vCPUs)", u.vcpu_seconds, u.vcpus);

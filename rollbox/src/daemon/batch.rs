@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+use super::api::Reply;
 use super::api::{ApiError, CreateSandbox, ForkResult, ListQuery, State};
-use super::{internal, Daemon, Reply};
+use super::{internal, Daemon};
 
 impl Daemon {
     /// `count` creates, each succeeding or failing on its own. They take `count` places among

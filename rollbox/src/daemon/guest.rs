@@ -14,28 +14,46 @@ use rollbox_agent_protocol::DEFAULT_PORT;
 use tokio::sync::mpsc;
 
 use super::api::{
-    encode_bytes, ApiError, Exec, ExecLine, ExecRecord, ExecResult, ExitInfo, FileOp, State,
-    MAX_UPLOAD,
+    encode_bytes, ApiError, BodyTooLarge, Chunk, Exec, ExecCommand, ExecLine, ExecRecord,
+    ExecResult, ExitInfo, FileInfo, FileKind, FileOp, Reply, State, MAX_UPLOAD,
 };
-use super::{internal, vm, Daemon, Reply};
+use super::{internal, vm, Daemon};
 
 /// How long a request waits for the agent to accept a connection (the guest may still boot).
 const AGENT_WAIT: Duration = Duration::from_secs(10);
 
-/// A streamed body chunk, or why the stream broke.
-pub type Chunk = Result<Bytes, std::io::Error>;
-
-/// The marker inside the `io::Error` an upload body gives when it passes [`MAX_UPLOAD`].
-#[derive(Debug)]
-pub struct BodyTooLarge;
-
-impl std::fmt::Display for BodyTooLarge {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the request body is over {MAX_UPLOAD} bytes")
+/// The agent's exit status as the API shows it.
+fn exit_info(status: &rollbox_agent_protocol::messages::ExitStatus) -> ExitInfo {
+    ExitInfo {
+        exit_code: status.code,
+        signal: status.signal,
+        timed_out: status.timed_out,
+        oom: status.oom_killed,
+        truncated: status.truncated,
+        duration_ms: status.duration_ms,
     }
 }
 
-impl std::error::Error for BodyTooLarge {}
+/// The agent's file info as the API shows it.
+fn file_info(info: rollbox_agent_protocol::messages::FileInfo) -> FileInfo {
+    use rollbox_agent_protocol::messages::FileKind as Agent;
+    FileInfo {
+        name: info.name,
+        path: info.path,
+        kind: match info.kind {
+            Agent::File => FileKind::File,
+            Agent::Dir => FileKind::Dir,
+            Agent::Symlink => FileKind::Symlink,
+            Agent::Other => FileKind::Other,
+        },
+        size: info.size,
+        mode: info.mode,
+        uid: info.uid,
+        gid: info.gid,
+        mtime_ns: info.mtime_ns,
+        link_target: info.link_target,
+    }
+}
 
 /// An agent failure as an API error: the agent's errno decides the status.
 fn agent_error(id: &str, error: ClientError) -> ApiError {
@@ -139,8 +157,8 @@ impl Daemon {
     ) -> Result<Reply, ApiError> {
         let client = self.agent(id).await?;
         let mut request = match exec.command.clone() {
-            rollbox_agent_protocol::messages::Command::Argv(argv) => ExecRequest::argv(argv),
-            rollbox_agent_protocol::messages::Command::Shell(script) => ExecRequest::shell(script),
+            ExecCommand::Argv(argv) => ExecRequest::argv(argv),
+            ExecCommand::Shell(script) => ExecRequest::shell(script),
         };
         // The sandbox's env, under the exec's own.
         let mut env = self
@@ -161,7 +179,7 @@ impl Daemon {
             let (stdout, stdout_encoding) = encode_bytes(&output.stdout);
             let (stderr, stderr_encoding) = encode_bytes(&output.stderr);
             return Ok(Reply::Exec(ExecResult {
-                exit: ExitInfo::from(&output.status),
+                exit: exit_info(&output.status),
                 stdout,
                 stdout_encoding,
                 stderr,
@@ -208,9 +226,7 @@ impl Daemon {
                             OutputStream::Stderr => ExecRecord::Stderr { data, encoding },
                         }
                     }
-                    Ok(Some(ExecEvent::Exited(status))) => {
-                        ExecRecord::Exit(ExitInfo::from(&status))
-                    }
+                    Ok(Some(ExecEvent::Exited(status))) => ExecRecord::Exit(exit_info(&status)),
                     Ok(Some(ExecEvent::Started { .. } | ExecEvent::Notice(_))) => continue,
                     Ok(None) => break,
                     Err(e) => ExecRecord::Error {
@@ -309,8 +325,18 @@ impl Daemon {
         let client = self.agent(id).await?;
         let fail = |e| agent_error(id, e);
         match op {
-            FileOp::Stat { path } => Ok(Reply::File(client.stat(&path).await.map_err(fail)?)),
-            FileOp::List { path } => Ok(Reply::Files(client.list(&path).await.map_err(fail)?)),
+            FileOp::Stat { path } => Ok(Reply::File(file_info(
+                client.stat(&path).await.map_err(fail)?,
+            ))),
+            FileOp::List { path } => Ok(Reply::Files(
+                client
+                    .list(&path)
+                    .await
+                    .map_err(fail)?
+                    .into_iter()
+                    .map(file_info)
+                    .collect(),
+            )),
             FileOp::Remove { path, recursive } => {
                 client.remove(&path, recursive).await.map_err(fail)?;
                 Ok(Reply::NoContent)

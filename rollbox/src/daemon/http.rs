@@ -12,9 +12,10 @@ use hyper::body::{Body, Bytes, Frame, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 
+use super::api::Reply;
 use super::api::{self, Action, ApiError, MAX_BODY, MAX_UPLOAD};
-use super::guest::{BodyTooLarge, Chunk};
-use super::{Daemon, DaemonError, Listen, Reply};
+use super::api::{BodyTooLarge, Chunk};
+use super::{Daemon, DaemonError, Listen};
 
 /// A response body: whole, or streamed from a channel (sent chunked).
 pub enum Out {

@@ -31,7 +31,9 @@ use std::process::Child;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use api::{Action, ApiError, CreateSandbox, Sandbox, SandboxList, Snapshot, State, Template};
+use api::{
+    Action, ApiError, CreateSandbox, Reply, Sandbox, SandboxList, Snapshot, State, Template,
+};
 use store::{Inserted, Store, StoreError};
 
 /// A daemon that cannot start or stopped on an error.
@@ -174,48 +176,6 @@ struct Prepared {
     snapshot: Option<Snapshot>,
     template: Template,
     ttl_s: u64,
-}
-
-/// A typed answer; [`http`] turns it into a response.
-#[derive(Debug)]
-pub enum Reply {
-    Health,
-    Template {
-        created: bool,
-        template: Template,
-    },
-    Templates(Vec<Template>),
-    Sandbox {
-        created: bool,
-        sandbox: Sandbox,
-    },
-    Sandboxes(SandboxList),
-    Exec(api::ExecResult),
-    File(api::FileInfo),
-    Files(Vec<api::FileInfo>),
-    Written {
-        path: String,
-        bytes: u64,
-    },
-    Snapshot {
-        created: bool,
-        snapshot: Snapshot,
-    },
-    Snapshots(Vec<Snapshot>),
-    Forked(Vec<api::ForkResult>),
-    /// The sandboxes a DELETE /sandboxes ended.
-    Deleted(Vec<String>),
-    Usage(usage::Usage),
-    /// Prometheus text.
-    Metrics(String),
-    /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
-    Stream {
-        content_type: &'static str,
-        body: tokio::sync::mpsc::Receiver<guest::Chunk>,
-    },
-    NoContent,
-    /// 101: the connection now carries a guest TCP connection's bytes (`Upgrade: tcp`).
-    SwitchingProtocols,
 }
 
 /// Processes of running streaming execs: (sandbox id, pid) → the agent connection, the

@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::api::Reply;
 use super::api::{ApiError, CreateSandbox, ForkResult, Snapshot, State};
-use super::{internal, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
+use super::{internal, now_ms, random_hex, reap_child, remove_dir, vm, Daemon};
 
 /// Marks a sandbox busy (the reaper skips it) until dropped.
 struct Busy<'a> {

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use rollbox_agent_protocol::{AgentClient, ExecRequest, DEFAULT_PORT};
 
+use super::api::Reply;
 use super::api::{AddTemplate, ApiError, CreateSandbox, ImageSource, State, Template};
-use super::{internal, now_ms, remove_dir, Daemon, Reply};
+use super::{internal, now_ms, remove_dir, Daemon};
 use crate::images::{self, progress::Progress, BuildOptions, SourceSpec};
 
 /// How long a template's first boot may take to reach an answering agent (Linux in the nested

@@ -13,11 +13,10 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rusqlite::{params, OptionalExtension};
-use serde::{Deserialize, Serialize};
 
-use super::api::{ApiError, Sandbox, State};
+use super::api::{ApiError, Reply, Sandbox, State, Usage};
 use super::store::{Store, StoreError};
-use super::{internal, now_ms, Daemon, Reply};
+use super::{internal, now_ms, Daemon};
 
 /// Ended sandboxes stay in `/metrics` this long, so a scrape sees their final counts.
 const ENDED_IN_METRICS_MS: u64 = 10 * 60 * 1000;
@@ -45,23 +44,6 @@ impl Counters {
     pub fn refused(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-/// GET /sandboxes/{id}/usage.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Usage {
-    pub sandbox: String,
-    pub template: String,
-    pub state: State,
-    pub vcpus: u32,
-    pub memory_mib: u32,
-    /// Whole seconds it ran (paused time not counted), rounded up.
-    pub running_s: u64,
-    pub vcpu_seconds: u64,
-    pub memory_mib_seconds: u64,
-    /// CPU time (user + system) its VMM processes used, as /proc measured it.
-    pub cpu_seconds: f64,
-    pub ended_at_ms: Option<u64>,
 }
 
 /// One row's usage columns.

@@ -11,9 +11,10 @@ use hyper::{Request, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::super::api::Reply;
 use super::super::api::{self, Action, ApiError, ListQuery, Sandbox, State, MAX_BODY, MAX_TTL_S};
 use super::super::http::Out;
-use super::super::{now_ms, Reply};
+use super::super::now_ms;
 use super::{json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION};
 
 /// E2B calls rollbox does not serve, answered 501 with this reason.

@@ -25,10 +25,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::super::api::Chunk;
+use super::super::api::Reply;
 use super::super::api::{Action, ApiError, FileOp, Sandbox, MAX_BODY, MAX_UPLOAD};
-use super::super::guest::Chunk;
 use super::super::http::Out;
-use super::super::Reply;
 use super::connect::{self, Code, RpcError};
 use super::watch::{AgentWatch, Next, Watcher};
 use super::{json, no_content, query_pairs, rfc3339, E2b, Target, ENVD_PORT, ENV_VARS_KEY};
