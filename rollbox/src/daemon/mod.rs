@@ -34,7 +34,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use api::{
     Action, ApiError, CreateSandbox, Reply, Sandbox, SandboxList, Snapshot, State, Template,
 };
-use store::{Inserted, Store, StoreError};
+use store::{Db, Inserted, Store, StoreError};
 
 /// A daemon that cannot start or stopped on an error.
 #[derive(Debug, thiserror::Error)]
@@ -187,7 +187,7 @@ type Processes = HashMap<(String, u32), (rollbox_agent_protocol::client::AgentCl
 pub struct Daemon {
     options: ServeOptions,
     sandboxes_dir: PathBuf,
-    store: Mutex<Store>,
+    store: Db,
     /// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
     children: Mutex<HashMap<String, Child>>,
     pending: Arc<tokio::sync::Semaphore>,
@@ -209,9 +209,7 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 
 impl Daemon {
     fn store(&self) -> MutexGuard<'_, Store> {
-        // A panic while holding the lock leaves SQLite consistent (each call is one statement
-        // or one transaction), so a poisoned lock is still usable.
-        self.store.lock().unwrap_or_else(|p| p.into_inner())
+        self.store.lock()
     }
 
     fn children(&self) -> MutexGuard<'_, HashMap<String, Child>> {
@@ -911,7 +909,7 @@ pub async fn serve(
         pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
         options,
         sandboxes_dir,
-        store: Mutex::new(store),
+        store: Db::new(store),
         children: Mutex::new(HashMap::new()),
         processes: Mutex::new(HashMap::new()),
         busy: Mutex::new(std::collections::HashSet::new()),

@@ -7,26 +7,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use rusqlite::params;
-
 use super::api::Snapshot;
-use super::store::{Store, StoreError};
+use super::store::StoreError;
 use super::{now_ms, remove_dir, Daemon};
-
-impl Store {
-    /// Snapshots a live sandbox was restored or reset from.
-    fn sources_of_live(&self) -> Result<HashSet<String>, StoreError> {
-        let mut statement = self.conn.prepare(
-            "SELECT DISTINCT src.snapshot FROM sandbox_sources src \
-             JOIN sandboxes s ON s.id = src.sandbox \
-             WHERE s.state IN ('creating', 'running', 'paused')",
-        )?;
-        let ids = statement
-            .query_map(params![], |row| row.get::<_, String>(0))?
-            .collect::<rusqlite::Result<HashSet<String>>>()?;
-        Ok(ids)
-    }
-}
 
 /// The snapshots the rules remove, oldest first, and why; `kept` those a live sandbox keeps.
 pub fn doomed(

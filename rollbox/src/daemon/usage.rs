@@ -12,10 +12,8 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rusqlite::{params, OptionalExtension};
-
-use super::api::{ApiError, Reply, Sandbox, State, Usage};
-use super::store::{Store, StoreError};
+use super::api::{ApiError, Reply, Sandbox, Usage};
+use super::store::UsageRow as Row;
 use super::{internal, now_ms, Daemon};
 
 /// Ended sandboxes stay in `/metrics` this long, so a scrape sees their final counts.
@@ -44,14 +42,6 @@ impl Counters {
     pub fn refused(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-/// One row's usage columns.
-struct Row {
-    sandbox: Sandbox,
-    run_ms: u64,
-    running_since_ms: Option<u64>,
-    cpu_ms: u64,
 }
 
 fn clock_ticks() -> u64 {
@@ -95,64 +85,6 @@ fn tree_ticks(pid: u32) -> u64 {
         })
         .unwrap_or(0);
     own + children(pid).into_iter().map(tree_ticks).sum::<u64>()
-}
-
-impl Store {
-    fn usage_rows(&self, id: Option<&str>, ended_since_ms: u64) -> Result<Vec<Row>, StoreError> {
-        let mut statement = self.conn.prepare(
-            "SELECT id, run_ms, running_since_ms, cpu_ms FROM sandboxes \
-             WHERE (?1 IS NULL AND (ended_at_ms IS NULL OR ended_at_ms >= ?2)) OR id = ?1 \
-             ORDER BY seq",
-        )?;
-        let found = statement
-            .query_map(params![id, ended_since_ms], |row| {
-                Ok((
-                    row.get::<_, String>(0)?,
-                    row.get::<_, u64>(1)?,
-                    row.get::<_, Option<u64>>(2)?,
-                    row.get::<_, u64>(3)?,
-                ))
-            })?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        let mut rows = Vec::new();
-        for (id, run_ms, running_since_ms, cpu_ms) in found {
-            if let Some(sandbox) = self.sandbox(&id)? {
-                rows.push(Row {
-                    sandbox,
-                    run_ms,
-                    running_since_ms,
-                    cpu_ms,
-                });
-            }
-        }
-        Ok(rows)
-    }
-
-    /// Adds an ended VMM's CPU time to the sandbox's.
-    pub fn add_cpu_ms(&self, id: &str, ms: u64) -> Result<(), StoreError> {
-        self.conn.execute(
-            "UPDATE sandboxes SET cpu_ms = cpu_ms + ?2 WHERE id = ?1",
-            params![id, ms],
-        )?;
-        Ok(())
-    }
-
-    /// Sandboxes by state, every state listed.
-    fn state_counts(&self) -> Result<Vec<(State, u64)>, StoreError> {
-        let mut out = Vec::new();
-        for state in State::ALL {
-            let count: Option<u64> = self
-                .conn
-                .query_row(
-                    "SELECT COUNT(*) FROM sandboxes WHERE state = ?1",
-                    params![state.as_str()],
-                    |row| row.get(0),
-                )
-                .optional()?;
-            out.push((state, count.unwrap_or(0)));
-        }
-        Ok(out)
-    }
 }
 
 fn usage_of(row: &Row, now: u64) -> Usage {
@@ -298,6 +230,7 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::api::State;
 
     #[test]
     fn running_time_is_billed_in_whole_seconds_rounded_up() {
