@@ -12,7 +12,6 @@
 
 pub mod api;
 mod batch;
-pub mod cgroup;
 pub mod client;
 pub mod e2b;
 mod guest;
@@ -35,6 +34,9 @@ use api::{
     Action, ApiError, CreateSandbox, Reply, Sandbox, SandboxList, Snapshot, State, Template,
 };
 use store::{Db, Inserted, Store, StoreError};
+
+/// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
+pub use rollbox_jailer::cgroup;
 
 /// A daemon that cannot start or stopped on an error.
 #[derive(Debug, thiserror::Error)]
@@ -518,14 +520,7 @@ impl Daemon {
         let mut cpu_settings = Vec::new();
         if let (Some(groups), Some(cores)) = (groups, sandbox.cpu_limit) {
             if self.jail.is_some() {
-                let quota = cgroup::quota_us(cores);
-                cpu_settings = match groups.version {
-                    cgroup::Version::V1 => vec![
-                        format!("cpu.cfs_period_us={}", cgroup::PERIOD_US),
-                        format!("cpu.cfs_quota_us={quota}"),
-                    ],
-                    cgroup::Version::V2 => vec![format!("cpu.max={quota} {}", cgroup::PERIOD_US)],
-                };
+                cpu_settings = cgroup::quota_settings(groups.version, cores);
             } else {
                 groups
                     .create(&sandbox.id, cores)
@@ -852,6 +847,39 @@ impl Daemon {
             log::info!("re-attached {} running sandboxes", keep.len());
         }
         Ok(())
+    }
+}
+
+impl Daemon {
+    /// The cgroups a create with `cpu_limit` needs; a clear 503 where the host has none.
+    fn cgroups_for(&self, cpu_limit: Option<f64>) -> Result<Option<&cgroup::Cgroups>, ApiError> {
+        match (cpu_limit, &self.cgroups) {
+            (None, _) => Ok(None),
+            (Some(_), Ok(groups)) => Ok(Some(groups)),
+            (Some(_), Err(why)) => Err(ApiError::Unavailable(why.clone())),
+        }
+    }
+
+    /// Removes a sandbox's cgroup after its VMM ended (logged on failure).
+    fn release_cgroup(&self, sandbox: &Sandbox) {
+        // A jailer that was killed left its groups (cpu, memory, pids): they go here.
+        if let Some(jail) = &self.jail {
+            for e in rollbox_jailer::remove_jail_groups(
+                &jail.cgroup_fs,
+                &jail.cgroup_parent,
+                &sandbox.id,
+            ) {
+                log::warn!("sandbox {}: {e}", sandbox.id);
+            }
+        }
+        if sandbox.cpu_limit.is_none() {
+            return;
+        }
+        if let Ok(groups) = &self.cgroups {
+            if let Err(e) = groups.remove(&sandbox.id) {
+                log::warn!("sandbox {}: {e}", sandbox.id);
+            }
+        }
     }
 }
 
