@@ -15,7 +15,8 @@ use hyper_util::rt::TokioIo;
 use super::api::Reply;
 use super::api::{self, Action, ApiError, MAX_BODY, MAX_UPLOAD};
 use super::api::{BodyTooLarge, Chunk};
-use super::{Daemon, DaemonError, Listen};
+use super::core::Core;
+use super::{DaemonError, Listen};
 
 /// A response body: whole, or streamed from a channel (sent chunked).
 pub enum Out {
@@ -148,9 +149,11 @@ impl Listener {
 /// Serves connections until `shutdown` completes.
 pub async fn run(
     listener: Listener,
-    daemon: Arc<Daemon>,
+    core: Arc<Core>,
+    api_key: String,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), DaemonError> {
+    let api_key: Arc<str> = api_key.into();
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -166,11 +169,13 @@ pub async fn run(
                 continue;
             }
         };
-        let daemon = Arc::clone(&daemon);
+        let core = Arc::clone(&core);
+        let api_key = Arc::clone(&api_key);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request| {
-                let daemon = Arc::clone(&daemon);
-                async move { Ok::<_, Infallible>(respond(&daemon, request).await) }
+                let core = Arc::clone(&core);
+                let api_key = Arc::clone(&api_key);
+                async move { Ok::<_, Infallible>(respond(&core, &api_key, request).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(io, service)
@@ -253,8 +258,8 @@ fn authorized(request: &Request<Incoming>, key: &str) -> bool {
         .is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
 }
 
-async fn respond(daemon: &Arc<Daemon>, request: Request<Incoming>) -> Response<Out> {
-    match handle(daemon, request).await {
+async fn respond(core: &Core, api_key: &str, request: Request<Incoming>) -> Response<Out> {
+    match handle(core, api_key, request).await {
         Ok(reply) => reply_response(reply),
         Err(error) => error_response(&error),
     }
@@ -276,7 +281,7 @@ fn asks_tcp_upgrade(request: &Request<Incoming>) -> bool {
 
 /// Answers 101 and, once hyper hands over the connection, pipes it to guest `port`.
 async fn port_connect(
-    daemon: &Arc<Daemon>,
+    core: &Core,
     request: &mut Request<Incoming>,
     id: &str,
     port: u16,
@@ -286,7 +291,7 @@ async fn port_connect(
             "GET /sandboxes/{id}/ports/{port} is an HTTP upgrade: send `Connection: Upgrade` and `Upgrade: tcp`"
         )));
     }
-    let pipe = daemon.guest_tcp(id, port).await?;
+    let pipe = core.guest_tcp(id, port).await?;
     let upgrade = hyper::upgrade::on(request);
     let what = format!("sandbox {id} port {port}");
     tokio::spawn(async move {
@@ -304,8 +309,12 @@ async fn port_connect(
     Ok(Reply::SwitchingProtocols)
 }
 
-async fn handle(daemon: &Arc<Daemon>, mut request: Request<Incoming>) -> Result<Reply, ApiError> {
-    if !authorized(&request, &daemon.options.api_key) {
+async fn handle(
+    core: &Core,
+    api_key: &str,
+    mut request: Request<Incoming>,
+) -> Result<Reply, ApiError> {
+    if !authorized(&request, api_key) {
         return Err(ApiError::Unauthorized);
     }
     let declared = request
@@ -331,12 +340,12 @@ async fn handle(daemon: &Arc<Daemon>, mut request: Request<Incoming>) -> Result<
             read: 0,
             limit: MAX_UPLOAD,
         };
-        return daemon.upload(&id, op, body).await;
+        return core.upload(&id, op, body).await;
     }
     if method == "GET" && path.contains("/ports/") {
         if let Action::PortConnect { id, port } = api::parse(&method, &path, query.as_deref(), b"")?
         {
-            return port_connect(daemon, &mut request, &id, port).await;
+            return port_connect(core, &mut request, &id, port).await;
         }
     }
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
@@ -354,7 +363,7 @@ async fn handle(daemon: &Arc<Daemon>, mut request: Request<Incoming>) -> Result<
         })?
         .to_bytes();
     let action = api::parse(&method, &path, query.as_deref(), &body)?;
-    daemon.handle(action).await
+    core.handle(action).await
 }
 
 fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Out> {

@@ -7,9 +7,11 @@
 
 use std::collections::{HashMap, HashSet};
 
+use std::sync::Arc;
+
 use super::api::Snapshot;
-use super::store::StoreError;
-use super::{now_ms, remove_dir, Daemon};
+use super::store::{Db, StoreError};
+use super::util::{now_ms, remove_dir};
 
 /// The snapshots the rules remove, oldest first, and why; `kept` those a live sandbox keeps.
 pub fn doomed(
@@ -48,11 +50,22 @@ pub fn doomed(
     (gone, kept)
 }
 
-impl Daemon {
+/// The retention rules, applied to the store's snapshots.
+pub struct Retention {
+    db: Arc<Db>,
+    /// `--snapshot-retention N`: keep each sandbox's newest N; None: keep all.
+    keep_newest: Option<u32>,
+}
+
+impl Retention {
+    pub fn new(db: Arc<Db>, keep_newest: Option<u32>) -> Retention {
+        Retention { db, keep_newest }
+    }
+
     /// Applies the retention rules once.
-    pub(super) async fn enforce_retention(&self) -> Result<(), StoreError> {
+    pub async fn enforce(&self) -> Result<(), StoreError> {
         let (snapshots, protected) = {
-            let store = self.store();
+            let store = self.db.lock();
             let mut protected = store.sources_of_live()?;
             // A template's boot snapshot goes with its template only.
             protected.extend(
@@ -63,19 +76,14 @@ impl Daemon {
             );
             (store.snapshots(None)?, protected)
         };
-        let any_rule = self.options.snapshot_retention.is_some()
-            || snapshots.iter().any(|s| s.expires_at_ms.is_some());
+        let any_rule =
+            self.keep_newest.is_some() || snapshots.iter().any(|s| s.expires_at_ms.is_some());
         if !any_rule {
             return Ok(());
         }
-        let (gone, _kept) = doomed(
-            &snapshots,
-            self.options.snapshot_retention,
-            &protected,
-            now_ms(),
-        );
+        let (gone, _kept) = doomed(&snapshots, self.keep_newest, &protected, now_ms());
         for (snapshot, why) in gone {
-            if self.store().remove_snapshot(&snapshot.id)? {
+            if self.db.lock().remove_snapshot(&snapshot.id)? {
                 log::info!("removed snapshot {}: {why}", snapshot.id);
                 let dir = snapshot.dir.clone();
                 let _ = tokio::task::spawn_blocking(move || remove_dir(&dir)).await;

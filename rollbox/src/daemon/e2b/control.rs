@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::super::api::Reply;
 use super::super::api::{self, Action, ApiError, ListQuery, Sandbox, State, MAX_BODY, MAX_TTL_S};
 use super::super::http::Out;
-use super::super::now_ms;
+use super::super::util::now_ms;
 use super::{json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION};
 
 /// E2B calls rollbox does not serve, answered 501 with this reason.
@@ -92,7 +92,7 @@ fn authorized(request: &Request<Incoming>, key: &str) -> bool {
 }
 
 async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Out>, Refusal> {
-    if !authorized(&request, &e2b.daemon.options.api_key) {
+    if !authorized(&request, &e2b.api_key) {
         return Err(Refusal::new(
             401,
             "missing or wrong API key: send the rollbox daemon's key as X-API-KEY (E2B_API_KEY)",
@@ -205,13 +205,9 @@ async fn create(
     };
     // A restore keeps the env its sandbox had (E2B's envd holds envVars in the memory the
     // snapshot saved); the create's envVars go on top.
-    let mut env = match e2b.daemon.handle(lookup).await {
+    let mut env = match e2b.core.handle(lookup).await {
         Ok(Reply::Snapshot { snapshot, .. }) => {
-            match e2b
-                .daemon
-                .handle(Action::GetSandbox(snapshot.sandbox))
-                .await
-            {
+            match e2b.core.handle(Action::GetSandbox(snapshot.sandbox)).await {
                 Ok(Reply::Sandbox { sandbox, .. }) => sandbox.env,
                 _ => BTreeMap::new(),
             }
@@ -251,7 +247,7 @@ async fn create(
             };
             Refusal::new(e.status(), message)
         })?;
-    let sandbox = match e2b.daemon.handle(action).await {
+    let sandbox = match e2b.core.handle(action).await {
         Ok(Reply::Sandbox { sandbox, .. }) => sandbox,
         Ok(other) => {
             return Err(Refusal {
@@ -324,7 +320,7 @@ fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
 
 /// A sandbox that is running or paused, else 404.
 async fn live(e2b: &E2b, id: &str) -> Result<Sandbox, Refusal> {
-    match e2b.daemon.handle(Action::GetSandbox(id.to_string())).await {
+    match e2b.core.handle(Action::GetSandbox(id.to_string())).await {
         Ok(Reply::Sandbox { sandbox, .. })
             if matches!(sandbox.state, State::Running | State::Paused) =>
         {
@@ -342,7 +338,7 @@ async fn detail(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
 
 async fn kill(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
     live(e2b, id).await?;
-    e2b.daemon
+    e2b.core
         .handle(Action::DeleteSandbox(id.to_string()))
         .await?;
     e2b.forget_processes(id);
@@ -361,7 +357,7 @@ async fn set_timeout(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<O
             .ok_or_else(|| Refusal::new(400, "timeout: required"))?,
     )?;
     live(e2b, id).await?;
-    e2b.daemon
+    e2b.core
         .handle(Action::Keepalive {
             id: id.to_string(),
             ttl_s,
@@ -377,7 +373,7 @@ async fn pause(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
             format!("sandbox {id:?} is already paused"),
         ));
     }
-    e2b.daemon.handle(Action::Pause(id.to_string())).await?;
+    e2b.core.handle(Action::Pause(id.to_string())).await?;
     Ok(no_content())
 }
 
@@ -394,7 +390,7 @@ async fn connect(
     let sandbox = live(e2b, id).await?;
     let resumed = sandbox.state == State::Paused;
     if resumed {
-        e2b.daemon.handle(Action::Resume(id.to_string())).await?;
+        e2b.core.handle(Action::Resume(id.to_string())).await?;
     } else if resume_only {
         return Err(Refusal::new(
             409,
@@ -404,7 +400,7 @@ async fn connect(
     if let Some(ttl_s) = ttl_s {
         let wanted = now_ms().saturating_add(ttl_s.saturating_mul(1000));
         if wanted > sandbox.expires_at_ms {
-            e2b.daemon
+            e2b.core
                 .handle(Action::Keepalive {
                     id: id.to_string(),
                     ttl_s,
@@ -474,7 +470,7 @@ async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Response<Out>, Re
     if let [only] = states.as_slice() {
         native.state = Some(*only);
     }
-    let Reply::Sandboxes(page) = e2b.daemon.handle(Action::ListSandboxes(native)).await? else {
+    let Reply::Sandboxes(page) = e2b.core.handle(Action::ListSandboxes(native)).await? else {
         return Err(Refusal::new(500, "the list answered no sandboxes"));
     };
     let listed: Vec<Value> = page
@@ -522,7 +518,7 @@ async fn fork(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Re
         ));
     }
     let reply = e2b
-        .daemon
+        .core
         .handle(Action::Fork {
             id: id.to_string(),
             count,
@@ -575,7 +571,7 @@ async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>
         ));
     }
     let reply = e2b
-        .daemon
+        .core
         .handle(Action::Snapshot {
             id: id.to_string(),
             stop: false,
@@ -621,7 +617,7 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
         }
     }
     let Reply::Snapshots(mut snapshots) =
-        e2b.daemon.handle(Action::ListSnapshots { sandbox }).await?
+        e2b.core.handle(Action::ListSnapshots { sandbox }).await?
     else {
         return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
     };
@@ -652,14 +648,14 @@ async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refu
         ));
     }
     // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
-    match e2b.daemon.handle(Action::GetSnapshot(id.to_string())).await {
+    match e2b.core.handle(Action::GetSnapshot(id.to_string())).await {
         Ok(_) => {}
         Err(ApiError::NotFound(_)) => {
             return Err(Refusal::new(404, format!("snapshot {id:?} not found")))
         }
         Err(e) => return Err(e.into()),
     }
-    e2b.daemon
+    e2b.core
         .handle(Action::DeleteSnapshot(id.to_string()))
         .await?;
     Ok(no_content())
@@ -682,7 +678,7 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
     };
     let sandbox = live(e2b, id).await?;
     if now_ms().saturating_add(ttl_s.saturating_mul(1000)) > sandbox.expires_at_ms {
-        e2b.daemon
+        e2b.core
             .handle(Action::Keepalive {
                 id: id.to_string(),
                 ttl_s,
@@ -696,7 +692,7 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
 /// (an average since start, in % of its vCPUs), memory the VMM's resident set (guest pages
 /// it touched), disk the sandbox's rootfs file (allocated and apparent size; 0 without one).
 async fn metric_now(e2b: &E2b, sandbox: &Sandbox) -> Result<Value, Refusal> {
-    let usage = match e2b.daemon.handle(Action::Usage(sandbox.id.clone())).await? {
+    let usage = match e2b.core.handle(Action::Usage(sandbox.id.clone())).await? {
         Reply::Usage(usage) => usage,
         other => return Err(Refusal::new(500, format!("usage answered {other:?}"))),
     };

@@ -97,7 +97,7 @@ pub(super) async fn respond(
     request: Request<Incoming>,
 ) -> Response<Out> {
     let id = target.id.clone();
-    let sandbox = match e2b.daemon.handle(Action::GetSandbox(id.clone())).await {
+    let sandbox = match e2b.core.handle(Action::GetSandbox(id.clone())).await {
         Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live() => sandbox,
         _ => return proxy_error(&id, format!("The sandbox {id} was not found")),
     };
@@ -155,7 +155,7 @@ async fn forward_port(
     request: Request<Incoming>,
 ) -> Response<Out> {
     let not_open = |why: String| proxy_error(id, format!("sandbox {id}: port is not open ({why})"));
-    match e2b.daemon.guest_tcp(id, port).await {
+    match e2b.core.guest_tcp(id, port).await {
         Ok(pipe) => super::forward::forward(pipe, port, request)
             .await
             .unwrap_or_else(not_open),
@@ -372,11 +372,7 @@ impl Call {
     }
 
     async fn agent(&self) -> Result<AgentClient, RpcError> {
-        self.e2b
-            .daemon
-            .agent(self.id())
-            .await
-            .map_err(api_rpc_error)
+        self.e2b.core.agent(self.id()).await.map_err(api_rpc_error)
     }
 
     async fn unary(&self, request: Request<Incoming>, path: &str) -> Response<Out> {
@@ -937,12 +933,11 @@ impl Call {
             return files_error(400, "path: required".to_string());
         };
         let path = call.resolve(&path);
-        match self
-            .e2b
-            .daemon
-            .file(self.id(), FileOp::Read { path: path.clone() })
-            .await
-        {
+        let read = Action::File {
+            id: self.id().to_string(),
+            op: FileOp::Read { path: path.clone() },
+        };
+        match self.e2b.core.handle(read).await {
             Ok(Reply::Stream { body, .. }) => {
                 let mut response = Response::new(Out::Stream(body));
                 response.headers_mut().insert(
@@ -1034,7 +1029,7 @@ impl Call {
                 mode: None,
                 parents: true,
             };
-            if let Err(e) = self.e2b.daemon.upload(self.id(), op, &data[..]).await {
+            if let Err(e) = self.e2b.core.upload(self.id(), op, &data[..]).await {
                 return files_error(e.status(), format!("path {path}: {e}"));
             }
             let name = path.rsplit('/').next().unwrap_or("").to_string();

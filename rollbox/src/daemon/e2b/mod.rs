@@ -31,8 +31,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response};
 
+use super::core::Core;
 use super::http::{Listener, Out};
-use super::{Daemon, DaemonError, Listen};
+use super::{DaemonError, Listen};
 
 /// The envd version rollbox reports: the newest whose features the façade implements
 /// (octet-stream and gzip uploads, CloseStdin: 0.5.7; file metadata xattrs, 0.6.2, are not).
@@ -113,7 +114,9 @@ fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor, DaemonErr
 
 /// The E2B server's state: the daemon, and processes started through envd.
 pub(crate) struct E2b {
-    daemon: Arc<Daemon>,
+    core: Arc<Core>,
+    /// The daemon's API key: E2B's `X-API-KEY`, and where envd access tokens come from.
+    api_key: String,
     options: E2bOptions,
     processes: Mutex<envd::Processes>,
     /// `CreateWatcher` watchers, by id.
@@ -137,7 +140,7 @@ impl E2b {
         use sha2::Digest as _;
         let mut hash = sha2::Sha256::new();
         hash.update(b"rollbox-e2b-envd\0");
-        hash.update(self.daemon.options.api_key.trim().as_bytes());
+        hash.update(self.api_key.trim().as_bytes());
         hash.update(b"\0");
         hash.update(id.as_bytes());
         hash.finalize()[..16]
@@ -157,9 +160,10 @@ pub fn bind(options: &E2bOptions) -> Result<E2bListener, DaemonError> {
 }
 
 /// Serves E2B connections until the task is aborted.
-pub async fn run(listener: E2bListener, daemon: Arc<Daemon>, options: E2bOptions) {
+pub async fn run(listener: E2bListener, core: Arc<Core>, api_key: String, options: E2bOptions) {
     let e2b = Arc::new(E2b {
-        daemon,
+        core,
+        api_key,
         options,
         processes: Mutex::new(HashMap::new()),
         watchers: Mutex::new(HashMap::new()),
