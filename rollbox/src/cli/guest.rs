@@ -5,8 +5,49 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use clap::Args;
+
 use super::conn::{encode, key_values, parse, CliError, Conn};
-use super::sandbox::ExecArgs;
+
+/// `exec`'s arguments.
+#[derive(Args)]
+pub struct ExecArgs {
+    pub id: String,
+    /// NAME=VALUE (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "NAME=VALUE")]
+    pub env: Vec<String>,
+    /// Working directory in the sandbox (absolute).
+    #[arg(long, value_name = "DIR")]
+    pub cwd: Option<String>,
+    /// User name or uid in the sandbox.
+    #[arg(long)]
+    pub user: Option<String>,
+    /// Kill the command's process group after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<f64>,
+    /// The command and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    pub cmd: Vec<String>,
+}
+
+/// `cp`'s arguments.
+#[derive(Args)]
+pub struct CpArgs {
+    pub src: String,
+    pub dest: String,
+}
+
+/// `port-forward`'s arguments.
+#[derive(Args)]
+pub struct PortForwardArgs {
+    pub id: String,
+    /// The guest port (1-65535).
+    #[arg(value_parser = clap::value_parser!(u16).range(1..))]
+    pub port: u16,
+    /// Where to listen on the host (port 0: any free port).
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
+    pub listen: std::net::SocketAddr,
+}
 
 /// `rollbox sandbox exec`.
 pub fn exec(conn: &Conn, args: ExecArgs) -> Result<u8, CliError> {

@@ -38,11 +38,11 @@ pub enum SandboxCommand {
     Keepalive(KeepaliveArgs),
     /// Run a command in the sandbox, streaming its output; exits with its status (128 +
     /// signal when a signal ended it, 124 on timeout).
-    Exec(ExecArgs),
+    Exec(guest::ExecArgs),
     /// Copy a file or directory between the host and a sandbox, like `docker cp`: one side is
     /// ID:/absolute/path. A directory's contents land in DEST (created if missing); a file
     /// lands at DEST, or in it when DEST is a directory (host) or ends with / (sandbox).
-    Cp(CpArgs),
+    Cp(guest::CpArgs),
     /// Take a memory snapshot (the sandbox keeps running unless --stop) and print its id.
     Snapshot(SnapshotArgs),
     /// List snapshots (of one sandbox with --sandbox).
@@ -64,7 +64,7 @@ pub enum SandboxCommand {
     /// Serve a sandbox's TCP port on a host address: each connection accepted there is
     /// piped to the guest's 127.0.0.1:PORT through the agent. Prints the address, then runs
     /// until interrupted.
-    PortForward(PortForwardArgs),
+    PortForward(guest::PortForwardArgs),
 }
 
 /// `create`'s arguments.
@@ -142,34 +142,6 @@ pub struct KeepaliveArgs {
     pub ttl: i64,
 }
 
-/// `exec`'s arguments.
-#[derive(Args)]
-pub struct ExecArgs {
-    pub id: String,
-    /// NAME=VALUE (repeatable).
-    #[arg(long = "env", short = 'e', value_name = "NAME=VALUE")]
-    pub env: Vec<String>,
-    /// Working directory in the sandbox (absolute).
-    #[arg(long, value_name = "DIR")]
-    pub cwd: Option<String>,
-    /// User name or uid in the sandbox.
-    #[arg(long)]
-    pub user: Option<String>,
-    /// Kill the command's process group after this many seconds.
-    #[arg(long, value_name = "SECS")]
-    pub timeout: Option<f64>,
-    /// The command and its arguments (after `--`).
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
-    pub cmd: Vec<String>,
-}
-
-/// `cp`'s arguments.
-#[derive(Args)]
-pub struct CpArgs {
-    pub src: String,
-    pub dest: String,
-}
-
 /// `snapshot`'s arguments.
 #[derive(Args)]
 pub struct SnapshotArgs {
@@ -202,18 +174,6 @@ pub struct ResetArgs {
     pub id: String,
     #[arg(long, value_name = "SNAPSHOT_ID")]
     pub snapshot: Option<String>,
-}
-
-/// `port-forward`'s arguments.
-#[derive(Args)]
-pub struct PortForwardArgs {
-    pub id: String,
-    /// The guest port (1-65535).
-    #[arg(value_parser = clap::value_parser!(u16).range(1..))]
-    pub port: u16,
-    /// Where to listen on the host (port 0: any free port).
-    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
-    pub listen: std::net::SocketAddr,
 }
 
 /// Runs one subcommand; the process's exit status (a command's own for `exec`).

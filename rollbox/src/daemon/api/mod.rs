@@ -13,6 +13,6 @@ pub use action::*;
 pub use limits::*;
 pub use model::*;
 pub use routes::{is_upload, parse, ROUTES};
-pub use validate::{
-    check_guest_path, check_id, check_snapshot_id, check_template_name, IMAGE_CMDLINE,
-};
+pub use validate::file::check_guest_path;
+pub use validate::template::{check_template_name, IMAGE_CMDLINE};
+pub use validate::{check_id, check_snapshot_id};

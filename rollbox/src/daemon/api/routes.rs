@@ -2,9 +2,8 @@
 //! which makes the [`Action`].
 
 use super::action::{Action, ApiError};
-use super::validate::{
-    bad, check_id, check_snapshot_id, check_template_name, exec, file, sandbox, snapshot, template,
-};
+use super::validate::template::check_template_name;
+use super::validate::{bad, check_id, check_snapshot_id, exec, file, sandbox, snapshot, template};
 
 /// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
 /// document (docs/api/openapi.yaml) lists exactly these; a test checks both ways.

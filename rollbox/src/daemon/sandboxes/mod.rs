@@ -11,12 +11,20 @@ use std::time::Duration;
 
 use super::api::{ApiError, CreateSandbox, Reply, Sandbox, SandboxList, Snapshot, State, Template};
 use super::guest::Guest;
+use super::store::StoreError;
 use super::store::{Db, Inserted};
-use super::supervisor::{self, Supervisor};
+use super::supervisor::{self, Supervisor, SupervisorError};
 use super::usage::Counters;
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
 
-pub use reaper::RecoverError;
+/// Why the sandboxes could not be recovered after a restart.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoverError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Supervisor(#[from] SupervisorError),
+}
 
 /// What the sandboxes service is given.
 pub struct SandboxOptions {

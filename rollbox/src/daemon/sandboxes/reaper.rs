@@ -5,18 +5,9 @@ use std::collections::HashMap;
 
 use super::super::api::State;
 use super::super::store::StoreError;
-use super::super::supervisor::{vm, SupervisorError};
+use super::super::supervisor::vm;
 use super::super::util::{now_ms, remove_dir};
-use super::Sandboxes;
-
-/// Why the sandboxes could not be recovered after a restart.
-#[derive(Debug, thiserror::Error)]
-pub enum RecoverError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Supervisor(#[from] SupervisorError),
-}
+use super::{RecoverError, Sandboxes};
 
 impl Sandboxes {
     /// One reaper pass: VMMs that ended on their own, then TTLs.

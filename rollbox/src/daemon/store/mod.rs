@@ -13,7 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::Connection;
 
-pub use sandboxes::{Inserted, UsageRow};
+pub use rows::UsageRow;
 
 /// A failed database operation.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +96,13 @@ const RUN_MS_UNTIL_NOW: &str = "run_ms = run_ms + \
 
 /// SQLite's clock in Unix milliseconds (for usage accounting inside one statement).
 const SQL_NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+/// What [`Store::insert_sandbox`] did.
+pub enum Inserted {
+    New,
+    /// A sandbox with the same idempotency key exists already.
+    Existing(Box<super::api::Sandbox>),
+}
 
 /// The open database.
 pub struct Store {

@@ -240,3 +240,14 @@ impl From<SnapshotRow> for Snapshot {
         }
     }
 }
+
+/// One sandbox's usage columns.
+pub struct UsageRow {
+    pub sandbox: Sandbox,
+    /// Milliseconds it ran before `running_since_ms`.
+    pub run_ms: u64,
+    /// The start of its current running stretch.
+    pub running_since_ms: Option<u64>,
+    /// CPU time of its ended VMMs.
+    pub cpu_ms: u64,
+}

@@ -3,26 +3,8 @@
 use rusqlite::{params, OptionalExtension};
 
 use super::super::api::{ListQuery, Sandbox, State};
-use super::rows::{SandboxRow, COLUMNS};
-use super::{Store, StoreError, RUN_MS_UNTIL_NOW, SQL_NOW_MS};
-
-/// What [`Store::insert_sandbox`] did.
-pub enum Inserted {
-    New,
-    /// A sandbox with the same idempotency key exists already.
-    Existing(Box<Sandbox>),
-}
-
-/// One sandbox's usage columns.
-pub struct UsageRow {
-    pub sandbox: Sandbox,
-    /// Milliseconds it ran before `running_since_ms`.
-    pub run_ms: u64,
-    /// The start of its current running stretch.
-    pub running_since_ms: Option<u64>,
-    /// CPU time of its ended VMMs.
-    pub cpu_ms: u64,
-}
+use super::rows::{SandboxRow, UsageRow, COLUMNS};
+use super::{Inserted, Store, StoreError, RUN_MS_UNTIL_NOW, SQL_NOW_MS};
 
 impl Store {
     /// Inserts a new sandbox row, unless its idempotency key is taken (in one transaction, so

@@ -8,7 +8,8 @@ use serde::Deserialize;
 use super::super::action::{Action, ApiError};
 use super::super::limits::{DEFAULT_OUTPUT_BYTES, MAX_EXEC_TIMEOUT_S, MAX_OUTPUT_BYTES};
 use super::super::model::{decode_bytes, Encoding, Exec, ExecCommand};
-use super::{bad, check_env, check_guest_path, check_id, from_json, parse_bool, query_pairs};
+use super::file::check_guest_path;
+use super::{bad, check_env, check_id, from_json, parse_bool, query_pairs};
 
 #[derive(Deserialize)]
 #[serde(untagged)]

@@ -1,6 +1,7 @@
 //! Validators, one module per resource: each turns a request's path parameters, query and JSON
 //! body into its [`Action`](super::Action), or a 400 naming the field at fault. Here: what they
-//! share (JSON with field paths, ranges, TTLs, query strings, sandbox ids, environments).
+//! share (JSON with field paths, ranges, TTLs, query strings, sandbox and snapshot ids,
+//! labels, environments).
 
 pub mod exec;
 pub mod file;
@@ -11,11 +12,7 @@ pub mod template;
 use std::collections::BTreeMap;
 
 use super::action::ApiError;
-use super::limits::{MAX_ENV, MAX_TTL_S};
-
-pub use file::check_guest_path;
-pub use snapshot::check_snapshot_id;
-pub use template::{check_template_name, IMAGE_CMDLINE};
+use super::limits::{MAX_ENV, MAX_LABELS, MAX_TTL_S};
 
 /// A 400 with this message.
 pub fn bad(message: impl Into<String>) -> ApiError {
@@ -147,6 +144,47 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
         if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
             return Err(bad(format!(
                 "env: {key:?} is not a variable name (non-empty, no = or NUL)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Snapshot ids: `snap-` and 16 lowercase hex digits.
+pub fn check_snapshot_id(id: &str, field: &str) -> Result<String, ApiError> {
+    let hex = id.strip_prefix("snap-").unwrap_or("");
+    if hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(id.to_string())
+    } else {
+        Err(bad(format!(
+            "{field}: {id:?} is not a snapshot id (snap- and 16 hex digits)"
+        )))
+    }
+}
+
+/// Label keys: 1-63 of A-Z a-z 0-9 . _ / -, starting with a letter or digit.
+pub fn check_label_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 63
+        && key.bytes().enumerate().all(|(i, b)| {
+            b.is_ascii_alphanumeric() || (i > 0 && matches!(b, b'.' | b'_' | b'/' | b'-'))
+        })
+}
+
+/// Labels: at most [`MAX_LABELS`], plain keys, short values.
+pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(bad(format!("labels: more than {MAX_LABELS}")));
+    }
+    for (key, value) in labels {
+        if !check_label_key(key) {
+            return Err(bad(format!(
+                "labels: key {key:?} is not 1-63 of A-Z a-z 0-9 . _ / - starting with a letter or digit"
+            )));
+        }
+        if value.len() > 255 || value.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "labels.{key}: the value must be at most 255 bytes with no control characters"
             )));
         }
     }

@@ -6,13 +6,14 @@ use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
 use super::super::limits::{
-    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_IDS, MAX_LABELS, MAX_LIST_LIMIT, MAX_MEMORY_MIB,
-    MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
+    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_IDS, MAX_LIST_LIMIT, MAX_MEMORY_MIB, MAX_METADATA,
+    MAX_VCPUS, MIN_CPU_LIMIT,
 };
 use super::super::model::{CreateSandbox, ListQuery, State};
+use super::template::check_template_name;
 use super::{
-    bad, check_env, check_id, check_snapshot_id, check_template_name, from_json, in_range,
-    percent_decode, ttl,
+    bad, check_env, check_id, check_label_key, check_labels, check_snapshot_id, from_json,
+    in_range, percent_decode, ttl,
 };
 
 #[derive(Deserialize)]
@@ -40,35 +41,6 @@ struct CreateBody {
 #[serde(deny_unknown_fields)]
 struct KeepaliveBody {
     ttl_s: i64,
-}
-
-/// Label keys: 1-63 of A-Z a-z 0-9 . _ / -, starting with a letter or digit.
-pub fn check_label_key(key: &str) -> bool {
-    !key.is_empty()
-        && key.len() <= 63
-        && key.bytes().enumerate().all(|(i, b)| {
-            b.is_ascii_alphanumeric() || (i > 0 && matches!(b, b'.' | b'_' | b'/' | b'-'))
-        })
-}
-
-/// Labels: at most [`MAX_LABELS`], plain keys, short values.
-pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
-    if labels.len() > MAX_LABELS {
-        return Err(bad(format!("labels: more than {MAX_LABELS}")));
-    }
-    for (key, value) in labels {
-        if !check_label_key(key) {
-            return Err(bad(format!(
-                "labels: key {key:?} is not 1-63 of A-Z a-z 0-9 . _ / - starting with a letter or digit"
-            )));
-        }
-        if value.len() > 255 || value.chars().any(char::is_control) {
-            return Err(bad(format!(
-                "labels.{key}: the value must be at most 255 bytes with no control characters"
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// POST /sandboxes: from a template (boot) or a snapshot (restore).

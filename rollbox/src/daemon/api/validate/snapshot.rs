@@ -6,8 +6,9 @@ use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
 use super::super::limits::MAX_FORK;
-use super::sandbox::check_labels;
-use super::{bad, check_id, from_json, in_range, query_pairs, ttl};
+use super::{
+    bad, check_id, check_labels, check_snapshot_id, from_json, in_range, query_pairs, ttl,
+};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -30,18 +31,6 @@ struct ForkBody {
 #[serde(deny_unknown_fields)]
 struct ResetBody {
     snapshot: Option<String>,
-}
-
-/// Snapshot ids: `snap-` and 16 lowercase hex digits.
-pub fn check_snapshot_id(id: &str, field: &str) -> Result<String, ApiError> {
-    let hex = id.strip_prefix("snap-").unwrap_or("");
-    if hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-        Ok(id.to_string())
-    } else {
-        Err(bad(format!(
-            "{field}: {id:?} is not a snapshot id (snap- and 16 hex digits)"
-        )))
-    }
 }
 
 /// POST /sandboxes/{id}/snapshots (an empty body: the defaults).
