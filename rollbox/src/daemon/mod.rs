@@ -1,7 +1,7 @@
-//! `rollbox serve`: the daemon. Two frontends, the native HTTP/JSON API ([`http`]) and the
-//! E2B-compatible one ([`e2b`]), parse requests into [`api::Action`]s for the one action
-//! interface, [`core::Core`], which runs each on its service and answers an [`api::Reply`].
-//! [`serve`] builds it all.
+//! `rollbox serve`: the daemon. Two sibling [`frontend`]s, the native HTTP/JSON API and the
+//! E2B-compatible one, parse requests into [`api::Action`]s for the one action interface,
+//! `core::Core`, which runs each on its service and answers an [`api::Reply`]. `serve.rs`
+//! builds it all.
 //!
 //! The services: [`sandboxes`] (create, end, reap, recover), the [`supervisor`] (the
 //! `rollbox-vmm` processes, their jails and host cgroups), [`snapshots`] (snapshots, fork,
@@ -12,9 +12,8 @@
 pub mod api;
 pub mod client;
 mod core;
-pub mod e2b;
+pub mod frontend;
 mod guest;
-mod http;
 mod retention;
 mod sandboxes;
 mod serve;
@@ -25,7 +24,9 @@ mod templates;
 pub mod usage;
 mod util;
 
+pub use frontend::e2b;
+pub use frontend::transport::Listen;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
 pub use rollbox_jailer::cgroup;
-pub use serve::{serve, DaemonError, Listen, ServeOptions};
+pub use serve::{serve, DaemonError, ServeOptions};
 pub use supervisor::{vm, JailerOptions};

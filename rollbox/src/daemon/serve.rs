@@ -1,17 +1,17 @@
 //! `rollbox serve`'s composition root: opens the state, builds the services (the supervisor,
 //! then sandboxes, snapshots and templates over it and the store) and the [`Core`] they sit
 //! behind, recovers what a previous daemon left, starts the reaper and the frontends (the
-//! native API, and the E2B one when asked), and serves until shutdown.
+//! native API, and the E2B one when asked), and serves until shutdown. The core knows neither
+//! frontend; this is where they meet it.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::core::Core;
-use super::e2b;
+use super::frontend::transport::{Listen, Listener, TransportError};
+use super::frontend::{e2b, rest};
 use super::guest::Guest;
-use super::http;
 use super::retention::Retention;
 use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
 use super::snapshots::Snapshots;
@@ -34,26 +34,12 @@ pub enum DaemonError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Recover(#[from] RecoverError),
-    #[error("cannot listen on {what}: {source}")]
-    Listen {
-        what: String,
-        source: std::io::Error,
-    },
-    #[error("{0} is not a loopback address: the API is for this host only (use --socket for a Unix socket)")]
-    NotLoopback(SocketAddr),
-    #[error("{0} is in use by a running daemon; stop it or pick another --socket")]
-    SocketInUse(PathBuf),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
     #[error("the API key is empty: put a key in --api-key-file or ROLLBOX_API_KEY")]
     EmptyKey,
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
-}
-
-/// Where the API listens.
-#[derive(Debug, Clone)]
-pub enum Listen {
-    Unix(PathBuf),
-    Tcp(SocketAddr),
 }
 
 /// `rollbox serve` options.
@@ -188,7 +174,7 @@ pub async fn serve(
     }
     // The E2B listener first: its TLS files are the likelier to be wrong.
     let e2b_listener = options.e2b.as_ref().map(e2b::bind).transpose()?;
-    let listener = http::Listener::bind(&options.listen)?;
+    let listener = Listener::bind(&options.listen)?;
     let e2b_server = e2b_listener
         .zip(options.e2b.clone())
         .map(|(bound, e2b_options)| {
@@ -217,7 +203,7 @@ pub async fn serve(
         })
     };
     log::info!("listening on {}", listener.describe());
-    let result = http::run(listener, core, options.api_key.clone(), shutdown).await;
+    rest::run(listener, core, options.api_key.clone(), shutdown).await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {
         e2b_server.abort();
@@ -225,5 +211,5 @@ pub async fn serve(
     if let Listen::Unix(path) = &options.listen {
         let _ = std::fs::remove_file(path);
     }
-    result
+    Ok(())
 }

@@ -1,150 +1,17 @@
-//! The HTTP layer: accept, check the key, cap the body, parse into an action, run it, and
-//! write the typed reply as JSON. Nothing else happens here.
+//! The native frontend: accept, check the key, cap the body, parse into an action, run it on
+//! the [`Core`], and write the typed reply as JSON. Nothing else happens here.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
 use http_body_util::{BodyExt, Limited};
-use hyper::body::{Body, Bytes, Frame, Incoming};
+use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 
-use super::api::Reply;
-use super::api::{self, Action, ApiError, MAX_BODY, MAX_UPLOAD};
-use super::api::{BodyTooLarge, Chunk};
-use super::core::Core;
-use super::{DaemonError, Listen};
-
-/// A response body: whole, or streamed from a channel (sent chunked).
-pub enum Out {
-    Full(Option<Bytes>),
-    Stream(tokio::sync::mpsc::Receiver<Chunk>),
-}
-
-impl Body for Out {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        match self.get_mut() {
-            Out::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            // An error aborts the response: a chunked body without its end tells the client.
-            Out::Stream(rx) => rx.poll_recv(cx).map(|c| c.map(|c| c.map(Frame::data))),
-        }
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        match self {
-            Out::Full(Some(bytes)) => hyper::body::SizeHint::with_exact(bytes.len() as u64),
-            Out::Full(None) => hyper::body::SizeHint::with_exact(0),
-            Out::Stream(_) => hyper::body::SizeHint::default(),
-        }
-    }
-}
-
-/// A request body as an `AsyncRead`, failing with [`BodyTooLarge`] past `limit` bytes.
-struct BodyReader {
-    body: Incoming,
-    left: Bytes,
-    read: usize,
-    limit: usize,
-}
-
-impl tokio::io::AsyncRead for BodyReader {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        while this.left.is_empty() {
-            match Pin::new(&mut this.body).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(None) => return Poll::Ready(Ok(())),
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(std::io::Error::other(e))),
-                Poll::Ready(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        this.read = this.read.saturating_add(data.len());
-                        if this.read > this.limit {
-                            return Poll::Ready(Err(std::io::Error::other(BodyTooLarge)));
-                        }
-                        this.left = data;
-                    }
-                }
-            }
-        }
-        let n = this.left.len().min(buf.remaining());
-        buf.put_slice(&this.left.split_to(n));
-        Poll::Ready(Ok(()))
-    }
-}
-
-/// A bound listener.
-pub enum Listener {
-    Unix(tokio::net::UnixListener, std::path::PathBuf),
-    Tcp(tokio::net::TcpListener),
-}
-
-impl Listener {
-    pub fn bind(listen: &Listen) -> Result<Listener, DaemonError> {
-        match listen {
-            Listen::Unix(path) => {
-                if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                    return Err(DaemonError::SocketInUse(path.clone()));
-                }
-                // Nothing answers: a stale socket of a daemon that died.
-                let _ = std::fs::remove_file(path);
-                let listener =
-                    tokio::net::UnixListener::bind(path).map_err(|source| DaemonError::Listen {
-                        what: path.display().to_string(),
-                        source,
-                    })?;
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(
-                    |source| DaemonError::Listen {
-                        what: path.display().to_string(),
-                        source,
-                    },
-                )?;
-                Ok(Listener::Unix(listener, path.clone()))
-            }
-            Listen::Tcp(addr) => {
-                if !addr.ip().is_loopback() {
-                    return Err(DaemonError::NotLoopback(*addr));
-                }
-                let std_listener =
-                    std::net::TcpListener::bind(addr).map_err(|source| DaemonError::Listen {
-                        what: addr.to_string(),
-                        source,
-                    })?;
-                let listen_error = |source| DaemonError::Listen {
-                    what: addr.to_string(),
-                    source,
-                };
-                std_listener.set_nonblocking(true).map_err(listen_error)?;
-                let listener =
-                    tokio::net::TcpListener::from_std(std_listener).map_err(listen_error)?;
-                Ok(Listener::Tcp(listener))
-            }
-        }
-    }
-
-    pub fn describe(&self) -> String {
-        match self {
-            Listener::Unix(_, path) => path.display().to_string(),
-            Listener::Tcp(l) => l
-                .local_addr()
-                .map(|a| format!("http://{a}"))
-                .unwrap_or_else(|e| format!("tcp ({e})")),
-        }
-    }
-}
+use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
+use super::super::core::Core;
+use super::transport::{accept, same_key, BodyReader, Listener, Out};
 
 /// Serves connections until `shutdown` completes.
 pub async fn run(
@@ -152,12 +19,12 @@ pub async fn run(
     core: Arc<Core>,
     api_key: String,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), DaemonError> {
+) {
     let api_key: Arc<str> = api_key.into();
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
-            () = &mut shutdown => return Ok(()),
+            () = &mut shutdown => return,
             accepted = accept(&listener) => accepted,
         };
         let io = match accepted {
@@ -183,70 +50,6 @@ pub async fn run(
                 .await;
         });
     }
-}
-
-enum Io {
-    Unix(TokioIo<tokio::net::UnixStream>),
-    Tcp(TokioIo<tokio::net::TcpStream>),
-}
-
-async fn accept(listener: &Listener) -> std::io::Result<Io> {
-    Ok(match listener {
-        Listener::Unix(l, _) => Io::Unix(TokioIo::new(l.accept().await?.0)),
-        Listener::Tcp(l) => Io::Tcp(TokioIo::new(l.accept().await?.0)),
-    })
-}
-
-// hyper needs one I/O type per connection future: dispatch by hand.
-impl hyper::rt::Read for Io {
-    fn poll_read(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Io::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-            Io::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl hyper::rt::Write for Io {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            Io::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
-            Io::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Io::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
-            Io::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Io::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-            Io::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
-
-/// Compares without an early exit, so timing does not reveal how much of a key matched.
-fn same_key(given: &[u8], key: &[u8]) -> bool {
-    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 fn authorized(request: &Request<Incoming>, key: &str) -> bool {
@@ -334,12 +137,7 @@ async fn handle(
                 "{method} {path} is not an upload"
             )));
         };
-        let body = BodyReader {
-            body: request.into_body(),
-            left: Bytes::new(),
-            read: 0,
-            limit: MAX_UPLOAD,
-        };
+        let body = BodyReader::new(request.into_body(), MAX_UPLOAD);
         return core.upload(&id, op, body).await;
     }
     if method == "GET" && path.contains("/ports/") {
@@ -467,17 +265,4 @@ fn error_response(error: &ApiError) -> Response<Out> {
         _ => {}
     }
     response
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_compare_whole() {
-        assert!(same_key(b"secret", b"secret"));
-        assert!(!same_key(b"secre", b"secret"));
-        assert!(!same_key(b"secreT", b"secret"));
-        assert!(!same_key(b"", b"secret"));
-    }
 }

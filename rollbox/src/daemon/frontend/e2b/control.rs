@@ -11,11 +11,15 @@ use hyper::{Request, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::super::api::Reply;
-use super::super::api::{self, Action, ApiError, ListQuery, Sandbox, State, MAX_BODY, MAX_TTL_S};
-use super::super::http::Out;
-use super::super::util::now_ms;
-use super::{json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION};
+use super::super::super::api::{
+    self, Action, ApiError, ListQuery, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
+};
+use super::super::super::util::now_ms;
+use super::super::transport::{same_key, Out};
+use super::state::E2b;
+use super::wire::{
+    header, json, no_content, query_pairs, rfc3339, DEFAULT_TIMEOUT_S, ENVD_VERSION,
+};
 
 /// E2B calls rollbox does not serve, answered 501 with this reason.
 const REFUSED: &[(&str, &str)] = &[(
@@ -55,7 +59,7 @@ impl From<ApiError> for Refusal {
     }
 }
 
-pub(super) async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
+pub async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
     match route(e2b, request).await {
         Ok(response) => response,
         Err(refusal) => {
@@ -81,14 +85,9 @@ pub(super) async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Respo
 }
 
 fn authorized(request: &Request<Incoming>, key: &str) -> bool {
-    let given = super::header(request, "x-api-key").or_else(|| {
-        super::header(request, "authorization").and_then(|v| v.strip_prefix("Bearer "))
-    });
-    given.is_some_and(|given| {
-        let (given, key) = (given.trim().as_bytes(), key.trim().as_bytes());
-        given.len() == key.len()
-            && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-    })
+    let given = header(request, "x-api-key")
+        .or_else(|| header(request, "authorization").and_then(|v| v.strip_prefix("Bearer ")));
+    given.is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
 }
 
 async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Out>, Refusal> {
@@ -101,7 +100,7 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
     let method = request.method().as_str().to_string();
     let path = request.uri().path().trim_end_matches('/').to_string();
     let query = request.uri().query().unwrap_or("").to_string();
-    let idempotency_key = super::header(&request, "idempotency-key").map(str::to_string);
+    let idempotency_key = header(&request, "idempotency-key").map(str::to_string);
     let body = Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await
@@ -291,7 +290,7 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
         "clientID": "rollbox",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b.access_token(&sandbox.id),
-        "domain": e2b.options.domain,
+        "domain": e2b.domain,
     })
 }
 
@@ -313,7 +312,7 @@ fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
     });
     if detail {
         value["envdAccessToken"] = json!(e2b.access_token(&sandbox.id));
-        value["domain"] = json!(e2b.options.domain);
+        value["domain"] = json!(e2b.domain);
     }
     value
 }
