@@ -88,17 +88,20 @@ fn net(command: NetCommand) -> Result<(), rollbox::net::NetError> {
                     None => net::LinkKind::Tap,
                 },
             };
-            let info = net::up(&args.state.dir(), &options)?;
+            let request = net::LeaseRequest::parse(&options)?;
+            let info = net::lease(&args.state.dir(), &request)?;
             json(serde_json::json!(info));
         }
         NetCommand::Down { name, state } => {
-            if !net::down(&state.dir(), &name)? {
+            if !net::release(&state.dir(), &name)? {
                 eprintln!("{name}: no network to remove");
             }
         }
-        NetCommand::List { state } => json(serde_json::json!(net::list(&state.dir())?)),
+        NetCommand::List { state } => json(serde_json::json!(net::leases(&state.dir())?)),
         NetCommand::Gc { pool, state } => {
-            json(serde_json::json!({ "removed": net::gc(&state.dir(), &pool)? }))
+            let state = state.dir();
+            let pool = net::Pool::parse(&pool)?;
+            json(serde_json::json!({ "removed": net::gc(&state, &pool)? }))
         }
     }
     Ok(())
