@@ -180,6 +180,26 @@ pub enum Reply {
     SwitchingProtocols,
 }
 
+impl ForkResult {
+    /// One create of a batch or a fork: the sandbox it made, or why not.
+    pub fn of(result: Result<Reply, ApiError>) -> ForkResult {
+        match result {
+            Ok(Reply::Sandbox { sandbox, .. }) => ForkResult {
+                sandbox: Some(sandbox),
+                error: None,
+            },
+            Ok(other) => ForkResult {
+                sandbox: None,
+                error: Some(format!("unexpected reply {other:?}")),
+            },
+            Err(e) => ForkResult {
+                sandbox: None,
+                error: Some(e.to_string()),
+            },
+        }
+    }
+}
+
 /// A streamed body chunk, or why the stream broke.
 pub type Chunk = Result<Bytes, std::io::Error>;
 

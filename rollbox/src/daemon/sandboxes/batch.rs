@@ -40,20 +40,7 @@ impl Sandboxes {
         let results = futures_util::future::join_all(creates)
             .await
             .into_iter()
-            .map(|result| match result {
-                Ok(Reply::Sandbox { sandbox, .. }) => ForkResult {
-                    sandbox: Some(sandbox),
-                    error: None,
-                },
-                Ok(other) => ForkResult {
-                    sandbox: None,
-                    error: Some(format!("unexpected reply {other:?}")),
-                },
-                Err(e) => ForkResult {
-                    sandbox: None,
-                    error: Some(e.to_string()),
-                },
-            })
+            .map(ForkResult::of)
             .collect();
         Ok(Reply::Forked(results))
     }
