@@ -7,26 +7,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use rusqlite::params;
+use std::sync::Arc;
 
 use super::api::Snapshot;
-use super::store::{Store, StoreError};
-use super::{log_line, now_ms, remove_dir, Daemon};
-
-impl Store {
-    /// Snapshots a live sandbox was restored or reset from.
-    fn sources_of_live(&self) -> Result<HashSet<String>, StoreError> {
-        let mut statement = self.conn.prepare(
-            "SELECT DISTINCT src.snapshot FROM sandbox_sources src \
-             JOIN sandboxes s ON s.id = src.sandbox \
-             WHERE s.state IN ('creating', 'running', 'paused')",
-        )?;
-        let ids = statement
-            .query_map(params![], |row| row.get::<_, String>(0))?
-            .collect::<rusqlite::Result<HashSet<String>>>()?;
-        Ok(ids)
-    }
-}
+use super::store::{Db, StoreError};
+use super::util::{now_ms, remove_dir};
 
 /// The snapshots the rules remove, oldest first, and why; `kept` those a live sandbox keeps.
 pub fn doomed(
@@ -65,11 +50,22 @@ pub fn doomed(
     (gone, kept)
 }
 
-impl Daemon {
+/// The retention rules, applied to the store's snapshots.
+pub struct Retention {
+    db: Arc<Db>,
+    /// `--snapshot-retention N`: keep each sandbox's newest N; None: keep all.
+    keep_newest: Option<u32>,
+}
+
+impl Retention {
+    pub fn new(db: Arc<Db>, keep_newest: Option<u32>) -> Retention {
+        Retention { db, keep_newest }
+    }
+
     /// Applies the retention rules once.
-    pub(super) async fn enforce_retention(&self) -> Result<(), StoreError> {
+    pub async fn enforce(&self) -> Result<(), StoreError> {
         let (snapshots, protected) = {
-            let store = self.store();
+            let store = self.db.lock();
             let mut protected = store.sources_of_live()?;
             // A template's boot snapshot goes with its template only.
             protected.extend(
@@ -80,20 +76,15 @@ impl Daemon {
             );
             (store.snapshots(None)?, protected)
         };
-        let any_rule = self.options.snapshot_retention.is_some()
-            || snapshots.iter().any(|s| s.expires_at_ms.is_some());
+        let any_rule =
+            self.keep_newest.is_some() || snapshots.iter().any(|s| s.expires_at_ms.is_some());
         if !any_rule {
             return Ok(());
         }
-        let (gone, _kept) = doomed(
-            &snapshots,
-            self.options.snapshot_retention,
-            &protected,
-            now_ms(),
-        );
+        let (gone, _kept) = doomed(&snapshots, self.keep_newest, &protected, now_ms());
         for (snapshot, why) in gone {
-            if self.store().remove_snapshot(&snapshot.id)? {
-                log_line(&format!("removed snapshot {}: {why}", snapshot.id));
+            if self.db.lock().remove_snapshot(&snapshot.id)? {
+                log::info!("removed snapshot {}: {why}", snapshot.id);
                 let dir = snapshot.dir.clone();
                 let _ = tokio::task::spawn_blocking(move || remove_dir(&dir)).await;
             }

@@ -1,49 +1,74 @@
-//! Snapshots of running sandboxes (the VMM's Full snapshot into a daemon-owned directory),
-//! fork (a fresh snapshot, then one restore per new sandbox) and reset (same id, a new VMM
-//! restored from a snapshot, or booted afresh).
+//! The snapshots service: snapshots of running sandboxes (the VMM's Full snapshot into a
+//! daemon-owned directory), fork (a fresh snapshot, then one restore per new sandbox) and reset
+//! (same id, a new VMM restored from a snapshot, or booted afresh).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::api::{ApiError, CreateSandbox, ForkResult, Snapshot, State};
-use super::{internal, log_line, now_ms, random_hex, reap_child, remove_dir, vm, Daemon, Reply};
+use super::api::{ApiError, CreateSandbox, ForkResult, Reply, Snapshot, State};
+use super::retention::Retention;
+use super::sandboxes::{check_deterministic, Sandboxes};
+use super::store::{Db, StoreError};
+use super::supervisor::{self, Busy, Supervisor};
+use super::util::{internal, now_ms, random_hex, remove_dir, sandbox_reply, touch};
 
-/// Marks a sandbox busy (the reaper skips it) until dropped.
-struct Busy<'a> {
-    daemon: &'a Daemon,
-    id: String,
+/// The snapshots.
+pub struct Snapshots {
+    db: Arc<Db>,
+    supervisor: Arc<Supervisor>,
+    sandboxes: Arc<Sandboxes>,
+    retention: Arc<Retention>,
+    /// `STATE/snapshots`: one directory per snapshot.
+    dir: PathBuf,
 }
 
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        self.daemon.busy_set().remove(&self.id);
-    }
-}
-
-impl Daemon {
-    fn busy_set(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-        self.busy.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(super) fn is_busy(&self, id: &str) -> bool {
-        self.busy_set().contains(id)
-    }
-
-    fn claim(&self, id: &str) -> Result<Busy<'_>, ApiError> {
-        if !self.busy_set().insert(id.to_string()) {
-            return Err(ApiError::Conflict(format!(
-                "sandbox {id} is being snapshotted or reset; retry when that is done"
-            )));
+impl Snapshots {
+    pub fn new(
+        db: Arc<Db>,
+        supervisor: Arc<Supervisor>,
+        sandboxes: Arc<Sandboxes>,
+        retention: Arc<Retention>,
+        dir: PathBuf,
+    ) -> Snapshots {
+        Snapshots {
+            db,
+            supervisor,
+            sandboxes,
+            retention,
+            dir,
         }
-        Ok(Busy {
-            daemon: self,
-            id: id.to_string(),
+    }
+
+    /// Holds the sandbox's VMM for a snapshot or a reset.
+    fn claim(&self, id: &str) -> Result<Busy<'_>, ApiError> {
+        self.supervisor.claim(id).ok_or_else(|| {
+            ApiError::Conflict(format!(
+                "sandbox {id} is being snapshotted or reset; retry when that is done"
+            ))
         })
+    }
+
+    /// GET /snapshots (of one sandbox when given).
+    pub fn list(&self, sandbox: Option<&str>) -> Result<Reply, ApiError> {
+        Ok(Reply::Snapshots(
+            self.db.lock().snapshots(sandbox).map_err(internal)?,
+        ))
+    }
+
+    pub fn get(&self, id: &str) -> Result<Reply, ApiError> {
+        match self.db.lock().snapshot(id).map_err(internal)? {
+            Some(snapshot) => Ok(Reply::Snapshot {
+                created: false,
+                snapshot,
+            }),
+            None => Err(ApiError::NotFound(format!("no snapshot {id}"))),
+        }
     }
 
     /// Pauses the VM (if it runs), takes a Full snapshot and a copy of its rootfs, and resumes
     /// it, or ends it when `stop`.
-    pub(super) async fn snapshot(
+    pub async fn snapshot(
         &self,
         id: &str,
         stop: bool,
@@ -58,11 +83,11 @@ impl Daemon {
                 .created_at_ms
                 .saturating_add(ttl_s.saturating_mul(1000));
             snapshot.expires_at_ms = Some(at);
-            self.store().set_snapshot(&snapshot).map_err(internal)?;
+            self.db.lock().set_snapshot(&snapshot).map_err(internal)?;
         }
         if stop {
             let reason = format!("stopped after snapshot {}", snapshot.id);
-            self.end(id, State::Deleted, &reason).await?;
+            self.sandboxes.end(id, State::Deleted, &reason).await?;
         }
         Ok(Reply::Snapshot {
             created: true,
@@ -71,7 +96,7 @@ impl Daemon {
     }
 
     async fn take_snapshot(&self, id: &str) -> Result<Snapshot, ApiError> {
-        let sandbox = self.touch(id)?;
+        let sandbox = touch(&self.db, id)?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}; only a running or paused sandbox can be snapshotted",
@@ -79,7 +104,8 @@ impl Daemon {
             )));
         }
         let template = self
-            .store()
+            .db
+            .lock()
             .template(&sandbox.template)
             .map_err(internal)?
             .ok_or_else(|| {
@@ -90,10 +116,10 @@ impl Daemon {
             })?;
         let snapshot_id = format!("snap-{}", random_hex());
         let snapshot = Snapshot {
-            dir: self.snapshots_dir.join(&snapshot_id),
+            dir: self.dir.join(&snapshot_id),
             id: snapshot_id,
             sandbox: id.to_string(),
-            parent: self.store().source(id).map_err(internal)?,
+            parent: self.db.lock().source(id).map_err(internal)?,
             template: sandbox.template.clone(),
             vcpus: sandbox.vcpus,
             memory_mib: sandbox.memory_mib,
@@ -101,44 +127,20 @@ impl Daemon {
             expires_at_ms: None,
             deterministic: sandbox.deterministic,
         };
-        let paths = vm::Paths::new(&sandbox.dir);
+        let sandbox_dir = sandbox.dir.clone();
         let dir = snapshot.dir.clone();
         let running = sandbox.state == State::Running;
         let rootfs = template.rootfs.is_some();
-        let jail_uid = self.jail.as_ref().map(|j| j.uid);
-        let taken = tokio::task::spawn_blocking(move || -> Result<(), String> {
-            std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            if running {
-                vm::set_vm_state(&paths.api_sock, "Paused").map_err(|e| e.to_string())?;
-            }
-            // The disk is copied while the vCPUs are paused, so it matches the memory.
-            let result = vm::create_snapshot(&paths, &dir, jail_uid)
-                .map_err(|e| e.to_string())
-                .and_then(|()| {
-                    if rootfs {
-                        vm::copy_disk(&paths.rootfs, &dir.join("rootfs.img"))
-                            .map_err(|e| format!("copying {}: {e}", paths.rootfs.display()))
-                    } else {
-                        Ok(())
-                    }
-                });
-            if running {
-                let resumed = vm::set_vm_state(&paths.api_sock, "Resumed");
-                if let (Ok(()), Err(e)) = (&result, resumed) {
-                    return Err(e.to_string());
-                }
-            }
-            if result.is_err() {
-                let _ = remove_dir(&dir);
-            }
-            result
+        let jail_uid = self.supervisor.jail_uid();
+        let taken = tokio::task::spawn_blocking(move || {
+            supervisor::snapshot_vm(&sandbox_dir, &dir, running, rootfs, jail_uid)
         })
         .await
         .map_err(internal)?;
         taken.map_err(|e| ApiError::Internal(format!("snapshot of sandbox {id}: {e}")))?;
-        self.store().add_snapshot(&snapshot).map_err(internal)?;
-        if let Err(e) = self.enforce_retention().await {
-            log_line(&format!("snapshot retention: {e}"));
+        self.db.lock().add_snapshot(&snapshot).map_err(internal)?;
+        if let Err(e) = self.retention.enforce().await {
+            log::warn!("snapshot retention: {e}");
         }
         Ok(snapshot)
     }
@@ -146,21 +148,21 @@ impl Daemon {
     /// Removes a snapshot and its files; removing one that is gone is success. Sandboxes
     /// restored from it keep running (their memory mapping outlives the file). A template's
     /// boot snapshot goes with its template only.
-    pub(super) async fn delete_snapshot(&self, id: &str) -> Result<Reply, ApiError> {
-        if let Some(template) = self.boot_snapshot_owner(id)? {
+    pub async fn delete(&self, id: &str) -> Result<Reply, ApiError> {
+        if let Some(template) = self.db.lock().boot_snapshot_owner(id).map_err(internal)? {
             return Err(ApiError::Conflict(format!(
                 "snapshot {id} is the boot snapshot of template {template:?}; it goes when the template is removed"
             )));
         }
-        self.remove_snapshot_files(id).await?;
+        self.remove_files(id).await?;
         Ok(Reply::NoContent)
     }
 
     /// Forgets a snapshot and removes its directory.
-    pub(super) async fn remove_snapshot_files(&self, id: &str) -> Result<(), ApiError> {
-        let snapshot = self.store().snapshot(id).map_err(internal)?;
+    pub async fn remove_files(&self, id: &str) -> Result<(), ApiError> {
+        let snapshot = self.db.lock().snapshot(id).map_err(internal)?;
         if let Some(snapshot) = snapshot {
-            self.store().remove_snapshot(id).map_err(internal)?;
+            self.db.lock().remove_snapshot(id).map_err(internal)?;
             tokio::task::spawn_blocking(move || remove_dir(&snapshot.dir))
                 .await
                 .map_err(internal)?
@@ -170,14 +172,14 @@ impl Daemon {
     }
 
     /// A snapshot of a running sandbox for its template's boot snapshot.
-    pub(super) async fn snapshot_for_template(&self, id: &str) -> Result<String, ApiError> {
+    pub async fn for_template(&self, id: &str) -> Result<String, ApiError> {
         let _busy = self.claim(id)?;
         Ok(self.take_snapshot(id).await?.id)
     }
 
     /// A fresh snapshot of the sandbox, then `count` restores of it, each on its own.
-    pub(super) async fn fork(
-        self: &Arc<Self>,
+    pub async fn fork(
+        &self,
         id: &str,
         count: u32,
         ttl_s: Option<u64>,
@@ -187,7 +189,7 @@ impl Daemon {
             let _busy = self.claim(id)?;
             self.take_snapshot(id).await?
         };
-        let parent = self.touch(id)?;
+        let parent = touch(&self.db, id)?;
         // Without a TTL the forks get what the parent has left.
         let ttl_s = ttl_s.unwrap_or_else(|| {
             parent
@@ -211,39 +213,21 @@ impl Daemon {
                 cpu_limit: parent.cpu_limit,
                 deterministic: parent.deterministic,
             };
-            let daemon = Arc::clone(self);
-            async move { daemon.create(request).await }
+            async move { self.sandboxes.create(request).await }
         });
         let results = futures_util::future::join_all(creates)
             .await
             .into_iter()
-            .map(|result| match result {
-                Ok(Reply::Sandbox { sandbox, .. }) => ForkResult {
-                    sandbox: Some(sandbox),
-                    error: None,
-                },
-                Ok(other) => ForkResult {
-                    sandbox: None,
-                    error: Some(format!("unexpected reply {other:?}")),
-                },
-                Err(e) => ForkResult {
-                    sandbox: None,
-                    error: Some(e.to_string()),
-                },
-            })
+            .map(ForkResult::of)
             .collect();
         Ok(Reply::Forked(results))
     }
 
     /// Same id, fresh state: a new VMM restored from `snapshot` (default: the snapshot the
     /// sandbox came from), or booted from its template when it came from none.
-    pub(super) async fn reset(
-        &self,
-        id: &str,
-        snapshot: Option<String>,
-    ) -> Result<Reply, ApiError> {
+    pub async fn reset(&self, id: &str, snapshot: Option<String>) -> Result<Reply, ApiError> {
         let _busy = self.claim(id)?;
-        let sandbox = self.touch(id)?;
+        let sandbox = touch(&self.db, id)?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}, not running or paused",
@@ -252,21 +236,19 @@ impl Daemon {
         }
         let source = match snapshot {
             Some(s) => Some(s),
-            None => self.store().source(id).map_err(internal)?,
+            None => self.db.lock().source(id).map_err(internal)?,
         };
-        let snapshot = match source {
-            Some(s) => Some(
-                self.store()
-                    .snapshot(&s)
-                    .map_err(internal)?
-                    .ok_or_else(|| {
+        let snapshot =
+            match source {
+                Some(s) => Some(self.db.lock().snapshot(&s).map_err(internal)?.ok_or_else(
+                    || {
                         ApiError::BadRequest(format!(
                             "snapshot: no snapshot {s:?} (it was deleted?)"
                         ))
-                    })?,
-            ),
-            None => None,
-        };
+                    },
+                )?),
+                None => None,
+            };
         if let Some(s) = &snapshot {
             if (s.template.as_str(), s.vcpus, s.memory_mib)
                 != (sandbox.template.as_str(), sandbox.vcpus, sandbox.memory_mib)
@@ -276,10 +258,11 @@ impl Daemon {
                     s.id, s.template, s.vcpus, s.memory_mib, sandbox.template, sandbox.vcpus, sandbox.memory_mib
                 )));
             }
-            super::check_deterministic(sandbox.deterministic, s)?;
+            check_deterministic(sandbox.deterministic, s)?;
         }
         let template = self
-            .store()
+            .db
+            .lock()
             .template(&sandbox.template)
             .map_err(internal)?
             .ok_or_else(|| {
@@ -289,33 +272,60 @@ impl Daemon {
                 ))
             })?;
         // The old VMM goes first: the new one takes its sockets and directory.
-        self.stop_vmm(id, &sandbox).await?;
+        self.sandboxes.stop_vmm(id, &sandbox).await?;
         let launched = self
+            .supervisor
             .launch(&sandbox, &template, snapshot.as_ref(), false)
             .await;
-        let (child, pid, start) = match launched {
+        let launched = match launched {
             Ok(launched) => launched,
             Err(message) => {
                 let _ = remove_dir(&sandbox.dir);
                 let reason = format!("reset failed: {message}");
-                self.store()
+                self.db
+                    .lock()
                     .end(id, State::Failed, &reason, now_ms())
                     .map_err(internal)?;
                 return Err(ApiError::Internal(format!("sandbox {id}: {reason}")));
             }
         };
-        if !self.store().set_vmm(id, pid, start).map_err(internal)? {
+        if !self
+            .db
+            .lock()
+            .set_vmm(id, launched.pid, launched.start)
+            .map_err(internal)?
+        {
             // Deleted while the reset ran.
-            reap_child(child).await;
+            launched.reap().await;
             let _ = remove_dir(&sandbox.dir);
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} ended during the reset"
             )));
         }
-        self.children().insert(id.to_string(), child);
+        self.supervisor.adopt(id, launched);
         if let Some(s) = &snapshot {
-            self.store().set_source(id, &s.id).map_err(internal)?;
+            self.db.lock().set_source(id, &s.id).map_err(internal)?;
         }
-        self.sandbox_reply(id)
+        sandbox_reply(&self.db, id)
+    }
+
+    /// After a restart: removes snapshot directories of no recorded snapshot (a daemon killed
+    /// mid-snapshot).
+    pub fn sweep(&self) -> Result<(), StoreError> {
+        let recorded: HashSet<PathBuf> = self
+            .db
+            .lock()
+            .snapshots(None)?
+            .into_iter()
+            .map(|s| s.dir)
+            .collect();
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            for entry in entries.flatten() {
+                if !recorded.contains(&entry.path()) {
+                    let _ = remove_dir(&entry.path());
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -12,12 +12,10 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rusqlite::{params, OptionalExtension};
-use serde::{Deserialize, Serialize};
-
-use super::api::{ApiError, Sandbox, State};
-use super::store::{Store, StoreError};
-use super::{internal, now_ms, Daemon, Reply};
+use super::api::{ApiError, Reply, Usage};
+use super::store::{Db, UsageRow as Row};
+use super::supervisor::cpu_ms;
+use super::util::{internal, now_ms};
 
 /// Ended sandboxes stay in `/metrics` this long, so a scrape sees their final counts.
 const ENDED_IN_METRICS_MS: u64 = 10 * 60 * 1000;
@@ -44,132 +42,6 @@ impl Counters {
     /// A create was refused with 429.
     pub fn refused(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// GET /sandboxes/{id}/usage.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Usage {
-    pub sandbox: String,
-    pub template: String,
-    pub state: State,
-    pub vcpus: u32,
-    pub memory_mib: u32,
-    /// Whole seconds it ran (paused time not counted), rounded up.
-    pub running_s: u64,
-    pub vcpu_seconds: u64,
-    pub memory_mib_seconds: u64,
-    /// CPU time (user + system) its VMM processes used, as /proc measured it.
-    pub cpu_seconds: f64,
-    pub ended_at_ms: Option<u64>,
-}
-
-/// One row's usage columns.
-struct Row {
-    sandbox: Sandbox,
-    run_ms: u64,
-    running_since_ms: Option<u64>,
-    cpu_ms: u64,
-}
-
-fn clock_ticks() -> u64 {
-    // SAFETY: sysconf only reads a configuration value.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    u64::try_from(ticks).ok().filter(|t| *t > 0).unwrap_or(100)
-}
-
-/// utime + stime of process `pid` (if it is still the one started at `start`), in ms.
-pub fn cpu_ms(pid: u32, start: u64) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3; utime is field 14, stime 15, starttime 22.
-    if fields.get(19)?.parse::<u64>().ok()? != start {
-        return None;
-    }
-    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    // A jailed VMM is a grandchild of the jailer (the sandbox's pid): its time counts too.
-    let descendants: u64 = children(pid).into_iter().map(tree_ticks).sum();
-    Some((ticks + descendants) * 1000 / clock_ticks())
-}
-
-/// The children of `pid` (empty where the kernel does not list them).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
-/// utime + stime of `pid` and its descendants, in clock ticks.
-fn tree_ticks(pid: u32) -> u64 {
-    let own = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            let rest = stat.get(stat.rfind(')')? + 1..)?.to_string();
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0);
-    own + children(pid).into_iter().map(tree_ticks).sum::<u64>()
-}
-
-impl Store {
-    fn usage_rows(&self, id: Option<&str>, ended_since_ms: u64) -> Result<Vec<Row>, StoreError> {
-        let mut statement = self.conn.prepare(
-            "SELECT id, run_ms, running_since_ms, cpu_ms FROM sandboxes \
-             WHERE (?1 IS NULL AND (ended_at_ms IS NULL OR ended_at_ms >= ?2)) OR id = ?1 \
-             ORDER BY seq",
-        )?;
-        let found = statement
-            .query_map(params![id, ended_since_ms], |row| {
-                Ok((
-                    row.get::<_, String>(0)?,
-                    row.get::<_, u64>(1)?,
-                    row.get::<_, Option<u64>>(2)?,
-                    row.get::<_, u64>(3)?,
-                ))
-            })?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        let mut rows = Vec::new();
-        for (id, run_ms, running_since_ms, cpu_ms) in found {
-            if let Some(sandbox) = self.sandbox(&id)? {
-                rows.push(Row {
-                    sandbox,
-                    run_ms,
-                    running_since_ms,
-                    cpu_ms,
-                });
-            }
-        }
-        Ok(rows)
-    }
-
-    /// Adds an ended VMM's CPU time to the sandbox's.
-    pub fn add_cpu_ms(&self, id: &str, ms: u64) -> Result<(), StoreError> {
-        self.conn.execute(
-            "UPDATE sandboxes SET cpu_ms = cpu_ms + ?2 WHERE id = ?1",
-            params![id, ms],
-        )?;
-        Ok(())
-    }
-
-    /// Sandboxes by state, every state listed.
-    fn state_counts(&self) -> Result<Vec<(State, u64)>, StoreError> {
-        let mut out = Vec::new();
-        for state in State::ALL {
-            let count: Option<u64> = self
-                .conn
-                .query_row(
-                    "SELECT COUNT(*) FROM sandboxes WHERE state = ?1",
-                    params![state.as_str()],
-                    |row| row.get(0),
-                )
-                .optional()?;
-            out.push((state, count.unwrap_or(0)));
-        }
-        Ok(out)
     }
 }
 
@@ -206,116 +78,107 @@ fn label(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
-impl Daemon {
-    pub(super) fn usage(&self, id: &str) -> Result<Reply, ApiError> {
-        let rows = self.store().usage_rows(Some(id), 0).map_err(internal)?;
-        let row = rows
-            .first()
-            .ok_or_else(|| ApiError::NotFound(format!("no sandbox {id}")))?;
-        Ok(Reply::Usage(usage_of(row, now_ms())))
-    }
+/// GET /sandboxes/{id}/usage.
+pub fn usage(db: &Db, id: &str) -> Result<Reply, ApiError> {
+    let rows = db.lock().usage_rows(Some(id), 0).map_err(internal)?;
+    let row = rows
+        .first()
+        .ok_or_else(|| ApiError::NotFound(format!("no sandbox {id}")))?;
+    Ok(Reply::Usage(usage_of(row, now_ms())))
+}
 
-    /// Records the CPU time of a VMM about to be killed.
-    pub(super) fn record_cpu(&self, sandbox: &Sandbox) {
-        if let (Some(pid), Some(start)) = (sandbox.pid, sandbox.pid_start_time) {
-            if let Some(ms) = cpu_ms(pid, start) {
-                let _ = self.store().add_cpu_ms(&sandbox.id, ms);
-            }
+/// GET /metrics: Prometheus text format 0.0.4.
+pub fn metrics(db: &Db, counters: &Counters) -> Result<Reply, ApiError> {
+    let now = now_ms();
+    let (rows, states) = {
+        let store = db.lock();
+        (
+            store
+                .usage_rows(None, now.saturating_sub(ENDED_IN_METRICS_MS))
+                .map_err(internal)?,
+            store.state_counts().map_err(internal)?,
+        )
+    };
+    let mut out = String::new();
+    let usages: Vec<Usage> = rows.iter().map(|r| usage_of(r, now)).collect();
+    type Field = fn(&Usage) -> String;
+    let series: [(&str, &str, Field); 4] = [
+        (
+            "rollbox_sandbox_running_seconds_total",
+            "Whole seconds the sandbox ran, paused time not counted.",
+            |u| u.running_s.to_string(),
+        ),
+        (
+            "rollbox_sandbox_vcpu_seconds_total",
+            "vCPUs times running seconds.",
+            |u| u.vcpu_seconds.to_string(),
+        ),
+        (
+            "rollbox_sandbox_memory_mib_seconds_total",
+            "Memory MiB times running seconds.",
+            |u| u.memory_mib_seconds.to_string(),
+        ),
+        (
+            "rollbox_sandbox_cpu_seconds_total",
+            "CPU time its VMM processes used (measured).",
+            |u| u.cpu_seconds.to_string(),
+        ),
+    ];
+    for (name, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for u in &usages {
+            let _ = writeln!(
+                out,
+                "{name}{{sandbox=\"{}\",template=\"{}\",state=\"{}\"}} {}",
+                label(&u.sandbox),
+                label(&u.template),
+                u.state.as_str(),
+                value(u)
+            );
         }
     }
-
-    /// GET /metrics: Prometheus text format 0.0.4.
-    pub(super) fn metrics(&self) -> Result<Reply, ApiError> {
-        let now = now_ms();
-        let (rows, states) = {
-            let store = self.store();
-            (
-                store
-                    .usage_rows(None, now.saturating_sub(ENDED_IN_METRICS_MS))
-                    .map_err(internal)?,
-                store.state_counts().map_err(internal)?,
-            )
-        };
-        let mut out = String::new();
-        let usages: Vec<Usage> = rows.iter().map(|r| usage_of(r, now)).collect();
-        type Field = fn(&Usage) -> String;
-        let series: [(&str, &str, Field); 4] = [
-            (
-                "rollbox_sandbox_running_seconds_total",
-                "Whole seconds the sandbox ran, paused time not counted.",
-                |u| u.running_s.to_string(),
-            ),
-            (
-                "rollbox_sandbox_vcpu_seconds_total",
-                "vCPUs times running seconds.",
-                |u| u.vcpu_seconds.to_string(),
-            ),
-            (
-                "rollbox_sandbox_memory_mib_seconds_total",
-                "Memory MiB times running seconds.",
-                |u| u.memory_mib_seconds.to_string(),
-            ),
-            (
-                "rollbox_sandbox_cpu_seconds_total",
-                "CPU time its VMM processes used (measured).",
-                |u| u.cpu_seconds.to_string(),
-            ),
-        ];
-        for (name, help, value) in series {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for u in &usages {
-                let _ = writeln!(
-                    out,
-                    "{name}{{sandbox=\"{}\",template=\"{}\",state=\"{}\"}} {}",
-                    label(&u.sandbox),
-                    label(&u.template),
-                    u.state.as_str(),
-                    value(u)
-                );
-            }
-        }
+    let _ = writeln!(
+        out,
+        "# HELP rollbox_sandboxes Sandboxes in the database by state.\n# TYPE rollbox_sandboxes gauge"
+    );
+    for (state, count) in states {
         let _ = writeln!(
             out,
-            "# HELP rollbox_sandboxes Sandboxes in the database by state.\n# TYPE rollbox_sandboxes gauge"
+            "rollbox_sandboxes{{state=\"{}\"}} {count}",
+            state.as_str()
         );
-        for (state, count) in states {
-            let _ = writeln!(
-                out,
-                "rollbox_sandboxes{{state=\"{}\"}} {count}",
-                state.as_str()
-            );
-        }
-        let counters: [(&str, &str, &AtomicU64); 3] = [
-            (
-                "rollbox_creates_total",
-                "Creates that made a sandbox row, since the daemon started.",
-                &self.counters.creates,
-            ),
-            (
-                "rollbox_create_failures_total",
-                "Creates whose VMM did not start, since the daemon started.",
-                &self.counters.failures,
-            ),
-            (
-                "rollbox_creates_refused_total",
-                "Creates and batches refused with 429, since the daemon started.",
-                &self.counters.refused,
-            ),
-        ];
-        for (name, help, value) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                value.load(Ordering::Relaxed)
-            );
-        }
-        Ok(Reply::Metrics(out))
     }
+    let totals: [(&str, &str, &AtomicU64); 3] = [
+        (
+            "rollbox_creates_total",
+            "Creates that made a sandbox row, since the daemon started.",
+            &counters.creates,
+        ),
+        (
+            "rollbox_create_failures_total",
+            "Creates whose VMM did not start, since the daemon started.",
+            &counters.failures,
+        ),
+        (
+            "rollbox_creates_refused_total",
+            "Creates and batches refused with 429, since the daemon started.",
+            &counters.refused,
+        ),
+    ];
+    for (name, help, value) in totals {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+            value.load(Ordering::Relaxed)
+        );
+    }
+    Ok(Reply::Metrics(out))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::api::{Sandbox, State};
 
     #[test]
     fn running_time_is_billed_in_whole_seconds_rounded_up() {

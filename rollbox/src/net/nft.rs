@@ -56,7 +56,7 @@ fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
         path: path.clone(),
         source,
     };
-    let out = super::run_piped(&path, args, stdin).map_err(spawn)?;
+    let out = super::tool::run_piped(&path, args, stdin).map_err(spawn)?;
     if !out.status.success() {
         return Err(NftError::Rejected(one_line(&String::from_utf8_lossy(
             &out.stderr,

@@ -277,7 +277,7 @@ pub fn enable_forwarding() -> Result<(), TapError> {
 
 fn run_ip(args: &[&str], stdin: Option<&str>) -> Result<(), TapError> {
     let command = format!("ip {}", args.join(" "));
-    let out = super::run_piped(std::path::Path::new("ip"), args, stdin).map_err(|e| {
+    let out = super::tool::run_piped(std::path::Path::new("ip"), args, stdin).map_err(|e| {
         TapError::Command {
             command: command.clone(),
             detail: e.to_string(),

@@ -3,15 +3,16 @@
 
 use std::sync::Arc;
 
-use super::api::{ApiError, CreateSandbox, ForkResult, ListQuery, State};
-use super::{internal, Daemon, Reply};
+use super::super::api::{ApiError, CreateSandbox, ForkResult, ListQuery, Reply, State};
+use super::super::util::internal;
+use super::Sandboxes;
 
-impl Daemon {
+impl Sandboxes {
     /// `count` creates, each succeeding or failing on its own. They take `count` places among
     /// the pending creates at once: when there are not that many free, the answer is 429 and
     /// nothing is created.
-    pub(super) async fn create_batch(
-        self: &Arc<Self>,
+    pub async fn create_batch(
+        &self,
         count: u32,
         request: CreateSandbox,
     ) -> Result<Reply, ApiError> {
@@ -21,7 +22,7 @@ impl Daemon {
                 "count: {count} is over this server's --max-pending-creates {limit}; send smaller batches"
             )));
         }
-        let prepared = self.prepare_create(&request)?;
+        let prepared = self.prepare(&request)?;
         let Ok(_permits) = Arc::clone(&self.pending).try_acquire_many_owned(count) else {
             self.counters.refused();
             let in_flight = limit.saturating_sub(self.pending.available_permits());
@@ -34,35 +35,22 @@ impl Daemon {
                 .as_ref()
                 .map(|key| format!("{key}/{index}"));
             let prepared = &prepared;
-            async move { self.create_admitted(item, prepared).await }
+            async move { self.admitted(item, prepared).await }
         });
         let results = futures_util::future::join_all(creates)
             .await
             .into_iter()
-            .map(|result| match result {
-                Ok(Reply::Sandbox { sandbox, .. }) => ForkResult {
-                    sandbox: Some(sandbox),
-                    error: None,
-                },
-                Ok(other) => ForkResult {
-                    sandbox: None,
-                    error: Some(format!("unexpected reply {other:?}")),
-                },
-                Err(e) => ForkResult {
-                    sandbox: None,
-                    error: Some(e.to_string()),
-                },
-            })
+            .map(ForkResult::of)
             .collect();
         Ok(Reply::Forked(results))
     }
 
     /// Ends every live sandbox `query` matches; answers the ids it ended.
-    pub(super) async fn delete_matching(&self, mut query: ListQuery) -> Result<Reply, ApiError> {
+    pub async fn delete_matching(&self, mut query: ListQuery) -> Result<Reply, ApiError> {
         let mut live = Vec::new();
         query.limit = 1000;
         loop {
-            let (page, next) = self.store().list(&query).map_err(internal)?;
+            let (page, next) = self.db.lock().list(&query).map_err(internal)?;
             live.extend(page.into_iter().filter(|s| s.state.is_live()).map(|s| s.id));
             match next.and_then(|t| t.parse().ok()) {
                 Some(after) => query.after = Some(after),

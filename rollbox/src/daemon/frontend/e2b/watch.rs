@@ -14,16 +14,17 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::connect::{Code, RpcError};
+use super::entry::entry;
 
 /// Most events a polled watcher keeps for `GetWatcherEvents`; past this it stops, and says
 /// events were lost.
-pub(super) const MAX_QUEUED_EVENTS: usize = 10_000;
+pub const MAX_QUEUED_EVENTS: usize = 10_000;
 /// How long an ended polled watcher keeps its last events and its end for `GetWatcherEvents`.
 const KEEP_ENDED: Duration = Duration::from_secs(600);
 
 /// One watch on its own agent connection (dropping it closes the connection, which ends
 /// the watch in the agent).
-pub(super) struct AgentWatch {
+pub struct AgentWatch {
     client: AgentClient,
     request: RawRequest,
     root: String,
@@ -31,14 +32,14 @@ pub(super) struct AgentWatch {
 }
 
 /// What a watch produced next: envd `FilesystemEvent`s, or its end.
-pub(super) enum Next {
+pub enum Next {
     Events(Vec<Value>),
     Ended(RpcError),
 }
 
 impl AgentWatch {
     /// Starts watching `root` (absolute) through `client`, which the watch then owns.
-    pub(super) async fn start(
+    pub async fn start(
         client: AgentClient,
         root: String,
         recursive: bool,
@@ -58,7 +59,7 @@ impl AgentWatch {
         })
     }
 
-    pub(super) async fn next(&mut self) -> Next {
+    pub async fn next(&mut self) -> Next {
         match self.request.recv_raw().await {
             Ok(ServerMessage::FsEvents { events }) => {
                 let mut out = Vec::with_capacity(events.len());
@@ -68,11 +69,7 @@ impl AgentWatch {
                             let path =
                                 format!("{}/{}", self.root.trim_end_matches('/'), event.name);
                             // The entry may be gone again already; the event goes without it.
-                            self.client
-                                .lstat(&path)
-                                .await
-                                .ok()
-                                .map(|info| super::envd::entry(&info))
+                            self.client.lstat(&path).await.ok().map(|info| entry(&info))
                         }
                         _ => None,
                     };
@@ -105,7 +102,7 @@ impl AgentWatch {
 
     /// Runs the watch in a task that hands its results over a channel (so a reader may wait
     /// on it and on other things at once); the watch ends when the receiver is dropped.
-    pub(super) fn pump(mut self) -> mpsc::Receiver<Next> {
+    pub fn pump(mut self) -> mpsc::Receiver<Next> {
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
             loop {
@@ -142,11 +139,11 @@ fn event_json(event: &FsEvent, entry: Option<Value>) -> Value {
 }
 
 /// Polled watchers by id.
-pub(super) type Watchers = HashMap<String, Arc<Watcher>>;
+pub type Watchers = HashMap<String, Arc<Watcher>>;
 
 /// A `CreateWatcher` watcher: its sandbox, the events not yet collected, and its end.
-pub(super) struct Watcher {
-    pub(super) sandbox: String,
+pub struct Watcher {
+    pub sandbox: String,
     state: Arc<Mutex<Queue>>,
     task: tokio::task::AbortHandle,
 }
@@ -167,7 +164,7 @@ impl Watcher {
     }
 
     /// Starts collecting `watch`'s events for watcher `id`.
-    pub(super) fn spawn(id: String, sandbox: String, mut watch: AgentWatch) -> Arc<Self> {
+    pub fn spawn(id: String, sandbox: String, mut watch: AgentWatch) -> Arc<Self> {
         let state = Arc::new(Mutex::new(Queue::default()));
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
@@ -202,7 +199,7 @@ impl Watcher {
     }
 
     /// The events since the last call; once they are all collected, the watcher's end.
-    pub(super) fn take(&self) -> Result<Vec<Value>, RpcError> {
+    pub fn take(&self) -> Result<Vec<Value>, RpcError> {
         let mut queue = self.queue();
         if queue.events.is_empty() {
             if let Some((error, _)) = &queue.ended {
@@ -213,7 +210,7 @@ impl Watcher {
     }
 
     /// True for a watcher that ended long enough ago to be forgotten.
-    pub(super) fn expired(&self) -> bool {
+    pub fn expired(&self) -> bool {
         self.queue()
             .ended
             .as_ref()
@@ -221,7 +218,7 @@ impl Watcher {
     }
 
     /// Stops the watch (its agent connection closes with the task).
-    pub(super) fn stop(&self) {
+    pub fn stop(&self) {
         self.task.abort();
     }
 }

@@ -7,14 +7,14 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::super::http::Out;
+use super::super::transport::Out;
 
 /// Chunks of a forwarded answer in flight to the client.
 const CHUNKS_IN_FLIGHT: usize = 16;
 
 /// Sends `request` over `pipe` (a connection to `port`) and streams its answer back; `Err`
 /// says why it could not.
-pub(super) async fn forward<S>(
+pub async fn forward<S>(
     pipe: S,
     port: u16,
     request: Request<Incoming>,

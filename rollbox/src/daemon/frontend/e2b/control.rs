@@ -11,10 +11,15 @@ use hyper::{Request, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::super::api::{self, Action, ApiError, ListQuery, Sandbox, State, MAX_BODY, MAX_TTL_S};
-use super::super::http::Out;
-use super::super::{now_ms, Reply};
-use super::{json, no_content, query_pairs, rfc3339, E2b, DEFAULT_TIMEOUT_S, ENVD_VERSION};
+use super::super::super::api::{
+    self, Action, ApiError, ListQuery, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
+};
+use super::super::super::util::now_ms;
+use super::super::transport::{same_key, Out};
+use super::state::E2b;
+use super::wire::{
+    header, json, no_content, query_pairs, rfc3339, DEFAULT_TIMEOUT_S, ENVD_VERSION,
+};
 
 /// E2B calls rollbox does not serve, answered 501 with this reason.
 const REFUSED: &[(&str, &str)] = &[(
@@ -54,7 +59,7 @@ impl From<ApiError> for Refusal {
     }
 }
 
-pub(super) async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
+pub async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
     match route(e2b, request).await {
         Ok(response) => response,
         Err(refusal) => {
@@ -80,18 +85,13 @@ pub(super) async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Respo
 }
 
 fn authorized(request: &Request<Incoming>, key: &str) -> bool {
-    let given = super::header(request, "x-api-key").or_else(|| {
-        super::header(request, "authorization").and_then(|v| v.strip_prefix("Bearer "))
-    });
-    given.is_some_and(|given| {
-        let (given, key) = (given.trim().as_bytes(), key.trim().as_bytes());
-        given.len() == key.len()
-            && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-    })
+    let given = header(request, "x-api-key")
+        .or_else(|| header(request, "authorization").and_then(|v| v.strip_prefix("Bearer ")));
+    given.is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
 }
 
 async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Out>, Refusal> {
-    if !authorized(&request, &e2b.daemon.options.api_key) {
+    if !authorized(&request, &e2b.api_key) {
         return Err(Refusal::new(
             401,
             "missing or wrong API key: send the rollbox daemon's key as X-API-KEY (E2B_API_KEY)",
@@ -100,7 +100,7 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
     let method = request.method().as_str().to_string();
     let path = request.uri().path().trim_end_matches('/').to_string();
     let query = request.uri().query().unwrap_or("").to_string();
-    let idempotency_key = super::header(&request, "idempotency-key").map(str::to_string);
+    let idempotency_key = header(&request, "idempotency-key").map(str::to_string);
     let body = Limited::new(request.into_body(), MAX_BODY)
         .collect()
         .await
@@ -204,13 +204,9 @@ async fn create(
     };
     // A restore keeps the env its sandbox had (E2B's envd holds envVars in the memory the
     // snapshot saved); the create's envVars go on top.
-    let mut env = match e2b.daemon.handle(lookup).await {
+    let mut env = match e2b.core.handle(lookup).await {
         Ok(Reply::Snapshot { snapshot, .. }) => {
-            match e2b
-                .daemon
-                .handle(Action::GetSandbox(snapshot.sandbox))
-                .await
-            {
+            match e2b.core.handle(Action::GetSandbox(snapshot.sandbox)).await {
                 Ok(Reply::Sandbox { sandbox, .. }) => sandbox.env,
                 _ => BTreeMap::new(),
             }
@@ -250,7 +246,7 @@ async fn create(
             };
             Refusal::new(e.status(), message)
         })?;
-    let sandbox = match e2b.daemon.handle(action).await {
+    let sandbox = match e2b.core.handle(action).await {
         Ok(Reply::Sandbox { sandbox, .. }) => sandbox,
         Ok(other) => {
             return Err(Refusal {
@@ -294,7 +290,7 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
         "clientID": "rollbox",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b.access_token(&sandbox.id),
-        "domain": e2b.options.domain,
+        "domain": e2b.domain,
     })
 }
 
@@ -316,14 +312,14 @@ fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
     });
     if detail {
         value["envdAccessToken"] = json!(e2b.access_token(&sandbox.id));
-        value["domain"] = json!(e2b.options.domain);
+        value["domain"] = json!(e2b.domain);
     }
     value
 }
 
 /// A sandbox that is running or paused, else 404.
 async fn live(e2b: &E2b, id: &str) -> Result<Sandbox, Refusal> {
-    match e2b.daemon.handle(Action::GetSandbox(id.to_string())).await {
+    match e2b.core.handle(Action::GetSandbox(id.to_string())).await {
         Ok(Reply::Sandbox { sandbox, .. })
             if matches!(sandbox.state, State::Running | State::Paused) =>
         {
@@ -341,7 +337,7 @@ async fn detail(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
 
 async fn kill(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
     live(e2b, id).await?;
-    e2b.daemon
+    e2b.core
         .handle(Action::DeleteSandbox(id.to_string()))
         .await?;
     e2b.forget_processes(id);
@@ -360,7 +356,7 @@ async fn set_timeout(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<O
             .ok_or_else(|| Refusal::new(400, "timeout: required"))?,
     )?;
     live(e2b, id).await?;
-    e2b.daemon
+    e2b.core
         .handle(Action::Keepalive {
             id: id.to_string(),
             ttl_s,
@@ -376,7 +372,7 @@ async fn pause(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
             format!("sandbox {id:?} is already paused"),
         ));
     }
-    e2b.daemon.handle(Action::Pause(id.to_string())).await?;
+    e2b.core.handle(Action::Pause(id.to_string())).await?;
     Ok(no_content())
 }
 
@@ -393,7 +389,7 @@ async fn connect(
     let sandbox = live(e2b, id).await?;
     let resumed = sandbox.state == State::Paused;
     if resumed {
-        e2b.daemon.handle(Action::Resume(id.to_string())).await?;
+        e2b.core.handle(Action::Resume(id.to_string())).await?;
     } else if resume_only {
         return Err(Refusal::new(
             409,
@@ -403,7 +399,7 @@ async fn connect(
     if let Some(ttl_s) = ttl_s {
         let wanted = now_ms().saturating_add(ttl_s.saturating_mul(1000));
         if wanted > sandbox.expires_at_ms {
-            e2b.daemon
+            e2b.core
                 .handle(Action::Keepalive {
                     id: id.to_string(),
                     ttl_s,
@@ -473,7 +469,7 @@ async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Response<Out>, Re
     if let [only] = states.as_slice() {
         native.state = Some(*only);
     }
-    let Reply::Sandboxes(page) = e2b.daemon.handle(Action::ListSandboxes(native)).await? else {
+    let Reply::Sandboxes(page) = e2b.core.handle(Action::ListSandboxes(native)).await? else {
         return Err(Refusal::new(500, "the list answered no sandboxes"));
     };
     let listed: Vec<Value> = page
@@ -521,7 +517,7 @@ async fn fork(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Re
         ));
     }
     let reply = e2b
-        .daemon
+        .core
         .handle(Action::Fork {
             id: id.to_string(),
             count,
@@ -574,7 +570,7 @@ async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>
         ));
     }
     let reply = e2b
-        .daemon
+        .core
         .handle(Action::Snapshot {
             id: id.to_string(),
             stop: false,
@@ -620,7 +616,7 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
         }
     }
     let Reply::Snapshots(mut snapshots) =
-        e2b.daemon.handle(Action::ListSnapshots { sandbox }).await?
+        e2b.core.handle(Action::ListSnapshots { sandbox }).await?
     else {
         return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
     };
@@ -651,14 +647,14 @@ async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refu
         ));
     }
     // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
-    match e2b.daemon.handle(Action::GetSnapshot(id.to_string())).await {
+    match e2b.core.handle(Action::GetSnapshot(id.to_string())).await {
         Ok(_) => {}
         Err(ApiError::NotFound(_)) => {
             return Err(Refusal::new(404, format!("snapshot {id:?} not found")))
         }
         Err(e) => return Err(e.into()),
     }
-    e2b.daemon
+    e2b.core
         .handle(Action::DeleteSnapshot(id.to_string()))
         .await?;
     Ok(no_content())
@@ -681,7 +677,7 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
     };
     let sandbox = live(e2b, id).await?;
     if now_ms().saturating_add(ttl_s.saturating_mul(1000)) > sandbox.expires_at_ms {
-        e2b.daemon
+        e2b.core
             .handle(Action::Keepalive {
                 id: id.to_string(),
                 ttl_s,
@@ -695,7 +691,7 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
 /// (an average since start, in % of its vCPUs), memory the VMM's resident set (guest pages
 /// it touched), disk the sandbox's rootfs file (allocated and apparent size; 0 without one).
 async fn metric_now(e2b: &E2b, sandbox: &Sandbox) -> Result<Value, Refusal> {
-    let usage = match e2b.daemon.handle(Action::Usage(sandbox.id.clone())).await? {
+    let usage = match e2b.core.handle(Action::Usage(sandbox.id.clone())).await? {
         Reply::Usage(usage) => usage,
         other => return Err(Refusal::new(500, format!("usage answered {other:?}"))),
     };

@@ -1,0 +1,86 @@
+//! The `rollbox` command line: one module per command ([`image`], [`exec`], [`net`],
+//! [`serve`], [`sandbox`] with [`guest`], [`template`]), and [`conn`], how the sandbox and
+//! template commands talk to the daemon.
+
+mod conn;
+mod exec;
+mod guest;
+mod image;
+mod net;
+mod sandbox;
+mod serve;
+mod template;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "rollbox", version, about = "Sandboxes for RL rollouts")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Images: turn Docker/OCI images into sandbox root filesystems.
+    #[command(subcommand)]
+    Image(image::ImageCommand),
+    /// Run a command in a sandbox through its agent (over the sandbox's vsock Unix socket).
+    Exec(exec::ExecArgs),
+    /// Per-sandbox host networking: tap, /30 lease, NAT and egress policy (needs root).
+    #[command(subcommand)]
+    Net(net::NetCommand),
+    /// The daemon: an HTTP/JSON API (bearer key) for sandboxes and templates.
+    Serve(serve::ServeArgs),
+    /// Sandboxes, through the daemon.
+    Sandbox {
+        #[command(flatten)]
+        conn: conn::ConnArgs,
+        #[command(subcommand)]
+        command: sandbox::SandboxCommand,
+    },
+    /// Templates (what sandboxes boot), through the daemon.
+    Template {
+        #[command(flatten)]
+        conn: conn::ConnArgs,
+        #[command(subcommand)]
+        command: template::TemplateCommand,
+    },
+}
+
+impl Cli {
+    /// Whether this runs the daemon (which logs).
+    pub fn serves(&self) -> bool {
+        matches!(self.command, Command::Serve(_))
+    }
+}
+
+/// Runs the command line's command.
+pub fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Image(command) => image::run(command),
+        Command::Exec(args) => exec::run(args),
+        Command::Net(command) => net::run(command),
+        Command::Serve(args) => serve::serve(args),
+        Command::Sandbox { conn, command } => {
+            match conn::Conn::new(&conn).and_then(|conn| sandbox::run(&conn, command)) {
+                Ok(code) => ExitCode::from(code),
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Template { conn, command } => {
+            match conn::Conn::new(&conn).and_then(|conn| template::run(&conn, command)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+    }
+}
+
+/// A daemon command's error, on stderr.
+fn fail(error: &conn::CliError) -> ExitCode {
+    eprintln!("error: {error}");
+    ExitCode::FAILURE
+}

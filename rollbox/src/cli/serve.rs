@@ -1,0 +1,211 @@
+//! `rollbox serve`: its flags, turned into the daemon's options, and the runtime it runs on
+//! until SIGTERM or Ctrl-C.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+
+use rollbox::daemon::{Listen, ServeOptions};
+
+use super::conn::{absolute, default_socket, read_key};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Serve on this Unix socket [default: $ROLLBOX_SOCKET, else /run/rollbox/rollbox.sock,
+    /// unless --listen].
+    #[arg(long, value_name = "PATH", conflicts_with = "listen")]
+    socket: Option<PathBuf>,
+    /// Serve on this loopback TCP address instead, e.g. 127.0.0.1:7070.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<std::net::SocketAddr>,
+    /// A file holding the API key [default: $ROLLBOX_API_KEY].
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<PathBuf>,
+    /// State: the SQLite database and one directory per sandbox.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/rollbox")]
+    state_dir: PathBuf,
+    /// The rollbox-vmm binary [default: rollbox-vmm beside this executable].
+    #[arg(long, value_name = "PATH")]
+    vmm: Option<PathBuf>,
+    /// TTL in seconds for creates that give no ttl_s (without it, ttl_s is required).
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=rollbox::daemon::api::MAX_TTL_S))]
+    default_ttl: Option<u64>,
+    /// Creates in flight at once; more get 429 with Retry-After.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    max_pending_creates: u64,
+    /// Seconds a started rollbox-vmm may take to answer its API before the create, fork or
+    /// reset fails (raise it where VMs start slowly, such as under nested emulation).
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600))]
+    vmm_start_timeout: u64,
+    /// Test only: send every sandbox's agent traffic (exec, files) to this hybrid-vsock Unix
+    /// socket, e.g. a host `rollbox-agent --listen-unix PATH`, instead of the sandbox's own.
+    #[arg(long, value_name = "PATH", hide = true)]
+    test_agent_socket: Option<PathBuf>,
+    /// The static guest agent installed into images built for templates [default:
+    /// $ROLLBOX_AGENT, else the build output under target/agent-static].
+    #[arg(long, value_name = "PATH")]
+    agent: Option<PathBuf>,
+    /// The image builder's cache [default: $XDG_CACHE_HOME/rollbox, else
+    /// /var/cache/rollbox/images].
+    #[arg(long, value_name = "DIR")]
+    image_cache: Option<PathBuf>,
+    /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
+    /// was restored or reset from them.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    snapshot_retention: Option<u32>,
+    /// Where the cgroup hierarchies are mounted (for sandboxes' cpu_limit).
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/sys/fs/cgroup",
+        hide = true
+    )]
+    cgroup_fs: PathBuf,
+    /// Run each VMM directly instead of inside `rollbox-jailer` (namespaces, chroot into the
+    /// sandbox directory, an unprivileged uid, cgroups): only where the daemon is not root or
+    /// for debugging.
+    #[arg(long)]
+    no_jailer: bool,
+    /// The rollbox-jailer binary [default: rollbox-jailer beside this executable].
+    #[arg(long, value_name = "PATH", conflicts_with = "no_jailer")]
+    jailer: Option<PathBuf>,
+    /// The unprivileged uid every jailed VMM runs as.
+    #[arg(
+        long,
+        value_name = "UID",
+        default_value_t = 64000,
+        conflicts_with = "no_jailer"
+    )]
+    jail_uid: u32,
+    /// The unprivileged gid every jailed VMM runs as.
+    #[arg(
+        long,
+        value_name = "GID",
+        default_value_t = 64000,
+        conflicts_with = "no_jailer"
+    )]
+    jail_gid: u32,
+    /// Also serve the E2B-compatible API (control plane and envd data plane) on this loopback
+    /// address, e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000).
+    #[arg(long, value_name = "ADDR")]
+    e2b_listen: Option<std::net::SocketAddr>,
+    /// The `domain` E2B sandboxes report: data-plane traffic goes to {port}-{id}.DOMAIN unless
+    /// the client sets E2B_SANDBOX_URL.
+    #[arg(
+        long,
+        value_name = "DOMAIN",
+        default_value = "e2b.localhost",
+        requires = "e2b_listen"
+    )]
+    e2b_domain: String,
+    /// Serve the E2B API over TLS with this PEM certificate chain (with --e2b-tls-key).
+    #[arg(long, value_name = "FILE", requires_all = ["e2b_listen", "e2b_tls_key"])]
+    e2b_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --e2b-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "e2b_tls_cert")]
+    e2b_tls_key: Option<PathBuf>,
+}
+
+/// `rollbox serve`.
+pub fn serve(args: ServeArgs) -> ExitCode {
+    let api_key = match read_key(args.api_key_file.as_ref()) {
+        Ok(key) => key,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let vmm = args.vmm.unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join("rollbox-vmm")))
+            .unwrap_or_else(|| PathBuf::from("rollbox-vmm"))
+    });
+    let jailer = (!args.no_jailer).then(|| rollbox::daemon::JailerOptions {
+        binary: absolute(args.jailer.unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|exe| exe.parent().map(|d| d.join("rollbox-jailer")))
+                .unwrap_or_else(|| PathBuf::from("rollbox-jailer"))
+        })),
+        uid: args.jail_uid,
+        gid: args.jail_gid,
+    });
+    let listen = match (args.listen, args.socket) {
+        (Some(addr), _) => Listen::Tcp(addr),
+        (None, Some(path)) => Listen::Unix(path),
+        (None, None) => Listen::Unix(default_socket()),
+    };
+    if let Listen::Unix(path) = &listen {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let _ = std::fs::create_dir_all(parent);
+        }
+    }
+    let options = ServeOptions {
+        listen,
+        api_key,
+        state_dir: args.state_dir,
+        vmm: absolute(vmm),
+        default_ttl_s: args.default_ttl,
+        max_pending_creates: usize::try_from(args.max_pending_creates).unwrap_or(64),
+        reap_interval: Duration::from_millis(250),
+        ready_timeout: Duration::from_secs(args.vmm_start_timeout),
+        test_agent_socket: args.test_agent_socket,
+        agent: Some(absolute(super::image::agent_path(args.agent))),
+        image_cache: args
+            .image_cache
+            .unwrap_or_else(rollbox::images::default_cache_dir),
+        cgroup_fs: args.cgroup_fs,
+        jailer,
+        snapshot_retention: args.snapshot_retention,
+        e2b: args
+            .e2b_listen
+            .map(|listen| rollbox::daemon::e2b::E2bOptions {
+                listen,
+                domain: args.e2b_domain,
+                tls: args
+                    .e2b_tls_cert
+                    .zip(args.e2b_tls_key)
+                    .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
+            }),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let shutdown = async {
+            let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+            match term {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = tokio::signal::ctrl_c() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+            log::info!("stopping; sandboxes keep running and the next start re-attaches to them");
+        };
+        rollbox::daemon::serve(options, shutdown).await
+    });
+    // Blocking tasks (a VMM start in progress) do not hold the exit up.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

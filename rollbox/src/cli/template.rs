@@ -1,0 +1,314 @@
+//! `rollbox template ...`: register a template from files, build one from an image (the daemon
+//! builds it), list and remove them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use rollbox::daemon::api::Template;
+use rollbox::daemon::client::Response;
+
+use super::conn::{absolute, parse, print_json, CliError, Conn};
+
+#[derive(Subcommand)]
+pub enum TemplateCommand {
+    /// Register a template from a kernel (and optional rootfs image and initrd).
+    Add(AddArgs),
+    /// Build a template from an OCI/Docker image: the daemon builds the rootfs (with the guest
+    /// agent as init) and, with --boot-snapshot, boots it once and snapshots it.
+    Build(BuildArgs),
+    Ls,
+    Rm {
+        name: String,
+    },
+}
+
+/// `add`'s arguments.
+#[derive(Args)]
+pub struct AddArgs {
+    pub name: String,
+    #[arg(long, value_name = "PATH")]
+    pub kernel: PathBuf,
+    /// A raw/ext4 root disk image (each sandbox gets its own copy), e.g. from `rollbox
+    /// image build`.
+    #[arg(long, value_name = "PATH")]
+    pub rootfs: Option<PathBuf>,
+    #[arg(long, value_name = "PATH")]
+    pub initrd: Option<PathBuf>,
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    #[arg(long)]
+    pub vcpus: Option<i64>,
+    #[arg(long, value_name = "MIB")]
+    pub memory_mib: Option<i64>,
+    /// Boot it once and keep a snapshot; creates then restore it (needs the agent).
+    #[arg(long)]
+    pub boot_snapshot: bool,
+    #[command(flatten)]
+    pub commands: StartCommands,
+}
+
+/// `build`'s arguments.
+#[derive(Args)]
+pub struct BuildArgs {
+    /// Image reference, e.g. 127.0.0.1:5000/busybox:latest (with an archive or layout,
+    /// it picks one of several images).
+    pub image: Option<String>,
+    /// The template's name [default: the image's repository name].
+    #[arg(long)]
+    pub name: Option<String>,
+    #[arg(long, value_name = "PATH")]
+    pub kernel: PathBuf,
+    /// Read the image from a `docker save` tarball.
+    #[arg(long, value_name = "FILE", conflicts_with = "from_oci_layout")]
+    pub from_docker_archive: Option<PathBuf>,
+    /// Read the image from an OCI image layout directory.
+    #[arg(long, value_name = "DIR")]
+    pub from_oci_layout: Option<PathBuf>,
+    /// Plain HTTP to the registry.
+    #[arg(long)]
+    pub insecure: bool,
+    /// Root disk size in MiB [default: the content plus room to write].
+    #[arg(long, value_name = "MIB")]
+    pub size: Option<u64>,
+    /// Kernel command line [default: serial console, the agent as init].
+    #[arg(long)]
+    pub cmdline: Option<String>,
+    #[arg(long)]
+    pub vcpus: Option<i64>,
+    #[arg(long, value_name = "MIB")]
+    pub memory_mib: Option<i64>,
+    /// Boot it once and keep a snapshot; creates then restore it.
+    #[arg(long)]
+    pub boot_snapshot: bool,
+    #[command(flatten)]
+    pub commands: StartCommands,
+}
+
+/// What a template runs once its agent answers after a boot (before a boot snapshot).
+#[derive(clap::Args)]
+pub struct StartCommands {
+    /// A shell command started in the background after boot, e.g. a server (its output goes
+    /// to the guest's /var/log/rollbox-start.log).
+    #[arg(long, value_name = "COMMAND")]
+    start_cmd: Option<String>,
+    /// A shell command run until it exits 0; creates return once it has (needs --start-cmd).
+    #[arg(long, value_name = "COMMAND", requires = "start_cmd")]
+    ready_cmd: Option<String>,
+    /// How long --ready-cmd may take to first exit 0 [default: 300].
+    #[arg(long, value_name = "SECONDS", requires = "ready_cmd")]
+    ready_timeout: Option<i64>,
+}
+
+impl StartCommands {
+    fn add_to(self, body: &mut serde_json::Value) {
+        if let Some(c) = self.start_cmd {
+            body["start_cmd"] = json!(c);
+        }
+        if let Some(c) = self.ready_cmd {
+            body["ready_cmd"] = json!(c);
+        }
+        if let Some(s) = self.ready_timeout {
+            body["ready_timeout_s"] = json!(s);
+        }
+    }
+}
+
+/// A template name from an image reference: its last path component without tag or digest.
+fn name_from_image(image: &str) -> String {
+    let last = image.rsplit('/').next().unwrap_or(image);
+    let bare = last.split(['@', ':']).next().unwrap_or(last);
+    bare.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+/// Runs one subcommand.
+pub fn run(conn: &Conn, command: TemplateCommand) -> Result<(), CliError> {
+    match command {
+        TemplateCommand::Add(args) => add(conn, args),
+        TemplateCommand::Build(args) => build(conn, args),
+        TemplateCommand::Ls => ls(conn),
+        TemplateCommand::Rm { name } => rm(conn, &name),
+    }
+}
+
+/// How long the CLI waits for a template build (an image pull, a rootfs, a boot).
+const TEMPLATE_BUILD_TIMEOUT: Duration = Duration::from_secs(1800);
+
+fn print_template(conn: &Conn, response: &Response, done: &str) -> Result<(), CliError> {
+    if conn.json {
+        print_json(response);
+        return Ok(());
+    }
+    let template: Template = parse(response)?;
+    println!("template {} {done}", template.name);
+    if let Some(image) = &template.image {
+        println!("image: {image}");
+    }
+    if let Some(snapshot) = &template.boot_snapshot {
+        println!("boot snapshot: {snapshot}");
+    }
+    if let Some(command) = &template.start_cmd {
+        println!("start command: {command}");
+    }
+    Ok(())
+}
+
+/// `rollbox template add`.
+fn add(conn: &Conn, args: AddArgs) -> Result<(), CliError> {
+    let AddArgs {
+        name,
+        kernel,
+        rootfs,
+        initrd,
+        cmdline,
+        vcpus,
+        memory_mib,
+        boot_snapshot,
+        commands,
+    } = args;
+    let mut body = json!({
+        "name": name,
+        "kernel": absolute(kernel),
+        "cmdline": cmdline,
+        "boot_snapshot": boot_snapshot,
+    });
+    commands.add_to(&mut body);
+    if let Some(p) = rootfs {
+        body["rootfs"] = json!(absolute(p));
+    }
+    if let Some(p) = initrd {
+        body["initrd"] = json!(absolute(p));
+    }
+    if let Some(v) = vcpus {
+        body["vcpus"] = json!(v);
+    }
+    if let Some(v) = memory_mib {
+        body["memory_mib"] = json!(v);
+    }
+    let response = conn.call_within("POST", "/templates", Some(body), TEMPLATE_BUILD_TIMEOUT)?;
+    print_template(conn, &response, "added")?;
+    Ok(())
+}
+
+/// `rollbox template build`: the daemon builds the rootfs (and the boot snapshot).
+fn build(conn: &Conn, args: BuildArgs) -> Result<(), CliError> {
+    let BuildArgs {
+        image,
+        name,
+        kernel,
+        from_docker_archive,
+        from_oci_layout,
+        insecure,
+        size,
+        cmdline,
+        vcpus,
+        memory_mib,
+        boot_snapshot,
+        commands,
+    } = args;
+    let name = match (name, &image, &from_docker_archive) {
+        (Some(name), _, _) => name,
+        (None, Some(image), _) => name_from_image(image),
+        (None, None, Some(archive)) => name_from_image(
+            &archive
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        ),
+        (None, None, None) => {
+            return Err(CliError::Usage(
+                "give an image reference, --from-docker-archive or --name".into(),
+            ))
+        }
+    };
+    let mut source = json!({ "insecure": insecure });
+    if let Some(image) = image {
+        source["reference"] = json!(image);
+    }
+    if let Some(p) = from_docker_archive {
+        source["docker_archive"] = json!(absolute(p));
+    }
+    if let Some(p) = from_oci_layout {
+        source["oci_layout"] = json!(absolute(p));
+    }
+    if let Some(mib) = size {
+        source["size_mib"] = json!(mib);
+    }
+    let mut body = json!({
+        "name": name,
+        "kernel": absolute(kernel),
+        "image": source,
+        "boot_snapshot": boot_snapshot,
+    });
+    commands.add_to(&mut body);
+    if let Some(c) = cmdline {
+        body["cmdline"] = json!(c);
+    }
+    if let Some(v) = vcpus {
+        body["vcpus"] = json!(v);
+    }
+    if let Some(v) = memory_mib {
+        body["memory_mib"] = json!(v);
+    }
+    let what = if boot_snapshot {
+        format!("building template {name} (image, then a boot and a snapshot)")
+    } else {
+        format!("building template {name}")
+    };
+    let spinner = rollbox::images::progress::Progress::for_stderr().spinner(what);
+    let response = conn.call_within("POST", "/templates", Some(body), TEMPLATE_BUILD_TIMEOUT);
+    spinner.finish_and_clear();
+    print_template(conn, &response?, "built")?;
+    Ok(())
+}
+
+/// `rollbox template ls`.
+fn ls(conn: &Conn) -> Result<(), CliError> {
+    let response = conn.call("GET", "/templates", None)?;
+    if conn.json {
+        print_json(&response);
+    } else {
+        #[derive(serde::Deserialize)]
+        struct List {
+            templates: Vec<Template>,
+        }
+        let list: List = parse(&response)?;
+        println!(
+            "{:<20} {:>5} {:>7}  {:<40}  ROOTFS",
+            "NAME", "VCPUS", "MEM_MIB", "KERNEL"
+        );
+        for t in list.templates {
+            println!(
+                "{:<20} {:>5} {:>7}  {:<40}  {}",
+                t.name,
+                t.vcpus,
+                t.memory_mib,
+                t.kernel.display(),
+                t.rootfs
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "-".into())
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `rollbox template rm`.
+fn rm(conn: &Conn, name: &str) -> Result<(), CliError> {
+    conn.call("DELETE", &format!("/templates/{name}"), None)?;
+    if !conn.json {
+        println!("template {name} removed");
+    }
+    Ok(())
+}

@@ -1,0 +1,36 @@
+//! What a request may ask for: body sizes, exec output, counts, shapes and TTLs.
+
+/// The largest request body the daemon reads.
+pub const MAX_BODY: usize = 1 << 20;
+/// The largest file or tar upload (streamed to the agent, never held whole).
+pub const MAX_UPLOAD: usize = 256 << 20;
+/// Default and largest stdout + stderr an exec keeps (the rest is dropped, `truncated` set).
+pub const DEFAULT_OUTPUT_BYTES: u64 = 16 << 20;
+pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
+/// Longest exec timeout: one day.
+pub const MAX_EXEC_TIMEOUT_S: f64 = 86_400.0;
+
+/// Most sandboxes one fork makes.
+pub const MAX_FORK: u32 = 64;
+/// Most sandboxes one batch create makes.
+pub const MAX_BATCH: u32 = 1000;
+/// Most ids one `ids=` query names.
+pub const MAX_IDS: usize = 1000;
+
+/// Most vCPUs of one sandbox.
+pub const MAX_VCPUS: u32 = 32;
+/// Smallest `cpu_limit`, in cores.
+pub const MIN_CPU_LIMIT: f64 = 0.01;
+/// Largest guest memory in MiB.
+pub const MAX_MEMORY_MIB: u32 = 256 * 1024;
+/// Longest TTL (and idle TTL): 30 days.
+pub const MAX_TTL_S: u64 = 30 * 24 * 3600;
+/// Most labels of one sandbox.
+pub const MAX_LABELS: usize = 32;
+/// Most metadata entries of one sandbox.
+pub const MAX_METADATA: usize = 64;
+/// Largest page of GET /sandboxes, and the page without a `limit`.
+pub const MAX_LIST_LIMIT: u32 = 1000;
+pub const DEFAULT_LIST_LIMIT: u32 = 100;
+/// Most environment variables of a sandbox or an exec.
+pub const MAX_ENV: usize = 256;

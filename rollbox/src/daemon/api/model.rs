@@ -1,0 +1,417 @@
+//! The API's model: the wire types of requests (as validated) and answers. Nothing here is the
+//! agent's or the store's; those convert at their boundaries.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// A sandbox's lifecycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    /// Its VMM is being started.
+    Creating,
+    Running,
+    Paused,
+    /// Its VMM ended on its own (guest power-off, crash).
+    Exited,
+    /// The create did not finish (see `end_reason`).
+    Failed,
+    /// Ended by DELETE.
+    Deleted,
+    /// Ended by its TTL or idle TTL.
+    Expired,
+}
+
+impl State {
+    pub const ALL: [State; 7] = [
+        State::Creating,
+        State::Running,
+        State::Paused,
+        State::Exited,
+        State::Failed,
+        State::Deleted,
+        State::Expired,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Creating => "creating",
+            State::Running => "running",
+            State::Paused => "paused",
+            State::Exited => "exited",
+            State::Failed => "failed",
+            State::Deleted => "deleted",
+            State::Expired => "expired",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<State> {
+        State::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+
+    /// Whether a VMM process may belong to it.
+    pub fn is_live(self) -> bool {
+        matches!(self, State::Creating | State::Running | State::Paused)
+    }
+}
+
+/// A registered template: what a sandbox boots.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Template {
+    pub name: String,
+    pub kernel: PathBuf,
+    pub rootfs: Option<PathBuf>,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub created_at_ms: u64,
+    /// The image its rootfs was built from (`reference@digest`), when it was built by the daemon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The snapshot taken once it booted: creates from the template restore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_snapshot: Option<String>,
+    /// Started in the background (`/bin/sh -c`) once the agent answers after a boot; with a
+    /// boot snapshot, it runs before the snapshot, so restored sandboxes have it running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_cmd: Option<String>,
+    /// Run (`/bin/sh -c`) after the start command until it exits 0: the sandbox is ready then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
+    /// How long the ready command may take to first exit 0 [default 300 s].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_timeout_s: Option<u32>,
+}
+
+/// Where a template's rootfs image comes from: a registry reference, a `docker save` tarball
+/// or an OCI layout directory.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageSource {
+    /// Registry reference; with an archive or layout, picks one of several images.
+    pub reference: Option<String>,
+    pub docker_archive: Option<PathBuf>,
+    pub oci_layout: Option<PathBuf>,
+    /// Plain HTTP to the registry.
+    #[serde(default)]
+    pub insecure: bool,
+    pub size_mib: Option<u64>,
+}
+
+/// POST /templates, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AddTemplate {
+    pub template: Template,
+    /// Build the rootfs from this image (instead of `template.rootfs`).
+    pub image: Option<ImageSource>,
+    /// Boot it once and keep a snapshot that creates restore.
+    pub boot_snapshot: bool,
+}
+
+/// POST /sandboxes, validated: from a template (boot) or from a snapshot (restore).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CreateSandbox {
+    /// The template's name; empty when `snapshot` is given (the snapshot names it).
+    pub template: String,
+    pub snapshot: Option<String>,
+    pub vcpus: Option<u32>,
+    pub memory_mib: Option<u32>,
+    pub ttl_s: Option<u64>,
+    pub idle_ttl_s: Option<u64>,
+    pub labels: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub idempotency_key: Option<String>,
+    /// Environment of every exec in the sandbox (an exec's own `env` wins).
+    pub env: BTreeMap<String, String>,
+    /// Cores of CPU time (a cgroup quota on the VMM process); None: no limit.
+    pub cpu_limit: Option<f64>,
+    /// A deterministic machine: booted without RDRAND/RDSEED, and every restore (create,
+    /// reset) puts back the snapshot's guest time and generation exactly.
+    pub deterministic: bool,
+}
+
+/// GET /sandboxes query.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ListQuery {
+    /// Only these sandboxes (any state, unless `state` is given).
+    pub ids: Vec<String>,
+    /// Every (key, value) must match.
+    pub labels: Vec<(String, String)>,
+    pub state: Option<State>,
+    pub limit: u32,
+    /// Only sandboxes after this position (from `next_page_token`).
+    pub after: Option<i64>,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sandbox {
+    pub id: String,
+    pub template: String,
+    pub state: State,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub labels: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub idempotency_key: Option<String>,
+    pub created_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub idle_ttl_s: Option<u64>,
+    pub last_active_at_ms: u64,
+    pub pid: Option<u32>,
+    /// The VMM's start time (/proc/PID/stat field 22), so a re-used pid is never taken for it.
+    pub pid_start_time: Option<u64>,
+    /// The sandbox's directory: `api.sock` (the VMM's Firecracker API), `vsock.sock`,
+    /// `console.log`, `vmm.log`.
+    pub dir: PathBuf,
+    pub ended_at_ms: Option<u64>,
+    pub end_reason: Option<String>,
+    /// Environment of every exec (under the exec's own `env`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// CPU time limit in cores (0.5: half a core), enforced by the VMM's cgroup.
+    #[serde(default)]
+    pub cpu_limit: Option<f64>,
+    /// Booted without RDRAND/RDSEED; its restores (reset) are exact (guest time, generation).
+    #[serde(default)]
+    pub deterministic: bool,
+}
+
+/// GET /sandboxes answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+    pub next_page_token: Option<String>,
+}
+
+/// What to run: an argv, or a string for `/bin/sh -c`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExecCommand {
+    /// argv[0] is looked up in PATH when it has no slash.
+    Argv(Vec<String>),
+    Shell(String),
+}
+
+/// POST /sandboxes/{id}/exec, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Exec {
+    pub command: ExecCommand,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub user: Option<String>,
+    /// Written to the process's stdin, which is then closed (no stdin: /dev/null) unless
+    /// `stdin_open`.
+    pub stdin: Option<Vec<u8>>,
+    /// Streaming only: stdin stays open for POST .../processes/{pid}/stdin.
+    pub stdin_open: bool,
+    pub timeout_ms: Option<u64>,
+    pub max_output_bytes: u64,
+}
+
+/// How a text field of an exec answer is encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Encoding {
+    #[serde(rename = "utf-8")]
+    Utf8,
+    #[serde(rename = "base64")]
+    Base64,
+}
+
+/// Bytes as UTF-8 text when they are, else base64.
+pub fn encode_bytes(bytes: &[u8]) -> (String, Encoding) {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => (text.to_string(), Encoding::Utf8),
+        Err(_) => {
+            use base64::Engine as _;
+            (
+                base64::engine::general_purpose::STANDARD.encode(bytes),
+                Encoding::Base64,
+            )
+        }
+    }
+}
+
+/// The inverse of [`encode_bytes`].
+pub fn decode_bytes(text: &str, encoding: Encoding) -> Option<Vec<u8>> {
+    match encoding {
+        Encoding::Utf8 => Some(text.as_bytes().to_vec()),
+        Encoding::Base64 => {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(text.as_bytes())
+                .ok()
+        }
+    }
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    /// The exit code, when the process exited (not killed by a signal).
+    pub exit_code: Option<i32>,
+    /// The signal that ended it.
+    pub signal: Option<i32>,
+    /// Its timeout fired and its process group was killed.
+    pub timed_out: bool,
+    /// The OOM killer killed a process of it.
+    pub oom: bool,
+    /// Output beyond `max_output_bytes` was dropped.
+    pub truncated: bool,
+    pub duration_ms: u64,
+}
+
+/// The unary exec answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResult {
+    #[serde(flatten)]
+    pub exit: ExitInfo,
+    pub stdout: String,
+    pub stdout_encoding: Encoding,
+    pub stderr: String,
+    pub stderr_encoding: Encoding,
+}
+
+/// One line of a streaming exec (NDJSON); `seq` counts lines from 0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecLine {
+    pub seq: u64,
+    #[serde(flatten)]
+    pub record: ExecRecord,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecRecord {
+    /// The process started: signal it through /sandboxes/{id}/processes/{pid}/signal.
+    Started {
+        pid: u32,
+    },
+    Stdout {
+        data: String,
+        encoding: Encoding,
+    },
+    Stderr {
+        data: String,
+        encoding: Encoding,
+    },
+    /// The last line when the process ended.
+    Exit(ExitInfo),
+    /// The last line when the exec failed after it started.
+    Error {
+        message: String,
+    },
+}
+
+/// A file operation through the agent; every path is absolute in the sandbox.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FileOp {
+    Read {
+        path: String,
+    },
+    Write {
+        path: String,
+        mode: Option<u32>,
+        parents: bool,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Stat {
+        path: String,
+    },
+    List {
+        path: String,
+    },
+    TarDownload {
+        path: String,
+    },
+    TarUpload {
+        path: String,
+    },
+}
+
+impl FileOp {
+    /// Whether the request body is the data (streamed, up to [`MAX_UPLOAD`]).
+    pub fn uploads(&self) -> bool {
+        matches!(self, FileOp::Write { .. } | FileOp::TarUpload { .. })
+    }
+}
+
+/// What kind of file an entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// A file in the sandbox (stat, list).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileInfo {
+    /// Last path component.
+    pub name: String,
+    pub path: String,
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (including setuid/setgid/sticky).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+    /// The target, for a symlink.
+    #[serde(default)]
+    pub link_target: Option<String>,
+}
+
+/// A memory snapshot of a sandbox (the VMM's Full snapshot, plus a copy of its rootfs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub id: String,
+    /// The sandbox it was taken of.
+    pub sandbox: String,
+    /// The snapshot that sandbox was restored (or last reset) from: the parent chain.
+    pub parent: Option<String>,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// `vmstate`, `memory`, and `rootfs.img` when the template has a rootfs.
+    pub dir: PathBuf,
+    pub created_at_ms: u64,
+    /// When retention removes it (its `ttl_s`), unless a live sandbox came from it.
+    #[serde(default)]
+    pub expires_at_ms: Option<u64>,
+    /// Taken of a deterministic sandbox (so deterministic sandboxes may restore it).
+    #[serde(default)]
+    pub deterministic: bool,
+}
+
+/// One sandbox of a fork: made, or why not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkResult {
+    pub sandbox: Option<Sandbox>,
+    pub error: Option<String>,
+}
+
+/// GET /sandboxes/{id}/usage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    pub sandbox: String,
+    pub template: String,
+    pub state: State,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// Whole seconds it ran (paused time not counted), rounded up.
+    pub running_s: u64,
+    pub vcpu_seconds: u64,
+    pub memory_mib_seconds: u64,
+    /// CPU time (user + system) its VMM processes used, as /proc measured it.
+    pub cpu_seconds: f64,
+    pub ended_at_ms: Option<u64>,
+}

@@ -1,0 +1,180 @@
+//! envd's data plane, translated to the rollbox agent: which sandbox and port a request is
+//! for, the access token, and the routes: `process.Process` ([`super::process`]) and
+//! `filesystem.Filesystem` ([`super::filesystem`]) Connect RPCs (JSON codec), `/files`
+//! ([`super::files`]), `/health` and `/envs`. Other ports are the guest's own services.
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use serde_json::json;
+
+use super::super::super::api::{Action, Reply, MAX_BODY};
+use super::super::transport::Out;
+use super::call::{read_body, unary_error, Call};
+use super::connect::{Code, RpcError};
+use super::process::Stream;
+use super::state::E2b;
+use super::wire::{header, json, no_content, ENVD_PORT};
+
+/// The sandbox and port a data-plane request is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    id: String,
+    port: Option<u16>,
+}
+
+pub fn data_plane_target(request: &Request<Incoming>, domain: &str) -> Option<Target> {
+    if let Some(id) = header(request, "e2b-sandbox-id").filter(|id| !id.is_empty()) {
+        let port = header(request, "e2b-sandbox-port").and_then(|p| p.trim().parse().ok());
+        return Some(Target {
+            id: id.to_string(),
+            port: port.or(Some(ENVD_PORT)),
+        });
+    }
+    let host = header(request, "host").or_else(|| request.uri().host())?;
+    host_target(host, domain)
+}
+
+/// `{port}-{id}.{domain}[:p]` → the target.
+fn host_target(host: &str, domain: &str) -> Option<Target> {
+    let host = match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    };
+    let label = host.strip_suffix(domain)?.strip_suffix('.')?;
+    if label.contains('.') {
+        return None;
+    }
+    let (port, id) = label.split_once('-')?;
+    Some(Target {
+        id: id.to_string(),
+        port: Some(port.parse().ok()?),
+    })
+}
+
+/// A data-plane request for a sandbox that is not there (the texts the SDK keys on).
+fn proxy_error(id: &str, message: String) -> Response<Out> {
+    json(
+        502,
+        &json!({ "sandboxId": id, "message": message, "code": 502 }),
+    )
+}
+
+pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>) -> Response<Out> {
+    let id = target.id.clone();
+    let sandbox = match e2b.core.handle(Action::GetSandbox(id.clone())).await {
+        Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live() => sandbox,
+        _ => return proxy_error(&id, format!("The sandbox {id} was not found")),
+    };
+    // Other ports are the guest's own services, reached through the agent: envd's access token
+    // is not theirs to check (the code interpreter SDK sends it on /execute but not /contexts).
+    match target.port {
+        Some(ENVD_PORT) => {}
+        Some(port) => return forward_port(e2b, &id, port, request).await,
+        None => return proxy_error(&id, format!("sandbox {id}: port is not open (no port)")),
+    }
+    let path = request.uri().path().to_string();
+    let method = request.method().as_str().to_string();
+    if method == "GET" && path == "/health" {
+        return no_content();
+    }
+    let token_ok =
+        header(&request, "x-access-token").is_some_and(|t| t.trim() == e2b.access_token(&id));
+    let rpc = path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
+    if !token_ok {
+        let message = format!("sandbox {id}: missing or wrong X-Access-Token (the envdAccessToken of the create answer)");
+        return if rpc {
+            unary_error(&RpcError::new(Code::Unauthenticated, message))
+        } else {
+            json(401, &json!({ "code": 401, "message": message }))
+        };
+    }
+    let user = basic_user(&request);
+    let call = Call {
+        e2b: Arc::clone(e2b),
+        sandbox,
+        user,
+    };
+    match (method.as_str(), path.as_str()) {
+        ("GET", "/envs") => json(200, &json!(call.env_vars())),
+        ("GET", "/files") => call.download(request).await,
+        ("POST", "/files") => call.upload(request).await,
+        ("POST", "/process.Process/Start") => call.streaming(request, Stream::Start).await,
+        ("POST", "/process.Process/Connect") => call.streaming(request, Stream::Connect).await,
+        ("POST", "/process.Process/StreamInput") => call.stream_input(request).await,
+        ("POST", "/filesystem.Filesystem/WatchDir") => call.watch_dir(request).await,
+        ("POST", rpc_path) if rpc => call.unary(request, rpc_path).await,
+        _ => json(
+            404,
+            &json!({ "code": 404, "message": format!("envd has no route {method} {path}") }),
+        ),
+    }
+}
+
+/// A request for guest `port`, forwarded through the agent; 502 "port is not open" when
+/// nothing listens there (the text the SDK keys on).
+async fn forward_port(
+    e2b: &Arc<E2b>,
+    id: &str,
+    port: u16,
+    request: Request<Incoming>,
+) -> Response<Out> {
+    let not_open = |why: String| proxy_error(id, format!("sandbox {id}: port is not open ({why})"));
+    match e2b.core.guest_tcp(id, port).await {
+        Ok(pipe) => super::forward::forward(pipe, port, request)
+            .await
+            .unwrap_or_else(not_open),
+        Err(e) => not_open(e.to_string()),
+    }
+}
+
+/// The user of `Authorization: Basic base64("user:")`.
+fn basic_user(request: &Request<Incoming>) -> Option<String> {
+    let encoded = header(request, "authorization")?.strip_prefix("Basic ")?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let user = text.split(':').next().unwrap_or("");
+    (!user.is_empty()).then(|| user.to_string())
+}
+
+impl Call {
+    async fn unary(&self, request: Request<Incoming>, path: &str) -> Response<Out> {
+        let body = match read_body(request, MAX_BODY).await {
+            Ok(body) => body,
+            Err(e) => return unary_error(&RpcError::new(Code::InvalidArgument, e)),
+        };
+        let method = path.rsplit('/').next().unwrap_or("");
+        let result = if path.starts_with("/process.Process/") {
+            self.process_call(method, &body).await
+        } else {
+            self.filesystem_call(method, &body).await
+        };
+        match result {
+            Ok(value) => json(200, &value),
+            Err(e) => unary_error(&e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_name_port_and_sandbox() {
+        assert_eq!(
+            host_target("49983-sb-0123.e2b.local:8443", "e2b.local"),
+            Some(Target {
+                id: "sb-0123".into(),
+                port: Some(49983)
+            })
+        );
+        assert_eq!(host_target("api.e2b.local", "e2b.local"), None);
+        assert_eq!(host_target("127.0.0.1:3000", "e2b.local"), None);
+        assert_eq!(host_target("x.49983-sb-1.e2b.local", "e2b.local"), None);
+    }
+}

@@ -1,0 +1,186 @@
+//! E2B compatibility: the stock `e2b` SDK's control plane (REST, `X-API-KEY`) and envd's data
+//! plane (Connect RPCs with the JSON codec, `/files`, `/health`, `/envs`) on their own listener
+//! (`rollbox serve --e2b-listen`), because E2B's `POST /sandboxes` means something else than the
+//! native API's. Every call maps onto the daemon's own actions: its sandboxes, templates, TTLs
+//! and store; the only state kept here is the table of processes started through envd and the
+//! polled directory watchers (`CreateWatcher`).
+//!
+//! The data plane is translated here rather than served by the guest agent: the agent's
+//! protocol already has every operation envd needs (exec with stdin, signals and PTYs, stat,
+//! list, mkdir, move, remove, file streams, inotify watches), one translator serves every guest image and agent
+//! version, and envd's processes must outlive the HTTP stream that started them while the agent
+//! ends a connection's processes with the connection: the daemon owns those connections.
+//!
+//! A request is for the data plane when it names a sandbox: an `E2b-Sandbox-Id` header (SDK
+//! 2.10+) or a host `{port}-{id}.{domain}`; everything else is the control plane. Ports other
+//! than envd's are the guest's own services, reached as HTTP/1.1 over the agent's
+//! `tcp_connect` (forward.rs). Wire facts: `shared/docs/e2b-compat.md`.
+//!
+//! The files: `control.rs` (the control plane), `envd.rs` (the data plane's routes, with
+//! `process.rs`, `filesystem.rs`, `files.rs` and `watch.rs` behind it, `call.rs` what a
+//! data-plane request carries, `entry.rs` envd's file entries), `connect.rs` (the Connect
+//! protocol), `forward.rs` (other guest ports), `state.rs` (what lives between requests) and
+//! `wire.rs` (E2B's constants and HTTP helpers).
+
+mod call;
+pub mod connect;
+mod control;
+mod entry;
+mod envd;
+mod files;
+mod filesystem;
+mod forward;
+mod process;
+mod state;
+mod watch;
+mod wire;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+
+use super::super::core::Core;
+use super::transport::{Listen, Listener, Out, TransportError};
+use state::E2b;
+
+pub use wire::{DEFAULT_TIMEOUT_S, ENVD_PORT, ENVD_VERSION, ENV_VARS_KEY};
+
+/// `rollbox serve --e2b-*` options.
+#[derive(Debug, Clone)]
+pub struct E2bOptions {
+    /// Loopback address of the E2B listener.
+    pub listen: SocketAddr,
+    /// The `domain` sandboxes report: the SDK sends data-plane traffic to
+    /// `https://{port}-{id}.{domain}` unless `E2B_SANDBOX_URL` is set.
+    pub domain: String,
+    /// Serve TLS with this certificate chain and private key (PEM files).
+    pub tls: Option<TlsFiles>,
+}
+
+/// `--e2b-tls-cert` and `--e2b-tls-key`.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// The bound E2B listener, with its TLS acceptor when it serves TLS.
+pub struct E2bListener {
+    listener: Listener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+impl E2bListener {
+    pub fn describe(&self) -> String {
+        let plain = self.listener.describe();
+        match self.tls {
+            Some(_) => plain.replacen("http://", "https://", 1),
+            None => plain,
+        }
+    }
+}
+
+/// The TLS acceptor for `files` (HTTP/1.1 only in ALPN; the SDK's clients accept that).
+fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor, TransportError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let fail = |what: &str, path: &std::path::Path, e: String| TransportError::Listen {
+        what: format!("E2B TLS ({what} {})", path.display()),
+        source: std::io::Error::other(e),
+    };
+    let certs = CertificateDer::pem_file_iter(&files.cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| fail("--e2b-tls-cert", &files.cert, e.to_string()))?;
+    if certs.is_empty() {
+        return Err(fail(
+            "--e2b-tls-cert",
+            &files.cert,
+            "no CERTIFICATE in the file".into(),
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| fail("--e2b-tls-key", &files.key, e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail("--e2b-tls-cert", &files.cert, e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| fail("--e2b-tls-key", &files.key, e.to_string()))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Binds the E2B listener (loopback only, like the native API) and loads its TLS files.
+pub fn bind(options: &E2bOptions) -> Result<E2bListener, TransportError> {
+    let tls = options.tls.as_ref().map(tls_acceptor).transpose()?;
+    Ok(E2bListener {
+        listener: Listener::bind(&Listen::Tcp(options.listen))?,
+        tls,
+    })
+}
+
+/// Serves E2B connections until the task is aborted.
+pub async fn run(listener: E2bListener, core: Arc<Core>, api_key: String, options: E2bOptions) {
+    let e2b = Arc::new(E2b {
+        core,
+        api_key,
+        domain: options.domain,
+        processes: Mutex::new(HashMap::new()),
+        watchers: Mutex::new(HashMap::new()),
+        next_watcher: std::sync::atomic::AtomicU64::new(1),
+    });
+    let E2bListener {
+        listener: Listener::Tcp(listener),
+        tls,
+    } = listener
+    else {
+        return;
+    };
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                log::warn!("e2b accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let e2b = Arc::clone(&e2b);
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let e2b = Arc::clone(&e2b);
+                async move { Ok::<_, Infallible>(respond(&e2b, request).await) }
+            });
+            let http = hyper::server::conn::http1::Builder::new();
+            match tls {
+                None => {
+                    let _ = http
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                }
+                Some(acceptor) => {
+                    // A failed handshake (a plain-HTTP client, an unknown CA) ends the connection.
+                    if let Ok(stream) = acceptor.accept(stream).await {
+                        let _ = http
+                            .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                            .await;
+                    }
+                }
+            }
+        });
+    }
+}
+
+async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
+    match envd::data_plane_target(&request, &e2b.domain) {
+        Some(target) => envd::respond(e2b, target, request).await,
+        None => control::respond(e2b, request).await,
+    }
+}

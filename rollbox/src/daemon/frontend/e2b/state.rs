@@ -1,0 +1,95 @@
+//! The E2B server's state: the core it runs actions on, the key, and what envd keeps between
+//! requests (the processes started through it, the polled directory watchers).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use rollbox_agent_protocol::client::AgentClient;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use super::super::super::core::Core;
+use super::watch;
+
+/// The E2B server's state.
+pub struct E2b {
+    pub core: Arc<Core>,
+    /// The daemon's API key: E2B's `X-API-KEY`, and where envd access tokens come from.
+    pub api_key: String,
+    /// The `domain` sandboxes report.
+    pub domain: String,
+    pub processes: Mutex<Processes>,
+    /// `CreateWatcher` watchers, by id.
+    pub watchers: Mutex<watch::Watchers>,
+    /// Numbers watcher ids.
+    pub next_watcher: std::sync::atomic::AtomicU64,
+}
+
+impl E2b {
+    pub fn processes(&self) -> MutexGuard<'_, Processes> {
+        self.processes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn watchers(&self) -> MutexGuard<'_, watch::Watchers> {
+        self.watchers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The envd access token of sandbox `id`: derived from the API key, so it survives a
+    /// daemon restart and needs no storage.
+    pub fn access_token(&self, id: &str) -> String {
+        use sha2::Digest as _;
+        let mut hash = sha2::Sha256::new();
+        hash.update(b"rollbox-e2b-envd\0");
+        hash.update(self.api_key.trim().as_bytes());
+        hash.update(b"\0");
+        hash.update(id.as_bytes());
+        hash.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Drops the process table entries and stops the watchers of a sandbox that ended.
+    pub fn forget_processes(&self, id: &str) {
+        self.processes().retain(|(sandbox, _), _| sandbox != id);
+        self.watchers().retain(|_, watcher| {
+            let keep = watcher.sandbox != id;
+            if !keep {
+                watcher.stop();
+            }
+            keep
+        });
+    }
+}
+
+/// Processes started through envd: (sandbox id, pid) → the process.
+pub type Processes = HashMap<(String, u32), Arc<Process>>;
+
+/// A process started through envd's `Start`.
+pub struct Process {
+    /// `ProcessConfig` as `List` shows it.
+    pub config: Value,
+    pub tag: Option<String>,
+    pub stdin: bool,
+    /// Runs on a terminal (`Start` with `pty`).
+    pub pty: bool,
+    pub client: AgentClient,
+    /// The exec's request id on `client`: where the agent takes stdin and signals.
+    pub request: u64,
+    pub state: Mutex<Subscribers>,
+}
+
+/// Who gets a process's events, and its end once it ended.
+#[derive(Default)]
+pub struct Subscribers {
+    pub subscribers: Vec<mpsc::UnboundedSender<Value>>,
+    /// The `end` event, once the process ended, and when.
+    pub ended: Option<(Value, Instant)>,
+}
+
+impl Process {
+    pub fn subscribers(&self) -> MutexGuard<'_, Subscribers> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}

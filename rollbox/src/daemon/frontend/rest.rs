@@ -1,0 +1,268 @@
+//! The native frontend: accept, check the key, cap the body, parse into an action, run it on
+//! the [`Core`], and write the typed reply as JSON. Nothing else happens here.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http_body_util::{BodyExt, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+
+use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
+use super::super::core::Core;
+use super::transport::{accept, same_key, BodyReader, Listener, Out};
+
+/// Serves connections until `shutdown` completes.
+pub async fn run(
+    listener: Listener,
+    core: Arc<Core>,
+    api_key: String,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let api_key: Arc<str> = api_key.into();
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = accept(&listener) => accepted,
+        };
+        let io = match accepted {
+            Ok(io) => io,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                log::warn!("accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let core = Arc::clone(&core);
+        let api_key = Arc::clone(&api_key);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let core = Arc::clone(&core);
+                let api_key = Arc::clone(&api_key);
+                async move { Ok::<_, Infallible>(respond(&core, &api_key, request).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, service)
+                .with_upgrades()
+                .await;
+        });
+    }
+}
+
+fn authorized(request: &Request<Incoming>, key: &str) -> bool {
+    request
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
+}
+
+async fn respond(core: &Core, api_key: &str, request: Request<Incoming>) -> Response<Out> {
+    match handle(core, api_key, request).await {
+        Ok(reply) => reply_response(reply),
+        Err(error) => error_response(&error),
+    }
+}
+
+/// Whether the request asks to turn the connection into a TCP stream.
+fn asks_tcp_upgrade(request: &Request<Incoming>) -> bool {
+    let has = |name, token: &str| {
+        request
+            .headers()
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|v| v.trim().eq_ignore_ascii_case(token))
+    };
+    has(hyper::header::CONNECTION, "upgrade") && has(hyper::header::UPGRADE, "tcp")
+}
+
+/// Answers 101 and, once hyper hands over the connection, pipes it to guest `port`.
+async fn port_connect(
+    core: &Core,
+    request: &mut Request<Incoming>,
+    id: &str,
+    port: u16,
+) -> Result<Reply, ApiError> {
+    if !asks_tcp_upgrade(request) {
+        return Err(ApiError::BadRequest(format!(
+            "GET /sandboxes/{id}/ports/{port} is an HTTP upgrade: send `Connection: Upgrade` and `Upgrade: tcp`"
+        )));
+    }
+    let pipe = core.guest_tcp(id, port).await?;
+    let upgrade = hyper::upgrade::on(request);
+    let what = format!("sandbox {id} port {port}");
+    tokio::spawn(async move {
+        let mut pipe = pipe;
+        match upgrade.await {
+            Ok(upgraded) => {
+                let mut client = TokioIo::new(upgraded);
+                if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut pipe).await {
+                    log::info!("{what}: the connection ended: {e}");
+                }
+            }
+            Err(e) => log::info!("{what}: the upgrade failed: {e}"),
+        }
+    });
+    Ok(Reply::SwitchingProtocols)
+}
+
+async fn handle(
+    core: &Core,
+    api_key: &str,
+    mut request: Request<Incoming>,
+) -> Result<Reply, ApiError> {
+    if !authorized(&request, api_key) {
+        return Err(ApiError::Unauthorized);
+    }
+    let declared = request
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let method = request.method().as_str().to_string();
+    let path = request.uri().path().to_string();
+    let query = request.uri().query().map(str::to_string);
+    if api::is_upload(&method, &path) {
+        if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
+            return Err(ApiError::TooLarge(MAX_UPLOAD));
+        }
+        let Action::File { id, op } = api::parse(&method, &path, query.as_deref(), b"")? else {
+            return Err(ApiError::Internal(format!(
+                "{method} {path} is not an upload"
+            )));
+        };
+        let body = BodyReader::new(request.into_body(), MAX_UPLOAD);
+        return core.upload(&id, op, body).await;
+    }
+    if method == "GET" && path.contains("/ports/") {
+        if let Action::PortConnect { id, port } = api::parse(&method, &path, query.as_deref(), b"")?
+        {
+            return port_connect(core, &mut request, &id, port).await;
+        }
+    }
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(ApiError::TooLarge(MAX_BODY));
+    }
+    let body = Limited::new(request.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::TooLarge(MAX_BODY)
+            } else {
+                ApiError::BadRequest(format!("cannot read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    let action = api::parse(&method, &path, query.as_deref(), &body)?;
+    core.handle(action).await
+}
+
+fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Out> {
+    let body = serde_json::to_vec(value)
+        .unwrap_or_else(|e| format!(r#"{{"error":"cannot encode the reply: {e}"}}"#).into_bytes());
+    let mut response = Response::new(Out::Full(Some(Bytes::from(body))));
+    *response.status_mut() =
+        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn reply_response(reply: Reply) -> Response<Out> {
+    match reply {
+        Reply::Health => json_response(200, &serde_json::json!({ "status": "ok" })),
+        Reply::Template { created, template } => {
+            json_response(if created { 201 } else { 200 }, &template)
+        }
+        Reply::Templates(templates) => {
+            json_response(200, &serde_json::json!({ "templates": templates }))
+        }
+        Reply::Sandbox { created, sandbox } => {
+            json_response(if created { 201 } else { 200 }, &sandbox)
+        }
+        Reply::Sandboxes(list) => json_response(200, &list),
+        Reply::Exec(result) => json_response(200, &result),
+        Reply::Snapshot { created, snapshot } => {
+            json_response(if created { 201 } else { 200 }, &snapshot)
+        }
+        Reply::Snapshots(snapshots) => {
+            json_response(200, &serde_json::json!({ "snapshots": snapshots }))
+        }
+        Reply::Forked(results) => json_response(200, &serde_json::json!({ "results": results })),
+        Reply::Deleted(ids) => json_response(200, &serde_json::json!({ "deleted": ids })),
+        Reply::Usage(usage) => json_response(200, &usage),
+        Reply::Metrics(text) => {
+            let mut response = Response::new(Out::Full(Some(Bytes::from(text))));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            response
+        }
+        Reply::File(info) => json_response(200, &info),
+        Reply::Files(entries) => json_response(200, &serde_json::json!({ "entries": entries })),
+        Reply::Written { path, bytes } => {
+            json_response(201, &serde_json::json!({ "path": path, "bytes": bytes }))
+        }
+        Reply::Stream { content_type, body } => {
+            let mut response = Response::new(Out::Stream(body));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(content_type),
+            );
+            response
+        }
+        Reply::NoContent => {
+            let mut response = Response::new(Out::Full(None));
+            *response.status_mut() = hyper::StatusCode::NO_CONTENT;
+            response
+        }
+        Reply::SwitchingProtocols => {
+            let mut response = Response::new(Out::Full(None));
+            *response.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
+            let headers = response.headers_mut();
+            headers.insert(
+                hyper::header::CONNECTION,
+                hyper::header::HeaderValue::from_static("upgrade"),
+            );
+            headers.insert(
+                hyper::header::UPGRADE,
+                hyper::header::HeaderValue::from_static("tcp"),
+            );
+            response
+        }
+    }
+}
+
+fn error_response(error: &ApiError) -> Response<Out> {
+    let mut response = json_response(
+        error.status(),
+        &serde_json::json!({ "error": error.to_string() }),
+    );
+    let headers = response.headers_mut();
+    match error {
+        ApiError::Overloaded(_) => {
+            headers.insert(
+                hyper::header::RETRY_AFTER,
+                hyper::header::HeaderValue::from_static("1"),
+            );
+        }
+        ApiError::Unauthorized => {
+            headers.insert(
+                hyper::header::WWW_AUTHENTICATE,
+                hyper::header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        _ => {}
+    }
+    response
+}

@@ -1,0 +1,118 @@
+//! After a boot: waiting for the guest's agent, and a template's start command (in the
+//! background) and ready command (until it exits 0).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rollbox_agent_protocol::{AgentClient, ExecRequest, DEFAULT_PORT};
+
+use super::super::api::{ApiError, State, Template};
+use super::super::util::touch;
+use super::Guest;
+
+/// How long a template's first boot may take to reach an answering agent (Linux in the nested
+/// lab takes tens of seconds).
+const BOOT_AGENT_WAIT: Duration = Duration::from_secs(300);
+/// How long a template's ready command may take to first exit 0, unless it says.
+const READY_WAIT_S: u32 = 300;
+/// How long one run of a ready command may take.
+const READY_RUN_TIMEOUT_MS: u64 = 10_000;
+/// Where the guest keeps the start command's output (`/dev/null` when /var/log is missing).
+const START_LOG: &str = "/var/log/rollbox-start.log";
+
+impl Guest {
+    /// After a boot of `template`: waits for the agent, starts the template's start command in
+    /// the background and runs its ready command until it exits 0. Nothing without a start
+    /// command.
+    pub async fn start_template_command(
+        &self,
+        id: &str,
+        template: &Template,
+        env: &BTreeMap<String, String>,
+    ) -> Result<(), ApiError> {
+        let Some(start_cmd) = &template.start_cmd else {
+            return Ok(());
+        };
+        let name = &template.name;
+        self.wait_for_agent(id, name).await?;
+        let client = AgentClient::connect_unix(self.agent_socket(id)?, DEFAULT_PORT)
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("start_cmd: agent of {id}: {e}")))?;
+        // The shell exits at once; its background child keeps running with its output in a
+        // log, so the run's pipes close.
+        let launcher = format!(
+            "log={START_LOG}; [ -d /var/log ] || log=/dev/null; /bin/sh -c \"$1\" >>\"$log\" 2>&1 </dev/null &"
+        );
+        let mut request = ExecRequest::argv(["/bin/sh", "-c", &launcher, "sh", start_cmd]);
+        request.env = env.clone();
+        request.timeout_ms = Some(READY_RUN_TIMEOUT_MS);
+        let started = client
+            .run(request)
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("start_cmd of template {name:?}: {e}")))?;
+        if !started.status.success() {
+            return Err(ApiError::Unavailable(format!(
+                "start_cmd of template {name:?}: the launching shell failed ({:?}): {}",
+                started.status,
+                String::from_utf8_lossy(&started.stderr).trim()
+            )));
+        }
+        let Some(ready_cmd) = &template.ready_cmd else {
+            return Ok(());
+        };
+        let wait_s = template.ready_timeout_s.unwrap_or(READY_WAIT_S);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(wait_s.into());
+        let mut last;
+        loop {
+            let mut request = ExecRequest::shell(ready_cmd.clone());
+            request.env = env.clone();
+            request.timeout_ms = Some(READY_RUN_TIMEOUT_MS);
+            match client.run(request).await {
+                Ok(output) if output.status.success() => return Ok(()),
+                Ok(output) => {
+                    last = format!(
+                        "last run: {:?}, stderr {:?}",
+                        output.status.code,
+                        String::from_utf8_lossy(&output.stderr).trim()
+                    );
+                }
+                Err(e) => last = format!("last run: {e}"),
+            }
+            if tokio::time::Instant::now() >= deadline
+                || touch(&self.db, id)?.state != State::Running
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        Err(ApiError::Unavailable(format!(
+            "ready_cmd of template {name:?} did not exit 0 within {wait_s} s ({last}; the start command's output is in the guest's {START_LOG})"
+        )))
+    }
+
+    pub async fn wait_for_agent(&self, id: &str, name: &str) -> Result<(), ApiError> {
+        let socket = self.agent_socket(id)?;
+        let deadline = tokio::time::Instant::now() + BOOT_AGENT_WAIT;
+        let mut last = String::new();
+        while tokio::time::Instant::now() < deadline {
+            let attempt = tokio::time::timeout(Duration::from_secs(5), async {
+                let client = AgentClient::connect_unix(&socket, DEFAULT_PORT).await?;
+                client.health().await
+            })
+            .await;
+            match attempt {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = "no answer within 5 s".into(),
+            }
+            if touch(&self.db, id)?.state != State::Running {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(ApiError::Unavailable(format!(
+            "boot_snapshot: the agent of template {name:?} did not answer within {} s ({last}); a boot snapshot needs a guest that runs rollbox-agent",
+            BOOT_AGENT_WAIT.as_secs()
+        )))
+    }
+}

@@ -1,0 +1,379 @@
+//! The sandboxes service: create (a boot of a template or a restore of a snapshot, at most
+//! `--max-pending-creates` at once), look up, keep alive, pause and resume, and end sandboxes;
+//! batches are in `batch.rs`, the reaper and the recovery after a restart in `reaper.rs`. The
+//! VMMs themselves are the [`Supervisor`]'s.
+
+mod batch;
+mod reaper;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::api::{ApiError, CreateSandbox, Reply, Sandbox, SandboxList, Snapshot, State, Template};
+use super::guest::Guest;
+use super::store::StoreError;
+use super::store::{Db, Inserted};
+use super::supervisor::{self, Supervisor, SupervisorError};
+use super::usage::Counters;
+use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
+
+/// Why the sandboxes could not be recovered after a restart.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoverError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Supervisor(#[from] SupervisorError),
+}
+
+/// What the sandboxes service is given.
+pub struct SandboxOptions {
+    /// TTL for creates that give none; without it `ttl_s` is required.
+    pub default_ttl_s: Option<u64>,
+    pub max_pending_creates: usize,
+    /// How long a new VMM may take to open its API socket (a repeated create waits twice that
+    /// for the first).
+    pub ready_timeout: Duration,
+}
+
+/// The sandboxes.
+pub struct Sandboxes {
+    db: Arc<Db>,
+    supervisor: Arc<Supervisor>,
+    /// Runs templates' start and ready commands after a boot.
+    guest: Arc<Guest>,
+    counters: Arc<Counters>,
+    options: SandboxOptions,
+    pending: Arc<tokio::sync::Semaphore>,
+}
+
+/// What [`Sandboxes::prepare`] found for a create.
+struct Prepared {
+    snapshot: Option<Snapshot>,
+    template: Template,
+    ttl_s: u64,
+}
+
+/// A deterministic sandbox restores only snapshots of deterministic sandboxes: another's CPUID
+/// offers RDRAND, whose values no restore can repeat.
+pub fn check_deterministic(deterministic: bool, snapshot: &Snapshot) -> Result<(), ApiError> {
+    if deterministic && !snapshot.deterministic {
+        return Err(ApiError::BadRequest(format!(
+            "deterministic: snapshot {} was taken of a sandbox that is not deterministic (its CPUID offers RDRAND); create a deterministic sandbox, snapshot it, and restore that",
+            snapshot.id
+        )));
+    }
+    Ok(())
+}
+
+impl Sandboxes {
+    pub fn new(
+        db: Arc<Db>,
+        supervisor: Arc<Supervisor>,
+        guest: Arc<Guest>,
+        counters: Arc<Counters>,
+        options: SandboxOptions,
+    ) -> Sandboxes {
+        Sandboxes {
+            pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
+            db,
+            supervisor,
+            guest,
+            counters,
+            options,
+        }
+    }
+
+    /// GET /sandboxes.
+    pub fn list(&self, query: &super::api::ListQuery) -> Result<Reply, ApiError> {
+        let (sandboxes, next_page_token) = self.db.lock().list(query).map_err(internal)?;
+        Ok(Reply::Sandboxes(SandboxList {
+            sandboxes,
+            next_page_token,
+        }))
+    }
+
+    /// GET /sandboxes/{id} (an API call on it, for its idle TTL).
+    pub fn get(&self, id: &str) -> Result<Reply, ApiError> {
+        let sandbox = touch(&self.db, id)?;
+        Ok(Reply::Sandbox {
+            created: false,
+            sandbox,
+        })
+    }
+
+    /// Sets the TTL to `ttl_s` from now.
+    pub fn keepalive(&self, id: &str, ttl_s: u64) -> Result<Reply, ApiError> {
+        touch(&self.db, id)?;
+        let expires = now_ms().saturating_add(ttl_s.saturating_mul(1000));
+        if !self.db.lock().set_expiry(id, expires).map_err(internal)? {
+            return Err(ApiError::Conflict(format!("sandbox {id} has ended")));
+        }
+        sandbox_reply(&self.db, id)
+    }
+
+    pub async fn create(&self, request: CreateSandbox) -> Result<Reply, ApiError> {
+        let prepared = self.prepare(&request)?;
+        let Ok(_permit) = Arc::clone(&self.pending).try_acquire_owned() else {
+            self.counters.refused();
+            return Err(ApiError::Overloaded(self.options.max_pending_creates));
+        };
+        self.admitted(request, &prepared).await
+    }
+
+    /// Looks up what a create names (snapshot, template) and its TTL.
+    fn prepare(&self, request: &CreateSandbox) -> Result<Prepared, ApiError> {
+        let snapshot =
+            match &request.snapshot {
+                Some(id) => Some(self.db.lock().snapshot(id).map_err(internal)?.ok_or_else(
+                    || {
+                        ApiError::BadRequest(format!(
+                            "snapshot: no snapshot {id:?} (list them with GET /snapshots)"
+                        ))
+                    },
+                )?),
+                None => None,
+            };
+        let template_name = snapshot
+            .as_ref()
+            .map_or(request.template.as_str(), |s| s.template.as_str());
+        let template = self
+            .db
+            .lock()
+            .template(template_name)
+            .map_err(internal)?
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!(
+                    "template: no template {template_name:?} (list them with GET /templates)"
+                ))
+            })?;
+        if let Some(snapshot) = &snapshot {
+            check_deterministic(request.deterministic, snapshot)?;
+        }
+        // A template's boot snapshot serves creates of its shape (a deterministic create only
+        // a deterministic one); another shape boots.
+        let snapshot = match (snapshot, &template.boot_snapshot) {
+            (None, Some(boot))
+                if request.vcpus.unwrap_or(template.vcpus) == template.vcpus
+                    && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
+            {
+                self.db
+                    .lock()
+                    .snapshot(boot)
+                    .map_err(internal)?
+                    .filter(|s| s.deterministic || !request.deterministic)
+            }
+            (snapshot, _) => snapshot,
+        };
+        let ttl_s = request
+            .ttl_s
+            .or(self.options.default_ttl_s)
+            .ok_or_else(|| {
+                ApiError::BadRequest("ttl_s: required (this server has no --default-ttl)".into())
+            })?;
+        self.supervisor
+            .cgroups_for(request.cpu_limit)
+            .map_err(ApiError::Unavailable)?;
+        Ok(Prepared {
+            snapshot,
+            template,
+            ttl_s,
+        })
+    }
+
+    /// A create that holds its place among the pending creates.
+    async fn admitted(
+        &self,
+        request: CreateSandbox,
+        prepared: &Prepared,
+    ) -> Result<Reply, ApiError> {
+        let Prepared {
+            snapshot,
+            template,
+            ttl_s,
+        } = prepared;
+        let (snapshot, ttl_s) = (snapshot.as_ref(), *ttl_s);
+        let started = std::time::Instant::now();
+        let now = now_ms();
+        let id = format!("sb-{}", random_hex());
+        let sandbox = Sandbox {
+            id: id.clone(),
+            template: template.name.clone(),
+            state: State::Creating,
+            vcpus: snapshot.map_or(request.vcpus.unwrap_or(template.vcpus), |s| s.vcpus),
+            memory_mib: snapshot.map_or(request.memory_mib.unwrap_or(template.memory_mib), |s| {
+                s.memory_mib
+            }),
+            labels: request.labels,
+            metadata: request.metadata,
+            idempotency_key: request.idempotency_key,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(ttl_s.saturating_mul(1000)),
+            idle_ttl_s: request.idle_ttl_s,
+            last_active_at_ms: now,
+            pid: None,
+            pid_start_time: None,
+            dir: self.supervisor.sandboxes_dir().join(&id),
+            ended_at_ms: None,
+            end_reason: None,
+            env: request.env,
+            cpu_limit: request.cpu_limit,
+            deterministic: request.deterministic,
+        };
+        let inserted = self.db.lock().insert_sandbox(&sandbox).map_err(internal)?;
+        if let Inserted::Existing(first) = inserted {
+            return self.existing(*first).await;
+        }
+        let inserted_ms = ms_since(started);
+        self.counters.created();
+        match self.start_vmm(&sandbox, template, snapshot).await {
+            Ok(()) => {
+                if snapshot.is_none() {
+                    if let Err(e) = self
+                        .guest
+                        .start_template_command(&id, template, &sandbox.env)
+                        .await
+                    {
+                        self.counters.failed();
+                        let _ = self.end(&id, State::Failed, &e.to_string()).await;
+                        return Err(e);
+                    }
+                }
+                if let Some(snapshot) = snapshot {
+                    self.db
+                        .lock()
+                        .set_source(&id, &snapshot.id)
+                        .map_err(internal)?;
+                }
+                if log::log_enabled!(log::Level::Debug) {
+                    log::debug!(
+                        "create {id}: inserted {inserted_ms:.2} ms, total {:.2} ms",
+                        ms_since(started)
+                    );
+                }
+                sandbox_reply(&self.db, &id).map(|reply| match reply {
+                    Reply::Sandbox { sandbox, .. } => Reply::Sandbox {
+                        created: true,
+                        sandbox,
+                    },
+                    other => other,
+                })
+            }
+            Err(message) => {
+                self.counters.failed();
+                let _ = remove_dir(&sandbox.dir);
+                self.db
+                    .lock()
+                    .end(&id, State::Failed, &message, now_ms())
+                    .map_err(internal)?;
+                Err(ApiError::Internal(format!("sandbox {id}: {message}")))
+            }
+        }
+    }
+
+    /// A create that repeats an idempotency key: the first sandbox, once it left `creating`.
+    async fn existing(&self, mut first: Sandbox) -> Result<Reply, ApiError> {
+        let deadline = std::time::Instant::now() + self.options.ready_timeout * 2;
+        while first.state == State::Creating && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            first = match self.db.lock().sandbox(&first.id).map_err(internal)? {
+                Some(s) => s,
+                None => break,
+            };
+        }
+        Ok(Reply::Sandbox {
+            created: false,
+            sandbox: first,
+        })
+    }
+
+    /// Spawns the VMM and moves the sandbox to running; on error, nothing of it is left.
+    async fn start_vmm(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+        snapshot: Option<&Snapshot>,
+    ) -> Result<(), String> {
+        let launched = self
+            .supervisor
+            .launch(sandbox, template, snapshot, true)
+            .await?;
+        let result = {
+            let store = self.db.lock();
+            match store.set_running(&sandbox.id, launched.pid, launched.start) {
+                Ok(true) => {
+                    self.supervisor.adopt(&sandbox.id, launched);
+                    return Ok(());
+                }
+                Ok(false) => Err("deleted while it was being created".to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        launched.reap().await;
+        self.supervisor.release(sandbox);
+        result
+    }
+
+    /// Ends a sandbox (DELETE, TTL): kills its VMM's process group, removes its directory and
+    /// records `state`. Ending one that has ended already succeeds.
+    pub async fn end(&self, id: &str, state: State, reason: &str) -> Result<(), ApiError> {
+        let Some(sandbox) = self.db.lock().sandbox(id).map_err(internal)? else {
+            // Never existed, or long gone: deleting it is still success.
+            return Ok(());
+        };
+        if !sandbox.state.is_live() {
+            return Ok(());
+        }
+        // Record the end first: a create still in progress sees it and cleans up itself.
+        self.db
+            .lock()
+            .end(id, state, reason, now_ms())
+            .map_err(internal)?;
+        self.stop_vmm(id, &sandbox).await
+    }
+
+    /// Records the CPU time of sandbox `id`'s VMM, then has the supervisor end it and remove
+    /// its directory.
+    pub async fn stop_vmm(&self, id: &str, sandbox: &Sandbox) -> Result<(), ApiError> {
+        if let (Some(pid), Some(start)) = (sandbox.pid, sandbox.pid_start_time) {
+            if let Some(ms) = supervisor::cpu_ms(pid, start) {
+                let _ = self.db.lock().add_cpu_ms(&sandbox.id, ms);
+            }
+        }
+        self.supervisor
+            .stop(id, sandbox)
+            .await
+            .map_err(ApiError::Internal)
+    }
+
+    pub async fn pause_resume(&self, id: &str, pause: bool) -> Result<Reply, ApiError> {
+        let sandbox = touch(&self.db, id)?;
+        let (from, to) = if pause {
+            (State::Running, State::Paused)
+        } else {
+            (State::Paused, State::Running)
+        };
+        if sandbox.state == to {
+            return Ok(Reply::Sandbox {
+                created: false,
+                sandbox,
+            });
+        }
+        if sandbox.state != from {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} is {}, not {}",
+                sandbox.state.as_str(),
+                from.as_str()
+            )));
+        }
+        supervisor::set_paused(&sandbox.dir, pause)
+            .await
+            .map_err(ApiError::Internal)?;
+        if !self.db.lock().transition(id, from, to).map_err(internal)? {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} changed state during the request"
+            )));
+        }
+        sandbox_reply(&self.db, id)
+    }
+}

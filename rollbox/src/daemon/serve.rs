@@ -1,0 +1,215 @@
+//! `rollbox serve`'s composition root: opens the state, builds the services (the supervisor,
+//! then sandboxes, snapshots and templates over it and the store) and the [`Core`] they sit
+//! behind, recovers what a previous daemon left, starts the reaper and the frontends (the
+//! native API, and the E2B one when asked), and serves until shutdown. The core knows neither
+//! frontend; this is where they meet it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::core::Core;
+use super::frontend::transport::{Listen, Listener, TransportError};
+use super::frontend::{e2b, rest};
+use super::guest::Guest;
+use super::retention::Retention;
+use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
+use super::snapshots::Snapshots;
+use super::store::{Db, Store, StoreError};
+use super::supervisor::{JailerOptions, Supervisor, SupervisorError, SupervisorOptions};
+use super::templates::Templates;
+use super::usage::Counters;
+
+/// A daemon that cannot start or stopped on an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Supervisor(#[from] SupervisorError),
+    #[error("state directory {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Recover(#[from] RecoverError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("the API key is empty: put a key in --api-key-file or ROLLBOX_API_KEY")]
+    EmptyKey,
+    #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
+    PathTooLong(PathBuf),
+}
+
+/// `rollbox serve` options.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub listen: Listen,
+    pub api_key: String,
+    pub state_dir: PathBuf,
+    /// The `rollbox-vmm` binary.
+    pub vmm: PathBuf,
+    /// TTL for creates that give none; without it `ttl_s` is required.
+    pub default_ttl_s: Option<u64>,
+    pub max_pending_creates: usize,
+    /// How often the reaper looks at TTLs and processes.
+    pub reap_interval: Duration,
+    /// How long a new VMM may take to open its API socket.
+    pub ready_timeout: Duration,
+    /// Test-only (`--test-agent-socket`): every sandbox's agent traffic goes to this hybrid
+    /// vsock socket (a host `rollbox-agent --listen-unix`) instead of the sandbox's own.
+    pub test_agent_socket: Option<PathBuf>,
+    /// The static guest agent installed into rootfs images built for templates.
+    pub agent: Option<PathBuf>,
+    /// The image builder's cache (layers and built rootfs images).
+    pub image_cache: PathBuf,
+    /// Where the cgroup hierarchies are mounted (for `cpu_limit`): /sys/fs/cgroup.
+    pub cgroup_fs: PathBuf,
+    /// Keep each sandbox's newest N snapshots (see [`super::retention`]); None: keep all.
+    pub snapshot_retention: Option<u32>,
+    /// The E2B-compatible API on its own listener (`--e2b-listen`).
+    pub e2b: Option<e2b::E2bOptions>,
+    /// `rollbox-jailer` around every VMM (the default); None with `--no-jailer`.
+    pub jailer: Option<JailerOptions>,
+}
+
+/// The state directory's parts, made if missing.
+struct Dirs {
+    state: PathBuf,
+    sandboxes: PathBuf,
+    snapshots: PathBuf,
+    templates: PathBuf,
+}
+
+fn make_dirs(state_dir: &Path) -> Result<Dirs, DaemonError> {
+    let state_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| DaemonError::StateDir { path, source }
+    };
+    std::fs::create_dir_all(state_dir).map_err(state_error(state_dir))?;
+    let state = std::fs::canonicalize(state_dir).map_err(state_error(state_dir))?;
+    let sandboxes = state.join("sandboxes");
+    std::fs::create_dir_all(&sandboxes).map_err(state_error(&sandboxes))?;
+    let snapshots = state.join("snapshots");
+    std::fs::create_dir_all(&snapshots).map_err(state_error(&snapshots))?;
+    let templates = state.join("templates");
+    std::fs::create_dir_all(&templates).map_err(state_error(&templates))?;
+    // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX/vsock.sock_PORT (up to 5 digits).
+    if sandboxes.as_os_str().len() + "/sb-0123456789abcdef/vsock.sock_65535".len() >= 108 {
+        return Err(DaemonError::PathTooLong(sandboxes));
+    }
+    Ok(Dirs {
+        state,
+        sandboxes,
+        snapshots,
+        templates,
+    })
+}
+
+/// Opens the state, recovers, and serves until `shutdown` completes. VMMs keep running after
+/// the daemon stops; the next start re-attaches to them.
+pub async fn serve(
+    options: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DaemonError> {
+    if options.api_key.trim().is_empty() {
+        return Err(DaemonError::EmptyKey);
+    }
+    let dirs = make_dirs(&options.state_dir)?;
+    let db = Arc::new(Db::new(Store::open(&dirs.state.join("state.db"))?));
+    let supervisor = Arc::new(Supervisor::new(SupervisorOptions {
+        vmm: options.vmm.clone(),
+        ready_timeout: options.ready_timeout,
+        state_dir: &dirs.state,
+        sandboxes_dir: dirs.sandboxes.clone(),
+        cgroup_fs: &options.cgroup_fs,
+        jailer: options.jailer.as_ref(),
+    })?);
+    let counters = Arc::new(Counters::default());
+    let guest = Arc::new(Guest::new(
+        Arc::clone(&db),
+        options.test_agent_socket.clone(),
+    ));
+    let sandboxes = Arc::new(Sandboxes::new(
+        Arc::clone(&db),
+        Arc::clone(&supervisor),
+        Arc::clone(&guest),
+        Arc::clone(&counters),
+        SandboxOptions {
+            default_ttl_s: options.default_ttl_s,
+            max_pending_creates: options.max_pending_creates,
+            ready_timeout: options.ready_timeout,
+        },
+    ));
+    let retention = Arc::new(Retention::new(Arc::clone(&db), options.snapshot_retention));
+    let snapshots = Arc::new(Snapshots::new(
+        Arc::clone(&db),
+        Arc::clone(&supervisor),
+        Arc::clone(&sandboxes),
+        Arc::clone(&retention),
+        dirs.snapshots.clone(),
+    ));
+    let templates = Arc::new(Templates::new(
+        Arc::clone(&db),
+        Arc::clone(&sandboxes),
+        Arc::clone(&snapshots),
+        Arc::clone(&guest),
+        dirs.templates.clone(),
+        options.agent.clone(),
+        options.image_cache.clone(),
+    ));
+    let core = Arc::new(Core::new(
+        db,
+        counters,
+        Arc::clone(&sandboxes),
+        Arc::clone(&snapshots),
+        templates,
+        guest,
+    ));
+    let kept = sandboxes.recover()?;
+    snapshots.sweep()?;
+    if !kept.is_empty() {
+        log::info!("re-attached {} running sandboxes", kept.len());
+    }
+    // The E2B listener first: its TLS files are the likelier to be wrong.
+    let e2b_listener = options.e2b.as_ref().map(e2b::bind).transpose()?;
+    let listener = Listener::bind(&options.listen)?;
+    let e2b_server = e2b_listener
+        .zip(options.e2b.clone())
+        .map(|(bound, e2b_options)| {
+            log::info!("E2B API on {}", bound.describe());
+            tokio::spawn(e2b::run(
+                bound,
+                Arc::clone(&core),
+                options.api_key.clone(),
+                e2b_options,
+            ))
+        });
+    let reaper = {
+        let interval = options.reap_interval;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                let reaped = match sandboxes.reap().await {
+                    Ok(()) => retention.enforce().await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = reaped {
+                    log::error!("reaper: {e}");
+                }
+            }
+        })
+    };
+    log::info!("listening on {}", listener.describe());
+    rest::run(listener, core, options.api_key.clone(), shutdown).await;
+    reaper.abort();
+    if let Some(e2b_server) = e2b_server {
+        e2b_server.abort();
+    }
+    if let Listen::Unix(path) = &options.listen {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}

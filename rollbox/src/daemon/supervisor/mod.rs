@@ -1,0 +1,489 @@
+//! The supervisor: the `rollbox-vmm` processes, one per sandbox, each inside `rollbox-jailer`
+//! unless `--no-jailer` ([`vm`] spawns them and speaks to their API). It launches and stops
+//! VMMs, knows which ones it started (so it reaps them) and which one a sandbox is being
+//! snapshotted or reset on, finds VMMs again after a restart, and owns the sandboxes' host
+//! cgroups: a jail's groups, or the daemon's own cpu group of an unjailed VMM with a
+//! `cpu_limit` (the cgroup files themselves are `rollbox_jailer::cgroup`'s).
+
+mod cpu;
+pub mod vm;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use rollbox_jailer::cgroup::{self, Cgroups};
+
+// vm.rs names the API's types and the HTTP client as `super::api` and `super::client`.
+use super::{api, client};
+use api::{Sandbox, Snapshot, Template};
+
+use super::util::{ms_since, remove_dir};
+
+pub use cpu::cpu_ms;
+
+/// A supervisor that cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error("jailer {path}: {why} (or run `rollbox serve --no-jailer`)")]
+    Jailer { path: PathBuf, why: String },
+    #[error("state directory {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// `rollbox serve`'s jailer settings.
+#[derive(Debug, Clone)]
+pub struct JailerOptions {
+    /// The `rollbox-jailer` binary.
+    pub binary: PathBuf,
+    /// The unprivileged uid and gid every VMM runs as.
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// What the supervisor is given.
+pub struct SupervisorOptions<'a> {
+    /// The `rollbox-vmm` binary.
+    pub vmm: PathBuf,
+    /// How long a new VMM may take to open its API socket.
+    pub ready_timeout: Duration,
+    /// The daemon's state directory (its cgroup root's name is derived from it).
+    pub state_dir: &'a Path,
+    /// One directory per sandbox, the jails' chroot base.
+    pub sandboxes_dir: PathBuf,
+    /// Where the cgroup hierarchies are mounted.
+    pub cgroup_fs: &'a Path,
+    /// `rollbox-jailer` around every VMM; None with `--no-jailer`.
+    pub jailer: Option<&'a JailerOptions>,
+}
+
+/// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
+type Children = HashMap<String, Child>;
+
+/// The VMMs of the sandboxes.
+pub struct Supervisor {
+    vmm: PathBuf,
+    ready_timeout: Duration,
+    sandboxes_dir: PathBuf,
+    children: Mutex<Children>,
+    /// Sandboxes whose VMM is being swapped (reset) or snapshotted: the reaper leaves them be.
+    busy: Mutex<HashSet<String>>,
+    /// The cpu controller for `cpu_limit`, or why there is none.
+    cgroups: Result<Cgroups, String>,
+    /// How VMMs are jailed; None with `--no-jailer`.
+    jail: Option<vm::Jail>,
+}
+
+/// A VMM that runs, not yet handed back ([`Supervisor::adopt`]) or ended ([`Launched::reap`]).
+pub struct Launched {
+    child: Child,
+    pub pid: u32,
+    /// Its start time (/proc/PID/stat field 22).
+    pub start: u64,
+}
+
+impl Launched {
+    /// Kills the VMM and waits for it, off the async threads.
+    pub async fn reap(self) {
+        reap_child(self.child).await;
+    }
+}
+
+/// Marks a sandbox busy (the reaper skips it) until dropped.
+pub struct Busy<'a> {
+    supervisor: &'a Supervisor,
+    id: String,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.supervisor.busy_set().remove(&self.id);
+    }
+}
+
+/// The jail every VMM gets: the jailer must exist and the daemon must be root.
+fn jail_of(
+    jailer: &JailerOptions,
+    cgroup_fs: &Path,
+    state_dir: &Path,
+) -> Result<vm::Jail, SupervisorError> {
+    let refuse = |why: String| SupervisorError::Jailer {
+        path: jailer.binary.clone(),
+        why,
+    };
+    if !jailer.binary.is_file() {
+        return Err(refuse("no such file".into()));
+    }
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(refuse("it needs root (namespaces, mounts, cgroups)".into()));
+    }
+    if jailer.uid == 0 || jailer.gid == 0 {
+        return Err(refuse("--jail-uid and --jail-gid must not be 0".into()));
+    }
+    let has = |controller| cgroup::hierarchy(cgroup_fs, controller).is_ok();
+    let (memory_limits, pids_limits) = (has("memory"), has("pids"));
+    if !memory_limits || !pids_limits {
+        log::warn!(
+            "jailer: no {} cgroup controller under {}: jails get no such limit",
+            if memory_limits { "pids" } else { "memory" },
+            cgroup_fs.display()
+        );
+    }
+    Ok(vm::Jail {
+        jailer: jailer.binary.clone(),
+        uid: jailer.uid,
+        gid: jailer.gid,
+        cgroup_fs: cgroup_fs.to_path_buf(),
+        cgroup_parent: cgroup::root_name(state_dir),
+        memory_limits,
+        pids_limits,
+    })
+}
+
+/// Kills a VMM this daemon started and waits for it, off the async threads.
+async fn reap_child(mut child: Child) {
+    let _ = child.kill();
+    let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+}
+
+impl Supervisor {
+    /// Checks the jail (when there is one) and finds the host's cpu controller.
+    pub fn new(options: SupervisorOptions<'_>) -> Result<Supervisor, SupervisorError> {
+        let jail = options
+            .jailer
+            .map(|jailer| jail_of(jailer, options.cgroup_fs, options.state_dir))
+            .transpose()?;
+        Ok(Supervisor {
+            vmm: options.vmm,
+            ready_timeout: options.ready_timeout,
+            sandboxes_dir: options.sandboxes_dir,
+            children: Mutex::new(HashMap::new()),
+            busy: Mutex::new(HashSet::new()),
+            cgroups: Cgroups::find(options.cgroup_fs, &cgroup::root_name(options.state_dir))
+                .map_err(|e| e.to_string()),
+            jail,
+        })
+    }
+
+    /// The directory that holds one directory per sandbox.
+    pub fn sandboxes_dir(&self) -> &Path {
+        &self.sandboxes_dir
+    }
+
+    /// The uid jailed VMMs run as; None without a jail.
+    pub fn jail_uid(&self) -> Option<u32> {
+        self.jail.as_ref().map(|j| j.uid)
+    }
+
+    fn children(&self) -> MutexGuard<'_, Children> {
+        self.children.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn busy_set(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.busy.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a snapshot or reset holds the sandbox's VMM.
+    pub fn is_busy(&self, id: &str) -> bool {
+        self.busy_set().contains(id)
+    }
+
+    /// Holds the sandbox's VMM for a snapshot or reset; None while another one does.
+    pub fn claim(&self, id: &str) -> Option<Busy<'_>> {
+        if !self.busy_set().insert(id.to_string()) {
+            return None;
+        }
+        Some(Busy {
+            supervisor: self,
+            id: id.to_string(),
+        })
+    }
+
+    /// The cgroups a sandbox with `cpu_limit` needs, or why the host has none.
+    pub fn cgroups_for(&self, cpu_limit: Option<f64>) -> Result<Option<&Cgroups>, String> {
+        match (cpu_limit, &self.cgroups) {
+            (None, _) => Ok(None),
+            (Some(_), Ok(groups)) => Ok(Some(groups)),
+            (Some(_), Err(why)) => Err(why.clone()),
+        }
+    }
+
+    /// Starts a VMM in the sandbox's directory (a boot of `template`, or a restore of
+    /// `snapshot`) and waits until its VM runs; on error the VMM is gone. A restore into a new
+    /// sandbox (`new_sandbox`) is a clone of the snapshot's VM: it gets a new VM generation,
+    /// unless the sandbox is deterministic.
+    pub async fn launch(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+        snapshot: Option<&Snapshot>,
+        new_sandbox: bool,
+    ) -> Result<Launched, String> {
+        let paths = vm::Paths::new(&sandbox.dir);
+        let groups = self.cgroups_for(sandbox.cpu_limit)?;
+        // A jailed VMM's cpu group is made by its jailer (same path, with its memory and pids
+        // groups); an unjailed one's by the daemon.
+        let mut cpu_settings = Vec::new();
+        if let (Some(groups), Some(cores)) = (groups, sandbox.cpu_limit) {
+            if self.jail.is_some() {
+                cpu_settings = cgroup::quota_settings(groups.version, cores);
+            } else {
+                groups
+                    .create(&sandbox.id, cores)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let groups = groups.filter(|_| self.jail.is_none());
+        let vmm = self.vmm.clone();
+        let template = template.clone();
+        let (vcpus, memory_mib) = (sandbox.vcpus, sandbox.memory_mib);
+        let deterministic = sandbox.deterministic;
+        let identity = match (deterministic, new_sandbox) {
+            (true, _) => vm::Identity::Exact,
+            (false, true) => vm::Identity::Clone,
+            (false, false) => vm::Identity::Same,
+        };
+        let spawn_paths = vm::Paths::new(&sandbox.dir);
+        let restore = snapshot.map(|s| s.dir.clone());
+        let started = std::time::Instant::now();
+        let jail = self.jail.clone();
+        // Copying a rootfs may take a while: off the async threads.
+        let spawned = tokio::task::spawn_blocking(move || {
+            let spec = jail.as_ref().map(|jail| vm::JailSpec {
+                jail,
+                cgroups: cpu_settings,
+                memory_mib,
+            });
+            match restore {
+                Some(dir) => vm::spawn_restore(
+                    &vmm,
+                    &spawn_paths,
+                    &dir,
+                    template.rootfs.is_some(),
+                    identity,
+                    spec.as_ref(),
+                ),
+                None => {
+                    let shape = vm::Shape {
+                        template: &template,
+                        vcpus,
+                        memory_mib,
+                        deterministic,
+                    };
+                    vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref())
+                }
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                self.release(sandbox);
+                return Err(e.to_string());
+            }
+        };
+        let spawn_ms = ms_since(started);
+        let pid = child.id();
+        if let Some(groups) = groups {
+            // At once: the VMM has not created its vCPU threads yet, and those it has move too.
+            if let Err(e) = groups.enter(&sandbox.id, pid) {
+                reap_child(child).await;
+                self.release(sandbox);
+                return Err(e.to_string());
+            }
+        }
+        let ready = vm::wait_ready(&mut child, &paths, self.ready_timeout).await;
+        if log::log_enabled!(log::Level::Debug) {
+            log::debug!(
+                "launch {}: spawn {spawn_ms:.2} ms, ready {:.2} ms",
+                sandbox.id,
+                ms_since(started) - spawn_ms
+            );
+        }
+        let error = match (ready, vm::start_time(pid)) {
+            (Ok(()), Some(start)) => return Ok(Launched { child, pid, start }),
+            (Err(e), _) => e.to_string(),
+            (Ok(()), None) => vm::VmError::Vanished(pid).to_string(),
+        };
+        reap_child(child).await;
+        self.release(sandbox);
+        Err(error)
+    }
+
+    /// Takes a launched VMM as sandbox `id`'s: the supervisor reaps it when it ends.
+    pub fn adopt(&self, id: &str, launched: Launched) {
+        self.children().insert(id.to_string(), launched.child);
+    }
+
+    /// Ends sandbox `id`'s VMM (by pid and start time, and the child handle if this daemon
+    /// started it), removes its directory and releases its cgroups.
+    pub async fn stop(&self, id: &str, sandbox: &Sandbox) -> Result<(), String> {
+        let child = self.children().remove(id);
+        let dir = sandbox.dir.clone();
+        let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
+        let id = id.to_string();
+        let removed = tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            if let (Some(pid), Some(start)) = (pid, start) {
+                vm::kill(pid, start, Duration::from_secs(5));
+            }
+            if let Some(mut child) = child {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let killed_ms = ms_since(started);
+            let removed = remove_dir(&dir);
+            if log::log_enabled!(log::Level::Debug) {
+                log::debug!(
+                    "stop {id}: kill {killed_ms:.2} ms, remove {:.2} ms",
+                    ms_since(started) - killed_ms
+                );
+            }
+            removed
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string());
+        self.release(sandbox);
+        removed
+    }
+
+    /// Why the sandbox's VMM is gone, if it ended on its own (with the end of its log: the
+    /// directory goes with the sandbox).
+    pub fn exited(&self, sandbox: &Sandbox) -> Option<String> {
+        let exited = {
+            let mut children = self.children();
+            match children.get_mut(&sandbox.id) {
+                Some(child) => match child.try_wait() {
+                    Ok(Some(status)) => {
+                        children.remove(&sandbox.id);
+                        Some(format!("the VMM ended: {status}"))
+                    }
+                    _ => None,
+                },
+                None => match (sandbox.pid, sandbox.pid_start_time) {
+                    (Some(pid), Some(start)) if vm::is_ours(pid, start) => None,
+                    _ => Some("the VMM ended".to_string()),
+                },
+            }
+        };
+        exited.map(|mut reason| {
+            let tail = vm::log_tail(&vm::Paths::new(&sandbox.dir).log);
+            if !tail.is_empty() {
+                reason = format!("{reason}; the end of its log: {tail}");
+            }
+            reason
+        })
+    }
+
+    /// Removes a sandbox's cgroups after its VMM ended (logged on failure).
+    pub fn release(&self, sandbox: &Sandbox) {
+        // A jailer that was killed left its groups (cpu, memory, pids): they go here.
+        if let Some(jail) = &self.jail {
+            for e in cgroup::remove_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent, &sandbox.id) {
+                log::warn!("sandbox {}: {e}", sandbox.id);
+            }
+        }
+        if sandbox.cpu_limit.is_none() {
+            return;
+        }
+        if let Ok(groups) = &self.cgroups {
+            if let Err(e) = groups.remove(&sandbox.id) {
+                log::warn!("sandbox {}: {e}", sandbox.id);
+            }
+        }
+    }
+
+    /// After a restart: kills VMMs and removes directories and cgroups of sandboxes not in
+    /// `keep` (the live ones, with their VMM's pid and start time).
+    pub fn sweep(&self, keep: &HashMap<String, (u32, u64)>) -> Result<(), SupervisorError> {
+        for found in vm::find_vmms(&self.sandboxes_dir) {
+            if keep.get(&found.id) != Some(&(found.pid, found.start_time)) {
+                log::info!(
+                    "killing rollbox-vmm pid {} of no live sandbox ({})",
+                    found.pid,
+                    found.id
+                );
+                vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+        }
+        let entries =
+            std::fs::read_dir(&self.sandboxes_dir).map_err(|source| SupervisorError::StateDir {
+                path: self.sandboxes_dir.clone(),
+                source,
+            })?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !keep.contains_key(&name) {
+                let _ = remove_dir(&entry.path());
+            }
+        }
+        if let Ok(groups) = &self.cgroups {
+            for name in groups.reap(|name| keep.contains_key(name)) {
+                log::info!("removed cgroup {name} of no live sandbox");
+            }
+        }
+        if let Some(jail) = &self.jail {
+            for (id, dir) in cgroup::all_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent) {
+                if !keep.contains_key(&id) && cgroup::remove_group(&dir).is_ok() {
+                    log::info!("removed jail cgroup {} of no live sandbox", dir.display());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Pauses the VM (if it runs), takes a Full snapshot into `dir` (made here) and a copy of its
+/// rootfs (when `rootfs`), and resumes it; on error `dir` is gone. Blocking.
+pub fn snapshot_vm(
+    sandbox_dir: &Path,
+    dir: &Path,
+    running: bool,
+    rootfs: bool,
+    jail_uid: Option<u32>,
+) -> Result<(), String> {
+    let paths = vm::Paths::new(sandbox_dir);
+    std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if running {
+        vm::set_vm_state(&paths.api_sock, "Paused").map_err(|e| e.to_string())?;
+    }
+    // The disk is copied while the vCPUs are paused, so it matches the memory.
+    let result = vm::create_snapshot(&paths, dir, jail_uid)
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            if rootfs {
+                vm::copy_disk(&paths.rootfs, &dir.join("rootfs.img"))
+                    .map_err(|e| format!("copying {}: {e}", paths.rootfs.display()))
+            } else {
+                Ok(())
+            }
+        });
+    if running {
+        let resumed = vm::set_vm_state(&paths.api_sock, "Resumed");
+        if let (Ok(()), Err(e)) = (&result, resumed) {
+            return Err(e.to_string());
+        }
+    }
+    if result.is_err() {
+        let _ = remove_dir(dir);
+    }
+    result
+}
+
+/// `PATCH /vm` Paused or Resumed on the sandbox's VMM, off the async threads.
+pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
+    let sock = vm::Paths::new(sandbox_dir).api_sock;
+    let word = if pause { "Paused" } else { "Resumed" };
+    tokio::task::spawn_blocking(move || vm::set_vm_state(&sock, word))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
+}
