@@ -1,4 +1,4 @@
-//! The bytes of one call: connect, send the request, read the answer (status line, headers,
+//! The bytes of one call: connect (`connect.rs`), send the request, read the answer (status line, headers,
 //! a Content-Length or close-delimited body), all under the call's one deadline and within
 //! [`MAX_HEAD`] and [`MAX_BODY`].
 
@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::answer::{ClientError, Response, MAX_BODY, MAX_HEAD};
+use super::connect::{connect_within, ConnectError};
 
 /// One request and its answer on a fresh connection, under one deadline.
 pub(super) struct Exchange<'a> {
@@ -19,6 +20,7 @@ pub(super) struct Exchange<'a> {
 }
 
 /// What the client is doing, as a passed deadline names it.
+const CONNECTING: &str = "connecting (the VMM's listen backlog stayed full)";
 const SENDING: &str = "sending the request";
 const READING_HEAD: &str = "reading the answer's head";
 const READING_BODY: &str = "reading the answer's body";
@@ -36,11 +38,15 @@ impl<'a> Exchange<'a> {
 
     /// Connects, sends `request` and reads the answer.
     pub(super) fn run(&self, request: &[u8]) -> Result<Response, ClientError> {
-        let mut stream = UnixStream::connect(self.sock).map_err(|source| ClientError::Connect {
-            sock: self.sock.to_path_buf(),
-            call: self.call.into(),
-            source,
-        })?;
+        let mut stream = connect_within(self.sock, || self.left(CONNECTING).map_err(|_| ()))
+            .map_err(|e| match e {
+                ConnectError::Deadline => self.deadline_passed(CONNECTING),
+                ConnectError::Failed(source) => ClientError::Connect {
+                    sock: self.sock.to_path_buf(),
+                    call: self.call.into(),
+                    source,
+                },
+            })?;
         let sent = self.send(&mut stream, request);
         if let Err(e @ ClientError::Deadline { .. }) = sent {
             return Err(e);
@@ -189,14 +195,18 @@ impl<'a> Exchange<'a> {
         };
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(ClientError::Deadline {
-                sock: self.sock.to_path_buf(),
-                call: self.call.into(),
-                timeout: self.timeout,
-                stage,
-            });
+            return Err(self.deadline_passed(stage));
         }
         Ok(Some(left))
+    }
+
+    fn deadline_passed(&self, stage: &'static str) -> ClientError {
+        ClientError::Deadline {
+            sock: self.sock.to_path_buf(),
+            call: self.call.into(),
+            timeout: self.timeout,
+            stage,
+        }
     }
 
     /// Ok for an interrupted call (try again); a timed-out one is the deadline's error.

@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 mod answer;
+mod connect;
 mod exchange;
 #[cfg(test)]
 mod test_server;
