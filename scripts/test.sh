@@ -71,8 +71,9 @@ export ROLLBOX_SKIP_LOG="$(mktemp)"
 tests_log=/dev/null
 trap 'rm -f "$log" "$ROLLBOX_SKIP_LOG"; [[ "$tests_log" == /dev/null ]] || rm -f "$tests_log"' EXIT
 status=0
-step "shape: the generated sync SDK is current"
+step "shape: the generated sync SDK is current; no module cycles, no file over 1,200 lines"
 scripts/check-sdk-sync.sh || status=1
+python3 scripts/check-shape.py || status=1
 step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
 cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
 tests_log="$(mktemp)"

@@ -2,7 +2,8 @@
 //! request per connection. Typed calls for what the daemon, the benches and the tests ask, and
 //! [`Client::request`] for raw (also hostile) bodies. Every call has one deadline, and an
 //! answer's head and body are capped as the VMM caps requests. Beside it: what a call gets back
-//! and its errors (`answer.rs`), and the bytes of one call (`exchange.rs`).
+//! and its errors (`answer.rs`), the bytes of one call (`exchange.rs`) and its connect
+//! (`connect.rs`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
