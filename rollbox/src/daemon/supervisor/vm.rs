@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::api::Template;
+use rollbox_jailer::cgroup;
+use vmm_api::{Client, ClientError, CreateSnapshotParams, VmState};
+
+use crate::daemon::api::Template;
 
 /// A failed VMM operation.
 #[derive(Debug, thiserror::Error)]
@@ -48,8 +51,9 @@ pub enum VmError {
     NotReady { pid: u32, sock: PathBuf, secs: u64 },
     #[error("rollbox-vmm (pid {0}) vanished before its start time could be read")]
     Vanished(u32),
-    #[error("VMM API {sock}: {message}")]
-    Api { sock: PathBuf, message: String },
+    /// The call names the socket.
+    #[error(transparent)]
+    Api(#[from] ClientError),
 }
 
 /// The files in a sandbox's directory.
@@ -106,6 +110,10 @@ const JAIL_MEMORY_OVERHEAD_MIB: u64 = 512;
 const JAIL_PIDS_MAX: u32 = 512;
 /// Descriptors a jailed VMM may hold.
 const JAIL_NOFILE: u32 = 4096;
+/// How long a Full snapshot may take to write.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a pause or resume may take.
+const STATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One sandbox's jail: the jail settings plus its own cgroup limits.
 pub struct JailSpec<'a> {
@@ -201,12 +209,9 @@ impl<'a> Launch<'a> {
         }
         if jail.memory_limits {
             let bytes = (u64::from(spec.memory_mib) + JAIL_MEMORY_OVERHEAD_MIB) << 20;
-            // cgroup v2 names it memory.max, v1 memory.limit_in_bytes.
-            let file = match rollbox_jailer::hierarchy(&jail.cgroup_fs, "memory") {
-                Ok((_, true)) => "memory.max",
-                _ => "memory.limit_in_bytes",
-            };
-            command.args(["--cgroup", &format!("{file}={bytes}")]);
+            command
+                .arg("--cgroup")
+                .arg(cgroup::memory_limit_setting(&jail.cgroup_fs, bytes));
         }
         if jail.pids_limits {
             command.args(["--cgroup", &format!("pids.max={JAIL_PIDS_MAX}")]);
@@ -450,19 +455,16 @@ pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Resu
     } else {
         (dir.to_path_buf(), dir.to_path_buf())
     };
-    let body = serde_json::json!({
-        "snapshot_type": "Full",
-        "snapshot_path": seen_as.join("vmstate"),
-        "mem_file_path": seen_as.join("memory"),
-    })
-    .to_string();
-    let made = vmm_call(
-        &paths.api_sock,
-        "PUT",
-        "/snapshot/create",
-        &body,
-        Duration::from_secs(120),
-    );
+    let params = CreateSnapshotParams {
+        snapshot_type: "Full".into(),
+        snapshot_path: seen_as.join("vmstate"),
+        mem_file_path: seen_as.join("memory"),
+        version: None,
+    };
+    let made = Client::new(&paths.api_sock)
+        .with_timeout(SNAPSHOT_TIMEOUT)
+        .create_snapshot(&params)
+        .map_err(VmError::from);
     if jailed {
         // vmstate, memory and whatever the VMM writes beside them (memory.id).
         let moved = made.and_then(|()| {
@@ -498,34 +500,6 @@ fn move_file(from: &Path, to: &Path) -> Result<(), VmError> {
     }
 }
 
-/// One call to the VMM's API socket (blocking); anything but 2xx is an error naming the call.
-fn vmm_call(
-    api_sock: &Path,
-    method: &str,
-    path: &str,
-    body: &str,
-    timeout: Duration,
-) -> Result<(), VmError> {
-    let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
-        .request(method, path, &[], Some(body.as_bytes()), timeout)
-        .map_err(|e| VmError::Api {
-            sock: api_sock.to_path_buf(),
-            message: e.to_string(),
-        })?;
-    if (200..300).contains(&response.status) {
-        Ok(())
-    } else {
-        Err(VmError::Api {
-            sock: api_sock.to_path_buf(),
-            message: format!(
-                "{method} {path} {body}: {} {}",
-                response.status,
-                String::from_utf8_lossy(&response.body).trim()
-            ),
-        })
-    }
-}
-
 /// Waits until the VMM's API answers (its VM started), or it ended.
 pub async fn wait_ready(
     child: &mut Child,
@@ -536,17 +510,16 @@ pub async fn wait_ready(
     loop {
         // The socket listens before the VM is built; its event loop answers `GET /` only once
         // the VM started (a kernel that fails to load ends the VMM instead).
-        if std::os::unix::net::UnixStream::connect(&paths.api_sock).is_ok() {
-            let endpoint = super::client::Endpoint::Unix(paths.api_sock.clone());
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(100));
-            let answer =
-                tokio::task::spawn_blocking(move || endpoint.request("GET", "/", &[], None, left))
-                    .await;
-            if matches!(answer, Ok(Ok(ref r)) if r.status == 200) {
-                return Ok(());
-            }
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        let client = Client::new(&paths.api_sock).with_timeout(left);
+        let answer = tokio::task::spawn_blocking(move || client.vm_info()).await;
+        match answer {
+            Ok(Ok(_)) => return Ok(()),
+            // Not listening yet, or no VM yet: try again unless the VMM ended.
+            Ok(Err(e)) if !e.is_connect() => log::debug!("{e}"),
+            _ => {}
         }
         if let Ok(Some(status)) = child.try_wait() {
             return Err(VmError::EarlyExit {
@@ -682,9 +655,11 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
 }
 
 /// `PATCH /vm {"state": STATE}` on the VMM's API socket (blocking).
-pub fn set_vm_state(api_sock: &Path, state: &str) -> Result<(), VmError> {
-    let body = format!(r#"{{"state":"{state}"}}"#);
-    vmm_call(api_sock, "PATCH", "/vm", &body, Duration::from_secs(10))
+pub fn set_vm_state(api_sock: &Path, state: VmState) -> Result<(), VmError> {
+    Client::new(api_sock)
+        .with_timeout(STATE_TIMEOUT)
+        .set_state(state)
+        .map_err(VmError::from)
 }
 
 #[cfg(test)]
