@@ -366,6 +366,16 @@ pub fn console(sandbox: &Value) -> String {
     std::fs::read_to_string(dir.join("console.log")).unwrap_or_default()
 }
 
+/// The `--config` file (`vmm-config.json`) a booted sandbox's VMM was started with, as JSON
+/// (Null for a restore, which has none).
+pub fn boot_config(sandbox: &Value) -> Value {
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    std::fs::read(dir.join("vmm-config.json"))
+        .ok()
+        .and_then(|json| serde_json::from_slice(&json).ok())
+        .unwrap_or(Value::Null)
+}
+
 /// The command line of a running process.
 pub fn cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))
