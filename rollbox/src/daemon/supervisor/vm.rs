@@ -748,17 +748,22 @@ mod tests {
         assert!(copy_disk(&from, &to).is_err());
     }
 
-    #[test]
-    fn a_jailed_launch_names_jail_paths_and_binds_host_files() {
-        let jail = Jail {
+    /// A jail as `rollbox serve` makes one, with or without memory and pids limits.
+    fn test_jail(limits: bool) -> Jail {
+        Jail {
             jailer: PathBuf::from("/usr/bin/rollbox-jailer"),
             uid: 64000,
             gid: 64001,
             cgroup_fs: PathBuf::from("/sys/fs/cgroup"),
             cgroup_parent: "rollbox-0123".into(),
-            memory_limits: true,
-            pids_limits: true,
-        };
+            memory_limits: limits,
+            pids_limits: limits,
+        }
+    }
+
+    #[test]
+    fn a_jailed_launch_names_jail_paths_and_binds_host_files() {
+        let jail = test_jail(true);
         let spec = JailSpec {
             jail: &jail,
             cgroups: vec!["cpu.cfs_quota_us=50000".into()],
@@ -833,15 +838,7 @@ mod tests {
             deterministic: true,
         };
         let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
-        let jail = Jail {
-            jailer: PathBuf::from("/usr/bin/rollbox-jailer"),
-            uid: 64000,
-            gid: 64001,
-            cgroup_fs: PathBuf::from("/sys/fs/cgroup"),
-            cgroup_parent: "rollbox-0123".into(),
-            memory_limits: false,
-            pids_limits: false,
-        };
+        let jail = test_jail(false);
         let spec = JailSpec {
             jail: &jail,
             cgroups: Vec::new(),
