@@ -269,6 +269,17 @@ pub fn quota_settings(version: Version, cores: f64) -> Vec<String> {
     }
 }
 
+/// A memory limit of `bytes` as the file that sets it (`FILE=VALUE`, a jailer's `--cgroup`):
+/// cgroup v2 `memory.max` where a cgroup2 hierarchy under `fs` has the memory controller,
+/// else v1 `memory.limit_in_bytes`.
+pub fn memory_limit_setting(fs: &Path, bytes: u64) -> String {
+    let file = match hierarchy(fs, "memory") {
+        Ok((_, true)) => "memory.max",
+        _ => "memory.limit_in_bytes",
+    };
+    format!("{file}={bytes}")
+}
+
 impl Cgroups {
     /// Finds the cpu controller under `fs` (normally /sys/fs/cgroup); the daemon's root in it
     /// is `name` (made by the first [`Cgroups::create`]).
@@ -426,6 +437,21 @@ mod tests {
         let a = root_name(Path::new("/var/lib/rollbox"));
         assert_eq!(a, root_name(Path::new("/var/lib/rollbox")));
         assert_ne!(a, root_name(Path::new("/var/lib/rollbox2")));
+    }
+
+    #[test]
+    fn a_memory_limit_is_memory_max_on_v2_and_limit_in_bytes_on_v1() {
+        let v2 = tempfile::tempdir().expect("tempdir");
+        std::fs::write(v2.path().join("cgroup.controllers"), "cpu memory pids\n").expect("write");
+        assert_eq!(
+            memory_limit_setting(v2.path(), 1 << 20),
+            "memory.max=1048576"
+        );
+        let v1 = tempfile::tempdir().expect("tempdir");
+        assert_eq!(
+            memory_limit_setting(v1.path(), 1 << 20),
+            "memory.limit_in_bytes=1048576"
+        );
     }
 
     #[test]

@@ -104,6 +104,13 @@ fn kill_9_mid_batch_then_restart_loses_and_leaks_nothing() {
             });
         }
         std::thread::sleep(Duration::from_millis(1100));
+        // On a loaded machine no create may have finished yet: one must have, for the restart
+        // to re-attach it (the workers keep others in flight).
+        wait_for(
+            "a sandbox to run before the kill",
+            Duration::from_secs(60),
+            || !ids(&server.call("GET", "/sandboxes?state=running", None).1).is_empty(),
+        );
         // SIGKILL: nothing of the daemon runs after this.
         let pid = server.child.as_ref().map(|c| c.id()).expect("daemon pid");
         let (_, live) = server.call("GET", "/sandboxes", None);

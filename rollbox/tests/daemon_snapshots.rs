@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use rollbox::daemon::client::Endpoint;
 use rollbox::daemon::vm;
-use rollbox_tests::daemon::{agent_server, cmdline, console, pid_of, wait_for, Server};
+use rollbox_tests::daemon::{
+    agent_server, boot_config, cmdline, console, pid_of, wait_for, Server,
+};
 use rollbox_tests::{kvm_available, rollbox_binary, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
@@ -339,7 +341,11 @@ fn deterministic_sandboxes_boot_restore_reset_and_fork_deterministically() {
         return;
     }
     let (_agent, server, plain) = agent_server();
-    let has_flag = |sandbox: &Value| cmdline(pid_of(sandbox).0).contains("--deterministic");
+    // A boot says so in its --config file, a restore with the flag.
+    let has_flag = |sandbox: &Value| {
+        cmdline(pid_of(sandbox).0).contains("--deterministic")
+            || boot_config(sandbox)["machine-config"]["deterministic"] == true
+    };
     assert!(!has_flag(&server.get(&plain)));
     let (plain_snap, _) = take_snapshot(&server, &plain, json!({}));
 

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::daemon::{cmdline, exec, pid_of, wait_for, HostAgent, Server};
+use rollbox_tests::daemon::{boot_config, cmdline, exec, pid_of, wait_for, HostAgent, Server};
 use rollbox_tests::{images, kvm_available, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
@@ -105,7 +105,13 @@ fn templates_built_from_an_image_with_a_boot_snapshot() {
     let booted = server.create(json!({"template": "img", "ttl_s": 300, "memory_mib": 48}));
     let (pid, _) = pid_of(&booted);
     assert!(!cmdline(pid).contains("--restore"), "{}", cmdline(pid));
-    assert!(cmdline(pid).contains("--drive"), "{}", cmdline(pid));
+    // A boot: the rootfs copy is its --config file's root drive.
+    let drive = &boot_config(&booted)["drives"][0];
+    assert!(
+        drive["drive_id"] == "rootfs" && drive["is_root_device"] == true,
+        "{}",
+        cmdline(pid)
+    );
 
     // Reset goes back to the boot snapshot.
     let (status, reset) = server.call("POST", &format!("/sandboxes/{id}/reset"), Some(json!({})));

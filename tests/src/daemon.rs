@@ -72,8 +72,9 @@ impl Server {
     }
 
     /// Starts the daemon on the scratch state directory (again, after [`Server::kill9`]) and
-    /// waits until it listens.
+    /// waits until it answers.
     pub fn spawn(&mut self) {
+        self.wait_until_nothing_accepts();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -105,11 +106,16 @@ impl Server {
             .spawn()
             .expect("spawn rollbox serve");
         self.child = Some(child);
+        // Ready once it answers HTTP (any status, even 401): a connect alone may reach a
+        // listener that is not this daemon's (see `wait_until_nothing_accepts`).
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::os::unix::net::UnixStream::connect(self.sock()).is_err() {
+        while Endpoint::Unix(self.sock())
+            .request("GET", "/", &[], None, Duration::from_secs(1))
+            .is_err()
+        {
             assert!(
                 Instant::now() < deadline,
-                "rollbox serve never listened:\n{}",
+                "rollbox serve never answered:\n{}",
                 self.log()
             );
             if let Some(status) = self
@@ -119,6 +125,23 @@ impl Server {
             {
                 panic!("rollbox serve ended: {status}\n{}", self.log());
             }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits until nothing accepts connections on the socket. A daemon killed with SIGKILL
+    /// leaves its socket file, and its listener lives on in any child it was starting (between
+    /// fork and exec a child holds a copy of every descriptor, close-on-exec or not): until
+    /// that child execs, connections queue there unanswered and are reset when it does, and a
+    /// new daemon would take the socket for another daemon's.
+    fn wait_until_nothing_accepts(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(self.sock()).is_ok() {
+            assert!(
+                Instant::now() < deadline,
+                "something still accepts on {} 30 s after the daemon ended",
+                self.sock().display()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -341,6 +364,16 @@ pub fn ids(list: &Value) -> Vec<String> {
 pub fn console(sandbox: &Value) -> String {
     let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
     std::fs::read_to_string(dir.join("console.log")).unwrap_or_default()
+}
+
+/// The `--config` file (`vmm-config.json`) a booted sandbox's VMM was started with, as JSON
+/// (Null for a restore, which has none).
+pub fn boot_config(sandbox: &Value) -> Value {
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    std::fs::read(dir.join("vmm-config.json"))
+        .ok()
+        .and_then(|json| serde_json::from_slice(&json).ok())
+        .unwrap_or(Value::Null)
 }
 
 /// The command line of a running process.

@@ -1,5 +1,5 @@
-//! A small blocking HTTP/1.1 client over a Unix socket or TCP: the CLI uses it to talk to the
-//! daemon, and the daemon to talk to a VMM's API socket.
+//! A small blocking HTTP/1.1 client over a Unix socket or TCP: the CLI (and the daemon's
+//! tests) use it to talk to the daemon. The daemon talks to a VMM with `vmm_api::Client`.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;

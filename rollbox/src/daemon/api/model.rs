@@ -165,7 +165,7 @@ pub struct Sandbox {
     /// The VMM's start time (/proc/PID/stat field 22), so a re-used pid is never taken for it.
     pub pid_start_time: Option<u64>,
     /// The sandbox's directory: `api.sock` (the VMM's Firecracker API), `vsock.sock`,
-    /// `console.log`, `vmm.log`.
+    /// `console.log`, `vmm.log`, and a boot's `vmm-config.json` (the VMM's `--config`).
     pub dir: PathBuf,
     pub ended_at_ms: Option<u64>,
     pub end_reason: Option<String>,

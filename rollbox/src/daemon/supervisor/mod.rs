@@ -16,9 +16,9 @@ use std::time::Duration;
 
 use rollbox_jailer::cgroup::{self, Cgroups};
 
-// vm.rs names the API's types and the HTTP client as `super::api` and `super::client`.
-use super::{api, client};
-use api::{Sandbox, Snapshot, Template};
+use vmm_api::VmState;
+
+use super::api::{Sandbox, Snapshot, Template};
 
 use super::util::{ms_since, remove_dir};
 
@@ -453,7 +453,7 @@ pub fn snapshot_vm(
     let paths = vm::Paths::new(sandbox_dir);
     std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     if running {
-        vm::set_vm_state(&paths.api_sock, "Paused").map_err(|e| e.to_string())?;
+        vm::set_vm_state(&paths.api_sock, VmState::Paused).map_err(|e| e.to_string())?;
     }
     // The disk is copied while the vCPUs are paused, so it matches the memory.
     let result = vm::create_snapshot(&paths, dir, jail_uid)
@@ -467,7 +467,7 @@ pub fn snapshot_vm(
             }
         });
     if running {
-        let resumed = vm::set_vm_state(&paths.api_sock, "Resumed");
+        let resumed = vm::set_vm_state(&paths.api_sock, VmState::Resumed);
         if let (Ok(()), Err(e)) = (&result, resumed) {
             return Err(e.to_string());
         }
@@ -481,8 +481,12 @@ pub fn snapshot_vm(
 /// `PATCH /vm` Paused or Resumed on the sandbox's VMM, off the async threads.
 pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
     let sock = vm::Paths::new(sandbox_dir).api_sock;
-    let word = if pause { "Paused" } else { "Resumed" };
-    tokio::task::spawn_blocking(move || vm::set_vm_state(&sock, word))
+    let state = if pause {
+        VmState::Paused
+    } else {
+        VmState::Resumed
+    };
+    tokio::task::spawn_blocking(move || vm::set_vm_state(&sock, state))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())

@@ -1,5 +1,7 @@
-//! `rollbox-vmm` processes: spawn one per sandbox, recognise it again by (pid, start time),
-//! end its process group, and find VMMs that belong to no sandbox.
+//! `rollbox-vmm` processes: spawn one per sandbox (a boot from a `vmm_api::ConfigFile` in
+//! the sandbox's directory, a restore from `--restore` flags), speak to its API through
+//! `vmm_api::Client`, recognise it again by (pid, start time), end its process group, and find
+//! VMMs that belong to no sandbox.
 
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
@@ -7,7 +9,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::api::Template;
+use rollbox_jailer::cgroup;
+use vmm_api::{
+    BootSourceConfig, Client, ClientError, ConfigFile, CreateSnapshotParams, DriveConfig,
+    MachineConfig, VmState, VsockConfig,
+};
+
+use crate::daemon::api::Template;
 
 /// A failed VMM operation.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +37,13 @@ pub enum VmError {
         to: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot write the VMM's configuration {path}: {source}")]
+    Config {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}: the VMM's configuration file takes only UTF-8 paths")]
+    NotUtf8(PathBuf),
     #[error("cannot start {vmm}: {source}")]
     Spawn {
         vmm: PathBuf,
@@ -48,8 +63,9 @@ pub enum VmError {
     NotReady { pid: u32, sock: PathBuf, secs: u64 },
     #[error("rollbox-vmm (pid {0}) vanished before its start time could be read")]
     Vanished(u32),
-    #[error("VMM API {sock}: {message}")]
-    Api { sock: PathBuf, message: String },
+    /// The call names the socket.
+    #[error(transparent)]
+    Api(#[from] ClientError),
 }
 
 /// The files in a sandbox's directory.
@@ -60,6 +76,8 @@ pub struct Paths {
     pub console: PathBuf,
     pub log: PathBuf,
     pub rootfs: PathBuf,
+    /// A boot's `--config` file.
+    pub config: PathBuf,
 }
 
 impl Paths {
@@ -71,6 +89,7 @@ impl Paths {
             console: dir.join("console.log"),
             log: dir.join("vmm.log"),
             rootfs: dir.join("rootfs.img"),
+            config: dir.join("vmm-config.json"),
         }
     }
 }
@@ -106,6 +125,10 @@ const JAIL_MEMORY_OVERHEAD_MIB: u64 = 512;
 const JAIL_PIDS_MAX: u32 = 512;
 /// Descriptors a jailed VMM may hold.
 const JAIL_NOFILE: u32 = 4096;
+/// How long a Full snapshot may take to write.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a pause or resume may take.
+const STATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One sandbox's jail: the jail settings plus its own cgroup limits.
 pub struct JailSpec<'a> {
@@ -136,30 +159,36 @@ impl<'a> Launch<'a> {
         self
     }
 
-    /// A file in the sandbox's directory: `/NAME` in the jail.
-    fn own(&mut self, flag: &str, path: &Path) -> &mut Self {
-        self.arg(flag);
+    /// A file in the sandbox's directory as the VMM sees it: `/NAME` in the jail.
+    fn own_path(&self, path: &Path) -> PathBuf {
         match (self.jail, path.file_name()) {
-            (Some(_), Some(name)) => {
-                let mut inside = std::ffi::OsString::from("/");
-                inside.push(name);
-                self.arg(inside)
-            }
-            _ => self.arg(path),
+            (Some(_), Some(name)) => Path::new("/").join(name),
+            _ => path.to_path_buf(),
         }
     }
 
-    /// A host file the VMM reads: bind-mounted read-only at `/NAME` in the jail.
-    fn host(&mut self, flag: &str, path: &Path, name: &str) -> &mut Self {
-        self.arg(flag);
-        if self.jail.is_some() {
-            let mut bind = path.as_os_str().to_os_string();
-            bind.push(format!(":/{name}"));
-            self.binds.push(bind);
-            self.arg(format!("/{name}"))
-        } else {
-            self.arg(path)
+    /// `flag` and a file in the sandbox's directory ([`Launch::own_path`]).
+    fn own(&mut self, flag: &str, path: &Path) -> &mut Self {
+        let seen = self.own_path(path);
+        self.arg(flag).arg(seen)
+    }
+
+    /// A host file the VMM reads, as it sees it: bind-mounted read-only at `/NAME` in the
+    /// jail.
+    fn host_path(&mut self, path: &Path, name: &str) -> PathBuf {
+        if self.jail.is_none() {
+            return path.to_path_buf();
         }
+        let mut bind = path.as_os_str().to_os_string();
+        bind.push(format!(":/{name}"));
+        self.binds.push(bind);
+        PathBuf::from(format!("/{name}"))
+    }
+
+    /// `flag` and a host file the VMM reads ([`Launch::host_path`]).
+    fn host(&mut self, flag: &str, path: &Path, name: &str) -> &mut Self {
+        let seen = self.host_path(path, name);
+        self.arg(flag).arg(seen)
     }
 
     /// The command: the VMM itself, or `rollbox-jailer` around it.
@@ -201,12 +230,9 @@ impl<'a> Launch<'a> {
         }
         if jail.memory_limits {
             let bytes = (u64::from(spec.memory_mib) + JAIL_MEMORY_OVERHEAD_MIB) << 20;
-            // cgroup v2 names it memory.max, v1 memory.limit_in_bytes.
-            let file = match rollbox_jailer::hierarchy(&jail.cgroup_fs, "memory") {
-                Ok((_, true)) => "memory.max",
-                _ => "memory.limit_in_bytes",
-            };
-            command.args(["--cgroup", &format!("{file}={bytes}")]);
+            command
+                .arg("--cgroup")
+                .arg(cgroup::memory_limit_setting(&jail.cgroup_fs, bytes));
         }
         if jail.pids_limits {
             command.args(["--cgroup", &format!("pids.max={JAIL_PIDS_MAX}")]);
@@ -219,8 +245,9 @@ impl<'a> Launch<'a> {
     }
 }
 
-/// Makes the sandbox directory (and its rootfs copy) and starts `vmm` (jailed when `jail`
-/// says so) in its own process group, stdin from /dev/null, stdout and stderr into `vmm.log`.
+/// Makes the sandbox directory (its rootfs copy and the VMM's `--config` file,
+/// `vmm-config.json`) and starts `vmm` (jailed when `jail` says so) in its own process group,
+/// stdin from /dev/null, stdout and stderr into `vmm.log`.
 pub fn spawn(
     vmm: &Path,
     paths: &Paths,
@@ -232,45 +259,74 @@ pub fn spawn(
         source,
     };
     std::fs::create_dir(&paths.dir).map_err(dir_error)?;
-    let template = shape.template;
     let mut launch = Launch::new(jail);
-    launch
-        .host("--kernel", &template.kernel, "kernel")
-        .arg("--vcpus")
-        .arg(shape.vcpus.to_string())
-        .arg("--memory-mib")
-        .arg(shape.memory_mib.to_string())
-        .own("--api-sock", &paths.api_sock)
-        .own("--vsock-uds", &paths.vsock)
-        .arg("--vsock-cid")
-        .arg("3")
-        .own("--console", &paths.console);
-    if shape.deterministic {
-        launch.arg("--deterministic");
-    }
-    if !template.cmdline.is_empty() {
-        launch.arg("--cmdline").arg(&template.cmdline);
-    }
-    if let Some(initrd) = &template.initrd {
-        launch.host("--initrd", initrd, "initrd");
-    }
-    if let Some(rootfs) = &template.rootfs {
+    let config = boot_config(&mut launch, paths, shape)?;
+    if let Some(rootfs) = &shape.template.rootfs {
         // A private copy: the guest writes to it.
         copy_disk(rootfs, &paths.rootfs).map_err(|source| VmError::Rootfs {
             from: rootfs.clone(),
             to: paths.rootfs.clone(),
             source,
         })?;
-        let mut drive = if jail.is_some() {
-            std::ffi::OsString::from("/rootfs.img")
-        } else {
-            paths.rootfs.clone().into_os_string()
-        };
-        drive.push(",root,id=rootfs");
-        launch.arg("--drive").arg(drive);
     }
+    write_config(&paths.config, &config)?;
+    launch
+        .own("--api-sock", &paths.api_sock)
+        .own("--config", &paths.config);
     let (command, program) = launch.command(vmm, paths)?;
     start(command, &program, paths)
+}
+
+/// What a boot runs, as the VMM sees its files (a jail's paths when jailed): the kernel and
+/// its command line, vCPUs and memory, the rootfs copy, the vsock (CID 3) and the console.
+fn boot_config(launch: &mut Launch, paths: &Paths, shape: &Shape) -> Result<ConfigFile, VmError> {
+    let template = shape.template;
+    let boot_source = BootSourceConfig {
+        kernel_image_path: launch.host_path(&template.kernel, "kernel"),
+        boot_args: Some(template.cmdline.clone()).filter(|c| !c.is_empty()),
+        initrd_path: template
+            .initrd
+            .as_ref()
+            .map(|initrd| launch.host_path(initrd, "initrd")),
+    };
+    let machine = MachineConfig {
+        vcpu_count: shape.vcpus.into(),
+        mem_size_mib: shape.memory_mib.into(),
+        // No RDRAND/RDSEED in CPUID.
+        deterministic: shape.deterministic,
+        ..MachineConfig::default()
+    };
+    let drives = match template.rootfs {
+        Some(_) => vec![DriveConfig {
+            is_root_device: true,
+            ..DriveConfig::new("rootfs", launch.own_path(&paths.rootfs))
+        }],
+        None => Vec::new(),
+    };
+    let console = launch.own_path(&paths.console);
+    let console = console.to_str().ok_or(VmError::NotUtf8(console.clone()))?;
+    Ok(ConfigFile {
+        boot_source: Some(boot_source),
+        machine_config: Some(machine),
+        drives,
+        vsock: Some(VsockConfig {
+            guest_cid: 3,
+            uds_path: launch.own_path(&paths.vsock),
+            vsock_id: None,
+        }),
+        console: Some(console.to_string()),
+        ..ConfigFile::default()
+    })
+}
+
+/// Writes `config` to `path` as JSON.
+fn write_config(path: &Path, config: &ConfigFile) -> Result<(), VmError> {
+    let failed = |source| VmError::Config {
+        path: path.to_path_buf(),
+        source,
+    };
+    let json = serde_json::to_vec_pretty(config).map_err(|e| failed(std::io::Error::other(e)))?;
+    std::fs::write(path, json).map_err(failed)
 }
 
 /// Who a restored guest is.
@@ -286,7 +342,9 @@ pub enum Identity {
 }
 
 /// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
-/// `rootfs.img` when `rootfs`: copied into the sandbox, since the guest writes to it).
+/// `rootfs.img` when `rootfs`: copied into the sandbox, since the guest writes to it). A
+/// restore keeps its flags (`--restore`, `--drive-override`, ...): rollbox-vmm's `--config`
+/// file describes a boot only, and has no form for a restore.
 pub fn spawn_restore(
     vmm: &Path,
     paths: &Paths,
@@ -450,19 +508,16 @@ pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Resu
     } else {
         (dir.to_path_buf(), dir.to_path_buf())
     };
-    let body = serde_json::json!({
-        "snapshot_type": "Full",
-        "snapshot_path": seen_as.join("vmstate"),
-        "mem_file_path": seen_as.join("memory"),
-    })
-    .to_string();
-    let made = vmm_call(
-        &paths.api_sock,
-        "PUT",
-        "/snapshot/create",
-        &body,
-        Duration::from_secs(120),
-    );
+    let params = CreateSnapshotParams {
+        snapshot_type: "Full".into(),
+        snapshot_path: seen_as.join("vmstate"),
+        mem_file_path: seen_as.join("memory"),
+        version: None,
+    };
+    let made = Client::new(&paths.api_sock)
+        .with_timeout(SNAPSHOT_TIMEOUT)
+        .create_snapshot(&params)
+        .map_err(VmError::from);
     if jailed {
         // vmstate, memory and whatever the VMM writes beside them (memory.id).
         let moved = made.and_then(|()| {
@@ -498,34 +553,6 @@ fn move_file(from: &Path, to: &Path) -> Result<(), VmError> {
     }
 }
 
-/// One call to the VMM's API socket (blocking); anything but 2xx is an error naming the call.
-fn vmm_call(
-    api_sock: &Path,
-    method: &str,
-    path: &str,
-    body: &str,
-    timeout: Duration,
-) -> Result<(), VmError> {
-    let response = super::client::Endpoint::Unix(api_sock.to_path_buf())
-        .request(method, path, &[], Some(body.as_bytes()), timeout)
-        .map_err(|e| VmError::Api {
-            sock: api_sock.to_path_buf(),
-            message: e.to_string(),
-        })?;
-    if (200..300).contains(&response.status) {
-        Ok(())
-    } else {
-        Err(VmError::Api {
-            sock: api_sock.to_path_buf(),
-            message: format!(
-                "{method} {path} {body}: {} {}",
-                response.status,
-                String::from_utf8_lossy(&response.body).trim()
-            ),
-        })
-    }
-}
-
 /// Waits until the VMM's API answers (its VM started), or it ended.
 pub async fn wait_ready(
     child: &mut Child,
@@ -536,17 +563,16 @@ pub async fn wait_ready(
     loop {
         // The socket listens before the VM is built; its event loop answers `GET /` only once
         // the VM started (a kernel that fails to load ends the VMM instead).
-        if std::os::unix::net::UnixStream::connect(&paths.api_sock).is_ok() {
-            let endpoint = super::client::Endpoint::Unix(paths.api_sock.clone());
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(100));
-            let answer =
-                tokio::task::spawn_blocking(move || endpoint.request("GET", "/", &[], None, left))
-                    .await;
-            if matches!(answer, Ok(Ok(ref r)) if r.status == 200) {
-                return Ok(());
-            }
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        let client = Client::new(&paths.api_sock).with_timeout(left);
+        let answer = tokio::task::spawn_blocking(move || client.vm_info()).await;
+        match answer {
+            Ok(Ok(_)) => return Ok(()),
+            // Not listening yet, or no VM yet: try again unless the VMM ended.
+            Ok(Err(e)) if !e.is_connect() => log::debug!("{e}"),
+            _ => {}
         }
         if let Ok(Some(status)) = child.try_wait() {
             return Err(VmError::EarlyExit {
@@ -682,9 +708,11 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
 }
 
 /// `PATCH /vm {"state": STATE}` on the VMM's API socket (blocking).
-pub fn set_vm_state(api_sock: &Path, state: &str) -> Result<(), VmError> {
-    let body = format!(r#"{{"state":"{state}"}}"#);
-    vmm_call(api_sock, "PATCH", "/vm", &body, Duration::from_secs(10))
+pub fn set_vm_state(api_sock: &Path, state: VmState) -> Result<(), VmError> {
+    Client::new(api_sock)
+        .with_timeout(STATE_TIMEOUT)
+        .set_state(state)
+        .map_err(VmError::from)
 }
 
 #[cfg(test)]
@@ -720,17 +748,22 @@ mod tests {
         assert!(copy_disk(&from, &to).is_err());
     }
 
-    #[test]
-    fn a_jailed_launch_names_jail_paths_and_binds_host_files() {
-        let jail = Jail {
+    /// A jail as `rollbox serve` makes one, with or without memory and pids limits.
+    fn test_jail(limits: bool) -> Jail {
+        Jail {
             jailer: PathBuf::from("/usr/bin/rollbox-jailer"),
             uid: 64000,
             gid: 64001,
             cgroup_fs: PathBuf::from("/sys/fs/cgroup"),
             cgroup_parent: "rollbox-0123".into(),
-            memory_limits: true,
-            pids_limits: true,
-        };
+            memory_limits: limits,
+            pids_limits: limits,
+        }
+    }
+
+    #[test]
+    fn a_jailed_launch_names_jail_paths_and_binds_host_files() {
+        let jail = test_jail(true);
         let spec = JailSpec {
             jail: &jail,
             cgroups: vec!["cpu.cfs_quota_us=50000".into()],
@@ -779,6 +812,82 @@ mod tests {
                 "/state/sandboxes/sb-1/api.sock"
             ]
         );
+    }
+
+    #[test]
+    fn a_boot_is_a_config_file_with_the_jails_paths() {
+        let template = Template {
+            name: "t".into(),
+            kernel: PathBuf::from("/templates/vmlinux"),
+            rootfs: Some(PathBuf::from("/templates/rootfs.ext4")),
+            initrd: None,
+            cmdline: "console=ttyS0".into(),
+            vcpus: 1,
+            memory_mib: 128,
+            created_at_ms: 0,
+            image: None,
+            boot_snapshot: None,
+            start_cmd: None,
+            ready_cmd: None,
+            ready_timeout_s: None,
+        };
+        let shape = Shape {
+            template: &template,
+            vcpus: 2,
+            memory_mib: 256,
+            deterministic: true,
+        };
+        let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
+        let jail = test_jail(false);
+        let spec = JailSpec {
+            jail: &jail,
+            cgroups: Vec::new(),
+            memory_mib: 256,
+        };
+        let mut jailed = Launch::new(Some(&spec));
+        let config = boot_config(&mut jailed, &paths, &shape).expect("config");
+        assert_eq!(
+            serde_json::to_string(&config).expect("json"),
+            concat!(
+                r#"{"boot-source":{"kernel_image_path":"/kernel","boot_args":"console=ttyS0"},"#,
+                r#""machine-config":{"vcpu_count":2,"mem_size_mib":256,"smt":false,"#,
+                r#""track_dirty_pages":false,"deterministic":true},"#,
+                r#""drives":[{"drive_id":"rootfs","path_on_host":"/rootfs.img","#,
+                r#""is_root_device":true,"is_read_only":false}],"#,
+                r#""vsock":{"guest_cid":3,"uds_path":"/vsock.sock"},"console":"/console.log"}"#
+            )
+        );
+        assert_eq!(jailed.binds, ["/templates/vmlinux:/kernel"]);
+        // Unjailed: the host's paths, no binds, and no drive without a rootfs.
+        let template = Template {
+            rootfs: None,
+            cmdline: String::new(),
+            ..template
+        };
+        let shape = Shape {
+            template: &template,
+            vcpus: 1,
+            memory_mib: 128,
+            deterministic: false,
+        };
+        let mut plain = Launch::new(None);
+        let config = boot_config(&mut plain, &paths, &shape).expect("config");
+        let boot = config.boot_source.as_ref().expect("boot-source");
+        assert_eq!(boot.kernel_image_path, PathBuf::from("/templates/vmlinux"));
+        assert_eq!(boot.boot_args, None);
+        assert!(config.drives.is_empty());
+        assert!(
+            !config
+                .machine_config
+                .as_ref()
+                .expect("machine")
+                .deterministic
+        );
+        assert_eq!(
+            config.console.as_deref(),
+            Some("/state/sandboxes/sb-1/console.log")
+        );
+        assert!(plain.binds.is_empty());
     }
 
     #[test]
