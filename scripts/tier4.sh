@@ -58,9 +58,6 @@ else
     # passed in this lab, but their 128,000 writes took 23 minutes on one L1 CPU, past the
     # 10-minute limit per test (docs/testing.md).
     export ROLLBOX_VOLUME_CLONES="${ROLLBOX_VOLUME_CLONES:-8}"
-    # Block worker threads made QEMU 7.2's TCG crash L1 (4 of 4 volume forks); in the lab the
-    # block queues are served on the event loop. Tier 2 covers the worker threads.
-    export ROLLBOX_BLOCK_IO_THREADS="${ROLLBOX_BLOCK_IO_THREADS:-0}"
     # The lab itself can still be lost: L1 stuck inside KVM_RUN (scripts/lab/run.sh stops a
     # wedged or frozen L1), a test past its 10-minute limit, a lab past 40 minutes. That is the
     # lab's failure (status 125 or 124), not a test result: the lab starts again, at most
