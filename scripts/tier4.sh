@@ -72,8 +72,7 @@ else
     shards="${ROLLBOX_LAB_SHARDS:-2}"
     [[ "$shards" == 1 || "$shards" == 2 ]] ||
         { echo "tier 4: ROLLBOX_LAB_SHARDS must be 1 or 2, not '$shards'" >&2; exit 2; }
-    # Each of two labs gets one vCPU (see below); one lab alone keeps run.sh's default.
-    [[ "$shards" -eq 1 ]] || export ROLLBOX_LAB_CPUS="${ROLLBOX_LAB_CPUS:-1}"
+    # Each lab's L1 has run.sh's default of one vCPU (see below).
     lab_files=/var/tmp/rollbox-lab
     mkdir -p "$lab_files" || { echo "tier 4: cannot create $lab_files" >&2; exit 1; }
     work="$(mktemp -d)"

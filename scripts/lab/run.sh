@@ -7,7 +7,8 @@
 # Usage:
 #   scripts/lab/run.sh [options] -- COMMAND [ARGS...]
 #     --memory-mib N   L1 memory (default 8192; L2 guests live in it)
-#     --cpus N         L1 vCPUs (default 2; ROLLBOX_LAB_CPUS)
+#     --cpus N         L1 vCPUs (default 1; ROLLBOX_LAB_CPUS): with two, L1 can take an IPI
+#                      between #VMEXIT and VMLOAD and crash (docs/testing.md)
 #     --tcg-thread T   QEMU's TCG threading: multi (one host thread per L1 vCPU) or single
 #                      (one host thread for all of them); default multi (ROLLBOX_LAB_TCG_THREAD)
 #     --timeout S      stop L1 after S seconds and exit 124 (default 3600)
@@ -45,7 +46,7 @@ die() { echo "lab: error: $*" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-memory=8192 cpus="${ROLLBOX_LAB_CPUS:-2}" tcg_thread="${ROLLBOX_LAB_TCG_THREAD:-multi}"
+memory=8192 cpus="${ROLLBOX_LAB_CPUS:-1}" tcg_thread="${ROLLBOX_LAB_TCG_THREAD:-multi}"
 timeout_s=3600 cwd="$PWD" keep=0
 envs=() modules=() qemu_extra=()
 while [[ $# -gt 0 ]]; do
