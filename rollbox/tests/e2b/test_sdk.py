@@ -294,12 +294,36 @@ def run_checks(sbx):
     assert sbx.pause()
     assert not sbx.pause(), "pausing a paused sandbox is False (409)"
     assert str(sbx.get_info().state) == "paused"
+    assert not sbx.is_running(), "a paused sandbox is not running"
     paused = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.PAUSED])).next_items()
-    assert [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused
+    assert [(s.sandbox_id, s.state) for s in paused] == [(sbx.sandbox_id, SandboxState.PAUSED)], paused
+    running = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.RUNNING])).next_items()
+    assert running == [], running
     resumed = Sandbox.connect(sbx.sandbox_id)
     assert str(resumed.get_info().state) == "running"
+    assert resumed.is_running() and sbx.is_running()
     assert resumed.commands.run("echo resumed").stdout == "resumed\n"
-    ok("pause, and connect resumes")
+    ok("pause: not running, listed as paused; connect resumes")
+    assert sbx.pause()
+    assert not sbx.is_running()
+    assert sbx.connect() is sbx and sbx.is_running(), "the instance's connect resumes too"
+    assert sbx.commands.run("echo again").stdout == "again\n"
+    ok("pause, and the instance's connect() resumes")
+    asyncio.run(async_pause(sbx.sandbox_id))
+    ok("the async SDK: pause, is_running, list by state, connect resumes")
+
+
+async def async_pause(sandbox_id):
+    sandbox = await AsyncSandbox.connect(sandbox_id)
+    assert await sandbox.is_running()
+    assert await sandbox.pause()
+    assert not await sandbox.is_running(), "a paused sandbox is not running (async)"
+    query = SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.PAUSED])
+    paused = await AsyncSandbox.list(query=query).next_items()
+    assert [(s.sandbox_id, s.state) for s in paused] == [(sandbox_id, SandboxState.PAUSED)], paused
+    resumed = await AsyncSandbox.connect(sandbox_id)
+    assert await resumed.is_running()
+    assert (await resumed.commands.run("echo async")).stdout == "async\n"
 
 
 def pty_checks(sbx, base):
