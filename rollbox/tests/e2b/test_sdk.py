@@ -100,6 +100,10 @@ def raw(method, path, key, body=None, headers=None):
         return e.code, e.read()
 
 
+def sdk_version():
+    return tuple(int(part) for part in importlib.metadata.version("e2b").split(".")[:2])
+
+
 def main():
     print(f"e2b SDK {importlib.metadata.version('e2b')}", flush=True)
     key = os.environ["E2B_API_KEY"]
@@ -112,6 +116,14 @@ def main():
     expect_error("wrong key", lambda: Sandbox.create(TEMPLATE, api_key="wrong-key"), "Authentication")
     expect_error("unknown template", lambda: Sandbox.create("no-such-template"), "no-such-template", "not found")
     expect_error("bad timeout", lambda: Sandbox.create(TEMPLATE, timeout=10**9), "timeout")
+    # E2B's timeout=0 (keep until killed) has no rollbox equivalent: refused, saying why.
+    status, body = raw("POST", "/v2/sandboxes", key, json.dumps({"templateID": TEMPLATE, "timeout": 0}).encode())
+    message = json.loads(body)["message"]
+    assert status == 400 and "until it is killed" in message and "TTL" in message, (status, body)
+    ok("timeout 0 is 400 {code,message} saying why")
+    if sdk_version() >= (2, 63):  # older SDKs send their default (300 s) for 0
+        expect_error("timeout=0", lambda: Sandbox.create(TEMPLATE, timeout=0), "timeout: 0", "until it is killed", "TTL")
+        asyncio.run(async_timeout_zero())
     expect_error("unknown sandbox id", lambda: Sandbox.connect("sb-0000000000000000"), "not found")
     status, body = raw("POST", "/v2/sandboxes", key, b"{not json")
     assert status == 400 and json.loads(body)["code"] == 400, body
@@ -129,8 +141,7 @@ def main():
 
     sbx = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "e2b-sdk"}, envs={"GREETING": "hi there"})
     ok(f"create {sbx.sandbox_id}")
-    sdk = tuple(int(part) for part in importlib.metadata.version("e2b").split(".")[:2])
-    if sdk >= (2, 51):  # idempotency_key came with the v2 routes
+    if sdk_version() >= (2, 51):  # idempotency_key came with the v2 routes
         first = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
         again = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
         assert first.sandbox_id == again.sandbox_id, (first.sandbox_id, again.sandbox_id)
@@ -143,6 +154,16 @@ def main():
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
+
+
+async def async_timeout_zero():
+    try:
+        await AsyncSandbox.create(TEMPLATE, timeout=0)
+    except Exception as e:  # noqa: BLE001 - any SDK exception type
+        assert "until it is killed" in str(e) and "TTL" in str(e), repr(e)
+        ok("timeout=0 (async)")
+        return
+    raise AssertionError("timeout=0 (async): no error")
 
 
 def run_checks(sbx):

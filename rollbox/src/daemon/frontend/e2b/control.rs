@@ -186,6 +186,15 @@ async fn create(
         .filter(|t| !t.is_empty())
         .ok_or_else(|| Refusal::new(400, "templateID: required"))?;
     let ttl_s = match new.timeout {
+        // E2B's 0 keeps the sandbox until it is killed; every rollbox sandbox has a TTL.
+        Some(0) => {
+            return Err(Refusal::new(
+                400,
+                format!(
+                    "timeout: 0 (keep the sandbox until it is killed) is not served: every rollbox sandbox has a TTL; pass 1 to {MAX_TTL_S} s and extend it with set_timeout"
+                ),
+            ))
+        }
         Some(t) => check_timeout(t)?,
         None => DEFAULT_TIMEOUT_S,
     };
