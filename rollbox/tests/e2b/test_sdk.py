@@ -151,6 +151,7 @@ def main():
         run_checks(sbx)
     finally:
         sbx.kill()
+    list_order_checks()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
@@ -164,6 +165,50 @@ async def async_timeout_zero():
         ok("timeout=0 (async)")
         return
     raise AssertionError("timeout=0 (async): no error")
+
+
+def list_order_checks():
+    """E2B lists newest first (order="asc": oldest first), ordered across running and paused
+    before paging, so pages of `limit` follow each other without gaps or repeats."""
+    made = []
+    try:
+        for _ in range(3):
+            made.append(Sandbox.create(TEMPLATE, timeout=60, metadata={"suite": "e2b-order"}))
+            time.sleep(0.01)  # distinct creation times
+        assert made[1].pause()
+        newest = [s.sandbox_id for s in reversed(made)]
+        query = SandboxQuery(metadata={"suite": "e2b-order"})
+        listed = Sandbox.list(query=query).next_items()
+        assert [s.sandbox_id for s in listed] == newest, (listed, newest)
+        assert [s.state for s in listed] == [SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.RUNNING], listed
+        for limit, state in [(1, None), (2, [SandboxState.RUNNING, SandboxState.PAUSED])]:
+            both = SandboxQuery(metadata={"suite": "e2b-order"}, state=state)
+            paginator = Sandbox.list(query=both, limit=limit)
+            pages = []
+            while paginator.has_next:
+                pages.append([s.sandbox_id for s in paginator.next_items()])
+            assert pages == [newest[i:i + limit] for i in range(0, 3, limit)], (limit, pages, newest)
+        oldest = Sandbox.list(query=query, order="asc").next_items()
+        assert [s.sandbox_id for s in oldest] == newest[::-1], oldest
+        running = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-order"}, state=[SandboxState.RUNNING]), limit=1)
+        assert running.next_items()[0].sandbox_id == newest[0] and running.has_next
+        assert [s.sandbox_id for s in running.next_items()] == [newest[2]] and not running.has_next
+        ok("list: newest first, paged by limit/next_token across running and paused; order=asc")
+        asyncio.run(async_list_order(newest))
+        ok("the async SDK's list: newest first, the same pages")
+    finally:
+        for sandbox in made:
+            sandbox.kill()
+
+
+async def async_list_order(newest):
+    query = SandboxQuery(metadata={"suite": "e2b-order"})
+    assert [s.sandbox_id for s in await AsyncSandbox.list(query=query).next_items()] == newest
+    paginator = AsyncSandbox.list(query=query, limit=2)
+    pages = []
+    while paginator.has_next:
+        pages.append([s.sandbox_id for s in await paginator.next_items()])
+    assert pages == [newest[:2], newest[2:]], (pages, newest)
 
 
 def run_checks(sbx):
