@@ -100,6 +100,10 @@ def raw(method, path, key, body=None, headers=None):
         return e.code, e.read()
 
 
+def sdk_version():
+    return tuple(int(part) for part in importlib.metadata.version("e2b").split(".")[:2])
+
+
 def main():
     print(f"e2b SDK {importlib.metadata.version('e2b')}", flush=True)
     key = os.environ["E2B_API_KEY"]
@@ -112,6 +116,14 @@ def main():
     expect_error("wrong key", lambda: Sandbox.create(TEMPLATE, api_key="wrong-key"), "Authentication")
     expect_error("unknown template", lambda: Sandbox.create("no-such-template"), "no-such-template", "not found")
     expect_error("bad timeout", lambda: Sandbox.create(TEMPLATE, timeout=10**9), "timeout")
+    # E2B's timeout=0 (keep until killed) has no rollbox equivalent: refused, saying why.
+    status, body = raw("POST", "/v2/sandboxes", key, json.dumps({"templateID": TEMPLATE, "timeout": 0}).encode())
+    message = json.loads(body)["message"]
+    assert status == 400 and "until it is killed" in message and "TTL" in message, (status, body)
+    ok("timeout 0 is 400 {code,message} saying why")
+    if sdk_version() >= (2, 63):  # older SDKs send their default (300 s) for 0
+        expect_error("timeout=0", lambda: Sandbox.create(TEMPLATE, timeout=0), "timeout: 0", "until it is killed", "TTL")
+        asyncio.run(async_timeout_zero())
     expect_error("unknown sandbox id", lambda: Sandbox.connect("sb-0000000000000000"), "not found")
     status, body = raw("POST", "/v2/sandboxes", key, b"{not json")
     assert status == 400 and json.loads(body)["code"] == 400, body
@@ -129,8 +141,7 @@ def main():
 
     sbx = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "e2b-sdk"}, envs={"GREETING": "hi there"})
     ok(f"create {sbx.sandbox_id}")
-    sdk = tuple(int(part) for part in importlib.metadata.version("e2b").split(".")[:2])
-    if sdk >= (2, 51):  # idempotency_key came with the v2 routes
+    if sdk_version() >= (2, 51):  # idempotency_key came with the v2 routes
         first = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
         again = Sandbox.create(TEMPLATE, timeout=60, idempotency_key="e2b-suite-1")
         assert first.sandbox_id == again.sandbox_id, (first.sandbox_id, again.sandbox_id)
@@ -140,9 +151,64 @@ def main():
         run_checks(sbx)
     finally:
         sbx.kill()
+    list_order_checks()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
+
+
+async def async_timeout_zero():
+    try:
+        await AsyncSandbox.create(TEMPLATE, timeout=0)
+    except Exception as e:  # noqa: BLE001 - any SDK exception type
+        assert "until it is killed" in str(e) and "TTL" in str(e), repr(e)
+        ok("timeout=0 (async)")
+        return
+    raise AssertionError("timeout=0 (async): no error")
+
+
+def list_order_checks():
+    """E2B lists newest first (order="asc": oldest first), ordered across running and paused
+    before paging, so pages of `limit` follow each other without gaps or repeats."""
+    made = []
+    try:
+        for _ in range(3):
+            made.append(Sandbox.create(TEMPLATE, timeout=60, metadata={"suite": "e2b-order"}))
+            time.sleep(0.01)  # distinct creation times
+        assert made[1].pause()
+        newest = [s.sandbox_id for s in reversed(made)]
+        query = SandboxQuery(metadata={"suite": "e2b-order"})
+        listed = Sandbox.list(query=query).next_items()
+        assert [s.sandbox_id for s in listed] == newest, (listed, newest)
+        assert [s.state for s in listed] == [SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.RUNNING], listed
+        for limit, state in [(1, None), (2, [SandboxState.RUNNING, SandboxState.PAUSED])]:
+            both = SandboxQuery(metadata={"suite": "e2b-order"}, state=state)
+            paginator = Sandbox.list(query=both, limit=limit)
+            pages = []
+            while paginator.has_next:
+                pages.append([s.sandbox_id for s in paginator.next_items()])
+            assert pages == [newest[i:i + limit] for i in range(0, 3, limit)], (limit, pages, newest)
+        oldest = Sandbox.list(query=query, order="asc").next_items()
+        assert [s.sandbox_id for s in oldest] == newest[::-1], oldest
+        running = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-order"}, state=[SandboxState.RUNNING]), limit=1)
+        assert running.next_items()[0].sandbox_id == newest[0] and running.has_next
+        assert [s.sandbox_id for s in running.next_items()] == [newest[2]] and not running.has_next
+        ok("list: newest first, paged by limit/next_token across running and paused; order=asc")
+        asyncio.run(async_list_order(newest))
+        ok("the async SDK's list: newest first, the same pages")
+    finally:
+        for sandbox in made:
+            sandbox.kill()
+
+
+async def async_list_order(newest):
+    query = SandboxQuery(metadata={"suite": "e2b-order"})
+    assert [s.sandbox_id for s in await AsyncSandbox.list(query=query).next_items()] == newest
+    paginator = AsyncSandbox.list(query=query, limit=2)
+    pages = []
+    while paginator.has_next:
+        pages.append([s.sandbox_id for s in await paginator.next_items()])
+    assert pages == [newest[:2], newest[2:]], (pages, newest)
 
 
 def run_checks(sbx):
@@ -294,12 +360,36 @@ def run_checks(sbx):
     assert sbx.pause()
     assert not sbx.pause(), "pausing a paused sandbox is False (409)"
     assert str(sbx.get_info().state) == "paused"
+    assert not sbx.is_running(), "a paused sandbox is not running"
     paused = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.PAUSED])).next_items()
-    assert [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused
+    assert [(s.sandbox_id, s.state) for s in paused] == [(sbx.sandbox_id, SandboxState.PAUSED)], paused
+    running = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.RUNNING])).next_items()
+    assert running == [], running
     resumed = Sandbox.connect(sbx.sandbox_id)
     assert str(resumed.get_info().state) == "running"
+    assert resumed.is_running() and sbx.is_running()
     assert resumed.commands.run("echo resumed").stdout == "resumed\n"
-    ok("pause, and connect resumes")
+    ok("pause: not running, listed as paused; connect resumes")
+    assert sbx.pause()
+    assert not sbx.is_running()
+    assert sbx.connect() is sbx and sbx.is_running(), "the instance's connect resumes too"
+    assert sbx.commands.run("echo again").stdout == "again\n"
+    ok("pause, and the instance's connect() resumes")
+    asyncio.run(async_pause(sbx.sandbox_id))
+    ok("the async SDK: pause, is_running, list by state, connect resumes")
+
+
+async def async_pause(sandbox_id):
+    sandbox = await AsyncSandbox.connect(sandbox_id)
+    assert await sandbox.is_running()
+    assert await sandbox.pause()
+    assert not await sandbox.is_running(), "a paused sandbox is not running (async)"
+    query = SandboxQuery(metadata={"suite": "e2b-sdk"}, state=[SandboxState.PAUSED])
+    paused = await AsyncSandbox.list(query=query).next_items()
+    assert [(s.sandbox_id, s.state) for s in paused] == [(sandbox_id, SandboxState.PAUSED)], paused
+    resumed = await AsyncSandbox.connect(sandbox_id)
+    assert await resumed.is_running()
+    assert (await resumed.commands.run("echo async")).stdout == "async\n"
 
 
 def pty_checks(sbx, base):

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::super::super::api::{
-    self, Action, ApiError, ListQuery, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
+    self, Action, ApiError, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
 };
 use super::super::super::util::now_ms;
 use super::super::transport::{same_key, Out};
@@ -32,7 +32,7 @@ const MAX_E2B_FORK: i64 = 20;
 
 /// A refused control-plane call.
 #[derive(Debug)]
-struct Refusal {
+pub(super) struct Refusal {
     status: u16,
     message: String,
     /// `Should-Retry: false`: a retry could make a second sandbox.
@@ -40,7 +40,7 @@ struct Refusal {
 }
 
 impl Refusal {
-    fn new(status: u16, message: impl Into<String>) -> Refusal {
+    pub(super) fn new(status: u16, message: impl Into<String>) -> Refusal {
         Refusal {
             status,
             message: message.into(),
@@ -114,7 +114,7 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
     let v2 = path.starts_with("/v2/");
     match (method.as_str(), segments.as_slice()) {
         ("POST", ["sandboxes"]) => create(e2b, &body, idempotency_key).await,
-        ("GET", ["sandboxes"]) => list(e2b, &query, v2).await,
+        ("GET", ["sandboxes"]) => super::list::list(e2b, &query, v2).await,
         ("GET", ["sandboxes", "metrics"]) => metrics_of_many(e2b, &query).await,
         ("GET", ["sandboxes", id, "metrics"]) => metrics(e2b, id, &query).await,
         ("POST", ["sandboxes", id, "fork"]) => fork(e2b, id, &body).await,
@@ -186,6 +186,15 @@ async fn create(
         .filter(|t| !t.is_empty())
         .ok_or_else(|| Refusal::new(400, "templateID: required"))?;
     let ttl_s = match new.timeout {
+        // E2B's 0 keeps the sandbox until it is killed; every rollbox sandbox has a TTL.
+        Some(0) => {
+            return Err(Refusal::new(
+                400,
+                format!(
+                    "timeout: 0 (keep the sandbox until it is killed) is not served: every rollbox sandbox has a TTL; pass 1 to {MAX_TTL_S} s and extend it with set_timeout"
+                ),
+            ))
+        }
         Some(t) => check_timeout(t)?,
         None => DEFAULT_TIMEOUT_S,
     };
@@ -295,7 +304,7 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
 }
 
 /// `ListedSandbox`, and with `detail` the `SandboxDetail` fields on top.
-fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
+pub(super) fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
     let mut value = json!({
         "templateID": sandbox.template,
         "sandboxID": sandbox.id,
@@ -412,80 +421,6 @@ async fn connect(
         if resumed { 201 } else { 200 },
         &sandbox_json(e2b, &sandbox),
     ))
-}
-
-/// `GET /v2/sandboxes` (paged by `nextToken`/`X-Next-Token`) and 1.x `GET /sandboxes`.
-async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Response<Out>, Refusal> {
-    let mut native = ListQuery {
-        limit: if v2 { 100 } else { 1000 },
-        ..ListQuery::default()
-    };
-    let mut states = vec![State::Running, State::Paused];
-    let mut template = None;
-    for (name, value) in query_pairs(query) {
-        match name.as_str() {
-            "metadata" | "query" => {
-                for (key, value) in query_pairs(&value) {
-                    native.labels.push((key, value));
-                }
-            }
-            "state" => {
-                states = value
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(|s| match s {
-                        "running" => Ok(State::Running),
-                        "paused" => Ok(State::Paused),
-                        other => Err(Refusal::new(
-                            400,
-                            format!("state: {other:?} is not running or paused"),
-                        )),
-                    })
-                    .collect::<Result<_, _>>()?;
-            }
-            "limit" => {
-                native.limit = value
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|n| (1..=1000).contains(n))
-                    .ok_or_else(|| {
-                        Refusal::new(400, format!("limit: {value:?} is not 1 to 1000"))
-                    })?;
-            }
-            "nextToken" if !value.is_empty() => {
-                native.after = Some(value.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(
-                    || {
-                        Refusal::new(
-                            400,
-                            format!("nextToken: {value:?} is not a token this server gave"),
-                        )
-                    },
-                )?);
-            }
-            "template" if !value.is_empty() => template = Some(value),
-            _ => {}
-        }
-    }
-    if let [only] = states.as_slice() {
-        native.state = Some(*only);
-    }
-    let Reply::Sandboxes(page) = e2b.core.handle(Action::ListSandboxes(native)).await? else {
-        return Err(Refusal::new(500, "the list answered no sandboxes"));
-    };
-    let listed: Vec<Value> = page
-        .sandboxes
-        .iter()
-        .filter(|s| states.contains(&s.state))
-        .filter(|s| template.as_ref().is_none_or(|t| *t == s.template))
-        .map(|s| listed_json(e2b, s, false))
-        .collect();
-    let mut response = json(200, &Value::Array(listed));
-    if let Some(next) = page.next_page_token.filter(|_| v2) {
-        if let Ok(value) = hyper::header::HeaderValue::from_str(&next) {
-            response.headers_mut().insert("x-next-token", value);
-        }
-    }
-    Ok(response)
 }
 
 #[derive(Deserialize)]

@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use serde_json::json;
 
-use super::super::super::api::{Action, Reply, MAX_BODY};
+use super::super::super::api::{Action, Reply, State, MAX_BODY};
 use super::super::transport::Out;
 use super::call::{read_body, unary_error, Call};
 use super::connect::{Code, RpcError};
@@ -68,6 +68,14 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
         Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live() => sandbox,
         _ => return proxy_error(&id, format!("The sandbox {id} was not found")),
     };
+    // A paused VM answers nothing, `/health` included: the SDK's `is_running()` is false on a
+    // 502. Connecting (the control plane's `/connect`) resumes it.
+    if sandbox.state == State::Paused {
+        return proxy_error(
+            &id,
+            format!("The sandbox {id} is paused: connect to it (Sandbox.connect) to resume it"),
+        );
+    }
     // Other ports are the guest's own services, reached through the agent: envd's access token
     // is not theirs to check (the code interpreter SDK sends it on /execute but not /contexts).
     match target.port {

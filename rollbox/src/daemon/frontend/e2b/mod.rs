@@ -16,11 +16,11 @@
 //! than envd's are the guest's own services, reached as HTTP/1.1 over the agent's
 //! `tcp_connect` (forward.rs). Wire facts: `shared/docs/e2b-compat.md`.
 //!
-//! The files: `control.rs` (the control plane), `envd.rs` (the data plane's routes, with
-//! `process.rs`, `filesystem.rs`, `files.rs` and `watch.rs` behind it, `call.rs` what a
-//! data-plane request carries, `entry.rs` envd's file entries), `connect.rs` (the Connect
-//! protocol), `forward.rs` (other guest ports), `state.rs` (what lives between requests) and
-//! `wire.rs` (E2B's constants and HTTP helpers).
+//! The files: `control.rs` (the control plane; `list.rs` its sandbox list), `envd.rs` (the
+//! data plane's routes, with `process.rs`, `filesystem.rs`, `files.rs` and `watch.rs` behind
+//! it, `call.rs` what a data-plane request carries, `entry.rs` envd's file entries),
+//! `connect.rs` (the Connect protocol), `forward.rs` (other guest ports), `state.rs` (what
+//! lives between requests) and `wire.rs` (E2B's constants and HTTP helpers).
 
 mod call;
 pub mod connect;
@@ -30,6 +30,7 @@ mod envd;
 mod files;
 mod filesystem;
 mod forward;
+mod list;
 mod process;
 mod state;
 mod watch;
