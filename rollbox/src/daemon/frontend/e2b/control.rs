@@ -16,6 +16,8 @@ use super::super::super::api::{
 };
 use super::super::super::util::now_ms;
 use super::super::transport::{same_key, Out};
+use super::list::listed_json;
+use super::refusal::Refusal;
 use super::state::E2b;
 use super::wire::{
     header, json, no_content, query_pairs, rfc3339, DEFAULT_TIMEOUT_S, ENVD_VERSION,
@@ -29,35 +31,6 @@ const REFUSED: &[(&str, &str)] = &[(
 
 /// Forks per E2B fork call (the SDK checks 1 to 20 itself).
 const MAX_E2B_FORK: i64 = 20;
-
-/// A refused control-plane call.
-#[derive(Debug)]
-pub(super) struct Refusal {
-    status: u16,
-    message: String,
-    /// `Should-Retry: false`: a retry could make a second sandbox.
-    no_retry: bool,
-}
-
-impl Refusal {
-    pub(super) fn new(status: u16, message: impl Into<String>) -> Refusal {
-        Refusal {
-            status,
-            message: message.into(),
-            no_retry: false,
-        }
-    }
-
-    fn not_found(id: &str) -> Refusal {
-        Refusal::new(404, format!("sandbox {id:?} not found"))
-    }
-}
-
-impl From<ApiError> for Refusal {
-    fn from(error: ApiError) -> Refusal {
-        Refusal::new(error.status(), error.to_string())
-    }
-}
 
 pub async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
     match route(e2b, request).await {
@@ -301,29 +274,6 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
         "envdAccessToken": e2b.access_token(&sandbox.id),
         "domain": e2b.domain,
     })
-}
-
-/// `ListedSandbox`, and with `detail` the `SandboxDetail` fields on top.
-pub(super) fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
-    let mut value = json!({
-        "templateID": sandbox.template,
-        "sandboxID": sandbox.id,
-        "alias": sandbox.template,
-        "clientID": "rollbox",
-        "startedAt": rfc3339(sandbox.created_at_ms),
-        "endAt": rfc3339(sandbox.expires_at_ms),
-        "envdVersion": ENVD_VERSION,
-        "cpuCount": sandbox.vcpus,
-        "memoryMB": sandbox.memory_mib,
-        "diskSizeMB": 0,
-        "state": if sandbox.state == State::Paused { "paused" } else { "running" },
-        "metadata": sandbox.labels,
-    });
-    if detail {
-        value["envdAccessToken"] = json!(e2b.access_token(&sandbox.id));
-        value["domain"] = json!(e2b.domain);
-    }
-    value
 }
 
 /// A sandbox that is running or paused, else 404.

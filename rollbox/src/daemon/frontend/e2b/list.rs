@@ -5,13 +5,13 @@
 use std::sync::Arc;
 
 use hyper::Response;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::super::super::api::{Action, ListQuery, Reply, Sandbox, State};
 use super::super::transport::Out;
-use super::control::{listed_json, Refusal};
+use super::refusal::Refusal;
 use super::state::E2b;
-use super::wire::{json, query_pairs};
+use super::wire::{json, query_pairs, rfc3339, ENVD_VERSION};
 
 /// Where a list page starts: after this sandbox in the list's order. Its text is
 /// `{created_at_ms}-{id}`; sandboxes made or paused meanwhile do not move a page.
@@ -164,6 +164,29 @@ pub(super) async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Respon
         }
     }
     Ok(response)
+}
+
+/// `ListedSandbox`, and with `detail` the `SandboxDetail` fields on top.
+pub(super) fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
+    let mut value = json!({
+        "templateID": sandbox.template,
+        "sandboxID": sandbox.id,
+        "alias": sandbox.template,
+        "clientID": "rollbox",
+        "startedAt": rfc3339(sandbox.created_at_ms),
+        "endAt": rfc3339(sandbox.expires_at_ms),
+        "envdVersion": ENVD_VERSION,
+        "cpuCount": sandbox.vcpus,
+        "memoryMB": sandbox.memory_mib,
+        "diskSizeMB": 0,
+        "state": if sandbox.state == State::Paused { "paused" } else { "running" },
+        "metadata": sandbox.labels,
+    });
+    if detail {
+        value["envdAccessToken"] = json!(e2b.access_token(&sandbox.id));
+        value["domain"] = json!(e2b.domain);
+    }
+    value
 }
 
 #[cfg(test)]

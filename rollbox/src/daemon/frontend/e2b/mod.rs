@@ -16,9 +16,10 @@
 //! than envd's are the guest's own services, reached as HTTP/1.1 over the agent's
 //! `tcp_connect` (forward.rs). Wire facts: `shared/docs/e2b-compat.md`.
 //!
-//! The files: `control.rs` (the control plane; `list.rs` its sandbox list), `envd.rs` (the
-//! data plane's routes, with `process.rs`, `filesystem.rs`, `files.rs` and `watch.rs` behind
-//! it, `call.rs` what a data-plane request carries, `entry.rs` envd's file entries),
+//! The files: `control.rs` (the control plane; `list.rs` its sandbox list, `refusal.rs` its
+//! refusals), `envd.rs` (the data plane's routes, with `process.rs`, `filesystem.rs`, `files.rs`
+//! and `watch.rs` behind it, `call.rs` what a data-plane request carries, `entry.rs` envd's file
+//! entries),
 //! `connect.rs` (the Connect protocol), `forward.rs` (other guest ports), `state.rs` (what
 //! lives between requests) and `wire.rs` (E2B's constants and HTTP helpers).
 
@@ -32,6 +33,7 @@ mod filesystem;
 mod forward;
 mod list;
 mod process;
+mod refusal;
 mod state;
 mod watch;
 mod wire;
