@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How a connect within a deadline failed.
 #[derive(Debug)]
@@ -19,12 +19,11 @@ pub(super) enum ConnectError {
     Failed(io::Error),
 }
 
-/// Connects to the Unix socket `sock`, waiting at most `left()` (None: no limit) for room in
-/// a full backlog. `left` is asked again after a signal interrupted the wait; it answers
-/// `Err(())` once the deadline has passed.
+/// Connects to the Unix socket `sock`, waiting for room in a full backlog until `deadline`
+/// (None: no limit).
 pub(super) fn connect_within(
     sock: &Path,
-    left: impl Fn() -> Result<Option<Duration>, ()>,
+    deadline: Option<Instant>,
 ) -> Result<UnixStream, ConnectError> {
     let addr = socket_address(sock).map_err(ConnectError::Failed)?;
     // SAFETY: socket takes plain arguments; its result is checked before use.
@@ -35,7 +34,17 @@ pub(super) fn connect_within(
     // SAFETY: fd is a socket just created and owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     loop {
-        let limit = left().map_err(|()| ConnectError::Deadline)?;
+        // What is left of the deadline, asked again after a signal interrupted the wait.
+        let limit = match deadline {
+            None => None,
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(ConnectError::Deadline);
+                }
+                Some(left)
+            }
+        };
         set_send_timeout(&fd, limit).map_err(ConnectError::Failed)?;
         // SAFETY: addr is a valid sockaddr_un and its size is passed with it; fd is open.
         let rc = unsafe {
@@ -122,8 +131,6 @@ fn set_send_timeout(fd: &OwnedFd, limit: Option<Duration>) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
-
     use super::*;
 
     /// A listener with a backlog of 0 that never accepts: one connection fits, the next waits.
@@ -152,20 +159,12 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("api.sock");
         let (_listener, _first) = full_listener(&path);
-        let deadline = Instant::now() + Duration::from_millis(200);
         let started = Instant::now();
-        let left = || {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                Err(())
-            } else {
-                Ok(Some(left))
-            }
-        };
+        let deadline = Some(started + Duration::from_millis(200));
         // Fill whatever room the kernel gives beyond the first, until one waits.
         let mut held = Vec::new();
         let outcome = loop {
-            match connect_within(&path, left) {
+            match connect_within(&path, deadline) {
                 Ok(stream) => held.push(stream),
                 Err(e) => break e,
             }
@@ -197,7 +196,7 @@ mod tests {
     #[test]
     fn nothing_listening_fails_at_once_and_says_so() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let outcome = connect_within(&dir.path().join("none.sock"), || Ok(None));
+        let outcome = connect_within(&dir.path().join("none.sock"), None);
         match outcome {
             Err(ConnectError::Failed(e)) => assert_eq!(e.kind(), io::ErrorKind::NotFound),
             other => panic!("{other:?}"),
@@ -207,7 +206,7 @@ mod tests {
     #[test]
     fn a_path_too_long_for_a_socket_is_named() {
         let long = Path::new("/tmp").join("x".repeat(200));
-        match connect_within(&long, || Ok(None)) {
+        match connect_within(&long, None) {
             Err(ConnectError::Failed(e)) => {
                 assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
                 assert!(e.to_string().contains("205 bytes here"), "{e}");

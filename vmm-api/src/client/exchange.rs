@@ -38,15 +38,14 @@ impl<'a> Exchange<'a> {
 
     /// Connects, sends `request` and reads the answer.
     pub(super) fn run(&self, request: &[u8]) -> Result<Response, ClientError> {
-        let mut stream = connect_within(self.sock, || self.left(CONNECTING).map_err(|_| ()))
-            .map_err(|e| match e {
-                ConnectError::Deadline => self.deadline_passed(CONNECTING),
-                ConnectError::Failed(source) => ClientError::Connect {
-                    sock: self.sock.to_path_buf(),
-                    call: self.call.into(),
-                    source,
-                },
-            })?;
+        let mut stream = connect_within(self.sock, self.deadline).map_err(|e| match e {
+            ConnectError::Deadline => self.deadline_passed(CONNECTING),
+            ConnectError::Failed(source) => ClientError::Connect {
+                sock: self.sock.to_path_buf(),
+                call: self.call.into(),
+                source,
+            },
+        })?;
         let sent = self.send(&mut stream, request);
         if let Err(e @ ClientError::Deadline { .. }) = sent {
             return Err(e);
