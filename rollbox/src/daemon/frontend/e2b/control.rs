@@ -276,6 +276,19 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
     })
 }
 
+/// A running sandbox; a paused one is a 409 that says to resume it `before` the call, and any
+/// other a 404.
+async fn running(e2b: &E2b, id: &str, before: &str) -> Result<Sandbox, Refusal> {
+    let sandbox = live(e2b, id).await?;
+    if sandbox.state != State::Running {
+        return Err(Refusal::new(
+            409,
+            format!("sandbox {id:?} is paused: connect to resume it before {before}"),
+        ));
+    }
+    Ok(sandbox)
+}
+
 /// A sandbox that is running or paused, else 404.
 async fn live(e2b: &E2b, id: &str) -> Result<Sandbox, Refusal> {
     match e2b.core.handle(Action::GetSandbox(id.to_string())).await {
@@ -394,13 +407,7 @@ async fn fork(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Re
             )
         })?;
     let ttl_s = request.timeout.map(check_timeout).transpose()?;
-    let parent = live(e2b, id).await?;
-    if parent.state != State::Running {
-        return Err(Refusal::new(
-            409,
-            format!("sandbox {id:?} is paused: connect to resume it before forking"),
-        ));
-    }
+    let parent = running(e2b, id, "forking").await?;
     let reply = e2b
         .core
         .handle(Action::Fork {
@@ -447,13 +454,7 @@ async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>
             "memory: false (filesystem-only snapshots) is not served; rollbox snapshots keep memory and disk",
         ));
     }
-    let sandbox = live(e2b, id).await?;
-    if sandbox.state != State::Running {
-        return Err(Refusal::new(
-            409,
-            format!("sandbox {id:?} is paused: connect to resume it before a snapshot"),
-        ));
-    }
+    running(e2b, id, "a snapshot").await?;
     let reply = e2b
         .core
         .handle(Action::Snapshot {
