@@ -1,5 +1,6 @@
 //! The E2B server's state: the core it runs actions on, the key, and what envd keeps between
-//! requests (the processes started through it, the polled directory watchers).
+//! requests (the processes started through it, the polled directory watchers, who requests
+//! run as).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,6 +11,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::super::super::core::Core;
+use super::call::RunAs;
 use super::watch;
 
 /// The E2B server's state.
@@ -24,11 +26,30 @@ pub struct E2b {
     pub watchers: Mutex<watch::Watchers>,
     /// Numbers watcher ids.
     pub next_watcher: std::sync::atomic::AtomicU64,
+    /// Who requests run as, by (sandbox id, the user a request named).
+    pub accounts: Mutex<Accounts>,
 }
+
+/// (sandbox id, the user a request named) → who it runs as.
+pub type Accounts = HashMap<(String, Option<String>), RunAs>;
+/// Remembered accounts beyond which the table starts over (sandboxes that ended uncounted).
+const MAX_ACCOUNTS: usize = 4096;
 
 impl E2b {
     pub fn processes(&self) -> MutexGuard<'_, Processes> {
         self.processes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn accounts(&self) -> MutexGuard<'_, Accounts> {
+        self.accounts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn remember_account(&self, key: (String, Option<String>), run_as: RunAs) {
+        let mut accounts = self.accounts();
+        if accounts.len() >= MAX_ACCOUNTS {
+            accounts.clear();
+        }
+        accounts.insert(key, run_as);
     }
 
     pub fn watchers(&self) -> MutexGuard<'_, watch::Watchers> {
@@ -53,6 +74,7 @@ impl E2b {
     /// Drops the process table entries and stops the watchers of a sandbox that ended.
     pub fn forget_processes(&self, id: &str) {
         self.processes().retain(|(sandbox, _), _| sandbox != id);
+        self.accounts().retain(|(sandbox, _), _| sandbox != id);
         self.watchers().retain(|_, watcher| {
             let keep = watcher.sandbox != id;
             if !keep {
