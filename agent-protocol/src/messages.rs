@@ -797,7 +797,10 @@ mod tests {
             shell: "/bin/bash".into(),
         });
         let text = serde_json::to_string(&account).expect("serialize");
-        assert!(text.starts_with(r#"{"type":"account","name":"user""#), "{text}");
+        assert!(
+            text.starts_with(r#"{"type":"account","name":"user""#),
+            "{text}"
+        );
         assert!(account.is_terminal());
         // A write without an owner encodes as before, so older agents still read it.
         let plain = serde_json::to_string(&WriteFileRequest::new("/x")).expect("serialize");

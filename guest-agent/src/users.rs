@@ -173,7 +173,10 @@ mod tests {
         let missing = account(dir.path(), "user").expect_err("no user");
         assert_eq!(missing.code, "ENOENT");
         assert!(missing.message.contains("\"user\""), "{missing}");
-        assert_eq!(owner(dir.path(), "alice", "/x").expect("owner"), (1000, 1000));
+        assert_eq!(
+            owner(dir.path(), "alice", "/x").expect("owner"),
+            (1000, 1000)
+        );
         let bad = owner(dir.path(), "bob", "/x").expect_err("no bob");
         assert!(bad.message.contains("write /x: owner"), "{bad}");
     }

@@ -146,7 +146,10 @@ fn make_home(root: &Path, home: &Path, uid: u32, gid: u32) -> Result<(), Account
     Ok(())
 }
 
-fn io_error<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> AccountError + 'a {
+fn io_error<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> AccountError + 'a {
     move |source| AccountError::Io {
         action,
         path: path.display().to_string(),
@@ -328,7 +331,10 @@ mod tests {
         assert!(text(root, "etc/shadow").ends_with("\nuser:!::0:99999:7:::\n"));
         let home = fs::symlink_metadata(root.join("home/user")).unwrap();
         assert!(home.is_dir());
-        assert_eq!((home.uid(), home.gid(), home.mode() & 0o7777), (1000, 1000, 0o750));
+        assert_eq!(
+            (home.uid(), home.gid(), home.mode() & 0o7777),
+            (1000, 1000, 0o750)
+        );
         let profile = fs::symlink_metadata(root.join("home/user/.profile")).unwrap();
         assert_eq!((profile.uid(), profile.gid()), (1000, 1000));
         // A second build step finds it and keeps it.
@@ -366,10 +372,20 @@ mod tests {
 
     #[test]
     fn an_existing_user_group_is_reused() {
-        let dir = image("root:x:0:0::/root:/bin/sh\n", Some("root:x:0:\nuser:x:2000:\n"));
+        let dir = image(
+            "root:x:0:0::/root:/bin/sh\n",
+            Some("root:x:0:\nuser:x:2000:\n"),
+        );
         let outcome = ensure_e2b_user(dir.path()).unwrap();
         assert!(
-            matches!(outcome, Outcome::Added { uid: 1000, gid: 2000, .. }),
+            matches!(
+                outcome,
+                Outcome::Added {
+                    uid: 1000,
+                    gid: 2000,
+                    ..
+                }
+            ),
             "{outcome:?}"
         );
         assert_eq!(text(dir.path(), "etc/group"), "root:x:0:\nuser:x:2000:\n");

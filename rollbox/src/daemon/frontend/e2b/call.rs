@@ -21,7 +21,7 @@ use serde::Deserialize;
 use super::super::super::api::{ApiError, Sandbox};
 use super::super::transport::Out;
 use super::connect::{Code, RpcError};
-use super::state::E2b;
+use super::state::{E2b, RunAs};
 use super::wire::{header, json, query_pairs, ENV_VARS_KEY};
 
 /// envd's default keepalive interval when the client asks for none.
@@ -37,13 +37,6 @@ pub struct Call {
     /// (root), for a sandbox without the accounts asked for.
     pub user: Option<String>,
     /// The user's home: where relative paths and `~` resolve.
-    pub home: String,
-}
-
-/// Who a request runs as: the agent's user and the home paths resolve in.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunAs {
-    pub user: Option<String>,
     pub home: String,
 }
 

@@ -11,7 +11,6 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::super::super::core::Core;
-use super::call::RunAs;
 use super::watch;
 
 /// The E2B server's state.
@@ -28,6 +27,14 @@ pub struct E2b {
     pub next_watcher: std::sync::atomic::AtomicU64,
     /// Who requests run as, by (sandbox id, the user a request named).
     pub accounts: Mutex<Accounts>,
+}
+
+/// Who a request runs as: the agent's user (None: the agent's own, root) and the home its
+/// paths resolve in (`call.rs` decides).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunAs {
+    pub user: Option<String>,
+    pub home: String,
 }
 
 /// (sandbox id, the user a request named) → who it runs as.
