@@ -301,6 +301,19 @@ impl AgentClient {
         }
     }
 
+    /// The guest's account `name` (`LookupUser`); an agent error `ENOENT` when it has none.
+    pub async fn lookup_user(&self, name: &str) -> Result<Account, ClientError> {
+        match self
+            .request(ClientMessage::LookupUser {
+                name: name.to_owned(),
+            })
+            .await?
+        {
+            ServerMessage::Account(account) => Ok(account),
+            other => Err(unexpected("lookup_user", &other)),
+        }
+    }
+
     pub async fn list(&self, path: &str) -> Result<Vec<FileInfo>, ClientError> {
         match self
             .request(ClientMessage::List {

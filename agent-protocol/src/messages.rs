@@ -169,6 +169,10 @@ pub enum ClientMessage {
         host: String,
         port: u16,
     },
+    /// Look up an account by name (or numeric uid) in the agent's passwd and group files, as
+    /// `Exec`'s `user` would run: `Account`, or an `ENOENT` error when there is none. Agents
+    /// older than this answer `bad_request` (an unknown message).
+    LookupUser { name: String },
 }
 
 /// Where `TcpConnect` dials when it names no host: the guest's own loopback.
@@ -312,6 +316,10 @@ pub struct WriteFileRequest {
     /// Permission bits; default: those of the file being replaced, else 0644.
     #[serde(default)]
     pub mode: Option<u32>,
+    /// Give the file, and the parents this write creates, to this account (a name or uid, as
+    /// `Exec`'s `user`); default: the owner of the file being replaced, else the agent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     /// Write a temporary file in the same directory, fsync, rename (default true).
     #[serde(default = "default_true")]
     pub atomic: bool,
@@ -325,6 +333,7 @@ impl WriteFileRequest {
         Self {
             path: path.into(),
             mode: None,
+            owner: None,
             atomic: true,
             make_parents: false,
         }
@@ -468,6 +477,8 @@ pub enum ServerMessage {
     TcpConnected {
         address: String,
     },
+    /// The account `LookupUser` asked for.
+    Account(Account),
 }
 
 impl ServerMessage {
@@ -564,6 +575,16 @@ pub struct FileInfo {
     /// The target, for a symlink.
     #[serde(default)]
     pub link_target: Option<String>,
+}
+
+/// An account of the guest's passwd file (`LookupUser`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Account {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: String,
+    pub shell: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -755,6 +776,38 @@ mod tests {
             address: "127.0.0.1:8080".into()
         }
         .is_terminal());
+    }
+
+    #[test]
+    fn lookup_user_and_write_owner_on_the_wire() {
+        let frame: ClientFrame =
+            serde_json::from_str(r#"{"id":1,"body":{"op":"lookup_user","name":"user"}}"#)
+                .expect("parse");
+        assert_eq!(
+            frame.body,
+            ClientMessage::LookupUser {
+                name: "user".into()
+            }
+        );
+        let account = ServerMessage::Account(Account {
+            name: "user".into(),
+            uid: 1000,
+            gid: 1000,
+            home: "/home/user".into(),
+            shell: "/bin/bash".into(),
+        });
+        let text = serde_json::to_string(&account).expect("serialize");
+        assert!(
+            text.starts_with(r#"{"type":"account","name":"user""#),
+            "{text}"
+        );
+        assert!(account.is_terminal());
+        // A write without an owner encodes as before, so older agents still read it.
+        let plain = serde_json::to_string(&WriteFileRequest::new("/x")).expect("serialize");
+        assert!(!plain.contains("owner"), "{plain}");
+        let owned: WriteFileRequest =
+            serde_json::from_str(r#"{"path":"/x","owner":"user"}"#).expect("parse");
+        assert_eq!(owned.owner.as_deref(), Some("user"));
     }
 
     #[test]

@@ -301,7 +301,7 @@ struct PendingWrite {
 }
 
 impl PendingWrite {
-    fn begin(req: &WriteFileRequest) -> Result<Self, ErrorInfo> {
+    fn begin(req: &WriteFileRequest, owner: Option<(u32, u32)>) -> Result<Self, ErrorInfo> {
         let path = check_path(&req.path)?;
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             return Err(ErrorInfo::bad_request(format!(
@@ -310,8 +310,7 @@ impl PendingWrite {
             )));
         };
         if req.make_parents {
-            fs::create_dir_all(parent)
-                .map_err(|e| info(SysError::new("mkdir", parent.display().to_string(), e)))?;
+            make_parents(parent, owner)?;
         }
         let existing = fs::metadata(&path).ok();
         if existing.as_ref().is_some_and(|m| m.is_dir()) {
@@ -362,10 +361,14 @@ impl PendingWrite {
                 .file
                 .set_permissions(fs::Permissions::from_mode(mode))
                 .map_err(|e| info(SysError::new("chmod", &req.path, e)))?;
-            if let Some(meta) = &existing {
+            if let (None, Some(meta)) = (owner, &existing) {
                 let _ =
                     std::os::unix::fs::fchown(&pending.file, Some(meta.uid()), Some(meta.gid()));
             }
+        }
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::fchown(&pending.file, Some(uid), Some(gid))
+                .map_err(|e| info(SysError::new("chown", &req.path, e)))?;
         }
         Ok(pending)
     }
@@ -417,13 +420,32 @@ impl Drop for PendingWrite {
     }
 }
 
-/// `ready` sends the Ready reply; false means the client is gone.
+/// Creates `dir` and its missing parents; those it creates go to `owner` when given.
+fn make_parents(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), ErrorInfo> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| fs::symlink_metadata(d).is_err())
+        .collect();
+    fs::create_dir_all(dir)
+        .map_err(|e| info(SysError::new("mkdir", dir.display().to_string(), e)))?;
+    if let Some((uid, gid)) = owner {
+        for created in missing {
+            std::os::unix::fs::lchown(created, Some(uid), Some(gid))
+                .map_err(|e| info(SysError::new("chown", created.display().to_string(), e)))?;
+        }
+    }
+    Ok(())
+}
+
+/// `ready` sends the Ready reply; false means the client is gone. `owner` (uid, gid) gets
+/// the file and the parents the write creates.
 pub fn write_file(
     req: &WriteFileRequest,
+    owner: Option<(u32, u32)>,
     rx: &mut mpsc::Receiver<UploadInput>,
     ready: impl FnOnce() -> bool,
 ) -> Result<u64, ErrorInfo> {
-    let mut pending = PendingWrite::begin(req)?;
+    let mut pending = PendingWrite::begin(req, owner)?;
     if !ready() {
         return Err(ErrorInfo::bad_request("connection closed"));
     }
@@ -557,15 +579,37 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("f.txt");
         let req = WriteFileRequest::new(path.display().to_string());
-        let mut pending = PendingWrite::begin(&req).expect("begin");
+        let mut pending = PendingWrite::begin(&req, None).expect("begin");
         pending.write(b"half").expect("write");
         drop(pending);
         assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 0);
 
-        let mut pending = PendingWrite::begin(&req).expect("begin");
+        let mut pending = PendingWrite::begin(&req, None).expect("begin");
         pending.write(b"whole").expect("write");
         assert_eq!(pending.commit().expect("commit"), 5);
         assert_eq!(fs::read(&path).expect("read"), b"whole");
         assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
+    }
+
+    #[test]
+    fn an_owner_gets_the_file_and_the_parents_the_write_made() {
+        // chown needs root; elsewhere there is nothing to check.
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a/b/f.txt");
+        let mut req = WriteFileRequest::new(path.display().to_string());
+        req.make_parents = true;
+        let mut pending = PendingWrite::begin(&req, Some((4321, 4322))).expect("begin");
+        pending.write(b"x").expect("write");
+        pending.commit().expect("commit");
+        for made in [dir.path().join("a"), dir.path().join("a/b"), path] {
+            let meta = fs::symlink_metadata(&made).expect("stat");
+            assert_eq!((meta.uid(), meta.gid()), (4321, 4322), "{}", made.display());
+        }
+        let top = fs::symlink_metadata(dir.path()).expect("stat");
+        assert_eq!(top.uid(), 0, "an existing parent keeps its owner");
     }
 }

@@ -54,6 +54,10 @@ struct Args {
     /// Answer SetTime without touching the clock (for host-mode tests).
     #[arg(long)]
     no_set_clock: bool,
+    /// Where accounts are read (`passwd`, `group`) and `resolv.conf` is written. On the host,
+    /// a test maps E2B's `user` onto the agent's own uid with a scratch home this way.
+    #[arg(long, value_name = "DIR", default_value = "/etc")]
+    etc_dir: PathBuf,
     /// Where SetIdentity writes the machine id.
     #[arg(long, default_value = "/etc/machine-id")]
     machine_id_path: PathBuf,
@@ -164,7 +168,7 @@ fn run(args: Args, is_pid1: bool) -> Result<(), String> {
     let config = agent::Config {
         set_clock: !args.no_set_clock,
         machine_id_path: args.machine_id_path.clone(),
-        etc_dir: PathBuf::from("/etc"),
+        etc_dir: args.etc_dir.clone(),
         docker_socket: args.docker_socket.clone(),
         dockerd_log: args.dockerd_log.clone(),
         is_init,

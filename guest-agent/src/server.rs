@@ -341,6 +341,9 @@ async fn start(
         } => blocking(out, id, move || {
             files::stat(&path, follow_symlinks).map(ServerMessage::Stat)
         }),
+        ClientMessage::LookupUser { name } => blocking(out, id, move || {
+            crate::users::account(&agent.config.etc_dir, &name).map(ServerMessage::Account)
+        }),
         ClientMessage::List { path } => blocking(out, id, move || {
             files::list(&path).map(|entries| ServerMessage::List { entries })
         }),
@@ -512,9 +515,16 @@ async fn start(
                 );
             });
         }
-        ClientMessage::WriteFile(req) => upload(streams, out, id, move |rx, ready| {
-            files::write_file(&req, rx, ready)
-        }),
+        ClientMessage::WriteFile(req) => {
+            let etc = agent.config.etc_dir.clone();
+            upload(streams, out, id, move |rx, ready| {
+                let owner = match req.owner.as_deref() {
+                    Some(name) => Some(crate::users::owner(&etc, name, &req.path)?),
+                    None => None,
+                };
+                files::write_file(&req, owner, rx, ready)
+            })
+        }
         ClientMessage::TarUpload { path } => upload(streams, out, id, move |rx, ready| {
             files::tar_upload(&path, rx, ready)
         }),

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+use rollbox_agent_protocol::{Account, ErrorInfo};
+
 #[derive(Debug, thiserror::Error)]
 pub enum UserError {
     #[error("read {path}: {source}")]
@@ -39,6 +41,37 @@ pub fn lookup(etc: &Path, user: &str) -> Result<UserIds, UserError> {
     let group_path = etc.join("group");
     let groups = read_optional(&group_path)?;
     lookup_in(&passwd, &groups, user)
+}
+
+/// `LookupUser`: the account `user` names, or an `ENOENT` error naming it.
+pub fn account(etc: &Path, user: &str) -> Result<Account, ErrorInfo> {
+    let ids = lookup(etc, user).map_err(|err| match err {
+        UserError::NoSuchUser(_) => ErrorInfo {
+            code: "ENOENT".into(),
+            errno: Some(libc::ENOENT),
+            message: err.to_string(),
+        },
+        UserError::Empty => ErrorInfo::bad_request("lookup_user: the name is empty"),
+        UserError::Read { .. } => ErrorInfo {
+            code: "internal".into(),
+            errno: None,
+            message: err.to_string(),
+        },
+    })?;
+    Ok(Account {
+        name: ids.name,
+        uid: ids.uid,
+        gid: ids.gid,
+        home: ids.home,
+        shell: ids.shell,
+    })
+}
+
+/// The uid and gid a write's `owner` names; a bad request naming the write's path if none.
+pub fn owner(etc: &Path, user: &str, path: &str) -> Result<(u32, u32), ErrorInfo> {
+    lookup(etc, user)
+        .map(|ids| (ids.uid, ids.gid))
+        .map_err(|err| ErrorInfo::bad_request(format!("write {path}: owner: {err}")))
 }
 
 fn read_optional(path: &Path) -> Result<String, UserError> {
@@ -129,6 +162,23 @@ mod tests {
         assert_eq!(lookup_in(PASSWD, GROUP, "0").expect("root").name, "root");
         let ids = lookup_in(PASSWD, GROUP, "4242").expect("numeric");
         assert_eq!((ids.uid, ids.gid, ids.home.as_str()), (4242, 4242, "/"));
+    }
+
+    #[test]
+    fn accounts_and_owners_from_an_etc_dir() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("passwd"), PASSWD).expect("passwd");
+        let alice = account(dir.path(), "alice").expect("alice");
+        assert_eq!((alice.uid, alice.home.as_str()), (1000, "/home/alice"));
+        let missing = account(dir.path(), "user").expect_err("no user");
+        assert_eq!(missing.code, "ENOENT");
+        assert!(missing.message.contains("\"user\""), "{missing}");
+        assert_eq!(
+            owner(dir.path(), "alice", "/x").expect("owner"),
+            (1000, 1000)
+        );
+        let bad = owner(dir.path(), "bob", "/x").expect_err("no bob");
+        assert!(bad.message.contains("write /x: owner"), "{bad}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The stock `e2b` Python SDK (from PyPI, pinned) against `rollbox serve --e2b-listen`: the real
 //! `rollbox` and `rollbox-vmm` with the tier-2 test guest as the template (needs /dev/kvm), and
-//! exec/files through a host `rollbox-agent --listen-unix` (the test guest has no agent).
+//! exec/files through a host `rollbox-agent --listen-unix` (the test guest has no agent), whose
+//! accounts map E2B's default `user` onto the agent's own uid with a scratch home.
 //! The SDK's venv comes from scripts/e2b-venv.sh (cached outside the repository); when it
 //! cannot be made the test is skipped, which ROLLBOX_REQUIRE_ALL=1 turns into a failure.
 
@@ -148,6 +149,33 @@ fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), Stri
     ))
 }
 
+/// The host agent's accounts (`DIR/etc`): this host's, with E2B's default `user` mapped onto
+/// the agent's own uid and gid and `home` as its home. The host agent cannot add accounts to
+/// the host; this way a request that names no user runs as `user` in `home`, as in a guest
+/// built from an image, though `whoami` there names the host's account.
+fn host_accounts(dir: &std::path::Path, home: &std::path::Path) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let etc = dir.join("etc");
+    std::fs::create_dir_all(&etc).expect("etc");
+    let me = std::fs::metadata(dir).expect("stat the test directory");
+    let host = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let mut passwd: String = host
+        .lines()
+        .filter(|line| !line.starts_with("user:"))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    passwd.push_str(&format!(
+        "user:x:{}:{}:E2B's default user:{}:/bin/sh\n",
+        me.uid(),
+        me.gid(),
+        home.display()
+    ));
+    std::fs::write(etc.join("passwd"), passwd).expect("write passwd");
+    let group = std::fs::read_to_string("/etc/group").unwrap_or_default();
+    std::fs::write(etc.join("group"), group).expect("write group");
+    etc
+}
+
 /// A daemon with the E2B listener (TLS with `tls` = (cert, key)), a host agent, and the test
 /// guest as template "guest".
 fn start_daemon(
@@ -161,10 +189,13 @@ fn start_daemon(
     // (which may be slow or take locks a killed command leaves behind). An empty HOME instead.
     let home = dir.path().join("home");
     std::fs::create_dir_all(&home).expect("home");
+    let etc = host_accounts(dir.path(), &home);
     let agent = Command::new(agent_binary())
         .env("HOME", &home)
         .arg("--listen-unix")
         .arg(&agent_sock)
+        .arg("--etc-dir")
+        .arg(&etc)
         .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())

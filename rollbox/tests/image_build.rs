@@ -33,7 +33,11 @@ fn check_standard_rootfs(image: &Path) {
         "opaque /data kept lower content"
     );
     assert_eq!(cat(image, "/data/new"), b"new");
-    assert!(stat(image, "/etc/passwd").is_some());
+    // The image has E2B's `user` already: its passwd is left as it was.
+    assert_eq!(
+        cat(image, "/etc/passwd"),
+        b"root:x:0:0::/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n"
+    );
     // Modes, owners, links, devices.
     let su = stat(image, "/bin/su").unwrap();
     assert_eq!((su.kind.as_str(), su.mode), ("regular", 0o4755));
@@ -214,6 +218,68 @@ fn zstd_and_uncompressed_layers_build() {
         arg(&cache),
     ]);
     check_standard_rootfs(&built.rootfs);
+}
+
+/// An image without E2B's `user`, whose uid 1000 is taken: the build adds `user` as 1001 with
+/// its home and the image's skeleton files, and bash since the image has it (through /bin ->
+/// usr/bin).
+#[test]
+fn an_image_without_user_gets_e2bs_account() {
+    if !root_or_skip("an_image_without_user_gets_e2bs_account") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let layer = Layer::new()
+        .dir("usr/bin", 0o755, 0, 0)
+        .file("usr/bin/bash", b"not really bash", 0o755, 0, 0)
+        .symlink("bin", "usr/bin")
+        .dir("etc", 0o755, 0, 0)
+        .file(
+            "etc/passwd",
+            b"root:x:0:0::/root:/bin/bash\nnode:x:1000:1000::/home/node:/bin/bash\n",
+            0o644,
+            0,
+            0,
+        )
+        .file("etc/group", b"root:x:0:\nnode:x:1000:\n", 0o644, 0, 0)
+        .file("etc/shadow", b"root:*:19000:0:99999:7:::\n", 0o640, 0, 42)
+        .file("etc/skel/.bashrc", b"# skel\n", 0o644, 0, 0)
+        .tar();
+    Image::new(vec![layer]).write_oci_layout(&layout, "nouser");
+    let agent = agent();
+    let built = build_ok(&[
+        "image",
+        "build",
+        "--from-oci-layout",
+        arg(&layout),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ]);
+    let image = &built.rootfs;
+    let passwd = String::from_utf8(cat(image, "/etc/passwd")).unwrap();
+    assert!(
+        passwd.ends_with("\nuser:x:1001:1001::/home/user:/bin/bash\n"),
+        "{passwd}"
+    );
+    let group = String::from_utf8(cat(image, "/etc/group")).unwrap();
+    assert!(group.ends_with("\nuser:x:1001:\n"), "{group}");
+    let shadow = String::from_utf8(cat(image, "/etc/shadow")).unwrap();
+    assert!(shadow.ends_with("\nuser:!::0:99999:7:::\n"), "{shadow}");
+    let shadow_inode = stat(image, "/etc/shadow").unwrap();
+    assert_eq!((shadow_inode.mode, shadow_inode.gid), (0o640, 42));
+    let home = stat(image, "/home/user").unwrap();
+    assert_eq!(
+        (home.kind.as_str(), home.mode, home.uid, home.gid),
+        ("directory", 0o750, 1001, 1001)
+    );
+    let bashrc = stat(image, "/home/user/.bashrc").unwrap();
+    assert_eq!((bashrc.uid, bashrc.gid), (1001, 1001));
+    assert_eq!(cat(image, "/home/user/.bashrc"), b"# skel\n");
+    fsck(image);
 }
 
 #[test]

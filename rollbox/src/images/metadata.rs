@@ -9,7 +9,7 @@ use super::agent::{Agent, AGENT_PATH_IN_ROOTFS};
 use super::source::ResolvedImage;
 
 /// Bumped whenever the builder's output for the same input changes; part of the cache key.
-pub const BUILDER_VERSION: &str = concat!("rollbox-images/1 (", env!("CARGO_PKG_VERSION"), ")");
+pub const BUILDER_VERSION: &str = concat!("rollbox-images/2 (", env!("CARGO_PKG_VERSION"), ")");
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ImageMetadata {

@@ -7,6 +7,7 @@
 //! `mkfs.ext4 -d` turns the tree into an image. Results are cached by image digest, agent
 //! hash and builder version, so building the same thing again is a cache lookup.
 
+pub mod account;
 pub mod agent;
 pub mod cache;
 pub mod compression;
@@ -26,6 +27,7 @@ use std::io::{self, BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use account::AccountError;
 use agent::{Agent, AgentError};
 use cache::{Cache, CacheError, METADATA_FILE, ROOTFS_FILE};
 use digest::{Digest, HashingReader};
@@ -48,6 +50,8 @@ pub enum ImageError {
     OciLayout(#[from] OciLayoutError),
     #[error(transparent)]
     Agent(#[from] AgentError),
+    #[error("E2B's account `user`: {0}")]
+    Account(#[from] AccountError),
     #[error(transparent)]
     Cache(#[from] CacheError),
     #[error("layer {index}/{count} of {image}: {source}")]
@@ -101,6 +105,7 @@ impl ImageError {
             ImageError::Ext4(Ext4Error::NoSpace { .. }) => return true,
             ImageError::Ext4(Ext4Error::Copy { source, .. }) => Some(source),
             ImageError::Cache(CacheError::Io { source, .. }) => Some(source),
+            ImageError::Account(AccountError::Io { source, .. }) => Some(source),
             ImageError::Registry(RegistryError::WriteBlob { source, .. }) => Some(source),
             _ => None,
         };
@@ -258,6 +263,7 @@ fn build_into_cache(
 
     let mut rootfs = RootfsBuilder::new(&tree);
     apply_layers(image, &mut rootfs, options.progress)?;
+    account::ensure_e2b_user(&tree)?;
     let mut metadata = ImageMetadata::new(image, agent);
     agent.install(&tree, &metadata.to_json())?;
     rootfs.finish().map_err(|source| ImageError::Layer {

@@ -24,6 +24,8 @@ from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
 from e2b.api.client.models.sandbox_state import SandboxState
 
+from conformance_user import async_user_checks, user_checks
+
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
 API = os.environ["E2B_API_URL"]
@@ -257,6 +259,8 @@ def run_checks(sbx):
     result = sbx.commands.run("pwd; id -un", cwd="/tmp", user="root")
     assert result.stdout == "/tmp\nroot\n", result
     ok("cwd and user")
+    user_checks(sbx)
+    asyncio.run(async_user_checks(sbx.sandbox_id))
 
     result = sbx.commands.run('echo "$GREETING" "$EXTRA"', envs={"EXTRA": "x"})
     assert result.stdout == "hi there x\n", result

@@ -315,6 +315,9 @@ pub enum FileOp {
         path: String,
         mode: Option<u32>,
         parents: bool,
+        /// The account that gets the file and the parents the write creates (E2B's uploads);
+        /// None keeps the agent's default (the replaced file's owner, else root).
+        owner: Option<String>,
     },
     Remove {
         path: String,

@@ -67,10 +67,12 @@ impl Guest {
                 path,
                 mode,
                 parents,
+                owner,
             } => {
                 let mut request = WriteFileRequest::new(path.clone());
                 request.mode = mode;
                 request.make_parents = parents;
+                request.owner = owner;
                 let bytes = client.write_file_from(request, body).await;
                 (path, bytes)
             }

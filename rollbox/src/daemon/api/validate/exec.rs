@@ -312,7 +312,8 @@ mod tests {
                 op: FileOp::Write {
                     path: "/a b".into(),
                     mode: Some(0o600),
-                    parents: true
+                    parents: true,
+                    owner: None,
                 }
             }
         );

@@ -53,6 +53,7 @@ pub fn parse_file_op(method: &str, rest: &[&str], query: Option<&str>) -> Result
             path,
             mode,
             parents,
+            owner: None,
         },
         ("DELETE", _) => FileOp::Remove { path, recursive },
         ("GET", ["files", "stat"]) => FileOp::Stat { path },

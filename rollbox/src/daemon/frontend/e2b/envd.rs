@@ -99,11 +99,13 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
             json(401, &json!({ "code": 401, "message": message }))
         };
     }
-    let user = basic_user(&request);
-    let call = Call {
-        e2b: Arc::clone(e2b),
-        sandbox,
-        user,
+    let call = match Call::for_user(Arc::clone(e2b), sandbox, basic_user(&request)).await {
+        Ok(call) => call,
+        Err(e) if rpc => return unary_error(&e),
+        Err(e) => {
+            let status = e.code.http_status();
+            return json(status, &json!({ "code": status, "message": e.message }));
+        }
     };
     match (method.as_str(), path.as_str()) {
         ("GET", "/envs") => json(200, &json!(call.env_vars())),

@@ -1,5 +1,5 @@
 //! envd's `/files`: downloads and uploads (octet-stream, multipart, gzip), as the user the
-//! request names.
+//! request names; an upload belongs to that user, as envd's do.
 
 use std::io::Read as _;
 
@@ -15,7 +15,10 @@ use super::wire::{header, json};
 impl Call {
     pub async fn download(&self, request: Request<Incoming>) -> Response<Out> {
         let query = request.uri().query().unwrap_or("").to_string();
-        let call = self.with_query_user(&query);
+        let call = match self.with_query_user(&query).await {
+            Ok(call) => call,
+            Err(e) => return files_error(e.code.http_status(), e.message),
+        };
         let Some(path) = query_value(&query, "path") else {
             return files_error(400, "path: required".to_string());
         };
@@ -40,7 +43,10 @@ impl Call {
 
     pub async fn upload(&self, request: Request<Incoming>) -> Response<Out> {
         let query = request.uri().query().unwrap_or("").to_string();
-        let call = self.with_query_user(&query);
+        let call = match self.with_query_user(&query).await {
+            Ok(call) => call,
+            Err(e) => return files_error(e.code.http_status(), e.message),
+        };
         let content_type = header(&request, "content-type").unwrap_or("").to_string();
         let gzip = header(&request, "content-encoding")
             .is_some_and(|e| e.trim().eq_ignore_ascii_case("gzip"));
@@ -102,6 +108,7 @@ impl Call {
                 path: path.clone(),
                 mode: None,
                 parents: true,
+                owner: call.user.clone(),
             };
             if let Err(e) = self.e2b.core.upload(self.id(), op, &data[..]).await {
                 return files_error(e.status(), format!("path {path}: {e}"));

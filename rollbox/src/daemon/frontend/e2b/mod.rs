@@ -137,6 +137,7 @@ pub async fn run(listener: E2bListener, core: Arc<Core>, api_key: String, option
         processes: Mutex::new(HashMap::new()),
         watchers: Mutex::new(HashMap::new()),
         next_watcher: std::sync::atomic::AtomicU64::new(1),
+        accounts: Mutex::new(HashMap::new()),
     });
     let E2bListener {
         listener: Listener::Tcp(listener),

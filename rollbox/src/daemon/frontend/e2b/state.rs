@@ -1,5 +1,6 @@
 //! The E2B server's state: the core it runs actions on, the key, and what envd keeps between
-//! requests (the processes started through it, the polled directory watchers).
+//! requests (the processes started through it, the polled directory watchers, who requests
+//! run as).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,11 +25,38 @@ pub struct E2b {
     pub watchers: Mutex<watch::Watchers>,
     /// Numbers watcher ids.
     pub next_watcher: std::sync::atomic::AtomicU64,
+    /// Who requests run as, by (sandbox id, the user a request named).
+    pub accounts: Mutex<Accounts>,
 }
+
+/// Who a request runs as: the agent's user (None: the agent's own, root) and the home its
+/// paths resolve in (`call.rs` decides).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunAs {
+    pub user: Option<String>,
+    pub home: String,
+}
+
+/// (sandbox id, the user a request named) → who it runs as.
+pub type Accounts = HashMap<(String, Option<String>), RunAs>;
+/// Remembered accounts beyond which the table starts over (sandboxes that ended uncounted).
+const MAX_ACCOUNTS: usize = 4096;
 
 impl E2b {
     pub fn processes(&self) -> MutexGuard<'_, Processes> {
         self.processes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn accounts(&self) -> MutexGuard<'_, Accounts> {
+        self.accounts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn remember_account(&self, key: (String, Option<String>), run_as: RunAs) {
+        let mut accounts = self.accounts();
+        if accounts.len() >= MAX_ACCOUNTS {
+            accounts.clear();
+        }
+        accounts.insert(key, run_as);
     }
 
     pub fn watchers(&self) -> MutexGuard<'_, watch::Watchers> {
@@ -53,6 +81,7 @@ impl E2b {
     /// Drops the process table entries and stops the watchers of a sandbox that ended.
     pub fn forget_processes(&self, id: &str) {
         self.processes().retain(|(sandbox, _), _| sandbox != id);
+        self.accounts().retain(|(sandbox, _), _| sandbox != id);
         self.watchers().retain(|_, watcher| {
             let keep = watcher.sandbox != id;
             if !keep {
