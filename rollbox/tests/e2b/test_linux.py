@@ -17,6 +17,7 @@ from e2b.api.client.models.sandbox_state import SandboxState
 
 # The host suite's PTY and watch checks, unchanged: they take the sandbox and a directory.
 from test_sdk import expect_error, ok, percentile, pty_checks, run_main, watch_checks
+from conformance_user import linux_user_checks
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 METADATA = {"suite": "e2b-linux"}
@@ -100,7 +101,9 @@ def run_checks(sbx):
         time.sleep(0.2)
     ok("commands.kill by pid")
 
-    base = "/root/e2b-linux"
+    # Commands and files run as E2B's `user` (image builds add the account), so the checks live in its home.
+    linux_user_checks(sbx)
+    base = "/home/user/e2b-linux"
     sbx.files.write(f"{base}/a.txt", "content one")
     assert sbx.files.read(f"{base}/a.txt") == "content one"
     sbx.files.write(f"{base}/sub/b.bin", b"\x00\x01binary")
