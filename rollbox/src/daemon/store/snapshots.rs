@@ -54,7 +54,11 @@ impl Store {
     }
 
     /// One snapshot by `sql`, a constant statement with one bound parameter.
-    fn snapshot_where(&self, sql: &'static str, value: &str) -> Result<Option<Snapshot>, StoreError> {
+    fn snapshot_where(
+        &self,
+        sql: &'static str,
+        value: &str,
+    ) -> Result<Option<Snapshot>, StoreError> {
         let found: Option<(String, Option<String>)> = self
             .conn
             .query_row(sql, params![value], |row| Ok((row.get(0)?, row.get(1)?)))
@@ -124,13 +128,17 @@ mod tests {
     fn a_name_moves_to_the_newest_snapshot_that_takes_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut store = Store::open(&dir.path().join("state.db")).expect("open");
-        store.add_snapshot(&snapshot("snap-a", Some("base"))).expect("a");
+        store
+            .add_snapshot(&snapshot("snap-a", Some("base")))
+            .expect("a");
         store.add_snapshot(&snapshot("snap-b", None)).expect("b");
         assert_eq!(
             store.snapshot_named("base").expect("named").map(|s| s.id),
             Some("snap-a".into())
         );
-        store.add_snapshot(&snapshot("snap-c", Some("base"))).expect("c");
+        store
+            .add_snapshot(&snapshot("snap-c", Some("base")))
+            .expect("c");
         assert_eq!(
             store.snapshot_named("base").expect("named").map(|s| s.id),
             Some("snap-c".into())
@@ -149,7 +157,10 @@ mod tests {
                 ("snap-c".into(), Some("base".into()))
             ]
         );
-        assert_eq!(store.snapshot("snap-c").expect("get").and_then(|s| s.name), Some("base".into()));
+        assert_eq!(
+            store.snapshot("snap-c").expect("get").and_then(|s| s.name),
+            Some("base".into())
+        );
         assert!(store.snapshot_named("other").expect("none").is_none());
     }
 }

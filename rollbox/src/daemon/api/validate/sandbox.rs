@@ -70,9 +70,8 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
     }
     let on_timeout = match body.on_timeout.as_deref() {
         None => OnTimeout::Kill,
-        Some(text) => OnTimeout::parse(text).ok_or_else(|| {
-            bad(format!("on_timeout: {text:?} is not kill or pause"))
-        })?,
+        Some(text) => OnTimeout::parse(text)
+            .ok_or_else(|| bad(format!("on_timeout: {text:?} is not kill or pause")))?,
     };
     if body.auto_resume && on_timeout != OnTimeout::Pause {
         return Err(bad(

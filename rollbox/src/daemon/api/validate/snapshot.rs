@@ -7,7 +7,8 @@ use serde::Deserialize;
 use super::super::action::{Action, ApiError};
 use super::super::limits::MAX_FORK;
 use super::{
-    bad, check_id, check_labels, check_snapshot_id, check_snapshot_name, from_json, in_range, query_pairs, ttl,
+    bad, check_id, check_labels, check_snapshot_id, check_snapshot_name, from_json, in_range,
+    query_pairs, ttl,
 };
 
 #[derive(Deserialize)]
@@ -147,9 +148,22 @@ mod tests {
             parse("POST", &format!("{sb}/snapshots"), None, br#"{"name":"base-1.0"}"#),
             Ok(Action::Snapshot { name: Some(ref n), .. }) if n == "base-1.0"
         ));
-        for name in ["", "Upper", "-lead", "a b", "x'--", "snap-0123456789abcdef", &"n".repeat(64)] {
+        for name in [
+            "",
+            "Upper",
+            "-lead",
+            "a b",
+            "x'--",
+            "snap-0123456789abcdef",
+            &"n".repeat(64),
+        ] {
             let body = serde_json::json!({ "name": name }).to_string();
-            let message = err(parse("POST", &format!("{sb}/snapshots"), None, body.as_bytes()));
+            let message = err(parse(
+                "POST",
+                &format!("{sb}/snapshots"),
+                None,
+                body.as_bytes(),
+            ));
             assert!(message.starts_with("name: "), "{name:?}: {message:?}");
         }
         assert!(matches!(

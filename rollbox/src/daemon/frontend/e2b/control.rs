@@ -327,7 +327,10 @@ async fn snapshot_of(e2b: &E2b, id_or_name: &str) -> Result<api::Snapshot, Refus
         .await
     {
         Ok(Reply::Snapshot { snapshot, .. }) => Ok(snapshot),
-        Ok(other) => Err(Refusal::new(500, format!("snapshot lookup answered {other:?}"))),
+        Ok(other) => Err(Refusal::new(
+            500,
+            format!("snapshot lookup answered {other:?}"),
+        )),
         Err(ApiError::NotFound(_)) => Err(Refusal::new(
             404,
             format!("snapshot {id_or_name:?} not found (rollbox snapshots: GET /snapshots)"),
@@ -604,9 +607,7 @@ async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refu
         ),
         _ => refusal,
     })?;
-    e2b.core
-        .handle(Action::DeleteSnapshot(snapshot.id))
-        .await?;
+    e2b.core.handle(Action::DeleteSnapshot(snapshot.id)).await?;
     Ok(no_content())
 }
 

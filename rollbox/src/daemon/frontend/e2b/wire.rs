@@ -97,7 +97,8 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
     if hms.len() != 8 || hour > 23 || minute > 59 || second > 60 {
         return None;
     }
-    if !fraction.bytes().all(|b| b.is_ascii_digit()) || (clock.contains('.') && fraction.is_empty()) {
+    if !fraction.bytes().all(|b| b.is_ascii_digit()) || (clock.contains('.') && fraction.is_empty())
+    {
         return None;
     }
     let ms: i64 = format!("{fraction:0<3}")[..3].parse().ok()?;
