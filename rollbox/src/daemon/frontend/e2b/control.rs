@@ -733,3 +733,45 @@ async fn metrics_of_many(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, R
     }
     Ok(json(200, &json!({ "sandboxes": sandboxes })))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lifecycle_of(body: &str) -> Result<(&'static str, bool), String> {
+        let new: NewSandbox = parse_json(body.as_bytes(), "NewSandbox").map_err(|r| r.message)?;
+        lifecycle(&new).map_err(|r| format!("{} {}", r.status, r.message))
+    }
+
+    #[test]
+    fn lifecycle_fields_become_on_timeout_and_auto_resume() {
+        for (body, want) in [
+            (r#"{"templateID":"t"}"#, ("kill", false)),
+            (r#"{"templateID":"t","autoPause":false}"#, ("kill", false)),
+            (r#"{"templateID":"t","autoPause":true}"#, ("pause", false)),
+            (
+                r#"{"templateID":"t","autoPause":true,"autoPauseMemory":true,"autoResume":{"enabled":true}}"#,
+                ("pause", true),
+            ),
+            (
+                r#"{"templateID":"t","autoPause":false,"autoResume":{"enabled":false}}"#,
+                ("kill", false),
+            ),
+        ] {
+            assert_eq!(lifecycle_of(body), Ok(want), "{body}");
+        }
+        for (body, field) in [
+            (
+                r#"{"templateID":"t","autoPause":true,"autoPauseMemory":false}"#,
+                "400 autoPauseMemory",
+            ),
+            (
+                r#"{"templateID":"t","autoResume":{"enabled":true}}"#,
+                "400 autoResume",
+            ),
+        ] {
+            let message = lifecycle_of(body).expect_err(body);
+            assert!(message.starts_with(field), "{body}: {message}");
+        }
+    }
+}
