@@ -1,5 +1,5 @@
 //! `rollbox serve` end to end, sandboxes: create, get, list (labels, pages) and delete,
-//! idempotent creates, TTLs and keepalive, pause and resume, the jail, `cpu_limit` cgroups,
+//! idempotent creates, TTLs and keepalive, `on_timeout: pause`, pause and resume, the jail, `cpu_limit` cgroups,
 //! usage and /metrics across a restart, and a VMM that ends on its own.
 //! The real `rollbox` and `rollbox-vmm` binaries with the tier-2 test guest as the
 //! template's kernel (tier 2: needs /dev/kvm); `rollbox_tests::daemon` starts the daemon.
@@ -245,6 +245,73 @@ fn ttl_idle_ttl_and_keepalive() {
     // Past its first TTL (6 s), the kept one still runs.
     std::thread::sleep(Duration::from_millis(6500).saturating_sub(kept_at.elapsed()));
     assert_eq!(server.get(kept_id)["state"], "running");
+}
+
+/// Unix milliseconds now.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+#[test]
+fn on_timeout_pause_pauses_at_the_ttl_and_a_resume_gives_its_ttl_again() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 1, "on_timeout": "pause"}));
+    let id = sandbox["id"].as_str().expect("id");
+    assert_eq!(
+        (
+            &sandbox["on_timeout"],
+            &sandbox["auto_resume"],
+            &sandbox["ttl_s"]
+        ),
+        (&json!("pause"), &json!(false), &json!(1)),
+        "{sandbox}"
+    );
+    let (pid, start) = pid_of(&sandbox);
+    for round in ["created", "resumed"] {
+        wait_for(
+            &format!("the TTL to pause {id} ({round})"),
+            Duration::from_secs(20),
+            || server.get(id)["state"] == "paused",
+        );
+        // Paused by its TTL it is kept (30 days), its VMM alive.
+        let paused = server.get(id);
+        let left_ms = paused["expires_at_ms"]
+            .as_u64()
+            .expect("expiry")
+            .saturating_sub(now_ms());
+        assert!(left_ms > 29 * 86_400_000, "{paused}");
+        assert!(vm::is_ours(pid, start), "{id}: the pause ended its VMM");
+        let (status, resumed) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+        assert_eq!(resumed["state"], "running", "{status} {resumed}");
+        // Resumed, it has its create TTL (1 s) again.
+        let left_ms = resumed["expires_at_ms"]
+            .as_u64()
+            .expect("expiry")
+            .saturating_sub(now_ms());
+        assert!(left_ms <= 1000, "{resumed}");
+    }
+    for (body, field) in [
+        (
+            json!({"template": "guest", "ttl_s": 5, "on_timeout": "stop"}),
+            "on_timeout",
+        ),
+        (
+            json!({"template": "guest", "ttl_s": 5, "auto_resume": true}),
+            "auto_resume",
+        ),
+    ] {
+        let (status, error) = server.call("POST", "/sandboxes", Some(body));
+        assert_eq!(status, 400, "{error}");
+        assert!(error.to_string().contains(field), "{error}");
+    }
+    server.call("DELETE", &format!("/sandboxes/{id}"), None);
 }
 
 #[test]

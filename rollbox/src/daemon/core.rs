@@ -83,7 +83,12 @@ impl Core {
                 close,
             } => self.guest.write_stdin(&id, pid, data, close).await,
             Action::File { id, op } => self.guest.file(&id, op).await,
-            Action::Snapshot { id, stop, ttl_s } => self.snapshots.snapshot(&id, stop, ttl_s).await,
+            Action::Snapshot {
+                id,
+                stop,
+                ttl_s,
+                name,
+            } => self.snapshots.snapshot(&id, stop, ttl_s, name).await,
             Action::ListSnapshots { sandbox } => self.snapshots.list(sandbox.as_deref()),
             Action::GetSnapshot(id) => self.snapshots.get(&id),
             Action::DeleteSnapshot(id) => self.snapshots.delete(&id).await,

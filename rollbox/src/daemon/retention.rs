@@ -100,6 +100,7 @@ mod tests {
     fn snap(id: &str, sandbox: &str, expires_at_ms: Option<u64>) -> Snapshot {
         Snapshot {
             id: id.into(),
+            name: None,
             sandbox: sandbox.into(),
             parent: None,
             template: "t".into(),

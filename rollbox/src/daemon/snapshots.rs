@@ -56,8 +56,16 @@ impl Snapshots {
         ))
     }
 
+    /// A snapshot by id, else by name.
     pub fn get(&self, id: &str) -> Result<Reply, ApiError> {
-        match self.db.lock().snapshot(id).map_err(internal)? {
+        let found = {
+            let store = self.db.lock();
+            match store.snapshot(id).map_err(internal)? {
+                Some(snapshot) => Some(snapshot),
+                None => store.snapshot_named(id).map_err(internal)?,
+            }
+        };
+        match found {
             Some(snapshot) => Ok(Reply::Snapshot {
                 created: false,
                 snapshot,
@@ -73,10 +81,19 @@ impl Snapshots {
         id: &str,
         stop: bool,
         ttl_s: Option<u64>,
+        name: Option<String>,
     ) -> Result<Reply, ApiError> {
+        if let Some(name) = &name {
+            // E2B creates from a snapshot by its name in `templateID`: one namespace.
+            if self.db.lock().template(name).map_err(internal)?.is_some() {
+                return Err(ApiError::Conflict(format!(
+                    "name: {name:?} is a template's name; give the snapshot another"
+                )));
+            }
+        }
         let mut snapshot = {
             let _busy = self.claim(id)?;
-            self.take_snapshot(id).await?
+            self.take_snapshot(id, name).await?
         };
         if let Some(ttl_s) = ttl_s {
             let at = snapshot
@@ -95,7 +112,7 @@ impl Snapshots {
         })
     }
 
-    async fn take_snapshot(&self, id: &str) -> Result<Snapshot, ApiError> {
+    async fn take_snapshot(&self, id: &str, name: Option<String>) -> Result<Snapshot, ApiError> {
         let sandbox = touch(&self.db, id)?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
@@ -118,6 +135,7 @@ impl Snapshots {
         let snapshot = Snapshot {
             dir: self.dir.join(&snapshot_id),
             id: snapshot_id,
+            name,
             sandbox: id.to_string(),
             parent: self.db.lock().source(id).map_err(internal)?,
             template: sandbox.template.clone(),
@@ -174,7 +192,7 @@ impl Snapshots {
     /// A snapshot of a running sandbox for its template's boot snapshot.
     pub async fn for_template(&self, id: &str) -> Result<String, ApiError> {
         let _busy = self.claim(id)?;
-        Ok(self.take_snapshot(id).await?.id)
+        Ok(self.take_snapshot(id, None).await?.id)
     }
 
     /// A fresh snapshot of the sandbox, then `count` restores of it, each on its own.
@@ -187,7 +205,7 @@ impl Snapshots {
     ) -> Result<Reply, ApiError> {
         let snapshot = {
             let _busy = self.claim(id)?;
-            self.take_snapshot(id).await?
+            self.take_snapshot(id, None).await?
         };
         let parent = touch(&self.db, id)?;
         // Without a TTL the forks get what the parent has left.
@@ -212,6 +230,8 @@ impl Snapshots {
                 env: parent.env.clone(),
                 cpu_limit: parent.cpu_limit,
                 deterministic: parent.deterministic,
+                on_timeout: parent.on_timeout,
+                auto_resume: parent.auto_resume,
             };
             async move { self.sandboxes.create(request).await }
         });

@@ -108,15 +108,18 @@ pub enum Action {
         id: String,
         op: FileOp,
     },
-    /// Snapshot a sandbox; `stop` ends it afterwards; `ttl_s`: retention removes it then.
+    /// Snapshot a sandbox; `stop` ends it afterwards; `ttl_s`: retention removes it then;
+    /// `name` moves that name to the new snapshot.
     Snapshot {
         id: String,
         stop: bool,
         ttl_s: Option<u64>,
+        name: Option<String>,
     },
     ListSnapshots {
         sandbox: Option<String>,
     },
+    /// A snapshot by id, or by name.
     GetSnapshot(String),
     DeleteSnapshot(String),
     Fork {

@@ -25,6 +25,9 @@ pub const MIN_CPU_LIMIT: f64 = 0.01;
 pub const MAX_MEMORY_MIB: u32 = 256 * 1024;
 /// Longest TTL (and idle TTL): 30 days.
 pub const MAX_TTL_S: u64 = 30 * 24 * 3600;
+/// How long a sandbox with `on_timeout: pause` is kept once paused (by its TTL or by hand):
+/// the longest TTL. Then it ends; a resume gives it its create TTL again.
+pub const PAUSED_RETENTION_S: u64 = MAX_TTL_S;
 /// Most labels of one sandbox.
 pub const MAX_LABELS: usize = 32;
 /// Most metadata entries of one sandbox.

@@ -57,6 +57,32 @@ impl State {
     }
 }
 
+/// What a sandbox's TTL does when it runs out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnTimeout {
+    /// End it (state `expired`).
+    #[default]
+    Kill,
+    /// Pause it; paused, it is kept [`PAUSED_RETENTION_S`](super::limits::PAUSED_RETENTION_S).
+    Pause,
+}
+
+impl OnTimeout {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnTimeout::Kill => "kill",
+            OnTimeout::Pause => "pause",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<OnTimeout> {
+        [OnTimeout::Kill, OnTimeout::Pause]
+            .into_iter()
+            .find(|o| o.as_str() == text)
+    }
+}
+
 /// A registered template: what a sandbox boots.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Template {
@@ -131,6 +157,11 @@ pub struct CreateSandbox {
     /// A deterministic machine: booted without RDRAND/RDSEED, and every restore (create,
     /// reset) puts back the snapshot's guest time and generation exactly.
     pub deterministic: bool,
+    /// What its TTL does when it runs out.
+    pub on_timeout: OnTimeout,
+    /// Paused, it resumes when a request comes for it (E2B's data plane); needs
+    /// `on_timeout: pause`.
+    pub auto_resume: bool,
 }
 
 /// GET /sandboxes query.
@@ -178,6 +209,15 @@ pub struct Sandbox {
     /// Booted without RDRAND/RDSEED; its restores (reset) are exact (guest time, generation).
     #[serde(default)]
     pub deterministic: bool,
+    /// What its TTL does when it runs out.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// Paused, it resumes when a request comes for it.
+    #[serde(default)]
+    pub auto_resume: bool,
+    /// The TTL it was created with: a resume of an `on_timeout: pause` sandbox runs it again.
+    #[serde(default)]
+    pub ttl_s: u64,
 }
 
 /// GET /sandboxes answer.
@@ -377,6 +417,9 @@ pub struct FileInfo {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Snapshot {
     pub id: String,
+    /// Its name, unique on the daemon (a new snapshot of the same name takes it over).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// The sandbox it was taken of.
     pub sandbox: String,
     /// The snapshot that sandbox was restored (or last reset) from: the parent chain.

@@ -9,13 +9,20 @@ mod reaper;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::api::{ApiError, CreateSandbox, Reply, Sandbox, SandboxList, Snapshot, State, Template};
+use super::api::{
+    ApiError, CreateSandbox, OnTimeout, Reply, Sandbox, SandboxList, Snapshot, State, Template,
+    PAUSED_RETENTION_S,
+};
 use super::guest::Guest;
 use super::store::StoreError;
 use super::store::{Db, Inserted};
 use super::supervisor::{self, Supervisor, SupervisorError};
 use super::usage::Counters;
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
+
+/// The TTL a resumed `on_timeout: pause` sandbox gets when its row has no create TTL (rows
+/// of daemons before the column) and the daemon no `--default-ttl`.
+const DEFAULT_RESUME_TTL_S: u64 = 300;
 
 /// Why the sandboxes could not be recovered after a restart.
 #[derive(Debug, thiserror::Error)]
@@ -219,6 +226,9 @@ impl Sandboxes {
             env: request.env,
             cpu_limit: request.cpu_limit,
             deterministic: request.deterministic,
+            on_timeout: request.on_timeout,
+            auto_resume: request.auto_resume,
+            ttl_s,
         };
         let inserted = self.db.lock().insert_sandbox(&sandbox).map_err(internal)?;
         if let Inserted::Existing(first) = inserted {
@@ -373,6 +383,18 @@ impl Sandboxes {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} changed state during the request"
             )));
+        }
+        if sandbox.on_timeout == OnTimeout::Pause {
+            // Paused, it is kept PAUSED_RETENTION_S; resumed, it has its create TTL again.
+            let ttl_s = if pause {
+                PAUSED_RETENTION_S
+            } else if sandbox.ttl_s > 0 {
+                sandbox.ttl_s
+            } else {
+                self.options.default_ttl_s.unwrap_or(DEFAULT_RESUME_TTL_S)
+            };
+            let expires = now_ms().saturating_add(ttl_s.saturating_mul(1000));
+            self.db.lock().set_expiry(id, expires).map_err(internal)?;
         }
         sandbox_reply(&self.db, id)
     }

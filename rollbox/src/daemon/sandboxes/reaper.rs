@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::super::api::State;
+use super::super::api::{OnTimeout, State};
 use super::super::store::StoreError;
 use super::super::supervisor::vm;
 use super::super::util::{now_ms, remove_dir};
@@ -34,7 +34,17 @@ impl Sandboxes {
             let idle = sandbox.idle_ttl_s.is_some_and(|idle| {
                 now.saturating_sub(sandbox.last_active_at_ms) >= idle.saturating_mul(1000)
             });
-            let reason = if now >= sandbox.expires_at_ms {
+            let expired = now >= sandbox.expires_at_ms;
+            if expired && sandbox.on_timeout == OnTimeout::Pause && sandbox.state == State::Running
+            {
+                // Its TTL pauses it (and keeps it PAUSED_RETENTION_S); a paused one ends.
+                match self.pause_resume(&sandbox.id, true).await {
+                    Ok(_) => log::info!("sandbox {}: paused by its TTL", sandbox.id),
+                    Err(e) => log::warn!("reaper: cannot pause {}: {e}", sandbox.id),
+                }
+                continue;
+            }
+            let reason = if expired {
                 "ttl: its TTL ran out"
             } else if idle {
                 "idle_ttl: no API call within its idle TTL"

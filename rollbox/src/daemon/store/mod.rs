@@ -88,6 +88,15 @@ UPDATE sandboxes SET running_since_ms = CAST((julianday('now') - 2440587.5) * 86
     "
 ALTER TABLE sandboxes ADD COLUMN deterministic INTEGER NOT NULL DEFAULT 0;
 ",
+    "
+-- What the TTL does (kill, pause), whether a request resumes it, and the TTL it was made with.
+ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'kill';
+ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sandboxes ADD COLUMN ttl_s INTEGER NOT NULL DEFAULT 0;
+-- A snapshot's name, unique among snapshots.
+ALTER TABLE snapshots ADD COLUMN name TEXT;
+CREATE UNIQUE INDEX snapshots_name ON snapshots(name) WHERE name IS NOT NULL;
+",
 ];
 
 /// Adds the running time since `running_since_ms` to `run_ms` (an UPDATE's SET clause).
@@ -195,6 +204,10 @@ mod tests {
         let old = store.sandbox("old").expect("read").expect("row kept");
         assert_eq!((old.vcpus, old.memory_mib, old.cpu_limit), (2, 64, None));
         assert!(old.env.is_empty());
+        assert_eq!(
+            (old.on_timeout, old.auto_resume, old.ttl_s),
+            (super::super::api::OnTimeout::Kill, false, 0)
+        );
         let version: i64 = store
             .conn
             .pragma_query_value(None, "user_version", |row| row.get(0))

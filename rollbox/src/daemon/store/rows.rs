@@ -8,13 +8,13 @@ use std::path::PathBuf;
 use rusqlite::Row;
 use serde::{Deserialize, Serialize};
 
-use super::super::api::{Sandbox, Snapshot, State, Template};
+use super::super::api::{OnTimeout, Sandbox, Snapshot, State, Template};
 use super::{json_column, to_json, StoreError};
 
 /// The columns of a sandbox row, in [`SandboxRow::read`]'s order.
 pub const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
-    dir, ended_at_ms, end_reason, env, cpu_limit, deterministic";
+    dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, on_timeout, auto_resume, ttl_s";
 
 /// A `sandboxes` row: the JSON columns (labels, metadata, env) and the state as text.
 pub struct SandboxRow {
@@ -39,6 +39,9 @@ pub struct SandboxRow {
     pub env: String,
     pub cpu_limit: Option<f64>,
     pub deterministic: bool,
+    pub on_timeout: String,
+    pub auto_resume: bool,
+    pub ttl_s: u64,
 }
 
 impl SandboxRow {
@@ -66,6 +69,9 @@ impl SandboxRow {
             env: row.get(18)?,
             cpu_limit: row.get(19)?,
             deterministic: row.get(20)?,
+            on_timeout: row.get(21)?,
+            auto_resume: row.get(22)?,
+            ttl_s: row.get(23)?,
         })
     }
 
@@ -93,6 +99,9 @@ impl SandboxRow {
             env: to_json(&sandbox.env, "env")?,
             cpu_limit: sandbox.cpu_limit,
             deterministic: sandbox.deterministic,
+            on_timeout: sandbox.on_timeout.as_str().to_string(),
+            auto_resume: sandbox.auto_resume,
+            ttl_s: sandbox.ttl_s,
         })
     }
 
@@ -120,6 +129,10 @@ impl SandboxRow {
             env: json_column(&self.env, "env")?,
             cpu_limit: self.cpu_limit,
             deterministic: self.deterministic,
+            // A value this build does not know reads as kill (the default).
+            on_timeout: OnTimeout::parse(&self.on_timeout).unwrap_or_default(),
+            auto_resume: self.auto_resume,
+            ttl_s: self.ttl_s,
         };
         Ok((self.seq, sandbox))
     }
@@ -228,6 +241,8 @@ impl From<SnapshotRow> for Snapshot {
     fn from(s: SnapshotRow) -> Snapshot {
         Snapshot {
             id: s.id,
+            // The `name` column's; the store sets it.
+            name: None,
             sandbox: s.sandbox,
             parent: s.parent,
             template: s.template,

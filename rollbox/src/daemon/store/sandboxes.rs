@@ -27,9 +27,10 @@ impl Store {
         tx.execute(
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
              labels, metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, \
-             pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit, deterministic) \
+             pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, \
+             on_timeout, auto_resume, ttl_s) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-             ?18, ?19, ?20)",
+             ?18, ?19, ?20, ?21, ?22, ?23)",
             params![
                 row.id,
                 row.idempotency_key,
@@ -51,6 +52,9 @@ impl Store {
                 row.env,
                 row.cpu_limit,
                 row.deterministic,
+                row.on_timeout,
+                row.auto_resume,
+                row.ttl_s,
             ],
         )?;
         tx.commit()?;
@@ -88,8 +92,10 @@ impl Store {
             sql.push_str(" AND state IN ('creating', 'running', 'paused')");
         }
         for (key, value) in &query.labels {
-            // Keys are checked to be plain (no quotes), so the JSON path is safe to quote.
-            sql.push_str(&format!(" AND json_extract(labels, '$.\"{key}\"') = ?"));
+            // The JSON path is a bound parameter, never SQL text; the validators allow only
+            // plain keys (no quotes), so the quoted path names exactly that key.
+            sql.push_str(" AND json_extract(labels, ?) = ?");
+            values.push(format!("$.\"{key}\"").into());
             values.push(value.clone().into());
         }
         sql.push_str(" ORDER BY seq LIMIT ?");
@@ -311,6 +317,9 @@ mod tests {
             env: BTreeMap::new(),
             cpu_limit: None,
             deterministic: false,
+            on_timeout: super::super::super::api::OnTimeout::Kill,
+            auto_resume: false,
+            ttl_s: 1,
         }
     }
 
@@ -342,6 +351,23 @@ mod tests {
             page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
             ["c"]
         );
+        // Keys that would be SQL if formatted into the statement match nothing (or fail as a
+        // bad JSON path); the table is still there.
+        for evil in [
+            "x\"') = 1 OR 1=1 --",
+            "x\"') IS NULL; DROP TABLE sandboxes; --",
+            "x\"') IN (WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n+1 FROM r) SELECT n FROM r) --",
+        ] {
+            let query = ListQuery {
+                labels: vec![(evil.into(), "1".into())],
+                limit: 10,
+                ..ListQuery::default()
+            };
+            if let Ok((page, _)) = store.list(&query) {
+                assert!(page.is_empty(), "{evil:?} matched {}", page.len());
+            }
+        }
+        assert_eq!(store.list(&dotted).expect("list").0.len(), 1);
         assert!(store.end("d", State::Deleted, "gone", 5).expect("end"));
         assert!(!store
             .end("d", State::Deleted, "gone", 6)

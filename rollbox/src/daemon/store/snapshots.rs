@@ -8,16 +8,30 @@ use super::super::api::Snapshot;
 use super::rows::SnapshotRow;
 use super::{json_column, to_json, Store, StoreError};
 
+/// A snapshot from its `spec` and `name` columns.
+fn named(spec: &str, name: Option<String>) -> Result<Snapshot, StoreError> {
+    let mut snapshot = Snapshot::from(json_column::<SnapshotRow>(spec, "spec")?);
+    snapshot.name = name;
+    Ok(snapshot)
+}
+
 impl Store {
-    pub fn add_snapshot(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
-        self.conn.execute(
-            "INSERT INTO snapshots (id, sandbox, spec) VALUES (?1, ?2, ?3)",
-            params![
-                snapshot.id,
-                snapshot.sandbox,
-                to_json(&SnapshotRow::from(snapshot), "spec")?
-            ],
+    /// Adds a snapshot; its name (if any) moves to it from the snapshot that had it, in one
+    /// transaction.
+    pub fn add_snapshot(&mut self, snapshot: &Snapshot) -> Result<(), StoreError> {
+        let spec = to_json(&SnapshotRow::from(snapshot), "spec")?;
+        let tx = self.conn.transaction()?;
+        if let Some(name) = &snapshot.name {
+            tx.execute(
+                "UPDATE snapshots SET name = NULL WHERE name = ?1",
+                params![name],
+            )?;
+        }
+        tx.execute(
+            "INSERT INTO snapshots (id, sandbox, spec, name) VALUES (?1, ?2, ?3, ?4)",
+            params![snapshot.id, snapshot.sandbox, spec, snapshot.name],
         )?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -31,29 +45,38 @@ impl Store {
     }
 
     pub fn snapshot(&self, id: &str) -> Result<Option<Snapshot>, StoreError> {
-        let spec: Option<String> = self
+        self.snapshot_where("SELECT spec, name FROM snapshots WHERE id = ?1", id)
+    }
+
+    /// The snapshot that has name `name`.
+    pub fn snapshot_named(&self, name: &str) -> Result<Option<Snapshot>, StoreError> {
+        self.snapshot_where("SELECT spec, name FROM snapshots WHERE name = ?1", name)
+    }
+
+    /// One snapshot by `sql`, a constant statement with one bound parameter.
+    fn snapshot_where(
+        &self,
+        sql: &'static str,
+        value: &str,
+    ) -> Result<Option<Snapshot>, StoreError> {
+        let found: Option<(String, Option<String>)> = self
             .conn
-            .query_row(
-                "SELECT spec FROM snapshots WHERE id = ?1",
-                params![id],
-                |row| row.get(0),
-            )
+            .query_row(sql, params![value], |row| Ok((row.get(0)?, row.get(1)?)))
             .optional()?;
-        spec.map(|s| json_column::<SnapshotRow>(&s, "spec").map(Snapshot::from))
-            .transpose()
+        found.map(|(spec, name)| named(&spec, name)).transpose()
     }
 
     /// Snapshots, oldest first; only those of `sandbox` when given.
     pub fn snapshots(&self, sandbox: Option<&str>) -> Result<Vec<Snapshot>, StoreError> {
-        let mut statement = self
-            .conn
-            .prepare("SELECT spec FROM snapshots WHERE ?1 IS NULL OR sandbox = ?1 ORDER BY seq")?;
-        let specs = statement
-            .query_map(params![sandbox], |row| row.get::<_, String>(0))?
-            .collect::<rusqlite::Result<Vec<String>>>()?;
-        specs
-            .iter()
-            .map(|s| json_column::<SnapshotRow>(s, "spec").map(Snapshot::from))
+        let mut statement = self.conn.prepare(
+            "SELECT spec, name FROM snapshots WHERE ?1 IS NULL OR sandbox = ?1 ORDER BY seq",
+        )?;
+        let found = statement
+            .query_map(params![sandbox], |row| Ok((row.get(0)?, row.get(1)?)))?
+            .collect::<rusqlite::Result<Vec<(String, Option<String>)>>>()?;
+        found
+            .into_iter()
+            .map(|(spec, name)| named(&spec, name))
             .collect()
     }
 
@@ -76,5 +99,68 @@ impl Store {
             .query_map(params![], |row| row.get::<_, String>(0))?
             .collect::<rusqlite::Result<HashSet<String>>>()?;
         Ok(ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    fn snapshot(id: &str, name: Option<&str>) -> Snapshot {
+        Snapshot {
+            id: id.into(),
+            name: name.map(str::to_string),
+            sandbox: "sb-1".into(),
+            parent: None,
+            template: "t".into(),
+            vcpus: 1,
+            memory_mib: 32,
+            dir: PathBuf::from("/nowhere"),
+            created_at_ms: 1,
+            expires_at_ms: None,
+            deterministic: false,
+        }
+    }
+
+    #[test]
+    fn a_name_moves_to_the_newest_snapshot_that_takes_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = Store::open(&dir.path().join("state.db")).expect("open");
+        store
+            .add_snapshot(&snapshot("snap-a", Some("base")))
+            .expect("a");
+        store.add_snapshot(&snapshot("snap-b", None)).expect("b");
+        assert_eq!(
+            store.snapshot_named("base").expect("named").map(|s| s.id),
+            Some("snap-a".into())
+        );
+        store
+            .add_snapshot(&snapshot("snap-c", Some("base")))
+            .expect("c");
+        assert_eq!(
+            store.snapshot_named("base").expect("named").map(|s| s.id),
+            Some("snap-c".into())
+        );
+        let names: Vec<(String, Option<String>)> = store
+            .snapshots(None)
+            .expect("list")
+            .into_iter()
+            .map(|s| (s.id, s.name))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("snap-a".into(), None),
+                ("snap-b".into(), None),
+                ("snap-c".into(), Some("base".into()))
+            ]
+        );
+        assert_eq!(
+            store.snapshot("snap-c").expect("get").and_then(|s| s.name),
+            Some("base".into())
+        );
+        assert!(store.snapshot_named("other").expect("none").is_none());
     }
 }

@@ -162,6 +162,29 @@ pub fn check_snapshot_id(id: &str, field: &str) -> Result<String, ApiError> {
     }
 }
 
+/// Snapshot names share E2B's namespace with templates (`templateID`): a template name's
+/// rule (1-63 of a-z 0-9 . _ -, starting with a letter or digit), and never a snapshot id.
+pub fn check_snapshot_name(name: &str, field: &str) -> Result<String, ApiError> {
+    let plain = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().enumerate().all(|(i, b)| {
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || (i > 0 && matches!(b, b'.' | b'_' | b'-'))
+        });
+    if !plain {
+        return Err(bad(format!(
+            "{field}: {name:?} is not a snapshot name (1-63 of a-z 0-9 . _ -, starting with a letter or digit)"
+        )));
+    }
+    if check_snapshot_id(name, field).is_ok() {
+        return Err(bad(format!(
+            "{field}: {name:?} is a snapshot id; a name must not look like one"
+        )));
+    }
+    Ok(name.to_string())
+}
+
 /// Label keys: 1-63 of A-Z a-z 0-9 . _ / -, starting with a letter or digit.
 pub fn check_label_key(key: &str) -> bool {
     !key.is_empty()

@@ -9,7 +9,7 @@ use super::super::limits::{
     DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_IDS, MAX_LIST_LIMIT, MAX_MEMORY_MIB, MAX_METADATA,
     MAX_VCPUS, MIN_CPU_LIMIT,
 };
-use super::super::model::{CreateSandbox, ListQuery, State};
+use super::super::model::{CreateSandbox, ListQuery, OnTimeout, State};
 use super::template::check_template_name;
 use super::{
     bad, check_env, check_id, check_label_key, check_labels, check_snapshot_id, from_json,
@@ -35,6 +35,9 @@ struct CreateBody {
     cpu_limit: Option<f64>,
     #[serde(default)]
     deterministic: bool,
+    on_timeout: Option<String>,
+    #[serde(default)]
+    auto_resume: bool,
 }
 
 #[derive(Deserialize)]
@@ -64,6 +67,16 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
                 "idempotency_key: must be 1-128 bytes with no control characters",
             ));
         }
+    }
+    let on_timeout = match body.on_timeout.as_deref() {
+        None => OnTimeout::Kill,
+        Some(text) => OnTimeout::parse(text)
+            .ok_or_else(|| bad(format!("on_timeout: {text:?} is not kill or pause")))?,
+    };
+    if body.auto_resume && on_timeout != OnTimeout::Pause {
+        return Err(bad(
+            "auto_resume: true needs on_timeout: pause (only a sandbox its TTL pauses can be resumed by a request)",
+        ));
     }
     let (template, snapshot) = match (body.template, body.snapshot) {
         (Some(t), None) => (check_template_name(&t, "template")?, None),
@@ -105,6 +118,8 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
             })
             .transpose()?,
         deterministic: body.deterministic,
+        on_timeout,
+        auto_resume: body.auto_resume,
     })
 }
 
@@ -235,7 +250,7 @@ fn check_port(port: &str) -> Result<u16, ApiError> {
 #[cfg(test)]
 mod tests {
     use crate::daemon::api::routes::{err, parse};
-    use crate::daemon::api::{Action, ListQuery, State};
+    use crate::daemon::api::{Action, ListQuery, OnTimeout, State};
 
     #[test]
     fn create_parses_and_defaults() {
@@ -253,6 +268,18 @@ mod tests {
         assert_eq!(c.ttl_s, Some(60));
         assert_eq!(c.vcpus, None);
         assert_eq!(c.labels.get("run").map(String::as_str), Some("a"));
+        assert_eq!((c.on_timeout, c.auto_resume), (OnTimeout::Kill, false));
+        let action = parse(
+            "POST",
+            "/sandboxes",
+            None,
+            br#"{"template":"t1","ttl_s":3,"on_timeout":"pause","auto_resume":true}"#,
+        )
+        .expect("parse");
+        let Action::CreateSandbox(c) = action else {
+            panic!("{action:?}")
+        };
+        assert_eq!((c.on_timeout, c.auto_resume), (OnTimeout::Pause, true));
     }
 
     #[test]
@@ -278,6 +305,12 @@ mod tests {
             (r#"{"template":"t","cpu_limit":0}"#, "cpu_limit"),
             (r#"{"template":"t","cpu_limit":-1}"#, "cpu_limit"),
             (r#"{"template":"t","cpu_limit":"half"}"#, "cpu_limit"),
+            (r#"{"template":"t","on_timeout":"stop"}"#, "on_timeout"),
+            (r#"{"template":"t","auto_resume":true}"#, "auto_resume"),
+            (
+                r#"{"template":"t","on_timeout":"kill","auto_resume":true}"#,
+                "auto_resume",
+            ),
         ];
         for (body, field) in cases {
             let message = err(parse("POST", "/sandboxes", None, body.as_bytes()));
@@ -310,6 +343,8 @@ mod tests {
         );
         for (query, field) in [
             ("label=novalue", "label"),
+            // A key that would break out of a JSON path: refused before any SQL.
+            ("label=a%22%29%20OR%201%3D1--%3Dv", "label"),
             ("state=zombie", "state"),
             ("limit=0", "limit"),
             ("limit=abc", "limit"),

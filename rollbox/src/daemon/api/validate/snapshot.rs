@@ -7,7 +7,8 @@ use serde::Deserialize;
 use super::super::action::{Action, ApiError};
 use super::super::limits::MAX_FORK;
 use super::{
-    bad, check_id, check_labels, check_snapshot_id, from_json, in_range, query_pairs, ttl,
+    bad, check_id, check_labels, check_snapshot_id, check_snapshot_name, from_json, in_range,
+    query_pairs, ttl,
 };
 
 #[derive(Deserialize)]
@@ -16,6 +17,7 @@ struct SnapshotBody {
     #[serde(default)]
     stop: bool,
     ttl_s: Option<i64>,
+    name: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -40,6 +42,7 @@ pub fn parse_snapshot(id: &str, body: &[u8]) -> Result<Action, ApiError> {
         SnapshotBody {
             stop: false,
             ttl_s: None,
+            name: None,
         }
     } else {
         from_json::<SnapshotBody>(body)?
@@ -48,6 +51,10 @@ pub fn parse_snapshot(id: &str, body: &[u8]) -> Result<Action, ApiError> {
         id,
         stop: body.stop,
         ttl_s: body.ttl_s.map(|v| ttl(v, "ttl_s")).transpose()?,
+        name: body
+            .name
+            .map(|n| check_snapshot_name(&n, "name"))
+            .transpose()?,
     })
 }
 
@@ -134,8 +141,31 @@ mod tests {
                 id: "sb-0123456789abcdef".into(),
                 stop: false,
                 ttl_s: None,
+                name: None,
             }
         );
+        assert!(matches!(
+            parse("POST", &format!("{sb}/snapshots"), None, br#"{"name":"base-1.0"}"#),
+            Ok(Action::Snapshot { name: Some(ref n), .. }) if n == "base-1.0"
+        ));
+        for name in [
+            "",
+            "Upper",
+            "-lead",
+            "a b",
+            "x'--",
+            "snap-0123456789abcdef",
+            &"n".repeat(64),
+        ] {
+            let body = serde_json::json!({ "name": name }).to_string();
+            let message = err(parse(
+                "POST",
+                &format!("{sb}/snapshots"),
+                None,
+                body.as_bytes(),
+            ));
+            assert!(message.starts_with("name: "), "{name:?}: {message:?}");
+        }
         assert!(matches!(
             parse(
                 "POST",

@@ -114,7 +114,7 @@ fn no_route(method: &str, path: &str) -> Refusal {
 }
 
 /// The fields of `NewSandbox` (v1) and `NewSandboxV2` rollbox uses; the rest (`secure`,
-/// `autoPause`, `allow_internet_access`, `network`, ...) is accepted and ignored.
+/// `allow_internet_access`, `network`, ...) is accepted and ignored.
 #[derive(Deserialize)]
 struct NewSandbox {
     #[serde(rename = "templateID")]
@@ -124,6 +124,39 @@ struct NewSandbox {
     metadata: Option<BTreeMap<String, String>>,
     #[serde(default, rename = "envVars")]
     env_vars: Option<BTreeMap<String, String>>,
+    /// `lifecycle.on_timeout: "pause"`.
+    #[serde(rename = "autoPause")]
+    auto_pause: Option<bool>,
+    /// false: the timeout's pause keeps only the filesystem (not served).
+    #[serde(rename = "autoPauseMemory")]
+    auto_pause_memory: Option<bool>,
+    #[serde(rename = "autoResume")]
+    auto_resume: Option<AutoResume>,
+}
+
+/// `SandboxAutoResumeConfig`.
+#[derive(Deserialize)]
+struct AutoResume {
+    enabled: bool,
+}
+
+/// The native `on_timeout` and `auto_resume` of a create's lifecycle fields.
+fn lifecycle(new: &NewSandbox) -> Result<(&'static str, bool), Refusal> {
+    let pause = new.auto_pause == Some(true);
+    if new.auto_pause_memory == Some(false) {
+        return Err(Refusal::new(
+            400,
+            "autoPauseMemory: false (a filesystem-only pause on timeout) is not served: a rollbox pause keeps the VM's memory and disk; leave the mode unset or \"full\"",
+        ));
+    }
+    let resume = new.auto_resume.as_ref().is_some_and(|r| r.enabled);
+    if resume && !pause {
+        return Err(Refusal::new(
+            400,
+            "autoResume: enabled needs autoPause: true (lifecycle on_timeout \"pause\")",
+        ));
+    }
+    Ok((if pause { "pause" } else { "kill" }, resume))
 }
 
 fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> Result<T, Refusal> {
@@ -154,6 +187,7 @@ async fn create(
     idempotency_key: Option<String>,
 ) -> Result<Response<Out>, Refusal> {
     let new: NewSandbox = parse_json(body, "NewSandbox")?;
+    let (on_timeout, auto_resume) = lifecycle(&new)?;
     let template = new
         .template_id
         .filter(|t| !t.is_empty())
@@ -171,39 +205,46 @@ async fn create(
         Some(t) => check_timeout(t)?,
         None => DEFAULT_TIMEOUT_S,
     };
-    // `Sandbox.create(snapshot_id)`: the SDK sends a snapshot id as the template.
-    let from_snapshot = api::check_snapshot_id(&template, "templateID").is_ok();
-    let (lookup, missing) = if from_snapshot {
-        (
-            Action::GetSnapshot(template.clone()),
-            format!("snapshot {template:?} not found (rollbox snapshots: GET /snapshots)"),
-        )
+    // `templateID` is a template's name, or (`Sandbox.create(snapshot_id)`) a snapshot's id
+    // or name: a template's name first, as E2B's one namespace of both.
+    let snapshot = if api::check_snapshot_id(&template, "templateID").is_ok() {
+        Some(snapshot_of(e2b, &template).await?)
     } else {
-        (
-            Action::GetTemplate(template.clone()),
-            format!("template {template:?} not found (rollbox templates: `rollbox template ls`)"),
-        )
+        match e2b.core.handle(Action::GetTemplate(template.clone())).await {
+            Ok(_) => None,
+            Err(ApiError::NotFound(_)) => {
+                Some(snapshot_of(e2b, &template).await.map_err(|refusal| match refusal.status {
+                    404 => Refusal::new(
+                        404,
+                        format!("template {template:?} not found (rollbox templates: `rollbox template ls`; snapshots: GET /snapshots)"),
+                    ),
+                    _ => refusal,
+                })?)
+            }
+            Err(e) => return Err(e.into()),
+        }
     };
     // A restore keeps the env its sandbox had (E2B's envd holds envVars in the memory the
     // snapshot saved); the create's envVars go on top.
-    let mut env = match e2b.core.handle(lookup).await {
-        Ok(Reply::Snapshot { snapshot, .. }) => {
-            match e2b.core.handle(Action::GetSandbox(snapshot.sandbox)).await {
+    let mut env = match &snapshot {
+        Some(snapshot) => {
+            match e2b
+                .core
+                .handle(Action::GetSandbox(snapshot.sandbox.clone()))
+                .await
+            {
                 Ok(Reply::Sandbox { sandbox, .. }) => sandbox.env,
                 _ => BTreeMap::new(),
             }
         }
-        Ok(_) => BTreeMap::new(),
-        Err(ApiError::NotFound(_)) => return Err(Refusal::new(404, missing)),
-        Err(e) => return Err(e.into()),
+        None => BTreeMap::new(),
     };
     env.extend(new.env_vars.unwrap_or_default());
     // E2B metadata is what lists filter on: rollbox labels. envVars are the sandbox's env,
     // which the daemon merges under every exec's own (forks inherit it).
-    let (template, snapshot) = if from_snapshot {
-        (None, Some(template))
-    } else {
-        (Some(template), None)
+    let (template, snapshot) = match snapshot {
+        Some(snapshot) => (None, Some(snapshot.id)),
+        None => (Some(template), None),
     };
     let native = json!({
         "template": template,
@@ -212,6 +253,8 @@ async fn create(
         "labels": new.metadata.unwrap_or_default(),
         "env": env,
         "idempotency_key": idempotency_key,
+        "on_timeout": on_timeout,
+        "auto_resume": auto_resume,
     });
     let action =
         api::parse("POST", "/sandboxes", None, native.to_string().as_bytes()).map_err(|e| {
@@ -274,6 +317,26 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
         "envdAccessToken": e2b.access_token(&sandbox.id),
         "domain": e2b.domain,
     })
+}
+
+/// A snapshot by id or name, else 404.
+async fn snapshot_of(e2b: &E2b, id_or_name: &str) -> Result<api::Snapshot, Refusal> {
+    match e2b
+        .core
+        .handle(Action::GetSnapshot(id_or_name.to_string()))
+        .await
+    {
+        Ok(Reply::Snapshot { snapshot, .. }) => Ok(snapshot),
+        Ok(other) => Err(Refusal::new(
+            500,
+            format!("snapshot lookup answered {other:?}"),
+        )),
+        Err(ApiError::NotFound(_)) => Err(Refusal::new(
+            404,
+            format!("snapshot {id_or_name:?} not found (rollbox snapshots: GET /snapshots)"),
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// A running sandbox; a paused one is a 409 that says to resume it `before` the call, and any
@@ -358,10 +421,12 @@ async fn connect(
 ) -> Result<Response<Out>, Refusal> {
     let body: TimeoutBody = parse_json(body, "connect body")?;
     let ttl_s = body.timeout.map(check_timeout).transpose()?;
-    let sandbox = live(e2b, id).await?;
+    let mut sandbox = live(e2b, id).await?;
     let resumed = sandbox.state == State::Paused;
     if resumed {
+        // The daemon's resume gives an `on_timeout: pause` sandbox its create TTL again.
         e2b.core.handle(Action::Resume(id.to_string())).await?;
+        sandbox = live(e2b, id).await?;
     } else if resume_only {
         return Err(Refusal::new(
             409,
@@ -442,12 +507,10 @@ struct SnapshotRequest {
 /// `POST /sandboxes/{id}/snapshots`: a full (memory and disk) snapshot; the sandbox runs on.
 async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
     let request: SnapshotRequest = parse_json(body, "SandboxSnapshotRequest")?;
-    if let Some(name) = request.name {
-        return Err(Refusal::new(
-            400,
-            format!("name: {name:?}: rollbox snapshots have no names, only ids; omit the name"),
-        ));
-    }
+    let name = request
+        .name
+        .map(|n| api::check_snapshot_name(&n, "name"))
+        .transpose()?;
     if request.memory == Some(false) {
         return Err(Refusal::new(
             400,
@@ -461,6 +524,7 @@ async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>
             id: id.to_string(),
             stop: false,
             ttl_s: None,
+            name,
         })
         .await?;
     let Reply::Snapshot { snapshot, .. } = reply else {
@@ -469,9 +533,12 @@ async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>
     Ok(json(201, &snapshot_json(&snapshot)))
 }
 
-/// `SnapshotInfo`: rollbox snapshots have ids only, so the one name is the id.
+/// `SnapshotInfo`: its id, and its name (the id when it has none).
 fn snapshot_json(snapshot: &api::Snapshot) -> Value {
-    json!({ "snapshotID": snapshot.id, "names": [snapshot.id] })
+    json!({
+        "snapshotID": snapshot.id,
+        "names": [snapshot.name.as_deref().unwrap_or(&snapshot.id)],
+    })
 }
 
 /// `GET /snapshots?sandboxID=&name=&limit=&nextToken=`, oldest first; the token is an offset.
@@ -506,7 +573,12 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
     else {
         return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
     };
-    snapshots.retain(|s| name.as_ref().is_none_or(|n| *n == s.id));
+    // By id or name; a tag (`name:latest`, E2B's only one here) names the snapshot itself.
+    let name = name.map(|n| n.strip_suffix(":latest").map(str::to_string).unwrap_or(n));
+    snapshots.retain(|s| {
+        name.as_ref()
+            .is_none_or(|n| *n == s.id || s.name.as_ref() == Some(n))
+    });
     snapshots.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
     let page: Vec<Value> = snapshots
         .iter()
@@ -524,25 +596,18 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
     Ok(response)
 }
 
-/// `DELETE /templates/{id}`, which the SDK's `delete_snapshot` calls: snapshots only.
+/// `DELETE /templates/{id}`, which the SDK's `delete_snapshot` calls: snapshots only, by
+/// id or name.
 async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
-    if api::check_snapshot_id(id, "snapshot").is_err() {
-        return Err(Refusal::new(
-            404,
-            format!("snapshot {id:?} not found (rollbox deletes only snapshots, snap-…, through the E2B API; templates with `rollbox template rm`)"),
-        ));
-    }
     // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
-    match e2b.core.handle(Action::GetSnapshot(id.to_string())).await {
-        Ok(_) => {}
-        Err(ApiError::NotFound(_)) => {
-            return Err(Refusal::new(404, format!("snapshot {id:?} not found")))
-        }
-        Err(e) => return Err(e.into()),
-    }
-    e2b.core
-        .handle(Action::DeleteSnapshot(id.to_string()))
-        .await?;
+    let snapshot = snapshot_of(e2b, id).await.map_err(|refusal| match refusal.status {
+        404 => Refusal::new(
+            404,
+            format!("snapshot {id:?} not found (rollbox deletes only snapshots, by id or name, through the E2B API; templates with `rollbox template rm`)"),
+        ),
+        _ => refusal,
+    })?;
+    e2b.core.handle(Action::DeleteSnapshot(snapshot.id)).await?;
     Ok(no_content())
 }
 
@@ -667,4 +732,46 @@ async fn metrics_of_many(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, R
         }
     }
     Ok(json(200, &json!({ "sandboxes": sandboxes })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lifecycle_of(body: &str) -> Result<(&'static str, bool), String> {
+        let new: NewSandbox = parse_json(body.as_bytes(), "NewSandbox").map_err(|r| r.message)?;
+        lifecycle(&new).map_err(|r| format!("{} {}", r.status, r.message))
+    }
+
+    #[test]
+    fn lifecycle_fields_become_on_timeout_and_auto_resume() {
+        for (body, want) in [
+            (r#"{"templateID":"t"}"#, ("kill", false)),
+            (r#"{"templateID":"t","autoPause":false}"#, ("kill", false)),
+            (r#"{"templateID":"t","autoPause":true}"#, ("pause", false)),
+            (
+                r#"{"templateID":"t","autoPause":true,"autoPauseMemory":true,"autoResume":{"enabled":true}}"#,
+                ("pause", true),
+            ),
+            (
+                r#"{"templateID":"t","autoPause":false,"autoResume":{"enabled":false}}"#,
+                ("kill", false),
+            ),
+        ] {
+            assert_eq!(lifecycle_of(body), Ok(want), "{body}");
+        }
+        for (body, field) in [
+            (
+                r#"{"templateID":"t","autoPause":true,"autoPauseMemory":false}"#,
+                "400 autoPauseMemory",
+            ),
+            (
+                r#"{"templateID":"t","autoResume":{"enabled":true}}"#,
+                "400 autoResume",
+            ),
+        ] {
+            let message = lifecycle_of(body).expect_err(body);
+            assert!(message.starts_with(field), "{body}: {message}");
+        }
+    }
 }

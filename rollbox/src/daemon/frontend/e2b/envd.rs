@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use serde_json::json;
 
-use super::super::super::api::{Action, Reply, State, MAX_BODY};
+use super::super::super::api::{Action, Reply, Sandbox, State, MAX_BODY};
 use super::super::transport::Out;
 use super::call::{read_body, unary_error, Call};
 use super::connect::{Code, RpcError};
@@ -64,17 +64,24 @@ fn proxy_error(id: &str, message: String) -> Response<Out> {
 
 pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>) -> Response<Out> {
     let id = target.id.clone();
-    let sandbox = match e2b.core.handle(Action::GetSandbox(id.clone())).await {
+    let mut sandbox = match e2b.core.handle(Action::GetSandbox(id.clone())).await {
         Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live() => sandbox,
         _ => return proxy_error(&id, format!("The sandbox {id} was not found")),
     };
     // A paused VM answers nothing, `/health` included: the SDK's `is_running()` is false on a
-    // 502. Connecting (the control plane's `/connect`) resumes it.
+    // 502. Connecting (the control plane's `/connect`) resumes it; with `autoResume`, so does
+    // this request, which is then served.
     if sandbox.state == State::Paused {
-        return proxy_error(
-            &id,
-            format!("The sandbox {id} is paused: connect to it (Sandbox.connect) to resume it"),
-        );
+        if !sandbox.auto_resume {
+            return proxy_error(
+                &id,
+                format!("The sandbox {id} is paused: connect to it (Sandbox.connect) to resume it"),
+            );
+        }
+        sandbox = match auto_resume(e2b, &id).await {
+            Ok(sandbox) => sandbox,
+            Err(message) => return proxy_error(&id, message),
+        };
     }
     // Other ports are the guest's own services, reached through the agent: envd's access token
     // is not theirs to check (the code interpreter SDK sends it on /execute but not /contexts).
@@ -120,6 +127,19 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
             404,
             &json!({ "code": 404, "message": format!("envd has no route {method} {path}") }),
         ),
+    }
+}
+
+/// Resumes a paused `autoResume` sandbox for a request (the daemon's resume gives it its
+/// create TTL again). Two requests may race: the one that loses finds it running.
+async fn auto_resume(e2b: &E2b, id: &str) -> Result<Sandbox, String> {
+    let resumed = e2b.core.handle(Action::Resume(id.to_string())).await;
+    match e2b.core.handle(Action::GetSandbox(id.to_string())).await {
+        Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state == State::Running => Ok(sandbox),
+        _ => Err(match resumed {
+            Err(e) => format!("The sandbox {id} is paused and did not resume: {e}"),
+            Ok(_) => format!("The sandbox {id} was not found"),
+        }),
     }
 }
 

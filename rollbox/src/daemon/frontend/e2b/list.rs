@@ -1,17 +1,18 @@
 //! The E2B sandbox list (`GET /v2/sandboxes`, 1.x `GET /sandboxes`): as E2B, newest first
 //! (`order=asc`: oldest first), ordered across running and paused before paging, with a
-//! `nextToken` that is a creation cursor. The native REST list stays oldest first.
+//! `nextToken` that is a creation cursor. The native REST list stays oldest first. Filters:
+//! `metadata` (label keys only, 400 naming another), `state`, `template`, `startedAfter`.
 
 use std::sync::Arc;
 
 use hyper::Response;
 use serde_json::{json, Value};
 
-use super::super::super::api::{Action, ListQuery, Reply, Sandbox, State};
+use super::super::super::api::{check_label_key, Action, ListQuery, Reply, Sandbox, State};
 use super::super::transport::Out;
 use super::refusal::Refusal;
 use super::state::E2b;
-use super::wire::{json, query_pairs, rfc3339, ENVD_VERSION};
+use super::wire::{json, parse_rfc3339, percent_decode, query_pairs, rfc3339, ENVD_VERSION};
 
 /// Where a list page starts: after this sandbox in the list's order. Its text is
 /// `{created_at_ms}-{id}`; sandboxes made or paused meanwhile do not move a page.
@@ -73,12 +74,30 @@ pub(super) async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Respon
     let mut newest_first = true;
     let mut states = vec![State::Running, State::Paused];
     let mut template = None;
+    let mut started_after = None;
     for (name, value) in query_pairs(query) {
         match name.as_str() {
             "metadata" | "query" => {
+                // The SDK quotes each key and value before it encodes the pairs, and the
+                // pairs again as the parameter: three decodes in all.
                 for (key, value) in query_pairs(&value) {
+                    let (key, value) = (percent_decode(&key), percent_decode(&value));
+                    if !check_label_key(&key) {
+                        return Err(Refusal::new(
+                            400,
+                            format!("{name}: key {key:?} is not a metadata key rollbox can filter on (1-63 of A-Z a-z 0-9 . _ / -, starting with a letter or digit)"),
+                        ));
+                    }
                     native.labels.push((key, value));
                 }
+            }
+            "startedAfter" if !value.is_empty() => {
+                started_after = Some(parse_rfc3339(&value).ok_or_else(|| {
+                    Refusal::new(
+                        400,
+                        format!("startedAfter: {value:?} is not an RFC 3339 time (2026-12-01T02:12:26Z)"),
+                    )
+                })?);
             }
             "state" => {
                 states = value
@@ -135,6 +154,7 @@ pub(super) async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Respon
         .into_iter()
         .filter(|s| states.contains(&s.state))
         .filter(|s| template.as_ref().is_none_or(|t| *t == s.template))
+        .filter(|s| started_after.is_none_or(|at| s.created_at_ms >= at))
         .collect();
     sandboxes.sort_by_key(Cursor::of);
     if newest_first {
@@ -185,6 +205,10 @@ pub(super) fn listed_json(e2b: &E2b, sandbox: &Sandbox, detail: bool) -> Value {
     if detail {
         value["envdAccessToken"] = json!(e2b.access_token(&sandbox.id));
         value["domain"] = json!(e2b.domain);
+        value["lifecycle"] = json!({
+            "onTimeout": sandbox.on_timeout.as_str(),
+            "autoResume": sandbox.auto_resume,
+        });
     }
     value
 }

@@ -67,6 +67,53 @@ pub fn rfc3339(ms: u64) -> String {
     )
 }
 
+/// Unix milliseconds of an RFC 3339 time (`2026-12-01T02:12:26.123456+01:00`, `...Z`; what
+/// Python's `isoformat()` of an aware datetime writes), or None.
+pub fn parse_rfc3339(text: &str) -> Option<u64> {
+    let (date, time) = text.split_once(['T', 't', ' '])?;
+    let mut ymd = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (ymd.next()??, ymd.next()??, ymd.next()??);
+    if date.len() != 10 || !(1..=12).contains(&month) || !(1..=31).contains(&day) {
+        return None;
+    }
+    // The offset: Z, or +HH:MM / -HH:MM after the clock.
+    let (clock, offset_s) = if let Some(clock) = time.strip_suffix(['Z', 'z']) {
+        (clock, 0)
+    } else {
+        let at = time.rfind(['+', '-'])?;
+        let (clock, offset) = time.split_at(at);
+        let sign = if offset.starts_with('-') { -1 } else { 1 };
+        let (hours, minutes) = offset[1..].split_once(':')?;
+        if hours.len() != 2 || minutes.len() != 2 {
+            return None;
+        }
+        let hours: i64 = hours.parse().ok()?;
+        let minutes: i64 = minutes.parse().ok()?;
+        (clock, sign * (hours * 3600 + minutes * 60))
+    };
+    let (hms, fraction) = clock.split_once('.').unwrap_or((clock, ""));
+    let mut parts = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hour, minute, second) = (parts.next()??, parts.next()??, parts.next()??);
+    if hms.len() != 8 || hour > 23 || minute > 59 || second > 60 {
+        return None;
+    }
+    if !fraction.bytes().all(|b| b.is_ascii_digit()) || (clock.contains('.') && fraction.is_empty())
+    {
+        return None;
+    }
+    let ms: i64 = format!("{fraction:0<3}")[..3].parse().ok()?;
+    // Howard Hinnant's days_from_civil.
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - offset_s;
+    u64::try_from(seconds.checked_mul(1000)?.checked_add(ms)?).ok()
+}
+
 /// Decodes `%XX` and `+` of a URL query component.
 pub fn percent_decode(text: &str) -> String {
     let bytes = text.as_bytes();
@@ -121,6 +168,25 @@ mod tests {
             ]
         );
         assert_eq!(percent_decode("50%"), "50%");
+        for (text, ms) in [
+            ("2026-12-01T02:12:26.123Z", Some(1_796_091_146_123)),
+            ("2026-12-01T02:12:26.123456+00:00", Some(1_796_091_146_123)),
+            ("2026-12-01T03:12:26.1+01:00", Some(1_796_091_146_100)),
+            ("2026-12-01T00:12:26-02:00", Some(1_796_091_146_000)),
+            ("1970-01-01T00:00:00Z", Some(0)),
+            ("2026-12-01", None),
+            ("2026-13-01T00:00:00Z", None),
+            ("2026-12-01T02:12:26", None),
+            ("2026-12-01T02:12:26.Z", None),
+            ("2026-12-01T2:12:26Z", None),
+            ("yesterday", None),
+            ("1969-12-31T23:59:59Z", None),
+        ] {
+            assert_eq!(parse_rfc3339(text), ms, "{text}");
+            if let Some(ms) = ms.filter(|ms| ms % 1000 != 0 && text.ends_with('Z')) {
+                assert_eq!(rfc3339(ms), text);
+            }
+        }
         assert_eq!(percent_decode("a+b%2"), "a b%2");
     }
 }
