@@ -70,6 +70,12 @@ fn file_info(path: &Path, meta: &fs::Metadata) -> FileInfo {
         } else {
             None
         },
+        // Only files and directories carry user attributes.
+        metadata: if kind == FileKind::File || kind == FileKind::Dir {
+            crate::xattrs::read(path)
+        } else {
+            Default::default()
+        },
     }
 }
 
@@ -298,11 +304,16 @@ struct PendingWrite {
     temp: Option<PathBuf>,
     file: fs::File,
     bytes: u64,
+    /// The user metadata that replaces the file's once written.
+    metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
 impl PendingWrite {
     fn begin(req: &WriteFileRequest) -> Result<Self, ErrorInfo> {
         let path = check_path(&req.path)?;
+        if let Some(metadata) = &req.metadata {
+            crate::xattrs::check(metadata)?;
+        }
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             return Err(ErrorInfo::bad_request(format!(
                 "write: {} names no file",
@@ -355,6 +366,7 @@ impl PendingWrite {
             temp,
             file,
             bytes: 0,
+            metadata: req.metadata.clone(),
         };
         if pending.temp.is_some() {
             // Exact mode despite the umask; owner of the file being replaced.
@@ -386,6 +398,9 @@ impl PendingWrite {
 
     fn commit(mut self) -> Result<u64, ErrorInfo> {
         let path_text = self.path.display().to_string();
+        if let Some(metadata) = &self.metadata {
+            crate::xattrs::replace(&self.file, &path_text, metadata)?;
+        }
         self.file
             .sync_all()
             .map_err(|e| info(SysError::new("fsync", &path_text, e)))?;
@@ -567,5 +582,45 @@ mod tests {
         assert_eq!(pending.commit().expect("commit"), 5);
         assert_eq!(fs::read(&path).expect("read"), b"whole");
         assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
+    }
+
+    #[test]
+    fn in_place_write_keeps_the_inode_and_replaces_metadata() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("g.txt");
+        let mut req = WriteFileRequest::new(path.display().to_string());
+        req.atomic = false;
+        let write = |req: &WriteFileRequest, data: &[u8]| {
+            let mut pending = PendingWrite::begin(req).expect("begin");
+            pending.write(data).expect("write");
+            pending.commit().expect("commit")
+        };
+        write(&req, b"first, longer");
+        let inode = fs::metadata(&path).expect("stat").ino();
+        write(&req, b"second");
+        assert_eq!(fs::read(&path).expect("read"), b"second");
+        assert_eq!(fs::metadata(&path).expect("stat").ino(), inode);
+        assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
+
+        let probe = fs::File::open(&path).expect("open");
+        let one = std::collections::BTreeMap::from([("k".to_string(), "v".to_string())]);
+        if crate::xattrs::replace(&probe, "probe", &one).is_err() {
+            eprintln!("skip metadata: {} has no user extended attributes", dir.path().display());
+            return;
+        }
+        req.metadata = Some(one.clone());
+        write(&req, b"third");
+        let info = stat(&path.display().to_string(), false).expect("stat");
+        assert_eq!(info.metadata, one);
+        // A write that says nothing keeps it; one with an empty map clears it.
+        req.metadata = None;
+        write(&req, b"fourth");
+        assert_eq!(stat(&path.display().to_string(), false).expect("stat").metadata, one);
+        req.metadata = Some(Default::default());
+        write(&req, b"fifth");
+        assert!(list(&dir.path().display().to_string()).expect("list")[0].metadata.is_empty());
+        req.metadata = Some(std::collections::BTreeMap::from([(String::new(), "v".to_string())]));
+        let error = PendingWrite::begin(&req).err().expect("an empty key is refused");
+        assert_eq!(error.code, "bad_request");
     }
 }

@@ -411,6 +411,7 @@ async fn watch_reports_writes_through_the_agent_and_ends_on_cancel() {
         .watch(WatchRequest {
             path: dir.clone(),
             recursive: false,
+            refuse_network_mounts: false,
         })
         .await
         .expect("watch");
@@ -449,6 +450,7 @@ async fn watch_reports_writes_through_the_agent_and_ends_on_cancel() {
         .watch(WatchRequest {
             path: format!("{dir}/note.txt"),
             recursive: false,
+            refuse_network_mounts: false,
         })
         .await
         .expect_err("a plain file cannot be watched");
