@@ -315,6 +315,11 @@ pub enum FileOp {
         path: String,
         mode: Option<u32>,
         parents: bool,
+        /// Write a temporary file and rename it over `path` (the native API), or write `path`
+        /// in place, truncating it (E2B's envd: a watch sees a write of `path`, not a rename).
+        atomic: bool,
+        /// Replace the file's user metadata (E2B file metadata); None leaves it.
+        metadata: Option<std::collections::BTreeMap<String, String>>,
     },
     Remove {
         path: String,

@@ -67,10 +67,14 @@ impl Guest {
                 path,
                 mode,
                 parents,
+                atomic,
+                metadata,
             } => {
                 let mut request = WriteFileRequest::new(path.clone());
                 request.mode = mode;
                 request.make_parents = parents;
+                request.atomic = atomic;
+                request.metadata = metadata;
                 let bytes = client.write_file_from(request, body).await;
                 (path, bytes)
             }

@@ -312,7 +312,9 @@ mod tests {
                 op: FileOp::Write {
                     path: "/a b".into(),
                     mode: Some(0o600),
-                    parents: true
+                    parents: true,
+                    atomic: true,
+                    metadata: None,
                 }
             }
         );
