@@ -24,6 +24,8 @@ from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
 from e2b.api.client.models.sandbox_state import SandboxState
 
+import conformance_files
+
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
 API = os.environ["E2B_API_URL"]
@@ -152,6 +154,7 @@ def main():
     finally:
         sbx.kill()
     list_order_checks()
+    conformance_files.killed_checks()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
@@ -332,6 +335,7 @@ def run_checks(sbx):
     faulthandler.dump_traceback_later(120, exit=True)
     pty_checks(sbx, base)
     watch_checks(sbx, base)
+    conformance_files.file_checks(sbx)
     faulthandler.cancel_dump_traceback_later()
     sbx.files.remove(base)
 
