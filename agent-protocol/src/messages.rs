@@ -326,6 +326,11 @@ pub struct WriteFileRequest {
     /// once written; an empty map clears them. None (the default) leaves them as they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<BTreeMap<String, String>>,
+    /// Give the file to this user (a name or uid) and its primary group as it is written, as
+    /// E2B's envd does. None (the default): a new file is the agent's, a replaced one keeps
+    /// its owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 impl WriteFileRequest {
@@ -336,6 +341,7 @@ impl WriteFileRequest {
             atomic: true,
             make_parents: false,
             metadata: None,
+            owner: None,
         }
     }
 }
@@ -764,6 +770,7 @@ mod tests {
         let mut req = WriteFileRequest::new("/a");
         req.atomic = false;
         req.metadata = Some(BTreeMap::from([("k".to_string(), "v".to_string())]));
+        req.owner = Some("user".into());
         let text = serde_json::to_string(&ClientMessage::WriteFile(req.clone())).expect("json");
         assert!(text.contains(r#""metadata":{"k":"v"}"#), "{text}");
         assert_eq!(

@@ -308,8 +308,23 @@ struct PendingWrite {
     metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
+/// Who a written file is given to: (uid, gid).
+pub type Owner = (u32, u32);
+
+/// Gives the open `file`, or else `path`, to `owner` (nothing without one).
+fn give(owner: Option<Owner>, path: &str, file: Option<&fs::File>) -> Result<(), ErrorInfo> {
+    let Some((uid, gid)) = owner else {
+        return Ok(());
+    };
+    let done = match file {
+        Some(file) => std::os::unix::fs::fchown(file, Some(uid), Some(gid)),
+        None => std::os::unix::fs::chown(path, Some(uid), Some(gid)),
+    };
+    done.map_err(|e| info(SysError::new("chown", path, e)))
+}
+
 impl PendingWrite {
-    fn begin(req: &WriteFileRequest) -> Result<Self, ErrorInfo> {
+    fn begin(req: &WriteFileRequest, owner: Option<Owner>) -> Result<Self, ErrorInfo> {
         let path = check_path(&req.path)?;
         if let Some(metadata) = &req.metadata {
             crate::xattrs::check(metadata)?;
@@ -336,6 +351,11 @@ impl PendingWrite {
             .mode
             .or(existing.as_ref().map(|m| m.mode() & 0o7777))
             .unwrap_or(0o644);
+        // envd's order for a file written in place: an existing file is given to the user
+        // before it is opened, a new one once it is there.
+        if !req.atomic && existing.is_some() {
+            give(owner, &req.path, None)?;
+        }
         let (file, temp) = if req.atomic {
             let temp = parent.join(format!(
                 ".{}.rollbox-{}-{}.tmp",
@@ -374,10 +394,14 @@ impl PendingWrite {
                 .file
                 .set_permissions(fs::Permissions::from_mode(mode))
                 .map_err(|e| info(SysError::new("chmod", &req.path, e)))?;
-            if let Some(meta) = &existing {
+            if owner.is_some() {
+                give(owner, &req.path, Some(&pending.file))?;
+            } else if let Some(meta) = &existing {
                 let _ =
                     std::os::unix::fs::fchown(&pending.file, Some(meta.uid()), Some(meta.gid()));
             }
+        } else if existing.is_none() {
+            give(owner, &req.path, Some(&pending.file))?;
         }
         Ok(pending)
     }
@@ -433,12 +457,14 @@ impl Drop for PendingWrite {
 }
 
 /// `ready` sends the Ready reply; false means the client is gone.
+/// `owner` is `req.owner` as looked up by the caller.
 pub fn write_file(
     req: &WriteFileRequest,
+    owner: Option<Owner>,
     rx: &mut mpsc::Receiver<UploadInput>,
     ready: impl FnOnce() -> bool,
 ) -> Result<u64, ErrorInfo> {
-    let mut pending = PendingWrite::begin(req)?;
+    let mut pending = PendingWrite::begin(req, owner)?;
     if !ready() {
         return Err(ErrorInfo::bad_request("connection closed"));
     }
@@ -572,12 +598,12 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("f.txt");
         let req = WriteFileRequest::new(path.display().to_string());
-        let mut pending = PendingWrite::begin(&req).expect("begin");
+        let mut pending = PendingWrite::begin(&req, None).expect("begin");
         pending.write(b"half").expect("write");
         drop(pending);
         assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 0);
 
-        let mut pending = PendingWrite::begin(&req).expect("begin");
+        let mut pending = PendingWrite::begin(&req, None).expect("begin");
         pending.write(b"whole").expect("write");
         assert_eq!(pending.commit().expect("commit"), 5);
         assert_eq!(fs::read(&path).expect("read"), b"whole");
@@ -591,7 +617,7 @@ mod tests {
         let mut req = WriteFileRequest::new(path.display().to_string());
         req.atomic = false;
         let write = |req: &WriteFileRequest, data: &[u8]| {
-            let mut pending = PendingWrite::begin(req).expect("begin");
+            let mut pending = PendingWrite::begin(req, None).expect("begin");
             pending.write(data).expect("write");
             pending.commit().expect("commit")
         };
@@ -599,6 +625,20 @@ mod tests {
         let inode = fs::metadata(&path).expect("stat").ino();
         write(&req, b"second");
         assert_eq!(fs::read(&path).expect("read"), b"second");
+        // Given to an owner (here our own ids, which any user may give): before the open for
+        // an existing file, after it for a new one.
+        // SAFETY: getuid and getgid cannot fail.
+        let me = unsafe { (libc::getuid(), libc::getgid()) };
+        for name in ["g.txt", "owned-new.txt"] {
+            let mut owned = WriteFileRequest::new(dir.path().join(name).display().to_string());
+            owned.atomic = false;
+            let mut pending = PendingWrite::begin(&owned, Some(me)).expect("begin owned");
+            pending.write(b"second").expect("write");
+            pending.commit().expect("commit");
+            let meta = fs::metadata(dir.path().join(name)).expect("stat");
+            assert_eq!((meta.uid(), meta.gid()), me);
+        }
+        fs::remove_file(dir.path().join("owned-new.txt")).expect("rm");
         assert_eq!(fs::metadata(&path).expect("stat").ino(), inode);
         assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
 
@@ -620,7 +660,7 @@ mod tests {
         write(&req, b"fifth");
         assert!(list(&dir.path().display().to_string()).expect("list")[0].metadata.is_empty());
         req.metadata = Some(std::collections::BTreeMap::from([(String::new(), "v".to_string())]));
-        let error = PendingWrite::begin(&req).err().expect("an empty key is refused");
+        let error = PendingWrite::begin(&req, None).err().expect("an empty key is refused");
         assert_eq!(error.code, "bad_request");
     }
 }

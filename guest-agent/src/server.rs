@@ -512,9 +512,24 @@ async fn start(
                 );
             });
         }
-        ClientMessage::WriteFile(req) => upload(streams, out, id, move |rx, ready| {
-            files::write_file(&req, rx, ready)
-        }),
+        ClientMessage::WriteFile(req) => {
+            let etc = agent.config.etc_dir.clone();
+            upload(streams, out, id, move |rx, ready| {
+                let owner = match req.owner.as_deref() {
+                    None => None,
+                    Some(name) => match crate::users::lookup(&etc, name) {
+                        Ok(ids) => Some((ids.uid, ids.gid)),
+                        Err(err) => {
+                            return Err(ErrorInfo::bad_request(format!(
+                                "write {}: owner: {err}",
+                                req.path
+                            )))
+                        }
+                    },
+                };
+                files::write_file(&req, owner, rx, ready)
+            })
+        }
         ClientMessage::TarUpload { path } => upload(streams, out, id, move |rx, ready| {
             files::tar_upload(&path, rx, ready)
         }),

@@ -53,28 +53,24 @@ def settle(poll, wanted, what, quiet=0.7):
     return seen
 
 
-def kinds(events, name):
-    """The event types of `name`, and the set of names that had any event."""
-    return {e.type for e in events if e.name == name}, {e.name for e in events}
-
-
 def check_write_events(sbx, base):
-    """A write is envd's in-place write: a new file is CREATE + WRITE of its own name, an
-    overwrite only WRITE; no temporary name, no RENAME."""
+    """A write is envd's: the file itself, given to the user and truncated, so a new file is
+    CREATE + CHMOD (the chown) + WRITE of its own name, an overwrite CHMOD + WRITE; no
+    temporary name, no RENAME."""
     watched = f"{base}/write-events"
     sbx.files.make_dir(watched)
     watcher = sbx.files.watch_dir(watched)
     sbx.files.write(f"{watched}/new.txt", "one")
-    events = settle(watcher.get_new_events, {("new.txt", T.CREATE), ("new.txt", T.WRITE)}, "a new file")
-    types, names = kinds(events, "new.txt")
-    assert names == {"new.txt"} and types == {T.CREATE, T.WRITE}, [(e.name, e.type) for e in events]
+    new = {("new.txt", T.CREATE), ("new.txt", T.CHMOD), ("new.txt", T.WRITE)}
+    events = settle(watcher.get_new_events, new, "a new file")
+    assert {(e.name, e.type) for e in events} == new, [(e.name, e.type) for e in events]
     sbx.files.write(f"{watched}/new.txt", "two, longer")
-    events = settle(watcher.get_new_events, {("new.txt", T.WRITE)}, "an overwrite")
-    types, names = kinds(events, "new.txt")
-    assert names == {"new.txt"} and types == {T.WRITE}, [(e.name, e.type) for e in events]
+    over = {("new.txt", T.CHMOD), ("new.txt", T.WRITE)}
+    events = settle(watcher.get_new_events, over, "an overwrite")
+    assert {(e.name, e.type) for e in events} == over, [(e.name, e.type) for e in events]
     assert sbx.files.read(f"{watched}/new.txt") == "two, longer"
     watcher.stop()
-    ok("files.write fires envd's events: CREATE+WRITE of a new file, WRITE of an overwrite, no temp names")
+    ok("files.write fires envd's events: CREATE+CHMOD+WRITE of a new file, CHMOD+WRITE of an overwrite, no temp names")
 
 
 async def async_write_events(sandbox_id, watched):
@@ -98,13 +94,13 @@ async def async_write_events(sandbox_id, watched):
         return seen + poll()
 
     await sandbox.files.write(f"{watched}/anew.txt", "one")
-    events = await settle_async({("anew.txt", T.CREATE), ("anew.txt", T.WRITE)}, "async new file")
-    types, names = kinds(events, "anew.txt")
-    assert names == {"anew.txt"} and types == {T.CREATE, T.WRITE}, [(e.name, e.type) for e in events]
+    new = {("anew.txt", T.CREATE), ("anew.txt", T.CHMOD), ("anew.txt", T.WRITE)}
+    events = await settle_async(new, "async new file")
+    assert {(e.name, e.type) for e in events} == new, [(e.name, e.type) for e in events]
     await sandbox.files.write(f"{watched}/anew.txt", "two")
-    events = await settle_async({("anew.txt", T.WRITE)}, "async overwrite")
-    types, names = kinds(events, "anew.txt")
-    assert names == {"anew.txt"} and types == {T.WRITE}, [(e.name, e.type) for e in events]
+    over = {("anew.txt", T.CHMOD), ("anew.txt", T.WRITE)}
+    events = await settle_async(over, "async overwrite")
+    assert {(e.name, e.type) for e in events} == over, [(e.name, e.type) for e in events]
     await handle.stop()
 
 

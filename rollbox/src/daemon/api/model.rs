@@ -320,6 +320,9 @@ pub enum FileOp {
         atomic: bool,
         /// Replace the file's user metadata (E2B file metadata); None leaves it.
         metadata: Option<std::collections::BTreeMap<String, String>>,
+        /// Give the file to this guest user as it is written (E2B's envd does); None: the
+        /// agent's rules (a new file is root's, a replaced one keeps its owner).
+        owner: Option<String>,
     },
     Remove {
         path: String,

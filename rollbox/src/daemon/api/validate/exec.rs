@@ -315,6 +315,7 @@ mod tests {
                     parents: true,
                     atomic: true,
                     metadata: None,
+                    owner: None,
                 }
             }
         );

@@ -55,6 +55,7 @@ pub fn parse_file_op(method: &str, rest: &[&str], query: Option<&str>) -> Result
             parents,
             atomic: true,
             metadata: None,
+            owner: None,
         },
         ("DELETE", _) => FileOp::Remove { path, recursive },
         ("GET", ["files", "stat"]) => FileOp::Stat { path },

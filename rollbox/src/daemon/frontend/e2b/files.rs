@@ -104,13 +104,15 @@ impl Call {
         let mut written = Vec::new();
         for (path, data) in files {
             let path = call.resolve(&path);
-            // Every upload sets the metadata, so an overwrite without any clears the old.
+            // Every upload sets the metadata, so an overwrite without any clears the old, and
+            // gives the file to the user, as envd does (a watch sees that as `chmod`).
             let op = FileOp::Write {
                 path: path.clone(),
                 mode: None,
                 parents: true,
                 atomic: false,
                 metadata: Some(metadata.clone()),
+                owner: Some(call.user.clone().unwrap_or_else(|| "root".to_string())),
             };
             if let Err(e) = self.e2b.core.upload(self.id(), op, &data[..]).await {
                 return files_error(e.status(), format!("path {path}: {e}"));
@@ -134,15 +136,17 @@ const MAX_METADATA_KEY: usize = 255 - "user.e2b.".len();
 const MAX_METADATA_VALUE: usize = 4096;
 
 /// The file metadata of an upload's `X-Metadata-*` headers, keys lowercased (header names
-/// are); a bad key or value is named in the error (a 400, InvalidArgumentException).
+/// are; an empty key is dropped, a repeated one keeps its first value, as in envd); a bad
+/// value or a key too long is named in the error (a 400, InvalidArgumentException).
 fn metadata_headers(headers: &hyper::HeaderMap) -> Result<BTreeMap<String, String>, String> {
     let mut metadata = BTreeMap::new();
     for (name, value) in headers {
         let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
             continue;
         };
-        if key.is_empty() {
-            return Err(format!("header {name}: the metadata key is empty"));
+        // envd drops an empty key and keeps a repeated header's first value.
+        if key.is_empty() || metadata.contains_key(key) {
+            continue;
         }
         if key.len() > MAX_METADATA_KEY {
             return Err(format!(
@@ -161,9 +165,7 @@ fn metadata_headers(headers: &hyper::HeaderMap) -> Result<BTreeMap<String, Strin
                 "header {name}: the metadata value is over {MAX_METADATA_VALUE} bytes"
             ));
         }
-        if metadata.insert(key.to_string(), value.to_string()).is_some() {
-            return Err(format!("header {name}: given twice"));
-        }
+        metadata.insert(key.to_string(), value.to_string());
     }
     Ok(metadata)
 }
@@ -244,19 +246,20 @@ mod tests {
                 ("owner".to_string(), "alice".to_string()),
             ])
         );
-        let mut bad = hyper::HeaderMap::new();
-        bad.insert("x-metadata-", "v".parse().expect("value"));
-        assert!(metadata_headers(&bad).expect_err("empty key").contains("empty"));
+        let mut odd = hyper::HeaderMap::new();
+        odd.insert("x-metadata-", "v".parse().expect("value"));
+        odd.append("x-metadata-k", "1".parse().expect("value"));
+        odd.append("x-metadata-k", "2".parse().expect("value"));
+        assert_eq!(
+            metadata_headers(&odd).expect("metadata"),
+            BTreeMap::from([("k".to_string(), "1".to_string())])
+        );
         let mut bad = hyper::HeaderMap::new();
         bad.insert(
             "x-metadata-k",
             hyper::header::HeaderValue::from_bytes(b"caf\xc3\xa9").expect("value"),
         );
         assert!(metadata_headers(&bad).expect_err("not ascii").contains("x-metadata-k"));
-        let mut bad = hyper::HeaderMap::new();
-        bad.append("x-metadata-k", "1".parse().expect("value"));
-        bad.append("x-metadata-k", "2".parse().expect("value"));
-        assert!(metadata_headers(&bad).expect_err("twice").contains("twice"));
     }
 
     #[test]
