@@ -247,7 +247,7 @@ pub struct WatchRequest {
     /// Watch every subdirectory too, including ones created later.
     #[serde(default)]
     pub recursive: bool,
-    /// Refuse a directory on a network file system (NFS, CIFS/SMB, FUSE, 9P, Ceph), where
+    /// Refuse a directory on a network file system (NFS, CIFS/SMB, FUSE: envd's list), where
     /// inotify misses other machines' changes (default false: any file system is watched).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub refuse_network_mounts: bool,

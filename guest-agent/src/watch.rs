@@ -45,7 +45,7 @@ pub enum WatchError {
     WatchLimit(String),
     #[error("watch {0}: the path has a NUL byte")]
     NulInPath(String),
-    #[error("watch {path}: the directory is on a network file system ({kind}), where changes made elsewhere are not seen; watch it with network mounts allowed to watch it anyway")]
+    #[error("watch {path}: cannot watch a directory on a network file system ({kind}), where changes made elsewhere are not seen (allow network mounts to watch it anyway)")]
     NetworkMount { path: String, kind: &'static str },
 }
 
@@ -339,7 +339,10 @@ fn network_fs(path: &str) -> Result<Option<&'static str>, WatchError> {
         let source = std::io::Error::last_os_error();
         return Err(SysError::new("statfs", path, source).into());
     }
-    Ok(network_fs_kind(i64::from(stat.f_type)))
+    // f_type is a long in glibc and an unsigned long in musl: a cast serves both.
+    #[allow(clippy::unnecessary_cast, clippy::useless_conversion)]
+    let magic = stat.f_type as i64;
+    Ok(network_fs_kind(magic))
 }
 
 /// The network file systems E2B's envd refuses to watch by default, by statfs magic.
@@ -350,8 +353,6 @@ fn network_fs_kind(magic: i64) -> Option<&'static str> {
         0xFE53_4D42 => "SMB2",
         0x517B => "SMB",
         0x6573_5546 => "FUSE",
-        0x0102_1997 => "9P",
-        0x00C3_6400 => "Ceph",
         _ => return None,
     })
 }
