@@ -788,7 +788,9 @@ mod tests {
         let entry = r#"{"name":"a","path":"/a","kind":"file","size":1,"mode":420,"uid":0,"gid":0,"mtime_ns":0}"#;
         let info: FileInfo = serde_json::from_str(entry).expect("parse");
         assert!(info.metadata.is_empty());
-        assert!(!serde_json::to_string(&info).expect("json").contains("metadata"));
+        assert!(!serde_json::to_string(&info)
+            .expect("json")
+            .contains("metadata"));
     }
 
     #[test]

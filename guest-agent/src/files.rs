@@ -645,7 +645,10 @@ mod tests {
         let probe = fs::File::open(&path).expect("open");
         let one = std::collections::BTreeMap::from([("k".to_string(), "v".to_string())]);
         if crate::xattrs::replace(&probe, "probe", &one).is_err() {
-            eprintln!("skip metadata: {} has no user extended attributes", dir.path().display());
+            eprintln!(
+                "skip metadata: {} has no user extended attributes",
+                dir.path().display()
+            );
             return;
         }
         req.metadata = Some(one.clone());
@@ -655,12 +658,24 @@ mod tests {
         // A write that says nothing keeps it; one with an empty map clears it.
         req.metadata = None;
         write(&req, b"fourth");
-        assert_eq!(stat(&path.display().to_string(), false).expect("stat").metadata, one);
+        assert_eq!(
+            stat(&path.display().to_string(), false)
+                .expect("stat")
+                .metadata,
+            one
+        );
         req.metadata = Some(Default::default());
         write(&req, b"fifth");
-        assert!(list(&dir.path().display().to_string()).expect("list")[0].metadata.is_empty());
-        req.metadata = Some(std::collections::BTreeMap::from([(String::new(), "v".to_string())]));
-        let error = PendingWrite::begin(&req, None).err().expect("an empty key is refused");
+        assert!(list(&dir.path().display().to_string()).expect("list")[0]
+            .metadata
+            .is_empty());
+        req.metadata = Some(std::collections::BTreeMap::from([(
+            String::new(),
+            "v".to_string(),
+        )]));
+        let error = PendingWrite::begin(&req, None)
+            .err()
+            .expect("an empty key is refused");
         assert_eq!(error.code, "bad_request");
     }
 }

@@ -48,7 +48,10 @@ pub fn read(path: &Path) -> BTreeMap<String, String> {
         };
         if let Ok(len) = usize::try_from(got) {
             value.truncate(len);
-            out.insert(key.to_string(), String::from_utf8_lossy(&value).into_owned());
+            out.insert(
+                key.to_string(),
+                String::from_utf8_lossy(&value).into_owned(),
+            );
         }
     }
     out
@@ -145,15 +148,8 @@ pub fn replace(
         let name = format!("{METADATA_XATTR_PREFIX}{key}");
         let c_name = CString::new(name).map_err(|e| fail("setxattr", e.into()))?;
         // SAFETY: fd is open; c_name is NUL-terminated; value is valid for its length.
-        let rc = unsafe {
-            libc::fsetxattr(
-                fd,
-                c_name.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        };
+        let rc =
+            unsafe { libc::fsetxattr(fd, c_name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
         if rc != 0 {
             return Err(fail("setxattr", io::Error::last_os_error()));
         }
@@ -181,7 +177,10 @@ mod tests {
             let map = BTreeMap::from([("k".to_string(), "v".to_string())]);
             let error = replace(&file, "a", &map).expect_err("no xattrs here");
             assert!(error.message.contains("extended attributes"), "{error:?}");
-            eprintln!("skip: {} has no user extended attributes", dir.path().display());
+            eprintln!(
+                "skip: {} has no user extended attributes",
+                dir.path().display()
+            );
             return;
         }
         let path = dir.path().join("a");

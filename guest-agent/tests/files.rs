@@ -515,7 +515,10 @@ async fn in_place_write_with_owner_and_metadata() {
         }
     }
     assert!(seen.iter().all(|e| e.name == "e2b.txt"), "{seen:?}");
-    assert!(seen.iter().all(|e| e.kind != FsEventKind::Rename), "{seen:?}");
+    assert!(
+        seen.iter().all(|e| e.kind != FsEventKind::Rename),
+        "{seen:?}"
+    );
     assert_eq!(std::fs::read(&path).expect("host read"), b"first");
     if supported {
         assert_eq!(client.stat(&path).await.expect("stat").metadata, metadata);

@@ -90,8 +90,12 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
         return no_content();
     }
     let token = e2b.access_token(&id);
-    let sent = header(&request, "x-access-token").map(str::trim);
-    let token_ok = sent == Some(token.as_str());
+    // An empty header is no header (envd's rule).
+    let sent = header(&request, "x-access-token")
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let token_ok =
+        sent.is_some_and(|t| signature::constant_time_eq(t.as_bytes(), token.as_bytes()));
     let rpc = path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
     // `/files` also takes a signed URL instead of the header (download_url()/upload_url()).
     let files_op = match (method.as_str(), path.as_str()) {
@@ -102,7 +106,10 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
     if let (false, None, Some(operation)) = (token_ok, sent, files_op) {
         let query = request.uri().query().unwrap_or("");
         if let Err(e) = signature::verify(query, operation, &token, signature::unix_now()) {
-            return json(401, &json!({ "code": 401, "message": format!("sandbox {id}: {e}") }));
+            return json(
+                401,
+                &json!({ "code": 401, "message": format!("sandbox {id}: {e}") }),
+            );
         }
     } else if !token_ok {
         let message = format!("sandbox {id}: missing or wrong X-Access-Token (the envdAccessToken of the create answer)");

@@ -236,8 +236,14 @@ mod tests {
     fn metadata_comes_from_x_metadata_headers() {
         let mut headers = hyper::HeaderMap::new();
         headers.insert("X-Metadata-Owner", "alice".parse().expect("value"));
-        headers.insert("x-metadata-content-type", "text/plain".parse().expect("value"));
-        headers.insert("content-type", "application/octet-stream".parse().expect("value"));
+        headers.insert(
+            "x-metadata-content-type",
+            "text/plain".parse().expect("value"),
+        );
+        headers.insert(
+            "content-type",
+            "application/octet-stream".parse().expect("value"),
+        );
         let metadata = metadata_headers(&headers).expect("metadata");
         assert_eq!(
             metadata,
@@ -259,7 +265,9 @@ mod tests {
             "x-metadata-k",
             hyper::header::HeaderValue::from_bytes(b"caf\xc3\xa9").expect("value"),
         );
-        assert!(metadata_headers(&bad).expect_err("not ascii").contains("x-metadata-k"));
+        assert!(metadata_headers(&bad)
+            .expect_err("not ascii")
+            .contains("x-metadata-k"));
     }
 
     #[test]

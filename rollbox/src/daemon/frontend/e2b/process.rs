@@ -29,7 +29,7 @@ use super::super::super::api::{Action, Chunk, Reply, MAX_BODY};
 use super::super::transport::Out;
 use super::call::{connect_stream_response, decode, keepalive_of, read_body, rpc_error, Call};
 use super::connect::{self, Code, RpcError};
-use super::state::{gone_event, Process, Subscribers, E2b, GONE_KEY};
+use super::state::{gone_event, E2b, Process, Subscribers, GONE_KEY};
 use super::wire::header;
 
 /// How long an ended process's end event stays for `Connect`.

@@ -98,7 +98,7 @@ pub fn verify(
 }
 
 /// Equal bytes, in a time that depends only on the lengths.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
@@ -140,12 +140,12 @@ mod tests {
         let now = 1_700_000_000;
         let read = sign("/a b", Operation::Read, "", "tok", None);
         let query = |sig: &str, extra: &str| {
-            format!(
-                "path=%2Fa%20b&signature={}{extra}",
-                sig.replace('+', "%2B")
-            )
+            format!("path=%2Fa%20b&signature={}{extra}", sig.replace('+', "%2B"))
         };
-        assert_eq!(verify(&query(&read, ""), Operation::Read, "tok", now), Ok(()));
+        assert_eq!(
+            verify(&query(&read, ""), Operation::Read, "tok", now),
+            Ok(())
+        );
         // The other operation, another token, another user, another path.
         assert_eq!(
             verify(&query(&read, ""), Operation::Write, "tok", now),
@@ -169,7 +169,10 @@ mod tests {
         // Expiry: part of the signature, and checked against the clock.
         let later = sign("/a b", Operation::Read, "", "tok", Some(now + 60));
         let with = |sig: &str, exp: i64| query(sig, &format!("&signature_expiration={exp}"));
-        assert_eq!(verify(&with(&later, now + 60), Operation::Read, "tok", now), Ok(()));
+        assert_eq!(
+            verify(&with(&later, now + 60), Operation::Read, "tok", now),
+            Ok(())
+        );
         assert!(verify(&with(&later, now + 61), Operation::Read, "tok", now).is_err());
         let past = sign("/a b", Operation::Read, "", "tok", Some(now - 1));
         assert_eq!(
@@ -184,7 +187,12 @@ mod tests {
             Err(SignatureError::Missing)
         );
         assert!(matches!(
-            verify(&query(&read, "&signature_expiration=soon"), Operation::Read, "tok", now),
+            verify(
+                &query(&read, "&signature_expiration=soon"),
+                Operation::Read,
+                "tok",
+                now
+            ),
             Err(SignatureError::BadExpiration(_))
         ));
     }
