@@ -8,6 +8,7 @@ the pinned SDK (2.63); older ones (test_sdk.py also runs with 2.50) print `skip`
 import asyncio
 import importlib.metadata
 import os
+import pwd
 import threading
 import time
 import urllib.error
@@ -70,7 +71,13 @@ def check_write_events(sbx, base):
     assert {(e.name, e.type) for e in events} == over, [(e.name, e.type) for e in events]
     assert sbx.files.read(f"{watched}/new.txt") == "two, longer"
     watcher.stop()
-    ok("files.write fires envd's events: CREATE+CHMOD+WRITE of a new file, CHMOD+WRITE of an overwrite, no temp names")
+    # The file is given to the request's user, as envd does (root by default). The scratch
+    # directory is on this host (the host agent), so its owner is seen here.
+    sbx.files.write(f"{watched}/nobody.txt", "n", user="nobody")
+    assert os.stat(f"{watched}/nobody.txt").st_uid == pwd.getpwnam("nobody").pw_uid
+    sbx.files.write(f"{watched}/nobody.txt", "root's now")
+    assert os.stat(f"{watched}/nobody.txt").st_uid == 0
+    ok("files.write fires envd's events: CREATE+CHMOD+WRITE of a new file, CHMOD+WRITE of an overwrite, no temp names; the file is the user's")
 
 
 async def async_write_events(sandbox_id, watched):
