@@ -251,6 +251,10 @@ pub struct WatchRequest {
     /// Watch every subdirectory too, including ones created later.
     #[serde(default)]
     pub recursive: bool,
+    /// Refuse a directory on a network file system (NFS, CIFS/SMB, FUSE: envd's list), where
+    /// inotify misses other machines' changes (default false: any file system is watched).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refuse_network_mounts: bool,
 }
 
 /// What happened to an entry under a watched directory.
@@ -326,6 +330,15 @@ pub struct WriteFileRequest {
     /// Create missing parent directories.
     #[serde(default)]
     pub make_parents: bool,
+    /// Replace the file's user metadata (its `user.e2b.*` extended attributes) with these
+    /// once written; an empty map clears them. None (the default) leaves them as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<BTreeMap<String, String>>,
+    /// Give the file to this user (a name or uid) and its primary group as it is written, as
+    /// E2B's envd does. None (the default): a new file is the agent's, a replaced one keeps
+    /// its owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 impl WriteFileRequest {
@@ -336,9 +349,15 @@ impl WriteFileRequest {
             owner: None,
             atomic: true,
             make_parents: false,
+            metadata: None,
+            owner: None,
         }
     }
 }
+
+/// The extended-attribute name prefix of a file's user metadata (`WriteFileRequest::metadata`,
+/// `FileInfo::metadata`).
+pub const METADATA_XATTR_PREFIX: &str = "user.e2b.";
 
 /// `docker run --rm` of an image, through the docker CLI in the guest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -575,6 +594,10 @@ pub struct FileInfo {
     /// The target, for a symlink.
     #[serde(default)]
     pub link_target: Option<String>,
+    /// User metadata: the `user.e2b.*` extended attributes, prefix stripped (agents before
+    /// this field send none).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// An account of the guest's passwd file (`LookupUser`).
@@ -734,7 +757,8 @@ mod tests {
                 .body,
             ClientMessage::Watch(WatchRequest {
                 path: "/tmp".into(),
-                recursive: false
+                recursive: false,
+                refuse_network_mounts: false,
             })
         );
         let events = ServerMessage::FsEvents {
@@ -754,6 +778,40 @@ mod tests {
             reason: "cancelled".into()
         }
         .is_terminal());
+    }
+
+    #[test]
+    fn write_metadata_and_network_mount_fields_are_optional() {
+        // Older hosts send neither field: atomic writes, metadata untouched, any mount watched.
+        let old = r#"{"op":"write_file","path":"/a"}"#;
+        let ClientMessage::WriteFile(req) = serde_json::from_str(old).expect("parse") else {
+            panic!("not a write");
+        };
+        assert_eq!(req, WriteFileRequest::new("/a"));
+        let mut req = WriteFileRequest::new("/a");
+        req.atomic = false;
+        req.metadata = Some(BTreeMap::from([("k".to_string(), "v".to_string())]));
+        req.owner = Some("user".into());
+        let text = serde_json::to_string(&ClientMessage::WriteFile(req.clone())).expect("json");
+        assert!(text.contains(r#""metadata":{"k":"v"}"#), "{text}");
+        assert_eq!(
+            serde_json::from_str::<ClientMessage>(&text).expect("parse"),
+            ClientMessage::WriteFile(req)
+        );
+        let watch = WatchRequest {
+            path: "/w".into(),
+            recursive: false,
+            refuse_network_mounts: false,
+        };
+        let text = serde_json::to_string(&watch).expect("json");
+        assert!(!text.contains("refuse_network_mounts"), "{text}");
+        // An entry without metadata reads as an empty map, and writes none.
+        let entry = r#"{"name":"a","path":"/a","kind":"file","size":1,"mode":420,"uid":0,"gid":0,"mtime_ns":0}"#;
+        let info: FileInfo = serde_json::from_str(entry).expect("parse");
+        assert!(info.metadata.is_empty());
+        assert!(!serde_json::to_string(&info)
+            .expect("json")
+            .contains("metadata"));
     }
 
     #[test]

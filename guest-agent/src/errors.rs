@@ -82,6 +82,7 @@ pub fn errno_name(errno: i32) -> Option<&'static str> {
         libc::EMLINK => "EMLINK",
         libc::EPIPE => "EPIPE",
         libc::ERANGE => "ERANGE",
+        libc::EOPNOTSUPP => "ENOTSUP",
         libc::ENAMETOOLONG => "ENAMETOOLONG",
         libc::ENOSYS => "ENOSYS",
         libc::ENOTEMPTY => "ENOTEMPTY",

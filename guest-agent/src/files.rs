@@ -70,6 +70,12 @@ fn file_info(path: &Path, meta: &fs::Metadata) -> FileInfo {
         } else {
             None
         },
+        // Only files and directories carry user attributes.
+        metadata: if kind == FileKind::File || kind == FileKind::Dir {
+            crate::xattrs::read(path)
+        } else {
+            Default::default()
+        },
     }
 }
 
@@ -298,11 +304,31 @@ struct PendingWrite {
     temp: Option<PathBuf>,
     file: fs::File,
     bytes: u64,
+    /// The user metadata that replaces the file's once written.
+    metadata: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// Who a written file is given to: (uid, gid).
+pub type Owner = (u32, u32);
+
+/// Gives the open `file`, or else `path`, to `owner` (nothing without one).
+fn give(owner: Option<Owner>, path: &str, file: Option<&fs::File>) -> Result<(), ErrorInfo> {
+    let Some((uid, gid)) = owner else {
+        return Ok(());
+    };
+    let done = match file {
+        Some(file) => std::os::unix::fs::fchown(file, Some(uid), Some(gid)),
+        None => std::os::unix::fs::chown(path, Some(uid), Some(gid)),
+    };
+    done.map_err(|e| info(SysError::new("chown", path, e)))
 }
 
 impl PendingWrite {
-    fn begin(req: &WriteFileRequest, owner: Option<(u32, u32)>) -> Result<Self, ErrorInfo> {
+    fn begin(req: &WriteFileRequest, owner: Option<Owner>) -> Result<Self, ErrorInfo> {
         let path = check_path(&req.path)?;
+        if let Some(metadata) = &req.metadata {
+            crate::xattrs::check(metadata)?;
+        }
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             return Err(ErrorInfo::bad_request(format!(
                 "write: {} names no file",
@@ -324,6 +350,11 @@ impl PendingWrite {
             .mode
             .or(existing.as_ref().map(|m| m.mode() & 0o7777))
             .unwrap_or(0o644);
+        // envd's order for a file written in place: an existing file is given to the user
+        // before it is opened, a new one once it is there.
+        if !req.atomic && existing.is_some() {
+            give(owner, &req.path, None)?;
+        }
         let (file, temp) = if req.atomic {
             let temp = parent.join(format!(
                 ".{}.rollbox-{}-{}.tmp",
@@ -354,6 +385,7 @@ impl PendingWrite {
             temp,
             file,
             bytes: 0,
+            metadata: req.metadata.clone(),
         };
         if pending.temp.is_some() {
             // Exact mode despite the umask; owner of the file being replaced.
@@ -361,14 +393,14 @@ impl PendingWrite {
                 .file
                 .set_permissions(fs::Permissions::from_mode(mode))
                 .map_err(|e| info(SysError::new("chmod", &req.path, e)))?;
-            if let (None, Some(meta)) = (owner, &existing) {
+            if owner.is_some() {
+                give(owner, &req.path, Some(&pending.file))?;
+            } else if let Some(meta) = &existing {
                 let _ =
                     std::os::unix::fs::fchown(&pending.file, Some(meta.uid()), Some(meta.gid()));
             }
-        }
-        if let Some((uid, gid)) = owner {
-            std::os::unix::fs::fchown(&pending.file, Some(uid), Some(gid))
-                .map_err(|e| info(SysError::new("chown", &req.path, e)))?;
+        } else if existing.is_none() {
+            give(owner, &req.path, Some(&pending.file))?;
         }
         Ok(pending)
     }
@@ -389,6 +421,9 @@ impl PendingWrite {
 
     fn commit(mut self) -> Result<u64, ErrorInfo> {
         let path_text = self.path.display().to_string();
+        if let Some(metadata) = &self.metadata {
+            crate::xattrs::replace(&self.file, &path_text, metadata)?;
+        }
         self.file
             .sync_all()
             .map_err(|e| info(SysError::new("fsync", &path_text, e)))?;
@@ -421,7 +456,7 @@ impl Drop for PendingWrite {
 }
 
 /// Creates `dir` and its missing parents; those it creates go to `owner` when given.
-fn make_parents(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), ErrorInfo> {
+fn make_parents(dir: &Path, owner: Option<Owner>) -> Result<(), ErrorInfo> {
     let missing: Vec<&Path> = dir
         .ancestors()
         .take_while(|d| fs::symlink_metadata(d).is_err())
@@ -437,11 +472,11 @@ fn make_parents(dir: &Path, owner: Option<(u32, u32)>) -> Result<(), ErrorInfo> 
     Ok(())
 }
 
-/// `ready` sends the Ready reply; false means the client is gone. `owner` (uid, gid) gets
-/// the file and the parents the write creates.
+/// `ready` sends the Ready reply; false means the client is gone.
+/// `owner` is `req.owner` as looked up by the caller.
 pub fn write_file(
     req: &WriteFileRequest,
-    owner: Option<(u32, u32)>,
+    owner: Option<Owner>,
     rx: &mut mpsc::Receiver<UploadInput>,
     ready: impl FnOnce() -> bool,
 ) -> Result<u64, ErrorInfo> {
@@ -611,5 +646,74 @@ mod tests {
         }
         let top = fs::symlink_metadata(dir.path()).expect("stat");
         assert_eq!(top.uid(), 0, "an existing parent keeps its owner");
+    }
+
+    #[test]
+    fn in_place_write_keeps_the_inode_and_replaces_metadata() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("g.txt");
+        let mut req = WriteFileRequest::new(path.display().to_string());
+        req.atomic = false;
+        let write = |req: &WriteFileRequest, data: &[u8]| {
+            let mut pending = PendingWrite::begin(req, None).expect("begin");
+            pending.write(data).expect("write");
+            pending.commit().expect("commit")
+        };
+        write(&req, b"first, longer");
+        let inode = fs::metadata(&path).expect("stat").ino();
+        write(&req, b"second");
+        assert_eq!(fs::read(&path).expect("read"), b"second");
+        // Given to an owner (here our own ids, which any user may give): before the open for
+        // an existing file, after it for a new one.
+        // SAFETY: getuid and getgid cannot fail.
+        let me = unsafe { (libc::getuid(), libc::getgid()) };
+        for name in ["g.txt", "owned-new.txt"] {
+            let mut owned = WriteFileRequest::new(dir.path().join(name).display().to_string());
+            owned.atomic = false;
+            let mut pending = PendingWrite::begin(&owned, Some(me)).expect("begin owned");
+            pending.write(b"second").expect("write");
+            pending.commit().expect("commit");
+            let meta = fs::metadata(dir.path().join(name)).expect("stat");
+            assert_eq!((meta.uid(), meta.gid()), me);
+        }
+        fs::remove_file(dir.path().join("owned-new.txt")).expect("rm");
+        assert_eq!(fs::metadata(&path).expect("stat").ino(), inode);
+        assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
+
+        let probe = fs::File::open(&path).expect("open");
+        let one = std::collections::BTreeMap::from([("k".to_string(), "v".to_string())]);
+        if crate::xattrs::replace(&probe, "probe", &one).is_err() {
+            eprintln!(
+                "skip metadata: {} has no user extended attributes",
+                dir.path().display()
+            );
+            return;
+        }
+        req.metadata = Some(one.clone());
+        write(&req, b"third");
+        let info = stat(&path.display().to_string(), false).expect("stat");
+        assert_eq!(info.metadata, one);
+        // A write that says nothing keeps it; one with an empty map clears it.
+        req.metadata = None;
+        write(&req, b"fourth");
+        assert_eq!(
+            stat(&path.display().to_string(), false)
+                .expect("stat")
+                .metadata,
+            one
+        );
+        req.metadata = Some(Default::default());
+        write(&req, b"fifth");
+        assert!(list(&dir.path().display().to_string()).expect("list")[0]
+            .metadata
+            .is_empty());
+        req.metadata = Some(std::collections::BTreeMap::from([(
+            String::new(),
+            "v".to_string(),
+        )]));
+        let error = PendingWrite::begin(&req, None)
+            .err()
+            .expect("an empty key is refused");
+        assert_eq!(error.code, "bad_request");
     }
 }

@@ -21,6 +21,7 @@ mod users;
 mod volumes;
 mod vsock;
 mod watch;
+mod xattrs;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -45,6 +45,8 @@ pub enum WatchError {
     WatchLimit(String),
     #[error("watch {0}: the path has a NUL byte")]
     NulInPath(String),
+    #[error("watch {path}: cannot watch a directory on a network file system ({kind}), where changes made elsewhere are not seen (allow network mounts to watch it anyway)")]
+    NetworkMount { path: String, kind: &'static str },
 }
 
 impl WatchError {
@@ -56,7 +58,9 @@ impl WatchError {
                 errno: Some(libc::ENOSPC),
                 message: self.to_string(),
             },
-            WatchError::NulInPath(_) => ErrorInfo::bad_request(self.to_string()),
+            WatchError::NulInPath(_) | WatchError::NetworkMount { .. } => {
+                ErrorInfo::bad_request(self.to_string())
+            }
         }
     }
 
@@ -84,6 +88,11 @@ impl Watches {
         } else {
             root
         };
+        if req.refuse_network_mounts {
+            if let Some(kind) = network_fs(&root)? {
+                return Err(WatchError::NetworkMount { path: root, kind });
+            }
+        }
         // SAFETY: inotify_init1 only makes a descriptor; the result is checked.
         let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
         if fd < 0 {
@@ -319,6 +328,35 @@ fn translate(watches: &mut Watches, raw: Vec<RawEvent>) -> Batch {
     batch
 }
 
+/// The network file system `path` is on, by statfs(2)'s magic number; None for a local one.
+fn network_fs(path: &str) -> Result<Option<&'static str>, WatchError> {
+    let c_path =
+        std::ffi::CString::new(path).map_err(|_| WatchError::NulInPath(path.to_string()))?;
+    // SAFETY: an all-zero statfs is a valid value for the kernel to fill.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c_path is NUL-terminated; stat is a valid statfs to write.
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } != 0 {
+        let source = std::io::Error::last_os_error();
+        return Err(SysError::new("statfs", path, source).into());
+    }
+    // f_type is a long in glibc and an unsigned long in musl: a cast serves both.
+    #[allow(clippy::unnecessary_cast, clippy::useless_conversion)]
+    let magic = stat.f_type as i64;
+    Ok(network_fs_kind(magic))
+}
+
+/// The network file systems E2B's envd refuses to watch by default, by statfs magic.
+fn network_fs_kind(magic: i64) -> Option<&'static str> {
+    Some(match magic {
+        0x6969 => "NFS",
+        0xFF53_4D42 => "CIFS",
+        0xFE53_4D42 => "SMB2",
+        0x517B => "SMB",
+        0x6573_5546 => "FUSE",
+        _ => return None,
+    })
+}
+
 /// Runs a watch until `stop` yields (the client's `cancel`) or closes (the connection is
 /// gone), or the directory goes. Returns the terminal reply.
 pub async fn run(
@@ -388,6 +426,25 @@ mod tests {
     use std::path::Path;
     use std::time::Duration;
 
+    #[tokio::test]
+    async fn network_file_systems_are_named_and_local_ones_are_not() {
+        assert_eq!(network_fs_kind(0x6969), Some("NFS"));
+        assert_eq!(network_fs_kind(0x6573_5546), Some("FUSE"));
+        assert_eq!(network_fs_kind(0xEF53), None); // ext4
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().display().to_string();
+        // This host's temp dir is local (tmpfs or a disk), so a refusing watch is made.
+        if network_fs(&path).expect("statfs").is_none() {
+            let req = WatchRequest {
+                path,
+                recursive: false,
+                refuse_network_mounts: true,
+            };
+            assert!(Watches::new(&req).is_ok());
+        }
+        assert!(network_fs("/nonexistent-rollbox").is_err());
+    }
+
     struct Running {
         frames: mpsc::Receiver<ServerFrame>,
         stop: mpsc::UnboundedSender<()>,
@@ -400,6 +457,7 @@ mod tests {
         let req = WatchRequest {
             path: path.display().to_string(),
             recursive,
+            refuse_network_mounts: false,
         };
         let task = tokio::spawn(async move { run(req, 9, &out, stop_rx).await });
         let first = frames.recv().await.expect("a first frame");
@@ -536,6 +594,7 @@ mod tests {
         let req = WatchRequest {
             path: dir.path().display().to_string(),
             recursive: false,
+            refuse_network_mounts: false,
         };
         let task = tokio::spawn(async move { run(req, 9, &out, stop_rx).await });
         assert_eq!(
@@ -581,6 +640,7 @@ mod tests {
             let req = WatchRequest {
                 path: path.display().to_string(),
                 recursive: false,
+                refuse_network_mounts: false,
             };
             match run(req, 1, &out, stop_rx).await {
                 ServerMessage::Error(info) => {

@@ -411,6 +411,7 @@ async fn watch_reports_writes_through_the_agent_and_ends_on_cancel() {
         .watch(WatchRequest {
             path: dir.clone(),
             recursive: false,
+            refuse_network_mounts: false,
         })
         .await
         .expect("watch");
@@ -449,6 +450,7 @@ async fn watch_reports_writes_through_the_agent_and_ends_on_cancel() {
         .watch(WatchRequest {
             path: format!("{dir}/note.txt"),
             recursive: false,
+            refuse_network_mounts: false,
         })
         .await
         .expect_err("a plain file cannot be watched");
@@ -456,4 +458,83 @@ async fn watch_reports_writes_through_the_agent_and_ends_on_cancel() {
         err.to_string().contains("note.txt: Not a directory"),
         "{err}"
     );
+}
+
+/// E2B's writes: in place (a watch sees the file's own name written, never a temporary one),
+/// given to an owner, with metadata that stat and list return and that a later write with an
+/// empty map clears; and a watch that refuses network mounts still watches a local directory.
+#[tokio::test]
+async fn in_place_write_with_owner_and_metadata() {
+    use rollbox_agent_protocol::{FsEventKind, ServerMessage, WatchRequest};
+    use std::collections::BTreeMap;
+    let agent = AgentProcess::start();
+    let client = agent.client().await;
+    let dir = agent.scratch("in-place");
+    client.mkdir(&dir, true).await.expect("mkdir");
+    let mut watch = client
+        .watch(WatchRequest {
+            path: dir.clone(),
+            recursive: false,
+            refuse_network_mounts: true,
+        })
+        .await
+        .expect("a local directory is watched even when network mounts are refused");
+    let path = format!("{dir}/e2b.txt");
+    let metadata = BTreeMap::from([("owner".to_string(), "alice".to_string())]);
+    let mut req = WriteFileRequest::new(&path);
+    req.atomic = false;
+    req.owner = Some("0".into());
+    req.metadata = Some(metadata.clone());
+    let xattrs = client.write_file_from(req.clone(), &b"first"[..]).await;
+    let supported = match xattrs {
+        Ok(_) => true,
+        // This host's scratch file system keeps no user xattrs (or we may not chown to 0).
+        Err(e) => {
+            eprintln!("skip the metadata part: {e}");
+            req.metadata = None;
+            req.owner = None;
+            client
+                .write_file_from(req.clone(), &b"first"[..])
+                .await
+                .expect("write in place");
+            false
+        }
+    };
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|e: &rollbox_agent_protocol::FsEvent| e.kind == FsEventKind::Write)
+    {
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(10), watch.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no write within 10 s; saw {seen:?}"))
+            .expect("reply");
+        match reply {
+            ServerMessage::FsEvents { events } => seen.extend(events),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(seen.iter().all(|e| e.name == "e2b.txt"), "{seen:?}");
+    assert!(
+        seen.iter().all(|e| e.kind != FsEventKind::Rename),
+        "{seen:?}"
+    );
+    assert_eq!(std::fs::read(&path).expect("host read"), b"first");
+    if supported {
+        assert_eq!(client.stat(&path).await.expect("stat").metadata, metadata);
+        let listed = client.list(&dir).await.expect("list");
+        assert_eq!(listed[0].metadata, metadata);
+        req.metadata = Some(BTreeMap::new());
+        client
+            .write_file_from(req.clone(), &b"second"[..])
+            .await
+            .expect("overwrite");
+        assert!(client.stat(&path).await.expect("stat").metadata.is_empty());
+    }
+    req.owner = Some("no-such-user-rollbox".into());
+    let err = client
+        .write_file_from(req, &b"x"[..])
+        .await
+        .expect_err("an unknown owner");
+    assert!(err.to_string().contains("no-such-user-rollbox"), "{err}");
 }

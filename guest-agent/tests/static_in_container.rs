@@ -187,6 +187,7 @@ async fn static_agent_runs_as_pid1_in_a_busybox_container() {
         .watch(WatchRequest {
             path: "/tmp".into(),
             recursive: false,
+            refuse_network_mounts: false,
         })
         .await
         .expect("watch /tmp");

@@ -336,6 +336,7 @@ async fn agent_is_init_of_a_tcg_guest_over_vsock() {
         .watch(WatchRequest {
             path: "/root/work".into(),
             recursive: true,
+            refuse_network_mounts: false,
         })
         .await
         .expect("watch");

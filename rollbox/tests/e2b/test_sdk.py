@@ -26,6 +26,7 @@ from e2b.api.client.models.sandbox_state import SandboxState
 
 from conformance_user import async_user_checks, user_checks
 import conformance_control
+import conformance_files
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
@@ -157,6 +158,7 @@ def main():
     list_order_checks()
     if sdk_version() >= (2, 63):  # lifecycle, started_after and snapshot names are 2.63's
         conformance_control.run_checks(TEMPLATE)
+    conformance_files.killed_checks()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
@@ -339,6 +341,7 @@ def run_checks(sbx):
     faulthandler.dump_traceback_later(120, exit=True)
     pty_checks(sbx, base)
     watch_checks(sbx, base)
+    conformance_files.file_checks(sbx)
     faulthandler.cancel_dump_traceback_later()
     sbx.files.remove(base)
 

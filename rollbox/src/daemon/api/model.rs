@@ -355,8 +355,13 @@ pub enum FileOp {
         path: String,
         mode: Option<u32>,
         parents: bool,
-        /// The account that gets the file and the parents the write creates (E2B's uploads);
-        /// None keeps the agent's default (the replaced file's owner, else root).
+        /// Write a temporary file and rename it over `path` (the native API), or write `path`
+        /// in place, truncating it (E2B's envd: a watch sees a write of `path`, not a rename).
+        atomic: bool,
+        /// Replace the file's user metadata (E2B file metadata); None leaves it.
+        metadata: Option<std::collections::BTreeMap<String, String>>,
+        /// Give the file to this guest user as it is written (E2B's envd does); None: the
+        /// agent's rules (a new file is root's, a replaced one keeps its owner).
         owner: Option<String>,
     },
     Remove {

@@ -67,11 +67,15 @@ impl Guest {
                 path,
                 mode,
                 parents,
+                atomic,
+                metadata,
                 owner,
             } => {
                 let mut request = WriteFileRequest::new(path.clone());
                 request.mode = mode;
                 request.make_parents = parents;
+                request.atomic = atomic;
+                request.metadata = metadata;
                 request.owner = owner;
                 let bytes = client.write_file_from(request, body).await;
                 (path, bytes)

@@ -313,6 +313,8 @@ mod tests {
                     path: "/a b".into(),
                     mode: Some(0o600),
                     parents: true,
+                    atomic: true,
+                    metadata: None,
                     owner: None,
                 }
             }

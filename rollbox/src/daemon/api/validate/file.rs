@@ -53,6 +53,8 @@ pub fn parse_file_op(method: &str, rest: &[&str], query: Option<&str>) -> Result
             path,
             mode,
             parents,
+            atomic: true,
+            metadata: None,
             owner: None,
         },
         ("DELETE", _) => FileOp::Remove { path, recursive },

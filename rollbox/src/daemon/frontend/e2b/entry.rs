@@ -43,5 +43,9 @@ pub fn entry(info: &FileInfo) -> Value {
     if let Some(target) = &info.link_target {
         value["symlinkTarget"] = json!(target);
     }
+    // The file's user metadata (`user.e2b.*` attributes): envd 0.6.2.
+    if !info.metadata.is_empty() {
+        value["metadata"] = json!(info.metadata);
+    }
     value
 }

@@ -15,6 +15,7 @@ use super::super::transport::Out;
 use super::call::{read_body, unary_error, Call};
 use super::connect::{Code, RpcError};
 use super::process::Stream;
+use super::signature::{self, Operation};
 use super::state::E2b;
 use super::wire::{header, json, no_content, ENVD_PORT};
 
@@ -95,10 +96,29 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
     if method == "GET" && path == "/health" {
         return no_content();
     }
+    let token = e2b.access_token(&id);
+    // An empty header is no header (envd's rule).
+    let sent = header(&request, "x-access-token")
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
     let token_ok =
-        header(&request, "x-access-token").is_some_and(|t| t.trim() == e2b.access_token(&id));
+        sent.is_some_and(|t| signature::constant_time_eq(t.as_bytes(), token.as_bytes()));
     let rpc = path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
-    if !token_ok {
+    // `/files` also takes a signed URL instead of the header (download_url()/upload_url()).
+    let files_op = match (method.as_str(), path.as_str()) {
+        ("GET", "/files") => Some(Operation::Read),
+        ("POST", "/files") => Some(Operation::Write),
+        _ => None,
+    };
+    if let (false, None, Some(operation)) = (token_ok, sent, files_op) {
+        let query = request.uri().query().unwrap_or("");
+        if let Err(e) = signature::verify(query, operation, &token, signature::unix_now()) {
+            return json(
+                401,
+                &json!({ "code": 401, "message": format!("sandbox {id}: {e}") }),
+            );
+        }
+    } else if !token_ok {
         let message = format!("sandbox {id}: missing or wrong X-Access-Token (the envdAccessToken of the create answer)");
         return if rpc {
             unary_error(&RpcError::new(Code::Unauthenticated, message))

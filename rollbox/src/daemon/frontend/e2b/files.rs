@@ -1,6 +1,9 @@
 //! envd's `/files`: downloads and uploads (octet-stream, multipart, gzip), as the user the
-//! request names; an upload belongs to that user, as envd's do.
+//! request names; an upload belongs to that user, as envd's do. Uploads write in place, as envd
+//! does (a watch sees the file's own name written), and set the file's metadata from
+//! `X-Metadata-<key>` headers (envd 0.6.2).
 
+use std::collections::BTreeMap;
 use std::io::Read as _;
 
 use hyper::body::{Bytes, Incoming};
@@ -48,6 +51,10 @@ impl Call {
             Err(e) => return files_error(e.code.http_status(), e.message),
         };
         let content_type = header(&request, "content-type").unwrap_or("").to_string();
+        let metadata = match metadata_headers(request.headers()) {
+            Ok(metadata) => metadata,
+            Err(e) => return files_error(400, e),
+        };
         let gzip = header(&request, "content-encoding")
             .is_some_and(|e| e.trim().eq_ignore_ascii_case("gzip"));
         let body = match read_body(request, MAX_UPLOAD).await {
@@ -104,20 +111,70 @@ impl Call {
         let mut written = Vec::new();
         for (path, data) in files {
             let path = call.resolve(&path);
+            // Every upload sets the metadata, so an overwrite without any clears the old, and
+            // gives the file to the user, as envd does (a watch sees that as `chmod`).
             let op = FileOp::Write {
                 path: path.clone(),
                 mode: None,
                 parents: true,
+                atomic: false,
+                metadata: Some(metadata.clone()),
                 owner: call.user.clone(),
             };
             if let Err(e) = self.e2b.core.upload(self.id(), op, &data[..]).await {
                 return files_error(e.status(), format!("path {path}: {e}"));
             }
             let name = path.rsplit('/').next().unwrap_or("").to_string();
-            written.push(json!({ "path": path, "name": name, "type": "file" }));
+            let mut info = json!({ "path": path, "name": name, "type": "file" });
+            if !metadata.is_empty() {
+                info["metadata"] = json!(metadata);
+            }
+            written.push(info);
         }
         json(200, &Value::Array(written))
     }
+}
+
+/// The header that carries one metadata entry: `X-Metadata-<key>: <value>`.
+const METADATA_HEADER: &str = "x-metadata-";
+/// Longest metadata key: the rest of a 255-byte `user.e2b.<key>` attribute name.
+const MAX_METADATA_KEY: usize = 255 - "user.e2b.".len();
+/// Longest metadata value (the agent's limit).
+const MAX_METADATA_VALUE: usize = 4096;
+
+/// The file metadata of an upload's `X-Metadata-*` headers, keys lowercased (header names
+/// are; an empty key is dropped, a repeated one keeps its first value, as in envd); a bad
+/// value or a key too long is named in the error (a 400, InvalidArgumentException).
+fn metadata_headers(headers: &hyper::HeaderMap) -> Result<BTreeMap<String, String>, String> {
+    let mut metadata = BTreeMap::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
+            continue;
+        };
+        // envd drops an empty key and keeps a repeated header's first value.
+        if key.is_empty() || metadata.contains_key(key) {
+            continue;
+        }
+        if key.len() > MAX_METADATA_KEY {
+            return Err(format!(
+                "header {name}: the metadata key is over {MAX_METADATA_KEY} bytes"
+            ));
+        }
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| {
+                format!("header {name}: the metadata value must be printable US-ASCII")
+            })?;
+        if value.len() > MAX_METADATA_VALUE {
+            return Err(format!(
+                "header {name}: the metadata value is over {MAX_METADATA_VALUE} bytes"
+            ));
+        }
+        metadata.insert(key.to_string(), value.to_string());
+    }
+    Ok(metadata)
 }
 
 /// envd's `/files` error body.
@@ -181,6 +238,44 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metadata_comes_from_x_metadata_headers() {
+        let mut headers = hyper::HeaderMap::new();
+        headers.insert("X-Metadata-Owner", "alice".parse().expect("value"));
+        headers.insert(
+            "x-metadata-content-type",
+            "text/plain".parse().expect("value"),
+        );
+        headers.insert(
+            "content-type",
+            "application/octet-stream".parse().expect("value"),
+        );
+        let metadata = metadata_headers(&headers).expect("metadata");
+        assert_eq!(
+            metadata,
+            BTreeMap::from([
+                ("content-type".to_string(), "text/plain".to_string()),
+                ("owner".to_string(), "alice".to_string()),
+            ])
+        );
+        let mut odd = hyper::HeaderMap::new();
+        odd.insert("x-metadata-", "v".parse().expect("value"));
+        odd.append("x-metadata-k", "1".parse().expect("value"));
+        odd.append("x-metadata-k", "2".parse().expect("value"));
+        assert_eq!(
+            metadata_headers(&odd).expect("metadata"),
+            BTreeMap::from([("k".to_string(), "1".to_string())])
+        );
+        let mut bad = hyper::HeaderMap::new();
+        bad.insert(
+            "x-metadata-k",
+            hyper::header::HeaderValue::from_bytes(b"caf\xc3\xa9").expect("value"),
+        );
+        assert!(metadata_headers(&bad)
+            .expect_err("not ascii")
+            .contains("x-metadata-k"));
+    }
 
     #[test]
     fn multipart_parts_keep_full_path_filenames() {

@@ -30,6 +30,9 @@ struct PathRequest {
     recursive: bool,
     #[serde(default, rename = "includeEntry", alias = "include_entry")]
     include_entry: bool,
+    /// Watch a directory on a network file system too (envd 0.6.4; refused by default).
+    #[serde(default, rename = "allowNetworkMounts", alias = "allow_network_mounts")]
+    allow_network_mounts: bool,
     #[serde(default, rename = "watcherId", alias = "watcher_id")]
     watcher_id: String,
     #[serde(default)]
@@ -138,6 +141,7 @@ impl Call {
             path.clone(),
             request.recursive,
             request.include_entry,
+            request.allow_network_mounts,
         )
         .await
         .map_err(|e| rpc_error(self.id(), e))?;

@@ -19,7 +19,7 @@
 //! The files: `control.rs` (the control plane; `list.rs` its sandbox list, `refusal.rs` its
 //! refusals), `envd.rs` (the data plane's routes, with `process.rs`, `filesystem.rs`, `files.rs`
 //! and `watch.rs` behind it, `call.rs` what a data-plane request carries, `entry.rs` envd's file
-//! entries),
+//! entries, `signature.rs` signed `/files` URLs),
 //! `connect.rs` (the Connect protocol), `forward.rs` (other guest ports), `state.rs` (what
 //! lives between requests) and `wire.rs` (E2B's constants and HTTP helpers).
 
@@ -34,6 +34,7 @@ mod forward;
 mod list;
 mod process;
 mod refusal;
+mod signature;
 mod state;
 mod watch;
 mod wire;

@@ -25,11 +25,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::super::super::api::{Chunk, MAX_BODY};
+use super::super::super::api::{Action, Chunk, Reply, MAX_BODY};
 use super::super::transport::Out;
 use super::call::{connect_stream_response, decode, keepalive_of, read_body, rpc_error, Call};
 use super::connect::{self, Code, RpcError};
-use super::state::{Process, Subscribers};
+use super::state::{gone_event, E2b, Process, Subscribers, GONE_KEY};
 use super::wire::header;
 
 /// How long an ended process's end event stays for `Connect`.
@@ -308,6 +308,8 @@ impl Call {
             processes.insert(key, Arc::clone(&process));
         }
         // The pump: owns the agent connection until the process ends, whoever listens.
+        let e2b = Arc::clone(&self.e2b);
+        let sandbox = self.id().to_string();
         tokio::spawn(async move {
             loop {
                 let (event, last) = match handle.next_event().await {
@@ -323,11 +325,13 @@ impl Call {
                     Ok(Some(ExecEvent::Exited(status))) => (end_event(&status), true),
                     Ok(Some(ExecEvent::Started { .. } | ExecEvent::Notice(_))) => continue,
                     Ok(None) => (
-                        lost_event("the agent ended the stream without an exit"),
+                        lost_or_gone(&e2b, &sandbox, "the agent ended the stream without an exit")
+                            .await,
                         true,
                     ),
                     Err(e) => (
-                        lost_event(&format!("the agent connection broke: {e}")),
+                        lost_or_gone(&e2b, &sandbox, &format!("the agent connection broke: {e}"))
+                            .await,
                         true,
                     ),
                 };
@@ -561,6 +565,23 @@ fn end_event(status: &ExitStatus) -> Value {
     json!({ "end": end })
 }
 
+/// The end of a process whose agent stream broke: the sandbox's gone event when it was
+/// killed (the agent's connection breaks before the kill is recorded, so this waits a
+/// little for it), else an end saying why the exit status was lost.
+async fn lost_or_gone(e2b: &E2b, id: &str, why: &str) -> Value {
+    for _ in 0..20 {
+        let live = matches!(
+            e2b.core.handle(Action::GetSandbox(id.to_string())).await,
+            Ok(Reply::Sandbox { sandbox, .. }) if sandbox.state.is_live()
+        );
+        if !live {
+            return gone_event(id);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lost_event(why)
+}
+
 fn lost_event(message: &str) -> Value {
     json!({ "end": { "exitCode": -1, "exited": false, "status": "unknown", "error": message } })
 }
@@ -594,6 +615,13 @@ async fn forward(
                 }
             }
             Ok(Some(event)) => {
+                if let Some(message) = event.get(GONE_KEY).and_then(Value::as_str) {
+                    let error = RpcError::new(Code::Unavailable, message);
+                    let _ = tx
+                        .send(Ok(Bytes::from(connect::end_stream(Some(&error)))))
+                        .await;
+                    return;
+                }
                 let last = event.get("end").is_some();
                 if !send(event).await {
                     return;

@@ -78,9 +78,24 @@ impl E2b {
             .collect()
     }
 
-    /// Drops the process table entries and stops the watchers of a sandbox that ended.
+    /// Drops the process table entries and stops the watchers of a sandbox that ended; the
+    /// streams of its running processes end with the error envd's proxy answers (the
+    /// sandbox was not found), which the SDK raises as `SandboxNotRunningException`.
     pub fn forget_processes(&self, id: &str) {
-        self.processes().retain(|(sandbox, _), _| sandbox != id);
+        let gone = gone_event(id);
+        self.processes().retain(|(sandbox, _), process| {
+            if sandbox != id {
+                return true;
+            }
+            let mut state = process.subscribers();
+            if state.ended.is_none() {
+                for subscriber in state.subscribers.drain(..) {
+                    let _ = subscriber.send(gone.clone());
+                }
+                state.ended = Some((gone.clone(), Instant::now()));
+            }
+            false
+        });
         self.accounts().retain(|(sandbox, _), _| sandbox != id);
         self.watchers().retain(|_, watcher| {
             let keep = watcher.sandbox != id;
@@ -90,6 +105,17 @@ impl E2b {
             keep
         });
     }
+}
+
+/// The key of the event that ends a process's streams because its sandbox is gone.
+pub const GONE_KEY: &str = "sandboxGone";
+
+/// The event that ends a process's streams when its sandbox was killed: its message is what
+/// envd's proxy answers for a sandbox that is not there ("was not found").
+pub fn gone_event(id: &str) -> Value {
+    serde_json::json!({
+        GONE_KEY: format!("The sandbox {id} was not found: it was killed while the process ran")
+    })
 }
 
 /// Processes started through envd: (sandbox id, pid) → the process.

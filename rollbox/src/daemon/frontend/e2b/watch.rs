@@ -44,11 +44,13 @@ impl AgentWatch {
         root: String,
         recursive: bool,
         include_entry: bool,
+        allow_network_mounts: bool,
     ) -> Result<Self, ClientError> {
         let request = client
             .watch(WatchRequest {
                 path: root.clone(),
                 recursive,
+                refuse_network_mounts: !allow_network_mounts,
             })
             .await?;
         Ok(Self {

@@ -7,8 +7,10 @@ use hyper::{Request, Response};
 use super::super::transport::Out;
 
 /// The envd version rollbox reports: the newest whose features the façade implements
-/// (octet-stream and gzip uploads, CloseStdin: 0.5.7; file metadata xattrs, 0.6.2, are not).
-pub const ENVD_VERSION: &str = "0.5.7";
+/// (octet-stream and gzip uploads, CloseStdin: 0.5.7; file metadata as `user.e2b.*` xattrs:
+/// 0.6.2; watch events with their entry: 0.6.3; watches on network mounts, refused unless
+/// allowed: 0.6.4). The SDK gates nothing on a later version.
+pub const ENVD_VERSION: &str = "0.6.4";
 /// envd's port in E2B sandboxes, served here; other ports go to the guest through the agent.
 pub const ENVD_PORT: u16 = 49983;
 /// Sandbox TTL when a create gives no `timeout` (the SDK's own default).
