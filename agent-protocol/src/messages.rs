@@ -321,7 +321,8 @@ pub struct WriteFileRequest {
     #[serde(default)]
     pub mode: Option<u32>,
     /// Give the file, and the parents this write creates, to this account (a name or uid, as
-    /// `Exec`'s `user`); default: the owner of the file being replaced, else the agent's.
+    /// `Exec`'s `user`) and its primary group as it is written, as E2B's envd does; default:
+    /// the owner of the file being replaced, else the agent's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// Write a temporary file in the same directory, fsync, rename (default true).
@@ -334,11 +335,6 @@ pub struct WriteFileRequest {
     /// once written; an empty map clears them. None (the default) leaves them as they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<BTreeMap<String, String>>,
-    /// Give the file to this user (a name or uid) and its primary group as it is written, as
-    /// E2B's envd does. None (the default): a new file is the agent's, a replaced one keeps
-    /// its owner.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
 }
 
 impl WriteFileRequest {
@@ -350,7 +346,6 @@ impl WriteFileRequest {
             atomic: true,
             make_parents: false,
             metadata: None,
-            owner: None,
         }
     }
 }
