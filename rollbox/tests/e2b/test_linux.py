@@ -12,12 +12,14 @@ import importlib.metadata
 import os
 import time
 
+import e2b
 from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.api.client.models.sandbox_state import SandboxState
 
 # The host suite's PTY and watch checks, unchanged: they take the sandbox and a directory.
 from test_sdk import expect_error, ok, percentile, pty_checks, run_main, watch_checks
 from conformance_user import linux_user_checks
+from conformance_files import check_metadata, check_signed_urls, check_write_events
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 METADATA = {"suite": "e2b-linux"}
@@ -45,6 +47,7 @@ def main():
     ok(f"create {sbx.sandbox_id} from {TEMPLATE}")
     try:
         run_checks(sbx)
+        lifecycle_checks(sbx)
     finally:
         sbx.kill()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
@@ -119,6 +122,14 @@ def run_checks(sbx):
     # Without the 10,000-event flood: a daemon-side limit the host suite covers, and 10,100
     # files take the lab's guest longer than the SDK's 60 s command timeout at times.
     watch_checks(sbx, base, flood=False)
+    # envd's write events, file metadata as ext4 xattrs, and signed URLs, in a real guest.
+    check_write_events(sbx, base, host=False)
+    owner = sbx.commands.run(f"stat -c %U {base}/write-events/new.txt").stdout
+    assert owner == "user\n", owner
+    ok("a file written through the files API is the request's user's (user)")
+    check_metadata(sbx, base)
+    ok("file metadata in the guest's ext4 (the agent keeps it as user.e2b.* extended attributes)")
+    check_signed_urls(sbx, base)
     faulthandler.cancel_dump_traceback_later()
 
     runs = []
@@ -170,6 +181,41 @@ def run_checks(sbx):
         ok("fork: a clone with the parent's files, envVars and metadata; its writes are its own")
     finally:
         fork.kill()
+
+
+def lifecycle_checks(first):
+    """E2B's lifecycle in a Linux guest: a second sandbox made to pause at its timeout and to
+    resume on the next request; the list, newest first, shows both across running and paused;
+    and a command running when its sandbox is killed raises SandboxNotRunningException."""
+    # The TTL runs from the create's start, and a lab create takes 10-16 s.
+    sbx = Sandbox.create(TEMPLATE, timeout=40, metadata=METADATA,
+                         lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        assert sbx.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        sbx.commands.run("echo kept > /home/user/lifecycle.txt")
+        deadline = time.time() + 180
+        while str(sbx.get_info().state) != "paused":
+            assert time.time() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(1)
+        listed = Sandbox.list(query=SandboxQuery(metadata=METADATA)).next_items()
+        assert [s.sandbox_id for s in listed] == [sbx.sandbox_id, first.sandbox_id], listed
+        assert [str(s.state) for s in listed] == ["paused", "running"], listed
+        ok("lifecycle on_timeout=pause: the timeout pauses it; the list is newest first across paused and running")
+        assert sbx.commands.run("cat /home/user/lifecycle.txt").stdout == "kept\n"
+        assert str(sbx.get_info().state) == "running"
+        ok("lifecycle auto_resume: a command on the paused sandbox resumes it, with its files")
+        handle = sbx.commands.run("sleep 60", background=True)
+        started = time.time()
+        assert Sandbox.kill(sbx.sandbox_id)
+        try:
+            handle.wait()
+            raise AssertionError("wait() returned after the sandbox was killed")
+        except e2b.SandboxNotRunningException as error:
+            assert "was not found" in str(error), error
+            assert time.time() - started < 30, time.time() - started
+        ok("a command whose sandbox is killed raises SandboxNotRunningException")
+    finally:
+        sbx.kill()
 
 
 if __name__ == "__main__":
