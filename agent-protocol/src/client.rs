@@ -327,10 +327,21 @@ impl AgentClient {
     }
 
     pub async fn mkdir(&self, path: &str, parents: bool) -> Result<(), ClientError> {
+        self.mkdir_owned(path, parents, None).await
+    }
+
+    /// `mkdir`, with what it creates given to `owner` (a user name or uid) when one is named.
+    pub async fn mkdir_owned(
+        &self,
+        path: &str,
+        parents: bool,
+        owner: Option<&str>,
+    ) -> Result<(), ClientError> {
         self.expect_ok(ClientMessage::Mkdir {
             path: path.to_owned(),
             parents,
             mode: None,
+            owner: owner.map(str::to_owned),
         })
         .await
     }

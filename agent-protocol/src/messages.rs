@@ -103,6 +103,11 @@ pub enum ClientMessage {
         parents: bool,
         #[serde(default)]
         mode: Option<u32>,
+        /// Give the directory, and the parents this call creates, to this account (a name or
+        /// uid, as `Exec`'s `user`) and its primary group, as E2B's envd does; default: the
+        /// agent's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<String>,
     },
     /// Remove a file, symlink or directory: `Ok`.
     Remove {

@@ -119,13 +119,24 @@ pub fn list(path: &str) -> Result<Vec<FileInfo>, ErrorInfo> {
     Ok(entries)
 }
 
-pub fn mkdir(path: &str, parents: bool, mode: Option<u32>) -> Result<(), ErrorInfo> {
+/// Creates `path` (and with `parents` its missing parents); what it creates goes to `owner`.
+pub fn mkdir(
+    path: &str,
+    parents: bool,
+    mode: Option<u32>,
+    owner: Option<Owner>,
+) -> Result<(), ErrorInfo> {
     let p = check_path(path)?;
+    let missing: Vec<&Path> = p
+        .ancestors()
+        .take_while(|d| fs::symlink_metadata(d).is_err())
+        .collect();
     let mut builder = fs::DirBuilder::new();
     builder.recursive(parents).mode(mode.unwrap_or(0o755));
     builder
         .create(&p)
-        .map_err(|e| info(SysError::new("mkdir", path, e)))
+        .map_err(|e| info(SysError::new("mkdir", path, e)))?;
+    give_created(&missing, owner)
 }
 
 pub fn remove(path: &str, recursive: bool) -> Result<(), ErrorInfo> {
@@ -455,6 +466,18 @@ impl Drop for PendingWrite {
     }
 }
 
+/// Gives the directories a call just `created` to `owner`, when there is one.
+fn give_created(created: &[&Path], owner: Option<Owner>) -> Result<(), ErrorInfo> {
+    let Some((uid, gid)) = owner else {
+        return Ok(());
+    };
+    for dir in created {
+        std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
+            .map_err(|e| info(SysError::new("chown", dir.display().to_string(), e)))?;
+    }
+    Ok(())
+}
+
 /// Creates `dir` and its missing parents; those it creates go to `owner` when given.
 fn make_parents(dir: &Path, owner: Option<Owner>) -> Result<(), ErrorInfo> {
     let missing: Vec<&Path> = dir
@@ -463,13 +486,7 @@ fn make_parents(dir: &Path, owner: Option<Owner>) -> Result<(), ErrorInfo> {
         .collect();
     fs::create_dir_all(dir)
         .map_err(|e| info(SysError::new("mkdir", dir.display().to_string(), e)))?;
-    if let Some((uid, gid)) = owner {
-        for created in missing {
-            std::os::unix::fs::lchown(created, Some(uid), Some(gid))
-                .map_err(|e| info(SysError::new("chown", created.display().to_string(), e)))?;
-        }
-    }
-    Ok(())
+    give_created(&missing, owner)
 }
 
 /// `ready` sends the Ready reply; false means the client is gone.
@@ -624,6 +641,24 @@ mod tests {
         assert_eq!(pending.commit().expect("commit"), 5);
         assert_eq!(fs::read(&path).expect("read"), b"whole");
         assert_eq!(fs::read_dir(dir.path()).expect("readdir").count(), 1);
+    }
+
+    #[test]
+    fn mkdir_gives_what_it_creates_to_the_owner() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Our own ids, which any user may give.
+        // SAFETY: getuid and getgid cannot fail.
+        let me = unsafe { (libc::getuid(), libc::getgid()) };
+        let deep = dir.path().join("x/y/z");
+        mkdir(&deep.display().to_string(), true, None, Some(me)).expect("mkdir -p");
+        for made in [dir.path().join("x"), dir.path().join("x/y"), deep.clone()] {
+            let meta = fs::symlink_metadata(&made).expect("stat");
+            assert_eq!((meta.uid(), meta.gid()), me, "{}", made.display());
+        }
+        mkdir(&deep.display().to_string(), true, None, Some(me)).expect("an existing dir is fine");
+        let error = mkdir(&dir.path().join("a/b").display().to_string(), false, None, Some(me))
+            .expect_err("no parents without `parents`");
+        assert_eq!(error.code, "ENOENT");
     }
 
     #[test]

@@ -351,9 +351,17 @@ async fn start(
             path,
             parents,
             mode,
-        } => blocking(out, id, move || {
-            files::mkdir(&path, parents, mode).map(|()| ServerMessage::Ok)
-        }),
+            owner,
+        } => {
+            let etc = agent.config.etc_dir.clone();
+            blocking(out, id, move || {
+                let owner = match owner.as_deref() {
+                    Some(name) => Some(crate::users::owner(&etc, name, &path)?),
+                    None => None,
+                };
+                files::mkdir(&path, parents, mode, owner).map(|()| ServerMessage::Ok)
+            })
+        }
         ClientMessage::Remove { path, recursive } => blocking(out, id, move || {
             files::remove(&path, recursive).map(|()| ServerMessage::Ok)
         }),

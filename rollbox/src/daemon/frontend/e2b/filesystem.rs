@@ -103,7 +103,11 @@ impl Call {
                         format!("path: {path} already exists"),
                     ));
                 }
-                client.mkdir(&path, true).await.map_err(fail)?;
+                // envd gives the directory, and the parents it makes, to the user.
+                client
+                    .mkdir_owned(&path, true, self.user.as_deref())
+                    .await
+                    .map_err(fail)?;
                 let info = client.lstat(&path).await.map_err(fail)?;
                 Ok(json!({ "entry": entry(&info) }))
             }
