@@ -656,8 +656,13 @@ mod tests {
             assert_eq!((meta.uid(), meta.gid()), me, "{}", made.display());
         }
         mkdir(&deep.display().to_string(), true, None, Some(me)).expect("an existing dir is fine");
-        let error = mkdir(&dir.path().join("a/b").display().to_string(), false, None, Some(me))
-            .expect_err("no parents without `parents`");
+        let error = mkdir(
+            &dir.path().join("a/b").display().to_string(),
+            false,
+            None,
+            Some(me),
+        )
+        .expect_err("no parents without `parents`");
         assert_eq!(error.code, "ENOENT");
     }
 
