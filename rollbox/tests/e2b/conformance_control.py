@@ -18,40 +18,14 @@ import urllib.request
 from e2b import AsyncSandbox, Sandbox, SandboxQuery
 from e2b.api.client.models.sandbox_state import SandboxState
 
+from checks import expect_error, expect_error_async, ok
+
 API = os.environ["E2B_API_URL"]
 KEY = os.environ["E2B_API_KEY"]
 # A label key that would be SQL if the store formatted it into its statement, and one that
 # runs a recursive CTE without end.
 INJECTION = "x\"') = 1 OR 1=1 --"
 RECURSIVE = "a\"') IN (WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n+1 FROM r) SELECT n FROM r) --"
-
-
-def ok(name):
-    print(f"ok {name}", flush=True)
-
-
-def expect_error(name, call, *words):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - any SDK exception type
-        text = f"{type(e).__name__}: {e}"
-        for word in words:
-            assert word in text, f"{name}: {word!r} not in {text!r}"
-        ok(name)
-        return e
-    raise AssertionError(f"{name}: no error")
-
-
-async def expect_error_async(name, call, *words):
-    try:
-        await call()
-    except Exception as e:  # noqa: BLE001 - any SDK exception type
-        text = f"{type(e).__name__}: {e}"
-        for word in words:
-            assert word in text, f"{name}: {word!r} not in {text!r}"
-        ok(name)
-        return e
-    raise AssertionError(f"{name}: no error")
 
 
 def raw(method, path, body=None):

@@ -18,14 +18,12 @@ import urllib.request
 import e2b
 from e2b import AsyncSandbox, FilesystemEventType, InvalidArgumentException, Sandbox
 
+from checks import ok
+
 # Not imported from test_sdk: that module runs as __main__ and imports this one.
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
 T = FilesystemEventType
-
-
-def ok(name):
-    print(f"ok {name}", flush=True)
 
 
 def supported():

@@ -13,9 +13,7 @@ to it. Each check prints `ok NAME`; a failure raises.
 
 from e2b import AsyncSandbox
 
-
-def ok(name):
-    print(f"ok {name}", flush=True)
+from checks import ok
 
 
 def _identity(result):

@@ -24,6 +24,7 @@ from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
 from e2b.api.client.models.sandbox_state import SandboxState
 
+from checks import expect_error, ok
 from conformance_user import async_user_checks, user_checks
 import conformance_control
 import conformance_files
@@ -31,22 +32,6 @@ import conformance_files
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
 API = os.environ["E2B_API_URL"]
-
-
-def ok(name):
-    print(f"ok {name}", flush=True)
-
-
-def expect_error(name, call, *words):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - any SDK exception type
-        text = f"{type(e).__name__}: {e}"
-        for word in words:
-            assert word in text, f"{name}: {word!r} not in {text!r}"
-        ok(name)
-        return e
-    raise AssertionError(f"{name}: no error")
 
 
 def closed_port():
