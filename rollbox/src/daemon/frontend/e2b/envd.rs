@@ -11,7 +11,7 @@ use hyper::{Request, Response};
 use serde_json::json;
 
 use super::super::super::api::{Action, Reply, Sandbox, State, MAX_BODY};
-use super::super::transport::Out;
+use super::super::transport::{same_key, Out};
 use super::call::{read_body, unary_error, Call};
 use super::connect::{Code, RpcError};
 use super::process::Stream;
@@ -102,7 +102,7 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
         .map(str::trim)
         .filter(|t| !t.is_empty());
     let token_ok =
-        sent.is_some_and(|t| signature::constant_time_eq(t.as_bytes(), token.as_bytes()));
+        sent.is_some_and(|t| same_key(t.as_bytes(), token.as_bytes()));
     let rpc = path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
     // `/files` also takes a signed URL instead of the header (download_url()/upload_url()).
     let files_op = match (method.as_str(), path.as_str()) {

@@ -6,6 +6,7 @@
 use base64::Engine as _;
 use sha2::Digest as _;
 
+use super::super::transport::same_key;
 use super::wire::query_pairs;
 
 /// What a signed URL is for.
@@ -88,21 +89,13 @@ pub fn verify(
         token,
         expiration,
     );
-    if !constant_time_eq(expected.as_bytes(), signature.as_bytes()) {
+    if !same_key(signature.as_bytes(), expected.as_bytes()) {
         return Err(SignatureError::Invalid(operation.as_str()));
     }
     match expiration {
         Some(expired) if expired < now => Err(SignatureError::Expired { expired, now }),
         _ => Ok(()),
     }
-}
-
-/// Equal bytes, in a time that depends only on the lengths.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Now, in Unix seconds.
