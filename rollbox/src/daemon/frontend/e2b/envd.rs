@@ -101,8 +101,7 @@ pub async fn respond(e2b: &Arc<E2b>, target: Target, request: Request<Incoming>)
     let sent = header(&request, "x-access-token")
         .map(str::trim)
         .filter(|t| !t.is_empty());
-    let token_ok =
-        sent.is_some_and(|t| same_key(t.as_bytes(), token.as_bytes()));
+    let token_ok = sent.is_some_and(|t| same_key(t.as_bytes(), token.as_bytes()));
     let rpc = path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
     // `/files` also takes a signed URL instead of the header (download_url()/upload_url()).
     let files_op = match (method.as_str(), path.as_str()) {
