@@ -35,23 +35,29 @@ impl Sandboxes {
                 now.saturating_sub(sandbox.last_active_at_ms) >= idle.saturating_mul(1000)
             });
             let expired = now >= sandbox.expires_at_ms;
-            if expired && sandbox.on_timeout == OnTimeout::Pause && sandbox.state == State::Running
-            {
-                // Its TTL pauses it (and keeps it PAUSED_RETENTION_S); a paused one ends.
-                match self.pause_resume(&sandbox.id, true).await {
-                    Ok(_) => log::info!("sandbox {}: paused by its TTL", sandbox.id),
-                    Err(e) => log::warn!("reaper: cannot pause {}: {e}", sandbox.id),
-                }
-                continue;
-            }
-            let reason = if expired {
-                "ttl: its TTL ran out"
+            let mut reason = if expired {
+                "ttl: its TTL ran out".to_string()
             } else if idle {
-                "idle_ttl: no API call within its idle TTL"
+                "idle_ttl: no API call within its idle TTL".to_string()
             } else {
                 continue;
             };
-            if let Err(e) = self.end(&sandbox.id, State::Expired, reason).await {
+            if expired && sandbox.on_timeout == OnTimeout::Pause && sandbox.state == State::Running
+            {
+                // Its TTL pauses it (and keeps it PAUSED_RETENTION_S); a paused one ends. One
+                // that cannot be paused ends now rather than being tried again for ever.
+                match self.pause_resume(&sandbox.id, true).await {
+                    Ok(_) => {
+                        log::info!("sandbox {}: paused by its TTL", sandbox.id);
+                        continue;
+                    }
+                    Err(e) => {
+                        log::warn!("reaper: cannot pause {}: {e}; ending it", sandbox.id);
+                        reason = format!("ttl: its TTL ran out and it could not be paused: {e}");
+                    }
+                }
+            }
+            if let Err(e) = self.end(&sandbox.id, State::Expired, &reason).await {
                 log::warn!("reaper: cannot end {}: {e}", sandbox.id);
             }
         }
