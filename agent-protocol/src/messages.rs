@@ -358,6 +358,11 @@ impl WriteFileRequest {
 /// The extended-attribute name prefix of a file's user metadata (`WriteFileRequest::metadata`,
 /// `FileInfo::metadata`).
 pub const METADATA_XATTR_PREFIX: &str = "user.e2b.";
+/// Longest metadata key: what Linux's 255-byte attribute name leaves after the prefix.
+pub const METADATA_MAX_KEY: usize = 255 - METADATA_XATTR_PREFIX.len();
+/// Longest metadata value the agent accepts (Linux allows 64 KiB; ext4 keeps them in one
+/// block).
+pub const METADATA_MAX_VALUE: usize = 4096;
 
 /// `docker run --rm` of an image, through the docker CLI in the guest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -9,14 +9,11 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::io::AsRawFd as _;
 use std::path::Path;
 
-use rollbox_agent_protocol::{ErrorInfo, METADATA_XATTR_PREFIX};
+use rollbox_agent_protocol::{
+    ErrorInfo, METADATA_MAX_KEY, METADATA_MAX_VALUE as MAX_VALUE, METADATA_XATTR_PREFIX,
+};
 
 use crate::errors::SysError;
-
-/// Linux's longest extended-attribute name (XATTR_NAME_MAX).
-const MAX_NAME: usize = 255;
-/// Longest value accepted (Linux allows 64 KiB; ext4 keeps them in one block).
-pub const MAX_VALUE: usize = 4096;
 
 /// The `user.e2b.*` attributes of `path` itself (a symlink is not followed), prefix stripped.
 /// A file system without extended attributes, or a file that went, has none.
@@ -84,10 +81,9 @@ pub fn check(metadata: &BTreeMap<String, String>) -> Result<(), ErrorInfo> {
                 "metadata key {key:?}: must be non-empty, without NUL or '/'"
             )));
         }
-        if METADATA_XATTR_PREFIX.len() + key.len() > MAX_NAME {
+        if key.len() > METADATA_MAX_KEY {
             return Err(ErrorInfo::bad_request(format!(
-                "metadata key {key:?}: longer than {} bytes",
-                MAX_NAME - METADATA_XATTR_PREFIX.len()
+                "metadata key {key:?}: longer than {METADATA_MAX_KEY} bytes"
             )));
         }
         if value.contains('\0') || value.len() > MAX_VALUE {

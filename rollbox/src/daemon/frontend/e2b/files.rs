@@ -8,6 +8,9 @@ use std::io::Read as _;
 
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response};
+use rollbox_agent_protocol::{
+    METADATA_MAX_KEY as MAX_METADATA_KEY, METADATA_MAX_VALUE as MAX_METADATA_VALUE,
+};
 use serde_json::{json, Value};
 
 use super::super::super::api::{Action, FileOp, Reply, MAX_UPLOAD};
@@ -137,10 +140,6 @@ impl Call {
 
 /// The header that carries one metadata entry: `X-Metadata-<key>: <value>`.
 const METADATA_HEADER: &str = "x-metadata-";
-/// Longest metadata key: the rest of a 255-byte `user.e2b.<key>` attribute name.
-const MAX_METADATA_KEY: usize = 255 - "user.e2b.".len();
-/// Longest metadata value (the agent's limit).
-const MAX_METADATA_VALUE: usize = 4096;
 
 /// The file metadata of an upload's `X-Metadata-*` headers, keys lowercased (header names
 /// are; an empty key is dropped, a repeated one keeps its first value, as in envd); a bad
