@@ -675,6 +675,23 @@ impl Drop for Netns {
     }
 }
 
+/// A route in the root namespace, deleted when dropped.
+struct Route(String);
+
+impl Route {
+    fn via(dest: &str, gateway: &str) -> Route {
+        let _ = Command::new("ip").args(["route", "del", dest]).output();
+        ip(&["route", "add", dest, "via", gateway]);
+        Route(dest.to_string())
+    }
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["route", "del", &self.0]).output();
+    }
+}
+
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().unwrap();
     assert!(
@@ -893,12 +910,24 @@ fn egress_policy_is_enforced() {
     let _a8001u = udp_echo(&host_a.name, 8001, "A");
     // A service on the host itself, on every address.
     let _host = Listener::start(None, 23702, "host");
+    // D also answers on a link-local address, as a cloud's metadata service does.
+    ip(&[
+        "-n",
+        &host_d.name,
+        "addr",
+        "add",
+        "169.254.77.1/32",
+        "dev",
+        "lo",
+    ]);
+    let _link_local = Route::via("169.254.77.1/32", "10.249.1.6");
 
-    // Three guests: an allow-list with a port exposed, `none`, and `all`.
-    let (g1, g2, g3) = (
+    // Four guests: an allow-list with a port exposed, `none`, `all`, and `all` with opt-ins.
+    let (g1, g2, g3, g4) = (
         Netns::new(&ns("g1")),
         Netns::new(&ns("g2")),
         Netns::new(&ns("g3")),
+        Netns::new(&ns("g4")),
     );
     let mut net = Net::new("10.237.0.0/24");
     let veth = |g: &Netns| vec!["--veth-netns".to_string(), g.name.clone()];
@@ -915,15 +944,18 @@ fn egress_policy_is_enforced() {
     let i2 = net.up("guest2", &a2.iter().map(String::as_str).collect::<Vec<_>>());
     let a3 = args(veth(&g3), &["--egress", "all"]);
     net.up("guest3", &a3.iter().map(String::as_str).collect::<Vec<_>>());
+    let a4 = args(veth(&g4), &["--egress", "all,10.249.1.4/30,169.254.77.1"]);
+    net.up("guest4", &a4.iter().map(String::as_str).collect::<Vec<_>>());
     let ip_of = |info: &Value, key: &str| info[key].as_str().unwrap().to_string();
     let (g1_ip, g1_gw) = (ip_of(&i1, "guest_ip"), ip_of(&i1, "host_ip"));
     let (g2_ip, g2_gw) = (ip_of(&i2, "guest_ip"), ip_of(&i2, "host_ip"));
     let _g1_9000 = Listener::start(Some(&g1.name), 9000, "guest1");
     let _g2_9000 = Listener::start(Some(&g2.name), 9000, "guest2");
-    let (g1n, g2n, g3n) = (
+    let (g1n, g2n, g3n, g4n) = (
         Some(g1.name.as_str()),
         Some(g2.name.as_str()),
         Some(g3.name.as_str()),
+        Some(g4.name.as_str()),
     );
 
     // Allowed: A:8000, masqueraded (A sees the host's address on its link, not the guest's).
@@ -942,8 +974,9 @@ fn egress_policy_is_enforced() {
         "UDP 8001 is not allowed"
     );
     assert_eq!(
-        udp_ask(g3n, "10.249.1.2", 8001).as_deref(),
-        Some("A 10.249.1.1")
+        udp_ask(g4n, "10.249.1.2", 8001),
+        None,
+        "`all` does not forward to 10.0.0.0/8 unless named"
     );
     // The host itself: not through its gateway address, not through its other addresses.
     connect(g1n, &g1_gw, 23702).expect_err("host services are closed to guests");
@@ -967,10 +1000,27 @@ fn egress_policy_is_enforced() {
     assert!(!ping(g1n, &g2_gw), "nor another sandbox's gateway");
     // `none` with --dns: port 53 on the DNS server, and nothing else.
     assert_eq!(connect(g2n, "10.249.1.2", 53).unwrap(), "A 10.249.1.1");
-    // `none`: nothing forwarded; `all`: both A and D.
+    // `none`: nothing forwarded.
     connect(g2n, "10.249.1.2", 8000).expect_err("egress none");
-    assert_eq!(connect(g3n, "10.249.1.6", 8000).unwrap(), "D 10.249.1.5");
-    assert_eq!(connect(g3n, "10.249.1.2", 8001).unwrap(), "A 10.249.1.1");
+    // `all`: neither A nor D (both in 10.0.0.0/8), nor D's link-local address; with opt-ins
+    // beside `all`, exactly what they name.
+    connect(g3n, "10.249.1.6", 8000).expect_err("`all` drops 10.0.0.0/8");
+    connect(g3n, "10.249.1.2", 8001).expect_err("`all` drops 10.0.0.0/8");
+    connect(g3n, "169.254.77.1", 8000).expect_err("`all` drops 169.254.0.0/16");
+    assert_eq!(connect(g4n, "10.249.1.6", 8000).unwrap(), "D 10.249.1.5");
+    assert_eq!(connect(g4n, "169.254.77.1", 8000).unwrap(), "D 10.249.1.5");
+    connect(g4n, "10.249.1.2", 8001).expect_err("A is not opted in");
+    // The live ruleset names the metadata range and every private range.
+    let table = nft_table();
+    for range in [
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+    ] {
+        assert!(table.contains(range), "{range} missing from\n{table}");
+    }
     // The host reaches guests directly, `none` included.
     assert_eq!(
         connect(None, &g1_ip, 9000).unwrap(),
@@ -988,7 +1038,7 @@ fn egress_policy_is_enforced() {
     );
     assert!(connect(None, &g1_gw, 23701).unwrap().starts_with("guest1 "));
     // `down` takes the exposure away with the rest.
-    for name in ["guest1", "guest2", "guest3"] {
+    for name in ["guest1", "guest2", "guest3", "guest4"] {
         net.down(name);
     }
     connect(Some(&host_a.name), "10.249.1.1", 23701).expect_err("exposure removed");

@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
-use super::policy::Egress;
+use super::policy::{Allow, Egress, DENIED_UNDER_ALL};
 
 pub const TABLE: &str = "inet rollbox";
 
@@ -216,33 +216,36 @@ fn egress_rules(sandbox: &Sandbox<'_>) -> Vec<String> {
     }
     match sandbox.egress {
         Egress::None => {}
-        Egress::All => {
-            rules.push(
-                "ip daddr 169.254.0.0/16 drop comment \"link-local (cloud metadata)\"".to_string(),
-            );
+        Egress::All(opt_ins) => {
+            rules.extend(opt_ins.iter().map(allow_rule));
+            rules.push(format!(
+                "ip daddr {{ {} }} drop comment \"private, shared and link-local (cloud metadata) ranges: name one after all to allow it\"",
+                DENIED_UNDER_ALL.join(", ")
+            ));
             rules.push("accept".to_string());
         }
-        Egress::Allow(entries) => {
-            for entry in entries {
-                let daddr = if entry.net.prefix() == 32 {
-                    entry.net.network().to_string()
-                } else {
-                    entry.net.to_string()
-                };
-                rules.push(match entry.ports {
-                    None => format!("ip daddr {daddr} accept"),
-                    Some((lo, hi)) if lo == hi => {
-                        format!("ip daddr {daddr} meta l4proto {{ tcp, udp }} th dport {lo} accept")
-                    }
-                    Some((lo, hi)) => format!(
-                        "ip daddr {daddr} meta l4proto {{ tcp, udp }} th dport {lo}-{hi} accept"
-                    ),
-                });
-            }
-        }
+        Egress::Allow(entries) => rules.extend(entries.iter().map(allow_rule)),
     }
     rules.push("drop".to_string());
     rules
+}
+
+/// The rule that accepts one allow-list entry.
+fn allow_rule(entry: &Allow) -> String {
+    let daddr = if entry.net.prefix() == 32 {
+        entry.net.network().to_string()
+    } else {
+        entry.net.to_string()
+    };
+    match entry.ports {
+        None => format!("ip daddr {daddr} accept"),
+        Some((lo, hi)) if lo == hi => {
+            format!("ip daddr {daddr} meta l4proto {{ tcp, udp }} th dport {lo} accept")
+        }
+        Some((lo, hi)) => {
+            format!("ip daddr {daddr} meta l4proto {{ tcp, udp }} th dport {lo}-{hi} accept")
+        }
+    }
 }
 
 fn host_rules(sandbox: &Sandbox<'_>) -> Vec<String> {
@@ -501,12 +504,32 @@ mod tests {
         };
         assert_eq!(rules(&none).last().map(String::as_str), Some("drop"));
         assert!(!rules(&none).iter().any(|r| r == "accept"));
-        let all = render_up(&sandbox(&Egress::All, &[]));
+        let all = render_up(&sandbox(&Egress::All(Vec::new()), &[]));
         let all = rules(&all);
         assert_eq!(&all[all.len() - 3..][1..], ["accept", "drop"]);
-        assert!(all
-            .iter()
-            .any(|r| r.starts_with("ip daddr 169.254.0.0/16 drop")));
+        let denied = &all[all.len() - 3];
+        for range in [
+            "10.0.0.0/8",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "100.64.0.0/10",
+            "169.254.0.0/16",
+        ] {
+            assert!(
+                denied.starts_with("ip daddr {") && denied.contains(range),
+                "{range} is not dropped under all: {denied}"
+            );
+        }
+        assert!(denied.contains("} drop comment"), "{denied}");
+        // An opt-in beside `all` is accepted before the private ranges are dropped.
+        let opted: Egress = "all,169.254.169.254,10.1.0.0/16:5432".parse().unwrap();
+        let opted = rules(&render_up(&sandbox(&opted, &[])));
+        let at = |rule: &str| opted.iter().position(|r| r == rule).unwrap();
+        let dropped = opted.iter().position(|r| r.contains("} drop")).unwrap();
+        assert!(at("ip daddr 169.254.169.254 accept") < dropped);
+        assert!(
+            at("ip daddr 10.1.0.0/16 meta l4proto { tcp, udp } th dport 5432 accept") < dropped
+        );
     }
 
     #[test]
@@ -528,7 +551,7 @@ mod tests {
 
     #[test]
     fn down_adds_then_deletes_everything_up_made() {
-        let script = render_down(&sandbox(&Egress::All, &[(8080, 80)]));
+        let script = render_down(&sandbox(&Egress::All(Vec::new()), &[(8080, 80)]));
         let add = script
             .find("add element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }")
             .unwrap();

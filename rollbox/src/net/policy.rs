@@ -3,11 +3,28 @@
 //! Allow-list syntax: comma-separated entries `CIDR[:PORT[-PORT]]`; a bare address means /32.
 //! With ports an entry allows TCP and UDP to those ports; without, any protocol (ICMP too).
 //! Example: `10.0.0.0/8:443,1.1.1.1,192.168.0.0/16:80-90`.
+//!
+//! `all` forwards everything but [`DENIED_UNDER_ALL`] (private, shared and link-local ranges,
+//! cloud metadata among them). Entries beside `all` (`all,10.1.0.0/16:5432`) are the
+//! operator's opt-ins: they are allowed before those ranges are dropped.
 
 use std::fmt;
 use std::str::FromStr;
 
 use super::cidr::Ipv4Net;
+
+/// What `all` does not forward unless an entry beside it names it: RFC 1918 (10/8,
+/// 172.16/12, 192.168/16), shared address space (100.64/10, carrier NAT and some clouds'
+/// internal services) and link-local (169.254/16, the cloud metadata service
+/// 169.254.169.254 among them). IPv6 (fc00::/7, fe80::/10 included) is dropped for every
+/// policy: guests are IPv4 only.
+pub const DENIED_UNDER_ALL: [&str; 5] = [
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+];
 
 /// Why an egress policy did not parse: names the token and the reason.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -31,8 +48,9 @@ pub struct Allow {
 pub enum Egress {
     /// Nothing is forwarded from the sandbox.
     None,
-    /// Everything is forwarded (except what every sandbox is denied; see docs/networking.md).
-    All,
+    /// Everything is forwarded except [`DENIED_UNDER_ALL`] (and what every sandbox is denied;
+    /// see docs/networking.md); these entries, the operator's opt-ins, are allowed even there.
+    All(Vec<Allow>),
     /// Only these destinations.
     Allow(Vec<Allow>),
 }
@@ -87,9 +105,10 @@ impl FromStr for Egress {
         match s.trim() {
             "" => Err(PolicyError::Empty),
             "none" => Ok(Egress::None),
-            "all" => Ok(Egress::All),
+            "all" => Ok(Egress::All(Vec::new())),
             list => {
                 let mut entries = Vec::new();
+                let mut all = false;
                 for token in list.split(',') {
                     let token = token.trim();
                     if token.is_empty() {
@@ -98,15 +117,29 @@ impl FromStr for Egress {
                             reason: "empty entry between commas".to_string(),
                         });
                     }
-                    if token == "none" || token == "all" {
+                    if token == "none" {
                         return Err(PolicyError::Token {
                             token: token.to_string(),
-                            reason: format!("`{token}` stands alone, not in a list"),
+                            reason: "`none` stands alone, not in a list".to_string(),
                         });
+                    }
+                    if token == "all" {
+                        if all {
+                            return Err(PolicyError::Token {
+                                token: token.to_string(),
+                                reason: "`all` appears twice".to_string(),
+                            });
+                        }
+                        all = true;
+                        continue;
                     }
                     entries.push(allow(token)?);
                 }
-                Ok(Egress::Allow(entries))
+                Ok(if all {
+                    Egress::All(entries)
+                } else {
+                    Egress::Allow(entries)
+                })
             }
         }
     }
@@ -132,7 +165,10 @@ impl fmt::Display for Egress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Egress::None => f.write_str("none"),
-            Egress::All => f.write_str("all"),
+            Egress::All(entries) => {
+                f.write_str("all")?;
+                entries.iter().try_for_each(|entry| write!(f, ",{entry}"))
+            }
             Egress::Allow(entries) => {
                 let parts: Vec<String> = entries.iter().map(Allow::to_string).collect();
                 f.write_str(&parts.join(","))
@@ -148,7 +184,7 @@ mod tests {
     #[test]
     fn parses_the_three_forms() {
         assert_eq!("none".parse::<Egress>(), Ok(Egress::None));
-        assert_eq!(" all ".parse::<Egress>(), Ok(Egress::All));
+        assert_eq!(" all ".parse::<Egress>(), Ok(Egress::All(Vec::new())));
         let policy: Egress = "10.0.0.0/8:443, 1.1.1.1,192.168.0.0/16:80-90"
             .parse()
             .unwrap();
@@ -187,9 +223,23 @@ mod tests {
             "egress policy token `example.com:443`: `example.com` is not an IPv4 address"
         );
         assert!(error("1.1.1.1,,2.2.2.2").contains("empty entry"));
-        assert!(error("all,1.1.1.1").contains("stands alone"));
+        assert!(error("none,1.1.1.1").contains("stands alone"));
+        assert!(error("all,1.1.1.1,all").contains("`all` appears twice"));
         assert!(error("10.0.0.1/8").contains("did you mean 10.0.0.0/8"));
         assert!(error("1.1.1.1:65536").contains("port `65536`"));
         assert_eq!(error(""), PolicyError::Empty.to_string());
+    }
+
+    #[test]
+    fn entries_beside_all_are_opt_ins() {
+        let policy: Egress = "10.1.0.0/16:5432, all ,169.254.169.254".parse().unwrap();
+        let Egress::All(entries) = &policy else {
+            panic!("{policy:?}")
+        };
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0].ports, Some((5432, 5432)));
+        assert_eq!(policy.to_string(), "all,10.1.0.0/16:5432,169.254.169.254");
+        assert_eq!(policy.to_string().parse::<Egress>(), Ok(policy));
+        assert_eq!(Egress::All(Vec::new()).to_string(), "all");
     }
 }
