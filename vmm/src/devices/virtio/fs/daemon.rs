@@ -72,8 +72,12 @@ pub struct Daemon {
 
 impl Daemon {
     /// Starts `binary` serving `config.shared_dir` on a socket in `dir` (created here, removed
-    /// with the daemon) and waits until the socket exists. Running as root, virtiofsd chroots into the shared directory
-    /// (`--sandbox chroot`); otherwise it cannot, and runs unsandboxed as the calling user.
+    /// with the daemon) and waits until the socket exists. Running as root, virtiofsd gets new
+    /// mount, pid and network namespaces and `pivot_root`s into the shared directory
+    /// (`--sandbox namespace`): it sees no host path, no host process and no network, where a
+    /// chroot alone would leave it the host's mounts, processes and network. Not as root (in
+    /// the jailer), the jail is its sandbox: it runs with `--sandbox none` as the jail's uid,
+    /// inside the jail's namespaces and root.
     pub fn start(binary: &Path, config: &FsConfig, dir: &Path) -> Result<Self, FsError> {
         let spawn_err = |source| FsError::Spawn {
             tag: config.tag.clone(),
@@ -96,7 +100,7 @@ impl Daemon {
             .arg("--socket-path")
             .arg(&socket)
             .args(["--cache", cache])
-            .args(["--sandbox", if root { "chroot" } else { "none" }])
+            .args(["--sandbox", if root { "namespace" } else { "none" }])
             .args(["--log-level", "error"])
             .stdin(Stdio::null())
             .stdout(Stdio::null());
@@ -200,6 +204,45 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("/nonexistent/virtiofsd"), "{text}");
         assert!(text.contains("scripts/virtiofsd.sh"), "{text}");
+    }
+
+    /// As root, virtiofsd runs in namespaces of its own, not only chrooted into the volume.
+    #[test]
+    fn a_root_virtiofsd_runs_in_its_own_namespaces() {
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let binary = locate_virtiofsd(None).ok().filter(|_| root);
+        let Some(binary) = binary else {
+            let reason = "needs root and virtiofsd (scripts/virtiofsd.sh)";
+            assert!(
+                std::env::var_os("ROLLBOX_REQUIRE_ALL").is_none_or(|v| v != "1"),
+                "a_root_virtiofsd_runs_in_its_own_namespaces could not run: {reason}"
+            );
+            eprintln!("SKIP a_root_virtiofsd_runs_in_its_own_namespaces: {reason}");
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let share = dir.path().join("share");
+        std::fs::create_dir(&share).expect("share");
+        let config = FsConfig {
+            tag: "ns".into(),
+            shared_dir: share,
+            readonly: false,
+            cache: FsCache::Auto,
+            socket: None,
+        };
+        let daemon = Daemon::start(&binary, &config, &dir.path().join("run")).expect("start");
+        let ns = |pid: &str, kind: &str| {
+            std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).expect("read a namespace link")
+        };
+        let pid = daemon.child.id().to_string();
+        for kind in ["mnt", "net"] {
+            assert_ne!(
+                ns(&pid, kind),
+                ns("self", kind),
+                "virtiofsd shares the host's {kind} namespace"
+            );
+        }
     }
 
     #[test]
