@@ -44,6 +44,18 @@ pub struct BuildArgs {
     /// Use plain HTTP for this registry (loopback registries always use it).
     #[arg(long)]
     insecure: bool,
+    /// Stop when one layer's uncompressed tar stream passes this many bytes [default: 16 GiB].
+    #[arg(long, value_name = "BYTES")]
+    max_layer_bytes: Option<u64>,
+    /// Stop when one layer passes this many tar entries [default: 2000000].
+    #[arg(long, value_name = "N")]
+    max_layer_entries: Option<u64>,
+    /// Stop when all layers together pass this many uncompressed bytes [default: 16 GiB].
+    #[arg(long, value_name = "BYTES")]
+    max_image_bytes: Option<u64>,
+    /// Stop when all layers together pass this many tar entries [default: 2000000].
+    #[arg(long, value_name = "N")]
+    max_image_entries: Option<u64>,
 }
 
 /// `--agent`, else `$ROLLBOX_AGENT`, else the build output: relative to the current
@@ -79,6 +91,13 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
             insecure: args.insecure,
         },
     };
+    let defaults = images::BuildLimits::default();
+    let limits = images::BuildLimits {
+        layer_bytes: args.max_layer_bytes.unwrap_or(defaults.layer_bytes),
+        layer_entries: args.max_layer_entries.unwrap_or(defaults.layer_entries),
+        image_bytes: args.max_image_bytes.unwrap_or(defaults.image_bytes),
+        image_entries: args.max_image_entries.unwrap_or(defaults.image_entries),
+    };
     let options = BuildOptions {
         reference: args.reference,
         source,
@@ -87,6 +106,7 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
         output: args.output,
         size_mib: args.size,
         progress: Progress::for_stderr(),
+        limits,
     };
     let started = std::time::Instant::now();
     let built = images::build(&options)?;

@@ -173,6 +173,7 @@ impl Templates {
             output: Some(rootfs.clone()),
             size_mib: image.size_mib,
             progress: Progress::new(false),
+            limits: images::BuildLimits::default(),
         };
         let dir = dir.to_path_buf();
         let built = tokio::task::spawn_blocking(move || {

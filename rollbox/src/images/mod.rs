@@ -21,10 +21,12 @@ pub mod progress;
 pub mod registry;
 pub mod source;
 pub mod spec;
+pub mod staging;
 
+use std::cell::Cell;
 use std::fs::{self, Permissions};
-use std::io::{self, BufRead, BufReader};
-use std::os::unix::fs::PermissionsExt;
+use std::io::{self, BufRead, BufReader, Read};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use account::AccountError;
@@ -61,6 +63,19 @@ pub enum ImageError {
         count: usize,
         source: Box<LayerError>,
     },
+    #[error("layer {index}/{count} of {image} ({layer}): {what} passes the cap of {limit} {unit} ({flag}); the build stopped there")]
+    LayerCap {
+        image: String,
+        index: usize,
+        count: usize,
+        layer: String,
+        what: &'static str,
+        limit: u64,
+        unit: &'static str,
+        flag: &'static str,
+    },
+    #[error("cannot isolate the build's staging tree (a private mount namespace, a nosuid,nodev bind mount): {0}")]
+    Isolate(io::Error),
     #[error("layer {index}/{count} of {image} is corrupt: {mismatch}")]
     LayerDigest {
         image: String,
@@ -130,6 +145,28 @@ pub enum SourceSpec {
     OciLayout(PathBuf),
 }
 
+/// Caps on what one build unpacks: uncompressed bytes (the tar streams, padding included) and
+/// tar entries, per layer and for the whole image. A layer that passes one stops there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuildLimits {
+    pub layer_bytes: u64,
+    pub layer_entries: u64,
+    pub image_bytes: u64,
+    pub image_entries: u64,
+}
+
+impl Default for BuildLimits {
+    /// 16 GiB and 2,000,000 entries, per layer and per image.
+    fn default() -> Self {
+        BuildLimits {
+            layer_bytes: 16 << 30,
+            layer_entries: 2_000_000,
+            image_bytes: 16 << 30,
+            image_entries: 2_000_000,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct BuildOptions {
     /// Registry reference; for archives and layouts, picks one of several images.
@@ -142,6 +179,7 @@ pub struct BuildOptions {
     /// Image size; by default the content plus room to write.
     pub size_mib: Option<u64>,
     pub progress: Progress,
+    pub limits: BuildLimits,
 }
 
 #[derive(Debug, Clone)]
@@ -212,10 +250,11 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
             if let Some(session) = &session {
                 session.fetch_layers(&mut image, &cache, options.progress)?;
             }
-            (
-                build_into_cache(&image, &agent, &cache, &key, options)?,
-                false,
-            )
+            let built = staging::isolated(
+                || build_into_cache(&image, &agent, &cache, &key, options),
+                |e| Err(ImageError::Isolate(e)),
+            )?;
+            (built, false)
         }
     };
 
@@ -254,15 +293,21 @@ fn build_into_cache(
     // Every blob is checked before any is unpacked.
     verify_layers(image, options.progress)?;
 
+    // The work directory is 0700 from its creation: no other uid reaches the tree in it.
     let staging = cache.staging("build");
     let work = staging.path();
-    fs::create_dir(work).map_err(io_error("create", work))?;
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(work)
+        .map_err(io_error("create", work))?;
+    fs::set_permissions(work, Permissions::from_mode(0o700)).map_err(io_error("chmod", work))?;
     let tree = work.join("tree");
     fs::create_dir(&tree).map_err(io_error("create", &tree))?;
     fs::set_permissions(&tree, Permissions::from_mode(0o755)).map_err(io_error("chmod", &tree))?;
+    let locked = staging::LockedTree::mount(&tree).map_err(ImageError::Isolate)?;
 
     let mut rootfs = RootfsBuilder::new(&tree);
-    apply_layers(image, &mut rootfs, options.progress)?;
+    apply_layers(image, &mut rootfs, options.progress, options.limits)?;
     account::ensure_e2b_user(&tree)?;
     let mut metadata = ImageMetadata::new(image, agent);
     agent.install(&tree, &metadata.to_json())?;
@@ -278,7 +323,12 @@ fn build_into_cache(
     let made = ext4::make(&tree, &image_file, options.size_mib);
     spinner.finish_and_clear();
     let size_bytes = made?;
+    locked
+        .unmount()
+        .map_err(io_error("unmount the staging tree", &tree))?;
     fs::remove_dir_all(&tree).map_err(io_error("remove the staging tree", &tree))?;
+    // Only the image and its metadata are left: the cache entry is readable again.
+    fs::set_permissions(work, Permissions::from_mode(0o755)).map_err(io_error("chmod", work))?;
 
     metadata.rootfs_size_bytes = Some(size_bytes);
     let metadata_file = work.join(METADATA_FILE);
@@ -331,18 +381,92 @@ fn apply_layers(
     image: &ResolvedImage,
     rootfs: &mut RootfsBuilder,
     progress: Progress,
+    limits: BuildLimits,
 ) -> Result<(), ImageError> {
     let count = image.layers.len();
+    let (mut bytes, mut entries) = (0u64, 0u64);
     for (i, layer) in image.layers.iter().enumerate() {
         let bar = progress.bytes(
             layer.size,
             format!("unpack {}/{count} {}", i + 1, short_label(layer)),
         );
-        let result = apply_one(image, i, layer, rootfs, &bar);
+        let caps = LayerCaps::new(limits, bytes, entries);
+        rootfs.set_entry_cap(caps.entries.0);
+        let result = apply_one(image, i, layer, rootfs, &bar, &caps);
         bar.finish_and_clear();
-        result?;
+        let (layer_bytes, layer_entries) = result?;
+        bytes += layer_bytes;
+        entries += layer_entries;
     }
     Ok(())
+}
+
+/// One layer's caps: the smaller of the layer's own and what the image has left, with the flag
+/// that sets the one in force.
+struct LayerCaps {
+    bytes: (u64, &'static str, &'static str),
+    entries: (u64, &'static str, &'static str),
+}
+
+impl LayerCaps {
+    fn new(limits: BuildLimits, bytes_used: u64, entries_used: u64) -> Self {
+        let pick = |layer: u64, image: u64, used: u64, per: [&'static str; 4]| {
+            let left = image.saturating_sub(used);
+            if layer <= left {
+                (layer, per[0], per[1])
+            } else {
+                (left, per[2], per[3])
+            }
+        };
+        LayerCaps {
+            bytes: pick(
+                limits.layer_bytes,
+                limits.image_bytes,
+                bytes_used,
+                [
+                    "--max-layer-bytes",
+                    "its uncompressed data",
+                    "--max-image-bytes",
+                    "the image's uncompressed data",
+                ],
+            ),
+            entries: pick(
+                limits.layer_entries,
+                limits.image_entries,
+                entries_used,
+                [
+                    "--max-layer-entries",
+                    "its tar entries",
+                    "--max-image-entries",
+                    "the image's tar entries",
+                ],
+            ),
+        }
+    }
+}
+
+/// Counts what is read through it and fails once more than `cap` bytes came.
+struct CappedReader<'a, R> {
+    inner: R,
+    cap: u64,
+    read: &'a Cell<u64>,
+    hit: &'a Cell<bool>,
+}
+
+impl<R: Read> Read for CappedReader<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let total = self.read.get().saturating_add(n as u64);
+        self.read.set(total);
+        if total > self.cap {
+            self.hit.set(true);
+            return Err(io::Error::other(format!(
+                "uncompressed data passes the cap of {} bytes",
+                self.cap
+            )));
+        }
+        Ok(n)
+    }
 }
 
 fn short_label(layer: &LayerBlob) -> String {
@@ -354,13 +478,15 @@ fn short_label(layer: &LayerBlob) -> String {
         .unwrap_or_default()
 }
 
+/// Applies one layer within `caps`; the uncompressed bytes and entries it held.
 fn apply_one(
     image: &ResolvedImage,
     i: usize,
     layer: &LayerBlob,
     rootfs: &mut RootfsBuilder,
     bar: &indicatif::ProgressBar,
-) -> Result<(), ImageError> {
+    caps: &LayerCaps,
+) -> Result<(u64, u64), ImageError> {
     let count = image.layers.len();
     let read_error = |source| ImageError::LayerRead {
         image: image.name.clone(),
@@ -382,17 +508,41 @@ fn apply_one(
     );
     let compression = compression::sniff(stored.fill_buf().map_err(read_error)?);
     let decoded = compression::decoder(&mut stored, compression);
-    let mut tar_stream = HashingReader::new(decoded);
-    rootfs
-        .apply_layer(&label, &mut tar_stream)
-        .map_err(layer_error)?;
-    // The diff id covers the whole uncompressed stream, including tar's trailing padding.
-    tar_stream.drain().map_err(|source| {
-        layer_error(LayerError::Read {
+    let (read, hit) = (Cell::new(0), Cell::new(false));
+    let capped = CappedReader {
+        inner: decoded,
+        cap: caps.bytes.0,
+        read: &read,
+        hit: &hit,
+    };
+    let cap_error =
+        |(limit, flag, what): (u64, &'static str, &'static str), unit| ImageError::LayerCap {
+            image: image.name.clone(),
+            index: i + 1,
+            count,
             layer: label.clone(),
-            source,
-        })
-    })?;
+            what,
+            limit,
+            unit,
+            flag,
+        };
+    let mut tar_stream = HashingReader::new(capped);
+    let applied = rootfs.apply_layer(&label, &mut tar_stream);
+    // The diff id covers the whole uncompressed stream, including tar's trailing padding.
+    let drained = applied.and_then(|stats| {
+        tar_stream
+            .drain()
+            .map(|()| stats)
+            .map_err(|source| LayerError::Read {
+                layer: label.clone(),
+                source,
+            })
+    });
+    let stats = match drained {
+        _ if hit.get() => return Err(cap_error(caps.bytes, "bytes")),
+        Err(LayerError::TooManyEntries { .. }) => return Err(cap_error(caps.entries, "entries")),
+        other => other.map_err(layer_error)?,
+    };
     if let Some(expected) = &layer.diff_id {
         let actual = tar_stream.digest();
         if &actual != expected {
@@ -409,7 +559,7 @@ fn apply_one(
             });
         }
     }
-    Ok(())
+    Ok((read.get(), stats.entries))
 }
 
 /// Copies a cached image to `output` (and its metadata beside it), each through a temporary

@@ -26,6 +26,8 @@ pub struct RootfsBuilder {
     root: PathBuf,
     /// Directory mtimes are set last: adding children changes them.
     dir_times: HashMap<PathBuf, (i64, u32)>,
+    /// The most entries the next layer may hold.
+    entry_cap: u64,
 }
 
 impl RootfsBuilder {
@@ -33,7 +35,14 @@ impl RootfsBuilder {
         Self {
             root: root.to_path_buf(),
             dir_times: HashMap::new(),
+            entry_cap: u64::MAX,
         }
+    }
+
+    /// Caps the entries of each layer applied from now on: one more is
+    /// [`LayerError::TooManyEntries`].
+    pub fn set_entry_cap(&mut self, cap: u64) {
+        self.entry_cap = cap;
     }
 
     pub fn root(&self) -> &Path {
@@ -61,6 +70,12 @@ impl RootfsBuilder {
             let rel = normalize_entry_path(&raw_path)
                 .map_err(|problem| problem.into_error(layer, &ctx.entry))?;
             stats.entries += 1;
+            if stats.entries > self.entry_cap {
+                return Err(LayerError::TooManyEntries {
+                    layer: layer.to_string(),
+                    limit: self.entry_cap,
+                });
+            }
 
             if apply_whiteout(&self.root, &mut ctx, &rel)? {
                 stats.whiteouts += 1;
@@ -118,5 +133,23 @@ mod tests {
             .bytes();
         let err = rootfs.apply_layer("cut", &bytes[..3000]).unwrap_err();
         assert!(matches!(err, LayerError::Read { .. }), "{err}");
+    }
+
+    #[test]
+    fn entries_past_the_cap_stop_the_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rootfs = RootfsBuilder::new(dir.path());
+        rootfs.set_entry_cap(2);
+        let bytes = LayerTar::new()
+            .file("a", b"a", 0o644, 0, 0)
+            .file("b", b"b", 0o644, 0, 0)
+            .file("c", b"c", 0o644, 0, 0)
+            .bytes();
+        let err = rootfs.apply_layer("many", &bytes[..]).unwrap_err();
+        assert!(
+            matches!(err, LayerError::TooManyEntries { limit: 2, .. }),
+            "{err}"
+        );
+        assert!(!dir.path().join("c").exists());
     }
 }

@@ -35,6 +35,8 @@ pub enum LayerError {
         entry: String,
         target: String,
     },
+    #[error("layer {layer}: more than {limit} entries")]
+    TooManyEntries { layer: String, limit: u64 },
     #[error("layer {layer}: whiteout {entry:?} names no file")]
     BadWhiteout { layer: String, entry: String },
     #[error("layer {layer}: entry {entry:?} has unsupported tar entry type {kind}")]
