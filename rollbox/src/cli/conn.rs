@@ -53,6 +53,8 @@ pub enum CliError {
     },
     #[error("{0}")]
     Usage(String),
+    #[error(transparent)]
+    Untar(#[from] super::untar::UntarError),
 }
 
 /// Where `rollbox serve` listens, and the CLI connects, without --socket or --url.

@@ -35,6 +35,12 @@ pub struct ExecArgs {
 pub struct CpArgs {
     pub src: String,
     pub dest: String,
+    /// From a sandbox: stop with an error past this many bytes (files together).
+    #[arg(long, value_name = "BYTES", default_value_t = super::untar::DEFAULT_MAX_BYTES)]
+    pub max_bytes: u64,
+    /// From a sandbox: stop with an error past this many archive entries.
+    #[arg(long, value_name = "N", default_value_t = super::untar::DEFAULT_MAX_ENTRIES)]
+    pub max_entries: u64,
 }
 
 /// `port-forward`'s arguments.
@@ -144,8 +150,14 @@ fn base_name(path: &str) -> Result<&str, CliError> {
         .ok_or_else(|| CliError::Usage(format!("{path:?} names no file")))
 }
 
-/// `rollbox sandbox cp`.
-pub fn copy(conn: &Conn, src: &str, dest: &str) -> Result<(), CliError> {
+/// `rollbox sandbox cp`. What comes from a guest is unpacked or written within the caps, and
+/// an archive may not put anything outside `dest` (see [`super::untar`]).
+pub fn copy(conn: &Conn, args: &CpArgs) -> Result<(), CliError> {
+    let (src, dest) = (args.src.as_str(), args.dest.as_str());
+    let caps = super::untar::Caps {
+        bytes: args.max_bytes,
+        entries: args.max_entries,
+    };
     let local = |path: &std::path::Path| {
         let path = path.to_path_buf();
         move |source| CliError::Local { path, source }
@@ -203,7 +215,7 @@ pub fn copy(conn: &Conn, src: &str, dest: &str) -> Result<(), CliError> {
                     None,
                     "application/json",
                 )?;
-                tar::Archive::new(response).unpack(to).map_err(local(to))?;
+                super::untar::unpack(response, to, caps)?;
             } else {
                 let target = if to.is_dir() {
                     to.join(base_name(from)?)
@@ -217,7 +229,19 @@ pub fn copy(conn: &Conn, src: &str, dest: &str) -> Result<(), CliError> {
                     "application/json",
                 )?;
                 let mut file = std::fs::File::create(&target).map_err(local(&target))?;
-                std::io::copy(&mut response, &mut file).map_err(broken)?;
+                use std::io::Read as _;
+                let mut capped = (&mut response).take(caps.bytes.saturating_add(1));
+                let copied = std::io::copy(&mut capped, &mut file).map_err(broken)?;
+                if copied > caps.bytes {
+                    drop(file);
+                    let _ = std::fs::remove_file(&target);
+                    return Err(super::untar::UntarError::FileBytes {
+                        file: format!("{id}:{from}"),
+                        limit: caps.bytes,
+                        removed: target,
+                    }
+                    .into());
+                }
             }
             Ok(())
         }

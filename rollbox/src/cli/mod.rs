@@ -10,6 +10,7 @@ mod net;
 mod sandbox;
 mod serve;
 mod template;
+mod untar;
 
 use std::process::ExitCode;
 

@@ -188,7 +188,7 @@ pub fn run(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
         SandboxCommand::Resume { id } => pause_resume(conn, &id, "resume"),
         SandboxCommand::Keepalive(args) => keepalive(conn, args),
         SandboxCommand::Exec(args) => guest::exec(conn, args),
-        SandboxCommand::Cp(args) => guest::copy(conn, &args.src, &args.dest).map(|()| 0),
+        SandboxCommand::Cp(args) => guest::copy(conn, &args).map(|()| 0),
         SandboxCommand::Snapshot(args) => snapshot(conn, args),
         SandboxCommand::Snapshots { sandbox } => snapshots(conn, sandbox),
         SandboxCommand::SnapshotRm { ids } => snapshot_rm(conn, ids),
