@@ -788,3 +788,222 @@ CMD ["echo $GREETING"]
     check(&pulled.rootfs);
     let _ = Command::new("docker").args(["rmi", &tag]).output();
 }
+
+/// A decompression bomb (a small gzip of 64 MiB of zeros, which tar reads as its end and the
+/// diff-id check would drain) stops at the cap, and the error names the layer and the flag.
+#[test]
+fn a_decompression_bomb_stops_at_the_cap() {
+    if !root_or_skip("a_decompression_bomb_stops_at_the_cap") {
+        return;
+    }
+    let good = Layer::new().file("etc/hostname", b"box", 0o644, 0, 0).tar();
+    let bomb = vec![0u8; 64 << 20];
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let bomb_len = bomb.len();
+    let image = Image::new(vec![good, bomb]);
+    assert!(
+        image.blobs[1].len() < bomb_len / 100,
+        "the bomb is small: {}",
+        image.blobs[1].len()
+    );
+    image.write_oci_layout(&layout, "bomb");
+    let agent = agent();
+    let base = [
+        "image",
+        "build",
+        "--from-oci-layout",
+        arg(&layout),
+        "--agent",
+        arg(&agent),
+        "--cache-dir",
+        arg(&cache),
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--max-layer-bytes", "1048576"]);
+    let err = build_err(&args);
+    assert!(
+        err.contains("layer 2/2 of")
+            && err.contains(
+                "its uncompressed data passes the cap of 1048576 bytes (--max-layer-bytes)"
+            ),
+        "{err}"
+    );
+    assert_cache_clean(&cache);
+    // The image's cap counts every layer; the entry caps the same.
+    let mut args = base.to_vec();
+    args.extend(["--max-image-bytes", "4096"]);
+    let err = build_err(&args);
+    assert!(
+        err.contains("(--max-image-bytes)") && err.contains("layer 2/2"),
+        "{err}"
+    );
+    let mut args = base.to_vec();
+    args.extend(["--max-layer-entries", "0"]);
+    let err = build_err(&args);
+    assert!(
+        err.contains("layer 1/2 of")
+            && err.contains("its tar entries passes the cap of 0 entries (--max-layer-entries)"),
+        "{err}"
+    );
+    assert_cache_clean(&cache);
+}
+
+/// Opens `fifo` for writing once the build reads it for the second time (its first reader, the
+/// digest check, gone): `O_NONBLOCK` opens fail with ENXIO while no one reads.
+fn open_for_second_reader(fifo: &Path) -> fs::File {
+    use std::os::unix::fs::OpenOptionsExt;
+    let open = || {
+        fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(fifo)
+    };
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    let mut reader_gone = false;
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the build never read the layer again"
+        );
+        match open() {
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => reader_gone = true,
+            Err(e) => panic!("open {}: {e}", fifo.display()),
+            Ok(file) if reader_gone => {
+                use std::os::fd::AsRawFd;
+                // SAFETY: plain fcntl on a descriptor we own: back to blocking writes.
+                unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, 0) };
+                return file;
+            }
+            Ok(_) => {}
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// While the build runs, the tree holding an image's set-id binary and device node is inside
+/// a 0700 directory (another uid cannot reach it) and, on the build's thread, a nosuid,nodev
+/// mount; the finished image keeps both. The second layer is a FIFO the test holds, so the
+/// build waits inside it with the first layer unpacked.
+#[test]
+fn setuid_binaries_and_device_nodes_are_out_of_reach_during_the_build() {
+    use std::io::Write;
+    if !root_or_skip("setuid_binaries_and_device_nodes_are_out_of_reach_during_the_build") {
+        return;
+    }
+    let lower = Layer::new()
+        .file("bin/suid", b"#!/bin/sh\nid\n", 0o4755, 0, 0)
+        .char_device("dev/mem2", 1, 1)
+        .tar();
+    let upper = Layer::new().file("etc/upper", b"upper", 0o644, 0, 0).tar();
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    let cache = dir.path().join("cache");
+    let image = Image::new(vec![lower, upper]);
+    image.write_oci_layout(&layout, "suid");
+    let fifo = image.oci_blob_path(&layout, 1);
+    fs::remove_file(&fifo).unwrap();
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let agent = agent();
+    let child = Command::new(rollbox_tests::rollbox_binary())
+        .args([
+            "image",
+            "build",
+            "--from-oci-layout",
+            arg(&layout),
+            "--agent",
+            arg(&agent),
+        ])
+        .args(["--cache-dir", arg(&cache)])
+        .env_remove("ROLLBOX_AGENT")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The digest check reads the blob once, whole.
+    let blob = image.blobs[1].clone();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&fifo)
+        .unwrap()
+        .write_all(&blob)
+        .unwrap();
+    let mut second = open_for_second_reader(&fifo);
+
+    // The build now waits for layer 2: layer 1 is unpacked in the staging tree.
+    let work: Vec<_> = fs::read_dir(cache.join("tmp"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("build-")
+        })
+        .collect();
+    assert_eq!(work.len(), 1, "{work:?}");
+    let tree = work[0].join("tree");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        fs::metadata(&work[0]).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert!(
+        fs::symlink_metadata(tree.join("dev/mem2")).is_ok(),
+        "layer 1 is unpacked"
+    );
+    let other_uid = Command::new("setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "stat",
+        ])
+        .arg(tree.join("bin/suid"))
+        .output()
+        .unwrap();
+    assert!(
+        !other_uid.status.success()
+            && String::from_utf8_lossy(&other_uid.stderr).contains("Permission denied"),
+        "another uid reaches the staging tree: {other_uid:?}"
+    );
+    let mut options = None;
+    for task in fs::read_dir(format!("/proc/{}/task", child.id())).unwrap() {
+        let info = fs::read_to_string(task.unwrap().path().join("mountinfo")).unwrap_or_default();
+        for line in info.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            if fields.get(4) == Some(&tree.to_str().unwrap()) {
+                options = Some(fields[5].to_string());
+            }
+        }
+    }
+    let options = options.expect("the staging tree is a mount on the build's thread");
+    for flag in ["nosuid", "nodev"] {
+        assert!(options.split(',').any(|o| o == flag), "{options}");
+    }
+    let host = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !host.contains(tree.to_str().unwrap()),
+        "the mount leaked to the host"
+    );
+
+    second.write_all(&blob).unwrap();
+    drop(second);
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let rootfs = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("rootfs: "))
+        .unwrap();
+    let suid = stat(Path::new(rootfs), "/bin/suid").unwrap();
+    assert_eq!((suid.kind.as_str(), suid.mode), ("regular", 0o4755));
+    let mem = stat(Path::new(rootfs), "/dev/mem2").unwrap();
+    assert_eq!(mem.kind.as_str(), "character");
+}
