@@ -665,3 +665,72 @@ fn guest_ports_through_the_agent_by_upgrade_and_port_forward() {
         std::panic::resume_unwind(panic);
     }
 }
+
+/// `rollbox sandbox cp` from a guest: what the guest sends is hostile. Its archive stops at
+/// the byte and entry caps and may not put a symlink pointing out of the destination; a single
+/// file stops at the byte cap. Each refusal names the cap or the entry.
+#[test]
+fn cp_from_a_guest_is_capped_and_stays_in_the_destination() {
+    if !kvm_available() {
+        return;
+    }
+    let (_agent, server, id) = agent_server();
+    let guest = tempfile::tempdir().expect("tempdir");
+    let host = tempfile::tempdir().expect("tempdir");
+    let cli = |args: &[&str]| {
+        Command::new(rollbox_binary())
+            .args(["sandbox", "--socket"])
+            .arg(server.sock())
+            .arg("--api-key-file")
+            .arg(server.dir.path().join("key"))
+            .args(args)
+            .output()
+            .expect("rollbox sandbox")
+    };
+    let refused = |args: &[&str], want: &str| {
+        let output = cli(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    };
+    // A guest directory with many files, one big file, and a symlink to a host file.
+    let tree = guest.path().join("tree");
+    std::fs::create_dir(&tree).expect("mkdir");
+    for i in 0..20 {
+        std::fs::write(tree.join(format!("f{i}")), b"x").expect("write");
+    }
+    std::fs::write(tree.join("big"), vec![7u8; 1 << 20]).expect("write");
+    let from = format!("{id}:{}", tree.display());
+    let to = |name: &str| host.path().join(name).display().to_string();
+    refused(
+        &["cp", &from, &to("a"), "--max-entries", "5"],
+        "more than 5 entries; stopped at the cap (raise it with --max-entries)",
+    );
+    refused(
+        &["cp", &from, &to("b"), "--max-bytes", "65536"],
+        "holds more than 65536 bytes; stopped at entry",
+    );
+    let big = format!("{id}:{}", tree.join("big").display());
+    refused(
+        &["cp", &big, &to("big"), "--max-bytes", "65536"],
+        "holds more than 65536 bytes; stopped at the cap and removed",
+    );
+    assert!(
+        !host.path().join("big").exists(),
+        "the partial file is removed"
+    );
+    // Within the caps it copies.
+    let output = cli(&["cp", &from, &to("c")]);
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(
+        std::fs::read(host.path().join("c/f3")).expect("copied"),
+        b"x"
+    );
+    // A symlink out of the destination is refused, not created.
+    std::os::unix::fs::symlink("/etc/passwd", tree.join("passwd")).expect("symlink");
+    refused(
+        &["cp", &from, &to("d")],
+        "passwd -> /etc/passwd in the guest's archive points outside",
+    );
+    assert!(std::fs::symlink_metadata(host.path().join("d/passwd")).is_err());
+}
