@@ -850,35 +850,28 @@ fn a_decompression_bomb_stops_at_the_cap() {
     assert_cache_clean(&cache);
 }
 
-/// Opens `fifo` for writing once the build reads it for the second time (its first reader, the
-/// digest check, gone): `O_NONBLOCK` opens fail with ENXIO while no one reads.
-fn open_for_second_reader(fifo: &Path) -> fs::File {
-    use std::os::unix::fs::OpenOptionsExt;
-    let open = || {
-        fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(fifo)
-    };
+/// The build's staging directory, once its first layer is unpacked (`marker` exists in the
+/// tree): by then every blob's digest check, a first reader of each, is over.
+fn staging_with(cache: &Path, marker: &str) -> std::path::PathBuf {
     let deadline = Instant::now() + std::time::Duration::from_secs(60);
-    let mut reader_gone = false;
     loop {
         assert!(
             Instant::now() < deadline,
-            "the build never read the layer again"
+            "the build never unpacked {marker}"
         );
-        match open() {
-            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => reader_gone = true,
-            Err(e) => panic!("open {}: {e}", fifo.display()),
-            Ok(file) if reader_gone => {
-                use std::os::fd::AsRawFd;
-                // SAFETY: plain fcntl on a descriptor we own: back to blocking writes.
-                unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, 0) };
-                return file;
-            }
-            Ok(_) => {}
+        let found = fs::read_dir(cache.join("tmp"))
+            .into_iter()
+            .flatten()
+            .find_map(|e| {
+                let work = e.ok()?.path();
+                let name = work.file_name()?.to_str()?.to_string();
+                let seen = fs::symlink_metadata(work.join("tree").join(marker)).is_ok();
+                (name.starts_with("build-") && seen).then_some(work)
+            });
+        if let Some(work) = found {
+            return work;
         }
-        std::thread::sleep(std::time::Duration::from_millis(1));
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 
@@ -931,25 +924,14 @@ fn setuid_binaries_and_device_nodes_are_out_of_reach_during_the_build() {
         .unwrap()
         .write_all(&blob)
         .unwrap();
-    let mut second = open_for_second_reader(&fifo);
-
-    // The build now waits for layer 2: layer 1 is unpacked in the staging tree.
-    let work: Vec<_> = fs::read_dir(cache.join("tmp"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("build-")
-        })
-        .collect();
-    assert_eq!(work.len(), 1, "{work:?}");
-    let tree = work[0].join("tree");
+    // The build now waits in layer 2, layer 1 unpacked in the staging tree.
+    let work = staging_with(&cache, "dev/mem2");
+    // Blocks until the build opens layer 2, which then waits for its data.
+    let mut second = fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    let tree = work.join("tree");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
-        fs::metadata(&work[0]).unwrap().permissions().mode() & 0o777,
+        fs::metadata(&work).unwrap().permissions().mode() & 0o777,
         0o700
     );
     assert!(
