@@ -143,11 +143,15 @@ mod tests {
     #[test]
     fn the_tree_is_nosuid_nodev_noexec_on_the_build_thread_only() {
         // SAFETY: geteuid has no preconditions.
-        assert_eq!(
-            unsafe { libc::geteuid() },
-            0,
-            "this test needs root (it mounts); run the unit tests as root"
-        );
+        if unsafe { libc::geteuid() } != 0 {
+            let reason = "needs root (it mounts)";
+            assert!(
+                std::env::var_os("ROLLBOX_REQUIRE_ALL").is_none_or(|v| v != "1"),
+                "the_tree_is_nosuid_nodev_noexec_on_the_build_thread_only could not run: {reason}"
+            );
+            eprintln!("SKIP the_tree_is_nosuid_nodev_noexec_on_the_build_thread_only: {reason}");
+            return;
+        }
         let dir = tempfile::tempdir().unwrap();
         let tree = dir.path().join("tree");
         std::fs::create_dir(&tree).unwrap();
