@@ -135,8 +135,7 @@ mod tests {
         let info = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap();
         let target = path.to_str().unwrap();
         info.lines()
-            .filter(|line| line.split(' ').nth(4) == Some(target))
-            .last()
+            .rfind(|line| line.split(' ').nth(4) == Some(target))
             .and_then(|line| line.split(' ').nth(5).map(str::to_string))
     }
 
@@ -163,10 +162,9 @@ mod tests {
                 let node = tree.join("null");
                 let c = c_path(&node).unwrap();
                 // SAFETY: valid path; mknod keeps no pointer.
-                assert_eq!(
-                    unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) },
-                    0
-                );
+                let rc =
+                    unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+                assert_eq!(rc, 0);
                 let opened = std::fs::File::open(&node).map(|_| ());
                 locked.unmount().unwrap();
                 (inside, opened, mount_options(&tree))
