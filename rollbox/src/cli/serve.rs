@@ -55,6 +55,15 @@ pub struct ServeArgs {
     /// was restored or reset from them.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     snapshot_retention: Option<u32>,
+    /// Remove a fork's snapshot this many seconds after the fork, even while its clones run
+    /// (they need none of its files; only a reset back to it does) [default: none: it goes
+    /// when its last clone ends].
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=rollbox::daemon::api::MAX_TTL_S))]
+    fork_snapshot_ttl: Option<u64>,
+    /// Test only: every snapshot, once written and with its VM still paused, writes this file
+    /// and waits until it is removed (to kill the daemon mid-snapshot).
+    #[arg(long, value_name = "FILE", hide = true)]
+    test_hold_snapshot: Option<PathBuf>,
     /// Where the cgroup hierarchies are mounted (for sandboxes' cpu_limit).
     #[arg(
         long,
@@ -160,6 +169,8 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         cgroup_fs: args.cgroup_fs,
         jailer,
         snapshot_retention: args.snapshot_retention,
+        fork_snapshot_ttl_s: args.fork_snapshot_ttl,
+        test_hold_snapshot: args.test_hold_snapshot,
         e2b: args
             .e2b_listen
             .map(|listen| rollbox::daemon::e2b::E2bOptions {

@@ -68,6 +68,12 @@ pub struct ServeOptions {
     pub cgroup_fs: PathBuf,
     /// Keep each sandbox's newest N snapshots (see [`super::retention`]); None: keep all.
     pub snapshot_retention: Option<u32>,
+    /// `--fork-snapshot-ttl`: a fork's snapshot goes this many seconds after it was taken,
+    /// even while its clones run; None: when its last clone ends.
+    pub fork_snapshot_ttl_s: Option<u64>,
+    /// Test-only (`--test-hold-snapshot`): every snapshot waits, its VM paused and nothing
+    /// recorded, while this file exists (see `Snapshots::hold`).
+    pub test_hold_snapshot: Option<PathBuf>,
     /// The E2B-compatible API on its own listener (`--e2b-listen`).
     pub e2b: Option<e2b::E2bOptions>,
     /// `rollbox-jailer` around every VMM (the default); None with `--no-jailer`.
@@ -142,13 +148,18 @@ pub async fn serve(
             ready_timeout: options.ready_timeout,
         },
     ));
-    let retention = Arc::new(Retention::new(Arc::clone(&db), options.snapshot_retention));
+    let retention = Arc::new(Retention::new(
+        Arc::clone(&db),
+        options.snapshot_retention,
+        options.fork_snapshot_ttl_s,
+    ));
     let snapshots = Arc::new(Snapshots::new(
         Arc::clone(&db),
         Arc::clone(&supervisor),
         Arc::clone(&sandboxes),
         Arc::clone(&retention),
         dirs.snapshots.clone(),
+        options.test_hold_snapshot.clone(),
     ));
     let templates = Arc::new(Templates::new(
         Arc::clone(&db),
@@ -167,7 +178,7 @@ pub async fn serve(
         templates,
         guest,
     ));
-    let kept = sandboxes.recover()?;
+    let kept = sandboxes.recover().await?;
     snapshots.sweep()?;
     if !kept.is_empty() {
         log::info!("re-attached {} running sandboxes", kept.len());

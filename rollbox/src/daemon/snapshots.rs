@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::api::{ApiError, CreateSandbox, ForkResult, Reply, Snapshot, State};
-use super::retention::Retention;
+use super::retention::{Pin, Retention};
 use super::sandboxes::{check_deterministic, Sandboxes};
 use super::store::{Db, StoreError};
 use super::supervisor::{self, Busy, Supervisor};
@@ -21,6 +21,19 @@ pub struct Snapshots {
     retention: Arc<Retention>,
     /// `STATE/snapshots`: one directory per snapshot.
     dir: PathBuf,
+    /// Test only (`--test-hold-snapshot FILE`): once a snapshot's files are written, with the
+    /// VM still paused and nothing recorded, write FILE and wait until it is removed (so a test
+    /// can kill the daemon there).
+    hold: Option<PathBuf>,
+}
+
+/// Who a snapshot is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// A user's (POST /sandboxes/{id}/snapshots) or a template's boot snapshot.
+    Kept,
+    /// A fork's: it goes with its last clone, or at `--fork-snapshot-ttl`.
+    Fork,
 }
 
 impl Snapshots {
@@ -30,6 +43,7 @@ impl Snapshots {
         sandboxes: Arc<Sandboxes>,
         retention: Arc<Retention>,
         dir: PathBuf,
+        hold: Option<PathBuf>,
     ) -> Snapshots {
         Snapshots {
             db,
@@ -37,6 +51,7 @@ impl Snapshots {
             sandboxes,
             retention,
             dir,
+            hold,
         }
     }
 
@@ -93,7 +108,7 @@ impl Snapshots {
         }
         let mut snapshot = {
             let _busy = self.claim(id)?;
-            self.take_snapshot(id, name).await?
+            self.take_snapshot(id, name, Purpose::Kept).await?.0
         };
         if let Some(ttl_s) = ttl_s {
             let at = snapshot
@@ -112,7 +127,13 @@ impl Snapshots {
         })
     }
 
-    async fn take_snapshot(&self, id: &str, name: Option<String>) -> Result<Snapshot, ApiError> {
+    /// Takes and records a snapshot of sandbox `id`, pinned until the caller drops the pin.
+    async fn take_snapshot(
+        &self,
+        id: &str,
+        name: Option<String>,
+        purpose: Purpose,
+    ) -> Result<(Snapshot, Pin<'_>), ApiError> {
         let sandbox = touch(&self.db, id)?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
@@ -132,6 +153,13 @@ impl Snapshots {
                 ))
             })?;
         let snapshot_id = format!("snap-{}", random_hex());
+        let created_at_ms = now_ms();
+        let expires_at_ms = match (purpose, self.retention.fork_ttl_s()) {
+            (Purpose::Fork, Some(ttl_s)) => {
+                Some(created_at_ms.saturating_add(ttl_s.saturating_mul(1000)))
+            }
+            _ => None,
+        };
         let snapshot = Snapshot {
             dir: self.dir.join(&snapshot_id),
             id: snapshot_id,
@@ -141,26 +169,70 @@ impl Snapshots {
             template: sandbox.template.clone(),
             vcpus: sandbox.vcpus,
             memory_mib: sandbox.memory_mib,
-            created_at_ms: now_ms(),
-            expires_at_ms: None,
+            created_at_ms,
+            expires_at_ms,
             deterministic: sandbox.deterministic,
         };
+        let pin = self.retention.pin(&snapshot.id);
+        let failed = |e: String| ApiError::Internal(format!("snapshot of sandbox {id}: {e}"));
+        // The pause and resume are here, not in snapshot_vm, so that a daemon killed between
+        // them can be tested (`hold`); a restart resumes the VM (see `Sandboxes::recover`).
+        let running = sandbox.state == State::Running;
+        if running {
+            supervisor::set_paused(&sandbox.dir, true)
+                .await
+                .map_err(|e| failed(format!("pausing it: {e}")))?;
+        }
         let sandbox_dir = sandbox.dir.clone();
         let dir = snapshot.dir.clone();
-        let running = sandbox.state == State::Running;
         let rootfs = template.rootfs.is_some();
         let jail_uid = self.supervisor.jail_uid();
         let taken = tokio::task::spawn_blocking(move || {
-            supervisor::snapshot_vm(&sandbox_dir, &dir, running, rootfs, jail_uid)
+            supervisor::snapshot_vm(&sandbox_dir, &dir, false, rootfs, jail_uid)
         })
         .await
-        .map_err(internal)?;
-        taken.map_err(|e| ApiError::Internal(format!("snapshot of sandbox {id}: {e}")))?;
-        self.db.lock().add_snapshot(&snapshot).map_err(internal)?;
+        .map_err(|e| e.to_string())
+        .and_then(|taken| taken);
+        if taken.is_ok() {
+            self.hold(&snapshot.id).await;
+        }
+        let resumed = if running {
+            supervisor::set_paused(&sandbox.dir, false)
+                .await
+                .map_err(|e| format!("resuming it: {e}"))
+        } else {
+            Ok(())
+        };
+        if let Err(e) = taken.and(resumed) {
+            let _ = remove_dir(&snapshot.dir);
+            return Err(failed(e));
+        }
+        self.db
+            .lock()
+            .add_snapshot(&snapshot, purpose == Purpose::Fork)
+            .map_err(internal)?;
         if let Err(e) = self.retention.enforce().await {
             log::warn!("snapshot retention: {e}");
         }
-        Ok(snapshot)
+        Ok((snapshot, pin))
+    }
+
+    /// The test hook of `--test-hold-snapshot`: writes the file, then waits until it is gone.
+    async fn hold(&self, snapshot: &str) {
+        let Some(file) = &self.hold else {
+            return;
+        };
+        if let Err(e) = std::fs::write(file, snapshot) {
+            log::warn!("--test-hold-snapshot {}: {e}", file.display());
+            return;
+        }
+        log::warn!(
+            "--test-hold-snapshot: holding snapshot {snapshot} until {} is removed",
+            file.display()
+        );
+        while file.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     /// Removes a snapshot and its files; removing one that is gone is success. Sandboxes
@@ -192,10 +264,12 @@ impl Snapshots {
     /// A snapshot of a running sandbox for its template's boot snapshot.
     pub async fn for_template(&self, id: &str) -> Result<String, ApiError> {
         let _busy = self.claim(id)?;
-        Ok(self.take_snapshot(id, None).await?.id)
+        Ok(self.take_snapshot(id, None, Purpose::Kept).await?.0.id)
     }
 
-    /// A fresh snapshot of the sandbox, then `count` restores of it, each on its own.
+    /// A fresh snapshot of the sandbox, then `count` restores of it, each on its own. The
+    /// snapshot is a fork's: it goes when the last sandbox restored from it ends, or at
+    /// `--fork-snapshot-ttl` (see [`super::retention`]); it is pinned while the restores run.
     pub async fn fork(
         &self,
         id: &str,
@@ -203,9 +277,9 @@ impl Snapshots {
         ttl_s: Option<u64>,
         labels: BTreeMap<String, String>,
     ) -> Result<Reply, ApiError> {
-        let snapshot = {
+        let (snapshot, _pin) = {
             let _busy = self.claim(id)?;
-            self.take_snapshot(id, None).await?
+            self.take_snapshot(id, None, Purpose::Fork).await?
         };
         let parent = touch(&self.db, id)?;
         // Without a TTL the forks get what the parent has left.
@@ -258,12 +332,14 @@ impl Snapshots {
             Some(s) => Some(s),
             None => self.db.lock().source(id).map_err(internal)?,
         };
+        // Pinned before its row is read: retention leaves it until the restore is done.
+        let _pin = source.as_deref().map(|s| self.retention.pin(s));
         let snapshot =
             match source {
                 Some(s) => Some(self.db.lock().snapshot(&s).map_err(internal)?.ok_or_else(
                     || {
                         ApiError::BadRequest(format!(
-                            "snapshot: no snapshot {s:?} (it was deleted?)"
+                            "snapshot: no snapshot {s:?} (it was deleted, or it was a fork's and went with its clones or at --fork-snapshot-ttl; give another)"
                         ))
                     },
                 )?),

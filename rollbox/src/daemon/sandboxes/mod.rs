@@ -236,6 +236,19 @@ impl Sandboxes {
         }
         let inserted_ms = ms_since(started);
         self.counters.created();
+        if let Some(snapshot) = snapshot {
+            // Recorded before the restore: snapshot retention keeps the source of a sandbox
+            // that is still `creating`.
+            if let Err(e) = self.db.lock().set_source(&id, &snapshot.id) {
+                let message = format!("recording its snapshot: {e}");
+                self.counters.failed();
+                self.db
+                    .lock()
+                    .end(&id, State::Failed, &message, now_ms())
+                    .map_err(internal)?;
+                return Err(ApiError::Internal(format!("sandbox {id}: {message}")));
+            }
+        }
         match self.start_vmm(&sandbox, template, snapshot).await {
             Ok(()) => {
                 if snapshot.is_none() {
@@ -248,12 +261,6 @@ impl Sandboxes {
                         let _ = self.end(&id, State::Failed, &e.to_string()).await;
                         return Err(e);
                     }
-                }
-                if let Some(snapshot) = snapshot {
-                    self.db
-                        .lock()
-                        .set_source(&id, &snapshot.id)
-                        .map_err(internal)?;
                 }
                 if log::log_enabled!(log::Level::Debug) {
                     log::debug!(
@@ -364,6 +371,11 @@ impl Sandboxes {
             (State::Paused, State::Running)
         };
         if sandbox.state == to {
+            // The store has it there already; its VMM may not (a daemon killed mid-snapshot
+            // leaves it paused): make the VMM agree, unless a snapshot or reset holds it now.
+            if let Some(_busy) = self.supervisor.claim(id) {
+                self.reconcile_vmm(&sandbox).await;
+            }
             return Ok(Reply::Sandbox {
                 created: false,
                 sandbox,

@@ -1,11 +1,12 @@
 //! The reaper (VMMs that ended on their own, TTLs and idle TTLs) and the recovery after a
-//! restart (re-attach live VMMs, fail unfinished creates).
+//! restart (re-attach live VMMs, fail unfinished creates, and bring each VMM's paused or
+//! running state back to the store's: a daemon killed mid-snapshot leaves a paused VM).
 
 use std::collections::HashMap;
 
-use super::super::api::{OnTimeout, State};
+use super::super::api::{OnTimeout, Sandbox, State};
 use super::super::store::StoreError;
-use super::super::supervisor::vm;
+use super::super::supervisor::{self, vm};
 use super::super::util::{now_ms, remove_dir};
 use super::{RecoverError, Sandboxes};
 
@@ -66,11 +67,14 @@ impl Sandboxes {
 
     /// After a (re)start: re-attach live VMMs, fail unfinished creates, and have the
     /// supervisor kill VMMs and remove directories and cgroups that belong to no live sandbox.
-    /// Returns the re-attached sandboxes (with their VMM's pid and start time).
-    pub fn recover(&self) -> Result<HashMap<String, (u32, u64)>, RecoverError> {
+    /// Then each re-attached VMM loses what an unfinished snapshot left in its directory and
+    /// is paused or resumed to match the store. Returns the re-attached sandboxes (with their
+    /// VMM's pid and start time).
+    pub async fn recover(&self) -> Result<HashMap<String, (u32, u64)>, RecoverError> {
         let live = self.db.lock().live()?;
         let now = now_ms();
         let mut keep = HashMap::new();
+        let mut kept = Vec::new();
         for sandbox in live {
             match (sandbox.state, sandbox.pid, sandbox.pid_start_time) {
                 (State::Creating, _, _) => {
@@ -83,6 +87,7 @@ impl Sandboxes {
                 }
                 (_, Some(pid), Some(start)) if vm::is_ours(pid, start) => {
                     keep.insert(sandbox.id.clone(), (pid, start));
+                    kept.push(sandbox);
                 }
                 _ => {
                     self.db.lock().end(
@@ -95,6 +100,46 @@ impl Sandboxes {
             }
         }
         self.supervisor.sweep(&keep)?;
+        let reconciled = kept.iter().map(|sandbox| async move {
+            let dir = sandbox.dir.clone();
+            let staged =
+                tokio::task::spawn_blocking(move || supervisor::remove_snapshot_staging(&dir))
+                    .await;
+            if let Ok(Err(e)) = staged {
+                log::warn!("sandbox {}: unfinished snapshot files: {e}", sandbox.id);
+            }
+            self.reconcile_vmm(sandbox).await;
+        });
+        futures_util::future::join_all(reconciled).await;
         Ok(keep)
+    }
+
+    /// Pauses or resumes the sandbox's VMM to match the store's state (running or paused),
+    /// where it differs; a VMM that does not answer is left as it is, with a warning.
+    pub(super) async fn reconcile_vmm(&self, sandbox: &Sandbox) {
+        let want_paused = match sandbox.state {
+            State::Running => false,
+            State::Paused => true,
+            _ => return,
+        };
+        let id = &sandbox.id;
+        match supervisor::vm_paused(&sandbox.dir).await {
+            Ok(paused) if paused == want_paused => {}
+            Ok(_) => {
+                let (verb, why) = if want_paused {
+                    ("paused", "it is paused in the store")
+                } else {
+                    (
+                        "resumed",
+                        "its VM was left paused (a snapshot not finished?)",
+                    )
+                };
+                match supervisor::set_paused(&sandbox.dir, want_paused).await {
+                    Ok(()) => log::warn!("sandbox {id}: {verb} its VMM: {why}"),
+                    Err(e) => log::warn!("sandbox {id}: cannot make its VMM {verb}: {e}"),
+                }
+            }
+            Err(e) => log::warn!("sandbox {id}: cannot ask its VMM whether it is paused: {e}"),
+        }
     }
 }

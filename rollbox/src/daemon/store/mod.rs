@@ -97,6 +97,11 @@ ALTER TABLE sandboxes ADD COLUMN ttl_s INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE snapshots ADD COLUMN name TEXT;
 CREATE UNIQUE INDEX snapshots_name ON snapshots(name) WHERE name IS NOT NULL;
 ",
+    "
+-- A snapshot taken by a fork: it goes when no live sandbox restores from it any more, or at
+-- `--fork-snapshot-ttl` (see retention.rs).
+ALTER TABLE snapshots ADD COLUMN fork INTEGER NOT NULL DEFAULT 0;
+",
 ];
 
 /// Adds the running time since `running_since_ms` to `run_ms` (an UPDATE's SET clause).

@@ -324,6 +324,34 @@ mod tests {
     }
 
     #[test]
+    fn sources_count_for_live_sandboxes_and_creating_ones_apart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = Store::open(&dir.path().join("state.db")).expect("open");
+        let creating = Sandbox {
+            state: State::Creating,
+            ..sandbox("creating", None, &[])
+        };
+        for (s, snapshot) in [
+            (creating, "snap-a"),
+            (sandbox("running", None, &[]), "snap-b"),
+            (sandbox("ended", None, &[]), "snap-c"),
+        ] {
+            store.insert_sandbox(&s).expect("insert");
+            store.set_source(&s.id, snapshot).expect("source");
+        }
+        store.end("ended", State::Deleted, "test", 3).expect("end");
+        let set = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            store.sources_of_live().expect("live"),
+            set(&["snap-a", "snap-b"])
+        );
+        assert_eq!(
+            store.sources_of_creating().expect("creating"),
+            set(&["snap-a"])
+        );
+    }
+
+    #[test]
     fn idempotency_label_filter_and_pages() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut store = Store::open(&dir.path().join("state.db")).expect("open");

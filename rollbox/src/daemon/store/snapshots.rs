@@ -16,9 +16,9 @@ fn named(spec: &str, name: Option<String>) -> Result<Snapshot, StoreError> {
 }
 
 impl Store {
-    /// Adds a snapshot; its name (if any) moves to it from the snapshot that had it, in one
-    /// transaction.
-    pub fn add_snapshot(&mut self, snapshot: &Snapshot) -> Result<(), StoreError> {
+    /// Adds a snapshot (`fork`: taken by a fork, see [`Store::fork_snapshots`]); its name (if
+    /// any) moves to it from the snapshot that had it, in one transaction.
+    pub fn add_snapshot(&mut self, snapshot: &Snapshot, fork: bool) -> Result<(), StoreError> {
         let spec = to_json(&SnapshotRow::from(snapshot), "spec")?;
         let tx = self.conn.transaction()?;
         if let Some(name) = &snapshot.name {
@@ -28,8 +28,8 @@ impl Store {
             )?;
         }
         tx.execute(
-            "INSERT INTO snapshots (id, sandbox, spec, name) VALUES (?1, ?2, ?3, ?4)",
-            params![snapshot.id, snapshot.sandbox, spec, snapshot.name],
+            "INSERT INTO snapshots (id, sandbox, spec, name, fork) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![snapshot.id, snapshot.sandbox, spec, snapshot.name, fork],
         )?;
         tx.commit()?;
         Ok(())
@@ -90,11 +90,29 @@ impl Store {
 
     /// Snapshots a live sandbox was restored or reset from.
     pub fn sources_of_live(&self) -> Result<HashSet<String>, StoreError> {
-        let mut statement = self.conn.prepare(
+        self.ids(
             "SELECT DISTINCT src.snapshot FROM sandbox_sources src \
              JOIN sandboxes s ON s.id = src.sandbox \
              WHERE s.state IN ('creating', 'running', 'paused')",
-        )?;
+        )
+    }
+
+    /// Snapshots a sandbox is being created from right now.
+    pub fn sources_of_creating(&self) -> Result<HashSet<String>, StoreError> {
+        self.ids(
+            "SELECT DISTINCT src.snapshot FROM sandbox_sources src \
+             JOIN sandboxes s ON s.id = src.sandbox WHERE s.state = 'creating'",
+        )
+    }
+
+    /// Snapshots taken by a fork (and given no name since).
+    pub fn fork_snapshots(&self) -> Result<HashSet<String>, StoreError> {
+        self.ids("SELECT id FROM snapshots WHERE fork = 1 AND name IS NULL")
+    }
+
+    /// The one column of `sql`, a constant statement without parameters.
+    fn ids(&self, sql: &'static str) -> Result<HashSet<String>, StoreError> {
+        let mut statement = self.conn.prepare(sql)?;
         let ids = statement
             .query_map(params![], |row| row.get::<_, String>(0))?
             .collect::<rusqlite::Result<HashSet<String>>>()?;
@@ -129,15 +147,17 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut store = Store::open(&dir.path().join("state.db")).expect("open");
         store
-            .add_snapshot(&snapshot("snap-a", Some("base")))
+            .add_snapshot(&snapshot("snap-a", Some("base")), false)
             .expect("a");
-        store.add_snapshot(&snapshot("snap-b", None)).expect("b");
+        store
+            .add_snapshot(&snapshot("snap-b", None), true)
+            .expect("b");
         assert_eq!(
             store.snapshot_named("base").expect("named").map(|s| s.id),
             Some("snap-a".into())
         );
         store
-            .add_snapshot(&snapshot("snap-c", Some("base")))
+            .add_snapshot(&snapshot("snap-c", Some("base")), false)
             .expect("c");
         assert_eq!(
             store.snapshot_named("base").expect("named").map(|s| s.id),
@@ -162,5 +182,9 @@ mod tests {
             Some("base".into())
         );
         assert!(store.snapshot_named("other").expect("none").is_none());
+        assert_eq!(
+            store.fork_snapshots().expect("forks"),
+            HashSet::from(["snap-b".to_string()])
+        );
     }
 }

@@ -491,3 +491,20 @@ pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())
 }
+
+/// Whether the sandbox's VMM says its VM is paused (`GET /`), off the async threads.
+pub async fn vm_paused(sandbox_dir: &Path) -> Result<bool, String> {
+    let sock = vm::Paths::new(sandbox_dir).api_sock;
+    let state = tokio::task::spawn_blocking(move || vm::vm_state(&sock))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    Ok(state == "Paused")
+}
+
+/// Removes what a snapshot that was not finished left in the sandbox's directory (the jailed
+/// VMM's `snapshot-new/`, see [`vm::create_snapshot`]); a symlink there is removed, not
+/// followed.
+pub fn remove_snapshot_staging(sandbox_dir: &Path) -> std::io::Result<()> {
+    remove_dir(&sandbox_dir.join("snapshot-new"))
+}

@@ -715,6 +715,14 @@ pub fn set_vm_state(api_sock: &Path, state: VmState) -> Result<(), VmError> {
         .map_err(VmError::from)
 }
 
+/// `GET /` on the VMM's API socket: its VM's state, "Running" or "Paused" (blocking).
+pub fn vm_state(api_sock: &Path) -> Result<String, VmError> {
+    Ok(Client::new(api_sock)
+        .with_timeout(STATE_TIMEOUT)
+        .vm_info()?
+        .state)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
