@@ -14,6 +14,7 @@ pub mod client;
 mod core;
 pub mod frontend;
 mod guest;
+mod keys;
 mod retention;
 mod sandboxes;
 mod serve;

@@ -62,7 +62,7 @@ impl Snapshots {
             let store = self.db.lock();
             match store.snapshot(id).map_err(internal)? {
                 Some(snapshot) => Some(snapshot),
-                None => store.snapshot_named(id).map_err(internal)?,
+                None => store.snapshot_named(id, None).map_err(internal)?,
             }
         };
         match found {
@@ -144,6 +144,7 @@ impl Snapshots {
             created_at_ms: now_ms(),
             expires_at_ms: None,
             deterministic: sandbox.deterministic,
+            tenant: sandbox.tenant.clone(),
         };
         let sandbox_dir = sandbox.dir.clone();
         let dir = snapshot.dir.clone();
@@ -232,6 +233,7 @@ impl Snapshots {
                 deterministic: parent.deterministic,
                 on_timeout: parent.on_timeout,
                 auto_resume: parent.auto_resume,
+                tenant: parent.tenant.clone(),
             };
             async move { self.sandboxes.create(request).await }
         });

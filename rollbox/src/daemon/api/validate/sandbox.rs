@@ -120,6 +120,7 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         deterministic: body.deterministic,
         on_timeout,
         auto_resume: body.auto_resume,
+        tenant: None,
     })
 }
 
