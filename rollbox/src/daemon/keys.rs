@@ -89,7 +89,12 @@ fn new_secret() -> Result<String, ApiError> {
 fn info(entry: &Entry, id: &str, key: Option<String>) -> KeyInfo {
     KeyInfo {
         id: id.to_string(),
-        role: if entry.tenant.is_some() { "tenant" } else { "admin" }.to_string(),
+        role: if entry.tenant.is_some() {
+            "tenant"
+        } else {
+            "admin"
+        }
+        .to_string(),
         tenant: entry.tenant.clone(),
         created_at_ms: entry.created_at_ms,
         key,
@@ -215,15 +220,28 @@ mod tests {
             panic!("not keys")
         };
         assert_eq!(listed.len(), 1);
-        assert_eq!((listed[0].key.as_deref(), listed[0].role.as_str()), (None, "tenant"));
+        assert_eq!(
+            (listed[0].key.as_deref(), listed[0].role.as_str()),
+            (None, "tenant")
+        );
         // Kept across a restart, as a hash only.
         let again = Keys::new(Arc::clone(&db), "boot-key").expect("reload");
-        assert_eq!(again.authenticate(&secret), Some(Caller::Tenant("a".into())));
-        assert!(db.lock().keys().expect("rows").iter().all(|r| r.hash != secret));
+        assert_eq!(
+            again.authenticate(&secret),
+            Some(Caller::Tenant("a".into()))
+        );
+        assert!(db
+            .lock()
+            .keys()
+            .expect("rows")
+            .iter()
+            .all(|r| r.hash != secret));
         keys.revoke(&made.id).expect("revoke");
         assert_eq!(keys.authenticate(&secret), None);
         assert!(matches!(keys.revoke(&made.id), Err(ApiError::NotFound(_))));
         assert!(Caller::Admin.sees(Some("a")) && Caller::Tenant("a".into()).sees(Some("a")));
-        assert!(!Caller::Tenant("a".into()).sees(Some("b")) && !Caller::Tenant("a".into()).sees(None));
+        assert!(
+            !Caller::Tenant("a".into()).sees(Some("b")) && !Caller::Tenant("a".into()).sees(None)
+        );
     }
 }

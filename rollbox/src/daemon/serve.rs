@@ -12,12 +12,12 @@ use super::core::{Core, Services};
 use super::frontend::transport::{Listen, Listener, TransportError};
 use super::frontend::{e2b, rest};
 use super::guest::Guest;
+use super::keys::Keys;
 use super::retention::Retention;
 use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
 use super::snapshots::Snapshots;
 use super::store::{Db, Store, StoreError};
 use super::supervisor::{JailerOptions, Supervisor, SupervisorError, SupervisorOptions};
-use super::keys::Keys;
 use super::templates::{TemplatePolicy, Templates};
 use super::usage::Counters;
 

@@ -38,9 +38,8 @@ impl TemplatePolicy {
     /// `path` with every symlink resolved, when that lies under one of [`Self::dirs`]: 400 when
     /// it cannot be resolved, 403 naming it when it lies elsewhere.
     fn confine(&self, path: &Path, field: &str) -> Result<PathBuf, ApiError> {
-        let resolved = std::fs::canonicalize(path).map_err(|e| {
-            ApiError::BadRequest(format!("{field}: {}: {e}", path.display()))
-        })?;
+        let resolved = std::fs::canonicalize(path)
+            .map_err(|e| ApiError::BadRequest(format!("{field}: {}: {e}", path.display())))?;
         if self.dirs.iter().any(|dir| resolved.starts_with(dir)) {
             return Ok(resolved);
         }
@@ -58,7 +57,11 @@ impl TemplatePolicy {
     }
 
     /// The template's host files, confined and resolved, and the registry of a pull.
-    fn check(&self, template: &mut Template, image: Option<&mut ImageSource>) -> Result<(), ApiError> {
+    fn check(
+        &self,
+        template: &mut Template,
+        image: Option<&mut ImageSource>,
+    ) -> Result<(), ApiError> {
         if let Some(rootfs) = &template.rootfs {
             template.rootfs = Some(self.confine(rootfs, "rootfs")?);
         }
@@ -97,11 +100,12 @@ impl TemplatePolicy {
 /// The registry (host, or host:port) an image reference pulls from; Docker Hub's is
 /// `docker.io`.
 fn registry_of(reference: &str) -> Result<String, ApiError> {
-    let parsed: oci_client::Reference = reference.parse().map_err(|e: oci_client::ParseError| {
-        ApiError::BadRequest(format!(
-            "image.reference: {reference:?} is not an image reference: {e}"
-        ))
-    })?;
+    let parsed: oci_client::Reference =
+        reference.parse().map_err(|e: oci_client::ParseError| {
+            ApiError::BadRequest(format!(
+                "image.reference: {reference:?} is not an image reference: {e}"
+            ))
+        })?;
     Ok(parsed.registry().to_string())
 }
 

@@ -146,14 +146,20 @@ mod tests {
             .expect("a");
         store.add_snapshot(&snapshot("snap-b", None)).expect("b");
         assert_eq!(
-            store.snapshot_named("base", None).expect("named").map(|s| s.id),
+            store
+                .snapshot_named("base", None)
+                .expect("named")
+                .map(|s| s.id),
             Some("snap-a".into())
         );
         store
             .add_snapshot(&snapshot("snap-c", Some("base")))
             .expect("c");
         assert_eq!(
-            store.snapshot_named("base", None).expect("named").map(|s| s.id),
+            store
+                .snapshot_named("base", None)
+                .expect("named")
+                .map(|s| s.id),
             Some("snap-c".into())
         );
         let names: Vec<(String, Option<String>)> = store

@@ -340,6 +340,7 @@ mod tests {
                 state: Some(State::Running),
                 limit: 5,
                 after: Some(12),
+                tenant: None,
             })
         );
         for (query, field) in [

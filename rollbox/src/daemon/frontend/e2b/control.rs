@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 use super::super::super::api::{
     self, Action, ApiError, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
 };
-use super::super::super::util::now_ms;
 use super::super::super::keys::Caller;
+use super::super::super::util::now_ms;
 use super::super::transport::Out;
 use super::list::listed_json;
 use super::refusal::Refusal;
@@ -187,7 +187,8 @@ fn check_timeout(timeout: i64) -> Result<u64, Refusal> {
 }
 
 async fn create(
-    e2b: &Arc<E2b>, caller: &Caller,
+    e2b: &Arc<E2b>,
+    caller: &Caller,
     body: &[u8],
     idempotency_key: Option<String>,
 ) -> Result<Response<Out>, Refusal> {
@@ -325,7 +326,11 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
 }
 
 /// A snapshot by id or name, else 404.
-async fn snapshot_of(e2b: &E2b, caller: &Caller, id_or_name: &str) -> Result<api::Snapshot, Refusal> {
+async fn snapshot_of(
+    e2b: &E2b,
+    caller: &Caller,
+    id_or_name: &str,
+) -> Result<api::Snapshot, Refusal> {
     match e2b
         .core
         .handle_as(caller, Action::GetSnapshot(id_or_name.to_string()))
@@ -359,7 +364,11 @@ async fn running(e2b: &E2b, caller: &Caller, id: &str, before: &str) -> Result<S
 
 /// A sandbox that is running or paused, else 404.
 async fn live(e2b: &E2b, caller: &Caller, id: &str) -> Result<Sandbox, Refusal> {
-    match e2b.core.handle_as(caller, Action::GetSandbox(id.to_string())).await {
+    match e2b
+        .core
+        .handle_as(caller, Action::GetSandbox(id.to_string()))
+        .await
+    {
         Ok(Reply::Sandbox { sandbox, .. })
             if matches!(sandbox.state, State::Running | State::Paused) =>
         {
@@ -389,7 +398,12 @@ struct TimeoutBody {
     timeout: Option<i64>,
 }
 
-async fn set_timeout(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn set_timeout(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let body: TimeoutBody = parse_json(body, "timeout body")?;
     let ttl_s = check_timeout(
         body.timeout
@@ -397,10 +411,13 @@ async fn set_timeout(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> 
     )?;
     live(e2b, caller, id).await?;
     e2b.core
-        .handle_as(caller, Action::Keepalive {
-            id: id.to_string(),
-            ttl_s,
-        })
+        .handle_as(
+            caller,
+            Action::Keepalive {
+                id: id.to_string(),
+                ttl_s,
+            },
+        )
         .await?;
     Ok(no_content())
 }
@@ -412,14 +429,17 @@ async fn pause(e2b: &Arc<E2b>, caller: &Caller, id: &str) -> Result<Response<Out
             format!("sandbox {id:?} is already paused"),
         ));
     }
-    e2b.core.handle_as(caller, Action::Pause(id.to_string())).await?;
+    e2b.core
+        .handle_as(caller, Action::Pause(id.to_string()))
+        .await?;
     Ok(no_content())
 }
 
 /// Connect (2.1+) and resume (2.0): a paused sandbox resumes (201), a running one is
 /// returned as it is (200; resume answers 409). A `timeout` moves the TTL only later.
 async fn connect(
-    e2b: &Arc<E2b>, caller: &Caller,
+    e2b: &Arc<E2b>,
+    caller: &Caller,
     id: &str,
     body: &[u8],
     resume_only: bool,
@@ -430,7 +450,9 @@ async fn connect(
     let resumed = sandbox.state == State::Paused;
     if resumed {
         // The daemon's resume gives an `on_timeout: pause` sandbox its create TTL again.
-        e2b.core.handle_as(caller, Action::Resume(id.to_string())).await?;
+        e2b.core
+            .handle_as(caller, Action::Resume(id.to_string()))
+            .await?;
         sandbox = live(e2b, caller, id).await?;
     } else if resume_only {
         return Err(Refusal::new(
@@ -442,10 +464,13 @@ async fn connect(
         let wanted = now_ms().saturating_add(ttl_s.saturating_mul(1000));
         if wanted > sandbox.expires_at_ms {
             e2b.core
-                .handle_as(caller, Action::Keepalive {
-                    id: id.to_string(),
-                    ttl_s,
-                })
+                .handle_as(
+                    caller,
+                    Action::Keepalive {
+                        id: id.to_string(),
+                        ttl_s,
+                    },
+                )
                 .await?;
         }
     }
@@ -464,7 +489,12 @@ struct ForkRequest {
 
 /// `POST /sandboxes/{id}/fork`: the daemon's fork (one snapshot, `count` restores). Without a
 /// `timeout` the forks get what the parent has left; they keep its metadata and envVars.
-async fn fork(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn fork(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let request: ForkRequest = parse_json(body, "SandboxForkRequest")?;
     let count = request.count.unwrap_or(1);
     let count = u32::try_from(count)
@@ -480,12 +510,15 @@ async fn fork(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Result<
     let parent = running(e2b, caller, id, "forking").await?;
     let reply = e2b
         .core
-        .handle_as(caller, Action::Fork {
-            id: id.to_string(),
-            count,
-            ttl_s,
-            labels: parent.labels.clone(),
-        })
+        .handle_as(
+            caller,
+            Action::Fork {
+                id: id.to_string(),
+                count,
+                ttl_s,
+                labels: parent.labels.clone(),
+            },
+        )
         .await?;
     let Reply::Forked(results) = reply else {
         return Err(Refusal::new(500, format!("fork answered {reply:?}")));
@@ -510,7 +543,12 @@ struct SnapshotRequest {
 }
 
 /// `POST /sandboxes/{id}/snapshots`: a full (memory and disk) snapshot; the sandbox runs on.
-async fn snapshot(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn snapshot(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let request: SnapshotRequest = parse_json(body, "SandboxSnapshotRequest")?;
     let name = request
         .name
@@ -525,12 +563,15 @@ async fn snapshot(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Res
     running(e2b, caller, id, "a snapshot").await?;
     let reply = e2b
         .core
-        .handle_as(caller, Action::Snapshot {
-            id: id.to_string(),
-            stop: false,
-            ttl_s: None,
-            name,
-        })
+        .handle_as(
+            caller,
+            Action::Snapshot {
+                id: id.to_string(),
+                stop: false,
+                ttl_s: None,
+                name,
+            },
+        )
         .await?;
     let Reply::Snapshot { snapshot, .. } = reply else {
         return Err(Refusal::new(500, format!("snapshot answered {reply:?}")));
@@ -547,7 +588,11 @@ fn snapshot_json(snapshot: &api::Snapshot) -> Value {
 }
 
 /// `GET /snapshots?sandboxID=&name=&limit=&nextToken=`, oldest first; the token is an offset.
-async fn list_snapshots(e2b: &Arc<E2b>, caller: &Caller, query: &str) -> Result<Response<Out>, Refusal> {
+async fn list_snapshots(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    query: &str,
+) -> Result<Response<Out>, Refusal> {
     let (mut sandbox, mut name, mut limit, mut offset) = (None, None, 100usize, 0usize);
     for (key, value) in query_pairs(query) {
         match key.as_str() {
@@ -573,8 +618,10 @@ async fn list_snapshots(e2b: &Arc<E2b>, caller: &Caller, query: &str) -> Result<
             _ => {}
         }
     }
-    let Reply::Snapshots(mut snapshots) =
-        e2b.core.handle_as(caller, Action::ListSnapshots { sandbox }).await?
+    let Reply::Snapshots(mut snapshots) = e2b
+        .core
+        .handle_as(caller, Action::ListSnapshots { sandbox })
+        .await?
     else {
         return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
     };
@@ -603,7 +650,11 @@ async fn list_snapshots(e2b: &Arc<E2b>, caller: &Caller, query: &str) -> Result<
 
 /// `DELETE /templates/{id}`, which the SDK's `delete_snapshot` calls: snapshots only, by
 /// id or name.
-async fn delete_snapshot(e2b: &Arc<E2b>, caller: &Caller, id: &str) -> Result<Response<Out>, Refusal> {
+async fn delete_snapshot(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+) -> Result<Response<Out>, Refusal> {
     // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
     let snapshot = snapshot_of(e2b, caller, id).await.map_err(|refusal| match refusal.status {
         404 => Refusal::new(
@@ -612,7 +663,9 @@ async fn delete_snapshot(e2b: &Arc<E2b>, caller: &Caller, id: &str) -> Result<Re
         ),
         _ => refusal,
     })?;
-    e2b.core.handle_as(caller, Action::DeleteSnapshot(snapshot.id)).await?;
+    e2b.core
+        .handle_as(caller, Action::DeleteSnapshot(snapshot.id))
+        .await?;
     Ok(no_content())
 }
 
@@ -622,7 +675,12 @@ struct RefreshRequest {
 }
 
 /// `POST /sandboxes/{id}/refreshes`: keep it alive `duration` s from now (never shorter).
-async fn refresh(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn refresh(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let request: RefreshRequest = parse_json(body, "SandboxRefreshRequest")?;
     let ttl_s = match request.duration {
         Some(d) => check_timeout(d).map_err(|r| Refusal {
@@ -634,10 +692,13 @@ async fn refresh(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Resu
     let sandbox = live(e2b, caller, id).await?;
     if now_ms().saturating_add(ttl_s.saturating_mul(1000)) > sandbox.expires_at_ms {
         e2b.core
-            .handle_as(caller, Action::Keepalive {
-                id: id.to_string(),
-                ttl_s,
-            })
+            .handle_as(
+                caller,
+                Action::Keepalive {
+                    id: id.to_string(),
+                    ttl_s,
+                },
+            )
             .await?;
     }
     Ok(no_content())
@@ -647,7 +708,11 @@ async fn refresh(e2b: &Arc<E2b>, caller: &Caller, id: &str, body: &[u8]) -> Resu
 /// (an average since start, in % of its vCPUs), memory the VMM's resident set (guest pages
 /// it touched), disk the sandbox's rootfs file (allocated and apparent size; 0 without one).
 async fn metric_now(e2b: &E2b, caller: &Caller, sandbox: &Sandbox) -> Result<Value, Refusal> {
-    let usage = match e2b.core.handle_as(caller, Action::Usage(sandbox.id.clone())).await? {
+    let usage = match e2b
+        .core
+        .handle_as(caller, Action::Usage(sandbox.id.clone()))
+        .await?
+    {
         Reply::Usage(usage) => usage,
         other => return Err(Refusal::new(500, format!("usage answered {other:?}"))),
     };
@@ -688,7 +753,12 @@ fn resident_bytes(pid: u32) -> Option<u64> {
 
 /// `GET /sandboxes/{id}/metrics?start=&end=`: rollbox keeps no history, so the answer is the
 /// one sample of now, or none when now is outside [start, end].
-async fn metrics(e2b: &Arc<E2b>, caller: &Caller, id: &str, query: &str) -> Result<Response<Out>, Refusal> {
+async fn metrics(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    query: &str,
+) -> Result<Response<Out>, Refusal> {
     let now_s = now_ms() / 1000;
     for (key, value) in query_pairs(query) {
         let bound = || {
@@ -703,12 +773,19 @@ async fn metrics(e2b: &Arc<E2b>, caller: &Caller, id: &str, query: &str) -> Resu
         }
     }
     let sandbox = live(e2b, caller, id).await?;
-    Ok(json(200, &json!([metric_now(e2b, caller, &sandbox).await?])))
+    Ok(json(
+        200,
+        &json!([metric_now(e2b, caller, &sandbox).await?]),
+    ))
 }
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b`: `{"sandboxes": {id: SandboxMetric}}` for the
 /// live ones among them.
-async fn metrics_of_many(e2b: &Arc<E2b>, caller: &Caller, query: &str) -> Result<Response<Out>, Refusal> {
+async fn metrics_of_many(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    query: &str,
+) -> Result<Response<Out>, Refusal> {
     let ids: Vec<String> = query_pairs(query)
         .into_iter()
         .filter(|(key, _)| key == "sandbox_ids")

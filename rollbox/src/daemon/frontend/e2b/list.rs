@@ -46,7 +46,11 @@ impl Cursor {
 }
 
 /// Every sandbox the native list selects for `native` (its pages, one after another).
-async fn list_all(e2b: &E2b, caller: &Caller, mut native: ListQuery) -> Result<Vec<Sandbox>, Refusal> {
+async fn list_all(
+    e2b: &E2b,
+    caller: &Caller,
+    mut native: ListQuery,
+) -> Result<Vec<Sandbox>, Refusal> {
     native.limit = 1000;
     let mut all = Vec::new();
     loop {
@@ -68,7 +72,12 @@ async fn list_all(e2b: &E2b, caller: &Caller, mut native: ListQuery) -> Result<V
 /// `GET /v2/sandboxes` (paged by `nextToken`/`X-Next-Token`) and 1.x `GET /sandboxes`: as
 /// E2B, newest first (`order=asc`: oldest first), ordered across running and paused before
 /// paging. The native list stays oldest first.
-pub(super) async fn list(e2b: &Arc<E2b>, caller: &Caller, query: &str, v2: bool) -> Result<Response<Out>, Refusal> {
+pub(super) async fn list(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    query: &str,
+    v2: bool,
+) -> Result<Response<Out>, Refusal> {
     let mut native = ListQuery::default();
     let mut limit: usize = if v2 { 100 } else { 1000 };
     let mut after = None;
