@@ -403,4 +403,41 @@ mod tests {
             ["d"]
         );
     }
+
+    #[test]
+    fn idempotency_keys_and_lists_are_per_tenant() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = Store::open(&dir.path().join("state.db")).expect("open");
+        let of = |id: &str, tenant: Option<&str>| Sandbox {
+            tenant: tenant.map(str::to_string),
+            ..sandbox(id, Some("k"), &[])
+        };
+        for (id, tenant) in [("a", Some("a")), ("b", Some("b")), ("admin", None)] {
+            assert!(
+                matches!(store.insert_sandbox(&of(id, tenant)), Ok(Inserted::New)),
+                "{id}"
+            );
+        }
+        match store.insert_sandbox(&of("a2", Some("a"))) {
+            Ok(Inserted::Existing(s)) => {
+                assert_eq!((s.id.as_str(), s.tenant.as_deref()), ("a", Some("a")))
+            }
+            _ => panic!("a's key again"),
+        }
+        let b = store.sandbox("b").expect("read").expect("b");
+        assert_eq!(
+            (b.idempotency_key.as_deref(), b.tenant.as_deref()),
+            (Some("k"), Some("b"))
+        );
+        let query = ListQuery {
+            tenant: Some("b".into()),
+            limit: 10,
+            ..ListQuery::default()
+        };
+        let (page, _) = store.list(&query).expect("list");
+        assert_eq!(
+            page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            ["b"]
+        );
+    }
 }

@@ -182,4 +182,30 @@ mod tests {
         );
         assert!(store.snapshot_named("other", None).expect("none").is_none());
     }
+
+    #[test]
+    fn names_are_unique_per_tenant() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = Store::open(&dir.path().join("state.db")).expect("open");
+        let of = |id: &str, tenant: Option<&str>| Snapshot {
+            tenant: tenant.map(str::to_string),
+            ..snapshot(id, Some("base"))
+        };
+        store.add_snapshot(&of("snap-a", Some("a"))).expect("a");
+        store.add_snapshot(&of("snap-b", Some("b"))).expect("b");
+        store.add_snapshot(&of("snap-admin", None)).expect("admin");
+        for (tenant, id) in [
+            (Some("a"), "snap-a"),
+            (Some("b"), "snap-b"),
+            (None, "snap-admin"),
+        ] {
+            let found = store.snapshot_named("base", tenant).expect("named");
+            assert_eq!(found.as_ref().map(|s| s.id.as_str()), Some(id));
+            assert_eq!(found.and_then(|s| s.name).as_deref(), Some("base"));
+        }
+        assert!(store
+            .snapshot_named("base", Some("c"))
+            .expect("none")
+            .is_none());
+    }
 }
