@@ -336,8 +336,8 @@ fn a_tenant_key_reaches_only_its_own_sandboxes_and_snapshots() {
             text.replace("{id}", sandbox)
                 .replace("{snapshot}", snapshot)
         };
-        let theirs_body = body.map(|b| fill(b, &b, &b_snapshot));
-        let unknown_body = body.map(|b| fill(b, UNKNOWN_SANDBOX, UNKNOWN_SNAPSHOT));
+        let theirs_body = body.map(|text| fill(text, &b, &b_snapshot));
+        let unknown_body = body.map(|text| fill(text, UNKNOWN_SANDBOX, UNKNOWN_SNAPSHOT));
         let theirs = e2b(
             e2b_port,
             Some(&key_a),

@@ -18,7 +18,7 @@ use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
 use super::snapshots::Snapshots;
 use super::store::{Db, Store, StoreError};
 use super::supervisor::{JailerOptions, Supervisor, SupervisorError, SupervisorOptions};
-use super::templates::{TemplatePolicy, Templates};
+use super::templates::{TemplateOptions, TemplatePolicy, Templates};
 use super::usage::Counters;
 
 /// A daemon that cannot start or stopped on an error.
@@ -188,10 +188,12 @@ pub async fn serve(
         Arc::clone(&sandboxes),
         Arc::clone(&snapshots),
         Arc::clone(&guest),
-        dirs.templates.clone(),
-        options.agent.clone(),
-        options.image_cache.clone(),
-        policy,
+        TemplateOptions {
+            dir: dirs.templates.clone(),
+            agent: options.agent.clone(),
+            image_cache: options.image_cache.clone(),
+            policy,
+        },
     ));
     let core = Arc::new(Core::new(Services {
         db,

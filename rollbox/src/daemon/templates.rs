@@ -109,6 +109,17 @@ fn registry_of(reference: &str) -> Result<String, ApiError> {
     Ok(parsed.registry().to_string())
 }
 
+/// Where the templates service keeps and finds files.
+pub struct TemplateOptions {
+    /// `STATE/templates`.
+    pub dir: PathBuf,
+    /// The static guest agent installed into rootfs images built for templates.
+    pub agent: Option<PathBuf>,
+    /// The image builder's cache.
+    pub image_cache: PathBuf,
+    pub policy: TemplatePolicy,
+}
+
 /// The templates.
 pub struct Templates {
     db: Arc<Db>,
@@ -130,11 +141,14 @@ impl Templates {
         sandboxes: Arc<Sandboxes>,
         snapshots: Arc<Snapshots>,
         guest: Arc<Guest>,
-        dir: PathBuf,
-        agent: Option<PathBuf>,
-        image_cache: PathBuf,
-        policy: TemplatePolicy,
+        options: TemplateOptions,
     ) -> Templates {
+        let TemplateOptions {
+            dir,
+            agent,
+            image_cache,
+            policy,
+        } = options;
         Templates {
             db,
             sandboxes,

@@ -67,7 +67,7 @@ mod tests {
             created_at_ms: 5,
         };
         store.add_key(&key).expect("add");
-        assert_eq!(store.keys().expect("list"), [key.clone()]);
+        assert_eq!(store.keys().expect("list"), [key]);
         assert!(store.remove_key("key-1").expect("remove"));
         assert!(!store.remove_key("key-1").expect("again"));
         assert!(store.keys().expect("list").is_empty());
