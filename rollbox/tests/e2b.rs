@@ -226,6 +226,8 @@ fn start_daemon(
         .arg(&sock)
         .arg("--api-key-file")
         .arg(daemon.dir.path().join("key"))
+        .arg("--template-dir")
+        .arg(std::env::temp_dir())
         .arg("--state-dir")
         .arg(daemon.dir.path().join("state"))
         .arg("--test-agent-socket")

@@ -90,6 +90,8 @@ fn start_daemon(tcp: Option<u16>, vmm: Option<&Path>, extra: &[&str]) -> Daemon 
     let child = serve
         .arg("--api-key-file")
         .arg(daemon.dir.path().join("key"))
+        .arg("--template-dir")
+        .arg(std::env::temp_dir())
         .arg("--state-dir")
         .arg(daemon.dir.path().join("state"))
         .arg("--test-agent-socket")

@@ -92,6 +92,10 @@ impl Server {
         {
             command.arg("--jailer").arg(jailer_binary());
         }
+        // Templates' files (rootfs, image archives) come from the tests' scratch directories.
+        if !self.args.iter().any(|a| a == "--template-dir") {
+            command.arg("--template-dir").arg(std::env::temp_dir());
+        }
         let child = command
             .arg("--socket")
             .arg(self.sock())

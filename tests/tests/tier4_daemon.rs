@@ -195,6 +195,9 @@ mod tier4 {
             .arg(dir.path().join("state"))
             .arg("--image-cache")
             .arg(dir.path().join("cache"))
+            // The fixtures' rootfs images lie anywhere in L1 (a throwaway VM); the confinement
+            // itself is rollbox/tests/daemon_tenants.rs's.
+            .args(["--template-dir", "/"])
             .args(["--e2b-listen", &format!("127.0.0.1:{port}")])
             .args(["--e2b-domain", "e2b.test"])
             // The lab starts VMMs slowly, several at once for a fork.

@@ -182,7 +182,8 @@ fn transport_error(e: ClientError) -> CliError {
 /// A non-2xx answer, with what to do next where the status says it.
 fn refused(status: u16, message: String) -> CliError {
     let hint = match status {
-        401 => "\nhint: the key must match the daemon's: check --api-key-file or ROLLBOX_API_KEY",
+        401 => "\nhint: the key must be one the daemon knows (its --api-key-file key, or one `rollbox key add` made and nobody revoked): check --api-key-file or ROLLBOX_API_KEY",
+        403 => "\nhint: this needs an admin key (a tenant key may not manage templates or keys)",
         429 => {
             "\nhint: the daemon has too many creates in flight; retry shortly (it said Retry-After)"
         }

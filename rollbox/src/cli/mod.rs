@@ -6,6 +6,7 @@ mod conn;
 mod exec;
 mod guest;
 mod image;
+mod key;
 mod net;
 mod sandbox;
 mod serve;
@@ -49,6 +50,13 @@ pub enum Command {
         #[command(subcommand)]
         command: template::TemplateCommand,
     },
+    /// API keys (tenants' and admins'), through the daemon; needs an admin key.
+    Key {
+        #[command(flatten)]
+        conn: conn::ConnArgs,
+        #[command(subcommand)]
+        command: key::KeyCommand,
+    },
 }
 
 impl Cli {
@@ -73,6 +81,12 @@ pub fn run(cli: Cli) -> ExitCode {
         }
         Command::Template { conn, command } => {
             match conn::Conn::new(&conn).and_then(|conn| template::run(&conn, command)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Key { conn, command } => {
+            match conn::Conn::new(&conn).and_then(|conn| key::run(&conn, command)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

@@ -115,6 +115,15 @@ pub struct ServeArgs {
     /// The PEM private key of --e2b-tls-cert.
     #[arg(long, value_name = "FILE", requires = "e2b_tls_cert")]
     e2b_tls_key: Option<PathBuf>,
+    /// A directory whose files templates may use as rootfs, initrd or image archive/layout
+    /// (after symlinks resolve); repeatable. Without one, only the state directory's own
+    /// templates and the image cache.
+    #[arg(long = "template-dir", value_name = "DIR")]
+    template_dirs: Vec<PathBuf>,
+    /// A registry (host or host:port, e.g. ghcr.io) templates may pull images from;
+    /// repeatable. Without one, any.
+    #[arg(long = "registry-allow", value_name = "HOST")]
+    registry_allow: Vec<String>,
 }
 
 /// `rollbox serve`.
@@ -171,6 +180,8 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         snapshot_retention: args.snapshot_retention,
         fork_snapshot_ttl_s: args.fork_snapshot_ttl,
         test_hold_snapshot: args.test_hold_snapshot,
+        template_dirs: args.template_dirs.into_iter().map(absolute).collect(),
+        registry_allow: args.registry_allow,
         e2b: args
             .e2b_listen
             .map(|listen| rollbox::daemon::e2b::E2bOptions {

@@ -1,18 +1,25 @@
-//! The daemon's core: the one typed action interface both frontends sit on. [`Core::handle`]
-//! runs an [`Action`] on the service it is for and answers its [`Reply`]; uploads, guest TCP
-//! connections and agent connections (what a frontend streams itself) have a method each.
+//! The daemon's core: the one typed action interface both frontends sit on. [`Core::handle_as`]
+//! runs an [`Action`] for a [`Caller`] on the service it is for and answers its [`Reply`];
+//! uploads, guest TCP connections and agent connections (what a frontend streams itself) have a
+//! method each.
+//!
+//! Who may do what is decided here, once for both frontends: an admin key everything; a tenant
+//! key no admin action (403) and only its own sandboxes and snapshots, another tenant's
+//! answering exactly as an unknown id does (404), before any service touches them.
 
 use std::sync::Arc;
 
 use rollbox_agent_protocol::client::AgentClient;
 
-use super::api::{Action, ApiError, FileOp, Reply, State};
+use super::api::{Action, ApiError, CreateSandbox, FileOp, Reply, Snapshot, State};
 use super::guest::Guest;
+use super::keys::{Caller, Keys};
 use super::sandboxes::Sandboxes;
 use super::snapshots::Snapshots;
 use super::store::Db;
 use super::templates::Templates;
 use super::usage::{self, Counters};
+use super::util::internal;
 
 /// The services, behind the action interface.
 pub struct Core {
@@ -22,17 +29,41 @@ pub struct Core {
     snapshots: Arc<Snapshots>,
     templates: Arc<Templates>,
     guest: Arc<Guest>,
+    keys: Arc<Keys>,
+}
+
+/// The services a [`Core`] runs on.
+pub struct Services {
+    pub db: Arc<Db>,
+    pub counters: Arc<Counters>,
+    pub sandboxes: Arc<Sandboxes>,
+    pub snapshots: Arc<Snapshots>,
+    pub templates: Arc<Templates>,
+    pub guest: Arc<Guest>,
+    pub keys: Arc<Keys>,
+}
+
+/// What a tenant gets for a sandbox it may not see: exactly what an unknown id gets.
+fn no_sandbox(id: &str) -> ApiError {
+    ApiError::NotFound(format!("no sandbox {id}"))
+}
+
+/// What a tenant gets for a snapshot it may not see: exactly what an unknown one gets.
+fn no_snapshot(id: &str) -> ApiError {
+    ApiError::NotFound(format!("no snapshot {id}"))
 }
 
 impl Core {
-    pub fn new(
-        db: Arc<Db>,
-        counters: Arc<Counters>,
-        sandboxes: Arc<Sandboxes>,
-        snapshots: Arc<Snapshots>,
-        templates: Arc<Templates>,
-        guest: Arc<Guest>,
-    ) -> Core {
+    pub fn new(services: Services) -> Core {
+        let Services {
+            db,
+            counters,
+            sandboxes,
+            snapshots,
+            templates,
+            guest,
+            keys,
+        } = services;
         Core {
             db,
             counters,
@@ -40,10 +71,161 @@ impl Core {
             snapshots,
             templates,
             guest,
+            keys,
         }
     }
 
-    /// Runs one action.
+    /// Who `key` (as a request gave it) belongs to; None: nobody's (401). No state is read
+    /// but the keys in memory.
+    pub fn authenticate(&self, key: &str) -> Option<Caller> {
+        self.keys.authenticate(key)
+    }
+
+    /// Runs one action for `caller`: refused (403) when it is an admin's to run, and for a
+    /// tenant scoped to what the tenant owns.
+    pub async fn handle_as(&self, caller: &Caller, action: Action) -> Result<Reply, ApiError> {
+        let Caller::Tenant(tenant) = caller else {
+            return self.handle(action).await;
+        };
+        if action.admin_only() {
+            return Err(ApiError::Forbidden(format!(
+                "the key of tenant {tenant:?} may not do this: templates' writes, keys and /metrics need an admin key"
+            )));
+        }
+        let action = self.scoped(caller, action)?;
+        let reply = self.handle(action).await?;
+        Ok(match reply {
+            Reply::Snapshots(snapshots) => Reply::Snapshots(
+                snapshots
+                    .into_iter()
+                    .filter(|s| caller.sees(s.tenant.as_deref()))
+                    .collect(),
+            ),
+            other => other,
+        })
+    }
+
+    /// Checks that a tenant owns the sandbox `id` (an admin owns every one).
+    fn own_sandbox(&self, caller: &Caller, id: &str) -> Result<(), ApiError> {
+        if *caller == Caller::Admin {
+            return Ok(());
+        }
+        let sandbox = self.db.lock().sandbox(id).map_err(internal)?;
+        match sandbox {
+            Some(s) if caller.sees(s.tenant.as_deref()) => Ok(()),
+            _ => Err(no_sandbox(id)),
+        }
+    }
+
+    /// The snapshot `id_or_name` (an id, else a name in the caller's namespace) if the caller
+    /// may see it.
+    fn visible_snapshot(
+        &self,
+        caller: &Caller,
+        id_or_name: &str,
+    ) -> Result<Option<Snapshot>, ApiError> {
+        let store = self.db.lock();
+        let found = match store.snapshot(id_or_name).map_err(internal)? {
+            Some(snapshot) => Some(snapshot),
+            None => store
+                .snapshot_named(id_or_name, caller.tenant())
+                .map_err(internal)?,
+        };
+        Ok(found.filter(|s| caller.sees(s.tenant.as_deref())))
+    }
+
+    /// A create of a tenant: its sandboxes are the tenant's, from its own snapshots only.
+    fn scoped_create(
+        &self,
+        caller: &Caller,
+        mut create: CreateSandbox,
+    ) -> Result<CreateSandbox, ApiError> {
+        if let Some(snapshot) = &create.snapshot {
+            let found = self.db.lock().snapshot(snapshot).map_err(internal)?;
+            if !found.is_some_and(|s| caller.sees(s.tenant.as_deref())) {
+                // The create's own words for a snapshot that is not there.
+                return Err(ApiError::BadRequest(format!(
+                    "snapshot: no snapshot {snapshot:?} (list them with GET /snapshots)"
+                )));
+            }
+        }
+        create.tenant = caller.tenant().map(str::to_string);
+        Ok(create)
+    }
+
+    /// A tenant's action, checked and narrowed to what the tenant owns.
+    fn scoped(&self, caller: &Caller, action: Action) -> Result<Action, ApiError> {
+        Ok(match action {
+            Action::CreateSandbox(create) => {
+                Action::CreateSandbox(self.scoped_create(caller, create)?)
+            }
+            Action::CreateBatch { count, create } => Action::CreateBatch {
+                count,
+                create: self.scoped_create(caller, create)?,
+            },
+            Action::ListSandboxes(mut query) => {
+                query.tenant = caller.tenant().map(str::to_string);
+                Action::ListSandboxes(query)
+            }
+            Action::DeleteSandboxes(mut query) => {
+                query.tenant = caller.tenant().map(str::to_string);
+                Action::DeleteSandboxes(query)
+            }
+            Action::GetSnapshot(id) => match self.visible_snapshot(caller, &id)? {
+                Some(snapshot) => Action::GetSnapshot(snapshot.id),
+                None => return Err(no_snapshot(&id)),
+            },
+            Action::DeleteSnapshot(id) => match self.visible_snapshot(caller, &id)? {
+                Some(snapshot) => Action::DeleteSnapshot(snapshot.id),
+                // The native delete of a snapshot that is gone succeeds.
+                None => return Err(no_snapshot(&id)),
+            },
+            Action::Reset { id, snapshot } => {
+                self.own_sandbox(caller, &id)?;
+                let snapshot = match snapshot {
+                    Some(s) => match self.visible_snapshot(caller, &s)? {
+                        Some(found) => Some(found.id),
+                        None => {
+                            return Err(ApiError::BadRequest(format!(
+                                "snapshot: no snapshot {s:?} (it was deleted?)"
+                            )))
+                        }
+                    },
+                    None => None,
+                };
+                Action::Reset { id, snapshot }
+            }
+            Action::ListSnapshots { sandbox } => Action::ListSnapshots { sandbox },
+            Action::Health | Action::ListTemplates | Action::GetTemplate(_) => action,
+            Action::Usage(ref id)
+            | Action::GetSandbox(ref id)
+            | Action::DeleteSandbox(ref id)
+            | Action::Keepalive { ref id, .. }
+            | Action::Pause(ref id)
+            | Action::Resume(ref id)
+            | Action::Exec { ref id, .. }
+            | Action::Signal { ref id, .. }
+            | Action::Stdin { ref id, .. }
+            | Action::File { ref id, .. }
+            | Action::Snapshot { ref id, .. }
+            | Action::Fork { ref id, .. }
+            | Action::PortConnect { ref id, .. } => {
+                self.own_sandbox(caller, id)?;
+                action
+            }
+            Action::AddTemplate(_)
+            | Action::RemoveTemplate(_)
+            | Action::Metrics
+            | Action::AddKey(_)
+            | Action::ListKeys
+            | Action::RevokeKey(_) => {
+                return Err(ApiError::Forbidden("an admin key's action".into()))
+            }
+        })
+    }
+
+    /// Runs one action as the admin: for the frontends' own follow-up calls on a sandbox the
+    /// caller was already checked for (the E2B data plane, whose per-sandbox token names it).
     pub async fn handle(&self, action: Action) -> Result<Reply, ApiError> {
         match action {
             Action::Health => Ok(Reply::Health),
@@ -102,7 +284,36 @@ impl Core {
             Action::PortConnect { id, port } => Err(ApiError::BadRequest(format!(
                 "GET /sandboxes/{id}/ports/{port} is an HTTP upgrade: send `Connection: Upgrade` and `Upgrade: tcp`"
             ))),
+            Action::AddKey(new) => self.keys.add(new),
+            Action::ListKeys => Ok(self.keys.list()),
+            Action::RevokeKey(id) => self.keys.revoke(&id),
         }
+    }
+
+    /// [`Core::upload`] for `caller`.
+    pub async fn upload_as<R>(
+        &self,
+        caller: &Caller,
+        id: &str,
+        op: FileOp,
+        body: R,
+    ) -> Result<Reply, ApiError>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        self.own_sandbox(caller, id)?;
+        self.upload(id, op, body).await
+    }
+
+    /// [`Core::guest_tcp`] for `caller`.
+    pub async fn guest_tcp_as(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+    ) -> Result<tokio::net::UnixStream, ApiError> {
+        self.own_sandbox(caller, id)?;
+        self.guest_tcp(id, port).await
     }
 
     /// An upload (a file or a tar archive): `body` streams into the sandbox's agent.

@@ -7,13 +7,15 @@
 //! `rollbox-vmm` processes, their jails and host cgroups), [`snapshots`] (snapshots, fork,
 //! reset), [`templates`] (from files or built from an image, with an optional boot snapshot)
 //! and [`guest`] (exec, files and ports through the guest agent); [`usage`] has usage and
-//! metrics, [`retention`] the snapshot retention rules, [`store`] the SQLite state.
+//! metrics, [`retention`] the snapshot retention rules, [`store`] the SQLite state, and
+//! `keys` the API keys (admin and tenant) each request is checked against.
 
 pub mod api;
 pub mod client;
 mod core;
 pub mod frontend;
 mod guest;
+mod keys;
 mod retention;
 mod sandboxes;
 mod serve;

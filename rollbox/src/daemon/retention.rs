@@ -194,6 +194,7 @@ mod tests {
             created_at_ms: 0,
             expires_at_ms,
             deterministic: false,
+            tenant: None,
         }
     }
 

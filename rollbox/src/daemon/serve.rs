@@ -8,16 +8,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::core::Core;
+use super::core::{Core, Services};
 use super::frontend::transport::{Listen, Listener, TransportError};
 use super::frontend::{e2b, rest};
 use super::guest::Guest;
+use super::keys::Keys;
 use super::retention::Retention;
 use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
 use super::snapshots::Snapshots;
 use super::store::{Db, Store, StoreError};
 use super::supervisor::{JailerOptions, Supervisor, SupervisorError, SupervisorOptions};
-use super::templates::Templates;
+use super::templates::{TemplateOptions, TemplatePolicy, Templates};
 use super::usage::Counters;
 
 /// A daemon that cannot start or stopped on an error.
@@ -38,6 +39,11 @@ pub enum DaemonError {
     Transport(#[from] TransportError),
     #[error("the API key is empty: put a key in --api-key-file or ROLLBOX_API_KEY")]
     EmptyKey,
+    #[error("--template-dir {path}: {source}")]
+    TemplateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
 }
@@ -78,6 +84,31 @@ pub struct ServeOptions {
     pub e2b: Option<e2b::E2bOptions>,
     /// `rollbox-jailer` around every VMM (the default); None with `--no-jailer`.
     pub jailer: Option<JailerOptions>,
+    /// `--template-dir`: where a template's rootfs, initrd and image files may lie (besides
+    /// the state's own templates directory and the image cache).
+    pub template_dirs: Vec<PathBuf>,
+    /// `--registry-allow`: the registries templates may pull from; empty: any.
+    pub registry_allow: Vec<String>,
+}
+
+/// The template policy: the `--template-dir`s (which must exist) and the state's own
+/// directories, all canonical, and the registries.
+fn template_policy(options: &ServeOptions, dirs: &Dirs) -> Result<TemplatePolicy, DaemonError> {
+    let mut allowed = vec![dirs.templates.clone()];
+    if let Ok(cache) = std::fs::canonicalize(&options.image_cache) {
+        allowed.push(cache);
+    }
+    for dir in &options.template_dirs {
+        let canonical = std::fs::canonicalize(dir).map_err(|source| DaemonError::TemplateDir {
+            path: dir.clone(),
+            source,
+        })?;
+        allowed.push(canonical);
+    }
+    Ok(TemplatePolicy {
+        dirs: allowed,
+        registries: options.registry_allow.clone(),
+    })
 }
 
 /// The state directory's parts, made if missing.
@@ -123,7 +154,9 @@ pub async fn serve(
         return Err(DaemonError::EmptyKey);
     }
     let dirs = make_dirs(&options.state_dir)?;
+    let policy = template_policy(&options, &dirs)?;
     let db = Arc::new(Db::new(Store::open(&dirs.state.join("state.db"))?));
+    let keys = Arc::new(Keys::new(Arc::clone(&db), &options.api_key)?);
     let supervisor = Arc::new(Supervisor::new(SupervisorOptions {
         vmm: options.vmm.clone(),
         ready_timeout: options.ready_timeout,
@@ -166,18 +199,22 @@ pub async fn serve(
         Arc::clone(&sandboxes),
         Arc::clone(&snapshots),
         Arc::clone(&guest),
-        dirs.templates.clone(),
-        options.agent.clone(),
-        options.image_cache.clone(),
+        TemplateOptions {
+            dir: dirs.templates.clone(),
+            agent: options.agent.clone(),
+            image_cache: options.image_cache.clone(),
+            policy,
+        },
     ));
-    let core = Arc::new(Core::new(
+    let core = Arc::new(Core::new(Services {
         db,
         counters,
-        Arc::clone(&sandboxes),
-        Arc::clone(&snapshots),
+        sandboxes: Arc::clone(&sandboxes),
+        snapshots: Arc::clone(&snapshots),
         templates,
         guest,
-    ));
+        keys,
+    }));
     let kept = sandboxes.recover().await?;
     snapshots.sweep()?;
     if !kept.is_empty() {
@@ -214,7 +251,7 @@ pub async fn serve(
         })
     };
     log::info!("listening on {}", listener.describe());
-    rest::run(listener, core, options.api_key.clone(), shutdown).await;
+    rest::run(listener, core, shutdown).await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {
         e2b_server.abort();

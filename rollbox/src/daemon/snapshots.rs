@@ -77,7 +77,7 @@ impl Snapshots {
             let store = self.db.lock();
             match store.snapshot(id).map_err(internal)? {
                 Some(snapshot) => Some(snapshot),
-                None => store.snapshot_named(id).map_err(internal)?,
+                None => store.snapshot_named(id, None).map_err(internal)?,
             }
         };
         match found {
@@ -172,6 +172,7 @@ impl Snapshots {
             created_at_ms,
             expires_at_ms,
             deterministic: sandbox.deterministic,
+            tenant: sandbox.tenant.clone(),
         };
         let pin = self.retention.pin(&snapshot.id);
         let failed = |e: String| ApiError::Internal(format!("snapshot of sandbox {id}: {e}"));
@@ -306,6 +307,7 @@ impl Snapshots {
                 deterministic: parent.deterministic,
                 on_timeout: parent.on_timeout,
                 auto_resume: parent.auto_resume,
+                tenant: parent.tenant.clone(),
             };
             async move { self.sandboxes.create(request).await }
         });

@@ -2,9 +2,14 @@
 //! (the rootfs goes to `STATE/templates/NAME/rootfs.ext4`), optionally with a boot snapshot:
 //! the template is booted once (a sandbox of the [`Sandboxes`] service), the daemon waits for
 //! its agent, snapshots it, and later creates restore that snapshot instead of booting.
+//!
+//! The host files a template names (rootfs, initrd, image archive or layout), which the daemon
+//! reads as root and hands to guests, must resolve (symlinks followed) under a
+//! `--template-dir` or the state's own templates directory; a registry pull must be of a
+//! `--registry-allow` registry when that list is given ([`TemplatePolicy`]).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::api::{AddTemplate, ApiError, CreateSandbox, ImageSource, Reply, State, Template};
@@ -20,6 +25,101 @@ const BOOT_TTL_S: u64 = 900;
 /// The label that marks the sandbox booted for a template's boot snapshot.
 pub const BOOT_LABEL: &str = "rollbox.boot-snapshot-of";
 
+/// Where a template's files may come from.
+#[derive(Debug, Clone, Default)]
+pub struct TemplatePolicy {
+    /// Canonical directories a template's host files must resolve under.
+    pub dirs: Vec<PathBuf>,
+    /// Registries images may be pulled from (host, or host:port); empty: any.
+    pub registries: Vec<String>,
+}
+
+impl TemplatePolicy {
+    /// `path` with every symlink resolved, when that lies under one of [`Self::dirs`]: 400 when
+    /// it cannot be resolved, 403 naming it when it lies elsewhere.
+    fn confine(&self, path: &Path, field: &str) -> Result<PathBuf, ApiError> {
+        let resolved = std::fs::canonicalize(path)
+            .map_err(|e| ApiError::BadRequest(format!("{field}: {}: {e}", path.display())))?;
+        if self.dirs.iter().any(|dir| resolved.starts_with(dir)) {
+            return Ok(resolved);
+        }
+        let dirs: Vec<String> = self.dirs.iter().map(|d| d.display().to_string()).collect();
+        let via = if resolved == path {
+            String::new()
+        } else {
+            format!(" (it resolves to {})", resolved.display())
+        };
+        Err(ApiError::Forbidden(format!(
+            "{field}: {}{via} is outside the template directories ({}); start the daemon with --template-dir DIR to allow a directory",
+            path.display(),
+            dirs.join(", ")
+        )))
+    }
+
+    /// The template's host files, confined and resolved, and the registry of a pull.
+    fn check(
+        &self,
+        template: &mut Template,
+        image: Option<&mut ImageSource>,
+    ) -> Result<(), ApiError> {
+        if let Some(rootfs) = &template.rootfs {
+            template.rootfs = Some(self.confine(rootfs, "rootfs")?);
+        }
+        if let Some(initrd) = &template.initrd {
+            template.initrd = Some(self.confine(initrd, "initrd")?);
+        }
+        let Some(image) = image else {
+            return Ok(());
+        };
+        if let Some(archive) = &image.docker_archive {
+            image.docker_archive = Some(self.confine(archive, "image.docker_archive")?);
+        }
+        if let Some(layout) = &image.oci_layout {
+            image.oci_layout = Some(self.confine(layout, "image.oci_layout")?);
+        }
+        let pulled = image.docker_archive.is_none() && image.oci_layout.is_none();
+        if let (true, Some(reference), false) =
+            (pulled, &image.reference, self.registries.is_empty())
+        {
+            let registry = registry_of(reference)?;
+            if !self
+                .registries
+                .iter()
+                .any(|allowed| allowed.eq_ignore_ascii_case(&registry))
+            {
+                return Err(ApiError::Forbidden(format!(
+                    "image.reference: registry {registry:?} of {reference:?} is not allowed (--registry-allow: {})",
+                    self.registries.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The registry (host, or host:port) an image reference pulls from; Docker Hub's is
+/// `docker.io`.
+fn registry_of(reference: &str) -> Result<String, ApiError> {
+    let parsed: oci_client::Reference =
+        reference.parse().map_err(|e: oci_client::ParseError| {
+            ApiError::BadRequest(format!(
+                "image.reference: {reference:?} is not an image reference: {e}"
+            ))
+        })?;
+    Ok(parsed.registry().to_string())
+}
+
+/// Where the templates service keeps and finds files.
+pub struct TemplateOptions {
+    /// `STATE/templates`.
+    pub dir: PathBuf,
+    /// The static guest agent installed into rootfs images built for templates.
+    pub agent: Option<PathBuf>,
+    /// The image builder's cache.
+    pub image_cache: PathBuf,
+    pub policy: TemplatePolicy,
+}
+
 /// The templates.
 pub struct Templates {
     db: Arc<Db>,
@@ -32,6 +132,7 @@ pub struct Templates {
     agent: Option<PathBuf>,
     /// The image builder's cache.
     image_cache: PathBuf,
+    policy: TemplatePolicy,
 }
 
 impl Templates {
@@ -40,10 +141,14 @@ impl Templates {
         sandboxes: Arc<Sandboxes>,
         snapshots: Arc<Snapshots>,
         guest: Arc<Guest>,
-        dir: PathBuf,
-        agent: Option<PathBuf>,
-        image_cache: PathBuf,
+        options: TemplateOptions,
     ) -> Templates {
+        let TemplateOptions {
+            dir,
+            agent,
+            image_cache,
+            policy,
+        } = options;
         Templates {
             db,
             sandboxes,
@@ -52,6 +157,7 @@ impl Templates {
             dir,
             agent,
             image_cache,
+            policy,
         }
     }
 
@@ -77,9 +183,10 @@ impl Templates {
     pub async fn add(&self, request: AddTemplate) -> Result<Reply, ApiError> {
         let AddTemplate {
             mut template,
-            image,
+            mut image,
             boot_snapshot,
         } = request;
+        self.policy.check(&mut template, image.as_mut())?;
         check_files(&template)?;
         if self
             .db

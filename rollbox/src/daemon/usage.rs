@@ -1,6 +1,7 @@
 //! Usage: per-sandbox running time billed per second (vCPU-seconds, memory-MiB-seconds), the
 //! VMM's measured CPU time, and the daemon's counters, for `GET /sandboxes/{id}/usage` and
-//! `GET /metrics` (Prometheus text).
+//! `GET /metrics` (Prometheus text). Each sandbox's series has a `tenant` label (empty for
+//! an admin key's sandboxes), so `sum by (tenant)` is a tenant's usage.
 //!
 //! The rule: a sandbox's running time counts from the moment its VMM runs (the create's
 //! `running`) to its end, less the time it was paused; it is billed in whole seconds, rounded
@@ -67,6 +68,7 @@ fn usage_of(row: &Row, now: u64) -> Usage {
         memory_mib_seconds: running_s * u64::from(s.memory_mib),
         cpu_seconds: (row.cpu_ms + live_cpu) as f64 / 1000.0,
         ended_at_ms: s.ended_at_ms,
+        tenant: s.tenant.clone(),
     }
 }
 
@@ -129,10 +131,11 @@ pub fn metrics(db: &Db, counters: &Counters) -> Result<Reply, ApiError> {
         for u in &usages {
             let _ = writeln!(
                 out,
-                "{name}{{sandbox=\"{}\",template=\"{}\",state=\"{}\"}} {}",
+                "{name}{{sandbox=\"{}\",template=\"{}\",state=\"{}\",tenant=\"{}\"}} {}",
                 label(&u.sandbox),
                 label(&u.template),
                 u.state.as_str(),
+                label(u.tenant.as_deref().unwrap_or("")),
                 value(u)
             );
         }

@@ -17,6 +17,7 @@ __all__ = [
     "ApiError",
     "BadRequest",
     "Unauthorized",
+    "Forbidden",
     "NotFound",
     "MethodNotAllowed",
     "Conflict",
@@ -91,6 +92,11 @@ class Unauthorized(ApiError):
     """401: missing or wrong API key."""
 
 
+class Forbidden(ApiError):
+    """403: a tenant's key asked for an admin's action (templates' writes, keys, metrics), or
+    a template file or registry is outside what the daemon allows."""
+
+
 class NotFound(ApiError):
     """404: no such sandbox, template, snapshot or process."""
 
@@ -134,6 +140,7 @@ class Unavailable(ApiError):
 _BY_STATUS: Dict[int, Type[ApiError]] = {
     400: BadRequest,
     401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     405: MethodNotAllowed,
     409: Conflict,

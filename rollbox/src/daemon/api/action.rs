@@ -8,8 +8,8 @@ use hyper::body::Bytes;
 
 use super::limits::MAX_UPLOAD;
 use super::model::{
-    AddTemplate, CreateSandbox, Exec, ExecResult, FileInfo, FileOp, ForkResult, ListQuery, Sandbox,
-    SandboxList, Snapshot, Template, Usage,
+    AddTemplate, CreateSandbox, Exec, ExecResult, FileInfo, FileOp, ForkResult, KeyInfo, ListQuery,
+    NewKey, Sandbox, SandboxList, Snapshot, Template, Usage,
 };
 
 /// A refused or failed request; [`ApiError::status`] is its HTTP status.
@@ -19,6 +19,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("missing or wrong API key: send `Authorization: Bearer KEY`")]
     Unauthorized,
+    /// The key is good but its role may not do this (a tenant key and an admin action).
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     NotFound(String),
     #[error("{method} is not allowed on {path}")]
@@ -44,6 +47,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => 400,
             ApiError::Unauthorized => 401,
+            ApiError::Forbidden(_) => 403,
             ApiError::NotFound(_) => 404,
             ApiError::MethodNotAllowed { .. } => 405,
             ApiError::Conflict(_) => 409,
@@ -139,6 +143,26 @@ pub enum Action {
         id: String,
         port: u16,
     },
+    /// Make an API key (admin only).
+    AddKey(NewKey),
+    ListKeys,
+    /// Revoke a key by its id: its next request gets 401.
+    RevokeKey(String),
+}
+
+impl Action {
+    /// Whether only an admin key may run it: templates' writes, node metrics and keys.
+    pub fn admin_only(&self) -> bool {
+        matches!(
+            self,
+            Action::AddTemplate(_)
+                | Action::RemoveTemplate(_)
+                | Action::Metrics
+                | Action::AddKey(_)
+                | Action::ListKeys
+                | Action::RevokeKey(_)
+        )
+    }
 }
 
 /// A typed answer; each frontend turns it into its own response.
@@ -173,6 +197,9 @@ pub enum Reply {
     Usage(Usage),
     /// Prometheus text.
     Metrics(String),
+    /// A key just made (201, with its plaintext).
+    Key(KeyInfo),
+    Keys(Vec<KeyInfo>),
     /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
     Stream {
         content_type: &'static str,

@@ -14,5 +14,6 @@ pub use limits::*;
 pub use model::*;
 pub use routes::{is_upload, parse, ROUTES};
 pub use validate::file::check_guest_path;
+pub use validate::key::check_tenant;
 pub use validate::template::{check_template_name, IMAGE_CMDLINE};
 pub use validate::{check_id, check_label_key, check_snapshot_id, check_snapshot_name};

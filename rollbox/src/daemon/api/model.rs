@@ -162,6 +162,8 @@ pub struct CreateSandbox {
     /// Paused, it resumes when a request comes for it (E2B's data plane); needs
     /// `on_timeout: pause`.
     pub auto_resume: bool,
+    /// The tenant whose key made it (None: an admin key); the core sets it, never the body.
+    pub tenant: Option<String>,
 }
 
 /// GET /sandboxes query.
@@ -175,6 +177,8 @@ pub struct ListQuery {
     pub limit: u32,
     /// Only sandboxes after this position (from `next_page_token`).
     pub after: Option<i64>,
+    /// Only this tenant's sandboxes (the core sets it for a tenant key, never the query).
+    pub tenant: Option<String>,
 }
 
 /// A sandbox as the API shows it.
@@ -218,6 +222,9 @@ pub struct Sandbox {
     /// The TTL it was created with: a resume of an `on_timeout: pause` sandbox runs it again.
     #[serde(default)]
     pub ttl_s: u64,
+    /// The tenant that owns it; absent for sandboxes made with an admin key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// GET /sandboxes answer.
@@ -441,6 +448,9 @@ pub struct Snapshot {
     /// Taken of a deterministic sandbox (so deterministic sandboxes may restore it).
     #[serde(default)]
     pub deterministic: bool,
+    /// The tenant that owns it (its sandbox's); absent for an admin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// One sandbox of a fork: made, or why not.
@@ -465,4 +475,28 @@ pub struct Usage {
     /// CPU time (user + system) its VMM processes used, as /proc measured it.
     pub cpu_seconds: f64,
     pub ended_at_ms: Option<u64>,
+    /// The tenant that owns the sandbox; absent for an admin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+}
+
+/// POST /keys, validated: a key for `tenant`, or an admin key (None).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewKey {
+    pub tenant: Option<String>,
+}
+
+/// An API key as the API shows it: never its hash; its plaintext only in the answer to
+/// the POST /keys that made it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyInfo {
+    pub id: String,
+    /// `admin` or `tenant`.
+    pub role: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    pub created_at_ms: u64,
+    /// The key itself: shown once, when it is made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }

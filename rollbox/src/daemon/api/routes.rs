@@ -3,7 +3,9 @@
 
 use super::action::{Action, ApiError};
 use super::validate::template::check_template_name;
-use super::validate::{bad, check_id, check_snapshot_id, exec, file, sandbox, snapshot, template};
+use super::validate::{
+    bad, check_id, check_snapshot_id, exec, file, key, sandbox, snapshot, template,
+};
 
 /// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
 /// document (docs/api/openapi.yaml) lists exactly these; a test checks both ways.
@@ -41,6 +43,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/snapshots/{snapshot}"),
     ("DELETE", "/snapshots/{snapshot}"),
     ("GET", "/sandboxes/{id}/ports/{port}"),
+    ("GET", "/keys"),
+    ("POST", "/keys"),
+    ("DELETE", "/keys/{key}"),
 ];
 
 /// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
@@ -66,6 +71,9 @@ pub fn parse(
         ("GET", ["metrics"]) => Action::Metrics,
         ("GET", ["sandboxes", id, "usage"]) => Action::Usage(check_id(id)?),
         ("GET", ["sandboxes", id, "ports", port]) => sandbox::parse_port_connect(id, port)?,
+        ("GET", ["keys"]) => Action::ListKeys,
+        ("POST", ["keys"]) => Action::AddKey(key::parse_new_key(body)?),
+        ("DELETE", ["keys", id]) => Action::RevokeKey(key::check_key_id(id, "key")?),
         ("GET", ["templates"]) => Action::ListTemplates,
         ("POST", ["templates"]) => Action::AddTemplate(template::parse_template(body)?),
         ("GET", ["templates", name]) => Action::GetTemplate(check_template_name(name, "name")?),
@@ -175,10 +183,12 @@ mod tests {
             let path = pattern
                 .replace("{id}", "sb-0123456789abcdef")
                 .replace("{name}", "guest")
-                .replace("{snapshot}", "snap-0123456789abcdef");
+                .replace("{snapshot}", "snap-0123456789abcdef")
+                .replace("{key}", "key-0123456789abcdef");
             let path = path.replace("{pid}", "42").replace("{port}", "8080");
             let body: &[u8] = match (*method, path.as_str()) {
                 ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
+                ("POST", "/keys") => br#"{"tenant":"a"}"#,
                 ("POST", "/sandboxes") => br#"{"template":"g"}"#,
                 ("POST", "/sandboxes/batch") => br#"{"template":"g","count":2}"#,
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,

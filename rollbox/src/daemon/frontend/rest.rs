@@ -1,5 +1,6 @@
-//! The native frontend: accept, check the key, cap the body, parse into an action, run it on
-//! the [`Core`], and write the typed reply as JSON. Nothing else happens here.
+//! The native frontend: accept, check the key (who the caller is), cap the body, parse into an
+//! action, run it on the [`Core`] as that caller, and write the typed reply as JSON. Nothing
+//! else happens here.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -11,16 +12,15 @@ use hyper_util::rt::TokioIo;
 
 use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
 use super::super::core::Core;
-use super::transport::{accept, same_key, BodyReader, Listener, Out};
+use super::super::keys::Caller;
+use super::transport::{accept, BodyReader, Listener, Out};
 
 /// Serves connections until `shutdown` completes.
 pub async fn run(
     listener: Listener,
     core: Arc<Core>,
-    api_key: String,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let api_key: Arc<str> = api_key.into();
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -37,12 +37,10 @@ pub async fn run(
             }
         };
         let core = Arc::clone(&core);
-        let api_key = Arc::clone(&api_key);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request| {
                 let core = Arc::clone(&core);
-                let api_key = Arc::clone(&api_key);
-                async move { Ok::<_, Infallible>(respond(&core, &api_key, request).await) }
+                async move { Ok::<_, Infallible>(respond(&core, request).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(io, service)
@@ -52,17 +50,18 @@ pub async fn run(
     }
 }
 
-fn authorized(request: &Request<Incoming>, key: &str) -> bool {
+/// Who the request's `Authorization: Bearer KEY` belongs to, if anyone.
+fn caller(core: &Core, request: &Request<Incoming>) -> Option<Caller> {
     request
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
+        .and_then(|given| core.authenticate(given))
 }
 
-async fn respond(core: &Core, api_key: &str, request: Request<Incoming>) -> Response<Out> {
-    match handle(core, api_key, request).await {
+async fn respond(core: &Core, request: Request<Incoming>) -> Response<Out> {
+    match handle(core, request).await {
         Ok(reply) => reply_response(reply),
         Err(error) => error_response(&error),
     }
@@ -85,6 +84,7 @@ fn asks_tcp_upgrade(request: &Request<Incoming>) -> bool {
 /// Answers 101 and, once hyper hands over the connection, pipes it to guest `port`.
 async fn port_connect(
     core: &Core,
+    caller: &Caller,
     request: &mut Request<Incoming>,
     id: &str,
     port: u16,
@@ -94,7 +94,7 @@ async fn port_connect(
             "GET /sandboxes/{id}/ports/{port} is an HTTP upgrade: send `Connection: Upgrade` and `Upgrade: tcp`"
         )));
     }
-    let pipe = core.guest_tcp(id, port).await?;
+    let pipe = core.guest_tcp_as(caller, id, port).await?;
     let upgrade = hyper::upgrade::on(request);
     let what = format!("sandbox {id} port {port}");
     tokio::spawn(async move {
@@ -112,14 +112,10 @@ async fn port_connect(
     Ok(Reply::SwitchingProtocols)
 }
 
-async fn handle(
-    core: &Core,
-    api_key: &str,
-    mut request: Request<Incoming>,
-) -> Result<Reply, ApiError> {
-    if !authorized(&request, api_key) {
+async fn handle(core: &Core, mut request: Request<Incoming>) -> Result<Reply, ApiError> {
+    let Some(caller) = caller(core, &request) else {
         return Err(ApiError::Unauthorized);
-    }
+    };
     let declared = request
         .headers()
         .get(hyper::header::CONTENT_LENGTH)
@@ -138,12 +134,12 @@ async fn handle(
             )));
         };
         let body = BodyReader::new(request.into_body(), MAX_UPLOAD);
-        return core.upload(&id, op, body).await;
+        return core.upload_as(&caller, &id, op, body).await;
     }
     if method == "GET" && path.contains("/ports/") {
         if let Action::PortConnect { id, port } = api::parse(&method, &path, query.as_deref(), b"")?
         {
-            return port_connect(core, &mut request, &id, port).await;
+            return port_connect(core, &caller, &mut request, &id, port).await;
         }
     }
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
@@ -161,7 +157,7 @@ async fn handle(
         })?
         .to_bytes();
     let action = api::parse(&method, &path, query.as_deref(), &body)?;
-    core.handle(action).await
+    core.handle_as(&caller, action).await
 }
 
 fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Out> {
@@ -200,6 +196,8 @@ fn reply_response(reply: Reply) -> Response<Out> {
         Reply::Forked(results) => json_response(200, &serde_json::json!({ "results": results })),
         Reply::Deleted(ids) => json_response(200, &serde_json::json!({ "deleted": ids })),
         Reply::Usage(usage) => json_response(200, &usage),
+        Reply::Key(key) => json_response(201, &key),
+        Reply::Keys(keys) => json_response(200, &serde_json::json!({ "keys": keys })),
         Reply::Metrics(text) => {
             let mut response = Response::new(Out::Full(Some(Bytes::from(text))));
             response.headers_mut().insert(

@@ -229,6 +229,7 @@ impl Sandboxes {
             on_timeout: request.on_timeout,
             auto_resume: request.auto_resume,
             ttl_s,
+            tenant: request.tenant,
         };
         let inserted = self.db.lock().insert_sandbox(&sandbox).map_err(internal)?;
         if let Inserted::Existing(first) = inserted {

@@ -3,6 +3,7 @@
 //! queries are by table (`sandboxes.rs`, `templates.rs`, `snapshots.rs`). [`Db`] is the store
 //! behind the lock the services share.
 
+mod keys;
 mod rows;
 mod sandboxes;
 mod snapshots;
@@ -13,6 +14,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::Connection;
 
+pub use keys::KeyRow;
 pub use rows::UsageRow;
 
 /// A failed database operation.
@@ -96,6 +98,17 @@ ALTER TABLE sandboxes ADD COLUMN ttl_s INTEGER NOT NULL DEFAULT 0;
 -- A snapshot's name, unique among snapshots.
 ALTER TABLE snapshots ADD COLUMN name TEXT;
 CREATE UNIQUE INDEX snapshots_name ON snapshots(name) WHERE name IS NOT NULL;
+",
+    "
+-- Tenants (issue 25): the tenant whose key made a sandbox (NULL: an admin key's), and the
+-- API keys added with POST /keys, by the SHA-256 of the key (never the key itself).
+ALTER TABLE sandboxes ADD COLUMN tenant TEXT;
+CREATE TABLE api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT,
+    hash TEXT NOT NULL UNIQUE,
+    created_at_ms INTEGER NOT NULL
+);
 ",
     "
 -- A snapshot taken by a fork: it goes when no live sandbox restores from it any more, or at

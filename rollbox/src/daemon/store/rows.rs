@@ -14,7 +14,28 @@ use super::{json_column, to_json, StoreError};
 /// The columns of a sandbox row, in [`SandboxRow::read`]'s order.
 pub const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
-    dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, on_timeout, auto_resume, ttl_s";
+    dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, on_timeout, auto_resume, ttl_s, \
+    tenant";
+
+/// Between a tenant's name and its idempotency key or snapshot name in their columns: those
+/// are unique per tenant, and neither a key nor a name may hold a control character.
+const TENANT_SEPARATOR: char = '\u{1}';
+
+/// A per-tenant unique value (idempotency key, snapshot name) as its column holds it.
+pub fn namespaced(tenant: Option<&str>, value: &str) -> String {
+    match tenant {
+        Some(tenant) => format!("{tenant}{TENANT_SEPARATOR}{value}"),
+        None => value.to_string(),
+    }
+}
+
+/// The value of a [`namespaced`] column, without its tenant.
+pub fn unnamespaced(column: String) -> String {
+    match column.split_once(TENANT_SEPARATOR) {
+        Some((_, value)) => value.to_string(),
+        None => column,
+    }
+}
 
 /// A `sandboxes` row: the JSON columns (labels, metadata, env) and the state as text.
 pub struct SandboxRow {
@@ -42,6 +63,7 @@ pub struct SandboxRow {
     pub on_timeout: String,
     pub auto_resume: bool,
     pub ttl_s: u64,
+    pub tenant: Option<String>,
 }
 
 impl SandboxRow {
@@ -72,6 +94,7 @@ impl SandboxRow {
             on_timeout: row.get(21)?,
             auto_resume: row.get(22)?,
             ttl_s: row.get(23)?,
+            tenant: row.get(24)?,
         })
     }
 
@@ -80,7 +103,10 @@ impl SandboxRow {
         Ok(SandboxRow {
             seq: 0,
             id: sandbox.id.clone(),
-            idempotency_key: sandbox.idempotency_key.clone(),
+            idempotency_key: sandbox
+                .idempotency_key
+                .as_deref()
+                .map(|key| namespaced(sandbox.tenant.as_deref(), key)),
             template: sandbox.template.clone(),
             state: sandbox.state.as_str().to_string(),
             vcpus: sandbox.vcpus,
@@ -102,6 +128,7 @@ impl SandboxRow {
             on_timeout: sandbox.on_timeout.as_str().to_string(),
             auto_resume: sandbox.auto_resume,
             ttl_s: sandbox.ttl_s,
+            tenant: sandbox.tenant.clone(),
         })
     }
 
@@ -116,7 +143,7 @@ impl SandboxRow {
             memory_mib: self.memory_mib,
             labels: json_column::<BTreeMap<String, String>>(&self.labels, "labels")?,
             metadata: json_column(&self.metadata, "metadata")?,
-            idempotency_key: self.idempotency_key,
+            idempotency_key: self.idempotency_key.map(unnamespaced),
             created_at_ms: self.created_at_ms,
             expires_at_ms: self.expires_at_ms,
             idle_ttl_s: self.idle_ttl_s,
@@ -133,6 +160,7 @@ impl SandboxRow {
             on_timeout: OnTimeout::parse(&self.on_timeout).unwrap_or_default(),
             auto_resume: self.auto_resume,
             ttl_s: self.ttl_s,
+            tenant: self.tenant,
         };
         Ok((self.seq, sandbox))
     }
@@ -217,6 +245,8 @@ pub struct SnapshotRow {
     pub expires_at_ms: Option<u64>,
     #[serde(default)]
     pub deterministic: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 impl From<&Snapshot> for SnapshotRow {
@@ -233,6 +263,7 @@ impl From<&Snapshot> for SnapshotRow {
             created_at_ms: s.created_at_ms,
             expires_at_ms: s.expires_at_ms,
             deterministic: s.deterministic,
+            tenant: s.tenant,
         }
     }
 }
@@ -252,6 +283,7 @@ impl From<SnapshotRow> for Snapshot {
             created_at_ms: s.created_at_ms,
             expires_at_ms: s.expires_at_ms,
             deterministic: s.deterministic,
+            tenant: s.tenant,
         }
     }
 }

@@ -28,9 +28,9 @@ impl Store {
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
              labels, metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, \
              pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, \
-             on_timeout, auto_resume, ttl_s) \
+             on_timeout, auto_resume, ttl_s, tenant) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-             ?18, ?19, ?20, ?21, ?22, ?23)",
+             ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
             params![
                 row.id,
                 row.idempotency_key,
@@ -55,6 +55,7 @@ impl Store {
                 row.on_timeout,
                 row.auto_resume,
                 row.ttl_s,
+                row.tenant,
             ],
         )?;
         tx.commit()?;
@@ -81,6 +82,10 @@ impl Store {
             let marks = vec!["?"; query.ids.len()].join(", ");
             sql.push_str(&format!(" AND id IN ({marks})"));
             values.extend(query.ids.iter().map(|id| id.clone().into()));
+        }
+        if let Some(tenant) = &query.tenant {
+            sql.push_str(" AND tenant = ?");
+            values.push(tenant.clone().into());
         }
         if let Some(state) = query.state {
             sql.push_str(" AND state = ?");
@@ -320,6 +325,7 @@ mod tests {
             on_timeout: super::super::super::api::OnTimeout::Kill,
             auto_resume: false,
             ttl_s: 1,
+            tenant: None,
         }
     }
 
@@ -423,6 +429,43 @@ mod tests {
         assert_eq!(
             page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
             ["d"]
+        );
+    }
+
+    #[test]
+    fn idempotency_keys_and_lists_are_per_tenant() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = Store::open(&dir.path().join("state.db")).expect("open");
+        let of = |id: &str, tenant: Option<&str>| Sandbox {
+            tenant: tenant.map(str::to_string),
+            ..sandbox(id, Some("k"), &[])
+        };
+        for (id, tenant) in [("a", Some("a")), ("b", Some("b")), ("admin", None)] {
+            assert!(
+                matches!(store.insert_sandbox(&of(id, tenant)), Ok(Inserted::New)),
+                "{id}"
+            );
+        }
+        match store.insert_sandbox(&of("a2", Some("a"))) {
+            Ok(Inserted::Existing(s)) => {
+                assert_eq!((s.id.as_str(), s.tenant.as_deref()), ("a", Some("a")))
+            }
+            _ => panic!("a's key again"),
+        }
+        let b = store.sandbox("b").expect("read").expect("b");
+        assert_eq!(
+            (b.idempotency_key.as_deref(), b.tenant.as_deref()),
+            (Some("k"), Some("b"))
+        );
+        let query = ListQuery {
+            tenant: Some("b".into()),
+            limit: 10,
+            ..ListQuery::default()
+        };
+        let (page, _) = store.list(&query).expect("list");
+        assert_eq!(
+            page.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            ["b"]
         );
     }
 }

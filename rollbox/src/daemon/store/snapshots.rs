@@ -5,23 +5,28 @@ use std::collections::HashSet;
 use rusqlite::{params, OptionalExtension};
 
 use super::super::api::Snapshot;
-use super::rows::SnapshotRow;
+use super::rows::{namespaced, unnamespaced, SnapshotRow};
 use super::{json_column, to_json, Store, StoreError};
 
-/// A snapshot from its `spec` and `name` columns.
+/// A snapshot from its `spec` and `name` columns (a name is unique per tenant: the column
+/// holds it [`namespaced`]).
 fn named(spec: &str, name: Option<String>) -> Result<Snapshot, StoreError> {
     let mut snapshot = Snapshot::from(json_column::<SnapshotRow>(spec, "spec")?);
-    snapshot.name = name;
+    snapshot.name = name.map(unnamespaced);
     Ok(snapshot)
 }
 
 impl Store {
     /// Adds a snapshot (`fork`: taken by a fork, see [`Store::fork_snapshots`]); its name (if
-    /// any) moves to it from the snapshot that had it, in one transaction.
+    /// any) moves to it from the snapshot of its tenant that had it, in one transaction.
     pub fn add_snapshot(&mut self, snapshot: &Snapshot, fork: bool) -> Result<(), StoreError> {
         let spec = to_json(&SnapshotRow::from(snapshot), "spec")?;
+        let name = snapshot
+            .name
+            .as_deref()
+            .map(|name| namespaced(snapshot.tenant.as_deref(), name));
         let tx = self.conn.transaction()?;
-        if let Some(name) = &snapshot.name {
+        if let Some(name) = &name {
             tx.execute(
                 "UPDATE snapshots SET name = NULL WHERE name = ?1",
                 params![name],
@@ -29,7 +34,7 @@ impl Store {
         }
         tx.execute(
             "INSERT INTO snapshots (id, sandbox, spec, name, fork) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![snapshot.id, snapshot.sandbox, spec, snapshot.name, fork],
+            params![snapshot.id, snapshot.sandbox, spec, name, fork],
         )?;
         tx.commit()?;
         Ok(())
@@ -48,9 +53,16 @@ impl Store {
         self.snapshot_where("SELECT spec, name FROM snapshots WHERE id = ?1", id)
     }
 
-    /// The snapshot that has name `name`.
-    pub fn snapshot_named(&self, name: &str) -> Result<Option<Snapshot>, StoreError> {
-        self.snapshot_where("SELECT spec, name FROM snapshots WHERE name = ?1", name)
+    /// The snapshot of `tenant` (None: the admins') that has name `name`.
+    pub fn snapshot_named(
+        &self,
+        name: &str,
+        tenant: Option<&str>,
+    ) -> Result<Option<Snapshot>, StoreError> {
+        self.snapshot_where(
+            "SELECT spec, name FROM snapshots WHERE name = ?1",
+            &namespaced(tenant, name),
+        )
     }
 
     /// One snapshot by `sql`, a constant statement with one bound parameter.
@@ -139,6 +151,7 @@ mod tests {
             created_at_ms: 1,
             expires_at_ms: None,
             deterministic: false,
+            tenant: None,
         }
     }
 
@@ -153,14 +166,20 @@ mod tests {
             .add_snapshot(&snapshot("snap-b", None), true)
             .expect("b");
         assert_eq!(
-            store.snapshot_named("base").expect("named").map(|s| s.id),
+            store
+                .snapshot_named("base", None)
+                .expect("named")
+                .map(|s| s.id),
             Some("snap-a".into())
         );
         store
             .add_snapshot(&snapshot("snap-c", Some("base")), false)
             .expect("c");
         assert_eq!(
-            store.snapshot_named("base").expect("named").map(|s| s.id),
+            store
+                .snapshot_named("base", None)
+                .expect("named")
+                .map(|s| s.id),
             Some("snap-c".into())
         );
         let names: Vec<(String, Option<String>)> = store
@@ -181,10 +200,42 @@ mod tests {
             store.snapshot("snap-c").expect("get").and_then(|s| s.name),
             Some("base".into())
         );
-        assert!(store.snapshot_named("other").expect("none").is_none());
+        assert!(store.snapshot_named("other", None).expect("none").is_none());
         assert_eq!(
             store.fork_snapshots().expect("forks"),
             HashSet::from(["snap-b".to_string()])
         );
+    }
+
+    #[test]
+    fn names_are_unique_per_tenant() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = Store::open(&dir.path().join("state.db")).expect("open");
+        let of = |id: &str, tenant: Option<&str>| Snapshot {
+            tenant: tenant.map(str::to_string),
+            ..snapshot(id, Some("base"))
+        };
+        store
+            .add_snapshot(&of("snap-a", Some("a")), false)
+            .expect("a");
+        store
+            .add_snapshot(&of("snap-b", Some("b")), false)
+            .expect("b");
+        store
+            .add_snapshot(&of("snap-admin", None), false)
+            .expect("admin");
+        for (tenant, id) in [
+            (Some("a"), "snap-a"),
+            (Some("b"), "snap-b"),
+            (None, "snap-admin"),
+        ] {
+            let found = store.snapshot_named("base", tenant).expect("named");
+            assert_eq!(found.as_ref().map(|s| s.id.as_str()), Some(id));
+            assert_eq!(found.and_then(|s| s.name).as_deref(), Some("base"));
+        }
+        assert!(store
+            .snapshot_named("base", Some("c"))
+            .expect("none")
+            .is_none());
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod exec;
 pub mod file;
+pub mod key;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;

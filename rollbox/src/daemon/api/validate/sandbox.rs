@@ -120,6 +120,7 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         deterministic: body.deterministic,
         on_timeout,
         auto_resume: body.auto_resume,
+        tenant: None,
     })
 }
 
@@ -339,6 +340,7 @@ mod tests {
                 state: Some(State::Running),
                 limit: 5,
                 after: Some(12),
+                tenant: None,
             })
         );
         for (query, field) in [

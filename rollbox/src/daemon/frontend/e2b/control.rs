@@ -14,8 +14,9 @@ use serde_json::{json, Value};
 use super::super::super::api::{
     self, Action, ApiError, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
 };
+use super::super::super::keys::Caller;
 use super::super::super::util::now_ms;
-use super::super::transport::{same_key, Out};
+use super::super::transport::Out;
 use super::list::listed_json;
 use super::refusal::Refusal;
 use super::state::E2b;
@@ -57,19 +58,23 @@ pub async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out
     }
 }
 
-fn authorized(request: &Request<Incoming>, key: &str) -> bool {
+/// Who the request's `X-API-KEY` (or `Authorization: Bearer`) belongs to, if anyone.
+fn caller(e2b: &E2b, request: &Request<Incoming>) -> Option<Caller> {
     let given = header(request, "x-api-key")
         .or_else(|| header(request, "authorization").and_then(|v| v.strip_prefix("Bearer ")));
-    given.is_some_and(|given| same_key(given.trim().as_bytes(), key.trim().as_bytes()))
+    given.and_then(|given| e2b.core.authenticate(given))
 }
 
+/// Every route: the key is checked first, before the body is read or any state is touched;
+/// each handler then runs its actions as the key's caller.
 async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Out>, Refusal> {
-    if !authorized(&request, &e2b.api_key) {
+    let Some(caller) = caller(e2b, &request) else {
         return Err(Refusal::new(
             401,
-            "missing or wrong API key: send the rollbox daemon's key as X-API-KEY (E2B_API_KEY)",
+            "missing or wrong API key: send a rollbox API key as X-API-KEY (E2B_API_KEY)",
         ));
-    }
+    };
+    let caller = &caller;
     let method = request.method().as_str().to_string();
     let path = request.uri().path().trim_end_matches('/').to_string();
     let query = request.uri().query().unwrap_or("").to_string();
@@ -86,21 +91,21 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
     };
     let v2 = path.starts_with("/v2/");
     match (method.as_str(), segments.as_slice()) {
-        ("POST", ["sandboxes"]) => create(e2b, &body, idempotency_key).await,
-        ("GET", ["sandboxes"]) => super::list::list(e2b, &query, v2).await,
-        ("GET", ["sandboxes", "metrics"]) => metrics_of_many(e2b, &query).await,
-        ("GET", ["sandboxes", id, "metrics"]) => metrics(e2b, id, &query).await,
-        ("POST", ["sandboxes", id, "fork"]) => fork(e2b, id, &body).await,
-        ("POST", ["sandboxes", id, "snapshots"]) => snapshot(e2b, id, &body).await,
-        ("POST", ["sandboxes", id, "refreshes"]) => refresh(e2b, id, &body).await,
-        ("GET", ["snapshots"]) => list_snapshots(e2b, &query).await,
-        ("DELETE", ["templates", id]) => delete_snapshot(e2b, id).await,
-        ("GET", ["sandboxes", id]) => detail(e2b, id).await,
-        ("DELETE", ["sandboxes", id]) => kill(e2b, id).await,
-        ("POST", ["sandboxes", id, "timeout"]) => set_timeout(e2b, id, &body).await,
-        ("POST", ["sandboxes", id, "pause"]) => pause(e2b, id).await,
-        ("POST", ["sandboxes", id, "resume"]) => connect(e2b, id, &body, true).await,
-        ("POST", ["sandboxes", id, "connect"]) => connect(e2b, id, &body, false).await,
+        ("POST", ["sandboxes"]) => create(e2b, caller, &body, idempotency_key).await,
+        ("GET", ["sandboxes"]) => super::list::list(e2b, caller, &query, v2).await,
+        ("GET", ["sandboxes", "metrics"]) => metrics_of_many(e2b, caller, &query).await,
+        ("GET", ["sandboxes", id, "metrics"]) => metrics(e2b, caller, id, &query).await,
+        ("POST", ["sandboxes", id, "fork"]) => fork(e2b, caller, id, &body).await,
+        ("POST", ["sandboxes", id, "snapshots"]) => snapshot(e2b, caller, id, &body).await,
+        ("POST", ["sandboxes", id, "refreshes"]) => refresh(e2b, caller, id, &body).await,
+        ("GET", ["snapshots"]) => list_snapshots(e2b, caller, &query).await,
+        ("DELETE", ["templates", id]) => delete_snapshot(e2b, caller, id).await,
+        ("GET", ["sandboxes", id]) => detail(e2b, caller, id).await,
+        ("DELETE", ["sandboxes", id]) => kill(e2b, caller, id).await,
+        ("POST", ["sandboxes", id, "timeout"]) => set_timeout(e2b, caller, id, &body).await,
+        ("POST", ["sandboxes", id, "pause"]) => pause(e2b, caller, id).await,
+        ("POST", ["sandboxes", id, "resume"]) => connect(e2b, caller, id, &body, true).await,
+        ("POST", ["sandboxes", id, "connect"]) => connect(e2b, caller, id, &body, false).await,
         (_, ["sandboxes", _, what, ..]) => match REFUSED.iter().find(|(name, _)| name == what) {
             Some((_, why)) => Err(Refusal::new(501, *why)),
             None => Err(no_route(&method, &path)),
@@ -183,6 +188,7 @@ fn check_timeout(timeout: i64) -> Result<u64, Refusal> {
 
 async fn create(
     e2b: &Arc<E2b>,
+    caller: &Caller,
     body: &[u8],
     idempotency_key: Option<String>,
 ) -> Result<Response<Out>, Refusal> {
@@ -208,12 +214,12 @@ async fn create(
     // `templateID` is a template's name, or (`Sandbox.create(snapshot_id)`) a snapshot's id
     // or name: a template's name first, as E2B's one namespace of both.
     let snapshot = if api::check_snapshot_id(&template, "templateID").is_ok() {
-        Some(snapshot_of(e2b, &template).await?)
+        Some(snapshot_of(e2b, caller, &template).await?)
     } else {
-        match e2b.core.handle(Action::GetTemplate(template.clone())).await {
+        match e2b.core.handle_as(caller, Action::GetTemplate(template.clone())).await {
             Ok(_) => None,
             Err(ApiError::NotFound(_)) => {
-                Some(snapshot_of(e2b, &template).await.map_err(|refusal| match refusal.status {
+                Some(snapshot_of(e2b, caller, &template).await.map_err(|refusal| match refusal.status {
                     404 => Refusal::new(
                         404,
                         format!("template {template:?} not found (rollbox templates: `rollbox template ls`; snapshots: GET /snapshots)"),
@@ -230,7 +236,7 @@ async fn create(
         Some(snapshot) => {
             match e2b
                 .core
-                .handle(Action::GetSandbox(snapshot.sandbox.clone()))
+                .handle_as(caller, Action::GetSandbox(snapshot.sandbox.clone()))
                 .await
             {
                 Ok(Reply::Sandbox { sandbox, .. }) => sandbox.env,
@@ -271,7 +277,7 @@ async fn create(
             };
             Refusal::new(e.status(), message)
         })?;
-    let sandbox = match e2b.core.handle(action).await {
+    let sandbox = match e2b.core.handle_as(caller, action).await {
         Ok(Reply::Sandbox { sandbox, .. }) => sandbox,
         Ok(other) => {
             return Err(Refusal {
@@ -320,10 +326,14 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
 }
 
 /// A snapshot by id or name, else 404.
-async fn snapshot_of(e2b: &E2b, id_or_name: &str) -> Result<api::Snapshot, Refusal> {
+async fn snapshot_of(
+    e2b: &E2b,
+    caller: &Caller,
+    id_or_name: &str,
+) -> Result<api::Snapshot, Refusal> {
     match e2b
         .core
-        .handle(Action::GetSnapshot(id_or_name.to_string()))
+        .handle_as(caller, Action::GetSnapshot(id_or_name.to_string()))
         .await
     {
         Ok(Reply::Snapshot { snapshot, .. }) => Ok(snapshot),
@@ -341,8 +351,8 @@ async fn snapshot_of(e2b: &E2b, id_or_name: &str) -> Result<api::Snapshot, Refus
 
 /// A running sandbox; a paused one is a 409 that says to resume it `before` the call, and any
 /// other a 404.
-async fn running(e2b: &E2b, id: &str, before: &str) -> Result<Sandbox, Refusal> {
-    let sandbox = live(e2b, id).await?;
+async fn running(e2b: &E2b, caller: &Caller, id: &str, before: &str) -> Result<Sandbox, Refusal> {
+    let sandbox = live(e2b, caller, id).await?;
     if sandbox.state != State::Running {
         return Err(Refusal::new(
             409,
@@ -353,8 +363,12 @@ async fn running(e2b: &E2b, id: &str, before: &str) -> Result<Sandbox, Refusal> 
 }
 
 /// A sandbox that is running or paused, else 404.
-async fn live(e2b: &E2b, id: &str) -> Result<Sandbox, Refusal> {
-    match e2b.core.handle(Action::GetSandbox(id.to_string())).await {
+async fn live(e2b: &E2b, caller: &Caller, id: &str) -> Result<Sandbox, Refusal> {
+    match e2b
+        .core
+        .handle_as(caller, Action::GetSandbox(id.to_string()))
+        .await
+    {
         Ok(Reply::Sandbox { sandbox, .. })
             if matches!(sandbox.state, State::Running | State::Paused) =>
         {
@@ -365,15 +379,15 @@ async fn live(e2b: &E2b, id: &str) -> Result<Sandbox, Refusal> {
     }
 }
 
-async fn detail(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
-    let sandbox = live(e2b, id).await?;
+async fn detail(e2b: &Arc<E2b>, caller: &Caller, id: &str) -> Result<Response<Out>, Refusal> {
+    let sandbox = live(e2b, caller, id).await?;
     Ok(json(200, &listed_json(e2b, &sandbox, true)))
 }
 
-async fn kill(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
-    live(e2b, id).await?;
+async fn kill(e2b: &Arc<E2b>, caller: &Caller, id: &str) -> Result<Response<Out>, Refusal> {
+    live(e2b, caller, id).await?;
     e2b.core
-        .handle(Action::DeleteSandbox(id.to_string()))
+        .handle_as(caller, Action::DeleteSandbox(id.to_string()))
         .await?;
     e2b.forget_processes(id);
     Ok(no_content())
@@ -384,30 +398,40 @@ struct TimeoutBody {
     timeout: Option<i64>,
 }
 
-async fn set_timeout(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn set_timeout(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let body: TimeoutBody = parse_json(body, "timeout body")?;
     let ttl_s = check_timeout(
         body.timeout
             .ok_or_else(|| Refusal::new(400, "timeout: required"))?,
     )?;
-    live(e2b, id).await?;
+    live(e2b, caller, id).await?;
     e2b.core
-        .handle(Action::Keepalive {
-            id: id.to_string(),
-            ttl_s,
-        })
+        .handle_as(
+            caller,
+            Action::Keepalive {
+                id: id.to_string(),
+                ttl_s,
+            },
+        )
         .await?;
     Ok(no_content())
 }
 
-async fn pause(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
-    if live(e2b, id).await?.state == State::Paused {
+async fn pause(e2b: &Arc<E2b>, caller: &Caller, id: &str) -> Result<Response<Out>, Refusal> {
+    if live(e2b, caller, id).await?.state == State::Paused {
         return Err(Refusal::new(
             409,
             format!("sandbox {id:?} is already paused"),
         ));
     }
-    e2b.core.handle(Action::Pause(id.to_string())).await?;
+    e2b.core
+        .handle_as(caller, Action::Pause(id.to_string()))
+        .await?;
     Ok(no_content())
 }
 
@@ -415,18 +439,21 @@ async fn pause(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
 /// returned as it is (200; resume answers 409). A `timeout` moves the TTL only later.
 async fn connect(
     e2b: &Arc<E2b>,
+    caller: &Caller,
     id: &str,
     body: &[u8],
     resume_only: bool,
 ) -> Result<Response<Out>, Refusal> {
     let body: TimeoutBody = parse_json(body, "connect body")?;
     let ttl_s = body.timeout.map(check_timeout).transpose()?;
-    let mut sandbox = live(e2b, id).await?;
+    let mut sandbox = live(e2b, caller, id).await?;
     let resumed = sandbox.state == State::Paused;
     if resumed {
         // The daemon's resume gives an `on_timeout: pause` sandbox its create TTL again.
-        e2b.core.handle(Action::Resume(id.to_string())).await?;
-        sandbox = live(e2b, id).await?;
+        e2b.core
+            .handle_as(caller, Action::Resume(id.to_string()))
+            .await?;
+        sandbox = live(e2b, caller, id).await?;
     } else if resume_only {
         return Err(Refusal::new(
             409,
@@ -437,14 +464,17 @@ async fn connect(
         let wanted = now_ms().saturating_add(ttl_s.saturating_mul(1000));
         if wanted > sandbox.expires_at_ms {
             e2b.core
-                .handle(Action::Keepalive {
-                    id: id.to_string(),
-                    ttl_s,
-                })
+                .handle_as(
+                    caller,
+                    Action::Keepalive {
+                        id: id.to_string(),
+                        ttl_s,
+                    },
+                )
                 .await?;
         }
     }
-    let sandbox = live(e2b, id).await?;
+    let sandbox = live(e2b, caller, id).await?;
     Ok(json(
         if resumed { 201 } else { 200 },
         &sandbox_json(e2b, &sandbox),
@@ -459,7 +489,12 @@ struct ForkRequest {
 
 /// `POST /sandboxes/{id}/fork`: the daemon's fork (one snapshot, `count` restores). Without a
 /// `timeout` the forks get what the parent has left; they keep its metadata and envVars.
-async fn fork(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn fork(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let request: ForkRequest = parse_json(body, "SandboxForkRequest")?;
     let count = request.count.unwrap_or(1);
     let count = u32::try_from(count)
@@ -472,15 +507,18 @@ async fn fork(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Re
             )
         })?;
     let ttl_s = request.timeout.map(check_timeout).transpose()?;
-    let parent = running(e2b, id, "forking").await?;
+    let parent = running(e2b, caller, id, "forking").await?;
     let reply = e2b
         .core
-        .handle(Action::Fork {
-            id: id.to_string(),
-            count,
-            ttl_s,
-            labels: parent.labels.clone(),
-        })
+        .handle_as(
+            caller,
+            Action::Fork {
+                id: id.to_string(),
+                count,
+                ttl_s,
+                labels: parent.labels.clone(),
+            },
+        )
         .await?;
     let Reply::Forked(results) = reply else {
         return Err(Refusal::new(500, format!("fork answered {reply:?}")));
@@ -505,7 +543,12 @@ struct SnapshotRequest {
 }
 
 /// `POST /sandboxes/{id}/snapshots`: a full (memory and disk) snapshot; the sandbox runs on.
-async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn snapshot(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let request: SnapshotRequest = parse_json(body, "SandboxSnapshotRequest")?;
     let name = request
         .name
@@ -517,15 +560,18 @@ async fn snapshot(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>
             "memory: false (filesystem-only snapshots) is not served; rollbox snapshots keep memory and disk",
         ));
     }
-    running(e2b, id, "a snapshot").await?;
+    running(e2b, caller, id, "a snapshot").await?;
     let reply = e2b
         .core
-        .handle(Action::Snapshot {
-            id: id.to_string(),
-            stop: false,
-            ttl_s: None,
-            name,
-        })
+        .handle_as(
+            caller,
+            Action::Snapshot {
+                id: id.to_string(),
+                stop: false,
+                ttl_s: None,
+                name,
+            },
+        )
         .await?;
     let Reply::Snapshot { snapshot, .. } = reply else {
         return Err(Refusal::new(500, format!("snapshot answered {reply:?}")));
@@ -542,7 +588,11 @@ fn snapshot_json(snapshot: &api::Snapshot) -> Value {
 }
 
 /// `GET /snapshots?sandboxID=&name=&limit=&nextToken=`, oldest first; the token is an offset.
-async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Refusal> {
+async fn list_snapshots(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    query: &str,
+) -> Result<Response<Out>, Refusal> {
     let (mut sandbox, mut name, mut limit, mut offset) = (None, None, 100usize, 0usize);
     for (key, value) in query_pairs(query) {
         match key.as_str() {
@@ -568,8 +618,10 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
             _ => {}
         }
     }
-    let Reply::Snapshots(mut snapshots) =
-        e2b.core.handle(Action::ListSnapshots { sandbox }).await?
+    let Reply::Snapshots(mut snapshots) = e2b
+        .core
+        .handle_as(caller, Action::ListSnapshots { sandbox })
+        .await?
     else {
         return Err(Refusal::new(500, "the snapshot list answered no snapshots"));
     };
@@ -598,16 +650,22 @@ async fn list_snapshots(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Re
 
 /// `DELETE /templates/{id}`, which the SDK's `delete_snapshot` calls: snapshots only, by
 /// id or name.
-async fn delete_snapshot(e2b: &Arc<E2b>, id: &str) -> Result<Response<Out>, Refusal> {
+async fn delete_snapshot(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+) -> Result<Response<Out>, Refusal> {
     // The native delete is idempotent; E2B's answers 404 for a snapshot that is gone.
-    let snapshot = snapshot_of(e2b, id).await.map_err(|refusal| match refusal.status {
+    let snapshot = snapshot_of(e2b, caller, id).await.map_err(|refusal| match refusal.status {
         404 => Refusal::new(
             404,
             format!("snapshot {id:?} not found (rollbox deletes only snapshots, by id or name, through the E2B API; templates with `rollbox template rm`)"),
         ),
         _ => refusal,
     })?;
-    e2b.core.handle(Action::DeleteSnapshot(snapshot.id)).await?;
+    e2b.core
+        .handle_as(caller, Action::DeleteSnapshot(snapshot.id))
+        .await?;
     Ok(no_content())
 }
 
@@ -617,7 +675,12 @@ struct RefreshRequest {
 }
 
 /// `POST /sandboxes/{id}/refreshes`: keep it alive `duration` s from now (never shorter).
-async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>, Refusal> {
+async fn refresh(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    body: &[u8],
+) -> Result<Response<Out>, Refusal> {
     let request: RefreshRequest = parse_json(body, "SandboxRefreshRequest")?;
     let ttl_s = match request.duration {
         Some(d) => check_timeout(d).map_err(|r| Refusal {
@@ -626,13 +689,16 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
         })?,
         None => DEFAULT_TIMEOUT_S,
     };
-    let sandbox = live(e2b, id).await?;
+    let sandbox = live(e2b, caller, id).await?;
     if now_ms().saturating_add(ttl_s.saturating_mul(1000)) > sandbox.expires_at_ms {
         e2b.core
-            .handle(Action::Keepalive {
-                id: id.to_string(),
-                ttl_s,
-            })
+            .handle_as(
+                caller,
+                Action::Keepalive {
+                    id: id.to_string(),
+                    ttl_s,
+                },
+            )
             .await?;
     }
     Ok(no_content())
@@ -641,8 +707,12 @@ async fn refresh(e2b: &Arc<E2b>, id: &str, body: &[u8]) -> Result<Response<Out>,
 /// One `SandboxMetric` now, from the host: CPU is the VMM's CPU time over its running time
 /// (an average since start, in % of its vCPUs), memory the VMM's resident set (guest pages
 /// it touched), disk the sandbox's rootfs file (allocated and apparent size; 0 without one).
-async fn metric_now(e2b: &E2b, sandbox: &Sandbox) -> Result<Value, Refusal> {
-    let usage = match e2b.core.handle(Action::Usage(sandbox.id.clone())).await? {
+async fn metric_now(e2b: &E2b, caller: &Caller, sandbox: &Sandbox) -> Result<Value, Refusal> {
+    let usage = match e2b
+        .core
+        .handle_as(caller, Action::Usage(sandbox.id.clone()))
+        .await?
+    {
         Reply::Usage(usage) => usage,
         other => return Err(Refusal::new(500, format!("usage answered {other:?}"))),
     };
@@ -683,7 +753,12 @@ fn resident_bytes(pid: u32) -> Option<u64> {
 
 /// `GET /sandboxes/{id}/metrics?start=&end=`: rollbox keeps no history, so the answer is the
 /// one sample of now, or none when now is outside [start, end].
-async fn metrics(e2b: &Arc<E2b>, id: &str, query: &str) -> Result<Response<Out>, Refusal> {
+async fn metrics(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    id: &str,
+    query: &str,
+) -> Result<Response<Out>, Refusal> {
     let now_s = now_ms() / 1000;
     for (key, value) in query_pairs(query) {
         let bound = || {
@@ -697,13 +772,20 @@ async fn metrics(e2b: &Arc<E2b>, id: &str, query: &str) -> Result<Response<Out>,
             _ => {}
         }
     }
-    let sandbox = live(e2b, id).await?;
-    Ok(json(200, &json!([metric_now(e2b, &sandbox).await?])))
+    let sandbox = live(e2b, caller, id).await?;
+    Ok(json(
+        200,
+        &json!([metric_now(e2b, caller, &sandbox).await?]),
+    ))
 }
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b`: `{"sandboxes": {id: SandboxMetric}}` for the
 /// live ones among them.
-async fn metrics_of_many(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, Refusal> {
+async fn metrics_of_many(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    query: &str,
+) -> Result<Response<Out>, Refusal> {
     let ids: Vec<String> = query_pairs(query)
         .into_iter()
         .filter(|(key, _)| key == "sandbox_ids")
@@ -723,9 +805,9 @@ async fn metrics_of_many(e2b: &Arc<E2b>, query: &str) -> Result<Response<Out>, R
     }
     let mut sandboxes = serde_json::Map::new();
     for id in ids {
-        match live(e2b, &id).await {
+        match live(e2b, caller, &id).await {
             Ok(sandbox) => {
-                sandboxes.insert(id, metric_now(e2b, &sandbox).await?);
+                sandboxes.insert(id, metric_now(e2b, caller, &sandbox).await?);
             }
             Err(refusal) if refusal.status == 404 => {}
             Err(refusal) => return Err(refusal),

@@ -9,6 +9,7 @@ use hyper::Response;
 use serde_json::{json, Value};
 
 use super::super::super::api::{check_label_key, Action, ListQuery, Reply, Sandbox, State};
+use super::super::super::keys::Caller;
 use super::super::transport::Out;
 use super::refusal::Refusal;
 use super::state::E2b;
@@ -45,13 +46,17 @@ impl Cursor {
 }
 
 /// Every sandbox the native list selects for `native` (its pages, one after another).
-async fn list_all(e2b: &E2b, mut native: ListQuery) -> Result<Vec<Sandbox>, Refusal> {
+async fn list_all(
+    e2b: &E2b,
+    caller: &Caller,
+    mut native: ListQuery,
+) -> Result<Vec<Sandbox>, Refusal> {
     native.limit = 1000;
     let mut all = Vec::new();
     loop {
         let Reply::Sandboxes(page) = e2b
             .core
-            .handle(Action::ListSandboxes(native.clone()))
+            .handle_as(caller, Action::ListSandboxes(native.clone()))
             .await?
         else {
             return Err(Refusal::new(500, "the list answered no sandboxes"));
@@ -67,7 +72,12 @@ async fn list_all(e2b: &E2b, mut native: ListQuery) -> Result<Vec<Sandbox>, Refu
 /// `GET /v2/sandboxes` (paged by `nextToken`/`X-Next-Token`) and 1.x `GET /sandboxes`: as
 /// E2B, newest first (`order=asc`: oldest first), ordered across running and paused before
 /// paging. The native list stays oldest first.
-pub(super) async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Response<Out>, Refusal> {
+pub(super) async fn list(
+    e2b: &Arc<E2b>,
+    caller: &Caller,
+    query: &str,
+    v2: bool,
+) -> Result<Response<Out>, Refusal> {
     let mut native = ListQuery::default();
     let mut limit: usize = if v2 { 100 } else { 1000 };
     let mut after = None;
@@ -149,7 +159,7 @@ pub(super) async fn list(e2b: &Arc<E2b>, query: &str, v2: bool) -> Result<Respon
     if let [only] = states.as_slice() {
         native.state = Some(*only);
     }
-    let mut sandboxes: Vec<Sandbox> = list_all(e2b, native)
+    let mut sandboxes: Vec<Sandbox> = list_all(e2b, caller, native)
         .await?
         .into_iter()
         .filter(|s| states.contains(&s.state))

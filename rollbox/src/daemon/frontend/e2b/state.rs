@@ -16,7 +16,8 @@ use super::watch;
 /// The E2B server's state.
 pub struct E2b {
     pub core: Arc<Core>,
-    /// The daemon's API key: E2B's `X-API-KEY`, and where envd access tokens come from.
+    /// The `--api-key-file` (admin) key: where envd access tokens come from (a request's
+    /// `X-API-KEY` is checked by the core's keys).
     pub api_key: String,
     /// The `domain` sandboxes report.
     pub domain: String,
