@@ -17,9 +17,7 @@ use super::connect::{Code, RpcError};
 use super::process::Stream;
 use super::signature::{self, Operation};
 use super::state::E2b;
-use super::wire::{
-    header, json, no_content, ENVD_PORT, PUBLIC_TRAFFIC_KEY, TRAFFIC_TOKEN_HEADER,
-};
+use super::wire::{header, json, no_content, ENVD_PORT, PUBLIC_TRAFFIC_KEY, TRAFFIC_TOKEN_HEADER};
 
 /// The sandbox and port a data-plane request is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +80,11 @@ enum Credential {
 /// What `request` carries for sandbox `id` (tokens compared in constant time; an empty
 /// header is no header, as in envd).
 fn credential(e2b: &E2b, id: &str, request: &Request<Incoming>) -> Credential {
-    let sent = |name: &str| header(request, name).map(str::trim).filter(|t| !t.is_empty());
+    let sent = |name: &str| {
+        header(request, name)
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+    };
     let access = sent("x-access-token");
     let traffic = sent(TRAFFIC_TOKEN_HEADER);
     if access.is_some_and(|t| same_key(t.as_bytes(), e2b.access_token(id).as_bytes())) {

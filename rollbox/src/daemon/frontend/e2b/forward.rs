@@ -170,7 +170,10 @@ mod tests {
         assert_eq!(headers["x-other"], "kept");
         // The guest service's own bearer token passes; a Basic that hides the key does not.
         let mut own = HeaderMap::new();
-        own.insert("authorization", HeaderValue::from_static("Bearer mcp-token"));
+        own.insert(
+            "authorization",
+            HeaderValue::from_static("Bearer mcp-token"),
+        );
         strip_request_headers(&mut own, &secrets);
         assert_eq!(own["authorization"], "Bearer mcp-token");
         let basic = format!(
@@ -190,7 +193,10 @@ mod tests {
     #[test]
     fn set_cookie_does_not_come_back() {
         let mut from = HeaderMap::new();
-        from.append("set-cookie", HeaderValue::from_static("a=1; Domain=e2b.test"));
+        from.append(
+            "set-cookie",
+            HeaderValue::from_static("a=1; Domain=e2b.test"),
+        );
         from.append("set-cookie", HeaderValue::from_static("b=2"));
         from.append("content-length", HeaderValue::from_static("3"));
         from.append("content-type", HeaderValue::from_static("text/plain"));

@@ -148,7 +148,8 @@ mod tests {
     #[test]
     fn hmac_matches_rfc_4231() {
         // RFC 4231 test cases 1 and 6 (a key longer than the block).
-        let hex = |bytes: [u8; 32]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+        let hex =
+            |bytes: [u8; 32]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
         assert_eq!(
             hex(hmac_sha256(&[0x0b; 20], &[b"Hi There"])),
             "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
@@ -156,7 +157,10 @@ mod tests {
         assert_eq!(
             hex(hmac_sha256(
                 &[0xaa; 131],
-                &[b"Test Using Larger Than Block-Size Key", b" - Hash Key First"]
+                &[
+                    b"Test Using Larger Than Block-Size Key",
+                    b" - Hash Key First"
+                ]
             )),
             "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
         );
