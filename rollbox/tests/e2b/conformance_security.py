@@ -10,6 +10,7 @@ import asyncio
 import http.server
 import json
 import os
+import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -82,7 +83,9 @@ def port_checks(private_id, token, public_id, port):
 def big_directory():
     """A directory (on this host: the host agent's files are ours) whose depth-2 listing is
     over the entry cap, and whose depth-1 listing is two entries."""
-    top = os.path.join(SCRATCH, "list-cap")
+    # On tmpfs where there is one: 50,000 files on a disk take seconds to make.
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else SCRATCH
+    top = os.path.join(base, f"rollbox-list-cap-{os.getpid()}")
     if not os.path.isdir(top):
         for sub, count in (("a", LIST_CAP // 2 + 1), ("b", LIST_CAP // 2 + 1)):
             os.makedirs(os.path.join(top, sub))
@@ -95,6 +98,7 @@ def run_checks():
     service = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HeaderEcho)
     threading.Thread(target=service.serve_forever, daemon=True).start()
     port = service.server_address[1]
+    top = None
     private = Sandbox.create(TEMPLATE, timeout=120, network={"allow_public_traffic": False})
     public = Sandbox.create(TEMPLATE, timeout=120)
     try:
@@ -120,6 +124,8 @@ def run_checks():
         public.kill()
         service.shutdown()
         service.server_close()
+        if top:
+            shutil.rmtree(top, ignore_errors=True)
 
 
 async def async_checks(private_id, port, public_id, top):

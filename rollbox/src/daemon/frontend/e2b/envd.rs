@@ -1,7 +1,14 @@
 //! envd's data plane, translated to the rollbox agent: which sandbox and port a request is
 //! for, the access token, and the routes: `process.Process` ([`super::process`]) and
 //! `filesystem.Filesystem` ([`super::filesystem`]) Connect RPCs (JSON codec), `/files`
-//! ([`super::files`]), `/health` and `/envs`. Other ports are the guest's own services.
+//! ([`super::files`]), `/health` and `/envs`. Other ports are the guest's own services
+//! ([`super::forward`]): they take the envd or the traffic token, or anyone when the sandbox
+//! is public (E2B's `allowPublicTraffic`, the default).
+//!
+//! Tokens are checked first: they are derived from the sandbox id, so a request without a
+//! valid one is answered without a store write (a lookup touches the sandbox's idle TTL) and
+//! resumes no paused sandbox; only a public sandbox's other ports and a token-less `/health`
+//! read the store, and they write nothing.
 
 use std::sync::Arc;
 
