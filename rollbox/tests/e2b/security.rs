@@ -231,6 +231,42 @@ fn e2b_data_plane_security() {
         None,
     );
     assert_eq!(answer.status, 200);
+    // A fork of the private sandbox is private too, with a token of its own.
+    let (status, forks) = e2b_call(
+        port,
+        "POST",
+        &format!("/sandboxes/{private_id}/fork"),
+        Some(r#"{"count":1}"#),
+    );
+    assert_eq!(status, 201, "{forks}\n{}", daemon.log());
+    let fork = &forks[0]["sandbox"];
+    let fork_traffic = token(fork, "trafficAccessToken");
+    assert_ne!(fork_traffic, traffic);
+    let fork_id = id(fork);
+    let answer = data_plane(port, &fork_id, echo, "GET", "/x", &[], None);
+    assert_eq!(
+        answer.status,
+        403,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let answer = data_plane(
+        port,
+        &fork_id,
+        echo,
+        "GET",
+        "/x",
+        &[("e2b-traffic-access-token", &fork_traffic)],
+        None,
+    );
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let (status, _) = e2b_call(port, "DELETE", &format!("/sandboxes/{fork_id}"), None);
+    assert_eq!(status, 204);
     // The traffic token is not envd's.
     let answer = data_plane(
         port,
