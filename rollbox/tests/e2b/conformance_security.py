@@ -114,6 +114,9 @@ def run_checks():
         private.files.write(f"{base}/big.bin", data)
         assert private.files.read(f"{base}/big.bin", format="bytes") == data
         ok("an 8 MiB multipart upload streams whole")
+        private.files.write(f"{base}/big-gz.bin", data, gzip=True)
+        assert private.files.read(f"{base}/big-gz.bin", format="bytes") == data
+        ok("an 8 MiB gzip upload (octet-stream) decodes whole")
         top = big_directory()
         assert sorted(e.name for e in private.files.list(top)) == ["a", "b"]
         expect_error("files.list past the entry cap", lambda: private.files.list(top, depth=2),

@@ -1,7 +1,8 @@
 //! Streaming request bodies of envd's `/files` uploads: a `multipart/form-data` reader that
 //! hands out each part's data as it arrives (a linear boundary search, memchr's `memmem`, over
 //! a buffer that never holds more than one read and a delimiter), and a gzip decoder that runs
-//! on a blocking thread. Nothing holds a whole upload in memory.
+//! on a blocking thread (at most 32 at once; a body that stalls 60 s ends its upload). Nothing
+//! holds a whole upload in memory.
 
 use std::io::Read as _;
 use std::pin::Pin;
@@ -19,6 +20,13 @@ pub const MAX_BOUNDARY: usize = 70;
 const MAX_PART_HEADERS: usize = 16 << 10;
 /// Bytes asked of the source per read.
 const READ_BYTES: usize = 64 << 10;
+/// Gzip uploads decoding at once: each holds a blocking thread while it runs, so stalled
+/// uploads cannot take the runtime's blocking pool; more wait (without a thread) for a turn.
+const MAX_GUNZIPS: usize = 32;
+/// How long a gzip upload's body may stall before the upload ends with an error.
+const GUNZIP_STALL: std::time::Duration = std::time::Duration::from_secs(60);
+/// Turns of [`MAX_GUNZIPS`] (the daemon's: this module is the binary's, not the VMM's).
+static GUNZIPS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_GUNZIPS);
 
 /// A multipart body that cannot be read.
 #[derive(Debug, thiserror::Error)]
@@ -377,7 +385,16 @@ struct Blocking<R> {
 
 impl<R: AsyncRead + Unpin> std::io::Read for Blocking<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.runtime.block_on(self.source.read(buf))
+        let read = tokio::time::timeout(GUNZIP_STALL, self.source.read(buf));
+        self.runtime.block_on(read).unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the request body sent nothing for {} s",
+                    GUNZIP_STALL.as_secs()
+                ),
+            ))
+        })
     }
 }
 
@@ -390,43 +407,61 @@ where
 {
     let (tx, chunks) = mpsc::channel::<Chunk>(4);
     let runtime = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || {
-        let mut decoder = flate2::read::GzDecoder::new(Blocking { runtime, source });
-        let mut total = 0usize;
-        loop {
-            let mut chunk = vec![0u8; READ_BYTES];
-            let sent = match decoder.read(&mut chunk) {
-                Ok(0) => return,
-                Ok(n) => {
-                    total = total.saturating_add(n);
-                    if total > limit {
-                        let _ = tx.blocking_send(Err(std::io::Error::other(BodyTooLarge)));
-                        return;
-                    }
-                    chunk.truncate(n);
-                    tx.blocking_send(Ok(Bytes::from(chunk)))
-                }
-                Err(e) if e.get_ref().is_some_and(|inner| inner.is::<BodyTooLarge>()) => {
-                    let _ = tx.blocking_send(Err(e));
-                    return;
-                }
-                Err(e) => {
-                    let _ = tx.blocking_send(Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!("the gzip body does not decode: {e}"),
-                    )));
-                    return;
-                }
-            };
-            // The reader is gone: the upload ended.
-            if sent.is_err() {
-                return;
-            }
-        }
+    tokio::spawn(async move {
+        let Ok(turn) = GUNZIPS.acquire().await else {
+            return;
+        };
+        let _ = tokio::task::spawn_blocking(move || {
+            let _turn = turn;
+            decode(runtime, source, limit, &tx);
+        })
+        .await;
     });
     ChannelReader {
         chunks,
         left: Bytes::new(),
+    }
+}
+
+/// [`gunzip`]'s blocking side: decodes `source` into `tx`, then ends.
+fn decode<R>(runtime: tokio::runtime::Handle, source: R, limit: usize, tx: &mpsc::Sender<Chunk>)
+where
+    R: AsyncRead + Unpin,
+{
+    let mut decoder = flate2::read::GzDecoder::new(Blocking { runtime, source });
+    let mut total = 0usize;
+    loop {
+        let mut chunk = vec![0u8; READ_BYTES];
+        let sent = match decoder.read(&mut chunk) {
+            Ok(0) => return,
+            Ok(n) => {
+                total = total.saturating_add(n);
+                if total > limit {
+                    let _ = tx.blocking_send(Err(std::io::Error::other(BodyTooLarge)));
+                    return;
+                }
+                chunk.truncate(n);
+                tx.blocking_send(Ok(Bytes::from(chunk)))
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::TimedOut
+                    || e.get_ref().is_some_and(|inner| inner.is::<BodyTooLarge>()) =>
+            {
+                let _ = tx.blocking_send(Err(e));
+                return;
+            }
+            Err(e) => {
+                let _ = tx.blocking_send(Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("the gzip body does not decode: {e}"),
+                )));
+                return;
+            }
+        };
+        // The reader is gone: the upload ended.
+        if sent.is_err() {
+            return;
+        }
     }
 }
 
