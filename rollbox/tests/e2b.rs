@@ -16,6 +16,10 @@ use rollbox_tests::{
 };
 use serde_json::json;
 
+/// The data plane as a security boundary (issue 25).
+#[path = "e2b/security.rs"]
+mod security;
+
 const KEY: &str = "e2b-test-key-0123";
 /// The sandbox port the code interpreter SDK calls.
 const CODE_INTERPRETER_PORT: u16 = 49999;

@@ -300,7 +300,7 @@ impl Snapshots {
                 ttl_s: Some(ttl_s),
                 idle_ttl_s: parent.idle_ttl_s,
                 labels: labels.clone(),
-                metadata: BTreeMap::from([("forked_from".to_string(), id.to_string())]),
+                metadata: fork_metadata(&parent.metadata, id),
                 idempotency_key: None,
                 env: parent.env.clone(),
                 cpu_limit: parent.cpu_limit,
@@ -426,4 +426,16 @@ impl Snapshots {
         }
         Ok(())
     }
+}
+
+/// A fork's metadata: `forked_from`, and the parent's `e2b.*` keys (the E2B façade's own, such
+/// as a sandbox's `allowPublicTraffic: false`, which its forks must keep).
+fn fork_metadata(parent: &BTreeMap<String, String>, id: &str) -> BTreeMap<String, String> {
+    let mut metadata: BTreeMap<String, String> = parent
+        .iter()
+        .filter(|(key, _)| key.starts_with("e2b."))
+        .map(|(key, value)| (key.clone(), value.clone()))
+        .collect();
+    metadata.insert("forked_from".to_string(), id.to_string());
+    metadata
 }

@@ -28,6 +28,7 @@ from checks import expect_error, ok
 from conformance_user import async_user_checks, user_checks
 import conformance_control
 import conformance_files
+import conformance_security
 
 TEMPLATE = os.environ["ROLLBOX_E2B_TEMPLATE"]
 SCRATCH = os.environ["ROLLBOX_E2B_SCRATCH"]
@@ -144,6 +145,8 @@ def main():
     if sdk_version() >= (2, 63):  # lifecycle, started_after and snapshot names are 2.63's
         conformance_control.run_checks(TEMPLATE)
     conformance_files.killed_checks()
+    if sdk_version() >= (2, 63):  # the pinned SDK: network={"allow_public_traffic": ...}
+        conformance_security.run_checks()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")

@@ -17,11 +17,13 @@ use super::super::super::api::{
 use super::super::super::keys::Caller;
 use super::super::super::util::now_ms;
 use super::super::transport::Out;
+use super::envd::public_traffic;
 use super::list::listed_json;
 use super::refusal::Refusal;
 use super::state::E2b;
 use super::wire::{
     header, json, no_content, query_pairs, rfc3339, DEFAULT_TIMEOUT_S, ENVD_VERSION,
+    PUBLIC_TRAFFIC_KEY,
 };
 
 /// E2B calls rollbox does not serve, answered 501 with this reason.
@@ -118,8 +120,9 @@ fn no_route(method: &str, path: &str) -> Refusal {
     Refusal::new(404, format!("no E2B route {method} {path} on rollbox"))
 }
 
-/// The fields of `NewSandbox` (v1) and `NewSandboxV2` rollbox uses; the rest (`secure`,
-/// `allow_internet_access`, `network`, ...) is accepted and ignored.
+/// The fields of `NewSandbox` (v1) and `NewSandboxV2` rollbox uses; the rest (`secure`: envd
+/// always takes its token, `allow_internet_access`, the rest of `network`, ...) is accepted
+/// and ignored.
 #[derive(Deserialize)]
 struct NewSandbox {
     #[serde(rename = "templateID")]
@@ -137,6 +140,14 @@ struct NewSandbox {
     auto_pause_memory: Option<bool>,
     #[serde(rename = "autoResume")]
     auto_resume: Option<AutoResume>,
+    network: Option<Network>,
+}
+
+/// `SandboxNetworkConfig`: only `allowPublicTraffic` is served (null or absent: public).
+#[derive(Deserialize)]
+struct Network {
+    #[serde(rename = "allowPublicTraffic", alias = "allow_public_traffic")]
+    allow_public_traffic: Option<bool>,
 }
 
 /// `SandboxAutoResumeConfig`.
@@ -194,6 +205,17 @@ async fn create(
 ) -> Result<Response<Out>, Refusal> {
     let new: NewSandbox = parse_json(body, "NewSandbox")?;
     let (on_timeout, auto_resume) = lifecycle(&new)?;
+    // A sandbox that is not public keeps that in its native metadata (envd.rs reads it).
+    let public = new
+        .network
+        .as_ref()
+        .and_then(|n| n.allow_public_traffic)
+        .unwrap_or(true);
+    let native_metadata = if public {
+        json!({})
+    } else {
+        json!({ PUBLIC_TRAFFIC_KEY: "false" })
+    };
     let template = new
         .template_id
         .filter(|t| !t.is_empty())
@@ -257,6 +279,7 @@ async fn create(
         "snapshot": snapshot,
         "ttl_s": ttl_s,
         "labels": new.metadata.unwrap_or_default(),
+        "metadata": native_metadata,
         "env": env,
         "idempotency_key": idempotency_key,
         "on_timeout": on_timeout,
@@ -321,6 +344,7 @@ fn sandbox_json(e2b: &E2b, sandbox: &Sandbox) -> Value {
         "clientID": "rollbox",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b.access_token(&sandbox.id),
+        "trafficAccessToken": (!public_traffic(sandbox)).then(|| e2b.traffic_token(&sandbox.id)),
         "domain": e2b.domain,
     })
 }

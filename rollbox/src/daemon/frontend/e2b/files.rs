@@ -1,21 +1,22 @@
-//! envd's `/files`: downloads and uploads (octet-stream, multipart, gzip), as the user the
-//! request names; an upload belongs to that user, as envd's do. Uploads write in place, as envd
+//! envd's `/files`: downloads and uploads (octet-stream, multipart, gzip; streamed, see
+//! multipart.rs), as the user the request names; an upload belongs to that user, as envd's do. Uploads write in place, as envd
 //! does (a watch sees the file's own name written), and set the file's metadata from
 //! `X-Metadata-<key>` headers (envd 0.6.2).
 
 use std::collections::BTreeMap;
-use std::io::Read as _;
 
-use hyper::body::{Bytes, Incoming};
+use hyper::body::Incoming;
 use hyper::{Request, Response};
 use rollbox_agent_protocol::{
     METADATA_MAX_KEY as MAX_METADATA_KEY, METADATA_MAX_VALUE as MAX_METADATA_VALUE,
 };
 use serde_json::{json, Value};
+use tokio::io::AsyncRead;
 
-use super::super::super::api::{Action, FileOp, Reply, MAX_UPLOAD};
-use super::super::transport::Out;
-use super::call::{query_value, read_body, Call};
+use super::super::super::api::{Action, BodyTooLarge, FileOp, Reply, MAX_UPLOAD};
+use super::super::transport::{BodyReader, Out};
+use super::call::{query_value, Call};
+use super::multipart::{self, Multipart, MultipartError};
 use super::wire::{header, json};
 
 impl Call {
@@ -47,6 +48,9 @@ impl Call {
         }
     }
 
+    /// An upload, streamed: the body (gunzipped on a blocking thread when it says gzip, split
+    /// into its file parts when multipart) goes to the agent as it arrives, at most
+    /// [`MAX_UPLOAD`] bytes of it (a 413 past that).
     pub async fn upload(&self, request: Request<Incoming>) -> Response<Out> {
         let query = request.uri().query().unwrap_or("").to_string();
         let call = match self.with_query_user(&query).await {
@@ -60,81 +64,128 @@ impl Call {
         };
         let gzip = header(&request, "content-encoding")
             .is_some_and(|e| e.trim().eq_ignore_ascii_case("gzip"));
-        let body = match read_body(request, MAX_UPLOAD).await {
-            Ok(body) => body,
-            Err(e) if e.contains("over") => return files_error(413, e),
-            Err(e) => return files_error(400, e),
-        };
-        let body = if gzip {
-            let mut out = Vec::new();
-            let mut decoder = flate2::read::GzDecoder::new(&body[..]).take(MAX_UPLOAD as u64 + 1);
-            if let Err(e) = std::io::Read::read_to_end(&mut decoder, &mut out) {
-                return files_error(400, format!("the gzip body does not decode: {e}"));
-            }
-            if out.len() > MAX_UPLOAD {
-                return files_error(413, format!("the decoded body is over {MAX_UPLOAD} bytes"));
-            }
-            Bytes::from(out)
+        let declared =
+            header(&request, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
+            return files_error(413, format!("the request body is over {MAX_UPLOAD} bytes"));
+        }
+        let body = BodyReader::new(request.into_body(), MAX_UPLOAD);
+        let source: Source = if gzip {
+            Box::new(multipart::gunzip(body, MAX_UPLOAD))
         } else {
-            body
+            Box::new(body)
         };
         let query_path = query_value(&query, "path").filter(|p| !p.is_empty());
-        let files: Vec<(String, Bytes)> = if content_type.starts_with("multipart/form-data") {
-            let parts = match multipart(&content_type, &body) {
-                Ok(parts) => parts,
-                Err(e) => return files_error(400, e),
-            };
-            let single = parts.len() == 1;
-            let mut files = Vec::new();
-            for (filename, data) in parts {
-                let path = match (&query_path, filename) {
-                    (Some(path), _) if single => path.clone(),
-                    (_, Some(name)) if !name.is_empty() => name,
-                    _ => {
-                        return files_error(
-                            400,
-                            "path: a part has no filename and the query no path".to_string(),
-                        )
-                    }
-                };
-                files.push((path, data));
-            }
-            files
-        } else {
-            match query_path {
-                Some(path) => vec![(path, body)],
-                None => {
-                    return files_error(400, "path: required for an octet-stream upload".into())
-                }
-            }
+        let upload = Upload {
+            call: &call,
+            metadata: &metadata,
         };
-        if files.is_empty() {
+        if !content_type.starts_with("multipart/form-data") {
+            let Some(path) = query_path else {
+                return files_error(400, "path: required for an octet-stream upload".into());
+            };
+            return match upload.write(&path, source).await {
+                Ok(info) => json(200, &Value::Array(vec![info])),
+                Err(response) => response,
+            };
+        }
+        let boundary = match multipart::boundary(&content_type) {
+            Ok(boundary) => boundary,
+            Err(e) => return files_error(400, e.to_string()),
+        };
+        let mut body = Multipart::new(source, &boundary);
+        let mut written = Vec::new();
+        loop {
+            let part = match body.next_part().await {
+                Ok(Some(part)) => part,
+                Ok(None) => break,
+                Err(e) => return files_error(multipart_status(&e), e.to_string()),
+            };
+            if !part.is_file() {
+                continue;
+            }
+            if written.len() == MAX_FILE_PARTS {
+                return files_error(
+                    400,
+                    format!("multipart: more than {MAX_FILE_PARTS} file parts in one upload"),
+                );
+            }
+            // `?path=` names the file of a one-part upload (the SDK's `write`); parts are
+            // written as they come, so a second file part then is an error.
+            let path = match (&query_path, part.filename) {
+                (Some(path), _) if written.is_empty() => path.clone(),
+                (Some(path), _) => {
+                    return files_error(
+                        400,
+                        format!("path: ?path={path} names one file, but the multipart body has more than one file part (drop ?path= to write each part to its filename)"),
+                    )
+                }
+                (None, Some(name)) if !name.is_empty() => name,
+                _ => {
+                    return files_error(
+                        400,
+                        "path: a part has no filename and the query no path".to_string(),
+                    )
+                }
+            };
+            match upload.write(&path, body.data()).await {
+                Ok(info) => written.push(info),
+                Err(response) => return response,
+            }
+        }
+        if written.is_empty() {
             return files_error(400, "the multipart body has no file part".into());
         }
-        let mut written = Vec::new();
-        for (path, data) in files {
-            let path = call.resolve(&path);
-            // Every upload sets the metadata, so an overwrite without any clears the old, and
-            // gives the file to the user, as envd does (a watch sees that as `chmod`).
-            let op = FileOp::Write {
-                path: path.clone(),
-                mode: None,
-                parents: true,
-                atomic: false,
-                metadata: Some(metadata.clone()),
-                owner: call.user.clone(),
-            };
-            if let Err(e) = self.e2b.core.upload(self.id(), op, &data[..]).await {
-                return files_error(e.status(), format!("path {path}: {e}"));
-            }
-            let name = path.rsplit('/').next().unwrap_or("").to_string();
-            let mut info = json!({ "path": path, "name": name, "type": "file" });
-            if !metadata.is_empty() {
-                info["metadata"] = json!(metadata);
-            }
-            written.push(info);
-        }
         json(200, &Value::Array(written))
+    }
+}
+
+/// The most file parts one multipart upload may write.
+const MAX_FILE_PARTS: usize = 1000;
+
+/// An upload's body: the request's, or its gunzipped bytes.
+type Source = Box<dyn AsyncRead + Unpin + Send>;
+
+/// The status of a multipart body that cannot be read: 413 past the upload limit, else 400.
+fn multipart_status(error: &MultipartError) -> u16 {
+    match error {
+        MultipartError::Io(e) if e.get_ref().is_some_and(|inner| inner.is::<BodyTooLarge>()) => 413,
+        _ => 400,
+    }
+}
+
+/// What every file of one upload shares: who writes it and its metadata.
+struct Upload<'a> {
+    call: &'a Call,
+    metadata: &'a BTreeMap<String, String>,
+}
+
+impl Upload<'_> {
+    /// Streams `data` into the file `path`; its entry, or the error answer.
+    async fn write<R>(&self, path: &str, data: R) -> Result<Value, Response<Out>>
+    where
+        R: AsyncRead + Unpin,
+    {
+        let path = self.call.resolve(path);
+        // Every upload sets the metadata, so an overwrite without any clears the old, and
+        // gives the file to the user, as envd does (a watch sees that as `chmod`).
+        let op = FileOp::Write {
+            path: path.clone(),
+            mode: None,
+            parents: true,
+            atomic: false,
+            metadata: Some(self.metadata.clone()),
+            owner: self.call.user.clone(),
+        };
+        if let Err(e) = self.call.e2b.core.upload(self.call.id(), op, data).await {
+            return Err(files_error(e.status(), format!("path {path}: {e}")));
+        }
+        let name = path.rsplit('/').next().unwrap_or("").to_string();
+        let mut info = json!({ "path": path, "name": name, "type": "file" });
+        if !self.metadata.is_empty() {
+            info["metadata"] = json!(self.metadata);
+        }
+        Ok(info)
     }
 }
 
@@ -181,59 +232,6 @@ fn files_error(status: u16, message: String) -> Response<Out> {
     json(status, &json!({ "code": status, "message": message }))
 }
 
-/// The file parts of a multipart/form-data body: (filename, data).
-fn multipart(content_type: &str, body: &[u8]) -> Result<Vec<(Option<String>, Bytes)>, String> {
-    let boundary = content_type
-        .split(';')
-        .filter_map(|p| p.trim().strip_prefix("boundary="))
-        .next()
-        .map(|b| b.trim_matches('"').to_string())
-        .ok_or_else(|| "content-type: multipart without a boundary".to_string())?;
-    let delimiter = format!("--{boundary}").into_bytes();
-    let mut parts = Vec::new();
-    let mut rest = match find(body, &delimiter) {
-        Some(at) => &body[at + delimiter.len()..],
-        None => return Err("multipart: the body has no boundary line".into()),
-    };
-    loop {
-        if rest.starts_with(b"--") {
-            return Ok(parts);
-        }
-        let rest_after_crlf = rest.strip_prefix(b"\r\n").unwrap_or(rest);
-        let headers_end = find(rest_after_crlf, b"\r\n\r\n")
-            .ok_or_else(|| "multipart: a part's headers do not end".to_string())?;
-        let headers = String::from_utf8_lossy(&rest_after_crlf[..headers_end]).to_string();
-        let data_start = &rest_after_crlf[headers_end + 4..];
-        let mut closing = b"\r\n".to_vec();
-        closing.extend_from_slice(&delimiter);
-        let data_end = find(data_start, &closing)
-            .ok_or_else(|| "multipart: a part does not end with the boundary".to_string())?;
-        let data = Bytes::copy_from_slice(&data_start[..data_end]);
-        let disposition = headers
-            .lines()
-            .find(|l| l.to_ascii_lowercase().starts_with("content-disposition:"))
-            .unwrap_or("");
-        let filename = disposition.split(';').find_map(|p| {
-            p.trim()
-                .strip_prefix("filename=")
-                .map(|f| f.trim_matches('"').to_string())
-        });
-        let name = disposition.split(';').find_map(|p| {
-            p.trim()
-                .strip_prefix("name=")
-                .map(|f| f.trim_matches('"').to_string())
-        });
-        if name.as_deref() == Some("file") || filename.is_some() {
-            parts.push((filename, data));
-        }
-        rest = &data_start[data_end + closing.len()..];
-    }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,18 +272,5 @@ mod tests {
         assert!(metadata_headers(&bad)
             .expect_err("not ascii")
             .contains("x-metadata-k"));
-    }
-
-    #[test]
-    fn multipart_parts_keep_full_path_filenames() {
-        let body = b"--XY\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a b.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XY\r\nContent-Disposition: form-data; name=\"file\"; filename=\"rel/c\"\r\n\r\n\r\n--XY--\r\n";
-        let parts = multipart("multipart/form-data; boundary=XY", body).expect("parts");
-        assert_eq!(parts.len(), 2);
-        assert_eq!(parts[0].0.as_deref(), Some("/tmp/a b.txt"));
-        assert_eq!(&parts[0].1[..], b"hello");
-        assert_eq!(parts[1].0.as_deref(), Some("rel/c"));
-        assert!(parts[1].1.is_empty());
-        assert!(multipart("multipart/form-data", body).is_err());
-        assert!(multipart("multipart/form-data; boundary=XY", b"--XY\r\nno end").is_err());
     }
 }

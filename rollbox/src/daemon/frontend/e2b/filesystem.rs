@@ -21,6 +21,37 @@ use super::watch::{AgentWatch, Next, Watcher};
 
 /// Deepest `ListDir` recursion.
 const MAX_DEPTH: u32 = 32;
+/// The most entries one `ListDir` answers (a guest's directories are the guest's to fill).
+pub const MAX_LIST_ENTRIES: usize = 50_000;
+/// The most JSON bytes of entries one `ListDir` answers.
+pub const MAX_LIST_BYTES: usize = 32 << 20;
+
+/// Counts a listing's entries and bytes against [`MAX_LIST_ENTRIES`] and [`MAX_LIST_BYTES`].
+#[derive(Default)]
+struct ListBudget {
+    entries: usize,
+    bytes: usize,
+}
+
+impl ListBudget {
+    /// Takes `entry` (its JSON) out of the budget; past a cap, the error says which, and how
+    /// to ask for less.
+    fn take(&mut self, entry: &Value, path: &str, depth: u32) -> Result<(), RpcError> {
+        self.entries += 1;
+        self.bytes += entry.to_string().len();
+        let over = if self.entries > MAX_LIST_ENTRIES {
+            format!("more than {MAX_LIST_ENTRIES} entries")
+        } else if self.bytes > MAX_LIST_BYTES {
+            format!("more than {MAX_LIST_BYTES} bytes of entries")
+        } else {
+            return Ok(());
+        };
+        Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("path {path}: the listing at depth {depth} has {over} (the cap of one ListDir); list a subdirectory or pass a smaller depth"),
+        ))
+    }
+}
 
 #[derive(Deserialize)]
 struct PathRequest {
@@ -83,14 +114,21 @@ impl Call {
             }
             "ListDir" => {
                 let depth = request.depth.unwrap_or(1).clamp(1, MAX_DEPTH);
+                let root = self.resolve(&request.path);
+                let mut budget = ListBudget::default();
                 let mut entries = Vec::new();
-                let mut dirs = vec![(self.resolve(&request.path), 1)];
+                let mut dirs = vec![(root.clone(), 1)];
                 while let Some((dir, level)) = dirs.pop() {
                     for info in client.list(&dir).await.map_err(fail)? {
                         if info.kind == FileKind::Dir && level < depth {
                             dirs.push((info.path.clone(), level + 1));
                         }
-                        entries.push(entry(&info));
+                        let value = entry(&info);
+                        if let Err(e) = budget.take(&value, &root, depth) {
+                            let _ = client.close().await;
+                            return Err(e);
+                        }
+                        entries.push(value);
                     }
                 }
                 Ok(json!({ "entries": entries }))
@@ -262,5 +300,39 @@ async fn forward_watch(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_budget_names_its_cap() {
+        let mut budget = ListBudget::default();
+        let small = json!({ "name": "a" });
+        for _ in 0..MAX_LIST_ENTRIES {
+            budget.take(&small, "/d", 2).expect("under the cap");
+        }
+        let e = budget
+            .take(&small, "/d", 2)
+            .expect_err("over the entry cap");
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(
+            e.message.contains("/d") && e.message.contains("50000 entries"),
+            "{}",
+            e.message
+        );
+        let mut budget = ListBudget::default();
+        let big = json!({ "name": "x".repeat(1 << 20) });
+        let mut over = None;
+        for _ in 0..40 {
+            if let Err(e) = budget.take(&big, "/b", 1) {
+                over = Some(e);
+                break;
+            }
+        }
+        let e = over.expect("over the byte cap");
+        assert!(e.message.contains("bytes of entries"), "{}", e.message);
     }
 }

@@ -19,7 +19,8 @@
 //! The files: `control.rs` (the control plane; `list.rs` its sandbox list, `refusal.rs` its
 //! refusals), `envd.rs` (the data plane's routes, with `process.rs`, `filesystem.rs`, `files.rs`
 //! and `watch.rs` behind it, `call.rs` what a data-plane request carries, `entry.rs` envd's file
-//! entries, `signature.rs` signed `/files` URLs),
+//! entries, `signature.rs` signed `/files` URLs and derived tokens, `multipart.rs` streamed
+//! upload bodies),
 //! `connect.rs` (the Connect protocol), `forward.rs` (other guest ports), `state.rs` (what
 //! lives between requests) and `wire.rs` (E2B's constants and HTTP helpers).
 
@@ -32,6 +33,7 @@ mod files;
 mod filesystem;
 mod forward;
 mod list;
+mod multipart;
 mod process;
 mod refusal;
 mod signature;

@@ -2,6 +2,9 @@
 //! token carry `signature=v1_<base64 sha256("{path}:{read|write}:{username}:{token}[:{exp}]")>`
 //! and an optional `signature_expiration` (Unix seconds) instead of the `X-Access-Token`
 //! header. envd answers every failed check with a 401.
+//!
+//! Also the per-sandbox secrets the daemon derives instead of storing: HMAC-SHA256 of the
+//! sandbox id under the daemon's key, one label per use ([`hmac_sha256`], [`derived_token`]).
 
 use base64::Engine as _;
 use sha2::Digest as _;
@@ -98,6 +101,39 @@ pub fn verify(
     }
 }
 
+/// HMAC-SHA256 (RFC 2104) of `message` under `key`.
+pub fn hmac_sha256(key: &[u8], message: &[&[u8]]) -> [u8; 32] {
+    const BLOCK: usize = 64;
+    let mut block = [0u8; BLOCK];
+    if key.len() > BLOCK {
+        block[..32].copy_from_slice(&sha2::Sha256::digest(key));
+    } else {
+        block[..key.len()].copy_from_slice(key);
+    }
+    let pad = |byte: u8| block.map(|b| b ^ byte);
+    let mut inner = sha2::Sha256::new();
+    inner.update(pad(0x36));
+    for part in message {
+        inner.update(part);
+    }
+    let mut outer = sha2::Sha256::new();
+    outer.update(pad(0x5c));
+    outer.update(inner.finalize());
+    outer.finalize().into()
+}
+
+/// A token for sandbox `id` derived from the daemon's `key`: hex of the first 16 bytes of
+/// HMAC-SHA256(key, label NUL id). Nothing is stored; a daemon restart gives the same token.
+pub fn derived_token(key: &str, label: &str, id: &str) -> String {
+    hmac_sha256(
+        key.trim().as_bytes(),
+        &[label.as_bytes(), b"\0", id.as_bytes()],
+    )[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Now, in Unix seconds.
 pub fn unix_now() -> i64 {
     std::time::SystemTime::now()
@@ -108,6 +144,32 @@ pub fn unix_now() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        // RFC 4231 test cases 1 and 6 (a key longer than the block).
+        let hex =
+            |bytes: [u8; 32]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+        assert_eq!(
+            hex(hmac_sha256(&[0x0b; 20], &[b"Hi There"])),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+        );
+        assert_eq!(
+            hex(hmac_sha256(
+                &[0xaa; 131],
+                &[
+                    b"Test Using Larger Than Block-Size Key",
+                    b" - Hash Key First"
+                ]
+            )),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+        let token = derived_token("key", "traffic", "sb-1");
+        assert_eq!(token.len(), 32);
+        assert_ne!(token, derived_token("key", "traffic", "sb-2"));
+        assert_ne!(token, derived_token("key", "envd", "sb-1"));
+        assert_ne!(token, derived_token("other", "traffic", "sb-1"));
+    }
 
     #[test]
     fn signatures_match_the_sdks() {

@@ -79,6 +79,13 @@ impl E2b {
             .collect()
     }
 
+    /// The traffic access token of sandbox `id` (E2B's `trafficAccessToken`): what a request
+    /// to its other ports carries as `e2b-traffic-access-token` when it is not public. An HMAC
+    /// of the id under the API key, so it survives a restart and needs no storage.
+    pub fn traffic_token(&self, id: &str) -> String {
+        super::signature::derived_token(&self.api_key, "rollbox-e2b-traffic", id)
+    }
+
     /// Drops the process table entries and stops the watchers of a sandbox that ended; the
     /// streams of its running processes end with the error envd's proxy answers (the
     /// sandbox was not found), which the SDK raises as `SandboxNotRunningException`.

@@ -18,6 +18,11 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// The native metadata key where sandboxes made by the first E2B slice kept their `envVars`
 /// (JSON); sandboxes made since keep them as the daemon's sandbox `env`.
 pub const ENV_VARS_KEY: &str = "e2b.envVars";
+/// The native metadata key that holds E2B's `network.allowPublicTraffic` of a create when it
+/// was false: then the sandbox's other ports need a token. Forks keep it (they keep `e2b.*`).
+pub const PUBLIC_TRAFFIC_KEY: &str = "e2b.allowPublicTraffic";
+/// The header that carries a sandbox's traffic access token (E2B's proxy reads this one).
+pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
 pub fn header<'a>(request: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
     request.headers().get(name).and_then(|v| v.to_str().ok())
