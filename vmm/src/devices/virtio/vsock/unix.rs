@@ -1,6 +1,8 @@
 //! The host side of vsock: a Unix listener for host-initiated connections, Unix streams to
 //! `<uds_path>_<port>` for guest-initiated ones, and the packets between them and the guest.
-//! One connection and its credit accounting are `conn.rs`.
+//! A host connection that has not sent its `CONNECT <port>` line, or whose guest port has not
+//! answered, is closed after [`PENDING_TIMEOUT`] (a timer in the muxer's epoll set). One
+//! connection and its credit accounting are `conn.rs`.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -8,8 +10,10 @@ use std::num::Wrapping;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::timerfd::TimerFd;
 
 use super::conn::{connect_nonblocking, Conn, ConnKey, ConnState};
 use super::packet::{op, PacketHeader, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
@@ -32,12 +36,18 @@ pub const MAX_CONTROL: usize = 256;
 /// a credit update, a shutdown); a connection that needs more is reset.
 const MAX_DEFERRED: usize = 4;
 
+/// How long a host connection may take to send its `CONNECT <port>` line, and how long the
+/// guest may take to answer it. Firecracker's limit.
+pub const PENDING_TIMEOUT: Duration = Duration::from_secs(2);
+
 const TOKEN_LISTENER: u64 = u64::MAX;
+const TOKEN_TIMER: u64 = u64::MAX - 1;
 const TOKEN_PENDING_BIT: u64 = 1 << 63;
 
 struct PendingAccept {
     stream: UnixStream,
     line: Vec<u8>,
+    since: Instant,
 }
 
 /// Errors from setting up the host side.
@@ -46,6 +56,14 @@ pub enum UnixError {
     /// The socket path is taken.
     #[error("vsock uds_path {0} already exists (in use, or left over: remove it)")]
     PathInUse(PathBuf),
+    /// The timer of pending connections could not be set up.
+    #[error("vsock uds_path {path}: the timer of pending connections: {source}")]
+    Timer {
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// Binding or configuring the listener failed.
     #[error("vsock uds_path {path}: {source}")]
     Listen {
@@ -74,6 +92,14 @@ pub struct UnixMuxer {
     dropped_control: u64,
     /// Connections refused because [`MAX_CONNECTIONS`] were open.
     refused_conns: u64,
+    /// Fires when the oldest pending connection's time is up (non-blocking).
+    timer: TimerFd,
+    /// When `timer` fires, if armed.
+    timer_at: Option<Instant>,
+    /// [`PENDING_TIMEOUT`] (shorter in tests).
+    pending_timeout: Duration,
+    /// Host connections closed because the line or the guest's answer did not come in time.
+    timed_out_conns: u64,
 }
 
 fn epoll_add(epoll: &Epoll, fd: RawFd, events: EventSet, token: u64) -> std::io::Result<()> {
@@ -104,6 +130,20 @@ impl UnixMuxer {
         listener.set_nonblocking(true).map_err(cleanup)?;
         let epoll = Epoll::new().map_err(cleanup)?;
         epoll_add(&epoll, listener.as_raw_fd(), EventSet::IN, TOKEN_LISTENER).map_err(cleanup)?;
+        let timer = TimerFd::new()
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+            .and_then(|timer| {
+                set_nonblocking(timer.as_raw_fd())?;
+                epoll_add(&epoll, timer.as_raw_fd(), EventSet::IN, TOKEN_TIMER)?;
+                Ok(timer)
+            })
+            .map_err(|source| {
+                let _ = std::fs::remove_file(uds_path);
+                UnixError::Timer {
+                    path: uds_path.to_path_buf(),
+                    source,
+                }
+            })?;
         Ok(Self {
             guest_cid,
             uds_path: uds_path.to_path_buf(),
@@ -119,7 +159,17 @@ impl UnixMuxer {
             max_conns: MAX_CONNECTIONS,
             dropped_control: 0,
             refused_conns: 0,
+            timer,
+            timer_at: None,
+            pending_timeout: PENDING_TIMEOUT,
+            timed_out_conns: 0,
         })
+    }
+
+    /// Host connections closed because they sent no `CONNECT` line, or the guest did not
+    /// answer it, within [`PENDING_TIMEOUT`].
+    pub fn timed_out_conns(&self) -> u64 {
+        self.timed_out_conns
     }
 
     /// Control packets dropped because the guest gave no RX buffers for them.
@@ -279,6 +329,11 @@ impl UnixMuxer {
         for event in &events[..n] {
             match event.data() {
                 TOKEN_LISTENER => self.accept_all(),
+                TOKEN_TIMER => {
+                    // Non-blocking: a re-arm since the event may have cleared the count.
+                    let _ = self.timer.wait();
+                    self.timer_at = None;
+                }
                 token if token & TOKEN_PENDING_BIT != 0 => self.read_preamble(token),
                 token => {
                     let Some(&key) = self.tokens.get(&token) else {
@@ -297,7 +352,74 @@ impl UnixMuxer {
                 }
             }
         }
+        self.expire_pending(Instant::now());
+        self.arm_timer();
         true
+    }
+
+    /// Closes the host connections whose `CONNECT` line, or the guest's answer to it, has
+    /// not come within the pending timeout; the guest gets a reset for the latter.
+    fn expire_pending(&mut self, now: Instant) {
+        let timeout = self.pending_timeout;
+        let late = |since: Instant| now.saturating_duration_since(since) >= timeout;
+        let silent: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| late(p.since))
+            .map(|(token, _)| *token)
+            .collect();
+        for token in silent {
+            self.timed_out_conns += 1;
+            self.drop_pending(token, "no CONNECT line within the pending timeout");
+        }
+        let unanswered: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.state == ConnState::AwaitingGuest && late(c.since))
+            .map(|(key, _)| *key)
+            .collect();
+        for key in unanswered {
+            self.timed_out_conns += 1;
+            log::debug!(
+                "vsock: guest port {} did not answer a host CONNECT within {timeout:?}; closed",
+                key.1
+            );
+            self.remove_conn(key);
+            self.push_control(key, op::RST, 0);
+        }
+    }
+
+    /// Arms the timer for the oldest pending connection (disarms it when there is none).
+    fn arm_timer(&mut self) {
+        let oldest = self
+            .pending
+            .values()
+            .map(|p| p.since)
+            .chain(
+                self.conns
+                    .values()
+                    .filter(|c| c.state == ConnState::AwaitingGuest)
+                    .map(|c| c.since),
+            )
+            .min();
+        let due = oldest.map(|since| since + self.pending_timeout);
+        if due == self.timer_at {
+            return;
+        }
+        let armed = match due {
+            Some(at) => {
+                // A zero duration would disarm the timer: at least a millisecond.
+                let left = at
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                self.timer.reset(left, None)
+            }
+            None => self.timer.clear(),
+        };
+        match armed {
+            Ok(()) => self.timer_at = due,
+            Err(e) => log::warn!("vsock: cannot arm the timer of pending connections: {e}"),
+        }
     }
 
     fn accept_all(&mut self) {
@@ -330,6 +452,7 @@ impl UnixMuxer {
                         PendingAccept {
                             stream,
                             line: Vec::new(),
+                            since: Instant::now(),
                         },
                     );
                 }
@@ -638,6 +761,17 @@ impl UnixMuxer {
     }
 }
 
+/// Sets O_NONBLOCK on `fd`.
+fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL only read and set its flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl Drop for UnixMuxer {
     fn drop(&mut self) {
         if let Err(e) = std::fs::remove_file(&self.uds_path) {
@@ -650,7 +784,6 @@ impl Drop for UnixMuxer {
 mod tests {
     use std::os::fd::AsRawFd;
     use std::sync::mpsc::channel;
-    use std::time::Duration;
 
     use super::*;
 
@@ -817,5 +950,79 @@ mod tests {
             .expect("the guest's connect blocked the event loop");
         assert_eq!(answered, [op::RST]);
         drop(listener);
+    }
+
+    /// Waits (at most 5 s) for the muxer's epoll fd to be readable, as the VMM's loop does.
+    fn wait_for_event(m: &UnixMuxer) {
+        let mut fds = [libc::pollfd {
+            fd: m.epoll_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: one valid pollfd that outlives the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, 5000) };
+        assert_eq!(n, 1, "no event within 5 s");
+    }
+
+    #[test]
+    fn host_connections_that_stay_pending_are_closed_after_the_timeout() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut m = muxer(dir.path());
+        assert_eq!(m.pending_timeout, Duration::from_secs(2), "Firecracker's");
+        m.pending_timeout = Duration::from_millis(100);
+        // One never sends its CONNECT line; one sends it to a guest port that never answers.
+        let mut silent = UnixStream::connect(dir.path().join("v.sock")).expect("connect");
+        let mut unanswered = UnixStream::connect(dir.path().join("v.sock")).expect("connect");
+        unanswered.write_all(b"CONNECT 52\n").expect("write");
+        m.process_events();
+        m.process_events();
+        assert_eq!(m.pending.len(), 1, "the silent one waits for its line");
+        assert_eq!(m.conns.len(), 1, "the other waits for the guest");
+        assert_eq!(ops(&m), [op::REQUEST]);
+        m.control.clear();
+        // Nothing happens on either socket: the timer alone wakes the VMM's loop.
+        let started = Instant::now();
+        while !(m.pending.is_empty() && m.conns.is_empty()) {
+            wait_for_event(&m);
+            m.process_events();
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "{:?}",
+                started.elapsed()
+            );
+        }
+        assert!(started.elapsed() >= Duration::from_millis(90));
+        assert!(m.pending.is_empty(), "no CONNECT line: closed");
+        assert!(m.conns.is_empty(), "no answer from the guest: closed");
+        assert_eq!(
+            ops(&m),
+            [op::RST],
+            "the guest hears of the one it was asked for"
+        );
+        assert_eq!(m.timed_out_conns(), 2);
+        for host in [&mut silent, &mut unanswered] {
+            host.set_read_timeout(Some(Duration::from_secs(5)))
+                .expect("timeout");
+            let mut rest = Vec::new();
+            host.read_to_end(&mut rest)
+                .expect("the host sees the close");
+            assert!(rest.is_empty(), "{rest:?}");
+        }
+        // A guest that answers in time keeps its connection, and the timer is off again.
+        m.control.clear();
+        let mut answered = UnixStream::connect(dir.path().join("v.sock")).expect("connect");
+        answered.write_all(b"CONNECT 53\n").expect("write");
+        m.process_events();
+        m.process_events();
+        let (h, _) = m.next_rx(4096).expect("request");
+        assert_eq!(h.op, op::REQUEST);
+        m.handle_guest_packet(&from_guest(53, h.src_port, op::RESPONSE), &[]);
+        std::thread::sleep(Duration::from_millis(150));
+        m.process_events();
+        assert_eq!(m.conns.len(), 1, "an established connection has no timeout");
+        assert_eq!(m.timer_at, None);
+        let mut ok = [0u8; 3];
+        answered.read_exact(&mut ok).expect("OK");
+        assert_eq!(&ok, b"OK ");
     }
 }
