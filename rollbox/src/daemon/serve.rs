@@ -72,6 +72,8 @@ pub struct ServeOptions {
     pub e2b: Option<e2b::E2bOptions>,
     /// `rollbox-jailer` around every VMM (the default); None with `--no-jailer`.
     pub jailer: Option<JailerOptions>,
+    /// Each VMM's console file stops growing at this many bytes (`--console-max-bytes`).
+    pub console_max_bytes: u64,
 }
 
 /// The state directory's parts, made if missing.
@@ -125,6 +127,7 @@ pub async fn serve(
         sandboxes_dir: dirs.sandboxes.clone(),
         cgroup_fs: &options.cgroup_fs,
         jailer: options.jailer.as_ref(),
+        console_max_bytes: options.console_max_bytes,
     })?);
     let counters = Arc::new(Counters::default());
     let guest = Arc::new(Guest::new(
