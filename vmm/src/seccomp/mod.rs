@@ -17,6 +17,7 @@
 //! table (`syscalls.rs`), the SIGSYS reporter (`sigsys.rs`) and the unfiltered process
 //! spawner (`spawner.rs`).
 
+mod ioctls;
 mod rules;
 mod sigsys;
 mod spawner;
