@@ -46,10 +46,17 @@ impl Launcher {
         std::thread::Builder::new()
             .name("fork-launcher".into())
             .spawn(move || {
+                // Clones run rollbox-vmm from its slot, and nothing else runs from here.
+                let filtered = crate::seccomp::apply_spawner_filter();
                 for request in incoming {
                     match request {
                         LauncherRequest::Spawn(mut command, reply) => {
-                            let _ = reply.send(command.spawn());
+                            let child = if filtered {
+                                crate::seccomp::spawn_from_slot(command, crate::seccomp::VMM_SLOT)
+                            } else {
+                                command.spawn()
+                            };
+                            let _ = reply.send(child);
                         }
                         LauncherRequest::Dump(job, reply) => {
                             let _ = reply.send(job.start());

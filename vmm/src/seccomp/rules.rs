@@ -17,11 +17,11 @@ fn allow(rules: &mut Rules, syscalls: &[i64]) {
     }
 }
 
-fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
+pub(super) fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
     SeccompCondition::new(index, SeccompCmpArgLen::Qword, op, value)
 }
 
-fn arg32(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
+pub(super) fn arg32(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
     SeccompCondition::new(index, SeccompCmpArgLen::Dword, op, value)
 }
 
