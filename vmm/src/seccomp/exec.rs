@@ -49,8 +49,8 @@ pub enum SlotError {
         /// The slot.
         slot: RawFd,
     },
-    /// The slot holds another binary.
-    #[error("{path} is not the binary this process started with in slot {slot}; a rollbox-vmm runs one virtiofsd binary")]
+    /// The slot holds another file.
+    #[error("descriptor slot {slot} holds another file than {path} (a rollbox-vmm runs one virtiofsd binary)")]
     Other {
         /// The binary asked for.
         path: std::path::PathBuf,
