@@ -1,6 +1,6 @@
 //! `rollbox serve` end to end, sandboxes: create, get, list (labels, pages) and delete,
 //! idempotent creates, TTLs and keepalive, `on_timeout: pause`, pause and resume, the jail, `cpu_limit` cgroups,
-//! usage and /metrics across a restart, and a VMM that ends on its own.
+//! usage and /metrics across a restart, a VMM that ends on its own, and the console cap.
 //! The real `rollbox` and `rollbox-vmm` binaries with the tier-2 test guest as the
 //! template's kernel (tier 2: needs /dev/kvm); `rollbox_tests::daemon` starts the daemon.
 
@@ -665,5 +665,40 @@ fn a_vmm_that_ends_on_its_own_leaves_its_status_and_log_in_the_end_reason() {
     assert!(
         daemon_log.contains(&format!("sandbox {id}: {reason}")),
         "{daemon_log}"
+    );
+}
+
+#[test]
+fn serve_console_max_bytes_caps_each_vmms_console_file() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&["--console-max-bytes", "4096"]);
+    server.add_guest_template("guest");
+    let sandbox = server.create(json!({"template": "guest", "ttl_s": 120}));
+    let config = rollbox_tests::daemon::boot_config(&sandbox);
+    assert_eq!(config["console-max-bytes"], 4096, "{config}");
+    let (pid, _) = pid_of(&sandbox);
+    wait_for("the guest's ready line", Duration::from_secs(30), || {
+        rollbox_tests::daemon::console(&sandbox).contains("rollbox-test-guest: ready")
+    });
+    // rollbox-vmm took the config (it refuses a field it cannot apply): the sandbox runs.
+    let (status, body) = server.call(
+        "GET",
+        &format!("/sandboxes/{}", sandbox["id"].as_str().expect("id")),
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["state"], "running", "{body} (vmm pid {pid})");
+    // A cap under 1024 is refused at start-up, naming the flag.
+    let refused = Command::new(rollbox_binary())
+        .args(["serve", "--console-max-bytes", "100", "--help"])
+        .output()
+        .expect("rollbox");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--console-max-bytes"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
     );
 }

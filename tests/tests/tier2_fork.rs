@@ -540,7 +540,10 @@ fn fork_is_a_library_call_that_returns_each_clones_result() {
             boot_args: Some(rollbox_tests::TEST_GUEST_CMDLINE.into()),
             initrd_path: None,
         }),
-        console: vmm::vmm_config::ConsoleConfig::File(scratch.path().join("console.log")),
+        console: vmm::vmm_config::ConsoleConfig::File {
+            path: scratch.path().join("console.log"),
+            max_bytes: vmm::vmm_config::DEFAULT_CONSOLE_MAX_BYTES,
+        },
         ..Default::default()
     };
     let drive = vmm::vmm_config::DriveConfig::new("drive0", &disk);

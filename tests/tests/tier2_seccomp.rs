@@ -28,11 +28,6 @@ fn thread_modes(pid: u32) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The threads that start child processes, which must stay unfiltered.
-fn spawns(thread: &str) -> bool {
-    matches!(thread, "spawner" | "fork-launcher")
-}
-
 /// A kernel worker KVM attaches to the VMM process (kvm-nx-lpage-recovery, kvm-pit): it runs
 /// no user code, and which filter it shows depends on the kernel version.
 fn kernel_worker(thread: &str) -> bool {
@@ -40,7 +35,7 @@ fn kernel_worker(thread: &str) -> bool {
 }
 
 #[test]
-fn every_thread_but_the_spawners_runs_filtered_and_no_seccomp_turns_it_off() {
+fn every_thread_the_spawners_too_runs_filtered_and_no_seccomp_turns_it_off() {
     if !kvm_available() {
         return;
     }
@@ -55,8 +50,7 @@ fn every_thread_but_the_spawners_runs_filtered_and_no_seccomp_turns_it_off() {
     }
     assert!(names.iter().any(|n| n.starts_with("blk-")), "{modes:?}");
     for (name, mode) in modes.iter().filter(|(name, _)| !kernel_worker(name)) {
-        let want = if spawns(name) { "0" } else { "2" };
-        assert_eq!(mode, want, "thread {name}: Seccomp {mode} in {modes:?}");
+        assert_eq!(mode, "2", "thread {name}: Seccomp {mode} in {modes:?}");
     }
     vm.send("poweroff\n");
     assert!(vm.wait(Duration::from_secs(20)).success());
@@ -104,9 +98,9 @@ fn fork_clones_run_filtered_and_inherit_no_seccomp() {
         let clone = Clone(fork_one(&vm));
         let as_wanted = |modes: &[(String, String)]| {
             modes.iter().any(|(n, _)| n == "vcpu0")
-                && modes.iter().all(|(name, mode)| {
-                    kernel_worker(name) || mode == if spawns(name) { "0" } else { want }
-                })
+                && modes
+                    .iter()
+                    .all(|(name, mode)| kernel_worker(name) || mode == want)
         };
         // The clone's main thread installs its filter once it runs on its own.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -469,3 +469,66 @@ fn sigterm_ends_the_vmm_and_removes_its_sockets() {
     assert!(!vm.path("api.sock").exists());
     assert!(!vm.path("v.sock").exists());
 }
+
+#[test]
+fn a_console_file_flooded_by_the_guest_stops_at_its_cap_and_the_api_keeps_answering() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let console = dir.path().join("console.log");
+    let args: Vec<String> = [
+        "--kernel",
+        &rollbox_tests::test_guest().display().to_string(),
+        "--cmdline",
+        rollbox_tests::TEST_GUEST_CMDLINE,
+        "--console",
+        "{dir}/console.log",
+        "--console-max-bytes",
+        "1024",
+        "--api-sock",
+        "{dir}/api.sock",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let mut vm = Vm::spawn_raw(&args, dir);
+    rollbox_tests::wait_for_file_line(&console, Duration::from_secs(30), |l| {
+        l == "rollbox-test-guest: ready"
+    });
+    rollbox_tests::wait_for_socket(&vm.path("api.sock"), Duration::from_secs(10));
+    // About 2.5 KiB of answers, over twice the cap (each byte is a trap to the VMM: keep it short).
+    let line = "x".repeat(600);
+    for _ in 0..4 {
+        vm.send(&format!("echo {line}\n"));
+    }
+    let log = vm.stderr_after(0, "reached its cap", Duration::from_secs(60));
+    assert!(log.contains("reached its cap of 1024 bytes"), "{log}");
+    let info = vm
+        .api()
+        .vm_info()
+        .expect("the API answers while the guest floods");
+    assert_eq!(info.state, "Running");
+    let size = std::fs::metadata(&console).expect("console").len();
+    assert!(size <= 1024, "the console file grew past its cap: {size}");
+    // Power off: the file's last line counts what was dropped, and it still fits the cap.
+    vm.send("poweroff\n");
+    assert_eq!(
+        vm.wait(Duration::from_secs(60)).code(),
+        Some(0),
+        "{}",
+        vm.stderr()
+    );
+    let text = std::fs::read_to_string(&console).expect("console");
+    assert!(text.len() <= 1024, "{}", text.len());
+    assert!(text.starts_with("rollbox-test-guest: ready\n"), "{text}");
+    assert!(
+        text.contains("[rollbox-vmm: console capped at 1024 bytes; later output is dropped]"),
+        "{text}"
+    );
+    assert!(
+        text.trim_end()
+            .ends_with("console bytes dropped past the cap]"),
+        "{text}"
+    );
+}

@@ -247,6 +247,14 @@ pub struct ConfigFile {
     /// rollbox extension: "stdout" or a file path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console: Option<String>,
+    /// rollbox extension: the largest size of a console file in bytes (at least 1024; the
+    /// VMM's default is 8 MiB); later output is dropped and counted.
+    #[serde(
+        rename = "console-max-bytes",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub console_max_bytes: Option<u64>,
     /// rollbox extension (not a Firecracker field): shared volumes over virtio-fs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fs: Vec<FsConfig>,
@@ -427,7 +435,8 @@ mod tests {
                 rx_rate_limiter: None,
                 tx_rate_limiter: None,
             }],
-            console: Some("stdout".into()),
+            console: Some("/c.log".into()),
+            console_max_bytes: Some(4096),
             fs: vec![FsConfig {
                 tag: "t".into(),
                 shared_dir: "/tmp".into(),
@@ -444,7 +453,7 @@ mod tests {
                 r#""drives":[{"drive_id":"rootfs","path_on_host":"/r.img","is_root_device":true,"is_read_only":false}],"#,
                 r#""vsock":{"guest_cid":3,"uds_path":"/v.sock"},"#,
                 r#""network-interfaces":[{"iface_id":"eth0","host_dev_name":"tap0"}],"#,
-                r#""console":"stdout","#,
+                r#""console":"/c.log","console-max-bytes":4096,"#,
                 r#""fs":[{"tag":"t","shared_dir":"/tmp","readonly":true,"cache":"always"}]}"#
             ),
         );

@@ -216,8 +216,19 @@ impl Controller {
 
     /// Enables `POST /fork` (rollbox extension): clones run `vmm_binary` (a `rollbox-vmm`), and
     /// `pool` of them (at most [`crate::fork::MAX_POOL`]) are kept ready with empty VMs.
-    pub fn enable_fork(&mut self, vmm_binary: PathBuf, pool: usize) -> Result<(), ForkError> {
-        let launcher = Launcher::new(vmm_binary)?;
+    /// Clones' console files are capped at `console_max_bytes`, else at this VM's console
+    /// file's cap, else at the clones' default.
+    pub fn enable_fork(
+        &mut self,
+        vmm_binary: PathBuf,
+        pool: usize,
+        console_max_bytes: Option<u64>,
+    ) -> Result<(), ForkError> {
+        let own_cap = match &self.resources.console {
+            crate::vmm_config::ConsoleConfig::File { max_bytes, .. } => Some(*max_bytes),
+            crate::vmm_config::ConsoleConfig::Stdout => None,
+        };
+        let launcher = Launcher::with_console_max_bytes(vmm_binary, console_max_bytes.or(own_cap))?;
         let mut fork_pool = ForkPool::new(launcher, pool)?;
         if let Some(vm) = &self.microvm {
             fork_pool.refill(vm);

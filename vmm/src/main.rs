@@ -81,7 +81,11 @@ fn handle_signals(controller: &Controller) {
 
 /// Lets `controller` fork (clones re-run this binary) and reads the process-wide block I/O
 /// setting.
-fn enable_fork(controller: &mut Controller, pool: usize) -> Result<(), String> {
+fn enable_fork(
+    controller: &mut Controller,
+    pool: usize,
+    console_max_bytes: Option<u64>,
+) -> Result<(), String> {
     // ROLLBOX_BLOCK_IO_THREADS=0 serves block queues on the event loop (clones inherit it):
     // the nested lab sets it, as QEMU 7.2's TCG crashes L1 with the worker threads.
     let threads = match std::env::var_os("ROLLBOX_BLOCK_IO_THREADS") {
@@ -98,7 +102,7 @@ fn enable_fork(controller: &mut Controller, pool: usize) -> Result<(), String> {
     controller.set_block_io_threads(threads);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find rollbox-vmm: {e}"))?;
     controller
-        .enable_fork(exe, pool)
+        .enable_fork(exe, pool, console_max_bytes)
         .map_err(|e| format!("--fork-pool: {e}"))
 }
 
@@ -145,7 +149,7 @@ fn run_fork_shell(args: &Args, fd: RawFd) -> Result<i32, String> {
         .answer(&loaded)
         .map_err(|e| format!("control socket: {e}"))?;
     loaded?;
-    enable_fork(&mut controller, 0)?;
+    enable_fork(&mut controller, 0, args.console_max_bytes)?;
     let _api_guard = match &args.api_sock {
         Some(sock) => {
             Some(vmm::api::server::start(sock, api_tx, api_evt).map_err(|e| e.to_string())?)
@@ -181,7 +185,7 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
         Controller::new(VmResources::default(), Some(api_rx), Arc::clone(&api_evt))
             .map_err(|e| e.to_string())?;
     handle_signals(&controller);
-    enable_fork(&mut controller, args.fork_pool)?;
+    enable_fork(&mut controller, args.fork_pool, args.console_max_bytes)?;
     controller
         .restore(&state, &options)
         .map_err(|e| e.message)?;
@@ -263,7 +267,7 @@ fn run(args: Args) -> Result<i32, String> {
         };
         controller.prebuild_shell(&machine).map_err(|e| e.message)?;
     }
-    enable_fork(&mut controller, args.fork_pool)?;
+    enable_fork(&mut controller, args.fork_pool, args.console_max_bytes)?;
     if boot_now {
         controller.start().map_err(|e| e.message)?;
     }

@@ -51,6 +51,10 @@ pub struct ServeArgs {
     /// /var/cache/rollbox/images].
     #[arg(long, value_name = "DIR")]
     image_cache: Option<PathBuf>,
+    /// Largest size of each sandbox's console.log in bytes: past it the VMM drops the guest's
+    /// console output, counted in the file's last line.
+    #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1024..))]
+    console_max_bytes: u64,
     /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
     /// was restored or reset from them.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -182,6 +186,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         test_hold_snapshot: args.test_hold_snapshot,
         template_dirs: args.template_dirs.into_iter().map(absolute).collect(),
         registry_allow: args.registry_allow,
+        console_max_bytes: args.console_max_bytes,
         e2b: args
             .e2b_listen
             .map(|listen| rollbox::daemon::e2b::E2bOptions {

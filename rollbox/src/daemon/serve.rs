@@ -89,6 +89,8 @@ pub struct ServeOptions {
     pub template_dirs: Vec<PathBuf>,
     /// `--registry-allow`: the registries templates may pull from; empty: any.
     pub registry_allow: Vec<String>,
+    /// Each VMM's console file stops growing at this many bytes (`--console-max-bytes`).
+    pub console_max_bytes: u64,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -164,6 +166,7 @@ pub async fn serve(
         sandboxes_dir: dirs.sandboxes.clone(),
         cgroup_fs: &options.cgroup_fs,
         jailer: options.jailer.as_ref(),
+        console_max_bytes: options.console_max_bytes,
     })?);
     let counters = Arc::new(Counters::default());
     let guest = Arc::new(Guest::new(

@@ -383,4 +383,48 @@ mod tests {
         assert!(matches!(err, ClientError::Decode { .. }), "{err}");
         let _ = server.thread.join();
     }
+
+    #[test]
+    fn endless_headers_and_bodies_stop_at_the_caps_without_the_server_closing() {
+        // Servers that never stop writing: the client stops at the cap, well before its
+        // deadline, holding about the cap in memory, and says which cap.
+        let endless_head = serve(|stream, _| {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\n");
+            while stream.write_all(b"X-More: aaaaaaaaaaaaaaaa\r\n").is_ok() {}
+        });
+        let started = Instant::now();
+        let err = Client::new(&endless_head.sock)
+            .with_timeout(Duration::from_secs(20))
+            .vm_info()
+            .expect_err("endless head");
+        assert!(matches!(err, ClientError::HeadTooLarge { .. }), "{err}");
+        assert!(err.to_string().contains("16384-byte cap"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        let _ = endless_head.thread.join();
+
+        let endless_body = serve(|stream, _| {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\n\r\n");
+            let chunk = vec![b' '; 65536];
+            while stream.write_all(&chunk).is_ok() {}
+        });
+        let started = Instant::now();
+        let err = Client::new(&endless_body.sock)
+            .with_timeout(Duration::from_secs(20))
+            .vm_info()
+            .expect_err("endless body");
+        assert!(
+            matches!(err, ClientError::BodyTooLarge { length, .. } if length <= (MAX_BODY + 8192) as u64),
+            "{err}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        let _ = endless_body.thread.join();
+    }
 }

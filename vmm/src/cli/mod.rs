@@ -11,7 +11,7 @@ use clap::Parser;
 use vmm::persist::{RestoreBackend, RestoreOptions};
 use vmm::vmm_config::{
     host_memory_mib, load_config_file, BootSourceConfig, ConsoleConfig, Validate, ValidateMachine,
-    VmResources, VsockConfig,
+    VmResources, VsockConfig, MIN_CONSOLE_MAX_BYTES,
 };
 
 use flags::{parse_drive_flag, parse_fs_flag, parse_net_flag};
@@ -126,6 +126,10 @@ pub struct Args {
     /// Guest console: `stdout` or a file path [default: stdout].
     #[arg(long)]
     pub console: Option<String>,
+    /// Largest size of a `--console` file in bytes: past it, output is dropped and counted
+    /// [default: 8 MiB, at least 1024].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(MIN_CONSOLE_MAX_BYTES..))]
+    pub console_max_bytes: Option<u64>,
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_sock: Option<PathBuf>,
@@ -241,6 +245,9 @@ pub fn resources_from(args: &Args) -> Result<VmResources, String> {
     if let Some(console) = &args.console {
         resources.console = ConsoleConfig::parse(console);
     }
+    if let Some(max) = args.console_max_bytes {
+        resources.console = resources.console.clone().with_max_bytes(max);
+    }
     for flag in &args.fs {
         let fs = parse_fs_flag(flag).map_err(|e| e.to_string())?;
         resources.add_fs(fs).map_err(|e| e.to_string())?;
@@ -307,7 +314,11 @@ pub fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
             .console
             .as_deref()
             .map(ConsoleConfig::parse)
-            .unwrap_or_default(),
+            .unwrap_or_default()
+            .with_max_bytes(
+                args.console_max_bytes
+                    .unwrap_or(vmm::vmm_config::DEFAULT_CONSOLE_MAX_BYTES),
+            ),
         record_working_set: args.record_working_set,
         prefetch: args.prefetch,
         expect_mem_mib: args.memory_mib,

@@ -187,16 +187,20 @@ impl DeviceManager {
 pub fn console_out(console: &ConsoleConfig) -> Result<ConsoleOut, DeviceManagerError> {
     Ok(match console {
         ConsoleConfig::Stdout => ConsoleOut::stdout(),
-        ConsoleConfig::File(path) => ConsoleOut::file(
-            OpenOptions::new()
+        ConsoleConfig::File { path, max_bytes } => {
+            let failed = |source| DeviceManagerError::Console {
+                path: path.clone(),
+                source,
+            };
+            let file = OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(path)
-                .map_err(|source| DeviceManagerError::Console {
-                    path: path.clone(),
-                    source,
-                })?,
-        ),
+                .map_err(failed)?;
+            // A restore of the same sandbox appends: what is there counts against the cap.
+            let size = file.metadata().map_err(failed)?.len();
+            ConsoleOut::capped_file(file, size, *max_bytes)
+        }
     })
 }
 

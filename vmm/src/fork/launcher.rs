@@ -25,20 +25,38 @@ enum LauncherRequest {
 /// early; these die when the last handle to the launcher is dropped (or the process ends).
 pub struct Launcher {
     binary: PathBuf,
+    /// The clones' `--console-max-bytes` (None: their default).
+    console_max_bytes: Option<u64>,
     requests: Sender<LauncherRequest>,
 }
 
 impl Launcher {
     /// A launcher that runs `binary` (a `rollbox-vmm`) for each clone.
     pub fn new(binary: PathBuf) -> Result<Arc<Self>, ForkError> {
+        Self::with_console_max_bytes(binary, None)
+    }
+
+    /// A launcher whose clones' console files are capped at `console_max_bytes` (None: the
+    /// clones' default).
+    pub fn with_console_max_bytes(
+        binary: PathBuf,
+        console_max_bytes: Option<u64>,
+    ) -> Result<Arc<Self>, ForkError> {
         let (requests, incoming) = channel::<LauncherRequest>();
         std::thread::Builder::new()
             .name("fork-launcher".into())
             .spawn(move || {
+                // Clones run rollbox-vmm from its slot, and nothing else runs from here.
+                let filtered = crate::seccomp::apply_spawner_filter();
                 for request in incoming {
                     match request {
                         LauncherRequest::Spawn(mut command, reply) => {
-                            let _ = reply.send(command.spawn());
+                            let child = if filtered {
+                                crate::seccomp::spawn_from_slot(command, crate::seccomp::VMM_SLOT)
+                            } else {
+                                command.spawn()
+                            };
+                            let _ = reply.send(child);
                         }
                         LauncherRequest::Dump(job, reply) => {
                             let _ = reply.send(job.start());
@@ -47,12 +65,21 @@ impl Launcher {
                 }
             })
             .map_err(ForkError::Launcher)?;
-        Ok(Arc::new(Self { binary, requests }))
+        Ok(Arc::new(Self {
+            binary,
+            console_max_bytes,
+            requests,
+        }))
     }
 
     /// The `rollbox-vmm` binary clones run.
     pub fn binary(&self) -> &Path {
         &self.binary
+    }
+
+    /// The clones' console cap, if set.
+    pub fn console_max_bytes(&self) -> Option<u64> {
+        self.console_max_bytes
     }
 
     pub(super) fn spawn(&self, command: Command) -> std::io::Result<Child> {

@@ -214,6 +214,9 @@ pub(super) fn spawn_shell(
     cmd.arg("--fork-shell-dir").arg(dir);
     cmd.arg("--api-sock").arg(dir.join("api.sock"));
     cmd.arg("--console").arg(dir.join("console.log"));
+    if let Some(max) = launcher.console_max_bytes() {
+        cmd.arg("--console-max-bytes").arg(max.to_string());
+    }
     cmd.arg("--log-path").arg(dir.join("vmm.log"));
     cmd.arg("--shell-memory-mib")
         .arg(machine.mem_size_mib.to_string());

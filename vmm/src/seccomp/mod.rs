@@ -9,14 +9,17 @@
 //! Threads created by a filtered thread inherit its filter, and any filter they install is
 //! added to it (a syscall must pass both). Processes inherit filters across `execve` too, so
 //! child processes (fork clones, virtiofsd) are started by threads created before any filter
-//! is installed: [`Spawner`] and the fork launcher. Those threads stay unfiltered; see
-//! docs/security.md for what that leaves open.
+//! is installed: [`Spawner`] and the fork launcher. Those threads get a filter of their own
+//! that allows what their children need but runs only the binaries in two descriptor slots
+//! (`exec.rs`).
 //!
 //! Here: the filters' set-up and installation, and the threads that start filtered. Beside
 //! it: the thread kinds (`thread_kind.rs`), the allow-lists (`rules.rs`), the syscall name
-//! table (`syscalls.rs`), the SIGSYS reporter (`sigsys.rs`) and the unfiltered process
-//! spawner (`spawner.rs`).
+//! table (`syscalls.rs`), the ioctl requests (`ioctls.rs`), the SIGSYS reporter
+//! (`sigsys.rs`), the process spawner (`spawner.rs`) and what it may run (`exec.rs`).
 
+mod exec;
+mod ioctls;
 mod rules;
 mod sigsys;
 mod spawner;
@@ -31,6 +34,7 @@ use std::sync::{Arc, OnceLock};
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
+pub use exec::{fill_slot, spawn_from_slot, SlotError, VIRTIOFSD_SLOT, VMM_SLOT};
 pub use spawner::{spawner, Spawner};
 pub use syscalls::syscall_name;
 pub use thread_kind::ThreadKind;
@@ -139,6 +143,12 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
     FILTERS
         .set(programs)
         .map_err(|_| SeccompError::AlreadyConfigured)?;
+    if on {
+        // Fork clones run this binary, from its slot (early: the slot's number is free).
+        if let Err(e) = fill_slot(VMM_SLOT, Path::new("/proc/self/exe")) {
+            log::warn!("seccomp: {e}; forks will fail");
+        }
+    }
     spawner();
     if on {
         fix_malloc_arena_limit();
@@ -171,6 +181,29 @@ fn fix_malloc_arena_limit() {
     if unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } != 1 {
         log::debug!("seccomp: mallopt(M_ARENA_MAX, {arenas}) failed");
     }
+}
+
+/// Installs the spawning threads' filter on the calling thread (the spawner's, the fork
+/// launcher's) when seccomp is on: `execve` refused, `execveat` only of a slot's binary
+/// ([`spawn_from_slot`]); everything else allowed, for their children. Returns whether it is
+/// on; a thread that cannot install it ends the process.
+pub fn apply_spawner_filter() -> bool {
+    if !enabled() {
+        return false;
+    }
+    let installed = exec::spawner_program()
+        .map_err(|e| e.to_string())
+        .and_then(|program| seccompiler::apply_filter(&program).map_err(|e| e.to_string()));
+    if let Err(e) = installed {
+        let message = format!(
+            "rollbox-vmm: cannot install the spawners' seccomp filter: {e}; exiting rather than run unfiltered"
+        );
+        log::error!("{message}");
+        eprintln!("{message}");
+        std::process::exit(1);
+    }
+    log::debug!("seccomp: spawner filter installed");
+    true
 }
 
 /// Whether filters are installed by [`apply`].
@@ -331,7 +364,7 @@ pub fn print_summary(out: &mut impl std::io::Write) -> std::io::Result<()> {
     }
     writeln!(
         out,
-        "unfiltered   threads that start child processes (spawner, fork-launcher): see docs/security.md"
+        "spawner, fork-launcher: everything but execve, and execveat only of descriptors {VMM_SLOT} (rollbox-vmm) and {VIRTIOFSD_SLOT} (virtiofsd) with AT_EMPTY_PATH"
     )
 }
 

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
 
+use super::ioctls;
 use super::thread_kind::ThreadKind;
 
 pub(super) type Rules = BTreeMap<i64, Vec<SeccompRule>>;
@@ -16,11 +17,11 @@ fn allow(rules: &mut Rules, syscalls: &[i64]) {
     }
 }
 
-fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
+pub(super) fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
     SeccompCondition::new(index, SeccompCmpArgLen::Qword, op, value)
 }
 
-fn arg32(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
+pub(super) fn arg32(index: u8, op: SeccompCmpOp, value: u64) -> BackendResult<SeccompCondition> {
     SeccompCondition::new(index, SeccompCmpArgLen::Dword, op, value)
 }
 
@@ -33,44 +34,6 @@ fn allow_values(rules: &mut Rules, nr: i64, index: u8, values: &[u64]) -> Backen
     rules.entry(nr).or_default().extend(list);
     Ok(())
 }
-
-/// ioctl request numbers: `_IO`, `_IOR`, `_IOW`, `_IOWR` of type `ty`, number `nr`, with an
-/// argument of `size` bytes.
-const fn ioc(dir: u64, ty: u64, nr: u64, size: u64) -> u64 {
-    (dir << 30) | (size << 16) | (ty << 8) | nr
-}
-const KVMIO: u64 = 0xAE;
-const IOW: u64 = 1;
-const KVM_RUN: u64 = ioc(0, KVMIO, 0x80, 0);
-// PCI config and MSI/MSI-X writes are emulated on the vCPU thread: they move BARs, route MSIs
-// and (for VFIO) switch the device's interrupts.
-const KVM_SET_USER_MEMORY_REGION: u64 = ioc(IOW, KVMIO, 0x46, 32);
-const KVM_SET_GSI_ROUTING: u64 = ioc(IOW, KVMIO, 0x6a, 8);
-const KVM_IRQFD: u64 = ioc(IOW, KVMIO, 0x76, 32);
-const KVM_IOEVENTFD: u64 = ioc(IOW, KVMIO, 0x79, 64);
-const KVM_SIGNAL_MSI: u64 = ioc(IOW, KVMIO, 0xa5, 32);
-const VFIO_DEVICE_SET_IRQS: u64 = ioc(0, b';' as u64, 100 + 10, 0);
-// A crash exit reports the vCPU's registers from its own thread.
-const IOR: u64 = 2;
-const KVM_GET_REGS: u64 = ioc(IOR, KVMIO, 0x81, 144);
-const KVM_GET_SREGS: u64 = ioc(IOR, KVMIO, 0x83, 312);
-// virtio-net's activation (DRIVER_OK, written by the guest) sets the tap's offloads.
-const TUNSETOFFLOAD: u64 = ioc(IOW, b'T' as u64, 208, 4);
-const VCPU_IOCTLS: [u64; 10] = [
-    KVM_RUN,
-    KVM_GET_REGS,
-    KVM_GET_SREGS,
-    KVM_SET_USER_MEMORY_REGION,
-    KVM_SET_GSI_ROUTING,
-    KVM_IRQFD,
-    KVM_IOEVENTFD,
-    KVM_SIGNAL_MSI,
-    VFIO_DEVICE_SET_IRQS,
-    TUNSETOFFLOAD,
-];
-/// The ioctl "types" (the request's second byte) the main thread may use: KVM, VFIO, tun,
-/// userfaultfd, and 'T' also holds FIONBIO/FIOCLEX and the tty ones std uses.
-const VMM_IOCTL_TYPES: [u64; 4] = [KVMIO, b';' as u64, b'T' as u64, 0xAA];
 
 /// mmap and mprotect without PROT_EXEC.
 fn allow_memory_no_exec(rules: &mut Rules) -> BackendResult<()> {
@@ -203,7 +166,7 @@ pub(super) fn for_kind(kind: ThreadKind) -> BackendResult<Rules> {
                     libc::SYS_pwrite64,
                 ],
             );
-            allow_values(&mut rules, libc::SYS_ioctl, 1, &VCPU_IOCTLS)?;
+            allow_values(&mut rules, libc::SYS_ioctl, 1, ioctls::VCPU)?;
         }
         ThreadKind::Block => {
             allow(
@@ -232,15 +195,7 @@ pub(super) fn for_kind(kind: ThreadKind) -> BackendResult<Rules> {
                     libc::SYS_pread64,
                 ],
             );
-            // UFFDIO_COPY, UFFDIO_ZEROPAGE, UFFDIO_WAKE (type 0xAA).
-            rules.insert(
-                libc::SYS_ioctl,
-                vec![SeccompRule::new(vec![arg32(
-                    1,
-                    SeccompCmpOp::MaskedEq(0xFF00),
-                    0xAA00,
-                )?])?],
-            );
+            allow_values(&mut rules, libc::SYS_ioctl, 1, ioctls::PAGE_SERVER)?;
             // Its failure hook starts a timer thread.
             allow_threads(&mut rules)?;
         }
@@ -363,11 +318,8 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
     rules.insert(libc::SYS_fcntl, Vec::new());
     // socket(): Unix sockets only (tap devices are files; see docs/security.md).
     allow_values(rules, libc::SYS_socket, 0, &[libc::AF_UNIX as u64])?;
-    let ioctls = VMM_IOCTL_TYPES
-        .iter()
-        .map(|ty| SeccompRule::new(vec![arg32(1, SeccompCmpOp::MaskedEq(0xFF00), ty << 8)?]))
-        .collect::<BackendResult<Vec<_>>>()?;
-    rules.insert(libc::SYS_ioctl, ioctls);
+    // ioctl: each request by its full number (see ioctls.rs).
+    allow_values(rules, libc::SYS_ioctl, 1, ioctls::VMM)?;
     // prctl: no new privileges (for the filters) and clearing a fork clone's parent-death
     // signal (besides the common ones).
     for (option, value) in [(libc::PR_SET_NO_NEW_PRIVS, 1), (libc::PR_SET_PDEATHSIG, 0)] {
@@ -387,19 +339,42 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
 mod tests {
     use super::*;
 
+    /// Whether `kind`'s rules allow ioctl `request` (one Eq condition on argument 1 per rule).
+    fn allows_ioctl(kind: ThreadKind, request: u64) -> bool {
+        let rules = for_kind(kind).expect("rules");
+        let Some(list) = rules.get(&libc::SYS_ioctl) else {
+            return false;
+        };
+        let wanted =
+            SeccompRule::new(vec![arg32(1, SeccompCmpOp::Eq, request).expect("condition")])
+                .expect("rule");
+        list.contains(&wanted)
+    }
+
     #[test]
-    fn ioctl_numbers_are_the_kernels() {
-        assert_eq!(KVM_RUN, 0xae80);
-        assert_eq!(KVM_GET_REGS, 0x8090_ae81);
-        assert_eq!(KVM_GET_SREGS, 0x8138_ae83);
-        assert_eq!(std::mem::size_of::<kvm_bindings::kvm_regs>(), 144);
-        assert_eq!(std::mem::size_of::<kvm_bindings::kvm_sregs>(), 312);
-        assert_eq!(KVM_SET_USER_MEMORY_REGION, 0x4020_ae46);
-        assert_eq!(KVM_SET_GSI_ROUTING, 0x4008_ae6a);
-        assert_eq!(KVM_IRQFD, 0x4020_ae76);
-        assert_eq!(KVM_IOEVENTFD, 0x4040_ae79);
-        assert_eq!(KVM_SIGNAL_MSI, 0x4020_aea5);
-        assert_eq!(VFIO_DEVICE_SET_IRQS, 0x3b6e);
-        assert_eq!(TUNSETOFFLOAD, 0x4004_54d0);
+    fn ioctls_are_allowed_by_full_number_only() {
+        use super::ioctls::*;
+        assert!(allows_ioctl(ThreadKind::Vmm, KVM_CREATE_VM));
+        assert!(allows_ioctl(ThreadKind::Vmm, UFFDIO_REGISTER));
+        assert!(allows_ioctl(ThreadKind::Vcpu, KVM_RUN));
+        assert!(allows_ioctl(ThreadKind::PageServer, UFFDIO_COPY));
+        // The right type byte, another number or size: refused.
+        for request in [
+            0xae06,      // KVM's type, a number rollbox-vmm does not use
+            0x4008_ae7d, // a KVMIO write of 8 bytes rollbox-vmm does not make
+            0xaea0,      // KVM_SET_PIT2's number without its size
+            0x5401,      // TCGETS ('T', like FIONBIO)
+            0x4004_54cb, // 'T' 203, beside TUNSETIFF
+            0x3b76,      // VFIO type, number 118
+            0xc018_aa01, // UFFDIO type, UNREGISTER's number with API's size
+        ] {
+            for kind in ThreadKind::ALL {
+                assert!(!allows_ioctl(kind, request), "{kind:?} allows {request:#x}");
+            }
+        }
+        assert!(!allows_ioctl(ThreadKind::Vcpu, KVM_CREATE_VM));
+        assert!(!allows_ioctl(ThreadKind::PageServer, UFFDIO_REGISTER));
+        assert!(!allows_ioctl(ThreadKind::Api, FIONBIO));
+        assert!(!allows_ioctl(ThreadKind::Block, KVM_RUN));
     }
 }

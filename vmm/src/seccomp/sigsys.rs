@@ -67,6 +67,27 @@ impl Line {
         }
     }
 
+    fn push_hex(&mut self, n: u64) {
+        let mut digits = [0u8; 18];
+        digits[0] = b'0';
+        digits[1] = b'x';
+        let mut len = 2;
+        let mut started = false;
+        for shift in (0..16).rev() {
+            let nibble = ((n >> (shift * 4)) & 0xf) as u8;
+            if nibble != 0 || started || shift == 0 {
+                started = true;
+                digits[len] = if nibble < 10 {
+                    b'0' + nibble
+                } else {
+                    b'a' + nibble - 10
+                };
+                len += 1;
+            }
+        }
+        self.push(&digits[..len]);
+    }
+
     fn push_number(&mut self, mut n: u64) {
         let mut digits = [0u8; 20];
         let mut i = digits.len();
@@ -114,7 +135,20 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, context: *mu
     line.push(syscall_name(i64::from(nr)).unwrap_or("?").as_bytes());
     line.push(b" (");
     line.push_number(u64::from(nr.unsigned_abs()));
-    line.push(b"); killing the process with SIGSYS\n");
+    line.push(b")");
+    if i64::from(nr) == libc::SYS_ioctl {
+        // SAFETY: as below: the interrupted thread's registers; RSI holds the request.
+        let request = unsafe { (*(context as *const libc::ucontext_t)).uc_mcontext.gregs }
+            [libc::REG_RSI as usize] as u64
+            & 0xffff_ffff;
+        line.push(b" request ");
+        line.push_hex(request);
+        if let Some(name) = super::ioctls::name(request) {
+            line.push(b" ");
+            line.push(name.as_bytes());
+        }
+    }
+    line.push(b"; killing the process with SIGSYS\n");
     let log_fd = LOG_FD.load(Ordering::Relaxed);
     for fd in [libc::STDERR_FILENO, log_fd] {
         if fd >= 0 {
@@ -160,5 +194,10 @@ mod tests {
         line.push_number(59);
         line.push_number(0);
         assert_eq!(&line.bytes[..line.len], b"nr 590");
+        line.push(b" ");
+        line.push_hex(0x4004_54d0);
+        line.push(b" ");
+        line.push_hex(0);
+        assert_eq!(&line.bytes[..line.len], b"nr 590 0x400454d0 0x0");
     }
 }

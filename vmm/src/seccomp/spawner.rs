@@ -1,5 +1,6 @@
 //! The spawner: one long-lived thread, started before any filter exists, that starts child
-//! processes (virtiofsd) so that they do not inherit a filtered thread's filter.
+//! processes (virtiofsd) so that they do not inherit a filtered thread's filter. It runs
+//! under the spawners' filter (`exec.rs`): only the binary in the virtiofsd slot.
 
 use std::process::{Child, Command};
 use std::sync::mpsc::{channel, Sender};
@@ -22,8 +23,14 @@ pub fn spawner() -> &'static Spawner {
         let started = std::thread::Builder::new()
             .name("spawner".into())
             .spawn(move || {
+                let filtered = super::apply_spawner_filter();
                 for (mut command, reply) in incoming {
-                    let _ = reply.send(command.spawn());
+                    let child = if filtered {
+                        super::spawn_from_slot(command, super::VIRTIOFSD_SLOT)
+                    } else {
+                        command.spawn()
+                    };
+                    let _ = reply.send(child);
                 }
             });
         if let Err(e) = &started {

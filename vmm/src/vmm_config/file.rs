@@ -4,7 +4,7 @@ use std::path::Path;
 
 use vmm_api::ConfigFile;
 
-use super::console::ConsoleConfig;
+use super::console::{ConsoleConfig, MIN_CONSOLE_MAX_BYTES};
 use super::resources::VmResources;
 use super::validate::{ConfigError, Validate, ValidateMachine};
 
@@ -40,6 +40,12 @@ impl VmResources {
         }
         if let Some(console) = file.console {
             self.console = ConsoleConfig::parse(&console);
+        }
+        if let Some(max) = file.console_max_bytes {
+            if max < MIN_CONSOLE_MAX_BYTES {
+                return Err(ConfigError::ConsoleMaxBytes(max));
+            }
+            self.console = self.console.clone().with_max_bytes(max);
         }
         for fs in file.fs {
             self.add_fs(fs)?;
@@ -90,5 +96,32 @@ mod tests {
             r#"{"fs":[{"tag":"t","shared_dir":"/tmp","bogus":1}]}"#
         )
         .is_err());
+    }
+
+    #[test]
+    fn a_console_file_is_capped_at_8_mib_unless_the_file_says_otherwise() {
+        let apply = |json: &str| {
+            let file: ConfigFile = serde_json::from_str(json).expect("parse");
+            let mut res = VmResources::default();
+            res.apply_file(file, 1024).map(|()| res.console)
+        };
+        let cap = |max_bytes| ConsoleConfig::File {
+            path: "/c.log".into(),
+            max_bytes,
+        };
+        assert_eq!(apply(r#"{"console":"/c.log"}"#), Ok(cap(8 << 20)));
+        assert_eq!(
+            apply(r#"{"console":"/c.log","console-max-bytes":4096}"#),
+            Ok(cap(4096))
+        );
+        assert_eq!(
+            apply(r#"{"console":"stdout","console-max-bytes":4096}"#),
+            Ok(ConsoleConfig::Stdout)
+        );
+        let err = apply(r#"{"console":"/c.log","console-max-bytes":10}"#).expect_err("too small");
+        assert_eq!(
+            err.to_string(),
+            "console-max-bytes 10 is invalid: it must be at least 1024"
+        );
     }
 }

@@ -29,7 +29,7 @@ pub use vmm_api::machine::{
 
 pub use crate::arch::mptable::MAX_VCPUS;
 pub use boot_source::{DEFAULT_BOOT_ARGS, DEFAULT_BOOT_ARGS_PCI};
-pub use console::ConsoleConfig;
+pub use console::{ConsoleConfig, DEFAULT_CONSOLE_MAX_BYTES, MIN_CONSOLE_MAX_BYTES};
 pub use file::load_config_file;
 pub use machine::host_memory_mib;
 pub use net::parse_mac;

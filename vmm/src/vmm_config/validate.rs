@@ -20,6 +20,9 @@ pub enum ConfigError {
         /// Host MiB.
         host_mib: u64,
     },
+    /// A console cap too small to hold anything.
+    #[error("console-max-bytes {0} is invalid: it must be at least {min}", min = super::console::MIN_CONSOLE_MAX_BYTES)]
+    ConsoleMaxBytes(u64),
     /// vCPU count out of range.
     #[error("vcpu_count {0} is invalid: it must be between 1 and {MAX_VCPUS}")]
     VcpuCount(u64),

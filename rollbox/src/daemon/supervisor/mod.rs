@@ -60,6 +60,8 @@ pub struct SupervisorOptions<'a> {
     pub cgroup_fs: &'a Path,
     /// `rollbox-jailer` around every VMM; None with `--no-jailer`.
     pub jailer: Option<&'a JailerOptions>,
+    /// Each VMM's console file stops growing at this many bytes.
+    pub console_max_bytes: u64,
 }
 
 /// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
@@ -77,6 +79,8 @@ pub struct Supervisor {
     cgroups: Result<Cgroups, String>,
     /// How VMMs are jailed; None with `--no-jailer`.
     jail: Option<vm::Jail>,
+    /// Each VMM's console file cap.
+    console_max_bytes: u64,
 }
 
 /// A VMM that runs, not yet handed back ([`Supervisor::adopt`]) or ended ([`Launched::reap`]).
@@ -168,6 +172,7 @@ impl Supervisor {
             cgroups: Cgroups::find(options.cgroup_fs, &cgroup::root_name(options.state_dir))
                 .map_err(|e| e.to_string()),
             jail,
+            console_max_bytes: options.console_max_bytes,
         })
     }
 
@@ -253,6 +258,7 @@ impl Supervisor {
         let restore = snapshot.map(|s| s.dir.clone());
         let started = std::time::Instant::now();
         let jail = self.jail.clone();
+        let console_max_bytes = self.console_max_bytes;
         // Copying a rootfs may take a while: off the async threads.
         let spawned = tokio::task::spawn_blocking(move || {
             let spec = jail.as_ref().map(|jail| vm::JailSpec {
@@ -267,6 +273,7 @@ impl Supervisor {
                     &dir,
                     template.rootfs.is_some(),
                     identity,
+                    console_max_bytes,
                     spec.as_ref(),
                 ),
                 None => {
@@ -275,6 +282,7 @@ impl Supervisor {
                         vcpus,
                         memory_mib,
                         deterministic,
+                        console_max_bytes,
                     };
                     vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref())
                 }

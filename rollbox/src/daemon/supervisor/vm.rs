@@ -101,6 +101,8 @@ pub struct Shape<'a> {
     pub memory_mib: u32,
     /// A deterministic machine (`--deterministic`: no RDRAND/RDSEED in CPUID).
     pub deterministic: bool,
+    /// The console file's cap (`rollbox serve --console-max-bytes`).
+    pub console_max_bytes: u64,
 }
 
 /// How `rollbox serve` jails its VMMs with `rollbox-jailer` (the default; `--no-jailer`
@@ -315,6 +317,7 @@ fn boot_config(launch: &mut Launch, paths: &Paths, shape: &Shape) -> Result<Conf
             vsock_id: None,
         }),
         console: Some(console.to_string()),
+        console_max_bytes: Some(shape.console_max_bytes),
         ..ConfigFile::default()
     })
 }
@@ -351,6 +354,7 @@ pub fn spawn_restore(
     snapshot_dir: &Path,
     rootfs: bool,
     identity: Identity,
+    console_max_bytes: u64,
     jail: Option<&JailSpec>,
 ) -> Result<Child, VmError> {
     let dir_error = |source| VmError::Dir {
@@ -363,7 +367,8 @@ pub fn spawn_restore(
         .host("--restore", snapshot_dir, "snapshot")
         .own("--api-sock", &paths.api_sock)
         .own("--vsock-uds", &paths.vsock)
-        .own("--console", &paths.console);
+        .own("--console", &paths.console)
+        .arg(format!("--console-max-bytes={console_max_bytes}"));
     match identity {
         Identity::Exact => {
             launch.arg("--deterministic");
@@ -844,6 +849,7 @@ mod tests {
             vcpus: 2,
             memory_mib: 256,
             deterministic: true,
+            console_max_bytes: 1 << 20,
         };
         let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
         let jail = test_jail(false);
@@ -862,7 +868,8 @@ mod tests {
                 r#""track_dirty_pages":false,"deterministic":true},"#,
                 r#""drives":[{"drive_id":"rootfs","path_on_host":"/rootfs.img","#,
                 r#""is_root_device":true,"is_read_only":false}],"#,
-                r#""vsock":{"guest_cid":3,"uds_path":"/vsock.sock"},"console":"/console.log"}"#
+                r#""vsock":{"guest_cid":3,"uds_path":"/vsock.sock"},"console":"/console.log","#,
+                r#""console-max-bytes":1048576}"#
             )
         );
         assert_eq!(jailed.binds, ["/templates/vmlinux:/kernel"]);
@@ -877,6 +884,7 @@ mod tests {
             vcpus: 1,
             memory_mib: 128,
             deterministic: false,
+            console_max_bytes: 1 << 20,
         };
         let mut plain = Launch::new(None);
         let config = boot_config(&mut plain, &paths, &shape).expect("config");

@@ -1,5 +1,6 @@
-//! COM1: a 16550 UART (vm-superio) whose output goes to stdout or a file and whose input
-//! comes from the VMM's stdin; its snapshot state (registers, FIFO, idle-poll count).
+//! COM1: a 16550 UART (vm-superio) whose output goes to stdout or a file (capped in size) and
+//! whose input comes from the VMM's stdin; its snapshot state (registers, FIFO, idle-poll
+//! count).
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -19,6 +20,11 @@ use crate::vstate::bus::BusDevice;
 /// nor the event loop. Bytes that do not fit are dropped and counted. The buffer is handed
 /// to the writer at each newline, when it holds [`FLUSH_THRESHOLD`] bytes, and by the VMM's
 /// event loop shortly after the last byte.
+///
+/// A console file stops growing at its cap: the writer writes up to the cap less
+/// [`CAP_NOTE_ROOM`], then one line saying the console is capped; later bytes are dropped
+/// and counted ([`ConsoleOut::capped_bytes`]), and the count is the file's last line when
+/// the console closes. The file never grows past the cap.
 pub struct ConsoleOut {
     shared: Arc<ConsoleShared>,
     writer: Option<std::thread::JoinHandle<()>>,
@@ -42,7 +48,20 @@ struct ConsoleState {
     reported: u64,
     broken: bool,
     closing: bool,
+    /// The file reached its cap: output is dropped at once.
+    capped: bool,
+    /// Bytes dropped because the file reached its cap.
+    capped_bytes: u64,
 }
+
+/// A console file's cap and how much of it is used.
+struct FileCap {
+    written: u64,
+    max: u64,
+}
+
+/// Room kept below a file's cap for the lines that say it is capped and what was dropped.
+pub const CAP_NOTE_ROOM: u64 = 256;
 
 enum Sink {
     Stdout(io::Stdout),
@@ -74,15 +93,25 @@ fn lock_state(shared: &ConsoleShared) -> std::sync::MutexGuard<'_, ConsoleState>
 impl ConsoleOut {
     /// Console output to the VMM's stdout.
     pub fn stdout() -> Self {
-        Self::with_sink(Sink::Stdout(io::stdout()))
+        Self::with_sink(Sink::Stdout(io::stdout()), None)
     }
 
-    /// Console output appended to `file`.
+    /// Console output appended to `file`, uncapped.
     pub fn file(file: File) -> Self {
-        Self::with_sink(Sink::File(file))
+        Self::with_sink(Sink::File(file), None)
     }
 
-    fn with_sink(sink: Sink) -> Self {
+    /// Console output appended to `file`, which holds `size` bytes already and must not grow
+    /// past `max_bytes`.
+    pub fn capped_file(file: File, size: u64, max_bytes: u64) -> Self {
+        let cap = FileCap {
+            written: size,
+            max: max_bytes,
+        };
+        Self::with_sink(Sink::File(file), Some(cap))
+    }
+
+    fn with_sink(sink: Sink, cap: Option<FileCap>) -> Self {
         let shared = Arc::new(ConsoleShared {
             state: Mutex::new(ConsoleState::default()),
             changed: Condvar::new(),
@@ -91,7 +120,7 @@ impl ConsoleOut {
         let writer = crate::seccomp::spawn_filtered(
             "console".into(),
             crate::seccomp::ThreadKind::Vmm,
-            move || write_out(&theirs, sink),
+            move || write_out(&theirs, sink, cap),
         );
         let writer = match writer {
             Ok(handle) => Some(handle),
@@ -113,6 +142,11 @@ impl ConsoleOut {
     /// Console bytes dropped because the buffer was full (the host was not reading).
     pub fn dropped_bytes(&self) -> u64 {
         lock_state(&self.shared).dropped
+    }
+
+    /// Console bytes dropped because the console file reached its cap.
+    pub fn capped_bytes(&self) -> u64 {
+        lock_state(&self.shared).capped_bytes
     }
 
     /// Hands the buffered bytes to the writer thread; never blocks on the sink. After the
@@ -142,7 +176,7 @@ impl ConsoleOut {
 }
 
 /// The writer thread: writes what is handed to it until the console closes.
-fn write_out(shared: &ConsoleShared, mut sink: Sink) {
+fn write_out(shared: &ConsoleShared, mut sink: Sink, mut cap: Option<FileCap>) {
     loop {
         let mut state = lock_state(shared);
         while state.handed == 0 && !state.closing {
@@ -152,6 +186,12 @@ fn write_out(shared: &ConsoleShared, mut sink: Sink) {
                 .unwrap_or_else(|e| e.into_inner());
         }
         if state.handed == 0 {
+            let dropped = state.capped_bytes;
+            drop(state);
+            if let Some(cap) = cap.as_mut().filter(|_| dropped > 0) {
+                let note = format!("[rollbox-vmm: {dropped} console bytes dropped past the cap]\n");
+                let _ = write_within(&mut sink, cap, note.as_bytes());
+            }
             return;
         }
         let handed = state.handed;
@@ -167,9 +207,22 @@ fn write_out(shared: &ConsoleShared, mut sink: Sink) {
                 "console: the host did not read console output; dropped {newly_dropped} bytes ({total} in all)"
             );
         }
-        let result = sink.write_all(&bytes);
+        let (result, over) = match cap.as_mut() {
+            None => (sink.write_all(&bytes), 0),
+            Some(cap) => write_capped(&mut sink, cap, &bytes),
+        };
         let mut state = lock_state(shared);
         state.in_flight = 0;
+        if over > 0 {
+            state.capped_bytes += over;
+            if !state.capped {
+                state.capped = true;
+                log::warn!(
+                    "console: the console file reached its cap of {} bytes; later output is dropped",
+                    cap.as_ref().map_or(0, |c| c.max)
+                );
+            }
+        }
         if let Err(e) = result {
             state.broken = true;
             state.buffer.clear();
@@ -183,10 +236,53 @@ fn write_out(shared: &ConsoleShared, mut sink: Sink) {
     }
 }
 
+/// Writes what fits of `bytes` below the cap's note room; at the first cut, the line that
+/// says the console is capped. Returns the write's result and the bytes dropped.
+fn write_capped(sink: &mut Sink, cap: &mut FileCap, bytes: &[u8]) -> (io::Result<()>, u64) {
+    let room = cap
+        .max
+        .saturating_sub(CAP_NOTE_ROOM)
+        .saturating_sub(cap.written);
+    let fits = usize::try_from(room).unwrap_or(usize::MAX).min(bytes.len());
+    let (now, over) = bytes.split_at(fits);
+    if let Err(e) = write_within(sink, cap, now) {
+        return (Err(e), 0);
+    }
+    if over.is_empty() {
+        return (Ok(()), 0);
+    }
+    // Only the first cut finds the content full but the note room whole.
+    if cap.written + CAP_NOTE_ROOM <= cap.max {
+        let note = format!(
+            "\n[rollbox-vmm: console capped at {} bytes; later output is dropped]\n",
+            cap.max
+        );
+        if let Err(e) = write_within(sink, cap, note.as_bytes()) {
+            return (Err(e), over.len() as u64);
+        }
+    }
+    (Ok(()), over.len() as u64)
+}
+
+/// Writes `bytes` if they fit under the cap (else nothing), counting them.
+fn write_within(sink: &mut Sink, cap: &mut FileCap, bytes: &[u8]) -> io::Result<()> {
+    let len = bytes.len() as u64;
+    if cap.written.saturating_add(len) > cap.max {
+        return Ok(());
+    }
+    sink.write_all(bytes)?;
+    cap.written += len;
+    Ok(())
+}
+
 impl Write for ConsoleOut {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let mut state = lock_state(&self.shared);
         if state.broken {
+            return Ok(buf.len());
+        }
+        if state.capped {
+            state.capped_bytes += buf.len() as u64;
             return Ok(buf.len());
         }
         let room = CONSOLE_BUFFER_LIMIT.saturating_sub(state.buffer.len() + state.in_flight);
@@ -499,6 +595,57 @@ mod tests {
         assert!(io::Read::read(&mut reader, &mut got).expect("read") > 0);
         drop(reader);
         drop(out);
+    }
+
+    #[test]
+    fn a_flooded_console_file_stops_at_its_cap_and_reports_the_drop() {
+        let file = tempfile::NamedTempFile::new().expect("file");
+        std::fs::write(file.path(), b"from before a restore\n").expect("write");
+        let max = 4096u64;
+        let append = || {
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(file.path())
+                .expect("open")
+        };
+        let mut out = ConsoleOut::capped_file(append(), 22, max);
+        let line = [b'x'; 99];
+        // 1 MiB of flood, far past the cap.
+        for _ in 0..(1 << 20) / 100 {
+            out.write_all(&line).expect("write");
+            out.write_all(b"\n").expect("write");
+        }
+        assert!(out.drain(Duration::from_secs(5)), "the writer keeps up");
+        let size = std::fs::metadata(file.path()).expect("stat").len();
+        assert!(size <= max, "the file grew past its cap: {size}");
+        assert!(
+            size >= max - CAP_NOTE_ROOM,
+            "the file holds output up to the cap: {size}"
+        );
+        let dropped = out.capped_bytes();
+        assert!(dropped >= (1 << 20) - max, "{dropped}");
+        drop(out);
+        let text = std::fs::read_to_string(file.path()).expect("read");
+        assert!(text.len() as u64 <= max, "{}", text.len());
+        assert!(text.starts_with("from before a restore\nxxx"), "{text}");
+        assert!(
+            text.contains(
+                "\n[rollbox-vmm: console capped at 4096 bytes; later output is dropped]\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.ends_with(&format!(
+                "[rollbox-vmm: {dropped} console bytes dropped past the cap]\n"
+            )),
+            "{text}"
+        );
+        // A file already at its cap gets nothing more.
+        let full = std::fs::metadata(file.path()).expect("stat").len();
+        let mut out = ConsoleOut::capped_file(append(), full, full);
+        out.write_all(b"more\n").expect("write");
+        drop(out);
+        assert_eq!(std::fs::metadata(file.path()).expect("stat").len(), full);
     }
 
     #[test]

@@ -117,7 +117,14 @@ impl Daemon {
                 Ok(())
             });
         }
-        // From the unfiltered spawner thread: children inherit their parent thread's filter.
+        // The spawner runs the binary in the virtiofsd slot (it must be this one).
+        if crate::seccomp::enabled() {
+            if let Err(e) = crate::seccomp::fill_slot(crate::seccomp::VIRTIOFSD_SLOT, binary) {
+                let _ = std::fs::remove_dir_all(dir);
+                return Err(spawn_err(std::io::Error::other(e.to_string())));
+            }
+        }
+        // From the spawner thread: children inherit their parent thread's filter.
         let child = match crate::seccomp::spawner().spawn(command) {
             Ok(child) => child,
             Err(e) => {

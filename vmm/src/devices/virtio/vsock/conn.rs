@@ -7,6 +7,7 @@ use std::io::{ErrorKind, Write};
 use std::num::Wrapping;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::Instant;
 
 use super::packet::PacketHeader;
 
@@ -38,6 +39,9 @@ pub(super) struct Conn {
     pub(super) token: u64,
     /// Control packets that found the queue full, in order; sent before any more data.
     pub(super) deferred: Vec<PacketHeader>,
+    /// When it was set up: an [`ConnState::AwaitingGuest`] one waits for the guest's
+    /// RESPONSE from then on, for at most the muxer's pending timeout.
+    pub(super) since: Instant,
 }
 
 impl Conn {
@@ -55,6 +59,7 @@ impl Conn {
             host_eof: false,
             token,
             deferred: Vec::new(),
+            since: Instant::now(),
         }
     }
 

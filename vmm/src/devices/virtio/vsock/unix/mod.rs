@@ -1,6 +1,8 @@
 //! The host side of vsock: a Unix listener for host-initiated connections, Unix streams to
 //! `<uds_path>_<port>` for guest-initiated ones, and the packets between them and the guest.
-//! One connection and its credit accounting are `conn.rs`.
+//! A host connection that has not sent its `CONNECT <port>` line, or whose guest port has not
+//! answered, is closed after [`PENDING_TIMEOUT`] (a timer in the muxer's epoll set). One
+//! connection and its credit accounting are `conn.rs`.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -8,8 +10,10 @@ use std::num::Wrapping;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::timerfd::TimerFd;
 
 use super::conn::{connect_nonblocking, Conn, ConnKey, ConnState};
 use super::packet::{op, PacketHeader, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
@@ -32,12 +36,18 @@ pub const MAX_CONTROL: usize = 256;
 /// a credit update, a shutdown); a connection that needs more is reset.
 const MAX_DEFERRED: usize = 4;
 
+/// How long a host connection may take to send its `CONNECT <port>` line, and how long the
+/// guest may take to answer it. Firecracker's limit.
+pub const PENDING_TIMEOUT: Duration = Duration::from_secs(2);
+
 const TOKEN_LISTENER: u64 = u64::MAX;
+const TOKEN_TIMER: u64 = u64::MAX - 1;
 const TOKEN_PENDING_BIT: u64 = 1 << 63;
 
 struct PendingAccept {
     stream: UnixStream,
     line: Vec<u8>,
+    since: Instant,
 }
 
 /// Errors from setting up the host side.
@@ -46,6 +56,14 @@ pub enum UnixError {
     /// The socket path is taken.
     #[error("vsock uds_path {0} already exists (in use, or left over: remove it)")]
     PathInUse(PathBuf),
+    /// The timer of pending connections could not be set up.
+    #[error("vsock uds_path {path}: the timer of pending connections: {source}")]
+    Timer {
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// Binding or configuring the listener failed.
     #[error("vsock uds_path {path}: {source}")]
     Listen {
@@ -74,6 +92,14 @@ pub struct UnixMuxer {
     dropped_control: u64,
     /// Connections refused because [`MAX_CONNECTIONS`] were open.
     refused_conns: u64,
+    /// Fires when the oldest pending connection's time is up (non-blocking).
+    timer: TimerFd,
+    /// When `timer` fires, if armed.
+    timer_at: Option<Instant>,
+    /// [`PENDING_TIMEOUT`] (shorter in tests).
+    pending_timeout: Duration,
+    /// Host connections closed because the line or the guest's answer did not come in time.
+    timed_out_conns: u64,
 }
 
 fn epoll_add(epoll: &Epoll, fd: RawFd, events: EventSet, token: u64) -> std::io::Result<()> {
@@ -104,6 +130,20 @@ impl UnixMuxer {
         listener.set_nonblocking(true).map_err(cleanup)?;
         let epoll = Epoll::new().map_err(cleanup)?;
         epoll_add(&epoll, listener.as_raw_fd(), EventSet::IN, TOKEN_LISTENER).map_err(cleanup)?;
+        let timer = TimerFd::new()
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+            .and_then(|timer| {
+                set_nonblocking(timer.as_raw_fd())?;
+                epoll_add(&epoll, timer.as_raw_fd(), EventSet::IN, TOKEN_TIMER)?;
+                Ok(timer)
+            })
+            .map_err(|source| {
+                let _ = std::fs::remove_file(uds_path);
+                UnixError::Timer {
+                    path: uds_path.to_path_buf(),
+                    source,
+                }
+            })?;
         Ok(Self {
             guest_cid,
             uds_path: uds_path.to_path_buf(),
@@ -119,7 +159,17 @@ impl UnixMuxer {
             max_conns: MAX_CONNECTIONS,
             dropped_control: 0,
             refused_conns: 0,
+            timer,
+            timer_at: None,
+            pending_timeout: PENDING_TIMEOUT,
+            timed_out_conns: 0,
         })
+    }
+
+    /// Host connections closed because they sent no `CONNECT` line, or the guest did not
+    /// answer it, within [`PENDING_TIMEOUT`].
+    pub fn timed_out_conns(&self) -> u64 {
+        self.timed_out_conns
     }
 
     /// Control packets dropped because the guest gave no RX buffers for them.
@@ -279,6 +329,11 @@ impl UnixMuxer {
         for event in &events[..n] {
             match event.data() {
                 TOKEN_LISTENER => self.accept_all(),
+                TOKEN_TIMER => {
+                    // Non-blocking: a re-arm since the event may have cleared the count.
+                    let _ = self.timer.wait();
+                    self.timer_at = None;
+                }
                 token if token & TOKEN_PENDING_BIT != 0 => self.read_preamble(token),
                 token => {
                     let Some(&key) = self.tokens.get(&token) else {
@@ -297,7 +352,74 @@ impl UnixMuxer {
                 }
             }
         }
+        self.expire_pending(Instant::now());
+        self.arm_timer();
         true
+    }
+
+    /// Closes the host connections whose `CONNECT` line, or the guest's answer to it, has
+    /// not come within the pending timeout; the guest gets a reset for the latter.
+    fn expire_pending(&mut self, now: Instant) {
+        let timeout = self.pending_timeout;
+        let late = |since: Instant| now.saturating_duration_since(since) >= timeout;
+        let silent: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| late(p.since))
+            .map(|(token, _)| *token)
+            .collect();
+        for token in silent {
+            self.timed_out_conns += 1;
+            self.drop_pending(token, "no CONNECT line within the pending timeout");
+        }
+        let unanswered: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.state == ConnState::AwaitingGuest && late(c.since))
+            .map(|(key, _)| *key)
+            .collect();
+        for key in unanswered {
+            self.timed_out_conns += 1;
+            log::debug!(
+                "vsock: guest port {} did not answer a host CONNECT within {timeout:?}; closed",
+                key.1
+            );
+            self.remove_conn(key);
+            self.push_control(key, op::RST, 0);
+        }
+    }
+
+    /// Arms the timer for the oldest pending connection (disarms it when there is none).
+    fn arm_timer(&mut self) {
+        let oldest = self
+            .pending
+            .values()
+            .map(|p| p.since)
+            .chain(
+                self.conns
+                    .values()
+                    .filter(|c| c.state == ConnState::AwaitingGuest)
+                    .map(|c| c.since),
+            )
+            .min();
+        let due = oldest.map(|since| since + self.pending_timeout);
+        if due == self.timer_at {
+            return;
+        }
+        let armed = match due {
+            Some(at) => {
+                // A zero duration would disarm the timer: at least a millisecond.
+                let left = at
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                self.timer.reset(left, None)
+            }
+            None => self.timer.clear(),
+        };
+        match armed {
+            Ok(()) => self.timer_at = due,
+            Err(e) => log::warn!("vsock: cannot arm the timer of pending connections: {e}"),
+        }
     }
 
     fn accept_all(&mut self) {
@@ -330,6 +452,7 @@ impl UnixMuxer {
                         PendingAccept {
                             stream,
                             line: Vec::new(),
+                            since: Instant::now(),
                         },
                     );
                 }
@@ -638,6 +761,17 @@ impl UnixMuxer {
     }
 }
 
+/// Sets O_NONBLOCK on `fd`.
+fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL only read and set its flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl Drop for UnixMuxer {
     fn drop(&mut self) {
         if let Err(e) = std::fs::remove_file(&self.uds_path) {
@@ -647,175 +781,4 @@ impl Drop for UnixMuxer {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::os::fd::AsRawFd;
-    use std::sync::mpsc::channel;
-    use std::time::Duration;
-
-    use super::*;
-
-    const GUEST_CID: u64 = 3;
-
-    fn muxer(dir: &Path) -> UnixMuxer {
-        UnixMuxer::new(GUEST_CID, &dir.join("v.sock")).expect("muxer")
-    }
-
-    /// A packet from guest port `src` to host port `dst`.
-    fn from_guest(src: u32, dst: u32, op: u16) -> PacketHeader {
-        PacketHeader {
-            src_cid: GUEST_CID,
-            dst_cid: HOST_CID,
-            src_port: src,
-            dst_port: dst,
-            type_: TYPE_STREAM,
-            op,
-            buf_alloc: BUF_ALLOC,
-            ..Default::default()
-        }
-    }
-
-    fn ops(m: &UnixMuxer) -> Vec<u16> {
-        m.control.iter().map(|h| h.op).collect()
-    }
-
-    #[test]
-    fn forwarded_bytes_are_counted_and_credit_updates_come_every_quarter_buffer() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut m = muxer(dir.path());
-        let (ours, mut theirs) = UnixStream::pair().expect("pair");
-        let key = (5000, 1000);
-        m.add_conn(key, ours, ConnState::Established).expect("add");
-        let chunk = vec![7u8; (BUF_ALLOC / 8) as usize];
-        let mut rw = from_guest(1000, 5000, op::RW);
-        m.handle_guest_packet(&rw, &chunk);
-        assert!(ops(&m).is_empty(), "an eighth of the buffer: no update yet");
-        m.handle_guest_packet(&rw, &chunk);
-        assert_eq!(ops(&m), [op::CREDIT_UPDATE]);
-        m.handle_guest_packet(&rw, &chunk);
-        m.handle_guest_packet(&rw, &chunk);
-        assert_eq!(ops(&m), [op::CREDIT_UPDATE], "one queued update is enough");
-        let (h, _) = m.next_rx(4096).expect("update");
-        assert_eq!(h.fwd_cnt, BUF_ALLOC / 2, "bytes written to the host");
-        let mut got = vec![0u8; (BUF_ALLOC / 2) as usize];
-        theirs.read_exact(&mut got).expect("host reads");
-        // More than the advertised buffer unread on the host: the guest overran its credit.
-        theirs.set_nonblocking(true).expect("nonblocking host end");
-        rw.len = 0;
-        let big = vec![0u8; BUF_ALLOC as usize];
-        for _ in 0..8 {
-            m.handle_guest_packet(&rw, &big);
-        }
-        assert!(!m.conns.contains_key(&key), "overrun resets the connection");
-        assert_eq!(m.control.back().map(|h| h.op), Some(op::RST));
-    }
-
-    #[test]
-    fn control_queue_is_bounded_when_the_guest_gives_no_rx_buffers() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut m = muxer(dir.path());
-        for port in 0..(MAX_CONTROL as u32 + 1000) {
-            // Data for connections that do not exist: each would be answered with RST.
-            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
-        }
-        assert_eq!(m.control.len(), MAX_CONTROL);
-        assert_eq!(m.dropped_control(), 1000);
-        // A guest asking again and again for credit on a live connection gets one update.
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut m = muxer(dir.path());
-        let (ours, _theirs) = UnixStream::pair().expect("pair");
-        m.add_conn((5000, 1000), ours, ConnState::Established)
-            .expect("add");
-        for _ in 0..1000 {
-            m.handle_guest_packet(&from_guest(1000, 5000, op::CREDIT_REQUEST), &[]);
-        }
-        assert_eq!(ops(&m), [op::CREDIT_UPDATE]);
-    }
-
-    #[test]
-    fn a_connections_control_packets_wait_for_room_and_go_before_its_data() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut m = muxer(dir.path());
-        let listener = UnixListener::bind(dir.path().join("v.sock_5000")).expect("listen");
-        for port in 0..MAX_CONTROL as u32 {
-            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
-        }
-        m.handle_guest_packet(&from_guest(1000, 5000, op::REQUEST), &[]);
-        assert_eq!(m.conns.len(), 1, "the connection is kept");
-        assert_eq!(m.dropped_control(), 0);
-        let (mut host, _) = listener.accept().expect("the host saw the connect");
-        host.write_all(b"early data").expect("host writes");
-        // Credit from the guest, asked for again and again: one update waits, coalesced.
-        for _ in 0..10 {
-            m.handle_guest_packet(&from_guest(1000, 5000, op::CREDIT_REQUEST), &[]);
-        }
-        assert_eq!(m.control.len(), MAX_CONTROL);
-        let mut sent = Vec::new();
-        while let Some((h, payload)) = m.next_rx(4096) {
-            sent.push((h.op, payload.len()));
-        }
-        let ours: Vec<(u16, usize)> = sent[MAX_CONTROL..].to_vec();
-        assert_eq!(
-            ours,
-            [(op::RESPONSE, 0), (op::CREDIT_UPDATE, 0), (op::RW, 10)],
-            "RESPONSE before the host's data"
-        );
-        // A reset for an unknown connection finds no room and is dropped, counted.
-        for port in 0..=MAX_CONTROL as u32 {
-            m.handle_guest_packet(&from_guest(port, 9, op::RW), &[]);
-        }
-        assert_eq!(m.dropped_control(), 1);
-    }
-
-    #[test]
-    fn guest_connection_flood_is_capped() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut m = muxer(dir.path());
-        m.max_conns = 4;
-        let listener = UnixListener::bind(dir.path().join("v.sock_5000")).expect("listen");
-        for port in 0..10 {
-            m.handle_guest_packet(&from_guest(1000 + port, 5000, op::REQUEST), &[]);
-        }
-        assert_eq!(m.conns.len(), 4);
-        assert_eq!(m.refused_conns(), 6);
-        let responses = ops(&m).iter().filter(|&&o| o == op::RESPONSE).count();
-        let resets = ops(&m).iter().filter(|&&o| o == op::RST).count();
-        assert_eq!((responses, resets), (4, 6));
-        // Host-initiated connections count too: one more is refused at once.
-        let mut host = UnixStream::connect(dir.path().join("v.sock")).expect("connect");
-        m.accept_all();
-        let mut reply = String::new();
-        host.read_to_string(&mut reply).expect("read");
-        assert_eq!(reply, "ERR too many connections\n");
-        assert!(m.pending.is_empty());
-        drop(listener);
-    }
-
-    #[test]
-    fn a_host_listener_with_a_full_backlog_is_refused_without_blocking() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("v.sock_5000");
-        let listener = UnixListener::bind(&path).expect("listen");
-        // SAFETY: listen(2) on a socket we own; a second call only shrinks the backlog.
-        assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
-        let mut queued = Vec::new();
-        loop {
-            match connect_nonblocking(&path) {
-                Ok(s) => queued.push(s),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) => panic!("filling the backlog: {e}"),
-            }
-            assert!(queued.len() < 4096, "the backlog never filled");
-        }
-        let mut m = muxer(dir.path());
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            m.handle_guest_packet(&from_guest(1000, 5000, op::REQUEST), &[]);
-            let _ = tx.send(ops(&m));
-        });
-        let answered = rx
-            .recv_timeout(Duration::from_secs(5))
-            .expect("the guest's connect blocked the event loop");
-        assert_eq!(answered, [op::RST]);
-        drop(listener);
-    }
-}
+mod tests;
