@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::core::Core;
+use super::frontend::conn::{self, ConnLimits};
 use super::frontend::transport::{Listen, Listener, TransportError};
 use super::frontend::{e2b, rest};
 use super::guest::Guest;
@@ -72,6 +73,11 @@ pub struct ServeOptions {
     pub e2b: Option<e2b::E2bOptions>,
     /// `rollbox-jailer` around every VMM (the default); None with `--no-jailer`.
     pub jailer: Option<JailerOptions>,
+    /// What every API connection is held to, on each listener.
+    pub http: ConnLimits,
+    /// `--agent-timeout`: guest agent connects, handshakes and calls without a timeout of
+    /// their own end after this.
+    pub agent_timeout: Duration,
 }
 
 /// The state directory's parts, made if missing.
@@ -116,6 +122,11 @@ pub async fn serve(
     if options.api_key.trim().is_empty() {
         return Err(DaemonError::EmptyKey);
     }
+    // Descriptors for the connection caps (each connection may hold an agent connection too).
+    match conn::raise_nofile() {
+        Ok(limit) => log::info!("open files limit: {limit}"),
+        Err(e) => log::warn!("cannot raise the open files limit: {e}"),
+    }
     let dirs = make_dirs(&options.state_dir)?;
     let db = Arc::new(Db::new(Store::open(&dirs.state.join("state.db"))?));
     let supervisor = Arc::new(Supervisor::new(SupervisorOptions {
@@ -130,6 +141,7 @@ pub async fn serve(
     let guest = Arc::new(Guest::new(
         Arc::clone(&db),
         options.test_agent_socket.clone(),
+        options.agent_timeout,
     ));
     let sandboxes = Arc::new(Sandboxes::new(
         Arc::clone(&db),
@@ -184,6 +196,7 @@ pub async fn serve(
                 Arc::clone(&core),
                 options.api_key.clone(),
                 e2b_options,
+                options.http,
             ))
         });
     let reaper = {
@@ -203,7 +216,14 @@ pub async fn serve(
         })
     };
     log::info!("listening on {}", listener.describe());
-    rest::run(listener, core, options.api_key.clone(), shutdown).await;
+    rest::run(
+        listener,
+        core,
+        options.api_key.clone(),
+        options.http,
+        shutdown,
+    )
+    .await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {
         e2b_server.abort();

@@ -1,7 +1,6 @@
 //! The native frontend: accept, check the key, cap the body, parse into an action, run it on
 //! the [`Core`], and write the typed reply as JSON. Nothing else happens here.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use http_body_util::{BodyExt, Limited};
@@ -11,16 +10,19 @@ use hyper_util::rt::TokioIo;
 
 use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
 use super::super::core::Core;
+use super::conn::{self, ConnLimits, Gate};
 use super::transport::{accept, same_key, BodyReader, Listener, Out};
 
-/// Serves connections until `shutdown` completes.
+/// Serves connections until `shutdown` completes, each held to `limits` (see [`conn`]).
 pub async fn run(
     listener: Listener,
     core: Arc<Core>,
     api_key: String,
+    limits: ConnLimits,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let api_key: Arc<str> = api_key.into();
+    let gate = Gate::new(limits.max_connections);
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -36,19 +38,18 @@ pub async fn run(
                 continue;
             }
         };
+        // Full of connections that all have a request in progress: this one closes at once.
+        let Some(ticket) = gate.admit() else {
+            continue;
+        };
         let core = Arc::clone(&core);
         let api_key = Arc::clone(&api_key);
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let core = Arc::clone(&core);
-                let api_key = Arc::clone(&api_key);
-                async move { Ok::<_, Infallible>(respond(&core, &api_key, request).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .with_upgrades()
-                .await;
-        });
+        let handle = move |request| {
+            let core = Arc::clone(&core);
+            let api_key = Arc::clone(&api_key);
+            async move { respond(&core, &api_key, request).await }
+        };
+        tokio::spawn(conn::serve(io, ticket, limits, handle));
     }
 }
 
