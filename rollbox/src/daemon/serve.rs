@@ -124,7 +124,7 @@ pub async fn serve(
     }
     // Descriptors for the connection caps (each connection may hold an agent connection too).
     match conn::raise_nofile() {
-        Ok(limit) => log::info!("open files limit: {limit}"),
+        Ok(limit) => log::debug!("open files limit: {limit}"),
         Err(e) => log::warn!("cannot raise the open files limit: {e}"),
     }
     let dirs = make_dirs(&options.state_dir)?;
