@@ -401,27 +401,39 @@ fn an_agent_that_never_answers_ends_the_call_naming_the_sandbox() {
     server.add_guest_template("guest");
     let sandbox = server.create(json!({"template": "guest", "ttl_s": 300}));
     let id = sandbox["id"].as_str().expect("id").to_string();
-    for (phase, said) in [
-        ("no handshake", "did not answer on"),
-        ("no answer after the handshake", "did not answer stat"),
-    ] {
+    let calls = [
+        ("no handshake", "files/stat", "did not answer on"),
+        (
+            "no answer after the handshake",
+            "files/stat",
+            "did not answer stat",
+        ),
+        (
+            "no answer after the handshake",
+            "files",
+            "did not answer read_file",
+        ),
+        (
+            "no answer after the handshake",
+            "tar",
+            "did not answer tar_download",
+        ),
+    ];
+    for (phase, route, said) in calls {
         handshake.store(phase != "no handshake", std::sync::atomic::Ordering::SeqCst);
         let started = Instant::now();
-        let (status, body) = server.call(
-            "GET",
-            &format!("/sandboxes/{id}/files/stat?path=/etc"),
-            None,
-        );
+        let (status, body) =
+            server.call("GET", &format!("/sandboxes/{id}/{route}?path=/etc"), None);
         let took = started.elapsed();
-        assert_eq!(status, 503, "{phase}: {body}");
+        assert_eq!(status, 503, "{phase}, {route}: {body}");
         let message = body.to_string();
         assert!(
             message.contains(&format!("sandbox {id}")) && message.contains(said),
-            "{phase}: {message}"
+            "{phase}, {route}: {message}"
         );
         assert!(
             took < Duration::from_secs(4),
-            "{phase}: the call took {took:?} with a 1 s agent timeout"
+            "{phase}, {route}: the call took {took:?} with a 1 s agent timeout"
         );
     }
 }
