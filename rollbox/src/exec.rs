@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rollbox_agent_protocol::client::{AgentClient, ExecEvent};
+use rollbox_agent_protocol::client::{AgentClient, ClientOptions, ExecEvent};
 use rollbox_agent_protocol::messages::{ExecRequest, OutputStream};
 
 /// Errors of `rollbox exec`.
@@ -67,7 +67,14 @@ pub fn run(options: &ExecOptions) -> Result<u8, ExecError> {
 async fn connect(options: &ExecOptions) -> Result<AgentClient, ExecError> {
     let deadline = tokio::time::Instant::now() + options.wait;
     loop {
-        match AgentClient::connect_unix(&options.uds, options.port).await {
+        // One exec on its own connection: wait for a slow stdout however long (no stall
+        // timeout), and give up on a socket that never completes the handshake.
+        let client_options = ClientOptions {
+            connect_timeout: Some(Duration::from_secs(5)),
+            call_timeout: None,
+            stall_timeout: None,
+        };
+        match AgentClient::connect_unix_with(&options.uds, options.port, client_options).await {
             Ok(client) => return Ok(client),
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(ExecError::Connect {

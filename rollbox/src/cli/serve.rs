@@ -128,6 +128,32 @@ pub struct ServeArgs {
     /// repeatable. Without one, any.
     #[arg(long = "registry-allow", value_name = "HOST")]
     registry_allow: Vec<String>,
+    /// Open connections per API listener; past it the oldest connection with no request in
+    /// progress is closed to make room.
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections: u64,
+    /// Seconds a client may take to send a request's headers; also closes keep-alive
+    /// connections idle this long.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, value_parser = positive_seconds)]
+    http_header_timeout: f64,
+    /// Seconds a TLS handshake on the E2B listener may take.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = positive_seconds)]
+    tls_handshake_timeout: f64,
+    /// Seconds the guest agent may take to accept a connection and to answer a call that has
+    /// no timeout of its own (an exec is bounded by its own timeout).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = positive_seconds)]
+    agent_timeout: f64,
+}
+
+/// A duration flag: seconds, fractions allowed, more than 0 and at most a day.
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(secs > 0.0 && secs <= 86_400.0) {
+        return Err(format!("{text} is not between 0 and 86400 seconds"));
+    }
+    Ok(secs)
 }
 
 /// `rollbox serve`.
@@ -165,7 +191,14 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             let _ = std::fs::create_dir_all(parent);
         }
     }
+    let http = rollbox::daemon::ConnLimits {
+        header_timeout: Duration::from_secs_f64(args.http_header_timeout),
+        tls_handshake_timeout: Duration::from_secs_f64(args.tls_handshake_timeout),
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+    };
     let options = ServeOptions {
+        http,
+        agent_timeout: Duration::from_secs_f64(args.agent_timeout),
         listen,
         api_key,
         state_dir: args.state_dir,

@@ -26,6 +26,7 @@ mod templates;
 pub mod usage;
 mod util;
 
+pub use frontend::conn::ConnLimits;
 pub use frontend::e2b;
 pub use frontend::transport::Listen;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::core::{Core, Services};
+use super::frontend::conn::{self, ConnLimits};
 use super::frontend::transport::{Listen, Listener, TransportError};
 use super::frontend::{e2b, rest};
 use super::guest::Guest;
@@ -91,6 +92,11 @@ pub struct ServeOptions {
     pub registry_allow: Vec<String>,
     /// Each VMM's console file stops growing at this many bytes (`--console-max-bytes`).
     pub console_max_bytes: u64,
+    /// What every API connection is held to, on each listener.
+    pub http: ConnLimits,
+    /// `--agent-timeout`: guest agent connects, handshakes and calls without a timeout of
+    /// their own end after this.
+    pub agent_timeout: Duration,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -155,6 +161,11 @@ pub async fn serve(
     if options.api_key.trim().is_empty() {
         return Err(DaemonError::EmptyKey);
     }
+    // Descriptors for the connection caps (each connection may hold an agent connection too).
+    match conn::raise_nofile() {
+        Ok(limit) => log::debug!("open files limit: {limit}"),
+        Err(e) => log::warn!("cannot raise the open files limit: {e}"),
+    }
     let dirs = make_dirs(&options.state_dir)?;
     let policy = template_policy(&options, &dirs)?;
     let db = Arc::new(Db::new(Store::open(&dirs.state.join("state.db"))?));
@@ -172,6 +183,7 @@ pub async fn serve(
     let guest = Arc::new(Guest::new(
         Arc::clone(&db),
         options.test_agent_socket.clone(),
+        options.agent_timeout,
     ));
     let sandboxes = Arc::new(Sandboxes::new(
         Arc::clone(&db),
@@ -235,6 +247,7 @@ pub async fn serve(
                 Arc::clone(&core),
                 options.api_key.clone(),
                 e2b_options,
+                options.http,
             ))
         });
     let reaper = {
@@ -254,7 +267,7 @@ pub async fn serve(
         })
     };
     log::info!("listening on {}", listener.describe());
-    rest::run(listener, core, shutdown).await;
+    rest::run(listener, core, options.http, shutdown).await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {
         e2b_server.abort();

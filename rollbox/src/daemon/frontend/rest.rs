@@ -2,7 +2,6 @@
 //! action, run it on the [`Core`] as that caller, and write the typed reply as JSON. Nothing
 //! else happens here.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use http_body_util::{BodyExt, Limited};
@@ -13,14 +12,17 @@ use hyper_util::rt::TokioIo;
 use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
 use super::super::core::Core;
 use super::super::keys::Caller;
+use super::conn::{self, ConnLimits, Gate};
 use super::transport::{accept, BodyReader, Listener, Out};
 
-/// Serves connections until `shutdown` completes.
+/// Serves connections until `shutdown` completes, each held to `limits` (see [`conn`]).
 pub async fn run(
     listener: Listener,
     core: Arc<Core>,
+    limits: ConnLimits,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    let gate = Gate::new(limits.max_connections);
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -36,17 +38,16 @@ pub async fn run(
                 continue;
             }
         };
+        // Full of connections that all have a request in progress: this one closes at once.
+        let Some(ticket) = gate.admit() else {
+            continue;
+        };
         let core = Arc::clone(&core);
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let core = Arc::clone(&core);
-                async move { Ok::<_, Infallible>(respond(&core, request).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .with_upgrades()
-                .await;
-        });
+        let handle = move |request| {
+            let core = Arc::clone(&core);
+            async move { respond(&core, request).await }
+        };
+        tokio::spawn(conn::serve(io, ticket, limits, handle));
     }
 }
 

@@ -1,9 +1,12 @@
 //! After a boot: waiting for the guest's agent, and a template's start command (in the
-//! background) and ready command (until it exits 0).
+//! background) and ready command (until it exits 0). Every agent call here is bounded: the
+//! connection by the agent timeout, each run by its own timeout plus the agent timeout, and
+//! the ready loop by the template's ready timeout.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use rollbox_agent_protocol::client::ClientOptions;
 use rollbox_agent_protocol::{AgentClient, ExecRequest, DEFAULT_PORT};
 
 use super::super::api::{ApiError, State, Template};
@@ -35,9 +38,13 @@ impl Guest {
         };
         let name = &template.name;
         self.wait_for_agent(id, name).await?;
-        let client = AgentClient::connect_unix(self.agent_socket(id)?, DEFAULT_PORT)
-            .await
-            .map_err(|e| ApiError::Unavailable(format!("start_cmd: agent of {id}: {e}")))?;
+        let client = AgentClient::connect_unix_with(
+            self.agent_socket(id)?,
+            DEFAULT_PORT,
+            self.client_options(),
+        )
+        .await
+        .map_err(|e| ApiError::Unavailable(format!("start_cmd: agent of sandbox {id}: {e}")))?;
         // The shell exits at once; its background child keeps running with its output in a
         // log, so the run's pipes close.
         let launcher = format!(
@@ -46,10 +53,11 @@ impl Guest {
         let mut request = ExecRequest::argv(["/bin/sh", "-c", &launcher, "sh", start_cmd]);
         request.env = env.clone();
         request.timeout_ms = Some(READY_RUN_TIMEOUT_MS);
-        let started = client
-            .run(request)
-            .await
-            .map_err(|e| ApiError::Unavailable(format!("start_cmd of template {name:?}: {e}")))?;
+        let started = client.run(request).await.map_err(|e| {
+            ApiError::Unavailable(format!(
+                "start_cmd of template {name:?} in sandbox {id}: {e}"
+            ))
+        })?;
         if !started.status.success() {
             return Err(ApiError::Unavailable(format!(
                 "start_cmd of template {name:?}: the launching shell failed ({:?}): {}",
@@ -67,7 +75,15 @@ impl Guest {
             let mut request = ExecRequest::shell(ready_cmd.clone());
             request.env = env.clone();
             request.timeout_ms = Some(READY_RUN_TIMEOUT_MS);
-            match client.run(request).await {
+            // Bounded by the run's timeout plus the agent timeout, and by what is left of ours.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let run = tokio::time::timeout(left.max(Duration::from_secs(1)), client.run(request));
+            match run.await.unwrap_or_else(|_| {
+                Err(rollbox_agent_protocol::ClientError::Timeout {
+                    what: "ready_cmd".into(),
+                    after: left,
+                })
+            }) {
                 Ok(output) if output.status.success() => return Ok(()),
                 Ok(output) => {
                     last = format!(
@@ -95,8 +111,13 @@ impl Guest {
         let deadline = tokio::time::Instant::now() + BOOT_AGENT_WAIT;
         let mut last = String::new();
         while tokio::time::Instant::now() < deadline {
+            let options = ClientOptions {
+                connect_timeout: Some(Duration::from_secs(5)),
+                call_timeout: Some(Duration::from_secs(5)),
+                stall_timeout: None,
+            };
             let attempt = tokio::time::timeout(Duration::from_secs(5), async {
-                let client = AgentClient::connect_unix(&socket, DEFAULT_PORT).await?;
+                let client = AgentClient::connect_unix_with(&socket, DEFAULT_PORT, options).await?;
                 client.health().await
             })
             .await;

@@ -109,9 +109,13 @@ impl Guest {
                     break;
                 }
             }
+            let request = handle.id();
+            // Dropped first: frames still coming are then discarded instead of waiting for
+            // room, so the agent can take the cancel below.
+            drop(handle);
             if !open {
                 // The HTTP client went away: the process goes too.
-                let _ = handle.cancel().await;
+                let _ = client.send(request, ClientMessage::Cancel).await;
             }
             lock(&processes).remove(&key);
             let _ = client.close().await;

@@ -2,7 +2,9 @@
 //! archives both ways.
 
 use hyper::body::Bytes;
-use rollbox_agent_protocol::client::RawRequest;
+use std::time::Duration;
+
+use rollbox_agent_protocol::client::{ClientError, RawRequest};
 use rollbox_agent_protocol::messages::{ClientMessage, ServerMessage, WriteFileRequest};
 use tokio::sync::mpsc;
 
@@ -41,14 +43,14 @@ impl Guest {
                     })
                     .await
                     .map_err(fail)?;
-                download(id, raw, "application/octet-stream").await
+                download(id, raw, "application/octet-stream", self.timeout).await
             }
             FileOp::TarDownload { path } => {
                 let raw = client
                     .open(ClientMessage::TarDownload { path })
                     .await
                     .map_err(fail)?;
-                download(id, raw, "application/x-tar").await
+                download(id, raw, "application/x-tar", self.timeout).await
             }
             FileOp::Write { .. } | FileOp::TarUpload { .. } => Err(ApiError::Internal(
                 "an upload reached the handler without its body".into(),
@@ -94,15 +96,40 @@ impl Guest {
     }
 }
 
-/// Streams a download; its first reply decides the status (a missing file is a 404).
+/// The next reply of a download, within `limit` (the agent timeout, per frame).
+async fn next(
+    raw: &mut RawRequest,
+    what: &str,
+    limit: Duration,
+) -> Result<ServerMessage, ClientError> {
+    tokio::time::timeout(limit, raw.recv())
+        .await
+        .unwrap_or_else(|_| {
+            Err(ClientError::Timeout {
+                what: what.to_owned(),
+                after: limit,
+            })
+        })
+}
+
+/// Streams a download; its first reply decides the status (a missing file is a 404). Each
+/// reply must come within `limit`.
 async fn download(
     id: &str,
     mut raw: RawRequest,
     content_type: &'static str,
+    limit: Duration,
 ) -> Result<Reply, ApiError> {
-    let first = raw.recv().await.map_err(|e| agent_error(id, e))?;
+    let what = match content_type {
+        "application/x-tar" => "tar_download",
+        _ => "read_file",
+    };
+    let first = next(&mut raw, what, limit)
+        .await
+        .map_err(|e| agent_error(id, e))?;
     let (tx, rx) = mpsc::channel::<Chunk>(8);
     tokio::spawn(async move {
+        let next_reply = next;
         let mut next = Ok(first);
         let mut received = 0u64;
         loop {
@@ -127,7 +154,7 @@ async fn download(
             if failed {
                 return;
             }
-            next = raw.recv().await;
+            next = next_reply(&mut raw, what, limit).await;
         }
     });
     Ok(Reply::Stream {

@@ -2,6 +2,12 @@
 //! socket (`CONNECT 1024`), one agent connection per request: exec (`exec.rs`), files
 //! (`files.rs`), guest TCP ports, and the commands a template runs after a boot (`boot.rs`).
 //! The agent's types stop here: what goes back is the API's.
+//!
+//! Deadlines: connecting, the handshake and every call without a timeout of its own end after
+//! the daemon's agent timeout (`--agent-timeout`) with an error naming the sandbox; a user's
+//! exec is bounded by its own `timeout_ms` only. Backpressure: each request has its own
+//! connection, so the client runs without a stall timeout: a caller that stops reading stops
+//! that connection's reader, and the guest is held back by vsock credit, nothing else waits.
 
 mod boot;
 mod exec;
@@ -12,16 +18,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rollbox_agent_protocol::client::{AgentClient, ClientError};
+use rollbox_agent_protocol::client::{AgentClient, ClientError, ClientOptions};
 use rollbox_agent_protocol::DEFAULT_PORT;
 
 use super::api::{ApiError, BodyTooLarge, ExitInfo, FileInfo, FileKind, State, MAX_UPLOAD};
 use super::store::Db;
 use super::supervisor::vm;
 use super::util::touch;
-
-/// How long a request waits for the agent to accept a connection (the guest may still boot).
-const AGENT_WAIT: Duration = Duration::from_secs(10);
 
 /// Processes of running streaming execs: (sandbox id, pid) → the agent connection, the
 /// exec's request id (where the agent takes signals and stdin for it), and whether its stdin
@@ -34,6 +37,8 @@ pub struct Guest {
     /// Test-only (`--test-agent-socket`): every sandbox's agent traffic goes here.
     test_agent_socket: Option<PathBuf>,
     processes: Arc<Mutex<Processes>>,
+    /// `--agent-timeout`.
+    timeout: Duration,
 }
 
 /// The agent's exit status as the API shows it.
@@ -83,16 +88,39 @@ fn agent_error(id: &str, error: ClientError) -> ApiError {
             ApiError::TooLarge(MAX_UPLOAD)
         }
         ClientError::Source(io) => ApiError::BadRequest(format!("reading the request body: {io}")),
+        ClientError::Timeout { what, after } => ApiError::Unavailable(format!(
+            "sandbox {id}: the agent did not answer {what} within {} s",
+            seconds(after)
+        )),
         other => ApiError::Unavailable(format!("sandbox {id}: the agent: {other}")),
     }
 }
 
+/// A duration in seconds for messages (fractions for the short timeouts tests use).
+fn seconds(after: Duration) -> String {
+    if after.subsec_millis() == 0 {
+        after.as_secs().to_string()
+    } else {
+        format!("{:.1}", after.as_secs_f64())
+    }
+}
+
 impl Guest {
-    pub fn new(db: Arc<Db>, test_agent_socket: Option<PathBuf>) -> Guest {
+    pub fn new(db: Arc<Db>, test_agent_socket: Option<PathBuf>, timeout: Duration) -> Guest {
         Guest {
             db,
             test_agent_socket,
             processes: Arc::new(Mutex::new(HashMap::new())),
+            timeout,
+        }
+    }
+
+    /// The agent connections' deadlines; no stall timeout (one connection per request).
+    pub(super) fn client_options(&self) -> ClientOptions {
+        ClientOptions {
+            connect_timeout: Some(self.timeout),
+            call_timeout: Some(self.timeout),
+            stall_timeout: None,
         }
     }
 
@@ -119,22 +147,32 @@ impl Guest {
         })
     }
 
+    /// A connection to the sandbox's agent, retried until the agent timeout.
     pub async fn agent(&self, id: &str) -> Result<AgentClient, ApiError> {
         let path = self.agent_socket(id)?;
-        let deadline = tokio::time::Instant::now() + AGENT_WAIT;
+        let deadline = tokio::time::Instant::now() + self.timeout;
         loop {
-            match AgentClient::connect_unix(&path, DEFAULT_PORT).await {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let options = ClientOptions {
+                connect_timeout: Some(left),
+                ..self.client_options()
+            };
+            match AgentClient::connect_unix_with(&path, DEFAULT_PORT, options).await {
                 Ok(client) => return Ok(client),
                 Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(ApiError::Unavailable(format!(
-                        "sandbox {id}: no agent answers on {} within {} s: {e}",
-                        path.display(),
-                        AGENT_WAIT.as_secs()
-                    )))
+                    return Err(self.no_answer(id, &path, &e.to_string()))
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
+    }
+
+    fn no_answer(&self, id: &str, path: &std::path::Path, last: &str) -> ApiError {
+        ApiError::Unavailable(format!(
+            "sandbox {id}: the agent did not answer on {} within {} s ({last})",
+            path.display(),
+            seconds(self.timeout)
+        ))
     }
 
     /// A byte pipe to TCP `port` on the guest's loopback: a connection of its own to the
@@ -143,11 +181,15 @@ impl Guest {
     pub async fn guest_tcp(&self, id: &str, port: u16) -> Result<tokio::net::UnixStream, ApiError> {
         let path = self.agent_socket(id)?;
         let host = rollbox_agent_protocol::DEFAULT_TCP_HOST;
-        let deadline = tokio::time::Instant::now() + AGENT_WAIT;
+        let deadline = tokio::time::Instant::now() + self.timeout;
         loop {
-            match rollbox_agent_protocol::client::connect_unix_tcp(&path, DEFAULT_PORT, host, port)
-                .await
-            {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let options = ClientOptions {
+                connect_timeout: Some(left),
+                ..self.client_options()
+            };
+            let connect = rollbox_agent_protocol::client::connect_unix_tcp_with;
+            match connect(&path, DEFAULT_PORT, host, port, options).await {
                 Ok(stream) => return Ok(stream),
                 Err(ClientError::Agent(info)) => {
                     return Err(ApiError::BadGateway(format!(
@@ -155,12 +197,9 @@ impl Guest {
                         info.message
                     )))
                 }
+                Err(e @ ClientError::Timeout { .. }) => return Err(agent_error(id, e)),
                 Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(ApiError::Unavailable(format!(
-                        "sandbox {id}: no agent answers on {} within {} s: {e}",
-                        path.display(),
-                        AGENT_WAIT.as_secs()
-                    )))
+                    return Err(self.no_answer(id, &path, &e.to_string()))
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }

@@ -42,7 +42,6 @@ mod watch;
 mod wire;
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -51,6 +50,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 
 use super::super::core::Core;
+use super::conn::{self, ConnLimits, Gate};
 use super::transport::{Listen, Listener, Out, TransportError};
 use state::E2b;
 
@@ -131,8 +131,14 @@ pub fn bind(options: &E2bOptions) -> Result<E2bListener, TransportError> {
     })
 }
 
-/// Serves E2B connections until the task is aborted.
-pub async fn run(listener: E2bListener, core: Arc<Core>, api_key: String, options: E2bOptions) {
+/// Serves E2B connections until the task is aborted, each held to `limits` (see [`conn`]).
+pub async fn run(
+    listener: E2bListener,
+    core: Arc<Core>,
+    api_key: String,
+    options: E2bOptions,
+    limits: ConnLimits,
+) {
     let e2b = Arc::new(E2b {
         core,
         api_key,
@@ -149,6 +155,7 @@ pub async fn run(listener: E2bListener, core: Arc<Core>, api_key: String, option
     else {
         return;
     };
+    let gate = Gate::new(limits.max_connections);
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -158,26 +165,29 @@ pub async fn run(listener: E2bListener, core: Arc<Core>, api_key: String, option
                 continue;
             }
         };
+        // Full of connections that all have a request in progress: this one closes at once.
+        let Some(mut ticket) = gate.admit() else {
+            continue;
+        };
         let e2b = Arc::clone(&e2b);
         let tls = tls.clone();
+        let handle = move |request| {
+            let e2b = Arc::clone(&e2b);
+            async move { respond(&e2b, request).await }
+        };
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let e2b = Arc::clone(&e2b);
-                async move { Ok::<_, Infallible>(respond(&e2b, request).await) }
-            });
-            let http = hyper::server::conn::http1::Builder::new();
             match tls {
                 None => {
-                    let _ = http
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    conn::serve(io, ticket, limits, handle).await;
                 }
                 Some(acceptor) => {
-                    // A failed handshake (a plain-HTTP client, an unknown CA) ends the connection.
-                    if let Ok(stream) = acceptor.accept(stream).await {
-                        let _ = http
-                            .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                            .await;
+                    // A failed or slow handshake (a plain-HTTP client, an unknown CA, a client
+                    // that sends nothing) ends the connection.
+                    let tls = conn::tls_handshake(&acceptor, stream, &mut ticket, limits).await;
+                    if let Some(stream) = tls {
+                        let io = hyper_util::rt::TokioIo::new(stream);
+                        conn::serve(io, ticket, limits, handle).await;
                     }
                 }
             }

@@ -1,5 +1,23 @@
 //! Async host-side client. One connection carries many requests at once:
 //! a reader task routes each incoming frame to its request by id.
+//!
+//! Backpressure: each request has a bounded queue of [`REQUEST_FRAMES`] frames, and the
+//! reader task waits for room before it reads the next frame. A caller that stops reading its
+//! request therefore stops the reader, the reader stops reading the socket, and the agent is
+//! held back by the stream (vsock credit through the VMM, or the Unix socket's buffer): memory
+//! on this side stays bounded however fast the guest writes.
+//!
+//! Because one stalled request stops the whole connection, a request whose queue stays full
+//! for [`ClientOptions::stall_timeout`] is dropped (its caller gets an error saying so, and
+//! the agent gets a `Cancel` for it), so other requests on a shared connection cannot be
+//! starved for ever. Callers that want pure backpressure (no drop, however slow the reader)
+//! set no stall timeout and give every concurrent reader its own connection, as the daemon
+//! does.
+//!
+//! Deadlines ([`ClientOptions`]): connecting and the hybrid-vsock handshake are bounded by
+//! `connect_timeout`; every call that has no timeout of its own by `call_timeout` (unary
+//! calls whole, transfers per frame, a run or `docker_ensure` past the timeout it carries).
+//! A process's events, watch events and raw requests wait as long as the caller does.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,6 +32,39 @@ use crate::frame::{self, FrameError};
 use crate::hybrid::{self, HandshakeError};
 use crate::messages::*;
 use crate::CHUNK_BYTES;
+
+mod exec;
+
+pub use exec::{ExecEvent, ExecHandle, ExecOutput};
+
+/// Frames one request may have queued for its caller before the reader waits for room.
+/// Up to about 6 MiB with the largest frames (64 KiB chunks, base64).
+pub const REQUEST_FRAMES: usize = 64;
+/// The default [`ClientOptions::stall_timeout`].
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A connection's deadlines and its policy for a request whose caller stops reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// Bounds connecting to the socket and the hybrid-vsock handshake. None: no bound.
+    pub connect_timeout: Option<Duration>,
+    /// Bounds every call without a timeout of its own (see the module doc). None: no bound.
+    pub call_timeout: Option<Duration>,
+    /// How long the reader waits for a request's caller to make room in its queue before the
+    /// request is dropped and cancelled in the agent. None: wait for ever (then one stalled
+    /// request stops every other request on the connection: use one connection per reader).
+    pub stall_timeout: Option<Duration>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            connect_timeout: None,
+            call_timeout: None,
+            stall_timeout: Some(DEFAULT_STALL_TIMEOUT),
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -37,6 +88,17 @@ pub enum ClientError {
     Unexpected { expected: &'static str, got: String },
     #[error("reading upload source: {0}")]
     Source(std::io::Error),
+    #[error("the agent did not answer {what} within {} s", seconds(*.after))]
+    Timeout { what: String, after: Duration },
+}
+
+/// A duration in seconds for messages (fractions for the short deadlines tests use).
+fn seconds(after: Duration) -> String {
+    if after.subsec_millis() == 0 {
+        after.as_secs().to_string()
+    } else {
+        format!("{:.1}", after.as_secs_f64())
+    }
 }
 
 impl ClientError {
@@ -52,7 +114,10 @@ impl ClientError {
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 
 struct Routes {
-    open: HashMap<u64, mpsc::UnboundedSender<ServerMessage>>,
+    open: HashMap<u64, mpsc::Sender<ServerMessage>>,
+    /// Requests dropped because their caller stopped reading, with why; taken by their
+    /// `RawRequest`.
+    dropped: HashMap<u64, String>,
     /// Set once the reader stops; says why.
     closed: Option<String>,
 }
@@ -61,6 +126,7 @@ struct Shared {
     writer: tokio::sync::Mutex<Writer>,
     routes: Mutex<Routes>,
     next_id: AtomicU64,
+    options: ClientOptions,
     /// Dropped with the last client handle; that stops the reader task, and
     /// with both halves gone the connection closes.
     _reader_stop: oneshot::Sender<()>,
@@ -78,30 +144,6 @@ impl std::fmt::Debug for AgentClient {
     }
 }
 
-/// Everything a finished process produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExecOutput {
-    pub stdout: Vec<u8>,
-    pub stderr: Vec<u8>,
-    pub status: ExitStatus,
-}
-
-/// One event of a running process.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ExecEvent {
-    Started {
-        pid: u32,
-    },
-    Output {
-        stream: OutputStream,
-        seq: u64,
-        data: Vec<u8>,
-    },
-    Exited(ExitStatus),
-    /// The agent refused a stream input (e.g. a bad signal number).
-    Notice(String),
-}
-
 /// Outcome of a post-restore fixup.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Applied {
@@ -113,12 +155,30 @@ impl AgentClient {
     /// Connect to a Unix socket that speaks the hybrid vsock preamble (the
     /// VMM's vsock socket, or an agent started with `--listen-unix`).
     pub async fn connect_unix(path: impl AsRef<Path>, port: u32) -> Result<Self, ClientError> {
-        Ok(Self::from_stream(unix_stream(path.as_ref(), port).await?))
+        Self::connect_unix_with(path, port, ClientOptions::default()).await
+    }
+
+    /// [`connect_unix`](Self::connect_unix) with explicit deadlines and stall policy.
+    pub async fn connect_unix_with(
+        path: impl AsRef<Path>,
+        port: u32,
+        options: ClientOptions,
+    ) -> Result<Self, ClientError> {
+        let stream = unix_stream(path.as_ref(), port, options.connect_timeout).await?;
+        Ok(Self::from_stream_with(stream, options))
     }
 
     /// Use an already connected stream (handshake done, if any).
     /// Must be called inside a tokio runtime: it spawns the reader task.
     pub fn from_stream<S>(stream: S) -> Self
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        Self::from_stream_with(stream, ClientOptions::default())
+    }
+
+    /// [`from_stream`](Self::from_stream) with explicit deadlines and stall policy.
+    pub fn from_stream_with<S>(stream: S, options: ClientOptions) -> Self
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
@@ -128,19 +188,52 @@ impl AgentClient {
             writer: tokio::sync::Mutex::new(Box::new(writer)),
             routes: Mutex::new(Routes {
                 open: HashMap::new(),
+                dropped: HashMap::new(),
                 closed: None,
             }),
             next_id: AtomicU64::new(1),
+            options,
             _reader_stop: stop_tx,
         });
-        tokio::spawn(read_loop(reader, Arc::downgrade(&shared), stop_rx));
+        tokio::spawn(read_loop(
+            reader,
+            Arc::downgrade(&shared),
+            stop_rx,
+            options.stall_timeout,
+        ));
         Self { shared }
+    }
+
+    /// This connection's options.
+    pub fn options(&self) -> ClientOptions {
+        self.shared.options
+    }
+
+    /// Runs `call` within the call timeout (plus `own`, a timeout the call carries itself,
+    /// when there is one); a timeout is [`ClientError::Timeout`] naming `what`.
+    async fn within<T>(
+        &self,
+        what: &str,
+        own: Option<Duration>,
+        call: impl std::future::Future<Output = Result<T, ClientError>>,
+    ) -> Result<T, ClientError> {
+        let Some(limit) = self.shared.options.call_timeout else {
+            return call.await;
+        };
+        let after = limit.saturating_add(own.unwrap_or_default());
+        match tokio::time::timeout(after, call).await {
+            Ok(result) => result,
+            Err(_) => Err(ClientError::Timeout {
+                what: what.to_owned(),
+                after,
+            }),
+        }
     }
 
     /// Open a request: returns its id and the receiver of its replies.
     pub async fn open(&self, body: ClientMessage) -> Result<RawRequest, ClientError> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(REQUEST_FRAMES);
         {
             let mut routes = lock_routes(&self.shared);
             if let Some(reason) = &routes.closed {
@@ -181,10 +274,14 @@ impl AgentClient {
             .map_err(|err| ClientError::Disconnected(format!("shutdown failed: {err}")))
     }
 
-    /// Send a request and wait for its single (terminal) reply.
+    /// Send a request and wait for its single (terminal) reply, within the call timeout.
     pub async fn request(&self, body: ClientMessage) -> Result<ServerMessage, ClientError> {
-        let mut request = self.open(body).await?;
-        request.recv().await
+        let what = message_name(&body);
+        self.within(&what, None, async {
+            let mut request = self.open(body).await?;
+            request.recv().await
+        })
+        .await
     }
 
     pub async fn hello(&self) -> Result<(String, u32), ClientError> {
@@ -204,8 +301,24 @@ impl AgentClient {
     }
 
     /// Run a process to completion (the unary form).
+    /// Bounded by the call timeout past the run's own `timeout_ms`; not at all without one.
     pub async fn run(&self, request: ExecRequest) -> Result<ExecOutput, ClientError> {
-        match self.request(ClientMessage::Run(request)).await? {
+        let reply = match request.timeout_ms {
+            Some(ms) => {
+                let what = "run";
+                let own = Some(Duration::from_millis(ms));
+                self.within(what, own, async {
+                    let mut raw = self.open(ClientMessage::Run(request)).await?;
+                    raw.recv().await
+                })
+                .await?
+            }
+            None => {
+                let mut raw = self.open(ClientMessage::Run(request)).await?;
+                raw.recv().await?
+            }
+        };
+        match reply {
             ServerMessage::RunResult {
                 stdout,
                 stderr,
@@ -447,13 +560,17 @@ impl AgentClient {
     /// Make sure dockerd answers; returns whether this call started it.
     pub async fn docker_ensure(&self, timeout: Option<Duration>) -> Result<bool, ClientError> {
         let timeout_ms = timeout.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-        match self
-            .request(ClientMessage::DockerEnsure {
-                timeout_ms,
-                extra_args: Vec::new(),
+        let body = ClientMessage::DockerEnsure {
+            timeout_ms,
+            extra_args: Vec::new(),
+        };
+        let reply = self
+            .within("docker_ensure", timeout, async {
+                let mut raw = self.open(body).await?;
+                raw.recv().await
             })
-            .await?
-        {
+            .await?;
+        match reply {
             ServerMessage::DockerReady { started, .. } => Ok(started),
             other => Err(unexpected("docker_ready", &other)),
         }
@@ -463,7 +580,7 @@ impl AgentClient {
     /// lost events) from the request until `WatchEnded`; send `Cancel` to stop it.
     pub async fn watch(&self, request: WatchRequest) -> Result<RawRequest, ClientError> {
         let mut raw = self.open(ClientMessage::Watch(request)).await?;
-        match raw.recv().await? {
+        match self.within("watch", None, raw.recv()).await? {
             ServerMessage::Watching => Ok(raw),
             other => Err(unexpected("watching", &other)),
         }
@@ -494,10 +611,11 @@ impl AgentClient {
         body: ClientMessage,
         sink: &mut W,
     ) -> Result<u64, ClientError> {
-        let mut request = self.open(body).await?;
+        let what = message_name(&body);
+        let mut request = self.within(&what, None, self.open(body)).await?;
         let mut received = 0u64;
         loop {
-            match request.recv().await? {
+            match self.within(&what, None, request.recv()).await? {
                 ServerMessage::Data { data, .. } => {
                     received += data.len() as u64;
                     if let Err(err) = sink.write_all(&data).await {
@@ -525,8 +643,9 @@ impl AgentClient {
         body: ClientMessage,
         mut source: R,
     ) -> Result<u64, ClientError> {
-        let mut request = self.open(body).await?;
-        match request.recv().await? {
+        let what = message_name(&body);
+        let mut request = self.within(&what, None, self.open(body)).await?;
+        match self.within(&what, None, request.recv()).await? {
             ServerMessage::Ready => {}
             other => return Err(unexpected("ready", &other)),
         }
@@ -549,38 +668,54 @@ impl AgentClient {
             if n == 0 {
                 break;
             }
-            self.send(
-                request.id,
-                ClientMessage::Data {
-                    data: buf[..n].to_vec(),
-                },
-            )
-            .await?;
+            let data = ClientMessage::Data {
+                data: buf[..n].to_vec(),
+            };
+            self.within(&what, None, self.send(request.id, data))
+                .await?;
         }
-        self.send(request.id, ClientMessage::End).await?;
-        match request.recv().await? {
+        self.within(&what, None, self.send(request.id, ClientMessage::End))
+            .await?;
+        match self.within(&what, None, request.recv()).await? {
             ServerMessage::Written { bytes } => Ok(bytes),
             other => Err(unexpected("written", &other)),
         }
     }
 }
 
-/// A Unix socket connection past the hybrid vsock preamble.
-async fn unix_stream(path: &Path, port: u32) -> Result<tokio::net::UnixStream, ClientError> {
+/// A Unix socket connection past the hybrid vsock preamble, within `limit` when given.
+async fn unix_stream(
+    path: &Path,
+    port: u32,
+    limit: Option<Duration>,
+) -> Result<tokio::net::UnixStream, ClientError> {
     let path_text = path.display().to_string();
-    let mut stream = tokio::net::UnixStream::connect(path)
+    let connect = async {
+        let mut stream = tokio::net::UnixStream::connect(path)
+            .await
+            .map_err(|source| ClientError::Connect {
+                path: path_text.clone(),
+                source,
+            })?;
+        hybrid::client_handshake(&mut stream, port)
+            .await
+            .map_err(|source| ClientError::Handshake {
+                path: path_text.clone(),
+                source,
+            })?;
+        Ok(stream)
+    };
+    let Some(after) = limit else {
+        return connect.await;
+    };
+    tokio::time::timeout(after, connect)
         .await
-        .map_err(|source| ClientError::Connect {
-            path: path_text.clone(),
-            source,
-        })?;
-    hybrid::client_handshake(&mut stream, port)
-        .await
-        .map_err(|source| ClientError::Handshake {
-            path: path_text,
-            source,
-        })?;
-    Ok(stream)
+        .unwrap_or_else(|_| {
+            Err(ClientError::Timeout {
+                what: format!("the connection and handshake on {path_text}"),
+                after,
+            })
+        })
 }
 
 /// `tcp_connect` over a new connection to the agent socket at `path` (see [`tcp_connect`]).
@@ -590,7 +725,30 @@ pub async fn connect_unix_tcp(
     host: &str,
     port: u16,
 ) -> Result<tokio::net::UnixStream, ClientError> {
-    tcp_connect(unix_stream(path.as_ref(), vsock_port).await?, host, port).await
+    connect_unix_tcp_with(path, vsock_port, host, port, ClientOptions::default()).await
+}
+
+/// [`connect_unix_tcp`] with deadlines: `connect_timeout` for the connection and handshake,
+/// `call_timeout` for the agent's answer to `tcp_connect`.
+pub async fn connect_unix_tcp_with(
+    path: impl AsRef<Path>,
+    vsock_port: u32,
+    host: &str,
+    port: u16,
+    options: ClientOptions,
+) -> Result<tokio::net::UnixStream, ClientError> {
+    let stream = unix_stream(path.as_ref(), vsock_port, options.connect_timeout).await?;
+    let Some(after) = options.call_timeout else {
+        return tcp_connect(stream, host, port).await;
+    };
+    tokio::time::timeout(after, tcp_connect(stream, host, port))
+        .await
+        .unwrap_or_else(|_| {
+            Err(ClientError::Timeout {
+                what: format!("tcp_connect {host}:{port}"),
+                after,
+            })
+        })
 }
 
 /// Asks the agent on `stream`, a fresh connection (handshake done, nothing else sent), to open
@@ -652,10 +810,56 @@ fn unexpected(expected: &'static str, got: &ServerMessage) -> ClientError {
     }
 }
 
+/// A request's name for messages: its `op` (`stat`, `read_file`, ...).
+fn message_name(body: &ClientMessage) -> String {
+    serde_json::to_value(body)
+        .ok()
+        .and_then(|value| value.get("op")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "a request".to_owned())
+}
+
+/// What became of one frame handed to its request.
+enum Delivery {
+    /// Queued, or nobody waits for the request any more.
+    Done,
+    /// The caller took nothing for the stall timeout.
+    Stalled(Duration),
+    /// Every client handle is gone.
+    Stop,
+}
+
+/// Hands `body` to its request, waiting for room in its queue (the backpressure), for at most
+/// `stall` when given.
+async fn deliver(
+    route: &mpsc::Sender<ServerMessage>,
+    body: ServerMessage,
+    stall: Option<Duration>,
+    stop: &mut oneshot::Receiver<()>,
+) -> Delivery {
+    let send = async {
+        match stall {
+            // A closed queue just means nobody waits for this request any more.
+            None => {
+                let _ = route.send(body).await;
+                Delivery::Done
+            }
+            Some(after) => match tokio::time::timeout(after, route.send(body)).await {
+                Ok(_) => Delivery::Done,
+                Err(_) => Delivery::Stalled(after),
+            },
+        }
+    };
+    tokio::select! {
+        delivery = send => delivery,
+        _ = stop => Delivery::Stop,
+    }
+}
+
 async fn read_loop<R: AsyncRead>(
     reader: ReadHalf<R>,
     shared: Weak<Shared>,
     mut stop: oneshot::Receiver<()>,
+    stall: Option<Duration>,
 ) {
     let mut reader = reader;
     let reason = loop {
@@ -664,23 +868,50 @@ async fn read_loop<R: AsyncRead>(
             // Every client handle is gone.
             _ = &mut stop => return,
         };
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        match next {
-            Ok(Some(frame)) => {
-                let mut routes = lock_routes(&shared);
-                let terminal = frame.body.is_terminal();
-                if let Some(route) = routes.open.get(&frame.id) {
-                    // A dropped receiver just means nobody waits for this request any more.
-                    let _ = route.send(frame.body);
-                }
-                if terminal {
-                    routes.open.remove(&frame.id);
-                }
-            }
+        let frame = match next {
+            Ok(Some(frame)) => frame,
             Ok(None) => break "the agent closed the connection".to_owned(),
             Err(err) => break err.to_string(),
+        };
+        // No strong handle is held while waiting below: dropping the last client stops us.
+        let route = {
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let mut routes = lock_routes(&shared);
+            let route = routes.open.get(&frame.id).cloned();
+            if frame.body.is_terminal() {
+                routes.open.remove(&frame.id);
+            }
+            route
+        };
+        let Some(route) = route else {
+            continue;
+        };
+        match deliver(&route, frame.body, stall, &mut stop).await {
+            Delivery::Done => {}
+            Delivery::Stop => return,
+            Delivery::Stalled(after) => {
+                let Some(shared) = shared.upgrade() else {
+                    return;
+                };
+                let reason = format!(
+                    "request {} dropped: its caller took no reply for {} s while the agent kept sending",
+                    frame.id,
+                    seconds(after)
+                );
+                {
+                    let mut routes = lock_routes(&shared);
+                    routes.open.remove(&frame.id);
+                    routes.dropped.insert(frame.id, reason);
+                }
+                // The agent stops the work; sent from a task so this reader goes on reading.
+                let client = AgentClient { shared };
+                let id = frame.id;
+                tokio::spawn(async move {
+                    let _ = client.send(id, ClientMessage::Cancel).await;
+                });
+            }
         }
     };
     if let Some(shared) = shared.upgrade() {
@@ -694,7 +925,16 @@ async fn read_loop<R: AsyncRead>(
 pub struct RawRequest {
     client: AgentClient,
     pub id: u64,
-    rx: mpsc::UnboundedReceiver<ServerMessage>,
+    rx: mpsc::Receiver<ServerMessage>,
+}
+
+impl Drop for RawRequest {
+    /// The route goes at once, so frames still coming for it are dropped without waiting.
+    fn drop(&mut self) {
+        let mut routes = lock_routes(&self.client.shared);
+        routes.open.remove(&self.id);
+        routes.dropped.remove(&self.id);
+    }
 }
 
 impl std::fmt::Debug for RawRequest {
@@ -720,16 +960,19 @@ impl RawRequest {
         match self.rx.recv().await {
             Some(message) => Ok(message),
             None => {
-                let reason = lock_routes(&self.client.shared)
-                    .closed
-                    .clone()
+                let routes = lock_routes(&self.client.shared);
+                let reason = routes
+                    .dropped
+                    .get(&self.id)
+                    .or(routes.closed.as_ref())
+                    .cloned()
                     .unwrap_or_else(|| "the request already ended".to_owned());
                 Err(ClientError::Disconnected(reason))
             }
         }
     }
 
-    fn try_recv(&mut self) -> Option<ServerMessage> {
+    pub(crate) fn try_recv(&mut self) -> Option<ServerMessage> {
         self.rx.try_recv().ok()
     }
 
@@ -739,142 +982,5 @@ impl RawRequest {
     }
 }
 
-/// A running process (Exec or DockerRun).
-#[derive(Debug)]
-pub struct ExecHandle {
-    raw: RawRequest,
-    pid: Option<u32>,
-    done: bool,
-    next_seq: u64,
-}
-
-impl ExecHandle {
-    fn new(raw: RawRequest) -> Self {
-        Self {
-            raw,
-            pid: None,
-            done: false,
-            next_seq: 0,
-        }
-    }
-
-    pub fn id(&self) -> u64 {
-        self.raw.id
-    }
-
-    /// The pid, once `Started` was seen.
-    pub fn pid(&self) -> Option<u32> {
-        self.pid
-    }
-
-    /// The next event; `Ok(None)` after `Exited`.
-    pub async fn next_event(&mut self) -> Result<Option<ExecEvent>, ClientError> {
-        if self.done {
-            return Ok(None);
-        }
-        let event = match self.raw.recv().await {
-            Ok(message) => message,
-            Err(err) => {
-                self.done = true;
-                return Err(err);
-            }
-        };
-        match event {
-            ServerMessage::Started { pid } => {
-                self.pid = Some(pid);
-                Ok(Some(ExecEvent::Started { pid }))
-            }
-            ServerMessage::Output { stream, seq, data } => {
-                if seq != self.next_seq {
-                    self.done = true;
-                    return Err(ClientError::Unexpected {
-                        expected: "output chunks in sequence",
-                        got: format!("seq {seq} where {} was due", self.next_seq),
-                    });
-                }
-                self.next_seq += 1;
-                Ok(Some(ExecEvent::Output { stream, seq, data }))
-            }
-            ServerMessage::Exited(status) => {
-                self.done = true;
-                Ok(Some(ExecEvent::Exited(status)))
-            }
-            ServerMessage::Notice { message } => Ok(Some(ExecEvent::Notice(message))),
-            other => {
-                self.done = true;
-                Err(unexpected("started, output or exited", &other))
-            }
-        }
-    }
-
-    /// Wait for `Started` and return the pid.
-    pub async fn started(&mut self) -> Result<u32, ClientError> {
-        if let Some(pid) = self.pid {
-            return Ok(pid);
-        }
-        match self.next_event().await? {
-            Some(ExecEvent::Started { pid }) => Ok(pid),
-            other => Err(ClientError::Unexpected {
-                expected: "started",
-                got: format!("{other:?}"),
-            }),
-        }
-    }
-
-    /// Send bytes to the process's stdin (in chunks of at most `CHUNK_BYTES`).
-    pub async fn write_stdin(&self, data: &[u8]) -> Result<(), ClientError> {
-        for chunk in data.chunks(CHUNK_BYTES) {
-            self.raw
-                .send(ClientMessage::Stdin {
-                    data: chunk.to_vec(),
-                })
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// Resize the terminal of a `pty` exec.
-    pub async fn resize(&self, size: PtySize) -> Result<(), ClientError> {
-        self.raw.send(ClientMessage::Resize(size)).await
-    }
-
-    pub async fn close_stdin(&self) -> Result<(), ClientError> {
-        self.raw.send(ClientMessage::StdinClose).await
-    }
-
-    /// Signal the process (`group`: its whole process group).
-    pub async fn signal(&self, signal: i32, group: bool) -> Result<(), ClientError> {
-        self.raw.send(ClientMessage::Signal { signal, group }).await
-    }
-
-    /// Kill the process group now.
-    pub async fn cancel(&self) -> Result<(), ClientError> {
-        self.raw.send(ClientMessage::Cancel).await
-    }
-
-    /// Read all remaining events (output `seq` numbers are checked gap-free).
-    pub async fn collect(mut self) -> Result<ExecOutput, ClientError> {
-        let mut stdout = Vec::new();
-        let mut stderr = Vec::new();
-        while let Some(event) = self.next_event().await? {
-            match event {
-                ExecEvent::Started { .. } | ExecEvent::Notice(_) => {}
-                ExecEvent::Output { stream, data, .. } => match stream {
-                    OutputStream::Stdout | OutputStream::Pty => stdout.extend_from_slice(&data),
-                    OutputStream::Stderr => stderr.extend_from_slice(&data),
-                },
-                ExecEvent::Exited(status) => {
-                    return Ok(ExecOutput {
-                        stdout,
-                        stderr,
-                        status,
-                    })
-                }
-            }
-        }
-        Err(ClientError::Unexpected {
-            expected: "exited",
-            got: "end of events".into(),
-        })
-    }
-}
+#[cfg(test)]
+mod tests;
