@@ -17,6 +17,7 @@ use rollbox_agent_protocol::DEFAULT_PORT;
 
 use super::api::{ApiError, BodyTooLarge, ExitInfo, FileInfo, FileKind, State, MAX_UPLOAD};
 use super::store::Db;
+use super::supervisor::jaildir::SocketPath;
 use super::supervisor::vm;
 use super::util::touch;
 
@@ -96,8 +97,9 @@ impl Guest {
         }
     }
 
-    /// The agent socket of a running sandbox.
-    pub fn agent_socket(&self, id: &str) -> Result<PathBuf, ApiError> {
+    /// The agent socket of a running sandbox (through a checked descriptor: see
+    /// `supervisor::jaildir`).
+    pub fn agent_socket(&self, id: &str) -> Result<SocketPath, ApiError> {
         let sandbox = touch(&self.db, id)?;
         match sandbox.state {
             State::Running => {}
@@ -113,10 +115,11 @@ impl Guest {
                 )))
             }
         }
-        Ok(match &self.test_agent_socket {
-            Some(path) => path.clone(),
-            None => vm::Paths::new(&sandbox.dir).vsock,
-        })
+        match &self.test_agent_socket {
+            Some(path) => Ok(SocketPath::host(path.clone())),
+            None => vm::agent_socket(&sandbox.dir)
+                .map_err(|e| ApiError::Unavailable(format!("sandbox {id}: {e}"))),
+        }
     }
 
     pub async fn agent(&self, id: &str) -> Result<AgentClient, ApiError> {

@@ -6,6 +6,8 @@
 //! `cpu_limit` (the cgroup files themselves are `rollbox_jailer::cgroup`'s).
 
 mod cpu;
+mod disk;
+pub mod jaildir;
 pub mod vm;
 
 use std::collections::{HashMap, HashSet};
@@ -21,6 +23,7 @@ use vmm_api::VmState;
 use super::api::{Sandbox, Snapshot, Template};
 
 use super::util::{ms_since, remove_dir};
+use jaildir::JailDir;
 
 pub use cpu::cpu_ms;
 
@@ -375,7 +378,7 @@ impl Supervisor {
             }
         };
         exited.map(|mut reason| {
-            let tail = vm::log_tail(&vm::Paths::new(&sandbox.dir).log);
+            let tail = vm::log_tail(&sandbox.dir);
             if !tail.is_empty() {
                 reason = format!("{reason}; the end of its log: {tail}");
             }
@@ -442,7 +445,8 @@ impl Supervisor {
 }
 
 /// Pauses the VM (if it runs), takes a Full snapshot into `dir` (made here) and a copy of its
-/// rootfs (when `rootfs`), and resumes it; on error `dir` is gone. Blocking.
+/// rootfs (when `rootfs`), and resumes it; on error `dir` is gone. Blocking. A jailed VMM's
+/// snapshot directory is its group's to read (mode 0750): a restore binds it into a jail.
 pub fn snapshot_vm(
     sandbox_dir: &Path,
     dir: &Path,
@@ -452,41 +456,57 @@ pub fn snapshot_vm(
 ) -> Result<(), String> {
     let paths = vm::Paths::new(sandbox_dir);
     std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if running {
-        vm::set_vm_state(&paths.api_sock, VmState::Paused).map_err(|e| e.to_string())?;
-    }
-    // The disk is copied while the vCPUs are paused, so it matches the memory.
-    let result = vm::create_snapshot(&paths, dir, jail_uid)
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            if rootfs {
-                vm::copy_disk(&paths.rootfs, &dir.join("rootfs.img"))
-                    .map_err(|e| format!("copying {}: {e}", paths.rootfs.display()))
-            } else {
-                Ok(())
-            }
-        });
-    if running {
-        let resumed = vm::set_vm_state(&paths.api_sock, VmState::Resumed);
-        if let (Ok(()), Err(e)) = (&result, resumed) {
-            return Err(e.to_string());
-        }
-    }
+    let result = snapshot_into(&paths, dir, running, rootfs, jail_uid);
     if result.is_err() {
         let _ = remove_dir(dir);
     }
     result
 }
 
+/// [`snapshot_vm`] once `dir` is made.
+fn snapshot_into(
+    paths: &vm::Paths,
+    dir: &Path,
+    running: bool,
+    rootfs: bool,
+    jail_uid: Option<u32>,
+) -> Result<(), String> {
+    let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
+    let (uid, gid) = sandbox.owner();
+    if jail_uid == Some(uid) {
+        JailDir::open(dir)
+            .and_then(|d| d.set_group_mode(gid, 0o750))
+            .map_err(|e| e.to_string())?;
+    }
+    if running {
+        vm::set_vm_state(paths, VmState::Paused).map_err(|e| e.to_string())?;
+    }
+    // The disk is copied while the vCPUs are paused, so it matches the memory.
+    let result = vm::create_snapshot(paths, dir, jail_uid).and_then(|()| {
+        if rootfs {
+            vm::copy_rootfs(paths, &dir.join("rootfs.img"))
+        } else {
+            Ok(())
+        }
+    });
+    if running {
+        let resumed = vm::set_vm_state(paths, VmState::Resumed);
+        if let (Ok(()), Err(e)) = (&result, resumed) {
+            return Err(e.to_string());
+        }
+    }
+    result.map_err(|e| e.to_string())
+}
+
 /// `PATCH /vm` Paused or Resumed on the sandbox's VMM, off the async threads.
 pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
-    let sock = vm::Paths::new(sandbox_dir).api_sock;
+    let paths = vm::Paths::new(sandbox_dir);
     let state = if pause {
         VmState::Paused
     } else {
         VmState::Resumed
     };
-    tokio::task::spawn_blocking(move || vm::set_vm_state(&sock, state))
+    tokio::task::spawn_blocking(move || vm::set_vm_state(&paths, state))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())
