@@ -384,16 +384,29 @@ impl JailDir {
             let dest = to.create_file(name)?;
             return super::disk::copy_file(&source, &dest).map_err(self.io("copy", name));
         }
-        // The VMM may have swapped the name between the check and the rename.
-        let moved = to.resolve(name, libc::O_PATH, Kind::File);
-        let same = |fd: &OwnedFd| {
-            let (a, b) = (fstat(fd).ok(), source.metadata().ok());
-            use std::os::unix::fs::MetadataExt as _;
-            matches!((a, b), (Some(a), Some(b)) if a.st_dev == b.dev() && a.st_ino == b.ino())
+        // The VMM may have swapped the name between the check and the rename: what arrived
+        // must be the very file checked (no symlink is followed to see).
+        let mut moved = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstatat writes one `struct stat` into `moved`; the name is NUL-terminated
+        // and the directory descriptor ours.
+        let rc = unsafe {
+            libc::fstatat(
+                to.fd.as_raw_fd(),
+                c.as_ptr(),
+                moved.as_mut_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
         };
-        match moved {
-            Ok(fd) if same(&fd) => Ok(()),
-            _ => {
+        let checked = source.metadata().ok();
+        let same = rc == 0 && {
+            // SAFETY: fstatat succeeded, so it filled `moved`.
+            let moved = unsafe { moved.assume_init() };
+            use std::os::unix::fs::MetadataExt as _;
+            checked.is_some_and(|b| moved.st_dev == b.dev() && moved.st_ino == b.ino())
+        };
+        match same {
+            true => Ok(()),
+            false => {
                 // SAFETY: unlinkat of a name below our own directory descriptor.
                 unsafe { libc::unlinkat(to.fd.as_raw_fd(), c.as_ptr(), 0) };
                 Err(self.refused(name, "it was replaced while being moved"))
@@ -616,11 +629,16 @@ mod tests {
         let scene = scene();
         let before = scene.host_state();
         let dir = JailDir::open(&scene.dir).expect("open");
-        let staging = dir.fresh_subdir("snapshot-new", 0, 0).expect("fresh");
+        // The jail's directory, and a file its VMM wrote, moved into one of root's.
+        let staging = dir
+            .fresh_subdir("snapshot-new", 64000, 64001)
+            .expect("fresh");
         let snap = scene.dir.parent().expect("parent").join("snap");
         std::fs::create_dir(&snap).expect("snap dir");
         let to = JailDir::open(&snap).expect("open snap");
         std::fs::write(scene.dir.join("snapshot-new/vmstate"), b"state").expect("write");
+        std::os::unix::fs::chown(scene.dir.join("snapshot-new/vmstate"), Some(64000), None)
+            .expect("chown");
         std::os::unix::fs::symlink(&scene.host_file, scene.dir.join("snapshot-new/memory"))
             .expect("symlink");
         std::os::unix::fs::symlink(&scene.host_dir, scene.dir.join("snapshot-new/memory.id"))
