@@ -8,6 +8,7 @@
 mod cpu;
 mod disk;
 pub mod jaildir;
+mod process;
 pub mod vm;
 
 use std::collections::{HashMap, HashSet};
