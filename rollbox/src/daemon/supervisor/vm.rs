@@ -618,6 +618,12 @@ mod tests {
     }
 
     #[test]
+    fn a_jails_largest_file_is_its_disk_or_its_memory_plus_slack() {
+        assert_eq!(fsize_limit(0, 256), (256 + 512) << 20);
+        assert_eq!(fsize_limit(4 << 30, 256), (4 << 30) + (512 << 20));
+    }
+
+    #[test]
     fn a_jailed_launch_names_jail_paths_and_binds_host_files() {
         let jail = test_jail(true);
         let spec = JailSpec {
