@@ -711,7 +711,8 @@ fn serve_refuses_a_state_dir_another_uid_may_enter() {
     let state = scratch.path().join("state");
     std::fs::create_dir(&state).expect("mkdir");
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let output = Command::new(rollbox_binary())
+    let log = scratch.path().join("serve.log");
+    let mut serve = Command::new(rollbox_binary())
         .arg("serve")
         .arg("--socket")
         .arg(scratch.path().join("d.sock"))
@@ -719,10 +720,27 @@ fn serve_refuses_a_state_dir_another_uid_may_enter() {
         .arg(&state)
         .arg("--no-jailer")
         .env("ROLLBOX_API_KEY", KEY)
-        .output()
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
         .expect("run rollbox serve");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "{stderr}");
+    // It must end at once; one that serves is killed and the test fails.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = serve.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = serve.kill();
+            let _ = serve.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    let status =
+        status.unwrap_or_else(|| panic!("rollbox serve started on a 0755 state dir: {stderr}"));
+    assert!(!status.success(), "{stderr}");
     let canonical = std::fs::canonicalize(&state).expect("canonical");
     assert!(
         stderr.contains(&format!(
