@@ -1,8 +1,10 @@
 //! `rollbox-jailer`: starts one `rollbox-vmm` in new mount, PID, IPC and UTS namespaces (and a
 //! network namespace when asked), pivot_root'ed into `<chroot-base>/<id>` with read-only bind
-//! mounts of what the VM needs and a private /dev holding only kvm, userfaultfd, net/tun and
-//! urandom, as an unprivileged uid with no capabilities and no-new-privs, in its own cgroups,
-//! with rlimits and no inherited descriptor but stdin, stdout and stderr.
+//! mounts of what the VM needs and a private /dev holding only kvm, net/tun, urandom and null
+//! (and userfaultfd with `--userfaultfd`, for a uffd restore), its root bind-mounted on itself
+//! nosuid, nodev and noexec, as an unprivileged uid with no capabilities and no-new-privs,
+//! umask 077, in its own cgroups, with rlimits and no inherited descriptor but stdin, stdout
+//! and stderr.
 //!
 //! Processes: the jailer stays outside as the jail's parent; its child is PID 1 of the new
 //! PID namespace (it reaps, and when it ends the kernel kills everything else in the jail);
@@ -23,13 +25,19 @@ use rollbox_jailer::{JailError, JailGroups, Setting};
 
 /// The device nodes a jail gets (when the host has them), with their mode.
 /// (/dev/null too: the VMM's own children get their stdio from it.)
-const DEVICES: [(&str, u32); 5] = [
+const DEVICES: [(&str, u32); 4] = [
     ("kvm", 0o600),
-    ("userfaultfd", 0o600),
     ("net/tun", 0o600),
     ("urandom", 0o666),
     ("null", 0o666),
 ];
+
+/// The device node of `--userfaultfd` (a uffd restore's page server); no other jail has it.
+const USERFAULTFD: (&str, u32) = ("userfaultfd", 0o600);
+
+/// Mode of the directories the jailer makes for mount points: the jail's uid passes through
+/// them to what is mounted below, and no one lists them.
+const MOUNT_POINT_DIR_MODE: u32 = 0o711;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -69,6 +77,9 @@ struct Args {
     /// Make a new, empty network namespace (no interfaces but lo).
     #[arg(long, conflicts_with = "netns")]
     new_netns: bool,
+    /// Give the jail /dev/userfaultfd (only a restore with `--restore-backend uffd` needs it).
+    #[arg(long)]
+    userfaultfd: bool,
     /// nofile=N or fsize=BYTES (soft and hard limit); repeatable.
     #[arg(long, value_name = "RESOURCE=N")]
     rlimit: Vec<String>,
@@ -301,6 +312,7 @@ fn run(args: Args) -> Result<i32, JailError> {
         }
         let devices = DEVICES
             .iter()
+            .chain(args.userfaultfd.then_some(&USERFAULTFD))
             .map(|(name, mode)| {
                 (
                     Path::new("/dev").join(name),
@@ -407,6 +419,11 @@ fn make_mount_point(
             Err(_) => {
                 std::fs::create_dir(&at).map_err(JailError::step("make mount point", &at))?;
                 made.push(at.clone());
+                std::fs::set_permissions(
+                    &at,
+                    std::fs::Permissions::from_mode(MOUNT_POINT_DIR_MODE),
+                )
+                .map_err(JailError::step("chmod mount point", &at))?;
             }
         }
     }
@@ -556,6 +573,16 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
     )?;
     mount(root, root, None, libc::MS_BIND, None, "bind jail root")?;
     let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
+    // Nothing the VMM writes into its root runs, is setuid or is a device; what is bound into
+    // it (the VMM, its libraries) are mounts of their own.
+    mount(
+        none,
+        root,
+        None,
+        libc::MS_REMOUNT | libc::MS_BIND | nosuid | libc::MS_NOEXEC,
+        None,
+        "make the jail root nosuid,nodev,noexec",
+    )?;
     for (host, jail, is_dir) in &plan.binds {
         let target = root.join(jail);
         let recursive = if *is_dir { libc::MS_REC } else { 0 };
@@ -720,6 +747,9 @@ fn exec_vmm(plan: &Plan, old_mask: &libc::sigset_t) -> JailError {
     if let Err(e) = drop_privileges(plan) {
         return e;
     }
+    // What the VMM creates (sockets, console, snapshots) is its uid's alone.
+    // SAFETY: umask sets this process's file mode mask; it cannot fail.
+    unsafe { libc::umask(0o077) };
     // SAFETY: restores the mask the jailer started with; `old_mask` is valid.
     unsafe { libc::sigprocmask(libc::SIG_SETMASK, old_mask, std::ptr::null_mut()) };
     let mut argv: Vec<*const libc::c_char> = plan.argv.iter().map(|a| a.as_ptr()).collect();

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use rollbox::daemon::client::Endpoint;
 use rollbox::daemon::{cgroup, vm};
 use rollbox_tests::daemon::{cli, cmdline, host_cgroups, ids, pid_of, wait_for, Server, KEY};
-use rollbox_tests::{kvm_available, rollbox_binary, vmm_wrapper};
+use rollbox_tests::{kvm_available, rlimit_of, rollbox_binary, root_mount_options, vmm_wrapper};
 use serde_json::{json, Value};
 
 #[test]
@@ -601,6 +601,28 @@ fn sandboxes_run_jailed_by_default_and_directly_with_no_jailer() {
         cmdline(vmm)
     );
     assert_eq!(uid_of(vmm), "64000");
+    // Its largest file: its memory (no disk) plus 512 MiB; a root it cannot exec from or use
+    // setuid files or devices in; no userfaultfd (this is no uffd restore).
+    let memory = sandbox["memory_mib"].as_u64().expect("memory_mib");
+    let fsize = ((memory << 20) + (512 << 20)).to_string();
+    assert_eq!(rlimit_of(vmm, "Max file size"), (fsize.clone(), fsize));
+    let options = root_mount_options(vmm);
+    for want in ["nosuid", "nodev", "noexec"] {
+        assert!(
+            options.iter().any(|o| o == want),
+            "{want} not in {options:?}"
+        );
+    }
+    assert!(std::fs::metadata(format!("/proc/{vmm}/root/dev/kvm")).is_ok());
+    assert!(std::fs::metadata(format!("/proc/{vmm}/root/dev/userfaultfd")).is_err());
+    // Nothing in the state directory (state.db, the sandbox's files, the VMM's sockets and
+    // console) is readable or writable by another uid.
+    assert_private(&server.state());
+    let state = std::fs::metadata(server.state()).expect("state dir");
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&state.permissions()) & 0o777,
+        0o700
+    );
     // Its sockets are in the sandbox directory on the host, made by the jail's uid.
     let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
     let sock = std::fs::metadata(dir.join("api.sock")).expect("api.sock");
@@ -701,4 +723,66 @@ fn serve_console_max_bytes_caps_each_vmms_console_file() {
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
+}
+
+/// Every file and directory under `dir` (itself too) gives its group and others no read or
+/// write (a jailer's mount point may let the jail's uid through: search only).
+fn assert_private(dir: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::symlink_metadata(dir).expect("stat");
+    let mode = meta.mode() & 0o7777;
+    assert_eq!(mode & 0o066, 0, "{} is mode {mode:04o}", dir.display());
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(dir).expect("read_dir").flatten() {
+            assert_private(&entry.path());
+        }
+    }
+}
+
+#[test]
+fn serve_refuses_a_state_dir_another_uid_may_enter() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let state = scratch.path().join("state");
+    std::fs::create_dir(&state).expect("mkdir");
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let log = scratch.path().join("serve.log");
+    let mut serve = Command::new(rollbox_binary())
+        .arg("serve")
+        .arg("--socket")
+        .arg(scratch.path().join("d.sock"))
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--no-jailer")
+        .env("ROLLBOX_API_KEY", KEY)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("run rollbox serve");
+    // It must end at once; one that serves is killed and the test fails.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = serve.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = serve.kill();
+            let _ = serve.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    let status =
+        status.unwrap_or_else(|| panic!("rollbox serve started on a 0755 state dir: {stderr}"));
+    assert!(!status.success(), "{stderr}");
+    let canonical = std::fs::canonicalize(&state).expect("canonical");
+    assert!(
+        stderr.contains(&format!(
+            "state directory {}: mode 0755",
+            canonical.display()
+        )) && stderr.contains(&format!("chmod 700 {}", canonical.display())),
+        "{stderr}"
+    );
+    assert!(!state.join("state.db").exists(), "it opened the state");
 }

@@ -1,5 +1,6 @@
 //! `rollbox serve` end to end, snapshots: restore, fork and reset, the rootfs a snapshot
-//! carries, retention, and deterministic sandboxes.
+//! carries, retention, deterministic sandboxes, and symlinks a hostile jailed VMM plants in
+//! its sandbox directory.
 //! The real `rollbox` and `rollbox-vmm` binaries with the tier-2 test guest as the
 //! template's kernel (tier 2: needs /dev/kvm); `rollbox_tests::daemon` starts the daemon.
 
@@ -427,4 +428,160 @@ fn deterministic_sandboxes_boot_restore_reset_and_fork_deterministically() {
     let clone = &forked["results"][0]["sandbox"];
     assert_eq!(clone["deterministic"], true, "{forked}");
     assert!(has_flag(clone));
+}
+
+/// A host file and directory a hostile VMM aims its symlinks at, and what they hold.
+struct HostTargets {
+    secret: PathBuf,
+    dir: PathBuf,
+}
+
+impl HostTargets {
+    fn new(under: &std::path::Path) -> HostTargets {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = under.join("host-etc");
+        std::fs::create_dir(&dir).expect("host dir");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let secret = under.join("host-shadow");
+        std::fs::write(&secret, "root:host-secret\n").expect("secret");
+        std::fs::write(dir.join("passwd"), "root:x:0:0\n").expect("passwd");
+        HostTargets { secret, dir }
+    }
+
+    /// (path, content, uid, gid, mode) of each: a refusal leaves them all as they were.
+    fn state(&self) -> Vec<(PathBuf, Vec<u8>, u32, u32, u32)> {
+        use std::os::unix::fs::MetadataExt as _;
+        [
+            self.secret.clone(),
+            self.dir.clone(),
+            self.dir.join("passwd"),
+        ]
+        .into_iter()
+        .map(|path| {
+            let meta = std::fs::symlink_metadata(&path).expect("host target");
+            let data = if meta.is_file() {
+                std::fs::read(&path).expect("read")
+            } else {
+                Vec::new()
+            };
+            (path, data, meta.uid(), meta.gid(), meta.mode())
+        })
+        .collect()
+    }
+}
+
+/// Replaces `dir/name` with a symlink to `target`, as a VMM that owns `dir` can; returns the
+/// real file, moved aside, to [`unplant`] later.
+fn plant(dir: &std::path::Path, name: &str, target: &std::path::Path) -> Option<PathBuf> {
+    let real = dir.join(format!("{name}.real"));
+    let moved = std::fs::rename(dir.join(name), &real).is_ok();
+    std::os::unix::fs::symlink(target, dir.join(name)).expect("plant symlink");
+    moved.then_some(real)
+}
+
+fn unplant(dir: &std::path::Path, name: &str, real: Option<PathBuf>) {
+    std::fs::remove_file(dir.join(name)).expect("remove symlink");
+    if let Some(real) = real {
+        std::fs::rename(real, dir.join(name)).expect("put back");
+    }
+}
+
+/// The error text of a refused call, which names the file.
+fn refused(status: u16, body: &Value, name: &str) {
+    let error = body["error"].as_str().unwrap_or_default();
+    assert!(
+        status >= 400 && error.contains(&format!("refused {name}: a symlink")),
+        "{status} {body}"
+    );
+}
+
+#[test]
+fn symlinks_a_jailed_vmm_plants_are_refused_and_nothing_outside_is_touched() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let host = HostTargets::new(server.dir.path());
+    let before = host.state();
+    let image = server.dir.path().join("rootfs.img");
+    std::fs::write(&image, vec![7u8; 1 << 20]).expect("write image");
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "disk",
+            "kernel": test_guest(),
+            "rootfs": image,
+            "cmdline": TEST_GUEST_CMDLINE,
+            "memory_mib": 32,
+        })),
+    );
+    assert_eq!(status, 201, "{body}");
+    let sandbox = server.create(json!({"template": "disk", "ttl_s": 120}));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    let snapshots = |server: &Server| snapshot_ids(server, &id).len();
+
+    // rootfs.img -> a host file: snapshot and fork refuse to copy it.
+    let real = plant(&dir, "rootfs.img", &host.secret);
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/snapshots"), None);
+    refused(status, &body, "rootfs.img");
+    let (status, body) = server.call(
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(json!({"count": 1})),
+    );
+    refused(status, &body, "rootfs.img");
+    assert_eq!(snapshots(&server), 0);
+    unplant(&dir, "rootfs.img", real);
+    assert_eq!(server.get(&id)["state"], "running");
+
+    // snapshot-new -> a host directory: replaced by a directory of the jail's, never chowned
+    // or emptied through the link; the snapshot works.
+    plant(&dir, "snapshot-new", &host.dir);
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/snapshots"), None);
+    assert_eq!(status, 201, "{body}\n{}", server.log_tail());
+    assert!(!dir.join("snapshot-new").exists());
+    assert_eq!(host.state(), before);
+
+    // api.sock -> a host service's socket: a pause refuses to connect there.
+    let service = host.dir.join("service.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&service).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let real = plant(&dir, "api.sock", &service);
+    let (status, body) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    refused(status, &body, "api.sock");
+    assert!(
+        listener.accept().is_err(),
+        "the daemon connected to the host socket"
+    );
+    unplant(&dir, "api.sock", real);
+    drop(listener);
+    std::fs::remove_file(&service).expect("rm service socket");
+
+    // A symlink out of the directory when the sandbox is deleted: the target stays.
+    std::os::unix::fs::symlink(&host.dir, dir.join("escape")).expect("symlink");
+    let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert!(status < 300, "{status} {body}");
+    assert!(!dir.exists());
+    assert_eq!(host.state(), before);
+
+    // vmm.log -> a host file, then the VMM ends: its end reason is the refusal, never the
+    // file's text.
+    let sandbox = server.create(json!({"template": "disk", "ttl_s": 120}));
+    let id = sandbox["id"].as_str().expect("id").to_string();
+    let dir = PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    plant(&dir, "vmm.log", &host.secret);
+    let (pid, _) = pid_of(&sandbox);
+    // SAFETY: kill(2) on the sandbox's own jailer; its jail ends with it.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let mut last = Value::Null;
+    wait_for(&format!("{id} to end"), Duration::from_secs(20), || {
+        last = server.get(&id);
+        last["state"] == "exited"
+    });
+    let reason = last["end_reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("refused vmm.log: a symlink"), "{last}");
+    assert!(!reason.contains("host-secret"), "{last}");
+    assert_eq!(host.state(), before);
 }

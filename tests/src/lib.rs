@@ -590,6 +590,34 @@ pub fn wait_for_socket(path: &Path, timeout: Duration) {
     }
 }
 
+/// The mount options of process `pid`'s root (`/` as it sees it), from /proc/PID/mountinfo.
+pub fn root_mount_options(pid: u32) -> Vec<String> {
+    let mountinfo =
+        std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).expect("read mountinfo");
+    let root = mountinfo
+        .lines()
+        .rev()
+        .map(|line| line.split(' ').collect::<Vec<_>>())
+        .find(|fields| fields.get(4) == Some(&"/"))
+        .unwrap_or_else(|| panic!("no / in /proc/{pid}/mountinfo:\n{mountinfo}"));
+    root.get(5)
+        .map(|options| options.split(',').map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// Process `pid`'s soft and hard limit `name` (e.g. "Max file size"), from /proc/PID/limits.
+pub fn rlimit_of(pid: u32, name: &str) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with(name))
+        .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/limits:\n{limits}"));
+    let mut values = line[name.len()..].split_whitespace();
+    let soft = values.next().unwrap_or_default().to_string();
+    let hard = values.next().unwrap_or_default().to_string();
+    (soft, hard)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,8 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox_tests::{
-    api_client, fork_params, jailer_binary, kvm_available, raw_image, skip, snapshot_params,
-    test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
+    api_client, fork_params, jailer_binary, kvm_available, raw_image, rlimit_of,
+    root_mount_options, skip, snapshot_params, test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
 };
 use vmm_api::ForkParams;
 
@@ -47,6 +47,8 @@ fn cgroup_parent() -> String {
 struct Jail {
     base: tempfile::TempDir,
     id: String,
+    /// `--userfaultfd`: the jail gets /dev/userfaultfd (a uffd restore).
+    userfaultfd: bool,
 }
 
 impl Jail {
@@ -55,6 +57,7 @@ impl Jail {
         let jail = Jail {
             base,
             id: id.to_string(),
+            userfaultfd: false,
         };
         std::fs::create_dir(jail.root()).expect("jail dir");
         setup(&jail.root());
@@ -83,6 +86,9 @@ impl Jail {
             .args(["--rlimit", "nofile=1024", "--rlimit", "fsize=1073741824"]);
         for bind in binds {
             command.arg("--bind-ro").arg(bind);
+        }
+        if self.userfaultfd {
+            command.arg("--userfaultfd");
         }
         command.arg("--").args(vmm_args);
         command
@@ -213,9 +219,10 @@ fn snapshot_in_jail(jail: &Jail) {
 
 /// Restores the snapshot in `from`'s jail, in a new jail, with `backend`.
 fn restore_jailed(from: &Jail, id: &str, backend: &str) -> (Jail, Vm) {
-    let jail = Jail::new(id, |root| {
+    let mut jail = Jail::new(id, |root| {
         std::fs::copy(from.root().join("disk.img"), root.join("disk.img")).expect("copy disk");
     });
+    jail.userfaultfd = backend == "uffd";
     let binds = [format!("{}:/snap", from.root().join("snap").display())];
     let vm = jail.spawn(
         &binds,
@@ -274,6 +281,24 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
             && l.split_whitespace().filter(|w| *w == "1024").count() == 2),
         "{limits}"
     );
+    let fsize = "1073741824".to_string();
+    assert_eq!(rlimit_of(vmm, "Max file size"), (fsize.clone(), fsize));
+    // Its root runs nothing it writes there, and holds no setuid file or device that works.
+    let options = root_mount_options(vmm);
+    for want in ["nosuid", "nodev", "noexec"] {
+        assert!(
+            options.iter().any(|o| o == want),
+            "{want} not in {options:?}"
+        );
+    }
+    // No userfaultfd device but for a uffd restore (below, with --userfaultfd).
+    let dev = std::fs::read_dir(format!("/proc/{vmm}/root/dev"))
+        .expect("jail /dev")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect::<Vec<_>>();
+    assert!(dev.iter().any(|d| d == "kvm"), "{dev:?}");
+    assert!(!dev.iter().any(|d| d == "userfaultfd"), "{dev:?}");
     // Every inherited descriptor but stdin, stdout and stderr was closed.
     for pid in [init, vmm] {
         for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))

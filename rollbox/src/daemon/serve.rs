@@ -45,6 +45,18 @@ pub enum DaemonError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "state directory {path}: mode {mode:04o} lets {who} in; it holds every sandbox's disk, memory and env: `chmod 700 {path}`"
+    )]
+    StateDirOpen {
+        path: PathBuf,
+        mode: u32,
+        who: &'static str,
+    },
+    #[error(
+        "state directory {path}: owned by uid {uid}, not this daemon's ({me}): `chown {me} {path}`"
+    )]
+    StateDirOwner { path: PathBuf, uid: u32, me: u32 },
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
 }
@@ -127,13 +139,39 @@ struct Dirs {
     templates: PathBuf,
 }
 
+/// Makes the state directory's parts (0700 under the daemon's umask); a state directory that
+/// another uid may enter, or that is not the daemon's, is refused.
 fn make_dirs(state_dir: &Path) -> Result<Dirs, DaemonError> {
+    use std::os::unix::fs::MetadataExt as _;
     let state_error = |path: &Path| {
         let path = path.to_path_buf();
         move |source| DaemonError::StateDir { path, source }
     };
     std::fs::create_dir_all(state_dir).map_err(state_error(state_dir))?;
     let state = std::fs::canonicalize(state_dir).map_err(state_error(state_dir))?;
+    let meta = std::fs::metadata(&state).map_err(state_error(&state))?;
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        let who = match (mode & 0o070 != 0, mode & 0o007 != 0) {
+            (true, true) => "its group and others",
+            (true, false) => "its group",
+            _ => "others",
+        };
+        return Err(DaemonError::StateDirOpen {
+            path: state,
+            mode,
+            who,
+        });
+    }
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(DaemonError::StateDirOwner {
+            path: state,
+            uid: meta.uid(),
+            me,
+        });
+    }
     let sandboxes = state.join("sandboxes");
     std::fs::create_dir_all(&sandboxes).map_err(state_error(&sandboxes))?;
     let snapshots = state.join("snapshots");
@@ -161,6 +199,9 @@ pub async fn serve(
     if options.api_key.trim().is_empty() {
         return Err(DaemonError::EmptyKey);
     }
+    // Everything the daemon makes (state.db, disk copies, snapshots) is its own alone.
+    // SAFETY: umask sets this process's file mode mask; it cannot fail.
+    unsafe { libc::umask(0o077) };
     // Descriptors for the connection caps (each connection may hold an agent connection too).
     match conn::raise_nofile() {
         Ok(limit) => log::debug!("open files limit: {limit}"),
@@ -276,4 +317,46 @@ pub async fn serve(
         let _ = std::fs::remove_file(path);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    #[test]
+    fn a_state_dir_others_may_enter_is_refused_with_the_chmod_hint() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let state = tmp.path().join("state");
+        std::fs::create_dir(&state).expect("mkdir");
+        for (mode, who) in [
+            (0o755, "its group and others"),
+            (0o750, "its group"),
+            (0o701, "others"),
+        ] {
+            std::fs::set_permissions(&state, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            let Err(error) = make_dirs(&state) else {
+                panic!("mode {mode:o} accepted");
+            };
+            let text = error.to_string();
+            let canonical = std::fs::canonicalize(&state).expect("canonical");
+            assert!(
+                text.contains(&format!("mode {mode:04o} lets {who} in"))
+                    && text.contains(&format!("chmod 700 {}", canonical.display())),
+                "{text}"
+            );
+            assert!(
+                !state.join("sandboxes").exists(),
+                "made parts of a refused state dir"
+            );
+        }
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        make_dirs(&state).expect("0700 is fine");
+        // Another uid's: refused too.
+        std::os::unix::fs::chown(&state, Some(12345), None).expect("chown");
+        let Err(error) = make_dirs(&state) else {
+            panic!("another uid's state dir accepted");
+        };
+        assert!(error.to_string().contains("owned by uid 12345"), "{error}");
+    }
 }

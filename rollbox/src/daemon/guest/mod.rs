@@ -23,6 +23,7 @@ use rollbox_agent_protocol::DEFAULT_PORT;
 
 use super::api::{ApiError, BodyTooLarge, ExitInfo, FileInfo, FileKind, State, MAX_UPLOAD};
 use super::store::Db;
+use super::supervisor::jaildir::SocketPath;
 use super::supervisor::vm;
 use super::util::touch;
 
@@ -124,8 +125,9 @@ impl Guest {
         }
     }
 
-    /// The agent socket of a running sandbox.
-    pub fn agent_socket(&self, id: &str) -> Result<PathBuf, ApiError> {
+    /// The agent socket of a running sandbox (through a checked descriptor: see
+    /// `supervisor::jaildir`).
+    pub fn agent_socket(&self, id: &str) -> Result<SocketPath, ApiError> {
         let sandbox = touch(&self.db, id)?;
         match sandbox.state {
             State::Running => {}
@@ -141,10 +143,11 @@ impl Guest {
                 )))
             }
         }
-        Ok(match &self.test_agent_socket {
-            Some(path) => path.clone(),
-            None => vm::Paths::new(&sandbox.dir).vsock,
-        })
+        match &self.test_agent_socket {
+            Some(path) => Ok(SocketPath::host(path.clone())),
+            None => vm::agent_socket(&sandbox.dir)
+                .map_err(|e| ApiError::Unavailable(format!("sandbox {id}: {e}"))),
+        }
     }
 
     /// A connection to the sandbox's agent, retried until the agent timeout.
@@ -167,7 +170,7 @@ impl Guest {
         }
     }
 
-    fn no_answer(&self, id: &str, path: &std::path::Path, last: &str) -> ApiError {
+    fn no_answer(&self, id: &str, path: &SocketPath, last: &str) -> ApiError {
         ApiError::Unavailable(format!(
             "sandbox {id}: the agent did not answer on {} within {} s ({last})",
             path.display(),

@@ -6,6 +6,9 @@
 //! `cpu_limit` (the cgroup files themselves are `rollbox_jailer::cgroup`'s).
 
 mod cpu;
+mod disk;
+pub mod jaildir;
+mod process;
 pub mod vm;
 
 use std::collections::{HashMap, HashSet};
@@ -21,6 +24,7 @@ use vmm_api::VmState;
 use super::api::{Sandbox, Snapshot, Template};
 
 use super::util::{ms_since, remove_dir};
+use jaildir::JailDir;
 
 pub use cpu::cpu_ms;
 
@@ -383,7 +387,7 @@ impl Supervisor {
             }
         };
         exited.map(|mut reason| {
-            let tail = vm::log_tail(&vm::Paths::new(&sandbox.dir).log);
+            let tail = vm::log_tail(&sandbox.dir);
             if !tail.is_empty() {
                 reason = format!("{reason}; the end of its log: {tail}");
             }
@@ -450,7 +454,8 @@ impl Supervisor {
 }
 
 /// Pauses the VM (if it runs), takes a Full snapshot into `dir` (made here) and a copy of its
-/// rootfs (when `rootfs`), and resumes it; on error `dir` is gone. Blocking.
+/// rootfs (when `rootfs`), and resumes it; on error `dir` is gone. Blocking. A jailed VMM's
+/// snapshot directory is its group's to read (mode 0750): a restore binds it into a jail.
 pub fn snapshot_vm(
     sandbox_dir: &Path,
     dir: &Path,
@@ -460,41 +465,57 @@ pub fn snapshot_vm(
 ) -> Result<(), String> {
     let paths = vm::Paths::new(sandbox_dir);
     std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if running {
-        vm::set_vm_state(&paths.api_sock, VmState::Paused).map_err(|e| e.to_string())?;
-    }
-    // The disk is copied while the vCPUs are paused, so it matches the memory.
-    let result = vm::create_snapshot(&paths, dir, jail_uid)
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            if rootfs {
-                vm::copy_disk(&paths.rootfs, &dir.join("rootfs.img"))
-                    .map_err(|e| format!("copying {}: {e}", paths.rootfs.display()))
-            } else {
-                Ok(())
-            }
-        });
-    if running {
-        let resumed = vm::set_vm_state(&paths.api_sock, VmState::Resumed);
-        if let (Ok(()), Err(e)) = (&result, resumed) {
-            return Err(e.to_string());
-        }
-    }
+    let result = snapshot_into(&paths, dir, running, rootfs, jail_uid);
     if result.is_err() {
         let _ = remove_dir(dir);
     }
     result
 }
 
+/// [`snapshot_vm`] once `dir` is made.
+fn snapshot_into(
+    paths: &vm::Paths,
+    dir: &Path,
+    running: bool,
+    rootfs: bool,
+    jail_uid: Option<u32>,
+) -> Result<(), String> {
+    let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
+    let (uid, gid) = sandbox.owner();
+    if jail_uid == Some(uid) {
+        JailDir::open(dir)
+            .and_then(|d| d.set_group_mode(gid, 0o750))
+            .map_err(|e| e.to_string())?;
+    }
+    if running {
+        vm::set_vm_state(paths, VmState::Paused).map_err(|e| e.to_string())?;
+    }
+    // The disk is copied while the vCPUs are paused, so it matches the memory.
+    let result = vm::create_snapshot(paths, dir, jail_uid).and_then(|()| {
+        if rootfs {
+            vm::copy_rootfs(paths, &dir.join("rootfs.img"))
+        } else {
+            Ok(())
+        }
+    });
+    if running {
+        let resumed = vm::set_vm_state(paths, VmState::Resumed);
+        if let (Ok(()), Err(e)) = (&result, resumed) {
+            return Err(e.to_string());
+        }
+    }
+    result.map_err(|e| e.to_string())
+}
+
 /// `PATCH /vm` Paused or Resumed on the sandbox's VMM, off the async threads.
 pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
-    let sock = vm::Paths::new(sandbox_dir).api_sock;
+    let paths = vm::Paths::new(sandbox_dir);
     let state = if pause {
         VmState::Paused
     } else {
         VmState::Resumed
     };
-    tokio::task::spawn_blocking(move || vm::set_vm_state(&sock, state))
+    tokio::task::spawn_blocking(move || vm::set_vm_state(&paths, state))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())
@@ -502,8 +523,8 @@ pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
 
 /// Whether the sandbox's VMM says its VM is paused (`GET /`), off the async threads.
 pub async fn vm_paused(sandbox_dir: &Path) -> Result<bool, String> {
-    let sock = vm::Paths::new(sandbox_dir).api_sock;
-    let state = tokio::task::spawn_blocking(move || vm::vm_state(&sock))
+    let paths = vm::Paths::new(sandbox_dir);
+    let state = tokio::task::spawn_blocking(move || vm::vm_state(&paths))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
@@ -515,4 +536,16 @@ pub async fn vm_paused(sandbox_dir: &Path) -> Result<bool, String> {
 /// followed.
 pub fn remove_snapshot_staging(sandbox_dir: &Path) -> std::io::Result<()> {
     remove_dir(&sandbox_dir.join("snapshot-new"))
+}
+
+/// The sandbox disk's bytes in use and its size, read below the jail's directory descriptor
+/// (a `rootfs.img` symlink planted by the VMM is refused, never followed); None if unreadable.
+pub fn rootfs_usage(sandbox_dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = JailDir::open(sandbox_dir)
+        .and_then(|dir| dir.open_file("rootfs.img"))
+        .ok()?
+        .metadata()
+        .ok()?;
+    Some((meta.blocks().saturating_mul(512), meta.len()))
 }

@@ -4,7 +4,6 @@
 //! VMMs that belong to no sandbox.
 
 use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +14,9 @@ use vmm_api::{
     MachineConfig, VmState, VsockConfig,
 };
 
+use super::disk::{copy_disk, copy_file};
+use super::jaildir::{JailDir, JailDirError, SocketPath};
+pub use super::process::{find_vmms, is_ours, kill, start_time, Found};
 use crate::daemon::api::Template;
 
 /// A failed VMM operation.
@@ -31,12 +33,9 @@ pub enum VmError {
         to: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot move snapshot file {from} to {to}: {source}")]
-    Move {
-        from: PathBuf,
-        to: PathBuf,
-        source: std::io::Error,
-    },
+    /// A name in the sandbox's directory refused or failed ([`super::jaildir`]).
+    #[error(transparent)]
+    Jail(#[from] JailDirError),
     #[error("cannot write the VMM's configuration {path}: {source}")]
     Config {
         path: PathBuf,
@@ -63,9 +62,9 @@ pub enum VmError {
     NotReady { pid: u32, sock: PathBuf, secs: u64 },
     #[error("rollbox-vmm (pid {0}) vanished before its start time could be read")]
     Vanished(u32),
-    /// The call names the socket.
-    #[error(transparent)]
-    Api(#[from] ClientError),
+    /// A call on the VMM's API socket (reached through its descriptor, hence the name).
+    #[error("{sock}: {source}")]
+    Api { sock: PathBuf, source: ClientError },
 }
 
 /// The files in a sandbox's directory.
@@ -127,6 +126,9 @@ const JAIL_MEMORY_OVERHEAD_MIB: u64 = 512;
 const JAIL_PIDS_MAX: u32 = 512;
 /// Descriptors a jailed VMM may hold.
 const JAIL_NOFILE: u32 = 4096;
+/// The largest file a jailed VMM may write beyond its disk or memory, whichever is larger
+/// (a snapshot's memory file, its state, the console and logs).
+const JAIL_FSIZE_SLACK: u64 = 512 << 20;
 /// How long a Full snapshot may take to write.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a pause or resume may take.
@@ -145,6 +147,14 @@ struct Launch<'a> {
     args: Vec<std::ffi::OsString>,
     binds: Vec<std::ffi::OsString>,
     jail: Option<&'a JailSpec<'a>>,
+    /// The size of the sandbox's disk copy (0 without one), for the jail's fsize limit.
+    disk_bytes: u64,
+}
+
+/// RLIMIT_FSIZE of a jailed VMM: its largest file is its disk or its memory snapshot. (A
+/// guest that fills its console past this ends its VMM with SIGXFSZ, not the host's disk.)
+fn fsize_limit(disk_bytes: u64, memory_mib: u32) -> u64 {
+    disk_bytes.max(u64::from(memory_mib) << 20) + JAIL_FSIZE_SLACK
 }
 
 impl<'a> Launch<'a> {
@@ -153,6 +163,7 @@ impl<'a> Launch<'a> {
             args: Vec::new(),
             binds: Vec::new(),
             jail,
+            disk_bytes: 0,
         }
     }
 
@@ -225,6 +236,10 @@ impl<'a> Launch<'a> {
             .arg(&jail.cgroup_fs)
             .args(["--cgroup-parent", &jail.cgroup_parent])
             .args(["--rlimit", &format!("nofile={JAIL_NOFILE}")])
+            .args([
+                "--rlimit",
+                &format!("fsize={}", fsize_limit(self.disk_bytes, spec.memory_mib)),
+            ])
             // Sandboxes have no network device: an empty network namespace.
             .arg("--new-netns");
         for setting in &spec.cgroups {
@@ -265,11 +280,13 @@ pub fn spawn(
     let config = boot_config(&mut launch, paths, shape)?;
     if let Some(rootfs) = &shape.template.rootfs {
         // A private copy: the guest writes to it.
-        copy_disk(rootfs, &paths.rootfs).map_err(|source| VmError::Rootfs {
+        let failed = |source| VmError::Rootfs {
             from: rootfs.clone(),
             to: paths.rootfs.clone(),
             source,
-        })?;
+        };
+        copy_disk(rootfs, &paths.rootfs).map_err(failed)?;
+        launch.disk_bytes = disk_len(&paths.rootfs).map_err(failed)?;
     }
     write_config(&paths.config, &config)?;
     launch
@@ -379,12 +396,20 @@ pub fn spawn_restore(
         Identity::Same => {}
     }
     if rootfs {
-        let from = snapshot_dir.join("rootfs.img");
-        copy_disk(&from, &paths.rootfs).map_err(|source| VmError::Rootfs {
-            from,
+        // The snapshot's own copy, made by the daemon: still opened with no symlink followed.
+        let source = JailDir::open(snapshot_dir)?.open_file("rootfs.img")?;
+        let failed = |source| VmError::Rootfs {
+            from: snapshot_dir.join("rootfs.img"),
             to: paths.rootfs.clone(),
             source,
-        })?;
+        };
+        let dest = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&paths.rootfs)
+            .map_err(failed)?;
+        copy_file(&source, &dest).map_err(failed)?;
+        launch.disk_bytes = disk_len(&paths.rootfs).map_err(failed)?;
         let mut drive = std::ffi::OsString::from("rootfs=");
         if jail.is_some() {
             drive.push("/rootfs.img");
@@ -397,65 +422,9 @@ pub fn spawn_restore(
     start(command, &program, paths)
 }
 
-/// Copies a disk image for a sandbox or a snapshot: a reflink where the file system has them,
-/// else the data extents with all-zero blocks left as holes (so a mostly empty ext4 image
-/// costs what it holds, also on tmpfs, and also from a file system without SEEK_DATA, such as
-/// 9p). No fsync: a copy lost in a host crash belongs to a sandbox that is gone too.
-pub fn copy_disk(from: &Path, to: &Path) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd as _;
-    use std::os::unix::fs::FileExt as _;
-    const BLOCK: usize = 64 * 1024;
-    let source = std::fs::File::open(from)?;
-    let dest = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(to)?;
-    // SAFETY: FICLONE takes the source descriptor as its argument and touches no memory of
-    // ours; both descriptors are open for the duration of the call.
-    if unsafe { libc::ioctl(dest.as_raw_fd(), libc::FICLONE, source.as_raw_fd()) } == 0 {
-        return Ok(());
-    }
-    let len = source.metadata()?.len();
-    dest.set_len(len)?;
-    let mut buf = vec![0u8; 16 * BLOCK];
-    let mut at = 0u64;
-    while at < len {
-        let Some(data) = seek(&source, at, libc::SEEK_DATA)? else {
-            break;
-        };
-        let end = seek(&source, data, libc::SEEK_HOLE)?.unwrap_or(len);
-        let mut offset = data;
-        while offset < end {
-            let want = usize::try_from(end - offset).map_or(buf.len(), |n| n.min(buf.len()));
-            let chunk = buf.get_mut(..want).unwrap_or_default();
-            source.read_exact_at(chunk, offset)?;
-            for (i, block) in chunk.chunks(BLOCK).enumerate() {
-                if block.iter().any(|&b| b != 0) {
-                    dest.write_all_at(block, offset + (i * BLOCK) as u64)?;
-                }
-            }
-            offset += want as u64;
-        }
-        at = end;
-    }
-    Ok(())
-}
-
-/// lseek with SEEK_DATA or SEEK_HOLE; None past the last data (ENXIO).
-fn seek(file: &std::fs::File, offset: u64, whence: libc::c_int) -> std::io::Result<Option<u64>> {
-    use std::os::fd::AsRawFd as _;
-    let offset = i64::try_from(offset).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    // SAFETY: lseek on a descriptor `file` owns; it touches no memory.
-    let rc = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
-    if rc >= 0 {
-        return Ok(u64::try_from(rc).ok());
-    }
-    let error = std::io::Error::last_os_error();
-    if error.raw_os_error() == Some(libc::ENXIO) {
-        Ok(None)
-    } else {
-        Err(error)
-    }
+/// The size of a disk copy the daemon just made.
+fn disk_len(path: &Path) -> std::io::Result<u64> {
+    std::fs::metadata(path).map(|m| m.len())
 }
 
 /// Starts the VMM with its output in the sandbox's log, in its own process group: a signal to
@@ -480,38 +449,44 @@ fn start(mut command: Command, vmm: &Path, paths: &Paths) -> Result<Child, VmErr
     })
 }
 
+/// A client of the VMM's API socket in `paths.dir`, reached through a descriptor of the
+/// socket ([`SocketPath`], kept alive beside the client): a symlink planted there is refused.
+pub fn api_client(paths: &Paths, timeout: Duration) -> Result<(Client, SocketPath), VmError> {
+    let sock = JailDir::open(&paths.dir)?.socket("api.sock")?;
+    let client = Client::new(sock.connect_path()).with_timeout(timeout);
+    Ok((client, sock))
+}
+
+/// The sandbox's hybrid-vsock socket (`vsock.sock`, the guest agent's), checked like
+/// [`api_client`]'s.
+pub fn agent_socket(dir: &Path) -> Result<SocketPath, VmError> {
+    Ok(JailDir::open(dir)?.socket("vsock.sock")?)
+}
+
+/// A failed call on the socket `sock`.
+fn api_error(sock: &SocketPath) -> impl FnOnce(ClientError) -> VmError {
+    let sock = sock.path().to_path_buf();
+    move |source| VmError::Api { sock, source }
+}
+
+/// What the VMM may write beside a snapshot's `vmstate` and `memory` (`memory.id`, ...); never
+/// a name the daemon writes itself.
+const DAEMON_SNAPSHOT_FILES: [&str; 1] = ["rootfs.img"];
+
 /// `PUT /snapshot/create` (Full) into `dir`/vmstate and `dir`/memory; the VM must be paused.
 /// A jailed VMM (its directory owned by `jail_uid`) writes them into its own directory
-/// (`/snapshot-new/`), and they are moved to `dir` from there.
+/// (`/snapshot-new/`), and they are moved to `dir` from there: regular files only, each
+/// checked through its descriptor ([`JailDir::move_file_to`]).
 pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Result<(), VmError> {
-    use std::os::unix::fs::MetadataExt as _;
-    let jailed =
-        jail_uid.is_some_and(|uid| std::fs::metadata(&paths.dir).is_ok_and(|m| m.uid() == uid));
-    let (write_to, seen_as) = if jailed {
-        let staging = paths.dir.join("snapshot-new");
-        match std::fs::create_dir(&staging) {
-            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                return Err(VmError::Dir {
-                    path: staging,
-                    source: e,
-                });
-            }
-            _ => {}
-        }
+    let sandbox = JailDir::open(&paths.dir)?;
+    let (uid, gid) = sandbox.owner();
+    let jailed = jail_uid == Some(uid);
+    let seen_as = if jailed {
         // The jail's uid writes there: the owner of the sandbox directory.
-        let owner = std::fs::metadata(&paths.dir).map_err(|source| VmError::Dir {
-            path: paths.dir.clone(),
-            source,
-        })?;
-        std::os::unix::fs::chown(&staging, Some(owner.uid()), Some(owner.gid())).map_err(
-            |source| VmError::Dir {
-                path: staging.clone(),
-                source,
-            },
-        )?;
-        (staging, PathBuf::from("/snapshot-new"))
+        sandbox.fresh_subdir("snapshot-new", uid, gid)?;
+        PathBuf::from("/snapshot-new")
     } else {
-        (dir.to_path_buf(), dir.to_path_buf())
+        dir.to_path_buf()
     };
     let params = CreateSnapshotParams {
         snapshot_type: "Full".into(),
@@ -519,43 +494,47 @@ pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Resu
         mem_file_path: seen_as.join("memory"),
         version: None,
     };
-    let made = Client::new(&paths.api_sock)
-        .with_timeout(SNAPSHOT_TIMEOUT)
-        .create_snapshot(&params)
-        .map_err(VmError::from);
-    if jailed {
-        // vmstate, memory and whatever the VMM writes beside them (memory.id).
-        let moved = made.and_then(|()| {
-            let entries = std::fs::read_dir(&write_to).map_err(|source| VmError::Dir {
-                path: write_to.clone(),
-                source,
-            })?;
-            for entry in entries.flatten() {
-                move_file(&entry.path(), &dir.join(entry.file_name()))?;
-            }
-            Ok(())
-        });
-        let _ = std::fs::remove_dir_all(&write_to);
-        return moved;
+    let (client, sock) = api_client(paths, SNAPSHOT_TIMEOUT)?;
+    let made = client.create_snapshot(&params).map_err(api_error(&sock));
+    if !jailed {
+        return made;
     }
-    made
+    let moved = made.and_then(|()| {
+        let staging = sandbox.subdir("snapshot-new")?;
+        let to = JailDir::open(dir)?;
+        for name in staging.names()? {
+            if DAEMON_SNAPSHOT_FILES.iter().any(|n| name == *n) {
+                return Err(JailDirError::Refused {
+                    dir: staging.path().to_path_buf(),
+                    name: name.to_string_lossy().into_owned(),
+                    why: "the daemon writes that name itself".into(),
+                }
+                .into());
+            }
+            staging.move_file_to(&name, &to)?;
+        }
+        Ok(())
+    });
+    // remove_dir_all removes a symlink itself and follows none below it.
+    let _ = std::fs::remove_dir_all(paths.dir.join("snapshot-new"));
+    moved
 }
 
-/// Renames `from` to `to`, or copies it where they are on different file systems.
-fn move_file(from: &Path, to: &Path) -> Result<(), VmError> {
-    let failed = |source| VmError::Move {
-        from: from.to_path_buf(),
+/// Copies the sandbox's disk (`rootfs.img`, opened with no symlink followed and checked) to
+/// `to`, a new file.
+pub fn copy_rootfs(paths: &Paths, to: &Path) -> Result<(), VmError> {
+    let source = JailDir::open(&paths.dir)?.open_file("rootfs.img")?;
+    let failed = |source| VmError::Rootfs {
+        from: paths.rootfs.clone(),
         to: to.to_path_buf(),
         source,
     };
-    match std::fs::rename(from, to) {
-        Ok(()) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-            copy_disk(from, to).map_err(failed)?;
-            std::fs::remove_file(from).map_err(failed)
-        }
-        Err(e) => Err(failed(e)),
-    }
+    let dest = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(to)
+        .map_err(failed)?;
+    copy_file(&source, &dest).map_err(failed)
 }
 
 /// Waits until the VMM's API answers (its VM started), or it ended.
@@ -571,20 +550,31 @@ pub async fn wait_ready(
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(100));
-        let client = Client::new(&paths.api_sock).with_timeout(left);
-        let answer = tokio::task::spawn_blocking(move || client.vm_info()).await;
-        match answer {
-            Ok(Ok(_)) => return Ok(()),
-            // Not listening yet, or no VM yet: try again unless the VMM ended.
-            Ok(Err(e)) if !e.is_connect() => log::debug!("{e}"),
-            _ => {}
+        match api_client(paths, left) {
+            Ok((client, sock)) => {
+                let answer = tokio::task::spawn_blocking(move || {
+                    let answer = client.vm_info();
+                    drop(sock);
+                    answer
+                })
+                .await;
+                match answer {
+                    Ok(Ok(_)) => return Ok(()),
+                    // Not listening yet, or no VM yet: try again unless the VMM ended.
+                    Ok(Err(e)) if !e.is_connect() => log::debug!("{e}"),
+                    _ => {}
+                }
+            }
+            // No socket yet.
+            Err(VmError::Jail(e)) if e.is_not_found() => {}
+            Err(e) => return Err(e),
         }
         if let Ok(Some(status)) = child.try_wait() {
             return Err(VmError::EarlyExit {
                 pid: child.id(),
                 sock: paths.api_sock.clone(),
                 status,
-                output: log_tail(&paths.log),
+                output: log_tail(&paths.dir),
             });
         }
         if Instant::now() >= deadline {
@@ -598,168 +588,32 @@ pub async fn wait_ready(
     }
 }
 
-/// The last 1000 bytes of a log, on one line.
-pub(super) fn log_tail(path: &Path) -> String {
-    let text = std::fs::read(path).unwrap_or_default();
-    let tail = &text[text.len().saturating_sub(1000)..];
-    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
-}
-
-/// /proc/PID/stat field 22 (start time in clock ticks since boot), or None when there is no
-/// such process or it is a zombie.
-pub fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold anything: split after it.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state); field 22 is index 19.
-    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
-        return None;
-    }
-    fields.get(19)?.parse().ok()
-}
-
-/// Whether the process `pid` is alive and is the one that started at `start`.
-pub fn is_ours(pid: u32, start: u64) -> bool {
-    start_time(pid) == Some(start)
-}
-
-/// SIGKILLs the process group of `pid` if `pid` is still the process that started at `start`,
-/// then waits up to `timeout` for it to be gone. True once it is gone.
-pub fn kill(pid: u32, start: u64, timeout: Duration) -> bool {
-    if !is_ours(pid, start) {
-        return true;
-    }
-    let Ok(pgid) = libc::pid_t::try_from(pid) else {
-        return false;
+/// The last 1000 bytes of the sandbox's `vmm.log`, on one line (nothing when there is none;
+/// the refusal when it is no regular file of the sandbox's, such as a planted symlink).
+pub(super) fn log_tail(dir: &Path) -> String {
+    let tail = match JailDir::open(dir).and_then(|d| d.tail("vmm.log", 1000)) {
+        Ok(tail) => tail,
+        Err(e) if e.is_not_found() => Vec::new(),
+        Err(e) => return format!("[{e}]"),
     };
-    // SAFETY: killpg only sends a signal; pgid is the VMM's own group (it was spawned with
-    // process_group(0), so its pid is its group id), checked alive by start time just above.
-    unsafe { libc::killpg(pgid, libc::SIGKILL) };
-    let deadline = Instant::now() + timeout;
-    while is_ours(pid, start) {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    true
-}
-
-/// A VMM process found in /proc whose API socket lies under `sandboxes_dir`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Found {
-    pub pid: u32,
-    pub start_time: u64,
-    /// The sandbox directory's name (the sandbox id).
-    pub id: String,
-}
-
-/// Every process whose command line has `--api-sock SANDBOXES_DIR/ID/...`, and every
-/// `rollbox-jailer` with `--chroot-base SANDBOXES_DIR --id ID`.
-pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut found = Vec::new();
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        let sock = args
-            .windows(2)
-            .find(|w| w[0] == b"--api-sock")
-            .map(|w| Path::new(std::ffi::OsStr::from_bytes(w[1])));
-        let value = |flag: &[u8]| {
-            args.windows(2)
-                .find(|w| w[0] == flag)
-                .map(|w| std::ffi::OsStr::from_bytes(w[1]))
-        };
-        // The jailer, not its child (PID 1 of the jail, same command line, another PID
-        // namespace).
-        let jailed = value(b"--chroot-base")
-            .filter(|base| Path::new(base) == sandboxes_dir)
-            .filter(|_| {
-                let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
-                ns(&pid.to_string()).is_some_and(|theirs| ns("self") == Some(theirs))
-            })
-            .and_then(|_| value(b"--id"))
-            .and_then(|id| id.to_str());
-        let Some(id) = sock
-            .and_then(|s| s.strip_prefix(sandboxes_dir).ok())
-            .and_then(|rel| rel.components().next())
-            .and_then(|c| c.as_os_str().to_str())
-            .or(jailed)
-        else {
-            continue;
-        };
-        if let Some(start_time) = start_time(pid) {
-            found.push(Found {
-                pid,
-                start_time,
-                id: id.to_string(),
-            });
-        }
-    }
-    found
+    String::from_utf8_lossy(&tail).trim().replace('\n', " | ")
 }
 
 /// `PATCH /vm {"state": STATE}` on the VMM's API socket (blocking).
-pub fn set_vm_state(api_sock: &Path, state: VmState) -> Result<(), VmError> {
-    Client::new(api_sock)
-        .with_timeout(STATE_TIMEOUT)
-        .set_state(state)
-        .map_err(VmError::from)
+pub fn set_vm_state(paths: &Paths, state: VmState) -> Result<(), VmError> {
+    let (client, sock) = api_client(paths, STATE_TIMEOUT)?;
+    client.set_state(state).map_err(api_error(&sock))
 }
 
 /// `GET /` on the VMM's API socket: its VM's state, "Running" or "Paused" (blocking).
-pub fn vm_state(api_sock: &Path) -> Result<String, VmError> {
-    Ok(Client::new(api_sock)
-        .with_timeout(STATE_TIMEOUT)
-        .vm_info()?
-        .state)
+pub fn vm_state(paths: &Paths) -> Result<String, VmError> {
+    let (client, sock) = api_client(paths, STATE_TIMEOUT)?;
+    Ok(client.vm_info().map_err(api_error(&sock))?.state)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn disk_copies_keep_data_and_holes() {
-        use std::os::unix::fs::{FileExt as _, MetadataExt as _};
-        let dir = tempfile::tempdir().expect("tempdir");
-        let from = dir.path().join("from.img");
-        let file = std::fs::File::create(&from).expect("create");
-        file.set_len(64 << 20).expect("set_len");
-        file.write_all_at(b"head", 0).expect("write");
-        file.write_all_at(&[7u8; 8192], 40 << 20).expect("write");
-        file.write_all_at(b"tail", (64 << 20) - 4).expect("write");
-        // Written zeros (what a file system without SEEK_DATA reports as data) become holes.
-        file.write_all_at(&vec![0u8; 8 << 20], 8 << 20)
-            .expect("write zeros");
-        drop(file);
-        let to = dir.path().join("to.img");
-        copy_disk(&from, &to).expect("copy");
-        assert_eq!(
-            std::fs::read(&from).expect("read"),
-            std::fs::read(&to).expect("read")
-        );
-        let allocated = std::fs::metadata(&to).expect("stat").blocks() * 512;
-        assert!(
-            allocated < 4 << 20,
-            "{allocated} bytes allocated for 16 KiB of data"
-        );
-        // Never over an existing file.
-        assert!(copy_disk(&from, &to).is_err());
-    }
 
     /// A jail as `rollbox serve` makes one, with or without memory and pids limits.
     fn test_jail(limits: bool) -> Jail {
@@ -772,6 +626,12 @@ mod tests {
             memory_limits: limits,
             pids_limits: limits,
         }
+    }
+
+    #[test]
+    fn a_jails_largest_file_is_its_disk_or_its_memory_plus_slack() {
+        assert_eq!(fsize_limit(0, 256), (256 + 512) << 20);
+        assert_eq!(fsize_limit(4 << 30, 256), (4 << 30) + (512 << 20));
     }
 
     #[test]
@@ -802,6 +662,8 @@ mod tests {
             "--cgroup cpu.cfs_quota_us=50000",
             &format!("--cgroup memory.limit_in_bytes={}", (256u64 + 512) << 20),
             "--cgroup pids.max=512",
+            // No disk: the memory snapshot is its largest file.
+            &format!("--rlimit fsize={}", (256u64 + 512) << 20),
             "--bind-ro /templates/vmlinux:/kernel",
             "-- --kernel /kernel --api-sock /api.sock",
         ] {
@@ -904,63 +766,5 @@ mod tests {
             Some("/state/sandboxes/sb-1/console.log")
         );
         assert!(plain.binds.is_empty());
-    }
-
-    #[test]
-    fn find_vmms_knows_a_jailer_by_its_chroot_base_and_id() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let base = dir.path().display().to_string();
-        finds_then_kills(
-            dir.path(),
-            &["--id", "sb-00000000000000aa", "--chroot-base", &base],
-            "sb-00000000000000aa",
-        );
-    }
-
-    /// Starts `sh` with a VMM-like command line `args`, checks that [`find_vmms`] under `dir`
-    /// names it as sandbox `id`, then ends it with [`kill`].
-    fn finds_then_kills(dir: &Path, args: &[&str], id: &str) {
-        use std::os::unix::process::CommandExt;
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg("sleep 30; true")
-            .args(args)
-            .process_group(0)
-            .spawn()
-            .expect("spawn sh");
-        let pid = child.id();
-        // Until the child has exec'd, its command line is still the test's.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut found = find_vmms(dir);
-        while found.is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-            found = find_vmms(dir);
-        }
-        assert!(
-            found.iter().any(|f| f.pid == pid && f.id == id),
-            "{found:?}"
-        );
-        let start = start_time(pid).expect("start time");
-        // kill() waits for the process to be gone; the reaping here is the test's job.
-        let waiter = std::thread::spawn(move || child.wait());
-        assert!(kill(pid, start, Duration::from_secs(5)));
-        let _ = waiter.join();
-    }
-
-    #[test]
-    fn start_time_of_self_and_of_nobody() {
-        let me = std::process::id();
-        let start = start_time(me).expect("own start time");
-        assert!(is_ours(me, start));
-        assert!(!is_ours(me, start + 1));
-        assert_eq!(start_time(u32::MAX), None);
-    }
-
-    #[test]
-    fn finds_a_process_by_its_api_sock() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sock = dir.path().join("sb-0123456789abcdef/api.sock");
-        let sock = sock.display().to_string();
-        finds_then_kills(dir.path(), &["--api-sock", &sock], "sb-0123456789abcdef");
     }
 }

@@ -15,6 +15,7 @@ use super::super::super::api::{
     self, Action, ApiError, Reply, Sandbox, State, MAX_BODY, MAX_TTL_S,
 };
 use super::super::super::keys::Caller;
+use super::super::super::supervisor;
 use super::super::super::util::now_ms;
 use super::super::transport::Out;
 use super::envd::public_traffic;
@@ -747,12 +748,7 @@ async fn metric_now(e2b: &E2b, caller: &Caller, sandbox: &Sandbox) -> Result<Val
         0.0
     };
     let mem_used = sandbox.pid.and_then(resident_bytes).unwrap_or(0);
-    let (disk_used, disk_total) = std::fs::metadata(sandbox.dir.join("rootfs.img"))
-        .map(|m| {
-            use std::os::unix::fs::MetadataExt as _;
-            (m.blocks().saturating_mul(512), m.len())
-        })
-        .unwrap_or((0, 0));
+    let (disk_used, disk_total) = supervisor::rootfs_usage(&sandbox.dir).unwrap_or((0, 0));
     let now = now_ms();
     Ok(json!({
         "timestamp": rfc3339(now),
