@@ -27,6 +27,7 @@ step() {
 # "finished in"), slowest first. Printed last, so a log's tail has it.
 time_table() {
     local i end
+    echo "disk: target/ holds $(du -sh target 2>/dev/null | cut -f1), $(disk_free) GiB left"
     echo "time per phase (total $((SECONDS - start)) s):"
     for i in "${!phase_names[@]}"; do
         end="${phase_starts[$((i + 1))]:-$SECONDS}"
@@ -40,6 +41,13 @@ time_table() {
         sort -rn | head -n 15 | sed 's/^/  /'
 }
 
+# Free disk where target/ grows: a full test build and the lab's fixtures need about 20 GiB, and
+# a disk that fills mid-build fails with a linker's bus error rather than a clear line.
+disk_free() { df -BG --output=avail "${CARGO_TARGET_DIR:-.}" 2>/dev/null | tail -n 1 | tr -dc 0-9; }
+echo "disk: $(disk_free) GiB free where target/ is built"
+if [[ "$(disk_free)" -lt 20 ]]; then
+    echo "warning: under 20 GiB free; the build may fail with 'No space left on device'" >&2
+fi
 step "system packages"
 scripts/setup.sh
 step "services: dockerd and the local registry"
