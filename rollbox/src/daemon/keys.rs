@@ -62,9 +62,15 @@ pub struct Keys {
     entries: RwLock<Vec<Entry>>,
 }
 
-/// Compares two hashes without an early exit.
-fn same_hash(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Compares without an early exit, so timing does not reveal how much of a secret matched
+/// (keys' hashes here; envd and traffic tokens and upload signatures in the E2B frontend).
+pub fn same_secret(given: &[u8], secret: &[u8]) -> bool {
+    given.len() == secret.len()
+        && given
+            .iter()
+            .zip(secret)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 /// Hex SHA-256 of a key as given (surrounding whitespace is not part of it).
@@ -141,7 +147,7 @@ impl Keys {
         let hash = hash_of(given);
         let mut found = None;
         for entry in self.read().iter() {
-            if same_hash(hash.as_bytes(), entry.hash.as_bytes()) && found.is_none() {
+            if same_secret(hash.as_bytes(), entry.hash.as_bytes()) && found.is_none() {
                 found = Some(match &entry.tenant {
                     Some(tenant) => Caller::Tenant(tenant.clone()),
                     None => Caller::Admin,
@@ -199,6 +205,14 @@ impl Keys {
 mod tests {
     use super::*;
     use crate::daemon::store::Store;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"secret", b"secret"));
+        assert!(!same_secret(b"secre", b"secret"));
+        assert!(!same_secret(b"secreT", b"secret"));
+        assert!(!same_secret(b"", b"secret"));
+    }
 
     #[test]
     fn keys_authenticate_by_role_and_revoke_at_once() {

@@ -233,21 +233,3 @@ impl hyper::rt::Write for Io {
         }
     }
 }
-
-/// Compares without an early exit, so timing does not reveal how much of a key matched.
-pub fn same_key(given: &[u8], key: &[u8]) -> bool {
-    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_compare_whole() {
-        assert!(same_key(b"secret", b"secret"));
-        assert!(!same_key(b"secre", b"secret"));
-        assert!(!same_key(b"secreT", b"secret"));
-        assert!(!same_key(b"", b"secret"));
-    }
-}

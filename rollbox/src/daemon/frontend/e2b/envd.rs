@@ -18,13 +18,14 @@ use hyper::{Request, Response};
 use serde_json::json;
 
 use super::super::super::api::{Action, ListQuery, Reply, Sandbox, State, MAX_BODY};
-use super::super::transport::{same_key, Out};
+use super::super::transport::Out;
 use super::call::{read_body, unary_error, Call};
 use super::connect::{Code, RpcError};
 use super::process::Stream;
 use super::signature::{self, Operation};
 use super::state::E2b;
 use super::wire::{header, json, no_content, ENVD_PORT, PUBLIC_TRAFFIC_KEY, TRAFFIC_TOKEN_HEADER};
+use crate::daemon::keys::same_secret;
 
 /// The sandbox and port a data-plane request is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,10 +95,10 @@ fn credential(e2b: &E2b, id: &str, request: &Request<Incoming>) -> Credential {
     };
     let access = sent("x-access-token");
     let traffic = sent(TRAFFIC_TOKEN_HEADER);
-    if access.is_some_and(|t| same_key(t.as_bytes(), e2b.access_token(id).as_bytes())) {
+    if access.is_some_and(|t| same_secret(t.as_bytes(), e2b.access_token(id).as_bytes())) {
         return Credential::Access;
     }
-    if traffic.is_some_and(|t| same_key(t.as_bytes(), e2b.traffic_token(id).as_bytes())) {
+    if traffic.is_some_and(|t| same_secret(t.as_bytes(), e2b.traffic_token(id).as_bytes())) {
         return Credential::Traffic;
     }
     if access.is_some() || traffic.is_some() {

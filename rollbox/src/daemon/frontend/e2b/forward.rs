@@ -15,9 +15,10 @@ use hyper::header::{HeaderMap, HeaderValue};
 use hyper::{Request, Response};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::super::transport::{same_key, Out};
+use super::super::transport::Out;
 use super::state::E2b;
 use super::wire::TRAFFIC_TOKEN_HEADER;
+use crate::daemon::keys::same_secret;
 
 /// Chunks of a forwarded answer in flight to the client.
 const CHUNKS_IN_FLIGHT: usize = 16;
@@ -60,7 +61,7 @@ fn carries_secret(value: &HeaderValue, secrets: &[&str]) -> bool {
         !candidate.is_empty()
             && secrets
                 .iter()
-                .any(|secret| same_key(candidate.as_bytes(), secret.trim().as_bytes()))
+                .any(|secret| same_secret(candidate.as_bytes(), secret.trim().as_bytes()))
     })
 }
 

@@ -9,8 +9,8 @@
 use base64::Engine as _;
 use sha2::Digest as _;
 
-use super::super::transport::same_key;
 use super::wire::query_pairs;
+use crate::daemon::keys::same_secret;
 
 /// What a signed URL is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +92,7 @@ pub fn verify(
         token,
         expiration,
     );
-    if !same_key(signature.as_bytes(), expected.as_bytes()) {
+    if !same_secret(signature.as_bytes(), expected.as_bytes()) {
         return Err(SignatureError::Invalid(operation.as_str()));
     }
     match expiration {
