@@ -116,7 +116,9 @@ for sock in "$vsock_uds" "$vhost_sock"; do
     rm -f "$sock"
 done
 
-cmdline="console=ttyS0 root=/dev/vda rw reboot=k panic=-1 mitigations=off i8042.noaux i8042.nomux i8042.nopnp"
+# no_timer_check: on a loaded host the guest's IO-APIC timer check can miss its ticks under TCG
+# and panic the boot ("IO-APIC + timer doesn't work"), as the lab's L1 once did.
+cmdline="console=ttyS0 root=/dev/vda rw reboot=k panic=-1 mitigations=off no_timer_check i8042.noaux i8042.nomux i8042.nopnp"
 for arg in "${extra_append[@]}"; do cmdline+=" $arg"; done
 
 echo "$vsock_uds" > "$state_dir/vsock_uds"

@@ -560,10 +560,12 @@ pub fn wait_for_file_line(path: &Path, timeout: Duration, want: impl Fn(&str) ->
     }
 }
 
-/// PIDs of the virtiofsd processes serving rollbox-vmm `pid` (their socket path names it).
+/// PIDs of the virtiofsd processes serving rollbox-vmm `pid` (their socket path names it), one
+/// per instance: under `--sandbox namespace` (a root VMM's default) virtiofsd forks, and its
+/// parent only waits, so the process that serves is the one with no matching child.
 pub fn virtiofsd_of(pid: u32) -> Vec<u32> {
     let needle = format!("rollbox-vmm-{pid}-fs");
-    std::fs::read_dir("/proc")
+    let matching: Vec<u32> = std::fs::read_dir("/proc")
         .map(|dir| {
             dir.filter_map(|e| e.ok())
                 .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
@@ -574,7 +576,19 @@ pub fn virtiofsd_of(pid: u32) -> Vec<u32> {
                 })
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let parents: Vec<u32> = matching.iter().filter_map(|p| parent_of(*p)).collect();
+    matching
+        .into_iter()
+        .filter(|p| !parents.contains(p))
+        .collect()
+}
+
+/// The parent PID of `pid`, from /proc/PID/stat (the field after the parenthesised name).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// Waits until `path` accepts connections.
