@@ -266,6 +266,10 @@ pub fn read_file(
     Ok(sender.bytes)
 }
 
+/// A tar archive of `path`: a directory's tree as `./...`, or one file by its name. Only
+/// directories, regular files and symlinks (as links, never followed) go in; FIFOs, sockets
+/// and device nodes are left out, as opening a FIFO blocks and a device can be read without
+/// end (the protocol's `End` has no room to name them).
 pub fn tar_download(path: &str, sender: &mut ChunkSender) -> Result<u64, ErrorInfo> {
     let p = check_path(path)?;
     let meta = fs::metadata(&p).map_err(|e| info(SysError::new("stat", path, e)))?;
@@ -277,13 +281,14 @@ pub fn tar_download(path: &str, sender: &mut ChunkSender) -> Result<u64, ErrorIn
         let mut builder = tar::Builder::new(&mut writer);
         builder.follow_symlinks(false);
         let result = if meta.is_dir() {
-            builder.append_dir_all(".", &p)
+            append_tree(&mut builder, &p)
         } else {
             let name = p
                 .file_name()
                 .map(PathBuf::from)
                 .unwrap_or_else(|| PathBuf::from("file"));
-            builder.append_path_with_name(&p, name)
+            fs::symlink_metadata(&p)
+                .and_then(|m| append_entry(&mut builder, &p, &name, m.file_type()))
         };
         result
             .and_then(|()| builder.finish())
@@ -297,6 +302,58 @@ pub fn tar_download(path: &str, sender: &mut ChunkSender) -> Result<u64, ErrorIn
         .flush()
         .map_err(|e| info(SysError::new("send tar of", path, e)))?;
     Ok(writer.sender.bytes)
+}
+
+/// Appends the tree under `dir` (not `dir` itself) as `./...`, depth first.
+fn append_tree<W: Write>(builder: &mut tar::Builder<W>, dir: &Path) -> io::Result<()> {
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(parent) = stack.pop() {
+        for entry in fs::read_dir(&parent)? {
+            let entry = entry?;
+            let path = entry.path();
+            let name = Path::new(".").join(path.strip_prefix(dir).map_err(io::Error::other)?);
+            let kind = entry.file_type()?;
+            append_entry(builder, &path, &name, kind)?;
+            if kind.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Appends `path` as `name` if it is a directory (its entry alone), a regular file or a
+/// symlink; anything else is skipped.
+fn append_entry<W: Write>(
+    builder: &mut tar::Builder<W>,
+    path: &Path,
+    name: &Path,
+    kind: fs::FileType,
+) -> io::Result<()> {
+    if kind.is_dir() {
+        builder.append_dir(name, path)
+    } else if kind.is_symlink() {
+        // Its target is read first: whatever stands there later goes in as this link.
+        let target = fs::read_link(path)?;
+        let mut header = tar::Header::new_gnu();
+        header.set_metadata(&fs::symlink_metadata(path)?);
+        header.set_entry_type(tar::EntryType::Symlink);
+        header.set_size(0);
+        builder.append_link(&mut header, name, target)
+    } else if kind.is_file() {
+        // Non-blocking and not followed, then checked again: a file swapped for a FIFO since
+        // it was listed is skipped, not waited on (for a symlink, the open fails).
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)?;
+        if file.metadata()?.is_file() {
+            builder.append_file(name, &mut file)?;
+        }
+        Ok(())
+    } else {
+        Ok(())
+    }
 }
 
 /// Client input to an upload.

@@ -287,6 +287,53 @@ async fn errors_say_path_and_errno_meaning() {
     );
 }
 
+/// FIFOs and sockets in a tree are left out of its download, which finishes: opening a FIFO
+/// would block the agent, and a socket cannot be archived.
+#[tokio::test]
+async fn tar_download_leaves_out_fifos_and_sockets() {
+    let agent = AgentProcess::start();
+    let client = agent.client().await;
+    let src = agent.scratch("special");
+    client
+        .mkdir(&format!("{src}/sub"), true)
+        .await
+        .expect("mkdir");
+    client
+        .write_file(&format!("{src}/sub/kept.txt"), b"kept")
+        .await
+        .expect("write");
+    let made = std::process::Command::new("mkfifo")
+        .arg(format!("{src}/sub/fifo"))
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo: {made}");
+    let _socket = std::os::unix::net::UnixListener::bind(format!("{src}/socket")).expect("bind");
+    let archive = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        client.tar_download(&src),
+    )
+    .await
+    .expect("the download finishes")
+    .expect("tar download");
+    let mut names: Vec<String> = tar::Archive::new(&archive[..])
+        .entries()
+        .expect("entries")
+        .map(|e| {
+            let name = e
+                .expect("entry")
+                .path()
+                .expect("path")
+                .display()
+                .to_string();
+            name.trim_start_matches("./")
+                .trim_end_matches('/')
+                .to_owned()
+        })
+        .collect();
+    names.sort();
+    assert_eq!(names, ["sub", "sub/kept.txt"]);
+}
+
 #[tokio::test]
 async fn tar_download_and_upload_of_a_directory() {
     let agent = AgentProcess::start();

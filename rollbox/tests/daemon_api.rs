@@ -187,6 +187,16 @@ fn bad_requests_get_4xx_naming_the_field() {
             "{method} {path} {body:?}: {error:?} does not name {needle}"
         );
     }
+    // A 405 names the methods the path has (RFC 9110's `Allow`).
+    for (method, path, allow) in [
+        ("PUT", "/sandboxes", "GET, POST, DELETE"),
+        ("POST", "/sandboxes/sb-0123456789abcdef/tar", "GET, PUT"),
+        ("PUT", "/sandboxes/batch", "POST"),
+    ] {
+        let response = server.raw(method, path, Some(KEY), None);
+        assert_eq!(response.status, 405, "{method} {path}");
+        assert_eq!(response.header("allow"), Some(allow), "{method} {path}");
+    }
     let big = vec![b'x'; 2 << 20];
     let response = server.raw("POST", "/sandboxes", Some(KEY), Some(&big));
     assert_eq!(response.status, 413);

@@ -20,6 +20,10 @@ use serde_json::json;
 #[path = "e2b/security.rs"]
 mod security;
 
+/// A process's output flooding clients that do not read (issue 25).
+#[path = "e2b/flood.rs"]
+mod flood;
+
 const KEY: &str = "e2b-test-key-0123";
 /// The sandbox port the code interpreter SDK calls.
 const CODE_INTERPRETER_PORT: u16 = 49999;

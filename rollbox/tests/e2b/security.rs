@@ -12,7 +12,7 @@ use super::{e2b_call, native_call, start_daemon, KEY};
 
 /// A request to the E2B data plane of sandbox `id`, routed by the SDK's `E2b-Sandbox-*`
 /// headers, with a body of `length` bytes from `body`.
-fn data_plane(
+pub(super) fn data_plane(
     port: u16,
     id: &str,
     sandbox_port: u16,

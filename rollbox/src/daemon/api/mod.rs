@@ -12,7 +12,7 @@ mod validate;
 pub use action::*;
 pub use limits::*;
 pub use model::*;
-pub use routes::{is_upload, parse, ROUTES};
+pub use routes::{allowed_methods, is_upload, parse, ROUTES};
 pub use validate::file::check_guest_path;
 pub use validate::key::check_tenant;
 pub use validate::template::{check_template_name, IMAGE_CMDLINE};

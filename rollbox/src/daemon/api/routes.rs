@@ -113,10 +113,7 @@ pub fn parse(
             });
         }
         _ => {
-            let known = ROUTES
-                .iter()
-                .any(|(_, pattern)| matches_pattern(pattern, &segments));
-            return Err(if known {
+            return Err(if !allowed_methods(path).is_empty() {
                 ApiError::MethodNotAllowed {
                     method: method.to_string(),
                     path: path.to_string(),
@@ -137,6 +134,26 @@ fn file_route(method: &str, segments: &[&str]) -> bool {
             | ("GET", ["files", "stat" | "list"])
             | ("GET" | "PUT", ["tar"])
     )
+}
+
+/// The methods [`ROUTES`] has for `path`, in table order: a 405's `Allow`, and empty for an
+/// unknown path. A literal segment beats a placeholder (`/sandboxes/batch` is not
+/// `/sandboxes/{id}`).
+pub fn allowed_methods(path: &str) -> Vec<&'static str> {
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let matching: Vec<(&'static str, usize)> = ROUTES
+        .iter()
+        .filter(|(_, pattern)| matches_pattern(pattern, &segments))
+        .map(|(method, pattern)| (*method, pattern.matches('{').count()))
+        .collect();
+    let fewest = matching.iter().map(|(_, placeholders)| *placeholders).min();
+    let mut methods = Vec::new();
+    for (method, placeholders) in matching {
+        if Some(placeholders) == fewest && !methods.contains(&method) {
+            methods.push(method);
+        }
+    }
+    methods
 }
 
 fn matches_pattern(pattern: &str, segments: &[&str]) -> bool {
@@ -175,6 +192,17 @@ mod tests {
             Err(ApiError::MethodNotAllowed { .. })
         ));
         assert!(err(parse("GET", "/nope", None, b"")).contains("no route"));
+    }
+
+    #[test]
+    fn allowed_methods_come_from_the_route_table() {
+        assert_eq!(allowed_methods("/sandboxes"), ["GET", "POST", "DELETE"]);
+        assert_eq!(
+            allowed_methods("/sandboxes/sb-0123456789abcdef/files"),
+            ["GET", "PUT", "DELETE"]
+        );
+        assert_eq!(allowed_methods("/sandboxes/batch"), ["POST"]);
+        assert!(allowed_methods("/nope").is_empty());
     }
 
     #[test]

@@ -261,6 +261,13 @@ fn error_response(error: &ApiError) -> Response<Out> {
                 hyper::header::HeaderValue::from_static("Bearer"),
             );
         }
+        // RFC 9110: a 405 names the methods the resource has.
+        ApiError::MethodNotAllowed { path, .. } => {
+            let allow = api::allowed_methods(path).join(", ");
+            if let Ok(value) = hyper::header::HeaderValue::from_str(&allow) {
+                headers.insert(hyper::header::ALLOW, value);
+            }
+        }
         _ => {}
     }
     response

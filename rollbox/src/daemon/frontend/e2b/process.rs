@@ -4,7 +4,9 @@
 //! Each process started through `Start` has its own agent connection, owned by a task here, so
 //! it outlives the HTTP stream that started it (the agent ends a connection's processes with
 //! the connection). Its events fan out to the `Start` stream and to any `Connect` stream; a
-//! client that goes away only unsubscribes. An ended process keeps its end event for
+//! client that goes away only unsubscribes. Each stream's queue is bounded and the pump waits
+//! for room, so a client that reads slowly holds the agent back (and, through vsock credit,
+//! the guest) instead of growing the daemon's memory. An ended process keeps its end event for
 //! [`KEEP_ENDED`], so a late `Connect` still gets start + end. A process started with `pty`
 //! runs on a terminal in the agent: its output is `data.pty`, `SendInput`/`StreamInput` type
 //! into it and `Update` resizes it.
@@ -29,7 +31,9 @@ use super::super::super::api::{Action, Chunk, Reply, MAX_BODY};
 use super::super::transport::Out;
 use super::call::{connect_stream_response, decode, keepalive_of, read_body, rpc_error, Call};
 use super::connect::{self, Code, RpcError};
-use super::state::{gone_event, E2b, Process, Subscribers, GONE_KEY};
+use super::state::{
+    gone_event, E2b, Process, Subscribers, GONE_KEY, SUBSCRIBER_EVENTS, SUBSCRIBER_STALL,
+};
 use super::wire::header;
 
 /// How long an ended process's end event stays for `Connect`.
@@ -250,7 +254,7 @@ impl Call {
         &self,
         message: &[u8],
         timeout_ms: Option<u64>,
-    ) -> Result<(u32, mpsc::UnboundedReceiver<Value>), RpcError> {
+    ) -> Result<(u32, mpsc::Receiver<Value>), RpcError> {
         let request: StartRequest = decode(message, "StartRequest")?;
         let pty = request.pty.as_ref().map(Pty::size).transpose()?;
         let config = &request.process;
@@ -283,7 +287,7 @@ impl Call {
             .started()
             .await
             .map_err(|e| rpc_error(self.id(), e))?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_EVENTS);
         let process = Arc::new(Process {
             config: json!({ "cmd": config.cmd, "args": config.args, "envs": config.envs, "cwd": config.cwd }),
             tag: request.tag,
@@ -335,10 +339,12 @@ impl Call {
                         true,
                     ),
                 };
+                let listening = process.subscribers().subscribers.clone();
+                let dropped = deliver(&listening, &event).await;
                 let mut subscribers = process.subscribers();
                 subscribers
                     .subscribers
-                    .retain(|s| s.send(event.clone()).is_ok());
+                    .retain(|s| !dropped.iter().any(|d| d.same_channel(s)));
                 if last {
                     subscribers.ended = Some((event, Instant::now()));
                     subscribers.subscribers.clear();
@@ -350,7 +356,7 @@ impl Call {
         Ok((pid, rx))
     }
 
-    fn connect(&self, message: &[u8]) -> Result<(u32, mpsc::UnboundedReceiver<Value>), RpcError> {
+    fn connect(&self, message: &[u8]) -> Result<(u32, mpsc::Receiver<Value>), RpcError> {
         #[derive(Deserialize)]
         struct ConnectRequest {
             #[serde(default)]
@@ -365,11 +371,11 @@ impl Call {
             .find(|(_, p)| Arc::ptr_eq(p, &process))
             .map(|((_, pid), _)| *pid)
             .unwrap_or_default();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_EVENTS);
         let mut subscribers = process.subscribers();
         match &subscribers.ended {
             Some((end, _)) => {
-                let _ = tx.send(end.clone());
+                let _ = tx.try_send(end.clone());
             }
             None => subscribers.subscribers.push(tx),
         }
@@ -586,11 +592,26 @@ fn lost_event(message: &str) -> Value {
     json!({ "end": { "exitCode": -1, "exited": false, "status": "unknown", "error": message } })
 }
 
+/// Sends `event` to every stream, waiting while a queue is full; returns the streams that are
+/// gone or took nothing for [`SUBSCRIBER_STALL`], for the pump to drop.
+async fn deliver(subscribers: &[mpsc::Sender<Value>], event: &Value) -> Vec<mpsc::Sender<Value>> {
+    let sends = subscribers
+        .iter()
+        .map(|s| tokio::time::timeout(SUBSCRIBER_STALL, s.send(event.clone())));
+    let sent = futures_util::future::join_all(sends).await;
+    subscribers
+        .iter()
+        .zip(sent)
+        .filter(|(_, sent)| !matches!(sent, Ok(Ok(()))))
+        .map(|(s, _)| s.clone())
+        .collect()
+}
+
 /// Writes a process's events to one stream: `start`, then the events, `keepalive` after
 /// `keepalive` of silence, and the end-of-stream envelope after `end`.
 async fn forward(
     pid: u32,
-    mut events: mpsc::UnboundedReceiver<Value>,
+    mut events: mpsc::Receiver<Value>,
     tx: mpsc::Sender<Chunk>,
     keepalive: Duration,
 ) {

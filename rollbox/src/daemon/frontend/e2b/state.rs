@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rollbox_agent_protocol::client::AgentClient;
 use serde_json::Value;
@@ -97,8 +97,12 @@ impl E2b {
             }
             let mut state = process.subscribers();
             if state.ended.is_none() {
+                // A stream whose queue is full gets the end when its client reads again.
                 for subscriber in state.subscribers.drain(..) {
-                    let _ = subscriber.send(gone.clone());
+                    let gone = gone.clone();
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(SUBSCRIBER_STALL, subscriber.send(gone)).await;
+                    });
                 }
                 state.ended = Some((gone.clone(), Instant::now()));
             }
@@ -143,10 +147,17 @@ pub struct Process {
     pub state: Mutex<Subscribers>,
 }
 
+/// Events queued for one stream (output events are at most 64 KiB of data each).
+pub const SUBSCRIBER_EVENTS: usize = 32;
+/// How long the pump waits for a stream to take an event before dropping it (its stream
+/// ends): one stuck client cannot stop the process's output to the others for longer.
+pub const SUBSCRIBER_STALL: Duration = Duration::from_secs(30);
+
 /// Who gets a process's events, and its end once it ended.
 #[derive(Default)]
 pub struct Subscribers {
-    pub subscribers: Vec<mpsc::UnboundedSender<Value>>,
+    /// Each stream's bounded queue (`process.rs` waits for room).
+    pub subscribers: Vec<mpsc::Sender<Value>>,
     /// The `end` event, once the process ended, and when.
     pub ended: Option<(Value, Instant)>,
 }
