@@ -7,7 +7,8 @@
 # Default 60 s per target; FUZZ_SECONDS sets it too. --nightly: 1800 s per target.
 # --jobs N runs N targets at a time (default 1); each still gets its full time.
 # --debug-build runs the workspace's debug build (target/debug; slower per input, but no
-# optimised build of the whole dependency tree first): what scripts/test.sh does in CI.
+# optimised build of the whole dependency tree first; it builds the workspace's binaries and
+# tests as scripts/test.sh does): what scripts/test.sh does in CI.
 # Crashing inputs go to fuzz/artifacts/<target>/; replay one with
 #   target/fuzz/rollbox-fuzz replay TARGET FILE
 set -euo pipefail
@@ -30,7 +31,10 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$debug_build" -eq 1 ]; then
-    nice -n 15 cargo build -p rollbox-fuzz
+    # The build command of scripts/test.sh, so that after it nothing is built again: cargo
+    # unifies features over the packages and targets it is given, and `-p rollbox-fuzz` alone
+    # resolved them otherwise and rebuilt much of the dependency tree.
+    nice -n 15 cargo build --workspace --bins --tests
     bin=target/debug/rollbox-fuzz
 else
     CARGO_INCREMENTAL=0 nice -n 15 cargo build --profile fuzz -p rollbox-fuzz
