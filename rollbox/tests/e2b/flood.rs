@@ -98,9 +98,10 @@ fn e2b_process_flood_to_a_client_that_does_not_read_keeps_daemon_memory_bounded(
                 .expect("Start")
         })
         .collect();
-    // The queues fill within the first seconds; after that, bounded memory stays flat while
-    // an unbounded queue grows with the flood (tens of MiB a second).
-    std::thread::sleep(Duration::from_secs(3));
+    // The queues fill within the first seconds (later on a loaded host); after that, bounded
+    // memory stays flat while an unbounded queue grows with the flood (tens of MiB a second).
+    // So: 8 s to fill, then growth over the next 4 s.
+    std::thread::sleep(Duration::from_secs(8));
     let filled = rss_kib(pid);
     let mut peak = filled;
     for _ in 0..16 {
@@ -109,7 +110,7 @@ fn e2b_process_flood_to_a_client_that_does_not_read_keeps_daemon_memory_bounded(
     }
     let grown_mib = peak.saturating_sub(before) / 1024;
     let grown_late_mib = peak.saturating_sub(filled) / 1024;
-    println!("daemon VmRSS {before} KiB before four floods, {filled} KiB after 3 s, peak {peak} KiB after 7 s");
+    println!("daemon VmRSS {before} KiB before four floods, {filled} KiB after 8 s, peak {peak} KiB after 12 s");
     // Proof the floods ran: a stalled stream still yields output once read.
     let first = &mut stuck[0];
     assert_eq!(first.status, 200, "Start answered {}", first.status);
@@ -129,8 +130,8 @@ fn e2b_process_flood_to_a_client_that_does_not_read_keeps_daemon_memory_bounded(
         daemon.log()
     );
     assert!(
-        grown_mib < 48 && grown_late_mib < 12,
-        "the daemon grew by {grown_mib} MiB ({grown_late_mib} MiB after the first 3 s) holding output for clients that do not read\n{}",
+        grown_mib < 64 && grown_late_mib < 12,
+        "the daemon grew by {grown_mib} MiB ({grown_late_mib} MiB after the first 8 s) holding output for clients that do not read\n{}",
         daemon.log()
     );
     // The daemon still answers at once, the floods still running.
