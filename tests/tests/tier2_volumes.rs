@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use rollbox_tests::linux::ClonePids;
 use rollbox_tests::{fork_params, kvm_available, skip, virtiofsd_of, wait_for_file_line, Vm};
 
 /// Clones of the fan-out: 64, or ROLLBOX_TIER2_VOLUME_CLONES.
@@ -81,6 +82,9 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         .unwrap_or_else(|e| panic!("{e}"));
     let forked = started.elapsed();
     let clones = &answer.clones;
+    // A failed assertion below must not leave the clones running (64 of them spun on a CI
+    // host's cores for an hour once).
+    let _clones_killed = ClonePids::of(clones);
     assert_eq!(clones.len(), count, "{answer:?}");
     for clone in clones {
         assert_eq!(clone.error, None, "{clone:?}");
