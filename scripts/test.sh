@@ -41,8 +41,9 @@ time_table() {
         sort -rn | head -n 15 | sed 's/^/  /'
 }
 
-# Free disk where target/ grows: a full test build and the lab's fixtures need about 20 GiB, and
-# a disk that fills mid-build fails with a linker's bus error rather than a clear line.
+# Free disk where target/ grows: target/ reaches about 4.4 GiB and the kernel build, images and
+# lab fixtures take more beside it; a disk that fills mid-build fails with a linker's bus error
+# rather than a clear line, hence the warning under 20 GiB.
 disk_free() { df -BG --output=avail "${CARGO_TARGET_DIR:-.}" 2>/dev/null | tail -n 1 | tr -dc 0-9; }
 echo "disk: $(disk_free) GiB free where target/ is built"
 if [[ "$(disk_free)" -lt 20 ]]; then
