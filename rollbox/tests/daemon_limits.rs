@@ -14,19 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rollbox_tests::daemon::{agent_server, Server, KEY};
+use rollbox_tests::daemon::{
+    agent_server, peak_rss_kib_over_4_s, read_until_full, rss_kib, Server, KEY,
+};
 use rollbox_tests::{jailer_binary, kvm_available, rollbox_binary, vmm_binary};
 use serde_json::json;
-
-/// The daemon's resident memory, from /proc.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("daemon status");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/PID/status")
-}
 
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
@@ -93,11 +85,7 @@ fn output_flooding_a_client_that_does_not_read_keeps_daemon_memory_bounded() {
     // an unbounded queue grows with the flood (tens of MiB a second).
     std::thread::sleep(Duration::from_secs(3));
     let filled = rss_kib(pid);
-    let mut peak = filled;
-    for _ in 0..16 {
-        std::thread::sleep(Duration::from_millis(250));
-        peak = peak.max(rss_kib(pid));
-    }
+    let peak = peak_rss_kib_over_4_s(pid, filled);
     let grown_mib = peak.saturating_sub(before) / 1024;
     let grown_late_mib = peak.saturating_sub(filled) / 1024;
     // Proof the floods ran: a stalled stream still yields output once read.
@@ -106,13 +94,7 @@ fn output_flooding_a_client_that_does_not_read_keeps_daemon_memory_bounded() {
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     let mut head = vec![0u8; 256 << 10];
-    let mut got = 0;
-    while got < head.len() {
-        match first.read(&mut head[got..]) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => got += n,
-        }
-    }
+    let got = read_until_full(&mut first, &mut head);
     let text = String::from_utf8_lossy(&head[..got]);
     assert!(
         text.contains(" 200 ") && text.contains("\"stdout\"") && got == head.len(),

@@ -460,3 +460,37 @@ pub fn agent_server() -> (HostAgent, Server, String) {
     let id = sandbox["id"].as_str().expect("id").to_string();
     (agent, server, id)
 }
+
+/// A process's resident memory in KiB, from /proc/PID/status.
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("daemon status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/PID/status")
+}
+
+/// The highest resident memory of `pid` (KiB) over the next 4 s, sampled every 250 ms, and at
+/// least `from`: a flood test's growth after its queues filled.
+pub fn peak_rss_kib_over_4_s(pid: u32, from: u64) -> u64 {
+    let mut peak = from;
+    for _ in 0..16 {
+        std::thread::sleep(Duration::from_millis(250));
+        peak = peak.max(rss_kib(pid));
+    }
+    peak
+}
+
+/// Reads until `buf` is full, the stream ends or a read fails; the count read. A flood test's
+/// proof that a stalled stream still held output.
+pub fn read_until_full(stream: &mut impl std::io::Read, buf: &mut [u8]) -> usize {
+    let mut got = 0;
+    while got < buf.len() {
+        match stream.read(&mut buf[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    got
+}

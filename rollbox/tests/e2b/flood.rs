@@ -4,25 +4,15 @@
 //! can be killed (a stream that takes nothing is dropped at the stall deadline). A module of
 //! e2b.rs (its daemon and request helpers).
 
-use std::io::Read as _;
 use std::time::{Duration, Instant};
 
 use rollbox::daemon::client::{Endpoint, Streaming};
+use rollbox_tests::daemon::{peak_rss_kib_over_4_s, read_until_full, rss_kib};
 use rollbox_tests::kvm_available;
 use serde_json::{json, Value};
 
 use super::security::data_plane;
 use super::{e2b_call, start_daemon};
-
-/// The daemon's resident memory, from /proc.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("daemon status");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/PID/status")
-}
 
 /// One uncompressed Connect envelope around `message`.
 fn envelope(message: &Value) -> Vec<u8> {
@@ -103,11 +93,7 @@ fn e2b_process_flood_to_a_client_that_does_not_read_keeps_daemon_memory_bounded(
     // So: 8 s to fill, then growth over the next 4 s.
     std::thread::sleep(Duration::from_secs(8));
     let filled = rss_kib(pid);
-    let mut peak = filled;
-    for _ in 0..16 {
-        std::thread::sleep(Duration::from_millis(250));
-        peak = peak.max(rss_kib(pid));
-    }
+    let peak = peak_rss_kib_over_4_s(pid, filled);
     let grown_mib = peak.saturating_sub(before) / 1024;
     let grown_late_mib = peak.saturating_sub(filled) / 1024;
     println!("daemon VmRSS {before} KiB before four floods, {filled} KiB after 8 s, peak {peak} KiB after 12 s");
@@ -115,13 +101,7 @@ fn e2b_process_flood_to_a_client_that_does_not_read_keeps_daemon_memory_bounded(
     let first = &mut stuck[0];
     assert_eq!(first.status, 200, "Start answered {}", first.status);
     let mut head = vec![0u8; 256 << 10];
-    let mut got = 0;
-    while got < head.len() {
-        match first.read(&mut head[got..]) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => got += n,
-        }
-    }
+    let got = read_until_full(first, &mut head);
     let text = String::from_utf8_lossy(&head[..got]);
     assert!(
         text.contains("\"stdout\"") && got == head.len(),
