@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod daemon;
 mod guest;
+mod jailer;
 mod linux;
 mod linux_fs;
 mod linux_net;
@@ -134,6 +135,24 @@ struct Args {
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Bench {
+    /// What rollbox-jailer adds to a start: `rollbox-vmm --version` bare and jailed,
+    /// alternating, with the jailer's own time per step.
+    Jailer {
+        /// The jailer [default: target/release/rollbox-jailer].
+        #[arg(long)]
+        jailer: Option<PathBuf>,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        #[arg(long, default_value_t = 200)]
+        rounds: usize,
+        /// Where the jails go (removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        dir: PathBuf,
+        /// Also write the figures as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// `rollbox serve` with the test-guest template: create-from-snapshot latency at
     /// concurrency 1, 16 and 64, creates per second, fork(16), daemon memory per sandbox.
     Daemon {
@@ -412,6 +431,27 @@ fn workspace_root() -> PathBuf {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.bench {
+        Bench::Jailer {
+            jailer: jailer_bin,
+            vmm,
+            rounds,
+            dir,
+            json,
+        } => {
+            let release = workspace_root().join("target/release");
+            let config = jailer::JailerBenchConfig {
+                jailer: jailer_bin.unwrap_or_else(|| release.join("rollbox-jailer")),
+                vmm: vmm.unwrap_or_else(|| release.join("rollbox-vmm")),
+                rounds: rounds.max(1),
+                dir,
+            };
+            finish(
+                "jailer",
+                jailer::run(&config),
+                jailer::markdown,
+                json.as_deref(),
+            )
+        }
         Bench::Daemon {
             rollbox,
             vmm,

@@ -1,7 +1,9 @@
 //! rollbox-jailer's library: the host's cgroups ([`cgroup`]), which the jailer and `rollbox
-//! serve` share, and the jailer's error.
+//! serve` share, the files a dynamically linked VMM needs in its jail ([`elf`]), and the
+//! jailer's error.
 
 pub mod cgroup;
+pub mod elf;
 
 use std::path::Path;
 
@@ -21,6 +23,9 @@ pub enum JailError {
     },
     #[error("{0}")]
     Usage(String),
+    /// The loader and libraries of `--exec` could not be listed.
+    #[error("--exec: {0}")]
+    Libraries(#[from] elf::ElfError),
 }
 
 impl JailError {

@@ -23,6 +23,8 @@ use std::path::{Component, Path, PathBuf};
 use clap::Parser;
 use rollbox_jailer::{JailError, JailGroups, Setting};
 
+mod timing;
+
 /// The device nodes a jail gets (when the host has them), with their mode.
 /// (/dev/null too: the VMM's own children get their stdio from it.)
 const DEVICES: [(&str, u32); 4] = [
@@ -104,6 +106,7 @@ struct Plan {
 }
 
 fn main() {
+    timing::start();
     let args = Args::parse();
     match run(args) {
         Ok(code) => std::process::exit(code),
@@ -250,12 +253,14 @@ fn run(args: Args) -> Result<i32, JailError> {
         .exec
         .file_name()
         .ok_or_else(|| usage(format!("--exec {}: no file name", args.exec.display())))?;
+    timing::step("checks");
     let mut binds = vec![(args.exec.clone(), PathBuf::from(exec_name), false)];
     // A dynamically linked VMM needs its loader and libraries, at the same paths.
-    for library in shared_libraries(&args.exec)? {
+    for library in rollbox_jailer::elf::shared_libraries(&args.exec)? {
         let jail = jail_relative(&library)?;
         binds.push((library, jail, false));
     }
+    timing::step("libraries");
     for spec in &args.bind_ro {
         let (host, jail) = match spec.rsplit_once(':') {
             Some((host, jail)) => (PathBuf::from(host), jail_relative(Path::new(jail))?),
@@ -301,6 +306,7 @@ fn run(args: Args) -> Result<i32, JailError> {
         }
     }
 
+    timing::step("jail directory");
     // Mount points that do not exist yet are made here and removed again at the end.
     let mut made: Vec<PathBuf> = Vec::new();
     let result = (|| {
@@ -343,56 +349,24 @@ fn run(args: Args) -> Result<i32, JailError> {
             )?,
             argv,
         };
+        timing::step("mount points");
         let groups =
             JailGroups::create(&args.cgroup_fs, &args.cgroup_parent, &args.id, &args.cgroup)?;
+        timing::step("cgroups");
         let status = start(&plan, &args, &groups);
+        timing::step("jail ended");
         // The jail has ended (or never started): its groups go.
         for error in groups.remove() {
             eprintln!("rollbox-jailer: {error}");
         }
+        timing::step("cgroups removed");
         status
     })();
     for path in made.iter().rev() {
         let _ = std::fs::remove_dir(path).or_else(|_| std::fs::remove_file(path));
     }
+    timing::step("mount points removed");
     result
-}
-
-/// The shared libraries and loader `exec` needs (from `ldd`; none for a static binary).
-fn shared_libraries(exec: &Path) -> Result<Vec<PathBuf>, JailError> {
-    let output = std::process::Command::new("ldd")
-        .arg(exec)
-        .output()
-        .map_err(JailError::step("run ldd on", exec))?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        if text.contains("not a dynamic executable")
-            || String::from_utf8_lossy(&output.stderr).contains("not a dynamic executable")
-        {
-            return Ok(Vec::new());
-        }
-        return Err(usage(format!(
-            "ldd {}: {}",
-            exec.display(),
-            String::from_utf8_lossy(&output.stderr).trim()
-        )));
-    }
-    let mut libraries = Vec::new();
-    for line in text.lines() {
-        // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
-        let path = match line.split_once("=>") {
-            Some((_, right)) => right.split_whitespace().next(),
-            None => line.split_whitespace().next(),
-        };
-        match path {
-            Some(path) if path.starts_with('/') => libraries.push(PathBuf::from(path)),
-            _ if line.contains("not found") => {
-                return Err(usage(format!("ldd {}: {}", exec.display(), line.trim())));
-            }
-            _ => {}
-        }
-    }
-    Ok(libraries)
 }
 
 /// Makes `root/jail` (a dir or an empty file) when missing, recording what it made.
@@ -465,9 +439,12 @@ fn start(plan: &Plan, args: &Args, groups: &JailGroups) -> Result<i32, JailError
     if child == 0 {
         // PID 1 joins the groups (the jailer stays out of them, so it can remove them), before
         // it starts anything.
+        timing::step("pid 1 forked");
         let code = match groups
             .enter_self()
+            .inspect(|()| timing::step("pid 1 in cgroups"))
             .and_then(|()| enter_namespaces(plan, args.new_netns, netns.as_ref()))
+            .inspect(|()| timing::step("namespaces"))
             .and_then(|()| jail_init(plan, &old_mask))
         {
             Ok(code) => code,
@@ -641,6 +618,7 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
         None,
         "mount jail /proc",
     )?;
+    timing::step("mounts and devices");
     std::env::set_current_dir(root).map_err(JailError::step("chdir", root))?;
     let dot = cpath(Path::new("."))?;
     // SAFETY: pivot_root(".", ".") stacks the old root under the new one; both are paths.
@@ -654,6 +632,7 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
     // SAFETY: the pointer and length describe `name`.
     let rc = unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) };
     check(rc, "sethostname", &plan.hostname)?;
+    timing::step("pivot_root");
 
     // SAFETY: PID 1 is single-threaded, so the child may run any code.
     let vmm = unsafe { libc::fork() };
@@ -752,6 +731,7 @@ fn exec_vmm(plan: &Plan, old_mask: &libc::sigset_t) -> JailError {
     unsafe { libc::umask(0o077) };
     // SAFETY: restores the mask the jailer started with; `old_mask` is valid.
     unsafe { libc::sigprocmask(libc::SIG_SETMASK, old_mask, std::ptr::null_mut()) };
+    timing::step("vmm process: rlimits and privileges");
     let mut argv: Vec<*const libc::c_char> = plan.argv.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     // SAFETY: a NUL-terminated path and a null-terminated array of NUL-terminated strings,
