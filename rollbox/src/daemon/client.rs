@@ -138,6 +138,8 @@ impl Endpoint {
             }
             Endpoint::Tcp(addr) => {
                 let s = std::net::TcpStream::connect(addr).map_err(connect)?;
+                // A request goes out as head then body: no waiting for a delayed ACK between.
+                s.set_nodelay(true).map_err(io)?;
                 s.set_read_timeout(Some(timeout)).map_err(io)?;
                 s.set_write_timeout(Some(timeout)).map_err(io)?;
                 Box::new(s)
@@ -258,7 +260,10 @@ impl Endpoint {
                 Upgraded::Unix(std::os::unix::net::UnixStream::connect(path).map_err(connect)?)
             }
             Endpoint::Tcp(addr) => {
-                Upgraded::Tcp(std::net::TcpStream::connect(addr).map_err(connect)?)
+                let s = std::net::TcpStream::connect(addr).map_err(connect)?;
+                // Interactive traffic: keystrokes must not wait for a delayed ACK.
+                s.set_nodelay(true).map_err(connect)?;
+                Upgraded::Tcp(s)
             }
         };
         let set_timeout = |stream: &Upgraded, timeout| match stream {
