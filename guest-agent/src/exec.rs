@@ -470,6 +470,9 @@ pub async fn run(
     };
     let mut exit_rx = Some(exit_rx);
     let mut wait_status: Option<WaitStatus> = None;
+    // Set when the reaper's channel closed without a status, or a pipe read failed: the
+    // answer is then an error, never an exit with output silently missing.
+    let mut lost: Option<String> = None;
     let mut drain_deadline = None;
     let mut inputs_open = true;
     let mut cancelled = false;
@@ -477,7 +480,11 @@ pub async fn run(
     let mut err_buf = vec![0u8; CHUNK_BYTES];
     let mut term_buf = vec![0u8; if terminal.is_some() { CHUNK_BYTES } else { 0 }];
 
-    while wait_status.is_none() || stdout.is_some() || stderr.is_some() || terminal.is_some() {
+    while (wait_status.is_none() && exit_rx.is_some())
+        || stdout.is_some()
+        || stderr.is_some()
+        || terminal.is_some()
+    {
         tokio::select! {
             read = read_opt(&mut stdout, &mut out_buf) => match read {
                 Ok(n) if n > 0 => {
@@ -486,7 +493,11 @@ pub async fn run(
                         connected = sink.output(OutputStream::Stdout, &out_buf[..keep]).await;
                     }
                 }
-                _ => stdout = None,
+                Ok(_) => stdout = None,
+                Err(err) => {
+                    stdout = None;
+                    lost.get_or_insert(format!("reading its stdout: {err}"));
+                }
             },
             read = read_opt(&mut stderr, &mut err_buf) => match read {
                 Ok(n) if n > 0 => {
@@ -495,7 +506,11 @@ pub async fn run(
                         connected = sink.output(OutputStream::Stderr, &err_buf[..keep]).await;
                     }
                 }
-                _ => stderr = None,
+                Ok(_) => stderr = None,
+                Err(err) => {
+                    stderr = None;
+                    lost.get_or_insert(format!("reading its stderr: {err}"));
+                }
             },
             read = read_terminal(&terminal, &mut term_buf) => match read {
                 Ok(n) if n > 0 => {
@@ -508,8 +523,18 @@ pub async fn run(
             },
             status = wait_opt(&mut exit_rx) => {
                 exit_rx = None;
-                wait_status = Some(status.unwrap_or(WaitStatus(0)));
-                drain_deadline = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
+                match status {
+                    Some(status) => {
+                        wait_status = Some(status);
+                        drain_deadline = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
+                    }
+                    // No status: the process may still run. Not an exit (it once read as exit
+                    // 0, and the drain cut off output not written yet); the pipes' end is
+                    // awaited instead.
+                    None => {
+                        lost.get_or_insert("its exit status was lost".to_owned());
+                    }
+                }
             }
             input = inputs.recv(), if inputs_open => match input {
                 None => {
@@ -572,6 +597,14 @@ pub async fn run(
         }
     }
     let Some(wait_status) = wait_status else {
+        // Whatever is left of the process is in its cgroup (its pid may be reused by now).
+        if let Some(cgroup) = &cgroup {
+            cgroup.kill_all();
+            cgroup.remove().await;
+        }
+        if let Some(why) = lost {
+            return Err(internal(format!("exec {program}: {why}")));
+        }
         return Err(internal(format!("exec {program}: no exit status")));
     };
     let (oom_killed, oom_detection) = match (&cgroup, oom_before) {
@@ -587,6 +620,9 @@ pub async fn run(
     };
     if let Some(cgroup) = &cgroup {
         cgroup.remove().await;
+    }
+    if let Some(why) = lost {
+        return Err(internal(format!("exec {program}: {why}")));
     }
     Ok(ExitStatus {
         code: wait_status.code(),

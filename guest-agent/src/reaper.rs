@@ -58,7 +58,13 @@ impl Reaper {
         let (tx, rx) = oneshot::channel();
         let pid =
             i32::try_from(child.id()).map_err(|_| io::Error::other("child pid out of range"))?;
-        state.waiting.insert(pid, tx);
+        if state.waiting.insert(pid, tx).is_some() {
+            // The earlier process of this pid was reaped elsewhere; its waiter now gets an
+            // error (exec answers "exit status lost"), not a made-up status.
+            log::error!(
+                "pid {pid} spawned while an earlier process of that pid awaited its status"
+            );
+        }
         Ok((child, rx))
     }
 
