@@ -1,6 +1,6 @@
 //! The `rollbox` command line: one module per command ([`image`], [`exec`], [`net`],
-//! [`serve`], [`sandbox`] with [`guest`], [`template`]), and [`conn`], how the sandbox and
-//! template commands talk to the daemon.
+//! [`serve`], [`sandbox`] with [`guest`], [`template`], [`key`], [`node`]), and [`conn`], how
+//! the daemon's commands talk to it.
 
 mod conn;
 mod exec;
@@ -8,6 +8,7 @@ mod guest;
 mod image;
 mod key;
 mod net;
+mod node;
 mod sandbox;
 mod serve;
 mod template;
@@ -35,7 +36,7 @@ pub enum Command {
     #[command(subcommand)]
     Net(net::NetCommand),
     /// The daemon: an HTTP/JSON API (bearer key) for sandboxes and templates.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Sandboxes, through the daemon.
     Sandbox {
         #[command(flatten)]
@@ -57,6 +58,13 @@ pub enum Command {
         #[command(subcommand)]
         command: key::KeyCommand,
     },
+    /// This daemon as a node: slots, memory, CPU fingerprint, drain; needs an admin key.
+    Node {
+        #[command(flatten)]
+        conn: conn::ConnArgs,
+        #[command(subcommand)]
+        command: node::NodeCommand,
+    },
 }
 
 impl Cli {
@@ -72,7 +80,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Image(command) => image::run(command),
         Command::Exec(args) => exec::run(args),
         Command::Net(command) => net::run(command),
-        Command::Serve(args) => serve::serve(args),
+        Command::Serve(args) => serve::serve(*args),
         Command::Sandbox { conn, command } => {
             match conn::Conn::new(&conn).and_then(|conn| sandbox::run(&conn, command)) {
                 Ok(code) => ExitCode::from(code),
@@ -87,6 +95,12 @@ pub fn run(cli: Cli) -> ExitCode {
         }
         Command::Key { conn, command } => {
             match conn::Conn::new(&conn).and_then(|conn| key::run(&conn, command)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Node { conn, command } => {
+            match conn::Conn::new(&conn).and_then(|conn| node::run(&conn, command)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use rollbox::daemon::{Listen, ServeOptions};
+use rollbox::daemon::{Listen, NodeOptions, ServeOptions};
 
 use super::conn::{absolute, default_socket, read_key};
 
@@ -143,6 +143,17 @@ pub struct ServeArgs {
     /// no timeout of its own (an exec is bounded by its own timeout).
     #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = positive_seconds)]
     agent_timeout: f64,
+    /// This node's id in GET /node and /metrics [default: made once and kept in the state
+    /// directory's `node-id`].
+    #[arg(long, value_name = "ID")]
+    node_id: Option<String>,
+    /// Live sandboxes (creating, running, paused) at most; a create past it gets 429 with
+    /// Retry-After, naming the limit.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_sandboxes: Option<u64>,
+    /// Guest memory of the live sandboxes at most, in MiB; a create past it gets 429.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    memory_budget_mib: Option<u64>,
 }
 
 /// A duration flag: seconds, fractions allowed, more than 0 and at most a day.
@@ -199,6 +210,11 @@ pub fn serve(args: ServeArgs) -> ExitCode {
     let options = ServeOptions {
         http,
         agent_timeout: Duration::from_secs_f64(args.agent_timeout),
+        node: NodeOptions {
+            node_id: args.node_id,
+            max_sandboxes: args.max_sandboxes,
+            memory_budget_mib: args.memory_budget_mib,
+        },
         listen,
         api_key,
         state_dir: args.state_dir,

@@ -14,6 +14,7 @@ use rollbox_agent_protocol::client::AgentClient;
 use super::api::{Action, ApiError, CreateSandbox, FileOp, Reply, Snapshot, State};
 use super::guest::Guest;
 use super::keys::{Caller, Keys};
+use super::node::Node;
 use super::sandboxes::Sandboxes;
 use super::snapshots::Snapshots;
 use super::store::Db;
@@ -30,6 +31,7 @@ pub struct Core {
     templates: Arc<Templates>,
     guest: Arc<Guest>,
     keys: Arc<Keys>,
+    node: Arc<Node>,
 }
 
 /// The services a [`Core`] runs on.
@@ -41,6 +43,7 @@ pub struct Services {
     pub templates: Arc<Templates>,
     pub guest: Arc<Guest>,
     pub keys: Arc<Keys>,
+    pub node: Arc<Node>,
 }
 
 /// What a tenant gets for a sandbox it may not see: exactly what an unknown id gets.
@@ -63,6 +66,7 @@ impl Core {
             templates,
             guest,
             keys,
+            node,
         } = services;
         Core {
             db,
@@ -72,7 +76,30 @@ impl Core {
             templates,
             guest,
             keys,
+            node,
         }
+    }
+
+    /// Whether the node takes new sandboxes (`/readyz`; `/livez` needs nothing).
+    pub fn ready(&self) -> bool {
+        self.node.ready()
+    }
+
+    /// POST /node/drain: no new sandboxes; with a deadline, what is left then is ended.
+    fn drain(&self, deadline_s: Option<u64>) -> Result<Reply, ApiError> {
+        let generation = self.node.start_drain(deadline_s);
+        if let Some(seconds) = deadline_s {
+            let (node, sandboxes) = (Arc::clone(&self.node), Arc::clone(&self.sandboxes));
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_secs(seconds)).await;
+                if node.drain_expired(generation) {
+                    sandboxes
+                        .end_all_live("ended by the node's drain deadline (POST /node/drain)")
+                        .await;
+                }
+            });
+        }
+        Ok(Reply::Node(self.node.info()?))
     }
 
     /// Who `key` (as a request gave it) belongs to; None: nobody's (401). No state is read
@@ -218,9 +245,10 @@ impl Core {
             | Action::Metrics
             | Action::AddKey(_)
             | Action::ListKeys
-            | Action::RevokeKey(_) => {
-                return Err(ApiError::Forbidden("an admin key's action".into()))
-            }
+            | Action::RevokeKey(_)
+            | Action::GetNode
+            | Action::Drain { .. }
+            | Action::Undrain => return Err(ApiError::Forbidden("an admin key's action".into())),
         })
     }
 
@@ -240,7 +268,7 @@ impl Core {
             }
             Action::DeleteSandboxes(query) => self.sandboxes.delete_matching(query).await,
             Action::Usage(id) => usage::usage(&self.db, &id),
-            Action::Metrics => usage::metrics(&self.db, &self.counters),
+            Action::Metrics => usage::metrics(&self.db, &self.counters, &self.node.info()?),
             Action::GetSandbox(id) => self.sandboxes.get(&id),
             Action::DeleteSandbox(id) => {
                 self.sandboxes
@@ -287,6 +315,12 @@ impl Core {
             Action::AddKey(new) => self.keys.add(new),
             Action::ListKeys => Ok(self.keys.list()),
             Action::RevokeKey(id) => self.keys.revoke(&id),
+            Action::GetNode => Ok(Reply::Node(self.node.info()?)),
+            Action::Drain { deadline_s } => self.drain(deadline_s),
+            Action::Undrain => {
+                self.node.undrain();
+                Ok(Reply::Node(self.node.info()?))
+            }
         }
     }
 

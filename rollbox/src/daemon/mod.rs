@@ -8,7 +8,8 @@
 //! reset), [`templates`] (from files or built from an image, with an optional boot snapshot)
 //! and [`guest`] (exec, files and ports through the guest agent); [`usage`] has usage and
 //! metrics, [`retention`] the snapshot retention rules, [`store`] the SQLite state, and
-//! `keys` the API keys (admin and tenant) each request is checked against.
+//! `keys` the API keys (admin and tenant) each request is checked against, and `node` this
+//! daemon as a node of a fleet (its id, admission limits, drain).
 
 pub mod api;
 pub mod client;
@@ -16,6 +17,7 @@ mod core;
 pub mod frontend;
 mod guest;
 mod keys;
+mod node;
 mod retention;
 mod sandboxes;
 mod serve;
@@ -29,6 +31,7 @@ mod util;
 pub use frontend::conn::ConnLimits;
 pub use frontend::e2b;
 pub use frontend::transport::Listen;
+pub use node::NodeOptions;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
 pub use rollbox_jailer::cgroup;
 pub use serve::{serve, DaemonError, ServeOptions};

@@ -14,6 +14,7 @@ use super::frontend::transport::{Listen, Listener, TransportError};
 use super::frontend::{e2b, rest};
 use super::guest::Guest;
 use super::keys::Keys;
+use super::node::{Node, NodeError, NodeOptions};
 use super::retention::Retention;
 use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
 use super::snapshots::Snapshots;
@@ -57,6 +58,8 @@ pub enum DaemonError {
         "state directory {path}: owned by uid {uid}, not this daemon's ({me}): `chown {me} {path}`"
     )]
     StateDirOwner { path: PathBuf, uid: u32, me: u32 },
+    #[error(transparent)]
+    Node(#[from] NodeError),
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
 }
@@ -109,6 +112,8 @@ pub struct ServeOptions {
     /// `--agent-timeout`: guest agent connects, handshakes and calls without a timeout of
     /// their own end after this.
     pub agent_timeout: Duration,
+    /// `--node-id`, `--max-sandboxes`, `--memory-budget-mib`.
+    pub node: NodeOptions,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -221,6 +226,7 @@ pub async fn serve(
         console_max_bytes: options.console_max_bytes,
     })?);
     let counters = Arc::new(Counters::default());
+    let node = Arc::new(Node::new(Arc::clone(&db), &options.node, &dirs.state)?);
     let guest = Arc::new(Guest::new(
         Arc::clone(&db),
         options.test_agent_socket.clone(),
@@ -231,6 +237,7 @@ pub async fn serve(
         Arc::clone(&supervisor),
         Arc::clone(&guest),
         Arc::clone(&counters),
+        Arc::clone(&node),
         SandboxOptions {
             default_ttl_s: options.default_ttl_s,
             max_pending_creates: options.max_pending_creates,
@@ -270,6 +277,7 @@ pub async fn serve(
         templates,
         guest,
         keys,
+        node,
     }));
     let kept = sandboxes.recover().await?;
     snapshots.sweep()?;

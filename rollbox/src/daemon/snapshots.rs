@@ -278,6 +278,8 @@ impl Snapshots {
         ttl_s: Option<u64>,
         labels: BTreeMap<String, String>,
     ) -> Result<Reply, ApiError> {
+        let memory_mib = touch(&self.db, id)?.memory_mib;
+        self.sandboxes.check_room(count, memory_mib)?;
         let (snapshot, _pin) = {
             let _busy = self.claim(id)?;
             self.take_snapshot(id, None, Purpose::Fork).await?

@@ -13,7 +13,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::api::{ApiError, Reply, Usage};
+use super::api::{ApiError, NodeInfo, NodeStatus, Reply, Usage};
 use super::store::{Db, UsageRow as Row};
 use super::supervisor::cpu_ms;
 use super::util::{internal, now_ms};
@@ -90,7 +90,7 @@ pub fn usage(db: &Db, id: &str) -> Result<Reply, ApiError> {
 }
 
 /// GET /metrics: Prometheus text format 0.0.4.
-pub fn metrics(db: &Db, counters: &Counters) -> Result<Reply, ApiError> {
+pub fn metrics(db: &Db, counters: &Counters, node: &NodeInfo) -> Result<Reply, ApiError> {
     let now = now_ms();
     let (rows, states) = {
         let store = db.lock();
@@ -175,7 +175,59 @@ pub fn metrics(db: &Db, counters: &Counters) -> Result<Reply, ApiError> {
             value.load(Ordering::Relaxed)
         );
     }
+    node_gauges(&mut out, node);
     Ok(Reply::Metrics(out))
+}
+
+/// GET /node's figures as gauges (a limit that is not set is not written).
+fn node_gauges(out: &mut String, node: &NodeInfo) {
+    let draining = u64::from(node.status == NodeStatus::Draining);
+    let gauges: [(&str, &str, Option<u64>); 7] = [
+        (
+            "rollbox_node_draining",
+            "1 while the node drains (takes no new sandboxes).",
+            Some(draining),
+        ),
+        (
+            "rollbox_node_slots_total",
+            "--max-sandboxes.",
+            node.slots.total,
+        ),
+        (
+            "rollbox_node_slots_used",
+            "Live sandboxes (creating, running, paused).",
+            Some(node.slots.used),
+        ),
+        (
+            "rollbox_node_slots_pending",
+            "Sandboxes being created.",
+            Some(node.slots.pending),
+        ),
+        (
+            "rollbox_node_memory_budget_mib",
+            "--memory-budget-mib.",
+            node.memory_mib.budget,
+        ),
+        (
+            "rollbox_node_memory_committed_mib",
+            "Guest memory of the live sandboxes.",
+            Some(node.memory_mib.committed),
+        ),
+        (
+            "rollbox_node_memory_available_mib",
+            "The host's MemAvailable.",
+            Some(node.memory_mib.host_available),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        if let Some(value) = value {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{node=\"{}\"}} {value}",
+                label(&node.node_id)
+            );
+        }
+    }
 }
 
 #[cfg(test)]

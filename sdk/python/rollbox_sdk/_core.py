@@ -35,6 +35,7 @@ from .types import (
     ExecResult,
     FileInfo,
     ItemResult,
+    NodeInfo,
     Sandbox,
     Snapshot,
     Template,
@@ -166,16 +167,23 @@ def raise_for(response: httpx.Response, method: str, path: str) -> None:
     if response.is_success:
         return
     message = ""
+    limit = None
     try:
         body = response.json()
         if isinstance(body, dict):
             message = str(body.get("error") or body.get("message") or "")
+            limit = body.get("limit") if isinstance(body.get("limit"), str) else None
     except (ValueError, UnicodeDecodeError):
         message = ""
     if not message:
         message = response.text.strip() or response.reason_phrase or "no message"
     raise error_for(
-        response.status_code, message, method, path, response.headers.get("retry-after")
+        response.status_code,
+        message,
+        method,
+        path,
+        response.headers.get("retry-after"),
+        limit,
     )
 
 
@@ -233,6 +241,19 @@ def healthz() -> Call[Dict[str, Any]]:
 
 def metrics() -> Call[str]:
     return Call("GET", "/metrics", lambda r: r.text)
+
+
+def node() -> Call[NodeInfo]:
+    return Call("GET", "/node", lambda r: NodeInfo.from_json(r.json()))
+
+
+def drain(deadline_s: Optional[int]) -> Call[NodeInfo]:
+    body: Dict[str, Any] = {} if deadline_s is None else {"deadline_s": deadline_s}
+    return Call("POST", "/node/drain", lambda r: NodeInfo.from_json(r.json()), json=body)
+
+
+def undrain() -> Call[NodeInfo]:
+    return Call("DELETE", "/node/drain", lambda r: NodeInfo.from_json(r.json()))
 
 
 # --- templates ------------------------------------------------------------------------------

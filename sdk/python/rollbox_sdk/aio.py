@@ -28,6 +28,7 @@ from .types import (
     ExecResult,
     FileInfo,
     ItemResult,
+    NodeInfo,
     Sandbox,
     Snapshot,
     Template,
@@ -134,6 +135,20 @@ class AsyncClient:
     async def metrics(self) -> str:
         """The Prometheus text of GET /metrics."""
         return await self._send(_core.metrics())
+
+    async def node(self) -> NodeInfo:
+        """GET /node: the daemon as a node (slots, memory, CPU fingerprint, templates,
+        snapshots); needs an admin key."""
+        return await self._send(_core.node())
+
+    async def drain(self, deadline_s: Optional[int] = None) -> NodeInfo:
+        """Take no new sandboxes (creates get :class:`Unavailable`); with ``deadline_s``,
+        end what is still live then."""
+        return await self._send(_core.drain(deadline_s))
+
+    async def undrain(self) -> NodeInfo:
+        """Take new sandboxes again."""
+        return await self._send(_core.undrain())
 
     # --- templates ------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from .types import (
     ExecResult,
     FileInfo,
     ItemResult,
+    NodeInfo,
     Sandbox,
     Snapshot,
     Template,
@@ -130,6 +131,20 @@ class Client:
     def metrics(self) -> str:
         """The Prometheus text of GET /metrics."""
         return self._send(_core.metrics())
+
+    def node(self) -> NodeInfo:
+        """GET /node: the daemon as a node (slots, memory, CPU fingerprint, templates,
+        snapshots); needs an admin key."""
+        return self._send(_core.node())
+
+    def drain(self, deadline_s: Optional[int] = None) -> NodeInfo:
+        """Take no new sandboxes (creates get :class:`Unavailable`); with ``deadline_s``,
+        end what is still live then."""
+        return self._send(_core.drain(deadline_s))
+
+    def undrain(self) -> NodeInfo:
+        """Take new sandboxes again."""
+        return self._send(_core.undrain())
 
     # --- templates ------------------------------------------------------------------------
 

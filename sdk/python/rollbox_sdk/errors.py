@@ -114,7 +114,9 @@ class TooLarge(ApiError):
 
 
 class Overloaded(ApiError):
-    """429: too many creates in flight; retry after ``retry_after`` seconds."""
+    """429: too many creates in flight, or the node is full; retry after ``retry_after``
+    seconds. ``limit`` names the node's limit that refused it (``"max_sandboxes"`` or
+    ``"memory_budget_mib"``), None for creates in flight."""
 
     def __init__(
         self,
@@ -124,9 +126,11 @@ class Overloaded(ApiError):
         method: str = "",
         path: str = "",
         retry_after: Optional[float] = None,
+        limit: Optional[str] = None,
     ) -> None:
         super().__init__(message, status=status, method=method, path=path)
         self.retry_after = retry_after
+        self.limit = limit
 
 
 class ServerError(ApiError):
@@ -134,7 +138,8 @@ class ServerError(ApiError):
 
 
 class Unavailable(ApiError):
-    """503: the guest agent did not answer, or the host lacks what was asked (cpu_limit)."""
+    """503: the guest agent did not answer, the host lacks what was asked (cpu_limit), or the
+    node is draining."""
 
 
 _BY_STATUS: Dict[int, Type[ApiError]] = {
@@ -152,7 +157,12 @@ _BY_STATUS: Dict[int, Type[ApiError]] = {
 
 
 def error_for(
-    status: int, message: str, method: str, path: str, retry_after: Optional[str]
+    status: int,
+    message: str,
+    method: str,
+    path: str,
+    retry_after: Optional[str],
+    limit: Optional[str] = None,
 ) -> ApiError:
     """The exception for a non-2xx answer."""
     if status == 429:
@@ -162,6 +172,8 @@ def error_for(
                 seconds = float(retry_after)
             except ValueError:
                 seconds = None
-        return Overloaded(message, status=status, method=method, path=path, retry_after=seconds)
+        return Overloaded(
+            message, status=status, method=method, path=path, retry_after=seconds, limit=limit
+        )
     kind = _BY_STATUS.get(status, ServerError if status >= 500 else ApiError)
     return kind(message, status=status, method=method, path=path)

@@ -19,6 +19,7 @@ __all__ = [
     "ExecResult",
     "ExecEvent",
     "ItemResult",
+    "NodeInfo",
     "Written",
     "decode_data",
 ]
@@ -171,6 +172,40 @@ class Usage:
             memory_mib_seconds=data.get("memory_mib_seconds", 0),
             cpu_seconds=float(data.get("cpu_seconds", 0.0)),
             ended_at_ms=data.get("ended_at_ms"),
+            raw=data,
+        )
+
+
+@dataclass
+class NodeInfo:
+    """GET /node: the daemon as one node of a fleet. ``slots`` has ``total`` (None: no
+    ``--max-sandboxes``), ``used`` and ``pending``; ``memory_mib`` has ``budget``,
+    ``committed`` and ``host_available``; ``cpu`` has ``vendor``, ``family``, ``model``,
+    ``stepping`` and ``id`` (snapshots move between nodes of equal id)."""
+
+    node_id: str
+    version: str
+    status: str
+    drain_deadline_ms: Optional[int]
+    slots: Dict[str, Any]
+    memory_mib: Dict[str, Any]
+    cpu: Dict[str, Any]
+    templates: List[Dict[str, Any]]
+    snapshots: List[str]
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "NodeInfo":
+        return cls(
+            node_id=data["node_id"],
+            version=data.get("version", ""),
+            status=data.get("status", ""),
+            drain_deadline_ms=data.get("drain_deadline_ms"),
+            slots=dict(data.get("slots") or {}),
+            memory_mib=dict(data.get("memory_mib") or {}),
+            cpu=dict(data.get("cpu") or {}),
+            templates=list(data.get("templates") or []),
+            snapshots=list(data.get("snapshots") or []),
             raw=data,
         )
 

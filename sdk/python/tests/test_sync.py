@@ -33,6 +33,20 @@ def test_healthz_metrics_and_a_wrong_key(rb: Client, sandbox: str) -> None:
         assert caught.value.status == 401 and "API key" in caught.value.message
 
 
+def test_node_info_drain_and_undrain(rb: Client, template: str) -> None:
+    node = rb.node()
+    assert node.node_id and node.status == "ready" and len(node.cpu["id"]) == 16
+    assert template in [t["name"] for t in node.templates]
+    try:
+        drained = rb.drain()
+        assert drained.status == "draining" and drained.drain_deadline_ms is None
+        with pytest.raises(Unavailable) as caught:
+            rb.create_sandbox(template, ttl_s=60)
+        assert caught.value.status == 503 and "draining" in caught.value.message
+    finally:
+        assert rb.undrain().status == "ready"
+
+
 def test_templates_add_get_list_delete_and_errors(rb: Client, kernel: str, cmdline: str) -> None:
     added = rb.add_template("sdk-t1", kernel, cmdline=cmdline, memory_mib=32, vcpus=1)
     assert (added.name, added.memory_mib, added.kernel) == ("sdk-t1", 32, kernel)

@@ -9,7 +9,7 @@ use hyper::body::Bytes;
 use super::limits::MAX_UPLOAD;
 use super::model::{
     AddTemplate, CreateSandbox, Exec, ExecResult, FileInfo, FileOp, ForkResult, KeyInfo, ListQuery,
-    NewKey, Sandbox, SandboxList, Snapshot, Template, Usage,
+    NewKey, NodeInfo, Sandbox, SandboxList, Snapshot, Template, Usage,
 };
 
 /// A refused or failed request; [`ApiError::status`] is its HTTP status.
@@ -32,6 +32,12 @@ pub enum ApiError {
     TooLarge(usize),
     #[error("{0} creates are already in flight; retry later")]
     Overloaded(usize),
+    /// The node is at one of its admission limits (`limit` names which): 429, retry later.
+    #[error("{message}")]
+    Full {
+        limit: &'static str,
+        message: String,
+    },
     #[error("{0}")]
     Internal(String),
     #[error("{0}")]
@@ -52,7 +58,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => 405,
             ApiError::Conflict(_) => 409,
             ApiError::TooLarge(_) => 413,
-            ApiError::Overloaded(_) => 429,
+            ApiError::Overloaded(_) | ApiError::Full { .. } => 429,
             ApiError::Internal(_) => 500,
             ApiError::Unavailable(_) => 503,
             ApiError::BadGateway(_) => 502,
@@ -148,10 +154,18 @@ pub enum Action {
     ListKeys,
     /// Revoke a key by its id: its next request gets 401.
     RevokeKey(String),
+    /// GET /node.
+    GetNode,
+    /// Take no new sandboxes; with a deadline, end what is left then.
+    Drain {
+        deadline_s: Option<u64>,
+    },
+    Undrain,
 }
 
 impl Action {
-    /// Whether only an admin key may run it: templates' writes, node metrics and keys.
+    /// Whether only an admin key may run it: templates' writes, node metrics, keys and the
+    /// node's own routes.
     pub fn admin_only(&self) -> bool {
         matches!(
             self,
@@ -161,6 +175,9 @@ impl Action {
                 | Action::AddKey(_)
                 | Action::ListKeys
                 | Action::RevokeKey(_)
+                | Action::GetNode
+                | Action::Drain { .. }
+                | Action::Undrain
         )
     }
 }
@@ -200,6 +217,7 @@ pub enum Reply {
     /// A key just made (201, with its plaintext).
     Key(KeyInfo),
     Keys(Vec<KeyInfo>),
+    Node(NodeInfo),
     /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
     Stream {
         content_type: &'static str,

@@ -500,3 +500,76 @@ pub struct KeyInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
 }
+
+/// Whether a node takes new sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeStatus {
+    Ready,
+    /// `POST /node/drain`: creates, batches and forks get 503 until `DELETE /node/drain`.
+    Draining,
+}
+
+/// GET /node: this daemon as one node of a fleet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// `rollbox serve --node-id`, else made once and kept in the state directory.
+    pub node_id: String,
+    pub version: String,
+    pub status: NodeStatus,
+    /// While draining with a deadline: when what is left is ended (ms since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_deadline_ms: Option<u64>,
+    pub slots: NodeSlots,
+    pub memory_mib: NodeMemory,
+    pub cpu: CpuFingerprint,
+    pub templates: Vec<NodeTemplate>,
+    /// The ids of the snapshots this node holds.
+    pub snapshots: Vec<String>,
+}
+
+/// Sandboxes against `--max-sandboxes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSlots {
+    /// `--max-sandboxes` (none: no limit).
+    pub total: Option<u64>,
+    /// Live sandboxes: creating, running or paused.
+    pub used: u64,
+    /// Of those, the ones still being created.
+    pub pending: u64,
+}
+
+/// Guest memory against `--memory-budget-mib`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeMemory {
+    /// `--memory-budget-mib` (none: no limit).
+    pub budget: Option<u64>,
+    /// What the live sandboxes' guests hold.
+    pub committed: u64,
+    /// The host's `MemAvailable`.
+    pub host_available: u64,
+}
+
+/// What a restore depends on of the host CPU: a snapshot taken on one node restores on
+/// another whose `id` is the same.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuFingerprint {
+    pub vendor: String,
+    pub family: u32,
+    pub model: u32,
+    pub stepping: u32,
+    /// A hash of the vendor, signature, feature leaves (1, 7, 0xd, 0x80000001) and the xsave
+    /// layout: equal ids, restorable snapshots.
+    pub id: String,
+}
+
+/// A template as a placement decision sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeTemplate {
+    pub name: String,
+    /// `reference@digest` of an image-built template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Whether creates restore its boot snapshot.
+    pub boot_snapshot: bool,
+}

@@ -4,7 +4,7 @@
 use super::action::{Action, ApiError};
 use super::validate::template::check_template_name;
 use super::validate::{
-    bad, check_id, check_snapshot_id, exec, file, key, sandbox, snapshot, template,
+    bad, check_id, check_snapshot_id, exec, file, key, node, sandbox, snapshot, template,
 };
 
 /// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
@@ -46,6 +46,11 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/keys"),
     ("POST", "/keys"),
     ("DELETE", "/keys/{key}"),
+    ("GET", "/node"),
+    ("POST", "/node/drain"),
+    ("DELETE", "/node/drain"),
+    ("GET", "/livez"),
+    ("GET", "/readyz"),
 ];
 
 /// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
@@ -68,7 +73,12 @@ pub fn parse(
     };
     let action = match (method, segments.as_slice()) {
         ("GET", ["healthz"]) => Action::Health,
+        // The frontend answers these before any key check (frontend/rest.rs, `probe`).
+        ("GET", ["livez" | "readyz"]) => Action::Health,
         ("GET", ["metrics"]) => Action::Metrics,
+        ("GET", ["node"]) => Action::GetNode,
+        ("POST", ["node", "drain"]) => node::parse_drain(body)?,
+        ("DELETE", ["node", "drain"]) => Action::Undrain,
         ("GET", ["sandboxes", id, "usage"]) => Action::Usage(check_id(id)?),
         ("GET", ["sandboxes", id, "ports", port]) => sandbox::parse_port_connect(id, port)?,
         ("GET", ["keys"]) => Action::ListKeys,

@@ -62,10 +62,35 @@ fn caller(core: &Core, request: &Request<Incoming>) -> Option<Caller> {
 }
 
 async fn respond(core: &Core, request: Request<Incoming>) -> Response<Out> {
+    if let Some(response) = probe(core, &request) {
+        return response;
+    }
     match handle(core, request).await {
         Ok(reply) => reply_response(reply),
         Err(error) => error_response(&error),
     }
+}
+
+/// `GET /livez` and `GET /readyz`, without a key and answering nothing but whether: the
+/// process serves (livez) and takes new sandboxes (readyz: 503 while draining).
+fn probe(core: &Core, request: &Request<Incoming>) -> Option<Response<Out>> {
+    if request.method() != hyper::Method::GET {
+        return None;
+    }
+    let (status, text) = match request.uri().path() {
+        "/livez" => (200, "ok\n"),
+        "/readyz" if core.ready() => (200, "ready\n"),
+        "/readyz" => (503, "not ready\n"),
+        _ => return None,
+    };
+    let mut response = Response::new(Out::Full(Some(Bytes::from_static(text.as_bytes()))));
+    *response.status_mut() =
+        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain"),
+    );
+    Some(response)
 }
 
 /// Whether the request asks to turn the connection into a TCP stream.
@@ -177,6 +202,7 @@ fn json_response(status: u16, value: &impl serde::Serialize) -> Response<Out> {
 fn reply_response(reply: Reply) -> Response<Out> {
     match reply {
         Reply::Health => json_response(200, &serde_json::json!({ "status": "ok" })),
+        Reply::Node(node) => json_response(200, &node),
         Reply::Template { created, template } => {
             json_response(if created { 201 } else { 200 }, &template)
         }
@@ -243,13 +269,17 @@ fn reply_response(reply: Reply) -> Response<Out> {
 }
 
 fn error_response(error: &ApiError) -> Response<Out> {
-    let mut response = json_response(
-        error.status(),
-        &serde_json::json!({ "error": error.to_string() }),
-    );
+    let body = match error {
+        // Which of the node's limits refused it, for a scheduler to read.
+        ApiError::Full { limit, .. } => {
+            serde_json::json!({ "error": error.to_string(), "limit": limit })
+        }
+        _ => serde_json::json!({ "error": error.to_string() }),
+    };
+    let mut response = json_response(error.status(), &body);
     let headers = response.headers_mut();
     match error {
-        ApiError::Overloaded(_) => {
+        ApiError::Overloaded(_) | ApiError::Full { .. } => {
             headers.insert(
                 hyper::header::RETRY_AFTER,
                 hyper::header::HeaderValue::from_static("1"),

@@ -23,6 +23,11 @@ impl Sandboxes {
             )));
         }
         let prepared = self.prepare(&request)?;
+        let memory_mib = prepared.snapshot.as_ref().map_or(
+            request.memory_mib.unwrap_or(prepared.template.memory_mib),
+            |s| s.memory_mib,
+        );
+        self.check_room(count, memory_mib)?;
         let Ok(_permits) = Arc::clone(&self.pending).try_acquire_many_owned(count) else {
             self.counters.refused();
             let in_flight = limit.saturating_sub(self.pending.available_permits());
@@ -43,6 +48,24 @@ impl Sandboxes {
             .map(ForkResult::of)
             .collect();
         Ok(Reply::Forked(results))
+    }
+
+    /// Ends every live sandbox, for `reason` (a drain's deadline); failures are logged.
+    pub async fn end_all_live(&self, reason: &str) {
+        let live = match self.db.lock().live() {
+            Ok(live) => live,
+            Err(e) => {
+                log::error!("{reason}: listing the live sandboxes: {e}");
+                return;
+            }
+        };
+        let ends = live.iter().map(|s| self.end(&s.id, State::Deleted, reason));
+        for (sandbox, result) in live.iter().zip(futures_util::future::join_all(ends).await) {
+            match result {
+                Ok(()) => log::info!("sandbox {}: {reason}", sandbox.id),
+                Err(e) => log::error!("sandbox {}: {reason}: {e}", sandbox.id),
+            }
+        }
     }
 
     /// Ends every live sandbox `query` matches; answers the ids it ended.

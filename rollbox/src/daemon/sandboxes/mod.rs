@@ -14,6 +14,7 @@ use super::api::{
     PAUSED_RETENTION_S,
 };
 use super::guest::Guest;
+use super::node::Node;
 use super::store::StoreError;
 use super::store::{Db, Inserted};
 use super::supervisor::{self, Supervisor, SupervisorError};
@@ -50,6 +51,8 @@ pub struct Sandboxes {
     /// Runs templates' start and ready commands after a boot.
     guest: Arc<Guest>,
     counters: Arc<Counters>,
+    /// Admission against the node's limits, and drain.
+    node: Arc<Node>,
     options: SandboxOptions,
     pending: Arc<tokio::sync::Semaphore>,
 }
@@ -79,6 +82,7 @@ impl Sandboxes {
         supervisor: Arc<Supervisor>,
         guest: Arc<Guest>,
         counters: Arc<Counters>,
+        node: Arc<Node>,
         options: SandboxOptions,
     ) -> Sandboxes {
         Sandboxes {
@@ -87,8 +91,21 @@ impl Sandboxes {
             supervisor,
             guest,
             counters,
+            node,
             options,
         }
+    }
+
+    /// Refuses `count` new sandboxes of `memory_mib` each that the node has no room for, or
+    /// any while it drains (a fork's check before its snapshot).
+    pub fn check_room(&self, count: u32, memory_mib: u32) -> Result<(), ApiError> {
+        let checked = self
+            .node
+            .check_room(u64::from(count), u64::from(memory_mib));
+        if checked.is_err() {
+            self.counters.refused();
+        }
+        checked
     }
 
     /// GET /sandboxes.
@@ -231,7 +248,26 @@ impl Sandboxes {
             ttl_s,
             tenant: request.tenant,
         };
-        let inserted = self.db.lock().insert_sandbox(&sandbox).map_err(internal)?;
+        let admitted = self.node.admit(u64::from(sandbox.memory_mib), || {
+            self.db.lock().insert_sandbox(&sandbox).map_err(internal)
+        });
+        let inserted = match admitted {
+            Ok(inserted) => inserted,
+            Err(refused @ (ApiError::Full { .. } | ApiError::Unavailable(_))) => {
+                // A repeat of a create that succeeded is answered even on a full node.
+                let earlier = self
+                    .db
+                    .lock()
+                    .created_with_key(&sandbox)
+                    .map_err(internal)?;
+                if let Some(first) = earlier {
+                    return self.existing(first).await;
+                }
+                self.counters.refused();
+                return Err(refused);
+            }
+            Err(other) => return Err(other),
+        };
         if let Inserted::Existing(first) = inserted {
             return self.existing(*first).await;
         }

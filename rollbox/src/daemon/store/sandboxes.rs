@@ -136,6 +136,37 @@ impl Store {
             .collect()
     }
 
+    /// The sandbox an earlier create with `sandbox`'s idempotency key made, if any.
+    pub fn created_with_key(&self, sandbox: &Sandbox) -> Result<Option<Sandbox>, StoreError> {
+        let row = SandboxRow::of(sandbox)?;
+        let Some(key) = &row.idempotency_key else {
+            return Ok(None);
+        };
+        self.conn
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM sandboxes WHERE idempotency_key = ?1"),
+                params![key],
+                SandboxRow::read,
+            )
+            .optional()?
+            .map(|raw| raw.into_model().map(|(_, s)| s))
+            .transpose()
+    }
+
+    /// How many sandboxes are live (creating, running or paused) and the guest memory they
+    /// hold, in MiB: what admission counts against `--max-sandboxes` and `--memory-budget-mib`.
+    pub fn live_totals(&self) -> Result<(u64, u64), StoreError> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT COUNT(*), COALESCE(SUM(memory_mib), 0) FROM sandboxes \
+             WHERE state IN ('creating', 'running', 'paused')",
+                [],
+                |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)),
+            )
+            .map(|(count, mib)| (count.max(0) as u64, mib.max(0) as u64))?)
+    }
+
     /// Creating -> running with its process; false if the sandbox left `creating` meanwhile.
     pub fn set_running(&self, id: &str, pid: u32, start_time: u64) -> Result<bool, StoreError> {
         Ok(self.conn.execute(

@@ -1,0 +1,265 @@
+//! `rollbox serve` as a node of a fleet: `GET /node` (slots, memory, CPU fingerprint,
+//! templates, snapshots), admission against `--max-sandboxes` and `--memory-budget-mib` (429
+//! with Retry-After naming the limit, batches and forks all or nothing, idempotent repeats
+//! still answered), drain (503 for new sandboxes, running ones untouched, a deadline ends
+//! them), the unauthenticated `/livez` and `/readyz`, `/metrics` gauges and `rollbox node`.
+
+use std::time::Duration;
+
+use rollbox_tests::daemon::{cli, wait_for, Server, KEY};
+use rollbox_tests::kvm_available;
+use serde_json::{json, Value};
+
+fn node(server: &Server) -> Value {
+    let (status, node) = server.call("GET", "/node", None);
+    assert_eq!(status, 200, "{node}");
+    node
+}
+
+/// A create that must be refused with `status`: the error body.
+fn refused(server: &Server, path: &str, body: Value, status: u16) -> Value {
+    let body = body.to_string();
+    let response = server.raw("POST", path, Some(KEY), Some(body.as_bytes()));
+    let value: Value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+    assert_eq!(response.status, status, "{path}: {value}");
+    if status == 429 {
+        assert_eq!(
+            response.header("retry-after"),
+            Some("1"),
+            "{path}: a 429 says when to retry"
+        );
+    }
+    value
+}
+
+#[test]
+fn admission_counts_live_sandboxes_and_their_memory_and_names_the_limit() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[
+        "--max-sandboxes",
+        "2",
+        "--memory-budget-mib",
+        "80",
+        "--node-id",
+        "test-node-1",
+    ]);
+    let empty = node(&server);
+    assert_eq!(empty["node_id"], "test-node-1", "{empty}");
+    assert_eq!(empty["status"], "ready");
+    assert_eq!(empty["slots"], json!({"total": 2, "used": 0, "pending": 0}));
+    assert_eq!(empty["memory_mib"]["budget"], 80);
+    assert_eq!(empty["memory_mib"]["committed"], 0);
+    assert!(
+        empty["memory_mib"]["host_available"].as_u64().unwrap_or(0) > 0,
+        "{empty}"
+    );
+    assert_eq!(
+        empty["cpu"]["id"].as_str().map(str::len),
+        Some(16),
+        "{empty}"
+    );
+    assert!(empty["version"].as_str().is_some_and(|v| !v.is_empty()));
+
+    let snapshot = server.guest_snapshot();
+    let with_template = node(&server);
+    assert_eq!(
+        with_template["templates"][0]["name"], "guest",
+        "{with_template}"
+    );
+    assert_eq!(with_template["snapshots"], json!([snapshot]));
+
+    let a = server.create(json!({"template": "guest", "ttl_s": 120}));
+    let too_big = refused(
+        &server,
+        "/sandboxes",
+        json!({"template": "guest", "ttl_s": 120, "memory_mib": 64}),
+        429,
+    );
+    assert_eq!(too_big["limit"], "memory_budget_mib", "{too_big}");
+    assert!(
+        too_big["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("--memory-budget-mib"),
+        "{too_big}"
+    );
+    let b_body = json!({"template": "guest", "ttl_s": 120, "idempotency_key": "b-once"});
+    let b = server.create(b_body.clone());
+    let after_two = node(&server);
+    assert_eq!(after_two["slots"]["used"], 2, "{after_two}");
+    assert_eq!(after_two["memory_mib"]["committed"], 64, "{after_two}");
+
+    let full = refused(
+        &server,
+        "/sandboxes",
+        json!({"template": "guest", "ttl_s": 120}),
+        429,
+    );
+    assert_eq!(full["limit"], "max_sandboxes", "{full}");
+    assert!(
+        full["error"].as_str().unwrap_or("").contains("test-node-1"),
+        "{full}"
+    );
+    // A batch and a fork that do not fit are refused whole: nothing made, no snapshot taken.
+    refused(
+        &server,
+        "/sandboxes/batch",
+        json!({"count": 2, "template": "guest", "ttl_s": 120}),
+        429,
+    );
+    let a_id = a["id"].as_str().expect("id");
+    refused(
+        &server,
+        &format!("/sandboxes/{a_id}/fork"),
+        json!({"count": 1}),
+        429,
+    );
+    assert_eq!(
+        node(&server)["snapshots"],
+        json!([snapshot]),
+        "a refused fork took a snapshot"
+    );
+    // A repeat of a create that succeeded is answered with what it made, full or not.
+    let (status, again) = server.call("POST", "/sandboxes", Some(b_body));
+    assert_eq!((status, &again["id"]), (200, &b["id"]), "{again}");
+
+    let metrics = server.raw("GET", "/metrics", Some(KEY), None);
+    let metrics = String::from_utf8_lossy(&metrics.body).to_string();
+    for line in [
+        "rollbox_node_slots_used{node=\"test-node-1\"} 2",
+        "rollbox_node_slots_total{node=\"test-node-1\"} 2",
+        "rollbox_node_memory_committed_mib{node=\"test-node-1\"} 64",
+        "rollbox_node_draining{node=\"test-node-1\"} 0",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in\n{metrics}");
+    }
+
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{a_id}"), None);
+    assert_eq!(status, 204);
+    server.create(json!({"template": "guest", "ttl_s": 120}));
+}
+
+#[test]
+fn drain_refuses_new_sandboxes_keeps_running_ones_and_its_deadline_ends_them() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    server.add_guest_template("guest");
+    let a = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let a_id = a["id"].as_str().expect("id").to_string();
+
+    let (status, draining) = server.call("POST", "/node/drain", Some(json!({})));
+    assert_eq!(
+        (status, &draining["status"]),
+        (200, &json!("draining")),
+        "{draining}"
+    );
+    let readyz = server.raw("GET", "/readyz", None, None);
+    assert_eq!(
+        (readyz.status, readyz.body.as_slice()),
+        (503, &b"not ready\n"[..])
+    );
+    let refusal = refused(
+        &server,
+        "/sandboxes",
+        json!({"template": "guest", "ttl_s": 60}),
+        503,
+    );
+    assert!(
+        refusal["error"].as_str().unwrap_or("").contains("draining"),
+        "{refusal}"
+    );
+    refused(
+        &server,
+        "/sandboxes/batch",
+        json!({"count": 2, "template": "guest", "ttl_s": 60}),
+        503,
+    );
+    refused(
+        &server,
+        &format!("/sandboxes/{a_id}/fork"),
+        json!({"count": 1}),
+        503,
+    );
+    assert_eq!(
+        server.get(&a_id)["state"],
+        "running",
+        "a drain leaves running sandboxes be"
+    );
+
+    let undrained = cli(&server, &["node", "undrain"]);
+    assert!(undrained.contains("status    ready"), "{undrained}");
+    assert_eq!(server.raw("GET", "/readyz", None, None).status, 200);
+    let b = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let b_id = b["id"].as_str().expect("id").to_string();
+
+    let info = cli(&server, &["node", "drain", "--deadline", "1"]);
+    assert!(info.contains("draining (what is left ends at"), "{info}");
+    wait_for(
+        "the drain deadline to end both sandboxes",
+        Duration::from_secs(30),
+        || {
+            [&a_id, &b_id]
+                .iter()
+                .all(|id| server.get(id)["state"] == "deleted")
+        },
+    );
+    let ended = server.get(&a_id);
+    assert!(
+        ended["end_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("drain deadline"),
+        "{ended}"
+    );
+    assert_eq!(node(&server)["slots"]["used"], 0);
+    let (status, ready) = server.call("DELETE", "/node/drain", None);
+    assert_eq!(
+        (status, &ready["status"]),
+        (200, &json!("ready")),
+        "{ready}"
+    );
+}
+
+#[test]
+fn probes_need_no_key_and_say_nothing_else_and_the_node_is_an_admins() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&["--node-id", "probe-node"]);
+    let livez = server.raw("GET", "/livez", None, None);
+    assert_eq!((livez.status, livez.body.as_slice()), (200, &b"ok\n"[..]));
+    let readyz = server.raw("GET", "/readyz", Some("not-a-key"), None);
+    assert_eq!(
+        (readyz.status, readyz.body.as_slice()),
+        (200, &b"ready\n"[..])
+    );
+    assert_eq!(server.raw("GET", "/node", None, None).status, 401);
+    assert_eq!(
+        server.raw("POST", "/node/drain", None, Some(b"{}")).status,
+        401
+    );
+
+    let (status, key) = server.call("POST", "/keys", Some(json!({"tenant": "t1"})));
+    assert_eq!(status, 201, "{key}");
+    let tenant = key["key"].as_str().expect("key");
+    for (method, path) in [
+        ("GET", "/node"),
+        ("POST", "/node/drain"),
+        ("DELETE", "/node/drain"),
+    ] {
+        let response = server.raw(method, path, Some(tenant), Some(b"{}"));
+        assert_eq!(response.status, 403, "{method} {path} with a tenant key");
+    }
+    let (status, bad) = server.call("POST", "/node/drain", Some(json!({"deadline": 3})));
+    assert_eq!(status, 400, "{bad}");
+    assert!(
+        bad["error"].as_str().unwrap_or("").contains("deadline"),
+        "{bad}"
+    );
+    let info = cli(&server, &["node", "info"]);
+    assert!(info.contains("node      probe-node"), "{info}");
+}
