@@ -214,47 +214,79 @@ fn start_daemon(
         children: vec![agent],
         dir,
     };
-    wait_for("the host agent's socket", &daemon, || agent_sock.exists());
-    let port = free_port();
-    let log = std::fs::File::create(daemon.dir.path().join("serve.log")).expect("log");
-    let sock = daemon.dir.path().join("d.sock");
-    let mut serve = Command::new(rollbox_binary());
-    serve.arg("serve");
-    if let Some((cert, key)) = &tls {
-        serve
-            .arg("--e2b-tls-cert")
-            .arg(cert)
-            .arg("--e2b-tls-key")
-            .arg(key);
-    }
-    let serve = serve
-        .arg("--vmm")
-        .arg(vmm_binary())
-        .arg("--socket")
-        .arg(&sock)
-        .arg("--api-key-file")
-        .arg(daemon.dir.path().join("key"))
-        .arg("--template-dir")
-        .arg(std::env::temp_dir())
-        .arg("--state-dir")
-        .arg(daemon.dir.path().join("state"))
-        .arg("--test-agent-socket")
-        .arg(&agent_sock)
-        .arg("--e2b-listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--e2b-domain")
-        .arg("e2b.test")
-        .args(extra_args)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("spawn rollbox serve");
-    daemon.children.push(serve);
-    // Both listeners: the E2B port alone could be another process's (free_port races).
-    wait_for("rollbox serve", &daemon, || {
-        sock.exists() && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    // Connectable, not only there: between bind and listen a connect is refused.
+    wait_for("the host agent's socket", &daemon, || {
+        std::os::unix::net::UnixStream::connect(&agent_sock).is_ok()
     });
+    let sock = daemon.dir.path().join("d.sock");
+    // free_port races with the other tests' daemons: a daemon that lost its E2B port exits,
+    // and is started again on another.
+    let mut attempt = 0;
+    let port = loop {
+        attempt += 1;
+        let port = free_port();
+        let log = std::fs::File::create(daemon.dir.path().join("serve.log")).expect("log");
+        let mut serve = Command::new(rollbox_binary());
+        serve.arg("serve");
+        if let Some((cert, key)) = &tls {
+            serve
+                .arg("--e2b-tls-cert")
+                .arg(cert)
+                .arg("--e2b-tls-key")
+                .arg(key);
+        }
+        let mut child = serve
+            .arg("--vmm")
+            .arg(vmm_binary())
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--api-key-file")
+            .arg(daemon.dir.path().join("key"))
+            .arg("--template-dir")
+            .arg(std::env::temp_dir())
+            .arg("--state-dir")
+            .arg(daemon.dir.path().join("state"))
+            .arg("--test-agent-socket")
+            .arg(&agent_sock)
+            .arg("--e2b-listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--e2b-domain")
+            .arg("e2b.test")
+            .args(extra_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn rollbox serve");
+        // Both listeners: the E2B port alone could be another process's.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let exited = loop {
+            if std::os::unix::net::UnixStream::connect(&sock).is_ok()
+                && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            {
+                break None;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                break Some(status);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for rollbox serve\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        match exited {
+            None => {
+                daemon.children.push(child);
+                break port;
+            }
+            Some(_) if attempt < 3 && daemon.log().contains("in use") => {
+                let _ = std::fs::remove_file(&sock);
+            }
+            Some(status) => panic!("rollbox serve exited ({status})\n{}", daemon.log()),
+        }
+    };
     let body = json!({
         "name": "guest",
         "kernel": test_guest(),

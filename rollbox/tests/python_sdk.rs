@@ -75,7 +75,10 @@ fn start_daemon(tcp: Option<u16>, vmm: Option<&Path>, extra: &[&str]) -> Daemon 
         children: vec![agent],
         dir,
     };
-    wait_for("the host agent's socket", &daemon, || agent_sock.exists());
+    // Connectable, not only there: between bind and listen a connect is refused.
+    wait_for("the host agent's socket", &daemon, || {
+        std::os::unix::net::UnixStream::connect(&agent_sock).is_ok()
+    });
     let log = std::fs::File::create(daemon.dir.path().join("serve.log")).expect("log");
     let mut serve = Command::new(rollbox_binary());
     serve

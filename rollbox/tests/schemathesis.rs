@@ -80,7 +80,8 @@ fn jailed_agent(agent: &Path, root: &Path, children: &mut Children) -> PathBuf {
     children.0.push(child);
     let sock = root.join("agent.sock");
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !sock.exists() {
+    // Connectable, not only there: between bind and listen a connect is refused.
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         assert!(
             Instant::now() < deadline,
             "the chrooted agent made no socket"
