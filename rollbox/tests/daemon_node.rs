@@ -263,3 +263,53 @@ fn probes_need_no_key_and_say_nothing_else_and_the_node_is_an_admins() {
     let info = cli(&server, &["node", "info"]);
     assert!(info.contains("node      probe-node"), "{info}");
 }
+
+#[test]
+fn drain_on_sigterm_refuses_creates_ends_what_is_left_and_then_exits() {
+    if !kvm_available() {
+        return;
+    }
+    let mut server = Server::start(&["--drain-on-sigterm", "2"]);
+    server.add_guest_template("guest");
+    let a = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let a_id = a["id"].as_str().expect("id").to_string();
+    let pid = server.pid();
+    // SAFETY: a signal to the daemon this test started.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    wait_for("/readyz to say not ready", Duration::from_secs(10), || {
+        server.raw("GET", "/readyz", None, None).status == 503
+    });
+    // While it drains it still answers: creates are refused, the sandbox runs.
+    refused(
+        &server,
+        "/sandboxes",
+        json!({"template": "guest", "ttl_s": 60}),
+        503,
+    );
+    assert_eq!(server.get(&a_id)["state"], "running");
+    let mut child = server.child.take().expect("the daemon");
+    let stopped = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(60),
+            "the daemon did not exit\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}\n{}", server.log());
+    assert!(server.vmms().is_empty(), "a VMM outlived the drain");
+    server.spawn();
+    let ended = server.get(&a_id);
+    assert_eq!(ended["state"], "deleted", "{ended}");
+    assert!(
+        ended["end_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("drain deadline"),
+        "{ended}"
+    );
+}

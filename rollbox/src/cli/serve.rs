@@ -154,6 +154,11 @@ pub struct ServeArgs {
     /// Guest memory of the live sandboxes at most, in MiB; a create past it gets 429.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
     memory_budget_mib: Option<u64>,
+    /// On SIGTERM or Ctrl-C, drain first: no new sandboxes, and what is still live after SECS
+    /// is ended before the daemon exits [default: stop at once; the VMMs keep running and the
+    /// next start re-attaches them].
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(0..=604_800))]
+    drain_on_sigterm: Option<u64>,
 }
 
 /// A duration flag: seconds, fractions allowed, more than 0 and at most a day.
@@ -215,6 +220,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             max_sandboxes: args.max_sandboxes,
             memory_budget_mib: args.memory_budget_mib,
         },
+        drain_on_stop_s: args.drain_on_sigterm,
         listen,
         api_key,
         state_dir: args.state_dir,
@@ -257,8 +263,9 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let drains = options.drain_on_stop_s.is_some();
     let result = runtime.block_on(async {
-        let shutdown = async {
+        let shutdown = async move {
             let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
             match term {
                 Ok(mut term) => {
@@ -271,7 +278,11 @@ pub fn serve(args: ServeArgs) -> ExitCode {
                     let _ = tokio::signal::ctrl_c().await;
                 }
             }
-            log::info!("stopping; sandboxes keep running and the next start re-attaches to them");
+            if !drains {
+                log::info!(
+                    "stopping; sandboxes keep running and the next start re-attaches to them"
+                );
+            }
         };
         rollbox::daemon::serve(options, shutdown).await
     });

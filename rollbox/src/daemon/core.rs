@@ -85,6 +85,31 @@ impl Core {
         self.node.ready()
     }
 
+    /// A stop with `--drain-on-sigterm`: drains with `deadline_s`, and returns once no
+    /// sandbox is live (or the deadline's ends had a minute more to finish).
+    pub async fn drain_then_stop(&self, deadline_s: u64) {
+        if let Err(e) = self.drain(Some(deadline_s)) {
+            log::error!("drain on stop: {e}");
+        }
+        let give_up = std::time::Instant::now()
+            + std::time::Duration::from_secs(deadline_s.saturating_add(60));
+        loop {
+            match self.db.lock().live_totals() {
+                Ok((0, _)) => break,
+                Ok(_) => {}
+                Err(e) => {
+                    log::error!("drain on stop: {e}");
+                    break;
+                }
+            }
+            if std::time::Instant::now() > give_up {
+                log::error!("drain on stop: sandboxes still live a minute past the deadline");
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+
     /// POST /node/drain: no new sandboxes; with a deadline, what is left then is ended.
     fn drain(&self, deadline_s: Option<u64>) -> Result<Reply, ApiError> {
         let generation = self.node.start_drain(deadline_s);

@@ -114,6 +114,9 @@ pub struct ServeOptions {
     pub agent_timeout: Duration,
     /// `--node-id`, `--max-sandboxes`, `--memory-budget-mib`.
     pub node: NodeOptions,
+    /// `--drain-on-sigterm`: a stop drains for this long, ends what is left and only then
+    /// returns; None: a stop leaves the VMMs running for the next start to re-attach.
+    pub drain_on_stop_s: Option<u64>,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -316,6 +319,15 @@ pub async fn serve(
         })
     };
     log::info!("listening on {}", listener.describe());
+    let stopping = Arc::clone(&core);
+    let drain_on_stop_s = options.drain_on_stop_s;
+    let shutdown = async move {
+        shutdown.await;
+        if let Some(seconds) = drain_on_stop_s {
+            log::info!("stopping: draining first (--drain-on-sigterm {seconds})");
+            stopping.drain_then_stop(seconds).await;
+        }
+    };
     rest::run(listener, core, options.http, shutdown).await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {
