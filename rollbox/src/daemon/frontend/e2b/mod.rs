@@ -158,7 +158,14 @@ pub async fn run(
     let gate = Gate::new(limits.max_connections);
     loop {
         let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+            Ok((stream, peer)) => {
+                // A stream's events go out as small writes (headers, then each event): with
+                // Nagle's algorithm each waits for the client's delayed ACK, 40 ms on Linux.
+                if let Err(e) = stream.set_nodelay(true) {
+                    log::debug!("TCP_NODELAY on the E2B connection from {peer}: {e}");
+                }
+                stream
+            }
             Err(e) => {
                 log::warn!("e2b accept: {e}");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
