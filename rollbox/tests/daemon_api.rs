@@ -1,4 +1,5 @@
-//! `rollbox serve` end to end, the API itself: the key, loopback-only TCP, 4xx answers naming
+//! `rollbox serve` end to end, the API itself: the key, loopback TCP (any address only with
+//! TLS), 4xx answers naming
 //! the field, and the OpenAPI document against the routes (each answered live).
 //! The real `rollbox` and `rollbox-vmm` binaries with the tier-2 test guest as the
 //! template's kernel (tier 2: needs /dev/kvm); `rollbox_tests::daemon` starts the daemon.
@@ -79,6 +80,112 @@ fn serves_loopback_tcp_only() {
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!((ok.status, no_key.status), (200, 401));
+}
+
+/// The first stderr line of a daemon that listens on TCP names its URL: that URL.
+fn url_of(child: &mut std::process::Child) -> String {
+    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
+    line.trim()
+        .rsplit(' ')
+        .next()
+        .filter(|u| u.starts_with("http"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_string()
+}
+
+#[test]
+fn a_non_loopback_listener_needs_tls_and_then_serves_https() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ca, cert, key) = match rollbox_tests::daemon::make_certs(dir.path()) {
+        Ok(files) => files,
+        Err(reason) => {
+            rollbox_tests::skip(
+                "a_non_loopback_listener_needs_tls_and_then_serves_https",
+                &reason,
+            );
+            return;
+        }
+    };
+    let serve = |extra: &[&str]| {
+        Command::new(rollbox_binary())
+            .arg("serve")
+            .args(extra)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .env("ROLLBOX_API_KEY", KEY)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rollbox serve")
+    };
+    for (extra, flags) in [
+        (vec!["--listen", "0.0.0.0:0"], "--tls-cert and --tls-key"),
+        (
+            vec![
+                "--socket",
+                "/nonexistent-dir/d.sock",
+                "--e2b-listen",
+                "0.0.0.0:0",
+            ],
+            "--e2b-tls-cert and --e2b-tls-key",
+        ),
+    ] {
+        let refused = serve(&extra).wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "{extra:?} served");
+        assert!(
+            stderr.contains("0.0.0.0:0 is not a loopback address") && stderr.contains(flags),
+            "{extra:?}: {stderr}"
+        );
+    }
+
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let mut child = serve(&[
+        "--listen",
+        "0.0.0.0:0",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+    ]);
+    let url = url_of(&mut child);
+    let port = url
+        .strip_prefix("https://0.0.0.0:")
+        .unwrap_or_else(|| panic!("not an https URL on 0.0.0.0: {url}"))
+        .to_string();
+    // Python's ssl checks the chain against the test CA and the address against the cert.
+    let script = format!(
+        "import http.client, ssl\n\
+         ctx = ssl.create_default_context(cafile={ca:?})\n\
+         c = http.client.HTTPSConnection('127.0.0.1', {port}, context=ctx, timeout=10)\n\
+         c.request('GET', '/healthz', headers={{'Authorization': 'Bearer {KEY}'}})\n\
+         r = c.getresponse()\n\
+         print(r.status, r.read().decode())\n",
+        ca = ca.display().to_string(),
+    );
+    let https = Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .expect("python3");
+    let plain = Endpoint::from_url(&format!("http://127.0.0.1:{port}"))
+        .expect("url")
+        .request("GET", "/healthz", &[], None, Duration::from_secs(5));
+    let _ = child.kill();
+    let _ = child.wait();
+    let answer = String::from_utf8_lossy(&https.stdout);
+    assert!(
+        answer.starts_with("200") && answer.contains("ok"),
+        "{answer}{}",
+        String::from_utf8_lossy(&https.stderr)
+    );
+    assert!(
+        plain.as_ref().map_or(true, |r| r.status != 200),
+        "plain HTTP was answered on the TLS listener: {plain:?}"
+    );
 }
 
 #[test]

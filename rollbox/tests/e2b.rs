@@ -69,94 +69,6 @@ fn wait_for(what: &str, daemon: &Daemon, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// A private CA and a certificate for 127.0.0.1 and *.e2b.test signed by it, made with the
-/// openssl CLI: (ca.pem, server.pem, server.key).
-fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), String> {
-    let ext = dir.join("ext.cnf");
-    std::fs::write(
-        &ext,
-        "subjectAltName=IP:127.0.0.1,DNS:*.e2b.test\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
-    )
-    .map_err(|e| e.to_string())?;
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
-    let steps: [Vec<&str>; 3] = [
-        [
-            &["req", "-x509"][..],
-            &ec,
-            &[
-                "-keyout",
-                "ca.key",
-                "-out",
-                "ca.pem",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=rollbox e2b test CA",
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign",
-            ],
-        ]
-        .concat(),
-        [
-            &["req"][..],
-            &ec,
-            &[
-                "-keyout",
-                "server.key",
-                "-out",
-                "server.csr",
-                "-subj",
-                "/CN=127.0.0.1",
-            ],
-        ]
-        .concat(),
-        vec![
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-        ],
-    ];
-    for args in steps {
-        let output = Command::new("openssl")
-            .args(&args)
-            .current_dir(dir)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run openssl: {e}"))?;
-        if !output.status.success() {
-            return Err(format!(
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&output.stderr)
-            ));
-        }
-    }
-    Ok((
-        dir.join("ca.pem"),
-        dir.join("server.pem"),
-        dir.join("server.key"),
-    ))
-}
-
 /// The host agent's accounts (`DIR/etc`): this host's, with E2B's default `user` mapped onto
 /// the agent's own uid and gid and `home` as its home. The host agent cannot add accounts to
 /// the host; this way a request that names no user runs as `user` in `home`, as in a guest
@@ -345,7 +257,7 @@ fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let (ca, files) = if tls {
-        match make_certs(dir.path()) {
+        match rollbox_tests::daemon::make_certs(dir.path()) {
             Ok((ca, cert, key)) => (Some(ca), Some((cert, key))),
             Err(reason) => {
                 skip(test, &format!("no test certificate: {reason}"));

@@ -494,3 +494,91 @@ pub fn read_until_full(stream: &mut impl std::io::Read, buf: &mut [u8]) -> usize
     }
     got
 }
+
+/// A private CA and a certificate for 127.0.0.1 and *.e2b.test signed by it, made with the
+/// openssl CLI: (ca.pem, server.pem, server.key).
+pub fn make_certs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf, PathBuf), String> {
+    let ext = dir.join("ext.cnf");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1,DNS:*.e2b.test\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let steps: [Vec<&str>; 3] = [
+        [
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=rollbox e2b test CA",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign",
+            ],
+        ]
+        .concat(),
+        [
+            &["req"][..],
+            &ec,
+            &[
+                "-keyout",
+                "server.key",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+        ]
+        .concat(),
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    ];
+    for args in steps {
+        let output = Command::new("openssl")
+            .args(&args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run openssl: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    Ok((
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    ))
+}

@@ -17,9 +17,16 @@ pub struct ServeArgs {
     /// unless --listen].
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     socket: Option<PathBuf>,
-    /// Serve on this loopback TCP address instead, e.g. 127.0.0.1:7070.
+    /// Serve on this TCP address instead, e.g. 127.0.0.1:7070: a loopback address, or any
+    /// with --tls-cert and --tls-key (for trainers on other hosts).
     #[arg(long, value_name = "ADDR")]
     listen: Option<std::net::SocketAddr>,
+    /// The TLS certificate chain (PEM) --listen serves.
+    #[arg(long, value_name = "FILE", requires_all = ["listen", "tls_key"])]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// A file holding the API key [default: $ROLLBOX_API_KEY].
     #[arg(long, value_name = "FILE")]
     api_key_file: Option<PathBuf>,
@@ -100,8 +107,9 @@ pub struct ServeArgs {
         conflicts_with = "no_jailer"
     )]
     jail_gid: u32,
-    /// Also serve the E2B-compatible API (control plane and envd data plane) on this loopback
-    /// address, e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000).
+    /// Also serve the E2B-compatible API (control plane and envd data plane) on this address,
+    /// e.g. 127.0.0.1:3000 (E2B_API_URL=http://127.0.0.1:3000): loopback, or any with
+    /// --e2b-tls-cert and --e2b-tls-key.
     #[arg(long, value_name = "ADDR")]
     e2b_listen: Option<std::net::SocketAddr>,
     /// The `domain` E2B sandboxes report: data-plane traffic goes to {port}-{id}.DOMAIN unless
@@ -221,6 +229,10 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             memory_budget_mib: args.memory_budget_mib,
         },
         drain_on_stop_s: args.drain_on_sigterm,
+        tls: args
+            .tls_cert
+            .zip(args.tls_key)
+            .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
         listen,
         api_key,
         state_dir: args.state_dir,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::core::{Core, Services};
 use super::frontend::conn::{self, ConnLimits};
-use super::frontend::transport::{Listen, Listener, TransportError};
+use super::frontend::transport::{tls_acceptor, Listen, Listener, TlsFiles, TransportError};
 use super::frontend::{e2b, rest};
 use super::guest::Guest;
 use super::keys::Keys;
@@ -114,6 +114,9 @@ pub struct ServeOptions {
     pub agent_timeout: Duration,
     /// `--node-id`, `--max-sandboxes`, `--memory-budget-mib`.
     pub node: NodeOptions,
+    /// `--tls-cert` and `--tls-key`: the TCP listener serves TLS (and may then be a
+    /// non-loopback address).
+    pub tls: Option<TlsFiles>,
     /// `--drain-on-sigterm`: a stop drains for this long, ends what is left and only then
     /// returns; None: a stop leaves the VMMs running for the next start to re-attach.
     pub drain_on_stop_s: Option<u64>,
@@ -289,7 +292,12 @@ pub async fn serve(
     }
     // The E2B listener first: its TLS files are the likelier to be wrong.
     let e2b_listener = options.e2b.as_ref().map(e2b::bind).transpose()?;
-    let listener = Listener::bind(&options.listen)?;
+    let tls = options
+        .tls
+        .as_ref()
+        .map(|files| tls_acceptor(files, ("--tls-cert", "--tls-key")))
+        .transpose()?;
+    let listener = Listener::bind(&options.listen, tls.is_some(), "--tls-cert and --tls-key")?;
     let e2b_server = e2b_listener
         .zip(options.e2b.clone())
         .map(|(bound, e2b_options)| {
@@ -318,7 +326,12 @@ pub async fn serve(
             }
         })
     };
-    log::info!("listening on {}", listener.describe());
+    let url = listener.describe();
+    let url = match tls {
+        Some(_) => url.replacen("http://", "https://", 1),
+        None => url,
+    };
+    log::info!("listening on {url}");
     let stopping = Arc::clone(&core);
     let drain_on_stop_s = options.drain_on_stop_s;
     let shutdown = async move {
@@ -328,7 +341,7 @@ pub async fn serve(
             stopping.drain_then_stop(seconds).await;
         }
     };
-    rest::run(listener, core, options.http, shutdown).await;
+    rest::run(listener, core, options.http, tls, shutdown).await;
     reaper.abort();
     if let Some(e2b_server) = e2b_server {
         e2b_server.abort();

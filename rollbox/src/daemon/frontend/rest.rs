@@ -13,13 +13,15 @@ use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
 use super::super::core::Core;
 use super::super::keys::Caller;
 use super::conn::{self, ConnLimits, Gate};
-use super::transport::{accept, BodyReader, Listener, Out};
+use super::transport::{accept, BodyReader, Io, Listener, Out};
 
-/// Serves connections until `shutdown` completes, each held to `limits` (see [`conn`]).
+/// Serves connections until `shutdown` completes, each held to `limits` (see [`conn`]); TCP
+/// connections through `tls` when given.
 pub async fn run(
     listener: Listener,
     core: Arc<Core>,
     limits: ConnLimits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let gate = Gate::new(limits.max_connections);
@@ -39,7 +41,7 @@ pub async fn run(
             }
         };
         // Full of connections that all have a request in progress: this one closes at once.
-        let Some(ticket) = gate.admit() else {
+        let Some(mut ticket) = gate.admit() else {
             continue;
         };
         let core = Arc::clone(&core);
@@ -47,7 +49,23 @@ pub async fn run(
             let core = Arc::clone(&core);
             async move { respond(&core, request).await }
         };
-        tokio::spawn(conn::serve(io, ticket, limits, handle));
+        match (&tls, io) {
+            (Some(acceptor), Io::Tcp(stream)) => {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    // A failed or slow handshake (a plain-HTTP client, an unknown CA, a
+                    // client that sends nothing) ends the connection.
+                    let stream = stream.into_inner();
+                    let tls = conn::tls_handshake(&acceptor, stream, &mut ticket, limits).await;
+                    if let Some(stream) = tls {
+                        conn::serve(TokioIo::new(stream), ticket, limits, handle).await;
+                    }
+                });
+            }
+            (_, io) => {
+                tokio::spawn(conn::serve(io, ticket, limits, handle));
+            }
+        }
     }
 }
 

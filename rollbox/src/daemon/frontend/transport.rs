@@ -1,10 +1,12 @@
-//! The transport both frontends share: listeners (a Unix socket, or a loopback TCP address),
-//! the connection type hyper serves, response bodies (whole or streamed) and upload bodies as
-//! a stream, and the key comparison. Nothing else happens here.
+//! The transport both frontends share: listeners (a Unix socket, a loopback TCP address, or
+//! any address with TLS), their TLS acceptors, the connection type hyper serves, response
+//! bodies (whole or streamed) and upload bodies as a stream, and the key comparison. Nothing
+//! else happens here.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use hyper::body::{Body, Bytes, Frame, Incoming};
@@ -20,8 +22,11 @@ pub enum TransportError {
         what: String,
         source: std::io::Error,
     },
-    #[error("{0} is not a loopback address: the API is for this host only (use --socket for a Unix socket)")]
-    NotLoopback(SocketAddr),
+    #[error("{addr} is not a loopback address: serve it only with TLS ({tls_flags}), else use a loopback address (or --socket for a Unix socket)")]
+    NotLoopback {
+        addr: SocketAddr,
+        tls_flags: &'static str,
+    },
     #[error("{0} is in use by a running daemon; stop it or pick another --socket")]
     SocketInUse(PathBuf),
 }
@@ -31,6 +36,49 @@ pub enum TransportError {
 pub enum Listen {
     Unix(PathBuf),
     Tcp(SocketAddr),
+}
+
+/// A TLS certificate chain and its private key (PEM files), and the flags that named them.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// The TLS acceptor for `files` (HTTP/1.1 only in ALPN; every client here speaks it);
+/// `flags` ("--tls-cert/--tls-key") name the files in errors.
+pub fn tls_acceptor(
+    files: &TlsFiles,
+    flags: (&str, &str),
+) -> Result<tokio_rustls::TlsAcceptor, TransportError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let fail = |what: &str, path: &std::path::Path, e: String| TransportError::Listen {
+        what: format!("TLS ({what} {})", path.display()),
+        source: std::io::Error::other(e),
+    };
+    let (cert_flag, key_flag) = flags;
+    let certs = CertificateDer::pem_file_iter(&files.cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| fail(cert_flag, &files.cert, e.to_string()))?;
+    if certs.is_empty() {
+        return Err(fail(
+            cert_flag,
+            &files.cert,
+            "no CERTIFICATE in the file".into(),
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| fail(key_flag, &files.key, e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail(cert_flag, &files.cert, e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| fail(key_flag, &files.key, e.to_string()))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
 /// A response body: whole, or streamed from a channel (sent chunked).
@@ -118,7 +166,14 @@ pub enum Listener {
 }
 
 impl Listener {
-    pub fn bind(listen: &Listen) -> Result<Listener, TransportError> {
+    /// Binds `listen`. A TCP address that is not loopback is served only with TLS (`tls`;
+    /// `tls_flags` name the flags that give it, for the refusal): the API key must not cross
+    /// a network in the clear.
+    pub fn bind(
+        listen: &Listen,
+        tls: bool,
+        tls_flags: &'static str,
+    ) -> Result<Listener, TransportError> {
         match listen {
             Listen::Unix(path) => {
                 if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -142,8 +197,11 @@ impl Listener {
                 Ok(Listener::Unix(listener, path.clone()))
             }
             Listen::Tcp(addr) => {
-                if !addr.ip().is_loopback() {
-                    return Err(TransportError::NotLoopback(*addr));
+                if !addr.ip().is_loopback() && !tls {
+                    return Err(TransportError::NotLoopback {
+                        addr: *addr,
+                        tls_flags,
+                    });
                 }
                 let std_listener =
                     std::net::TcpListener::bind(addr).map_err(|source| TransportError::Listen {

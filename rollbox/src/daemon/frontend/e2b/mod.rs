@@ -43,7 +43,6 @@ mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use hyper::body::Incoming;
@@ -51,7 +50,8 @@ use hyper::{Request, Response};
 
 use super::super::core::Core;
 use super::conn::{self, ConnLimits, Gate};
-use super::transport::{Listen, Listener, Out, TransportError};
+pub use super::transport::TlsFiles;
+use super::transport::{tls_acceptor, Listen, Listener, Out, TransportError};
 use state::E2b;
 
 pub use wire::{DEFAULT_TIMEOUT_S, ENVD_PORT, ENVD_VERSION, ENV_VARS_KEY};
@@ -59,20 +59,13 @@ pub use wire::{DEFAULT_TIMEOUT_S, ENVD_PORT, ENVD_VERSION, ENV_VARS_KEY};
 /// `rollbox serve --e2b-*` options.
 #[derive(Debug, Clone)]
 pub struct E2bOptions {
-    /// Loopback address of the E2B listener.
+    /// The E2B listener's address (loopback, or any with `tls`).
     pub listen: SocketAddr,
     /// The `domain` sandboxes report: the SDK sends data-plane traffic to
     /// `https://{port}-{id}.{domain}` unless `E2B_SANDBOX_URL` is set.
     pub domain: String,
     /// Serve TLS with this certificate chain and private key (PEM files).
     pub tls: Option<TlsFiles>,
-}
-
-/// `--e2b-tls-cert` and `--e2b-tls-key`.
-#[derive(Debug, Clone)]
-pub struct TlsFiles {
-    pub cert: PathBuf,
-    pub key: PathBuf,
 }
 
 /// The bound E2B listener, with its TLS acceptor when it serves TLS.
@@ -91,42 +84,20 @@ impl E2bListener {
     }
 }
 
-/// The TLS acceptor for `files` (HTTP/1.1 only in ALPN; the SDK's clients accept that).
-fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor, TransportError> {
-    use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let fail = |what: &str, path: &std::path::Path, e: String| TransportError::Listen {
-        what: format!("E2B TLS ({what} {})", path.display()),
-        source: std::io::Error::other(e),
-    };
-    let certs = CertificateDer::pem_file_iter(&files.cert)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| fail("--e2b-tls-cert", &files.cert, e.to_string()))?;
-    if certs.is_empty() {
-        return Err(fail(
-            "--e2b-tls-cert",
-            &files.cert,
-            "no CERTIFICATE in the file".into(),
-        ));
-    }
-    let key = PrivateKeyDer::from_pem_file(&files.key)
-        .map_err(|e| fail("--e2b-tls-key", &files.key, e.to_string()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| fail("--e2b-tls-cert", &files.cert, e.to_string()))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| fail("--e2b-tls-key", &files.key, e.to_string()))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
-}
-
-/// Binds the E2B listener (loopback only, like the native API) and loads its TLS files.
+/// Binds the E2B listener (a loopback address, or any with TLS) and loads its TLS files.
 pub fn bind(options: &E2bOptions) -> Result<E2bListener, TransportError> {
-    let tls = options.tls.as_ref().map(tls_acceptor).transpose()?;
+    let flags = ("--e2b-tls-cert", "--e2b-tls-key");
+    let tls = options
+        .tls
+        .as_ref()
+        .map(|files| tls_acceptor(files, flags))
+        .transpose()?;
     Ok(E2bListener {
-        listener: Listener::bind(&Listen::Tcp(options.listen))?,
+        listener: Listener::bind(
+            &Listen::Tcp(options.listen),
+            tls.is_some(),
+            "--e2b-tls-cert and --e2b-tls-key",
+        )?,
         tls,
     })
 }
