@@ -121,15 +121,11 @@ fn a_non_loopback_listener_needs_tls_and_then_serves_https() {
             .spawn()
             .expect("spawn rollbox serve")
     };
+    let sock = dir.path().join("d.sock").display().to_string();
     for (extra, flags) in [
         (vec!["--listen", "0.0.0.0:0"], "--tls-cert and --tls-key"),
         (
-            vec![
-                "--socket",
-                "/nonexistent-dir/d.sock",
-                "--e2b-listen",
-                "0.0.0.0:0",
-            ],
+            vec!["--socket", sock.as_str(), "--e2b-listen", "0.0.0.0:0"],
             "--e2b-tls-cert and --e2b-tls-key",
         ),
     ] {
