@@ -6,23 +6,29 @@ use super::super::api::{ListQuery, Sandbox, State};
 use super::rows::{SandboxRow, UsageRow, COLUMNS};
 use super::{Inserted, Store, StoreError, RUN_MS_UNTIL_NOW, SQL_NOW_MS};
 
+/// The sandbox whose (tenant-scoped) idempotency key `row` carries, if `row` has one.
+fn with_key(conn: &rusqlite::Connection, row: &SandboxRow) -> Result<Option<Sandbox>, StoreError> {
+    let Some(key) = &row.idempotency_key else {
+        return Ok(None);
+    };
+    conn.query_row(
+        &format!("SELECT {COLUMNS} FROM sandboxes WHERE idempotency_key = ?1"),
+        params![key],
+        SandboxRow::read,
+    )
+    .optional()?
+    .map(|raw| raw.into_model().map(|(_, s)| s))
+    .transpose()
+}
+
 impl Store {
     /// Inserts a new sandbox row, unless its idempotency key is taken (in one transaction, so
     /// two racing creates with one key make one row).
     pub fn insert_sandbox(&mut self, sandbox: &Sandbox) -> Result<Inserted, StoreError> {
         let row = SandboxRow::of(sandbox)?;
         let tx = self.conn.transaction()?;
-        if let Some(key) = &row.idempotency_key {
-            let existing = tx
-                .query_row(
-                    &format!("SELECT {COLUMNS} FROM sandboxes WHERE idempotency_key = ?1"),
-                    params![key],
-                    SandboxRow::read,
-                )
-                .optional()?;
-            if let Some(existing) = existing {
-                return Ok(Inserted::Existing(Box::new(existing.into_model()?.1)));
-            }
+        if let Some(existing) = with_key(&tx, &row)? {
+            return Ok(Inserted::Existing(Box::new(existing)));
         }
         tx.execute(
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
@@ -138,19 +144,7 @@ impl Store {
 
     /// The sandbox an earlier create with `sandbox`'s idempotency key made, if any.
     pub fn created_with_key(&self, sandbox: &Sandbox) -> Result<Option<Sandbox>, StoreError> {
-        let row = SandboxRow::of(sandbox)?;
-        let Some(key) = &row.idempotency_key else {
-            return Ok(None);
-        };
-        self.conn
-            .query_row(
-                &format!("SELECT {COLUMNS} FROM sandboxes WHERE idempotency_key = ?1"),
-                params![key],
-                SandboxRow::read,
-            )
-            .optional()?
-            .map(|raw| raw.into_model().map(|(_, s)| s))
-            .transpose()
+        with_key(&self.conn, &SandboxRow::of(sandbox)?)
     }
 
     /// How many sandboxes are live (creating, running or paused) and the guest memory they
