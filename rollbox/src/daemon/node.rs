@@ -201,11 +201,16 @@ impl Node {
     /// up-front check of a batch or a fork (each create is checked again as it is inserted).
     pub fn check_room(&self, count: u64, memory_mib: u64) -> Result<(), ApiError> {
         self.refuse_if_draining()?;
-        let (used, committed) = self.db.lock().live_totals().map_err(internal)?;
-        self.fits(used, committed, count, memory_mib.saturating_mul(count))
+        self.fits(count, memory_mib.saturating_mul(count))
     }
 
-    fn fits(&self, used: u64, committed: u64, count: u64, memory_mib: u64) -> Result<(), ApiError> {
+    /// Whether `count` more sandboxes holding `memory_mib` in all fit the limits (the store is
+    /// read only when there is a limit).
+    fn fits(&self, count: u64, memory_mib: u64) -> Result<(), ApiError> {
+        if self.max_sandboxes.is_none() && self.memory_budget_mib.is_none() {
+            return Ok(());
+        }
+        let (used, committed) = self.db.lock().live_totals().map_err(internal)?;
         if let Some(max) = self.max_sandboxes {
             if used.saturating_add(count) > max {
                 return Err(ApiError::Full {
@@ -243,10 +248,7 @@ impl Node {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         self.refuse_if_draining()?;
-        if self.max_sandboxes.is_some() || self.memory_budget_mib.is_some() {
-            let (used, committed) = self.db.lock().live_totals().map_err(internal)?;
-            self.fits(used, committed, 1, memory_mib)?;
-        }
+        self.fits(1, memory_mib)?;
         insert()
     }
 
