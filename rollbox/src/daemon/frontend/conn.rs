@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use hyper::body::{Body, Bytes, Frame, Incoming};
 use hyper::{Request, Response};
-use hyper_util::rt::TokioTimer;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::oneshot;
 
 use super::transport::Out;
@@ -210,6 +210,28 @@ where
     tokio::select! {
         _ = connection => {}
         () = ticket.evicted() => {}
+    }
+}
+
+/// Serves one admitted TCP connection, through `tls` when given (a failed or slow handshake:
+/// a plain-HTTP client, an unknown CA, a client that sends nothing, ends the connection).
+pub async fn serve_tcp<F, Fut>(
+    stream: tokio::net::TcpStream,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    mut ticket: Ticket,
+    limits: ConnLimits,
+    handle: F,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<Out>> + Send + 'static,
+{
+    match tls {
+        None => serve(TokioIo::new(stream), ticket, limits, handle).await,
+        Some(acceptor) => {
+            if let Some(stream) = tls_handshake(&acceptor, stream, &mut ticket, limits).await {
+                serve(TokioIo::new(stream), ticket, limits, handle).await;
+            }
+        }
     }
 }
 

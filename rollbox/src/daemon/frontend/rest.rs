@@ -41,7 +41,7 @@ pub async fn run(
             }
         };
         // Full of connections that all have a request in progress: this one closes at once.
-        let Some(mut ticket) = gate.admit() else {
+        let Some(ticket) = gate.admit() else {
             continue;
         };
         let core = Arc::clone(&core);
@@ -49,20 +49,18 @@ pub async fn run(
             let core = Arc::clone(&core);
             async move { respond(&core, request).await }
         };
-        match (&tls, io) {
-            (Some(acceptor), Io::Tcp(stream)) => {
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    // A failed or slow handshake (a plain-HTTP client, an unknown CA, a
-                    // client that sends nothing) ends the connection.
-                    let stream = stream.into_inner();
-                    let tls = conn::tls_handshake(&acceptor, stream, &mut ticket, limits).await;
-                    if let Some(stream) = tls {
-                        conn::serve(TokioIo::new(stream), ticket, limits, handle).await;
-                    }
-                });
+        match io {
+            Io::Tcp(stream) => {
+                let tls = tls.clone();
+                tokio::spawn(conn::serve_tcp(
+                    stream.into_inner(),
+                    tls,
+                    ticket,
+                    limits,
+                    handle,
+                ));
             }
-            (_, io) => {
+            io => {
                 tokio::spawn(conn::serve(io, ticket, limits, handle));
             }
         }

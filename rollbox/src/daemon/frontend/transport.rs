@@ -241,16 +241,21 @@ pub enum Io {
 pub async fn accept(listener: &Listener) -> std::io::Result<Io> {
     Ok(match listener {
         Listener::Unix(l, _) => Io::Unix(TokioIo::new(l.accept().await?.0)),
-        Listener::Tcp(l) => {
-            let (stream, peer) = l.accept().await?;
-            // Replies go out in several small writes (headers, then each stream frame): with
-            // Nagle's algorithm the second waits for the client's delayed ACK, 40 ms on Linux.
-            if let Err(e) = stream.set_nodelay(true) {
-                log::debug!("TCP_NODELAY on the connection from {peer}: {e}");
-            }
-            Io::Tcp(TokioIo::new(stream))
-        }
+        Listener::Tcp(l) => Io::Tcp(TokioIo::new(accept_tcp(l).await?)),
     })
+}
+
+/// The next TCP connection, with TCP_NODELAY: replies go out in several small writes
+/// (headers, then each stream frame), and with Nagle's algorithm each waits for the client's
+/// delayed ACK of the one before, 40 ms on Linux.
+pub async fn accept_tcp(
+    listener: &tokio::net::TcpListener,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let (stream, peer) = listener.accept().await?;
+    if let Err(e) = stream.set_nodelay(true) {
+        log::debug!("TCP_NODELAY on the connection from {peer}: {e}");
+    }
+    Ok(stream)
 }
 
 // hyper needs one I/O type per connection future: dispatch by hand.

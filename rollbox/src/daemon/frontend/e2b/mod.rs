@@ -51,7 +51,7 @@ use hyper::{Request, Response};
 use super::super::core::Core;
 use super::conn::{self, ConnLimits, Gate};
 pub use super::transport::TlsFiles;
-use super::transport::{tls_acceptor, Listen, Listener, Out, TransportError};
+use super::transport::{accept_tcp, tls_acceptor, Listen, Listener, Out, TransportError};
 use state::E2b;
 
 pub use wire::{DEFAULT_TIMEOUT_S, ENVD_PORT, ENVD_VERSION, ENV_VARS_KEY};
@@ -128,15 +128,8 @@ pub async fn run(
     };
     let gate = Gate::new(limits.max_connections);
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, peer)) => {
-                // A stream's events go out as small writes (headers, then each event): with
-                // Nagle's algorithm each waits for the client's delayed ACK, 40 ms on Linux.
-                if let Err(e) = stream.set_nodelay(true) {
-                    log::debug!("TCP_NODELAY on the E2B connection from {peer}: {e}");
-                }
-                stream
-            }
+        let stream = match accept_tcp(&listener).await {
+            Ok(stream) => stream,
             Err(e) => {
                 log::warn!("e2b accept: {e}");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -144,7 +137,7 @@ pub async fn run(
             }
         };
         // Full of connections that all have a request in progress: this one closes at once.
-        let Some(mut ticket) = gate.admit() else {
+        let Some(ticket) = gate.admit() else {
             continue;
         };
         let e2b = Arc::clone(&e2b);
@@ -153,23 +146,7 @@ pub async fn run(
             let e2b = Arc::clone(&e2b);
             async move { respond(&e2b, request).await }
         };
-        tokio::spawn(async move {
-            match tls {
-                None => {
-                    let io = hyper_util::rt::TokioIo::new(stream);
-                    conn::serve(io, ticket, limits, handle).await;
-                }
-                Some(acceptor) => {
-                    // A failed or slow handshake (a plain-HTTP client, an unknown CA, a client
-                    // that sends nothing) ends the connection.
-                    let tls = conn::tls_handshake(&acceptor, stream, &mut ticket, limits).await;
-                    if let Some(stream) = tls {
-                        let io = hyper_util::rt::TokioIo::new(stream);
-                        conn::serve(io, ticket, limits, handle).await;
-                    }
-                }
-            }
-        });
+        tokio::spawn(conn::serve_tcp(stream, tls, ticket, limits, handle));
     }
 }
 
