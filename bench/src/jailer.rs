@@ -144,15 +144,8 @@ fn measure(config: &JailerBenchConfig, base: &Path) -> Result<JailerReport, Stri
 
 /// The (by now empty) parent group of the jails in every hierarchy.
 fn remove_parent_groups(fs: &Path, parent: &str) {
-    let mut bases = vec![fs.to_path_buf()];
-    if let Ok(entries) = std::fs::read_dir(fs) {
-        bases.extend(entries.flatten().map(|e| e.path()));
-    }
-    for base in bases {
-        let dir = base.join(parent);
-        if dir.is_dir() {
-            let _ = rollbox_jailer::remove_group(&dir);
-        }
+    for dir in rollbox_jailer::existing_groups(fs, "", parent) {
+        let _ = rollbox_jailer::remove_group(&dir);
     }
 }
 

@@ -33,36 +33,46 @@ fn missing_or_wrong_key_is_401() {
     assert_eq!(server.raw("GET", "/healthz", Some(KEY), None).status, 200);
 }
 
+/// `rollbox serve` with `extra` flags and its state in `dir`, stderr piped.
+fn serve_in(dir: &Path, extra: &[&str]) -> std::process::Child {
+    Command::new(rollbox_binary())
+        .arg("serve")
+        .args(extra)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("ROLLBOX_API_KEY", KEY)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rollbox serve")
+}
+
+/// The first stderr line of a daemon that listens on TCP names its URL: that URL.
+fn url_of(child: &mut std::process::Child) -> String {
+    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
+    line.trim()
+        .rsplit(' ')
+        .next()
+        .filter(|u| u.starts_with("http"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_string()
+}
+
 #[test]
 fn serves_loopback_tcp_only() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let serve = |listen: &str| {
-        Command::new(rollbox_binary())
-            .args(["serve", "--listen", listen, "--state-dir"])
-            .arg(dir.path().join("state"))
-            .env("ROLLBOX_API_KEY", KEY)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn rollbox serve")
-    };
+    let serve = |listen: &str| serve_in(dir.path(), &["--listen", listen]);
     let refused = serve("0.0.0.0:0").wait_with_output().expect("wait");
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("not a loopback address"));
 
     // Port 0: the daemon names the port it got in its first line.
     let mut child = serve("127.0.0.1:0");
-    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
-    let url = line
-        .trim()
-        .rsplit(' ')
-        .next()
-        .filter(|u| u.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no URL in {line:?}"))
-        .to_string();
+    let url = url_of(&mut child);
+    assert!(url.starts_with("http://"), "{url}");
     let endpoint = Endpoint::from_url(&url).expect("url");
     let auth = format!("Bearer {KEY}");
     let ok = endpoint
@@ -82,19 +92,6 @@ fn serves_loopback_tcp_only() {
     assert_eq!((ok.status, no_key.status), (200, 401));
 }
 
-/// The first stderr line of a daemon that listens on TCP names its URL: that URL.
-fn url_of(child: &mut std::process::Child) -> String {
-    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr"));
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut stderr, &mut line).expect("read");
-    line.trim()
-        .rsplit(' ')
-        .next()
-        .filter(|u| u.starts_with("http"))
-        .unwrap_or_else(|| panic!("no URL in {line:?}"))
-        .to_string()
-}
-
 #[test]
 fn a_non_loopback_listener_needs_tls_and_then_serves_https() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -108,19 +105,7 @@ fn a_non_loopback_listener_needs_tls_and_then_serves_https() {
             return;
         }
     };
-    let serve = |extra: &[&str]| {
-        Command::new(rollbox_binary())
-            .arg("serve")
-            .args(extra)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .env("ROLLBOX_API_KEY", KEY)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn rollbox serve")
-    };
+    let serve = |extra: &[&str]| serve_in(dir.path(), extra);
     let sock = dir.path().join("d.sock").display().to_string();
     for (extra, flags) in [
         (vec!["--listen", "0.0.0.0:0"], "--tls-cert and --tls-key"),

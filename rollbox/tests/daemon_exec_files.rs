@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use rollbox::daemon::client::{Endpoint, Response};
-use rollbox_tests::daemon::{agent_server, exec, Server, KEY};
+use rollbox_tests::daemon::{agent_server, exec, open_exec_stream, Server, KEY};
 use rollbox_tests::{kvm_available, rollbox_binary};
 use serde_json::{json, Value};
 
@@ -19,17 +19,8 @@ fn exec_stream(
     id: &str,
     body: Value,
 ) -> std::io::BufReader<rollbox::daemon::client::Streaming> {
-    let text = body.to_string();
-    let auth = format!("Bearer {KEY}");
-    let response = Endpoint::Unix(server.sock())
-        .open(
-            "POST",
-            &format!("/sandboxes/{id}/exec?stream=true"),
-            &[("Authorization", &auth)],
-            Some((&mut text.as_bytes(), text.len() as u64)),
-            Duration::from_secs(60),
-        )
-        .expect("streaming exec");
+    let response =
+        open_exec_stream(server, id, &body, Duration::from_secs(60)).expect("streaming exec");
     assert_eq!(response.status, 200);
     assert_eq!(
         response

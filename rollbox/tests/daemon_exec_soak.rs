@@ -7,8 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rollbox::daemon::client::Endpoint;
-use rollbox_tests::daemon::{HostAgent, Server, KEY};
+use rollbox_tests::daemon::{open_exec_stream, HostAgent, Server};
 use rollbox_tests::kvm_available;
 use serde_json::{json, Value};
 
@@ -47,16 +46,8 @@ fn unary(server: &Server, id: &str, token: &str) -> Result<(String, Value), Stri
 /// The stdout and exit code of a streaming exec of `echo <token>` (its NDJSON lines joined).
 fn streaming(server: &Server, id: &str, token: &str) -> Result<(String, Value), String> {
     use std::io::BufRead as _;
-    let text = json!({"cmd": ["sh", "-c", format!("echo {token}")]}).to_string();
-    let auth = format!("Bearer {KEY}");
-    let response = Endpoint::Unix(server.sock())
-        .open(
-            "POST",
-            &format!("/sandboxes/{id}/exec?stream=true"),
-            &[("Authorization", &auth)],
-            Some((&mut text.as_bytes(), text.len() as u64)),
-            Duration::from_secs(120),
-        )
+    let body = json!({"cmd": ["sh", "-c", format!("echo {token}")]});
+    let response = open_exec_stream(server, id, &body, Duration::from_secs(120))
         .map_err(|e| format!("streaming {token}: {e}"))?;
     if response.status != 200 {
         return Err(format!("streaming {token}: status {}", response.status));

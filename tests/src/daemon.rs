@@ -404,6 +404,25 @@ pub fn cli(server: &Server, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).to_string()
 }
 
+/// A streaming exec (`?stream=true`) of `body` in sandbox `id`: the response, whose body is
+/// the NDJSON lines as they come; `timeout` bounds each read.
+pub fn open_exec_stream(
+    server: &Server,
+    id: &str,
+    body: &Value,
+    timeout: Duration,
+) -> Result<rollbox::daemon::client::Streaming, ClientError> {
+    let text = body.to_string();
+    let auth = format!("Bearer {KEY}");
+    Endpoint::Unix(server.sock()).open(
+        "POST",
+        &format!("/sandboxes/{id}/exec?stream=true"),
+        &[("Authorization", &auth)],
+        Some((&mut text.as_bytes(), text.len() as u64)),
+        timeout,
+    )
+}
+
 /// A unary exec in sandbox `id`, which must answer 200: the result.
 pub fn exec(server: &Server, id: &str, body: Value) -> Value {
     let (status, result) = server.call("POST", &format!("/sandboxes/{id}/exec"), Some(body));
