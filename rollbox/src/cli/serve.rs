@@ -62,6 +62,14 @@ pub struct ServeArgs {
     /// console output, counted in the file's last line.
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1024..))]
     console_max_bytes: u64,
+    /// The virtiofsd that serves sandboxes' volumes [default: $ROLLBOX_VIRTIOFSD, then
+    /// virtiofsd on PATH, /usr/libexec/virtiofsd, the cache of scripts/virtiofsd.sh].
+    #[arg(long, value_name = "PATH")]
+    virtiofsd: Option<PathBuf>,
+    /// A directory under which volumes may keep their files at an admin's `host_path`
+    /// (repeatable); without one, volumes live in the state directory only.
+    #[arg(long = "volume-dir", value_name = "DIR")]
+    volume_dirs: Vec<PathBuf>,
     /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
     /// was restored or reset from them.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -229,6 +237,8 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             memory_budget_mib: args.memory_budget_mib,
         },
         drain_on_stop_s: args.drain_on_sigterm,
+        virtiofsd: args.virtiofsd.map(absolute),
+        volume_dirs: args.volume_dirs,
         tls: args
             .tls_cert
             .zip(args.tls_key)

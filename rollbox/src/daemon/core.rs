@@ -21,6 +21,7 @@ use super::store::Db;
 use super::templates::Templates;
 use super::usage::{self, Counters};
 use super::util::internal;
+use super::volumes::Volumes;
 
 /// The services, behind the action interface.
 pub struct Core {
@@ -32,6 +33,7 @@ pub struct Core {
     guest: Arc<Guest>,
     keys: Arc<Keys>,
     node: Arc<Node>,
+    volumes: Arc<Volumes>,
 }
 
 /// The services a [`Core`] runs on.
@@ -44,6 +46,7 @@ pub struct Services {
     pub guest: Arc<Guest>,
     pub keys: Arc<Keys>,
     pub node: Arc<Node>,
+    pub volumes: Arc<Volumes>,
 }
 
 /// What a tenant gets for a sandbox it may not see: exactly what an unknown id gets.
@@ -67,6 +70,7 @@ impl Core {
             guest,
             keys,
             node,
+            volumes,
         } = services;
         Core {
             db,
@@ -77,6 +81,7 @@ impl Core {
             guest,
             keys,
             node,
+            volumes,
         }
     }
 
@@ -153,8 +158,26 @@ impl Core {
                     .filter(|s| caller.sees(s.tenant.as_deref()))
                     .collect(),
             ),
+            Reply::Volumes(volumes) => Reply::Volumes(
+                volumes
+                    .into_iter()
+                    .filter(|v| caller.sees(v.tenant.as_deref()))
+                    .collect(),
+            ),
             other => other,
         })
+    }
+
+    /// Checks that the caller may see volume `name` (another tenant's is 404, as an unknown
+    /// one).
+    fn own_volume(&self, caller: &Caller, name: &str) -> Result<(), ApiError> {
+        if *caller == Caller::Admin {
+            return Ok(());
+        }
+        match self.db.lock().volume(name).map_err(internal)? {
+            Some(row) if caller.sees(row.volume.tenant.as_deref()) => Ok(()),
+            _ => Err(ApiError::NotFound(format!("no volume {name}"))),
+        }
     }
 
     /// Checks that a tenant owns the sandbox `id` (an admin owns every one).
@@ -248,7 +271,23 @@ impl Core {
                 Action::Reset { id, snapshot }
             }
             Action::ListSnapshots { sandbox } => Action::ListSnapshots { sandbox },
-            Action::Health | Action::ListTemplates | Action::GetTemplate(_) => action,
+            Action::CreateVolume(mut create) => {
+                if create.host_path.is_some() {
+                    return Err(ApiError::Forbidden(
+                        "host_path: only an admin key may name a host directory".into(),
+                    ));
+                }
+                create.tenant = caller.tenant().map(str::to_string);
+                Action::CreateVolume(create)
+            }
+            Action::Volume { ref name, .. } => {
+                self.own_volume(caller, name)?;
+                action
+            }
+            Action::Health
+            | Action::ListTemplates
+            | Action::GetTemplate(_)
+            | Action::ListVolumes => action,
             Action::Usage(ref id)
             | Action::GetSandbox(ref id)
             | Action::DeleteSandbox(ref id)
@@ -346,7 +385,25 @@ impl Core {
                 self.node.undrain();
                 Ok(Reply::Node(self.node.info()?))
             }
+            Action::ListVolumes => self.volumes.list(),
+            Action::CreateVolume(create) => self.volumes.create(create).await,
+            Action::Volume { name, op } => self.volumes.handle(&name, op).await,
         }
+    }
+
+    /// An upload into a volume (PUT /volumes/{name}/files) for `caller`.
+    pub async fn volume_upload_as<R>(
+        &self,
+        caller: &Caller,
+        name: &str,
+        path: String,
+        body: R,
+    ) -> Result<Reply, ApiError>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        self.own_volume(caller, name)?;
+        self.volumes.upload(name, path, body).await
     }
 
     /// [`Core::upload`] for `caller`.

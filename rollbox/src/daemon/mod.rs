@@ -27,6 +27,7 @@ mod supervisor;
 mod templates;
 pub mod usage;
 mod util;
+mod volumes;
 
 pub use frontend::conn::ConnLimits;
 pub use frontend::e2b;

@@ -195,6 +195,7 @@ mod tests {
             expires_at_ms,
             deterministic: false,
             tenant: None,
+            volumes: Vec::new(),
         }
     }
 

@@ -22,6 +22,7 @@ use super::store::{Db, Store, StoreError};
 use super::supervisor::{JailerOptions, Supervisor, SupervisorError, SupervisorOptions};
 use super::templates::{TemplateOptions, TemplatePolicy, Templates};
 use super::usage::Counters;
+use super::volumes::Volumes;
 
 /// A daemon that cannot start or stopped on an error.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +61,11 @@ pub enum DaemonError {
     StateDirOwner { path: PathBuf, uid: u32, me: u32 },
     #[error(transparent)]
     Node(#[from] NodeError),
+    #[error("--volume-dir {path}: {source}")]
+    VolumeDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
 }
@@ -120,6 +126,10 @@ pub struct ServeOptions {
     /// `--drain-on-sigterm`: a stop drains for this long, ends what is left and only then
     /// returns; None: a stop leaves the VMMs running for the next start to re-attach.
     pub drain_on_stop_s: Option<u64>,
+    /// `--virtiofsd`: the virtiofsd binary that serves volumes; None: it is looked for.
+    pub virtiofsd: Option<PathBuf>,
+    /// `--volume-dir`: where a volume's `host_path` may be (none: only the state dir's).
+    pub volume_dirs: Vec<PathBuf>,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -148,6 +158,7 @@ struct Dirs {
     sandboxes: PathBuf,
     snapshots: PathBuf,
     templates: PathBuf,
+    volumes: PathBuf,
 }
 
 /// Makes the state directory's parts (0700 under the daemon's umask); a state directory that
@@ -189,6 +200,8 @@ fn make_dirs(state_dir: &Path) -> Result<Dirs, DaemonError> {
     std::fs::create_dir_all(&snapshots).map_err(state_error(&snapshots))?;
     let templates = state.join("templates");
     std::fs::create_dir_all(&templates).map_err(state_error(&templates))?;
+    let volumes = state.join("volumes");
+    std::fs::create_dir_all(&volumes).map_err(state_error(&volumes))?;
     // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX/vsock.sock_PORT (up to 5 digits).
     if sandboxes.as_os_str().len() + "/sb-0123456789abcdef/vsock.sock_65535".len() >= 108 {
         return Err(DaemonError::PathTooLong(sandboxes));
@@ -198,6 +211,7 @@ fn make_dirs(state_dir: &Path) -> Result<Dirs, DaemonError> {
         sandboxes,
         snapshots,
         templates,
+        volumes,
     })
 }
 
@@ -230,7 +244,22 @@ pub async fn serve(
         cgroup_fs: &options.cgroup_fs,
         jailer: options.jailer.as_ref(),
         console_max_bytes: options.console_max_bytes,
+        virtiofsd: options.virtiofsd.clone(),
     })?);
+    let mut volume_dirs = Vec::new();
+    for dir in &options.volume_dirs {
+        volume_dirs.push(
+            std::fs::canonicalize(dir).map_err(|source| DaemonError::VolumeDir {
+                path: dir.clone(),
+                source,
+            })?,
+        );
+    }
+    let volumes = Arc::new(Volumes::new(
+        Arc::clone(&db),
+        dirs.volumes.clone(),
+        volume_dirs,
+    ));
     let counters = Arc::new(Counters::default());
     let node = Arc::new(Node::new(Arc::clone(&db), &options.node, &dirs.state)?);
     let guest = Arc::new(Guest::new(
@@ -244,6 +273,7 @@ pub async fn serve(
         Arc::clone(&guest),
         Arc::clone(&counters),
         Arc::clone(&node),
+        Arc::clone(&volumes),
         SandboxOptions {
             default_ttl_s: options.default_ttl_s,
             max_pending_creates: options.max_pending_creates,
@@ -284,6 +314,7 @@ pub async fn serve(
         guest,
         keys,
         node,
+        volumes,
     }));
     let kept = sandboxes.recover().await?;
     snapshots.sweep()?;

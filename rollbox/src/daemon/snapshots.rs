@@ -173,6 +173,7 @@ impl Snapshots {
             expires_at_ms,
             deterministic: sandbox.deterministic,
             tenant: sandbox.tenant.clone(),
+            volumes: sandbox.volumes.clone(),
         };
         let pin = self.retention.pin(&snapshot.id);
         let failed = |e: String| ApiError::Internal(format!("snapshot of sandbox {id}: {e}"));
@@ -310,6 +311,8 @@ impl Snapshots {
                 on_timeout: parent.on_timeout,
                 auto_resume: parent.auto_resume,
                 tenant: parent.tenant.clone(),
+                // A restore mounts its snapshot's volumes.
+                volumes: Vec::new(),
             };
             async move { self.sandboxes.create(request).await }
         });
@@ -359,7 +362,16 @@ impl Snapshots {
                 )));
             }
             check_deterministic(sandbox.deterministic, s)?;
+            if s.volumes != sandbox.volumes {
+                return Err(ApiError::BadRequest(format!(
+                    "snapshot: {} mounts other volumes than sandbox {id} does; reset it to a snapshot of its own volumes",
+                    s.id
+                )));
+            }
         }
+        let volumes = self
+            .sandboxes
+            .mounts(&sandbox.volumes, sandbox.tenant.as_deref())?;
         let template = self
             .db
             .lock()
@@ -375,7 +387,7 @@ impl Snapshots {
         self.sandboxes.stop_vmm(id, &sandbox).await?;
         let launched = self
             .supervisor
-            .launch(&sandbox, &template, snapshot.as_ref(), false)
+            .launch(&sandbox, &template, snapshot.as_ref(), false, volumes)
             .await;
         let launched = match launched {
             Ok(launched) => launched,

@@ -8,8 +8,9 @@ use hyper::body::Bytes;
 
 use super::limits::MAX_UPLOAD;
 use super::model::{
-    AddTemplate, CreateSandbox, Exec, ExecResult, FileInfo, FileOp, ForkResult, KeyInfo, ListQuery,
-    NewKey, NodeInfo, Sandbox, SandboxList, Snapshot, Template, Usage,
+    AddTemplate, CreateSandbox, CreateVolume, Exec, ExecResult, FileInfo, FileOp, ForkResult,
+    KeyInfo, ListQuery, NewKey, NodeInfo, Sandbox, SandboxList, Snapshot, Template, Usage, Volume,
+    VolumeOp,
 };
 
 /// A refused or failed request; [`ApiError::status`] is its HTTP status.
@@ -161,6 +162,13 @@ pub enum Action {
         deadline_s: Option<u64>,
     },
     Undrain,
+    ListVolumes,
+    CreateVolume(CreateVolume),
+    /// A route under /volumes/{name}.
+    Volume {
+        name: String,
+        op: VolumeOp,
+    },
 }
 
 impl Action {
@@ -218,6 +226,11 @@ pub enum Reply {
     Key(KeyInfo),
     Keys(Vec<KeyInfo>),
     Node(NodeInfo),
+    Volume {
+        created: bool,
+        volume: Volume,
+    },
+    Volumes(Vec<Volume>),
     /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
     Stream {
         content_type: &'static str,

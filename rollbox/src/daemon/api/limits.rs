@@ -37,3 +37,7 @@ pub const MAX_LIST_LIMIT: u32 = 1000;
 pub const DEFAULT_LIST_LIMIT: u32 = 100;
 /// Most environment variables of a sandbox or an exec.
 pub const MAX_ENV: usize = 256;
+/// Most shared volumes one sandbox mounts.
+pub const MAX_VOLUME_MOUNTS: usize = 8;
+/// Longest volume name: it is the guest's virtio-fs tag (36 bytes at most there).
+pub const MAX_VOLUME_NAME: usize = 32;

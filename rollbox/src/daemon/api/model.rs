@@ -164,6 +164,65 @@ pub struct CreateSandbox {
     pub auto_resume: bool,
     /// The tenant whose key made it (None: an admin key); the core sets it, never the body.
     pub tenant: Option<String>,
+    /// Shared volumes to mount (a create from a snapshot takes the snapshot's).
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A shared volume as a sandbox mounts it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMount {
+    /// The volume's name, which is also its virtio-fs tag in the guest.
+    pub name: String,
+    /// Where the guest mounts it (absolute).
+    pub mount_path: String,
+    #[serde(default)]
+    pub readonly: bool,
+}
+
+/// A named shared volume (virtio-fs), served to each sandbox that mounts it by a virtiofsd
+/// of that sandbox's own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Volume {
+    pub name: String,
+    /// Its files on the host: under the state directory, or the directory an admin named.
+    pub host_path: PathBuf,
+    pub created_at_ms: u64,
+    /// The tenant that owns it; absent for an admin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The live sandboxes that mount it.
+    #[serde(default)]
+    pub mounted_by: Vec<String>,
+}
+
+/// POST /volumes, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateVolume {
+    pub name: String,
+    /// An existing host directory (admin only); None: a directory under the state dir.
+    pub host_path: Option<PathBuf>,
+    /// The core sets it from the key, never the body.
+    pub tenant: Option<String>,
+}
+
+/// What a volume route does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum VolumeOp {
+    Get,
+    Delete,
+    /// GET .../files: a file's bytes, or a directory's listing.
+    Read {
+        path: String,
+    },
+    /// PUT .../files: the body becomes the file (streamed by the frontend).
+    Write {
+        path: String,
+    },
+    /// GET .../tar: a directory as a tar stream.
+    Tar {
+        path: String,
+    },
 }
 
 /// GET /sandboxes query.
@@ -225,6 +284,9 @@ pub struct Sandbox {
     /// The tenant that owns it; absent for sandboxes made with an admin key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Its shared volumes.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// GET /sandboxes answer.
@@ -451,6 +513,9 @@ pub struct Snapshot {
     /// The tenant that owns it (its sandbox's); absent for an admin's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The volumes its sandbox mounted: every restore of it mounts them again.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// One sandbox of a fork: made, or why not.

@@ -4,7 +4,7 @@
 use super::action::{Action, ApiError};
 use super::validate::template::check_template_name;
 use super::validate::{
-    bad, check_id, check_snapshot_id, exec, file, key, node, sandbox, snapshot, template,
+    bad, check_id, check_snapshot_id, exec, file, key, node, sandbox, snapshot, template, volume,
 };
 
 /// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
@@ -51,12 +51,23 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("DELETE", "/node/drain"),
     ("GET", "/livez"),
     ("GET", "/readyz"),
+    ("GET", "/volumes"),
+    ("POST", "/volumes"),
+    ("GET", "/volumes/{name}"),
+    ("DELETE", "/volumes/{name}"),
+    ("GET", "/volumes/{name}/files"),
+    ("PUT", "/volumes/{name}/files"),
+    ("GET", "/volumes/{name}/tar"),
 ];
 
 /// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
 pub fn is_upload(method: &str, path: &str) -> bool {
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    method == "PUT" && matches!(segments.as_slice(), ["sandboxes", _, "files" | "tar"])
+    method == "PUT"
+        && matches!(
+            segments.as_slice(),
+            ["sandboxes", _, "files" | "tar"] | ["volumes", _, "files"]
+        )
 }
 
 /// Parses one request into an [`Action`] (the body is already capped at [`MAX_BODY`]).
@@ -84,6 +95,14 @@ pub fn parse(
         ("GET", ["keys"]) => Action::ListKeys,
         ("POST", ["keys"]) => Action::AddKey(key::parse_new_key(body)?),
         ("DELETE", ["keys", id]) => Action::RevokeKey(key::check_key_id(id, "key")?),
+        ("GET", ["volumes"]) => Action::ListVolumes,
+        ("POST", ["volumes"]) => volume::parse_create(body)?,
+        ("GET" | "DELETE", ["volumes", name]) => {
+            volume::parse_volume_route(method, name, &[], query)?
+        }
+        ("GET" | "PUT", ["volumes", name, rest @ ("files" | "tar")]) => {
+            return volume::parse_volume_route(method, name, &[rest], query)
+        }
         ("GET", ["templates"]) => Action::ListTemplates,
         ("POST", ["templates"]) => Action::AddTemplate(template::parse_template(body)?),
         ("GET", ["templates", name]) => Action::GetTemplate(check_template_name(name, "name")?),
@@ -227,6 +246,7 @@ mod tests {
             let body: &[u8] = match (*method, path.as_str()) {
                 ("POST", "/templates") => br#"{"name":"g","kernel":"/k"}"#,
                 ("POST", "/keys") => br#"{"tenant":"a"}"#,
+                ("POST", "/volumes") => br#"{"name":"data"}"#,
                 ("POST", "/sandboxes") => br#"{"template":"g"}"#,
                 ("POST", "/sandboxes/batch") => br#"{"template":"g","count":2}"#,
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
@@ -236,7 +256,9 @@ mod tests {
                 ("POST", p) if p.ends_with("fork") => br#"{"count":2}"#,
                 _ => b"",
             };
-            let query = if path.contains("/files") || path.ends_with("/tar") {
+            let query = if path.starts_with("/volumes/") && !path.ends_with("guest") {
+                Some("path=x")
+            } else if path.contains("/files") || path.ends_with("/tar") {
                 Some("path=/x")
             } else if (*method, path.as_str()) == ("DELETE", "/sandboxes") {
                 Some("label=run%3Da")

@@ -9,7 +9,7 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 
-use super::super::api::{self, Action, ApiError, Reply, MAX_BODY, MAX_UPLOAD};
+use super::super::api::{self, Action, ApiError, Reply, VolumeOp, MAX_BODY, MAX_UPLOAD};
 use super::super::core::Core;
 use super::super::keys::Caller;
 use super::conn::{self, ConnLimits, Gate};
@@ -170,13 +170,17 @@ async fn handle(core: &Core, mut request: Request<Incoming>) -> Result<Reply, Ap
         if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
             return Err(ApiError::TooLarge(MAX_UPLOAD));
         }
-        let Action::File { id, op } = api::parse(&method, &path, query.as_deref(), b"")? else {
-            return Err(ApiError::Internal(format!(
-                "{method} {path} is not an upload"
-            )));
-        };
         let body = BodyReader::new(request.into_body(), MAX_UPLOAD);
-        return core.upload_as(&caller, &id, op, body).await;
+        return match api::parse(&method, &path, query.as_deref(), b"")? {
+            Action::File { id, op } => core.upload_as(&caller, &id, op, body).await,
+            Action::Volume {
+                name,
+                op: VolumeOp::Write { path },
+            } => core.volume_upload_as(&caller, &name, path, body).await,
+            _ => Err(ApiError::Internal(format!(
+                "{method} {path} is not an upload"
+            ))),
+        };
     }
     if method == "GET" && path.contains("/ports/") {
         if let Action::PortConnect { id, port } = api::parse(&method, &path, query.as_deref(), b"")?
@@ -240,6 +244,10 @@ fn reply_response(reply: Reply) -> Response<Out> {
         Reply::Deleted(ids) => json_response(200, &serde_json::json!({ "deleted": ids })),
         Reply::Usage(usage) => json_response(200, &usage),
         Reply::Key(key) => json_response(201, &key),
+        Reply::Volume { created, volume } => {
+            json_response(if created { 201 } else { 200 }, &volume)
+        }
+        Reply::Volumes(volumes) => json_response(200, &serde_json::json!({ "volumes": volumes })),
         Reply::Keys(keys) => json_response(200, &serde_json::json!({ "keys": keys })),
         Reply::Metrics(text) => {
             let mut response = Response::new(Out::Full(Some(Bytes::from(text))));

@@ -17,9 +17,11 @@ use super::guest::Guest;
 use super::node::Node;
 use super::store::StoreError;
 use super::store::{Db, Inserted};
+use super::supervisor::virtiofsd::VolumeSource;
 use super::supervisor::{self, Supervisor, SupervisorError};
 use super::usage::Counters;
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
+use super::volumes::Volumes;
 
 /// The TTL a resumed `on_timeout: pause` sandbox gets when its row has no create TTL (rows
 /// of daemons before the column) and the daemon no `--default-ttl`.
@@ -53,6 +55,8 @@ pub struct Sandboxes {
     counters: Arc<Counters>,
     /// Admission against the node's limits, and drain.
     node: Arc<Node>,
+    /// Where the volumes a sandbox mounts are.
+    volumes: Arc<Volumes>,
     options: SandboxOptions,
     pending: Arc<tokio::sync::Semaphore>,
 }
@@ -62,6 +66,8 @@ struct Prepared {
     snapshot: Option<Snapshot>,
     template: Template,
     ttl_s: u64,
+    /// The mounts (the snapshot's, for a restore) and their directories.
+    volumes: Vec<VolumeSource>,
 }
 
 /// A deterministic sandbox restores only snapshots of deterministic sandboxes: another's CPUID
@@ -83,9 +89,11 @@ impl Sandboxes {
         guest: Arc<Guest>,
         counters: Arc<Counters>,
         node: Arc<Node>,
+        volumes: Arc<Volumes>,
         options: SandboxOptions,
     ) -> Sandboxes {
         Sandboxes {
+            volumes,
             pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
             db,
             supervisor,
@@ -175,10 +183,11 @@ impl Sandboxes {
             check_deterministic(request.deterministic, snapshot)?;
         }
         // A template's boot snapshot serves creates of its shape (a deterministic create only
-        // a deterministic one); another shape boots.
+        // a deterministic one) without volumes; another shape boots.
         let snapshot = match (snapshot, &template.boot_snapshot) {
             (None, Some(boot))
-                if request.vcpus.unwrap_or(template.vcpus) == template.vcpus
+                if request.volumes.is_empty()
+                    && request.vcpus.unwrap_or(template.vcpus) == template.vcpus
                     && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
             {
                 self.db
@@ -198,11 +207,29 @@ impl Sandboxes {
         self.supervisor
             .cgroups_for(request.cpu_limit)
             .map_err(ApiError::Unavailable)?;
+        let mounts = snapshot.as_ref().map_or(&request.volumes, |s| &s.volumes);
+        let volumes = self.mounts(mounts, request.tenant.as_deref())?;
         Ok(Prepared {
             snapshot,
             template,
             ttl_s,
+            volumes,
         })
+    }
+
+    /// The directories of `mounts`, when this server can serve volumes.
+    pub fn mounts(
+        &self,
+        mounts: &[super::api::VolumeMount],
+        tenant: Option<&str>,
+    ) -> Result<Vec<VolumeSource>, ApiError> {
+        if mounts.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.supervisor
+            .volumes_available()
+            .map_err(ApiError::Unavailable)?;
+        self.volumes.resolve(mounts, tenant)
     }
 
     /// A create that holds its place among the pending creates.
@@ -215,6 +242,7 @@ impl Sandboxes {
             snapshot,
             template,
             ttl_s,
+            volumes,
         } = prepared;
         let (snapshot, ttl_s) = (snapshot.as_ref(), *ttl_s);
         let started = std::time::Instant::now();
@@ -247,6 +275,7 @@ impl Sandboxes {
             auto_resume: request.auto_resume,
             ttl_s,
             tenant: request.tenant,
+            volumes: volumes.iter().map(|v| v.mount.clone()).collect(),
         };
         let admitted = self.node.admit(u64::from(sandbox.memory_mib), || {
             self.db.lock().insert_sandbox(&sandbox).map_err(internal)
@@ -286,7 +315,10 @@ impl Sandboxes {
                 return Err(ApiError::Internal(format!("sandbox {id}: {message}")));
             }
         }
-        match self.start_vmm(&sandbox, template, snapshot).await {
+        match self
+            .start_vmm(&sandbox, template, snapshot, volumes.clone())
+            .await
+        {
             Ok(()) => {
                 if snapshot.is_none() {
                     if let Err(e) = self
@@ -347,10 +379,11 @@ impl Sandboxes {
         sandbox: &Sandbox,
         template: &Template,
         snapshot: Option<&Snapshot>,
+        volumes: Vec<VolumeSource>,
     ) -> Result<(), String> {
         let launched = self
             .supervisor
-            .launch(sandbox, template, snapshot, true)
+            .launch(sandbox, template, snapshot, true, volumes)
             .await?;
         let result = {
             let store = self.db.lock();

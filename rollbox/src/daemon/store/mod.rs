@@ -1,6 +1,6 @@
 //! The daemon's state: templates, sandboxes and snapshots in one SQLite file. The tables hold
 //! rows of their own (`rows.rs`), mapped to and from the API's model at this boundary; the
-//! queries are by table (`sandboxes.rs`, `templates.rs`, `snapshots.rs`). [`Db`] is the store
+//! queries are by table (`sandboxes.rs`, `templates.rs`, `snapshots.rs`, `volumes.rs`). [`Db`] is the store
 //! behind the lock the services share.
 
 mod keys;
@@ -8,6 +8,7 @@ mod rows;
 mod sandboxes;
 mod snapshots;
 mod templates;
+mod volumes;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -16,6 +17,7 @@ use rusqlite::Connection;
 
 pub use keys::KeyRow;
 pub use rows::UsageRow;
+pub use volumes::VolumeRow;
 
 /// A failed database operation.
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +116,18 @@ CREATE TABLE api_keys (
 -- A snapshot taken by a fork: it goes when no live sandbox restores from it any more, or at
 -- `--fork-snapshot-ttl` (see retention.rs).
 ALTER TABLE snapshots ADD COLUMN fork INTEGER NOT NULL DEFAULT 0;
+",
+    "
+-- Shared volumes (issue 23): each sandbox's mounts (JSON), and the named volumes; `managed`:
+-- its directory is under the state dir (removed with it), not an admin's host path.
+ALTER TABLE sandboxes ADD COLUMN volumes TEXT NOT NULL DEFAULT '[]';
+CREATE TABLE volumes (
+    name TEXT PRIMARY KEY,
+    host_path TEXT NOT NULL,
+    managed INTEGER NOT NULL,
+    tenant TEXT,
+    created_at_ms INTEGER NOT NULL
+);
 ",
 ];
 

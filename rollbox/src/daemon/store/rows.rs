@@ -8,14 +8,14 @@ use std::path::PathBuf;
 use rusqlite::Row;
 use serde::{Deserialize, Serialize};
 
-use super::super::api::{OnTimeout, Sandbox, Snapshot, State, Template};
+use super::super::api::{OnTimeout, Sandbox, Snapshot, State, Template, VolumeMount};
 use super::{json_column, to_json, StoreError};
 
 /// The columns of a sandbox row, in [`SandboxRow::read`]'s order.
 pub const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
     dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, on_timeout, auto_resume, ttl_s, \
-    tenant";
+    tenant, volumes";
 
 /// Between a tenant's name and its idempotency key or snapshot name in their columns: those
 /// are unique per tenant, and neither a key nor a name may hold a control character.
@@ -64,6 +64,8 @@ pub struct SandboxRow {
     pub auto_resume: bool,
     pub ttl_s: u64,
     pub tenant: Option<String>,
+    /// JSON of its [`VolumeMount`]s.
+    pub volumes: String,
 }
 
 impl SandboxRow {
@@ -95,6 +97,7 @@ impl SandboxRow {
             auto_resume: row.get(22)?,
             ttl_s: row.get(23)?,
             tenant: row.get(24)?,
+            volumes: row.get(25)?,
         })
     }
 
@@ -129,6 +132,7 @@ impl SandboxRow {
             auto_resume: sandbox.auto_resume,
             ttl_s: sandbox.ttl_s,
             tenant: sandbox.tenant.clone(),
+            volumes: to_json(&sandbox.volumes, "volumes")?,
         })
     }
 
@@ -161,6 +165,7 @@ impl SandboxRow {
             auto_resume: self.auto_resume,
             ttl_s: self.ttl_s,
             tenant: self.tenant,
+            volumes: json_column(&self.volumes, "volumes")?,
         };
         Ok((self.seq, sandbox))
     }
@@ -247,6 +252,8 @@ pub struct SnapshotRow {
     pub deterministic: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 impl From<&Snapshot> for SnapshotRow {
@@ -264,6 +271,7 @@ impl From<&Snapshot> for SnapshotRow {
             expires_at_ms: s.expires_at_ms,
             deterministic: s.deterministic,
             tenant: s.tenant,
+            volumes: s.volumes,
         }
     }
 }
@@ -284,6 +292,7 @@ impl From<SnapshotRow> for Snapshot {
             expires_at_ms: s.expires_at_ms,
             deterministic: s.deterministic,
             tenant: s.tenant,
+            volumes: s.volumes,
         }
     }
 }

@@ -152,6 +152,7 @@ mod tests {
             expires_at_ms: None,
             deterministic: false,
             tenant: None,
+            volumes: Vec::new(),
         }
     }
 

@@ -9,6 +9,7 @@ mod cpu;
 mod disk;
 pub mod jaildir;
 mod process;
+pub mod virtiofsd;
 pub mod vm;
 
 use std::collections::{HashMap, HashSet};
@@ -22,6 +23,7 @@ use rollbox_jailer::cgroup::{self, Cgroups};
 use vmm_api::VmState;
 
 use super::api::{Sandbox, Snapshot, Template};
+use virtiofsd::{Recorded, Records, Virtiofsd, VolumeSource};
 
 use super::util::{ms_since, remove_dir};
 use jaildir::JailDir;
@@ -66,6 +68,8 @@ pub struct SupervisorOptions<'a> {
     pub jailer: Option<&'a JailerOptions>,
     /// Each VMM's console file stops growing at this many bytes.
     pub console_max_bytes: u64,
+    /// The virtiofsd binary for volumes (`--virtiofsd`); else it is looked for.
+    pub virtiofsd: Option<PathBuf>,
 }
 
 /// VMMs this daemon started (so it reaps them); re-attached ones are only watched.
@@ -85,6 +89,12 @@ pub struct Supervisor {
     jail: Option<vm::Jail>,
     /// Each VMM's console file cap.
     console_max_bytes: u64,
+    /// The virtiofsd binary, or why there is none.
+    virtiofsd: Result<PathBuf, String>,
+    /// The virtiofsd processes of sandboxes' volumes this daemon started, by sandbox.
+    volume_daemons: Mutex<HashMap<String, Vec<Virtiofsd>>>,
+    /// Every sandbox's virtiofsd processes, as recorded (they outlive a daemon restart).
+    records: Records,
 }
 
 /// A VMM that runs, not yet handed back ([`Supervisor::adopt`]) or ended ([`Launched::reap`]).
@@ -93,12 +103,22 @@ pub struct Launched {
     pub pid: u32,
     /// Its start time (/proc/PID/stat field 22).
     pub start: u64,
+    /// Its volumes' virtiofsd processes.
+    volume_daemons: Vec<Virtiofsd>,
 }
 
 impl Launched {
-    /// Kills the VMM and waits for it, off the async threads.
+    /// Kills the VMM and its virtiofsd processes and waits for them, off the async threads.
     pub async fn reap(self) {
         reap_child(self.child).await;
+        end_daemons(self.volume_daemons).await;
+    }
+}
+
+/// Kills virtiofsd processes and waits for them, off the async threads.
+async fn end_daemons(daemons: Vec<Virtiofsd>) {
+    if !daemons.is_empty() {
+        let _ = tokio::task::spawn_blocking(move || virtiofsd::end_children(daemons)).await;
     }
 }
 
@@ -177,7 +197,24 @@ impl Supervisor {
                 .map_err(|e| e.to_string()),
             jail,
             console_max_bytes: options.console_max_bytes,
+            virtiofsd: virtiofsd::locate(options.virtiofsd.as_deref()),
+            volume_daemons: Mutex::new(HashMap::new()),
+            records: Records::new(options.state_dir.join("virtiofsd")),
         })
+    }
+
+    /// Whether sandboxes can have volumes here (a virtiofsd was found), or why not.
+    pub fn volumes_available(&self) -> Result<(), String> {
+        self.virtiofsd
+            .as_ref()
+            .map(|_| ())
+            .map_err(|why| format!("this server cannot serve volumes: {why}"))
+    }
+
+    fn volume_daemons(&self) -> MutexGuard<'_, HashMap<String, Vec<Virtiofsd>>> {
+        self.volume_daemons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// The directory that holds one directory per sandbox.
@@ -233,6 +270,7 @@ impl Supervisor {
         template: &Template,
         snapshot: Option<&Snapshot>,
         new_sandbox: bool,
+        volumes: Vec<VolumeSource>,
     ) -> Result<Launched, String> {
         let paths = vm::Paths::new(&sandbox.dir);
         let groups = self.cgroups_for(sandbox.cpu_limit)?;
@@ -263,6 +301,7 @@ impl Supervisor {
         let started = std::time::Instant::now();
         let jail = self.jail.clone();
         let console_max_bytes = self.console_max_bytes;
+        let virtiofsd = self.virtiofsd.clone();
         // Copying a rootfs may take a while: off the async threads.
         let spawned = tokio::task::spawn_blocking(move || {
             let spec = jail.as_ref().map(|jail| vm::JailSpec {
@@ -270,16 +309,20 @@ impl Supervisor {
                 cgroups: cpu_settings,
                 memory_mib,
             });
+            let volumes = vm::Volumes {
+                list: &volumes,
+                virtiofsd: virtiofsd.as_deref().map_err(String::as_str),
+            };
             match restore {
-                Some(dir) => vm::spawn_restore(
-                    &vmm,
-                    &spawn_paths,
-                    &dir,
-                    template.rootfs.is_some(),
-                    identity,
-                    console_max_bytes,
-                    spec.as_ref(),
-                ),
+                Some(dir) => {
+                    let restore = vm::Restore {
+                        snapshot_dir: &dir,
+                        rootfs: template.rootfs.is_some(),
+                        identity,
+                        console_max_bytes,
+                    };
+                    vm::spawn_restore(&vmm, &spawn_paths, &restore, spec.as_ref(), &volumes)
+                }
                 None => {
                     let shape = vm::Shape {
                         template: &template,
@@ -288,14 +331,14 @@ impl Supervisor {
                         deterministic,
                         console_max_bytes,
                     };
-                    vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref())
+                    vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref(), &volumes)
                 }
             }
         })
         .await
         .map_err(|e| e.to_string())?;
-        let mut child = match spawned {
-            Ok(child) => child,
+        let (mut child, volume_daemons) = match spawned {
+            Ok(spawned) => spawned,
             Err(e) => {
                 self.release(sandbox);
                 return Err(e.to_string());
@@ -307,6 +350,7 @@ impl Supervisor {
             // At once: the VMM has not created its vCPU threads yet, and those it has move too.
             if let Err(e) = groups.enter(&sandbox.id, pid) {
                 reap_child(child).await;
+                end_daemons(volume_daemons).await;
                 self.release(sandbox);
                 return Err(e.to_string());
             }
@@ -320,24 +364,55 @@ impl Supervisor {
             );
         }
         let error = match (ready, vm::start_time(pid)) {
-            (Ok(()), Some(start)) => return Ok(Launched { child, pid, start }),
+            (Ok(()), Some(start)) => {
+                return Ok(Launched {
+                    child,
+                    pid,
+                    start,
+                    volume_daemons,
+                })
+            }
             (Err(e), _) => e.to_string(),
             (Ok(()), None) => vm::VmError::Vanished(pid).to_string(),
         };
         reap_child(child).await;
+        end_daemons(volume_daemons).await;
         self.release(sandbox);
         Err(error)
     }
 
-    /// Takes a launched VMM as sandbox `id`'s: the supervisor reaps it when it ends.
+    /// Takes a launched VMM as sandbox `id`'s: the supervisor reaps it when it ends, and
+    /// its virtiofsd processes are recorded for a restarted daemon.
     pub fn adopt(&self, id: &str, launched: Launched) {
-        self.children().insert(id.to_string(), launched.child);
+        let Launched {
+            child,
+            volume_daemons,
+            ..
+        } = launched;
+        self.children().insert(id.to_string(), child);
+        if !volume_daemons.is_empty() {
+            let recorded: Vec<Recorded> = volume_daemons
+                .iter()
+                .map(|d| Recorded {
+                    volume: d.volume.clone(),
+                    pid: d.pid,
+                    start: d.start,
+                })
+                .collect();
+            if let Err(e) = self.records.write(id, &recorded) {
+                log::warn!("sandbox {id}: recording its virtiofsd processes: {e}");
+            }
+            self.volume_daemons().insert(id.to_string(), volume_daemons);
+        }
     }
 
     /// Ends sandbox `id`'s VMM (by pid and start time, and the child handle if this daemon
     /// started it), removes its directory and releases its cgroups.
     pub async fn stop(&self, id: &str, sandbox: &Sandbox) -> Result<(), String> {
         let child = self.children().remove(id);
+        let daemons = self.volume_daemons().remove(id).unwrap_or_default();
+        let recorded = self.records.read(id);
+        let _ = self.records.remove(id);
         let dir = sandbox.dir.clone();
         let (pid, start) = (sandbox.pid, sandbox.pid_start_time);
         let id = id.to_string();
@@ -350,6 +425,8 @@ impl Supervisor {
                 let _ = child.kill();
                 let _ = child.wait();
             }
+            virtiofsd::end_children(daemons);
+            virtiofsd::end_recorded(&recorded);
             let killed_ms = ms_since(started);
             let removed = remove_dir(&dir);
             if log::log_enabled!(log::Level::Debug) {
@@ -386,12 +463,39 @@ impl Supervisor {
                 },
             }
         };
+        let exited = exited.or_else(|| self.volume_gone(&sandbox.id));
         exited.map(|mut reason| {
             let tail = vm::log_tail(&sandbox.dir);
             if !tail.is_empty() {
                 reason = format!("{reason}; the end of its log: {tail}");
             }
             reason
+        })
+    }
+
+    /// Why a volume of the sandbox is gone: its virtiofsd ended (the guest's mount would
+    /// answer nothing more, so the sandbox ends, saying which).
+    fn volume_gone(&self, id: &str) -> Option<String> {
+        let mut all = self.volume_daemons();
+        if let Some(daemons) = all.get_mut(id) {
+            for daemon in daemons.iter_mut() {
+                if let Ok(Some(status)) = daemon.child.try_wait() {
+                    return Some(format!(
+                        "volume {}: its virtiofsd (pid {}) ended: {status}",
+                        daemon.volume, daemon.pid
+                    ));
+                }
+            }
+            return None;
+        }
+        drop(all);
+        // Started before a restart: watched by pid and start time.
+        let recorded = self.records.read(id);
+        virtiofsd::first_gone(&recorded).map(|daemon| {
+            format!(
+                "volume {}: its virtiofsd (pid {}) ended",
+                daemon.volume, daemon.pid
+            )
         })
     }
 
@@ -424,6 +528,20 @@ impl Supervisor {
                     found.id
                 );
                 vm::kill(found.pid, found.start_time, Duration::from_secs(5));
+            }
+        }
+        for id in self.records.ids() {
+            if !keep.contains_key(&id) {
+                let recorded = self.records.read(&id);
+                for daemon in &recorded {
+                    log::info!(
+                        "ending virtiofsd pid {} (volume {}) of no live sandbox ({id})",
+                        daemon.pid,
+                        daemon.volume
+                    );
+                }
+                virtiofsd::end_recorded(&recorded);
+                let _ = self.records.remove(&id);
             }
         }
         let entries =

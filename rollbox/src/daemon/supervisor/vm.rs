@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 
 use rollbox_jailer::cgroup;
 use vmm_api::{
-    BootSourceConfig, Client, ClientError, ConfigFile, CreateSnapshotParams, DriveConfig,
-    MachineConfig, VmState, VsockConfig,
+    BootSourceConfig, Client, ClientError, ConfigFile, CreateSnapshotParams, DriveConfig, FsCache,
+    FsConfig, MachineConfig, VmState, VsockConfig,
 };
 
 use super::disk::{copy_disk, copy_file};
 use super::jaildir::{JailDir, JailDirError, SocketPath};
 pub use super::process::{find_vmms, is_ours, kill, start_time, Found};
+use super::virtiofsd::{self, Virtiofsd, VolumeSource};
 use crate::daemon::api::Template;
 
 /// A failed VMM operation.
@@ -65,6 +66,30 @@ pub enum VmError {
     /// A call on the VMM's API socket (reached through its descriptor, hence the name).
     #[error("{sock}: {source}")]
     Api { sock: PathBuf, source: ClientError },
+    /// A volume's virtiofsd could not be found or started.
+    #[error("{0}")]
+    Volume(String),
+}
+
+/// The shared volumes of a launch, and the virtiofsd that serves them.
+pub struct Volumes<'a> {
+    pub list: &'a [VolumeSource],
+    /// None when the daemon found no virtiofsd (why, then).
+    pub virtiofsd: Result<&'a Path, &'a str>,
+}
+
+impl Volumes<'_> {
+    /// Starts their virtiofsd processes in the sandbox's (just made) directory.
+    fn start(&self, paths: &Paths, jail: Option<&JailSpec>) -> Result<Vec<Virtiofsd>, VmError> {
+        if self.list.is_empty() {
+            return Ok(Vec::new());
+        }
+        let binary = self
+            .virtiofsd
+            .map_err(|why| VmError::Volume(format!("volumes need virtiofsd: {why}")))?;
+        let owner = jail.map(|spec| (spec.jail.uid, spec.jail.gid));
+        virtiofsd::start_all(binary, &paths.dir, self.list, owner).map_err(VmError::Volume)
+    }
 }
 
 /// The files in a sandbox's directory.
@@ -270,14 +295,42 @@ pub fn spawn(
     paths: &Paths,
     shape: &Shape,
     jail: Option<&JailSpec>,
-) -> Result<Child, VmError> {
+    volumes: &Volumes,
+) -> Result<(Child, Vec<Virtiofsd>), VmError> {
     let dir_error = |source| VmError::Dir {
         path: paths.dir.clone(),
         source,
     };
     std::fs::create_dir(&paths.dir).map_err(dir_error)?;
+    let daemons = volumes.start(paths, jail)?;
+    let spawned = spawn_boot(vmm, paths, shape, jail, volumes.list);
+    with_daemons(spawned, daemons)
+}
+
+/// The VMM and the volumes' virtiofsd processes; those end when the VMM did not start.
+fn with_daemons(
+    spawned: Result<Child, VmError>,
+    daemons: Vec<Virtiofsd>,
+) -> Result<(Child, Vec<Virtiofsd>), VmError> {
+    match spawned {
+        Ok(child) => Ok((child, daemons)),
+        Err(e) => {
+            virtiofsd::end_children(daemons);
+            Err(e)
+        }
+    }
+}
+
+/// [`spawn`] once the directory and the volumes' virtiofsd processes are there.
+fn spawn_boot(
+    vmm: &Path,
+    paths: &Paths,
+    shape: &Shape,
+    jail: Option<&JailSpec>,
+    volumes: &[VolumeSource],
+) -> Result<Child, VmError> {
     let mut launch = Launch::new(jail);
-    let config = boot_config(&mut launch, paths, shape)?;
+    let config = boot_config(&mut launch, paths, shape, volumes)?;
     if let Some(rootfs) = &shape.template.rootfs {
         // A private copy: the guest writes to it.
         let failed = |source| VmError::Rootfs {
@@ -298,11 +351,38 @@ pub fn spawn(
 
 /// What a boot runs, as the VMM sees its files (a jail's paths when jailed): the kernel and
 /// its command line, vCPUs and memory, the rootfs copy, the vsock (CID 3) and the console.
-fn boot_config(launch: &mut Launch, paths: &Paths, shape: &Shape) -> Result<ConfigFile, VmError> {
+fn boot_config(
+    launch: &mut Launch,
+    paths: &Paths,
+    shape: &Shape,
+    volumes: &[VolumeSource],
+) -> Result<ConfigFile, VmError> {
     let template = shape.template;
+    // The guest agent mounts each `rollbox.volume=TAG:PATH[:ro]` at boot.
+    let mut cmdline = template.cmdline.clone();
+    for volume in volumes {
+        let mount = &volume.mount;
+        cmdline.push_str(&format!(
+            " rollbox.volume={}:{}{}",
+            mount.name,
+            mount.mount_path,
+            if mount.readonly { ":ro" } else { "" }
+        ));
+    }
+    let fs = volumes
+        .iter()
+        .map(|volume| FsConfig {
+            tag: volume.mount.name.clone(),
+            // The virtiofsd's; the VMM only records it.
+            shared_dir: volume.host_path.clone(),
+            readonly: false,
+            cache: FsCache::Auto,
+            socket: Some(launch.own_path(&paths.dir.join(volume.socket_name()))),
+        })
+        .collect();
     let boot_source = BootSourceConfig {
         kernel_image_path: launch.host_path(&template.kernel, "kernel"),
-        boot_args: Some(template.cmdline.clone()).filter(|c| !c.is_empty()),
+        boot_args: Some(cmdline.trim_start().to_string()).filter(|c| !c.is_empty()),
         initrd_path: template
             .initrd
             .as_ref()
@@ -335,6 +415,7 @@ fn boot_config(launch: &mut Launch, paths: &Paths, shape: &Shape) -> Result<Conf
         }),
         console: Some(console.to_string()),
         console_max_bytes: Some(shape.console_max_bytes),
+        fs,
         ..ConfigFile::default()
     })
 }
@@ -361,25 +442,58 @@ pub enum Identity {
     Clone,
 }
 
-/// Like [`spawn`], but restores the snapshot in `snapshot_dir` (`vmstate`, `memory`, and
-/// `rootfs.img` when `rootfs`: copied into the sandbox, since the guest writes to it). A
+/// Like [`spawn`], but restores the snapshot in `restore.snapshot_dir` (`vmstate`, `memory`, and
+/// `rootfs.img` when `restore.rootfs`: copied into the sandbox, since the guest writes to it). A
 /// restore keeps its flags (`--restore`, `--drive-override`, ...): rollbox-vmm's `--config`
 /// file describes a boot only, and has no form for a restore.
 pub fn spawn_restore(
     vmm: &Path,
     paths: &Paths,
-    snapshot_dir: &Path,
-    rootfs: bool,
-    identity: Identity,
-    console_max_bytes: u64,
+    restore: &Restore,
     jail: Option<&JailSpec>,
-) -> Result<Child, VmError> {
+    volumes: &Volumes,
+) -> Result<(Child, Vec<Virtiofsd>), VmError> {
     let dir_error = |source| VmError::Dir {
         path: paths.dir.clone(),
         source,
     };
     std::fs::create_dir(&paths.dir).map_err(dir_error)?;
+    let daemons = volumes.start(paths, jail)?;
+    let spawned = spawn_restored(vmm, paths, restore, jail, volumes.list);
+    with_daemons(spawned, daemons)
+}
+
+/// What a restore restores, and how.
+pub struct Restore<'a> {
+    /// The snapshot's directory: `vmstate`, `memory`, and `rootfs.img` when `rootfs`.
+    pub snapshot_dir: &'a Path,
+    pub rootfs: bool,
+    pub identity: Identity,
+    pub console_max_bytes: u64,
+}
+
+/// [`spawn_restore`] once the directory and the volumes' virtiofsd processes are there.
+fn spawn_restored(
+    vmm: &Path,
+    paths: &Paths,
+    restore: &Restore,
+    jail: Option<&JailSpec>,
+    volumes: &[VolumeSource],
+) -> Result<Child, VmError> {
+    let Restore {
+        snapshot_dir,
+        rootfs,
+        identity,
+        console_max_bytes,
+    } = *restore;
     let mut launch = Launch::new(jail);
+    for volume in volumes {
+        // The snapshot's volume, served by the virtiofsd just started for this sandbox.
+        let socket = launch.own_path(&paths.dir.join(volume.socket_name()));
+        let mut value = std::ffi::OsString::from(format!("{}=", volume.mount.name));
+        value.push(socket);
+        launch.arg("--fs-socket").arg(value);
+    }
     launch
         .host("--restore", snapshot_dir, "snapshot")
         .own("--api-sock", &paths.api_sock)
@@ -721,17 +835,28 @@ mod tests {
             memory_mib: 256,
         };
         let mut jailed = Launch::new(Some(&spec));
-        let config = boot_config(&mut jailed, &paths, &shape).expect("config");
+        let volume = VolumeSource {
+            mount: crate::daemon::api::VolumeMount {
+                name: "data".into(),
+                mount_path: "/mnt/data".into(),
+                readonly: true,
+            },
+            host_path: PathBuf::from("/state/volumes/data"),
+        };
+        let config = boot_config(&mut jailed, &paths, &shape, &[volume]).expect("config");
         assert_eq!(
             serde_json::to_string(&config).expect("json"),
             concat!(
-                r#"{"boot-source":{"kernel_image_path":"/kernel","boot_args":"console=ttyS0"},"#,
+                r#"{"boot-source":{"kernel_image_path":"/kernel","#,
+                r#""boot_args":"console=ttyS0 rollbox.volume=data:/mnt/data:ro"},"#,
                 r#""machine-config":{"vcpu_count":2,"mem_size_mib":256,"smt":false,"#,
                 r#""track_dirty_pages":false,"deterministic":true},"#,
                 r#""drives":[{"drive_id":"rootfs","path_on_host":"/rootfs.img","#,
                 r#""is_root_device":true,"is_read_only":false}],"#,
                 r#""vsock":{"guest_cid":3,"uds_path":"/vsock.sock"},"console":"/console.log","#,
-                r#""console-max-bytes":1048576}"#
+                r#""console-max-bytes":1048576,"#,
+                r#""fs":[{"tag":"data","shared_dir":"/state/volumes/data","readonly":false,"#,
+                r#""cache":"auto","socket":"/vfs-data.sock"}]}"#
             )
         );
         assert_eq!(jailed.binds, ["/templates/vmlinux:/kernel"]);
@@ -749,7 +874,7 @@ mod tests {
             console_max_bytes: 1 << 20,
         };
         let mut plain = Launch::new(None);
-        let config = boot_config(&mut plain, &paths, &shape).expect("config");
+        let config = boot_config(&mut plain, &paths, &shape, &[]).expect("config");
         let boot = config.boot_source.as_ref().expect("boot-source");
         assert_eq!(boot.kernel_image_path, PathBuf::from("/templates/vmlinux"));
         assert_eq!(boot.boot_args, None);

@@ -10,6 +10,7 @@ pub mod node;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;
+pub mod volume;
 
 use std::collections::BTreeMap;
 

@@ -9,7 +9,7 @@ use super::super::limits::{
     DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_IDS, MAX_LIST_LIMIT, MAX_MEMORY_MIB, MAX_METADATA,
     MAX_VCPUS, MIN_CPU_LIMIT,
 };
-use super::super::model::{CreateSandbox, ListQuery, OnTimeout, State};
+use super::super::model::{CreateSandbox, ListQuery, OnTimeout, State, VolumeMount};
 use super::template::check_template_name;
 use super::{
     bad, check_env, check_id, check_label_key, check_labels, check_snapshot_id, from_json,
@@ -38,6 +38,8 @@ struct CreateBody {
     on_timeout: Option<String>,
     #[serde(default)]
     auto_resume: bool,
+    #[serde(default)]
+    volumes: Vec<VolumeMount>,
 }
 
 #[derive(Deserialize)]
@@ -78,9 +80,15 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
             "auto_resume: true needs on_timeout: pause (only a sandbox its TTL pauses can be resumed by a request)",
         ));
     }
+    super::volume::check_mounts(&body.volumes)?;
     let (template, snapshot) = match (body.template, body.snapshot) {
         (Some(t), None) => (check_template_name(&t, "template")?, None),
         (None, Some(s)) => {
+            if !body.volumes.is_empty() {
+                return Err(bad(
+                    "volumes: a restore mounts its snapshot's volumes; leave them out",
+                ));
+            }
             if body.vcpus.is_some() || body.memory_mib.is_some() {
                 return Err(bad(
                     "vcpus, memory_mib: a restore keeps its snapshot's shape; leave them out",
@@ -121,6 +129,7 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         on_timeout,
         auto_resume: body.auto_resume,
         tenant: None,
+        volumes: body.volumes,
     })
 }
 
