@@ -27,14 +27,18 @@ pub fn read_generation() -> u64 {
 }
 
 /// Spins until the generation counter differs from what it reads now (a restore gave the VM a
-/// new generation: it is a clone), and returns the new value.
+/// new generation: it is a clone), and returns the new value. A value counts once two reads in
+/// a row give it: a snapshot taken between the two halves of one read resumes, in the clone,
+/// with the old low half next to the new high half.
 pub fn wait_new_generation() -> u64 {
     let start = read_generation();
+    let mut last = start;
     loop {
         let now = read_generation();
-        if now != start {
+        if now != start && now == last {
             return now;
         }
+        last = now;
         pause();
     }
 }
