@@ -80,6 +80,11 @@ pub struct RestoreExtension {
     /// New shared directories by volume tag (virtio-fs).
     #[serde(default)]
     pub fs_overrides: std::collections::HashMap<String, std::path::PathBuf>,
+    /// vhost-user sockets of virtiofsd the caller started, by volume tag (virtio-fs): the
+    /// volume connects to it instead of starting one, and its saved state is loaded into it.
+    /// Not with `fs_overrides` for the same tag (the directory is that virtiofsd's).
+    #[serde(default, skip_serializing_if = "std::collections::HashMap::is_empty")]
+    pub fs_sockets: std::collections::HashMap<String, std::path::PathBuf>,
     /// New memory files by layer index (0 = the full base, then the diffs).
     #[serde(default)]
     pub layer_overrides: std::collections::HashMap<usize, std::path::PathBuf>,
@@ -177,6 +182,7 @@ mod tests {
             deterministic: false,
             drive_overrides: [("rootfs".to_string(), "/c/rootfs.img".into())].into(),
             fs_overrides: [("data".to_string(), "/srv/copy".into())].into(),
+            fs_sockets: [("logs".to_string(), "/run/logs.sock".into())].into(),
             layer_overrides: [(0, "/c/memory".into())].into(),
         };
         let params = LoadSnapshotParams {
@@ -211,6 +217,7 @@ mod tests {
                 r#""rollbox":{"restore_backend":"uffd","prefetch":true,"record_working_set":true,"#,
                 r#""new_generation":true,"deterministic":false,"#,
                 r#""drive_overrides":{"rootfs":"/c/rootfs.img"},"fs_overrides":{"data":"/srv/copy"},"#,
+                r#""fs_sockets":{"logs":"/run/logs.sock"},"#,
                 r#""layer_overrides":{"0":"/c/memory"}}}"#
             ),
         );

@@ -830,6 +830,7 @@ impl Controller {
             expect_mem_mib: None,
             track_dirty_pages: Some(params.track_dirty_pages || params.enable_diff_snapshots),
             fs_overrides: extension.fs_overrides,
+            fs_sockets: extension.fs_sockets,
             virtiofsd: self.resources.virtiofsd.clone(),
         })
     }

@@ -160,6 +160,57 @@ fn ram_covers(entry: impl Fn(usize) -> Option<E820Entry>, start: u64, end: u64) 
     }
 }
 
+/// The command-line argument whose value lists the boot commands.
+const RUN_ARG: &[u8] = b"rollbox.test.run=";
+
+/// The value of the command line's `rollbox.test.run=CMD1;CMD2;...` (the last one given), or
+/// nothing: the commands the guest runs at boot, before it reads the serial port.
+pub fn run_commands(cmdline: &[u8]) -> &[u8] {
+    let mut found: &[u8] = &[];
+    let mut rest = cmdline;
+    while !rest.is_empty() {
+        let (word, tail) = split_word(rest);
+        rest = tail;
+        if let Some(value) = word.strip_prefix(RUN_ARG) {
+            found = value;
+        }
+    }
+    found
+}
+
+/// The next boot command of `commands` (a `run_commands` value, `;`-separated), copied into
+/// `line` with each `:` made a space, so that it reads as the serial line it stands for; and
+/// the commands after it. Its length is `None` when it does not fit `line`. Empty commands
+/// are skipped; `None` when none is left.
+pub fn next_run_command<'a>(
+    mut commands: &'a [u8],
+    line: &mut [u8],
+) -> Option<(Option<usize>, &'a [u8])> {
+    loop {
+        let (command, rest) = match commands.iter().position(|&c| c == b';') {
+            Some(at) => match commands.split_at_checked(at) {
+                Some((command, rest)) => (command, rest.get(1..).unwrap_or(&[])),
+                None => (commands, &[][..]),
+            },
+            None => (commands, &[][..]),
+        };
+        if command.is_empty() {
+            if rest.is_empty() {
+                return None;
+            }
+            commands = rest;
+            continue;
+        }
+        let Some(out) = line.get_mut(..command.len()) else {
+            return Some((None, rest));
+        };
+        for (to, &from) in out.iter_mut().zip(command) {
+            *to = if from == b':' { b' ' } else { from };
+        }
+        return Some((Some(command.len()), rest));
+    }
+}
+
 /// `virtio_mmio.device=<size>@<addr>:<irq>[:<id>]` → (addr, irq).
 fn parse_virtio_mmio_arg(word: &[u8]) -> Option<(u64, u64)> {
     let value = word.strip_prefix(b"virtio_mmio.device=")?;
@@ -274,6 +325,43 @@ mod tests {
         assert!(!ram_covers(entry, 0x4800_0000, 0x5800_0000));
         assert!(!ram_covers(entry, 0xa0000, 0x20_0000));
         assert!(!ram_covers(|_| None, 0, 1));
+    }
+
+    #[test]
+    fn boot_commands_come_from_the_last_run_argument() {
+        assert_eq!(run_commands(b"console=ttyS0 panic=1"), b"");
+        assert_eq!(
+            run_commands(b"console=ttyS0 rollbox.test.run=fs-init;fs-append-clone:1000 virtio_mmio.device=4K@0xd0000000:5"),
+            b"fs-init;fs-append-clone:1000"
+        );
+        assert_eq!(
+            run_commands(b"rollbox.test.run=echo:a rollbox.test.run=echo:b"),
+            b"echo:b"
+        );
+    }
+
+    #[test]
+    fn boot_commands_split_on_semicolons_with_colons_as_spaces() {
+        let mut line = [0u8; 20];
+        let mut seen: Vec<Option<Vec<u8>>> = Vec::new();
+        let mut commands: &[u8] =
+            b";fs-init;;fs-append-clone:1000;echo:a:b;0123456789abcdefghijk;echo:x;";
+        while let Some((len, rest)) = next_run_command(commands, &mut line) {
+            seen.push(len.map(|len| line[..len].to_vec()));
+            commands = rest;
+        }
+        assert_eq!(
+            seen,
+            vec![
+                Some(b"fs-init".to_vec()),
+                Some(b"fs-append-clone 1000".to_vec()),
+                Some(b"echo a b".to_vec()),
+                None,
+                Some(b"echo x".to_vec()),
+            ]
+        );
+        assert_eq!(next_run_command(b"", &mut line), None);
+        assert_eq!(next_run_command(b";;", &mut line), None);
     }
 
     #[test]

@@ -157,6 +157,15 @@ extern "C" fn guest_main(boot_params: usize) -> ! {
 
     puts(b"rollbox-test-guest: ready\n");
     let mut line = [0u8; LINE_MAX];
+    // `rollbox.test.run=CMD1;CMD2;...`: each as if its line had come on the serial port.
+    let mut commands = boot::run_commands(guest.boot.cmdline);
+    while let Some((len, rest)) = boot::next_run_command(commands, &mut line) {
+        commands = rest;
+        match len {
+            Some(len) => guest.command(line.get(..len).unwrap_or(&[])),
+            None => puts(b"ERR line-too-long\n"),
+        }
+    }
     let mut len = 0;
     let mut too_long = false;
     loop {
@@ -328,7 +337,7 @@ impl Guest {
                 put_dec(smp::count());
                 puts(b"\n");
             }
-            b"fs-init" | b"fs-append" => self.cmd_fs(name, args),
+            b"fs-init" | b"fs-append" | b"fs-append-clone" => self.cmd_fs(name, args),
             b"vsock-listen" => self.cmd_vsock_listen(args),
             b"vsock-connect" => self.cmd_vsock_connect(args),
             b"vsock-hostile" => self.cmd_vsock_hostile(args),
@@ -578,9 +587,18 @@ impl Guest {
             return;
         }
         let Some(([count], _)) = numbers::<1>(args).filter(|([n], _)| *n <= 999_999) else {
-            return err(b"usage: fs-append N (at most 999999)");
+            return err(if name == b"fs-append-clone" {
+                b"usage: fs-append-clone N (at most 999999)"
+            } else {
+                b"usage: fs-append N (at most 999999)"
+            });
         };
-        let generation = snap::read_generation();
+        // fs-append-clone: only a clone appends, as itself (a parent spins here forever).
+        let generation = if name == b"fs-append-clone" {
+            snap::wait_new_generation()
+        } else {
+            snap::read_generation()
+        };
         match fs.append(self.fs_dma, tpm, generation, count) {
             Ok(()) => {
                 puts(b"OK appended ");

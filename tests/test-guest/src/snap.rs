@@ -6,7 +6,7 @@
 use core::arch::asm;
 use core::ptr::{read_volatile, write_volatile};
 
-use crate::io::{inl, put_dec, put_hex, put_hex16, puts, rdtsc};
+use crate::io::{inl, pause, put_dec, put_hex, put_hex16, puts, rdtsc};
 use crate::work::{reseed, stage_end, xorshift64star, Compute, PRNG_SEED};
 
 /// The VMM's generation counter: a 32-bit read here gives the low half, at +4 the high.
@@ -24,6 +24,23 @@ pub fn read_generation() -> u64 {
     let lo = inl(GENERATION_PORT) as u64;
     let hi = inl(GENERATION_PORT + 4) as u64;
     (hi << 32) | lo
+}
+
+/// Spins until the generation counter differs from what it reads now (a restore gave the VM a
+/// new generation: it is a clone), and returns the new value. A value counts once two reads in
+/// a row give it: a snapshot taken between the two halves of one read resumes, in the clone,
+/// with the old low half next to the new high half.
+pub fn wait_new_generation() -> u64 {
+    let start = read_generation();
+    let mut last = start;
+    loop {
+        let now = read_generation();
+        if now != start && now == last {
+            return now;
+        }
+        last = now;
+        pause();
+    }
 }
 
 struct Prng {

@@ -225,9 +225,8 @@ mod tests {
     }
 
     #[test]
-    fn the_load_extension_takes_fs_overrides() {
-        let body =
-            br#"{"snapshot_path":"/s/vmstate","rollbox":{"fs_overrides":{"data":"/srv/copy"}}}"#;
+    fn the_load_extension_takes_fs_overrides_and_sockets() {
+        let body = br#"{"snapshot_path":"/s/vmstate","rollbox":{"fs_overrides":{"data":"/srv/copy"},"fs_sockets":{"logs":"/run/logs.sock"}}}"#;
         let action = parse_request("PUT", "/snapshot/load", body).expect("load");
         let VmmAction::LoadSnapshot(params) = action else {
             panic!("not a load: {action:?}");
@@ -236,6 +235,10 @@ mod tests {
         assert_eq!(
             extension.fs_overrides.get("data"),
             Some(&std::path::PathBuf::from("/srv/copy"))
+        );
+        assert_eq!(
+            extension.fs_sockets.get("logs"),
+            Some(&std::path::PathBuf::from("/run/logs.sock"))
         );
     }
 

@@ -209,6 +209,26 @@ mod tests {
         let err = res.add_fs(no_daemon).expect_err("no virtiofsd");
         assert!(err.to_string().contains("scripts/virtiofsd.sh"), "{err}");
         assert_eq!(res.fs.len(), 1);
+
+        // A caller's virtiofsd: its directory need not be visible here, its socket must exist.
+        let socket = dir.path().join("fs.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        let absent = dir.path().join("absent");
+        let served = parse_fs_flag(&format!(
+            "s={},socket={}",
+            absent.display(),
+            socket.display()
+        ))
+        .expect("parse");
+        assert_eq!(served.socket.as_deref(), Some(socket.as_path()));
+        res.add_fs(served)
+            .expect("a socket's volume, its directory unseen");
+        let gone = parse_fs_flag(&format!("g={d},socket={d}/gone.sock")).expect("parse");
+        assert!(matches!(
+            res.add_fs(gone),
+            Err(ConfigError::FsSocket { .. })
+        ));
+        assert_eq!(res.fs.len(), 2);
     }
 
     #[test]

@@ -95,6 +95,11 @@ pub struct Args {
     /// With --restore: serve a volume from another host directory, as TAG=DIR.
     #[arg(long = "fs-override", requires = "restore")]
     pub fs_overrides: Vec<String>,
+    /// With --restore: connect a volume to a virtiofsd already serving it, as TAG=SOCKET (its
+    /// vhost-user socket): none is started, the shared directory is that virtiofsd's, and the
+    /// snapshot's virtiofsd state is loaded into it. Not with --fs-override for the same TAG.
+    #[arg(long = "fs-socket", requires = "restore")]
+    pub fs_sockets: Vec<String>,
     /// With --restore: use another image for a drive, as ID=PATH.
     #[arg(long = "drive-override", requires = "restore")]
     pub drive_overrides: Vec<String>,
@@ -287,9 +292,22 @@ pub fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
             .map_err(|e| format!("--net-override {entry:?}: {e}"))?;
         net_overrides.insert(id.to_string(), parsed);
     }
-    let fs_overrides = overrides("--fs-override", "TAG=DIR", &args.fs_overrides)?
-        .map(|(tag, dir)| (tag, PathBuf::from(dir)))
-        .collect();
+    let fs_overrides: HashMap<String, PathBuf> =
+        overrides("--fs-override", "TAG=DIR", &args.fs_overrides)?
+            .map(|(tag, dir)| (tag, PathBuf::from(dir)))
+            .collect();
+    let fs_sockets: HashMap<String, PathBuf> =
+        overrides("--fs-socket", "TAG=SOCKET", &args.fs_sockets)?
+            .map(|(tag, socket)| (tag, PathBuf::from(socket)))
+            .collect();
+    if let Some(tag) = fs_sockets
+        .keys()
+        .find(|tag| fs_overrides.contains_key(*tag))
+    {
+        return Err(format!(
+            "--fs-socket {tag}=... and --fs-override {tag}=...: the shared directory is the one the virtiofsd on the socket serves, so give one"
+        ));
+    }
     let layer_overrides = overrides("--layer-override", "INDEX=PATH", &args.layer_overrides)?
         .map(|(index, path)| {
             index
@@ -302,6 +320,7 @@ pub fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
         backend: args.restore_backend.parse::<RestoreBackend>()?,
         layer_overrides,
         fs_overrides,
+        fs_sockets,
         virtiofsd: args.virtiofsd.clone(),
         mem_file: None,
         vsock_uds: args.vsock_uds.clone(),
@@ -324,4 +343,64 @@ pub fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
         expect_mem_mib: args.memory_mib,
         track_dirty_pages: args.track_dirty_pages.then_some(true),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("rollbox-vmm").chain(flags.iter().copied()))
+    }
+
+    #[test]
+    fn fs_socket_names_a_callers_virtiofsd_per_tag_on_restore() {
+        let args = parse(&[
+            "--restore",
+            "/snap",
+            "--fs-socket",
+            "data=/run/data.sock",
+            "--fs-socket",
+            "logs=/run/logs.sock",
+            "--fs-override",
+            "cache=/srv/cache",
+        ])
+        .expect("parse");
+        let options = restore_options(&args).expect("options");
+        assert_eq!(
+            options.fs_sockets,
+            HashMap::from([
+                ("data".to_string(), PathBuf::from("/run/data.sock")),
+                ("logs".to_string(), PathBuf::from("/run/logs.sock")),
+            ])
+        );
+        assert_eq!(
+            options.fs_overrides,
+            HashMap::from([("cache".to_string(), PathBuf::from("/srv/cache"))])
+        );
+
+        let plain =
+            restore_options(&parse(&["--restore", "/snap"]).expect("parse")).expect("options");
+        assert!(plain.fs_sockets.is_empty());
+
+        assert!(parse(&["--fs-socket", "data=/run/data.sock"]).is_err());
+        let err =
+            restore_options(&parse(&["--restore", "/snap", "--fs-socket", "data"]).expect("parse"))
+                .expect_err("no socket");
+        assert!(err.contains("expected TAG=SOCKET"), "{err}");
+        let both = parse(&[
+            "--restore",
+            "/snap",
+            "--fs-socket",
+            "data=/run/data.sock",
+            "--fs-override",
+            "data=/srv/copy",
+        ])
+        .expect("parse");
+        let err = restore_options(&both).expect_err("both for one tag");
+        assert!(
+            err.contains("--fs-socket data=") && err.contains("--fs-override data="),
+            "{err}"
+        );
+    }
 }

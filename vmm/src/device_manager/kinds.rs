@@ -105,6 +105,8 @@ pub struct DeviceOverrides<'a> {
     pub vsock_uds: Option<&'a Path>,
     /// New shared directories, by volume tag.
     pub fs_dirs: &'a HashMap<String, PathBuf>,
+    /// Sockets of virtiofsd the caller started, by volume tag: those volumes start none.
+    pub fs_sockets: &'a HashMap<String, PathBuf>,
     /// The virtiofsd binary for volumes.
     pub virtiofsd: Option<&'a Path>,
 }
@@ -182,6 +184,7 @@ impl DevicePersistKind {
                 let args = FsRestoreArgs {
                     index,
                     shared_dir: overrides.fs_dirs.get(tag).cloned(),
+                    socket: overrides.fs_sockets.get(tag).cloned(),
                     virtiofsd: overrides.virtiofsd.map(Path::to_path_buf),
                 };
                 match Fs::restore(args, state) {
@@ -290,6 +293,7 @@ mod tests {
             nets: &nets,
             vsock_uds: Some(&clone_socket),
             fs_dirs: &fs_dirs,
+            fs_sockets: &fs_dirs,
             virtiofsd: None,
         };
         let restored = drive.restore(0, &overrides).expect("restore the drive");

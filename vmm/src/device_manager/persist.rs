@@ -8,6 +8,7 @@ use super::kinds::{DeviceOverrides, DevicePersistKind};
 use super::{DeviceManager, DeviceManagerError};
 use crate::devices::legacy::i8042::I8042PersistState;
 use crate::devices::legacy::serial::SerialPersistState;
+use crate::devices::virtio::fs::persist::fs_socket_and_override;
 use crate::devices::virtio::mmio::persist::{
     QueuePersistState, TransportRegisters, TransportState,
 };
@@ -95,7 +96,8 @@ impl DeviceManager {
     }
 }
 
-/// Refuses overrides that name no device of the snapshot.
+/// Refuses overrides that name no device of the snapshot, and a volume given both a new
+/// directory and a caller's virtiofsd socket.
 pub fn check_overrides(
     slots: &[VirtioPersistState],
     overrides: &DeviceOverrides<'_>,
@@ -106,6 +108,16 @@ pub fn check_overrides(
             return Err(DeviceManagerError::Mismatch(format!(
                 "fs_overrides: the snapshot has no volume with tag {tag:?}"
             )));
+        }
+    }
+    for tag in overrides.fs_sockets.keys() {
+        if !kinds().any(|k| k.as_volume().is_some_and(|fs| &fs.config.tag == tag)) {
+            return Err(DeviceManagerError::Mismatch(format!(
+                "fs_sockets: the snapshot has no volume with tag {tag:?}"
+            )));
+        }
+        if overrides.fs_dirs.contains_key(tag) {
+            return Err(DeviceManagerError::Mismatch(fs_socket_and_override(tag)));
         }
     }
     for id in overrides.drives.keys() {
@@ -139,7 +151,8 @@ pub fn rebuild_devices(
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
+    use std::collections::HashMap;
+    use std::path::{Path, PathBuf};
 
     use super::*;
     use crate::devices::virtio::block::persist::BlockPersistState;
@@ -280,6 +293,37 @@ mod tests {
         "69757365645f72696e67194c006a6e6578745f617661696c07696e6578745f7573656406716576656e745f69",
         "64785f656e61626c6564f5",
     );
+
+    #[test]
+    fn fs_sockets_must_name_a_volume_and_not_one_with_a_new_directory() {
+        let slots = every_device().devices;
+        let empty = HashMap::new();
+        let unknown = HashMap::from([("other".to_string(), PathBuf::from("/run/fs.sock"))]);
+        let known = HashMap::from([("data".to_string(), PathBuf::from("/run/fs.sock"))]);
+        let dirs = HashMap::from([("data".to_string(), PathBuf::from("/srv/copy"))]);
+        let with = |fs_dirs, fs_sockets| {
+            check_overrides(
+                &slots,
+                &DeviceOverrides {
+                    drives: &empty,
+                    nets: &HashMap::new(),
+                    vsock_uds: None,
+                    fs_dirs,
+                    fs_sockets,
+                    virtiofsd: None,
+                },
+            )
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(with(&empty, &known), Ok(()));
+        assert_eq!(with(&dirs, &empty), Ok(()));
+        assert_eq!(
+            with(&empty, &unknown),
+            Err(r#"fs_sockets: the snapshot has no volume with tag "other""#.to_string())
+        );
+        let both = with(&dirs, &known).expect_err("a socket and a directory");
+        assert!(both.contains("fs_sockets and fs_overrides"), "{both}");
+    }
 
     fn from_hex(hex: &str) -> Vec<u8> {
         (0..hex.len())

@@ -66,6 +66,10 @@ pub struct RestoreOptions {
     pub track_dirty_pages: Option<bool>,
     /// New shared directories, by volume tag (rollbox `fs_overrides`, `--fs-override`).
     pub fs_overrides: HashMap<String, PathBuf>,
+    /// vhost-user sockets of virtiofsd the caller started, by volume tag (rollbox
+    /// `fs_sockets`, `--fs-socket`): those volumes start no virtiofsd, their shared directory
+    /// is the backend's, and their saved state is loaded into it.
+    pub fs_sockets: HashMap<String, PathBuf>,
     /// The virtiofsd binary for volumes (`--virtiofsd`); else the one the snapshot's VM used,
     /// then the usual search.
     pub virtiofsd: Option<PathBuf>,
@@ -79,6 +83,7 @@ impl RestoreOptions {
             nets: &self.net_overrides,
             vsock_uds: self.vsock_uds.as_deref(),
             fs_dirs: &self.fs_overrides,
+            fs_sockets: &self.fs_sockets,
             virtiofsd: self.virtiofsd.as_deref(),
         }
     }

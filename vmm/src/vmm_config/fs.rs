@@ -25,8 +25,9 @@ impl Validate for FsConfig {
 }
 
 impl VmResources {
-    /// Adds a shared volume after checking it: its tag is new, its directory exists, and the
-    /// virtiofsd that will serve it exists (or the caller's socket does).
+    /// Adds a shared volume after checking it: its tag is new, and its directory and the
+    /// virtiofsd that will serve it exist, or the caller's socket does (the directory is then
+    /// that virtiofsd's, not checked here).
     pub fn add_fs(&mut self, fs: FsConfig) -> Result<(), ConfigError> {
         fs.validate()?;
         if self.fs.iter().any(|f| f.tag == fs.tag) {

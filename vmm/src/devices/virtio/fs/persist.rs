@@ -2,7 +2,7 @@
 //! virtiofsd's own state (inodes and open files the guest holds), which the backend hands over
 //! through vhost-user device-state transfer. The blob lives inside the CRC-checked state file.
 //! A restore starts a virtiofsd of its own for the volume (on the directory `fs_overrides`
-//! names, if any) and hands it the blob.
+//! names, if any), or connects to one the caller started (`fs_sockets`), and hands it the blob.
 
 use std::path::PathBuf;
 
@@ -30,7 +30,7 @@ pub enum FsRestoreError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsPersistState {
     /// Tag, shared directory and options as the VM had them (`socket` is not reused: a
-    /// restore starts a virtiofsd of its own).
+    /// restore starts a virtiofsd of its own, or connects to the one `fs_sockets` names).
     pub config: FsConfig,
     /// The virtiofsd binary that served it, tried on restore when none is named.
     #[serde(default)]
@@ -43,15 +43,28 @@ pub struct FsPersistState {
 
 impl FsPersistState {
     /// The state for a restore: checks there is a backend state and applies an override of
-    /// the shared directory (`fs_overrides`, `--fs-override`).
-    pub fn for_restore(&self, shared_dir: Option<&PathBuf>) -> Result<FsConfig, String> {
+    /// the shared directory (`fs_overrides`, `--fs-override`), or the socket of a virtiofsd
+    /// the caller started (`fs_sockets`, `--fs-socket`), whose shared directory is its own and
+    /// is not checked (a jailed VMM may not see it).
+    pub fn for_restore(
+        &self,
+        shared_dir: Option<&PathBuf>,
+        socket: Option<&PathBuf>,
+    ) -> Result<FsConfig, String> {
+        let tag = &self.config.tag;
         if self.backend_state.is_empty() {
             return Err(format!(
-                "volume {}: the snapshot holds no virtiofsd state (it was not saved through vhost-user device-state transfer), so open files and lookups in the guest could not be restored",
-                self.config.tag
+                "volume {tag}: the snapshot holds no virtiofsd state (it was not saved through vhost-user device-state transfer), so open files and lookups in the guest could not be restored"
             ));
         }
         let mut config = self.config.clone();
+        if let Some(socket) = socket {
+            if shared_dir.is_some() {
+                return Err(fs_socket_and_override(tag));
+            }
+            config.socket = Some(socket.clone());
+            return Ok(config);
+        }
         config.socket = None;
         if let Some(dir) = shared_dir {
             config.shared_dir = dir.clone();
@@ -68,6 +81,14 @@ impl FsPersistState {
     }
 }
 
+/// Why a volume cannot take both a directory override and a socket: the directory is then the
+/// socket's virtiofsd's.
+pub fn fs_socket_and_override(tag: &str) -> String {
+    format!(
+        "volume {tag}: fs_sockets and fs_overrides both name it; the shared directory is the one the virtiofsd on the socket serves, so give one"
+    )
+}
+
 /// What a restore chooses for a volume.
 #[derive(Debug, Clone, Default)]
 pub struct FsRestoreArgs {
@@ -75,6 +96,9 @@ pub struct FsRestoreArgs {
     pub index: usize,
     /// Another shared directory (`fs_overrides`), else the recorded one.
     pub shared_dir: Option<PathBuf>,
+    /// The vhost-user socket of a virtiofsd the caller started (`fs_sockets`): no virtiofsd
+    /// is started, and the saved state is loaded into that one.
+    pub socket: Option<PathBuf>,
     /// The virtiofsd binary named now (`--virtiofsd`), else the one that served the VM if it
     /// is still there, then the usual search.
     pub virtiofsd: Option<PathBuf>,
@@ -96,7 +120,7 @@ impl Persist for Fs {
 
     fn restore(args: FsRestoreArgs, state: &FsPersistState) -> Result<Self, FsRestoreError> {
         let config = state
-            .for_restore(args.shared_dir.as_ref())
+            .for_restore(args.shared_dir.as_ref(), args.socket.as_ref())
             .map_err(FsRestoreError::Volume)?;
         let binary = args
             .virtiofsd
@@ -133,7 +157,7 @@ mod tests {
     fn a_missing_backend_state_is_refused_by_name() {
         let dir = tempfile::tempdir().expect("tempdir");
         let err = state(dir.path(), Vec::new())
-            .for_restore(None)
+            .for_restore(None, None)
             .expect_err("no blob");
         assert!(
             err.contains("volume data") && err.contains("no virtiofsd state"),
@@ -146,13 +170,48 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let other = tempfile::tempdir().expect("tempdir");
         let config = state(dir.path(), vec![1])
-            .for_restore(Some(&other.path().to_path_buf()))
+            .for_restore(Some(&other.path().to_path_buf()), None)
             .expect("restore config");
         assert_eq!(config.shared_dir, other.path());
         assert_eq!(config.socket, None);
         let gone = dir.path().join("gone");
-        let err = state(&gone, vec![1]).for_restore(None).expect_err("absent");
+        let err = state(&gone, vec![1])
+            .for_restore(None, None)
+            .expect_err("absent");
         assert!(err.contains("--fs-override data=DIR"), "{err}");
+    }
+
+    #[test]
+    fn a_socket_connects_to_the_callers_virtiofsd_without_a_directory_check() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("fs.sock");
+        // The recorded directory is not visible here (a jailed VMM): not checked.
+        let unseen = dir.path().join("unseen");
+        let saved = FsPersistState {
+            config: FsConfig {
+                readonly: true,
+                cache: FsCache::Never,
+                ..state(&unseen, vec![1]).config
+            },
+            ..state(&unseen, vec![1])
+        };
+        let config = saved
+            .for_restore(None, Some(&socket))
+            .expect("restore config");
+        assert_eq!(config.socket, Some(socket.clone()));
+        assert_eq!(config.shared_dir, unseen);
+        assert_eq!((config.readonly, config.cache), (true, FsCache::Never));
+        let err = saved
+            .for_restore(Some(&dir.path().to_path_buf()), Some(&socket))
+            .expect_err("both");
+        assert!(
+            err.contains("volume data") && err.contains("fs_sockets and fs_overrides"),
+            "{err}"
+        );
+        let err = state(&unseen, Vec::new())
+            .for_restore(None, Some(&socket))
+            .expect_err("no blob");
+        assert!(err.contains("no virtiofsd state"), "{err}");
     }
 
     #[test]

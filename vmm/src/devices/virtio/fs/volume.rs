@@ -1,6 +1,8 @@
 //! What the fs device needs of a volume's configuration: a tag that fits its config space and
-//! the guest's `mount -t virtiofs TAG` line, a shared directory, and, when the caller started
-//! virtiofsd (`socket`), that socket and no virtiofsd options.
+//! the guest's `mount -t virtiofs TAG` line, and either a shared directory (rollbox-vmm starts
+//! virtiofsd on it) or, when the caller started virtiofsd (`socket`), that socket and no
+//! virtiofsd options. The shared directory of a socket's volume is that virtiofsd's: it may not
+//! be visible to rollbox-vmm at all (a jailed VMM), so it is not checked then.
 
 use std::path::PathBuf;
 
@@ -37,7 +39,7 @@ pub enum VolumeError {
     SocketOptions(String),
 }
 
-/// Checks the tag, the shared directory and the socket of `config`.
+/// Checks the tag of `config`, then its socket when it has one, else its shared directory.
 pub fn check_volume(config: &FsConfig) -> Result<(), VolumeError> {
     let tag = &config.tag;
     let tag_ok = !tag.is_empty()
@@ -47,15 +49,6 @@ pub fn check_volume(config: &FsConfig) -> Result<(), VolumeError> {
             .any(|c| c == ',' || c == ':' || c == '=' || c.is_whitespace() || c.is_control());
     if !tag_ok {
         return Err(VolumeError::Tag(tag.clone()));
-    }
-    let dir_err = |detail: String| VolumeError::SharedDir {
-        tag: tag.clone(),
-        path: config.shared_dir.clone(),
-        detail,
-    };
-    let meta = std::fs::metadata(&config.shared_dir).map_err(|e| dir_err(e.to_string()))?;
-    if !meta.is_dir() {
-        return Err(dir_err("not a directory".into()));
     }
     if let Some(socket) = &config.socket {
         if config.readonly || config.cache != FsCache::Auto {
@@ -67,6 +60,95 @@ pub fn check_volume(config: &FsConfig) -> Result<(), VolumeError> {
                 path: socket.clone(),
             });
         }
+        return Ok(());
+    }
+    let dir_err = |detail: String| VolumeError::SharedDir {
+        tag: tag.clone(),
+        path: config.shared_dir.clone(),
+        detail,
+    };
+    let meta = std::fs::metadata(&config.shared_dir).map_err(|e| dir_err(e.to_string()))?;
+    if !meta.is_dir() {
+        return Err(dir_err("not a directory".into()));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume(dir: &std::path::Path, socket: Option<PathBuf>) -> FsConfig {
+        FsConfig {
+            tag: "data".into(),
+            shared_dir: dir.to_path_buf(),
+            readonly: false,
+            cache: FsCache::Auto,
+            socket,
+        }
+    }
+
+    #[test]
+    fn without_a_socket_the_shared_directory_must_be_a_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(check_volume(&volume(dir.path(), None)), Ok(()));
+        let absent = dir.path().join("absent");
+        assert!(matches!(
+            check_volume(&volume(&absent, None)),
+            Err(VolumeError::SharedDir { path, .. }) if path == absent
+        ));
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").expect("file");
+        assert!(matches!(
+            check_volume(&volume(&file, None)),
+            Err(VolumeError::SharedDir { detail, .. }) if detail == "not a directory"
+        ));
+        let bad_tag = FsConfig {
+            tag: "a b".into(),
+            ..volume(dir.path(), None)
+        };
+        assert_eq!(check_volume(&bad_tag), Err(VolumeError::Tag("a b".into())));
+    }
+
+    #[test]
+    fn with_a_socket_the_shared_directory_is_the_backends_and_is_not_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("fs.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        // Not visible here (a jailed VMM): still a volume.
+        let elsewhere = dir.path().join("not-here");
+        assert_eq!(
+            check_volume(&volume(&elsewhere, Some(socket.clone()))),
+            Ok(())
+        );
+        let gone = dir.path().join("gone.sock");
+        assert_eq!(
+            check_volume(&volume(&elsewhere, Some(gone.clone()))),
+            Err(VolumeError::Socket {
+                tag: "data".into(),
+                path: gone
+            })
+        );
+        let readonly = FsConfig {
+            readonly: true,
+            ..volume(&elsewhere, Some(socket.clone()))
+        };
+        assert_eq!(
+            check_volume(&readonly),
+            Err(VolumeError::SocketOptions("data".into()))
+        );
+        let cached = FsConfig {
+            cache: FsCache::Never,
+            ..volume(&elsewhere, Some(socket.clone()))
+        };
+        assert_eq!(
+            check_volume(&cached),
+            Err(VolumeError::SocketOptions("data".into()))
+        );
+        let bad_tag = FsConfig {
+            tag: String::new(),
+            ..volume(&elsewhere, Some(socket))
+        };
+        assert_eq!(check_volume(&bad_tag), Err(VolumeError::Tag(String::new())));
+    }
 }
