@@ -1,6 +1,6 @@
 //! The `rollbox` command line: one module per command ([`image`], [`exec`], [`net`],
-//! [`serve`], [`sandbox`] with [`guest`], [`template`], [`key`], [`node`]), and [`conn`], how
-//! the daemon's commands talk to it.
+//! [`serve`], [`sandbox`] with [`guest`], [`template`], [`key`], [`node`], [`volume`]), and
+//! [`conn`], how the daemon's commands talk to it.
 
 mod conn;
 mod exec;
@@ -13,6 +13,7 @@ mod sandbox;
 mod serve;
 mod template;
 mod untar;
+mod volume;
 
 use std::process::ExitCode;
 
@@ -65,6 +66,14 @@ pub enum Command {
         #[command(subcommand)]
         command: node::NodeCommand,
     },
+    /// Named shared volumes (virtio-fs) that sandboxes mount, and their files, through the
+    /// daemon.
+    Volume {
+        #[command(flatten)]
+        conn: conn::ConnArgs,
+        #[command(subcommand)]
+        command: volume::VolumeCommand,
+    },
 }
 
 impl Cli {
@@ -101,6 +110,12 @@ pub fn run(cli: Cli) -> ExitCode {
         }
         Command::Node { conn, command } => {
             match conn::Conn::new(&conn).and_then(|conn| node::run(&conn, command)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Volume { conn, command } => {
+            match conn::Conn::new(&conn).and_then(|conn| volume::run(&conn, command)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

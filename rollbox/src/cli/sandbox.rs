@@ -107,6 +107,15 @@ pub struct CreateArgs {
     /// Create this many of the spec in one batch (each succeeds or fails on its own).
     #[arg(long, value_name = "N")]
     pub count: Option<i64>,
+    /// Mount a volume (`rollbox volume create`) at an absolute path, read-only with `:ro`
+    /// (repeatable). A restore gets its snapshot's volumes.
+    #[arg(
+        long = "volume",
+        value_name = "NAME:/PATH[:ro]",
+        value_parser = super::volume::parse_mount,
+        conflicts_with = "snapshot"
+    )]
+    pub volumes: Vec<super::volume::VolumeMount>,
 }
 
 /// `ls`'s arguments.
@@ -216,6 +225,7 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
         cpu_limit,
         deterministic,
         count,
+        volumes,
     } = args;
     let mut body = json!({
         "labels": key_values(&labels, "label")?,
@@ -245,6 +255,9 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
     }
     if deterministic {
         body["deterministic"] = json!(true);
+    }
+    if !volumes.is_empty() {
+        body["volumes"] = json!(volumes);
     }
     if let Some(count) = count {
         body["count"] = json!(count);

@@ -2,8 +2,9 @@
 
 Sandboxes (microVMs) from templates, exec (unary and streaming, with stdin and signals),
 files and tar, memory snapshots, fork into N clones, reset to a snapshot, batches, labels,
-TTLs, usage and metrics. :class:`Client` is synchronous, :class:`AsyncClient` asynchronous;
-both speak to the daemon over its Unix socket or loopback TCP.
+TTLs, usage and metrics, and named shared volumes that sandboxes mount. :class:`Client` is
+synchronous, :class:`AsyncClient` asynchronous; both speak to the daemon over its Unix
+socket or loopback TCP.
 """
 
 from ._core import DEFAULT_SOCKET, ImageSource, Page
@@ -37,6 +38,8 @@ from .types import (
     Snapshot,
     Template,
     Usage,
+    Volume,
+    VolumeInfo,
     Written,
 )
 
@@ -75,5 +78,7 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "Usage",
+    "Volume",
+    "VolumeInfo",
     "Written",
 ]

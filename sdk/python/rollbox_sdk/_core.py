@@ -40,6 +40,8 @@ from .types import (
     Snapshot,
     Template,
     Usage,
+    Volume,
+    VolumeInfo,
     Written,
     items,
 )
@@ -51,6 +53,12 @@ DEFAULT_SOCKET = "/run/rollbox/rollbox.sock"
 
 SandboxRef = Union[str, Sandbox]
 """A sandbox id, or a Sandbox."""
+
+VolumeRef = Union[str, VolumeInfo]
+"""A volume's name, or a VolumeInfo."""
+
+Mounts = Sequence[Union[Volume, Mapping[str, Any]]]
+"""A create's volume mounts: Volume, or its JSON object."""
 
 Command = Union[str, Sequence[str]]
 """An argv, or a string that the sandbox runs with /bin/sh -c."""
@@ -327,6 +335,7 @@ def create_body(
     cpu_limit: Optional[float],
     idempotency_key: Optional[str],
     deterministic: bool = False,
+    volumes: Optional[Mounts] = None,
 ) -> Dict[str, Any]:
     body = _drop_none(
         {
@@ -345,6 +354,8 @@ def create_body(
             body[key] = dict(value)
     if deterministic:
         body["deterministic"] = True
+    if volumes:
+        body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
     return body
 
 
@@ -636,6 +647,80 @@ def upload_tar(sandbox: SandboxRef, path: str, content: Any) -> Call[Written]:
         params=[("path", path)],
         content=content,
         headers={"Content-Type": "application/x-tar"},
+        timeout=httpx.Timeout(30.0, read=None, write=None),
+    )
+
+
+# --- volumes --------------------------------------------------------------------------------
+
+
+def volume_path(volume: VolumeRef, suffix: str = "") -> str:
+    name = volume.name if isinstance(volume, VolumeInfo) else volume
+    return f"/volumes/{seg(name)}{suffix}"
+
+
+def _volume(response: httpx.Response) -> VolumeInfo:
+    return VolumeInfo.from_json(response.json())
+
+
+def create_volume(name: str, host_path: Optional[str]) -> Call[VolumeInfo]:
+    body: Dict[str, Any] = {"name": name}
+    if host_path is not None:
+        body["host_path"] = str(host_path)
+    return Call("POST", "/volumes", _volume, json=body)
+
+
+def list_volumes() -> Call[List[VolumeInfo]]:
+    return Call(
+        "GET",
+        "/volumes",
+        lambda r: [VolumeInfo.from_json(v) for v in r.json().get("volumes", [])],
+    )
+
+
+def get_volume(volume: VolumeRef) -> Call[VolumeInfo]:
+    return Call("GET", volume_path(volume), _volume)
+
+
+def delete_volume(volume: VolumeRef) -> Call[None]:
+    return Call("DELETE", volume_path(volume), _none)
+
+
+def _is_listing(response: httpx.Response) -> bool:
+    """GET /volumes/{name}/files answers a directory with a JSON listing, a file with bytes."""
+    return response.headers.get("content-type", "").startswith("application/json")
+
+
+def read_volume_file(volume: VolumeRef, path: str) -> Call[bytes]:
+    where = volume_path(volume, "/files")
+
+    def parse(response: httpx.Response) -> bytes:
+        if _is_listing(response):
+            raise IsADirectoryError(f"GET {where}: {path!r} is a directory (see list_volume)")
+        return response.content
+
+    return Call("GET", where, parse, params=[("path", path)])
+
+
+def list_volume(volume: VolumeRef, path: str) -> Call[List[FileInfo]]:
+    where = volume_path(volume, "/files")
+
+    def parse(response: httpx.Response) -> List[FileInfo]:
+        if not _is_listing(response):
+            raise NotADirectoryError(f"GET {where}: {path!r} is a file (see read_volume_file)")
+        return [FileInfo.from_json(e) for e in response.json().get("entries", [])]
+
+    return Call("GET", where, parse, params=[("path", path)])
+
+
+def write_volume_file(volume: VolumeRef, path: str, content: Any) -> Call[None]:
+    return Call(
+        "PUT",
+        volume_path(volume, "/files"),
+        _none,
+        params=[("path", path)],
+        content=content,
+        headers={"Content-Type": "application/octet-stream"},
         timeout=httpx.Timeout(30.0, read=None, write=None),
     )
 

@@ -21,7 +21,17 @@ from typing import (
 import httpx
 
 from . import _core
-from ._core import CHUNK, AsyncUpload, Call, Command, ImageSource, Page, SandboxRef
+from ._core import (
+    CHUNK,
+    AsyncUpload,
+    Call,
+    Command,
+    ImageSource,
+    Mounts,
+    Page,
+    SandboxRef,
+    VolumeRef,
+)
 from .errors import StreamError, TransportError
 from .types import (
     ExecEvent,
@@ -33,6 +43,7 @@ from .types import (
     Snapshot,
     Template,
     Usage,
+    VolumeInfo,
     Written,
 )
 
@@ -218,6 +229,7 @@ class AsyncClient:
         cpu_limit: Optional[float] = None,
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
+        volumes: Optional[Mounts] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -227,14 +239,15 @@ class AsyncClient:
         ``idempotency_key`` returns the first sandbox. ``deterministic`` makes a machine
         without RDRAND/RDSEED whose restores (this create, every reset) put back the
         snapshot's guest time and generation exactly: every episode starts identical. It
-        restores only snapshots of deterministic sandboxes.
+        restores only snapshots of deterministic sandboxes. ``volumes`` mounts named volumes
+        (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return await self._send(
             _core.create_sandbox(
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic,
+                    env, cpu_limit, idempotency_key, deterministic, volumes,
                 )
             )
         )
@@ -255,6 +268,7 @@ class AsyncClient:
         cpu_limit: Optional[float] = None,
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
+        volumes: Optional[Mounts] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -265,7 +279,7 @@ class AsyncClient:
                 count,
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic,
+                    env, cpu_limit, idempotency_key, deterministic, volumes,
                 ),
             )
         )
@@ -453,6 +467,41 @@ class AsyncClient:
     async def upload_tar(self, sandbox: SandboxRef, path: str, tar: AsyncUpload) -> Written:
         """Unpack a tar archive into directory ``path`` (created if missing)."""
         return await self._send(_core.upload_tar(sandbox, path, _core.aupload_body(tar)))
+
+    # --- volumes --------------------------------------------------------------------------
+
+    async def create_volume(self, name: str, host_path: Optional[str] = None) -> VolumeInfo:
+        """Make a named shared volume (1-32 of a-z 0-9 _ . -, starting with a letter or
+        digit). Its files live under the daemon's state directory, or in ``host_path``, an
+        existing directory on the daemon's host (admin keys only). Conflict when the name is
+        taken."""
+        return await self._send(_core.create_volume(name, host_path))
+
+    async def volumes(self) -> List[VolumeInfo]:
+        """The volumes this key sees, by name."""
+        return await self._send(_core.list_volumes())
+
+    async def volume(self, name: VolumeRef) -> VolumeInfo:
+        return await self._send(_core.get_volume(name))
+
+    async def delete_volume(self, name: VolumeRef) -> None:
+        """Remove a volume: Conflict while a live sandbox mounts it. One under the state
+        directory loses its files; a ``host_path`` directory is left as it is."""
+        await self._send(_core.delete_volume(name))
+
+    async def read_volume_file(self, name: VolumeRef, path: str) -> bytes:
+        """A file's bytes (``path`` relative to the volume's root; a leading ``/`` is the
+        root). Raises IsADirectoryError for a directory."""
+        return await self._send(_core.read_volume_file(name, path))
+
+    async def list_volume(self, name: VolumeRef, path: str = "/") -> List[FileInfo]:
+        """A directory's entries, sorted by name (their ``path`` from the volume's root).
+        Raises NotADirectoryError for a file."""
+        return await self._send(_core.list_volume(name, path))
+
+    async def write_volume_file(self, name: VolumeRef, path: str, data: bytes) -> None:
+        """Write a file into the volume, making missing parent directories."""
+        await self._send(_core.write_volume_file(name, path, bytes(data)))
 
     # --- snapshots, fork, reset -----------------------------------------------------------
 

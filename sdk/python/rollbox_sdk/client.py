@@ -19,7 +19,17 @@ from typing import (
 import httpx
 
 from . import _core
-from ._core import CHUNK, Upload, Call, Command, ImageSource, Page, SandboxRef
+from ._core import (
+    CHUNK,
+    Upload,
+    Call,
+    Command,
+    ImageSource,
+    Mounts,
+    Page,
+    SandboxRef,
+    VolumeRef,
+)
 from .errors import StreamError, TransportError
 from .types import (
     ExecEvent,
@@ -31,6 +41,7 @@ from .types import (
     Snapshot,
     Template,
     Usage,
+    VolumeInfo,
     Written,
 )
 
@@ -214,6 +225,7 @@ class Client:
         cpu_limit: Optional[float] = None,
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
+        volumes: Optional[Mounts] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -223,14 +235,15 @@ class Client:
         ``idempotency_key`` returns the first sandbox. ``deterministic`` makes a machine
         without RDRAND/RDSEED whose restores (this create, every reset) put back the
         snapshot's guest time and generation exactly: every episode starts identical. It
-        restores only snapshots of deterministic sandboxes.
+        restores only snapshots of deterministic sandboxes. ``volumes`` mounts named volumes
+        (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return self._send(
             _core.create_sandbox(
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic,
+                    env, cpu_limit, idempotency_key, deterministic, volumes,
                 )
             )
         )
@@ -251,6 +264,7 @@ class Client:
         cpu_limit: Optional[float] = None,
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
+        volumes: Optional[Mounts] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -261,7 +275,7 @@ class Client:
                 count,
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic,
+                    env, cpu_limit, idempotency_key, deterministic, volumes,
                 ),
             )
         )
@@ -446,6 +460,41 @@ class Client:
     def upload_tar(self, sandbox: SandboxRef, path: str, tar: Upload) -> Written:
         """Unpack a tar archive into directory ``path`` (created if missing)."""
         return self._send(_core.upload_tar(sandbox, path, _core.upload_body(tar)))
+
+    # --- volumes --------------------------------------------------------------------------
+
+    def create_volume(self, name: str, host_path: Optional[str] = None) -> VolumeInfo:
+        """Make a named shared volume (1-32 of a-z 0-9 _ . -, starting with a letter or
+        digit). Its files live under the daemon's state directory, or in ``host_path``, an
+        existing directory on the daemon's host (admin keys only). Conflict when the name is
+        taken."""
+        return self._send(_core.create_volume(name, host_path))
+
+    def volumes(self) -> List[VolumeInfo]:
+        """The volumes this key sees, by name."""
+        return self._send(_core.list_volumes())
+
+    def volume(self, name: VolumeRef) -> VolumeInfo:
+        return self._send(_core.get_volume(name))
+
+    def delete_volume(self, name: VolumeRef) -> None:
+        """Remove a volume: Conflict while a live sandbox mounts it. One under the state
+        directory loses its files; a ``host_path`` directory is left as it is."""
+        self._send(_core.delete_volume(name))
+
+    def read_volume_file(self, name: VolumeRef, path: str) -> bytes:
+        """A file's bytes (``path`` relative to the volume's root; a leading ``/`` is the
+        root). Raises IsADirectoryError for a directory."""
+        return self._send(_core.read_volume_file(name, path))
+
+    def list_volume(self, name: VolumeRef, path: str = "/") -> List[FileInfo]:
+        """A directory's entries, sorted by name (their ``path`` from the volume's root).
+        Raises NotADirectoryError for a file."""
+        return self._send(_core.list_volume(name, path))
+
+    def write_volume_file(self, name: VolumeRef, path: str, data: bytes) -> None:
+        """Write a file into the volume, making missing parent directories."""
+        self._send(_core.write_volume_file(name, path, bytes(data)))
 
     # --- snapshots, fork, reset -----------------------------------------------------------
 

@@ -21,6 +21,8 @@ __all__ = [
     "ItemResult",
     "NodeInfo",
     "Written",
+    "Volume",
+    "VolumeInfo",
     "decode_data",
 ]
 
@@ -38,6 +40,58 @@ def decode_data(text: Optional[str], encoding: Optional[str]) -> bytes:
 
 def _str_map(value: Any) -> Dict[str, str]:
     return dict(value) if isinstance(value, dict) else {}
+
+
+@dataclass
+class Volume:
+    """A volume mount: the named volume at ``mount_path`` (absolute) in the sandbox,
+    read-only with ``readonly``. Pass a list as ``volumes=`` to a create; a Sandbox's and a
+    Snapshot's ``volumes`` are these too."""
+
+    name: str
+    mount_path: str
+    readonly: bool = False
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "mount_path": self.mount_path, "readonly": self.readonly}
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Volume":
+        return cls(
+            name=data["name"],
+            mount_path=data["mount_path"],
+            readonly=bool(data.get("readonly", False)),
+        )
+
+
+def _volumes(value: Any) -> List[Volume]:
+    return [Volume.from_json(v) for v in value] if isinstance(value, list) else []
+
+
+@dataclass
+class VolumeInfo:
+    """A named shared volume (virtio-fs) as the daemon shows it."""
+
+    name: str
+    host_path: str
+    """Where its files are on the daemon's host."""
+    created_at_ms: int
+    tenant: Optional[str]
+    """The tenant whose key made it (None for an admin key's)."""
+    mounted_by: List[str]
+    """The live sandboxes that mount it, sorted."""
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "VolumeInfo":
+        return cls(
+            name=data["name"],
+            host_path=data.get("host_path", ""),
+            created_at_ms=data.get("created_at_ms", 0),
+            tenant=data.get("tenant"),
+            mounted_by=list(data.get("mounted_by") or []),
+            raw=data,
+        )
 
 
 @dataclass
@@ -109,6 +163,8 @@ class Sandbox:
     cpu_limit: Optional[float]
     deterministic: bool = False
     """No RDRAND/RDSEED; restores (create, reset) put back the snapshot's time exactly."""
+    volumes: List[Volume] = field(default_factory=list)
+    """The volumes it mounts (forks, resets and restores keep them)."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -139,6 +195,7 @@ class Sandbox:
             env=_str_map(data.get("env")),
             cpu_limit=data.get("cpu_limit"),
             deterministic=bool(data.get("deterministic", False)),
+            volumes=_volumes(data.get("volumes")),
             raw=data,
         )
 
@@ -225,6 +282,8 @@ class Snapshot:
     expires_at_ms: Optional[int]
     deterministic: bool = False
     """Taken of a deterministic sandbox (deterministic sandboxes restore only these)."""
+    volumes: List[Volume] = field(default_factory=list)
+    """Its sandbox's volumes, which a create from it mounts."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -240,13 +299,14 @@ class Snapshot:
             created_at_ms=data.get("created_at_ms", 0),
             expires_at_ms=data.get("expires_at_ms"),
             deterministic=bool(data.get("deterministic", False)),
+            volumes=_volumes(data.get("volumes")),
             raw=data,
         )
 
 
 @dataclass
 class FileInfo:
-    """A file in a sandbox (``kind``: file, dir, symlink or other)."""
+    """A file in a sandbox or a volume (``kind``: file, dir, symlink or other)."""
 
     name: str
     path: str
