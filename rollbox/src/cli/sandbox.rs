@@ -582,6 +582,10 @@ fn print_sandbox(s: &Sandbox) {
         println!("pid:      {pid}");
     }
     println!("dir:      {}", s.dir.display());
+    for v in &s.volumes {
+        let ro = if v.readonly { " (read-only)" } else { "" };
+        println!("volume:   {} at {}{ro}", v.name, v.mount_path);
+    }
     for (k, v) in &s.labels {
         println!("label:    {k}={v}");
     }

@@ -6,7 +6,7 @@ use std::io::{IsTerminal as _, Read, Write};
 use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::json;
 
 use rollbox::daemon::api::{FileInfo, FileKind};
@@ -57,30 +57,7 @@ pub enum VolumeCommand {
     },
 }
 
-/// The daemon's Volume object.
-// Local until rollbox::daemon::api has the daemon's own type.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct Volume {
-    pub name: String,
-    pub host_path: String,
-    pub created_at_ms: u64,
-    /// Not sent for a volume an admin key made.
-    #[serde(default)]
-    pub tenant: Option<String>,
-    /// Live sandboxes that mount it, sorted.
-    #[serde(default)]
-    pub mounted_by: Vec<String>,
-}
-
-/// One mount of a volume in a sandbox, as a create request and a Sandbox carry it.
-// Local until rollbox::daemon::api has the daemon's own type.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VolumeMount {
-    pub name: String,
-    pub mount_path: String,
-    #[serde(default)]
-    pub readonly: bool,
-}
+pub use rollbox::daemon::api::{Volume, VolumeMount};
 
 /// `NAME:/mount/path[:ro]` (`--volume`). Only the shape is checked here; the daemon checks
 /// the name and path rules and names the field it refuses.
@@ -129,7 +106,7 @@ fn create(conn: &Conn, name: &str, host_path: Option<PathBuf>) -> Result<(), Cli
         print_json(&response);
     } else {
         let volume: Volume = parse(&response)?;
-        println!("volume {} created at {}", volume.name, volume.host_path);
+        println!("volume {} created at {}", volume.name, volume.host_path.display());
     }
     Ok(())
 }
@@ -153,7 +130,7 @@ fn ls(conn: &Conn) -> Result<(), CliError> {
             v.name,
             v.tenant.as_deref().unwrap_or("-"),
             v.mounted_by.len(),
-            v.host_path
+            v.host_path.display()
         );
     }
     Ok(())
@@ -168,7 +145,7 @@ fn info(conn: &Conn, name: &str) -> Result<(), CliError> {
     }
     let v: Volume = parse(&response)?;
     println!("name:       {}", v.name);
-    println!("host_path:  {}", v.host_path);
+    println!("host_path:  {}", v.host_path.display());
     println!("created_at: {} ms since the epoch", v.created_at_ms);
     println!("tenant:     {}", v.tenant.as_deref().unwrap_or("(admin)"));
     if v.mounted_by.is_empty() {
