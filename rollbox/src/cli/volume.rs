@@ -106,7 +106,11 @@ fn create(conn: &Conn, name: &str, host_path: Option<PathBuf>) -> Result<(), Cli
         print_json(&response);
     } else {
         let volume: Volume = parse(&response)?;
-        println!("volume {} created at {}", volume.name, volume.host_path.display());
+        println!(
+            "volume {} created at {}",
+            volume.name,
+            volume.host_path.display()
+        );
     }
     Ok(())
 }

@@ -1,0 +1,374 @@
+//! `rollbox serve` end to end, shared volumes: the volume routes and their refusals, files
+//! read and written from the host, and 64 forks of a test-guest sandbox appending records to
+//! one volume through the test guest's own FUSE client, each with its own virtiofsd; then a
+//! kill -9 of the daemon and a restart that leaves no virtiofsd behind.
+//! Tier 2 (the forks need /dev/kvm and virtiofsd: scripts/test.sh sets ROLLBOX_VIRTIOFSD).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use rollbox_tests::daemon::{console, wait_for, Server, KEY};
+use rollbox_tests::{kvm_available, skip, test_guest, TEST_GUEST_CMDLINE};
+use serde_json::{json, Value};
+
+const RECORDS: usize = 1000;
+/// `fs-append`'s record: 16 hex digits of the writer's generation, a space, 6 digits, `\n`.
+const RECORD_LEN: usize = 24;
+
+/// The sockets served by virtiofsd processes under `dir` (a daemon's state); virtiofsd with
+/// `--sandbox namespace` is two processes, a monitor and the server, on one socket.
+fn virtiofsd_under(dir: &std::path::Path) -> BTreeSet<String> {
+    let dir = std::fs::canonicalize(dir).expect("state dir");
+    let needle = dir.to_string_lossy().to_string();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> = String::from_utf8_lossy(&cmdline)
+                .split('\0')
+                .map(str::to_string)
+                .collect();
+            let socket = args
+                .iter()
+                .position(|a| a == "--socket-path")
+                .and_then(|i| args.get(i + 1))?;
+            let is_virtiofsd = args.first().is_some_and(|a| a.ends_with("virtiofsd"));
+            (is_virtiofsd && socket.contains(&needle)).then(|| socket.clone())
+        })
+        .collect()
+}
+
+fn status_and_error(
+    server: &Server,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, String) {
+    let (status, answer) = server.call(method, path, body);
+    (status, answer["error"].as_str().unwrap_or("").to_string())
+}
+
+#[test]
+fn volume_routes_files_and_refusals() {
+    let server = Server::start(&[]);
+    let (status, volume) = server.call("POST", "/volumes", Some(json!({"name": "traj"})));
+    assert_eq!(status, 201, "{volume}");
+    assert_eq!(volume["mounted_by"], json!([]));
+    let host_dir = std::path::PathBuf::from(volume["host_path"].as_str().expect("host_path"));
+    assert!(host_dir.is_dir(), "{volume}");
+    let (status, error) =
+        status_and_error(&server, "POST", "/volumes", Some(json!({"name": "traj"})));
+    assert_eq!((status, error.contains("exists")), (409, true), "{error}");
+    for (body, field) in [
+        (json!({"name": "Bad Name"}), "name: "),
+        (json!({"name": "x", "host_path": "relative"}), "host_path"),
+        (
+            json!({"name": "x", "host_path": "/"}),
+            "host_path: / is not under a --volume-dir",
+        ),
+        (json!({"name": "x", "size": 1}), "size"),
+    ] {
+        let (status, error) = status_and_error(&server, "POST", "/volumes", Some(body.clone()));
+        assert_eq!(status, 400, "{body}: {error}");
+        assert!(error.contains(field), "{body}: {error}");
+    }
+
+    // Files from the host: written whole, read back, listed, archived.
+    let put = server.raw(
+        "PUT",
+        "/volumes/traj/files?path=/runs/1/log.txt",
+        Some(KEY),
+        Some(b"step 1\n"),
+    );
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
+    assert_eq!(
+        std::fs::read(host_dir.join("runs/1/log.txt")).expect("on host"),
+        b"step 1\n"
+    );
+    let get = server.raw(
+        "GET",
+        "/volumes/traj/files?path=runs/1/log.txt",
+        Some(KEY),
+        None,
+    );
+    assert_eq!((get.status, get.body.as_slice()), (200, &b"step 1\n"[..]));
+    let (status, listing) = server.call("GET", "/volumes/traj/files?path=/runs", None);
+    assert_eq!(status, 200, "{listing}");
+    assert_eq!(listing["entries"][0]["name"], "1", "{listing}");
+    assert_eq!(listing["entries"][0]["kind"], "dir", "{listing}");
+    let tar = server.raw("GET", "/volumes/traj/tar", Some(KEY), None);
+    assert_eq!(tar.status, 200);
+    let names: Vec<String> = tar::Archive::new(tar.body.as_slice())
+        .entries()
+        .expect("tar")
+        .map(|e| {
+            e.expect("entry")
+                .path()
+                .expect("path")
+                .display()
+                .to_string()
+        })
+        .collect();
+    assert!(
+        names.iter().any(|n| n.ends_with("runs/1/log.txt")),
+        "{names:?}"
+    );
+
+    // Nothing outside the volume is reached: `..`, and a symlink a guest could have made.
+    let outside = tempfile::tempdir().expect("outside");
+    std::fs::write(outside.path().join("secret"), "s").expect("secret");
+    std::os::unix::fs::symlink(outside.path(), host_dir.join("out")).expect("symlink");
+    for path in [
+        "/volumes/traj/files?path=../etc/passwd",
+        "/volumes/traj/files?path=out/secret",
+    ] {
+        let (status, error) = status_and_error(&server, "GET", path, None);
+        assert_eq!(status, 400, "{path}: {error}");
+        assert!(
+            error.contains("leave") || error.contains("outside"),
+            "{path}: {error}"
+        );
+    }
+    let put = server.raw(
+        "PUT",
+        "/volumes/traj/files?path=out/x",
+        Some(KEY),
+        Some(b"x"),
+    );
+    assert_eq!(put.status, 400, "{}", String::from_utf8_lossy(&put.body));
+    assert!(!outside.path().join("x").exists());
+    let (status, _) = status_and_error(&server, "GET", "/volumes/traj/files?path=nope", None);
+    assert_eq!(status, 404);
+    let (status, error) = status_and_error(&server, "GET", "/volumes/nope", None);
+    assert_eq!((status, error.as_str()), (404, "no volume nope"));
+
+    // Mounts a create names: the volume must exist, the mount point be one.
+    server.call(
+        "POST",
+        "/templates",
+        Some(json!({"name": "guest", "kernel": test_guest(), "memory_mib": 32})),
+    );
+    for (volumes, field) in [
+        (
+            json!([{"name": "nope", "mount_path": "/data"}]),
+            "volumes[0].name: no volume",
+        ),
+        (
+            json!([{"name": "traj", "mount_path": "data"}]),
+            "volumes[0].mount_path",
+        ),
+        (
+            json!([{"name": "traj", "mount_path": "/a"}, {"name": "traj", "mount_path": "/b"}]),
+            "volumes[1].name",
+        ),
+        (
+            json!([{"name": "traj", "mount_path": "/a", "rw": true}]),
+            "rw",
+        ),
+    ] {
+        let body = json!({"template": "guest", "ttl_s": 60, "volumes": volumes});
+        let (status, error) = status_and_error(&server, "POST", "/sandboxes", Some(body));
+        assert_eq!(status, 400, "{volumes}: {error}");
+        assert!(error.contains(field), "{volumes}: {error}");
+    }
+
+    // A tenant sees its own volumes only; another's is as unknown as a missing one.
+    let (status, made) = server.call("POST", "/keys", Some(json!({"tenant": "team-a"})));
+    assert_eq!(status, 201, "{made}");
+    let tenant = made["key"].as_str().expect("key").to_string();
+    let as_tenant = |method: &str, path: &str, body: Option<&str>| {
+        let r = server.raw(method, path, Some(&tenant), body.map(str::as_bytes));
+        (
+            r.status,
+            serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null),
+        )
+    };
+    assert_eq!(as_tenant("GET", "/volumes/traj", None).0, 404);
+    assert_eq!(as_tenant("GET", "/volumes", None).1, json!({"volumes": []}));
+    assert_eq!(
+        as_tenant("POST", "/volumes", Some(r#"{"name":"mine"}"#)).0,
+        201
+    );
+    let (status, _) = as_tenant(
+        "POST",
+        "/volumes",
+        Some(r#"{"name":"x","host_path":"/tmp"}"#),
+    );
+    assert_eq!(status, 403);
+    let (status, body) = server.call("GET", "/volumes", None);
+    assert_eq!(status, 200);
+    let names: Vec<&str> = body["volumes"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(names, ["mine", "traj"]);
+
+    let (status, _) = server.call("DELETE", "/volumes/traj", None);
+    assert_eq!(status, 204);
+    assert!(!host_dir.exists(), "a state-dir volume's files go with it");
+    assert_eq!(server.call("DELETE", "/volumes/traj", None).0, 404);
+}
+
+#[test]
+fn sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd() {
+    const TEST: &str = "sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd";
+    if !kvm_available() {
+        return;
+    }
+    if std::env::var_os("ROLLBOX_VIRTIOFSD").is_none() {
+        skip(TEST, "ROLLBOX_VIRTIOFSD is not set (scripts/virtiofsd.sh builds virtiofsd and prints its path)");
+        return;
+    }
+    let clones: u32 = std::env::var("ROLLBOX_DAEMON_VOLUME_FORKS").map_or(64, |v| {
+        v.parse().expect("ROLLBOX_DAEMON_VOLUME_FORKS is a count")
+    });
+    let mut server = Server::start(&[]);
+    // The guest runs `fs-init`, then waits to be a clone and appends as itself.
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "writer",
+            "kernel": test_guest(),
+            "cmdline": format!("{TEST_GUEST_CMDLINE} rollbox.test.run=fs-init;fs-append-clone:{RECORDS}"),
+            "memory_mib": 32,
+        })),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, volume) = server.call("POST", "/volumes", Some(json!({"name": "traj"})));
+    assert_eq!(status, 201, "{volume}");
+    let started = Instant::now();
+    let parent = server.create(json!({
+        "template": "writer",
+        "ttl_s": 900,
+        "volumes": [{"name": "traj", "mount_path": "/data"}],
+    }));
+    let created = started.elapsed();
+    let parent_id = parent["id"].as_str().expect("id").to_string();
+    assert_eq!(
+        parent["volumes"],
+        json!([{"name": "traj", "mount_path": "/data", "readonly": false}])
+    );
+    assert_eq!(
+        virtiofsd_under(&server.state()).len(),
+        1,
+        "the parent's virtiofsd"
+    );
+    wait_for("the guest's FUSE session", Duration::from_secs(60), || {
+        console(&parent).contains("OK 7.")
+    });
+    let (status, error) = status_and_error(&server, "DELETE", "/volumes/traj", None);
+    assert_eq!(status, 409, "{error}");
+    assert!(error.contains(&parent_id), "{error}");
+
+    let started = Instant::now();
+    let (status, forked) = server.call(
+        "POST",
+        &format!("/sandboxes/{parent_id}/fork"),
+        Some(json!({"count": clones})),
+    );
+    let fork_s = started.elapsed().as_secs_f64();
+    assert_eq!(status, 200, "{forked}\n{}", server.log_tail());
+    let results = forked["results"].as_array().expect("results");
+    let sandboxes: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            assert!(r["error"].is_null(), "{r}");
+            r["sandbox"].clone()
+        })
+        .collect();
+    assert_eq!(sandboxes.len(), clones as usize);
+    for sandbox in &sandboxes {
+        assert_eq!(sandbox["volumes"], parent["volumes"], "{sandbox}");
+    }
+    assert_eq!(
+        virtiofsd_under(&server.state()).len(),
+        clones as usize + 1,
+        "one virtiofsd per (sandbox, volume)"
+    );
+    let mut writers = BTreeSet::new();
+    for sandbox in &sandboxes {
+        wait_for("a clone's records", Duration::from_secs(600), || {
+            console(sandbox).contains("OK appended") || console(sandbox).contains("ERR")
+        });
+        let text = console(sandbox);
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("OK appended") || l.starts_with("ERR"))
+            .unwrap_or("");
+        let generation = line
+            .strip_prefix(&format!("OK appended {RECORDS} as 0x"))
+            .unwrap_or_else(|| panic!("{}: {line}", sandbox["id"]));
+        assert!(
+            writers.insert(generation.to_string()),
+            "generation {generation} twice"
+        );
+    }
+    let appended_s = started.elapsed().as_secs_f64();
+    assert!(
+        !console(&parent).contains("OK appended"),
+        "the parent appends nothing"
+    );
+
+    // From the host, through the API: one file per writer and every record once in common.
+    let (status, listing) = server.call("GET", "/volumes/traj/files?path=/", None);
+    assert_eq!(status, 200, "{listing}");
+    let files: BTreeSet<String> = listing["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .filter_map(|e| e["name"].as_str().map(str::to_string))
+        .collect();
+    let mut want: BTreeSet<String> = writers.iter().map(|w| format!("{w}.log")).collect();
+    want.insert("common".into());
+    assert_eq!(files, want);
+    let common = server.raw("GET", "/volumes/traj/files?path=common", Some(KEY), None);
+    assert_eq!(common.status, 200);
+    assert_eq!(
+        common.body.len(),
+        writers.len() * RECORDS * RECORD_LEN,
+        "common's size"
+    );
+    let mut seen: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
+    for line in String::from_utf8(common.body).expect("text").lines() {
+        let (writer, seq) = line
+            .split_once(' ')
+            .unwrap_or_else(|| panic!("torn: {line:?}"));
+        assert!(writers.contains(writer), "a record of no writer: {line:?}");
+        let seq: usize = seq.parse().unwrap_or_else(|_| panic!("torn: {line:?}"));
+        assert!(
+            seen.entry(writer.to_string()).or_default().insert(seq),
+            "twice: {line:?}"
+        );
+    }
+    assert!(seen.values().all(|s| s.len() == RECORDS));
+    eprintln!(
+        "figure: daemon create with a volume {:.0} ms; fork into {clones} (a virtiofsd each) {fork_s:.2} s; {} writers x {RECORDS} records on one volume {appended_s:.1} s after the fork began ({:.0} records/s)",
+        created.as_secs_f64() * 1000.0,
+        writers.len(),
+        (writers.len() * RECORDS) as f64 / appended_s,
+    );
+
+    // kill -9 of the daemon: the virtiofsd processes serve on; the restarted daemon watches
+    // them, and ends each with its sandbox.
+    server.kill9();
+    assert_eq!(virtiofsd_under(&server.state()).len(), clones as usize + 1);
+    server.spawn();
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{parent_id}"), None);
+    assert_eq!(status, 204);
+    for sandbox in &sandboxes {
+        let id = sandbox["id"].as_str().expect("id");
+        assert_eq!(
+            server.call("DELETE", &format!("/sandboxes/{id}"), None).0,
+            204
+        );
+    }
+    wait_for("every virtiofsd to end", Duration::from_secs(30), || {
+        virtiofsd_under(&server.state()).is_empty()
+    });
+    assert_eq!(server.call("DELETE", "/volumes/traj", None).0, 204);
+}
