@@ -61,6 +61,14 @@ fn io(path: &str, op: &'static str) -> impl FnOnce(std::io::Error) -> VolumeFile
     move |source| match source.raw_os_error() {
         Some(libc::EXDEV) | Some(libc::ELOOP) => VolumeFileError::Escapes { path },
         Some(libc::ENOENT) => VolumeFileError::NotFound { path },
+        Some(libc::EISDIR) => VolumeFileError::Kind {
+            path,
+            what: "a directory (give a file's path)".into(),
+        },
+        Some(libc::ENOTDIR) => VolumeFileError::Kind {
+            path,
+            what: "a part of it is not a directory".into(),
+        },
         _ => VolumeFileError::Io { path, op, source },
     }
 }
@@ -307,6 +315,13 @@ mod tests {
             b"hello"
         );
         root.write("a/b/c.txt", b"again").expect("overwrite");
+        for (path, what) in [("a/b", "a directory"), ("a/b/c.txt/d", "not a directory")] {
+            let e = root.write(path, b"x").expect_err(path);
+            assert!(
+                matches!(&e, VolumeFileError::Kind { .. }) && e.to_string().contains(what),
+                "{path}: {e}"
+            );
+        }
         std::os::unix::fs::symlink("b/c.txt", dir.path().join("a/inside")).expect("link");
         std::os::unix::fs::symlink(outside.path(), dir.path().join("out")).expect("link");
         std::os::unix::fs::symlink("../../..", dir.path().join("a/up")).expect("link");

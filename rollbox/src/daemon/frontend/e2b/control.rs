@@ -142,6 +142,16 @@ struct NewSandbox {
     #[serde(rename = "autoResume")]
     auto_resume: Option<AutoResume>,
     network: Option<Network>,
+    /// Named volumes (the daemon's own, POST /volumes) mounted at their paths.
+    #[serde(default, rename = "volumeMounts")]
+    volume_mounts: Option<Vec<VolumeMount>>,
+}
+
+/// `SandboxVolumeMount`.
+#[derive(Deserialize)]
+struct VolumeMount {
+    name: String,
+    path: String,
 }
 
 /// `SandboxNetworkConfig`: only `allowPublicTraffic` is served (null or absent: public).
@@ -275,7 +285,13 @@ async fn create(
         Some(snapshot) => (None, Some(snapshot.id)),
         None => (Some(template), None),
     };
-    let native = json!({
+    let volumes: Vec<Value> = new
+        .volume_mounts
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| json!({"name": m.name, "mount_path": m.path}))
+        .collect();
+    let mut native = json!({
         "template": template,
         "snapshot": snapshot,
         "ttl_s": ttl_s,
@@ -286,6 +302,9 @@ async fn create(
         "on_timeout": on_timeout,
         "auto_resume": auto_resume,
     });
+    if !volumes.is_empty() {
+        native["volumes"] = Value::Array(volumes);
+    }
     let action =
         api::parse("POST", "/sandboxes", None, native.to_string().as_bytes()).map_err(|e| {
             let message = e.to_string();
@@ -294,7 +313,9 @@ async fn create(
                     let field = field
                         .replacen("labels", "metadata", 1)
                         .replacen("env", "envVars", 1)
-                        .replacen("idempotency_key", "Idempotency-Key", 1);
+                        .replacen("idempotency_key", "Idempotency-Key", 1)
+                        .replacen("volumes", "volumeMounts", 1)
+                        .replacen("mount_path", "path", 1);
                     format!("{field}:{rest}")
                 }
                 None => message,
