@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A sandbox end to end through `rollbox serve` and the `rollbox` CLI, with a real Linux image
 # template: build the template from an image (with a boot snapshot), create a sandbox, exec,
-# write and read a file, snapshot, fork into N, reset, delete. Every step is checked; the
-# script exits non-zero at the first one that goes wrong and leaves no VMM behind.
+# write and read a file, snapshot, fork into N, share a volume, reset, delete. Every step is
+# checked; the script exits non-zero at the first one that goes wrong and leaves no VMM behind.
 #
 # Needs hardware virtualization (/dev/kvm that runs Linux): run it directly on such a host,
 # or inside the nested lab (scripts/demo.sh does that on PVM hosts like the build machines).
@@ -137,6 +137,29 @@ for clone in "${clones[@]}"; do
     who="$("$rollbox" sandbox exec "$clone" -- cat /root/who)" || fail "fork $clone: exec failed"
     [[ "$who" == "$clone" ]] || fail "fork $clone sees another fork's write: $who"
 done
+
+step "a shared volume: a sandbox and its fork write to it, each sees the other's file, the host reads both"
+timed volume create traj
+# A create with a volume boots (a boot snapshot has no volume); the agent mounts it at /data.
+vol_id="$("$rollbox" sandbox create "$name" --ttl 1800 --volume traj:/data --json | jq -r .id)"
+[[ "$vol_id" == sb-* ]] || fail "create with --volume printed no sandbox id"
+"$rollbox" sandbox exec "$vol_id" -- sh -c "echo $vol_id > /data/$vol_id.txt"
+vol_fork="$("$rollbox" sandbox fork "$vol_id" --count 1 --json | jq -r '.results[0].sandbox.id // empty')"
+[[ "$vol_fork" == sb-* ]] || fail "the fork of $vol_id made no sandbox"
+"$rollbox" sandbox exec "$vol_fork" -- sh -c "echo $vol_fork > /data/$vol_fork.txt"
+got="$("$rollbox" sandbox exec "$vol_id" -- cat "/data/$vol_fork.txt")" || fail "$vol_id cannot read its fork's file"
+[[ "$got" == "$vol_fork" ]] || fail "$vol_id reads $got in its fork's file"
+for sandbox in "$vol_id" "$vol_fork"; do
+    got="$("$rollbox" volume get traj "$sandbox.txt")" || fail "the host cannot read $sandbox.txt"
+    [[ "$got" == "$sandbox" ]] || fail "the host reads $got in $sandbox.txt"
+done
+if "$rollbox" volume rm traj 2>/dev/null; then
+    fail "volume rm traj succeeded while two sandboxes mount it"
+fi
+"$rollbox" sandbox rm "$vol_id"
+"$rollbox" sandbox rm "$vol_fork"
+timed volume rm traj
+echo "traj: written by $vol_id and its fork $vol_fork, read by each other and by the host"
 
 step "reset (same id, back to the boot snapshot: the file is gone)"
 timed sandbox reset "$id"
