@@ -2,7 +2,8 @@
 
 Sandboxes (microVMs) from templates, exec (unary and streaming, with stdin and signals),
 files and tar, memory snapshots, fork into N clones, reset to a snapshot, batches, labels,
-TTLs, usage and metrics, and named shared volumes that sandboxes mount. :class:`Client` is
+TTLs, usage and metrics, named shared volumes that sandboxes mount, and ``@function``: a
+Python function run in a sandbox of its own (``.remote()``, ``.map()``, ``.spawn()``). :class:`Client` is
 synchronous, :class:`AsyncClient` asynchronous; both speak to the daemon over its Unix
 socket or loopback TCP.
 """
@@ -10,6 +11,7 @@ socket or loopback TCP.
 from ._core import DEFAULT_SOCKET, ImageSource, Page
 from .aio import AsyncClient, AsyncExecStream
 from .client import Client, ExecStream
+from .function import Function, FunctionCall, FunctionError, RemoteTraceback, function
 from .errors import (
     ApiError,
     BadRequest,
@@ -60,6 +62,9 @@ __all__ = [
     "ExitInfo",
     "FileInfo",
     "Forbidden",
+    "Function",
+    "FunctionCall",
+    "FunctionError",
     "ImageSource",
     "ItemResult",
     "MethodNotAllowed",
@@ -67,6 +72,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "Page",
+    "RemoteTraceback",
     "RollboxError",
     "Sandbox",
     "ServerError",
@@ -81,4 +87,5 @@ __all__ = [
     "Volume",
     "VolumeInfo",
     "Written",
+    "function",
 ]
