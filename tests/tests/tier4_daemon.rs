@@ -309,6 +309,74 @@ mod tier4 {
         run_e2b_script(&daemon, port, &python, "test_linux.py", "debian");
     }
 
+    /// The README's RL loop (`sdk/python/examples/rl_loop.py`) with rollbox's own SDK: a
+    /// sandbox with a volume boots, a fork makes the other workers, each writes a trajectory
+    /// to the volume with the guest's python, and a `@function` mounting the same volume
+    /// reads them all and writes a checkpoint that the host reads back through the daemon.
+    #[test]
+    fn python_sdk_rl_loop_with_a_volume_and_a_function() {
+        let test = "tier4::python_sdk_rl_loop_with_a_volume_and_a_function";
+        let Some(fixtures) = fixtures(test) else {
+            return;
+        };
+        let python = match rollbox_tests::venv_python("scripts/sdk-venv.sh", &[]) {
+            Ok(python) => python,
+            Err(reason) => {
+                skip(test, &format!("no rollbox SDK venv: {reason}"));
+                return;
+            }
+        };
+        // 16 in the words; CI's lab runs 4 (each clone copies its guest's memory
+        // for its virtiofsd, slowly under emulation).
+        let workers = std::env::var("ROLLBOX_TIER4_FUNCTION_WORKERS").unwrap_or("4".into());
+        let daemon = start_daemon(free_port());
+        let rootfs = fixtures
+            .path("CODE_INTERPRETER_ROOTFS")
+            .display()
+            .to_string();
+        add_template(
+            &daemon,
+            &fixtures,
+            "python",
+            &["--rootfs", &rootfs, "--memory-mib", "256"],
+        );
+        let example = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../sdk/python/examples/rl_loop.py")
+            .canonicalize()
+            .expect("sdk/python/examples/rl_loop.py");
+        let started = Instant::now();
+        let output = Command::new(&python)
+            .arg(&example)
+            .args([
+                "--template",
+                "python",
+                "--workers",
+                &workers,
+                "--timeout",
+                "900",
+            ])
+            .env("ROLLBOX_SOCKET", daemon.socket())
+            .env("ROLLBOX_API_KEY", &daemon.key)
+            // L1's root is read-only: no __pycache__ beside the example.
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run rl_loop.py");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        println!("{stdout}");
+        assert!(
+            output.status.success() && stdout.contains("rl loop: ok"),
+            "rl_loop.py failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            daemon.log()
+        );
+        println!(
+            "figure: the RL loop with {workers} workers, a volume and a @function took {:.1} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
+    }
+
     /// The code-interpreter template: its start command serves `POST :49999/execute` in the
     /// guest with a warm IPython kernel, started before the boot snapshot; the stock
     /// `e2b-code-interpreter` SDK's `run_code` reaches it through the daemon and the agent.
