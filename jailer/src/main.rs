@@ -37,6 +37,81 @@ const DEVICES: [(&str, u32); 4] = [
 /// The device node of `--userfaultfd` (a uffd restore's page server); no other jail has it.
 const USERFAULTFD: (&str, u32) = ("userfaultfd", 0o600);
 
+/// What the jail needs of one `--vfio` device.
+struct VfioDevice {
+    /// The device's sysfs directory (canonical) and where the jail sees it.
+    sysfs: PathBuf,
+    jail_sysfs: PathBuf,
+    /// `/sys/kernel/iommu_groups/N` and where the jail sees it.
+    group_dir: PathBuf,
+    jail_group_dir: PathBuf,
+    group: u32,
+}
+
+/// Checks each `--vfio` path: a PCI device in sysfs bound to vfio-pci, with an IOMMU group.
+fn vfio_devices(paths: &[PathBuf]) -> Result<Vec<VfioDevice>, JailError> {
+    paths
+        .iter()
+        .map(|path| {
+            let bad = |why: &str| usage(format!("--vfio {}: {why}", path.display()));
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|n| {
+                    n.len() == 12
+                        && n.bytes()
+                            .all(|b| b.is_ascii_hexdigit() || b == b':' || b == b'.')
+                })
+                .ok_or_else(|| bad("not /sys/bus/pci/devices/DDDD:BB:DD.F"))?;
+            if *path != Path::new("/sys/bus/pci/devices").join(name) {
+                return Err(bad("not /sys/bus/pci/devices/DDDD:BB:DD.F"));
+            }
+            let sysfs = path
+                .canonicalize()
+                .map_err(JailError::step("--vfio", path))?;
+            let driver = std::fs::read_link(path.join("driver")).ok();
+            if driver.as_deref().and_then(Path::file_name) != Some(OsStr::new("vfio-pci")) {
+                return Err(bad("not bound to vfio-pci"));
+            }
+            let group = std::fs::read_link(path.join("iommu_group"))
+                .ok()
+                .and_then(|link| link.file_name()?.to_str()?.parse::<u32>().ok())
+                .ok_or_else(|| bad("no IOMMU group"))?;
+            let group_dir = PathBuf::from(format!("/sys/kernel/iommu_groups/{group}"));
+            Ok(VfioDevice {
+                jail_sysfs: PathBuf::from("sys/bus/pci/devices").join(name),
+                sysfs,
+                jail_group_dir: PathBuf::from(format!("sys/kernel/iommu_groups/{group}")),
+                group_dir,
+                group,
+            })
+        })
+        .collect()
+}
+
+/// The device nodes `--vfio` devices need: the container and each group's node, once.
+fn vfio_nodes(devices: &[VfioDevice]) -> Vec<(PathBuf, PathBuf, u32)> {
+    let mut nodes: Vec<(PathBuf, PathBuf, u32)> = Vec::new();
+    if devices.is_empty() {
+        return nodes;
+    }
+    let mut names = vec!["vfio".to_string()];
+    for device in devices {
+        let group = device.group.to_string();
+        if !names.contains(&group) {
+            names.push(group);
+        }
+    }
+    for name in names {
+        nodes.push((
+            Path::new("/dev/vfio").join(&name),
+            Path::new("dev/vfio").join(&name),
+            0o600,
+        ));
+    }
+    nodes
+}
+
 /// Mode of the directories the jailer makes for mount points: the jail's uid passes through
 /// them to what is mounted below, and no one lists them.
 const MOUNT_POINT_DIR_MODE: u32 = 0o711;
@@ -82,9 +157,14 @@ struct Args {
     /// Give the jail /dev/userfaultfd (only a restore with `--restore-backend uffd` needs it).
     #[arg(long)]
     userfaultfd: bool,
-    /// nofile=N or fsize=BYTES (soft and hard limit); repeatable.
+    /// nofile=N, fsize=BYTES or memlock=BYTES (soft and hard limit); repeatable.
     #[arg(long, value_name = "RESOURCE=N")]
     rlimit: Vec<String>,
+    /// A PCI device bound to vfio-pci that the VMM passes through
+    /// (/sys/bus/pci/devices/DDDD:BB:DD.F): the jail gets its sysfs directory at that path
+    /// and its IOMMU group's (read-only), and /dev/vfio/vfio and /dev/vfio/GROUP; repeatable.
+    #[arg(long, value_name = "SYSFS_PATH")]
+    vfio: Vec<PathBuf>,
     /// The VMM's arguments (paths as the jail sees them).
     #[arg(last = true)]
     vmm_args: Vec<String>,
@@ -214,12 +294,17 @@ fn run(args: Args) -> Result<i32, JailError> {
         .rlimit
         .iter()
         .map(|text| {
-            let bad = || usage(format!("--rlimit {text:?}: want nofile=N or fsize=BYTES"));
+            let bad = || {
+                usage(format!(
+                    "--rlimit {text:?}: want nofile=N, fsize=BYTES or memlock=BYTES"
+                ))
+            };
             let (name, value) = text.split_once('=').ok_or_else(bad)?;
             let value: u64 = value.parse().map_err(|_| bad())?;
             let resource = match name {
                 "nofile" => libc::RLIMIT_NOFILE,
                 "fsize" => libc::RLIMIT_FSIZE,
+                "memlock" => libc::RLIMIT_MEMLOCK,
                 _ => return Err(bad()),
             };
             Ok((resource, value, text.clone()))
@@ -286,6 +371,15 @@ fn run(args: Args) -> Result<i32, JailError> {
         }
         binds.push((host, jail, meta.is_dir()));
     }
+    let vfio = vfio_devices(&args.vfio)?;
+    for device in &vfio {
+        binds.push((device.sysfs.clone(), device.jail_sysfs.clone(), true));
+        binds.push((
+            device.group_dir.clone(),
+            device.jail_group_dir.clone(),
+            true,
+        ));
+    }
 
     // The jail's directory and its files (not hard links shared with others) become the VM's.
     let owned = |path: &Path| -> Result<(), JailError> {
@@ -327,6 +421,7 @@ fn run(args: Args) -> Result<i32, JailError> {
                 )
             })
             .filter(|(host, _, _)| host.exists())
+            .chain(vfio_nodes(&vfio))
             .collect();
         let mut argv = vec![cstring(
             format!("/{}", exec_name.to_string_lossy()).as_bytes(),
@@ -585,7 +680,7 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
         Some("mode=755"),
         "mount jail /dev",
     )?;
-    for dir in ["net", "shm"] {
+    for dir in ["net", "shm", "vfio"] {
         let path = dev.join(dir);
         std::fs::create_dir(&path).map_err(JailError::step("mkdir", &path))?;
     }

@@ -70,6 +70,11 @@ pub struct ServeArgs {
     /// (repeatable); without one, volumes live in the state directory only.
     #[arg(long = "volume-dir", value_name = "DIR")]
     volume_dirs: Vec<PathBuf>,
+    /// A GPU of this node: a PCI device bound to vfio-pci, DDDD:BB:DD.F, optionally named
+    /// (`0000:3b:00.0=H100`; else the PCI ID database's name); repeatable. Without one, every
+    /// device bound to vfio-pci is a GPU.
+    #[arg(long = "gpu", value_name = "BDF[=NAME]")]
+    gpus: Vec<String>,
     /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
     /// was restored or reset from them.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -239,6 +244,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         drain_on_stop_s: args.drain_on_sigterm,
         virtiofsd: args.virtiofsd.map(absolute),
         volume_dirs: args.volume_dirs,
+        gpus: args.gpus,
         tls: args
             .tls_cert
             .zip(args.tls_key)

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use rollbox_agent_protocol::client::AgentClient;
 
 use super::api::{Action, ApiError, CreateSandbox, FileOp, Reply, Snapshot, State};
+use super::gpus::Gpus;
 use super::guest::Guest;
 use super::keys::{Caller, Keys};
 use super::node::Node;
@@ -34,6 +35,7 @@ pub struct Core {
     keys: Arc<Keys>,
     node: Arc<Node>,
     volumes: Arc<Volumes>,
+    gpus: Arc<Gpus>,
 }
 
 /// The services a [`Core`] runs on.
@@ -47,6 +49,7 @@ pub struct Services {
     pub keys: Arc<Keys>,
     pub node: Arc<Node>,
     pub volumes: Arc<Volumes>,
+    pub gpus: Arc<Gpus>,
 }
 
 /// What a tenant gets for a sandbox it may not see: exactly what an unknown id gets.
@@ -71,6 +74,7 @@ impl Core {
             keys,
             node,
             volumes,
+            gpus,
         } = services;
         Core {
             db,
@@ -82,6 +86,7 @@ impl Core {
             keys,
             node,
             volumes,
+            gpus,
         }
     }
 
@@ -156,6 +161,12 @@ impl Core {
                 snapshots
                     .into_iter()
                     .filter(|s| caller.sees(s.tenant.as_deref()))
+                    .collect(),
+            ),
+            // Which sandbox holds a GPU is an admin's to see.
+            Reply::Gpus(gpus) => Reply::Gpus(
+                gpus.into_iter()
+                    .map(|g| crate::daemon::api::Gpu { holder: None, ..g })
                     .collect(),
             ),
             Reply::Volumes(volumes) => Reply::Volumes(
@@ -287,7 +298,8 @@ impl Core {
             Action::Health
             | Action::ListTemplates
             | Action::GetTemplate(_)
-            | Action::ListVolumes => action,
+            | Action::ListVolumes
+            | Action::ListGpus => action,
             Action::Usage(ref id)
             | Action::GetSandbox(ref id)
             | Action::DeleteSandbox(ref id)
@@ -386,6 +398,7 @@ impl Core {
                 Ok(Reply::Node(self.node.info()?))
             }
             Action::ListVolumes => self.volumes.list(),
+            Action::ListGpus => Ok(self.gpus.list()),
             Action::CreateVolume(create) => self.volumes.create(create).await,
             Action::Volume { name, op } => self.volumes.handle(&name, op).await,
         }

@@ -15,6 +15,7 @@ pub mod api;
 pub mod client;
 mod core;
 pub mod frontend;
+mod gpus;
 mod guest;
 mod keys;
 mod node;

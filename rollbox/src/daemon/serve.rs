@@ -12,11 +12,13 @@ use super::core::{Core, Services};
 use super::frontend::conn::{self, ConnLimits};
 use super::frontend::transport::{tls_acceptor, Listen, Listener, TlsFiles, TransportError};
 use super::frontend::{e2b, rest};
+use super::gpus::inventory::{self, GpuSpec, InventoryError, PCI_IDS};
+use super::gpus::Gpus;
 use super::guest::Guest;
 use super::keys::Keys;
 use super::node::{Node, NodeError, NodeOptions};
 use super::retention::Retention;
-use super::sandboxes::{RecoverError, SandboxOptions, Sandboxes};
+use super::sandboxes::{Attachable, RecoverError, SandboxOptions, Sandboxes};
 use super::snapshots::Snapshots;
 use super::store::{Db, Store, StoreError};
 use super::supervisor::{JailerOptions, Supervisor, SupervisorError, SupervisorOptions};
@@ -61,6 +63,8 @@ pub enum DaemonError {
     StateDirOwner { path: PathBuf, uid: u32, me: u32 },
     #[error(transparent)]
     Node(#[from] NodeError),
+    #[error(transparent)]
+    Gpu(#[from] InventoryError),
     #[error("--volume-dir {path}: {source}")]
     VolumeDir {
         path: PathBuf,
@@ -130,6 +134,8 @@ pub struct ServeOptions {
     pub virtiofsd: Option<PathBuf>,
     /// `--volume-dir`: where a volume's `host_path` may be (none: only the state dir's).
     pub volume_dirs: Vec<PathBuf>,
+    /// `--gpu BDF[=NAME]`: the node's GPUs; none: every device bound to vfio-pci.
+    pub gpus: Vec<String>,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -255,6 +261,22 @@ pub async fn serve(
             })?,
         );
     }
+    let gpu_specs = options
+        .gpus
+        .iter()
+        .map(|text| GpuSpec::parse(text))
+        .collect::<Result<Vec<_>, _>>()?;
+    let pci_ids = std::fs::read_to_string(PCI_IDS).ok();
+    let inventory = inventory::discover(Path::new("/sys"), &gpu_specs, pci_ids.as_deref())?;
+    for gpu in &inventory {
+        log::info!(
+            "GPU {} ({}, IOMMU group {})",
+            gpu.bdf,
+            gpu.name,
+            gpu.iommu_group
+        );
+    }
+    let gpus = Arc::new(Gpus::new(inventory));
     let volumes = Arc::new(Volumes::new(
         Arc::clone(&db),
         dirs.volumes.clone(),
@@ -273,7 +295,10 @@ pub async fn serve(
         Arc::clone(&guest),
         Arc::clone(&counters),
         Arc::clone(&node),
-        Arc::clone(&volumes),
+        Attachable {
+            volumes: Arc::clone(&volumes),
+            gpus: Arc::clone(&gpus),
+        },
         SandboxOptions {
             default_ttl_s: options.default_ttl_s,
             max_pending_creates: options.max_pending_creates,
@@ -306,7 +331,7 @@ pub async fn serve(
         },
     ));
     let core = Arc::new(Core::new(Services {
-        db,
+        db: Arc::clone(&db),
         counters,
         sandboxes: Arc::clone(&sandboxes),
         snapshots: Arc::clone(&snapshots),
@@ -315,8 +340,13 @@ pub async fn serve(
         keys,
         node,
         volumes,
+        gpus: Arc::clone(&gpus),
     }));
     let kept = sandboxes.recover().await?;
+    // The GPUs live sandboxes hold (a sandbox that did not come back released its own).
+    for sandbox in db.lock().live()? {
+        gpus.adopt(&sandbox.id, &sandbox.gpus);
+    }
     snapshots.sweep()?;
     if !kept.is_empty() {
         log::info!("re-attached {} running sandboxes", kept.len());

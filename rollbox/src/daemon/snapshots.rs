@@ -135,6 +135,7 @@ impl Snapshots {
         purpose: Purpose,
     ) -> Result<(Snapshot, Pin<'_>), ApiError> {
         let sandbox = touch(&self.db, id)?;
+        refuse_gpus(&sandbox, "snapshotted or forked")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}; only a running or paused sandbox can be snapshotted",
@@ -279,8 +280,9 @@ impl Snapshots {
         ttl_s: Option<u64>,
         labels: BTreeMap<String, String>,
     ) -> Result<Reply, ApiError> {
-        let memory_mib = touch(&self.db, id)?.memory_mib;
-        self.sandboxes.check_room(count, memory_mib)?;
+        let parent = touch(&self.db, id)?;
+        refuse_gpus(&parent, "forked")?;
+        self.sandboxes.check_room(count, parent.memory_mib)?;
         let (snapshot, _pin) = {
             let _busy = self.claim(id)?;
             self.take_snapshot(id, None, Purpose::Fork).await?
@@ -313,6 +315,7 @@ impl Snapshots {
                 tenant: parent.tenant.clone(),
                 // A restore mounts its snapshot's volumes.
                 volumes: Vec::new(),
+                gpu: None,
             };
             async move { self.sandboxes.create(request).await }
         });
@@ -329,6 +332,7 @@ impl Snapshots {
     pub async fn reset(&self, id: &str, snapshot: Option<String>) -> Result<Reply, ApiError> {
         let _busy = self.claim(id)?;
         let sandbox = touch(&self.db, id)?;
+        refuse_gpus(&sandbox, "reset")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}, not running or paused",
@@ -387,7 +391,14 @@ impl Snapshots {
         self.sandboxes.stop_vmm(id, &sandbox).await?;
         let launched = self
             .supervisor
-            .launch(&sandbox, &template, snapshot.as_ref(), false, volumes)
+            .launch(
+                &sandbox,
+                &template,
+                snapshot.as_ref(),
+                false,
+                volumes,
+                Vec::new(),
+            )
             .await;
         let launched = match launched {
             Ok(launched) => launched,
@@ -440,6 +451,19 @@ impl Snapshots {
         }
         Ok(())
     }
+}
+
+/// A sandbox that holds GPUs is not snapshotted, forked or reset: the device's state is not
+/// in the VM's (no migration of GPU state is claimed).
+fn refuse_gpus(sandbox: &super::api::Sandbox, what: &str) -> Result<(), ApiError> {
+    if sandbox.gpus.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::Conflict(format!(
+        "sandbox {} holds GPU {}: a VM with a device passed through cannot be {what} (its state is in the device)",
+        sandbox.id,
+        sandbox.gpus.join(", ")
+    )))
 }
 
 /// A fork's metadata: `forked_from`, and the parent's `e2b.*` keys (the E2B façade's own, such

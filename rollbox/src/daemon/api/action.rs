@@ -8,7 +8,7 @@ use hyper::body::Bytes;
 
 use super::limits::MAX_UPLOAD;
 use super::model::{
-    AddTemplate, CreateSandbox, CreateVolume, Exec, ExecResult, FileInfo, FileOp, ForkResult,
+    AddTemplate, CreateSandbox, CreateVolume, Exec, ExecResult, FileInfo, FileOp, ForkResult, Gpu,
     KeyInfo, ListQuery, NewKey, NodeInfo, Sandbox, SandboxList, Snapshot, Template, Usage, Volume,
     VolumeOp,
 };
@@ -163,6 +163,7 @@ pub enum Action {
     },
     Undrain,
     ListVolumes,
+    ListGpus,
     CreateVolume(CreateVolume),
     /// A route under /volumes/{name}.
     Volume {
@@ -231,6 +232,7 @@ pub enum Reply {
         volume: Volume,
     },
     Volumes(Vec<Volume>),
+    Gpus(Vec<Gpu>),
     /// A body streamed as it comes (chunked): NDJSON exec lines, a file, a tar archive.
     Stream {
         content_type: &'static str,

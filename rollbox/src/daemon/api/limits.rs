@@ -41,3 +41,5 @@ pub const MAX_ENV: usize = 256;
 pub const MAX_VOLUME_MOUNTS: usize = 8;
 /// Longest volume name: it is the guest's virtio-fs tag (36 bytes at most there).
 pub const MAX_VOLUME_NAME: usize = 32;
+/// Most GPUs one sandbox asks for.
+pub const MAX_GPU_COUNT: u32 = 16;

@@ -166,6 +166,31 @@ pub struct CreateSandbox {
     pub tenant: Option<String>,
     /// Shared volumes to mount (a create from a snapshot takes the snapshot's).
     pub volumes: Vec<VolumeMount>,
+    /// GPUs passed through (a boot only).
+    pub gpu: Option<GpuRequest>,
+}
+
+/// `gpu` and `gpu_count` of a create: that many devices whose name matches (`any`: any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuRequest {
+    pub name: String,
+    pub count: u32,
+}
+
+/// A GPU of the node: a PCI device bound to vfio-pci.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// Its PCI address, `DDDD:BB:DD.F`.
+    pub bdf: String,
+    /// `rollbox serve --gpu BDF=NAME`, else the PCI ID database's vendor and device names.
+    pub name: String,
+    /// PCI vendor and device ids, hex.
+    pub vendor: String,
+    pub device: String,
+    /// Devices of one IOMMU group go to one sandbox together.
+    pub iommu_group: u32,
+    /// The sandbox holding it (shown to admin keys).
+    pub holder: Option<String>,
 }
 
 /// A shared volume as a sandbox mounts it.
@@ -287,6 +312,9 @@ pub struct Sandbox {
     /// Its shared volumes.
     #[serde(default)]
     pub volumes: Vec<VolumeMount>,
+    /// The GPUs (PCI addresses) it holds.
+    #[serde(default)]
+    pub gpus: Vec<String>,
 }
 
 /// GET /sandboxes answer.

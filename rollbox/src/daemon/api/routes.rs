@@ -58,6 +58,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/volumes/{name}/files"),
     ("PUT", "/volumes/{name}/files"),
     ("GET", "/volumes/{name}/tar"),
+    ("GET", "/gpus"),
 ];
 
 /// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
@@ -96,6 +97,7 @@ pub fn parse(
         ("POST", ["keys"]) => Action::AddKey(key::parse_new_key(body)?),
         ("DELETE", ["keys", id]) => Action::RevokeKey(key::check_key_id(id, "key")?),
         ("GET", ["volumes"]) => Action::ListVolumes,
+        ("GET", ["gpus"]) => Action::ListGpus,
         ("POST", ["volumes"]) => volume::parse_create(body)?,
         ("GET" | "DELETE", ["volumes", name]) => {
             volume::parse_volume_route(method, name, &[], query)?

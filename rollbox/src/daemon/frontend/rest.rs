@@ -248,6 +248,7 @@ fn reply_response(reply: Reply) -> Response<Out> {
             json_response(if created { 201 } else { 200 }, &volume)
         }
         Reply::Volumes(volumes) => json_response(200, &serde_json::json!({ "volumes": volumes })),
+        Reply::Gpus(gpus) => json_response(200, &serde_json::json!({ "gpus": gpus })),
         Reply::Keys(keys) => json_response(200, &serde_json::json!({ "keys": keys })),
         Reply::Metrics(text) => {
             let mut response = Response::new(Out::Full(Some(Bytes::from(text))));

@@ -13,6 +13,8 @@ use super::api::{
     ApiError, CreateSandbox, OnTimeout, Reply, Sandbox, SandboxList, Snapshot, State, Template,
     PAUSED_RETENTION_S,
 };
+use super::gpus::inventory::sysfs_path;
+use super::gpus::Gpus;
 use super::guest::Guest;
 use super::node::Node;
 use super::store::StoreError;
@@ -46,6 +48,12 @@ pub struct SandboxOptions {
     pub ready_timeout: Duration,
 }
 
+/// What a sandbox may have attached: volumes and GPUs.
+pub struct Attachable {
+    pub volumes: Arc<Volumes>,
+    pub gpus: Arc<Gpus>,
+}
+
 /// The sandboxes.
 pub struct Sandboxes {
     db: Arc<Db>,
@@ -57,6 +65,8 @@ pub struct Sandboxes {
     node: Arc<Node>,
     /// Where the volumes a sandbox mounts are.
     volumes: Arc<Volumes>,
+    /// The node's GPUs and their holders.
+    gpus: Arc<Gpus>,
     options: SandboxOptions,
     pending: Arc<tokio::sync::Semaphore>,
 }
@@ -89,11 +99,13 @@ impl Sandboxes {
         guest: Arc<Guest>,
         counters: Arc<Counters>,
         node: Arc<Node>,
-        volumes: Arc<Volumes>,
+        attachable: Attachable,
         options: SandboxOptions,
     ) -> Sandboxes {
+        let Attachable { volumes, gpus } = attachable;
         Sandboxes {
             volumes,
+            gpus,
             pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
             db,
             supervisor,
@@ -187,6 +199,7 @@ impl Sandboxes {
         let snapshot = match (snapshot, &template.boot_snapshot) {
             (None, Some(boot))
                 if request.volumes.is_empty()
+                    && request.gpu.is_none()
                     && request.vcpus.unwrap_or(template.vcpus) == template.vcpus
                     && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
             {
@@ -207,6 +220,9 @@ impl Sandboxes {
         self.supervisor
             .cgroups_for(request.cpu_limit)
             .map_err(ApiError::Unavailable)?;
+        if let Some(gpu) = &request.gpu {
+            self.gpus.check(gpu)?;
+        }
         let mounts = snapshot.as_ref().map_or(&request.volumes, |s| &s.volumes);
         let volumes = self.mounts(mounts, request.tenant.as_deref())?;
         Ok(Prepared {
@@ -238,6 +254,33 @@ impl Sandboxes {
         request: CreateSandbox,
         prepared: &Prepared,
     ) -> Result<Reply, ApiError> {
+        let started = std::time::Instant::now();
+        let id = format!("sb-{}", random_hex());
+        let gpus = match &request.gpu {
+            Some(gpu) => self
+                .gpus
+                .claim(&id, gpu)
+                .inspect_err(|_| self.counters.refused())?,
+            None => Vec::new(),
+        };
+        let result = self
+            .admitted_with(request, prepared, id.clone(), gpus, started)
+            .await;
+        if result.is_err() {
+            self.gpus.release(&id);
+        }
+        result
+    }
+
+    /// [`Sandboxes::admitted`] once the sandbox's id is chosen and its GPUs are held.
+    async fn admitted_with(
+        &self,
+        request: CreateSandbox,
+        prepared: &Prepared,
+        id: String,
+        gpus: Vec<String>,
+        started: std::time::Instant,
+    ) -> Result<Reply, ApiError> {
         let Prepared {
             snapshot,
             template,
@@ -245,9 +288,7 @@ impl Sandboxes {
             volumes,
         } = prepared;
         let (snapshot, ttl_s) = (snapshot.as_ref(), *ttl_s);
-        let started = std::time::Instant::now();
         let now = now_ms();
-        let id = format!("sb-{}", random_hex());
         let sandbox = Sandbox {
             id: id.clone(),
             template: template.name.clone(),
@@ -276,6 +317,7 @@ impl Sandboxes {
             ttl_s,
             tenant: request.tenant,
             volumes: volumes.iter().map(|v| v.mount.clone()).collect(),
+            gpus,
         };
         let admitted = self.node.admit(u64::from(sandbox.memory_mib), || {
             self.db.lock().insert_sandbox(&sandbox).map_err(internal)
@@ -298,6 +340,8 @@ impl Sandboxes {
             Err(other) => return Err(other),
         };
         if let Inserted::Existing(first) = inserted {
+            // The first create holds its own GPUs, if any.
+            self.gpus.release(&id);
             return self.existing(*first).await;
         }
         let inserted_ms = ms_since(started);
@@ -381,9 +425,10 @@ impl Sandboxes {
         snapshot: Option<&Snapshot>,
         volumes: Vec<VolumeSource>,
     ) -> Result<(), String> {
+        let vfio = sandbox.gpus.iter().map(|bdf| sysfs_path(bdf)).collect();
         let launched = self
             .supervisor
-            .launch(sandbox, template, snapshot, true, volumes)
+            .launch(sandbox, template, snapshot, true, volumes, vfio)
             .await?;
         let result = {
             let store = self.db.lock();
@@ -427,10 +472,13 @@ impl Sandboxes {
                 let _ = self.db.lock().add_cpu_ms(&sandbox.id, ms);
             }
         }
-        self.supervisor
+        let stopped = self
+            .supervisor
             .stop(id, sandbox)
             .await
-            .map_err(ApiError::Internal)
+            .map_err(ApiError::Internal);
+        self.gpus.release(id);
+        stopped
     }
 
     pub async fn pause_resume(&self, id: &str, pause: bool) -> Result<Reply, ApiError> {
@@ -450,6 +498,12 @@ impl Sandboxes {
                 created: false,
                 sandbox,
             });
+        }
+        if pause && !sandbox.gpus.is_empty() {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} holds GPU {}: a VM with a device passed through cannot be paused or snapshotted (its state is in the device)",
+                sandbox.gpus.join(", ")
+            )));
         }
         if sandbox.state != from {
             return Err(ApiError::Conflict(format!(

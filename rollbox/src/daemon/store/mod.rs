@@ -129,6 +129,10 @@ CREATE TABLE volumes (
     created_at_ms INTEGER NOT NULL
 );
 ",
+    "
+-- GPUs (issue 23): the PCI addresses a sandbox holds (JSON).
+ALTER TABLE sandboxes ADD COLUMN gpus TEXT NOT NULL DEFAULT '[]';
+",
 ];
 
 /// Adds the running time since `running_since_ms` to `run_ms` (an UPDATE's SET clause).

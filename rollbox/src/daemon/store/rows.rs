@@ -15,7 +15,7 @@ use super::{json_column, to_json, StoreError};
 pub const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
     dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, on_timeout, auto_resume, ttl_s, \
-    tenant, volumes";
+    tenant, volumes, gpus";
 
 /// Between a tenant's name and its idempotency key or snapshot name in their columns: those
 /// are unique per tenant, and neither a key nor a name may hold a control character.
@@ -66,6 +66,8 @@ pub struct SandboxRow {
     pub tenant: Option<String>,
     /// JSON of its [`VolumeMount`]s.
     pub volumes: String,
+    /// JSON of the PCI addresses of its GPUs.
+    pub gpus: String,
 }
 
 impl SandboxRow {
@@ -98,6 +100,7 @@ impl SandboxRow {
             ttl_s: row.get(23)?,
             tenant: row.get(24)?,
             volumes: row.get(25)?,
+            gpus: row.get(26)?,
         })
     }
 
@@ -133,6 +136,7 @@ impl SandboxRow {
             ttl_s: sandbox.ttl_s,
             tenant: sandbox.tenant.clone(),
             volumes: to_json(&sandbox.volumes, "volumes")?,
+            gpus: to_json(&sandbox.gpus, "gpus")?,
         })
     }
 
@@ -166,6 +170,7 @@ impl SandboxRow {
             ttl_s: self.ttl_s,
             tenant: self.tenant,
             volumes: json_column(&self.volumes, "volumes")?,
+            gpus: json_column(&self.gpus, "gpus")?,
         };
         Ok((self.seq, sandbox))
     }

@@ -34,9 +34,9 @@ impl Store {
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
              labels, metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, \
              pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, \
-             on_timeout, auto_resume, ttl_s, tenant, volumes) \
+             on_timeout, auto_resume, ttl_s, tenant, volumes, gpus) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
+             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
             params![
                 row.id,
                 row.idempotency_key,
@@ -63,6 +63,7 @@ impl Store {
                 row.ttl_s,
                 row.tenant,
                 row.volumes,
+                row.gpus,
             ],
         )?;
         tx.commit()?;
@@ -353,6 +354,7 @@ mod tests {
             ttl_s: 1,
             tenant: None,
             volumes: Vec::new(),
+            gpus: Vec::new(),
         }
     }
 

@@ -271,6 +271,7 @@ impl Supervisor {
         snapshot: Option<&Snapshot>,
         new_sandbox: bool,
         volumes: Vec<VolumeSource>,
+        vfio: Vec<PathBuf>,
     ) -> Result<Launched, String> {
         let paths = vm::Paths::new(&sandbox.dir);
         let groups = self.cgroups_for(sandbox.cpu_limit)?;
@@ -308,6 +309,7 @@ impl Supervisor {
                 jail,
                 cgroups: cpu_settings,
                 memory_mib,
+                vfio: vfio.clone(),
             });
             let volumes = vm::Volumes {
                 list: &volumes,
@@ -330,6 +332,7 @@ impl Supervisor {
                         memory_mib,
                         deterministic,
                         console_max_bytes,
+                        vfio: &vfio,
                     };
                     vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref(), &volumes)
                 }

@@ -127,6 +127,8 @@ pub struct Shape<'a> {
     pub deterministic: bool,
     /// The console file's cap (`rollbox serve --console-max-bytes`).
     pub console_max_bytes: u64,
+    /// PCI devices passed through (sysfs paths; the jail sees them at the same paths).
+    pub vfio: &'a [PathBuf],
 }
 
 /// How `rollbox serve` jails its VMMs with `rollbox-jailer` (the default; `--no-jailer`
@@ -165,6 +167,9 @@ pub struct JailSpec<'a> {
     /// `--cgroup` values beyond memory and pids (the cpu quota of a `cpu_limit`).
     pub cgroups: Vec<String>,
     pub memory_mib: u32,
+    /// PCI devices the VMM passes through (`--vfio` of the jailer: their sysfs directories,
+    /// IOMMU groups and /dev/vfio nodes).
+    pub vfio: Vec<PathBuf>,
 }
 
 /// A VMM command line being built: paths are the host's, or the jail's when jailed.
@@ -279,6 +284,14 @@ impl<'a> Launch<'a> {
         if jail.pids_limits {
             command.args(["--cgroup", &format!("pids.max={JAIL_PIDS_MAX}")]);
         }
+        if !spec.vfio.is_empty() {
+            // VFIO pins all of guest memory for the device's DMA.
+            let bytes = (u64::from(spec.memory_mib) + JAIL_MEMORY_OVERHEAD_MIB) << 20;
+            command.args(["--rlimit", &format!("memlock={bytes}")]);
+            for device in &spec.vfio {
+                command.arg("--vfio").arg(device);
+            }
+        }
         for bind in &self.binds {
             command.arg("--bind-ro").arg(bind);
         }
@@ -388,13 +401,14 @@ fn boot_config(
             .as_ref()
             .map(|initrd| launch.host_path(initrd, "initrd")),
     };
-    let machine = MachineConfig {
+    let mut machine = MachineConfig {
         vcpu_count: shape.vcpus.into(),
         mem_size_mib: shape.memory_mib.into(),
         // No RDRAND/RDSEED in CPUID.
         deterministic: shape.deterministic,
         ..MachineConfig::default()
     };
+    machine.rollbox.vfio = shape.vfio.to_vec();
     let drives = match template.rootfs {
         Some(_) => vec![DriveConfig {
             is_root_device: true,
@@ -755,6 +769,7 @@ mod tests {
             jail: &jail,
             cgroups: vec!["cpu.cfs_quota_us=50000".into()],
             memory_mib: 256,
+            vfio: Vec::new(),
         };
         let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
         let mut launch = Launch::new(Some(&spec));
@@ -826,6 +841,7 @@ mod tests {
             memory_mib: 256,
             deterministic: true,
             console_max_bytes: 1 << 20,
+            vfio: &[],
         };
         let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
         let jail = test_jail(false);
@@ -833,6 +849,7 @@ mod tests {
             jail: &jail,
             cgroups: Vec::new(),
             memory_mib: 256,
+            vfio: Vec::new(),
         };
         let mut jailed = Launch::new(Some(&spec));
         let volume = VolumeSource {
@@ -872,6 +889,7 @@ mod tests {
             memory_mib: 128,
             deterministic: false,
             console_max_bytes: 1 << 20,
+            vfio: &[],
         };
         let mut plain = Launch::new(None);
         let config = boot_config(&mut plain, &paths, &shape, &[]).expect("config");

@@ -6,10 +6,10 @@ use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
 use super::super::limits::{
-    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_IDS, MAX_LIST_LIMIT, MAX_MEMORY_MIB, MAX_METADATA,
-    MAX_VCPUS, MIN_CPU_LIMIT,
+    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_GPU_COUNT, MAX_IDS, MAX_LIST_LIMIT, MAX_MEMORY_MIB,
+    MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
 };
-use super::super::model::{CreateSandbox, ListQuery, OnTimeout, State, VolumeMount};
+use super::super::model::{CreateSandbox, GpuRequest, ListQuery, OnTimeout, State, VolumeMount};
 use super::template::check_template_name;
 use super::{
     bad, check_env, check_id, check_label_key, check_labels, check_snapshot_id, from_json,
@@ -40,6 +40,8 @@ struct CreateBody {
     auto_resume: bool,
     #[serde(default)]
     volumes: Vec<VolumeMount>,
+    gpu: Option<String>,
+    gpu_count: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -81,9 +83,15 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         ));
     }
     super::volume::check_mounts(&body.volumes)?;
+    let gpu = gpu_request(body.gpu.as_deref(), body.gpu_count)?;
     let (template, snapshot) = match (body.template, body.snapshot) {
         (Some(t), None) => (check_template_name(&t, "template")?, None),
         (None, Some(s)) => {
+            if body.gpu.is_some() || body.gpu_count.is_some() {
+                return Err(bad(
+                    "gpu: a sandbox with a GPU boots; a restore of a snapshot cannot take one",
+                ));
+            }
             if !body.volumes.is_empty() {
                 return Err(bad(
                     "volumes: a restore mounts its snapshot's volumes; leave them out",
@@ -130,7 +138,26 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         auto_resume: body.auto_resume,
         tenant: None,
         volumes: body.volumes,
+        gpu,
     })
+}
+
+/// `gpu` (a name, `any`, or a PCI address) and `gpu_count` (default 1; alone, any GPU).
+fn gpu_request(name: Option<&str>, count: Option<i64>) -> Result<Option<GpuRequest>, ApiError> {
+    if name.is_none() && count.is_none() {
+        return Ok(None);
+    }
+    let name = name.unwrap_or("any");
+    if name.is_empty() || name.len() > 64 || name.chars().any(char::is_control) {
+        return Err(bad(format!(
+            "gpu: {name:?} is not a GPU name (1-64 characters: a name such as H100, any, or a PCI address)"
+        )));
+    }
+    let count = in_range(count, "gpu_count", 1, MAX_GPU_COUNT)?.unwrap_or(1);
+    Ok(Some(GpuRequest {
+        name: name.to_string(),
+        count,
+    }))
 }
 
 /// POST /sandboxes/batch: `count` and the fields of POST /sandboxes.
