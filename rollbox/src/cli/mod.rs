@@ -4,6 +4,7 @@
 
 mod conn;
 mod exec;
+mod gpu;
 mod guest;
 mod image;
 mod key;
@@ -74,6 +75,13 @@ pub enum Command {
         #[command(subcommand)]
         command: volume::VolumeCommand,
     },
+    /// The node's GPUs (PCI devices bound to vfio-pci) that sandboxes get with `--gpu`.
+    Gpu {
+        #[command(flatten)]
+        conn: conn::ConnArgs,
+        #[command(subcommand)]
+        command: gpu::GpuCommand,
+    },
 }
 
 impl Cli {
@@ -116,6 +124,12 @@ pub fn run(cli: Cli) -> ExitCode {
         }
         Command::Volume { conn, command } => {
             match conn::Conn::new(&conn).and_then(|conn| volume::run(&conn, command)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Gpu { conn, command } => {
+            match conn::Conn::new(&conn).and_then(|conn| gpu::run(&conn, command)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

@@ -116,6 +116,14 @@ pub struct CreateArgs {
         conflicts_with = "snapshot"
     )]
     pub volumes: Vec<super::volume::VolumeMount>,
+    /// Pass GPUs through (`rollbox gpu ls`): a name such as H100 (matched in the device's
+    /// name), `any`, or a PCI address. A sandbox with a GPU boots, and cannot be paused,
+    /// snapshotted, forked or reset.
+    #[arg(long, value_name = "NAME", conflicts_with = "snapshot")]
+    pub gpu: Option<String>,
+    /// How many GPUs [default: 1].
+    #[arg(long, value_name = "N", conflicts_with = "snapshot")]
+    pub gpu_count: Option<u32>,
 }
 
 /// `ls`'s arguments.
@@ -226,6 +234,8 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
         deterministic,
         count,
         volumes,
+        gpu,
+        gpu_count,
     } = args;
     let mut body = json!({
         "labels": key_values(&labels, "label")?,
@@ -258,6 +268,12 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
     }
     if !volumes.is_empty() {
         body["volumes"] = json!(volumes);
+    }
+    if let Some(gpu) = gpu {
+        body["gpu"] = json!(gpu);
+    }
+    if let Some(n) = gpu_count {
+        body["gpu_count"] = json!(n);
     }
     if let Some(count) = count {
         body["count"] = json!(count);
@@ -582,6 +598,9 @@ fn print_sandbox(s: &Sandbox) {
         println!("pid:      {pid}");
     }
     println!("dir:      {}", s.dir.display());
+    for gpu in &s.gpus {
+        println!("gpu:      {gpu}");
+    }
     for v in &s.volumes {
         let ro = if v.readonly { " (read-only)" } else { "" };
         println!("volume:   {} at {}{ro}", v.name, v.mount_path);

@@ -32,6 +32,7 @@ import httpx
 
 from .errors import ConfigError, error_for
 from .types import (
+    Gpu,
     ExecResult,
     FileInfo,
     ItemResult,
@@ -336,6 +337,8 @@ def create_body(
     idempotency_key: Optional[str],
     deterministic: bool = False,
     volumes: Optional[Mounts] = None,
+    gpu: Optional[str] = None,
+    gpu_count: Optional[int] = None,
 ) -> Dict[str, Any]:
     body = _drop_none(
         {
@@ -347,6 +350,8 @@ def create_body(
             "idle_ttl_s": idle_ttl_s,
             "cpu_limit": cpu_limit,
             "idempotency_key": idempotency_key,
+            "gpu": gpu,
+            "gpu_count": gpu_count,
         }
     )
     for key, value in (("labels", labels), ("metadata", metadata), ("env", env)):
@@ -668,6 +673,10 @@ def create_volume(name: str, host_path: Optional[str]) -> Call[VolumeInfo]:
     if host_path is not None:
         body["host_path"] = str(host_path)
     return Call("POST", "/volumes", _volume, json=body)
+
+
+def list_gpus() -> Call[List[Gpu]]:
+    return Call("GET", "/gpus", lambda r: [Gpu.from_json(g) for g in r.json().get("gpus", [])])
 
 
 def list_volumes() -> Call[List[VolumeInfo]]:

@@ -34,6 +34,7 @@ from ._core import (
 )
 from .errors import StreamError, TransportError
 from .types import (
+    Gpu,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -230,6 +231,8 @@ class AsyncClient:
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
         volumes: Optional[Mounts] = None,
+        gpu: Optional[str] = None,
+        gpu_count: Optional[int] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -240,14 +243,17 @@ class AsyncClient:
         without RDRAND/RDSEED whose restores (this create, every reset) put back the
         snapshot's guest time and generation exactly: every episode starts identical. It
         restores only snapshots of deterministic sandboxes. ``volumes`` mounts named volumes
-        (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none.
+        (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none. ``gpu``
+        passes ``gpu_count`` (default 1) of the node's GPUs through (a name such as ``"H100"``,
+        ``"any"``, or a PCI address; see :meth:`gpus`): such a sandbox boots, and cannot be
+        paused, snapshotted, forked or reset.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return await self._send(
             _core.create_sandbox(
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic, volumes,
+                    env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
                 )
             )
         )
@@ -269,6 +275,8 @@ class AsyncClient:
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
         volumes: Optional[Mounts] = None,
+        gpu: Optional[str] = None,
+        gpu_count: Optional[int] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -279,7 +287,7 @@ class AsyncClient:
                 count,
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic, volumes,
+                    env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
                 ),
             )
         )
@@ -469,6 +477,11 @@ class AsyncClient:
         return await self._send(_core.upload_tar(sandbox, path, _core.aupload_body(tar)))
 
     # --- volumes --------------------------------------------------------------------------
+
+    async def gpus(self) -> List[Gpu]:
+        """The node's GPUs (PCI devices bound to vfio-pci); ``holder`` is shown to admin
+        keys."""
+        return await self._send(_core.list_gpus())
 
     async def create_volume(self, name: str, host_path: Optional[str] = None) -> VolumeInfo:
         """Make a named shared volume (1-32 of a-z 0-9 _ . -, starting with a letter or

@@ -32,6 +32,7 @@ from ._core import (
 )
 from .errors import StreamError, TransportError
 from .types import (
+    Gpu,
     ExecEvent,
     ExecResult,
     FileInfo,
@@ -226,6 +227,8 @@ class Client:
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
         volumes: Optional[Mounts] = None,
+        gpu: Optional[str] = None,
+        gpu_count: Optional[int] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -236,14 +239,17 @@ class Client:
         without RDRAND/RDSEED whose restores (this create, every reset) put back the
         snapshot's guest time and generation exactly: every episode starts identical. It
         restores only snapshots of deterministic sandboxes. ``volumes`` mounts named volumes
-        (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none.
+        (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none. ``gpu``
+        passes ``gpu_count`` (default 1) of the node's GPUs through (a name such as ``"H100"``,
+        ``"any"``, or a PCI address; see :meth:`gpus`): such a sandbox boots, and cannot be
+        paused, snapshotted, forked or reset.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return self._send(
             _core.create_sandbox(
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic, volumes,
+                    env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
                 )
             )
         )
@@ -265,6 +271,8 @@ class Client:
         idempotency_key: Optional[str] = None,
         deterministic: bool = False,
         volumes: Optional[Mounts] = None,
+        gpu: Optional[str] = None,
+        gpu_count: Optional[int] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -275,7 +283,7 @@ class Client:
                 count,
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
-                    env, cpu_limit, idempotency_key, deterministic, volumes,
+                    env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
                 ),
             )
         )
@@ -462,6 +470,11 @@ class Client:
         return self._send(_core.upload_tar(sandbox, path, _core.upload_body(tar)))
 
     # --- volumes --------------------------------------------------------------------------
+
+    def gpus(self) -> List[Gpu]:
+        """The node's GPUs (PCI devices bound to vfio-pci); ``holder`` is shown to admin
+        keys."""
+        return self._send(_core.list_gpus())
 
     def create_volume(self, name: str, host_path: Optional[str] = None) -> VolumeInfo:
         """Make a named shared volume (1-32 of a-z 0-9 _ . -, starting with a letter or

@@ -4,7 +4,7 @@ Beam's and Modal's style::
 
     from rollbox_sdk import function, Volume
 
-    @function(template="python", volumes=[Volume("trajectories", "./data")], timeout_s=600)
+    @function(template="python", gpu="H100", volumes=[Volume("trajectories", "./data")])
     def update_policy(step):
         ...
         return loss
@@ -13,7 +13,8 @@ Beam's and Modal's style::
     update_policy.map([1, 2, 3])          # one sandbox each, at once; results in order
     call = update_policy.spawn(44); call.get(timeout=600)
 
-A call creates a sandbox of ``template`` with the volumes mounted (a relative
+A call creates a sandbox of ``template`` with ``gpu_count`` of the node's GPUs whose name
+matches ``gpu`` passed through (``rollbox gpu ls``) and the volumes mounted (a relative
 ``mount_path`` is under the function's working directory, ``workdir=``, by default
 ``/workspace``), uploads the
 function and its arguments serialised with cloudpickle (and cloudpickle itself, so the
@@ -177,16 +178,13 @@ class Function:
             )
         if template is None:
             raise ValueError("template=: required (the template whose sandboxes run it)")
-        if gpu is not None or gpu_count is not None:
-            raise ValueError(
-                "gpu=, gpu_count=: this rollbox has no GPU scheduling in its daemon yet; "
-                "run GPU jobs on rollbox-vmm --vfio directly (docs/gpu.md)"
-            )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: {timeout_s} is not a positive number of seconds")
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.template = template
+        self.gpu = gpu
+        self.gpu_count = gpu_count
         self.cpu = cpu
         self.memory_mib = memory_mib
         self.workdir = workdir
@@ -233,6 +231,8 @@ class Function:
             ttl_s=self.timeout_s + _TTL_MARGIN_S,
             env=self.env,
             volumes=self.volumes or None,
+            gpu=self.gpu,
+            gpu_count=self.gpu_count,
             labels={"rollbox.function": self.__name__[:63] or "function"},
         )
         try:

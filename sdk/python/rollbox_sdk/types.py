@@ -69,6 +69,31 @@ def _volumes(value: Any) -> List[Volume]:
 
 
 @dataclass
+class Gpu:
+    """A GPU of the node: a PCI device bound to vfio-pci."""
+
+    bdf: str
+    """Its PCI address, DDDD:BB:DD.F."""
+    name: str
+    vendor: str
+    device: str
+    iommu_group: int
+    holder: Optional[str]
+    """The sandbox holding it (shown to admin keys; None otherwise, and when free)."""
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Gpu":
+        return cls(
+            bdf=data["bdf"],
+            name=data.get("name", ""),
+            vendor=data.get("vendor", ""),
+            device=data.get("device", ""),
+            iommu_group=int(data.get("iommu_group", 0)),
+            holder=data.get("holder"),
+        )
+
+
+@dataclass
 class VolumeInfo:
     """A named shared volume (virtio-fs) as the daemon shows it."""
 
@@ -165,6 +190,8 @@ class Sandbox:
     """No RDRAND/RDSEED; restores (create, reset) put back the snapshot's time exactly."""
     volumes: List[Volume] = field(default_factory=list)
     """The volumes it mounts (forks, resets and restores keep them)."""
+    gpus: List[str] = field(default_factory=list)
+    """The PCI addresses of the GPUs it holds."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -196,6 +223,7 @@ class Sandbox:
             cpu_limit=data.get("cpu_limit"),
             deterministic=bool(data.get("deterministic", False)),
             volumes=_volumes(data.get("volumes")),
+            gpus=list(data.get("gpus") or []),
             raw=data,
         )
 
