@@ -756,4 +756,158 @@ mod tier4 {
             "the backing file at {NVME_WRITE_MIB} MiB lacks the guest's write"
         );
     }
+
+    /// `rollbox serve --gpu BDF=edu` runs `cmd` as `rollbox ARGS` against it.
+    struct GpuDaemon {
+        serve: std::process::Child,
+        dir: tempfile::TempDir,
+    }
+
+    impl GpuDaemon {
+        const KEY: &'static str = "gpu-lab-key-0123";
+
+        fn start(edu: &Path) -> GpuDaemon {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let bdf = edu.file_name().expect("bdf").to_string_lossy().into_owned();
+            let log = std::fs::File::create(dir.path().join("serve.log")).expect("serve.log");
+            let serve = Command::new(rollbox_tests::rollbox_binary())
+                .arg("serve")
+                .arg("--socket")
+                .arg(dir.path().join("d.sock"))
+                .arg("--state-dir")
+                .arg(dir.path().join("state"))
+                .args(["--template-dir", "/", "--vmm-start-timeout", "60"])
+                .args(["--gpu", &format!("{bdf}=edu")])
+                .env("ROLLBOX_API_KEY", Self::KEY)
+                .stdout(log.try_clone().expect("log"))
+                .stderr(log)
+                .spawn()
+                .expect("rollbox serve");
+            let daemon = GpuDaemon { serve, dir };
+            for _ in 0..600 {
+                if daemon.dir.path().join("d.sock").exists() {
+                    return daemon;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            panic!("rollbox serve did not listen: {}", daemon.log());
+        }
+
+        fn log(&self) -> String {
+            std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default()
+        }
+
+        /// `rollbox ARGS`: (success, stdout, stderr).
+        fn cli(&self, args: &[&str]) -> (bool, String, String) {
+            let out = Command::new(rollbox_tests::rollbox_binary())
+                .args(args)
+                .env("ROLLBOX_SOCKET", self.dir.path().join("d.sock"))
+                .env("ROLLBOX_API_KEY", Self::KEY)
+                .output()
+                .expect("rollbox");
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+
+        fn ok(&self, args: &[&str]) -> String {
+            let (ok, stdout, stderr) = self.cli(args);
+            assert!(ok, "rollbox {args:?}: {stderr}\n{}", self.log());
+            stdout
+        }
+
+        fn holder(&self) -> serde_json::Value {
+            let list: serde_json::Value =
+                serde_json::from_str(&self.ok(&["gpu", "ls", "--json"])).expect("json");
+            list["gpus"][0]["holder"].clone()
+        }
+    }
+
+    impl Drop for GpuDaemon {
+        fn drop(&mut self) {
+            let _ = self.cli(&["sandbox", "rm", "--label", "gpu=edu"]);
+            let _ = self.serve.kill();
+            let _ = self.serve.wait();
+        }
+    }
+
+    /// The daemon's GPUs: edu bound to vfio-pci is the node's one GPU; a sandbox asking for
+    /// it boots with it passed through its jail (the guest sees 1234:11e8 on its PCI bus), a
+    /// second is refused naming the holder, as are a snapshot and a pause, and the device is
+    /// free again once the sandbox is deleted.
+    #[test]
+    fn daemon_gives_a_sandbox_the_edu_gpu_exclusively() {
+        let test = "tier4::daemon_gives_a_sandbox_the_edu_gpu_exclusively";
+        let Some(fx) = fixtures(test) else {
+            return;
+        };
+        let Some(edu) = device_for_vfio(
+            test,
+            EDU_VENDOR,
+            EDU_DEVICE,
+            "no edu device (1234:11e8): run the lab with --qemu-arg -device --qemu-arg edu",
+        ) else {
+            return;
+        };
+        bind_vfio_pci(&edu);
+        let daemon = GpuDaemon::start(&edu);
+        assert_eq!(daemon.holder(), serde_json::Value::Null);
+        let kernel = fx.path("OUR_VMLINUX").display().to_string();
+        let rootfs = fx.path("BUSYBOX_ROOTFS").display().to_string();
+        daemon.ok(&[
+            "template",
+            "add",
+            "busybox",
+            "--kernel",
+            &kernel,
+            "--rootfs",
+            &rootfs,
+            "--memory-mib",
+            "256",
+            "--cmdline",
+            &agent_cmdline(""),
+        ]);
+        let created = daemon.ok(&[
+            "sandbox", "create", "busybox", "--ttl", "900", "--gpu", "edu", "--label", "gpu=edu",
+            "--json",
+        ]);
+        let sandbox: serde_json::Value = serde_json::from_str(&created).expect("json");
+        let id = sandbox["id"].as_str().expect("id").to_string();
+        let bdf = edu.file_name().expect("bdf").to_string_lossy().into_owned();
+        assert_eq!(sandbox["gpus"], serde_json::json!([bdf]), "{sandbox}");
+        assert_eq!(daemon.holder(), serde_json::json!(id));
+        let ids = daemon.ok(&[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "cat /sys/bus/pci/devices/*/vendor /sys/bus/pci/devices/*/device",
+        ]);
+        assert!(
+            ids.contains(EDU_VENDOR) && ids.contains(EDU_DEVICE),
+            "the guest has no edu device: {ids}\n{}",
+            daemon.log()
+        );
+        let (ok, _, refused) = daemon.cli(&[
+            "sandbox", "create", "busybox", "--ttl", "60", "--gpu", "edu",
+        ]);
+        assert!(
+            !ok && refused.contains(&format!("held by {id}")),
+            "{refused}"
+        );
+        let (ok, _, refused) = daemon.cli(&["sandbox", "snapshot", &id]);
+        assert!(!ok && refused.contains("holds GPU"), "{refused}");
+        let (ok, _, refused) = daemon.cli(&["sandbox", "pause", &id]);
+        assert!(!ok && refused.contains("holds GPU"), "{refused}");
+        daemon.ok(&["sandbox", "rm", &id]);
+        assert_eq!(
+            daemon.holder(),
+            serde_json::Value::Null,
+            "freed with its sandbox"
+        );
+    }
 }
