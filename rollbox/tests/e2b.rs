@@ -278,6 +278,7 @@ fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     // The volume content API is this listener too (the SDK's default is https://api.{domain}).
     let output = command
         .env("E2B_VOLUME_API_URL", &url)
+        .env("ROLLBOX_NATIVE_SOCKET", daemon.dir.path().join("d.sock"))
         .env("ROLLBOX_E2B_PORT", port.to_string())
         .output()
         .expect("run test_sdk.py");

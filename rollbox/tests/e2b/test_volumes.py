@@ -2,11 +2,15 @@
 rollbox/tests/e2b.rs. An E2B volume is a daemon volume (its id is its name); its content API
 is this listener too (E2B_VOLUME_API_URL).
 
-Environment: E2B_API_URL, E2B_VOLUME_API_URL, E2B_API_KEY, E2B_DOMAIN, E2B_SANDBOX_URL and
-ROLLBOX_E2B_TEMPLATE (a template the daemon has). Prints `ok NAME` per check.
+Environment: E2B_API_URL, E2B_VOLUME_API_URL, E2B_API_KEY, E2B_DOMAIN, E2B_SANDBOX_URL,
+ROLLBOX_E2B_TEMPLATE (a template the daemon has) and ROLLBOX_NATIVE_SOCKET (the daemon's own
+API, where the admin key makes tenant keys). Prints `ok NAME` per check.
 """
 
+import http.client
+import json
 import os
+import socket
 
 from e2b import (
     NotFoundException,
@@ -95,6 +99,54 @@ def token_checks(vol, other):
     ok("the content API takes the volume's own token or an API key, nothing else")
 
 
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("localhost", timeout=60)
+        self.unix_path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(self.unix_path)
+
+
+def tenant_key(tenant):
+    """A new tenant key, made with the admin key on the native API."""
+    connection = UnixConnection(os.environ["ROLLBOX_NATIVE_SOCKET"])
+    connection.request(
+        "POST",
+        "/keys",
+        body=json.dumps({"tenant": tenant}),
+        headers={"Authorization": f"Bearer {os.environ['E2B_API_KEY']}", "Content-Type": "application/json"},
+    )
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 201, body
+    return body["key"]
+
+
+def tenant_checks():
+    key_a, key_b = tenant_key("team-a"), tenant_key("team-b")
+    vol = Volume.create("team-a-vol", api_key=key_a)
+    vol.write_file("secret", "a's")
+    assert "team-a-vol" not in [v.name for v in Volume.list(api_key=key_b)]
+    assert "team-a-vol" in [v.name for v in Volume.list()]
+    expect_error(
+        "another tenant's volume is not there",
+        lambda: Volume.get_info("team-a-vol", api_key=key_b),
+        "VolumeNotFoundException",
+    )
+    assert Volume.destroy("team-a-vol", api_key=key_b) is False
+    expect_error(
+        "another tenant's key on the content API",
+        lambda: Volume("team-a-vol", "team-a-vol", token=key_b).read_file("secret"),
+        "VolumePathNotFoundException",
+    )
+    assert Volume.connect("team-a-vol", api_key=key_a).read_file("secret") == "a's"
+    assert Volume.destroy("team-a-vol", api_key=key_a) is True
+    ok("a tenant's volumes are its own (another tenant's answers as no volume)")
+
+
 def main():
     vol = Volume.create("e2b-vol")
     assert (vol.volume_id, vol.name) == ("e2b-vol", "e2b-vol") and vol.token, vol
@@ -148,6 +200,7 @@ def main():
     )
     expect_error("the new volume is empty", lambda: remade.read_file("notes/a.txt"), "VolumePathNotFoundException")
     ok("a volume made again under the name has another token and no files")
+    tenant_checks()
     for name in ("e2b-vol", "e2b-other"):
         assert Volume.destroy(name) is True
     assert issubclass(VolumeNotFoundException, NotFoundException)
