@@ -275,7 +275,10 @@ fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     if let Some(ca) = &ca {
         command.env("SSL_CERT_FILE", ca);
     }
+    // The volume content API is this listener too (the SDK's default is https://api.{domain}).
     let output = command
+        .env("E2B_VOLUME_API_URL", &url)
+        .env("ROLLBOX_NATIVE_SOCKET", daemon.dir.path().join("d.sock"))
         .env("ROLLBOX_E2B_PORT", port.to_string())
         .output()
         .expect("run test_sdk.py");
@@ -312,6 +315,26 @@ fn stock_e2b_sdk_1_11_against_rollbox() {
 #[test]
 fn stock_e2b_sdk_2_50_against_rollbox() {
     run_sdk_suite("stock_e2b_sdk_2_50_against_rollbox", "2.50.0", false);
+}
+
+/// The SDK's Volume API on the daemon's volumes (rollbox/tests/e2b/test_volumes.py): create,
+/// write, read, list, make_dir, remove, a sandbox that mounts one, and destroy (refused
+/// while the sandbox lives). The mount needs virtiofsd (scripts/test.sh sets
+/// ROLLBOX_VIRTIOFSD).
+#[test]
+fn stock_e2b_sdk_2_63_volumes_against_rollbox() {
+    const TEST: &str = "stock_e2b_sdk_2_63_volumes_against_rollbox";
+    if !kvm_available() {
+        return;
+    }
+    if std::env::var_os("ROLLBOX_VIRTIOFSD").is_none() {
+        skip(
+            TEST,
+            "ROLLBOX_VIRTIOFSD is not set (scripts/virtiofsd.sh builds virtiofsd and prints its path)",
+        );
+        return;
+    }
+    run_sdk_script(TEST, "2.63.0", false, "test_volumes.py");
 }
 
 /// A JSON request to the E2B listener (plain HTTP) with the key as `X-API-KEY`.

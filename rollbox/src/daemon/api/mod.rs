@@ -16,4 +16,5 @@ pub use routes::{allowed_methods, is_upload, parse, ROUTES};
 pub use validate::file::check_guest_path;
 pub use validate::key::check_tenant;
 pub use validate::template::{check_template_name, IMAGE_CMDLINE};
+pub use validate::volume::{check_volume_name, check_volume_path};
 pub use validate::{check_id, check_label_key, check_snapshot_id, check_snapshot_name};

@@ -248,6 +248,20 @@ pub enum VolumeOp {
     Tar {
         path: String,
     },
+    /// What a path is (a symlink described, not followed); no native route (the E2B
+    /// frontend's volume content API).
+    Stat {
+        path: String,
+    },
+    /// Make a directory; `parents`: its missing parents too, and an existing one is no error.
+    MakeDir {
+        path: String,
+        parents: bool,
+    },
+    /// Remove a file, symlink or directory (with what it holds).
+    Remove {
+        path: String,
+    },
 }
 
 /// GET /sandboxes query.

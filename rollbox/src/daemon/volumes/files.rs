@@ -22,6 +22,8 @@ pub enum VolumeFileError {
     NotFound { path: String },
     #[error("path {path:?}: {what}")]
     Kind { path: String, what: String },
+    #[error("path {path:?}: it exists")]
+    Exists { path: String },
     #[error("path {path:?}: {op}: {source}")]
     Io {
         path: String,
@@ -230,6 +232,127 @@ impl VolumeRoot {
         }
         renamed.map(|()| data.len() as u64)
     }
+
+    /// The parent directory of `path` (not the root), held open, and the last component.
+    fn parent<'a>(&self, path: &'a str) -> Result<(OwnedFd, &'a str), VolumeFileError> {
+        let (parent, name) = path.rsplit_once('/').unwrap_or(("", path));
+        if name.is_empty() || name == "." || name == ".." {
+            return Err(VolumeFileError::Escapes {
+                path: path.to_string(),
+            });
+        }
+        let at = if parent.is_empty() { "." } else { parent };
+        let dir = open_beneath(&self.fd, at, libc::O_DIRECTORY, 0).map_err(io(parent, "open"))?;
+        Ok((dir, name))
+    }
+
+    /// What `path` is ("" is the root); a symlink is described, not followed.
+    pub fn stat(&self, path: &str) -> Result<FileInfo, VolumeFileError> {
+        if path.is_empty() {
+            let meta = File::from(self.fd.try_clone().map_err(io(path, "stat"))?)
+                .metadata()
+                .map_err(io(path, "stat"))?;
+            return Ok(file_info(String::new(), "/".into(), &meta, None));
+        }
+        let (dir, name) = self.parent(path)?;
+        let at = proc_path(&dir).join(name);
+        let meta = std::fs::symlink_metadata(&at).map_err(io(path, "stat"))?;
+        let target = meta
+            .file_type()
+            .is_symlink()
+            .then(|| std::fs::read_link(&at).ok())
+            .flatten();
+        Ok(file_info(
+            name.to_string(),
+            format!("/{path}"),
+            &meta,
+            target,
+        ))
+    }
+
+    /// Makes the directory `path`; with `parents`, its missing parents too and an existing
+    /// directory is no error (`mkdir -p`).
+    pub fn make_dir(&self, path: &str, parents: bool) -> Result<FileInfo, VolumeFileError> {
+        if parents {
+            self.make_dirs(path)?;
+            return self.stat(path);
+        }
+        if path.is_empty() {
+            return Err(VolumeFileError::Exists { path: "/".into() });
+        }
+        let (dir, name) = self.parent(path)?;
+        let c = CString::new(name).map_err(|_| VolumeFileError::Kind {
+            path: path.to_string(),
+            what: "holds a NUL".into(),
+        })?;
+        // SAFETY: mkdirat reads the NUL-terminated name (one component) below a descriptor
+        // we own.
+        if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o755) } < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EEXIST) {
+                return Err(VolumeFileError::Exists {
+                    path: path.to_string(),
+                });
+            }
+            return Err(io(path, "mkdir")(e));
+        }
+        self.stat(path)
+    }
+
+    /// Removes the file, symlink (not what it points to) or directory (with what it holds)
+    /// at `path`; the root is refused.
+    pub fn remove(&self, path: &str) -> Result<(), VolumeFileError> {
+        if path.is_empty() {
+            return Err(VolumeFileError::Kind {
+                path: "/".into(),
+                what: "the volume's root cannot be removed (delete the volume instead)".into(),
+            });
+        }
+        let (dir, name) = self.parent(path)?;
+        let c = CString::new(name).map_err(|_| VolumeFileError::Kind {
+            path: path.to_string(),
+            what: "holds a NUL".into(),
+        })?;
+        // SAFETY: unlinkat of one NUL-terminated component below a descriptor we own.
+        if unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EISDIR) {
+            return Err(io(path, "remove")(e));
+        }
+        // A directory: std's remove_dir_all opens each level without following symlinks.
+        std::fs::remove_dir_all(proc_path(&dir).join(name)).map_err(io(path, "remove"))
+    }
+}
+
+/// A [`FileInfo`] of `meta`; `path` is from the volume's root, with a leading "/".
+fn file_info(
+    name: String,
+    path: String,
+    meta: &std::fs::Metadata,
+    link_target: Option<PathBuf>,
+) -> FileInfo {
+    let kind = if meta.file_type().is_symlink() {
+        FileKind::Symlink
+    } else if meta.is_dir() {
+        FileKind::Dir
+    } else if meta.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    FileInfo {
+        name,
+        path,
+        kind,
+        size: meta.len(),
+        mode: meta.mode() & 0o7777,
+        uid: meta.uid(),
+        gid: meta.gid(),
+        mtime_ns: meta.mtime().saturating_mul(1_000_000_000) + meta.mtime_nsec(),
+        link_target: link_target.map(|t| t.to_string_lossy().into_owned()),
+    }
 }
 
 impl VolumeDir {
@@ -241,35 +364,17 @@ impl VolumeDir {
             let entry = entry.map_err(io(path, "list"))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             let meta = entry.metadata().map_err(io(path, "stat"))?;
-            let kind = if meta.file_type().is_symlink() {
-                FileKind::Symlink
-            } else if meta.is_dir() {
-                FileKind::Dir
-            } else if meta.is_file() {
-                FileKind::File
-            } else {
-                FileKind::Other
-            };
-            let link_target = (kind == FileKind::Symlink)
+            let link_target = meta
+                .file_type()
+                .is_symlink()
                 .then(|| std::fs::read_link(entry.path()).ok())
-                .flatten()
-                .map(|t| t.to_string_lossy().into_owned());
+                .flatten();
             let full = if path.is_empty() {
                 format!("/{name}")
             } else {
                 format!("/{path}/{name}")
             };
-            entries.push(FileInfo {
-                name,
-                path: full,
-                kind,
-                size: meta.len(),
-                mode: meta.mode() & 0o7777,
-                uid: meta.uid(),
-                gid: meta.gid(),
-                mtime_ns: meta.mtime().saturating_mul(1_000_000_000) + meta.mtime_nsec(),
-                link_target,
-            });
+            entries.push(file_info(name, full, &meta, link_target));
         }
         entries.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(entries)
@@ -382,5 +487,65 @@ mod tests {
         assert!(listed.contains(&"a/b/c.txt".to_string()), "{listed:?}");
         assert!(listed.contains(&"out".to_string()), "{listed:?}");
         assert!(!listed.iter().any(|p| p.contains("secret")), "{listed:?}");
+    }
+
+    #[test]
+    fn stats_makes_and_removes_inside_and_refuses_ways_out() {
+        let outside = tempfile::tempdir().expect("outside");
+        std::fs::write(outside.path().join("keep"), "k").expect("keep");
+        let dir = tempfile::tempdir().expect("volume");
+        let root = VolumeRoot::open(dir.path()).expect("open");
+        let top = root.stat("").expect("root");
+        assert_eq!((top.path.as_str(), top.kind), ("/", FileKind::Dir));
+        let made = root.make_dir("a", false).expect("mkdir");
+        assert_eq!((made.name.as_str(), made.path.as_str()), ("a", "/a"));
+        assert_eq!(made.kind, FileKind::Dir);
+        assert!(matches!(
+            root.make_dir("a", false),
+            Err(VolumeFileError::Exists { .. })
+        ));
+        assert!(matches!(
+            root.make_dir("x/y", false),
+            Err(VolumeFileError::NotFound { .. })
+        ));
+        root.make_dir("x/y", true).expect("mkdir -p");
+        root.make_dir("x/y", true).expect("mkdir -p again");
+        root.write("x/y/f", b"abc").expect("write");
+        let file = root.stat("x/y/f").expect("stat");
+        assert_eq!(
+            (file.kind, file.size, file.path.as_str()),
+            (FileKind::File, 3, "/x/y/f")
+        );
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("out")).expect("link");
+        let link = root.stat("out").expect("a link is described");
+        assert_eq!(link.kind, FileKind::Symlink);
+        for escape in ["out/keep", "out/new"] {
+            assert!(
+                matches!(root.stat(escape), Err(VolumeFileError::Escapes { .. })),
+                "{escape}"
+            );
+            assert!(
+                matches!(root.remove(escape), Err(VolumeFileError::Escapes { .. })),
+                "{escape}"
+            );
+            assert!(
+                matches!(
+                    root.make_dir(escape, true),
+                    Err(VolumeFileError::Escapes { .. })
+                ),
+                "{escape}"
+            );
+        }
+        root.remove("out").expect("the link, not what it points to");
+        assert!(outside.path().join("keep").exists());
+        root.remove("x").expect("a directory with what it holds");
+        assert!(!dir.path().join("x").exists());
+        root.remove("a").expect("an empty directory");
+        assert!(matches!(
+            root.remove("a"),
+            Err(VolumeFileError::NotFound { .. })
+        ));
+        assert!(matches!(root.remove(""), Err(VolumeFileError::Kind { .. })));
+        assert!(dir.path().exists());
     }
 }

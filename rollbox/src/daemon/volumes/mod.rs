@@ -33,7 +33,7 @@ pub struct Volumes {
 }
 
 /// The answer to a refused or failed file operation: a path that leaves the volume or is of
-/// the wrong kind is the caller's (400), a missing one 404.
+/// the wrong kind is the caller's (400), a missing one 404, one in the way 409.
 fn file_error(name: &str, e: VolumeFileError) -> ApiError {
     let message = format!("volume {name}: {e}");
     match e {
@@ -41,6 +41,7 @@ fn file_error(name: &str, e: VolumeFileError) -> ApiError {
             ApiError::BadRequest(message)
         }
         VolumeFileError::NotFound { .. } => ApiError::NotFound(message),
+        VolumeFileError::Exists { .. } => ApiError::Conflict(message),
         VolumeFileError::Io { .. } => ApiError::Internal(message),
     }
 }
@@ -151,6 +152,27 @@ impl Volumes {
             VolumeOp::Delete => self.delete(name).await,
             VolumeOp::Read { path } => self.read(name, path).await,
             VolumeOp::Tar { path } => self.tar(name, path).await,
+            VolumeOp::Stat { path } => {
+                let root = self.root(name)?;
+                let info = root.stat(&path).map_err(|e| file_error(name, e))?;
+                Ok(Reply::File(info))
+            }
+            VolumeOp::MakeDir { path, parents } => {
+                let root = self.root(name)?;
+                let info = root
+                    .make_dir(&path, parents)
+                    .map_err(|e| file_error(name, e))?;
+                Ok(Reply::File(info))
+            }
+            VolumeOp::Remove { path } => {
+                let root = self.root(name)?;
+                let owned = name.to_string();
+                tokio::task::spawn_blocking(move || root.remove(&path))
+                    .await
+                    .map_err(internal)?
+                    .map_err(|e| file_error(&owned, e))?;
+                Ok(Reply::NoContent)
+            }
             VolumeOp::Write { .. } => {
                 Err(internal(format!("PUT /volumes/{name}/files is an upload")))
             }

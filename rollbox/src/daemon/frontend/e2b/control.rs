@@ -1,6 +1,7 @@
 //! E2B's control plane: REST with `X-API-KEY`, for SDK 2.51+ (`/v2/sandboxes`), 2.0-2.50
-//! (`POST /sandboxes`, `/connect`, `/resume`) and 1.x (`GET /sandboxes`). Each route runs the
-//! daemon's own actions; every error body is `{"code","message"}`.
+//! (`POST /sandboxes`, `/connect`, `/resume`) and 1.x (`GET /sandboxes`), and volumes
+//! (`volumes.rs`). Each route runs the daemon's own actions; every error body is
+//! `{"code","message"}`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -71,6 +72,10 @@ fn caller(e2b: &E2b, request: &Request<Incoming>) -> Option<Caller> {
 /// Every route: the key is checked first, before the body is read or any state is touched;
 /// each handler then runs its actions as the key's caller.
 async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Out>, Refusal> {
+    // Volume content calls carry a volume's token (or a key) and stream their bodies.
+    if request.uri().path().starts_with("/volumecontent/") {
+        return super::volumes::content(e2b, request).await;
+    }
     let Some(caller) = caller(e2b, &request) else {
         return Err(Refusal::new(
             401,
@@ -101,6 +106,10 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
         ("POST", ["sandboxes", id, "fork"]) => fork(e2b, caller, id, &body).await,
         ("POST", ["sandboxes", id, "snapshots"]) => snapshot(e2b, caller, id, &body).await,
         ("POST", ["sandboxes", id, "refreshes"]) => refresh(e2b, caller, id, &body).await,
+        ("POST", ["volumes"]) => super::volumes::create(e2b, caller, &body).await,
+        ("GET", ["volumes"]) => super::volumes::list(e2b, caller).await,
+        ("GET", ["volumes", id]) => super::volumes::get(e2b, caller, id).await,
+        ("DELETE", ["volumes", id]) => super::volumes::delete(e2b, caller, id).await,
         ("GET", ["snapshots"]) => list_snapshots(e2b, caller, &query).await,
         ("DELETE", ["templates", id]) => delete_snapshot(e2b, caller, id).await,
         ("GET", ["sandboxes", id]) => detail(e2b, caller, id).await,
@@ -305,23 +314,8 @@ async fn create(
     if !volumes.is_empty() {
         native["volumes"] = Value::Array(volumes);
     }
-    let action =
-        api::parse("POST", "/sandboxes", None, native.to_string().as_bytes()).map_err(|e| {
-            let message = e.to_string();
-            let message = match message.split_once(':') {
-                Some((field, rest)) => {
-                    let field = field
-                        .replacen("labels", "metadata", 1)
-                        .replacen("env", "envVars", 1)
-                        .replacen("idempotency_key", "Idempotency-Key", 1)
-                        .replacen("volumes", "volumeMounts", 1)
-                        .replacen("mount_path", "path", 1);
-                    format!("{field}:{rest}")
-                }
-                None => message,
-            };
-            Refusal::new(e.status(), message)
-        })?;
+    let action = api::parse("POST", "/sandboxes", None, native.to_string().as_bytes())
+        .map_err(|e| Refusal::new(e.status(), e2b_fields(&e.to_string())))?;
     let sandbox = match e2b.core.handle_as(caller, action).await {
         Ok(Reply::Sandbox { sandbox, .. }) => sandbox,
         Ok(other) => {
@@ -332,6 +326,10 @@ async fn create(
         }
         Err(e) => {
             let mut refusal = Refusal::from(e);
+            // The create's own words for its fields (`volumes[0].name: no volume ...`).
+            if refusal.status == 400 {
+                refusal.message = e2b_fields(&refusal.message);
+            }
             // Nothing was made when the daemon was full; anything else may have made a VM.
             refusal.no_retry = refusal.status != 429;
             return Err(refusal);
@@ -355,6 +353,22 @@ async fn create(
         });
     }
     Ok(json(201, &sandbox_json(e2b, &sandbox)))
+}
+
+/// A native create's refusal in E2B's field names (the field is what precedes the ':').
+fn e2b_fields(message: &str) -> String {
+    match message.split_once(':') {
+        Some((field, rest)) => {
+            let field = field
+                .replacen("labels", "metadata", 1)
+                .replacen("env", "envVars", 1)
+                .replacen("idempotency_key", "Idempotency-Key", 1)
+                .replacen("volumes", "volumeMounts", 1)
+                .replacen("mount_path", "path", 1);
+            format!("{field}:{rest}")
+        }
+        None => message.to_string(),
+    }
 }
 
 /// `Sandbox` (create, connect, resume).

@@ -22,7 +22,8 @@
 //! entries, `signature.rs` signed `/files` URLs and derived tokens, `multipart.rs` streamed
 //! upload bodies),
 //! `connect.rs` (the Connect protocol), `forward.rs` (other guest ports), `state.rs` (what
-//! lives between requests) and `wire.rs` (E2B's constants and HTTP helpers).
+//! lives between requests), `volumes.rs` (E2B volumes and their content API, on the daemon's
+//! volumes) and `wire.rs` (E2B's constants and HTTP helpers).
 
 mod call;
 pub mod connect;
@@ -38,6 +39,7 @@ mod process;
 mod refusal;
 mod signature;
 mod state;
+mod volumes;
 mod watch;
 mod wire;
 

@@ -10,6 +10,7 @@ use rollbox_agent_protocol::client::AgentClient;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use super::super::super::api::Volume;
 use super::super::super::core::Core;
 use super::watch;
 
@@ -84,6 +85,19 @@ impl E2b {
     /// of the id under the API key, so it survives a restart and needs no storage.
     pub fn traffic_token(&self, id: &str) -> String {
         super::signature::derived_token(&self.api_key, "rollbox-e2b-traffic", id)
+    }
+
+    /// The token of an E2B volume (`VolumeAndToken.token`): an HMAC of its name, creation
+    /// time and tenant under the API key, so a volume made again under the same name (by
+    /// anyone) gets another. Stored nowhere; a restart gives the same.
+    pub fn volume_token(&self, volume: &Volume) -> String {
+        let id = format!(
+            "{}\0{}\0{}",
+            volume.name,
+            volume.created_at_ms,
+            volume.tenant.as_deref().unwrap_or("")
+        );
+        super::signature::derived_token(&self.api_key, "rollbox-e2b-volume", &id)
     }
 
     /// Drops the process table entries and stops the watchers of a sandbox that ended; the
