@@ -22,6 +22,7 @@ packages=(
     e2fsprogs cpio busybox-static file curl jq socat python3 debootstrap  # rootfs images, test initramfs
     docker.io docker-registry                               # Docker tests, local OCI registry
     nftables iproute2                                       # rollbox net (taps, NAT, egress rules)
+    pci.ids                                                 # GPU names (rollbox serve, GET /gpus)
     linux-source-6.1 flex bison bc libelf-dev libssl-dev    # the guest kernel build
 )
 

@@ -683,6 +683,9 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
     for dir in ["net", "shm", "vfio"] {
         let path = dev.join(dir);
         std::fs::create_dir(&path).map_err(JailError::step("mkdir", &path))?;
+        // The jail's uid passes through to the nodes (the jailer's umask would leave 0700).
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+            .map_err(JailError::step("chmod", &path))?;
     }
     let shm = dev.join("shm");
     std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o1777))
