@@ -105,7 +105,7 @@ pub struct DaemonReport {
     pub first_failure: Option<String>,
 }
 
-struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
     scratch: PathBuf,
     /// Creates and deletes that failed (the run goes on; the report counts them).
@@ -123,7 +123,12 @@ impl Daemon {
         text.get(tail..).unwrap_or_default().to_string()
     }
 
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<(u16, Value), String> {
+    pub(crate) fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(u16, Value), String> {
         let body = body.map(|b| b.to_string());
         let auth = format!("Bearer {KEY}");
         let response = Endpoint::Unix(self.sock())
@@ -140,7 +145,7 @@ impl Daemon {
     }
 
     /// `call`, expecting `status`.
-    fn expect(
+    pub(crate) fn expect(
         &self,
         method: &str,
         path: &str,
@@ -223,11 +228,11 @@ fn ids(list: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn ms(since: Instant) -> f64 {
+pub(crate) fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1000.0
 }
 
-fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchError> {
+pub(crate) fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchError> {
     for (path, hint) in [
         (&config.rollbox, "cargo build --release -p rollbox"),
         (&config.vmm, "cargo build --release -p vmm"),
@@ -300,7 +305,7 @@ fn create(daemon: &Daemon, snapshot: &str) -> Result<(String, f64), DaemonBenchE
     Ok((id, took))
 }
 
-fn delete(daemon: &Daemon, id: &str) -> Result<f64, DaemonBenchError> {
+pub(crate) fn delete(daemon: &Daemon, id: &str) -> Result<f64, DaemonBenchError> {
     let started = Instant::now();
     daemon.expect("DELETE", &format!("/sandboxes/{id}"), None, 204)?;
     Ok(ms(started))
@@ -308,7 +313,7 @@ fn delete(daemon: &Daemon, id: &str) -> Result<f64, DaemonBenchError> {
 
 /// `count` creates from `threads` threads at once (each takes the next index); the results in
 /// index order and the wall time in seconds.
-fn parallel<T: Send>(
+pub(crate) fn parallel<T: Send>(
     count: usize,
     threads: usize,
     work: impl Fn(usize) -> Result<T, DaemonBenchError> + Sync,
@@ -356,14 +361,14 @@ fn parallel<T: Send>(
     Ok((all.into_iter().map(|(_, t)| t).collect(), wall))
 }
 
-fn summary(samples: &[f64], what: &str) -> Result<Summary, DaemonBenchError> {
+pub(crate) fn summary(samples: &[f64], what: &str) -> Result<Summary, DaemonBenchError> {
     summarize(samples).ok_or_else(|| DaemonBenchError::Request {
         what: what.into(),
         message: "no samples".into(),
     })
 }
 
-fn p99(samples: &[f64]) -> f64 {
+pub(crate) fn p99(samples: &[f64]) -> f64 {
     let mut sorted = samples.to_vec();
     sorted.sort_by(f64::total_cmp);
     percentile(&sorted, 99.0).unwrap_or(f64::NAN)

@@ -18,6 +18,7 @@ mod snapshot;
 mod stats;
 mod test_guest;
 mod vmm;
+mod volumes;
 
 /// Flags of `linux-net` and `linux-fs`: the guest, rollbox-vmm and the rounds.
 #[derive(clap::Args, Debug, Clone)]
@@ -198,6 +199,33 @@ enum Bench {
         /// Run the VMMs without rollbox-jailer (`rollbox serve --no-jailer`).
         #[arg(long)]
         no_jailer: bool,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Shared volumes through `rollbox serve` with test-guest writers: create latency with one
+    /// volume against none, and records per second of N writers on one volume (forks) against
+    /// N writers each on its own volume. Needs virtiofsd (scripts/virtiofsd.sh; found as
+    /// rollbox serve finds it).
+    Volumes {
+        /// The rollbox CLI [default: target/release/rollbox].
+        #[arg(long)]
+        rollbox: Option<PathBuf>,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// The test guest ELF [default: target/test-guest/test-guest].
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// Where the scratch state directory goes (removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        dir: PathBuf,
+        /// Creates of the latency figure, each with and without a volume.
+        #[arg(long, default_value_t = 50)]
+        creates: usize,
+        /// Writer counts.
+        #[arg(long, value_delimiter = ',', default_value = "64,256")]
+        writers: Vec<usize>,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -491,6 +519,32 @@ fn main() -> ExitCode {
                 "daemon",
                 daemon::run(&config),
                 daemon::markdown,
+                json.as_deref(),
+            )
+        }
+        Bench::Volumes {
+            rollbox,
+            vmm,
+            guest,
+            dir,
+            creates,
+            writers,
+            json,
+        } => {
+            let (default_rollbox, default_vmm, default_guest) =
+                daemon::default_paths(&workspace_root());
+            let config = volumes::VolumesBenchConfig {
+                rollbox: rollbox.unwrap_or(default_rollbox),
+                vmm: vmm.unwrap_or(default_vmm),
+                guest: guest.unwrap_or(default_guest),
+                dir,
+                creates: creates.max(1),
+                writers: writers.into_iter().filter(|w| *w > 0).collect(),
+            };
+            finish(
+                "volumes",
+                volumes::run(&config),
+                volumes::markdown,
                 json.as_deref(),
             )
         }
