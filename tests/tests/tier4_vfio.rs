@@ -836,7 +836,9 @@ mod tier4 {
     /// The daemon's GPUs: edu bound to vfio-pci is the node's one GPU; a sandbox asking for
     /// it boots with it passed through its jail (the guest sees 1234:11e8 on its PCI bus), a
     /// second is refused naming the holder, as are a snapshot and a pause, and the device is
-    /// free again once the sandbox is deleted.
+    /// free again once the sandbox is deleted. Then the issue's program: rollbox's SDK runs a
+    /// `@function(gpu="edu", volumes=[...])` on a template with python, which sees the device
+    /// and writes what it found to the volume, read back from the host.
     #[test]
     fn daemon_gives_a_sandbox_the_edu_gpu_exclusively() {
         let test = "tier4::daemon_gives_a_sandbox_the_edu_gpu_exclusively";
@@ -909,5 +911,70 @@ mod tier4 {
             serde_json::Value::Null,
             "freed with its sandbox"
         );
+
+        // The issue's program: a `@function(gpu=..., volumes=[...])` of rollbox's SDK, on a
+        // template with python, gets the device and writes its result to the volume.
+        let python = match rollbox_tests::venv_python("scripts/sdk-venv.sh", &[]) {
+            Ok(python) => python,
+            Err(reason) => return rollbox_tests::skip(test, &format!("no SDK venv: {reason}")),
+        };
+        let rootfs = fx.path("CODE_INTERPRETER_ROOTFS").display().to_string();
+        daemon.ok(&[
+            "template",
+            "add",
+            "python",
+            "--kernel",
+            &kernel,
+            "--rootfs",
+            &rootfs,
+            "--memory-mib",
+            "256",
+            "--cmdline",
+            &agent_cmdline(""),
+        ]);
+        let out = Command::new(&python)
+            .args(["-c", GPU_FUNCTION])
+            .env("ROLLBOX_SOCKET", daemon.dir.path().join("d.sock"))
+            .env("ROLLBOX_API_KEY", GpuDaemon::KEY)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .expect("python");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("gpu function: ok"),
+            "{stdout}\n{}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            daemon.log()
+        );
+        println!("{stdout}");
+        assert_eq!(
+            daemon.holder(),
+            serde_json::Value::Null,
+            "freed after the call"
+        );
     }
+
+    /// `update_policy` of the issue, with the lab's edu device as the GPU.
+    const GPU_FUNCTION: &str = r#"
+import glob
+from rollbox_sdk import Client, Volume, function
+
+rb = Client()
+
+@function(template="python", gpu="edu", volumes=[Volume("ckpt", "./data")], timeout_s=600)
+def update_policy(version):
+    ids = sorted(
+        open(d + "/vendor").read().strip() + ":" + open(d + "/device").read().strip()
+        for d in glob.glob("/sys/bus/pci/devices/*")
+    )
+    with open(f"data/policy-v{version}.txt", "w") as f:
+        f.write("\n".join(ids))
+    return ids
+
+ids = update_policy.remote(43)
+print("devices in the function's sandbox:", ids)
+assert "0x1234:0x11e8" in ids, ids
+assert rb.read_volume_file("ckpt", "policy-v43.txt").decode().split("\n") == ids
+print("gpu function: ok")
+"#;
 }
