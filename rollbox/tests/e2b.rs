@@ -275,9 +275,7 @@ fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
     if let Some(ca) = &ca {
         command.env("SSL_CERT_FILE", ca);
     }
-    // The volume content API is this listener too (the SDK's default is https://api.{domain}).
     let output = command
-        .env("E2B_VOLUME_API_URL", &url)
         .env("ROLLBOX_NATIVE_SOCKET", daemon.dir.path().join("d.sock"))
         .env("ROLLBOX_E2B_PORT", port.to_string())
         .output()

@@ -95,7 +95,7 @@ pub fn venv_python(script: &str, args: &[&str]) -> Result<PathBuf, String> {
 }
 
 /// `python rollbox/tests/e2b/SCRIPT` pointed at the E2B listener at `url` with API key `key`:
-/// API and sandbox traffic both to `url`, domain `e2b.test`, sandboxes of `template`, scratch
+/// API, volume content and sandbox traffic all to `url`, domain `e2b.test`, sandboxes of `template`, scratch
 /// files in `scratch`, no SDK debug mode, stdin closed. Callers add what their script needs.
 pub fn e2b_script(
     python: &Path,
@@ -110,6 +110,8 @@ pub fn e2b_script(
         .arg(workspace_root().join("rollbox/tests/e2b").join(script))
         .env("E2B_API_URL", url)
         .env("E2B_SANDBOX_URL", url)
+        // The volume content API is this listener too (the SDK's default is https://api.{domain}).
+        .env("E2B_VOLUME_API_URL", url)
         .env("E2B_API_KEY", key)
         .env("E2B_DOMAIN", "e2b.test")
         .env("ROLLBOX_E2B_TEMPLATE", template)

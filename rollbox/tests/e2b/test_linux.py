@@ -13,7 +13,7 @@ import os
 import time
 
 import e2b
-from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b import CommandExitException, Sandbox, SandboxQuery, Volume
 from e2b.api.client.models.sandbox_state import SandboxState
 
 # The host suite's PTY and watch checks, unchanged: they take the sandbox and a directory.
@@ -50,6 +50,7 @@ def main():
         lifecycle_checks(sbx)
     finally:
         sbx.kill()
+    volume_checks()
     assert not Sandbox.kill(sbx.sandbox_id), "a second kill found the sandbox"
     ok("kill, and kill again is False")
     expect_error("connect after kill", lambda: Sandbox.connect(sbx.sandbox_id), "not found")
@@ -216,6 +217,30 @@ def lifecycle_checks(first):
         ok("a command whose sandbox is killed raises SandboxNotRunningException")
     finally:
         sbx.kill()
+
+
+def volume_checks():
+    """A volume (the daemon's, made through E2B's Volume API) mounted by a sandbox and by its
+    fork: each reads what the other wrote, and the volume's content API reads both."""
+    vol = Volume.create("lab-shared")
+    first = Sandbox.create(TEMPLATE, timeout=300, metadata={"suite": "e2b-linux-volume"},
+                           volume_mounts={"/data": vol})
+    try:
+        first.files.write("/data/first.txt", first.sandbox_id)
+        fork = first.fork(count=1, timeout=120)[0]
+        try:
+            assert fork.commands.run("cat /data/first.txt").stdout == first.sandbox_id
+            fork.files.write("/data/fork.txt", fork.sandbox_id)
+            assert first.files.read("/data/fork.txt") == fork.sandbox_id
+            assert vol.read_file("fork.txt") == fork.sandbox_id
+            assert vol.read_file("first.txt") == first.sandbox_id
+            ok("volume_mounts: a sandbox and its fork share the volume; the content API reads both")
+        finally:
+            fork.kill()
+    finally:
+        first.kill()
+    assert Volume.destroy(vol.volume_id)
+    ok("the volume is destroyed once no sandbox mounts it")
 
 
 if __name__ == "__main__":
