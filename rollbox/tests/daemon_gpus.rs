@@ -78,6 +78,14 @@ fn gpu_requests_on_a_node_without_gpus_are_refused_by_field() {
             "gpu: \"\" is not a GPU name",
         ),
         (
+            json!({"template": "guest", "ttl_s": 60, "gpu_wait_s": 5}),
+            "gpu_wait_s: needs gpu",
+        ),
+        (
+            json!({"template": "guest", "ttl_s": 60, "gpu": "any", "gpu_wait_s": 4000}),
+            "gpu_wait_s: 4000 is out of range",
+        ),
+        (
             json!({"snapshot": "snap-0123456789abcdef", "gpu": "any"}),
             "gpu: a sandbox with a GPU boots",
         ),

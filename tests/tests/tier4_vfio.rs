@@ -894,12 +894,25 @@ mod tier4 {
             "the guest has no edu device: {ids}\n{}",
             daemon.log()
         );
+        let waited = std::time::Instant::now();
         let (ok, _, refused) = daemon.cli(&[
-            "sandbox", "create", "busybox", "--ttl", "60", "--gpu", "edu",
+            "sandbox",
+            "create",
+            "busybox",
+            "--ttl",
+            "60",
+            "--gpu",
+            "edu",
+            "--gpu-wait",
+            "2",
         ]);
         assert!(
-            !ok && refused.contains(&format!("held by {id}")),
+            !ok && refused.contains(&format!("held by {id}")) && refused.contains("waited"),
             "{refused}"
+        );
+        assert!(
+            waited.elapsed().as_secs_f64() >= 2.0,
+            "it waited gpu_wait_s"
         );
         let (ok, _, refused) = daemon.cli(&["sandbox", "snapshot", &id]);
         assert!(!ok && refused.contains("holds GPU"), "{refused}");

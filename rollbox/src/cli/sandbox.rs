@@ -124,6 +124,9 @@ pub struct CreateArgs {
     /// How many GPUs [default: 1].
     #[arg(long, value_name = "N", conflicts_with = "snapshot")]
     pub gpu_count: Option<u32>,
+    /// Wait up to SECS for busy GPUs to come free [default: 0: refused at once].
+    #[arg(long, value_name = "SECS", conflicts_with = "snapshot")]
+    pub gpu_wait: Option<u32>,
 }
 
 /// `ls`'s arguments.
@@ -236,6 +239,7 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
         volumes,
         gpu,
         gpu_count,
+        gpu_wait,
     } = args;
     let mut body = json!({
         "labels": key_values(&labels, "label")?,
@@ -274,6 +278,9 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
     }
     if let Some(n) = gpu_count {
         body["gpu_count"] = json!(n);
+    }
+    if let Some(s) = gpu_wait {
+        body["gpu_wait_s"] = json!(s);
     }
     if let Some(count) = count {
         body["count"] = json!(count);

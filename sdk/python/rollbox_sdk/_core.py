@@ -339,6 +339,7 @@ def create_body(
     volumes: Optional[Mounts] = None,
     gpu: Optional[str] = None,
     gpu_count: Optional[int] = None,
+    gpu_wait_s: Optional[int] = None,
 ) -> Dict[str, Any]:
     body = _drop_none(
         {
@@ -352,6 +353,7 @@ def create_body(
             "idempotency_key": idempotency_key,
             "gpu": gpu,
             "gpu_count": gpu_count,
+            "gpu_wait_s": gpu_wait_s,
         }
     )
     for key, value in (("labels", labels), ("metadata", metadata), ("env", env)):

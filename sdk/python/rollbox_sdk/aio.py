@@ -233,6 +233,7 @@ class AsyncClient:
         volumes: Optional[Mounts] = None,
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
+        gpu_wait_s: Optional[int] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -245,8 +246,9 @@ class AsyncClient:
         restores only snapshots of deterministic sandboxes. ``volumes`` mounts named volumes
         (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none. ``gpu``
         passes ``gpu_count`` (default 1) of the node's GPUs through (a name such as ``"H100"``,
-        ``"any"``, or a PCI address; see :meth:`gpus`): such a sandbox boots, and cannot be
-        paused, snapshotted, forked or reset.
+        ``"any"``, or a PCI address; see :meth:`gpus`), waiting up to ``gpu_wait_s`` for busy
+        ones (else Conflict at once): such a sandbox boots, and cannot be paused, snapshotted,
+        forked or reset.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return await self._send(
@@ -254,6 +256,7 @@ class AsyncClient:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
+                    gpu_wait_s,
                 )
             )
         )
@@ -277,6 +280,7 @@ class AsyncClient:
         volumes: Optional[Mounts] = None,
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
+        gpu_wait_s: Optional[int] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -288,6 +292,7 @@ class AsyncClient:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
+                    gpu_wait_s,
                 ),
             )
         )

@@ -229,6 +229,7 @@ class Client:
         volumes: Optional[Mounts] = None,
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
+        gpu_wait_s: Optional[int] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -241,8 +242,9 @@ class Client:
         restores only snapshots of deterministic sandboxes. ``volumes`` mounts named volumes
         (``[Volume("data", "/data")]``); a restore gets its snapshot's and takes none. ``gpu``
         passes ``gpu_count`` (default 1) of the node's GPUs through (a name such as ``"H100"``,
-        ``"any"``, or a PCI address; see :meth:`gpus`): such a sandbox boots, and cannot be
-        paused, snapshotted, forked or reset.
+        ``"any"``, or a PCI address; see :meth:`gpus`), waiting up to ``gpu_wait_s`` for busy
+        ones (else Conflict at once): such a sandbox boots, and cannot be paused, snapshotted,
+        forked or reset.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return self._send(
@@ -250,6 +252,7 @@ class Client:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
+                    gpu_wait_s,
                 )
             )
         )
@@ -273,6 +276,7 @@ class Client:
         volumes: Optional[Mounts] = None,
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
+        gpu_wait_s: Optional[int] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -284,6 +288,7 @@ class Client:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
+                    gpu_wait_s,
                 ),
             )
         )

@@ -160,6 +160,7 @@ class Function:
         image: Optional[str],
         gpu: Optional[str],
         gpu_count: Optional[int],
+        gpu_wait_s: Optional[int],
         cpu: Optional[float],
         memory_mib: Optional[int],
         volumes: Sequence[Volume],
@@ -185,6 +186,7 @@ class Function:
         self.template = template
         self.gpu = gpu
         self.gpu_count = gpu_count
+        self.gpu_wait_s = gpu_wait_s
         self.cpu = cpu
         self.memory_mib = memory_mib
         self.workdir = workdir
@@ -233,6 +235,7 @@ class Function:
             volumes=self.volumes or None,
             gpu=self.gpu,
             gpu_count=self.gpu_count,
+            gpu_wait_s=self.gpu_wait_s,
             labels={"rollbox.function": self.__name__[:63] or "function"},
         )
         try:
@@ -327,6 +330,7 @@ def function(
     image: Optional[str] = None,
     gpu: Optional[str] = None,
     gpu_count: Optional[int] = None,
+    gpu_wait_s: Optional[int] = None,
     cpu: Optional[float] = None,
     memory_mib: Optional[int] = None,
     volumes: Sequence[Volume] = (),
@@ -345,6 +349,7 @@ def function(
             image=image,
             gpu=gpu,
             gpu_count=gpu_count,
+            gpu_wait_s=gpu_wait_s,
             cpu=cpu,
             memory_mib=memory_mib,
             volumes=volumes,

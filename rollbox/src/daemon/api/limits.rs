@@ -43,3 +43,5 @@ pub const MAX_VOLUME_MOUNTS: usize = 8;
 pub const MAX_VOLUME_NAME: usize = 32;
 /// Most GPUs one sandbox asks for.
 pub const MAX_GPU_COUNT: u32 = 16;
+/// Longest wait of a create for busy GPUs.
+pub const MAX_GPU_WAIT_S: u32 = 3600;

@@ -175,6 +175,8 @@ pub struct CreateSandbox {
 pub struct GpuRequest {
     pub name: String,
     pub count: u32,
+    /// How long a create waits for busy devices to come free (0: a 409 at once).
+    pub wait_s: u64,
 }
 
 /// A GPU of the node: a PCI device bound to vfio-pci.

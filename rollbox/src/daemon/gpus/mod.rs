@@ -134,6 +134,30 @@ impl Gpus {
         Ok(taken)
     }
 
+    /// [`Gpus::claim`], retried every 100 ms for `request.wait_s` while the devices are busy.
+    pub async fn claim_waiting(
+        &self,
+        sandbox: &str,
+        request: &GpuRequest,
+    ) -> Result<Vec<String>, ApiError> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(request.wait_s);
+        loop {
+            match self.claim(sandbox, request) {
+                Err(ApiError::Conflict(message)) => {
+                    if std::time::Instant::now() >= deadline {
+                        return Err(ApiError::Conflict(if request.wait_s > 0 {
+                            format!("{message} (waited gpu_wait_s={} s)", request.wait_s)
+                        } else {
+                            message
+                        }));
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Frees what `sandbox` holds.
     pub fn release(&self, sandbox: &str) {
         self.holders().retain(|_, holder| holder != sandbox);
@@ -172,6 +196,7 @@ mod tests {
         GpuRequest {
             name: name.into(),
             count,
+            wait_s: 0,
         }
     }
 

@@ -6,8 +6,8 @@ use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
 use super::super::limits::{
-    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_GPU_COUNT, MAX_IDS, MAX_LIST_LIMIT, MAX_MEMORY_MIB,
-    MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
+    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_GPU_COUNT, MAX_GPU_WAIT_S, MAX_IDS, MAX_LIST_LIMIT,
+    MAX_MEMORY_MIB, MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
 };
 use super::super::model::{CreateSandbox, GpuRequest, ListQuery, OnTimeout, State, VolumeMount};
 use super::template::check_template_name;
@@ -42,6 +42,7 @@ struct CreateBody {
     volumes: Vec<VolumeMount>,
     gpu: Option<String>,
     gpu_count: Option<i64>,
+    gpu_wait_s: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -83,11 +84,11 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         ));
     }
     super::volume::check_mounts(&body.volumes)?;
-    let gpu = gpu_request(body.gpu.as_deref(), body.gpu_count)?;
+    let gpu = gpu_request(body.gpu.as_deref(), body.gpu_count, body.gpu_wait_s)?;
     let (template, snapshot) = match (body.template, body.snapshot) {
         (Some(t), None) => (check_template_name(&t, "template")?, None),
         (None, Some(s)) => {
-            if body.gpu.is_some() || body.gpu_count.is_some() {
+            if body.gpu.is_some() || body.gpu_count.is_some() || body.gpu_wait_s.is_some() {
                 return Err(bad(
                     "gpu: a sandbox with a GPU boots; a restore of a snapshot cannot take one",
                 ));
@@ -142,9 +143,17 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
     })
 }
 
-/// `gpu` (a name, `any`, or a PCI address) and `gpu_count` (default 1; alone, any GPU).
-fn gpu_request(name: Option<&str>, count: Option<i64>) -> Result<Option<GpuRequest>, ApiError> {
+/// `gpu` (a name, `any`, or a PCI address), `gpu_count` (default 1; alone, any GPU) and
+/// `gpu_wait_s` (default 0).
+fn gpu_request(
+    name: Option<&str>,
+    count: Option<i64>,
+    wait_s: Option<i64>,
+) -> Result<Option<GpuRequest>, ApiError> {
     if name.is_none() && count.is_none() {
+        if wait_s.is_some() {
+            return Err(bad("gpu_wait_s: needs gpu or gpu_count"));
+        }
         return Ok(None);
     }
     let name = name.unwrap_or("any");
@@ -154,9 +163,11 @@ fn gpu_request(name: Option<&str>, count: Option<i64>) -> Result<Option<GpuReque
         )));
     }
     let count = in_range(count, "gpu_count", 1, MAX_GPU_COUNT)?.unwrap_or(1);
+    let wait_s = in_range(wait_s, "gpu_wait_s", 0, MAX_GPU_WAIT_S)?.unwrap_or(0);
     Ok(Some(GpuRequest {
         name: name.to_string(),
         count,
+        wait_s: u64::from(wait_s),
     }))
 }
 
