@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use rollbox_tests::daemon::{console, wait_for, Server, KEY};
+use rollbox_tests::daemon::{cmdline, console, pid_of, wait_for, HostAgent, Server, KEY};
 use rollbox_tests::{kvm_available, skip, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
@@ -371,4 +371,111 @@ fn sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd() {
         virtiofsd_under(&server.state()).is_empty()
     });
     assert_eq!(server.call("DELETE", "/volumes/traj", None).0, 204);
+}
+
+#[test]
+fn a_template_with_a_volume_gives_restored_sandboxes_that_mount_it() {
+    const TEST: &str = "a_template_with_a_volume_gives_restored_sandboxes_that_mount_it";
+    const WRITERS: usize = 8;
+    const FEW: usize = 100;
+    if !kvm_available() {
+        return;
+    }
+    if std::env::var_os("ROLLBOX_VIRTIOFSD").is_none() {
+        skip(TEST, "ROLLBOX_VIRTIOFSD is not set (scripts/virtiofsd.sh builds virtiofsd and prints its path)");
+        return;
+    }
+    // The boot snapshot waits for an agent: a host agent stands in for the guest's.
+    let agent = HostAgent::start();
+    let server = Server::start(&["--test-agent-socket", &agent.sock.display().to_string()]);
+    let (status, volume) = server.call("POST", "/volumes", Some(json!({"name": "traj"})));
+    assert_eq!(status, 201, "{volume}");
+    let mounts = json!([{"name": "traj", "mount_path": "/data", "readonly": false}]);
+    let (status, template) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "writer",
+            "kernel": test_guest(),
+            "cmdline": format!("{TEST_GUEST_CMDLINE} rollbox.test.run=fs-init;fs-append-clone:{FEW}"),
+            "memory_mib": 32,
+            "boot_snapshot": true,
+            "volumes": mounts,
+        })),
+    );
+    assert_eq!(status, 201, "{template}\n{}", server.log_tail());
+    assert_eq!(template["volumes"], mounts);
+    let (status, error) = status_and_error(
+        &server,
+        "POST",
+        "/templates",
+        Some(
+            json!({"name": "other", "kernel": test_guest(), "volumes": [{"name": "nope", "mount_path": "/d"}]}),
+        ),
+    );
+    assert_eq!(status, 400, "{error}");
+    assert!(error.starts_with("volumes[0].name: no volume"), "{error}");
+
+    // A batch of creates from the template: restores of its boot snapshot, each with the
+    // volume (a virtiofsd of its own) and a new generation, so each appends as itself.
+    let (status, batch) = server.call(
+        "POST",
+        "/sandboxes/batch",
+        Some(json!({"template": "writer", "count": WRITERS, "ttl_s": 300})),
+    );
+    assert_eq!(status, 200, "{batch}\n{}", server.log_tail());
+    let sandboxes: Vec<Value> = batch["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|r| {
+            assert!(r["error"].is_null(), "{r}");
+            r["sandbox"].clone()
+        })
+        .collect();
+    let mut writers = BTreeSet::new();
+    for sandbox in &sandboxes {
+        assert_eq!(sandbox["volumes"], mounts, "{sandbox}");
+        let (pid, _) = pid_of(sandbox);
+        assert!(
+            cmdline(pid).contains("--restore"),
+            "a restore: {}",
+            cmdline(pid)
+        );
+        wait_for("a writer's records", Duration::from_secs(120), || {
+            console(sandbox).contains("OK appended") || console(sandbox).contains("ERR")
+        });
+        let text = console(sandbox);
+        let generation = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("OK appended {FEW} as 0x")))
+            .unwrap_or_else(|| panic!("{}: {text}", sandbox["id"]))
+            .to_string();
+        assert!(
+            writers.insert(generation),
+            "two writers with one generation"
+        );
+    }
+    assert_eq!(virtiofsd_under(&server.state()).len(), WRITERS);
+    let common = server.raw("GET", "/volumes/traj/files?path=common", Some(KEY), None);
+    assert_eq!(
+        common.body.len(),
+        WRITERS * FEW * RECORD_LEN,
+        "common's size"
+    );
+
+    // The volume goes only after its template.
+    let (status, error) = status_and_error(&server, "DELETE", "/volumes/traj", None);
+    assert_eq!(status, 409, "{error}");
+    assert!(error.contains("template writer"), "{error}");
+    for sandbox in &sandboxes {
+        let id = sandbox["id"].as_str().expect("id");
+        assert_eq!(
+            server.call("DELETE", &format!("/sandboxes/{id}"), None).0,
+            204
+        );
+    }
+    assert_eq!(server.call("DELETE", "/templates/writer", None).0, 204);
+    assert_eq!(server.call("DELETE", "/volumes/traj", None).0, 204);
+    drop(agent);
 }

@@ -48,6 +48,8 @@ pub struct AddArgs {
     pub boot_snapshot: bool,
     #[command(flatten)]
     pub commands: StartCommands,
+    #[command(flatten)]
+    pub mounts: TemplateMounts,
 }
 
 /// `build`'s arguments.
@@ -85,6 +87,26 @@ pub struct BuildArgs {
     pub boot_snapshot: bool,
     #[command(flatten)]
     pub commands: StartCommands,
+    #[command(flatten)]
+    pub mounts: TemplateMounts,
+}
+
+/// The volumes every sandbox of a template mounts (its boot snapshot has them mounted).
+#[derive(clap::Args)]
+pub struct TemplateMounts {
+    /// Mount a volume (`rollbox volume create`) in every sandbox of the template, at an
+    /// absolute path, read-only with `:ro` (repeatable). A create that names volumes gets
+    /// those instead.
+    #[arg(long = "volume", value_name = "NAME:/PATH[:ro]", value_parser = super::volume::parse_mount)]
+    volumes: Vec<super::volume::VolumeMount>,
+}
+
+impl TemplateMounts {
+    fn add_to(self, body: &mut serde_json::Value) {
+        if !self.volumes.is_empty() {
+            body["volumes"] = json!(self.volumes);
+        }
+    }
 }
 
 /// What a template runs once its agent answers after a boot (before a boot snapshot).
@@ -175,6 +197,7 @@ fn add(conn: &Conn, args: AddArgs) -> Result<(), CliError> {
         memory_mib,
         boot_snapshot,
         commands,
+        mounts,
     } = args;
     let mut body = json!({
         "name": name,
@@ -183,6 +206,7 @@ fn add(conn: &Conn, args: AddArgs) -> Result<(), CliError> {
         "boot_snapshot": boot_snapshot,
     });
     commands.add_to(&mut body);
+    mounts.add_to(&mut body);
     if let Some(p) = rootfs {
         body["rootfs"] = json!(absolute(p));
     }
@@ -215,6 +239,7 @@ fn build(conn: &Conn, args: BuildArgs) -> Result<(), CliError> {
         memory_mib,
         boot_snapshot,
         commands,
+        mounts,
     } = args;
     let name = match (name, &image, &from_docker_archive) {
         (Some(name), _, _) => name,
@@ -251,6 +276,7 @@ fn build(conn: &Conn, args: BuildArgs) -> Result<(), CliError> {
         "boot_snapshot": boot_snapshot,
     });
     commands.add_to(&mut body);
+    mounts.add_to(&mut body);
     if let Some(c) = cmdline {
         body["cmdline"] = json!(c);
     }

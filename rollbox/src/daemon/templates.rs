@@ -188,6 +188,8 @@ impl Templates {
         } = request;
         self.policy.check(&mut template, image.as_mut())?;
         check_files(&template)?;
+        // Its volumes exist (and this server can serve volumes).
+        self.sandboxes.mounts(&template.volumes, None)?;
         if self
             .db
             .lock()

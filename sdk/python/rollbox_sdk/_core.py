@@ -281,6 +281,7 @@ def add_template(
     start_cmd: Optional[str] = None,
     ready_cmd: Optional[str] = None,
     ready_timeout_s: Optional[int] = None,
+    volumes: Optional[Mounts] = None,
 ) -> Call[Template]:
     body = _drop_none(
         {
@@ -300,6 +301,8 @@ def add_template(
         body["image"] = image.to_json() if isinstance(image, ImageSource) else dict(image)
     if boot_snapshot:
         body["boot_snapshot"] = True
+    if volumes:
+        body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
     # An image build and a boot snapshot take as long as they take.
     return Call("POST", "/templates", _template, json=body, timeout=None)
 

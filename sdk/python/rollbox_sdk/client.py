@@ -175,13 +175,15 @@ class Client:
         start_cmd: Optional[str] = None,
         ready_cmd: Optional[str] = None,
         ready_timeout_s: Optional[int] = None,
+        volumes: Optional[Mounts] = None,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
         snapshot that creates restore. ``start_cmd`` is started in the background after a
         boot (before the boot snapshot), and ``ready_cmd`` runs until it exits 0 (at most
-        ``ready_timeout_s``, default 300). Returns once all of it is done; on an error nothing
-        of the template is left."""
+        ``ready_timeout_s``, default 300). ``volumes`` are mounted in every sandbox of it
+        that names none (its boot snapshot has them, so those creates are restores). Returns
+        once all of it is done; on an error nothing of the template is left."""
         return self._send(
             _core.add_template(
                 name,
@@ -196,6 +198,7 @@ class Client:
                 start_cmd,
                 ready_cmd,
                 ready_timeout_s,
+                volumes,
             )
         )
 

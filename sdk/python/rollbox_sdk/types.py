@@ -140,6 +140,8 @@ class Template:
     ready_cmd: Optional[str] = None
     """Run until it exits 0 before a create returns."""
     ready_timeout_s: Optional[int] = None
+    volumes: List["Volume"] = field(default_factory=list)
+    """Volumes every sandbox of it mounts unless its create names others."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -158,6 +160,7 @@ class Template:
             start_cmd=data.get("start_cmd"),
             ready_cmd=data.get("ready_cmd"),
             ready_timeout_s=data.get("ready_timeout_s"),
+            volumes=_volumes(data.get("volumes")),
             raw=data,
         )
 

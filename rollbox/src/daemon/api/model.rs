@@ -110,6 +110,10 @@ pub struct Template {
     /// How long the ready command may take to first exit 0 [default 300 s].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_timeout_s: Option<u32>,
+    /// Volumes every sandbox of it mounts unless its create names others (its boot snapshot
+    /// has them mounted, so such creates are restores).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// Where a template's rootfs image comes from: a registry reference, a `docker save` tarball

@@ -194,11 +194,17 @@ impl Sandboxes {
         if let Some(snapshot) = &snapshot {
             check_deterministic(request.deterministic, snapshot)?;
         }
-        // A template's boot snapshot serves creates of its shape (a deterministic create only
-        // a deterministic one) without volumes; another shape boots.
+        // A template's boot snapshot serves creates of its shape and volumes (a deterministic
+        // create only a deterministic one) without a GPU; another shape boots.
+        // A create without volumes mounts its template's.
+        let wanted = if request.volumes.is_empty() {
+            &template.volumes
+        } else {
+            &request.volumes
+        };
         let snapshot = match (snapshot, &template.boot_snapshot) {
             (None, Some(boot))
-                if request.volumes.is_empty()
+                if *wanted == template.volumes
                     && request.gpu.is_none()
                     && request.vcpus.unwrap_or(template.vcpus) == template.vcpus
                     && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
@@ -223,7 +229,7 @@ impl Sandboxes {
         if let Some(gpu) = &request.gpu {
             self.gpus.check(gpu)?;
         }
-        let mounts = snapshot.as_ref().map_or(&request.volumes, |s| &s.volumes);
+        let mounts = snapshot.as_ref().map_or(wanted, |s| &s.volumes);
         let volumes = self.mounts(mounts, request.tenant.as_deref())?;
         Ok(Prepared {
             snapshot,

@@ -197,6 +197,8 @@ pub struct TemplateRow {
     pub ready_cmd: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_timeout_s: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 impl From<&Template> for TemplateRow {
@@ -216,6 +218,7 @@ impl From<&Template> for TemplateRow {
             start_cmd: t.start_cmd,
             ready_cmd: t.ready_cmd,
             ready_timeout_s: t.ready_timeout_s,
+            volumes: t.volumes,
         }
     }
 }
@@ -236,6 +239,7 @@ impl From<TemplateRow> for Template {
             start_cmd: t.start_cmd,
             ready_cmd: t.ready_cmd,
             ready_timeout_s: t.ready_timeout_s,
+            volumes: t.volumes,
         }
     }
 }

@@ -834,6 +834,7 @@ mod tests {
             start_cmd: None,
             ready_cmd: None,
             ready_timeout_s: None,
+            volumes: Vec::new(),
         };
         let shape = Shape {
             template: &template,

@@ -179,10 +179,25 @@ impl Volumes {
         }
     }
 
-    /// DELETE /volumes/{name}: refused while a live sandbox mounts it; a volume under the
+    /// DELETE /volumes/{name}: refused while a template or a live sandbox mounts it; a volume under the
     /// state dir loses its files, an admin's directory is left as it is.
     async fn delete(&self, name: &str) -> Result<Reply, ApiError> {
         let row = self.row(name)?;
+        let templates: Vec<String> = self
+            .db
+            .lock()
+            .templates()
+            .map_err(internal)?
+            .into_iter()
+            .filter(|t| t.volumes.iter().any(|v| v.name == name))
+            .map(|t| t.name)
+            .collect();
+        if !templates.is_empty() {
+            return Err(ApiError::Conflict(format!(
+                "volume {name} is mounted by template {}; remove the template first",
+                templates.join(", ")
+            )));
+        }
         match self.db.lock().remove_volume(name).map_err(internal)? {
             Err(users) => {
                 return Err(ApiError::Conflict(format!(

@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::super::action::ApiError;
 use super::super::limits::{MAX_MEMORY_MIB, MAX_VCPUS};
-use super::super::model::{AddTemplate, ImageSource, Template};
+use super::super::model::{AddTemplate, ImageSource, Template, VolumeMount};
 use super::{absolute, bad, from_json, in_range};
 
 #[derive(Deserialize)]
@@ -27,6 +27,8 @@ struct TemplateBody {
     start_cmd: Option<String>,
     ready_cmd: Option<String>,
     ready_timeout_s: Option<i64>,
+    #[serde(default)]
+    volumes: Vec<VolumeMount>,
 }
 
 /// The kernel command line of templates built from images when the request gives none: our
@@ -89,6 +91,7 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
     if body.ready_timeout_s.is_some() && body.ready_cmd.is_none() {
         return Err(bad("ready_timeout_s: needs a ready_cmd to time"));
     }
+    super::volume::check_mounts(&body.volumes)?;
     Ok(AddTemplate {
         template: Template {
             name,
@@ -104,6 +107,7 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
             start_cmd: body.start_cmd,
             ready_cmd: body.ready_cmd,
             ready_timeout_s: in_range(body.ready_timeout_s, "ready_timeout_s", 1, 3600)?,
+            volumes: body.volumes,
         },
         image: body.image,
         boot_snapshot: body.boot_snapshot,
