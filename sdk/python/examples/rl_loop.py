@@ -11,7 +11,9 @@ function travels as cloudpickle bytecode). One sandbox boots with the volume mou
 ``/data``; a fork makes the other workers (each keeps the mount, with a virtiofsd of its
 own); each writes ``/data/<its id>.json``. ``update_policy`` then runs in a sandbox of its
 own with the volume at ``./data`` under its working directory, reads every trajectory and
-writes ``data/policy-v1.json``, which this script reads through the daemon's volume API.
+writes ``data/policy-v1.json``, which this script reads through the daemon's volume API. It
+runs twice: cold (its sandbox boots), then from a snapshot (a template with the volume and a
+boot snapshot, so its sandbox is a restore).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import os
 import sys
 import time
 
-from rollbox_sdk import Client, Conflict, Volume, function
+from rollbox_sdk import Client, Conflict, NotFound, Volume, function
+from rollbox_sdk.function import WORKDIR
 
 MAX_FORK = 64
 """The most sandboxes one fork call makes."""
@@ -81,13 +84,7 @@ def main() -> int:
                 rb.delete_sandbox(worker)
         print(f"trajectories written in {time.monotonic() - started:.1f} s")
 
-        @function(
-            template=args.template,
-            volumes=[Volume(args.volume, "./data")],
-            timeout_s=args.timeout,
-            client=rb,
-        )
-        def update_policy(version: int) -> dict:
+        def train(version: int) -> dict:
             import glob
 
             episodes = []
@@ -95,19 +92,59 @@ def main() -> int:
                 with open(path) as f:
                     episodes.append(json.load(f))
             rewards = [s["reward"] for e in episodes for s in e["steps"]]
-            policy = {"version": version, "episodes": len(episodes), "mean_reward": sum(rewards) / len(rewards)}
+            policy = {
+                "version": version,
+                "episodes": len(episodes),
+                "mean_reward": sum(rewards) / len(rewards),
+            }
             with open(f"data/policy-v{version}.json", "w") as f:
                 json.dump(policy, f)
             print(f"trained on {len(episodes)} episodes")
             return policy
 
+        volumes = [Volume(args.volume, "./data")]
+        update_policy = function(
+            template=args.template, volumes=volumes, timeout_s=args.timeout, client=rb
+        )(train)
         started = time.monotonic()
         policy = update_policy.remote(1)
-        print(f"update_policy.remote: {policy} in {time.monotonic() - started:.1f} s")
+        print(f"update_policy.remote (cold: a boot): {policy} in {time.monotonic() - started:.1f} s")
         checkpoint = json.loads(rb.read_volume_file(args.volume, "policy-v1.json"))
         if checkpoint != policy or policy["episodes"] != len(workers):
             print(f"checkpoint {checkpoint} does not match {policy}", file=sys.stderr)
             return 1
+
+        # From a snapshot: a template with the volume where the function sees it and a boot
+        # snapshot, so each call restores instead of booting.
+        base = rb.get_template(args.template)
+        warm_name = f"{args.template}-fn"
+        try:
+            rb.delete_template(warm_name)
+        except NotFound:
+            pass
+        rb.add_template(
+            warm_name,
+            base.kernel,
+            rootfs=base.rootfs,
+            initrd=base.initrd,
+            cmdline=base.cmdline,
+            vcpus=base.vcpus,
+            memory_mib=base.memory_mib,
+            boot_snapshot=True,
+            volumes=[Volume(args.volume, os.path.join(WORKDIR, "data"))],
+        )
+        try:
+            warm = function(
+                template=warm_name, volumes=volumes, timeout_s=args.timeout, client=rb
+            )(train)
+            started = time.monotonic()
+            again = warm.remote(2)
+            print(f"update_policy.remote (from a snapshot): {again} in {time.monotonic() - started:.1f} s")
+            if again["episodes"] != len(workers):
+                print(f"the warm call saw {again}", file=sys.stderr)
+                return 1
+        finally:
+            rb.delete_template(warm_name)
         print(f"checkpoint read from the host: {checkpoint}")
     print("rl loop: ok")
     return 0
