@@ -97,6 +97,12 @@ class FunctionError(RollboxError):
     call failed around it (the sandbox, the upload, the interpreter)."""
 
 
+def default_template() -> str:
+    """The template of a ``@function`` or a Beam ``Sandbox`` that names none:
+    ``$ROLLBOX_TEMPLATE``, else ``python``."""
+    return os.environ.get("ROLLBOX_TEMPLATE", "python")
+
+
 def _cloudpickle_files() -> Dict[str, bytes]:
     """cloudpickle's own source files, to upload beside the call: the guest unpickles with the
     very version that pickled."""
@@ -177,8 +183,7 @@ class Function:
                 "image=: give template= (build one from the image with `rollbox template build "
                 "REF --name NAME --boot-snapshot`, or Client.add_template(image=...))"
             )
-        if template is None:
-            raise ValueError("template=: required (the template whose sandboxes run it)")
+        template = template or default_template()
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: {timeout_s} is not a positive number of seconds")
         functools.update_wrapper(self, fn)
@@ -340,7 +345,8 @@ def function(
     python: str = "python3",
     workdir: str = WORKDIR,
 ) -> Any:
-    """Makes ``fn`` a :class:`Function`: ``@function(template=...)`` or ``@function``."""
+    """Makes ``fn`` a :class:`Function`: ``@function(template=...)`` or ``@function``
+    (``template`` defaults to ``$ROLLBOX_TEMPLATE``, else ``python``)."""
 
     def wrap(f: Callable[..., Any]) -> Function:
         return Function(

@@ -84,10 +84,36 @@ def test_volumes_are_made_and_relative_mount_paths_are_under_the_workdir(
 
 def test_bad_arguments_are_refused_before_any_sandbox() -> None:
     for kwargs, field in [
-        ({}, "template="),
         ({"template": "t", "image": "python:3.11"}, "image="),
         ({"template": "t", "timeout_s": 0}, "timeout_s"),
         ({"template": "t", "workdir": "rel"}, "workdir"),
     ]:
         with pytest.raises(ValueError, match=field):
             function(**kwargs)(lambda: None)
+
+
+def test_beams_names_snapshot_memory_and_create_from_memory_snapshot(
+    rb: Client, template: str
+) -> None:
+    from rollbox_sdk.beam import Sandbox
+
+    env = Sandbox(template=template, memory=32, client=rb).create()
+    try:
+        snapshot_id = env.snapshot_memory()
+        env2 = Sandbox(template=template, client=rb).create_from_memory_snapshot(snapshot_id)
+        try:
+            assert rb.get_sandbox(env2.sandbox_id).state == "running"
+            process = env2.process.exec("sh", "-c", "echo from-the-restore")
+            assert process.wait() == 0 and process.stdout == "from-the-restore\n"
+        finally:
+            assert env2.terminate()
+    finally:
+        env.terminate()
+    rb.delete_snapshot(snapshot_id)
+
+
+def test_a_function_without_a_template_takes_rollbox_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLBOX_TEMPLATE", "from-env")
+    assert function(lambda: None).template == "from-env"
+    monkeypatch.delenv("ROLLBOX_TEMPLATE")
+    assert function(lambda: None).template == "python"
