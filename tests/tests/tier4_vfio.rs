@@ -283,6 +283,16 @@ fn write_sysfs(path: &str, value: &str) {
     std::fs::write(path, value).unwrap_or_else(|e| panic!("echo {value} > {path}: {e}"));
 }
 
+/// HugePages_Free of /proc/meminfo.
+fn huge_pages_free() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .expect("meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("HugePages_Free")
+}
+
 /// Binds `dev` to vfio-pci (driver_override, unbind, bind), as an operator would.
 fn bind_vfio_pci(dev: &Path) {
     let name = dev
@@ -836,7 +846,8 @@ mod tier4 {
     /// The daemon's GPUs: edu bound to vfio-pci is the node's one GPU; a sandbox asking for
     /// it boots with it passed through its jail (the guest sees 1234:11e8 on its PCI bus), a
     /// second is refused naming the holder, as are a snapshot and a pause, and the device is
-    /// free again once the sandbox is deleted. Then the program: rollbox's SDK runs a
+    /// free again once the sandbox is deleted; its memory is in 2 MiB huge pages (the daemon
+    /// asks for them when the host has enough free). Then the program: rollbox's SDK runs a
     /// `@function(gpu="edu", volumes=[...])` on a template with python, which sees the device
     /// and writes what it found to the volume, read back from the host.
     #[test]
@@ -854,6 +865,8 @@ mod tier4 {
             return;
         };
         bind_vfio_pci(&edu);
+        // Huge pages for the GPU sandbox's memory (L1 is the lab's own: nothing else uses them).
+        write_sysfs("/proc/sys/vm/nr_hugepages", "160");
         let daemon = GpuDaemon::start(&edu);
         assert_eq!(daemon.holder(), serde_json::Value::Null);
         let kernel = fx.path("OUR_VMLINUX").display().to_string();
@@ -880,6 +893,11 @@ mod tier4 {
         let bdf = edu.file_name().expect("bdf").to_string_lossy().into_owned();
         assert_eq!(sandbox["gpus"], serde_json::json!([bdf]), "{sandbox}");
         assert_eq!(daemon.holder(), serde_json::json!(id));
+        let free = huge_pages_free();
+        assert!(
+            free <= 160 - 128,
+            "the 256 MiB GPU guest is not in huge pages: {free} of 160 still free"
+        );
         let ids = daemon.ok(&[
             "sandbox",
             "exec",

@@ -180,9 +180,12 @@ impl Drop for MicroVm {
     }
 }
 
-/// How guest memory must be mapped for `resources`: shared when a vhost-user backend maps it.
+/// How guest memory must be mapped for `resources`: in huge pages when asked for (shared,
+/// so a vhost-user backend can map it too), else shared when a vhost-user backend maps it.
 pub fn memory_sharing(resources: &VmResources) -> Sharing {
-    if resources.fs.is_empty() {
+    if resources.machine.huge_pages.as_deref() == Some("2M") {
+        Sharing::HugeMemfd
+    } else if resources.fs.is_empty() {
         Sharing::Private
     } else {
         Sharing::Memfd

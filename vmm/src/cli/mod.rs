@@ -33,6 +33,10 @@ pub struct Args {
     /// Guest memory in MiB [default: 128].
     #[arg(long)]
     pub memory_mib: Option<u64>,
+    /// Back guest memory with huge pages: 2M (2 MiB hugetlb pages the host reserved in
+    /// /proc/sys/vm/nr_hugepages; an even --memory-mib) or None [default: None].
+    #[arg(long, value_name = "2M|None", conflicts_with = "restore")]
+    pub huge_pages: Option<String>,
     /// Number of vCPUs [default: 1].
     #[arg(long)]
     pub vcpus: Option<u64>,
@@ -201,6 +205,9 @@ pub fn resources_from(args: &Args) -> Result<VmResources, String> {
     }
     if let Some(mib) = args.memory_mib {
         resources.machine.mem_size_mib = mib;
+    }
+    if let Some(size) = &args.huge_pages {
+        resources.machine.huge_pages = Some(size.clone());
     }
     if args.deterministic {
         resources.machine.deterministic = true;

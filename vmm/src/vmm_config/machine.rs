@@ -26,8 +26,11 @@ impl ValidateMachine for MachineConfig {
         if self.cpu_template.as_deref().is_some_and(|t| t != "None") {
             return Err(ConfigError::Unsupported("cpu_template"));
         }
-        if self.huge_pages.as_deref().is_some_and(|t| t != "None") {
-            return Err(ConfigError::Unsupported("huge_pages"));
+        match self.huge_pages.as_deref() {
+            None | Some("None") => {}
+            Some("2M") if self.mem_size_mib.is_multiple_of(2) => {}
+            Some("2M") => return Err(ConfigError::HugePagesOdd(self.mem_size_mib)),
+            Some(_) => return Err(ConfigError::Unsupported("huge_pages")),
         }
         let vfio = &self.rollbox.vfio;
         if let Some(twice) = vfio
@@ -100,5 +103,24 @@ mod tests {
         m.mem_size_mib = 64;
         m.vcpu_count = 33;
         assert_eq!(m.validate(100), Err(ConfigError::VcpuCount(33)));
+    }
+
+    #[test]
+    fn huge_pages_are_2m_of_an_even_memory_size_or_none() {
+        let machine = |mib: u64, pages: &str| MachineConfig {
+            mem_size_mib: mib,
+            huge_pages: Some(pages.into()),
+            ..Default::default()
+        };
+        assert_eq!(machine(64, "2M").validate(1 << 20), Ok(()));
+        assert_eq!(machine(64, "None").validate(1 << 20), Ok(()));
+        assert_eq!(
+            machine(65, "2M").validate(1 << 20),
+            Err(ConfigError::HugePagesOdd(65))
+        );
+        assert_eq!(
+            machine(64, "1G").validate(1 << 20),
+            Err(ConfigError::Unsupported("huge_pages"))
+        );
     }
 }

@@ -29,9 +29,12 @@ pub enum ConfigError {
     /// SMT is not offered.
     #[error("smt=true is not supported: rollbox-vmm exposes one thread per core")]
     Smt,
-    /// A Firecracker option rollbox-vmm does not implement.
+    /// A Firecracker option rollbox-vmm does not implement (huge_pages: only "None" and "2M").
     #[error("{0} is not supported by rollbox-vmm")]
     Unsupported(&'static str),
+    /// Huge pages for a guest that is not a whole number of them.
+    #[error("huge_pages \"2M\" needs an even mem_size_mib (whole 2 MiB pages), not {0}")]
+    HugePagesOdd(u64),
     /// One host device passed through twice.
     #[error("VFIO device {0} is given twice")]
     VfioTwice(PathBuf),

@@ -1,5 +1,6 @@
 //! Guest memory: anonymous private mappings laid out around the MMIO gap, or, when a
-//! vhost-user backend must map it too (virtio-fs), one memfd mapped shared.
+//! vhost-user backend must map it too (virtio-fs), one memfd mapped shared; with huge pages
+//! (`huge_pages: "2M"`), one hugetlb memfd mapped shared.
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
@@ -32,6 +33,14 @@ pub enum MemoryError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The host has not that many free 2 MiB huge pages.
+    #[error("cannot back {mib} MiB of guest memory with 2 MiB huge pages ({detail}); reserve them with `echo N > /proc/sys/vm/nr_hugepages`, or drop huge_pages")]
+    HugePages {
+        /// Requested size.
+        mib: u64,
+        /// What failed.
+        detail: String,
+    },
 }
 
 /// How guest memory is mapped.
@@ -42,6 +51,9 @@ pub enum Sharing {
     /// One memfd, mapped `MAP_SHARED`, each region at its offset in the file, so a vhost-user
     /// backend can map the same pages from the region's fd.
     Memfd,
+    /// As [`Sharing::Memfd`], of 2 MiB huge pages (hugetlb, reserved by the host:
+    /// `/proc/sys/vm/nr_hugepages`): fewer pages for the TLB and for VFIO to pin and map.
+    HugeMemfd,
 }
 
 /// Creates guest memory of `mem_bytes` bytes.
@@ -56,9 +68,16 @@ pub fn create_guest_memory(
             .into_iter()
             .map(|(start, size)| (GuestAddress(start), size as usize, None))
             .collect(),
-        Sharing::Memfd => {
-            let file = memfd(c"rollbox-guest-memory", mem_bytes)
-                .map_err(|source| MemoryError::Memfd { mib, source })?;
+        Sharing::Memfd | Sharing::HugeMemfd => {
+            let file = if sharing == Sharing::HugeMemfd {
+                huge_memfd(mem_bytes).map_err(|e| MemoryError::HugePages {
+                    mib,
+                    detail: e.to_string(),
+                })?
+            } else {
+                memfd(c"rollbox-guest-memory", mem_bytes)
+                    .map_err(|source| MemoryError::Memfd { mib, source })?
+            };
             let file = std::sync::Arc::new(file);
             let mut offset = 0;
             regions
@@ -75,8 +94,37 @@ pub fn create_guest_memory(
                 .collect()
         }
     };
-    GuestMemoryMmap::from_ranges_with_files(&ranges)
-        .map_err(|source| MemoryError::Allocate { mib, source })
+    GuestMemoryMmap::from_ranges_with_files(&ranges).map_err(|source| match sharing {
+        // hugetlb reserves the pages when it is mapped: too few free fail here.
+        Sharing::HugeMemfd => MemoryError::HugePages {
+            mib,
+            detail: source.to_string(),
+        },
+        _ => MemoryError::Allocate { mib, source },
+    })
+}
+
+/// A hugetlb memfd of `len` bytes (a multiple of 2 MiB) in 2 MiB pages.
+fn huge_memfd(len: u64) -> std::io::Result<File> {
+    if !len.is_multiple_of(2 << 20) {
+        return Err(std::io::Error::other(format!(
+            "{len} bytes is not a whole number of 2 MiB pages"
+        )));
+    }
+    // SAFETY: the name is NUL-terminated; memfd_create only reads it.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"rollbox-guest-memory-2m".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    Ok(file)
 }
 
 /// A memfd named `name` of `len` bytes (sparse: pages are allocated when first touched).
@@ -102,6 +150,18 @@ pub fn is_shared(mem: &GuestMemoryMmap) -> bool {
 mod tests {
     use super::*;
     use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
+
+    #[test]
+    fn huge_page_memory_is_whole_pages_and_says_how_to_reserve_them() {
+        let err = huge_memfd(3 << 20).expect_err("not whole pages");
+        assert!(err.to_string().contains("2 MiB pages"), "{err}");
+        // With none reserved (a machine's default), the mapping is refused by name; with
+        // some, it is one shared file.
+        match create_guest_memory(4 << 20, Sharing::HugeMemfd) {
+            Ok(mem) => assert!(is_shared(&mem)),
+            Err(e) => assert!(e.to_string().contains("nr_hugepages"), "{e}"),
+        }
+    }
 
     #[test]
     fn memfd_memory_is_one_file_at_offsets() {

@@ -409,6 +409,14 @@ fn boot_config(
         ..MachineConfig::default()
     };
     machine.rollbox.vfio = shape.vfio.to_vec();
+    // A VM with a device passed through pins all its memory for DMA: in 2 MiB huge pages when
+    // the host has that many free, so there are 512 times fewer pages to pin and map.
+    if !shape.vfio.is_empty()
+        && shape.memory_mib.is_multiple_of(2)
+        && free_huge_pages_mib() >= u64::from(shape.memory_mib)
+    {
+        machine.huge_pages = Some("2M".into());
+    }
     let drives = match template.rootfs {
         Some(_) => vec![DriveConfig {
             is_root_device: true,
@@ -432,6 +440,24 @@ fn boot_config(
         fs,
         ..ConfigFile::default()
     })
+}
+
+/// The host's free 2 MiB huge pages, in MiB (/proc/meminfo's HugePages_Free when its
+/// Hugepagesize is 2048 kB).
+fn free_huge_pages_mib() -> u64 {
+    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else {
+        return 0;
+    };
+    let field = |name: &str| {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+    };
+    match (field("HugePages_Free:"), field("Hugepagesize:")) {
+        (Some(free), Some(2048)) => free * 2,
+        _ => 0,
+    }
 }
 
 /// Writes `config` to `path` as JSON.
