@@ -532,3 +532,70 @@ fn a_console_file_flooded_by_the_guest_stops_at_its_cap_and_the_api_keeps_answer
         "{text}"
     );
 }
+
+/// HugePages_Total of /proc/meminfo, and the pages neither in use nor reserved by a mapping
+/// (HugePages_Free less HugePages_Rsvd: a mapping reserves its pages, faults take them).
+fn huge_pages() -> (u64, u64) {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("meminfo");
+    let field = |name: &str| {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .expect(name)
+    };
+    let free: u64 = field("HugePages_Free:");
+    let reserved: u64 = field("HugePages_Rsvd:");
+    (field("HugePages_Total:"), free.saturating_sub(reserved))
+}
+
+#[test]
+fn guest_memory_in_2_mib_huge_pages() {
+    const TEST: &str = "guest_memory_in_2_mib_huge_pages";
+    if !kvm_available() {
+        return;
+    }
+    // 16 more pages for this guest's 32 MiB, given back at the end.
+    let (total, _) = huge_pages();
+    let want = total + 16;
+    if std::fs::write("/proc/sys/vm/nr_hugepages", want.to_string()).is_err()
+        || huge_pages().0 < want
+    {
+        rollbox_tests::skip(TEST, "this host cannot reserve 16 more 2 MiB huge pages");
+        let _ = std::fs::write("/proc/sys/vm/nr_hugepages", total.to_string());
+        return;
+    }
+    let (_, free_before) = huge_pages();
+    let mut vm = Vm::boot(&["--memory-mib", "32", "--huge-pages", "2M"]);
+    assert_eq!(vm.ok("echo hugepages"), "OK hugepages");
+    let (_, free_during) = huge_pages();
+    vm.send("reset\n");
+    assert!(
+        vm.wait(Duration::from_secs(20)).success(),
+        "{}",
+        vm.stderr()
+    );
+    let _ = std::fs::write("/proc/sys/vm/nr_hugepages", total.to_string());
+    assert!(
+        free_before - free_during >= 16,
+        "the guest's 32 MiB took {} huge pages",
+        free_before - free_during
+    );
+    // An odd size is refused by name.
+    let out = std::process::Command::new(rollbox_tests::vmm_binary())
+        .args([
+            "--kernel",
+            "/nonexistent",
+            "--memory-mib",
+            "33",
+            "--huge-pages",
+            "2M",
+        ])
+        .output()
+        .expect("rollbox-vmm");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("even mem_size_mib"),
+        "{stderr}"
+    );
+}

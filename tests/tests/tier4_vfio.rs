@@ -283,14 +283,17 @@ fn write_sysfs(path: &str, value: &str) {
     std::fs::write(path, value).unwrap_or_else(|e| panic!("echo {value} > {path}: {e}"));
 }
 
-/// HugePages_Free of /proc/meminfo.
+/// Huge pages neither in use nor reserved by a mapping (HugePages_Free less HugePages_Rsvd).
 fn huge_pages_free() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .expect("meminfo")
-        .lines()
-        .find_map(|l| l.strip_prefix("HugePages_Free:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("HugePages_Free")
+    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("meminfo");
+    let field = |name: &str| -> u64 {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .expect(name)
+    };
+    field("HugePages_Free:").saturating_sub(field("HugePages_Rsvd:"))
 }
 
 /// Binds `dev` to vfio-pci (driver_override, unbind, bind), as an operator would.
