@@ -40,6 +40,26 @@ fn virtiofsd_under(dir: &std::path::Path) -> BTreeSet<String> {
         .collect()
 }
 
+/// Whether `dir` is a mount point (in /proc/mounts).
+fn mounted(dir: &std::path::Path) -> bool {
+    let mounts = std::fs::read_to_string("/proc/mounts").expect("/proc/mounts");
+    let dir = dir.display().to_string();
+    mounts
+        .lines()
+        .any(|l| l.split(' ').nth(1) == Some(dir.as_str()))
+}
+
+/// Unmounts a size-limited volume's file system if a failed test left it.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        if mounted(&self.0) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+}
+
 fn status_and_error(
     server: &Server,
     method: &str,
@@ -139,6 +159,48 @@ fn volume_routes_files_and_refusals() {
     );
     assert_eq!(put.status, 400, "{}", String::from_utf8_lossy(&put.body));
     assert!(!outside.path().join("x").exists());
+    // A size limit: an ext4 file system of that size under the volume's directory.
+    let (status, small) = server.call(
+        "POST",
+        "/volumes",
+        Some(json!({"name": "small", "size_limit_mib": 16})),
+    );
+    assert_eq!(status, 201, "{small}");
+    assert_eq!(small["size_limit_mib"], 16);
+    let small_dir = std::path::PathBuf::from(small["host_path"].as_str().expect("host_path"));
+    let _unmount = Unmount(small_dir.clone());
+    assert!(
+        mounted(&small_dir),
+        "{} is not a mount",
+        small_dir.display()
+    );
+    let eight = vec![7u8; 8 << 20];
+    let put = server.raw(
+        "PUT",
+        "/volumes/small/files?path=a.bin",
+        Some(KEY),
+        Some(&eight),
+    );
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
+    let twelve = vec![9u8; 12 << 20];
+    let put = server.raw(
+        "PUT",
+        "/volumes/small/files?path=b.bin",
+        Some(KEY),
+        Some(&twelve),
+    );
+    let answer = String::from_utf8_lossy(&put.body);
+    assert_eq!(put.status, 409, "{answer}");
+    assert!(answer.contains("full"), "{answer}");
+    assert_eq!(
+        std::fs::read(small_dir.join("a.bin")).expect("a.bin"),
+        eight
+    );
+    assert!(!small_dir.join("b.bin").exists(), "no partial file is left");
+    assert_eq!(server.call("DELETE", "/volumes/small", None).0, 204);
+    assert!(!mounted(&small_dir), "unmounted with its volume");
+    assert!(!small_dir.exists());
+
     let (status, _) = status_and_error(&server, "GET", "/volumes/traj/files?path=nope", None);
     assert_eq!(status, 404);
     let (status, error) = status_and_error(&server, "GET", "/volumes/nope", None);

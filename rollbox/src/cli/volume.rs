@@ -20,8 +20,11 @@ pub enum VolumeCommand {
     Create {
         name: String,
         /// An existing directory on the daemon's host to share (left as it is on `rm`).
-        #[arg(long, value_name = "DIR")]
+        #[arg(long, value_name = "DIR", conflicts_with = "size_limit_mib")]
         host_path: Option<PathBuf>,
+        /// A size limit: the volume is an ext4 file system of this many MiB.
+        #[arg(long, value_name = "MIB")]
+        size_limit_mib: Option<u64>,
     },
     /// List volumes, by name.
     #[command(alias = "list")]
@@ -83,7 +86,11 @@ pub fn parse_mount(spec: &str) -> Result<VolumeMount, String> {
 /// Runs one subcommand.
 pub fn run(conn: &Conn, command: VolumeCommand) -> Result<(), CliError> {
     match command {
-        VolumeCommand::Create { name, host_path } => create(conn, &name, host_path),
+        VolumeCommand::Create {
+            name,
+            host_path,
+            size_limit_mib,
+        } => create(conn, &name, host_path, size_limit_mib),
         VolumeCommand::Ls => ls(conn),
         VolumeCommand::Info { name } => info(conn, &name),
         VolumeCommand::Rm { name } => rm(conn, &name),
@@ -96,10 +103,18 @@ pub fn run(conn: &Conn, command: VolumeCommand) -> Result<(), CliError> {
 }
 
 /// `rollbox volume create`.
-fn create(conn: &Conn, name: &str, host_path: Option<PathBuf>) -> Result<(), CliError> {
+fn create(
+    conn: &Conn,
+    name: &str,
+    host_path: Option<PathBuf>,
+    size_limit_mib: Option<u64>,
+) -> Result<(), CliError> {
     let mut body = json!({ "name": name });
     if let Some(dir) = host_path {
         body["host_path"] = json!(absolute(dir));
+    }
+    if let Some(mib) = size_limit_mib {
+        body["size_limit_mib"] = json!(mib);
     }
     let response = conn.call("POST", "/volumes", Some(body))?;
     if conn.json {

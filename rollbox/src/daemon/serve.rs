@@ -282,6 +282,7 @@ pub async fn serve(
         dirs.volumes.clone(),
         volume_dirs,
     ));
+    volumes.remount();
     let counters = Arc::new(Counters::default());
     let node = Arc::new(Node::new(Arc::clone(&db), &options.node, &dirs.state)?);
     let guest = Arc::new(Guest::new(

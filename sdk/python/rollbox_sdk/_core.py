@@ -673,10 +673,14 @@ def _volume(response: httpx.Response) -> VolumeInfo:
     return VolumeInfo.from_json(response.json())
 
 
-def create_volume(name: str, host_path: Optional[str]) -> Call[VolumeInfo]:
+def create_volume(
+    name: str, host_path: Optional[str], size_limit_mib: Optional[int] = None
+) -> Call[VolumeInfo]:
     body: Dict[str, Any] = {"name": name}
     if host_path is not None:
         body["host_path"] = str(host_path)
+    if size_limit_mib is not None:
+        body["size_limit_mib"] = size_limit_mib
     return Call("POST", "/volumes", _volume, json=body)
 
 

@@ -484,12 +484,18 @@ class Client:
         keys."""
         return self._send(_core.list_gpus())
 
-    def create_volume(self, name: str, host_path: Optional[str] = None) -> VolumeInfo:
+    def create_volume(
+        self,
+        name: str,
+        host_path: Optional[str] = None,
+        *,
+        size_limit_mib: Optional[int] = None,
+    ) -> VolumeInfo:
         """Make a named shared volume (1-32 of a-z 0-9 _ . -, starting with a letter or
         digit). Its files live under the daemon's state directory, or in ``host_path``, an
-        existing directory on the daemon's host (admin keys only). Conflict when the name is
-        taken."""
-        return self._send(_core.create_volume(name, host_path))
+        existing directory on the daemon's host (admin keys only). ``size_limit_mib`` makes it
+        an ext4 file system of that size. Conflict when the name is taken."""
+        return self._send(_core.create_volume(name, host_path, size_limit_mib))
 
     def volumes(self) -> List[VolumeInfo]:
         """The volumes this key sees, by name."""

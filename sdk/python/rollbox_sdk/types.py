@@ -105,6 +105,8 @@ class VolumeInfo:
     """The tenant whose key made it (None for an admin key's)."""
     mounted_by: List[str]
     """The live sandboxes that mount it, sorted."""
+    size_limit_mib: Optional[int] = None
+    """Its size limit (an ext4 file system of that size), or None."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -115,6 +117,7 @@ class VolumeInfo:
             created_at_ms=data.get("created_at_ms", 0),
             tenant=data.get("tenant"),
             mounted_by=list(data.get("mounted_by") or []),
+            size_limit_mib=data.get("size_limit_mib"),
             raw=data,
         )
 

@@ -45,3 +45,5 @@ pub const MAX_VOLUME_NAME: usize = 32;
 pub const MAX_GPU_COUNT: u32 = 16;
 /// Longest wait of a create for busy GPUs.
 pub const MAX_GPU_WAIT_S: u32 = 3600;
+/// Largest size limit of a volume: 1 TiB.
+pub const MAX_VOLUME_MIB: u32 = 1 << 20;

@@ -222,6 +222,9 @@ pub struct Volume {
     /// The tenant that owns it; absent for an admin's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Its size limit (an ext4 file system of this size); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_limit_mib: Option<u64>,
     /// The live sandboxes that mount it.
     #[serde(default)]
     pub mounted_by: Vec<String>,
@@ -233,6 +236,8 @@ pub struct CreateVolume {
     pub name: String,
     /// An existing host directory (admin only); None: a directory under the state dir.
     pub host_path: Option<PathBuf>,
+    /// A size limit in MiB (a volume under the state dir only).
+    pub size_limit_mib: Option<u64>,
     /// The core sets it from the key, never the body.
     pub tenant: Option<String>,
 }

@@ -126,7 +126,9 @@ CREATE TABLE volumes (
     host_path TEXT NOT NULL,
     managed INTEGER NOT NULL,
     tenant TEXT,
-    created_at_ms INTEGER NOT NULL
+    created_at_ms INTEGER NOT NULL,
+    -- A size-limited volume is an ext4 image of this size, loop-mounted at host_path.
+    size_limit_mib INTEGER
 );
 ",
     "

@@ -22,26 +22,28 @@ fn read(row: &rusqlite::Row) -> rusqlite::Result<VolumeRow> {
             host_path: PathBuf::from(row.get::<_, String>(1)?),
             tenant: row.get(3)?,
             created_at_ms: row.get(4)?,
+            size_limit_mib: row.get(5)?,
             mounted_by: Vec::new(),
         },
         managed: row.get(2)?,
     })
 }
 
-const COLUMNS: &str = "name, host_path, managed, tenant, created_at_ms";
+const COLUMNS: &str = "name, host_path, managed, tenant, created_at_ms, size_limit_mib";
 
 impl Store {
     /// Adds a volume; false if the name is taken.
     pub fn add_volume(&self, volume: &Volume, managed: bool) -> Result<bool, StoreError> {
         let changed = self.conn.execute(
-            "INSERT INTO volumes (name, host_path, managed, tenant, created_at_ms) \
-             VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(name) DO NOTHING",
+            "INSERT INTO volumes (name, host_path, managed, tenant, created_at_ms, size_limit_mib) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT(name) DO NOTHING",
             params![
                 volume.name,
                 volume.host_path.to_string_lossy(),
                 managed,
                 volume.tenant,
-                volume.created_at_ms
+                volume.created_at_ms,
+                volume.size_limit_mib
             ],
         )?;
         Ok(changed == 1)
@@ -62,6 +64,17 @@ impl Store {
             Ok(row)
         })
         .transpose()
+    }
+
+    /// Every volume's row, by name (without `mounted_by`).
+    pub fn volume_rows(&self) -> Result<Vec<VolumeRow>, StoreError> {
+        let mut statement = self
+            .conn
+            .prepare(&format!("SELECT {COLUMNS} FROM volumes ORDER BY name"))?;
+        let rows = statement
+            .query_map([], read)?
+            .collect::<rusqlite::Result<Vec<VolumeRow>>>()?;
+        Ok(rows)
     }
 
     /// Every volume, by name, with the live sandboxes that mount it.
@@ -128,6 +141,7 @@ mod tests {
             host_path: PathBuf::from(format!("/v/{name}")),
             created_at_ms: 1,
             tenant: None,
+            size_limit_mib: None,
             mounted_by: Vec::new(),
         }
     }

@@ -24,6 +24,8 @@ pub enum VolumeFileError {
     Kind { path: String, what: String },
     #[error("path {path:?}: it exists")]
     Exists { path: String },
+    #[error("path {path:?}: the volume is full (its size_limit_mib)")]
+    Full { path: String },
     #[error("path {path:?}: {op}: {source}")]
     Io {
         path: String,
@@ -63,6 +65,7 @@ fn io(path: &str, op: &'static str) -> impl FnOnce(std::io::Error) -> VolumeFile
     move |source| match source.raw_os_error() {
         Some(libc::EXDEV) | Some(libc::ELOOP) => VolumeFileError::Escapes { path },
         Some(libc::ENOENT) => VolumeFileError::NotFound { path },
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => VolumeFileError::Full { path },
         Some(libc::EISDIR) => VolumeFileError::Kind {
             path,
             what: "a directory (give a file's path)".into(),

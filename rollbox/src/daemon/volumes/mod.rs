@@ -4,6 +4,7 @@
 //! virtiofsd per (sandbox, volume).
 
 mod files;
+mod limit;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,6 +43,7 @@ fn file_error(name: &str, e: VolumeFileError) -> ApiError {
         }
         VolumeFileError::NotFound { .. } => ApiError::NotFound(message),
         VolumeFileError::Exists { .. } => ApiError::Conflict(message),
+        VolumeFileError::Full { .. } => ApiError::Conflict(message),
         VolumeFileError::Io { .. } => ApiError::Internal(message),
     }
 }
@@ -53,6 +55,23 @@ fn no_volume(name: &str) -> ApiError {
 impl Volumes {
     pub fn new(db: Arc<Db>, dir: PathBuf, host_dirs: Vec<PathBuf>) -> Volumes {
         Volumes { db, dir, host_dirs }
+    }
+
+    /// After a start: every size-limited volume's file system is mounted (again, after a
+    /// reboot); one that cannot be is logged, and its sandboxes fail to start naming it.
+    pub fn remount(&self) {
+        let rows = match self.db.lock().volume_rows() {
+            Ok(rows) => rows,
+            Err(e) => return log::error!("volumes: {e}"),
+        };
+        for row in rows.iter().filter(|r| r.volume.size_limit_mib.is_some()) {
+            if let Err(e) = limit::mount(&row.volume.host_path) {
+                log::error!(
+                    "volume {}: cannot mount its file system: {e}",
+                    row.volume.name
+                );
+            }
+        }
     }
 
     /// A volume's row, or 404.
@@ -108,6 +127,7 @@ impl Volumes {
             host_path: host_path.clone(),
             created_at_ms: now_ms(),
             tenant: request.tenant,
+            size_limit_mib: request.size_limit_mib,
             mounted_by: Vec::new(),
         };
         if !self
@@ -121,7 +141,19 @@ impl Volumes {
                 request.name, request.name
             )));
         }
-        if managed {
+        if let Some(mib) = request.size_limit_mib {
+            let dir = host_path.clone();
+            let made = tokio::task::spawn_blocking(move || limit::make(&dir, mib))
+                .await
+                .map_err(internal)?;
+            if let Err(e) = made {
+                let _ = self.db.lock().remove_volume(&request.name);
+                return Err(ApiError::Unavailable(format!(
+                    "volume {}: its {mib} MiB file system: {e}",
+                    request.name
+                )));
+            }
+        } else if managed {
             // Any guest user may write it (the state dir around it is the daemon's alone).
             let made = std::fs::create_dir_all(&host_path).and_then(|()| {
                 use std::os::unix::fs::PermissionsExt as _;
@@ -208,7 +240,13 @@ impl Volumes {
             Ok(false) => return Err(no_volume(name)),
             Ok(true) => {}
         }
-        if row.managed {
+        if row.volume.size_limit_mib.is_some() {
+            let dir = row.volume.host_path;
+            tokio::task::spawn_blocking(move || limit::unmake(&dir))
+                .await
+                .map_err(internal)?
+                .map_err(|e| internal(format!("volume {name}: removing its file system: {e}")))?;
+        } else if row.managed {
             let dir = row.volume.host_path;
             tokio::task::spawn_blocking(move || remove_dir(&dir))
                 .await

@@ -5,15 +5,16 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
-use super::super::limits::{MAX_VOLUME_MOUNTS, MAX_VOLUME_NAME};
+use super::super::limits::{MAX_VOLUME_MIB, MAX_VOLUME_MOUNTS, MAX_VOLUME_NAME};
 use super::super::model::{CreateVolume, VolumeMount, VolumeOp};
-use super::{absolute, bad, from_json, query_pairs};
+use super::{absolute, bad, from_json, in_range, query_pairs};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CreateBody {
     name: String,
     host_path: Option<PathBuf>,
+    size_limit_mib: Option<i64>,
 }
 
 /// A volume name: 1-32 bytes of `[a-z0-9_.-]`, starting with a letter or digit. It is the
@@ -41,9 +42,16 @@ pub fn parse_create(body: &[u8]) -> Result<Action, ApiError> {
     if let Some(path) = &body.host_path {
         absolute(path, "host_path")?;
     }
+    let size_limit_mib = in_range(body.size_limit_mib, "size_limit_mib", 8, MAX_VOLUME_MIB)?;
+    if size_limit_mib.is_some() && body.host_path.is_some() {
+        return Err(bad(
+            "size_limit_mib: not with host_path (that directory's size is its file system's)",
+        ));
+    }
     Ok(Action::CreateVolume(CreateVolume {
         name,
         host_path: body.host_path,
+        size_limit_mib: size_limit_mib.map(u64::from),
         tenant: None,
     }))
 }
@@ -220,6 +228,19 @@ mod tests {
         assert!(e.to_string().contains("host_path"), "{e}");
         let e = parse_create(br#"{"name":"d","size":1}"#).expect_err("unknown");
         assert!(e.to_string().contains("size"), "{e}");
+        let e = parse_create(br#"{"name":"d","size_limit_mib":4}"#).expect_err("too small");
+        assert!(
+            e.to_string()
+                .starts_with("size_limit_mib: 4 is out of range"),
+            "{e}"
+        );
+        let e = parse_create(br#"{"name":"d","size_limit_mib":64,"host_path":"/srv"}"#)
+            .expect_err("with host_path");
+        assert!(
+            e.to_string()
+                .starts_with("size_limit_mib: not with host_path"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -64,6 +64,7 @@ pub(super) async fn create(
     let create = CreateVolume {
         name,
         host_path: None,
+        size_limit_mib: None,
         tenant: None,
     };
     match e2b
