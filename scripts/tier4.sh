@@ -172,7 +172,7 @@ else
     lab_a=() lab_b=()
     for bin in "${tier4_bins[@]}"; do
         case "$(basename "$bin")" in
-            tier4_linux-*|tier4_vfio-*|tier4_network-*) lab_a+=("$bin") ;;
+            tier4_linux-*|tier4_network-*|tier4_volumes-*) lab_a+=("$bin") ;;
             *) if [[ "$shards" -eq 2 ]]; then lab_b+=("$bin"); else lab_a+=("$bin"); fi ;;
         esac
     done
