@@ -504,9 +504,17 @@ fn a_template_with_a_volume_gives_restored_sandboxes_that_mount_it() {
             "a restore: {}",
             cmdline(pid)
         );
-        wait_for("a writer's records", Duration::from_secs(120), || {
-            console(sandbox).contains("OK appended") || console(sandbox).contains("ERR")
-        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !(console(sandbox).contains("OK appended") || console(sandbox).contains("ERR")) {
+            assert!(
+                Instant::now() < deadline,
+                "{}: no records; its console: {}\n{}",
+                sandbox["id"],
+                console(sandbox),
+                server.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let text = console(sandbox);
         let generation = text
             .lines()

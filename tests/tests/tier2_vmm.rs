@@ -567,7 +567,7 @@ fn guest_memory_in_2_mib_huge_pages() {
     }
     let (_, free_before) = huge_pages();
     let mut vm = Vm::boot(&["--memory-mib", "32", "--huge-pages", "2M"]);
-    assert_eq!(vm.ok("echo hugepages"), "OK hugepages");
+    assert_eq!(vm.ok("echo hugepages"), "hugepages");
     let (_, free_during) = huge_pages();
     vm.send("reset\n");
     assert!(

@@ -102,6 +102,9 @@ struct Guest {
 }
 
 extern "C" fn guest_main(boot_params: usize) -> ! {
+    // First of all: a snapshot taken at any later point of the boot (a template's boot
+    // snapshot) resumes in its clones with this already read.
+    snap::record_boot_generation();
     let ticks_per_ms = io::tsc_per_ms();
     let boot = BootInfo::read(boot_params);
     // SAFETY: guest_main runs once, on the only CPU, and these are its only references

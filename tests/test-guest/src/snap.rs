@@ -26,13 +26,25 @@ pub fn read_generation() -> u64 {
     (hi << 32) | lo
 }
 
-/// Spins until the generation counter differs from what it reads now (a restore gave the VM a
-/// new generation: it is a clone), and returns the new value. A value counts once two reads in
-/// a row give it: a snapshot taken between the two halves of one read resumes, in the clone,
-/// with the old low half next to the new high half.
+/// The generation the guest booted with (set once, before the first command runs).
+static mut BOOT_GENERATION: u64 = 0;
+
+/// Records the generation the guest booted with.
+pub fn record_boot_generation() {
+    let generation = read_generation();
+    // SAFETY: the guest runs on one CPU and this runs once, before any command reads it.
+    unsafe { *&raw mut BOOT_GENERATION = generation };
+}
+
+/// Spins until the generation counter differs from the one the guest booted with (a restore
+/// gave the VM a new generation: it is a clone, whenever its snapshot was taken), and returns
+/// the new value. A value counts once two reads in a row give it: a snapshot taken between the
+/// two halves of one read resumes, in the clone, with the old low half next to the new high
+/// half.
 pub fn wait_new_generation() -> u64 {
-    let start = read_generation();
-    let mut last = start;
+    // SAFETY: written once before the first command; read-only since.
+    let start = unsafe { *&raw const BOOT_GENERATION };
+    let mut last = read_generation();
     loop {
         let now = read_generation();
         if now != start && now == last {

@@ -124,6 +124,13 @@ fn huge_memfd(len: u64) -> std::io::Result<File> {
     // SAFETY: `fd` was just created and nothing else owns it.
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(len)?;
+    // Every page now: too few free fail here, not as a SIGBUS when the guest first touches
+    // one (the mapping does not reserve them).
+    let len = libc::off_t::try_from(len).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: fallocate on a descriptor we own; it touches no memory of ours.
+    if unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     Ok(file)
 }
 
