@@ -32,17 +32,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
+import json
 import os
 import pickle
 import sys
 import sysconfig
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import cloudpickle
 
+from ._core import ImageSource
 from .client import Client
-from .errors import Conflict, RollboxError
+from .errors import Conflict, NotFound, RollboxError
 from .types import Volume
 
 #: Where a call's files live in the sandbox (one directory per call).
@@ -163,7 +166,8 @@ class Function:
         fn: Callable[..., Any],
         *,
         template: Optional[str],
-        image: Optional[str],
+        image: Union[str, ImageSource, None],
+        kernel: Optional[str],
         gpu: Optional[str],
         gpu_count: Optional[int],
         gpu_wait_s: Optional[int],
@@ -178,12 +182,14 @@ class Function:
     ) -> None:
         if not workdir.startswith("/"):
             raise ValueError(f"workdir: {workdir!r} is not an absolute path")
-        if image is not None:
-            raise ValueError(
-                "image=: give template= (build one from the image with `rollbox template build "
-                "REF --name NAME --boot-snapshot`, or Client.add_template(image=...))"
-            )
-        template = template or default_template()
+        if image is not None and template is not None:
+            raise ValueError("image=, template=: give one (an image becomes a template)")
+        if kernel is not None and image is None:
+            raise ValueError("kernel=: only with image= (a template has its own kernel)")
+        self.image = ImageSource(reference=image) if isinstance(image, str) else image
+        self.kernel = kernel
+        # With an image, the template is made from it at the first call.
+        template = template or (None if image is not None else default_template())
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: {timeout_s} is not a positive number of seconds")
         functools.update_wrapper(self, fn)
@@ -214,6 +220,42 @@ class Function:
                 self._client = Client()
             return self._client
 
+    def _template(self, client: Client) -> str:
+        """The template calls run in: the one given, or one built once from ``image`` (with a
+        boot snapshot, named by a hash of the image and the kernel, so every process that
+        decorates the same image shares it)."""
+        with self._lock:
+            if self.template is not None:
+                return self.template
+            assert self.image is not None
+            kernel = self.kernel
+            if kernel is None:
+                base = default_template()
+                try:
+                    kernel = client.get_template(base).kernel
+                except NotFound as e:
+                    raise ValueError(
+                        f"image=: give kernel= (a guest kernel on the daemon's host), or register "
+                        f"template {base!r} ($ROLLBOX_TEMPLATE), whose kernel images then boot"
+                    ) from e
+            key = json.dumps([self.image.to_json(), kernel, self.memory_mib], sort_keys=True)
+            name = "fn-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+            try:
+                client.get_template(name)
+            except NotFound:
+                try:
+                    client.add_template(
+                        name,
+                        kernel,
+                        image=self.image,
+                        boot_snapshot=True,
+                        memory_mib=self.memory_mib,
+                    )
+                except Conflict:
+                    pass  # another process made it meanwhile
+            self.template = name
+            return name
+
     def _ensure_volumes(self, client: Client) -> None:
         for volume in self.volumes:
             try:
@@ -225,6 +267,7 @@ class Function:
         """Runs the function in a fresh sandbox and returns its value; stdout and stderr
         stream to this process's as they come."""
         client = self.client()
+        template = self._template(client)
         self._ensure_volumes(client)
         module = sys.modules.get(self._fn.__module__)
         if module is not None and _is_users_own(module):
@@ -232,7 +275,7 @@ class Function:
             cloudpickle.register_pickle_by_value(module)
         payload = cloudpickle.dumps((self._fn, args, kwargs))
         sandbox = client.create_sandbox(
-            self.template,
+            template,
             memory_mib=self.memory_mib,
             cpu_limit=self.cpu,
             ttl_s=self.timeout_s + _TTL_MARGIN_S,
@@ -332,7 +375,8 @@ def function(
     fn: Optional[Callable[..., Any]] = None,
     *,
     template: Optional[str] = None,
-    image: Optional[str] = None,
+    image: Union[str, ImageSource, None] = None,
+    kernel: Optional[str] = None,
     gpu: Optional[str] = None,
     gpu_count: Optional[int] = None,
     gpu_wait_s: Optional[int] = None,
@@ -345,14 +389,17 @@ def function(
     python: str = "python3",
     workdir: str = WORKDIR,
 ) -> Any:
-    """Makes ``fn`` a :class:`Function`: ``@function(template=...)`` or ``@function``
-    (``template`` defaults to ``$ROLLBOX_TEMPLATE``, else ``python``)."""
+    """Makes ``fn`` a :class:`Function`: ``@function(template=...)``, ``@function(image=...)``
+    or ``@function`` (``template`` defaults to ``$ROLLBOX_TEMPLATE``, else ``python``). An
+    ``image`` (a registry reference, or an :class:`ImageSource`) becomes a template with a
+    boot snapshot at the first call, booting ``kernel`` (default: the default template's)."""
 
     def wrap(f: Callable[..., Any]) -> Function:
         return Function(
             f,
             template=template,
             image=image,
+            kernel=kernel,
             gpu=gpu,
             gpu_count=gpu_count,
             gpu_wait_s=gpu_wait_s,

@@ -85,6 +85,7 @@ def test_volumes_are_made_and_relative_mount_paths_are_under_the_workdir(
 def test_bad_arguments_are_refused_before_any_sandbox() -> None:
     for kwargs, field in [
         ({"template": "t", "image": "python:3.11"}, "image="),
+        ({"kernel": "/vmlinux"}, "kernel="),
         ({"template": "t", "timeout_s": 0}, "timeout_s"),
         ({"template": "t", "workdir": "rel"}, "workdir"),
     ]:
