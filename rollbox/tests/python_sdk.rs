@@ -317,10 +317,10 @@ fn python_sdk_builds_an_image_template_with_a_boot_snapshot() {
         .output()
         .expect("run pytest");
     check(
-        "the SDK's image template test",
+        "the SDK's image template tests",
         &output,
         &daemon,
-        "1 passed",
+        "2 passed",
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(!stdout.contains(" skipped"), "skipped:\n{stdout}");
