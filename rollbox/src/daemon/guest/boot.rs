@@ -25,8 +25,9 @@ const START_LOG: &str = "/var/log/rollbox-start.log";
 
 impl Guest {
     /// After a boot of `template`: waits for the agent, starts the template's start command in
-    /// the background and runs its ready command until it exits 0. Nothing without a start
-    /// command.
+    /// the background and runs its ready command until it exits 0. Without a start command,
+    /// only waits for the agent of a template known to run one (an image's, or one with a
+    /// boot snapshot).
     pub async fn start_template_command(
         &self,
         id: &str,
@@ -34,6 +35,12 @@ impl Guest {
         env: &BTreeMap<String, String>,
     ) -> Result<(), ApiError> {
         let Some(start_cmd) = &template.start_cmd else {
+            // A template whose guest runs the agent (built from an image, or with a boot
+            // snapshot) is ready when its agent answers: a create that boots it (volumes, a
+            // GPU, another shape) returns then, so its first exec does not race the boot.
+            if template.image.is_some() || template.boot_snapshot.is_some() {
+                self.wait_for_agent(id, &template.name).await?;
+            }
             return Ok(());
         };
         let name = &template.name;
