@@ -265,7 +265,8 @@ impl Sandboxes {
         let gpus = match &request.gpu {
             Some(gpu) => self
                 .gpus
-                .claim(&id, gpu)
+                .claim_waiting(&id, gpu)
+                .await
                 .inspect_err(|_| self.counters.refused())?,
             None => Vec::new(),
         };
