@@ -29,6 +29,19 @@ fn read(row: &rusqlite::Row) -> rusqlite::Result<VolumeRow> {
     })
 }
 
+/// The live sandboxes that mount volume `name` (the store's or a transaction's connection).
+fn mounted_by(conn: &rusqlite::Connection, name: &str) -> Result<Vec<String>, StoreError> {
+    let mut statement = conn.prepare(
+        "SELECT DISTINCT s.id FROM sandboxes s, json_each(s.volumes) m \
+         WHERE s.state IN ('creating', 'running', 'paused') \
+         AND json_extract(m.value, '$.name') = ?1 ORDER BY s.id",
+    )?;
+    let ids = statement
+        .query_map(params![name], |row| row.get::<_, String>(0))?
+        .collect::<rusqlite::Result<Vec<String>>>()?;
+    Ok(ids)
+}
+
 const COLUMNS: &str = "name, host_path, managed, tenant, created_at_ms, size_limit_mib";
 
 impl Store {
@@ -79,13 +92,8 @@ impl Store {
 
     /// Every volume, by name, with the live sandboxes that mount it.
     pub fn volumes(&self) -> Result<Vec<Volume>, StoreError> {
-        let mut statement = self
-            .conn
-            .prepare(&format!("SELECT {COLUMNS} FROM volumes ORDER BY name"))?;
-        let rows = statement
-            .query_map([], read)?
-            .collect::<rusqlite::Result<Vec<VolumeRow>>>()?;
-        rows.into_iter()
+        self.volume_rows()?
+            .into_iter()
             .map(|mut row| {
                 row.volume.mounted_by = self.mounted_by(&row.volume.name)?;
                 Ok(row.volume)
@@ -95,32 +103,14 @@ impl Store {
 
     /// The live sandboxes (creating, running, paused) that mount volume `name`, sorted.
     pub fn mounted_by(&self, name: &str) -> Result<Vec<String>, StoreError> {
-        let mut statement = self.conn.prepare(
-            "SELECT DISTINCT s.id FROM sandboxes s, json_each(s.volumes) m \
-             WHERE s.state IN ('creating', 'running', 'paused') \
-             AND json_extract(m.value, '$.name') = ?1 ORDER BY s.id",
-        )?;
-        let ids = statement
-            .query_map(params![name], |row| row.get::<_, String>(0))?
-            .collect::<rusqlite::Result<Vec<String>>>()?;
-        Ok(ids)
+        mounted_by(&self.conn, name)
     }
 
     /// Removes a volume unless a live sandbox mounts it (in one transaction, so a create that
     /// recorded its mount first wins): Ok(Err(ids)) names them; Ok(Ok(false)): there was none.
     pub fn remove_volume(&mut self, name: &str) -> Result<Result<bool, Vec<String>>, StoreError> {
         let tx = self.conn.transaction()?;
-        let users = {
-            let mut statement = tx.prepare(
-                "SELECT DISTINCT s.id FROM sandboxes s, json_each(s.volumes) m \
-                 WHERE s.state IN ('creating', 'running', 'paused') \
-                 AND json_extract(m.value, '$.name') = ?1 ORDER BY s.id",
-            )?;
-            let ids = statement
-                .query_map(params![name], |row| row.get::<_, String>(0))?
-                .collect::<rusqlite::Result<Vec<String>>>()?;
-            ids
-        };
+        let users = mounted_by(&tx, name)?;
         if !users.is_empty() {
             return Ok(Err(users));
         }
