@@ -165,6 +165,11 @@ struct Args {
     /// and its IOMMU group's (read-only), and /dev/vfio/vfio and /dev/vfio/GROUP; repeatable.
     #[arg(long, value_name = "SYSFS_PATH")]
     vfio: Vec<PathBuf>,
+    /// An inherited descriptor the VMM keeps, at the same number (e.g. a tap the caller
+    /// attached in the host's network namespace, for `rollbox-vmm --tap-fd NAME=FD`); every
+    /// other one above 2 is closed; repeatable.
+    #[arg(long = "keep-fd", value_name = "FD", value_parser = clap::value_parser!(i32).range(3..))]
+    keep_fd: Vec<i32>,
     /// The VMM's arguments (paths as the jail sees them).
     #[arg(last = true)]
     vmm_args: Vec<String>,
@@ -183,6 +188,19 @@ struct Plan {
     rlimits: Vec<(libc::__rlimit_resource_t, u64, String)>,
     exec_in_jail: CString,
     argv: Vec<CString>,
+    /// `--keep-fd`: only the VMM holds them; the jailer and PID 1 close their copies.
+    keep_fds: Vec<i32>,
+}
+
+impl Plan {
+    /// Closes this process's copies of the descriptors the VMM keeps (so that it alone holds
+    /// them, and e.g. a tap detaches when it ends).
+    fn close_kept(&self) {
+        for &fd in &self.keep_fds {
+            // SAFETY: closes a descriptor this process inherited for its child and never uses.
+            unsafe { libc::close(fd) };
+        }
+    }
 }
 
 fn main() {
@@ -260,10 +278,35 @@ fn readable_by(meta: &std::fs::Metadata, uid: u32, gid: u32, exec: bool) -> bool
     bits & need == need
 }
 
+/// Closes every inherited descriptor but stdin, stdout, stderr and `keep` (which must be open).
+fn close_inherited(keep: &[i32]) -> Result<(), JailError> {
+    let mut keep: Vec<libc::c_uint> = keep.iter().map(|&fd| fd as libc::c_uint).collect();
+    keep.sort_unstable();
+    keep.dedup();
+    for &fd in &keep {
+        // SAFETY: F_GETFD on a number; no memory is shared, and an unopened number answers
+        // EBADF.
+        if unsafe { libc::fcntl(fd as libc::c_int, libc::F_GETFD) } < 0 {
+            return Err(usage(format!(
+                "--keep-fd {fd}: not an open descriptor ({})",
+                std::io::Error::last_os_error()
+            )));
+        }
+    }
+    let mut first: libc::c_uint = 3;
+    for fd in keep.into_iter().chain([libc::c_uint::MAX]) {
+        if fd > first {
+            // SAFETY: closes descriptors only; nothing in this process uses one above 2 yet
+            // but the kept ones, which the ranges skip.
+            unsafe { libc::close_range(first, fd - 1, 0) };
+        }
+        first = fd.saturating_add(1);
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<i32, JailError> {
-    // Every inherited descriptor but stdin, stdout and stderr goes.
-    // SAFETY: closes descriptors only; nothing in this process uses one above 2 yet.
-    unsafe { libc::close_range(3, libc::c_uint::MAX, 0) };
+    close_inherited(&args.keep_fd)?;
     let id_ok = !args.id.is_empty()
         && args.id.len() <= 64
         && args
@@ -443,6 +486,7 @@ fn run(args: Args) -> Result<i32, JailError> {
                 "--exec",
             )?,
             argv,
+            keep_fds: args.keep_fd.clone(),
         };
         timing::step("mount points");
         let groups =
@@ -551,6 +595,7 @@ fn start(plan: &Plan, args: &Args, groups: &JailGroups) -> Result<i32, JailError
         // SAFETY: ends this process without running the parent's exit handlers twice.
         unsafe { libc::_exit(code) };
     }
+    plan.close_kept();
     loop {
         let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::uninit();
         // SAFETY: waits for one of the blocked signals; `info` is written by the kernel.
@@ -743,6 +788,7 @@ fn jail_init(plan: &Plan, old_mask: &libc::sigset_t) -> Result<i32, JailError> {
         // SAFETY: ends the failed child at once.
         unsafe { libc::_exit(127) };
     }
+    plan.close_kept();
     drop_privileges(plan)?;
     // A change of credentials clears the parent-death signal: armed again.
     // SAFETY: prctl with integer arguments.

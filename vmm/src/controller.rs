@@ -832,6 +832,7 @@ impl Controller {
             fs_overrides: extension.fs_overrides,
             fs_sockets: extension.fs_sockets,
             virtiofsd: self.resources.virtiofsd.clone(),
+            taps: self.resources.taps.clone(),
         })
     }
 

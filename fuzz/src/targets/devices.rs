@@ -209,11 +209,14 @@ thread_local! {
 }
 
 fn net_device() -> Result<Net, String> {
-    Net::new(NetConfig {
-        iface_id: "fuzz0".into(),
-        host_dev_name: TAP.into(),
-        guest_mac: Some([6, 0, 10, 0, 0, 2]),
-    })
+    Net::new(
+        NetConfig {
+            iface_id: "fuzz0".into(),
+            host_dev_name: TAP.into(),
+            guest_mac: Some([6, 0, 10, 0, 0, 2]),
+        },
+        &Default::default(),
+    )
     .map_err(|e| e.to_string())
 }
 

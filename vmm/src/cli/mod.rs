@@ -4,10 +4,11 @@
 mod flags;
 
 use std::collections::HashMap;
-use std::os::fd::RawFd;
+use std::os::fd::{FromRawFd, RawFd};
 use std::path::PathBuf;
 
 use clap::Parser;
+use vmm::devices::virtio::net::tap::AttachedTaps;
 use vmm::persist::{RestoreBackend, RestoreOptions};
 use vmm::vmm_config::{
     host_memory_mib, load_config_file, BootSourceConfig, ConsoleConfig, Validate, ValidateMachine,
@@ -46,6 +47,13 @@ pub struct Args {
     /// A network interface on a host tap: TAP[,mac=MAC][,id=NAME]; repeat for more.
     #[arg(long = "net", conflicts_with = "restore")]
     pub nets: Vec<String>,
+    /// A tap this process inherited attached already, as NAME=FD (the descriptor of
+    /// /dev/net/tun after TUNSETIFF NAME with IFF_TAP|IFF_NO_PI|IFF_VNET_HDR, done by the caller
+    /// in its own network namespace): the interface on tap NAME, from --net, --config or a
+    /// restore, takes it instead of opening the tap; repeat for more (rollbox extension: a VMM
+    /// in an empty network namespace reaches the host's tap this way).
+    #[arg(long = "tap-fd", value_name = "NAME=FD")]
+    pub tap_fds: Vec<String>,
     /// With --restore: put an interface on another tap (and give it a new MAC), as
     /// ID=TAP[,mac=MAC].
     #[arg(long = "net-override", requires = "restore")]
@@ -264,7 +272,41 @@ pub fn resources_from(args: &Args) -> Result<VmResources, String> {
         let fs = parse_fs_flag(flag).map_err(|e| e.to_string())?;
         resources.add_fs(fs).map_err(|e| e.to_string())?;
     }
+    resources.taps = attached_taps(args)?;
     Ok(resources)
+}
+
+/// The taps of `--tap-fd NAME=FD`: each descriptor is checked to be open, marked
+/// close-on-exec (no clone or virtiofsd inherits it) and owned from here on. Called once per
+/// process, by [`resources_from`] or [`restore_options`].
+fn attached_taps(args: &Args) -> Result<AttachedTaps, String> {
+    let taps = AttachedTaps::default();
+    let mut seen = std::collections::HashSet::new();
+    for (name, fd) in overrides("--tap-fd", "NAME=FD", &args.tap_fds)? {
+        let bad = |why: &str| format!("--tap-fd {name}={fd}: {why}");
+        vmm::devices::virtio::net::tap::check_name(&name).map_err(|e| bad(&e.to_string()))?;
+        let fd: RawFd = fd
+            .parse()
+            .ok()
+            .filter(|fd| *fd > 2)
+            .ok_or_else(|| bad("FD must be a descriptor number above 2"))?;
+        if !seen.insert(fd) || taps.names().contains(&name) {
+            return Err(bad("each tap and each descriptor once"));
+        }
+        // SAFETY: F_GETFD/F_SETFD on a number; no memory is shared, and an unopened number
+        // answers EBADF.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+            return Err(bad(&format!(
+                "not an open descriptor ({})",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: the descriptor is open (checked above), was handed down to this process for
+        // this tap alone, and each number is taken once, so nothing else owns or closes it.
+        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        taps.insert(name, file);
+    }
+    Ok(taps)
 }
 
 /// Splits each `KEY=VALUE` of a repeated `flag` (`form` names the parts in errors).
@@ -328,6 +370,7 @@ pub fn restore_options(args: &Args) -> Result<RestoreOptions, String> {
         layer_overrides,
         fs_overrides,
         fs_sockets,
+        taps: attached_taps(args)?,
         virtiofsd: args.virtiofsd.clone(),
         mem_file: None,
         vsock_uds: args.vsock_uds.clone(),
@@ -358,6 +401,32 @@ mod tests {
 
     fn parse(flags: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_from(std::iter::once("rollbox-vmm").chain(flags.iter().copied()))
+    }
+
+    #[test]
+    fn tap_fd_takes_an_open_descriptor_once_and_names_bad_ones() {
+        use std::os::fd::IntoRawFd;
+        let taps = |flags: &[&str]| attached_taps(&parse(flags).expect("parse"));
+        let err = taps(&["--tap-fd", "rbx0=1"]).expect_err("stdout");
+        assert_eq!(
+            err,
+            "--tap-fd rbx0=1: FD must be a descriptor number above 2"
+        );
+        let err = taps(&["--tap-fd", "rbx0"]).expect_err("no FD");
+        assert!(err.contains("expected NAME=FD"), "{err}");
+        let err = taps(&["--tap-fd", "a/b=7"]).expect_err("bad name");
+        assert!(err.starts_with("--tap-fd a/b=7: tap name"), "{err}");
+        let fd = std::fs::File::open("/dev/null")
+            .expect("null")
+            .into_raw_fd();
+        let held = taps(&["--tap-fd", &format!("rbx0={fd}")]).expect("an open descriptor");
+        assert_eq!(held.names(), vec!["rbx0".to_string()]);
+        let fd = std::fs::File::open("/dev/null")
+            .expect("null")
+            .into_raw_fd();
+        let (one, two) = (format!("rbx1={fd}"), format!("rbx2={fd}"));
+        let err = taps(&["--tap-fd", &one, "--tap-fd", &two]).expect_err("twice");
+        assert!(err.ends_with("each tap and each descriptor once"), "{err}");
     }
 
     #[test]

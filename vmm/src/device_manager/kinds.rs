@@ -18,6 +18,7 @@ use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
 use crate::devices::virtio::fs::persist::{FsPersistState, FsRestoreArgs, FsRestoreError};
 use crate::devices::virtio::fs::{Fs, FsError};
 use crate::devices::virtio::net::persist::{NetPersistState, NetRestoreArgs};
+use crate::devices::virtio::net::tap::AttachedTaps;
 use crate::devices::virtio::net::{Net, NetConfig, NetError, NetOverride};
 use crate::devices::virtio::vsock::persist::{VsockPersistState, VsockRestoreArgs};
 use crate::devices::virtio::vsock::{Vsock, VsockError};
@@ -61,11 +62,14 @@ pub fn create_devices(resources: &VmResources) -> Result<Vec<Box<dyn VirtioDevic
         devices.push(Box::new(Vsock::new(vsock.guest_cid, &vsock.uds_path)?));
     }
     for iface in &resources.net {
-        devices.push(Box::new(Net::new(NetConfig {
-            iface_id: iface.iface_id.clone(),
-            host_dev_name: iface.host_dev_name.clone(),
-            guest_mac: iface.validate()?,
-        })?));
+        devices.push(Box::new(Net::new(
+            NetConfig {
+                iface_id: iface.iface_id.clone(),
+                host_dev_name: iface.host_dev_name.clone(),
+                guest_mac: iface.validate()?,
+            },
+            &resources.taps,
+        )?));
     }
     for (index, fs) in resources.fs.iter().enumerate() {
         devices.push(Box::new(Fs::start_volume(
@@ -109,6 +113,8 @@ pub struct DeviceOverrides<'a> {
     pub fs_sockets: &'a HashMap<String, PathBuf>,
     /// The virtiofsd binary for volumes.
     pub virtiofsd: Option<&'a Path>,
+    /// Taps the caller attached already.
+    pub taps: &'a AttachedTaps,
 }
 
 /// The rebuilt device, or why `device` could not be rebuilt.
@@ -175,6 +181,7 @@ impl DevicePersistKind {
             Self::Net(state) => {
                 let args = NetRestoreArgs {
                     host: overrides.nets.get(&state.iface_id).cloned(),
+                    taps: overrides.taps.clone(),
                 };
                 let name = format!("network interface {}", state.iface_id);
                 rebuilt(name, Net::restore(args, state))
@@ -295,6 +302,7 @@ mod tests {
             fs_dirs: &fs_dirs,
             fs_sockets: &fs_dirs,
             virtiofsd: None,
+            taps: &AttachedTaps::default(),
         };
         let restored = drive.restore(0, &overrides).expect("restore the drive");
         let again = DevicePersistKind::save(restored.as_ref()).expect("save again");

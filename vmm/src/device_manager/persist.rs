@@ -311,6 +311,7 @@ mod tests {
                     fs_dirs,
                     fs_sockets,
                     virtiofsd: None,
+                    taps: &Default::default(),
                 },
             )
             .map_err(|e| e.to_string())

@@ -25,6 +25,7 @@ use crate::device_manager::{
     attach_devices, console_out, DeviceOverrides, GenerationView, SavedDevices,
 };
 use crate::devices::legacy::generation::announce_new_generation;
+use crate::devices::virtio::net::tap::AttachedTaps;
 use crate::devices::virtio::net::NetOverride;
 use crate::vmm_config::{host_memory_mib, ConsoleConfig, MachineConfig};
 use crate::vstate::memory::{create_guest_memory, GuestMemoryMmap, Sharing};
@@ -73,6 +74,8 @@ pub struct RestoreOptions {
     /// The virtiofsd binary for volumes (`--virtiofsd`); else the one the snapshot's VM used,
     /// then the usual search.
     pub virtiofsd: Option<PathBuf>,
+    /// Taps the caller attached already, by name (`--tap-fd`).
+    pub taps: AttachedTaps,
 }
 
 impl RestoreOptions {
@@ -85,6 +88,7 @@ impl RestoreOptions {
             fs_dirs: &self.fs_overrides,
             fs_sockets: &self.fs_sockets,
             virtiofsd: self.virtiofsd.as_deref(),
+            taps: &self.taps,
         }
     }
 }

@@ -8,6 +8,7 @@ use vmm_api::{
 };
 
 use super::console::ConsoleConfig;
+use crate::devices::virtio::net::tap::AttachedTaps;
 
 /// Everything needed to build a microVM.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -29,4 +30,7 @@ pub struct VmResources {
     /// The virtiofsd binary (`--virtiofsd`); else it is looked up (see
     /// [`crate::devices::virtio::fs::locate_virtiofsd`]).
     pub virtiofsd: Option<PathBuf>,
+    /// Taps the caller attached already, by name (`--tap-fd`): the interfaces on them take
+    /// these descriptors instead of opening the tap.
+    pub taps: AttachedTaps,
 }

@@ -7,7 +7,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::Bytes;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use super::tap::{offload, Tap, TapError};
+use super::tap::{offload, AttachedTaps, Tap, TapError};
 use super::VNET_HDR_LEN;
 use crate::devices::virtio::chain::{Chain, ChainError, ChainRules};
 use crate::devices::virtio::mmio::read_config_bytes;
@@ -90,12 +90,14 @@ fn queue_name(index: usize) -> &'static str {
 }
 
 impl Net {
-    /// Opens the tap and builds the device.
-    pub fn new(config: NetConfig) -> Result<Self, NetError> {
-        let tap = Tap::open(&config.host_dev_name).map_err(|source| NetError::Tap {
-            iface_id: config.iface_id.clone(),
-            source,
-        })?;
+    /// Opens the tap (or takes the descriptor handed down for it in `taps`) and builds the
+    /// device.
+    pub fn new(config: NetConfig, taps: &AttachedTaps) -> Result<Self, NetError> {
+        let tap =
+            Tap::open_or_attached(&config.host_dev_name, taps).map_err(|source| NetError::Tap {
+                iface_id: config.iface_id.clone(),
+                source,
+            })?;
         let epoll_err = |source| NetError::Epoll {
             iface_id: config.iface_id.clone(),
             source,
@@ -470,11 +472,14 @@ mod chain_tests {
 
     impl Rig {
         fn new(tap: &str) -> Rig {
-            let net = Net::new(NetConfig {
-                iface_id: "eth0".into(),
-                host_dev_name: tap.into(),
-                guest_mac: Some([6, 0, 10, 0, 0, 2]),
-            })
+            let net = Net::new(
+                NetConfig {
+                    iface_id: "eth0".into(),
+                    host_dev_name: tap.into(),
+                    guest_mac: Some([6, 0, 10, 0, 0, 2]),
+                },
+                &AttachedTaps::default(),
+            )
             .expect("a tap (run as root with /dev/net/tun)");
             let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("mem");
             let queues = (0..2)

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use snapshot::Persist;
 
 use super::mac::parse_mac;
-use super::tap::check_name;
+use super::tap::{check_name, AttachedTaps};
 use super::{Net, NetConfig, NetError};
 
 /// What a snapshot records of a network interface.
@@ -62,6 +62,8 @@ impl NetOverride {
 pub struct NetRestoreArgs {
     /// Another tap (and maybe MAC), else the recorded ones.
     pub host: Option<NetOverride>,
+    /// Taps the caller attached already ([`AttachedTaps`]).
+    pub taps: AttachedTaps,
 }
 
 impl Persist for Net {
@@ -78,7 +80,8 @@ impl Persist for Net {
     }
 
     fn restore(args: NetRestoreArgs, state: &NetPersistState) -> Result<Self, NetError> {
-        Net::new(restore_config(args, state))
+        let taps = args.taps.clone();
+        Net::new(restore_config(args, state), &taps)
     }
 }
 
@@ -113,6 +116,7 @@ mod tests {
         );
         let tap_only = NetRestoreArgs {
             host: Some(NetOverride::parse("tap1").expect("tap")),
+            ..Default::default()
         };
         let moved = restore_config(tap_only, &state);
         assert_eq!(
@@ -121,6 +125,7 @@ mod tests {
         );
         let both = NetRestoreArgs {
             host: Some(NetOverride::parse("tap2,mac=02:00:00:00:00:09").expect("tap and mac")),
+            ..Default::default()
         };
         let clone = restore_config(both, &state);
         assert_eq!(

@@ -1,14 +1,17 @@
 //! A tap device opened with a virtio-net header, the backend of virtio-net.
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Longest interface name Linux accepts (IFNAMSIZ minus the NUL).
 pub const MAX_NAME_LEN: usize = 15;
 
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
 const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
 const IFF_TAP: libc::c_short = 0x0002;
@@ -47,6 +50,14 @@ pub enum TapError {
     /// No permission to attach to or create the tap.
     #[error("tap {0}: permission denied (creating or attaching a tap needs CAP_NET_ADMIN, or a persistent tap owned by this user)")]
     Permission(String),
+    /// A descriptor handed down for the tap is not that tap, opened the way virtio-net needs.
+    #[error("tap {name}: the descriptor handed down for it is {found} (want a tap opened with IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)")]
+    NotThatTap {
+        /// Tap name.
+        name: String,
+        /// What the descriptor is.
+        found: String,
+    },
     /// Another ioctl failed.
     #[error("tap {name}: {what}: {source}")]
     Ioctl {
@@ -137,6 +148,75 @@ impl Tap {
         Ok(tap)
     }
 
+    /// The tap `name`: the descriptor the caller attached already when `attached` has one
+    /// ([`AttachedTaps`]), else [`Tap::open`].
+    pub fn open_or_attached(name: &str, attached: &AttachedTaps) -> Result<Self, TapError> {
+        match attached.take(name) {
+            Some(file) => Tap::adopt(name, file),
+            None => Tap::open(name),
+        }
+    }
+
+    /// Takes a descriptor already attached to tap `name` (`TUNSETIFF` done by whoever handed
+    /// it down, in its own network namespace): checks it is that tap with virtio-net's flags,
+    /// makes it non-blocking and sets the header size.
+    fn adopt(name: &str, file: File) -> Result<Self, TapError> {
+        check_name(name)?;
+        let mut req = IfReq {
+            name: [0; 16],
+            flags: 0,
+            _pad: [0; 22],
+        };
+        // SAFETY: TUNGETIFF writes an ifreq; `req` is a 40-byte ifreq-shaped struct that
+        // lives for the call.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), TUNGETIFF, &mut req) };
+        let found = if rc < 0 {
+            Some(format!(
+                "not an attached tap ({})",
+                std::io::Error::last_os_error()
+            ))
+        } else {
+            let len = req.name.iter().position(|&b| b == 0).unwrap_or(16);
+            let got = String::from_utf8_lossy(&req.name[..len]).into_owned();
+            let want = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
+            (got != name || req.flags & want != want)
+                .then(|| format!("tap {got:?} with flags {:#x}", req.flags))
+        };
+        if let Some(found) = found {
+            return Err(TapError::NotThatTap {
+                name: name.into(),
+                found,
+            });
+        }
+        let tap = Tap {
+            file,
+            name: name.into(),
+        };
+        // SAFETY: F_GETFL/F_SETFL on a descriptor we own; no memory is shared.
+        let rc = unsafe {
+            let flags = libc::fcntl(tap.file.as_raw_fd(), libc::F_GETFL);
+            if flags < 0 {
+                flags
+            } else {
+                libc::fcntl(
+                    tap.file.as_raw_fd(),
+                    libc::F_SETFL,
+                    flags | libc::O_NONBLOCK,
+                )
+            }
+        };
+        if rc < 0 {
+            return Err(tap.ioctl_err("F_SETFL O_NONBLOCK"));
+        }
+        let hdr_len: libc::c_int = super::VNET_HDR_LEN as libc::c_int;
+        // SAFETY: TUNSETVNETHDRSZ reads an int through the pointer, which lives for the call.
+        let rc = unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETVNETHDRSZ, &hdr_len) };
+        if rc < 0 {
+            return Err(tap.ioctl_err("TUNSETVNETHDRSZ"));
+        }
+        Ok(tap)
+    }
+
     fn ioctl_err(&self, what: &'static str) -> TapError {
         TapError::Ioctl {
             name: self.name.clone(),
@@ -183,6 +263,54 @@ impl AsRawFd for Tap {
     }
 }
 
+/// Taps a caller attached already, by name, on descriptors it handed down (`rollbox-vmm
+/// --tap-fd NAME=FD`). A jailed VMM sits in an empty network namespace, where the host's taps
+/// are out of reach by name; whoever made the tap attaches it in the host's namespace and
+/// passes the descriptor in, so no other process can attach it. Each is taken once, by the
+/// interface (boot or restore) on that tap; clones share the map.
+#[derive(Debug, Clone, Default)]
+pub struct AttachedTaps(Arc<Mutex<HashMap<String, File>>>);
+
+impl AttachedTaps {
+    /// Adds the descriptor of tap `name`.
+    pub fn insert(&self, name: String, file: File) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(name, file);
+    }
+
+    /// Takes the descriptor of tap `name`, if one was handed down and not taken yet.
+    pub fn take(&self, name: &str) -> Option<File> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name)
+    }
+
+    /// The taps not taken yet, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+/// Equal when the same taps wait to be taken (descriptors are not compared).
+impl PartialEq for AttachedTaps {
+    fn eq(&self, other: &Self) -> bool {
+        self.names() == other.names()
+    }
+}
+
+impl Eq for AttachedTaps {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,5 +327,21 @@ mod tests {
     #[test]
     fn ifreq_has_the_kernel_size() {
         assert_eq!(std::mem::size_of::<IfReq>(), 40);
+    }
+
+    #[test]
+    fn a_descriptor_that_is_not_the_tap_is_refused_by_name() {
+        let taps = AttachedTaps::default();
+        let file = File::open("/dev/null").expect("/dev/null");
+        taps.insert("rbxtest0".into(), file);
+        assert_eq!(taps.names(), vec!["rbxtest0".to_string()]);
+        let err = Tap::open_or_attached("rbxtest0", &taps).expect_err("/dev/null is no tap");
+        assert!(
+            err.to_string().starts_with(
+                "tap rbxtest0: the descriptor handed down for it is not an attached tap"
+            ),
+            "{err}"
+        );
+        assert!(taps.take("rbxtest0").is_none(), "taken once");
     }
 }
