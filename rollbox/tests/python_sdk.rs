@@ -97,6 +97,10 @@ fn start_daemon(tcp: Option<u16>, vmm: Option<&Path>, extra: &[&str]) -> Daemon 
         .arg(std::env::temp_dir())
         .arg("--state-dir")
         .arg(daemon.dir.path().join("state"))
+        // Networks of their own pool and lease directory (test_sync's network test).
+        .args(["--net-pool", "10.244.0.0/24"])
+        .arg("--net-state-dir")
+        .arg(daemon.dir.path().join("net"))
         .arg("--test-agent-socket")
         .arg(&agent_sock)
         .stdin(Stdio::null())

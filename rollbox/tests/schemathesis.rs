@@ -34,6 +34,19 @@ const CHECKS: &str = "not_a_server_error,status_code_conformance,content_type_co
 /// Children killed on drop.
 struct Children(Vec<Child>);
 
+/// The network lease directory the daemon is given: what it leaves there (sandboxes with a
+/// network that the run did not delete) is released after it is killed.
+struct NetLeases(PathBuf);
+
+impl Drop for NetLeases {
+    fn drop(&mut self) {
+        let state = rollbox::net::StateDir::new(&self.0);
+        for lease in rollbox::net::leases(&state).unwrap_or_default() {
+            let _ = rollbox::net::release(&state, &lease.name);
+        }
+    }
+}
+
 impl Drop for Children {
     fn drop(&mut self) {
         for child in &mut self.0 {
@@ -125,6 +138,8 @@ fn the_api_answers_as_its_openapi_document_says() {
     let scratch = tempfile::tempdir().expect("tempdir");
     let root = scratch.path().join("agent-root");
     std::fs::create_dir(&root).expect("agent root");
+    // Declared before the daemon's processes, so it is dropped after them.
+    let net = NetLeases(scratch.path().join("net"));
     let mut children = Children(Vec::new());
     let agent_sock = jailed_agent(&agent, &root, &mut children);
 
@@ -147,6 +162,9 @@ fn the_api_answers_as_its_openapi_document_says() {
         .arg(scratch.path().join("key"))
         .arg("--state-dir")
         .arg(scratch.path().join("state"))
+        .arg("--net-state-dir")
+        .arg(&net.0)
+        .args(["--net-pool", "10.245.0.0/20"])
         .arg("--test-agent-socket")
         .arg(&agent_sock)
         .args(["--agent-timeout", "5", "--default-ttl", "300"])

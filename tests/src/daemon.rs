@@ -61,6 +61,11 @@ impl Server {
         self.dir.path().join("state")
     }
 
+    /// The network lease directory the daemon is given unless the test names one.
+    pub fn net_state(&self) -> PathBuf {
+        self.dir.path().join("net")
+    }
+
     pub fn sandboxes_dir(&self) -> PathBuf {
         std::fs::canonicalize(self.state())
             .expect("state dir")
@@ -91,6 +96,10 @@ impl Server {
             .any(|a| a == "--jailer" || a == "--no-jailer")
         {
             command.arg("--jailer").arg(jailer_binary());
+        }
+        // Network leases in the scratch directory, released when the server is dropped.
+        if !self.args.iter().any(|a| a == "--net-state-dir") {
+            command.arg("--net-state-dir").arg(self.net_state());
         }
         // Templates' files (rootfs, image archives) come from the tests' scratch directories.
         if !self.args.iter().any(|a| a == "--template-dir") {
@@ -287,6 +296,11 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.kill9();
         end_vmms(&self.state());
+        // Taps, rules and leases of sandboxes with a network.
+        let net = rollbox::net::StateDir::new(self.net_state());
+        for lease in rollbox::net::leases(&net).unwrap_or_default() {
+            let _ = rollbox::net::release(&net, &lease.name);
+        }
         if let Ok(dir) = std::fs::canonicalize(self.state()) {
             // The groups of jails whose jailer went with the kill, and their parents.
             let fs = Path::new("/sys/fs/cgroup");

@@ -127,6 +127,14 @@ pub struct CreateArgs {
     /// Wait up to SECS for busy GPUs to come free [default: 0: refused at once].
     #[arg(long, value_name = "SECS", conflicts_with = "snapshot")]
     pub gpu_wait: Option<u32>,
+    /// Give the sandbox a network (a tap with NAT, `eth0` in the guest) with the server's
+    /// `--default-egress`. A sandbox with a network boots, and cannot be snapshotted, forked
+    /// or reset yet.
+    #[arg(long, conflicts_with = "snapshot")]
+    pub network: bool,
+    /// A network with this egress: none, all, or an allow-list CIDR[:PORT[-PORT]],...
+    #[arg(long, value_name = "POLICY", conflicts_with = "snapshot")]
+    pub egress: Option<String>,
 }
 
 /// `ls`'s arguments.
@@ -240,6 +248,8 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
         gpu,
         gpu_count,
         gpu_wait,
+        network,
+        egress,
     } = args;
     let mut body = json!({
         "labels": key_values(&labels, "label")?,
@@ -281,6 +291,14 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
     }
     if let Some(s) = gpu_wait {
         body["gpu_wait_s"] = json!(s);
+    }
+    match egress.as_deref() {
+        Some(word @ ("none" | "all")) => body["network"] = json!({"egress": word}),
+        Some(list) => {
+            body["network"] = json!({"egress": {"allow": list.split(',').collect::<Vec<_>>()}})
+        }
+        None if network => body["network"] = json!({}),
+        None => {}
     }
     if let Some(count) = count {
         body["count"] = json!(count);
@@ -607,6 +625,12 @@ fn print_sandbox(s: &Sandbox) {
     println!("dir:      {}", s.dir.display());
     for gpu in &s.gpus {
         println!("gpu:      {gpu}");
+    }
+    if let Some(n) = &s.network {
+        println!(
+            "network:  {}/{} via {} (tap {}), egress {}",
+            n.address, n.prefix_len, n.gateway, n.tap, n.egress
+        );
     }
     for v in &s.volumes {
         let ro = if v.readonly { " (read-only)" } else { "" };

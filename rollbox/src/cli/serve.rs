@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use rollbox::daemon::{Listen, NodeOptions, ServeOptions};
+use rollbox::daemon::{Listen, NetworkOptions, NodeOptions, ServeOptions};
 
 use super::conn::{absolute, default_socket, read_key};
 
@@ -75,6 +75,23 @@ pub struct ServeArgs {
     /// device bound to vfio-pci is a GPU.
     #[arg(long = "gpu", value_name = "BDF[=NAME]")]
     gpus: Vec<String>,
+    /// The egress of a sandbox whose `network` names none: none (nothing leaves the
+    /// sandbox; the host still reaches it), all (the internet, but not private, shared or
+    /// link-local addresses), or an allow-list CIDR[:PORT[-PORT]],...
+    #[arg(long, value_name = "POLICY", default_value = "none")]
+    default_egress: String,
+    /// The pool sandboxes' /30 networks come from; it must not overlap the host's routes.
+    #[arg(long, value_name = "CIDR", default_value = rollbox::net::DEFAULT_POOL)]
+    net_pool: String,
+    /// Where network leases are recorded (shared with `rollbox net list` and `gc`) [default:
+    /// $ROLLBOX_NET_STATE, else /run/rollbox/net].
+    #[arg(long, value_name = "DIR")]
+    net_state_dir: Option<PathBuf>,
+    /// The DNS server sandboxes with a network are given and may reach (not under egress
+    /// none) [default: the host's first non-loopback IPv4 nameserver in /etc/resolv.conf,
+    /// else none].
+    #[arg(long, value_name = "IP")]
+    sandbox_dns: Option<std::net::Ipv4Addr>,
     /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
     /// was restored or reset from them.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -193,6 +210,23 @@ fn positive_seconds(text: &str) -> Result<f64, String> {
     Ok(secs)
 }
 
+/// The network flags, checked.
+fn network_options(
+    default_egress: &str,
+    pool: &str,
+    state_dir: Option<PathBuf>,
+    dns: Option<std::net::Ipv4Addr>,
+) -> Result<NetworkOptions, String> {
+    Ok(NetworkOptions {
+        default_egress: default_egress
+            .parse()
+            .map_err(|e| format!("--default-egress: {e}"))?,
+        pool: rollbox::net::Pool::parse(pool).map_err(|e| format!("--net-pool: {e}"))?,
+        state_dir: absolute(state_dir.unwrap_or_else(rollbox::net::default_state_dir)),
+        dns: dns.or_else(rollbox::daemon::host_dns),
+    })
+}
+
 /// `rollbox serve`.
 pub fn serve(args: ServeArgs) -> ExitCode {
     let api_key = match read_key(args.api_key_file.as_ref()) {
@@ -233,7 +267,20 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         tls_handshake_timeout: Duration::from_secs_f64(args.tls_handshake_timeout),
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
     };
+    let networks = match network_options(
+        &args.default_egress,
+        &args.net_pool,
+        args.net_state_dir,
+        args.sandbox_dns,
+    ) {
+        Ok(networks) => networks,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let options = ServeOptions {
+        networks,
         http,
         agent_timeout: Duration::from_secs_f64(args.agent_timeout),
         node: NodeOptions {

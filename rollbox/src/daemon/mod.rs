@@ -18,6 +18,7 @@ pub mod frontend;
 mod gpus;
 mod guest;
 mod keys;
+mod networks;
 mod node;
 mod retention;
 mod sandboxes;
@@ -33,6 +34,7 @@ mod volumes;
 pub use frontend::conn::ConnLimits;
 pub use frontend::e2b;
 pub use frontend::transport::Listen;
+pub use networks::{host_dns, NetworkOptions};
 pub use node::NodeOptions;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
 pub use rollbox_jailer::cgroup;

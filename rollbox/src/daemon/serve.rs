@@ -16,6 +16,7 @@ use super::gpus::inventory::{self, GpuSpec, InventoryError, PCI_IDS};
 use super::gpus::Gpus;
 use super::guest::Guest;
 use super::keys::Keys;
+use super::networks::{NetworkOptions, Networks};
 use super::node::{Node, NodeError, NodeOptions};
 use super::retention::Retention;
 use super::sandboxes::{Attachable, RecoverError, SandboxOptions, Sandboxes};
@@ -136,6 +137,8 @@ pub struct ServeOptions {
     pub volume_dirs: Vec<PathBuf>,
     /// `--gpu BDF[=NAME]`: the node's GPUs; none: every device bound to vfio-pci.
     pub gpus: Vec<String>,
+    /// `--default-egress`, `--net-pool`, `--net-state-dir`, `--sandbox-dns`.
+    pub networks: NetworkOptions,
 }
 
 /// The template policy: the `--template-dir`s (which must exist) and the state's own
@@ -277,6 +280,7 @@ pub async fn serve(
         );
     }
     let gpus = Arc::new(Gpus::new(inventory));
+    let networks = Arc::new(Networks::new(options.networks.clone()));
     let volumes = Arc::new(Volumes::new(
         Arc::clone(&db),
         dirs.volumes.clone(),
@@ -299,6 +303,7 @@ pub async fn serve(
         Attachable {
             volumes: Arc::clone(&volumes),
             gpus: Arc::clone(&gpus),
+            networks: Arc::clone(&networks),
         },
         SandboxOptions {
             default_ttl_s: options.default_ttl_s,
@@ -345,8 +350,29 @@ pub async fn serve(
     }));
     let kept = sandboxes.recover().await?;
     // The GPUs live sandboxes hold (a sandbox that did not come back released its own).
-    for sandbox in db.lock().live()? {
+    let live = db.lock().live()?;
+    for sandbox in &live {
         gpus.adopt(&sandbox.id, &sandbox.gpus);
+    }
+    // The networks of sandboxes that ended while the daemon was down, or of creates it was
+    // killed in.
+    let live: std::collections::HashSet<String> = live.into_iter().map(|s| s.id).collect();
+    let reconciled = {
+        let (networks, db) = (Arc::clone(&networks), Arc::clone(&db));
+        tokio::task::spawn_blocking(move || {
+            networks.reconcile(&live, |id| {
+                db.lock().sandbox(id).is_ok_and(|found| found.is_some())
+            })
+        })
+        .await
+        .unwrap_or_default()
+    };
+    if !reconciled.is_empty() {
+        log::info!(
+            "released the networks of {} ended sandboxes: {}",
+            reconciled.len(),
+            reconciled.join(", ")
+        );
     }
     snapshots.sweep()?;
     if !kept.is_empty() {

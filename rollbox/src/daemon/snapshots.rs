@@ -135,7 +135,7 @@ impl Snapshots {
         purpose: Purpose,
     ) -> Result<(Snapshot, Pin<'_>), ApiError> {
         let sandbox = touch(&self.db, id)?;
-        refuse_gpus(&sandbox, "snapshotted or forked")?;
+        refuse_unmovable(&sandbox, "snapshotted or forked")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}; only a running or paused sandbox can be snapshotted",
@@ -281,7 +281,7 @@ impl Snapshots {
         labels: BTreeMap<String, String>,
     ) -> Result<Reply, ApiError> {
         let parent = touch(&self.db, id)?;
-        refuse_gpus(&parent, "forked")?;
+        refuse_unmovable(&parent, "forked")?;
         self.sandboxes.check_room(count, parent.memory_mib)?;
         let (snapshot, _pin) = {
             let _busy = self.claim(id)?;
@@ -316,6 +316,7 @@ impl Snapshots {
                 // A restore mounts its snapshot's volumes.
                 volumes: Vec::new(),
                 gpu: None,
+                network: None,
             };
             async move { self.sandboxes.create(request).await }
         });
@@ -332,7 +333,7 @@ impl Snapshots {
     pub async fn reset(&self, id: &str, snapshot: Option<String>) -> Result<Reply, ApiError> {
         let _busy = self.claim(id)?;
         let sandbox = touch(&self.db, id)?;
-        refuse_gpus(&sandbox, "reset")?;
+        refuse_unmovable(&sandbox, "reset")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}, not running or paused",
@@ -398,6 +399,7 @@ impl Snapshots {
                 false,
                 volumes,
                 Vec::new(),
+                None,
             )
             .await;
         let launched = match launched {
@@ -455,7 +457,15 @@ impl Snapshots {
 
 /// A sandbox that holds GPUs is not snapshotted, forked or reset: the device's state is not
 /// in the VM's (no migration of GPU state is claimed).
-fn refuse_gpus(sandbox: &super::api::Sandbox, what: &str) -> Result<(), ApiError> {
+/// Nor, for now, one with a network: each restore needs a tap of its own and the guest's
+/// address changed, which the daemon does not do yet.
+fn refuse_unmovable(sandbox: &super::api::Sandbox, what: &str) -> Result<(), ApiError> {
+    if let Some(network) = &sandbox.network {
+        return Err(ApiError::Conflict(format!(
+            "sandbox {} has a network ({} on tap {}): a sandbox with a network cannot be {what} yet",
+            sandbox.id, network.address, network.tap
+        )));
+    }
     if sandbox.gpus.is_empty() {
         return Ok(());
     }

@@ -343,6 +343,8 @@ def create_body(
     gpu: Optional[str] = None,
     gpu_count: Optional[int] = None,
     gpu_wait_s: Optional[int] = None,
+    network: bool = False,
+    egress: Union[str, Sequence[str], None] = None,
 ) -> Dict[str, Any]:
     body = _drop_none(
         {
@@ -366,6 +368,14 @@ def create_body(
         body["deterministic"] = True
     if volumes:
         body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
+    if isinstance(egress, str) and egress not in ("none", "all"):
+        egress = egress.split(",")
+    if egress is not None and not isinstance(egress, str):
+        body["network"] = {"egress": {"allow": list(egress)}}
+    elif egress is not None:
+        body["network"] = {"egress": egress}
+    elif network:
+        body["network"] = {}
     return body
 
 

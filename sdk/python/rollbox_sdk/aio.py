@@ -237,6 +237,8 @@ class AsyncClient:
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
         gpu_wait_s: Optional[int] = None,
+        network: bool = False,
+        egress: Union[str, Sequence[str], None] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -251,7 +253,10 @@ class AsyncClient:
         passes ``gpu_count`` (default 1) of the node's GPUs through (a name such as ``"H100"``,
         ``"any"``, or a PCI address; see :meth:`gpus`), waiting up to ``gpu_wait_s`` for busy
         ones (else Conflict at once): such a sandbox boots, and cannot be paused, snapshotted,
-        forked or reset.
+        forked or reset. ``network=True`` gives it a network (``eth0``, NAT through the host)
+        with the daemon's default egress; ``egress`` (``"none"``, ``"all"``, or a list of
+        ``CIDR[:PORT[-PORT]]``) implies one. A sandbox with a network boots, and cannot be
+        snapshotted, forked or reset yet.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return await self._send(
@@ -259,7 +264,7 @@ class AsyncClient:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
-                    gpu_wait_s,
+                    gpu_wait_s, network, egress,
                 )
             )
         )
@@ -284,6 +289,8 @@ class AsyncClient:
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
         gpu_wait_s: Optional[int] = None,
+        network: bool = False,
+        egress: Union[str, Sequence[str], None] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -295,7 +302,7 @@ class AsyncClient:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
-                    gpu_wait_s,
+                    gpu_wait_s, network, egress,
                 ),
             )
         )

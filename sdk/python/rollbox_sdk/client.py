@@ -233,6 +233,8 @@ class Client:
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
         gpu_wait_s: Optional[int] = None,
+        network: bool = False,
+        egress: Union[str, Sequence[str], None] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -247,7 +249,10 @@ class Client:
         passes ``gpu_count`` (default 1) of the node's GPUs through (a name such as ``"H100"``,
         ``"any"``, or a PCI address; see :meth:`gpus`), waiting up to ``gpu_wait_s`` for busy
         ones (else Conflict at once): such a sandbox boots, and cannot be paused, snapshotted,
-        forked or reset.
+        forked or reset. ``network=True`` gives it a network (``eth0``, NAT through the host)
+        with the daemon's default egress; ``egress`` (``"none"``, ``"all"``, or a list of
+        ``CIDR[:PORT[-PORT]]``) implies one. A sandbox with a network boots, and cannot be
+        snapshotted, forked or reset yet.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return self._send(
@@ -255,7 +260,7 @@ class Client:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
-                    gpu_wait_s,
+                    gpu_wait_s, network, egress,
                 )
             )
         )
@@ -280,6 +285,8 @@ class Client:
         gpu: Optional[str] = None,
         gpu_count: Optional[int] = None,
         gpu_wait_s: Optional[int] = None,
+        network: bool = False,
+        egress: Union[str, Sequence[str], None] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -291,7 +298,7 @@ class Client:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
-                    gpu_wait_s,
+                    gpu_wait_s, network, egress,
                 ),
             )
         )

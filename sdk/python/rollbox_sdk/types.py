@@ -169,6 +169,34 @@ class Template:
 
 
 @dataclass
+class Network:
+    """A sandbox's network: ``eth0`` at ``address`` on a host tap, NAT through the host."""
+
+    egress: str
+    """none, all, or the allow-list (CIDR[:PORT[-PORT]],...)."""
+    address: str
+    gateway: str
+    prefix_len: int
+    mac: str
+    tap: str
+    dns: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Optional[Dict[str, Any]]) -> Optional["Network"]:
+        if not data:
+            return None
+        return cls(
+            egress=data.get("egress", ""),
+            address=data.get("address", ""),
+            gateway=data.get("gateway", ""),
+            prefix_len=data.get("prefix_len", 0),
+            mac=data.get("mac", ""),
+            tap=data.get("tap", ""),
+            dns=data.get("dns"),
+        )
+
+
+@dataclass
 class Sandbox:
     """A sandbox (one microVM) as the daemon shows it."""
 
@@ -198,6 +226,8 @@ class Sandbox:
     """The volumes it mounts (forks, resets and restores keep them)."""
     gpus: List[str] = field(default_factory=list)
     """The PCI addresses of the GPUs it holds."""
+    network: Optional[Network] = None
+    """Its network, if it has one."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -230,6 +260,7 @@ class Sandbox:
             deterministic=bool(data.get("deterministic", False)),
             volumes=_volumes(data.get("volumes")),
             gpus=list(data.get("gpus") or []),
+            network=Network.from_json(data.get("network")),
             raw=data,
         )
 

@@ -73,6 +73,12 @@ def test_statuses_map_to_exceptions() -> None:
 def test_bodies_leave_out_what_is_not_given() -> None:
     body = _core.create_body("t", None, None, None, 60, None, {"a": "b"}, None, {}, None, None)
     assert body == {"template": "t", "ttl_s": 60, "labels": {"a": "b"}}
+    plain = [None] * 10
+    assert _core.create_body("t", *plain, network=True)["network"] == {}
+    assert _core.create_body("t", *plain, egress="all")["network"] == {"egress": "all"}
+    assert _core.create_body("t", *plain, egress="1.1.1.1,10.0.0.0/8:443")["network"] == {
+        "egress": {"allow": ["1.1.1.1", "10.0.0.0/8:443"]}
+    }
     body = _core.exec_body("echo hi", None, None, None, b"in", True, 1.5, None)
     assert body == {"cmd": "echo hi", "stdin": "in", "stdin_open": True, "timeout_s": 1.5}
     with pytest.raises(ConfigError, match="stdin"):

@@ -197,6 +197,27 @@ def test_cpu_limit_is_kept_or_refused_whole(rb: Client, template: str, tag: str)
     rb.delete_sandbox(sb)
 
 
+def test_a_network_with_each_egress(rb: Client, template: str, tag: str) -> None:
+    try:
+        sb = rb.create_sandbox(template, ttl_s=60, egress=["192.0.2.0/24:443"], labels={"test": tag})
+    except Unavailable as refused:
+        # A host without nft or /dev/net/tun: nothing was created.
+        assert refused.message.startswith("network: ")
+        assert list(rb.list_sandboxes(labels={"test": tag}, state="running")) == []
+        return
+    assert sb.network is not None and sb.network.egress == "192.0.2.0/24:443"
+    assert sb.network.address.startswith("10.244.0.") and sb.network.prefix_len == 30
+    assert rb.get_sandbox(sb).network == sb.network
+    rb.delete_sandbox(sb)
+    plain = rb.create_sandbox(template, ttl_s=60, network=True, labels={"test": tag})
+    assert plain.network is not None and plain.network.egress == "none"
+    assert plain.network.dns is None
+    rb.delete_sandbox(plain)
+    with pytest.raises(BadRequest) as bad:
+        rb.create_sandbox(template, ttl_s=60, egress="10.0.0.0/99")
+    assert bad.value.field == "network.egress"
+
+
 def test_list_filters_and_pages(rb: Client, template: str, tag: str) -> None:
     made = [rb.create_sandbox(template, ttl_s=120, labels={"test": tag, "i": str(i)}) for i in range(3)]
     try:

@@ -172,6 +172,34 @@ pub struct CreateSandbox {
     pub volumes: Vec<VolumeMount>,
     /// GPUs passed through (a boot only).
     pub gpu: Option<GpuRequest>,
+    /// A network interface with NAT and an egress policy (a boot only, for now).
+    pub network: Option<NetworkRequest>,
+}
+
+/// `network` of a create.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NetworkRequest {
+    /// The egress policy in `rollbox net`'s syntax (`none`, `all`, or `CIDR[:PORT[-PORT]],...`);
+    /// None: the server's `--default-egress`.
+    pub egress: Option<String>,
+}
+
+/// A sandbox's network, as it was made: a host tap with a /30 of the server's pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetwork {
+    /// The egress policy (`none`, `all`, or an allow-list).
+    pub egress: String,
+    /// The guest's address, its gateway (the host's end of the tap) and prefix length.
+    pub address: std::net::Ipv4Addr,
+    pub gateway: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    /// The guest's MAC.
+    pub mac: String,
+    /// The host's tap.
+    pub tap: String,
+    /// The DNS server the guest is given and may reach (none under `egress: none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<std::net::Ipv4Addr>,
 }
 
 /// `gpu` and `gpu_count` of a create: that many devices whose name matches (`any`: any).
@@ -340,6 +368,9 @@ pub struct Sandbox {
     /// The GPUs (PCI addresses) it holds.
     #[serde(default)]
     pub gpus: Vec<String>,
+    /// Its network; absent: none (no network interface).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<SandboxNetwork>,
 }
 
 /// GET /sandboxes answer.

@@ -10,12 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::api::{
-    ApiError, CreateSandbox, OnTimeout, Reply, Sandbox, SandboxList, Snapshot, State, Template,
-    PAUSED_RETENTION_S,
+    ApiError, CreateSandbox, NetworkRequest, OnTimeout, Reply, Sandbox, SandboxList, Snapshot,
+    State, Template, PAUSED_RETENTION_S,
 };
 use super::gpus::inventory::sysfs_path;
 use super::gpus::Gpus;
 use super::guest::Guest;
+use super::networks::Networks;
 use super::node::Node;
 use super::store::StoreError;
 use super::store::{Db, Inserted};
@@ -48,10 +49,11 @@ pub struct SandboxOptions {
     pub ready_timeout: Duration,
 }
 
-/// What a sandbox may have attached: volumes and GPUs.
+/// What a sandbox may have attached: volumes, GPUs and a network.
 pub struct Attachable {
     pub volumes: Arc<Volumes>,
     pub gpus: Arc<Gpus>,
+    pub networks: Arc<Networks>,
 }
 
 /// The sandboxes.
@@ -67,6 +69,8 @@ pub struct Sandboxes {
     volumes: Arc<Volumes>,
     /// The node's GPUs and their holders.
     gpus: Arc<Gpus>,
+    /// Taps, addresses and egress rules.
+    networks: Arc<Networks>,
     options: SandboxOptions,
     pending: Arc<tokio::sync::Semaphore>,
 }
@@ -102,10 +106,15 @@ impl Sandboxes {
         attachable: Attachable,
         options: SandboxOptions,
     ) -> Sandboxes {
-        let Attachable { volumes, gpus } = attachable;
+        let Attachable {
+            volumes,
+            gpus,
+            networks,
+        } = attachable;
         Sandboxes {
             volumes,
             gpus,
+            networks,
             pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
             db,
             supervisor,
@@ -206,6 +215,7 @@ impl Sandboxes {
             (None, Some(boot))
                 if *wanted == template.volumes
                     && request.gpu.is_none()
+                    && request.network.is_none()
                     && request.vcpus.unwrap_or(template.vcpus) == template.vcpus
                     && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
             {
@@ -228,6 +238,9 @@ impl Sandboxes {
             .map_err(ApiError::Unavailable)?;
         if let Some(gpu) = &request.gpu {
             self.gpus.check(gpu)?;
+        }
+        if let Some(network) = &request.network {
+            self.networks.check(network)?;
         }
         let mounts = snapshot.as_ref().map_or(wanted, |s| &s.volumes);
         let volumes = self.mounts(mounts, request.tenant.as_deref())?;
@@ -325,6 +338,7 @@ impl Sandboxes {
             tenant: request.tenant,
             volumes: volumes.iter().map(|v| v.mount.clone()).collect(),
             gpus,
+            network: None,
         };
         let admitted = self.node.admit(u64::from(sandbox.memory_mib), || {
             self.db.lock().insert_sandbox(&sandbox).map_err(internal)
@@ -366,8 +380,22 @@ impl Sandboxes {
                 return Err(ApiError::Internal(format!("sandbox {id}: {message}")));
             }
         }
+        let nic = match &request.network {
+            Some(network) => match self.make_network(&id, network).await {
+                Ok(nic) => Some(nic),
+                Err(e) => {
+                    self.counters.failed();
+                    let _ = self
+                        .db
+                        .lock()
+                        .end(&id, State::Failed, &e.to_string(), now_ms());
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         match self
-            .start_vmm(&sandbox, template, snapshot, volumes.clone())
+            .start_vmm(&sandbox, template, snapshot, volumes.clone(), nic)
             .await
         {
             Ok(()) => {
@@ -399,6 +427,7 @@ impl Sandboxes {
             Err(message) => {
                 self.counters.failed();
                 let _ = remove_dir(&sandbox.dir);
+                self.release_network(&id).await;
                 self.db
                     .lock()
                     .end(&id, State::Failed, &message, now_ms())
@@ -424,6 +453,45 @@ impl Sandboxes {
         })
     }
 
+    /// Makes sandbox `id`'s network and records it; on error none is left.
+    async fn make_network(
+        &self,
+        id: &str,
+        request: &NetworkRequest,
+    ) -> Result<supervisor::vm::Nic, ApiError> {
+        let networks = Arc::clone(&self.networks);
+        let (owned_id, request) = (id.to_string(), request.clone());
+        let made = tokio::task::spawn_blocking(move || networks.make(&owned_id, &request))
+            .await
+            .map_err(internal)??;
+        let recorded = self.db.lock().set_network(id, &made.network);
+        match recorded {
+            Ok(true) => Ok(supervisor::vm::Nic {
+                tap: made.network.tap,
+                mac: made.network.mac,
+                file: made.tap,
+                kernel_ip_arg: made.kernel_ip_arg,
+            }),
+            Ok(false) => {
+                self.release_network(id).await;
+                Err(ApiError::Conflict(format!(
+                    "sandbox {id} was deleted while it was being created"
+                )))
+            }
+            Err(e) => {
+                self.release_network(id).await;
+                Err(internal(e))
+            }
+        }
+    }
+
+    /// Removes sandbox `id`'s network, if it has one (off the async threads: nft and ioctls).
+    async fn release_network(&self, id: &str) {
+        let networks = Arc::clone(&self.networks);
+        let id = id.to_string();
+        let _ = tokio::task::spawn_blocking(move || networks.release(&id)).await;
+    }
+
     /// Spawns the VMM and moves the sandbox to running; on error, nothing of it is left.
     async fn start_vmm(
         &self,
@@ -431,11 +499,12 @@ impl Sandboxes {
         template: &Template,
         snapshot: Option<&Snapshot>,
         volumes: Vec<VolumeSource>,
+        nic: Option<supervisor::vm::Nic>,
     ) -> Result<(), String> {
         let vfio = sandbox.gpus.iter().map(|bdf| sysfs_path(bdf)).collect();
         let launched = self
             .supervisor
-            .launch(sandbox, template, snapshot, true, volumes, vfio)
+            .launch(sandbox, template, snapshot, true, volumes, vfio, nic)
             .await?;
         let result = {
             let store = self.db.lock();
@@ -485,6 +554,9 @@ impl Sandboxes {
             .await
             .map_err(ApiError::Internal);
         self.gpus.release(id);
+        if sandbox.network.is_some() {
+            self.release_network(id).await;
+        }
         stopped
     }
 

@@ -135,6 +135,10 @@ CREATE TABLE volumes (
 -- GPUs (issue 23): the PCI addresses a sandbox holds (JSON).
 ALTER TABLE sandboxes ADD COLUMN gpus TEXT NOT NULL DEFAULT '[]';
 ",
+    "
+-- Networks (issue 24): a sandbox's network as it was made (JSON); NULL: none.
+ALTER TABLE sandboxes ADD COLUMN network TEXT;
+",
 ];
 
 /// Adds the running time since `running_since_ms` to `run_ms` (an UPDATE's SET clause).

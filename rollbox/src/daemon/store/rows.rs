@@ -15,7 +15,7 @@ use super::{json_column, to_json, StoreError};
 pub const COLUMNS: &str = "seq, id, idempotency_key, template, state, vcpus, memory_mib, labels, \
     metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, pid, pid_start_time, \
     dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, on_timeout, auto_resume, ttl_s, \
-    tenant, volumes, gpus";
+    tenant, volumes, gpus, network";
 
 /// Between a tenant's name and its idempotency key or snapshot name in their columns: those
 /// are unique per tenant, and neither a key nor a name may hold a control character.
@@ -68,6 +68,8 @@ pub struct SandboxRow {
     pub volumes: String,
     /// JSON of the PCI addresses of its GPUs.
     pub gpus: String,
+    /// JSON of its network (`SandboxNetwork`), or NULL.
+    pub network: Option<String>,
 }
 
 impl SandboxRow {
@@ -101,6 +103,7 @@ impl SandboxRow {
             tenant: row.get(24)?,
             volumes: row.get(25)?,
             gpus: row.get(26)?,
+            network: row.get(27)?,
         })
     }
 
@@ -137,6 +140,11 @@ impl SandboxRow {
             tenant: sandbox.tenant.clone(),
             volumes: to_json(&sandbox.volumes, "volumes")?,
             gpus: to_json(&sandbox.gpus, "gpus")?,
+            network: sandbox
+                .network
+                .as_ref()
+                .map(|network| to_json(network, "network"))
+                .transpose()?,
         })
     }
 
@@ -171,6 +179,11 @@ impl SandboxRow {
             tenant: self.tenant,
             volumes: json_column(&self.volumes, "volumes")?,
             gpus: json_column(&self.gpus, "gpus")?,
+            network: self
+                .network
+                .as_deref()
+                .map(|text| json_column(text, "network"))
+                .transpose()?,
         };
         Ok((self.seq, sandbox))
     }

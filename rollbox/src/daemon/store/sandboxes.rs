@@ -34,9 +34,9 @@ impl Store {
             "INSERT INTO sandboxes (id, idempotency_key, template, state, vcpus, memory_mib, \
              labels, metadata, created_at_ms, expires_at_ms, idle_ttl_s, last_active_at_ms, \
              pid, pid_start_time, dir, ended_at_ms, end_reason, env, cpu_limit, deterministic, \
-             on_timeout, auto_resume, ttl_s, tenant, volumes, gpus) \
+             on_timeout, auto_resume, ttl_s, tenant, volumes, gpus, network) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
+             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)",
             params![
                 row.id,
                 row.idempotency_key,
@@ -64,6 +64,7 @@ impl Store {
                 row.tenant,
                 row.volumes,
                 row.gpus,
+                row.network,
             ],
         )?;
         tx.commit()?;
@@ -171,6 +172,20 @@ impl Store {
                  running_since_ms = {SQL_NOW_MS} WHERE id = ?1 AND state = 'creating'"
             ),
             params![id, pid, start_time],
+        )? == 1)
+    }
+
+    /// Records the network made for sandbox `id` while it is created; false if it is no
+    /// longer `creating` (deleted meanwhile).
+    pub fn set_network(
+        &self,
+        id: &str,
+        network: &super::super::api::SandboxNetwork,
+    ) -> Result<bool, StoreError> {
+        let json = super::to_json(network, "network")?;
+        Ok(self.conn.execute(
+            "UPDATE sandboxes SET network = ?2 WHERE id = ?1 AND state = 'creating'",
+            params![id, json],
         )? == 1)
     }
 
@@ -355,6 +370,7 @@ mod tests {
             tenant: None,
             volumes: Vec::new(),
             gpus: Vec::new(),
+            network: None,
         }
     }
 

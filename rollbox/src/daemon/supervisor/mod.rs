@@ -263,7 +263,8 @@ impl Supervisor {
     /// Starts a VMM in the sandbox's directory (a boot of `template`, or a restore of
     /// `snapshot`) and waits until its VM runs; on error the VMM is gone. A restore into a new
     /// sandbox (`new_sandbox`) is a clone of the snapshot's VM: it gets a new VM generation,
-    /// unless the sandbox is deterministic.
+    /// unless the sandbox is deterministic. A boot may have a network interface (`nic`).
+    #[allow(clippy::too_many_arguments)]
     pub async fn launch(
         &self,
         sandbox: &Sandbox,
@@ -272,7 +273,11 @@ impl Supervisor {
         new_sandbox: bool,
         volumes: Vec<VolumeSource>,
         vfio: Vec<PathBuf>,
+        nic: Option<vm::Nic>,
     ) -> Result<Launched, String> {
+        if snapshot.is_some() && nic.is_some() {
+            return Err("a restore cannot take a network interface yet".into());
+        }
         let paths = vm::Paths::new(&sandbox.dir);
         let groups = self.cgroups_for(sandbox.cpu_limit)?;
         // A jailed VMM's cpu group is made by its jailer (same path, with its memory and pids
@@ -333,6 +338,7 @@ impl Supervisor {
                         deterministic,
                         console_max_bytes,
                         vfio: &vfio,
+                        nic: nic.as_ref(),
                     };
                     vm::spawn(&vmm, &spawn_paths, &shape, spec.as_ref(), &volumes)
                 }

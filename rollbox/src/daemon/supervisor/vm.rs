@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rollbox_jailer::cgroup;
 use vmm_api::{
     BootSourceConfig, Client, ClientError, ConfigFile, CreateSnapshotParams, DriveConfig, FsCache,
-    FsConfig, MachineConfig, VmState, VsockConfig,
+    FsConfig, MachineConfig, NetworkInterfaceConfig, VmState, VsockConfig,
 };
 
 use super::disk::{copy_disk, copy_file};
@@ -129,6 +129,19 @@ pub struct Shape<'a> {
     pub console_max_bytes: u64,
     /// PCI devices passed through (sysfs paths; the jail sees them at the same paths).
     pub vfio: &'a [PathBuf],
+    /// A network interface on a host tap the daemon attached.
+    pub nic: Option<&'a Nic>,
+}
+
+/// A sandbox's network interface: `eth0` on a host tap, whose attached descriptor the VMM
+/// inherits (`--tap-fd`; it cannot open the tap from its empty network namespace).
+pub struct Nic {
+    pub tap: String,
+    pub mac: String,
+    /// /dev/net/tun attached to `tap`.
+    pub file: File,
+    /// The kernel's `ip=` argument (the guest agent reads it too).
+    pub kernel_ip_arg: String,
 }
 
 /// How `rollbox serve` jails its VMMs with `rollbox-jailer` (the default; `--no-jailer`
@@ -179,6 +192,8 @@ struct Launch<'a> {
     jail: Option<&'a JailSpec<'a>>,
     /// The size of the sandbox's disk copy (0 without one), for the jail's fsize limit.
     disk_bytes: u64,
+    /// Descriptors the VMM inherits (a tap's).
+    keep_fds: Vec<std::os::fd::RawFd>,
 }
 
 /// RLIMIT_FSIZE of a jailed VMM: its largest file is its disk or its memory snapshot. (A
@@ -194,7 +209,16 @@ impl<'a> Launch<'a> {
             binds: Vec::new(),
             jail,
             disk_bytes: 0,
+            keep_fds: Vec::new(),
         }
+    }
+
+    /// `--tap-fd` for a tap the VMM inherits attached.
+    fn tap(&mut self, nic: &Nic) -> &mut Self {
+        use std::os::fd::AsRawFd;
+        let fd = nic.file.as_raw_fd();
+        self.keep_fds.push(fd);
+        self.arg("--tap-fd").arg(format!("{}={fd}", nic.tap))
     }
 
     fn arg(&mut self, arg: impl AsRef<std::ffi::OsStr>) -> &mut Self {
@@ -270,8 +294,11 @@ impl<'a> Launch<'a> {
                 "--rlimit",
                 &format!("fsize={}", fsize_limit(self.disk_bytes, spec.memory_mib)),
             ])
-            // Sandboxes have no network device: an empty network namespace.
+            // An empty network namespace: a sandbox's tap, if it has one, is handed down.
             .arg("--new-netns");
+        for fd in &self.keep_fds {
+            command.arg("--keep-fd").arg(fd.to_string());
+        }
         for setting in &spec.cgroups {
             command.arg("--cgroup").arg(setting);
         }
@@ -343,6 +370,9 @@ fn spawn_boot(
     volumes: &[VolumeSource],
 ) -> Result<Child, VmError> {
     let mut launch = Launch::new(jail);
+    if let Some(nic) = shape.nic {
+        launch.tap(nic);
+    }
     let config = boot_config(&mut launch, paths, shape, volumes)?;
     if let Some(rootfs) = &shape.template.rootfs {
         // A private copy: the guest writes to it.
@@ -359,7 +389,7 @@ fn spawn_boot(
         .own("--api-sock", &paths.api_sock)
         .own("--config", &paths.config);
     let (command, program) = launch.command(vmm, paths)?;
-    start(command, &program, paths)
+    start(command, &program, paths, &launch.keep_fds)
 }
 
 /// What a boot runs, as the VMM sees its files (a jail's paths when jailed): the kernel and
@@ -373,6 +403,19 @@ fn boot_config(
     let template = shape.template;
     // The guest agent mounts each `rollbox.volume=TAG:PATH[:ro]` at boot.
     let mut cmdline = template.cmdline.clone();
+    let mut network_interfaces = Vec::new();
+    if let Some(nic) = shape.nic {
+        // The kernel (with IP_PNP) or the agent reads `ip=`.
+        cmdline.push(' ');
+        cmdline.push_str(&nic.kernel_ip_arg);
+        network_interfaces.push(NetworkInterfaceConfig {
+            iface_id: "eth0".into(),
+            host_dev_name: nic.tap.clone(),
+            guest_mac: Some(nic.mac.clone()),
+            rx_rate_limiter: None,
+            tx_rate_limiter: None,
+        });
+    }
     for volume in volumes {
         let mount = &volume.mount;
         cmdline.push_str(&format!(
@@ -438,7 +481,7 @@ fn boot_config(
         console: Some(console.to_string()),
         console_max_bytes: Some(shape.console_max_bytes),
         fs,
-        ..ConfigFile::default()
+        network_interfaces,
     })
 }
 
@@ -573,7 +616,7 @@ fn spawn_restored(
         launch.arg("--drive-override").arg(drive);
     }
     let (command, program) = launch.command(vmm, paths)?;
-    start(command, &program, paths)
+    start(command, &program, paths, &launch.keep_fds)
 }
 
 /// The size of a disk copy the daemon just made.
@@ -583,8 +626,14 @@ fn disk_len(path: &Path) -> std::io::Result<u64> {
 
 /// Starts the VMM with its output in the sandbox's log, in its own process group: a signal to
 /// the daemon's group does not reach it, and ending the sandbox ends the group (virtiofsd and
-/// other helpers too).
-fn start(mut command: Command, vmm: &Path, paths: &Paths) -> Result<Child, VmError> {
+/// other helpers too). `keep_fds` (close-on-exec in the daemon, so no other child inherits
+/// them) are left open across this child's exec.
+fn start(
+    mut command: Command,
+    vmm: &Path,
+    paths: &Paths,
+    keep_fds: &[std::os::fd::RawFd],
+) -> Result<Child, VmError> {
     let dir_error = |source| VmError::Dir {
         path: paths.dir.clone(),
         source,
@@ -597,6 +646,21 @@ fn start(mut command: Command, vmm: &Path, paths: &Paths) -> Result<Child, VmErr
         .stdout(log)
         .stderr(log2)
         .process_group(0);
+    if !keep_fds.is_empty() {
+        let keep = keep_fds.to_vec();
+        // SAFETY: runs in the forked child before exec, and calls only fcntl, which is
+        // async-signal-safe; the descriptors stay open in the daemon until spawn returns.
+        unsafe {
+            command.pre_exec(move || {
+                for &fd in &keep {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
     command.spawn().map_err(|source| VmError::Spawn {
         vmm: vmm.to_path_buf(),
         source,
@@ -869,6 +933,7 @@ mod tests {
             deterministic: true,
             console_max_bytes: 1 << 20,
             vfio: &[],
+            nic: None,
         };
         let paths = Paths::new(Path::new("/state/sandboxes/sb-1"));
         let jail = test_jail(false);
@@ -917,6 +982,7 @@ mod tests {
             deterministic: false,
             console_max_bytes: 1 << 20,
             vfio: &[],
+            nic: None,
         };
         let mut plain = Launch::new(None);
         let config = boot_config(&mut plain, &paths, &shape, &[]).expect("config");

@@ -6,10 +6,12 @@ use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
 use super::super::limits::{
-    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_GPU_COUNT, MAX_GPU_WAIT_S, MAX_IDS, MAX_LIST_LIMIT,
-    MAX_MEMORY_MIB, MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
+    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_EGRESS_ALLOW, MAX_GPU_COUNT, MAX_GPU_WAIT_S, MAX_IDS,
+    MAX_LIST_LIMIT, MAX_MEMORY_MIB, MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
 };
-use super::super::model::{CreateSandbox, GpuRequest, ListQuery, OnTimeout, State, VolumeMount};
+use super::super::model::{
+    CreateSandbox, GpuRequest, ListQuery, NetworkRequest, OnTimeout, State, VolumeMount,
+};
 use super::template::check_template_name;
 use super::{
     bad, check_env, check_id, check_label_key, check_labels, check_snapshot_id, from_json,
@@ -43,6 +45,13 @@ struct CreateBody {
     gpu: Option<String>,
     gpu_count: Option<i64>,
     gpu_wait_s: Option<i64>,
+    network: Option<NetworkBody>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NetworkBody {
+    egress: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -85,6 +94,7 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
     }
     super::volume::check_mounts(&body.volumes)?;
     let gpu = gpu_request(body.gpu.as_deref(), body.gpu_count, body.gpu_wait_s)?;
+    let network = body.network.map(network_request).transpose()?;
     let (template, snapshot) = match (body.template, body.snapshot) {
         (Some(t), None) => (check_template_name(&t, "template")?, None),
         (None, Some(s)) => {
@@ -96,6 +106,11 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
             if !body.volumes.is_empty() {
                 return Err(bad(
                     "volumes: a restore mounts its snapshot's volumes; leave them out",
+                ));
+            }
+            if network.is_some() {
+                return Err(bad(
+                    "network: a restore of a snapshot cannot take a network yet; create from a template (which then boots)",
                 ));
             }
             if body.vcpus.is_some() || body.memory_mib.is_some() {
@@ -140,7 +155,49 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         tenant: None,
         volumes: body.volumes,
         gpu,
+        network,
     })
+}
+
+/// `network: {egress}`: `egress` is `"none"`, `"all"` or `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`
+/// (`rollbox net`'s policy, checked here).
+fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
+    let form = r#""none", "all" or {"allow": ["CIDR[:PORT[-PORT]]", ...]}"#;
+    let egress = match body.egress {
+        None => None,
+        Some(serde_json::Value::String(word)) if word == "none" || word == "all" => Some(word),
+        Some(serde_json::Value::Object(object)) => {
+            let entries = match (object.get("allow"), object.len()) {
+                (Some(serde_json::Value::Array(entries)), 1) => entries,
+                _ => return Err(bad(format!("network.egress: want {form}"))),
+            };
+            let mut texts = Vec::with_capacity(entries.len());
+            for entry in entries {
+                match entry.as_str() {
+                    Some(text) if !text.is_empty() && !text.contains(',') => {
+                        texts.push(text.to_string())
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "network.egress.allow: {entry} is not CIDR[:PORT[-PORT]]"
+                        )))
+                    }
+                }
+            }
+            if texts.is_empty() || texts.len() > MAX_EGRESS_ALLOW {
+                return Err(bad(format!(
+                    "network.egress.allow: 1 to {MAX_EGRESS_ALLOW} entries (for nothing, use \"none\")"
+                )));
+            }
+            Some(texts.join(","))
+        }
+        Some(other) => return Err(bad(format!("network.egress: {other} is not {form}"))),
+    };
+    if let Some(text) = &egress {
+        text.parse::<crate::net::Egress>()
+            .map_err(|e| bad(format!("network.egress: {e}")))?;
+    }
+    Ok(NetworkRequest { egress })
 }
 
 /// `gpu` (a name, `any`, or a PCI address), `gpu_count` (default 1; alone, any GPU) and
@@ -298,7 +355,7 @@ fn check_port(port: &str) -> Result<u16, ApiError> {
 #[cfg(test)]
 mod tests {
     use crate::daemon::api::routes::{err, parse};
-    use crate::daemon::api::{Action, ListQuery, OnTimeout, State};
+    use crate::daemon::api::{Action, ListQuery, NetworkRequest, OnTimeout, State};
 
     #[test]
     fn create_parses_and_defaults() {
@@ -328,6 +385,29 @@ mod tests {
             panic!("{action:?}")
         };
         assert_eq!((c.on_timeout, c.auto_resume), (OnTimeout::Pause, true));
+        assert_eq!(c.network, None);
+        let network = |body: &str| match parse("POST", "/sandboxes", None, body.as_bytes()) {
+            Ok(Action::CreateSandbox(c)) => c.network,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            network(r#"{"template":"t","network":{}}"#),
+            Some(NetworkRequest { egress: None })
+        );
+        assert_eq!(
+            network(r#"{"template":"t","network":{"egress":"all"}}"#),
+            Some(NetworkRequest {
+                egress: Some("all".into())
+            })
+        );
+        assert_eq!(
+            network(
+                r#"{"template":"t","network":{"egress":{"allow":["10.0.0.0/8:443","1.1.1.1"]}}}"#
+            ),
+            Some(NetworkRequest {
+                egress: Some("10.0.0.0/8:443,1.1.1.1".into())
+            })
+        );
     }
 
     #[test]
@@ -355,6 +435,28 @@ mod tests {
             (r#"{"template":"t","cpu_limit":"half"}"#, "cpu_limit"),
             (r#"{"template":"t","on_timeout":"stop"}"#, "on_timeout"),
             (r#"{"template":"t","auto_resume":true}"#, "auto_resume"),
+            (
+                r#"{"template":"t","network":{"egress":"some"}}"#,
+                "network.egress",
+            ),
+            (
+                r#"{"template":"t","network":{"egress":{"allow":[]}}}"#,
+                "network.egress.allow",
+            ),
+            (
+                r#"{"template":"t","network":{"egress":{"allow":["10.0.0.0/33"]}}}"#,
+                "network.egress",
+            ),
+            (
+                r#"{"template":"t","network":{"egress":{"allow":["a,b"]}}}"#,
+                "network.egress.allow",
+            ),
+            (
+                r#"{"template":"t","network":{"egress":{"deny":["1.1.1.1"]}}}"#,
+                "network.egress",
+            ),
+            (r#"{"template":"t","network":{"colour":"red"}}"#, "colour"),
+            (r#"{"snapshot":"sn-1","network":{}}"#, "network"),
             (
                 r#"{"template":"t","on_timeout":"kill","auto_resume":true}"#,
                 "auto_resume",

@@ -1,0 +1,220 @@
+//! The networks service: a sandbox that asks for a network gets a host tap with a /30 of the
+//! server's pool, NAT to the uplink and its egress policy in nftables, all made by
+//! `rollbox::net` (the library `rollbox net` wraps). The tap is attached here, in the host's
+//! network namespace, and its descriptor handed to the jailed VMM (`rollbox-vmm --tap-fd`),
+//! which lives in an empty namespace of its own: it cannot reach any other tap, and nothing
+//! else attaches this one. Leases are named by sandbox id in the net state directory that
+//! `rollbox net list`/`gc` read; a restarted daemon releases those of sandboxes that ended.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use super::api::{ApiError, NetworkRequest, SandboxNetwork};
+use crate::net::{self, Egress, LeaseRequest, LinkKind, NetError, Pool, StateDir};
+
+/// How `rollbox serve` makes networks.
+#[derive(Debug, Clone)]
+pub struct NetworkOptions {
+    /// Where leases are recorded (`--net-state-dir`; `rollbox net`'s default).
+    pub state_dir: PathBuf,
+    /// The /30s come from here (`--net-pool`).
+    pub pool: Pool,
+    /// The DNS server guests are given, and may reach, unless their egress is `none`.
+    pub dns: Option<Ipv4Addr>,
+    /// The egress of a `network` that names none (`--default-egress`).
+    pub default_egress: Egress,
+}
+
+/// A network made for a sandbox: what its JSON shows, and the tap attached for its VMM.
+pub struct Made {
+    pub network: SandboxNetwork,
+    /// /dev/net/tun attached to the tap (TUNSETIFF done), for `rollbox-vmm --tap-fd`.
+    pub tap: File,
+    /// The kernel's `ip=` argument for a boot.
+    pub kernel_ip_arg: String,
+}
+
+/// The networks of the sandboxes.
+pub struct Networks {
+    options: NetworkOptions,
+    state: StateDir,
+    /// Why this host cannot make networks (no nft, no /dev/net/tun), if it cannot.
+    unavailable: Option<String>,
+}
+
+impl Networks {
+    pub fn new(options: NetworkOptions) -> Networks {
+        let unavailable = if !std::path::Path::new("/dev/net/tun").exists() {
+            Some("this host has no /dev/net/tun".to_string())
+        } else {
+            net::nft::binary().err().map(|e| e.to_string())
+        };
+        Networks {
+            state: StateDir::new(&options.state_dir),
+            options,
+            unavailable,
+        }
+    }
+
+    /// The egress a request gets: its own, else the server's default.
+    fn egress(&self, request: &NetworkRequest) -> Result<Egress, ApiError> {
+        match &request.egress {
+            Some(text) => text
+                .parse()
+                .map_err(|e| ApiError::BadRequest(format!("network.egress: {e}"))),
+            None => Ok(self.options.default_egress.clone()),
+        }
+    }
+
+    /// A create's check before anything is made: this host can make networks, and the
+    /// policy parses.
+    pub fn check(&self, request: &NetworkRequest) -> Result<(), ApiError> {
+        if let Some(why) = &self.unavailable {
+            return Err(ApiError::Unavailable(format!(
+                "network: {why}; sandboxes without `network` still work"
+            )));
+        }
+        self.egress(request).map(drop)
+    }
+
+    /// Makes sandbox `id`'s network (tap, /30, NAT, egress rules, lease) and attaches its tap;
+    /// on error nothing of it is left. Blocking (it runs `nft` and ioctls).
+    pub fn make(&self, id: &str, request: &NetworkRequest) -> Result<Made, ApiError> {
+        let egress = self.egress(request)?;
+        // DNS is a way out too: under `none` the guest gets none.
+        let dns = self.options.dns.filter(|_| egress != Egress::None);
+        let lease = LeaseRequest {
+            name: id.to_string(),
+            pool: self.options.pool,
+            egress: egress.clone(),
+            dns,
+            expose: Vec::new(),
+            link: LinkKind::Tap,
+        };
+        let info = net::lease(&self.state, &lease).map_err(|e| lease_error(id, e))?;
+        let tap = match net::tap::open_tap(&info.tap) {
+            Ok(tap) => tap,
+            Err(e) => {
+                let message = format!("network of sandbox {id}: attaching tap {}: {e}", info.tap);
+                if let Err(e) = net::release(&self.state, id) {
+                    log::warn!("sandbox {id}: releasing its network: {e}");
+                }
+                return Err(ApiError::Internal(message));
+            }
+        };
+        Ok(Made {
+            network: SandboxNetwork {
+                egress: egress.to_string(),
+                address: info.guest_ip,
+                gateway: info.host_ip,
+                prefix_len: info.prefix_len,
+                mac: info.guest_mac,
+                tap: info.tap,
+                dns,
+            },
+            tap,
+            kernel_ip_arg: info.kernel_ip_arg,
+        })
+    }
+
+    /// Removes sandbox `id`'s network, if it has one. Blocking.
+    pub fn release(&self, id: &str) {
+        match net::release(&self.state, id) {
+            Ok(_) => {}
+            Err(e) => log::warn!("sandbox {id}: releasing its network: {e}"),
+        }
+    }
+
+    /// After a restart: releases the leases of this daemon's sandboxes that are not live
+    /// (`ours` tells its sandboxes from another daemon's sharing the state directory), and
+    /// returns their names.
+    pub fn reconcile(&self, live: &HashSet<String>, ours: impl Fn(&str) -> bool) -> Vec<String> {
+        let leases = match net::leases(&self.state) {
+            Ok(leases) => leases,
+            Err(e) => {
+                log::warn!("networks: listing leases: {e}");
+                return Vec::new();
+            }
+        };
+        let mut released = Vec::new();
+        for lease in leases {
+            if live.contains(&lease.name) || !ours(&lease.name) {
+                continue;
+            }
+            self.release(&lease.name);
+            released.push(lease.name);
+        }
+        released
+    }
+}
+
+/// The host's first IPv4 nameserver in /etc/resolv.conf that a guest can reach (not a
+/// loopback address, such as systemd-resolved's 127.0.0.53).
+pub fn host_dns() -> Option<Ipv4Addr> {
+    let text = std::fs::read_to_string("/etc/resolv.conf").ok()?;
+    first_nameserver(&text)
+}
+
+fn first_nameserver(resolv_conf: &str) -> Option<Ipv4Addr> {
+    resolv_conf
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("nameserver"))
+        .filter_map(|rest| rest.trim().parse::<Ipv4Addr>().ok())
+        .find(|ip| !ip.is_loopback() && !ip.is_unspecified())
+}
+
+/// A lease's failure as the API answers it: an exhausted or clashing pool and a missing tool
+/// are the host's state (503), bad input was checked before.
+fn lease_error(id: &str, error: NetError) -> ApiError {
+    let message = format!("network of sandbox {id}: {error}");
+    match error {
+        NetError::Pool(_) | NetError::PoolInUse { .. } | NetError::Nft(_) => {
+            ApiError::Unavailable(message)
+        }
+        _ => ApiError::Internal(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn networks(default_egress: &str) -> Networks {
+        Networks::new(NetworkOptions {
+            state_dir: PathBuf::from("/nonexistent/rollbox-net-test"),
+            pool: Pool::parse("10.250.0.0/24").expect("pool"),
+            dns: Some(Ipv4Addr::new(1, 1, 1, 1)),
+            default_egress: default_egress.parse().expect("egress"),
+        })
+    }
+
+    #[test]
+    fn the_first_reachable_nameserver_is_the_guests() {
+        let conf = "# comment\nnameserver 127.0.0.53\nnameserver fe80::1\nnameserver 10.0.0.2\nnameserver 8.8.8.8\n";
+        assert_eq!(first_nameserver(conf), Some(Ipv4Addr::new(10, 0, 0, 2)));
+        assert_eq!(first_nameserver("nameserver 127.0.0.1\n"), None);
+    }
+
+    #[test]
+    fn a_request_without_egress_takes_the_default_and_a_bad_one_names_the_field() {
+        let nets = networks("none");
+        assert_eq!(
+            nets.egress(&NetworkRequest::default()).ok(),
+            Some(Egress::None)
+        );
+        let all = NetworkRequest {
+            egress: Some("all".into()),
+        };
+        assert_eq!(
+            nets.egress(&all).map(|e| e.to_string()).ok(),
+            Some("all".to_string())
+        );
+        let bad = NetworkRequest {
+            egress: Some("10.0.0.0/99".into()),
+        };
+        let err = nets.egress(&bad).expect_err("bad");
+        assert!(err.to_string().starts_with("network.egress: "), "{err}");
+    }
+}

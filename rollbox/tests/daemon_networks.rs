@@ -1,0 +1,317 @@
+//! `rollbox serve` end to end, networks (host, test guest): a create with `network` gets a
+//! tap, a /30 of the server's pool and its egress policy in nftables, the jailed VMM holds the
+//! tap from its own network namespace, and everything goes with the sandbox: on delete, over
+//! many create/delete cycles, and after kill -9 of the daemon mid-create. The traffic itself
+//! (what a Linux guest can reach under each policy) is `tier4_network.rs`'s.
+
+// Test code: a panic is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rollbox::net::{Pool, StateDir};
+use rollbox_tests::daemon::{wait_for, Server};
+use serde_json::{json, Value};
+
+/// Whether this host can make networks: root, /dev/net/tun and nft. Records the skip (a
+/// failure under ROLLBOX_REQUIRE_ALL=1) when not.
+fn prerequisites(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let nft = Command::new("nft")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let missing = if !root {
+        Some("needs root (taps and nftables rules)")
+    } else if !Path::new("/dev/net/tun").exists() {
+        Some("needs /dev/net/tun")
+    } else if !nft {
+        Some("needs nft (apt-get install nftables)")
+    } else {
+        None
+    };
+    if let Some(reason) = missing {
+        rollbox_tests::skip(test, reason);
+        return false;
+    }
+    true
+}
+
+/// A daemon with its own pool (its leases are in the server's scratch directory, which
+/// [`Server`] releases when dropped: the test then fails on its own checks).
+struct Networked {
+    server: Server,
+    pool: String,
+}
+
+impl Networked {
+    fn start(pool: &str) -> Networked {
+        let server = Server::start(&["--net-pool", pool, "--sandbox-dns", "10.9.9.9"]);
+        Networked {
+            server,
+            pool: pool.to_string(),
+        }
+    }
+
+    fn leases(&self) -> Vec<String> {
+        rollbox::net::leases(&StateDir::new(self.server.net_state()))
+            .expect("leases")
+            .into_iter()
+            .map(|l| l.name)
+            .collect()
+    }
+
+    /// Asserts nothing of the pool is left: no lease, no tap, no nftables chain or element.
+    fn assert_clean(&self) {
+        assert_eq!(self.leases(), Vec::<String>::new(), "leases left");
+        let pool = Pool::parse(&self.pool).expect("pool");
+        let taps: Vec<String> = std::fs::read_dir("/sys/class/net")
+            .expect("/sys/class/net")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| {
+                rollbox::net::pool::slot_of_tap(name)
+                    .is_some_and(|slot| pool.net().contains(slot.guest_ip()))
+            })
+            .collect();
+        assert_eq!(taps, Vec::<String>::new(), "taps left");
+        let listing = rollbox::net::nft::list_table()
+            .expect("nft")
+            .unwrap_or_default();
+        let prefix = self.pool.trim_end_matches("0.0/24");
+        let left: Vec<&str> = listing.lines().filter(|l| l.contains(prefix)).collect();
+        assert!(left.is_empty(), "nftables still names {prefix}*: {left:?}");
+    }
+}
+
+/// The processes with tap `tap` attached (/proc/PID/fdinfo says `iff: TAP`).
+fn tap_holders(tap: &str) -> Vec<u32> {
+    let want = format!("iff:\t{tap}");
+    let mut holders = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(infos) = std::fs::read_dir(entry.path().join("fdinfo")) else {
+            continue;
+        };
+        let holds = infos.flatten().any(|info| {
+            std::fs::read_to_string(info.path()).is_ok_and(|t| t.lines().any(|l| l == want))
+        });
+        if holds {
+            holders.push(pid);
+        }
+    }
+    holders
+}
+
+fn netns(pid: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("netns")
+}
+
+/// The rules of the sandbox's egress chain.
+fn egress_chain(tap: &str) -> String {
+    let out = Command::new("nft")
+        .args(["list", "chain", "inet", "rollbox", &format!("egress_{tap}")])
+        .output()
+        .expect("nft");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn each_egress_policy_makes_its_tap_address_and_rules_and_delete_removes_them() {
+    if !prerequisites("each_egress_policy_makes_its_tap_address_and_rules_and_delete_removes_them")
+    {
+        return;
+    }
+    let net = Networked::start("10.241.0.0/24");
+    let server = &net.server;
+    server.add_guest_template("guest");
+    let cases = [
+        (json!({}), "none"),
+        (json!({"egress": "all"}), "all"),
+        (
+            json!({"egress": {"allow": ["10.9.0.0/16:443", "192.0.2.7"]}}),
+            "10.9.0.0/16:443,192.0.2.7",
+        ),
+    ];
+    let mut made = Vec::new();
+    for (network, egress) in cases {
+        let sandbox = server.create(json!({"template": "guest", "ttl_s": 120, "network": network}));
+        let nic = &sandbox["network"];
+        assert_eq!(nic["egress"], egress, "{sandbox}");
+        let tap = nic["tap"].as_str().expect("tap").to_string();
+        let address: std::net::Ipv4Addr =
+            nic["address"].as_str().expect("address").parse().unwrap();
+        assert!(
+            Pool::parse(&net.pool).unwrap().net().contains(address),
+            "{sandbox}"
+        );
+        assert_eq!(nic["prefix_len"], 30);
+        // DNS is a way out: a sandbox with egress none is given none.
+        assert_eq!(nic.get("dns").is_some(), egress != "none", "{sandbox}");
+        // The VMM's boot configuration names the tap and MAC; the kernel gets `ip=`.
+        let config = rollbox_tests::daemon::boot_config(&sandbox);
+        assert_eq!(
+            config["network-interfaces"][0]["host_dev_name"],
+            tap.as_str()
+        );
+        assert_eq!(config["network-interfaces"][0]["guest_mac"], nic["mac"]);
+        let cmdline = config["boot-source"]["boot_args"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(cmdline.contains(&format!("ip={address}::")), "{cmdline}");
+        // One process holds the tap: the VMM, in a network namespace that is not the host's.
+        let holders = tap_holders(&tap);
+        assert_eq!(holders.len(), 1, "{tap} held by {holders:?}");
+        assert_ne!(
+            netns(&holders[0].to_string()),
+            netns("self"),
+            "the VMM is in the host's netns"
+        );
+        let chain = egress_chain(&tap);
+        match egress {
+            "none" => assert!(!chain.contains("accept"), "{chain}"),
+            "all" => {
+                assert!(chain.contains("10.0.0.0/8"), "{chain}");
+                assert!(chain.contains("accept"), "{chain}");
+            }
+            _ => {
+                assert!(chain.contains("ip daddr 10.9.0.0/16"), "{chain}");
+                assert!(chain.contains("ip daddr 192.0.2.7 accept"), "{chain}");
+            }
+        }
+        made.push((sandbox["id"].as_str().unwrap().to_string(), tap));
+    }
+    let mut leases = net.leases();
+    leases.sort();
+    let mut ids: Vec<String> = made.iter().map(|(id, _)| id.clone()).collect();
+    ids.sort();
+    assert_eq!(leases, ids);
+    // What cannot move yet is refused by name, and nothing is changed.
+    let id = &made[0].0;
+    for (method, path, body) in [
+        ("POST", format!("/sandboxes/{id}/snapshots"), json!({})),
+        ("POST", format!("/sandboxes/{id}/fork"), json!({"count": 2})),
+    ] {
+        let (status, body) = server.call(method, &path, Some(body));
+        assert_eq!(status, 409, "{path}: {body}");
+        assert!(body.to_string().contains("has a network"), "{body}");
+    }
+    for (id, tap) in &made {
+        let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204, "{body}");
+        assert!(
+            !Path::new("/sys/class/net").join(tap).exists(),
+            "{tap} left"
+        );
+    }
+    net.assert_clean();
+}
+
+#[test]
+fn bad_networks_are_refused_by_field_and_make_nothing() {
+    if !prerequisites("bad_networks_are_refused_by_field_and_make_nothing") {
+        return;
+    }
+    let net = Networked::start("10.242.0.0/24");
+    let server = &net.server;
+    let snapshot = server.guest_snapshot();
+    for (body, want) in [
+        (
+            json!({"template": "guest", "ttl_s": 60, "network": {"egress": "some"}}),
+            "network.egress",
+        ),
+        (
+            json!({"template": "guest", "ttl_s": 60, "network": {"egress": {"allow": ["10.0.0.0/40"]}}}),
+            "network.egress: egress policy token `10.0.0.0/40`",
+        ),
+        (
+            json!({"template": "guest", "ttl_s": 60, "network": {"egress": {"allow": ["example.com"]}}}),
+            "network.egress: egress policy token `example.com`",
+        ),
+        (
+            json!({"snapshot": snapshot, "ttl_s": 60, "network": {}}),
+            "network: a restore of a snapshot cannot take a network yet",
+        ),
+    ] {
+        let (status, answer) = server.call("POST", "/sandboxes", Some(body.clone()));
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer.to_string().contains(want), "{body}: {answer}");
+    }
+    net.assert_clean();
+}
+
+#[test]
+fn create_delete_cycles_and_a_kill_9_mid_create_leave_no_tap_rule_or_lease() {
+    if !prerequisites("create_delete_cycles_and_a_kill_9_mid_create_leave_no_tap_rule_or_lease") {
+        return;
+    }
+    let mut net = Networked::start("10.243.0.0/24");
+    net.server.add_guest_template("guest");
+    let cycles = 200;
+    let started = Instant::now();
+    for i in 0..cycles {
+        let egress = if i % 2 == 0 { "none" } else { "all" };
+        let sandbox = net
+            .server
+            .create(json!({"template": "guest", "ttl_s": 60, "network": {"egress": egress}}));
+        let id = sandbox["id"].as_str().unwrap();
+        let (status, body) = net.server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204, "{body}");
+    }
+    println!(
+        "{cycles} create/delete cycles with a network: {:.1} ms each",
+        started.elapsed().as_secs_f64() * 1000.0 / f64::from(cycles)
+    );
+    net.assert_clean();
+
+    // Creates in flight when the daemon is killed: their networks go at its next start.
+    let sock = net.server.sock();
+    let creators: Vec<_> = (0..6)
+        .map(|_| {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                let body = json!({"template": "guest", "ttl_s": 60, "network": {"egress": "all"}})
+                    .to_string();
+                let _ = rollbox::daemon::client::Endpoint::Unix(sock).request(
+                    "POST",
+                    "/sandboxes",
+                    &[(
+                        "Authorization",
+                        &format!("Bearer {}", rollbox_tests::daemon::KEY),
+                    )],
+                    Some(body.as_bytes()),
+                    Duration::from_secs(30),
+                );
+            })
+        })
+        .collect();
+    wait_for("a lease made mid-create", Duration::from_secs(30), || {
+        !net.leases().is_empty()
+    });
+    net.server.kill9();
+    for creator in creators {
+        let _ = creator.join();
+    }
+    net.server.spawn();
+    // Every sandbox still alive is ended; none may keep a network.
+    let live: Vec<Value> = ["creating", "running"]
+        .iter()
+        .flat_map(|state| net.server.list(state))
+        .collect();
+    for sandbox in live {
+        let id = sandbox["id"].as_str().unwrap();
+        let (status, body) = net.server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204, "{body}");
+    }
+    net.assert_clean();
+}
