@@ -379,6 +379,13 @@ async fn start(
             fixups::power_off(agent.config.is_init, reboot)
         }),
         ClientMessage::ConfigureNetwork(request) => blocking(out, id, move || {
+            // An agent that is not the guest's init (`--no-init`: a host test's stand-in)
+            // would re-address the host's interfaces.
+            if !agent.config.is_init {
+                return Err(ErrorInfo::bad_request(
+                    "configure_network: refused: this agent runs with --no-init (not as a guest's init), so the interfaces are not a guest's",
+                ));
+            }
             let (config, mac) = crate::network::from_request(&request)
                 .map_err(|e| ErrorInfo::bad_request(format!("configure_network: {e}")))?;
             crate::network::reconfigure(&config, mac, &agent.config.etc_dir)

@@ -1,7 +1,8 @@
 //! `rollbox serve` end to end, networks (host, test guest): a create with `network` gets a
 //! tap, a /30 of the server's pool and its egress policy in nftables, the jailed VMM holds the
-//! tap from its own network namespace, and everything goes with the sandbox: on delete, over
-//! many create/delete cycles, and after kill -9 of the daemon mid-create. The traffic itself
+//! tap from its own network namespace, a reset keeps it, and everything goes with the
+//! sandbox: on delete, when a restore fails, over many create/delete cycles, and after kill -9
+//! of the daemon mid-create. The traffic itself
 //! (what a Linux guest can reach under each policy) is `tier4_network.rs`'s.
 
 // Test code: a panic is the failure report.
@@ -49,7 +50,15 @@ struct Networked {
 
 impl Networked {
     fn start(pool: &str) -> Networked {
-        let server = Server::start(&["--net-pool", pool, "--sandbox-dns", "10.9.9.9"]);
+        // The test guest has no agent: a restore's readdress fails fast.
+        let server = Server::start(&[
+            "--net-pool",
+            pool,
+            "--sandbox-dns",
+            "10.9.9.9",
+            "--agent-timeout",
+            "2",
+        ]);
         Networked {
             server,
             pool: pool.to_string(),
@@ -196,16 +205,39 @@ fn each_egress_policy_makes_its_tap_address_and_rules_and_delete_removes_them() 
     let mut ids: Vec<String> = made.iter().map(|(id, _)| id.clone()).collect();
     ids.sort();
     assert_eq!(leases, ids);
-    // What cannot move yet is refused by name, and nothing is changed.
-    let id = &made[0].0;
-    for (method, path, body) in [
-        ("POST", format!("/sandboxes/{id}/snapshots"), json!({})),
-        ("POST", format!("/sandboxes/{id}/fork"), json!({"count": 2})),
-    ] {
-        let (status, body) = server.call(method, &path, Some(body));
-        assert_eq!(status, 409, "{path}: {body}");
-        assert!(body.to_string().contains("has a network"), "{body}");
-    }
+    // A reset keeps the sandbox's tap and address, with a new VMM holding the tap.
+    let (id, tap) = &made[0];
+    let before = tap_holders(tap);
+    let (status, reset) = server.call("POST", &format!("/sandboxes/{id}/reset"), Some(json!({})));
+    assert_eq!(status, 200, "{reset}\n{}", server.log_tail());
+    assert_eq!(reset["network"], server.get(id)["network"]);
+    assert_eq!(reset["network"]["tap"], tap.as_str());
+    let after = tap_holders(tap);
+    assert_eq!(after.len(), 1, "{tap} held by {after:?}");
+    assert_ne!(after, before, "the old VMM still holds {tap}");
+    // A snapshot records the egress; its restores get a network of their own and the agent
+    // readdresses the guest. The test guest has none: the restore fails naming it, and its
+    // network goes with it.
+    let (status, snapshot) = server.call("POST", &format!("/sandboxes/{id}/snapshots"), None);
+    assert_eq!(status, 201, "{snapshot}");
+    assert_eq!(snapshot["network"], "none", "{snapshot}");
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"snapshot": snapshot["id"], "ttl_s": 60})),
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(body.to_string().contains("agent"), "{body}");
+    let live: Vec<String> = server
+        .list("running")
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_string())
+        .collect();
+    let mut leases = net.leases();
+    leases.sort();
+    let mut live_sorted = live.clone();
+    live_sorted.sort();
+    assert_eq!(leases, live_sorted, "a failed restore left its lease");
     for (id, tap) in &made {
         let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
         assert_eq!(status, 204, "{body}");
@@ -240,7 +272,7 @@ fn bad_networks_are_refused_by_field_and_make_nothing() {
         ),
         (
             json!({"snapshot": snapshot, "ttl_s": 60, "network": {}}),
-            "network: a restore of a snapshot cannot take a network yet",
+            "was taken of a sandbox without a network, and a restore cannot add",
         ),
     ] {
         let (status, answer) = server.call("POST", "/sandboxes", Some(body.clone()));

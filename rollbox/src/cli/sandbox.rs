@@ -128,13 +128,22 @@ pub struct CreateArgs {
     #[arg(long, value_name = "SECS", conflicts_with = "snapshot")]
     pub gpu_wait: Option<u32>,
     /// Give the sandbox a network (a tap with NAT, `eth0` in the guest) with the server's
-    /// `--default-egress`. A sandbox with a network boots, and cannot be snapshotted, forked
-    /// or reset yet.
-    #[arg(long, conflicts_with = "snapshot")]
+    /// `--default-egress` (a restore of a snapshot with a network gets one anyway, with the
+    /// snapshot's egress).
+    #[arg(long)]
     pub network: bool,
     /// A network with this egress: none, all, or an allow-list CIDR[:PORT[-PORT]],...
-    #[arg(long, value_name = "POLICY", conflicts_with = "snapshot")]
+    #[arg(long, value_name = "POLICY")]
     pub egress: Option<String>,
+}
+
+/// `network` of a create or template: `--egress POLICY` (which implies a network), or
+/// `--network` (the server's default egress).
+pub fn network_body(network: bool, egress: Option<String>) -> Option<serde_json::Value> {
+    match egress {
+        Some(policy) => Some(json!({ "egress": policy })),
+        None => network.then(|| json!({})),
+    }
 }
 
 /// `ls`'s arguments.
@@ -292,13 +301,8 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
     if let Some(s) = gpu_wait {
         body["gpu_wait_s"] = json!(s);
     }
-    match egress.as_deref() {
-        Some(word @ ("none" | "all")) => body["network"] = json!({"egress": word}),
-        Some(list) => {
-            body["network"] = json!({"egress": {"allow": list.split(',').collect::<Vec<_>>()}})
-        }
-        None if network => body["network"] = json!({}),
-        None => {}
+    if let Some(network) = network_body(network, egress) {
+        body["network"] = network;
     }
     if let Some(count) = count {
         body["count"] = json!(count);

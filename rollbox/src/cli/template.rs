@@ -91,7 +91,8 @@ pub struct BuildArgs {
     pub mounts: TemplateMounts,
 }
 
-/// The volumes every sandbox of a template mounts (its boot snapshot has them mounted).
+/// The volumes every sandbox of a template mounts, and its network (its boot snapshot has
+/// them).
 #[derive(clap::Args)]
 pub struct TemplateMounts {
     /// Mount a volume (`rollbox volume create`) in every sandbox of the template, at an
@@ -99,12 +100,23 @@ pub struct TemplateMounts {
     /// those instead.
     #[arg(long = "volume", value_name = "NAME:/PATH[:ro]", value_parser = super::volume::parse_mount)]
     volumes: Vec<super::volume::VolumeMount>,
+    /// Every sandbox of the template has a network (the server's `--default-egress` unless
+    /// its create names one).
+    #[arg(long)]
+    network: bool,
+    /// Every sandbox of the template has a network with this egress (none, all, or
+    /// CIDR[:PORT[-PORT]],...), unless its create names another.
+    #[arg(long, value_name = "POLICY")]
+    egress: Option<String>,
 }
 
 impl TemplateMounts {
     fn add_to(self, body: &mut serde_json::Value) {
         if !self.volumes.is_empty() {
             body["volumes"] = json!(self.volumes);
+        }
+        if let Some(network) = super::sandbox::network_body(self.network, self.egress) {
+            body["network"] = network;
         }
     }
 }

@@ -196,6 +196,7 @@ mod tests {
             deterministic: false,
             tenant: None,
             volumes: Vec::new(),
+            network: None,
         }
     }
 

@@ -135,7 +135,7 @@ impl Snapshots {
         purpose: Purpose,
     ) -> Result<(Snapshot, Pin<'_>), ApiError> {
         let sandbox = touch(&self.db, id)?;
-        refuse_unmovable(&sandbox, "snapshotted or forked")?;
+        refuse_gpus(&sandbox, "snapshotted or forked")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}; only a running or paused sandbox can be snapshotted",
@@ -175,6 +175,7 @@ impl Snapshots {
             deterministic: sandbox.deterministic,
             tenant: sandbox.tenant.clone(),
             volumes: sandbox.volumes.clone(),
+            network: sandbox.network.as_ref().map(|n| n.egress.clone()),
         };
         let pin = self.retention.pin(&snapshot.id);
         let failed = |e: String| ApiError::Internal(format!("snapshot of sandbox {id}: {e}"));
@@ -281,7 +282,7 @@ impl Snapshots {
         labels: BTreeMap<String, String>,
     ) -> Result<Reply, ApiError> {
         let parent = touch(&self.db, id)?;
-        refuse_unmovable(&parent, "forked")?;
+        refuse_gpus(&parent, "forked")?;
         self.sandboxes.check_room(count, parent.memory_mib)?;
         let (snapshot, _pin) = {
             let _busy = self.claim(id)?;
@@ -333,7 +334,7 @@ impl Snapshots {
     pub async fn reset(&self, id: &str, snapshot: Option<String>) -> Result<Reply, ApiError> {
         let _busy = self.claim(id)?;
         let sandbox = touch(&self.db, id)?;
-        refuse_unmovable(&sandbox, "reset")?;
+        refuse_gpus(&sandbox, "reset")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
             return Err(ApiError::Conflict(format!(
                 "sandbox {id} is {}, not running or paused",
@@ -388,8 +389,15 @@ impl Snapshots {
                     sandbox.template
                 ))
             })?;
-        // The old VMM goes first: the new one takes its sockets and directory.
+        // The old VMM goes first: the new one takes its sockets, directory and tap.
         self.sandboxes.stop_vmm(id, &sandbox).await?;
+        let nic = match self.sandboxes.reattach_network(&sandbox).await {
+            Ok(nic) => nic,
+            Err(e) => {
+                let _ = self.sandboxes.end(id, State::Failed, &e.to_string()).await;
+                return Err(e);
+            }
+        };
         let launched = self
             .supervisor
             .launch(
@@ -399,7 +407,7 @@ impl Snapshots {
                 false,
                 volumes,
                 Vec::new(),
-                None,
+                nic,
             )
             .await;
         let launched = match launched {
@@ -431,6 +439,13 @@ impl Snapshots {
         if let Some(s) = &snapshot {
             self.db.lock().set_source(id, &s.id).map_err(internal)?;
         }
+        // The restored guest has the snapshot's address; a boot took its own from `ip=`.
+        if snapshot.is_some() {
+            if let Err(e) = self.sandboxes.readdress(id).await {
+                let _ = self.sandboxes.end(id, State::Failed, &e.to_string()).await;
+                return Err(e);
+            }
+        }
         sandbox_reply(&self.db, id)
     }
 
@@ -457,15 +472,7 @@ impl Snapshots {
 
 /// A sandbox that holds GPUs is not snapshotted, forked or reset: the device's state is not
 /// in the VM's (no migration of GPU state is claimed).
-/// Nor, for now, one with a network: each restore needs a tap of its own and the guest's
-/// address changed, which the daemon does not do yet.
-fn refuse_unmovable(sandbox: &super::api::Sandbox, what: &str) -> Result<(), ApiError> {
-    if let Some(network) = &sandbox.network {
-        return Err(ApiError::Conflict(format!(
-            "sandbox {} has a network ({} on tap {}): a sandbox with a network cannot be {what} yet",
-            sandbox.id, network.address, network.tap
-        )));
-    }
+fn refuse_gpus(sandbox: &super::api::Sandbox, what: &str) -> Result<(), ApiError> {
     if sandbox.gpus.is_empty() {
         return Ok(());
     }

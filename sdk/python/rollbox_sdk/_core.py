@@ -282,6 +282,8 @@ def add_template(
     ready_cmd: Optional[str] = None,
     ready_timeout_s: Optional[int] = None,
     volumes: Optional[Mounts] = None,
+    network: bool = False,
+    egress: Union[str, Sequence[str], None] = None,
 ) -> Call[Template]:
     body = _drop_none(
         {
@@ -303,6 +305,9 @@ def add_template(
         body["boot_snapshot"] = True
     if volumes:
         body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
+    net = network_body(network, egress)
+    if net is not None:
+        body["network"] = net
     # An image build and a boot snapshot take as long as they take.
     return Call("POST", "/templates", _template, json=body, timeout=None)
 
@@ -368,15 +373,20 @@ def create_body(
         body["deterministic"] = True
     if volumes:
         body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
-    if isinstance(egress, str) and egress not in ("none", "all"):
-        egress = egress.split(",")
-    if egress is not None and not isinstance(egress, str):
-        body["network"] = {"egress": {"allow": list(egress)}}
-    elif egress is not None:
-        body["network"] = {"egress": egress}
-    elif network:
-        body["network"] = {}
+    net = network_body(network, egress)
+    if net is not None:
+        body["network"] = net
     return body
+
+
+def network_body(network: bool, egress: Union[str, Sequence[str], None]) -> Optional[Dict[str, Any]]:
+    """``network`` of a create or template: ``egress`` (a policy string, or a list of
+    ``CIDR[:PORT[-PORT]]``) implies one; ``network=True`` takes the daemon's default egress."""
+    if isinstance(egress, str):
+        return {"egress": egress}
+    if egress is not None:
+        return {"egress": {"allow": list(egress)}}
+    return {} if network else None
 
 
 def create_sandbox(body: Dict[str, Any]) -> Call[Sandbox]:

@@ -176,14 +176,18 @@ class Client:
         ready_cmd: Optional[str] = None,
         ready_timeout_s: Optional[int] = None,
         volumes: Optional[Mounts] = None,
+        network: bool = False,
+        egress: Union[str, Sequence[str], None] = None,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
         snapshot that creates restore. ``start_cmd`` is started in the background after a
         boot (before the boot snapshot), and ``ready_cmd`` runs until it exits 0 (at most
         ``ready_timeout_s``, default 300). ``volumes`` are mounted in every sandbox of it
-        that names none (its boot snapshot has them, so those creates are restores). Returns
-        once all of it is done; on an error nothing of the template is left."""
+        that names none (its boot snapshot has them, so those creates are restores), and
+        ``network``/``egress`` (as on :meth:`create_sandbox`) give every sandbox of it a
+        network unless its create names another egress. Returns once all of it is done; on an
+        error nothing of the template is left."""
         return self._send(
             _core.add_template(
                 name,
@@ -199,6 +203,8 @@ class Client:
                 ready_cmd,
                 ready_timeout_s,
                 volumes,
+                network,
+                egress,
             )
         )
 
@@ -250,9 +256,10 @@ class Client:
         ``"any"``, or a PCI address; see :meth:`gpus`), waiting up to ``gpu_wait_s`` for busy
         ones (else Conflict at once): such a sandbox boots, and cannot be paused, snapshotted,
         forked or reset. ``network=True`` gives it a network (``eth0``, NAT through the host)
-        with the daemon's default egress; ``egress`` (``"none"``, ``"all"``, or a list of
-        ``CIDR[:PORT[-PORT]]``) implies one. A sandbox with a network boots, and cannot be
-        snapshotted, forked or reset yet.
+        with the daemon's default egress; ``egress`` (``"none"``, ``"all"``, a list of
+        ``CIDR[:PORT[-PORT]]``, or those comma-separated) implies one. Its snapshots, forks
+        and resets keep a network (each clone its own address); a restore of a snapshot with
+        a network gets one with that snapshot's egress unless ``egress`` says otherwise.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return self._send(

@@ -77,7 +77,10 @@ def test_bodies_leave_out_what_is_not_given() -> None:
     assert _core.create_body("t", *plain, network=True)["network"] == {}
     assert _core.create_body("t", *plain, egress="all")["network"] == {"egress": "all"}
     assert _core.create_body("t", *plain, egress="1.1.1.1,10.0.0.0/8:443")["network"] == {
-        "egress": {"allow": ["1.1.1.1", "10.0.0.0/8:443"]}
+        "egress": "1.1.1.1,10.0.0.0/8:443"
+    }
+    assert _core.create_body("t", *plain, egress=["1.1.1.1"])["network"] == {
+        "egress": {"allow": ["1.1.1.1"]}
     }
     body = _core.exec_body("echo hi", None, None, None, b"in", True, 1.5, None)
     assert body == {"cmd": "echo hi", "stdin": "in", "stdin_open": True, "timeout_s": 1.5}

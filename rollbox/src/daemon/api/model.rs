@@ -114,6 +114,10 @@ pub struct Template {
     /// has them mounted, so such creates are restores).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// Every sandbox of it has a network, with this egress unless its create names another
+    /// (its boot snapshot has the network interface, so such creates are restores).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkRequest>,
 }
 
 /// Where a template's rootfs image comes from: a registry reference, a `docker save` tarball
@@ -176,11 +180,12 @@ pub struct CreateSandbox {
     pub network: Option<NetworkRequest>,
 }
 
-/// `network` of a create.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// `network` of a create or a template.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct NetworkRequest {
     /// The egress policy in `rollbox net`'s syntax (`none`, `all`, or `CIDR[:PORT[-PORT]],...`);
     /// None: the server's `--default-egress`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<String>,
 }
 
@@ -600,6 +605,10 @@ pub struct Snapshot {
     /// The volumes its sandbox mounted: every restore of it mounts them again.
     #[serde(default)]
     pub volumes: Vec<VolumeMount>,
+    /// The egress of the network its sandbox had: every restore of it gets a network of its
+    /// own (this egress unless the create names another); absent: no network interface.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
 }
 
 /// One sandbox of a fork: made, or why not.

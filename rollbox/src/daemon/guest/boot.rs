@@ -1,5 +1,5 @@
 //! After a boot: waiting for the guest's agent, and a template's start command (in the
-//! background) and ready command (until it exits 0). Every agent call here is bounded: the
+//! background) and ready command (until it exits 0). After a restore: the guest's address. Every agent call here is bounded: the
 //! connection by the agent timeout, each run by its own timeout plus the agent timeout, and
 //! the ready loop by the template's ready timeout.
 
@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rollbox_agent_protocol::client::ClientOptions;
-use rollbox_agent_protocol::{AgentClient, ExecRequest, DEFAULT_PORT};
+use rollbox_agent_protocol::{AgentClient, ExecRequest, NetworkConfig, DEFAULT_PORT};
 
-use super::super::api::{ApiError, State, Template};
+use super::super::api::{ApiError, SandboxNetwork, State, Template};
 use super::super::util::touch;
 use super::Guest;
 
@@ -111,6 +111,36 @@ impl Guest {
         Err(ApiError::Unavailable(format!(
             "ready_cmd of template {name:?} did not exit 0 within {wait_s} s ({last}; the start command's output is in the guest's {START_LOG})"
         )))
+    }
+
+    /// Addresses the guest's eth0 as `network` says (a restored guest still has its
+    /// snapshot's address and MAC): the agent's `configure_network`, within the agent timeout.
+    pub async fn configure_network(
+        &self,
+        id: &str,
+        network: &SandboxNetwork,
+    ) -> Result<(), ApiError> {
+        let config = NetworkConfig {
+            device: None,
+            address: format!("{}/{}", network.address, network.prefix_len),
+            gateway: Some(network.gateway.to_string()),
+            dns: network.dns.iter().map(|dns| dns.to_string()).collect(),
+            mac: Some(network.mac.clone()),
+        };
+        let client = self.agent(id).await?;
+        let applied = tokio::time::timeout(self.timeout, client.configure_network(&config)).await;
+        match applied {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(ApiError::Unavailable(format!(
+                "network: the agent of sandbox {id} did not take address {}: {e}",
+                config.address
+            ))),
+            Err(_) => Err(ApiError::Unavailable(format!(
+                "network: the agent of sandbox {id} did not take address {} within {} s",
+                config.address,
+                self.timeout.as_secs()
+            ))),
+        }
     }
 
     pub async fn wait_for_agent(&self, id: &str, name: &str) -> Result<(), ApiError> {

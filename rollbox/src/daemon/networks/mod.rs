@@ -119,6 +119,13 @@ impl Networks {
         })
     }
 
+    /// Attaches sandbox `id`'s tap again (for a new VMM of the same sandbox). Blocking.
+    pub fn attach(&self, id: &str, tap: &str) -> Result<File, ApiError> {
+        net::tap::open_tap(tap).map_err(|e| {
+            ApiError::Internal(format!("network of sandbox {id}: attaching tap {tap}: {e}"))
+        })
+    }
+
     /// Removes sandbox `id`'s network, if it has one. Blocking.
     pub fn release(&self, id: &str) {
         match net::release(&self.state, id) {

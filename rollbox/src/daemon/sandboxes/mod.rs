@@ -82,6 +82,8 @@ struct Prepared {
     ttl_s: u64,
     /// The mounts (the snapshot's, for a restore) and their directories.
     volumes: Vec<VolumeSource>,
+    /// Its network, if it gets one.
+    network: Option<NetworkRequest>,
 }
 
 /// A deterministic sandbox restores only snapshots of deterministic sandboxes: another's CPUID
@@ -205,17 +207,18 @@ impl Sandboxes {
         }
         // A template's boot snapshot serves creates of its shape and volumes (a deterministic
         // create only a deterministic one) without a GPU; another shape boots.
-        // A create without volumes mounts its template's.
+        // A create without volumes mounts its template's, and without a network gets its
+        // template's.
         let wanted = if request.volumes.is_empty() {
             &template.volumes
         } else {
             &request.volumes
         };
+        let wanted_network = request.network.clone().or_else(|| template.network.clone());
         let snapshot = match (snapshot, &template.boot_snapshot) {
             (None, Some(boot))
                 if *wanted == template.volumes
                     && request.gpu.is_none()
-                    && request.network.is_none()
                     && request.vcpus.unwrap_or(template.vcpus) == template.vcpus
                     && request.memory_mib.unwrap_or(template.memory_mib) == template.memory_mib =>
             {
@@ -224,8 +227,26 @@ impl Sandboxes {
                     .snapshot(boot)
                     .map_err(internal)?
                     .filter(|s| s.deterministic || !request.deterministic)
+                    // A network interface is in the snapshot or not: one that differs boots.
+                    .filter(|s| s.network.is_some() == wanted_network.is_some())
             }
             (snapshot, _) => snapshot,
+        };
+        let network = match (&request.snapshot, &snapshot) {
+            (Some(_), Some(s)) => match (&s.network, &request.network) {
+                (Some(egress), None) => Some(NetworkRequest {
+                    egress: Some(egress.clone()),
+                }),
+                (Some(_), Some(asked)) => Some(asked.clone()),
+                (None, Some(_)) => {
+                    return Err(ApiError::BadRequest(format!(
+                        "network: snapshot {} was taken of a sandbox without a network, and a restore cannot add a network interface; create from its template (a boot) instead",
+                        s.id
+                    )))
+                }
+                (None, None) => None,
+            },
+            _ => wanted_network,
         };
         let ttl_s = request
             .ttl_s
@@ -239,7 +260,7 @@ impl Sandboxes {
         if let Some(gpu) = &request.gpu {
             self.gpus.check(gpu)?;
         }
-        if let Some(network) = &request.network {
+        if let Some(network) = &network {
             self.networks.check(network)?;
         }
         let mounts = snapshot.as_ref().map_or(wanted, |s| &s.volumes);
@@ -249,6 +270,7 @@ impl Sandboxes {
             template,
             ttl_s,
             volumes,
+            network,
         })
     }
 
@@ -306,6 +328,7 @@ impl Sandboxes {
             template,
             ttl_s,
             volumes,
+            network,
         } = prepared;
         let (snapshot, ttl_s) = (snapshot.as_ref(), *ttl_s);
         let now = now_ms();
@@ -380,7 +403,7 @@ impl Sandboxes {
                 return Err(ApiError::Internal(format!("sandbox {id}: {message}")));
             }
         }
-        let nic = match &request.network {
+        let nic = match network {
             Some(network) => match self.make_network(&id, network).await {
                 Ok(nic) => Some(nic),
                 Err(e) => {
@@ -399,16 +422,18 @@ impl Sandboxes {
             .await
         {
             Ok(()) => {
-                if snapshot.is_none() {
-                    if let Err(e) = self
-                        .guest
+                let ready = if snapshot.is_none() {
+                    self.guest
                         .start_template_command(&id, template, &sandbox.env)
                         .await
-                    {
-                        self.counters.failed();
-                        let _ = self.end(&id, State::Failed, &e.to_string()).await;
-                        return Err(e);
-                    }
+                } else {
+                    // A restore's guest still has its snapshot's address.
+                    self.readdress(&id).await
+                };
+                if let Err(e) = ready {
+                    self.counters.failed();
+                    let _ = self.end(&id, State::Failed, &e.to_string()).await;
+                    return Err(e);
                 }
                 if log::log_enabled!(log::Level::Debug) {
                     log::debug!(
@@ -485,6 +510,43 @@ impl Sandboxes {
         }
     }
 
+    /// The sandbox's tap attached again, for a new VMM of the same sandbox (a reset).
+    pub async fn reattach_network(
+        &self,
+        sandbox: &Sandbox,
+    ) -> Result<Option<supervisor::vm::Nic>, ApiError> {
+        let Some(network) = sandbox.network.clone() else {
+            return Ok(None);
+        };
+        let networks = Arc::clone(&self.networks);
+        let id = sandbox.id.clone();
+        let file = tokio::task::spawn_blocking(move || networks.attach(&id, &network.tap))
+            .await
+            .map_err(internal)??;
+        Ok(sandbox.network.as_ref().map(|network| supervisor::vm::Nic {
+            tap: network.tap.clone(),
+            mac: network.mac.clone(),
+            file,
+            // For a reset that boots: the same address.
+            kernel_ip_arg: crate::net::kernel_ip_arg(
+                network.address,
+                network.gateway,
+                network.prefix_len,
+                network.dns,
+            ),
+        }))
+    }
+
+    /// After a restore: gives the guest its sandbox's own address, MAC, gateway and DNS
+    /// (the agent's `configure_network`), if the sandbox has a network.
+    pub async fn readdress(&self, id: &str) -> Result<(), ApiError> {
+        let sandbox = touch(&self.db, id)?;
+        match &sandbox.network {
+            Some(network) => self.guest.configure_network(id, network).await,
+            None => Ok(()),
+        }
+    }
+
     /// Removes sandbox `id`'s network, if it has one (off the async threads: nft and ioctls).
     async fn release_network(&self, id: &str) {
         let networks = Arc::clone(&self.networks);
@@ -537,7 +599,11 @@ impl Sandboxes {
             .lock()
             .end(id, state, reason, now_ms())
             .map_err(internal)?;
-        self.stop_vmm(id, &sandbox).await
+        let stopped = self.stop_vmm(id, &sandbox).await;
+        if sandbox.network.is_some() {
+            self.release_network(id).await;
+        }
+        stopped
     }
 
     /// Records the CPU time of sandbox `id`'s VMM, then has the supervisor end it and remove
@@ -554,9 +620,6 @@ impl Sandboxes {
             .await
             .map_err(ApiError::Internal);
         self.gpus.release(id);
-        if sandbox.network.is_some() {
-            self.release_network(id).await;
-        }
         stopped
     }
 

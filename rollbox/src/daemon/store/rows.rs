@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use rusqlite::Row;
 use serde::{Deserialize, Serialize};
 
-use super::super::api::{OnTimeout, Sandbox, Snapshot, State, Template, VolumeMount};
+use super::super::api::{
+    NetworkRequest, OnTimeout, Sandbox, Snapshot, State, Template, VolumeMount,
+};
 use super::{json_column, to_json, StoreError};
 
 /// The columns of a sandbox row, in [`SandboxRow::read`]'s order.
@@ -212,6 +214,8 @@ pub struct TemplateRow {
     pub ready_timeout_s: Option<u32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkRequest>,
 }
 
 impl From<&Template> for TemplateRow {
@@ -232,6 +236,7 @@ impl From<&Template> for TemplateRow {
             ready_cmd: t.ready_cmd,
             ready_timeout_s: t.ready_timeout_s,
             volumes: t.volumes,
+            network: t.network,
         }
     }
 }
@@ -253,6 +258,7 @@ impl From<TemplateRow> for Template {
             ready_cmd: t.ready_cmd,
             ready_timeout_s: t.ready_timeout_s,
             volumes: t.volumes,
+            network: t.network,
         }
     }
 }
@@ -276,6 +282,8 @@ pub struct SnapshotRow {
     pub tenant: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
 }
 
 impl From<&Snapshot> for SnapshotRow {
@@ -294,6 +302,7 @@ impl From<&Snapshot> for SnapshotRow {
             deterministic: s.deterministic,
             tenant: s.tenant,
             volumes: s.volumes,
+            network: s.network,
         }
     }
 }
@@ -315,6 +324,7 @@ impl From<SnapshotRow> for Snapshot {
             deterministic: s.deterministic,
             tenant: s.tenant,
             volumes: s.volumes,
+            network: s.network,
         }
     }
 }

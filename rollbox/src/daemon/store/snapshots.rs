@@ -153,6 +153,7 @@ mod tests {
             deterministic: false,
             tenant: None,
             volumes: Vec::new(),
+            network: None,
         }
     }
 

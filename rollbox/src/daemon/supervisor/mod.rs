@@ -275,9 +275,6 @@ impl Supervisor {
         vfio: Vec<PathBuf>,
         nic: Option<vm::Nic>,
     ) -> Result<Launched, String> {
-        if snapshot.is_some() && nic.is_some() {
-            return Err("a restore cannot take a network interface yet".into());
-        }
         let paths = vm::Paths::new(&sandbox.dir);
         let groups = self.cgroups_for(sandbox.cpu_limit)?;
         // A jailed VMM's cpu group is made by its jailer (same path, with its memory and pids
@@ -327,6 +324,7 @@ impl Supervisor {
                         rootfs: template.rootfs.is_some(),
                         identity,
                         console_max_bytes,
+                        nic: nic.as_ref(),
                     };
                     vm::spawn_restore(&vmm, &spawn_paths, &restore, spec.as_ref(), &volumes)
                 }

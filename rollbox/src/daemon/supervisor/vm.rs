@@ -553,6 +553,8 @@ pub struct Restore<'a> {
     pub rootfs: bool,
     pub identity: Identity,
     pub console_max_bytes: u64,
+    /// The sandbox's own tap for the snapshot's interface (`eth0`), with its MAC.
+    pub nic: Option<&'a Nic>,
 }
 
 /// [`spawn_restore`] once the directory and the volumes' virtiofsd processes are there.
@@ -568,8 +570,15 @@ fn spawn_restored(
         rootfs,
         identity,
         console_max_bytes,
+        nic,
     } = *restore;
     let mut launch = Launch::new(jail);
+    if let Some(nic) = nic {
+        launch
+            .tap(nic)
+            .arg("--net-override")
+            .arg(format!("eth0={},mac={}", nic.tap, nic.mac));
+    }
     for volume in volumes {
         // The snapshot's volume, served by the virtiofsd just started for this sandbox.
         let socket = launch.own_path(&paths.dir.join(volume.socket_name()));
@@ -925,6 +934,7 @@ mod tests {
             ready_cmd: None,
             ready_timeout_s: None,
             volumes: Vec::new(),
+            network: None,
         };
         let shape = Shape {
             template: &template,

@@ -48,9 +48,10 @@ struct CreateBody {
     network: Option<NetworkBody>,
 }
 
+/// `network` of a create or a template.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct NetworkBody {
+pub(super) struct NetworkBody {
     egress: Option<serde_json::Value>,
 }
 
@@ -108,11 +109,6 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
                     "volumes: a restore mounts its snapshot's volumes; leave them out",
                 ));
             }
-            if network.is_some() {
-                return Err(bad(
-                    "network: a restore of a snapshot cannot take a network yet; create from a template (which then boots)",
-                ));
-            }
             if body.vcpus.is_some() || body.memory_mib.is_some() {
                 return Err(bad(
                     "vcpus, memory_mib: a restore keeps its snapshot's shape; leave them out",
@@ -159,13 +155,14 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
     })
 }
 
-/// `network: {egress}`: `egress` is `"none"`, `"all"` or `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`
-/// (`rollbox net`'s policy, checked here).
-fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
+/// `network: {egress}`: `egress` is `"none"`, `"all"`, `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`,
+/// or the same as one string, `"CIDR[:PORT[-PORT]],..."` (`rollbox net`'s policy, checked
+/// here).
+pub(super) fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
     let form = r#""none", "all" or {"allow": ["CIDR[:PORT[-PORT]]", ...]}"#;
     let egress = match body.egress {
         None => None,
-        Some(serde_json::Value::String(word)) if word == "none" || word == "all" => Some(word),
+        Some(serde_json::Value::String(text)) => Some(text),
         Some(serde_json::Value::Object(object)) => {
             let entries = match (object.get("allow"), object.len()) {
                 (Some(serde_json::Value::Array(entries)), 1) => entries,
@@ -456,7 +453,6 @@ mod tests {
                 "network.egress",
             ),
             (r#"{"template":"t","network":{"colour":"red"}}"#, "colour"),
-            (r#"{"snapshot":"sn-1","network":{}}"#, "network"),
             (
                 r#"{"template":"t","on_timeout":"kill","auto_resume":true}"#,
                 "auto_resume",

@@ -29,6 +29,7 @@ struct TemplateBody {
     ready_timeout_s: Option<i64>,
     #[serde(default)]
     volumes: Vec<VolumeMount>,
+    network: Option<super::sandbox::NetworkBody>,
 }
 
 /// The kernel command line of templates built from images when the request gives none: our
@@ -92,6 +93,10 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
         return Err(bad("ready_timeout_s: needs a ready_cmd to time"));
     }
     super::volume::check_mounts(&body.volumes)?;
+    let network = body
+        .network
+        .map(super::sandbox::network_request)
+        .transpose()?;
     Ok(AddTemplate {
         template: Template {
             name,
@@ -108,6 +113,7 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
             ready_cmd: body.ready_cmd,
             ready_timeout_s: in_range(body.ready_timeout_s, "ready_timeout_s", 1, 3600)?,
             volumes: body.volumes,
+            network,
         },
         image: body.image,
         boot_snapshot: body.boot_snapshot,
