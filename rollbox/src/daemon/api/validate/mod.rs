@@ -6,6 +6,7 @@
 pub mod exec;
 pub mod file;
 pub mod key;
+pub mod network;
 pub mod node;
 pub mod sandbox;
 pub mod snapshot;

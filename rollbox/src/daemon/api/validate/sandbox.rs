@@ -6,12 +6,10 @@ use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
 use super::super::limits::{
-    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_EGRESS_ALLOW, MAX_GPU_COUNT, MAX_GPU_WAIT_S, MAX_IDS,
-    MAX_LIST_LIMIT, MAX_MEMORY_MIB, MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
+    DEFAULT_LIST_LIMIT, MAX_BATCH, MAX_GPU_COUNT, MAX_GPU_WAIT_S, MAX_IDS, MAX_LIST_LIMIT,
+    MAX_MEMORY_MIB, MAX_METADATA, MAX_VCPUS, MIN_CPU_LIMIT,
 };
-use super::super::model::{
-    CreateSandbox, GpuRequest, ListQuery, NetworkRequest, OnTimeout, State, VolumeMount,
-};
+use super::super::model::{CreateSandbox, GpuRequest, ListQuery, OnTimeout, State, VolumeMount};
 use super::template::check_template_name;
 use super::{
     bad, check_env, check_id, check_label_key, check_labels, check_snapshot_id, from_json,
@@ -45,14 +43,7 @@ struct CreateBody {
     gpu: Option<String>,
     gpu_count: Option<i64>,
     gpu_wait_s: Option<i64>,
-    network: Option<NetworkBody>,
-}
-
-/// `network` of a create or a template.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct NetworkBody {
-    egress: Option<serde_json::Value>,
+    network: Option<super::network::NetworkBody>,
 }
 
 #[derive(Deserialize)]
@@ -95,7 +86,10 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
     }
     super::volume::check_mounts(&body.volumes)?;
     let gpu = gpu_request(body.gpu.as_deref(), body.gpu_count, body.gpu_wait_s)?;
-    let network = body.network.map(network_request).transpose()?;
+    let network = body
+        .network
+        .map(super::network::network_request)
+        .transpose()?;
     let (template, snapshot) = match (body.template, body.snapshot) {
         (Some(t), None) => (check_template_name(&t, "template")?, None),
         (None, Some(s)) => {
@@ -153,48 +147,6 @@ pub fn parse_create(body: &[u8]) -> Result<CreateSandbox, ApiError> {
         gpu,
         network,
     })
-}
-
-/// `network: {egress}`: `egress` is `"none"`, `"all"`, `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`,
-/// or the same as one string, `"CIDR[:PORT[-PORT]],..."` (`rollbox net`'s policy, checked
-/// here).
-pub(super) fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
-    let form = r#""none", "all" or {"allow": ["CIDR[:PORT[-PORT]]", ...]}"#;
-    let egress = match body.egress {
-        None => None,
-        Some(serde_json::Value::String(text)) => Some(text),
-        Some(serde_json::Value::Object(object)) => {
-            let entries = match (object.get("allow"), object.len()) {
-                (Some(serde_json::Value::Array(entries)), 1) => entries,
-                _ => return Err(bad(format!("network.egress: want {form}"))),
-            };
-            let mut texts = Vec::with_capacity(entries.len());
-            for entry in entries {
-                match entry.as_str() {
-                    Some(text) if !text.is_empty() && !text.contains(',') => {
-                        texts.push(text.to_string())
-                    }
-                    _ => {
-                        return Err(bad(format!(
-                            "network.egress.allow: {entry} is not CIDR[:PORT[-PORT]]"
-                        )))
-                    }
-                }
-            }
-            if texts.is_empty() || texts.len() > MAX_EGRESS_ALLOW {
-                return Err(bad(format!(
-                    "network.egress.allow: 1 to {MAX_EGRESS_ALLOW} entries (for nothing, use \"none\")"
-                )));
-            }
-            Some(texts.join(","))
-        }
-        Some(other) => return Err(bad(format!("network.egress: {other} is not {form}"))),
-    };
-    if let Some(text) = &egress {
-        text.parse::<crate::net::Egress>()
-            .map_err(|e| bad(format!("network.egress: {e}")))?;
-    }
-    Ok(NetworkRequest { egress })
 }
 
 /// `gpu` (a name, `any`, or a PCI address), `gpu_count` (default 1; alone, any GPU) and

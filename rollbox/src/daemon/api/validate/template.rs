@@ -29,7 +29,7 @@ struct TemplateBody {
     ready_timeout_s: Option<i64>,
     #[serde(default)]
     volumes: Vec<VolumeMount>,
-    network: Option<super::sandbox::NetworkBody>,
+    network: Option<super::network::NetworkBody>,
 }
 
 /// The kernel command line of templates built from images when the request gives none: our
@@ -95,7 +95,7 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
     super::volume::check_mounts(&body.volumes)?;
     let network = body
         .network
-        .map(super::sandbox::network_request)
+        .map(super::network::network_request)
         .transpose()?;
     Ok(AddTemplate {
         template: Template {

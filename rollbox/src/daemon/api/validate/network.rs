@@ -1,0 +1,57 @@
+//! `network` of a create or a template: the egress policy, checked.
+
+use serde::Deserialize;
+
+use super::super::action::ApiError;
+use super::super::limits::MAX_EGRESS_ALLOW;
+use super::super::model::NetworkRequest;
+use super::bad;
+
+/// `network` of a create or a template.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkBody {
+    egress: Option<serde_json::Value>,
+}
+
+/// `network: {egress}`: `egress` is `"none"`, `"all"`, `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`,
+/// or the same as one string, `"CIDR[:PORT[-PORT]],..."` (`rollbox net`'s policy, checked
+/// here).
+pub fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
+    let form = r#""none", "all" or {"allow": ["CIDR[:PORT[-PORT]]", ...]}"#;
+    let egress = match body.egress {
+        None => None,
+        Some(serde_json::Value::String(text)) => Some(text),
+        Some(serde_json::Value::Object(object)) => {
+            let entries = match (object.get("allow"), object.len()) {
+                (Some(serde_json::Value::Array(entries)), 1) => entries,
+                _ => return Err(bad(format!("network.egress: want {form}"))),
+            };
+            let mut texts = Vec::with_capacity(entries.len());
+            for entry in entries {
+                match entry.as_str() {
+                    Some(text) if !text.is_empty() && !text.contains(',') => {
+                        texts.push(text.to_string())
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "network.egress.allow: {entry} is not CIDR[:PORT[-PORT]]"
+                        )))
+                    }
+                }
+            }
+            if texts.is_empty() || texts.len() > MAX_EGRESS_ALLOW {
+                return Err(bad(format!(
+                    "network.egress.allow: 1 to {MAX_EGRESS_ALLOW} entries (for nothing, use \"none\")"
+                )));
+            }
+            Some(texts.join(","))
+        }
+        Some(other) => return Err(bad(format!("network.egress: {other} is not {form}"))),
+    };
+    if let Some(text) = &egress {
+        text.parse::<crate::net::Egress>()
+            .map_err(|e| bad(format!("network.egress: {e}")))?;
+    }
+    Ok(NetworkRequest { egress })
+}
