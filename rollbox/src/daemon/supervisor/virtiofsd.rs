@@ -11,17 +11,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use vmm_api::virtiofsd::LocateError;
+
 use crate::daemon::api::VolumeMount;
 
 use super::process::{is_ours, kill, start_time};
 
 /// How long virtiofsd may take to offer its socket.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The environment variable naming the virtiofsd binary (as rollbox-vmm reads it).
-const VIRTIOFSD_ENV: &str = "ROLLBOX_VIRTIOFSD";
-/// Where `scripts/virtiofsd.sh` puts the version it builds.
-const CACHED_VIRTIOFSD: &str = "/var/cache/rollbox/virtiofsd/1.14.0/bin/virtiofsd";
 
 /// A volume to serve: how the sandbox mounts it, and its directory on the host.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,40 +50,13 @@ pub struct Recorded {
     pub start: u64,
 }
 
-/// Finds virtiofsd: `explicit` (`rollbox serve --virtiofsd`), then `$ROLLBOX_VIRTIOFSD`, then
-/// PATH, Debian's `/usr/libexec/virtiofsd` and the cache of `scripts/virtiofsd.sh`.
+/// Finds virtiofsd (`rollbox serve --virtiofsd`, then as rollbox-vmm does:
+/// [`vmm_api::virtiofsd::locate`]); why not, with how to get one.
 pub fn locate(explicit: Option<&Path>) -> Result<PathBuf, String> {
-    if let Some(path) = explicit {
-        return path
-            .is_file()
-            .then(|| path.to_path_buf())
-            .ok_or_else(|| format!("--virtiofsd {} does not exist", path.display()));
-    }
-    if let Some(path) = std::env::var_os(VIRTIOFSD_ENV).map(PathBuf::from) {
-        return path
-            .is_file()
-            .then(|| path.clone())
-            .ok_or_else(|| format!("{VIRTIOFSD_ENV}={} does not exist", path.display()));
-    }
-    let on_path = std::env::var_os("PATH")
-        .map(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("virtiofsd"))
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    on_path
-        .into_iter()
-        .chain([
-            PathBuf::from("/usr/libexec/virtiofsd"),
-            PathBuf::from(CACHED_VIRTIOFSD),
-        ])
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            format!(
-                "no virtiofsd: not in --virtiofsd, {VIRTIOFSD_ENV}, PATH, /usr/libexec or {CACHED_VIRTIOFSD} (scripts/virtiofsd.sh builds one)"
-            )
-        })
+    vmm_api::virtiofsd::locate(explicit).map_err(|e| match e {
+        LocateError::NotFound => format!("{e} (scripts/virtiofsd.sh builds one)"),
+        _ => e.to_string(),
+    })
 }
 
 /// Starts one virtiofsd per volume with its socket in `sandbox_dir` (owned by `owner`, the
