@@ -134,6 +134,9 @@ pub struct ServeOptions {
     pub virtiofsd: Option<PathBuf>,
     /// `--volume-dir`: where a volume's `host_path` may be (none: only the state dir's).
     pub volume_dirs: Vec<PathBuf>,
+    /// `--volume-uid` and `--volume-gid`: who owns the volumes the daemon makes (their
+    /// virtiofsd runs as them); (0, 0): root, as before.
+    pub volume_owner: (u32, u32),
     /// `--gpu BDF[=NAME]`: the node's GPUs; none: every device bound to vfio-pci.
     pub gpus: Vec<String>,
 }
@@ -281,6 +284,7 @@ pub async fn serve(
         Arc::clone(&db),
         dirs.volumes.clone(),
         volume_dirs,
+        options.volume_owner,
     ));
     volumes.remount();
     let counters = Arc::new(Counters::default());
