@@ -537,6 +537,15 @@ fn a_template_with_a_volume_gives_restored_sandboxes_that_mount_it() {
     );
     assert_eq!(status, 400, "{error}");
     assert!(error.starts_with("volumes[0].name: no volume"), "{error}");
+    // The file the writers append to, made from the host: the volume uid's, so the guests'
+    // root (that uid to their virtiofsd) may append to it.
+    let put = server.raw(
+        "PUT",
+        "/volumes/traj/files?path=common",
+        Some(KEY),
+        Some(b""),
+    );
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
 
     // A batch of creates from the template: restores of its boot snapshot, each with the
     // volume (a virtiofsd of its own) and a new generation, so each appends as itself.
