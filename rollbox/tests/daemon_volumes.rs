@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use rollbox_tests::daemon::{cmdline, console, pid_of, wait_for, HostAgent, Server, KEY};
-use rollbox_tests::{kvm_available, skip, test_guest, TEST_GUEST_CMDLINE};
+use rollbox_tests::{kvm_available, rollbox_binary, skip, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
 const RECORDS: usize = 1000;
@@ -700,4 +700,42 @@ fn root_owned_volumes_keep_a_root_virtiofsd() {
             204
         );
     }
+}
+
+/// Volumes owned by the jails' uid would let a jailed VMM own their virtiofsd: refused.
+#[test]
+fn serve_refuses_the_jails_uid_for_volumes() {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let log = scratch.path().join("serve.log");
+    let mut serve = std::process::Command::new(rollbox_binary())
+        .arg("serve")
+        .arg("--socket")
+        .arg(scratch.path().join("d.sock"))
+        .arg("--state-dir")
+        .arg(scratch.path().join("state"))
+        .args(["--jail-uid", "64000", "--volume-uid", "64000"])
+        .env("ROLLBOX_API_KEY", KEY)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("run rollbox serve");
+    // It must end at once; one that serves is killed and the test fails.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = serve.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = serve.kill();
+            let _ = serve.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {text}");
+    assert!(
+        text.contains("--volume-uid 64000 is the jails' uid"),
+        "{text}"
+    );
 }

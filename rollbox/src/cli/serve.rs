@@ -71,7 +71,8 @@ pub struct ServeArgs {
     #[arg(long = "volume-dir", value_name = "DIR")]
     volume_dirs: Vec<PathBuf>,
     /// The uid that owns the volumes this server makes: their virtiofsd processes run as it
-    /// (in a user namespace), and files guests write are its on the host. 0 (with
+    /// (in a user namespace), and files guests write are its on the host; pick one no host
+    /// account uses, and not --jail-uid (refused). 0 (with
     /// --volume-gid 0): root's, like volumes made before this option (their virtiofsd runs as
     /// root).
     #[arg(long, value_name = "UID", default_value_t = 64001)]

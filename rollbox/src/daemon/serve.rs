@@ -70,6 +70,9 @@ pub enum DaemonError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The volumes' owner is the jails' uid: a jailed VMM would own their virtiofsd.
+    #[error("--volume-uid {0} is the jails' uid (--jail-uid): give volumes a uid of their own")]
+    VolumeUid(u32),
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
 }
@@ -255,6 +258,12 @@ pub async fn serve(
         console_max_bytes: options.console_max_bytes,
         virtiofsd: options.virtiofsd.clone(),
     })?);
+    if let Some(jailer) = &options.jailer {
+        let (uid, _) = options.volume_owner;
+        if uid != 0 && uid == jailer.uid {
+            return Err(DaemonError::VolumeUid(uid));
+        }
+    }
     let mut volume_dirs = Vec::new();
     for dir in &options.volume_dirs {
         volume_dirs.push(
