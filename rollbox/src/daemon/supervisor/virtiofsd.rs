@@ -67,8 +67,8 @@ pub fn locate(explicit: Option<&Path>) -> Result<PathBuf, String> {
 }
 
 /// Starts one virtiofsd per volume with its socket in `sandbox_dir` (owned by `owner`, the
-/// jail's uid and gid, so the jailed VMM may connect), and waits for every socket. On error
-/// the ones started are ended.
+/// jail's uid and gid, so the jailed VMM may connect), and waits until each has entered its
+/// sandbox. On error the ones started are ended.
 pub fn start_all(
     binary: &Path,
     sandbox_dir: &Path,
