@@ -1,43 +1,91 @@
 //! `rollbox serve` end to end, shared volumes: the volume routes and their refusals, files
 //! read and written from the host, and 64 forks of a test-guest sandbox appending records to
 //! one volume through the test guest's own FUSE client, each with its own virtiofsd; then a
-//! kill -9 of the daemon and a restart that leaves no virtiofsd behind.
+//! kill -9 of the daemon and a restart that leaves no virtiofsd behind. The daemon's volumes
+//! are `--volume-uid`'s and their virtiofsd runs as it; root-owned ones keep a root virtiofsd.
 //! Tier 2 (the forks need /dev/kvm and virtiofsd: scripts/test.sh sets ROLLBOX_VIRTIOFSD).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use rollbox_tests::daemon::{cmdline, console, pid_of, wait_for, HostAgent, Server, KEY};
-use rollbox_tests::{kvm_available, skip, test_guest, TEST_GUEST_CMDLINE};
+use rollbox_tests::{kvm_available, rollbox_binary, skip, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
 const RECORDS: usize = 1000;
 /// `fs-append`'s record: 16 hex digits of the writer's generation, a space, 6 digits, `\n`.
 const RECORD_LEN: usize = 24;
 
-/// The sockets served by virtiofsd processes under `dir` (a daemon's state); virtiofsd with
-/// `--sandbox namespace` is two processes, a monitor and the server, on one socket.
-fn virtiofsd_under(dir: &std::path::Path) -> BTreeSet<String> {
-    let dir = std::fs::canonicalize(dir).expect("state dir");
-    let needle = dir.to_string_lossy().to_string();
-    std::fs::read_dir("/proc")
+/// `rollbox serve --volume-uid`'s default: who owns the volumes the daemon makes.
+const VOLUME_UID: u32 = 64001;
+
+/// Whether `pid` runs virtiofsd.
+fn is_virtiofsd(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .and_then(|c| c.split(|b| *b == 0).next().map(<[u8]>::to_vec))
+        .is_some_and(|arg0| arg0.ends_with(b"virtiofsd"))
+}
+
+/// The live virtiofsd processes a daemon recorded under `dir` (its state): in
+/// `STATE/virtiofsd/ID`, a line `VOLUME PID START` per (sandbox, volume).
+fn virtiofsd_under(dir: &std::path::Path) -> BTreeSet<u32> {
+    std::fs::read_dir(dir.join("virtiofsd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .flat_map(|text| {
+            text.lines()
+                .filter_map(|l| l.split(' ').nth(1)?.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .filter(|pid| is_virtiofsd(*pid))
+        .collect()
+}
+
+/// `pids` and their virtiofsd children (with `--sandbox namespace`, virtiofsd forks the
+/// process that serves).
+fn with_children(pids: &BTreeSet<u32>) -> BTreeSet<u32> {
+    let children = std::fs::read_dir("/proc")
         .expect("/proc")
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let args: Vec<String> = String::from_utf8_lossy(&cmdline)
-                .split('\0')
-                .map(str::to_string)
-                .collect();
-            let socket = args
-                .iter()
-                .position(|a| a == "--socket-path")
-                .and_then(|i| args.get(i + 1))?;
-            let is_virtiofsd = args.first().is_some_and(|a| a.ends_with("virtiofsd"));
-            (is_virtiofsd && socket.contains(&needle)).then(|| socket.clone())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| status_field(&s, "PPid:").parse::<u32>().ok())
+                .is_some_and(|ppid| pids.contains(&ppid))
         })
-        .collect()
+        .filter(|pid| is_virtiofsd(*pid));
+    pids.iter().copied().chain(children).collect()
+}
+
+/// The value of a `/proc/PID/status` line.
+fn status_field(status: &str, key: &str) -> String {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
+/// The uids (real, effective, saved, fs) and gids of every one of `pids` and its children:
+/// each must be `id` four times.
+fn assert_runs_as(pids: &BTreeSet<u32>, id: u32) {
+    let all = with_children(pids);
+    assert!(
+        all.len() > pids.len(),
+        "virtiofsd forks its server: {all:?}"
+    );
+    let want = format!("{id}\t{id}\t{id}\t{id}");
+    for pid in all {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        for key in ["Uid:", "Gid:"] {
+            assert_eq!(status_field(&status, key), want, "virtiofsd {pid} {key}");
+        }
+    }
 }
 
 /// Whether `dir` is a mount point (in /proc/mounts).
@@ -320,6 +368,15 @@ fn sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd() {
         1,
         "the parent's virtiofsd"
     );
+    // The daemon's volume is --volume-uid's, and its virtiofsd runs as it, not as root.
+    let host_dir = std::path::PathBuf::from(volume["host_path"].as_str().expect("host_path"));
+    let owner = |path: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path).expect("stat");
+        (meta.uid(), meta.gid())
+    };
+    assert_eq!(owner(&host_dir), (VOLUME_UID, VOLUME_UID));
+    assert_runs_as(&virtiofsd_under(&server.state()), VOLUME_UID);
     wait_for("the guest's FUSE session", Duration::from_secs(60), || {
         console(&parent).contains("OK 7.")
     });
@@ -408,6 +465,8 @@ fn sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd() {
         );
     }
     assert!(seen.values().all(|s| s.len() == RECORDS));
+    // What the guests' root wrote is the volume uid's on the host.
+    assert_eq!(owner(&host_dir.join("common")), (VOLUME_UID, VOLUME_UID));
     eprintln!(
         "figure: daemon create with a volume {:.0} ms; fork into {clones} (a virtiofsd each) {fork_s:.2} s; {} writers x {RECORDS} records on one volume {appended_s:.1} s after the fork began ({:.0} records/s)",
         created.as_secs_f64() * 1000.0,
@@ -419,6 +478,7 @@ fn sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd() {
     // them, and ends each with its sandbox.
     server.kill9();
     assert_eq!(virtiofsd_under(&server.state()).len(), clones as usize + 1);
+    let every = with_children(&virtiofsd_under(&server.state()));
     server.spawn();
     let (status, _) = server.call("DELETE", &format!("/sandboxes/{parent_id}"), None);
     assert_eq!(status, 204);
@@ -430,7 +490,7 @@ fn sixty_four_forks_append_to_one_volume_and_a_restart_leaves_no_virtiofsd() {
         );
     }
     wait_for("every virtiofsd to end", Duration::from_secs(30), || {
-        virtiofsd_under(&server.state()).is_empty()
+        virtiofsd_under(&server.state()).is_empty() && !every.iter().any(|p| is_virtiofsd(*p))
     });
     assert_eq!(server.call("DELETE", "/volumes/traj", None).0, 204);
 }
@@ -477,6 +537,15 @@ fn a_template_with_a_volume_gives_restored_sandboxes_that_mount_it() {
     );
     assert_eq!(status, 400, "{error}");
     assert!(error.starts_with("volumes[0].name: no volume"), "{error}");
+    // The file the writers append to, made from the host: the volume uid's, so the guests'
+    // root (that uid to their virtiofsd) may append to it.
+    let put = server.raw(
+        "PUT",
+        "/volumes/traj/files?path=common",
+        Some(KEY),
+        Some(b""),
+    );
+    assert_eq!(put.status, 201, "{}", String::from_utf8_lossy(&put.body));
 
     // A batch of creates from the template: restores of its boot snapshot, each with the
     // volume (a virtiofsd of its own) and a new generation, so each appends as itself.
@@ -548,4 +617,125 @@ fn a_template_with_a_volume_gives_restored_sandboxes_that_mount_it() {
     assert_eq!(server.call("DELETE", "/templates/writer", None).0, 204);
     assert_eq!(server.call("DELETE", "/volumes/traj", None).0, 204);
     drop(agent);
+}
+
+#[test]
+fn root_owned_volumes_keep_a_root_virtiofsd() {
+    const TEST: &str = "root_owned_volumes_keep_a_root_virtiofsd";
+    const FEW: usize = 100;
+    if !kvm_available() {
+        return;
+    }
+    if std::env::var_os("ROLLBOX_VIRTIOFSD").is_none() {
+        skip(TEST, "ROLLBOX_VIRTIOFSD is not set (scripts/virtiofsd.sh builds virtiofsd and prints its path)");
+        return;
+    }
+    let admin = tempfile::tempdir().expect("tempdir");
+    let admin_dir = admin.path().canonicalize().expect("canonical").join("data");
+    std::fs::create_dir(&admin_dir).expect("mkdir");
+    let server = Server::start(&["--volume-dir", &admin.path().display().to_string()]);
+    let (status, body) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "writer",
+            "kernel": test_guest(),
+            "cmdline": format!("{TEST_GUEST_CMDLINE} rollbox.test.run=fs-init;fs-append:{FEW}"),
+            "memory_mib": 32,
+        })),
+    );
+    assert_eq!(status, 201, "{body}");
+    // An admin's root-owned directory, and a volume as an older daemon made it (root's).
+    let (status, body) = server.call(
+        "POST",
+        "/volumes",
+        Some(json!({"name": "admin", "host_path": admin_dir})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, old) = server.call("POST", "/volumes", Some(json!({"name": "old"})));
+    assert_eq!(status, 201, "{old}");
+    let old_dir = std::path::PathBuf::from(old["host_path"].as_str().expect("host_path"));
+    std::os::unix::fs::chown(&old_dir, Some(0), Some(0)).expect("chown");
+    for (name, dir) in [("admin", &admin_dir), ("old", &old_dir)] {
+        let sandbox = server.create(json!({
+            "template": "writer",
+            "ttl_s": 300,
+            "volumes": [{"name": name, "mount_path": "/data"}],
+        }));
+        wait_for("the guest's records", Duration::from_secs(60), || {
+            console(&sandbox).contains("OK appended") || console(&sandbox).contains("ERR")
+        });
+        assert!(
+            console(&sandbox).contains(&format!("OK appended {FEW} as 0x")),
+            "{name}: {}",
+            console(&sandbox)
+        );
+        let recorded = std::fs::read_to_string(
+            server
+                .state()
+                .join("virtiofsd")
+                .join(sandbox["id"].as_str().expect("id")),
+        )
+        .expect("its record");
+        let pids: BTreeSet<u32> = recorded
+            .lines()
+            .filter_map(|l| l.split(' ').nth(1)?.parse().ok())
+            .collect();
+        assert_eq!(pids.len(), 1, "{recorded}");
+        assert_runs_as(&pids, 0);
+        let common = server.raw(
+            "GET",
+            &format!("/volumes/{name}/files?path=common"),
+            Some(KEY),
+            None,
+        );
+        assert_eq!(common.status, 200);
+        assert_eq!(common.body.len(), FEW * RECORD_LEN, "{name}: common's size");
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(dir.join("common")).expect("stat");
+        assert_eq!((meta.uid(), meta.gid()), (0, 0), "{name}: root's");
+        let id = sandbox["id"].as_str().expect("id");
+        assert_eq!(
+            server.call("DELETE", &format!("/sandboxes/{id}"), None).0,
+            204
+        );
+    }
+}
+
+/// Volumes owned by the jails' uid would let a jailed VMM own their virtiofsd: refused.
+#[test]
+fn serve_refuses_the_jails_uid_for_volumes() {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let log = scratch.path().join("serve.log");
+    let mut serve = std::process::Command::new(rollbox_binary())
+        .arg("serve")
+        .arg("--socket")
+        .arg(scratch.path().join("d.sock"))
+        .arg("--state-dir")
+        .arg(scratch.path().join("state"))
+        .args(["--jail-uid", "64000", "--volume-uid", "64000"])
+        .env("ROLLBOX_API_KEY", KEY)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("run rollbox serve");
+    // It must end at once; one that serves is killed and the test fails.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = serve.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = serve.kill();
+            let _ = serve.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {text}");
+    assert!(
+        text.contains("--volume-uid 64000 is the jails' uid"),
+        "{text}"
+    );
 }

@@ -10,12 +10,14 @@
 //! - [`vm`]: `GET /`, `actions`, `PATCH /vm` and the error body;
 //! - [`route`]: method and path of each call;
 //! - [`client`]: the one client, [`Client`].
+//! - [`virtiofsd`]: where the virtiofsd binary is.
 
 pub mod client;
 pub mod fork;
 pub mod machine;
 pub mod route;
 pub mod snapshot;
+pub mod virtiofsd;
 pub mod vm;
 
 pub use client::{Client, ClientError, Response, DEFAULT_TIMEOUT, MAX_BODY, MAX_HEAD};

@@ -70,6 +70,16 @@ pub struct ServeArgs {
     /// (repeatable); without one, volumes live in the state directory only.
     #[arg(long = "volume-dir", value_name = "DIR")]
     volume_dirs: Vec<PathBuf>,
+    /// The uid that owns the volumes this server makes: their virtiofsd processes run as it
+    /// (in a user namespace), and files guests write are its on the host; pick one no host
+    /// account uses, and not --jail-uid (refused). 0 (with
+    /// --volume-gid 0): root's, like volumes made before this option (their virtiofsd runs as
+    /// root).
+    #[arg(long, value_name = "UID", default_value_t = 64001)]
+    volume_uid: u32,
+    /// The gid that owns the volumes this server makes (see --volume-uid).
+    #[arg(long, value_name = "GID", default_value_t = 64001)]
+    volume_gid: u32,
     /// A GPU of this node: a PCI device bound to vfio-pci, DDDD:BB:DD.F, optionally named
     /// (`0000:3b:00.0=H100`; else the PCI ID database's name); repeatable. Without one, every
     /// device bound to vfio-pci is a GPU.
@@ -291,6 +301,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         drain_on_stop_s: args.drain_on_sigterm,
         virtiofsd: args.virtiofsd.map(absolute),
         volume_dirs: args.volume_dirs,
+        volume_owner: (args.volume_uid, args.volume_gid),
         gpus: args.gpus,
         tls: args
             .tls_cert

@@ -71,6 +71,9 @@ pub enum DaemonError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The volumes' owner is the jails' uid: a jailed VMM would own their virtiofsd.
+    #[error("--volume-uid {0} is the jails' uid (--jail-uid): give volumes a uid of their own")]
+    VolumeUid(u32),
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
 }
@@ -135,6 +138,9 @@ pub struct ServeOptions {
     pub virtiofsd: Option<PathBuf>,
     /// `--volume-dir`: where a volume's `host_path` may be (none: only the state dir's).
     pub volume_dirs: Vec<PathBuf>,
+    /// `--volume-uid` and `--volume-gid`: who owns the volumes the daemon makes (their
+    /// virtiofsd runs as them); (0, 0): root, as before.
+    pub volume_owner: (u32, u32),
     /// `--gpu BDF[=NAME]`: the node's GPUs; none: every device bound to vfio-pci.
     pub gpus: Vec<String>,
     /// `--default-egress`, `--net-pool`, `--net-state-dir`, `--sandbox-dns`.
@@ -255,6 +261,12 @@ pub async fn serve(
         console_max_bytes: options.console_max_bytes,
         virtiofsd: options.virtiofsd.clone(),
     })?);
+    if let Some(jailer) = &options.jailer {
+        let (uid, _) = options.volume_owner;
+        if uid != 0 && uid == jailer.uid {
+            return Err(DaemonError::VolumeUid(uid));
+        }
+    }
     let mut volume_dirs = Vec::new();
     for dir in &options.volume_dirs {
         volume_dirs.push(
@@ -285,6 +297,7 @@ pub async fn serve(
         Arc::clone(&db),
         dirs.volumes.clone(),
         volume_dirs,
+        options.volume_owner,
     ));
     volumes.remount();
     let counters = Arc::new(Counters::default());

@@ -1,27 +1,31 @@
 //! One virtiofsd per (sandbox, volume), started by the daemon outside the sandbox's jail with
-//! virtiofsd's own sandboxing (as root: new mount, pid and network namespaces and a
-//! `pivot_root` into the volume, `--sandbox namespace`). Its vhost-user socket is made in the
-//! sandbox's directory, which is the jail's root, so the VMM reaches it as `/vfs-NAME.sock`.
-//! The pids are also written to `STATE/virtiofsd/ID` (outside every jail, where no VMM can
-//! forge them), so a restarted daemon can watch the virtiofsd processes of live sandboxes and
-//! end those of sandboxes that are gone.
+//! virtiofsd's own sandboxing (new mount, pid and network namespaces and a `pivot_root` into
+//! the volume, `--sandbox namespace`). It runs as the owner of the volume's directory when
+//! neither that uid nor its gid is root ([`run_as`]; the daemon's volumes are
+//! `rollbox serve --volume-uid`'s), in a user namespace of its own; else as root. It starts
+//! in the volume's directory (`--shared-dir .`) and serves a socket the daemon bound in the
+//! sandbox's directory (`--fd`), the jail's root, where the VMM reaches it as `/vfs-NAME.sock`:
+//! it needs no way into the state directory. The pids are also written to
+//! `STATE/virtiofsd/ID` (outside every jail, where no VMM can forge them), so a restarted
+//! daemon can watch the virtiofsd processes of live sandboxes and end those of sandboxes that
+//! are gone.
 
+use std::os::fd::AsRawFd as _;
+use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use vmm_api::virtiofsd::LocateError;
+
 use crate::daemon::api::VolumeMount;
 
 use super::process::{is_ours, kill, start_time};
 
-/// How long virtiofsd may take to offer its socket.
+/// How long virtiofsd may take to enter its sandbox (over 10 s on a host running 56 guests).
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The environment variable naming the virtiofsd binary (as rollbox-vmm reads it).
-const VIRTIOFSD_ENV: &str = "ROLLBOX_VIRTIOFSD";
-/// Where `scripts/virtiofsd.sh` puts the version it builds.
-const CACHED_VIRTIOFSD: &str = "/var/cache/rollbox/virtiofsd/1.14.0/bin/virtiofsd";
 
 /// A volume to serve: how the sandbox mounts it, and its directory on the host.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,45 +57,18 @@ pub struct Recorded {
     pub start: u64,
 }
 
-/// Finds virtiofsd: `explicit` (`rollbox serve --virtiofsd`), then `$ROLLBOX_VIRTIOFSD`, then
-/// PATH, Debian's `/usr/libexec/virtiofsd` and the cache of `scripts/virtiofsd.sh`.
+/// Finds virtiofsd (`rollbox serve --virtiofsd`, then as rollbox-vmm does:
+/// [`vmm_api::virtiofsd::locate`]); why not, with how to get one.
 pub fn locate(explicit: Option<&Path>) -> Result<PathBuf, String> {
-    if let Some(path) = explicit {
-        return path
-            .is_file()
-            .then(|| path.to_path_buf())
-            .ok_or_else(|| format!("--virtiofsd {} does not exist", path.display()));
-    }
-    if let Some(path) = std::env::var_os(VIRTIOFSD_ENV).map(PathBuf::from) {
-        return path
-            .is_file()
-            .then(|| path.clone())
-            .ok_or_else(|| format!("{VIRTIOFSD_ENV}={} does not exist", path.display()));
-    }
-    let on_path = std::env::var_os("PATH")
-        .map(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("virtiofsd"))
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    on_path
-        .into_iter()
-        .chain([
-            PathBuf::from("/usr/libexec/virtiofsd"),
-            PathBuf::from(CACHED_VIRTIOFSD),
-        ])
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            format!(
-                "no virtiofsd: not in --virtiofsd, {VIRTIOFSD_ENV}, PATH, /usr/libexec or {CACHED_VIRTIOFSD} (scripts/virtiofsd.sh builds one)"
-            )
-        })
+    vmm_api::virtiofsd::locate(explicit).map_err(|e| match e {
+        LocateError::NotFound => format!("{e} (scripts/virtiofsd.sh builds one)"),
+        _ => e.to_string(),
+    })
 }
 
 /// Starts one virtiofsd per volume with its socket in `sandbox_dir` (owned by `owner`, the
-/// jail's uid and gid, so the jailed VMM may connect), and waits for every socket. On error
-/// the ones started are ended.
+/// jail's uid and gid, so the jailed VMM may connect), and waits until each has entered its
+/// sandbox. On error the ones started are ended.
 pub fn start_all(
     binary: &Path,
     sandbox_dir: &Path,
@@ -111,6 +88,31 @@ pub fn start_all(
     Ok(started)
 }
 
+/// Who a volume's virtiofsd runs as, given its directory's owner (uid, gid): that owner when
+/// neither is root and the daemon, as root, may switch to it; else (None) as the daemon.
+pub fn run_as(owner: (u32, u32), daemon_is_root: bool) -> Option<(u32, u32)> {
+    (daemon_is_root && owner.0 != 0 && owner.1 != 0).then_some(owner)
+}
+
+/// virtiofsd's arguments after `--fd N`: every guest uid and gid writes as the volume's
+/// owner (`user`), whom the guest sees as root; as root, virtiofsd keeps the guest's ids.
+fn id_args(user: Option<(u32, u32)>) -> Vec<String> {
+    let Some((uid, gid)) = user else {
+        return Vec::new();
+    };
+    [("uid", uid), ("gid", gid)]
+        .into_iter()
+        .flat_map(|(kind, id)| {
+            [
+                format!("--translate-{kind}"),
+                format!("squash-guest:0:{id}:4294967295"),
+                format!("--translate-{kind}"),
+                format!("host:{id}:0:1"),
+            ]
+        })
+        .collect()
+}
+
 fn start_one(
     binary: &Path,
     sandbox_dir: &Path,
@@ -118,15 +120,51 @@ fn start_one(
     owner: Option<(u32, u32)>,
 ) -> Result<Virtiofsd, String> {
     let name = &volume.mount.name;
-    let socket = sandbox_dir.join(volume.socket_name());
+    let failed = |what: String| format!("volume {name}: virtiofsd {}: {what}", binary.display());
+    // Held open: virtiofsd starts in it (`--shared-dir .`), so it needs no way through the
+    // state directory, which only root may enter.
+    let shared = std::fs::File::open(&volume.host_path)
+        .and_then(|dir| Ok((dir.metadata()?, dir)))
+        .map_err(|e| failed(format!("{}: {e}", volume.host_path.display())))?;
+    let (meta, shared) = shared;
+    if !meta.is_dir() {
+        return Err(failed(format!(
+            "{} is not a directory",
+            volume.host_path.display()
+        )));
+    }
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let mut command = Command::new(binary);
+    let user = run_as((meta.uid(), meta.gid()), root);
+    // The daemon binds the socket in the sandbox's directory (just made, root's), so
+    // virtiofsd needs no way there either; only the VMM's uid may connect.
+    let socket = sandbox_dir.join(volume.socket_name());
+    let listener = UnixListener::bind(&socket)
+        .and_then(|listener| {
+            std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+            if let Some((uid, gid)) = owner {
+                std::os::unix::fs::lchown(&socket, Some(uid), Some(gid))?;
+            }
+            Ok(listener)
+        })
+        .map_err(|e| failed(format!("{}: {e}", socket.display())))?;
+    // As another user, virtiofsd runs from a descriptor the daemon opened: the binary's
+    // directory may be closed to that user (scripts/virtiofsd.sh's cache is root's).
+    let exe = match user {
+        Some(_) => Some(std::fs::File::open(binary).map_err(|e| failed(e.to_string()))?),
+        None => None,
+    };
+    let program = exe.as_ref().map_or_else(
+        || binary.to_path_buf(),
+        |exe| PathBuf::from(format!("/proc/self/fd/{}", exe.as_raw_fd())),
+    );
+    let mut command = Command::new(program);
     command
-        .arg("--shared-dir")
-        .arg(&volume.host_path)
-        .arg("--socket-path")
-        .arg(&socket)
+        .arg0(binary)
+        .args(["--shared-dir", "."])
+        .arg("--fd")
+        .arg(listener.as_raw_fd().to_string())
+        .args(id_args(user))
         // Several sandboxes write one volume: no guest caches what another changed.
         .args(["--cache", "never"])
         .args(["--sandbox", if root { "namespace" } else { "none" }])
@@ -138,18 +176,32 @@ fn start_one(
     if volume.mount.readonly {
         command.arg("--readonly");
     }
-    let failed = |what: String| format!("volume {name}: virtiofsd {}: {what}", binary.display());
-    let mut child = command.spawn().map_err(|e| failed(e.to_string()))?;
-    let pid = child.id();
-    let ready = wait_socket(&mut child, &socket)
-        .and_then(|()| start_time(pid).ok_or_else(|| "ended at once".to_string()))
-        .and_then(|start| {
-            if let Some((uid, gid)) = owner {
-                std::os::unix::fs::lchown(&socket, Some(uid), Some(gid))
-                    .map_err(|e| format!("chown {}: {e}", socket.display()))?;
+    let (dir_fd, listen_fd) = (shared.as_raw_fd(), listener.as_raw_fd());
+    // SAFETY: between fork and exec the closure makes only async-signal-safe calls (fchdir,
+    // setgroups, setresgid, setresuid, fcntl) on descriptors this function holds open until
+    // the spawn has returned.
+    unsafe {
+        command.pre_exec(move || {
+            let check = |ret: libc::c_int| match ret {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            };
+            check(libc::fchdir(dir_fd))?;
+            if let Some((uid, gid)) = user {
+                check(libc::setgroups(0, std::ptr::null()))?;
+                check(libc::setresgid(gid, gid, gid))?;
+                check(libc::setresuid(uid, uid, uid))?;
             }
-            Ok(start)
+            // The listening socket stays open across exec (std opens all close-on-exec).
+            check(libc::fcntl(listen_fd, libc::F_SETFD, 0))
         });
+    }
+    let mut child = command.spawn().map_err(|e| failed(e.to_string()))?;
+    // virtiofsd holds the socket now: with it gone, a connect is refused, not left waiting.
+    drop(listener);
+    let pid = child.id();
+    let ready = wait_sandboxed(&mut child, root)
+        .and_then(|()| start_time(pid).ok_or_else(|| "ended at once".to_string()));
     match ready {
         Ok(start) => Ok(Virtiofsd {
             volume: name.clone(),
@@ -165,19 +217,22 @@ fn start_one(
     }
 }
 
-fn wait_socket(child: &mut Child, socket: &Path) -> Result<(), String> {
+/// Waits until virtiofsd has entered its sandbox (its mount namespace is no longer the
+/// daemon's); without one (`--sandbox none`), until it has not exited at once.
+fn wait_sandboxed(child: &mut Child, namespaced: bool) -> Result<(), String> {
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+    let pid = child.id().to_string();
     let started = Instant::now();
     loop {
         if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!("exited before offering its socket ({status})"));
+            return Err(format!("exited before it served ({status})"));
         }
-        if socket.exists() {
+        if !namespaced || ns(&pid).is_some_and(|theirs| Some(theirs) != ns("self")) {
             return Ok(());
         }
         if started.elapsed() > READY_TIMEOUT {
             return Err(format!(
-                "did not create {} within {} s",
-                socket.display(),
+                "did not enter its sandbox within {} s",
                 READY_TIMEOUT.as_secs()
             ));
         }
@@ -299,6 +354,32 @@ mod tests {
         );
         records.write("sb-1", &[]).expect("none");
         assert!(records.ids().is_empty());
+    }
+
+    #[test]
+    fn virtiofsd_runs_as_a_volume_owner_that_is_not_root() {
+        assert_eq!(run_as((64001, 64001), true), Some((64001, 64001)));
+        assert_eq!(run_as((1000, 100), true), Some((1000, 100)));
+        // Root's volumes (an admin's, or made by an older daemon), or half root's: root.
+        assert_eq!(run_as((0, 0), true), None);
+        assert_eq!(run_as((1000, 0), true), None);
+        assert_eq!(run_as((0, 1000), true), None);
+        // A daemon that is not root runs it as itself.
+        assert_eq!(run_as((64001, 64001), false), None);
+        assert!(id_args(None).is_empty());
+        assert_eq!(
+            id_args(Some((64001, 64002))),
+            [
+                "--translate-uid",
+                "squash-guest:0:64001:4294967295",
+                "--translate-uid",
+                "host:64001:0:1",
+                "--translate-gid",
+                "squash-guest:0:64002:4294967295",
+                "--translate-gid",
+                "host:64002:0:1",
+            ]
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! followed, one that leads out (or `..` above the root) is refused, and nothing outside the
 //! volume is ever opened.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io::Write as _;
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
@@ -12,6 +12,7 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 
 use crate::daemon::api::{FileInfo, FileKind};
+use crate::daemon::supervisor::virtiofsd::run_as;
 
 /// A refused or failed file operation in a volume; each names the path.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +46,8 @@ struct OpenHow {
 /// A volume's root directory, held open.
 pub struct VolumeRoot {
     fd: OwnedFd,
+    /// Who its virtiofsd runs as, when not root: what the daemon makes in it is theirs.
+    owner: Option<(u32, u32)>,
 }
 
 /// What a path names.
@@ -124,7 +127,38 @@ impl VolumeRoot {
             .custom_flags_dir()
             .open(dir)
             .map_err(io("", "open the volume's directory"))?;
-        Ok(VolumeRoot { fd: file.into() })
+        let meta = file
+            .metadata()
+            .map_err(io("", "stat the volume's directory"))?;
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        Ok(VolumeRoot {
+            fd: file.into(),
+            owner: run_as((meta.uid(), meta.gid()), root),
+        })
+    }
+
+    /// Gives `name` below `dir`, just made by the daemon, to the volume's owner, so that its
+    /// virtiofsd may change it as a guest's root could.
+    fn give(&self, dir: &OwnedFd, name: &CStr, path: &str) -> Result<(), VolumeFileError> {
+        let Some((uid, gid)) = self.owner else {
+            return Ok(());
+        };
+        // SAFETY: fchownat reads the NUL-terminated name below a descriptor we own and does
+        // not follow a symlink there.
+        let rc = unsafe {
+            libc::fchownat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                uid,
+                gid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc < 0 {
+            return Err(io(path, "chown")(std::io::Error::last_os_error()));
+        }
+        Ok(())
     }
 
     /// The file or directory at `path` ("" is the root).
@@ -167,6 +201,8 @@ impl VolumeRoot {
                 if e.raw_os_error() != Some(libc::EEXIST) {
                     return Err(io(&walked, "mkdir")(e));
                 }
+            } else {
+                self.give(&dir, &c, &walked)?;
             }
             dir = open_beneath(&dir, component, libc::O_DIRECTORY, 0).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOTDIR) {
@@ -202,8 +238,12 @@ impl VolumeRoot {
         )
         .map_err(io(path, "create"))?;
         let mut file = File::from(fd);
-        let written = file
-            .write_all(data)
+        let given = match self.owner {
+            Some((uid, gid)) => std::os::unix::fs::fchown(&file, Some(uid), Some(gid)),
+            None => Ok(()),
+        };
+        let written = given
+            .and_then(|()| file.write_all(data))
             .and_then(|()| file.sync_data())
             .map_err(io(path, "write"));
         let renamed = written.and_then(|()| {
@@ -299,6 +339,7 @@ impl VolumeRoot {
             }
             return Err(io(path, "mkdir")(e));
         }
+        self.give(&dir, &c, path)?;
         self.stat(path)
     }
 
@@ -410,6 +451,37 @@ impl DirFlags for std::fs::OpenOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the daemon makes in a volume owned by a uid that is not root is that uid's (its
+    /// virtiofsd runs as it); in a root-owned one, root's.
+    #[test]
+    fn what_the_host_makes_belongs_to_the_volume_owner() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            let reason = "needs root (chown)";
+            assert!(
+                std::env::var_os("ROLLBOX_REQUIRE_ALL").is_none_or(|v| v != "1"),
+                "what_the_host_makes_belongs_to_the_volume_owner could not run: {reason}"
+            );
+            eprintln!("SKIP what_the_host_makes_belongs_to_the_volume_owner: {reason}");
+            return;
+        }
+        let owned = |path: &Path| {
+            let meta = std::fs::symlink_metadata(path).expect("stat");
+            (meta.uid(), meta.gid())
+        };
+        for owner in [(64001, 64002), (0, 0)] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            std::os::unix::fs::chown(dir.path(), Some(owner.0), Some(owner.1)).expect("chown");
+            let root = VolumeRoot::open(dir.path()).expect("open");
+            root.write("a/b/file", b"data").expect("write");
+            root.make_dir("c", false).expect("mkdir");
+            root.make_dir("d/e", true).expect("mkdir -p");
+            for made in ["a", "a/b", "a/b/file", "c", "d", "d/e"] {
+                assert_eq!(owned(&dir.path().join(made)), owner, "{made}");
+            }
+        }
+    }
 
     #[test]
     fn writes_reads_and_lists_inside_and_refuses_ways_out() {

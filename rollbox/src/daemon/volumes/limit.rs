@@ -39,8 +39,9 @@ pub fn is_mounted(dir: &Path) -> bool {
 }
 
 /// Makes the image of `mib` MiB, its file system, and mounts it at `dir` (made here), open to
-/// every guest user like an unlimited volume's directory. On error nothing is left.
-pub fn make(dir: &Path, mib: u64) -> Result<(), String> {
+/// every guest user like an unlimited volume's directory, its root owned by `owner` (its
+/// virtiofsd runs as them). On error nothing is left.
+pub fn make(dir: &Path, mib: u64, owner: Option<(u32, u32)>) -> Result<(), String> {
     let image = image_of(dir);
     let made = (|| {
         let file =
@@ -57,6 +58,7 @@ pub fn make(dir: &Path, mib: u64) -> Result<(), String> {
         let _ = std::fs::remove_dir(dir.join("lost+found"));
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))
+            .and_then(|()| std::os::unix::fs::chown(dir, owner.map(|o| o.0), owner.map(|o| o.1)))
             .map_err(|e| format!("{}: {e}", dir.display()))
     })();
     if made.is_err() {

@@ -31,6 +31,9 @@ pub struct Volumes {
     dir: PathBuf,
     /// `--volume-dir`s (canonical): where an admin's `host_path` may be.
     host_dirs: Vec<PathBuf>,
+    /// Who owns the directories it makes (`--volume-uid`, `--volume-gid`); None when the
+    /// daemon is not root and cannot give them away.
+    owner: Option<(u32, u32)>,
 }
 
 /// The answer to a refused or failed file operation: a path that leaves the volume or is of
@@ -53,8 +56,15 @@ fn no_volume(name: &str) -> ApiError {
 }
 
 impl Volumes {
-    pub fn new(db: Arc<Db>, dir: PathBuf, host_dirs: Vec<PathBuf>) -> Volumes {
-        Volumes { db, dir, host_dirs }
+    pub fn new(db: Arc<Db>, dir: PathBuf, host_dirs: Vec<PathBuf>, owner: (u32, u32)) -> Volumes {
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        Volumes {
+            db,
+            dir,
+            host_dirs,
+            owner: root.then_some(owner),
+        }
     }
 
     /// After a start: every size-limited volume's file system is mounted (again, after a
@@ -142,8 +152,8 @@ impl Volumes {
             )));
         }
         if let Some(mib) = request.size_limit_mib {
-            let dir = host_path.clone();
-            let made = tokio::task::spawn_blocking(move || limit::make(&dir, mib))
+            let (dir, owner) = (host_path.clone(), self.owner);
+            let made = tokio::task::spawn_blocking(move || limit::make(&dir, mib, owner))
                 .await
                 .map_err(internal)?;
             if let Err(e) = made {
@@ -154,10 +164,13 @@ impl Volumes {
                 )));
             }
         } else if managed {
-            // Any guest user may write it (the state dir around it is the daemon's alone).
+            // Any guest user may write it (the state dir around it is the daemon's alone); its
+            // owner is the one its virtiofsd runs as.
             let made = std::fs::create_dir_all(&host_path).and_then(|()| {
                 use std::os::unix::fs::PermissionsExt as _;
-                std::fs::set_permissions(&host_path, std::fs::Permissions::from_mode(0o777))
+                std::fs::set_permissions(&host_path, std::fs::Permissions::from_mode(0o777))?;
+                let (uid, gid) = self.owner.unzip();
+                std::os::unix::fs::chown(&host_path, uid, gid)
             });
             if let Err(e) = made {
                 let _ = self.db.lock().remove_volume(&request.name);

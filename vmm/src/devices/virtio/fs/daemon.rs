@@ -10,54 +10,13 @@ use vmm_api::{FsCache, FsConfig};
 
 use super::FsError;
 
-/// The version `scripts/virtiofsd.sh` installs by default, and its cache.
-pub const CACHED_VIRTIOFSD: &str = "/var/cache/rollbox/virtiofsd/1.14.0/bin/virtiofsd";
-/// The environment variable naming the virtiofsd binary.
-pub const VIRTIOFSD_ENV: &str = "ROLLBOX_VIRTIOFSD";
 /// How long virtiofsd may take to offer its socket (it took over 10 s on a lab host running
 /// 56 guests).
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Finds virtiofsd: `explicit` (`--virtiofsd`), then `$ROLLBOX_VIRTIOFSD`, then `virtiofsd`
-/// on PATH, then Debian's `/usr/libexec/virtiofsd`, then the cache of `scripts/virtiofsd.sh`.
+/// Finds virtiofsd (the search is vmm-api's, shared with the daemon).
 pub fn locate_virtiofsd(explicit: Option<&Path>) -> Result<PathBuf, FsError> {
-    let is_exe = |p: &Path| p.is_file();
-    if let Some(path) = explicit {
-        return if is_exe(path) {
-            Ok(path.to_path_buf())
-        } else {
-            Err(FsError::NoVirtiofsd {
-                looked: format!("--virtiofsd {} does not exist", path.display()),
-            })
-        };
-    }
-    if let Some(path) = std::env::var_os(VIRTIOFSD_ENV) {
-        let path = PathBuf::from(path);
-        return if is_exe(&path) {
-            Ok(path)
-        } else {
-            Err(FsError::NoVirtiofsd {
-                looked: format!("{VIRTIOFSD_ENV}={} does not exist", path.display()),
-            })
-        };
-    }
-    let on_path = std::env::var_os("PATH")
-        .map(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("virtiofsd"))
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    on_path
-        .into_iter()
-        .chain([
-            PathBuf::from("/usr/libexec/virtiofsd"),
-            PathBuf::from(CACHED_VIRTIOFSD),
-        ])
-        .find(|p| is_exe(p))
-        .ok_or_else(|| FsError::NoVirtiofsd {
-            looked: format!("not in {VIRTIOFSD_ENV}, PATH, /usr/libexec or {CACHED_VIRTIOFSD}"),
-        })
+    Ok(vmm_api::virtiofsd::locate(explicit)?)
 }
 
 /// A virtiofsd that rollbox-vmm started for one volume; killed and reaped when dropped.

@@ -18,11 +18,8 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
     /// No virtiofsd binary was found.
-    #[error("virtiofsd not found ({looked}); scripts/virtiofsd.sh installs it, or give --virtiofsd PATH or ROLLBOX_VIRTIOFSD")]
-    NoVirtiofsd {
-        /// Where it was looked for.
-        looked: String,
-    },
+    #[error("virtiofsd not found ({0}); scripts/virtiofsd.sh installs it, or give --virtiofsd PATH or ROLLBOX_VIRTIOFSD")]
+    NoVirtiofsd(#[from] vmm_api::virtiofsd::LocateError),
     /// virtiofsd could not be started.
     #[error("volume {tag}: cannot start {binary}: {source}")]
     Spawn {
