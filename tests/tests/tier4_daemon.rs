@@ -377,6 +377,57 @@ mod tier4 {
         );
     }
 
+    /// Figures, not asserts (docs/benchmarks.md): `sdk/python/bench/function_round_trip.py`,
+    /// the round trip of `f.remote()` for a trivial function cold (a boot) and from a snapshot
+    /// (a restore), beside a plain create + exec + delete, ROLLBOX_TIER4_FUNCTION_BENCH_REPS
+    /// times each (default 3). Run with `--ignored --nocapture`.
+    #[test]
+    #[ignore = "benchmark: prints figures"]
+    fn python_sdk_function_round_trip_figures() {
+        let test = "tier4::python_sdk_function_round_trip_figures";
+        let Some(fixtures) = fixtures(test) else {
+            return;
+        };
+        let python = match rollbox_tests::venv_python("scripts/sdk-venv.sh", &[]) {
+            Ok(python) => python,
+            Err(reason) => {
+                skip(test, &format!("no rollbox SDK venv: {reason}"));
+                return;
+            }
+        };
+        let reps = std::env::var("ROLLBOX_TIER4_FUNCTION_BENCH_REPS").unwrap_or("3".into());
+        let daemon = start_daemon(free_port());
+        let rootfs = fixtures
+            .path("CODE_INTERPRETER_ROOTFS")
+            .display()
+            .to_string();
+        add_template(
+            &daemon,
+            &fixtures,
+            "python",
+            &["--rootfs", &rootfs, "--memory-mib", "256"],
+        );
+        let bench = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../sdk/python/bench/function_round_trip.py")
+            .canonicalize()
+            .expect("sdk/python/bench/function_round_trip.py");
+        let status = Command::new(&python)
+            .arg(&bench)
+            .args(["--template", "python", "--reps", &reps])
+            .env("ROLLBOX_SOCKET", daemon.socket())
+            .env("ROLLBOX_API_KEY", &daemon.key)
+            // L1's root is read-only: no __pycache__ beside the script.
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::null())
+            .status()
+            .expect("run function_round_trip.py");
+        assert!(
+            status.success(),
+            "function_round_trip.py failed ({status})\n--- serve.log ---\n{}",
+            daemon.log()
+        );
+    }
+
     /// The code-interpreter template: its start command serves `POST :49999/execute` in the
     /// guest with a warm IPython kernel, started before the boot snapshot; the stock
     /// `e2b-code-interpreter` SDK's `run_code` reaches it through the daemon and the agent.
