@@ -62,6 +62,8 @@ pub struct DaemonBenchConfig {
     pub live: usize,
     /// Whether the daemon jails its VMMs (its default) or runs them with `--no-jailer`.
     pub jailer: bool,
+    /// `rollbox serve --vmm-start-timeout` (none: the daemon's default).
+    pub vmm_start_timeout_s: Option<u64>,
 }
 
 /// Latency of creates (201) made `concurrency` at a time.
@@ -268,6 +270,13 @@ pub(crate) fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchErr
         .arg(scratch.join("state"))
         .args(["--max-pending-creates", "100000"])
         .args((!config.jailer).then_some("--no-jailer"))
+        .args(
+            config
+                .vmm_start_timeout_s
+                .map(|s| ["--vmm-start-timeout".to_string(), s.to_string()])
+                .into_iter()
+                .flatten(),
+        )
         .env("ROLLBOX_LOG", "debug")
         .stdin(Stdio::null())
         .stdout(log)

@@ -226,6 +226,10 @@ enum Bench {
         /// Writer counts.
         #[arg(long, value_delimiter = ',', default_value = "64,256")]
         writers: Vec<usize>,
+        /// `rollbox serve --vmm-start-timeout`: with hundreds of writers on few cores a
+        /// restored VMM takes longer than the daemon's default 10 s to answer.
+        #[arg(long, default_value_t = 120)]
+        vmm_start_timeout: u64,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -514,6 +518,7 @@ fn main() -> ExitCode {
                 fork_count: fork_count.max(1),
                 live: live.max(1),
                 jailer: !no_jailer,
+                vmm_start_timeout_s: None,
             };
             finish(
                 "daemon",
@@ -529,6 +534,7 @@ fn main() -> ExitCode {
             dir,
             creates,
             writers,
+            vmm_start_timeout,
             json,
         } => {
             let (default_rollbox, default_vmm, default_guest) =
@@ -540,6 +546,7 @@ fn main() -> ExitCode {
                 dir,
                 creates: creates.max(1),
                 writers: writers.into_iter().filter(|w| *w > 0).collect(),
+                vmm_start_timeout_s: vmm_start_timeout,
             };
             finish(
                 "volumes",

@@ -33,6 +33,8 @@ pub struct VolumesBenchConfig {
     pub creates: usize,
     /// Writer counts (e.g. 64, 256).
     pub writers: Vec<usize>,
+    /// `rollbox serve --vmm-start-timeout`.
+    pub vmm_start_timeout_s: u64,
 }
 
 /// Create latency, booted (a create with a volume boots: a boot snapshot has no volume).
@@ -77,6 +79,7 @@ fn daemon_config(config: &VolumesBenchConfig) -> DaemonBenchConfig {
         fork_count: 0,
         live: 0,
         jailer: true,
+        vmm_start_timeout_s: Some(config.vmm_start_timeout_s),
     }
 }
 
@@ -175,14 +178,17 @@ fn shared(daemon: &Daemon, writers: usize) -> Result<WriteFigure, DaemonBenchErr
     let counts: Vec<usize> = (0..parents)
         .map(|p| (writers - p * MAX_FORK).min(MAX_FORK))
         .collect();
-    let (forked, _) = parallel(parents, parents, |p| {
-        daemon.expect(
+    // One fork at a time: all parents' forks at once put 256 restores on 2 cores, and VMMs
+    // missed the start timeout.
+    let mut forked = Vec::new();
+    for (parent, count) in parent_ids.iter().zip(&counts) {
+        forked.push(daemon.expect(
             "POST",
-            &format!("/sandboxes/{}/fork", parent_ids[p]),
-            Some(json!({"count": counts[p]})),
+            &format!("/sandboxes/{parent}/fork"),
+            Some(json!({"count": count})),
             200,
-        )
-    })?;
+        )?);
+    }
     let mut dirs = Vec::new();
     for answer in forked {
         for result in answer["results"].as_array().cloned().unwrap_or_default() {

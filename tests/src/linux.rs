@@ -515,3 +515,110 @@ impl Drop for ClonePids {
         }
     }
 }
+
+/// `rollbox serve` in the lab with a scratch state directory and image cache (on L1's own
+/// tmpfs, where the sandboxes' rootfs copies live too), templates from
+/// anywhere (`--template-dir /`: L1 is a throwaway VM; the confinement itself is
+/// rollbox/tests/daemon_tenants.rs's) and `--vmm-start-timeout 60` (the lab starts VMMs
+/// slowly, several at once for a fork). On drop, every sandbox is deleted through the daemon
+/// (so no VMM outlives the test) and the daemon ends.
+pub struct LabDaemon {
+    serve: Child,
+    pub dir: tempfile::TempDir,
+    pub key: String,
+}
+
+impl LabDaemon {
+    /// Starts `rollbox serve` with API key `key` and `extra` flags, and waits (at most 60 s)
+    /// until its socket, and `tcp_port` on 127.0.0.1 where given, listen.
+    pub fn start(key: &str, extra: &[String], tcp_port: Option<u16>) -> LabDaemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = std::fs::File::create(dir.path().join("serve.log")).expect("serve.log");
+        let serve = Command::new(crate::rollbox_binary())
+            .arg("serve")
+            .arg("--socket")
+            .arg(dir.path().join("d.sock"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--image-cache")
+            .arg(dir.path().join("cache"))
+            .args(["--template-dir", "/", "--vmm-start-timeout", "60"])
+            .args(extra)
+            .env("ROLLBOX_API_KEY", key)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn rollbox serve");
+        let daemon = LabDaemon {
+            serve,
+            dir,
+            key: key.to_string(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !(daemon.socket().exists()
+            && tcp_port
+                .is_none_or(|port| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "rollbox serve did not listen\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        daemon
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("d.sock")
+    }
+
+    /// The daemon's log, then the last lines of each sandbox's serial console.
+    pub fn log(&self) -> String {
+        let mut text =
+            std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default();
+        let sandboxes = self.dir.path().join("state/sandboxes");
+        for entry in std::fs::read_dir(sandboxes).into_iter().flatten().flatten() {
+            let console = entry.path().join("console.log");
+            if let Ok(lines) = std::fs::read_to_string(&console) {
+                let tail: Vec<&str> = lines.lines().rev().take(20).collect();
+                text.push_str(&format!("\n--- {} (last lines)\n", console.display()));
+                for line in tail.iter().rev() {
+                    text.push_str(line);
+                    text.push('\n');
+                }
+            }
+        }
+        text
+    }
+
+    /// `rollbox ARGS` as a client of this daemon.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(crate::rollbox_binary())
+            .args(args)
+            .env("ROLLBOX_SOCKET", self.socket())
+            .env("ROLLBOX_API_KEY", &self.key)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("run rollbox {args:?}: {e}"))
+    }
+}
+
+impl Drop for LabDaemon {
+    fn drop(&mut self) {
+        let listed = self.cli(&["sandbox", "ls", "--json"]);
+        let ids: Vec<String> = serde_json::from_slice::<serde_json::Value>(&listed.stdout)
+            .ok()
+            .and_then(|v| v["sandboxes"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|s| s["id"].as_str().map(str::to_string))
+            .collect();
+        for id in ids {
+            let _ = self.cli(&["sandbox", "rm", &id]);
+        }
+        let _ = self.serve.kill();
+        let _ = self.serve.wait();
+    }
+}

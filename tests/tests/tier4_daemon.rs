@@ -14,10 +14,10 @@
 
 mod tier4 {
     use std::path::{Path, PathBuf};
-    use std::process::{Child, Command, Stdio};
-    use std::time::{Duration, Instant};
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
 
-    use rollbox_tests::linux::{fixtures, Fixtures};
+    use rollbox_tests::linux::{fixtures, Fixtures, LabDaemon as Daemon};
     use rollbox_tests::{e2b_script, rollbox_binary, skip, vmm_binary};
 
     fn demo() -> PathBuf {
@@ -113,68 +113,6 @@ mod tier4 {
         rollbox_tests::venv_python("scripts/e2b-venv.sh", &[version])
     }
 
-    /// `rollbox serve` with its E2B listener; on drop, every sandbox is deleted (through the
-    /// daemon, so no VMM outlives the test) and the daemon ends.
-    struct Daemon {
-        serve: Child,
-        dir: tempfile::TempDir,
-        key: String,
-    }
-
-    impl Daemon {
-        fn socket(&self) -> PathBuf {
-            self.dir.path().join("d.sock")
-        }
-
-        /// The daemon's log, then the last lines of each sandbox's serial console.
-        fn log(&self) -> String {
-            let mut text =
-                std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default();
-            let sandboxes = self.dir.path().join("state/sandboxes");
-            for entry in std::fs::read_dir(sandboxes).into_iter().flatten().flatten() {
-                let console = entry.path().join("console.log");
-                if let Ok(lines) = std::fs::read_to_string(&console) {
-                    let tail: Vec<&str> = lines.lines().rev().take(20).collect();
-                    text.push_str(&format!("\n--- {} (last lines)\n", console.display()));
-                    for line in tail.iter().rev() {
-                        text.push_str(line);
-                        text.push('\n');
-                    }
-                }
-            }
-            text
-        }
-
-        /// `rollbox ARGS` as a client of this daemon.
-        fn cli(&self, args: &[&str]) -> std::process::Output {
-            Command::new(rollbox_binary())
-                .args(args)
-                .env("ROLLBOX_SOCKET", self.socket())
-                .env("ROLLBOX_API_KEY", &self.key)
-                .stdin(Stdio::null())
-                .output()
-                .unwrap_or_else(|e| panic!("run rollbox {args:?}: {e}"))
-        }
-    }
-
-    impl Drop for Daemon {
-        fn drop(&mut self) {
-            let listed = self.cli(&["sandbox", "ls", "--json"]);
-            let ids: Vec<String> = serde_json::from_slice::<serde_json::Value>(&listed.stdout)
-                .ok()
-                .and_then(|v| v["sandboxes"].as_array().cloned())
-                .unwrap_or_default()
-                .iter()
-                .filter_map(|s| s["id"].as_str().map(str::to_string))
-                .collect();
-            for id in ids {
-                let _ = self.cli(&["sandbox", "rm", &id]);
-            }
-            let _ = self.serve.kill();
-            let _ = self.serve.wait();
-        }
-    }
-
     fn free_port() -> u16 {
         std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -182,45 +120,11 @@ mod tier4 {
             .port()
     }
 
+    /// `rollbox serve` with its E2B listener on `port` (rollbox_tests::linux::LabDaemon).
     fn start_daemon(port: u16) -> Daemon {
-        // /tmp is L1's own tmpfs: the sandboxes' rootfs copies live there.
-        let dir = tempfile::tempdir().expect("tempdir");
-        let key = "e2b-lab-key-0123".to_string();
-        let log = std::fs::File::create(dir.path().join("serve.log")).expect("serve.log");
-        let serve = Command::new(rollbox_binary())
-            .arg("serve")
-            .arg("--socket")
-            .arg(dir.path().join("d.sock"))
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--image-cache")
-            .arg(dir.path().join("cache"))
-            // The fixtures' rootfs images lie anywhere in L1 (a throwaway VM); the confinement
-            // itself is rollbox/tests/daemon_tenants.rs's.
-            .args(["--template-dir", "/"])
-            .args(["--e2b-listen", &format!("127.0.0.1:{port}")])
-            .args(["--e2b-domain", "e2b.test"])
-            // The lab starts VMMs slowly, several at once for a fork.
-            .args(["--vmm-start-timeout", "60"])
-            .env("ROLLBOX_API_KEY", &key)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn rollbox serve");
-        let daemon = Daemon { serve, dir, key };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !(daemon.socket().exists()
-            && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
-        {
-            assert!(
-                Instant::now() < deadline,
-                "rollbox serve did not listen\n{}",
-                daemon.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        daemon
+        let listen = format!("127.0.0.1:{port}");
+        let extra = ["--e2b-listen", &listen, "--e2b-domain", "e2b.test"].map(String::from);
+        Daemon::start("e2b-lab-key-0123", &extra, Some(port))
     }
 
     /// `rollbox template add NAME` with the lab's kernel, a boot snapshot and `extra` flags.
@@ -374,6 +278,57 @@ mod tier4 {
         println!(
             "figure: the RL loop with {workers} workers, a volume and a @function took {:.1} s in the lab",
             started.elapsed().as_secs_f64()
+        );
+    }
+
+    /// Figures, not asserts (docs/benchmarks.md): `sdk/python/bench/function_round_trip.py`,
+    /// the round trip of `f.remote()` for a trivial function cold (a boot) and from a snapshot
+    /// (a restore), beside a plain create + exec + delete, ROLLBOX_TIER4_FUNCTION_BENCH_REPS
+    /// times each (default 3). Run with `--ignored --nocapture`.
+    #[test]
+    #[ignore = "benchmark: prints figures"]
+    fn python_sdk_function_round_trip_figures() {
+        let test = "tier4::python_sdk_function_round_trip_figures";
+        let Some(fixtures) = fixtures(test) else {
+            return;
+        };
+        let python = match rollbox_tests::venv_python("scripts/sdk-venv.sh", &[]) {
+            Ok(python) => python,
+            Err(reason) => {
+                skip(test, &format!("no rollbox SDK venv: {reason}"));
+                return;
+            }
+        };
+        let reps = std::env::var("ROLLBOX_TIER4_FUNCTION_BENCH_REPS").unwrap_or("3".into());
+        let daemon = start_daemon(free_port());
+        let rootfs = fixtures
+            .path("CODE_INTERPRETER_ROOTFS")
+            .display()
+            .to_string();
+        add_template(
+            &daemon,
+            &fixtures,
+            "python",
+            &["--rootfs", &rootfs, "--memory-mib", "256"],
+        );
+        let bench = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../sdk/python/bench/function_round_trip.py")
+            .canonicalize()
+            .expect("sdk/python/bench/function_round_trip.py");
+        let status = Command::new(&python)
+            .arg(&bench)
+            .args(["--template", "python", "--reps", &reps])
+            .env("ROLLBOX_SOCKET", daemon.socket())
+            .env("ROLLBOX_API_KEY", &daemon.key)
+            // L1's root is read-only: no __pycache__ beside the script.
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::null())
+            .status()
+            .expect("run function_round_trip.py");
+        assert!(
+            status.success(),
+            "function_round_trip.py failed ({status})\n--- serve.log ---\n{}",
+            daemon.log()
         );
     }
 

@@ -770,54 +770,26 @@ mod tier4 {
         );
     }
 
-    /// `rollbox serve --gpu BDF=edu` runs `cmd` as `rollbox ARGS` against it.
-    struct GpuDaemon {
-        serve: std::process::Child,
-        dir: tempfile::TempDir,
-    }
+    /// `rollbox serve --gpu BDF=edu` (a LabDaemon: every sandbox is deleted on drop), driven
+    /// with `rollbox ARGS`.
+    struct GpuDaemon(LabDaemon);
 
     impl GpuDaemon {
         const KEY: &'static str = "gpu-lab-key-0123";
 
         fn start(edu: &Path) -> GpuDaemon {
-            let dir = tempfile::tempdir().expect("tempdir");
             let bdf = edu.file_name().expect("bdf").to_string_lossy().into_owned();
-            let log = std::fs::File::create(dir.path().join("serve.log")).expect("serve.log");
-            let serve = Command::new(rollbox_tests::rollbox_binary())
-                .arg("serve")
-                .arg("--socket")
-                .arg(dir.path().join("d.sock"))
-                .arg("--state-dir")
-                .arg(dir.path().join("state"))
-                .args(["--template-dir", "/", "--vmm-start-timeout", "60"])
-                .args(["--gpu", &format!("{bdf}=edu")])
-                .env("ROLLBOX_API_KEY", Self::KEY)
-                .stdout(log.try_clone().expect("log"))
-                .stderr(log)
-                .spawn()
-                .expect("rollbox serve");
-            let daemon = GpuDaemon { serve, dir };
-            for _ in 0..600 {
-                if daemon.dir.path().join("d.sock").exists() {
-                    return daemon;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-            panic!("rollbox serve did not listen: {}", daemon.log());
+            let extra = ["--gpu".to_string(), format!("{bdf}=edu")];
+            GpuDaemon(LabDaemon::start(Self::KEY, &extra, None))
         }
 
         fn log(&self) -> String {
-            std::fs::read_to_string(self.dir.path().join("serve.log")).unwrap_or_default()
+            self.0.log()
         }
 
         /// `rollbox ARGS`: (success, stdout, stderr).
         fn cli(&self, args: &[&str]) -> (bool, String, String) {
-            let out = Command::new(rollbox_tests::rollbox_binary())
-                .args(args)
-                .env("ROLLBOX_SOCKET", self.dir.path().join("d.sock"))
-                .env("ROLLBOX_API_KEY", Self::KEY)
-                .output()
-                .expect("rollbox");
+            let out = self.0.cli(args);
             (
                 out.status.success(),
                 String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -835,14 +807,6 @@ mod tier4 {
             let list: serde_json::Value =
                 serde_json::from_str(&self.ok(&["gpu", "ls", "--json"])).expect("json");
             list["gpus"][0]["holder"].clone()
-        }
-    }
-
-    impl Drop for GpuDaemon {
-        fn drop(&mut self) {
-            let _ = self.cli(&["sandbox", "rm", "--label", "gpu=edu"]);
-            let _ = self.serve.kill();
-            let _ = self.serve.wait();
         }
     }
 
@@ -968,7 +932,7 @@ mod tier4 {
         ]);
         let out = Command::new(&python)
             .args(["-c", GPU_FUNCTION])
-            .env("ROLLBOX_SOCKET", daemon.dir.path().join("d.sock"))
+            .env("ROLLBOX_SOCKET", daemon.0.socket())
             .env("ROLLBOX_API_KEY", GpuDaemon::KEY)
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .output()
