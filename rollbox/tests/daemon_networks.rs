@@ -205,8 +205,43 @@ fn each_egress_policy_makes_its_tap_address_and_rules_and_delete_removes_them() 
     let mut ids: Vec<String> = made.iter().map(|(id, _)| id.clone()).collect();
     ids.sort();
     assert_eq!(leases, ids);
-    // A reset keeps the sandbox's tap and address, with a new VMM holding the tap.
+    // PATCH replaces the egress chain of a live sandbox; the rest of its rules stay.
     let (id, tap) = &made[0];
+    let (status, patched) = server.call(
+        "PATCH",
+        &format!("/sandboxes/{id}/network"),
+        Some(json!({"egress": {"allow": ["198.51.100.0/24:80"]}})),
+    );
+    assert_eq!(status, 200, "{patched}");
+    assert_eq!(patched["network"]["egress"], "198.51.100.0/24:80");
+    assert_eq!(server.get(id)["network"], patched["network"]);
+    let chain = egress_chain(tap);
+    assert!(chain.contains("ip daddr 198.51.100.0/24"), "{chain}");
+    for (body, status_wanted, field) in [
+        (json!({}), 400, "egress: required"),
+        (json!({"egress": "10.0.0.0/99"}), 400, "network.egress"),
+        (json!({"egress": "none", "dns": "1.1.1.1"}), 400, "dns"),
+    ] {
+        let (status, answer) = server.call(
+            "PATCH",
+            &format!("/sandboxes/{id}/network"),
+            Some(body.clone()),
+        );
+        assert_eq!(status, status_wanted, "{body}: {answer}");
+        assert!(answer.to_string().contains(field), "{body}: {answer}");
+    }
+    let (status, patched) = server.call(
+        "PATCH",
+        &format!("/sandboxes/{id}/network"),
+        Some(json!({"egress": "none"})),
+    );
+    assert_eq!(status, 200, "{patched}");
+    assert!(
+        !egress_chain(tap).contains("accept"),
+        "{}",
+        egress_chain(tap)
+    );
+    // A reset keeps the sandbox's tap and address, with a new VMM holding the tap.
     let before = tap_holders(tap);
     let (status, reset) = server.call("POST", &format!("/sandboxes/{id}/reset"), Some(json!({})));
     assert_eq!(status, 200, "{reset}\n{}", server.log_tail());
@@ -247,6 +282,17 @@ fn each_egress_policy_makes_its_tap_address_and_rules_and_delete_removes_them() 
         );
     }
     net.assert_clean();
+    // A sandbox without a network has no egress to change.
+    let plain = server.create(json!({"template": "guest", "ttl_s": 60}));
+    let plain_id = plain["id"].as_str().unwrap();
+    assert!(plain.get("network").is_none(), "{plain}");
+    let (status, body) = server.call(
+        "PATCH",
+        &format!("/sandboxes/{plain_id}/network"),
+        Some(json!({"egress": "all"})),
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(body.to_string().contains("has no network"), "{body}");
 }
 
 #[test]

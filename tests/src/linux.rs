@@ -593,6 +593,43 @@ impl LabDaemon {
         text
     }
 
+    /// One request on the daemon's socket (HTTP/1.0, a JSON body): the status and the JSON
+    /// answer (Null when it is none). Panics when nothing answers within 15 minutes.
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> (u16, serde_json::Value) {
+        use std::io::{Read, Write};
+        let body = body.map(serde_json::Value::to_string).unwrap_or_default();
+        let answer = (|| -> std::io::Result<Vec<u8>> {
+            let mut stream = std::os::unix::net::UnixStream::connect(self.socket())?;
+            stream.set_read_timeout(Some(Duration::from_secs(900)))?;
+            write!(
+                stream,
+                "{method} {path} HTTP/1.0\r\nHost: rollbox\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                self.key,
+                body.len()
+            )?;
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer)?;
+            Ok(answer)
+        })()
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", self.log()));
+        let text = String::from_utf8_lossy(&answer);
+        let (head, json) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{method} {path}: no HTTP answer: {text}"));
+        (
+            status,
+            serde_json::from_str(json).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
     /// `rollbox ARGS` as a client of this daemon.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         Command::new(crate::rollbox_binary())

@@ -175,39 +175,54 @@ fn serve_in_netns(netns: &str, port: u16) {
         .expect("netns server ready");
 }
 
-/// A stand-in for the internet: namespace `rbxext` behind a veth pair, 10.98.0.2/24 there and
-/// 10.98.0.1/24 on the host side. Removed on drop.
-struct Internet;
+/// A stand-in for the internet: a network namespace behind a veth pair, `NET.2/24` there and
+/// `NET.1/24` on the host side. Removed on drop.
+struct Internet {
+    netns: &'static str,
+    veth: &'static str,
+}
 
 impl Internet {
+    /// Namespace `rbxext` at 10.98.0.2 (a private address: `all` does not reach it).
     fn new() -> Internet {
-        let _ = Command::new("ip").args(["netns", "del", "rbxext"]).output();
-        let _ = Command::new("ip").args(["link", "del", "rbxie0"]).output();
-        ip(&["netns", "add", "rbxext"]);
+        Internet::at("rbxext", "rbxie", "10.98.0")
+    }
+
+    /// Namespace `netns` at `net`.2, behind veth `veth`0 (host) and `veth`1.
+    fn at(netns: &'static str, veth: &'static str, net: &str) -> Internet {
+        let (host_end, far_end) = (format!("{veth}0"), format!("{veth}1"));
+        let _ = Command::new("ip").args(["netns", "del", netns]).output();
+        let _ = Command::new("ip").args(["link", "del", &host_end]).output();
+        ip(&["netns", "add", netns]);
         ip(&[
-            "link", "add", "rbxie0", "type", "veth", "peer", "name", "rbxie1",
+            "link", "add", &host_end, "type", "veth", "peer", "name", &far_end,
         ]);
-        ip(&["link", "set", "rbxie1", "netns", "rbxext"]);
-        ip(&["addr", "add", "10.98.0.1/24", "dev", "rbxie0"]);
-        ip(&["link", "set", "rbxie0", "up"]);
+        ip(&["link", "set", &far_end, "netns", netns]);
+        ip(&["addr", "add", &format!("{net}.1/24"), "dev", &host_end]);
+        ip(&["link", "set", &host_end, "up"]);
+        let far_addr = format!("{net}.2/24");
+        let gateway = format!("{net}.1");
         for args in [
-            &["addr", "add", "10.98.0.2/24", "dev", "rbxie1"][..],
-            &["link", "set", "rbxie1", "up"],
+            &["addr", "add", &far_addr, "dev", &far_end][..],
+            &["link", "set", &far_end, "up"],
             &["link", "set", "lo", "up"],
-            &["route", "add", "default", "via", "10.98.0.1"],
+            &["route", "add", "default", "via", &gateway],
         ] {
-            let mut all = vec!["netns", "exec", "rbxext", "ip"];
+            let mut all = vec!["netns", "exec", netns, "ip"];
             all.extend_from_slice(args);
             ip(&all);
         }
-        Internet
+        Internet { netns, veth }
     }
 }
 
 impl Drop for Internet {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "del", "rbxie0"]).output();
-        let _ = Command::new("ip").args(["netns", "del", "rbxext"]).output();
+        let host_end = format!("{}0", self.veth);
+        let _ = Command::new("ip").args(["link", "del", &host_end]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", self.netns])
+            .output();
     }
 }
 
@@ -572,5 +587,233 @@ mod tier4 {
         // The parent still serves at its address.
         let answer = http_get(SocketAddr::from((parent_tap.guest, 8080)), "/index.html");
         assert!(answer.contains("parent"), "{answer}");
+    }
+
+    /// `rollbox serve` in L1 with a pool and lease directory of its own (the lab's
+    /// [`LabDaemon`]: every sandbox is deleted on drop, which releases its network).
+    struct NetDaemon {
+        lab: LabDaemon,
+    }
+
+    impl NetDaemon {
+        fn start() -> NetDaemon {
+            let lab = LabDaemon::start(
+                "net-lab-key-0123",
+                &[
+                    "--net-pool".into(),
+                    "10.202.0.0/24".into(),
+                    "--net-state-dir".into(),
+                    "/tmp/rollbox-net-lab".into(),
+                    // The lab's agents answer slowly.
+                    "--agent-timeout".into(),
+                    "60".into(),
+                ],
+                None,
+            );
+            NetDaemon { lab }
+        }
+
+        fn log(&self) -> String {
+            self.lab.log()
+        }
+
+        fn call(
+            &self,
+            method: &str,
+            path: &str,
+            body: Option<serde_json::Value>,
+        ) -> (u16, serde_json::Value) {
+            self.lab.call(method, path, body.as_ref())
+        }
+
+        fn create(&self, body: serde_json::Value) -> serde_json::Value {
+            let (status, sandbox) = self.call("POST", "/sandboxes", Some(body));
+            assert_eq!(status, 201, "{sandbox}\n{}", self.log());
+            sandbox
+        }
+
+        /// `cmd` in the guest: its exit code and stdout.
+        fn sh(&self, id: &str, cmd: &str) -> (Option<i64>, String) {
+            let (status, result) = self.call(
+                "POST",
+                &format!("/sandboxes/{id}/exec"),
+                Some(serde_json::json!({"cmd": cmd, "timeout_s": 60})),
+            );
+            assert_eq!(status, 200, "exec {cmd}: {result}\n{}", self.log());
+            let stdout = result["stdout"].as_str().unwrap_or_default().to_string();
+            (result["exit_code"].as_i64(), stdout)
+        }
+
+        /// A fetch from the guest of `addr:port` (the far side's server names its port).
+        fn fetch(&self, id: &str, addr: &str, port: u16) -> bool {
+            let (code, out) = self.sh(
+                id,
+                &format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {addr} {port}"),
+            );
+            code == Some(0) && out.contains(&format!("port-{port}-answers"))
+        }
+
+        /// The lease and name files left in the daemon's lease directory.
+        fn leases(&self) -> Vec<String> {
+            ["leases", "names"]
+                .iter()
+                .flat_map(|sub| {
+                    std::fs::read_dir(Path::new("/tmp/rollbox-net-lab").join(sub))
+                        .into_iter()
+                        .flatten()
+                        .flatten()
+                        .map(move |e| format!("{sub}/{}", e.file_name().to_string_lossy()))
+                })
+                .collect()
+        }
+    }
+
+    fn address(sandbox: &serde_json::Value) -> Ipv4Addr {
+        sandbox["network"]["address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no network: {sandbox}"))
+            .parse()
+            .expect("address")
+    }
+
+    /// Networks through the daemon with a Linux guest: a template with a network and a boot
+    /// snapshot, so every create is a restore that the agent re-addresses; each egress
+    /// policy against a server outside; the host reaching each guest at its own address,
+    /// forked clones included; a reset keeping the address; nothing left after.
+    #[test]
+    fn daemon_networks_hold_for_real_guests_across_restore_fork_and_reset() {
+        let Some(fx) =
+            fixtures("tier4::daemon_networks_hold_for_real_guests_across_restore_fork_and_reset")
+        else {
+            return;
+        };
+        // 198.51.100.0/24 (TEST-NET-2) is no private range: `all` reaches it.
+        let _internet = Internet::at("rbxpub", "rbxpb", "198.51.100");
+        serve_in_netns("rbxpub", 8000);
+        serve_in_netns("rbxpub", 9000);
+        let daemon = NetDaemon::start();
+        let started = Instant::now();
+        let (status, template) = daemon.call(
+            "POST",
+            "/templates",
+            Some(serde_json::json!({
+                "name": "netbox",
+                "kernel": fx.path("OUR_VMLINUX"),
+                "rootfs": fx.path("BUSYBOX_ROOTFS"),
+                "cmdline": agent_cmdline(""),
+                "memory_mib": 192,
+                "boot_snapshot": true,
+                "network": {"egress": "all"},
+            })),
+        );
+        assert_eq!(status, 201, "{template}\n{}", daemon.log());
+        eprintln!(
+            "figure: a template with a network and a boot snapshot took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        // The template's egress, restored from its boot snapshot and re-addressed.
+        let started = Instant::now();
+        let all = daemon.create(serde_json::json!({"template": "netbox", "ttl_s": 900}));
+        eprintln!(
+            "figure: a networked create (restore + re-address) took {:.2} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let all_id = all["id"].as_str().expect("id").to_string();
+        assert_eq!(all["network"]["egress"], "all", "{all}");
+        assert!(
+            daemon.fetch(&all_id, "198.51.100.2", 8000),
+            "egress all: {}",
+            daemon.log()
+        );
+        let (_, ip) = daemon.sh(&all_id, "ip -4 addr show eth0");
+        assert!(ip.contains(&format!("{}/30", address(&all))), "{ip}");
+        daemon.sh(
+            &all_id,
+            "mkdir -p /tmp/www && echo parent > /tmp/www/index.html && httpd -p 8080 -h /tmp/www",
+        );
+        let answer = http_get(SocketAddr::from((address(&all), 8080)), "/index.html");
+        assert!(answer.contains("parent"), "{answer}");
+        // Egress none: nothing outside.
+        let none = daemon.create(
+            serde_json::json!({"template": "netbox", "ttl_s": 900, "network": {"egress": "none"}}),
+        );
+        let none_id = none["id"].as_str().expect("id");
+        assert!(
+            !daemon.fetch(none_id, "198.51.100.2", 8000),
+            "egress none reached out"
+        );
+        // PATCH flips the policy of the live sandbox, both ways.
+        for (egress, reaches) in [("198.51.100.2:8000", true), ("none", false)] {
+            let (status, patched) = daemon.call(
+                "PATCH",
+                &format!("/sandboxes/{none_id}/network"),
+                Some(serde_json::json!({ "egress": egress })),
+            );
+            assert_eq!(status, 200, "{patched}\n{}", daemon.log());
+            assert_eq!(patched["network"]["egress"], egress);
+            assert_eq!(
+                daemon.fetch(none_id, "198.51.100.2", 8000),
+                reaches,
+                "after PATCH egress {egress}"
+            );
+        }
+        // An allow-list: that address and port only.
+        let listed = daemon.create(serde_json::json!({
+            "template": "netbox", "ttl_s": 900,
+            "network": {"egress": {"allow": ["198.51.100.2:8000"]}},
+        }));
+        let listed_id = listed["id"].as_str().expect("id");
+        assert!(
+            daemon.fetch(listed_id, "198.51.100.2", 8000),
+            "allow-listed"
+        );
+        assert!(
+            !daemon.fetch(listed_id, "198.51.100.2", 9000),
+            "not allow-listed"
+        );
+        // A fork: each clone at its own address, serving its own page, still reaching out.
+        let clones_wanted = 4;
+        let (status, forked) = daemon.call(
+            "POST",
+            &format!("/sandboxes/{all_id}/fork"),
+            Some(serde_json::json!({"count": clones_wanted})),
+        );
+        assert_eq!(status, 200, "{forked}\n{}", daemon.log());
+        let mut addresses = vec![address(&all)];
+        for result in forked["results"].as_array().cloned().unwrap_or_default() {
+            let clone = &result["sandbox"];
+            let id = clone["id"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{result}\n{}", daemon.log()));
+            assert!(!addresses.contains(&address(clone)), "{clone}");
+            addresses.push(address(clone));
+            daemon.sh(id, &format!("echo {id} > /tmp/www/index.html"));
+            let answer = http_get(SocketAddr::from((address(clone), 8080)), "/index.html");
+            assert!(answer.contains(id), "{id}: {answer}");
+            assert!(daemon.fetch(id, "198.51.100.2", 8000), "clone {id}");
+        }
+        assert_eq!(addresses.len(), clones_wanted + 1, "{forked}");
+        let answer = http_get(SocketAddr::from((address(&all), 8080)), "/index.html");
+        assert!(answer.contains("parent"), "{answer}");
+        // A reset keeps the address.
+        let (status, reset) = daemon.call(
+            "POST",
+            &format!("/sandboxes/{all_id}/reset"),
+            Some(serde_json::json!({})),
+        );
+        assert_eq!(status, 200, "{reset}\n{}", daemon.log());
+        assert_eq!(address(&reset), address(&all));
+        assert!(
+            daemon.fetch(&all_id, "198.51.100.2", 8000),
+            "after the reset"
+        );
+        // Everything goes with the sandboxes.
+        let (_, list) = daemon.call("GET", "/sandboxes?limit=1000", None);
+        for sandbox in list["sandboxes"].as_array().cloned().unwrap_or_default() {
+            let id = sandbox["id"].as_str().expect("id");
+            let (status, body) = daemon.call("DELETE", &format!("/sandboxes/{id}"), None);
+            assert_eq!(status, 204, "{body}");
+        }
+        assert_eq!(daemon.leases(), Vec::<String>::new());
     }
 }

@@ -36,6 +36,14 @@ pub enum SandboxCommand {
     },
     /// Set the TTL to SECS from now.
     Keepalive(KeepaliveArgs),
+    /// Change a sandbox's egress policy (PATCH /sandboxes/ID/network): new connections meet
+    /// it at once.
+    Network {
+        id: String,
+        /// none, all, or an allow-list CIDR[:PORT[-PORT]],...
+        #[arg(long, value_name = "POLICY")]
+        egress: String,
+    },
     /// Run a command in the sandbox, streaming its output; exits with its status (128 +
     /// signal when a signal ended it, 124 on timeout).
     Exec(guest::ExecArgs),
@@ -224,6 +232,7 @@ pub fn run(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
         SandboxCommand::Pause { id } => pause_resume(conn, &id, "pause"),
         SandboxCommand::Resume { id } => pause_resume(conn, &id, "resume"),
         SandboxCommand::Keepalive(args) => keepalive(conn, args),
+        SandboxCommand::Network { id, egress } => set_network(conn, &id, egress),
         SandboxCommand::Exec(args) => guest::exec(conn, args),
         SandboxCommand::Cp(args) => guest::copy(conn, &args).map(|()| 0),
         SandboxCommand::Snapshot(args) => snapshot(conn, args),
@@ -454,6 +463,18 @@ fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<u8, CliError> {
     } else {
         let sandbox: Sandbox = parse(&response)?;
         println!("{}: {}", sandbox.id, sandbox.state.as_str());
+    }
+    Ok(0)
+}
+
+/// `rollbox sandbox network`.
+fn set_network(conn: &Conn, id: &str, egress: String) -> Result<u8, CliError> {
+    let body = network_body(true, Some(egress));
+    let response = conn.call("PATCH", &format!("/sandboxes/{id}/network"), body)?;
+    if conn.json {
+        print_json(&response);
+    } else {
+        print_sandbox(&parse(&response)?);
     }
     Ok(0)
 }

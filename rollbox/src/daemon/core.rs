@@ -304,6 +304,7 @@ impl Core {
             | Action::GetSandbox(ref id)
             | Action::DeleteSandbox(ref id)
             | Action::Keepalive { ref id, .. }
+            | Action::SetNetwork { ref id, .. }
             | Action::Pause(ref id)
             | Action::Resume(ref id)
             | Action::Exec { ref id, .. }
@@ -353,6 +354,7 @@ impl Core {
                 Ok(Reply::NoContent)
             }
             Action::Keepalive { id, ttl_s } => self.sandboxes.keepalive(&id, ttl_s),
+            Action::SetNetwork { id, network } => self.sandboxes.set_network(&id, &network).await,
             Action::Pause(id) => self.sandboxes.pause_resume(&id, true).await,
             Action::Resume(id) => self.sandboxes.pause_resume(&id, false).await,
             Action::Exec { id, exec, stream } => self.guest.exec(&id, exec, stream).await,

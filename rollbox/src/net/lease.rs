@@ -164,6 +164,22 @@ fn remove_rules_one_by_one(lease: &Lease) -> Result<(), NetError> {
     Ok(())
 }
 
+/// Replaces sandbox `name`'s egress policy: its egress chain is flushed and refilled in one
+/// nftables transaction (no packet meets a half-made policy), then its lease records it.
+/// Connections already established keep flowing (conntrack); new ones meet the new policy.
+pub fn set_egress(state: &StateDir, name: &str, egress: &Egress) -> Result<NetInfo, NetError> {
+    check_name(name)?;
+    let mut lease = match state.lease_of(name)? {
+        Some((_, Some(lease))) if lease.complete => lease,
+        _ => return Err(NetError::NoLease(name.to_string())),
+    };
+    let slot = pool::slot_of_tap(&lease.tap).ok_or_else(|| NetError::NoLease(name.to_string()))?;
+    nft::apply(&nft::render_egress(&sandbox_rules(&lease, egress)))?;
+    lease.egress = egress.to_string();
+    state.update(&lease, &slot)?;
+    Ok(NetInfo::of(&lease))
+}
+
 /// Tears down sandbox `name`'s networking. Returns false when it had none (not an error).
 pub fn release(state: &StateDir, name: &str) -> Result<bool, NetError> {
     check_name(name)?;

@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 pub use gc::gc;
-pub use lease::{lease, leases, release};
+pub use lease::{lease, leases, release, set_egress};
 pub use policy::Egress;
 pub use pool::{Lease, LinkKind, Pool, StateDir};
 
@@ -42,6 +42,8 @@ pub const MAX_NAME: usize = 64;
 pub enum NetError {
     #[error("sandbox name `{name}`: {reason}")]
     BadName { name: String, reason: String },
+    #[error("sandbox `{0}` has no network lease (or its `up` has not finished)")]
+    NoLease(String),
     #[error("--dns `{0}` is not an IPv4 address")]
     BadDns(String),
     #[error("--expose `{token}`: {reason}")]

@@ -288,6 +288,17 @@ fn elements(s: &mut String, verb: &str, sandbox: &Sandbox<'_>) {
     }
 }
 
+/// The script that replaces a sandbox's egress policy: its egress chain flushed and refilled,
+/// one transaction (its other rules and elements stay).
+pub fn render_egress(sandbox: &Sandbox<'_>) -> String {
+    let chain = format!("egress_{}", sandbox.tap);
+    let mut s = format!("flush chain {TABLE} {chain}\n");
+    for rule in egress_rules(sandbox) {
+        let _ = writeln!(s, "add rule {TABLE} {chain} {rule}");
+    }
+    s
+}
+
 /// The script that sets a sandbox up.
 pub fn render_up(sandbox: &Sandbox<'_>) -> String {
     let tap = sandbox.tap;
@@ -449,6 +460,22 @@ mod tests {
             dns: Some(Ipv4Addr::new(1, 1, 1, 1)),
             expose,
         }
+    }
+
+    #[test]
+    fn a_policy_change_is_one_flush_and_refill_of_the_egress_chain() {
+        let egress: Egress = "all".parse().unwrap();
+        let script = render_egress(&sandbox(&egress, &[]));
+        let lines: Vec<&str> = script.lines().collect();
+        assert_eq!(lines[0], "flush chain inet rollbox egress_rbx0ac80004");
+        assert!(lines[1..]
+            .iter()
+            .all(|l| l.starts_with("add rule inet rollbox egress_rbx0ac80004 ")));
+        assert_eq!(
+            lines.last(),
+            Some(&"add rule inet rollbox egress_rbx0ac80004 drop")
+        );
+        assert!(script.contains(" accept\n"), "{script}");
     }
 
     #[test]

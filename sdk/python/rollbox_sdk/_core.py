@@ -449,6 +449,15 @@ def keepalive(sandbox: SandboxRef, ttl_s: int) -> Call[Sandbox]:
     )
 
 
+def set_network(sandbox: SandboxRef, egress: Union[str, Sequence[str]]) -> Call[Sandbox]:
+    return Call(
+        "PATCH",
+        f"/sandboxes/{seg(sandbox_id(sandbox))}/network",
+        _sandbox,
+        json=network_body(True, egress),
+    )
+
+
 def pause(sandbox: SandboxRef) -> Call[Sandbox]:
     return Call("POST", f"/sandboxes/{seg(sandbox_id(sandbox))}/pause", _sandbox)
 

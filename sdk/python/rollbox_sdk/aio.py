@@ -371,6 +371,11 @@ class AsyncClient:
         """Set the hard TTL to ``ttl_s`` seconds from now."""
         return await self._send(_core.keepalive(sandbox, ttl_s))
 
+    async def set_network(self, sandbox: SandboxRef, egress: Union[str, Sequence[str]]) -> Sandbox:
+        """Change a sandbox's egress policy (as ``egress=`` on create): new connections meet
+        it at once, established ones keep flowing."""
+        return await self._send(_core.set_network(sandbox, egress))
+
     async def pause(self, sandbox: SandboxRef) -> Sandbox:
         """Pause its vCPUs (pausing a paused sandbox is success)."""
         return await self._send(_core.pause(sandbox))

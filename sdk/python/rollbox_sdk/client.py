@@ -367,6 +367,11 @@ class Client:
         """Set the hard TTL to ``ttl_s`` seconds from now."""
         return self._send(_core.keepalive(sandbox, ttl_s))
 
+    def set_network(self, sandbox: SandboxRef, egress: Union[str, Sequence[str]]) -> Sandbox:
+        """Change a sandbox's egress policy (as ``egress=`` on create): new connections meet
+        it at once, established ones keep flowing."""
+        return self._send(_core.set_network(sandbox, egress))
+
     def pause(self, sandbox: SandboxRef) -> Sandbox:
         """Pause its vCPUs (pausing a paused sandbox is success)."""
         return self._send(_core.pause(sandbox))

@@ -208,6 +208,9 @@ def test_a_network_with_each_egress(rb: Client, template: str, tag: str) -> None
     assert sb.network is not None and sb.network.egress == "192.0.2.0/24:443"
     assert sb.network.address.startswith("10.244.0.") and sb.network.prefix_len == 30
     assert rb.get_sandbox(sb).network == sb.network
+    flipped = rb.set_network(sb, "all")
+    assert flipped.network is not None and flipped.network.egress == "all"
+    assert flipped.network.address == sb.network.address
     rb.delete_sandbox(sb)
     plain = rb.create_sandbox(template, ttl_s=60, network=True, labels={"test": tag})
     assert plain.network is not None and plain.network.egress == "none"

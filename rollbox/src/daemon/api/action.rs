@@ -9,8 +9,8 @@ use hyper::body::Bytes;
 use super::limits::MAX_UPLOAD;
 use super::model::{
     AddTemplate, CreateSandbox, CreateVolume, Exec, ExecResult, FileInfo, FileOp, ForkResult, Gpu,
-    KeyInfo, ListQuery, NewKey, NodeInfo, Sandbox, SandboxList, Snapshot, Template, Usage, Volume,
-    VolumeOp,
+    KeyInfo, ListQuery, NetworkRequest, NewKey, NodeInfo, Sandbox, SandboxList, Snapshot, Template,
+    Usage, Volume, VolumeOp,
 };
 
 /// A refused or failed request; [`ApiError::status`] is its HTTP status.
@@ -96,6 +96,11 @@ pub enum Action {
     },
     Pause(String),
     Resume(String),
+    /// A live sandbox's new egress policy.
+    SetNetwork {
+        id: String,
+        network: NetworkRequest,
+    },
     Exec {
         id: String,
         exec: Exec,

@@ -4,7 +4,8 @@
 use super::action::{Action, ApiError};
 use super::validate::template::check_template_name;
 use super::validate::{
-    bad, check_id, check_snapshot_id, exec, file, key, node, sandbox, snapshot, template, volume,
+    bad, check_id, check_snapshot_id, exec, file, key, network, node, sandbox, snapshot, template,
+    volume,
 };
 
 /// Every route the daemon answers, as (method, path with `{name}` placeholders). The OpenAPI
@@ -24,6 +25,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("DELETE", "/sandboxes/{id}"),
     ("GET", "/sandboxes/{id}/usage"),
     ("POST", "/sandboxes/{id}/keepalive"),
+    ("PATCH", "/sandboxes/{id}/network"),
     ("POST", "/sandboxes/{id}/pause"),
     ("POST", "/sandboxes/{id}/resume"),
     ("POST", "/sandboxes/{id}/exec"),
@@ -119,6 +121,7 @@ pub fn parse(
         ("GET", ["sandboxes", id]) => Action::GetSandbox(check_id(id)?),
         ("DELETE", ["sandboxes", id]) => Action::DeleteSandbox(check_id(id)?),
         ("POST", ["sandboxes", id, "keepalive"]) => sandbox::parse_keepalive(id, body)?,
+        ("PATCH", ["sandboxes", id, "network"]) => network::parse_patch(id, body)?,
         ("POST", ["sandboxes", id, "pause"]) => Action::Pause(check_id(id)?),
         ("POST", ["sandboxes", id, "resume"]) => Action::Resume(check_id(id)?),
         ("POST", ["sandboxes", id, "exec"]) => return exec::parse_exec(id, query, body),
@@ -252,6 +255,7 @@ mod tests {
                 ("POST", "/sandboxes") => br#"{"template":"g"}"#,
                 ("POST", "/sandboxes/batch") => br#"{"template":"g","count":2}"#,
                 ("POST", p) if p.ends_with("keepalive") => br#"{"ttl_s":5}"#,
+                ("PATCH", p) if p.ends_with("network") => br#"{"egress":"all"}"#,
                 ("POST", p) if p.ends_with("exec") => br#"{"cmd":["true"]}"#,
                 ("POST", p) if p.ends_with("signal") => br#"{"signal":"TERM"}"#,
                 ("POST", p) if p.ends_with("stdin") => br#"{"data":"x"}"#,

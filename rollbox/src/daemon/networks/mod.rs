@@ -59,7 +59,7 @@ impl Networks {
     }
 
     /// The egress a request gets: its own, else the server's default.
-    fn egress(&self, request: &NetworkRequest) -> Result<Egress, ApiError> {
+    pub fn egress(&self, request: &NetworkRequest) -> Result<Egress, ApiError> {
         match &request.egress {
             Some(text) => text
                 .parse()
@@ -117,6 +117,13 @@ impl Networks {
             tap,
             kernel_ip_arg: info.kernel_ip_arg,
         })
+    }
+
+    /// Replaces sandbox `id`'s egress policy (one nftables transaction). Blocking.
+    pub fn set_egress(&self, id: &str, egress: &Egress) -> Result<(), ApiError> {
+        net::set_egress(&self.state, id, egress)
+            .map(drop)
+            .map_err(|e| lease_error(id, e))
     }
 
     /// Attaches sandbox `id`'s tap again (for a new VMM of the same sandbox). Blocking.

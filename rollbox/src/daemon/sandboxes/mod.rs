@@ -510,6 +510,35 @@ impl Sandboxes {
         }
     }
 
+    /// PATCH /sandboxes/{id}/network: a live sandbox's new egress policy, in force at once
+    /// for new connections.
+    pub async fn set_network(&self, id: &str, request: &NetworkRequest) -> Result<Reply, ApiError> {
+        let sandbox = touch(&self.db, id)?;
+        if !sandbox.state.is_live() {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} is {}",
+                sandbox.state.as_str()
+            )));
+        }
+        let Some(mut network) = sandbox.network else {
+            return Err(ApiError::Conflict(format!(
+                "sandbox {id} has no network (a create with `network` gives it one); its egress cannot change"
+            )));
+        };
+        let egress = self.networks.egress(request)?;
+        let networks = Arc::clone(&self.networks);
+        let (owned_id, new_egress) = (id.to_string(), egress.clone());
+        tokio::task::spawn_blocking(move || networks.set_egress(&owned_id, &new_egress))
+            .await
+            .map_err(internal)??;
+        network.egress = egress.to_string();
+        self.db
+            .lock()
+            .update_network(id, &network)
+            .map_err(internal)?;
+        sandbox_reply(&self.db, id)
+    }
+
     /// The sandbox's tap attached again, for a new VMM of the same sandbox (a reset).
     pub async fn reattach_network(
         &self,

@@ -189,6 +189,20 @@ impl Store {
         )? == 1)
     }
 
+    /// Records a live sandbox's changed network (a new egress policy).
+    pub fn update_network(
+        &self,
+        id: &str,
+        network: &super::super::api::SandboxNetwork,
+    ) -> Result<bool, StoreError> {
+        let json = super::to_json(network, "network")?;
+        Ok(self.conn.execute(
+            "UPDATE sandboxes SET network = ?2 WHERE id = ?1 \
+             AND state IN ('creating', 'running', 'paused')",
+            params![id, json],
+        )? == 1)
+    }
+
     /// Moves a live sandbox from `from` to `to`; false if it was not in `from`.
     pub fn transition(&self, id: &str, from: State, to: State) -> Result<bool, StoreError> {
         Ok(self.conn.execute(

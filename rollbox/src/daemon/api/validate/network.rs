@@ -2,10 +2,10 @@
 
 use serde::Deserialize;
 
-use super::super::action::ApiError;
+use super::super::action::{Action, ApiError};
 use super::super::limits::MAX_EGRESS_ALLOW;
 use super::super::model::NetworkRequest;
-use super::bad;
+use super::{bad, check_id, from_json};
 
 /// `network` of a create or a template.
 #[derive(Deserialize)]
@@ -54,4 +54,14 @@ pub fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
             .map_err(|e| bad(format!("network.egress: {e}")))?;
     }
     Ok(NetworkRequest { egress })
+}
+
+/// PATCH /sandboxes/{id}/network: `{"egress": ...}` (required).
+pub fn parse_patch(id: &str, body: &[u8]) -> Result<Action, ApiError> {
+    let id = check_id(id)?;
+    let network = network_request(from_json(body)?)?;
+    if network.egress.is_none() {
+        return Err(bad("egress: required (none, all, or an allow-list)"));
+    }
+    Ok(Action::SetNetwork { id, network })
 }
