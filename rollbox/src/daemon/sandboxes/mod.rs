@@ -489,7 +489,7 @@ impl Sandboxes {
         let made = tokio::task::spawn_blocking(move || networks.make(&owned_id, &request))
             .await
             .map_err(internal)??;
-        let recorded = self.db.lock().set_network(id, &made.network);
+        let recorded = self.db.lock().set_network(id, &made.network, true);
         match recorded {
             Ok(true) => Ok(supervisor::vm::Nic {
                 tap: made.network.tap,
@@ -534,7 +534,7 @@ impl Sandboxes {
         network.egress = egress.to_string();
         self.db
             .lock()
-            .update_network(id, &network)
+            .set_network(id, &network, false)
             .map_err(internal)?;
         sandbox_reply(&self.db, id)
     }

@@ -175,30 +175,23 @@ impl Store {
         )? == 1)
     }
 
-    /// Records the network made for sandbox `id` while it is created; false if it is no
-    /// longer `creating` (deleted meanwhile).
+    /// Records sandbox `id`'s network: the one made for it while it is `creating`
+    /// (`creating_only`), or a live sandbox's changed one (a new egress policy). False if it
+    /// is not in such a state (deleted meanwhile).
     pub fn set_network(
         &self,
         id: &str,
         network: &super::super::api::SandboxNetwork,
+        creating_only: bool,
     ) -> Result<bool, StoreError> {
         let json = super::to_json(network, "network")?;
+        let states = if creating_only {
+            "('creating')"
+        } else {
+            "('creating', 'running', 'paused')"
+        };
         Ok(self.conn.execute(
-            "UPDATE sandboxes SET network = ?2 WHERE id = ?1 AND state = 'creating'",
-            params![id, json],
-        )? == 1)
-    }
-
-    /// Records a live sandbox's changed network (a new egress policy).
-    pub fn update_network(
-        &self,
-        id: &str,
-        network: &super::super::api::SandboxNetwork,
-    ) -> Result<bool, StoreError> {
-        let json = super::to_json(network, "network")?;
-        Ok(self.conn.execute(
-            "UPDATE sandboxes SET network = ?2 WHERE id = ?1 \
-             AND state IN ('creating', 'running', 'paused')",
+            &format!("UPDATE sandboxes SET network = ?2 WHERE id = ?1 AND state IN {states}"),
             params![id, json],
         )? == 1)
     }

@@ -263,7 +263,7 @@ impl Supervisor {
     /// Starts a VMM in the sandbox's directory (a boot of `template`, or a restore of
     /// `snapshot`) and waits until its VM runs; on error the VMM is gone. A restore into a new
     /// sandbox (`new_sandbox`) is a clone of the snapshot's VM: it gets a new VM generation,
-    /// unless the sandbox is deterministic. A boot may have a network interface (`nic`).
+    /// unless the sandbox is deterministic. `nic`: the sandbox's tap, for a boot's interface or a restored one's.
     #[allow(clippy::too_many_arguments)]
     pub async fn launch(
         &self,
