@@ -427,6 +427,139 @@ fn e2b_env_vars_are_the_sandbox_env() {
     assert_eq!(forked["env"], json!({ "GREETING": "hi there" }), "{forked}");
 }
 
+/// The lease directory of a test's daemon: whatever the test left there is released when it
+/// ends (taps and rules are the host's).
+struct NetLeases(PathBuf);
+
+impl Drop for NetLeases {
+    fn drop(&mut self) {
+        let state = rollbox::net::StateDir::new(&self.0);
+        for lease in rollbox::net::leases(&state).unwrap_or_default() {
+            let _ = rollbox::net::release(&state, &lease.name);
+        }
+    }
+}
+
+/// E2B's `allow_internet_access` and `network.allowOut`/`denyOut` are the egress of the
+/// sandbox's network (its template's), and the SDK's network update (`PUT
+/// /sandboxes/{id}/network`) changes it; what rollbox cannot express is refused by field.
+#[test]
+fn e2b_network_options_are_the_sandbox_egress() {
+    let test = "e2b_network_options_are_the_sandbox_egress";
+    if !kvm_available() {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !std::path::Path::new("/dev/net/tun").exists() {
+        return rollbox_tests::skip(
+            test,
+            "needs root and /dev/net/tun (taps and nftables rules)",
+        );
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let net_dir = dir.path().join("net");
+    let leases = NetLeases(net_dir.clone());
+    let extra: Vec<String> = vec![
+        "--net-pool".into(),
+        "10.246.0.0/24".into(),
+        "--net-state-dir".into(),
+        net_dir.display().to_string(),
+    ];
+    let (daemon, port) = start_daemon(dir, None, &extra);
+    let template = json!({
+        "name": "netguest", "kernel": test_guest(), "cmdline": TEST_GUEST_CMDLINE,
+        "memory_mib": 32, "network": {"egress": "all"},
+    });
+    let (status, body) = native_call(&daemon, "POST", "/templates", Some(&template.to_string()));
+    assert_eq!(status, 201, "{body}");
+    let egress_of = |body: serde_json::Value| {
+        let (status, created) = e2b_call(port, "POST", "/v2/sandboxes", Some(&body.to_string()));
+        assert_eq!(status, 201, "{body}: {created}\n{}", daemon.log());
+        let id = created["sandboxID"]
+            .as_str()
+            .expect("sandboxID")
+            .to_string();
+        let (_, sandbox) = native_call(&daemon, "GET", &format!("/sandboxes/{id}"), None);
+        (id, sandbox["network"]["egress"].clone())
+    };
+    let (all, egress) = egress_of(json!({"templateID": "netguest", "timeout": 60}));
+    assert_eq!(egress, "all");
+    let (_, egress) =
+        egress_of(json!({"templateID": "netguest", "timeout": 60, "allow_internet_access": false}));
+    assert_eq!(egress, "none");
+    let (_, egress) = egress_of(json!({
+        "templateID": "netguest", "timeout": 60,
+        "network": {"allowOut": ["198.51.100.0/24"], "denyOut": ["0.0.0.0/0"]},
+    }));
+    assert_eq!(egress, "198.51.100.0/24");
+    // A template without a network: no internet either way, so nothing is made.
+    let (plain, egress) =
+        egress_of(json!({"templateID": "guest", "timeout": 60, "allow_internet_access": false}));
+    assert_eq!(egress, serde_json::Value::Null);
+    // The SDK's update: 204, and the native policy follows.
+    let update = json!({"allowOut": ["192.0.2.1"], "denyOut": ["0.0.0.0/0"]}).to_string();
+    let (status, body) = e2b_call(
+        port,
+        "PUT",
+        &format!("/sandboxes/{all}/network"),
+        Some(&update),
+    );
+    assert_eq!(status, 204, "{body}\n{}", daemon.log());
+    let (_, sandbox) = native_call(&daemon, "GET", &format!("/sandboxes/{all}"), None);
+    assert_eq!(sandbox["network"]["egress"], "192.0.2.1");
+    for (id, body, want_status, want) in [
+        (
+            &all,
+            json!({"denyOut": ["8.8.8.8"]}),
+            400,
+            "network.denyOut",
+        ),
+        (
+            &all,
+            json!({"allowOut": ["example.com"]}),
+            400,
+            "network.allowOut",
+        ),
+        (
+            &all,
+            json!({"egressProxy": {"address": "socks5://x"}}),
+            400,
+            "network.egressProxy",
+        ),
+        (
+            &plain,
+            json!({"allowOut": ["192.0.2.1"]}),
+            409,
+            "has no network",
+        ),
+    ] {
+        let (status, answer) = e2b_call(
+            port,
+            "PUT",
+            &format!("/sandboxes/{id}/network"),
+            Some(&body.to_string()),
+        );
+        assert_eq!(status, want_status, "{body}: {answer}");
+        assert!(
+            answer["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains(want),
+            "{body}: {answer}"
+        );
+    }
+    let (_, list) = native_call(&daemon, "GET", "/sandboxes?limit=100", None);
+    for sandbox in list["sandboxes"].as_array().cloned().unwrap_or_default() {
+        let id = sandbox["id"].as_str().expect("id");
+        native_call(&daemon, "DELETE", &format!("/sandboxes/{id}"), None);
+    }
+    assert!(
+        rollbox::net::leases(&rollbox::net::StateDir::new(&leases.0))
+            .expect("leases")
+            .is_empty()
+    );
+}
+
 /// The stock e2b-code-interpreter 2.11.5 `run_code` against rollbox: the SDK calls sandbox
 /// port 49999, which the daemon reaches through the agent's `tcp_connect` to the guest's
 /// 127.0.0.1:49999. The host agent's loopback is this machine's, so our server

@@ -94,6 +94,39 @@ pub fn run_as(owner: (u32, u32), daemon_is_root: bool) -> Option<(u32, u32)> {
     (daemon_is_root && owner.0 != 0 && owner.1 != 0).then_some(owner)
 }
 
+/// Whether an unprivileged user may make a user namespace here, as virtiofsd not run by root
+/// must (some kernels forbid it: `kernel.unprivileged_userns_clone=0`,
+/// `user.max_user_namespaces=0`, an LSM). Probed once, as `owner`, with `/bin/true` in a new
+/// user namespace; where it fails, volumes' virtiofsd run as root, as before, and the daemon
+/// says so once.
+fn user_namespaces_allowed(owner: (u32, u32)) -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        let mut probe = Command::new("/bin/true");
+        probe
+            .uid(owner.0)
+            .gid(owner.1)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: the closure runs between fork and exec (after the uid change) and makes one
+        // async-signal-safe call, unshare.
+        unsafe {
+            probe.pre_exec(|| match libc::unshare(libc::CLONE_NEWUSER) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            });
+        }
+        let allowed = probe.status().is_ok_and(|status| status.success());
+        if !allowed {
+            log::warn!(
+                "volumes: this host does not let an unprivileged user make a user namespace (kernel.unprivileged_userns_clone, user.max_user_namespaces or an LSM), so volumes' virtiofsd run as root"
+            );
+        }
+        allowed
+    })
+}
+
 /// virtiofsd's arguments after `--fd N`: every guest uid and gid writes as the volume's
 /// owner (`user`), whom the guest sees as root; as root, virtiofsd keeps the guest's ids.
 fn id_args(user: Option<(u32, u32)>) -> Vec<String> {
@@ -135,7 +168,8 @@ fn start_one(
     }
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let user = run_as((meta.uid(), meta.gid()), root);
+    let user =
+        run_as((meta.uid(), meta.gid()), root).filter(|&owner| user_namespaces_allowed(owner));
     // The daemon binds the socket in the sandbox's directory (just made, root's), so
     // virtiofsd needs no way there either; only the VMM's uid may connect.
     let socket = sandbox_dir.join(volume.socket_name());

@@ -28,12 +28,6 @@ use super::wire::{
     PUBLIC_TRAFFIC_KEY,
 };
 
-/// E2B calls rollbox does not serve, answered 501 with this reason.
-const REFUSED: &[(&str, &str)] = &[(
-    "network",
-    "network updates are not served: rollbox sandboxes have no E2B network policy",
-)];
-
 /// Forks per E2B fork call (the SDK checks 1 to 20 itself).
 const MAX_E2B_FORK: i64 = 20;
 
@@ -118,10 +112,9 @@ async fn route(e2b: &Arc<E2b>, request: Request<Incoming>) -> Result<Response<Ou
         ("POST", ["sandboxes", id, "pause"]) => pause(e2b, caller, id).await,
         ("POST", ["sandboxes", id, "resume"]) => connect(e2b, caller, id, &body, true).await,
         ("POST", ["sandboxes", id, "connect"]) => connect(e2b, caller, id, &body, false).await,
-        (_, ["sandboxes", _, what, ..]) => match REFUSED.iter().find(|(name, _)| name == what) {
-            Some((_, why)) => Err(Refusal::new(501, *why)),
-            None => Err(no_route(&method, &path)),
-        },
+        ("PUT", ["sandboxes", id, "network"]) => {
+            super::network::update(e2b, caller, id, &body).await
+        }
         _ => Err(no_route(&method, &path)),
     }
 }
@@ -131,8 +124,7 @@ fn no_route(method: &str, path: &str) -> Refusal {
 }
 
 /// The fields of `NewSandbox` (v1) and `NewSandboxV2` rollbox uses; the rest (`secure`: envd
-/// always takes its token, `allow_internet_access`, the rest of `network`, ...) is accepted
-/// and ignored.
+/// always takes its token, `mcp`, ...) is accepted and ignored.
 #[derive(Deserialize)]
 struct NewSandbox {
     #[serde(rename = "templateID")]
@@ -151,6 +143,8 @@ struct NewSandbox {
     #[serde(rename = "autoResume")]
     auto_resume: Option<AutoResume>,
     network: Option<Network>,
+    /// false: no egress (`network.rs`).
+    allow_internet_access: Option<bool>,
     /// Named volumes (the daemon's own, POST /volumes) mounted at their paths.
     #[serde(default, rename = "volumeMounts")]
     volume_mounts: Option<Vec<VolumeMount>>,
@@ -163,11 +157,14 @@ struct VolumeMount {
     path: String,
 }
 
-/// `SandboxNetworkConfig`: only `allowPublicTraffic` is served (null or absent: public).
+/// `SandboxNetworkConfig`: `allowPublicTraffic` (null or absent: public), and the egress
+/// options of `network.rs`.
 #[derive(Deserialize)]
 struct Network {
     #[serde(rename = "allowPublicTraffic", alias = "allow_public_traffic")]
     allow_public_traffic: Option<bool>,
+    #[serde(flatten)]
+    egress: super::network::NetworkOptions,
 }
 
 /// `SandboxAutoResumeConfig`.
@@ -195,7 +192,7 @@ fn lifecycle(new: &NewSandbox) -> Result<(&'static str, bool), Refusal> {
     Ok((if pause { "pause" } else { "kill" }, resume))
 }
 
-fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> Result<T, Refusal> {
+pub(super) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> Result<T, Refusal> {
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         &b"{}"[..]
     } else {
@@ -255,10 +252,16 @@ async fn create(
     };
     // `templateID` is a template's name, or (`Sandbox.create(snapshot_id)`) a snapshot's id
     // or name: a template's name first, as E2B's one namespace of both.
+    // Whether the template (or snapshot) gives its sandboxes a network.
+    let mut networked = false;
     let snapshot = if api::check_snapshot_id(&template, "templateID").is_ok() {
         Some(snapshot_of(e2b, caller, &template).await?)
     } else {
         match e2b.core.handle_as(caller, Action::GetTemplate(template.clone())).await {
+            Ok(Reply::Template { template, .. }) => {
+                networked = template.network.is_some();
+                None
+            }
             Ok(_) => None,
             Err(ApiError::NotFound(_)) => {
                 Some(snapshot_of(e2b, caller, &template).await.map_err(|refusal| match refusal.status {
@@ -288,6 +291,19 @@ async fn create(
         None => BTreeMap::new(),
     };
     env.extend(new.env_vars.unwrap_or_default());
+    networked |= snapshot.as_ref().is_some_and(|s| s.network.is_some());
+    // E2B's egress options set the network's policy. A template without a network keeps
+    // its sandboxes without one (no internet, whatever is asked) unless allowOut names
+    // destinations: then the sandbox gets a network (and boots).
+    let options = new.network.as_ref().map(|n| &n.egress);
+    let egress = super::network::egress(
+        new.allow_internet_access,
+        options.unwrap_or(&Default::default()),
+    )?;
+    let wants_reach = options.is_some_and(|o| o.allow_out.as_ref().is_some_and(|a| !a.is_empty()));
+    let native_network = egress
+        .filter(|_| networked || wants_reach)
+        .map(|egress| json!({ "egress": egress }));
     // E2B metadata is what lists filter on: rollbox labels. envVars are the sandbox's env,
     // which the daemon merges under every exec's own (forks inherit it).
     let (template, snapshot) = match snapshot {
@@ -313,6 +329,9 @@ async fn create(
     });
     if !volumes.is_empty() {
         native["volumes"] = Value::Array(volumes);
+    }
+    if let Some(network) = native_network {
+        native["network"] = network;
     }
     let action = api::parse("POST", "/sandboxes", None, native.to_string().as_bytes())
         .map_err(|e| Refusal::new(e.status(), e2b_fields(&e.to_string())))?;
@@ -364,7 +383,8 @@ fn e2b_fields(message: &str) -> String {
                 .replacen("env", "envVars", 1)
                 .replacen("idempotency_key", "Idempotency-Key", 1)
                 .replacen("volumes", "volumeMounts", 1)
-                .replacen("mount_path", "path", 1);
+                .replacen("mount_path", "path", 1)
+                .replacen("network.egress", "network.allowOut", 1);
             format!("{field}:{rest}")
         }
         None => message.to_string(),

@@ -35,6 +35,7 @@ mod filesystem;
 mod forward;
 mod list;
 mod multipart;
+mod network;
 mod process;
 mod refusal;
 mod signature;
