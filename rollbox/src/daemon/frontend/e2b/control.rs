@@ -21,7 +21,7 @@ use super::super::super::util::now_ms;
 use super::super::transport::Out;
 use super::envd::public_traffic;
 use super::list::listed_json;
-use super::refusal::Refusal;
+use super::refusal::{parse_json, Refusal};
 use super::state::E2b;
 use super::wire::{
     header, json, no_content, query_pairs, rfc3339, DEFAULT_TIMEOUT_S, ENVD_VERSION,
@@ -190,16 +190,6 @@ fn lifecycle(new: &NewSandbox) -> Result<(&'static str, bool), Refusal> {
         ));
     }
     Ok((if pause { "pause" } else { "kill" }, resume))
-}
-
-pub(super) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> Result<T, Refusal> {
-    let body = if body.iter().all(u8::is_ascii_whitespace) {
-        &b"{}"[..]
-    } else {
-        body
-    };
-    serde_json::from_slice(body)
-        .map_err(|e| Refusal::new(400, format!("{what}: the JSON body is not valid: {e}")))
 }
 
 fn check_timeout(timeout: i64) -> Result<u64, Refusal> {

@@ -82,7 +82,7 @@ pub async fn update(
     id: &str,
     body: &[u8],
 ) -> Result<Response<Out>, Refusal> {
-    let options: NetworkOptions = super::control::parse_json(body, "SandboxNetworkUpdateConfig")?;
+    let options: NetworkOptions = super::refusal::parse_json(body, "SandboxNetworkUpdateConfig")?;
     let egress = egress(None, &options)?.unwrap_or_else(|| "all".to_string());
     let native = json!({ "egress": egress }).to_string();
     let action = api::parse(
