@@ -82,7 +82,7 @@ async def harbor():
         assert info.size == 6, info
         ok("Harbor: files write (bytes, root), read bytes/text/stream, get_info")
         try:
-            await sbx.update_network(allow_out=["1.1.1.1"])
+            await sbx.update_network({"allow_out": ["1.1.1.1"]})
             raise AssertionError("update_network succeeded")
         except Exception as e:  # noqa: BLE001 - the SDK's exception type
             assert "has no network" in str(e), e
