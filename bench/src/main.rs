@@ -12,6 +12,7 @@ mod jailer;
 mod linux;
 mod linux_fs;
 mod linux_net;
+mod networks;
 mod procfs;
 mod side_by_side;
 mod snapshot;
@@ -230,6 +231,29 @@ enum Bench {
         /// restored VMM takes longer than the daemon's default 10 s to answer.
         #[arg(long, default_value_t = 120)]
         vmm_start_timeout: u64,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Networks per sandbox through `rollbox serve` (root, /dev/net/tun, nft): booted create
+    /// latency without a network and with egress none and all, delete latency, and a live
+    /// policy change (PATCH /sandboxes/{id}/network).
+    Networks {
+        /// The rollbox CLI [default: target/release/rollbox].
+        #[arg(long)]
+        rollbox: Option<PathBuf>,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// The test guest ELF [default: target/test-guest/test-guest].
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// Where the scratch state directory goes (removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        dir: PathBuf,
+        /// Creates per row (and policy changes).
+        #[arg(long, default_value_t = 50)]
+        creates: usize,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -552,6 +576,30 @@ fn main() -> ExitCode {
                 "volumes",
                 volumes::run(&config),
                 volumes::markdown,
+                json.as_deref(),
+            )
+        }
+        Bench::Networks {
+            rollbox,
+            vmm,
+            guest,
+            dir,
+            creates,
+            json,
+        } => {
+            let (default_rollbox, default_vmm, default_guest) =
+                daemon::default_paths(&workspace_root());
+            let config = networks::NetworksBenchConfig {
+                rollbox: rollbox.unwrap_or(default_rollbox),
+                vmm: vmm.unwrap_or(default_vmm),
+                guest: guest.unwrap_or(default_guest),
+                dir,
+                creates: creates.max(1),
+            };
+            finish(
+                "networks",
+                networks::run(&config),
+                networks::markdown,
                 json.as_deref(),
             )
         }

@@ -125,6 +125,7 @@ fn request_for(method: &str, pattern: &str) -> (Option<&'static [u8]>, Option<&'
         ("POST", p) if p.ends_with("signal") => Some(br#"{"signal":"TERM"}"#),
         ("POST", p) if p.ends_with("stdin") => Some(br#"{"data":"x"}"#),
         ("POST", p) if p.ends_with("fork") => Some(br#"{"count":1}"#),
+        ("PATCH", p) if p.ends_with("network") => Some(br#"{"egress":"all"}"#),
         ("PUT", _) => Some(b"x"),
         _ => None,
     };
