@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rollbox_agent_protocol::client::ClientOptions;
-use rollbox_agent_protocol::{AgentClient, ExecRequest, NetworkConfig, DEFAULT_PORT};
+use rollbox_agent_protocol::{AgentClient, ClientError, ExecRequest, NetworkConfig, DEFAULT_PORT};
 
 use super::super::api::{ApiError, SandboxNetwork, State, Template};
 use super::super::util::touch;
@@ -127,19 +127,27 @@ impl Guest {
             dns: network.dns.iter().map(|dns| dns.to_string()).collect(),
             mac: Some(network.mac.clone()),
         };
-        let client = self.agent(id).await?;
-        let applied = tokio::time::timeout(self.timeout, client.configure_network(&config)).await;
-        match applied {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(ApiError::Unavailable(format!(
-                "network: the agent of sandbox {id} did not take address {}: {e}",
+        // Right after a restore the guest may still be handling the vsock transport reset,
+        // which closes connections made before it: a closed connection is tried again
+        // (setting the same address twice is harmless) until the agent timeout.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        loop {
+            let client = self.agent(id).await?;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let applied = tokio::time::timeout(left, client.configure_network(&config)).await;
+            let error = match applied {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(ClientError::Disconnected(_))) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {} s", self.timeout.as_secs()),
+            };
+            return Err(ApiError::Unavailable(format!(
+                "network: the agent of sandbox {id} did not take address {}: {error}",
                 config.address
-            ))),
-            Err(_) => Err(ApiError::Unavailable(format!(
-                "network: the agent of sandbox {id} did not take address {} within {} s",
-                config.address,
-                self.timeout.as_secs()
-            ))),
+            )));
         }
     }
 
