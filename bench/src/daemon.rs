@@ -66,6 +66,36 @@ pub struct DaemonBenchConfig {
     pub vmm_start_timeout_s: Option<u64>,
 }
 
+impl DaemonBenchConfig {
+    /// A jailed daemon of 32 MiB test-guest sandboxes that measures none of this bench's own
+    /// figures: the daemon other benches (volumes, networks) start and drive themselves.
+    pub(crate) fn for_other_bench(
+        rollbox: PathBuf,
+        vmm: PathBuf,
+        guest: PathBuf,
+        dir: PathBuf,
+        vmm_start_timeout_s: Option<u64>,
+    ) -> DaemonBenchConfig {
+        DaemonBenchConfig {
+            rollbox,
+            vmm,
+            guest,
+            memory_mib: 32,
+            dir,
+            serial: 0,
+            concurrency: Vec::new(),
+            rounds: 0,
+            sustained: 0,
+            sustained_workers: 0,
+            forks: 0,
+            fork_count: 0,
+            live: 0,
+            jailer: true,
+            vmm_start_timeout_s,
+        }
+    }
+}
+
 /// Latency of creates (201) made `concurrency` at a time.
 #[derive(Debug, Serialize)]
 pub struct ConcurrencyFigure {

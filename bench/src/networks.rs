@@ -44,23 +44,13 @@ pub struct NetworksReport {
 }
 
 fn daemon_config(config: &NetworksBenchConfig) -> DaemonBenchConfig {
-    DaemonBenchConfig {
-        rollbox: config.rollbox.clone(),
-        vmm: config.vmm.clone(),
-        guest: config.guest.clone(),
-        memory_mib: 32,
-        dir: config.dir.clone(),
-        serial: 0,
-        concurrency: Vec::new(),
-        rounds: 0,
-        sustained: 0,
-        sustained_workers: 0,
-        forks: 0,
-        fork_count: 0,
-        live: 0,
-        jailer: true,
-        vmm_start_timeout_s: None,
-    }
+    DaemonBenchConfig::for_other_bench(
+        config.rollbox.clone(),
+        config.vmm.clone(),
+        config.guest.clone(),
+        config.dir.clone(),
+        None,
+    )
 }
 
 pub fn run(config: &NetworksBenchConfig) -> Result<NetworksReport, DaemonBenchError> {

@@ -64,23 +64,13 @@ pub struct VolumesReport {
 }
 
 fn daemon_config(config: &VolumesBenchConfig) -> DaemonBenchConfig {
-    DaemonBenchConfig {
-        rollbox: config.rollbox.clone(),
-        vmm: config.vmm.clone(),
-        guest: config.guest.clone(),
-        memory_mib: 32,
-        dir: config.dir.clone(),
-        serial: 0,
-        concurrency: Vec::new(),
-        rounds: 0,
-        sustained: 0,
-        sustained_workers: 0,
-        forks: 0,
-        fork_count: 0,
-        live: 0,
-        jailer: true,
-        vmm_start_timeout_s: Some(config.vmm_start_timeout_s),
-    }
+    DaemonBenchConfig::for_other_bench(
+        config.rollbox.clone(),
+        config.vmm.clone(),
+        config.guest.clone(),
+        config.dir.clone(),
+        Some(config.vmm_start_timeout_s),
+    )
 }
 
 fn template(daemon: &Daemon, name: &str, guest: &Path, run: &str) -> Result<(), DaemonBenchError> {

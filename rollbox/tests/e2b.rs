@@ -427,19 +427,6 @@ fn e2b_env_vars_are_the_sandbox_env() {
     assert_eq!(forked["env"], json!({ "GREETING": "hi there" }), "{forked}");
 }
 
-/// The lease directory of a test's daemon: whatever the test left there is released when it
-/// ends (taps and rules are the host's).
-struct NetLeases(PathBuf);
-
-impl Drop for NetLeases {
-    fn drop(&mut self) {
-        let state = rollbox::net::StateDir::new(&self.0);
-        for lease in rollbox::net::leases(&state).unwrap_or_default() {
-            let _ = rollbox::net::release(&state, &lease.name);
-        }
-    }
-}
-
 /// E2B's `allow_internet_access` and `network.allowOut`/`denyOut` are the egress of the
 /// sandbox's network (its template's), and the SDK's network update (`PUT
 /// /sandboxes/{id}/network`) changes it; what rollbox cannot express is refused by field.
@@ -458,7 +445,7 @@ fn e2b_network_options_are_the_sandbox_egress() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let net_dir = dir.path().join("net");
-    let leases = NetLeases(net_dir.clone());
+    let leases = rollbox_tests::daemon::NetLeases(net_dir.clone());
     let extra: Vec<String> = vec![
         "--net-pool".into(),
         "10.246.0.0/24".into(),

@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rollbox::daemon::client::Endpoint;
-use rollbox_tests::daemon::KEY;
+use rollbox_tests::daemon::{NetLeases, KEY};
 use rollbox_tests::{
     jailer_binary, kvm_available, rollbox_binary, skip, test_guest, venv_python, vmm_binary,
     workspace_root, TEST_GUEST_CMDLINE,
@@ -33,19 +33,6 @@ const CHECKS: &str = "not_a_server_error,status_code_conformance,content_type_co
 
 /// Children killed on drop.
 struct Children(Vec<Child>);
-
-/// The network lease directory the daemon is given: what it leaves there (sandboxes with a
-/// network that the run did not delete) is released after it is killed.
-struct NetLeases(PathBuf);
-
-impl Drop for NetLeases {
-    fn drop(&mut self) {
-        let state = rollbox::net::StateDir::new(&self.0);
-        for lease in rollbox::net::leases(&state).unwrap_or_default() {
-            let _ = rollbox::net::release(&state, &lease.name);
-        }
-    }
-}
 
 impl Drop for Children {
     fn drop(&mut self) {

@@ -297,10 +297,7 @@ impl Drop for Server {
         self.kill9();
         end_vmms(&self.state());
         // Taps, rules and leases of sandboxes with a network.
-        let net = rollbox::net::StateDir::new(self.net_state());
-        for lease in rollbox::net::leases(&net).unwrap_or_default() {
-            let _ = rollbox::net::release(&net, &lease.name);
-        }
+        release_leases(&self.net_state());
         if let Ok(dir) = std::fs::canonicalize(self.state()) {
             // The groups of jails whose jailer went with the kill, and their parents.
             let fs = Path::new("/sys/fs/cgroup");
@@ -329,6 +326,24 @@ impl Drop for Server {
 }
 
 /// Ends every VMM (or jailer) still running under the daemon state directory `state`.
+/// Releases every network lease in lease directory `dir` (its taps and nftables rules are the
+/// host's: a test that fails must not leave them behind).
+pub fn release_leases(dir: &Path) {
+    let state = rollbox::net::StateDir::new(dir);
+    for lease in rollbox::net::leases(&state).unwrap_or_default() {
+        let _ = rollbox::net::release(&state, &lease.name);
+    }
+}
+
+/// A lease directory given to a daemon the test starts itself: [`release_leases`] on drop.
+pub struct NetLeases(pub PathBuf);
+
+impl Drop for NetLeases {
+    fn drop(&mut self) {
+        release_leases(&self.0);
+    }
+}
+
 pub fn end_vmms(state: &Path) {
     if let Ok(dir) = std::fs::canonicalize(state) {
         for found in vm::find_vmms(&dir.join("sandboxes")) {
