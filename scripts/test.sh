@@ -78,27 +78,28 @@ export ROLLBOX_TIER4_FIXTURES="$fixtures"
 log="$(mktemp)"
 export ROLLBOX_SKIP_LOG="$(mktemp)"
 tests_log=/dev/null
-trap 'rm -f "$log" "$ROLLBOX_SKIP_LOG"; [[ "$tests_log" == /dev/null ]] || rm -f "$tests_log"' EXIT
-status=0
+trap 'rm -f "$log" "$ROLLBOX_SKIP_LOG" "${fuzz_log:-}"; [[ "$tests_log" == /dev/null ]] || rm -f "$tests_log"' EXIT
+status=0 failed_phases=()
+# A phase that fails is named again at the end, where a log's tail shows it; its status is kept.
+fail() { failed_phases+=("$1 (status $2)"); status="$2"; }
+fuzz_log="$(mktemp)"
 step "shape: the generated sync SDK is current; no module cycles, no file over 1,200 lines"
-scripts/check-sdk-sync.sh || status=1
-python3 scripts/check-shape.py || status=1
+scripts/check-sdk-sync.sh || fail "shape: the sync SDK is not generated from aio.py" 1
+python3 scripts/check-shape.py || fail "shape: module cycles or long files" 1
 step "tests: tiers 1-3 (tier 4 runs next, in the lab)"
-cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || status=$?
+cargo test --workspace --no-fail-fast -- --test-threads=2 --skip tier4:: 2>&1 | tee "$log" || fail "tests: tiers 1-3" $?
 tests_log="$(mktemp)"
 cp "$log" "$tests_log"
 step "tier 3 smoke: our kernel under QEMU TCG (pc and microvm, vsock both ways)"
-scripts/tcg/smoke.sh || status=$?
+scripts/tcg/smoke.sh || fail "tier 3 smoke" $?
 step "fuzz: every target for ${ROLLBOX_FUZZ_SECONDS:-20} s (scripts/fuzz.sh, docs/fuzzing.md)"
 # The workspace's debug build (overflow checks and debug assertions on): no optimised build
 # of the dependency tree first. A crash fails the run; its input is in fuzz/artifacts/.
-scripts/fuzz.sh --debug-build --jobs "$(nproc)" --seconds "${ROLLBOX_FUZZ_SECONDS:-20}" || status=1
+scripts/fuzz.sh --debug-build --jobs "$(nproc)" --seconds "${ROLLBOX_FUZZ_SECONDS:-20}" 2>&1 | tee "$fuzz_log" || fail "fuzz" 1
 step "tier 4: Linux under rollbox-vmm (tier4_linux, tier4_volumes, tier4_network, tier4_vfio, tier4_daemon)"
 # scripts/tier4.sh: directly where this host's KVM has hardware virtualization, else in the
 # nested lab, which it starts again when L1 is lost (each restart named).
-tier4_status=0
-scripts/tier4.sh --log "$log" || tier4_status=$?
-[[ "$tier4_status" -eq 0 ]] || status="$tier4_status"
+scripts/tier4.sh --log "$log" || fail "tier 4" $?
 step "done"
 # One closing line over every test binary; a skipped test returned early and counts as passed
 # in libtest's own summary, so it moves from passed to skipped here.
@@ -137,4 +138,9 @@ if grep -q '^test .* \.\.\. ignored' "$log"; then
     grep '^test .* \.\.\. ignored' "$log" | sed 's/^test /  /'
 fi
 time_table
+if [[ ${#failed_phases[@]} -gt 0 ]]; then
+    echo "FAILED phases: ${failed_phases[*]}"
+    # A fuzz crash names its target and input above; its lines again, here at the end.
+    grep -E '^fuzz .*(CRASH|ABORTED|crashes [1-9])' "$fuzz_log" | sed 's/^/  /' || true
+fi
 exit "$status"

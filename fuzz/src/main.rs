@@ -311,8 +311,14 @@ fn fuzz(target: &Target, options: &RunOptions) -> Result<i32, DriverError> {
         std::fs::write(&path, data).map_err(io_err(&path))?;
         let location = message.rsplit(" at ").next().unwrap_or("").to_string();
         if unique.insert(location) {
+            // The input in hex too (when short), so a crash seen only in a CI log replays.
+            let hex = if data.len() <= 4096 {
+                data.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            } else {
+                format!("{} bytes, too long to print", data.len())
+            };
             println!(
-                "fuzz {}: CRASH {message} (input {})",
+                "fuzz {}: CRASH {message} (input {}; hex {hex})",
                 target.name,
                 path.display()
             );
