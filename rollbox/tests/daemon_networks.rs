@@ -3,7 +3,8 @@
 //! tap from its own network namespace, a reset keeps it, and everything goes with the
 //! sandbox: on delete, when a restore fails, over many create/delete cycles, and after kill -9
 //! of the daemon mid-create. The traffic itself
-//! (what a Linux guest can reach under each policy) is `tier4_network.rs`'s.
+//! (what a Linux guest can reach under each policy) is `tier4_network.rs`'s; exposed ports get
+//! free host ports on 127.0.0.1 and the `--publish` address (the DNAT itself is `net.rs`'s).
 
 // Test code: a panic is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -293,6 +294,150 @@ fn each_egress_policy_makes_its_tap_address_and_rules_and_delete_removes_them() 
     );
     assert_eq!(status, 409, "{body}");
     assert!(body.to_string().contains("has no network"), "{body}");
+}
+
+/// One more address of this host (on `lo`), for `--publish`; removed when dropped.
+struct LocalAddress {
+    cidr: String,
+}
+
+impl LocalAddress {
+    fn add(addr: &str) -> LocalAddress {
+        let cidr = format!("{addr}/32");
+        let out = Command::new("ip")
+            .args(["addr", "add", &cidr, "dev", "lo"])
+            .output()
+            .expect("ip");
+        assert!(out.status.success(), "ip addr add {cidr} dev lo: {out:?}");
+        LocalAddress { cidr }
+    }
+}
+
+impl Drop for LocalAddress {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["addr", "del", &self.cidr, "dev", "lo"])
+            .status();
+    }
+}
+
+#[test]
+fn exposed_ports_get_free_host_ports_on_loopback_and_the_publish_address() {
+    if !prerequisites("exposed_ports_get_free_host_ports_on_loopback_and_the_publish_address") {
+        return;
+    }
+    let publish = "192.0.2.201";
+    let _address = LocalAddress::add(publish);
+    // Four host ports, one of which a host process listens on: exposures never hide it.
+    let busy = std::net::TcpListener::bind(("0.0.0.0", 23802)).expect("bind 23802");
+    let pool = "10.248.0.0/24";
+    let server = Server::start(&[
+        "--net-pool",
+        pool,
+        "--agent-timeout",
+        "2",
+        "--publish",
+        publish,
+        "--expose-port-range",
+        "23800-23803",
+    ]);
+    let net = Networked {
+        server,
+        pool: pool.to_string(),
+    };
+    let server = &net.server;
+    server.add_guest_template("guest");
+    let create = |expose: Value| {
+        server.call(
+            "POST",
+            "/sandboxes",
+            Some(json!({"template": "guest", "ttl_s": 120, "network": {"expose": expose}})),
+        )
+    };
+    let ports = |sandbox: &Value| -> Vec<(u64, String, u64)> {
+        sandbox["network"]["ports"]
+            .as_array()
+            .unwrap_or(&Vec::new())
+            .iter()
+            .map(|p| {
+                (
+                    p["port"].as_u64().unwrap(),
+                    p["host_address"].as_str().unwrap().to_string(),
+                    p["host_port"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let (status, a) = create(json!([8080, 22]));
+    assert_eq!(status, 201, "{a}\n{}", server.log_tail());
+    assert_eq!(
+        ports(&a),
+        [
+            (8080, publish.to_string(), 23800),
+            (22, publish.to_string(), 23801)
+        ],
+        "{a}"
+    );
+    let (status, b) = create(json!([8080]));
+    assert_eq!(status, 201, "{b}");
+    assert_eq!(ports(&b), [(8080, publish.to_string(), 23803)], "{b}");
+    // The range is used up (23802 is the host's): a clear 503, and nothing made.
+    let (status, c) = create(json!([80]));
+    assert_eq!(status, 503, "{c}");
+    assert!(
+        c.to_string().contains("--expose-port-range 23800-23803"),
+        "{c}"
+    );
+    assert_eq!(net.leases().len(), 2, "the refused create left a lease");
+    drop(busy);
+    // Each port is on 127.0.0.1 and on the publish address, towards the sandbox's guest.
+    let listing = rollbox::net::nft::list_table().unwrap().unwrap_or_default();
+    let on_addresses = rollbox::net::nft::ports(&listing);
+    let a_addr: std::net::Ipv4Addr = a["network"]["address"].as_str().unwrap().parse().unwrap();
+    for on in ["127.0.0.1", publish] {
+        assert!(
+            on_addresses.contains(&(on.parse().unwrap(), 23800, a_addr, 8080)),
+            "{on}:23800 -> {a_addr}:8080 missing from {on_addresses:?}"
+        );
+    }
+    // Host connections to 127.0.0.1 are DNAT-ed to the guest through its tap.
+    let tap = a["network"]["tap"].as_str().unwrap();
+    let localnet =
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{tap}/route_localnet")).unwrap();
+    assert_eq!(localnet.trim(), "1");
+    // A live sandbox's ports cannot change; a reset keeps them; a snapshot records them.
+    let a_id = a["id"].as_str().unwrap();
+    let (status, body) = server.call(
+        "PATCH",
+        &format!("/sandboxes/{a_id}/network"),
+        Some(json!({"egress": "all", "expose": [9090]})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.to_string().contains("expose"), "{body}");
+    let (status, reset) = server.call("POST", &format!("/sandboxes/{a_id}/reset"), Some(json!({})));
+    assert_eq!(status, 200, "{reset}\n{}", server.log_tail());
+    assert_eq!(ports(&reset), ports(&a));
+    let (status, snapshot) = server.call("POST", &format!("/sandboxes/{a_id}/snapshots"), None);
+    assert_eq!(status, 201, "{snapshot}");
+    assert_eq!(snapshot["expose"], json!([8080, 22]), "{snapshot}");
+    // Deleting frees the host ports: the next create gets the lowest again.
+    for sandbox in [&a, &b] {
+        let id = sandbox["id"].as_str().unwrap();
+        let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204, "{body}");
+    }
+    net.assert_clean();
+    let (status, d) = create(json!([8080]));
+    assert_eq!(status, 201, "{d}");
+    let d_port = ports(&d)[0].2;
+    assert!((23800..=23803).contains(&d_port), "{d}");
+    let (status, body) = server.call(
+        "DELETE",
+        &format!("/sandboxes/{}", d["id"].as_str().unwrap()),
+        None,
+    );
+    assert_eq!(status, 204, "{body}");
+    net.assert_clean();
 }
 
 #[test]

@@ -946,6 +946,28 @@ fn egress_policy_is_enforced() {
     net.up("guest3", &a3.iter().map(String::as_str).collect::<Vec<_>>());
     let a4 = args(veth(&g4), &["--egress", "all,10.249.1.4/30,169.254.77.1"]);
     net.up("guest4", &a4.iter().map(String::as_str).collect::<Vec<_>>());
+    // Ports exposed on addresses (as `rollbox serve` exposes them): guest5's on 127.0.0.1
+    // only (the host itself), guest6's on 127.0.0.1 and the host's address towards A.
+    let (g5, g6) = (Netns::new(&ns("g5")), Netns::new(&ns("g6")));
+    let a5 = args(
+        veth(&g5),
+        &["--expose", "23703:9000", "--expose-on", "127.0.0.1"],
+    );
+    let i5 = net.up("guest5", &a5.iter().map(String::as_str).collect::<Vec<_>>());
+    let a6 = args(
+        veth(&g6),
+        &[
+            "--expose",
+            "23704:9000",
+            "--expose-on",
+            "127.0.0.1",
+            "--expose-on",
+            "10.249.1.1",
+        ],
+    );
+    net.up("guest6", &a6.iter().map(String::as_str).collect::<Vec<_>>());
+    let _g5_9000 = Listener::start(Some(&g5.name), 9000, "guest5");
+    let _g6_9000 = Listener::start(Some(&g6.name), 9000, "guest6");
     let ip_of = |info: &Value, key: &str| info[key].as_str().unwrap().to_string();
     let (g1_ip, g1_gw) = (ip_of(&i1, "guest_ip"), ip_of(&i1, "host_ip"));
     let (g2_ip, g2_gw) = (ip_of(&i2, "guest_ip"), ip_of(&i2, "host_ip"));
@@ -1037,10 +1059,29 @@ fn egress_policy_is_enforced() {
         "guest1 10.249.1.2"
     );
     assert!(connect(None, &g1_gw, 23701).unwrap().starts_with("guest1 "));
+    // On 127.0.0.1: the host reaches it there (the guest sees the tap's address), and an
+    // outside host cannot, on any address, unless the port is on that address too.
+    let g5_gw = ip_of(&i5, "host_ip");
+    assert_eq!(
+        connect(None, "127.0.0.1", 23703).unwrap(),
+        format!("guest5 {g5_gw}")
+    );
+    connect(Some(&host_a.name), "10.249.1.1", 23703).expect_err("guest5's port is the host's only");
+    assert!(connect(None, "127.0.0.1", 23704)
+        .unwrap()
+        .starts_with("guest6 "));
+    assert_eq!(
+        connect(Some(&host_a.name), "10.249.1.1", 23704).unwrap(),
+        "guest6 10.249.1.2"
+    );
+    // Neither is on the host's other addresses.
+    connect(None, &g1_gw, 23703).expect_err("only where exposed");
     // `down` takes the exposure away with the rest.
-    for name in ["guest1", "guest2", "guest3", "guest4"] {
+    for name in ["guest1", "guest2", "guest3", "guest4", "guest5", "guest6"] {
         net.down(name);
     }
     connect(Some(&host_a.name), "10.249.1.1", 23701).expect_err("exposure removed");
+    connect(None, "127.0.0.1", 23703).expect_err("exposure removed");
+    connect(Some(&host_a.name), "10.249.1.1", 23704).expect_err("exposure removed");
     net.assert_clean();
 }

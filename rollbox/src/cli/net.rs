@@ -64,6 +64,10 @@ pub struct NetUpArgs {
     /// Forward host TCP port HOSTPORT to the guest's GUESTPORT (repeatable).
     #[arg(long, value_name = "HOSTPORT:GUESTPORT", num_args = 1..)]
     expose: Vec<String>,
+    /// Expose the ports on this host address only (repeatable; 127.0.0.1: the host itself).
+    /// Without it: on every local address but loopback.
+    #[arg(long, value_name = "IP")]
+    expose_on: Vec<String>,
     /// Tests only: instead of a tap, a veth pair whose peer, configured as the guest, sits in
     /// this network namespace (the rules are the same).
     #[arg(long, value_name = "NETNS", hide = true)]
@@ -83,6 +87,7 @@ fn net(command: NetCommand) -> Result<(), rollbox::net::NetError> {
                 egress: args.egress,
                 dns: args.dns,
                 expose: args.expose,
+                expose_on: args.expose_on,
                 link: match args.veth_netns {
                     Some(netns) => net::LinkKind::Veth { netns },
                     None => net::LinkKind::Tap,

@@ -13,7 +13,7 @@ use super::guest;
 #[derive(Subcommand)]
 pub enum SandboxCommand {
     /// Create a sandbox from a template (a boot) or from a snapshot (a restore) and print it.
-    Create(CreateArgs),
+    Create(Box<CreateArgs>),
     /// List live sandboxes (or those in --state).
     Ls(LsArgs),
     /// Show one sandbox.
@@ -143,15 +143,30 @@ pub struct CreateArgs {
     /// A network with this egress: none, all, or an allow-list CIDR[:PORT[-PORT]],...
     #[arg(long, value_name = "POLICY")]
     pub egress: Option<String>,
+    /// Expose this guest TCP port on a host port (repeatable; implies a network): `sandbox
+    /// get` shows the host address and port.
+    #[arg(long = "expose", value_name = "PORT")]
+    pub expose: Vec<u16>,
 }
 
-/// `network` of a create or template: `--egress POLICY` (which implies a network), or
-/// `--network` (the server's default egress).
-pub fn network_body(network: bool, egress: Option<String>) -> Option<serde_json::Value> {
-    match egress {
-        Some(policy) => Some(json!({ "egress": policy })),
-        None => network.then(|| json!({})),
+/// `network` of a create or template: `--egress POLICY` and `--expose PORT` (which imply a
+/// network), or `--network` (the server's default egress).
+pub fn network_body(
+    network: bool,
+    egress: Option<String>,
+    expose: Vec<u16>,
+) -> Option<serde_json::Value> {
+    if !network && egress.is_none() && expose.is_empty() {
+        return None;
     }
+    let mut body = json!({});
+    if let Some(policy) = egress {
+        body["egress"] = json!(policy);
+    }
+    if !expose.is_empty() {
+        body["expose"] = json!(expose);
+    }
+    Some(body)
 }
 
 /// `ls`'s arguments.
@@ -224,7 +239,7 @@ pub struct ResetArgs {
 /// Runs one subcommand; the process's exit status (a command's own for `exec`).
 pub fn run(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
     match command {
-        SandboxCommand::Create(args) => create(conn, args),
+        SandboxCommand::Create(args) => create(conn, *args),
         SandboxCommand::Ls(args) => ls(conn, args),
         SandboxCommand::Get { id } => get(conn, &id),
         SandboxCommand::Rm(args) => rm(conn, args),
@@ -268,6 +283,7 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
         gpu_wait,
         network,
         egress,
+        expose,
     } = args;
     let mut body = json!({
         "labels": key_values(&labels, "label")?,
@@ -310,7 +326,7 @@ fn create(conn: &Conn, args: CreateArgs) -> Result<u8, CliError> {
     if let Some(s) = gpu_wait {
         body["gpu_wait_s"] = json!(s);
     }
-    if let Some(network) = network_body(network, egress) {
+    if let Some(network) = network_body(network, egress, expose) {
         body["network"] = network;
     }
     if let Some(count) = count {
@@ -469,7 +485,7 @@ fn pause_resume(conn: &Conn, id: &str, verb: &str) -> Result<u8, CliError> {
 
 /// `rollbox sandbox network`.
 fn set_network(conn: &Conn, id: &str, egress: String) -> Result<u8, CliError> {
-    let body = network_body(true, Some(egress));
+    let body = network_body(true, Some(egress), Vec::new());
     let response = conn.call("PATCH", &format!("/sandboxes/{id}/network"), body)?;
     if conn.json {
         print_json(&response);
@@ -656,6 +672,9 @@ fn print_sandbox(s: &Sandbox) {
             "network:  {}/{} via {} (tap {}), egress {}",
             n.address, n.prefix_len, n.gateway, n.tap, n.egress
         );
+        for p in &n.ports {
+            println!("port:     {} at {}:{}", p.port, p.host_address, p.host_port);
+        }
     }
     for v in &s.volumes {
         let ro = if v.readonly { " (read-only)" } else { "" };

@@ -102,6 +102,14 @@ pub struct ServeArgs {
     /// else none].
     #[arg(long, value_name = "IP")]
     sandbox_dns: Option<std::net::Ipv4Addr>,
+    /// Exposed ports (a create's `network.expose`) are on 127.0.0.1 only, for this host;
+    /// with this, on this address of the host too, reachable from other hosts.
+    #[arg(long, value_name = "IP")]
+    publish: Option<std::net::Ipv4Addr>,
+    /// The host ports exposed guest ports get, LOW-HIGH (keep it clear of the kernel's
+    /// ephemeral range, net.ipv4.ip_local_port_range).
+    #[arg(long, value_name = "LOW-HIGH", default_value = "20000-29999")]
+    expose_port_range: String,
     /// Keep each sandbox's newest N snapshots; older ones are removed unless a live sandbox
     /// was restored or reset from them.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -221,18 +229,45 @@ fn positive_seconds(text: &str) -> Result<f64, String> {
 }
 
 /// The network flags, checked.
-fn network_options(
-    default_egress: &str,
-    pool: &str,
-    state_dir: Option<PathBuf>,
-    dns: Option<std::net::Ipv4Addr>,
-) -> Result<NetworkOptions, String> {
+fn network_options(args: &ServeArgs) -> Result<NetworkOptions, String> {
+    let ServeArgs {
+        default_egress,
+        net_pool: pool,
+        net_state_dir: state_dir,
+        sandbox_dns: dns,
+        publish,
+        expose_port_range,
+        ..
+    } = args;
+    let port_range = expose_port_range
+        .split_once('-')
+        .and_then(|(low, high)| Some((low.parse::<u16>().ok()?, high.parse::<u16>().ok()?)))
+        .filter(|(low, high)| *low > 0 && low <= high)
+        .ok_or_else(|| {
+            format!("--expose-port-range {expose_port_range:?}: want LOW-HIGH, 1 <= LOW <= HIGH <= 65535")
+        })?;
+    if let Some(addr) = publish {
+        // It must be one of this host's addresses, and not one that says "every address".
+        if addr.is_unspecified() || addr.is_loopback() {
+            return Err(format!(
+                "--publish {addr}: name one address of this host that other hosts reach (exposed ports are on 127.0.0.1 already)"
+            ));
+        }
+        std::net::TcpListener::bind((*addr, 0))
+            .map_err(|e| format!("--publish {addr}: not an address of this host ({e})"))?;
+    }
     Ok(NetworkOptions {
+        publish: *publish,
+        port_range,
         default_egress: default_egress
             .parse()
             .map_err(|e| format!("--default-egress: {e}"))?,
         pool: rollbox::net::Pool::parse(pool).map_err(|e| format!("--net-pool: {e}"))?,
-        state_dir: absolute(state_dir.unwrap_or_else(rollbox::net::default_state_dir)),
+        state_dir: absolute(
+            state_dir
+                .clone()
+                .unwrap_or_else(rollbox::net::default_state_dir),
+        ),
         dns: dns.or_else(rollbox::daemon::host_dns),
     })
 }
@@ -241,6 +276,13 @@ fn network_options(
 pub fn serve(args: ServeArgs) -> ExitCode {
     let api_key = match read_key(args.api_key_file.as_ref()) {
         Ok(key) => key,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let networks = match network_options(&args) {
+        Ok(networks) => networks,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
@@ -276,18 +318,6 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         header_timeout: Duration::from_secs_f64(args.http_header_timeout),
         tls_handshake_timeout: Duration::from_secs_f64(args.tls_handshake_timeout),
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
-    };
-    let networks = match network_options(
-        &args.default_egress,
-        &args.net_pool,
-        args.net_state_dir,
-        args.sandbox_dns,
-    ) {
-        Ok(networks) => networks,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
     };
     let options = ServeOptions {
         networks,

@@ -108,6 +108,10 @@ pub struct TemplateMounts {
     /// CIDR[:PORT[-PORT]],...), unless its create names another.
     #[arg(long, value_name = "POLICY")]
     egress: Option<String>,
+    /// Every sandbox of the template exposes this guest TCP port on a host port of its own
+    /// (repeatable; implies a network), unless its create names other ports.
+    #[arg(long = "expose", value_name = "PORT")]
+    expose: Vec<u16>,
 }
 
 impl TemplateMounts {
@@ -115,7 +119,8 @@ impl TemplateMounts {
         if !self.volumes.is_empty() {
             body["volumes"] = json!(self.volumes);
         }
-        if let Some(network) = super::sandbox::network_body(self.network, self.egress) {
+        if let Some(network) = super::sandbox::network_body(self.network, self.egress, self.expose)
+        {
             body["network"] = network;
         }
     }

@@ -197,6 +197,7 @@ mod tests {
             tenant: None,
             volumes: Vec::new(),
             network: None,
+            expose: Vec::new(),
         }
     }
 

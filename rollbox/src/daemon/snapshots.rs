@@ -176,6 +176,11 @@ impl Snapshots {
             tenant: sandbox.tenant.clone(),
             volumes: sandbox.volumes.clone(),
             network: sandbox.network.as_ref().map(|n| n.egress.clone()),
+            expose: sandbox
+                .network
+                .as_ref()
+                .map(|n| n.ports.iter().map(|p| p.port).collect())
+                .unwrap_or_default(),
         };
         let pin = self.retention.pin(&snapshot.id);
         let failed = |e: String| ApiError::Internal(format!("snapshot of sandbox {id}: {e}"));

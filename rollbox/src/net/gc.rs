@@ -57,6 +57,7 @@ pub fn gc(state: &StateDir, pool: &Pool) -> Result<Vec<String>, NetError> {
     let mut orphans: Vec<String> = nft::sandbox_chains(&listing);
     orphans.extend(nft::mapped_interfaces(&listing));
     let addresses = nft::exposed(&listing).into_iter().map(|(_, addr, _)| addr);
+    let addresses = addresses.chain(nft::ports(&listing).into_iter().map(|(_, _, addr, _)| addr));
     let addresses = addresses.chain(nft::guests(&listing));
     orphans.extend(addresses.map(|addr| pool::slot_of_ip(addr).tap_name()));
     orphans.extend(tap::interfaces());
@@ -84,19 +85,19 @@ fn remove_orphan(
     removed: &mut Vec<String>,
 ) -> Result<(), NetError> {
     if !listing.is_empty() {
-        // Whatever of it is there (chains, map and set elements): the script is idempotent.
-        let expose: Vec<(u16, u16)> = nft::exposed(listing)
-            .into_iter()
-            .filter(|(_, addr, _)| *addr == slot.guest_ip())
-            .map(|(host, _, guest)| (host, guest))
-            .collect();
+        // Whatever of it is there (chains, map and set elements): the script is idempotent;
+        // its exposed ports first, each on its own (only those that are there).
+        for statement in nft::delete_ports_of(listing, slot.guest_ip()) {
+            let _ = nft::apply(&statement);
+        }
         let rules = nft::Sandbox {
             tap,
             host_ip: slot.host_ip(),
             guest_ip: slot.guest_ip(),
             egress: &Egress::None,
             dns: None,
-            expose: &expose,
+            expose: &[],
+            expose_on: &[],
         };
         nft::apply(&nft::render_down(&rules))?;
         removed.push(format!("nftables rules of {tap}"));

@@ -13,6 +13,7 @@ pub fn sandbox_rules<'a>(lease: &'a Lease, egress: &'a Egress) -> nft::Sandbox<'
         egress,
         dns: lease.dns,
         expose: &lease.expose,
+        expose_on: &lease.expose_on,
     }
 }
 
@@ -26,6 +27,7 @@ pub fn lease(state: &StateDir, request: &LeaseRequest) -> Result<NetInfo, NetErr
         egress,
         dns,
         expose,
+        expose_on,
         link,
     } = request;
     check_name(name)?;
@@ -56,6 +58,7 @@ pub fn lease(state: &StateDir, request: &LeaseRequest) -> Result<NetInfo, NetErr
         egress: egress.to_string(),
         dns,
         expose: expose.clone(),
+        expose_on: expose_on.clone(),
         pid: std::process::id(),
         complete: false,
     });
@@ -81,6 +84,9 @@ pub fn lease(state: &StateDir, request: &LeaseRequest) -> Result<NetInfo, NetErr
         }
         link_made = true;
         tap::configure(&lease.tap, lease.host_ip, slot.subnet.netmask())?;
+        if !lease.expose.is_empty() && lease.expose_on.iter().any(|a| a.is_loopback()) {
+            tap::route_localnet(&lease.tap)?;
+        }
         tap::enable_forwarding()?;
         nft::admit_through_docker()?;
         nft::apply_up(&nft::render_up(&sandbox_rules(&lease, egress)))?;
@@ -151,11 +157,7 @@ fn remove_rules_one_by_one(lease: &Lease) -> Result<(), NetError> {
         format!("delete element {table} to_host {{ \"{tap}\" }}"),
         format!("delete element {table} guests {{ {} }}", lease.guest_ip),
     ];
-    for (port, addr, _) in nft::exposed(&listing) {
-        if addr == lease.guest_ip {
-            statements.push(format!("delete element {table} expose_tcp {{ {port} }}"));
-        }
-    }
+    statements.extend(nft::delete_ports_of(&listing, lease.guest_ip));
     statements.push(format!("delete chain {table} egress_{tap}"));
     statements.push(format!("delete chain {table} host_{tap}"));
     for statement in statements {

@@ -48,6 +48,8 @@ pub enum NetError {
     BadDns(String),
     #[error("--expose `{token}`: {reason}")]
     BadExpose { token: String, reason: String },
+    #[error("--expose-on `{0}` is not one IPv4 address of this host (such as 127.0.0.1)")]
+    BadExposeOn(String),
     #[error("pool {pool} overlaps the route to {route} on {interface}; pick a pool the host does not use")]
     PoolInUse {
         pool: String,
@@ -117,6 +119,8 @@ pub struct UpOptions {
     pub egress: String,
     pub dns: Option<String>,
     pub expose: Vec<String>,
+    /// The host addresses the ports are exposed on; none: every local address but loopback.
+    pub expose_on: Vec<String>,
     pub link: LinkKind,
 }
 
@@ -186,6 +190,9 @@ pub struct LeaseRequest {
     pub dns: Option<Ipv4Addr>,
     /// (host port, guest port) pairs forwarded to the guest (TCP).
     pub expose: Vec<(u16, u16)>,
+    /// The host addresses they are on (127.0.0.1 for the host itself); empty: every local
+    /// address but loopback.
+    pub expose_on: Vec<Ipv4Addr>,
     pub link: LinkKind,
 }
 
@@ -214,12 +221,24 @@ impl LeaseRequest {
             }
             expose.push(pair);
         }
+        let mut expose_on = Vec::new();
+        for text in &options.expose_on {
+            let addr = text
+                .parse::<Ipv4Addr>()
+                .ok()
+                .filter(|a| !a.is_unspecified() && !a.is_multicast() && !a.is_broadcast())
+                .ok_or_else(|| NetError::BadExposeOn(text.clone()))?;
+            if !expose_on.contains(&addr) {
+                expose_on.push(addr);
+            }
+        }
         Ok(LeaseRequest {
             name: options.name.clone(),
             pool,
             egress,
             dns,
             expose,
+            expose_on,
             link: options.link.clone(),
         })
     }

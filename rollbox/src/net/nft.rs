@@ -130,6 +130,9 @@ pub struct Sandbox<'a> {
     pub dns: Option<Ipv4Addr>,
     /// Host TCP port → guest TCP port.
     pub expose: &'a [(u16, u16)],
+    /// The host addresses `expose` is on; empty: every local address but loopback (map
+    /// `expose_tcp`). Else exactly these (map `ports_tcp`), 127.0.0.1 included if named.
+    pub expose_on: &'a [Ipv4Addr],
 }
 
 /// The table, maps and set (no chains): `add` leaves existing ones as they are.
@@ -142,6 +145,10 @@ fn declarations(s: &mut String) {
     let _ = writeln!(
         s,
         "add map {TABLE} expose_tcp {{ type inet_service : ipv4_addr . inet_service; }}"
+    );
+    let _ = writeln!(
+        s,
+        "add map {TABLE} ports_tcp {{ type ipv4_addr . inet_service : ipv4_addr . inet_service; }}"
     );
 }
 
@@ -176,6 +183,7 @@ fn base_chains(s: &mut String) {
         "type filter hook input priority filter",
         &[
             "iifname @sandboxes ct state established,related accept",
+            r#"iifname @sandboxes ip daddr 127.0.0.0/8 drop comment "a guest never reaches the host's loopback (route_localnet is on for exposed ports)""#,
             "iifname vmap @to_host",
             "iifname @sandboxes drop",
         ],
@@ -186,19 +194,26 @@ fn base_chains(s: &mut String) {
         "type nat hook prerouting priority dstnat",
         &[
             r#"iifname != @sandboxes fib daddr type local dnat ip to tcp dport map @expose_tcp comment "exposed ports""#,
+            r#"iifname != @sandboxes dnat ip to ip daddr . tcp dport map @ports_tcp comment "exposed ports on an address""#,
         ],
     );
     chain(
         s,
         "output",
         "type nat hook output priority -100",
-        &["ip daddr != 127.0.0.0/8 fib daddr type local dnat ip to tcp dport map @expose_tcp comment \"exposed ports, from the host itself\""],
+        &[
+            "ip daddr != 127.0.0.0/8 fib daddr type local dnat ip to tcp dport map @expose_tcp comment \"exposed ports, from the host itself\"",
+            "dnat ip to ip daddr . tcp dport map @ports_tcp comment \"exposed ports on an address, from the host itself\"",
+        ],
     );
     chain(
         s,
         "postrouting",
         "type nat hook postrouting priority srcnat",
-        &["ip saddr @guests oifname != @sandboxes masquerade"],
+        &[
+            "ip saddr @guests oifname != @sandboxes masquerade",
+            r#"ip saddr 127.0.0.0/8 oifname @sandboxes masquerade comment "exposed ports on 127.0.0.1""#,
+        ],
     );
 }
 
@@ -276,16 +291,33 @@ fn elements(s: &mut String, verb: &str, sandbox: &Sandbox<'_>) {
     );
     let _ = writeln!(s, "{verb} element {TABLE} sandboxes {{ \"{tap}\" }}");
     let _ = writeln!(s, "{verb} element {TABLE} guests {{ {guest} }}");
+    for line in expose_elements(verb, sandbox) {
+        let _ = writeln!(s, "{line}");
+    }
+}
+
+/// The map elements of a sandbox's exposed ports, with `verb` (`add`, `create`, `delete`).
+fn expose_elements(verb: &str, sandbox: &Sandbox<'_>) -> Vec<String> {
+    let guest = sandbox.guest_ip;
+    let mut lines = Vec::new();
     for (host_port, guest_port) in sandbox.expose {
-        if verb == "delete" {
-            let _ = writeln!(s, "delete element {TABLE} expose_tcp {{ {host_port} }}");
+        let value = if verb == "delete" {
+            String::new()
         } else {
-            let _ = writeln!(
-                s,
-                "{verb} element {TABLE} expose_tcp {{ {host_port} : {guest} . {guest_port} }}"
-            );
+            format!(" : {guest} . {guest_port}")
+        };
+        if sandbox.expose_on.is_empty() {
+            lines.push(format!(
+                "{verb} element {TABLE} expose_tcp {{ {host_port}{value} }}"
+            ));
+        }
+        for addr in sandbox.expose_on {
+            lines.push(format!(
+                "{verb} element {TABLE} ports_tcp {{ {addr} . {host_port}{value} }}"
+            ));
         }
     }
+    lines
 }
 
 /// The script that replaces a sandbox's egress policy: its egress chain flushed and refilled,
@@ -324,12 +356,8 @@ pub fn render_up(sandbox: &Sandbox<'_>) -> String {
             ..sandbox.clone()
         },
     );
-    for (host_port, guest_port) in sandbox.expose {
-        let _ = writeln!(
-            s,
-            "create element {TABLE} expose_tcp {{ {host_port} : {} . {guest_port} }}",
-            sandbox.guest_ip
-        );
+    for line in expose_elements("create", sandbox) {
+        let _ = writeln!(s, "{line}");
     }
     s
 }
@@ -382,6 +410,44 @@ pub fn exposed(listing: &str) -> Vec<(u16, Ipv4Addr, u16)> {
         .collect()
 }
 
+/// The elements of map `ports_tcp` in a listing: (host address, host port, guest address,
+/// guest port).
+pub fn ports(listing: &str) -> Vec<(Ipv4Addr, u16, Ipv4Addr, u16)> {
+    listed_elements(listing, "map ports_tcp {")
+        .into_iter()
+        .filter_map(|element| {
+            let (key, target) = element.split_once(':')?;
+            let (addr, port) = key.split_once(" . ")?;
+            let (guest, guest_port) = target.split_once(" . ")?;
+            Some((
+                addr.trim().parse().ok()?,
+                port.trim().parse().ok()?,
+                guest.trim().parse().ok()?,
+                guest_port.trim().parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// The statements that delete every exposed port (both maps) that points at `guest`: for
+/// rules whose lease is gone or out of date.
+pub fn delete_ports_of(listing: &str, guest: Ipv4Addr) -> Vec<String> {
+    let mut statements: Vec<String> = exposed(listing)
+        .into_iter()
+        .filter(|(_, addr, _)| *addr == guest)
+        .map(|(port, _, _)| format!("delete element {TABLE} expose_tcp {{ {port} }}"))
+        .collect();
+    statements.extend(
+        ports(listing)
+            .into_iter()
+            .filter(|(_, _, addr, _)| *addr == guest)
+            .map(|(on, port, _, _)| {
+                format!("delete element {TABLE} ports_tcp {{ {on} . {port} }}")
+            }),
+    );
+    statements
+}
+
 /// The guest addresses in the masquerade set.
 pub fn guests(listing: &str) -> Vec<Ipv4Addr> {
     listed_elements(listing, "set guests {")
@@ -428,22 +494,34 @@ pub fn apply_up(script: &str) -> Result<(), NftError> {
     let NftError::Rejected(message) = &error else {
         return Err(error);
     };
-    let port = message
+    if !message.contains("File exists") {
+        return Err(error);
+    }
+    // `expose_tcp { PORT : ...` or `ports_tcp { ADDR . PORT : ...`.
+    let legacy = message
         .split_once("expose_tcp { ")
-        .filter(|_| message.contains("File exists"))
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .and_then(|port| port.parse::<u16>().ok());
-    let Some(port) = port else {
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    let on_address = message
+        .split_once("ports_tcp { ")
+        .and_then(|(_, rest)| rest.split_whitespace().nth(2));
+    let Some(port) = legacy.or(on_address).and_then(|p| p.parse::<u16>().ok()) else {
         return Err(error);
     };
     let listing = list_table().ok().flatten().unwrap_or_default();
-    let target = exposed(&listing)
+    let mut targets = exposed(&listing)
         .into_iter()
-        .find(|(p, _, _)| *p == port)
-        .map_or_else(
-            || "another sandbox".to_string(),
-            |(_, a, p)| format!("{a}:{p}"),
+        .filter(|(p, _, _)| *p == port)
+        .map(|(_, a, p)| (a, p))
+        .chain(
+            ports(&listing)
+                .into_iter()
+                .filter(|(_, p, _, _)| *p == port)
+                .map(|(_, _, a, p)| (a, p)),
         );
+    let target = targets.next().map_or_else(
+        || "another sandbox".to_string(),
+        |(a, p)| format!("{a}:{p}"),
+    );
     Err(NftError::PortTaken { port, target })
 }
 
@@ -459,6 +537,7 @@ mod tests {
             egress,
             dns: Some(Ipv4Addr::new(1, 1, 1, 1)),
             expose,
+            expose_on: &[],
         }
     }
 
@@ -592,6 +671,54 @@ mod tests {
         assert!(
             !script.contains("flush chain inet rollbox forward"),
             "leaves shared chains"
+        );
+    }
+
+    #[test]
+    fn ports_on_addresses_go_to_the_address_map_only() {
+        let on = [Ipv4Addr::LOCALHOST, Ipv4Addr::new(192, 0, 2, 7)];
+        let egress = Egress::None;
+        let rules = Sandbox {
+            expose_on: &on,
+            ..sandbox(&egress, &[(20001, 8080)])
+        };
+        let up = render_up(&rules);
+        assert!(up.contains(
+            "create element inet rollbox ports_tcp { 127.0.0.1 . 20001 : 10.200.0.6 . 8080 }"
+        ));
+        assert!(up.contains(
+            "create element inet rollbox ports_tcp { 192.0.2.7 . 20001 : 10.200.0.6 . 8080 }"
+        ));
+        assert!(!up.contains("element inet rollbox expose_tcp"), "{up}");
+        let down = render_down(&rules);
+        assert!(down.contains("delete element inet rollbox ports_tcp { 127.0.0.1 . 20001 }"));
+        let listing = "table inet rollbox {\n\tmap ports_tcp {\n\t\ttype ipv4_addr . inet_service : ipv4_addr . inet_service\n\t\telements = { 127.0.0.1 . 20001 : 10.200.0.6 . 8080,\n\t\t\t     192.0.2.7 . 20001 : 10.200.0.6 . 8080, 127.0.0.1 . 20002 : 10.200.0.10 . 22 }\n\t}\n}\n";
+        assert_eq!(
+            ports(listing),
+            [
+                (
+                    Ipv4Addr::LOCALHOST,
+                    20001,
+                    Ipv4Addr::new(10, 200, 0, 6),
+                    8080
+                ),
+                (
+                    Ipv4Addr::new(192, 0, 2, 7),
+                    20001,
+                    Ipv4Addr::new(10, 200, 0, 6),
+                    8080
+                ),
+                (
+                    Ipv4Addr::LOCALHOST,
+                    20002,
+                    Ipv4Addr::new(10, 200, 0, 10),
+                    22
+                ),
+            ]
+        );
+        assert_eq!(
+            delete_ports_of(listing, Ipv4Addr::new(10, 200, 0, 10)),
+            ["delete element inet rollbox ports_tcp { 127.0.0.1 . 20002 }"]
         );
     }
 

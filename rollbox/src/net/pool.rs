@@ -168,6 +168,10 @@ pub struct Lease {
     pub dns: Option<Ipv4Addr>,
     /// Host TCP port → guest TCP port.
     pub expose: Vec<(u16, u16)>,
+    /// The host addresses `expose` is on; empty (older leases too): every local address but
+    /// loopback.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expose_on: Vec<Ipv4Addr>,
     /// The process that ran `up`.
     pub pid: u32,
     /// False until `up` finished; a lease left incomplete by a dead process is `gc`'s.
@@ -421,6 +425,7 @@ mod tests {
             egress: "none".to_string(),
             dns: None,
             expose: Vec::new(),
+            expose_on: Vec::new(),
             pid: std::process::id(),
             complete: false,
         }

@@ -263,6 +263,14 @@ fn parse_routes(text: &str) -> Vec<(String, Ipv4Net)> {
 }
 
 /// Turns on IPv4 forwarding (a host-wide setting) unless it is on; never turns it off.
+/// Lets `name` route packets from and to 127.0.0.0/8 (`route_localnet`): what a port exposed
+/// on 127.0.0.1 needs, DNAT-ed to the guest from the host's own loopback connections. The
+/// input chain still drops every packet a guest sends to 127.0.0.0/8.
+pub fn route_localnet(name: &str) -> Result<(), TapError> {
+    let path = format!("/proc/sys/net/ipv4/conf/{name}/route_localnet");
+    fs::write(&path, "1").map_err(|source| TapError::Sysctl { path, source })
+}
+
 pub fn enable_forwarding() -> Result<(), TapError> {
     let path = "/proc/sys/net/ipv4/ip_forward";
     let sysctl = |source| TapError::Sysctl {

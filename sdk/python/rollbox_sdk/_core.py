@@ -284,6 +284,7 @@ def add_template(
     volumes: Optional[Mounts] = None,
     network: bool = False,
     egress: Union[str, Sequence[str], None] = None,
+    expose: Optional[Sequence[int]] = None,
 ) -> Call[Template]:
     body = _drop_none(
         {
@@ -305,7 +306,7 @@ def add_template(
         body["boot_snapshot"] = True
     if volumes:
         body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
-    net = network_body(network, egress)
+    net = network_body(network, egress, expose)
     if net is not None:
         body["network"] = net
     # An image build and a boot snapshot take as long as they take.
@@ -350,6 +351,7 @@ def create_body(
     gpu_wait_s: Optional[int] = None,
     network: bool = False,
     egress: Union[str, Sequence[str], None] = None,
+    expose: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
     body = _drop_none(
         {
@@ -373,20 +375,30 @@ def create_body(
         body["deterministic"] = True
     if volumes:
         body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
-    net = network_body(network, egress)
+    net = network_body(network, egress, expose)
     if net is not None:
         body["network"] = net
     return body
 
 
-def network_body(network: bool, egress: Union[str, Sequence[str], None]) -> Optional[Dict[str, Any]]:
+def network_body(
+    network: bool,
+    egress: Union[str, Sequence[str], None],
+    expose: Optional[Sequence[int]] = None,
+) -> Optional[Dict[str, Any]]:
     """``network`` of a create or template: ``egress`` (a policy string, or a list of
-    ``CIDR[:PORT[-PORT]]``) implies one; ``network=True`` takes the daemon's default egress."""
+    ``CIDR[:PORT[-PORT]]``) and ``expose`` (guest TCP ports) imply one; ``network=True``
+    takes the daemon's default egress."""
+    if not network and egress is None and not expose:
+        return None
+    body: Dict[str, Any] = {}
     if isinstance(egress, str):
-        return {"egress": egress}
-    if egress is not None:
-        return {"egress": {"allow": list(egress)}}
-    return {} if network else None
+        body["egress"] = egress
+    elif egress is not None:
+        body["egress"] = {"allow": list(egress)}
+    if expose:
+        body["expose"] = [int(p) for p in expose]
+    return body
 
 
 def create_sandbox(body: Dict[str, Any]) -> Call[Sandbox]:

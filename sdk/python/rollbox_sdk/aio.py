@@ -182,6 +182,7 @@ class AsyncClient:
         volumes: Optional[Mounts] = None,
         network: bool = False,
         egress: Union[str, Sequence[str], None] = None,
+        expose: Optional[Sequence[int]] = None,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
@@ -190,7 +191,8 @@ class AsyncClient:
         ``ready_timeout_s``, default 300). ``volumes`` are mounted in every sandbox of it
         that names none (its boot snapshot has them, so those creates are restores), and
         ``network``/``egress`` (as on :meth:`create_sandbox`) give every sandbox of it a
-        network unless its create names another egress. Returns once all of it is done; on an
+        network unless its create names another egress (``expose``: ports every sandbox of
+        it exposes, each on host ports of its own, unless its create names others). Returns once all of it is done; on an
         error nothing of the template is left."""
         return await self._send(
             _core.add_template(
@@ -209,6 +211,7 @@ class AsyncClient:
                 volumes,
                 network,
                 egress,
+                expose,
             )
         )
 
@@ -245,6 +248,7 @@ class AsyncClient:
         gpu_wait_s: Optional[int] = None,
         network: bool = False,
         egress: Union[str, Sequence[str], None] = None,
+        expose: Optional[Sequence[int]] = None,
     ) -> Sandbox:
         """Create a running sandbox: boot ``template``, or restore ``snapshot`` (exactly one).
 
@@ -264,6 +268,9 @@ class AsyncClient:
         ``CIDR[:PORT[-PORT]]``, or those comma-separated) implies one. Its snapshots, forks
         and resets keep a network (each clone its own address); a restore of a snapshot with
         a network gets one with that snapshot's egress unless ``egress`` says otherwise.
+        ``expose`` (guest TCP ports; implies a network) puts each on a host port of its own:
+        ``sandbox.network.host(port)`` gives ``(host_address, host_port)``. They are on
+        127.0.0.1, and reachable from other hosts only on the daemon's ``--publish`` address.
         """
         snap = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
         return await self._send(
@@ -271,7 +278,7 @@ class AsyncClient:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
-                    gpu_wait_s, network, egress,
+                    gpu_wait_s, network, egress, expose,
                 )
             )
         )
@@ -298,6 +305,7 @@ class AsyncClient:
         gpu_wait_s: Optional[int] = None,
         network: bool = False,
         egress: Union[str, Sequence[str], None] = None,
+        expose: Optional[Sequence[int]] = None,
     ) -> List[ItemResult]:
         """Create ``count`` sandboxes of one spec; each succeeds or fails on its own (one
         :class:`ItemResult` per item, in order). Raises Overloaded when fewer than ``count``
@@ -309,7 +317,7 @@ class AsyncClient:
                 _core.create_body(
                     template, snap, vcpus, memory_mib, ttl_s, idle_ttl_s, labels, metadata,
                     env, cpu_limit, idempotency_key, deterministic, volumes, gpu, gpu_count,
-                    gpu_wait_s, network, egress,
+                    gpu_wait_s, network, egress, expose,
                 ),
             )
         )

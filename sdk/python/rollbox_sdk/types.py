@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = [
     "Template",
@@ -169,6 +169,15 @@ class Template:
 
 
 @dataclass
+class ExposedPort:
+    """A guest port exposed on the host: connect to ``host_address:host_port``."""
+
+    port: int
+    host_address: str
+    host_port: int
+
+
+@dataclass
 class Network:
     """A sandbox's network: ``eth0`` at ``address`` on a host tap, NAT through the host."""
 
@@ -180,6 +189,15 @@ class Network:
     mac: str
     tap: str
     dns: Optional[str] = None
+    ports: List[ExposedPort] = field(default_factory=list)
+    """Its exposed ports."""
+
+    def host(self, port: int) -> Tuple[str, int]:
+        """``(host_address, host_port)`` where guest TCP ``port`` is exposed."""
+        for p in self.ports:
+            if p.port == port:
+                return (p.host_address, p.host_port)
+        raise KeyError(f"port {port} is not exposed (exposed: {[p.port for p in self.ports]})")
 
     @classmethod
     def from_json(cls, data: Optional[Dict[str, Any]]) -> Optional["Network"]:
@@ -193,6 +211,10 @@ class Network:
             mac=data.get("mac", ""),
             tap=data.get("tap", ""),
             dns=data.get("dns"),
+            ports=[
+                ExposedPort(p["port"], p["host_address"], p["host_port"])
+                for p in data.get("ports") or []
+            ],
         )
 
 

@@ -47,5 +47,7 @@ pub const MAX_GPU_COUNT: u32 = 16;
 pub const MAX_GPU_WAIT_S: u32 = 3600;
 /// Entries in a sandbox's egress allow-list (each one rule in its nftables chain).
 pub const MAX_EGRESS_ALLOW: usize = 256;
+/// Exposed guest ports per sandbox.
+pub const MAX_EXPOSE: usize = 16;
 /// Largest size limit of a volume: 1 TiB.
 pub const MAX_VOLUME_MIB: u32 = 1 << 20;

@@ -187,6 +187,36 @@ pub struct NetworkRequest {
     /// None: the server's `--default-egress`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<String>,
+    /// Guest TCP ports to expose: each gets a host port of the server's
+    /// `--expose-port-range`, on 127.0.0.1 (and on `--publish`'s address, if given).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expose: Vec<u16>,
+}
+
+impl NetworkRequest {
+    /// This request with what it leaves out taken from `base` (a template's or a snapshot's
+    /// network): its egress, and its exposed ports when it names none.
+    pub fn over(&self, base: &NetworkRequest) -> NetworkRequest {
+        NetworkRequest {
+            egress: self.egress.clone().or_else(|| base.egress.clone()),
+            expose: if self.expose.is_empty() {
+                base.expose.clone()
+            } else {
+                self.expose.clone()
+            },
+        }
+    }
+}
+
+/// A guest port exposed on the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExposedPort {
+    /// The guest's TCP port.
+    pub port: u16,
+    /// Where to connect: `--publish`'s address if the server publishes, else 127.0.0.1
+    /// (which the host can use in either case).
+    pub host_address: std::net::Ipv4Addr,
+    pub host_port: u16,
 }
 
 /// A sandbox's network, as it was made: a host tap with a /30 of the server's pool.
@@ -205,6 +235,9 @@ pub struct SandboxNetwork {
     /// The DNS server the guest is given and may reach (none under `egress: none`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<std::net::Ipv4Addr>,
+    /// Its exposed ports, each with the host address and port that reach it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<ExposedPort>,
 }
 
 /// `gpu` and `gpu_count` of a create: that many devices whose name matches (`any`: any).
@@ -609,6 +642,10 @@ pub struct Snapshot {
     /// own (this egress unless the create names another); absent: no network interface.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<String>,
+    /// The guest ports its sandbox exposed: every restore of it exposes them too (on host
+    /// ports of its own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expose: Vec<u16>,
 }
 
 /// One sandbox of a fork: made, or why not.

@@ -8,10 +8,11 @@
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, TcpListener};
 use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
 
-use super::api::{ApiError, NetworkRequest, SandboxNetwork};
+use super::api::{ApiError, ExposedPort, NetworkRequest, SandboxNetwork};
 use crate::net::{self, Egress, LeaseRequest, LinkKind, NetError, Pool, StateDir};
 
 /// How `rollbox serve` makes networks.
@@ -25,7 +26,16 @@ pub struct NetworkOptions {
     pub dns: Option<Ipv4Addr>,
     /// The egress of a `network` that names none (`--default-egress`).
     pub default_egress: Egress,
+    /// Exposed ports are on 127.0.0.1, and on this address too (`--publish`): only then are
+    /// they reachable from other hosts.
+    pub publish: Option<Ipv4Addr>,
+    /// The host ports exposed guest ports get (`--expose-port-range`), inclusive.
+    pub port_range: (u16, u16),
 }
+
+/// How many times a create tries other host ports when another daemon sharing the host took
+/// the ones it picked meanwhile.
+const PORT_ATTEMPTS: usize = 8;
 
 /// A network made for a sandbox: what its JSON shows, and the tap attached for its VMM.
 pub struct Made {
@@ -42,6 +52,8 @@ pub struct Networks {
     state: StateDir,
     /// Why this host cannot make networks (no nft, no /dev/net/tun), if it cannot.
     unavailable: Option<String>,
+    /// Held while host ports are picked and leased; the next port to try.
+    next_port: Mutex<u16>,
 }
 
 impl Networks {
@@ -53,6 +65,7 @@ impl Networks {
         };
         Networks {
             state: StateDir::new(&options.state_dir),
+            next_port: Mutex::new(options.port_range.0),
             options,
             unavailable,
         }
@@ -85,15 +98,52 @@ impl Networks {
         let egress = self.egress(request)?;
         // DNS is a way out too: under `none` the guest gets none.
         let dns = self.options.dns.filter(|_| egress != Egress::None);
-        let lease = LeaseRequest {
+        let mut lease = LeaseRequest {
             name: id.to_string(),
             pool: self.options.pool,
             egress: egress.clone(),
             dns,
             expose: Vec::new(),
+            expose_on: std::iter::once(Ipv4Addr::LOCALHOST)
+                .chain(self.options.publish)
+                .collect(),
             link: LinkKind::Tap,
         };
-        let info = net::lease(&self.state, &lease).map_err(|e| lease_error(id, e))?;
+        let info = if request.expose.is_empty() {
+            net::lease(&self.state, &lease)
+        } else {
+            // One create at a time picks host ports; one another daemon took meanwhile
+            // fails the lease whole (nothing made), and the next pick skips it.
+            let mut next_port = self
+                .next_port
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let mut taken = HashSet::new();
+            let mut attempt = 0;
+            loop {
+                lease.expose = self.pick_ports(id, &request.expose, &mut next_port, &taken)?;
+                match net::lease(&self.state, &lease) {
+                    Err(NetError::Nft(net::nft::NftError::PortTaken { port, .. }))
+                        if attempt + 1 < PORT_ATTEMPTS =>
+                    {
+                        taken.insert(port);
+                        attempt += 1;
+                    }
+                    other => break other,
+                }
+            }
+        };
+        let info = info.map_err(|e| lease_error(id, e))?;
+        let host_address = self.options.publish.unwrap_or(Ipv4Addr::LOCALHOST);
+        let ports = lease
+            .expose
+            .iter()
+            .map(|&(host_port, port)| ExposedPort {
+                port,
+                host_address,
+                host_port,
+            })
+            .collect();
         let tap = match net::tap::open_tap(&info.tap) {
             Ok(tap) => tap,
             Err(e) => {
@@ -113,10 +163,52 @@ impl Networks {
                 mac: info.guest_mac,
                 tap: info.tap,
                 dns,
+                ports,
             },
             tap,
             kernel_ip_arg: info.kernel_ip_arg,
         })
+    }
+
+    /// Host ports for `guest_ports`, from the range onwards of `next`: none that a lease in
+    /// the state directory has, that a process on this host listens on, or that is in
+    /// `taken`. Moves `next` past them.
+    fn pick_ports(
+        &self,
+        id: &str,
+        guest_ports: &[u16],
+        next: &mut u16,
+        taken: &HashSet<u16>,
+    ) -> Result<Vec<(u16, u16)>, ApiError> {
+        let (low, high) = self.options.port_range;
+        let leased: HashSet<u16> = net::leases(&self.state)
+            .map_err(|e| lease_error(id, e))?
+            .iter()
+            .flat_map(|lease| lease.expose.iter().map(|(host, _)| *host))
+            .collect();
+        let size = usize::from(high - low) + 1;
+        let mut candidate = (*next).clamp(low, high);
+        let mut picked = Vec::with_capacity(guest_ports.len());
+        for _ in 0..size {
+            let port = candidate;
+            candidate = if candidate == high {
+                low
+            } else {
+                candidate + 1
+            };
+            if leased.contains(&port) || taken.contains(&port) || !free_on_host(port) {
+                continue;
+            }
+            picked.push((port, guest_ports[picked.len()]));
+            if picked.len() == guest_ports.len() {
+                *next = candidate;
+                return Ok(picked);
+            }
+        }
+        Err(ApiError::Unavailable(format!(
+            "network of sandbox {id}: no free host port for {} exposed port(s) in --expose-port-range {low}-{high}",
+            guest_ports.len()
+        )))
     }
 
     /// Replaces sandbox `id`'s egress policy (one nftables transaction). Blocking.
@@ -164,6 +256,11 @@ impl Networks {
     }
 }
 
+/// Whether no process on this host listens on TCP `port` (an exposed port would hide it).
+fn free_on_host(port: u16) -> bool {
+    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
+}
+
 /// The host's first IPv4 nameserver in /etc/resolv.conf that a guest can reach (not a
 /// loopback address, such as systemd-resolved's 127.0.0.53).
 pub fn host_dns() -> Option<Ipv4Addr> {
@@ -201,7 +298,24 @@ mod tests {
             pool: Pool::parse("10.250.0.0/24").expect("pool"),
             dns: Some(Ipv4Addr::new(1, 1, 1, 1)),
             default_egress: default_egress.parse().expect("egress"),
+            publish: None,
+            port_range: (20000, 20002),
         })
+    }
+
+    #[test]
+    fn a_create_takes_what_its_network_leaves_out_from_the_template() {
+        let template = NetworkRequest {
+            egress: Some("all".into()),
+            expose: vec![8080],
+        };
+        let asked = NetworkRequest::default();
+        assert_eq!(asked.over(&template), template);
+        let asked = NetworkRequest {
+            egress: Some("none".into()),
+            expose: vec![22],
+        };
+        assert_eq!(asked.over(&template), asked);
     }
 
     #[test]
@@ -220,6 +334,7 @@ mod tests {
         );
         let all = NetworkRequest {
             egress: Some("all".into()),
+            ..NetworkRequest::default()
         };
         assert_eq!(
             nets.egress(&all).map(|e| e.to_string()).ok(),
@@ -227,6 +342,7 @@ mod tests {
         );
         let bad = NetworkRequest {
             egress: Some("10.0.0.0/99".into()),
+            ..NetworkRequest::default()
         };
         let err = nets.egress(&bad).expect_err("bad");
         assert!(err.to_string().starts_with("network.egress: "), "{err}");

@@ -214,7 +214,10 @@ impl Sandboxes {
         } else {
             &request.volumes
         };
-        let wanted_network = request.network.clone().or_else(|| template.network.clone());
+        let wanted_network = match (&request.network, &template.network) {
+            (Some(asked), Some(base)) => Some(asked.over(base)),
+            (asked, base) => asked.clone().or_else(|| base.clone()),
+        };
         let snapshot = match (snapshot, &template.boot_snapshot) {
             (None, Some(boot))
                 if *wanted == template.volumes
@@ -234,10 +237,14 @@ impl Sandboxes {
         };
         let network = match (&request.snapshot, &snapshot) {
             (Some(_), Some(s)) => match (&s.network, &request.network) {
-                (Some(egress), None) => Some(NetworkRequest {
-                    egress: Some(egress.clone()),
-                }),
-                (Some(_), Some(asked)) => Some(asked.clone()),
+                (Some(egress), asked) => {
+                    // The snapshot's egress and exposed ports, unless the create names others.
+                    let recorded = NetworkRequest {
+                        egress: Some(egress.clone()),
+                        expose: s.expose.clone(),
+                    };
+                    Some(asked.as_ref().map_or(recorded.clone(), |a| a.over(&recorded)))
+                }
                 (None, Some(_)) => {
                     return Err(ApiError::BadRequest(format!(
                         "network: snapshot {} was taken of a sandbox without a network, and a restore cannot add a network interface; create from its template (a boot) instead",

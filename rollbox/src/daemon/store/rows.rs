@@ -284,6 +284,8 @@ pub struct SnapshotRow {
     pub volumes: Vec<VolumeMount>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expose: Vec<u16>,
 }
 
 impl From<&Snapshot> for SnapshotRow {
@@ -303,6 +305,7 @@ impl From<&Snapshot> for SnapshotRow {
             tenant: s.tenant,
             volumes: s.volumes,
             network: s.network,
+            expose: s.expose,
         }
     }
 }
@@ -325,6 +328,7 @@ impl From<SnapshotRow> for Snapshot {
             tenant: s.tenant,
             volumes: s.volumes,
             network: s.network,
+            expose: s.expose,
         }
     }
 }

@@ -154,6 +154,7 @@ mod tests {
             tenant: None,
             volumes: Vec::new(),
             network: None,
+            expose: Vec::new(),
         }
     }
 

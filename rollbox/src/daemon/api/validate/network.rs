@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use super::super::action::{Action, ApiError};
-use super::super::limits::MAX_EGRESS_ALLOW;
+use super::super::limits::{MAX_EGRESS_ALLOW, MAX_EXPOSE};
 use super::super::model::NetworkRequest;
 use super::{bad, check_id, from_json};
 
@@ -12,9 +12,10 @@ use super::{bad, check_id, from_json};
 #[serde(deny_unknown_fields)]
 pub struct NetworkBody {
     egress: Option<serde_json::Value>,
+    expose: Option<Vec<serde_json::Value>>,
 }
 
-/// `network: {egress}`: `egress` is `"none"`, `"all"`, `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`,
+/// `network: {egress, expose}`: `expose` lists guest TCP ports (1-65535, each once); `egress` is `"none"`, `"all"`, `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`,
 /// or the same as one string, `"CIDR[:PORT[-PORT]],..."` (`rollbox net`'s policy, checked
 /// here).
 pub fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
@@ -53,13 +54,39 @@ pub fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
         text.parse::<crate::net::Egress>()
             .map_err(|e| bad(format!("network.egress: {e}")))?;
     }
-    Ok(NetworkRequest { egress })
+    let mut expose = Vec::new();
+    for entry in body.expose.unwrap_or_default() {
+        let port = entry
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                bad(format!(
+                    "network.expose: {entry} is not a TCP port (1 to 65535)"
+                ))
+            })?;
+        if expose.contains(&port) {
+            return Err(bad(format!("network.expose: port {port} is given twice")));
+        }
+        expose.push(port);
+    }
+    if expose.len() > MAX_EXPOSE {
+        return Err(bad(format!(
+            "network.expose: at most {MAX_EXPOSE} ports per sandbox"
+        )));
+    }
+    Ok(NetworkRequest { egress, expose })
 }
 
 /// PATCH /sandboxes/{id}/network: `{"egress": ...}` (required).
 pub fn parse_patch(id: &str, body: &[u8]) -> Result<Action, ApiError> {
     let id = check_id(id)?;
     let network = network_request(from_json(body)?)?;
+    if !network.expose.is_empty() {
+        return Err(bad(
+            "expose: a live sandbox's exposed ports cannot change (give them at create)",
+        ));
+    }
     if network.egress.is_none() {
         return Err(bad("egress: required (none, all, or an allow-list)"));
     }

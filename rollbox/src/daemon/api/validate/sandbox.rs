@@ -341,12 +341,13 @@ mod tests {
         };
         assert_eq!(
             network(r#"{"template":"t","network":{}}"#),
-            Some(NetworkRequest { egress: None })
+            Some(NetworkRequest::default())
         );
         assert_eq!(
             network(r#"{"template":"t","network":{"egress":"all"}}"#),
             Some(NetworkRequest {
-                egress: Some("all".into())
+                egress: Some("all".into()),
+                expose: Vec::new(),
             })
         );
         assert_eq!(
@@ -354,7 +355,15 @@ mod tests {
                 r#"{"template":"t","network":{"egress":{"allow":["10.0.0.0/8:443","1.1.1.1"]}}}"#
             ),
             Some(NetworkRequest {
-                egress: Some("10.0.0.0/8:443,1.1.1.1".into())
+                egress: Some("10.0.0.0/8:443,1.1.1.1".into()),
+                expose: Vec::new(),
+            })
+        );
+        assert_eq!(
+            network(r#"{"template":"t","network":{"expose":[8080,22]}}"#),
+            Some(NetworkRequest {
+                egress: None,
+                expose: vec![8080, 22],
             })
         );
     }
@@ -405,6 +414,26 @@ mod tests {
                 "network.egress",
             ),
             (r#"{"template":"t","network":{"colour":"red"}}"#, "colour"),
+            (
+                r#"{"template":"t","network":{"expose":[0]}}"#,
+                "network.expose",
+            ),
+            (
+                r#"{"template":"t","network":{"expose":[65536]}}"#,
+                "network.expose",
+            ),
+            (
+                r#"{"template":"t","network":{"expose":["80"]}}"#,
+                "network.expose",
+            ),
+            (
+                r#"{"template":"t","network":{"expose":[80,80]}}"#,
+                "network.expose",
+            ),
+            (
+                r#"{"template":"t","network":{"expose":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}}"#,
+                "network.expose",
+            ),
             (
                 r#"{"template":"t","on_timeout":"kill","auto_resume":true}"#,
                 "auto_resume",
