@@ -676,6 +676,28 @@ mod tier4 {
             .expect("address")
     }
 
+    /// Where `sandbox` exposes guest port `port` on the host.
+    fn exposed(sandbox: &serde_json::Value, port: u16) -> SocketAddr {
+        let ports = sandbox["network"]["ports"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let entry = ports
+            .iter()
+            .find(|p| p["port"] == port)
+            .unwrap_or_else(|| panic!("port {port} not exposed: {sandbox}"));
+        let host: Ipv4Addr = entry["host_address"]
+            .as_str()
+            .expect("host_address")
+            .parse()
+            .expect("address");
+        let host_port = entry["host_port"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .expect("host_port");
+        SocketAddr::from((host, host_port))
+    }
+
     /// Networks through the daemon with a Linux guest: a template with a network and a boot
     /// snapshot, so every create is a restore that the agent re-addresses; each egress
     /// policy against a server outside; the host reaching each guest at its own address,
@@ -703,7 +725,7 @@ mod tier4 {
                 "cmdline": agent_cmdline(""),
                 "memory_mib": 192,
                 "boot_snapshot": true,
-                "network": {"egress": "all"},
+                "network": {"egress": "all", "expose": [8080]},
             })),
         );
         assert_eq!(status, 201, "{template}\n{}", daemon.log());
@@ -733,6 +755,9 @@ mod tier4 {
         );
         let answer = http_get(SocketAddr::from((address(&all), 8080)), "/index.html");
         assert!(answer.contains("parent"), "{answer}");
+        // The template's exposed port: on a host port of its own, on 127.0.0.1.
+        let answer = http_get(exposed(&all, 8080), "/index.html");
+        assert!(answer.contains("parent"), "exposed: {answer}");
         // Egress none: nothing outside.
         let none = daemon.create(
             serde_json::json!({"template": "netbox", "ttl_s": 900, "network": {"egress": "none"}}),
@@ -790,6 +815,10 @@ mod tier4 {
             daemon.sh(id, &format!("echo {id} > /tmp/www/index.html"));
             let answer = http_get(SocketAddr::from((address(clone), 8080)), "/index.html");
             assert!(answer.contains(id), "{id}: {answer}");
+            // Its own host port for the template's exposed port.
+            assert_ne!(exposed(clone, 8080), exposed(&all, 8080), "{clone}");
+            let answer = http_get(exposed(clone, 8080), "/index.html");
+            assert!(answer.contains(id), "{id} exposed: {answer}");
             assert!(daemon.fetch(id, "198.51.100.2", 8000), "clone {id}");
         }
         assert_eq!(addresses.len(), clones_wanted + 1, "{forked}");
