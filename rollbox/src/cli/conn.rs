@@ -55,6 +55,8 @@ pub enum CliError {
     Usage(String),
     #[error(transparent)]
     Untar(#[from] super::untar::UntarError),
+    #[error("--registry-auth: {0}")]
+    RegistryAuth(#[from] rollbox::images::auth::AuthError),
 }
 
 /// Where `rollbox serve` listens, and the CLI connects, without --socket or --url.
