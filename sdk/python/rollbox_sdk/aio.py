@@ -29,6 +29,7 @@ from ._core import (
     ImageSource,
     Mounts,
     Page,
+    RegistryAuthArg,
     SandboxRef,
     VolumeRef,
 )
@@ -182,6 +183,7 @@ class AsyncClient:
         volumes: Optional[Mounts] = None,
         network: bool = False,
         egress: Union[str, Sequence[str], None] = None,
+        registry_auth: Optional[RegistryAuthArg] = None,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
@@ -190,8 +192,11 @@ class AsyncClient:
         ``ready_timeout_s``, default 300). ``volumes`` are mounted in every sandbox of it
         that names none (its boot snapshot has them, so those creates are restores), and
         ``network``/``egress`` (as on :meth:`create_sandbox`) give every sandbox of it a
-        network unless its create names another egress. Returns once all of it is done; on an
-        error nothing of the template is left."""
+        network unless its create names another egress. ``registry_auth`` (a
+        :class:`RegistryAuth`, or a ``(username, password)`` pair) authenticates ``image``'s
+        pull for this build only (else the daemon's ``--registry-auth`` file, else anonymous);
+        a registry that refuses is :class:`Forbidden` naming it. Returns once all of it is
+        done; on an error nothing of the template is left."""
         return await self._send(
             _core.add_template(
                 name,
@@ -209,6 +214,7 @@ class AsyncClient:
                 volumes,
                 network,
                 egress,
+                registry_auth,
             )
         )
 
