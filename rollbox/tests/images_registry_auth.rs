@@ -6,8 +6,9 @@
 //! a small image into each with credentials, and then builds it:
 //! - with `rollbox image build --registry-auth FILE`: right credentials build, a wrong
 //!   password and no credentials are one-line errors naming the registry;
-//! - through `rollbox serve`: with `--registry-auth FILE`, with a request's `image.auth` and
-//!   with `rollbox template build --registry-auth FILE`; a wrong password or none is a 403
+//! - through `rollbox serve`: with `--registry-auth FILE`, with a request's `image.auth` (a
+//!   user and password, or a registry token from the token server) and with `rollbox template
+//!   build --registry-auth FILE`; a wrong password or none is a 403
 //!   naming the registry; no password is in the state directory (the SQLite state DB), the
 //!   daemon's log or any reply.
 //!
@@ -391,7 +392,7 @@ struct Setup {
     work: tempfile::TempDir,
     basic: Registry,
     token: Registry,
-    _tokens: TokenServer,
+    tokens: TokenServer,
 }
 
 impl Setup {
@@ -423,7 +424,7 @@ impl Setup {
             work,
             basic,
             token,
-            _tokens: tokens,
+            tokens,
         };
         // Each its own image, so each build pulls its layer (under that registry's auth).
         hello_image("basic").push_with(
@@ -443,6 +444,28 @@ impl Setup {
 
     fn token_ref(&self) -> String {
         format!("{}/{REPOSITORY}:v1", self.token.addr)
+    }
+
+    /// A pull token for the token registry's image, from the token server, as a client
+    /// that logged in elsewhere would hold it.
+    fn pull_token(&self) -> String {
+        let mut stream = TcpStream::connect(&self.tokens.addr).expect("connect the token server");
+        let basic = base64::engine::general_purpose::STANDARD
+            .encode(format!("{TOKEN_USER}:{TOKEN_PASSWORD}"));
+        let request = format!(
+            "GET /token?service={SERVICE}&scope=repository%3A{}%3Apull HTTP/1.0\r\nAuthorization: Basic {basic}\r\n\r\n",
+            REPOSITORY.replace('/', "%2F")
+        );
+        stream
+            .write_all(request.as_bytes())
+            .expect("ask for a token");
+        let mut reply = String::new();
+        stream
+            .read_to_string(&mut reply)
+            .expect("the token server's reply");
+        let body = reply.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let json: Value = serde_json::from_str(body).expect("a token reply");
+        json["token"].as_str().expect("a token").to_string()
     }
 
     fn dir(&self) -> &Path {
@@ -659,6 +682,17 @@ fn serve_builds_templates_with_its_file_or_the_requests_credentials_and_keeps_no
     );
     assert_eq!(status, 201, "{body}");
     assert_no_secret("the reply", body.to_string().as_bytes());
+    // A registry token the caller already holds, sent as a bearer token.
+    let token = setup.pull_token();
+    let (status, body) = add(
+        "with-token",
+        json!({"reference": token_ref, "auth": {"token": token}}),
+    );
+    assert_eq!(status, 201, "{body}");
+    assert!(
+        !body.to_string().contains(&token),
+        "the reply holds the token: {body}"
+    );
 
     // Refusals are 403s naming the registry, and leave no template.
     for (name, image, expected) in [
@@ -734,9 +768,14 @@ fn serve_builds_templates_with_its_file_or_the_requests_credentials_and_keeps_no
     assert_eq!(status, 200);
     assert_eq!(
         list["templates"].as_array().map(Vec::len),
-        Some(3),
+        Some(4),
         "{list}"
     );
+    assert!(
+        !list.to_string().contains(&token),
+        "GET /templates holds the token"
+    );
+    assert!(!server.log().contains(&token), "serve.log holds the token");
     assert_no_secret("GET /templates", list.to_string().as_bytes());
     assert_no_secret("serve.log", server.log().as_bytes());
     let mut files = Vec::new();
@@ -748,5 +787,10 @@ fn serve_builds_templates_with_its_file_or_the_requests_credentials_and_keeps_no
     );
     for (path, bytes) in &files {
         assert_no_secret(&path.display().to_string(), bytes);
+        assert!(
+            !bytes.windows(token.len()).any(|w| w == token.as_bytes()),
+            "{} holds the token",
+            path.display()
+        );
     }
 }
