@@ -366,6 +366,11 @@ impl Image {
 
     /// Pushes the image to the loopback registry with oci-client.
     pub fn push(&self, reference: &str) {
+        self.push_with(reference, &oci_client::secrets::RegistryAuth::Anonymous);
+    }
+
+    /// Pushes the image to a plain-HTTP registry with oci-client, with these credentials.
+    pub fn push_with(&self, reference: &str, auth: &oci_client::secrets::RegistryAuth) {
         use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
         let _ = rustls::crypto::ring::default_provider().install_default();
         let client = oci_client::Client::new(ClientConfig {
@@ -394,13 +399,7 @@ impl Image {
             .build()
             .expect("a tokio runtime");
         runtime
-            .block_on(client.push(
-                &reference,
-                &layers,
-                config,
-                &oci_client::secrets::RegistryAuth::Anonymous,
-                None,
-            ))
+            .block_on(client.push(&reference, &layers, config, auth, None))
             .expect("push the image to the registry");
     }
 }

@@ -55,6 +55,8 @@ pub enum CliError {
     Usage(String),
     #[error(transparent)]
     Untar(#[from] super::untar::UntarError),
+    #[error("--registry-auth: {0}")]
+    RegistryAuth(#[from] rollbox::images::auth::AuthError),
 }
 
 /// Where `rollbox serve` listens, and the CLI connects, without --socket or --url.
@@ -183,7 +185,10 @@ fn transport_error(e: ClientError) -> CliError {
 fn refused(status: u16, message: String) -> CliError {
     let hint = match status {
         401 => "\nhint: the key must be one the daemon knows (its --api-key-file key, or one `rollbox key add` made and nobody revoked): check --api-key-file or ROLLBOX_API_KEY",
-        403 => "\nhint: this needs an admin key (a tenant key may not manage templates or keys)",
+        // Other 403s (a template path or registry the daemon refuses) say what to do.
+        403 if message.contains("admin key") => {
+            "\nhint: this needs an admin key (a tenant key may not manage templates or keys)"
+        }
         429 => {
             "\nhint: the daemon has too many creates in flight; retry shortly (it said Retry-After)"
         }

@@ -3,9 +3,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 
+use rollbox::images::auth::{Auth, AuthFile};
+use rollbox::images::registry::RegistryError;
 use rollbox::images::{self, progress::Progress, BuildOptions, SourceSpec};
 
 /// Where `cargo xtask` (or the agent's build script) leaves the static guest agent.
@@ -44,6 +47,11 @@ pub struct BuildArgs {
     /// Use plain HTTP for this registry (loopback registries always use it).
     #[arg(long)]
     insecure: bool,
+    /// Registry credentials: a Docker config.json-format file (`auths`: `auth`, or `username`
+    /// and `password`, or `registrytoken`, under the registry's host[:port]). Without it the
+    /// pull is anonymous.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["from_docker_archive", "from_oci_layout"])]
+    registry_auth: Option<PathBuf>,
     /// Stop when one layer's uncompressed tar stream passes this many bytes [default: 16 GiB].
     #[arg(long, value_name = "BYTES")]
     max_layer_bytes: Option<u64>,
@@ -89,6 +97,12 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
         (None, Some(dir)) => SourceSpec::OciLayout(dir),
         (None, None) => SourceSpec::Registry {
             insecure: args.insecure,
+            auth: match &args.registry_auth {
+                Some(file) => Auth::File(Arc::new(
+                    AuthFile::load(file).map_err(RegistryError::Credentials)?,
+                )),
+                None => Auth::Anonymous,
+            },
         },
     };
     let defaults = images::BuildLimits::default();

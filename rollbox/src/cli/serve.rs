@@ -184,6 +184,10 @@ pub struct ServeArgs {
     /// repeatable. Without one, any.
     #[arg(long = "registry-allow", value_name = "HOST")]
     registry_allow: Vec<String>,
+    /// Registry credentials for template builds whose request gives none: a Docker
+    /// config.json-format file, read at start and again for each build.
+    #[arg(long, value_name = "FILE")]
+    registry_auth: Option<PathBuf>,
     /// Open connections per API listener; past it the oldest connection with no request in
     /// progress is closed to make room.
     #[arg(long, value_name = "N", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -357,6 +361,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         test_hold_snapshot: args.test_hold_snapshot,
         template_dirs: args.template_dirs.into_iter().map(absolute).collect(),
         registry_allow: args.registry_allow,
+        registry_auth: args.registry_auth.map(absolute),
         console_max_bytes: args.console_max_bytes,
         e2b: args
             .e2b_listen

@@ -9,6 +9,7 @@ use serde_json::json;
 
 use rollbox::daemon::api::Template;
 use rollbox::daemon::client::Response;
+use rollbox::images::auth::{AuthFile, Credentials};
 
 use super::conn::{absolute, parse, print_json, CliError, Conn};
 
@@ -72,6 +73,11 @@ pub struct BuildArgs {
     /// Plain HTTP to the registry.
     #[arg(long)]
     pub insecure: bool,
+    /// Registry credentials for this build: a Docker config.json-format file, whose entry
+    /// for the image's registry is sent with the request (used for this build only, never
+    /// stored). Without it the daemon uses its own --registry-auth, else pulls anonymously.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["from_docker_archive", "from_oci_layout"])]
+    pub registry_auth: Option<PathBuf>,
     /// Root disk size in MiB [default: the content plus room to write].
     #[arg(long, value_name = "MIB")]
     pub size: Option<u64>,
@@ -250,6 +256,7 @@ fn build(conn: &Conn, args: BuildArgs) -> Result<(), CliError> {
         from_docker_archive,
         from_oci_layout,
         insecure,
+        registry_auth,
         size,
         cmdline,
         vcpus,
@@ -274,6 +281,11 @@ fn build(conn: &Conn, args: BuildArgs) -> Result<(), CliError> {
         }
     };
     let mut source = json!({ "insecure": insecure });
+    if let Some(file) = registry_auth {
+        if let Some(auth) = request_auth(&file, image.as_deref())? {
+            source["auth"] = auth;
+        }
+    }
     if let Some(image) = image {
         source["reference"] = json!(image);
     }
@@ -313,6 +325,35 @@ fn build(conn: &Conn, args: BuildArgs) -> Result<(), CliError> {
     spinner.finish_and_clear();
     print_template(conn, &response?, "built")?;
     Ok(())
+}
+
+/// `image.auth` for a build of `image` from the entry of `file` for its registry; None (with
+/// a warning) when the file has none.
+fn request_auth(
+    file: &std::path::Path,
+    image: Option<&str>,
+) -> Result<Option<serde_json::Value>, CliError> {
+    let image = image.ok_or_else(|| {
+        CliError::Usage("--registry-auth: give the image reference to pull".into())
+    })?;
+    let reference: oci_client::Reference = image
+        .parse()
+        .map_err(|e| CliError::Usage(format!("{image:?} is not an image reference: {e}")))?;
+    let registry = reference.registry();
+    let auth = match AuthFile::load(file)?.for_registry(registry)? {
+        Some(Credentials::Basic { username, password }) => {
+            json!({ "username": username, "password": password })
+        }
+        Some(Credentials::Token(token)) => json!({ "token": token }),
+        None => {
+            eprintln!(
+                "warning: {} has no credentials for registry {registry}; the daemon pulls with its own --registry-auth, else anonymously",
+                file.display()
+            );
+            return Ok(None);
+        }
+    };
+    Ok(Some(auth))
 }
 
 /// `rollbox template ls`.

@@ -76,6 +76,8 @@ pub enum DaemonError {
     VolumeUid(u32),
     #[error("sandbox directory paths under {0} are too long for Unix sockets (108 bytes); use a shorter --state-dir")]
     PathTooLong(PathBuf),
+    #[error("--registry-auth: {0}")]
+    RegistryAuth(#[from] crate::images::auth::AuthError),
 }
 
 /// `rollbox serve` options.
@@ -119,6 +121,9 @@ pub struct ServeOptions {
     pub template_dirs: Vec<PathBuf>,
     /// `--registry-allow`: the registries templates may pull from; empty: any.
     pub registry_allow: Vec<String>,
+    /// `--registry-auth`: a Docker config.json-format file of registry credentials for
+    /// template builds (checked at start, read again for each build).
+    pub registry_auth: Option<PathBuf>,
     /// Each VMM's console file stops growing at this many bytes (`--console-max-bytes`).
     pub console_max_bytes: u64,
     /// What every API connection is held to, on each listener.
@@ -249,6 +254,9 @@ pub async fn serve(
     }
     let dirs = make_dirs(&options.state_dir)?;
     let policy = template_policy(&options, &dirs)?;
+    if let Some(file) = &options.registry_auth {
+        crate::images::auth::AuthFile::load(file)?;
+    }
     let db = Arc::new(Db::new(Store::open(&dirs.state.join("state.db"))?));
     let keys = Arc::new(Keys::new(Arc::clone(&db), &options.api_key)?);
     let supervisor = Arc::new(Supervisor::new(SupervisorOptions {
@@ -347,6 +355,7 @@ pub async fn serve(
             agent: options.agent.clone(),
             image_cache: options.image_cache.clone(),
             policy,
+            registry_auth: options.registry_auth.clone(),
         },
     ));
     let core = Arc::new(Core::new(Services {

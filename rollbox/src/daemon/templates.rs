@@ -7,18 +7,26 @@
 //! reads as root and hands to guests, must resolve (symlinks followed) under a
 //! `--template-dir` or the state's own templates directory; a registry pull must be of a
 //! `--registry-allow` registry when that list is given ([`TemplatePolicy`]).
+//!
+//! A pull authenticates with the request's `image.auth` (used for that build only: never
+//! stored, logged or answered), else with the entry of `--registry-auth FILE` for the
+//! registry, else anonymously; a registry that refuses is a 403 naming it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::api::{AddTemplate, ApiError, CreateSandbox, ImageSource, Reply, State, Template};
+use super::api::{
+    AddTemplate, ApiError, CreateSandbox, ImageAuth, ImageSource, Reply, State, Template,
+};
 use super::guest::Guest;
 use super::sandboxes::Sandboxes;
 use super::snapshots::Snapshots;
 use super::store::Db;
 use super::util::{internal, now_ms, remove_dir};
-use crate::images::{self, progress::Progress, BuildOptions, SourceSpec};
+use crate::images::auth::{Auth, AuthFile, Credentials};
+use crate::images::registry::RegistryError;
+use crate::images::{self, progress::Progress, BuildOptions, ImageError, SourceSpec};
 
 /// The TTL of the sandbox booted for a boot snapshot (it is deleted once snapshotted).
 const BOOT_TTL_S: u64 = 900;
@@ -118,6 +126,9 @@ pub struct TemplateOptions {
     /// The image builder's cache.
     pub image_cache: PathBuf,
     pub policy: TemplatePolicy,
+    /// `--registry-auth`: registry credentials for pulls whose request gives none (read again
+    /// for each build, so rotated credentials need no restart).
+    pub registry_auth: Option<PathBuf>,
 }
 
 /// The templates.
@@ -133,6 +144,7 @@ pub struct Templates {
     /// The image builder's cache.
     image_cache: PathBuf,
     policy: TemplatePolicy,
+    registry_auth: Option<PathBuf>,
 }
 
 impl Templates {
@@ -148,6 +160,7 @@ impl Templates {
             agent,
             image_cache,
             policy,
+            registry_auth,
         } = options;
         Templates {
             db,
@@ -158,6 +171,7 @@ impl Templates {
             agent,
             image_cache,
             policy,
+            registry_auth,
         }
     }
 
@@ -271,6 +285,7 @@ impl Templates {
             (None, Some(layout)) => SourceSpec::OciLayout(layout.clone()),
             (None, None) => SourceSpec::Registry {
                 insecure: image.insecure,
+                auth: self.pull_auth(image.auth.as_ref())?,
             },
         };
         let rootfs = dir.join("rootfs.ext4");
@@ -286,19 +301,48 @@ impl Templates {
         };
         let dir = dir.to_path_buf();
         let built = tokio::task::spawn_blocking(move || {
-            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            images::build(&options).map_err(|e| e.to_string())
+            std::fs::create_dir_all(&dir).map_err(|source| ImageError::Io {
+                action: "create",
+                path: dir.display().to_string(),
+                source,
+            })?;
+            images::build(&options)
         })
         .await
         .map_err(internal)?
-        .map_err(|e| {
-            ApiError::BadRequest(format!("image: building template {name:?} failed: {e}"))
-        })?;
+        .map_err(|e| build_error(name, &e))?;
         let described = match &image.reference {
             Some(reference) => format!("{reference}@{}", built.image_digest),
             None => built.image_digest,
         };
         Ok((rootfs, described))
+    }
+
+    /// What a registry pull authenticates with: the request's credentials, else
+    /// `--registry-auth`'s file, else none.
+    fn pull_auth(&self, given: Option<&ImageAuth>) -> Result<Auth, ApiError> {
+        if let Some(given) = given {
+            let credentials = match (&given.username, &given.password, &given.token) {
+                (Some(username), Some(password), _) => Credentials::Basic {
+                    username: username.clone(),
+                    password: password.clone(),
+                },
+                (_, _, Some(token)) => Credentials::Token(token.clone()),
+                // Validation lets no other shape through.
+                _ => {
+                    return Err(ApiError::BadRequest(
+                        "image.auth: give username and password, or token alone".into(),
+                    ))
+                }
+            };
+            return Ok(Auth::Given(credentials));
+        }
+        match &self.registry_auth {
+            Some(file) => AuthFile::load(file)
+                .map(|f| Auth::File(Arc::new(f)))
+                .map_err(|e| internal(format!("--registry-auth: {e}"))),
+            None => Ok(Auth::Anonymous),
+        }
     }
 
     /// Boots the template in a sandbox of its own, waits for its agent, snapshots it and ends
@@ -326,6 +370,18 @@ impl Templates {
         };
         self.sandboxes.end(&id, State::Deleted, &reason).await?;
         taken
+    }
+}
+
+/// A failed build: 403 when the registry refused the credentials (or their absence), else
+/// 400.
+fn build_error(name: &str, error: &ImageError) -> ApiError {
+    let message = format!("image: building template {name:?} failed: {error}");
+    match error {
+        ImageError::Registry(RegistryError::Auth { .. } | RegistryError::NeedsAuth { .. }) => {
+            ApiError::Forbidden(message)
+        }
+        _ => ApiError::BadRequest(message),
     }
 }
 

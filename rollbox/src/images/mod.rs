@@ -9,6 +9,7 @@
 
 pub mod account;
 pub mod agent;
+pub mod auth;
 pub mod cache;
 pub mod compression;
 pub mod digest;
@@ -140,7 +141,11 @@ pub struct DigestMismatch {
 /// Where the image comes from.
 #[derive(Debug, Clone)]
 pub enum SourceSpec {
-    Registry { insecure: bool },
+    /// A registry, with the credentials `auth` has for it.
+    Registry {
+        insecure: bool,
+        auth: auth::Auth,
+    },
     DockerArchive(PathBuf),
     OciLayout(PathBuf),
 }
@@ -227,12 +232,12 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
 
     let mut session = None;
     let mut image = match &options.source {
-        SourceSpec::Registry { insecure } => {
+        SourceSpec::Registry { insecure, auth } => {
             let reference = options
                 .reference
                 .as_deref()
                 .ok_or(ImageError::MissingReference)?;
-            let connected = RegistrySession::connect(reference, *insecure)?;
+            let connected = RegistrySession::connect(reference, *insecure, auth)?;
             let image = connected.resolve()?;
             session = Some(connected);
             image

@@ -1,5 +1,7 @@
 //! Pulling from an OCI distribution registry with `oci-client`. Plain HTTP is used for
-//! loopback registries (and any registry with `--insecure`).
+//! loopback registries (and any registry with `--insecure`). Credentials ([`Auth`]) are sent
+//! as basic auth, or traded by oci-client for a bearer token at the realm the registry's
+//! `WWW-Authenticate` challenge names; a refusal is [`RegistryError::Auth`].
 
 use std::fs::File;
 use std::io::Write;
@@ -11,8 +13,10 @@ use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::errors::{OciDistributionError, OciErrorCode};
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
+use oci_client::RegistryOperation;
 use oci_client::{Client, Reference};
 
+use super::auth::{Auth, AuthError};
 use super::cache::{Cache, CacheError};
 use super::digest::{Digest, DigestError};
 use super::progress::Progress;
@@ -35,6 +39,20 @@ pub enum RegistryError {
         registry: String,
         detail: String,
     },
+    #[error("registry {registry} refused the credentials for {reference}: {detail}")]
+    Auth {
+        reference: String,
+        registry: String,
+        detail: String,
+    },
+    #[error("registry {registry} refused anonymous access to {reference} (give credentials: --registry-auth FILE, or a request's image.auth; some registries answer so for an image that does not exist, too): {detail}")]
+    NeedsAuth {
+        reference: String,
+        registry: String,
+        detail: String,
+    },
+    #[error(transparent)]
+    Credentials(#[from] AuthError),
     #[error("pulling {reference} from {registry} failed: {detail}")]
     Pull {
         reference: String,
@@ -73,6 +91,9 @@ pub struct RegistrySession {
     client: Client,
     reference: Reference,
     registry: String,
+    auth: RegistryAuth,
+    /// Who `auth` is, for errors: None when anonymous.
+    who: Option<String>,
 }
 
 /// `localhost`, `127.x.x.x` or `[::1]`, with or without a port.
@@ -102,7 +123,8 @@ fn full_chain(error: &dyn std::error::Error) -> String {
 }
 
 impl RegistrySession {
-    pub fn connect(reference: &str, insecure: bool) -> Result<Self, RegistryError> {
+    /// A session for `reference`, with the credentials `auth` has for its registry.
+    pub fn connect(reference: &str, insecure: bool, auth: &Auth) -> Result<Self, RegistryError> {
         let parsed: Reference =
             reference
                 .parse()
@@ -113,6 +135,9 @@ impl RegistrySession {
         // Only the first call installs the provider; later ones fail harmlessly.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let registry = parsed.registry().to_string();
+        let credentials = auth.for_registry(&registry)?;
+        let who = credentials.as_ref().map(|c| c.describe());
+        let auth = credentials.map_or(RegistryAuth::Anonymous, |c| c.registry_auth());
         let protocol = if insecure || is_loopback(&registry) {
             ClientProtocol::HttpsExcept(vec![
                 registry.clone(),
@@ -136,6 +161,8 @@ impl RegistrySession {
             client: Client::new(config),
             reference: parsed,
             registry,
+            auth,
+            who,
         })
     }
 
@@ -159,7 +186,30 @@ impl RegistrySession {
             OciDistributionError::ServerError { code, .. } => *code == 404,
             _ => false,
         };
-        if not_found {
+        let refused = match &error {
+            OciDistributionError::UnauthorizedError { .. }
+            | OciDistributionError::AuthenticationFailure(_) => true,
+            OciDistributionError::RegistryError { envelope, .. } => envelope
+                .errors
+                .iter()
+                .any(|e| matches!(e.code, OciErrorCode::Unauthorized | OciErrorCode::Denied)),
+            OciDistributionError::ServerError { code, .. } => matches!(*code, 401 | 403),
+            _ => false,
+        };
+        if refused {
+            match &self.who {
+                Some(who) => RegistryError::Auth {
+                    reference,
+                    registry,
+                    detail: format!("{who}: {detail}"),
+                },
+                None => RegistryError::NeedsAuth {
+                    reference,
+                    registry,
+                    detail,
+                },
+            }
+        } else if not_found {
             RegistryError::NotFound {
                 reference,
                 registry,
@@ -190,12 +240,22 @@ impl RegistrySession {
             what: what.to_string(),
             reason,
         };
+        if self.auth != RegistryAuth::Anonymous {
+            // Done apart so that a token server's refusal is the error: a pull would drop it
+            // and go on anonymously.
+            self.runtime
+                .block_on(
+                    self.client
+                        .auth(&self.reference, &self.auth, RegistryOperation::Pull),
+                )
+                .map_err(|e| self.classify(e))?;
+        }
         let (manifest, manifest_digest, config_json, _list_digest) = self
             .runtime
-            .block_on(self.client.pull_manifest_and_config_and_list_digest(
-                &self.reference,
-                &RegistryAuth::Anonymous,
-            ))
+            .block_on(
+                self.client
+                    .pull_manifest_and_config_and_list_digest(&self.reference, &self.auth),
+            )
             .map_err(|e| self.classify(e))?;
         let parse = |what: &str, value: &str| {
             Digest::parse(value).map_err(|e: DigestError| invalid(what, e.to_string()))
@@ -356,7 +416,7 @@ mod tests {
 
     #[test]
     fn bad_reference_is_named() {
-        let err = RegistrySession::connect("bad ref/with space:tag", false)
+        let err = RegistrySession::connect("bad ref/with space:tag", false, &Auth::Anonymous)
             .err()
             .unwrap();
         assert!(err.to_string().contains("bad ref/with space:tag"), "{err}");
@@ -365,7 +425,8 @@ mod tests {
     #[test]
     fn closed_port_is_unreachable() {
         // Port 9 (discard) on loopback: nothing listens there on these machines.
-        let session = RegistrySession::connect("127.0.0.1:9/none:latest", false).unwrap();
+        let session =
+            RegistrySession::connect("127.0.0.1:9/none:latest", false, &Auth::Anonymous).unwrap();
         match session.resolve() {
             Err(RegistryError::Unreachable { registry, .. }) => assert_eq!(registry, "127.0.0.1:9"),
             Err(other) => panic!("expected unreachable, got {other}"),

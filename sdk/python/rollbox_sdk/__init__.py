@@ -8,7 +8,7 @@ synchronous, :class:`AsyncClient` asynchronous; both speak to the daemon over it
 socket or loopback TCP.
 """
 
-from ._core import DEFAULT_SOCKET, ImageSource, Page
+from ._core import DEFAULT_SOCKET, ImageSource, Page, RegistryAuth
 from .aio import AsyncClient, AsyncExecStream
 from .client import Client, ExecStream
 from .function import Function, FunctionCall, FunctionError, RemoteTraceback, function
@@ -78,6 +78,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "Page",
+    "RegistryAuth",
     "RemoteTraceback",
     "RollboxError",
     "Sandbox",

@@ -105,6 +105,44 @@ class ImageSource:
         return body
 
 
+@dataclass(repr=False)
+class RegistryAuth:
+    """Registry credentials for one template build (``add_template(registry_auth=...)``): a
+    ``username`` and ``password`` (basic auth, or traded for a token at the registry's token
+    server), or a registry ``token``. They go with that request only; the daemon never stores,
+    logs or answers them. Its repr hides the secret."""
+
+    username: Optional[str] = None
+    password: Optional[str] = None
+    token: Optional[str] = None
+
+    def __repr__(self) -> str:
+        if self.token is not None:
+            return "RegistryAuth(token=<redacted>)"
+        return f"RegistryAuth(username={self.username!r}, password=<redacted>)"
+
+    def to_json(self) -> Dict[str, str]:
+        if self.token is not None and self.username is None and self.password is None:
+            return {"token": self.token}
+        if self.username is not None and self.password is not None and self.token is None:
+            return {"username": self.username, "password": self.password}
+        raise ConfigError("registry_auth: give username and password, or token alone")
+
+
+RegistryAuthArg = Union[RegistryAuth, Tuple[str, str], Mapping[str, str]]
+"""Registry credentials: RegistryAuth, a (username, password) pair, or image.auth's JSON."""
+
+
+def registry_auth_json(auth: RegistryAuthArg) -> Dict[str, str]:
+    if isinstance(auth, RegistryAuth):
+        return auth.to_json()
+    if isinstance(auth, tuple):
+        if len(auth) != 2:
+            raise ConfigError("registry_auth: a pair is (username, password)")
+        return RegistryAuth(username=auth[0], password=auth[1]).to_json()
+    return RegistryAuth(**dict(auth)).to_json()
+
+
 @dataclass
 class Page:
     """One page of GET /sandboxes."""
@@ -285,6 +323,7 @@ def add_template(
     network: bool = False,
     egress: Union[str, Sequence[str], None] = None,
     expose: Optional[Sequence[int]] = None,
+    registry_auth: Optional[RegistryAuthArg] = None,
 ) -> Call[Template]:
     body = _drop_none(
         {
@@ -302,6 +341,10 @@ def add_template(
     )
     if image is not None:
         body["image"] = image.to_json() if isinstance(image, ImageSource) else dict(image)
+    if registry_auth is not None:
+        if not body.get("image", {}).get("reference"):
+            raise ConfigError("registry_auth: needs an image with a registry reference to pull")
+        body["image"]["auth"] = registry_auth_json(registry_auth)
     if boot_snapshot:
         body["boot_snapshot"] = True
     if volumes:

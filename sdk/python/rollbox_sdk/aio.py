@@ -29,6 +29,7 @@ from ._core import (
     ImageSource,
     Mounts,
     Page,
+    RegistryAuthArg,
     SandboxRef,
     VolumeRef,
 )
@@ -183,6 +184,7 @@ class AsyncClient:
         network: bool = False,
         egress: Union[str, Sequence[str], None] = None,
         expose: Optional[Sequence[int]] = None,
+        registry_auth: Optional[RegistryAuthArg] = None,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
@@ -192,8 +194,12 @@ class AsyncClient:
         that names none (its boot snapshot has them, so those creates are restores), and
         ``network``/``egress`` (as on :meth:`create_sandbox`) give every sandbox of it a
         network unless its create names another egress (``expose``: ports every sandbox of
-        it exposes, each on host ports of its own, unless its create names others). Returns once all of it is done; on an
-        error nothing of the template is left."""
+        it exposes, each on host ports of its own, unless its create names others).
+        ``registry_auth`` (a
+        :class:`RegistryAuth`, or a ``(username, password)`` pair) authenticates ``image``'s
+        pull for this build only (else the daemon's ``--registry-auth`` file, else anonymous);
+        a registry that refuses is :class:`Forbidden` naming it. Returns once all of it is
+        done; on an error nothing of the template is left."""
         return await self._send(
             _core.add_template(
                 name,
@@ -212,6 +218,7 @@ class AsyncClient:
                 network,
                 egress,
                 expose,
+                registry_auth,
             )
         )
 

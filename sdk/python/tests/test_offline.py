@@ -100,3 +100,23 @@ def test_bodies_leave_out_what_is_not_given() -> None:
         ("limit", "5"),
         ("page_token", "t"),
     ]
+
+
+def test_registry_auth_goes_in_the_image_and_hides_in_repr() -> None:
+    image = _core.ImageSource(reference="127.0.0.1:5001/private/app:v1")
+    for given, sent in [
+        (_core.RegistryAuth(username="u", password="pw"), {"username": "u", "password": "pw"}),
+        (("u", "pw"), {"username": "u", "password": "pw"}),
+        ({"token": "tok"}, {"token": "tok"}),
+    ]:
+        call = _core.add_template("t", "/k", None, image, False, None, None, None, None,
+                                  registry_auth=given)
+        assert call.json["image"] == {"reference": image.reference, "auth": sent}
+    assert "hunter2" not in repr(_core.RegistryAuth(username="u", password="hunter2"))
+    assert "hunter2" not in repr(_core.RegistryAuth(token="hunter2"))
+    with pytest.raises(ConfigError, match="registry_auth"):
+        _core.add_template("t", "/k", None, image, False, None, None, None, None,
+                           registry_auth=_core.RegistryAuth(username="u"))
+    with pytest.raises(ConfigError, match="registry_auth"):
+        _core.add_template("t", "/k", None, {"docker_archive": "/a.tar"}, False, None, None,
+                           None, None, registry_auth=("u", "pw"))

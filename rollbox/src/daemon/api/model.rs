@@ -133,6 +133,29 @@ pub struct ImageSource {
     #[serde(default)]
     pub insecure: bool,
     pub size_mib: Option<u64>,
+    /// Credentials for this pull only: never stored, logged or answered.
+    pub auth: Option<ImageAuth>,
+}
+
+/// `image.auth` of POST /templates: a user and password, or a registry token. It is only
+/// ever read from a request: it has no `Serialize`, and its `Debug` hides the secrets.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageAuth {
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ImageAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hidden = |secret: &Option<String>| secret.as_ref().map(|_| "<redacted>");
+        f.debug_struct("ImageAuth")
+            .field("username", &self.username)
+            .field("password", &hidden(&self.password))
+            .field("token", &hidden(&self.token))
+            .finish()
+    }
 }
 
 /// POST /templates, validated.

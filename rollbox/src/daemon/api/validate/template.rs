@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::super::action::ApiError;
 use super::super::limits::{MAX_MEMORY_MIB, MAX_VCPUS};
-use super::super::model::{AddTemplate, ImageSource, Template, VolumeMount};
+use super::super::model::{AddTemplate, ImageAuth, ImageSource, Template, VolumeMount};
 use super::{absolute, bad, from_json, in_range};
 
 #[derive(Deserialize)]
@@ -173,7 +173,49 @@ fn check_image(image: &ImageSource, has_rootfs: bool) -> Result<(), ApiError> {
             )));
         }
     }
+    if let Some(auth) = &image.auth {
+        if image.docker_archive.is_some() || image.oci_layout.is_some() {
+            return Err(bad(
+                "image.auth: credentials are for a registry pull, not docker_archive or oci_layout",
+            ));
+        }
+        check_image_auth(auth)?;
+    }
     Ok(())
+}
+
+/// `image.auth`: username and password, or token. Messages name fields, never values.
+fn check_image_auth(auth: &ImageAuth) -> Result<(), ApiError> {
+    let text = |value: &str, field: &str, max: usize| {
+        if value.is_empty() || value.len() > max || value.chars().any(char::is_control) {
+            Err(bad(format!(
+                "image.auth.{field}: must be 1 to {max} bytes with no control characters"
+            )))
+        } else {
+            Ok(())
+        }
+    };
+    match (&auth.username, &auth.password, &auth.token) {
+        (Some(username), Some(password), None) => {
+            text(username, "username", 1024)?;
+            if username.contains(':') {
+                return Err(bad("image.auth.username: must not contain a colon"));
+            }
+            text(password, "password", 8192)
+        }
+        (None, None, Some(token)) => {
+            text(token, "token", 16384)?;
+            if !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(bad(
+                    "image.auth.token: must be printable ASCII with no spaces",
+                ));
+            }
+            Ok(())
+        }
+        _ => Err(bad(
+            "image.auth: give username and password, or token alone",
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -218,6 +260,23 @@ mod tests {
         };
         assert_eq!(t.template.start_cmd.as_deref(), Some("serve &"));
         assert_eq!(t.template.ready_cmd.as_deref(), Some("curl -f :1"));
+        let Action::AddTemplate(t) = parse(
+            "POST",
+            "/templates",
+            None,
+            br#"{"name":"p","kernel":"/k","image":{"reference":"r.io/p:1","auth":{"username":"u","password":"hunter2"}}}"#,
+        )
+        .expect("parse auth") else {
+            panic!("not a template")
+        };
+        let auth = t
+            .image
+            .as_ref()
+            .and_then(|i| i.auth.as_ref())
+            .expect("auth");
+        assert_eq!(auth.password.as_deref(), Some("hunter2"));
+        // The secret is not in the action's Debug form (nor, having no Serialize, anywhere).
+        assert!(!format!("{t:?}").contains("hunter2"), "{t:?}");
         for (body, field) in [
             (r#"{"name":"g","kernel":"rel/k"}"#, "kernel"),
             (r#"{"name":"g","kernel":"/k","rootfs":"r"}"#, "rootfs"),
@@ -256,6 +315,34 @@ mod tests {
             (
                 r#"{"name":"g","kernel":"/k","image":{"reference":"a","tag":1}}"#,
                 "tag",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","auth":{"username":"u"}}}"#,
+                "image.auth",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","auth":{"username":"u","password":"p","token":"t"}}}"#,
+                "image.auth",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","auth":{"username":"u:v","password":"p"}}}"#,
+                "image.auth.username",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","auth":{"username":"u","password":""}}}"#,
+                "image.auth.password",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","auth":{"token":"a b"}}}"#,
+                "image.auth.token",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"docker_archive":"/a.tar","auth":{"token":"t"}}}"#,
+                "image.auth",
+            ),
+            (
+                r#"{"name":"g","kernel":"/k","image":{"reference":"a","auth":{"user":"u"}}}"#,
+                "user",
             ),
         ] {
             let message = err(parse("POST", "/templates", None, body.as_bytes()));
