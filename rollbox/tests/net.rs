@@ -778,9 +778,14 @@ fn udp_echo(netns: &str, port: u16, label: &str) -> Listener {
 
 /// One UDP datagram from a namespace; the answer, if one came within 700 ms.
 fn udp_ask(netns: Option<&str>, addr: &str, port: u16) -> Option<String> {
+    udp_ask_from(netns, 0, addr, port)
+}
+
+/// [`udp_ask`] from source port `from` (0: any), so that asks share one conntrack flow.
+fn udp_ask_from(netns: Option<&str>, from: u16, addr: &str, port: u16) -> Option<String> {
     let target = SocketAddr::new(addr.parse::<Ipv4Addr>().unwrap().into(), port);
     in_netns(netns, move || {
-        let socket = std::net::UdpSocket::bind(("0.0.0.0", 0)).unwrap();
+        let socket = std::net::UdpSocket::bind(("0.0.0.0", from)).unwrap();
         socket
             .set_read_timeout(Some(Duration::from_millis(700)))
             .unwrap();
@@ -1076,6 +1081,24 @@ fn egress_policy_is_enforced() {
     );
     // Neither is on the host's other addresses.
     connect(None, &g1_gw, 23703).expect_err("only where exposed");
+    // A policy change holds for flows already open: the same UDP flow, allowed, then cut.
+    assert_eq!(
+        udp_ask_from(g1n, 40001, "10.249.1.2", 8000).as_deref(),
+        Some("A 10.249.1.1")
+    );
+    let state = rollbox::net::pool::StateDir::new(net.state());
+    rollbox::net::set_egress(&state, "guest1", &"none".parse().unwrap()).unwrap();
+    assert_eq!(
+        udp_ask_from(g1n, 40001, "10.249.1.2", 8000),
+        None,
+        "the open flow is cut by the new policy"
+    );
+    rollbox::net::set_egress(&state, "guest1", &"10.249.1.2/32:8000".parse().unwrap()).unwrap();
+    assert_eq!(
+        udp_ask_from(g1n, 40001, "10.249.1.2", 8000).as_deref(),
+        Some("A 10.249.1.1"),
+        "and allowed again"
+    );
     // `down` takes the exposure away with the rest.
     for name in ["guest1", "guest2", "guest3", "guest4", "guest5", "guest6"] {
         net.down(name);

@@ -168,7 +168,8 @@ fn remove_rules_one_by_one(lease: &Lease) -> Result<(), NetError> {
 
 /// Replaces sandbox `name`'s egress policy: its egress chain is flushed and refilled in one
 /// nftables transaction (no packet meets a half-made policy), then its lease records it.
-/// Connections already established keep flowing (conntrack); new ones meet the new policy.
+/// Every packet the guest sends meets the chain, so connections already open meet the new
+/// policy too.
 pub fn set_egress(state: &StateDir, name: &str, egress: &Egress) -> Result<NetInfo, NetError> {
     check_name(name)?;
     let mut lease = match state.lease_of(name)? {

@@ -172,7 +172,9 @@ fn base_chains(s: &mut String) {
             "oifname @sandboxes ct state established,related accept",
             r#"oifname @sandboxes ct status dnat accept comment "exposed ports""#,
             r#"oifname @sandboxes drop comment "nothing else opens connections into a sandbox""#,
-            "iifname @sandboxes ct state established,related accept",
+            r#"iifname @sandboxes ct status dnat accept comment "replies on exposed ports""#,
+            // Every other packet a guest sends meets its policy, that of connections already
+            // open too: a policy change cuts what the new policy does not allow at once.
             "iifname vmap @egress",
             "iifname @sandboxes drop",
         ],
