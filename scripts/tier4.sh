@@ -131,12 +131,13 @@ else
             lab_status="${PIPESTATUS[0]}"
             kill "$idle_watch" 2>/dev/null; wait "$idle_watch" 2>/dev/null
             cat "$attempt_log" >> "$out"
-            mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p' "$attempt_log")
+            mapfile -t -O "${#finished[@]}" finished < <(sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\(, .*\)\?\)$/\1/p' "$attempt_log")
             [[ "$lab_status" -eq 124 || "$lab_status" -eq 125 ]] || break
             why="$(grep -m 1 -E '^lab: (cannot start|timed out)|^tier 4: .* ran past|^tier 4: the lab printed nothing' "$attempt_log")"
             # The test that was running when L1 was lost: the last one started without a result.
             victim="$(sed -n 's/^tier 4: starting //p' "$attempt_log" | tail -n 1)"
-            if [[ -n "$victim" ]] && grep -q -x -F -e "test $victim ... ok" -e "test $victim ... FAILED" -e "test $victim ... ignored" "$attempt_log"; then
+            if [[ -n "$victim" ]] && { grep -q -x -F -e "test $victim ... ok" -e "test $victim ... FAILED" -e "test $victim ... ignored" "$attempt_log" ||
+                grep -q -F -e "test $victim ... ignored, " "$attempt_log"; }; then
                 victim=""
             fi
             echo "lab $shard, start $attempt: status $lab_status, during ${victim:-no test}: ${why:-no reason printed}" >> "$work/lab-$shard.losses"
