@@ -12,6 +12,7 @@
 //! parts: `cidr`, `policy` (egress), `pool` (leases on disk), `tap`, `nft`.
 
 pub mod cidr;
+pub mod dns;
 mod gc;
 mod lease;
 pub mod nft;
