@@ -201,6 +201,8 @@ async fn serve_udp(shared: Arc<Shared>, socket: Arc<UdpSocket>) {
     let mut buf = vec![0u8; 4096];
     loop {
         let Ok((len, from)) = socket.recv_from(&mut buf).await else {
+            // Not a busy loop if the error persists.
+            tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         // Over IN_FLIGHT queries at once, more are dropped (the guest retries).
@@ -221,6 +223,8 @@ async fn serve_udp(shared: Arc<Shared>, socket: Arc<UdpSocket>) {
 async fn serve_tcp(shared: Arc<Shared>, listener: TcpListener) {
     loop {
         let Ok((stream, from)) = listener.accept().await else {
+            // Out of descriptors, say: not a busy loop.
+            tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         if from.ip() != shared.site.guest_ip {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::api::{ApiError, ExposedPort, NetworkRequest, SandboxNetwork};
 use crate::net::resolver::{Resolver, ResolverOptions, Site};
-use crate::net::{self, Egress, Lease, LeaseRequest, LinkKind, NetError, Pool, StateDir};
+use crate::net::{self, Egress, LeaseRequest, LinkKind, NetError, Pool, StateDir};
 
 /// How `rollbox serve` makes networks.
 #[derive(Debug, Clone)]
@@ -84,18 +84,12 @@ impl Networks {
         }
     }
 
-    /// Starts the resolver of the sandbox a lease is of, on its gateway.
-    fn start_resolver(&self, lease: &Lease, egress: &Egress) -> Result<(), ApiError> {
-        let id = &lease.name;
+    /// Starts sandbox `id`'s resolver, on its gateway.
+    fn start_resolver(&self, id: &str, site: Site, egress: &Egress) -> Result<(), ApiError> {
         let (Some(upstream), Some(runtime)) = (self.options.upstream, &self.runtime) else {
             return Err(ApiError::Unavailable(format!(
                 "network of sandbox {id}: its egress names hostnames, and this server has no upstream DNS server for them (--sandbox-dns, or a nameserver in /etc/resolv.conf)"
             )));
-        };
-        let site = Site {
-            tap: lease.tap.clone(),
-            host_ip: lease.host_ip,
-            guest_ip: lease.guest_ip,
         };
         let resolver = Resolver::start(
             site,
@@ -107,7 +101,7 @@ impl Networks {
         self.resolvers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(id.clone(), Arc::new(resolver));
+            .insert(id.to_string(), Arc::new(resolver));
         Ok(())
     }
 
@@ -192,16 +186,12 @@ impl Networks {
         let info = info.map_err(|e| lease_error(id, e))?;
         let dns = if resolver { Some(info.host_ip) } else { dns };
         if resolver {
-            let made = net::leases(&self.state)
-                .ok()
-                .and_then(|leases| leases.into_iter().find(|l| l.name == id));
-            let started = match made {
-                Some(made) => self.start_resolver(&made, &egress),
-                None => Err(ApiError::Internal(format!(
-                    "network of sandbox {id}: its lease is gone"
-                ))),
+            let site = Site {
+                tap: info.tap.clone(),
+                host_ip: info.host_ip,
+                guest_ip: info.guest_ip,
             };
-            if let Err(e) = started {
+            if let Err(e) = self.start_resolver(id, site, &egress) {
                 self.release(id);
                 return Err(e);
             }
@@ -332,7 +322,12 @@ impl Networks {
         for lease in leases {
             if live.contains(&lease.name) && lease.dns == Some(lease.host_ip) {
                 let egress = lease.egress.parse().unwrap_or(Egress::None);
-                if let Err(e) = self.start_resolver(&lease, &egress) {
+                let site = Site {
+                    tap: lease.tap.clone(),
+                    host_ip: lease.host_ip,
+                    guest_ip: lease.guest_ip,
+                };
+                if let Err(e) = self.start_resolver(&lease.name, site, &egress) {
                     log::warn!("sandbox {}: its resolver: {e}", lease.name);
                 }
             }
