@@ -25,6 +25,8 @@ use super::policy::{host_matches, rebinding_guarded, Egress};
 pub const PORT: u16 = 53;
 /// The shortest a resolved address stays allowed, whatever the TTL.
 pub const TTL_FLOOR: Duration = Duration::from_secs(60);
+/// The longest an answer is believed (the TTL told to the guest, too).
+pub const TTL_CAP: Duration = Duration::from_secs(86_400);
 /// Added to every set entry's timeout: a guest that uses an address until its TTL ends still
 /// connects after a little clock skew or a slow handshake.
 pub const GRACE: Duration = Duration::from_secs(30);
@@ -91,6 +93,9 @@ struct Answered {
 struct State {
     egress: Egress,
     answered: Vec<Answered>,
+    /// Set when the resolver is dropped: no set is written after (its tap, and the set
+    /// names, may soon be another sandbox's).
+    closed: bool,
 }
 
 struct Shared {
@@ -114,6 +119,12 @@ impl Drop for Resolver {
         for task in &self.tasks {
             task.abort();
         }
+        // Waits for a set being written; queries still in flight write none after this.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .closed = true;
     }
 }
 
@@ -146,6 +157,7 @@ impl Resolver {
             state: Mutex::new(State {
                 egress,
                 answered: Vec::new(),
+                closed: false,
             }),
             in_flight: Arc::new(Semaphore::new(IN_FLIGHT)),
             connections: Arc::new(Semaphore::new(TCP_CONNECTIONS)),
@@ -331,6 +343,9 @@ async fn admit(
     // The set is written under the state lock, off the async threads (`nft` blocks).
     let written = tokio::task::spawn_blocking(move || {
         let mut state = shared.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.closed {
+            return None;
+        }
         let matched: Vec<usize> = state
             .egress
             .hosts()
@@ -347,9 +362,11 @@ async fn admit(
                 Some(Vec::new())
             };
         }
+        let cap = u32::try_from(TTL_CAP.as_secs()).unwrap_or(u32::MAX);
         let admitted: Vec<(Ipv4Addr, u32)> = addresses
             .into_iter()
             .filter(|(addr, _)| admitted(&state.egress, *addr))
+            .map(|(addr, ttl)| (addr, ttl.min(cap)))
             .collect();
         let now = Instant::now();
         let mut elements = Vec::new();
