@@ -526,6 +526,18 @@ fn hostnames_allow_only_what_the_resolver_answered_for_them() {
     }
     let reply = ask(Some(g), gateway, "allowed.test.example", dns::TYPE_A).unwrap();
     assert_eq!(reply.rcode, dns::NXDOMAIN);
+    // Under `all` every A question is forwarded (such a guest may ask any resolver anyway),
+    // and no hostname set is left.
+    let all = Egress::All(Vec::new());
+    resolver
+        .set_egress(&all, |keep| {
+            rollbox::net::set_egress(state, "dnsguest", &all, keep)
+        })
+        .unwrap();
+    let reply = ask(Some(g), gateway, "other.test.example", dns::TYPE_A).unwrap();
+    assert_eq!(reply.addresses, [(INTERNET.parse().unwrap(), 300)]);
+    assert_eq!(upstream.asked_for("other.test.example"), [dns::TYPE_A]);
+    assert!(!nft_table().contains(&format!("set {} ", set(0))));
 
     // Release: no set, chain or resolver left.
     drop(resolver);
