@@ -369,25 +369,44 @@ async fn admit(
             .map(|(addr, ttl)| (addr, ttl.min(cap)))
             .collect();
         let now = Instant::now();
+        state.answered.retain(|a| a.until > now);
+        let patterns: Vec<String> = state
+            .egress
+            .hosts()
+            .iter()
+            .map(|(pattern, _)| pattern.to_string())
+            .collect();
         let mut elements = Vec::new();
+        let mut fresh = Vec::new();
         for (addr, ttl) in &admitted {
             let lasts = Duration::from_secs(u64::from(*ttl)).max(shared.options.ttl_floor)
                 + shared.options.grace;
+            // Written less than half its time ago: the sets hold it long enough; no nft
+            // transaction for a name looked up again soon.
+            let recent = state
+                .answered
+                .iter()
+                .any(|a| a.name == name && a.addr == *addr && a.until >= now + lasts / 2);
+            if recent {
+                continue;
+            }
             for &set in &matched {
+                // Never shorter than what another name of this entry still has on it (a
+                // refresh replaces the element).
+                let others = state
+                    .answered
+                    .iter()
+                    .filter(|a| a.addr == *addr && host_matches(&patterns[set], &a.name))
+                    .map(|a| a.until.duration_since(now))
+                    .max()
+                    .unwrap_or_default();
                 elements.push(Resolved {
                     set,
                     addr: *addr,
-                    timeout_s: lasts.as_secs().max(1),
+                    timeout_s: lasts.max(others).as_secs().max(1),
                 });
             }
-            state
-                .answered
-                .retain(|a| a.until > now && !(a.name == name && a.addr == *addr));
-            state.answered.push(Answered {
-                name: name.clone(),
-                addr: *addr,
-                until: now + lasts,
-            });
+            fresh.push((*addr, now + lasts));
         }
         if !elements.is_empty() {
             if let Err(e) = nft::apply(&nft::render_resolved(&shared.site.tap, &elements)) {
@@ -397,6 +416,17 @@ async fn admit(
                 );
                 return None;
             }
+        }
+        // Recorded once written (what a later PATCH keeps, and what "recent" trusts).
+        for (addr, until) in fresh {
+            state
+                .answered
+                .retain(|a| !(a.name == name && a.addr == addr));
+            state.answered.push(Answered {
+                name: name.clone(),
+                addr,
+                until,
+            });
         }
         Some(admitted)
     });
