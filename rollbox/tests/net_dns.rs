@@ -182,7 +182,8 @@ fn connect(netns: &str, addr: &str, port: u16) -> Result<String, String> {
 }
 
 /// The test's upstream: answers A questions from a table (name → addresses, TTL), NXDOMAIN
-/// for other names, and records every question it gets.
+/// for other names, and records every question it gets. Over UDP it answers
+/// `big.test.example` truncated (TC, no records), over TCP (the same port) in full.
 struct Upstream {
     addr: SocketAddr,
     asked: Arc<Mutex<Vec<(String, u16)>>>,
@@ -205,6 +206,36 @@ impl Upstream {
             .collect();
         let asked = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
+        let tcp = TcpListener::bind(addr).unwrap();
+        let (tcp_log, tcp_table) = (Arc::clone(&asked), table.clone());
+        std::thread::spawn(move || {
+            for stream in tcp.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut len = [0u8; 2];
+                if stream.read_exact(&mut len).is_err() {
+                    continue;
+                }
+                let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                if stream.read_exact(&mut msg).is_err() {
+                    continue;
+                }
+                let Ok(query) = dns::parse_query(&msg) else {
+                    continue;
+                };
+                tcp_log
+                    .lock()
+                    .unwrap()
+                    .push((query.question.name.clone(), query.question.qtype));
+                let answers: Vec<(Ipv4Addr, u32)> = tcp_table
+                    .iter()
+                    .filter(|(name, _, _)| *name == query.question.name)
+                    .flat_map(|(_, addrs, ttl)| addrs.iter().map(|a| (*a, *ttl)))
+                    .collect();
+                let reply = dns::build_reply(&query, dns::NOERROR, &answers, 65535);
+                let _ = stream.write_all(&(reply.len() as u16).to_be_bytes());
+                let _ = stream.write_all(&reply);
+            }
+        });
         let (log, flag) = (Arc::clone(&asked), Arc::clone(&stop));
         std::thread::spawn(move || {
             let mut buf = [0u8; 1500];
@@ -232,6 +263,11 @@ impl Upstream {
                     Some(_) => dns::build_reply(&query, dns::NOERROR, &[], dns::MAX_UDP),
                     None => dns::build_reply(&query, dns::NXDOMAIN, &[], dns::MAX_UDP),
                 };
+                let mut reply = reply;
+                if q.name == "big.test.example" {
+                    reply = dns::build_reply(&query, dns::NOERROR, &[], dns::MAX_UDP);
+                    reply[2] |= 0x02;
+                }
                 let _ = socket.send_to(&reply, peer);
             }
         });
@@ -421,10 +457,11 @@ fn hostnames_allow_only_what_the_resolver_answered_for_them() {
         ("named.test.example", &["10.226.200.1"], 300),
         ("a.wild.test.example", &[INTERNET], 300),
         ("other.test.example", &[INTERNET], 300),
+        ("big.test.example", &[INTERNET], 300),
     ]);
     let guest = Netns::new(&format!("rbxt{tag}dnsg"));
     let mut leases = Leases::new(POOL);
-    let policy = "allowed.test.example:8000,rebind.test.example:8000,*.wild.test.example:8000,named.test.example,10.226.200.0/30:1";
+    let policy = "allowed.test.example:8000,rebind.test.example:8000,*.wild.test.example:8000,named.test.example,10.226.200.0/30:1,big.test.example:8000";
     let info = leases.lease("dnsguest", &guest.name, policy);
     let gateway = info.host_ip;
     assert!(
@@ -530,6 +567,17 @@ fn hostnames_allow_only_what_the_resolver_answered_for_them() {
         set_elements(&set(2)),
         [INTERNET.parse::<Ipv4Addr>().unwrap()]
     );
+    // An upstream answer truncated over UDP is fetched again over TCP.
+    let reply = ask(Some(g), gateway, "big.test.example", dns::TYPE_A).unwrap();
+    assert_eq!(reply.addresses, [(INTERNET.parse().unwrap(), 300)]);
+    assert_eq!(
+        upstream.asked_for("big.test.example"),
+        [dns::TYPE_A, dns::TYPE_A]
+    );
+    assert_eq!(
+        set_elements(&set(4)),
+        [INTERNET.parse::<Ipv4Addr>().unwrap()]
+    );
     // Queries that do not come from the guest's address get nothing (the host's own).
     assert!(ask(None, gateway, "allowed.test.example", dns::TYPE_A).is_none());
 
@@ -550,7 +598,7 @@ fn hostnames_allow_only_what_the_resolver_answered_for_them() {
         ["198.18.24.9".parse::<Ipv4Addr>().unwrap()]
     );
     let listing = nft_table();
-    for gone in [set(1), set(2), set(3)] {
+    for gone in [set(1), set(2), set(3), set(4)] {
         assert!(
             !listing.contains(&format!("set {gone} ")),
             "{gone}: {listing}"
