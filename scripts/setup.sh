@@ -22,7 +22,7 @@ packages=(
     e2fsprogs cpio busybox-static file curl jq socat python3 debootstrap  # rootfs images, test initramfs
     docker.io docker-registry                               # Docker tests, local OCI registry
     apache2-utils                                           # htpasswd: the registry-auth tests' bcrypt users
-    nftables iproute2                                       # rollbox net (taps, NAT, egress rules)
+    nftables iproute2 conntrack                             # rollbox net (taps, NAT, egress rules, forgetting flows)
     pci.ids                                                 # GPU names (rollbox serve, GET /gpus)
     linux-source-6.1 flex bison bc libelf-dev libssl-dev    # the guest kernel build
 )

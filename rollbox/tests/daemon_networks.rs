@@ -9,6 +9,7 @@
 // Test code: a panic is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -51,15 +52,21 @@ struct Networked {
 
 impl Networked {
     fn start(pool: &str) -> Networked {
+        Networked::start_with(pool, &[])
+    }
+
+    fn start_with(pool: &str, extra: &[&str]) -> Networked {
         // The test guest has no agent: a restore's readdress fails fast.
-        let server = Server::start(&[
+        let mut args = vec![
             "--net-pool",
             pool,
             "--sandbox-dns",
             "10.9.9.9",
             "--agent-timeout",
             "2",
-        ]);
+        ];
+        args.extend(extra);
+        let server = Server::start(&args);
         Networked {
             server,
             pool: pool.to_string(),
@@ -458,8 +465,12 @@ fn bad_networks_are_refused_by_field_and_make_nothing() {
             "network.egress: egress policy token `10.0.0.0/40`",
         ),
         (
-            json!({"template": "guest", "ttl_s": 60, "network": {"egress": {"allow": ["example.com"]}}}),
-            "network.egress: egress policy token `example.com`",
+            json!({"template": "guest", "ttl_s": 60, "network": {"egress": {"allow": ["exa_mple.com"]}}}),
+            "network.egress: egress policy token `exa_mple.com`: hostname `exa_mple.com` has `_`",
+        ),
+        (
+            json!({"template": "guest", "ttl_s": 60, "network": {"egress": {"allow": ["localhost:80"]}}}),
+            "network.egress: egress policy token `localhost:80`: hostname `localhost` needs at least two labels",
         ),
         (
             json!({"snapshot": snapshot, "ttl_s": 60, "network": {}}),
@@ -537,4 +548,126 @@ fn create_delete_cycles_and_a_kill_9_mid_create_leave_no_tap_rule_or_lease() {
         assert_eq!(status, 204, "{body}");
     }
     net.assert_clean();
+}
+
+/// Whether a socket of this host listens on `addr:port`, UDP and TCP (/proc/net/udp and
+/// /proc/net/tcp: `local_address` is the address's bytes in memory order, hex, then the port).
+fn listening(addr: Ipv4Addr, port: u16) -> (bool, bool) {
+    let local = format!("{:08X}:{port:04X}", u32::from_ne_bytes(addr.octets()));
+    let has = |table: &str, state: Option<&str>| {
+        std::fs::read_to_string(table).unwrap().lines().any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.get(1) == Some(&local.as_str())
+                && state.is_none_or(|s| fields.get(3) == Some(&s))
+        })
+    };
+    (has("/proc/net/udp", None), has("/proc/net/tcp", Some("0A")))
+}
+
+/// The addresses in the sandbox's hostname set `index`, from the live ruleset.
+fn dns_set(tap: &str, index: usize) -> Option<Vec<Ipv4Addr>> {
+    let out = Command::new("nft")
+        .args([
+            "list",
+            "set",
+            "inet",
+            "rollbox",
+            &format!("dns{index}_{tap}"),
+        ])
+        .output()
+        .expect("nft");
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let elements = text.split_once("elements = {").map_or("", |(_, e)| e);
+    Some(
+        elements
+            .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter_map(|word| word.parse().ok())
+            .collect(),
+    )
+}
+
+#[test]
+fn hostnames_get_a_resolver_on_the_gateway() {
+    if !prerequisites("hostnames_get_a_resolver_on_the_gateway") {
+        return;
+    }
+    // The resolver's traffic (queries, answers, the sets filling) is net_dns.rs's: the test
+    // guest has no network stack, and the host cannot send from the guest's address to its
+    // own gateway. Here: the daemon's plumbing.
+    let mut net = Networked::start_with("10.228.0.0/24", &["--resolver-upstream", "127.0.0.1:53"]);
+    net.server.add_guest_template("guest");
+    let sandbox = net.server.create(json!({
+        "template": "guest", "ttl_s": 120,
+        "network": {"egress": {"allow": ["PyPI.test.example:443", "10.9.9.9:53"]}},
+    }));
+    let id = sandbox["id"].as_str().unwrap().to_string();
+    let network = &sandbox["network"];
+    assert_eq!(network["dns"], network["gateway"], "{sandbox}");
+    assert_eq!(network["egress"], "pypi.test.example:443,10.9.9.9:53");
+    let tap = network["tap"].as_str().unwrap().to_string();
+    let gateway: Ipv4Addr = network["gateway"].as_str().unwrap().parse().unwrap();
+    assert!(
+        egress_chain(&tap).contains(&format!(
+            "ip daddr @dns0_{tap} meta l4proto {{ tcp, udp }} th dport 443 accept"
+        )),
+        "{}",
+        egress_chain(&tap)
+    );
+    assert_eq!(dns_set(&tap, 0), Some(Vec::new()));
+    assert_eq!(
+        listening(gateway, 53),
+        (true, true),
+        "the resolver on {gateway}:53"
+    );
+
+    // PATCH without hostnames: the set goes in the same transaction; with them again, the
+    // resolver is still there.
+    let patch = |net: &Networked, id: &str, egress: Value| {
+        net.server.call(
+            "PATCH",
+            &format!("/sandboxes/{id}/network"),
+            Some(json!({ "egress": egress })),
+        )
+    };
+    let (status, body) = patch(&net, &id, json!("1.1.1.1"));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(dns_set(&tap, 0), None);
+    let (status, body) = patch(&net, &id, json!({"allow": ["pypi.test.example:443"]}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(dns_set(&tap, 0), Some(Vec::new()));
+    // A restarted daemon starts the resolver again.
+    net.server.kill9();
+    assert_eq!(listening(gateway, 53), (false, false));
+    net.server.spawn();
+    wait_for(
+        "the resolver after a restart",
+        Duration::from_secs(10),
+        || listening(gateway, 53) == (true, true),
+    );
+
+    // A sandbox created without hostnames has no resolver: adding them is a 409.
+    let plain = net
+        .server
+        .create(json!({"template": "guest", "ttl_s": 60, "network": {"egress": "all"}}));
+    let plain_id = plain["id"].as_str().unwrap();
+    let plain_gateway: Ipv4Addr = plain["network"]["gateway"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(listening(plain_gateway, 53), (false, false));
+    let (status, body) = patch(&net, plain_id, json!({"allow": ["pypi.test.example:443"]}));
+    assert_eq!(status, 409, "{body}");
+    assert!(body.to_string().contains("has no resolver"), "{body}");
+    for id in [id.as_str(), plain_id] {
+        let (status, body) = net.server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204, "{body}");
+    }
+    net.assert_clean();
+    assert_eq!(listening(gateway, 53), (false, false));
+    let listing = rollbox::net::nft::list_table().unwrap().unwrap_or_default();
+    assert!(!listing.contains(&tap), "{listing}");
 }

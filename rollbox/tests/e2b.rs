@@ -451,6 +451,9 @@ fn e2b_network_options_are_the_sandbox_egress() {
         "10.246.0.0/24".into(),
         "--net-state-dir".into(),
         net_dir.display().to_string(),
+        // Where the resolver of a policy with domains asks (none answers: not needed here).
+        "--resolver-upstream".into(),
+        "127.0.0.1:53".into(),
     ];
     let (daemon, port) = start_daemon(dir, None, &extra);
     let template = json!({
@@ -479,6 +482,17 @@ fn e2b_network_options_are_the_sandbox_egress() {
         "network": {"allowOut": ["198.51.100.0/24"], "denyOut": ["0.0.0.0/0"]},
     }));
     assert_eq!(egress, "198.51.100.0/24");
+    // Domains are hostname entries: the sandbox's resolver on its gateway is its DNS server.
+    let (domains, egress) = egress_of(json!({
+        "templateID": "netguest", "timeout": 60,
+        "network": {"allowOut": ["PyPI.org", "*.pythonhosted.org"], "denyOut": ["0.0.0.0/0"]},
+    }));
+    assert_eq!(egress, "pypi.org,*.pythonhosted.org");
+    let (_, sandbox) = native_call(&daemon, "GET", &format!("/sandboxes/{domains}"), None);
+    assert_eq!(
+        sandbox["network"]["dns"], sandbox["network"]["gateway"],
+        "{sandbox}"
+    );
     // A template without a network: no internet either way, so nothing is made.
     let (plain, egress) =
         egress_of(json!({"templateID": "guest", "timeout": 60, "allow_internet_access": false}));
@@ -503,9 +517,16 @@ fn e2b_network_options_are_the_sandbox_egress() {
         ),
         (
             &all,
-            json!({"allowOut": ["example.com"]}),
+            json!({"allowOut": ["exa_mple.com"]}),
             400,
             "network.allowOut",
+        ),
+        // Created without domains: no resolver, so none can be added.
+        (
+            &all,
+            json!({"allowOut": ["example.com"]}),
+            409,
+            "has no resolver",
         ),
         (
             &all,

@@ -473,6 +473,18 @@ fn bad_input_is_refused_and_leaves_nothing() {
         ),
         (
             "p",
+            vec!["--egress", "pypi.org:443,1.1.1.1"],
+            vec![],
+            "egress policy `pypi.org:443,1.1.1.1` names hostnames: only `rollbox serve` resolves them",
+        ),
+        (
+            "p",
+            vec!["--egress", "pypi_org:443"],
+            vec![],
+            "egress policy token `pypi_org:443`: hostname `pypi_org` has `_`",
+        ),
+        (
+            "p",
             vec!["--pool", "10.235.0.0/31"],
             vec![],
             "pool 10.235.0.0/31 is too small",

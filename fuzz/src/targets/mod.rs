@@ -3,6 +3,7 @@
 mod agent;
 mod api;
 mod devices;
+mod dns;
 mod layer;
 mod signature;
 mod snapshot_state;
@@ -118,6 +119,14 @@ pub const ALL: &[Target] = &[
         seeds: layer::seeds,
         available: always,
         max_len: 32768,
+    },
+    Target {
+        name: "dns",
+        about: "the sandbox resolver's DNS reader: a guest's query and an upstream's answer (compression pointers)",
+        run: dns::run,
+        seeds: dns::seeds,
+        available: always,
+        max_len: 1024,
     },
 ];
 

@@ -40,7 +40,7 @@ pub enum SandboxCommand {
     /// it at once.
     Network {
         id: String,
-        /// none, all, or an allow-list CIDR[:PORT[-PORT]],...
+        /// none, all, or an allow-list CIDR|HOST[:PORT[-PORT]],...
         #[arg(long, value_name = "POLICY")]
         egress: String,
     },
@@ -140,7 +140,7 @@ pub struct CreateArgs {
     /// snapshot's egress).
     #[arg(long)]
     pub network: bool,
-    /// A network with this egress: none, all, or an allow-list CIDR[:PORT[-PORT]],...
+    /// A network with this egress: none, all, or an allow-list CIDR|HOST[:PORT[-PORT]],...
     #[arg(long, value_name = "POLICY")]
     pub egress: Option<String>,
     /// Expose this guest TCP port on a host port (repeatable; implies a network): `sandbox

@@ -87,7 +87,7 @@ pub struct ServeArgs {
     gpus: Vec<String>,
     /// The egress of a sandbox whose `network` names none: none (nothing leaves the
     /// sandbox; the host still reaches it), all (the internet, but not private, shared or
-    /// link-local addresses), or an allow-list CIDR[:PORT[-PORT]],...
+    /// link-local addresses), or an allow-list CIDR|HOST[:PORT[-PORT]],...
     #[arg(long, value_name = "POLICY", default_value = "none")]
     default_egress: String,
     /// The pool sandboxes' /30 networks come from; it must not overlap the host's routes.
@@ -102,6 +102,10 @@ pub struct ServeArgs {
     /// else none].
     #[arg(long, value_name = "IP")]
     sandbox_dns: Option<std::net::Ipv4Addr>,
+    /// Where the resolver of a policy with hostnames asks (tests: a DNS server on another
+    /// port) [default: --sandbox-dns, else the host's first nameserver, loopback included].
+    #[arg(long, value_name = "IP:PORT", hide = true)]
+    resolver_upstream: Option<std::net::SocketAddr>,
     /// Exposed ports (a create's `network.expose`) are on 127.0.0.1 only, for this host;
     /// with this, on this address of the host too, reachable from other hosts.
     #[arg(long, value_name = "IP")]
@@ -239,6 +243,7 @@ fn network_options(args: &ServeArgs) -> Result<NetworkOptions, String> {
         net_pool: pool,
         net_state_dir: state_dir,
         sandbox_dns: dns,
+        resolver_upstream,
         publish,
         expose_port_range,
         ..
@@ -273,6 +278,10 @@ fn network_options(args: &ServeArgs) -> Result<NetworkOptions, String> {
                 .unwrap_or_else(rollbox::net::default_state_dir),
         ),
         dns: dns.or_else(rollbox::daemon::host_dns),
+        upstream: resolver_upstream.or_else(|| {
+            dns.or_else(rollbox::daemon::host_resolver)
+                .map(|ip| std::net::SocketAddr::from((ip, 53)))
+        }),
     })
 }
 

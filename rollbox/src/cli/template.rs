@@ -111,7 +111,7 @@ pub struct TemplateMounts {
     #[arg(long)]
     network: bool,
     /// Every sandbox of the template has a network with this egress (none, all, or
-    /// CIDR[:PORT[-PORT]],...), unless its create names another.
+    /// CIDR|HOST[:PORT[-PORT]],...), unless its create names another.
     #[arg(long, value_name = "POLICY")]
     egress: Option<String>,
     /// Every sandbox of the template exposes this guest TCP port on a host port of its own

@@ -34,7 +34,7 @@ mod volumes;
 pub use frontend::conn::ConnLimits;
 pub use frontend::e2b;
 pub use frontend::transport::Listen;
-pub use networks::{host_dns, NetworkOptions};
+pub use networks::{host_dns, host_resolver, NetworkOptions};
 pub use node::NodeOptions;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
 pub use rollbox_jailer::cgroup;

@@ -100,6 +100,9 @@ fn remove_orphan(
             expose_on: &[],
         };
         nft::apply(&nft::render_down(&rules))?;
+        for statement in nft::delete_dns_sets_of(listing, tap) {
+            let _ = nft::apply(&statement);
+        }
         removed.push(format!("nftables rules of {tap}"));
     }
     if tap::exists(tap) {

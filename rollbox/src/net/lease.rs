@@ -29,9 +29,12 @@ pub fn lease(state: &StateDir, request: &LeaseRequest) -> Result<NetInfo, NetErr
         expose,
         expose_on,
         link,
+        resolver,
     } = request;
     check_name(name)?;
-    let dns = *dns;
+    if egress.has_hosts() && !resolver {
+        return Err(NetError::HostnamesNeedResolver(egress.to_string()));
+    }
     // The host's own networks (not the default route, not our taps) must stay out of the pool.
     let in_use = tap::routes().into_iter().find(|(interface, route)| {
         route.prefix() > 0 && pool::slot_of_tap(interface).is_none() && route.overlaps(&pool.net())
@@ -56,7 +59,12 @@ pub fn lease(state: &StateDir, request: &LeaseRequest) -> Result<NetInfo, NetErr
         guest_ip: slot.guest_ip(),
         prefix_len: pool::SUBNET_PREFIX,
         egress: egress.to_string(),
-        dns,
+        // With the resolver, the guest's DNS server is its gateway.
+        dns: if *resolver {
+            Some(slot.host_ip())
+        } else {
+            *dns
+        },
         expose: expose.clone(),
         expose_on: expose_on.clone(),
         pid: std::process::id(),
@@ -160,6 +168,7 @@ fn remove_rules_one_by_one(lease: &Lease) -> Result<(), NetError> {
     statements.extend(nft::delete_ports_of(&listing, lease.guest_ip));
     statements.push(format!("delete chain {table} egress_{tap}"));
     statements.push(format!("delete chain {table} host_{tap}"));
+    statements.extend(nft::delete_dns_sets_of(&listing, tap));
     for statement in statements {
         let _ = nft::apply(&statement);
     }
@@ -169,15 +178,30 @@ fn remove_rules_one_by_one(lease: &Lease) -> Result<(), NetError> {
 /// Replaces sandbox `name`'s egress policy: its egress chain is flushed and refilled in one
 /// nftables transaction (no packet meets a half-made policy), then its lease records it.
 /// Every packet the guest sends meets the chain, so connections already open meet the new
-/// policy too.
-pub fn set_egress(state: &StateDir, name: &str, egress: &Egress) -> Result<NetInfo, NetError> {
+/// policy too. The hostname sets are emptied in the same transaction and refilled with `keep`
+/// (what the resolver answered for names the new policy still allows).
+pub fn set_egress(
+    state: &StateDir,
+    name: &str,
+    egress: &Egress,
+    keep: &[nft::Resolved],
+) -> Result<NetInfo, NetError> {
     check_name(name)?;
     let mut lease = match state.lease_of(name)? {
         Some((_, Some(lease))) if lease.complete => lease,
         _ => return Err(NetError::NoLease(name.to_string())),
     };
     let slot = pool::slot_of_tap(&lease.tap).ok_or_else(|| NetError::NoLease(name.to_string()))?;
-    nft::apply(&nft::render_egress(&sandbox_rules(&lease, egress)))?;
+    if egress.has_hosts() && lease.dns != Some(lease.host_ip) {
+        return Err(NetError::NoResolver(name.to_string()));
+    }
+    let old = lease.egress.parse().unwrap_or(Egress::None);
+    nft::apply(&nft::render_egress(
+        &sandbox_rules(&lease, egress),
+        &old,
+        keep,
+    ))?;
+    super::tool::forget_connections(lease.guest_ip);
     lease.egress = egress.to_string();
     state.update(&lease, &slot)?;
     Ok(NetInfo::of(&lease))

@@ -9,14 +9,17 @@
 //! - [`gc`]: removes what sandboxes whose state is gone left behind in a pool.
 //!
 //! [`LeaseRequest::parse`] reads the CLI's text ([`UpOptions`]); the modules below are the
-//! parts: `cidr`, `policy` (egress), `pool` (leases on disk), `tap`, `nft`.
+//! parts: `cidr`, `policy` (egress), `pool` (leases on disk), `tap`, `nft`; and `resolver`
+//! (with `dns`), the daemon's DNS server for policies that name hostnames.
 
 pub mod cidr;
+pub mod dns;
 mod gc;
 mod lease;
 pub mod nft;
 pub mod policy;
 pub mod pool;
+pub mod resolver;
 pub mod tap;
 mod tool;
 
@@ -46,6 +49,10 @@ pub enum NetError {
     NoLease(String),
     #[error("--dns `{0}` is not an IPv4 address")]
     BadDns(String),
+    #[error("egress policy `{0}` names hostnames: only `rollbox serve` resolves them (its resolver is the guest's DNS server); `rollbox net up` takes CIDRs")]
+    HostnamesNeedResolver(String),
+    #[error("sandbox `{0}` has no resolver (its DNS server is not its gateway: its policy at create named no hostname), so its policy cannot name hostnames; create it with one")]
+    NoResolver(String),
     #[error("--expose `{token}`: {reason}")]
     BadExpose { token: String, reason: String },
     #[error("--expose-on `{0}` is not one IPv4 address of this host (such as 127.0.0.1)")]
@@ -194,6 +201,9 @@ pub struct LeaseRequest {
     /// address but loopback.
     pub expose_on: Vec<Ipv4Addr>,
     pub link: LinkKind,
+    /// The guest's DNS server is its gateway, where the daemon's resolver answers for the
+    /// policy's hostnames (`dns` is then ignored); a policy with hostnames needs it.
+    pub resolver: bool,
 }
 
 impl LeaseRequest {
@@ -203,6 +213,9 @@ impl LeaseRequest {
         check_name(&options.name)?;
         let pool = Pool::parse(&options.pool)?;
         let egress: Egress = options.egress.parse()?;
+        if egress.has_hosts() {
+            return Err(NetError::HostnamesNeedResolver(egress.to_string()));
+        }
         let dns = match &options.dns {
             Some(text) => Some(
                 text.parse::<Ipv4Addr>()
@@ -240,6 +253,7 @@ impl LeaseRequest {
             expose,
             expose_on,
             link: options.link.clone(),
+            resolver: false,
         })
     }
 }

@@ -6,13 +6,14 @@
 //! maps keyed by interface name that jump to a sandbox's chains; a set of guest addresses to
 //! masquerade; a map of exposed host ports. Per sandbox: chains `egress_<tap>` (what it may
 //! reach through the host) and `host_<tap>` (what it may reach on the host itself), and one
-//! element in each map and set.
+//! element in each map and set; and, for each hostname entry of its policy, a set
+//! `dns<i>_<tap>` of the addresses the daemon's resolver answered for it (with timeouts).
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
-use super::policy::{Allow, Egress, DENIED_UNDER_ALL};
+use super::policy::{Allow, Dest, Egress, DENIED_UNDER_ALL};
 
 pub const TABLE: &str = "inet rollbox";
 
@@ -172,9 +173,10 @@ fn base_chains(s: &mut String) {
             "oifname @sandboxes ct state established,related accept",
             r#"oifname @sandboxes ct status dnat accept comment "exposed ports""#,
             r#"oifname @sandboxes drop comment "nothing else opens connections into a sandbox""#,
-            r#"iifname @sandboxes ct status dnat accept comment "replies on exposed ports""#,
-            // Every other packet a guest sends meets its policy, that of connections already
-            // open too: a policy change cuts what the new policy does not allow at once.
+            // A connection the policy let open keeps flowing (a hostname's addresses may expire
+            // from its set meanwhile); a policy change forgets the guest's connections
+            // (`conntrack -D`), so their next packets meet the new policy.
+            "iifname @sandboxes ct state established,related accept",
             "iifname vmap @egress",
             "iifname @sandboxes drop",
         ],
@@ -219,6 +221,49 @@ fn base_chains(s: &mut String) {
     );
 }
 
+/// One address the resolver answered for a hostname entry: an element of set
+/// `dns<set>_<tap>` that expires after `timeout_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolved {
+    /// The index of the entry among the policy's hostname entries.
+    pub set: usize,
+    pub addr: Ipv4Addr,
+    pub timeout_s: u64,
+}
+
+/// The name of the set of the `index`-th hostname entry's addresses.
+pub fn dns_set(tap: &str, index: usize) -> String {
+    format!("dns{index}_{tap}")
+}
+
+fn declare_dns_set(s: &mut String, tap: &str, index: usize) {
+    let _ = writeln!(
+        s,
+        "add set {TABLE} {} {{ type ipv4_addr; flags timeout; }}",
+        dns_set(tap, index)
+    );
+}
+
+/// The script that adds (or refreshes: add, delete, add, so the new timeout holds) resolved
+/// addresses to their sets.
+pub fn render_resolved(tap: &str, resolved: &[Resolved]) -> String {
+    let mut s = String::new();
+    for r in resolved {
+        let set = dns_set(tap, r.set);
+        let (addr, timeout) = (r.addr, r.timeout_s.max(1));
+        let _ = writeln!(
+            s,
+            "add element {TABLE} {set} {{ {addr} timeout {timeout}s }}"
+        );
+        let _ = writeln!(s, "delete element {TABLE} {set} {{ {addr} }}");
+        let _ = writeln!(
+            s,
+            "add element {TABLE} {set} {{ {addr} timeout {timeout}s }}"
+        );
+    }
+    s
+}
+
 /// The per-sandbox rules in policy order (without `add rule TABLE CHAIN`).
 fn egress_rules(sandbox: &Sandbox<'_>) -> Vec<String> {
     let guest = sandbox.guest_ip;
@@ -231,28 +276,37 @@ fn egress_rules(sandbox: &Sandbox<'_>) -> Vec<String> {
             "ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept comment \"DNS\""
         ));
     }
+    let mut host = 0;
+    let mut allow = |entry: &Allow| {
+        let rule = allow_rule(sandbox.tap, entry, host);
+        if matches!(entry.dest, Dest::Host(_)) {
+            host += 1;
+        }
+        rule
+    };
     match sandbox.egress {
         Egress::None => {}
         Egress::All(opt_ins) => {
-            rules.extend(opt_ins.iter().map(allow_rule));
+            rules.extend(opt_ins.iter().map(&mut allow));
             rules.push(format!(
                 "ip daddr {{ {} }} drop comment \"private, shared and link-local (cloud metadata) ranges: name one after all to allow it\"",
                 DENIED_UNDER_ALL.join(", ")
             ));
             rules.push("accept".to_string());
         }
-        Egress::Allow(entries) => rules.extend(entries.iter().map(allow_rule)),
+        Egress::Allow(entries) => rules.extend(entries.iter().map(allow)),
     }
     rules.push("drop".to_string());
     rules
 }
 
-/// The rule that accepts one allow-list entry.
-fn allow_rule(entry: &Allow) -> String {
-    let daddr = if entry.net.prefix() == 32 {
-        entry.net.network().to_string()
-    } else {
-        entry.net.to_string()
+/// The rule that accepts one allow-list entry; a hostname entry (the `host`-th) accepts the
+/// addresses in its set.
+fn allow_rule(tap: &str, entry: &Allow, host: usize) -> String {
+    let daddr = match &entry.dest {
+        Dest::Net(net) if net.prefix() == 32 => net.network().to_string(),
+        Dest::Net(net) => net.to_string(),
+        Dest::Host(_) => format!("@{}", dns_set(tap, host)),
     };
     match entry.ports {
         None => format!("ip daddr {daddr} accept"),
@@ -322,14 +376,28 @@ fn expose_elements(verb: &str, sandbox: &Sandbox<'_>) -> Vec<String> {
     lines
 }
 
-/// The script that replaces a sandbox's egress policy: its egress chain flushed and refilled,
-/// one transaction (its other rules and elements stay).
-pub fn render_egress(sandbox: &Sandbox<'_>) -> String {
-    let chain = format!("egress_{}", sandbox.tap);
+/// The script that replaces a sandbox's egress policy `old` with `sandbox.egress`: its egress
+/// chain flushed and refilled, the hostname sets emptied (those the new policy has not,
+/// deleted) and refilled with `keep`, one transaction (its other rules and elements stay).
+pub fn render_egress(sandbox: &Sandbox<'_>, old: &Egress, keep: &[Resolved]) -> String {
+    let tap = sandbox.tap;
+    let chain = format!("egress_{tap}");
     let mut s = format!("flush chain {TABLE} {chain}\n");
+    let new_sets = sandbox.egress.hosts().len();
+    // After the flush no rule refers to the old sets.
+    for index in new_sets..old.hosts().len() {
+        declare_dns_set(&mut s, tap, index);
+        let _ = writeln!(s, "delete set {TABLE} {}", dns_set(tap, index));
+    }
+    for index in 0..new_sets {
+        declare_dns_set(&mut s, tap, index);
+        let _ = writeln!(s, "flush set {TABLE} {}", dns_set(tap, index));
+    }
     for rule in egress_rules(sandbox) {
         let _ = writeln!(s, "add rule {TABLE} {chain} {rule}");
     }
+    let keep: Vec<Resolved> = keep.iter().copied().filter(|r| r.set < new_sets).collect();
+    s.push_str(&render_resolved(tap, &keep));
     s
 }
 
@@ -339,6 +407,10 @@ pub fn render_up(sandbox: &Sandbox<'_>) -> String {
     let mut s = format!("# rollbox net: sandbox interface {tap}\n");
     declarations(&mut s);
     base_chains(&mut s);
+    for index in 0..sandbox.egress.hosts().len() {
+        declare_dns_set(&mut s, tap, index);
+        let _ = writeln!(s, "flush set {TABLE} {}", dns_set(tap, index));
+    }
     for (chain, rules) in [
         (format!("egress_{tap}"), egress_rules(sandbox)),
         (format!("host_{tap}"), host_rules(sandbox)),
@@ -379,7 +451,36 @@ pub fn render_down(sandbox: &Sandbox<'_>) -> String {
         let _ = writeln!(s, "flush chain {TABLE} {chain}");
         let _ = writeln!(s, "delete chain {TABLE} {chain}");
     }
+    // The hostname sets, once no rule refers to them.
+    for index in 0..sandbox.egress.hosts().len() {
+        declare_dns_set(&mut s, tap, index);
+        let _ = writeln!(s, "delete set {TABLE} {}", dns_set(tap, index));
+    }
     s
+}
+
+/// The hostname sets (`dns<i>_<tap>`) in a listing, with their interface names.
+pub fn dns_sets(listing: &str) -> Vec<(String, String)> {
+    listing
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("set "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .filter_map(|set| {
+            let (head, tap) = set.split_once('_')?;
+            let index = head.strip_prefix("dns")?;
+            (!index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| (tap.to_string(), set.to_string()))
+        })
+        .collect()
+}
+
+/// The statements that delete the hostname sets of `tap` in a listing (after its chains).
+pub fn delete_dns_sets_of(listing: &str, tap: &str) -> Vec<String> {
+    dns_sets(listing)
+        .into_iter()
+        .filter(|(of, _)| of == tap)
+        .map(|(_, set)| format!("delete set {TABLE} {set}"))
+        .collect()
 }
 
 /// The elements of the set or map that `header` (`map expose_tcp {`) opens in a listing.
@@ -469,7 +570,8 @@ pub fn mapped_interfaces(listing: &str) -> Vec<String> {
         .collect()
 }
 
-/// The per-sandbox chains in a listing: interface names with an `egress_`/`host_` chain.
+/// The per-sandbox chains in a listing: interface names with an `egress_`/`host_` chain (or a
+/// hostname set).
 pub fn sandbox_chains(listing: &str) -> Vec<String> {
     let mut taps: Vec<String> = listing
         .lines()
@@ -481,6 +583,7 @@ pub fn sandbox_chains(listing: &str) -> Vec<String> {
                 .or_else(|| chain.strip_prefix("host_"))
         })
         .map(str::to_string)
+        .chain(dns_sets(listing).into_iter().map(|(tap, _)| tap))
         .collect();
     taps.sort();
     taps.dedup();
@@ -546,7 +649,7 @@ mod tests {
     #[test]
     fn a_policy_change_is_one_flush_and_refill_of_the_egress_chain() {
         let egress: Egress = "all".parse().unwrap();
-        let script = render_egress(&sandbox(&egress, &[]));
+        let script = render_egress(&sandbox(&egress, &[]), &Egress::None, &[]);
         let lines: Vec<&str> = script.lines().collect();
         assert_eq!(lines[0], "flush chain inet rollbox egress_rbx0ac80004");
         assert!(lines[1..]
@@ -757,6 +860,77 @@ mod tests {
         assert_eq!(
             one_line(stderr),
             "Could not process rule: File exists (in `create element inet rollbox expose_tcp { 8080 : 10.200.0.6 . 80 }`)"
+        );
+    }
+
+    #[test]
+    fn hostname_entries_accept_their_sets() {
+        let egress: Egress = "pypi.org:443,10.0.0.0/8,*.example.com,files.example.org:80-90"
+            .parse()
+            .unwrap();
+        let script = render_up(&sandbox(&egress, &[]));
+        for index in 0..3 {
+            let set = format!("dns{index}_rbx0ac80004");
+            let declared = script
+                .find(&format!(
+                    "add set inet rollbox {set} {{ type ipv4_addr; flags timeout; }}"
+                ))
+                .unwrap();
+            let used = script.find(&format!("@{set}")).unwrap();
+            assert!(declared < used, "{script}");
+        }
+        let chain: Vec<&str> = script
+            .lines()
+            .filter_map(|l| l.strip_prefix("add rule inet rollbox egress_rbx0ac80004 "))
+            .collect();
+        assert_eq!(
+            &chain[3..],
+            [
+                "ip daddr @dns0_rbx0ac80004 meta l4proto { tcp, udp } th dport 443 accept",
+                "ip daddr 10.0.0.0/8 accept",
+                "ip daddr @dns1_rbx0ac80004 accept",
+                "ip daddr @dns2_rbx0ac80004 meta l4proto { tcp, udp } th dport 80-90 accept",
+                "drop",
+            ]
+        );
+        // Down deletes the sets after the chains that use them.
+        let down = render_down(&sandbox(&egress, &[]));
+        let chain_gone = down
+            .find("delete chain inet rollbox egress_rbx0ac80004")
+            .unwrap();
+        let set_gone = down
+            .find("delete set inet rollbox dns2_rbx0ac80004")
+            .unwrap();
+        assert!(chain_gone < set_gone);
+        // A change to one hostname entry: the chain refilled, set 0 emptied and refilled
+        // with what is kept, sets 1 and 2 deleted after the flush.
+        let new: Egress = "pypi.org:443".parse().unwrap();
+        let keep = [
+            Resolved {
+                set: 0,
+                addr: Ipv4Addr::new(151, 101, 0, 223),
+                timeout_s: 50,
+            },
+            Resolved {
+                set: 2,
+                addr: Ipv4Addr::new(1, 2, 3, 4),
+                timeout_s: 50,
+            },
+        ];
+        let change = render_egress(&sandbox(&new, &[]), &egress, &keep);
+        let lines: Vec<&str> = change.lines().collect();
+        assert_eq!(lines[0], "flush chain inet rollbox egress_rbx0ac80004");
+        assert!(change.contains("delete set inet rollbox dns1_rbx0ac80004"));
+        assert!(change.contains("delete set inet rollbox dns2_rbx0ac80004"));
+        assert!(change.contains("flush set inet rollbox dns0_rbx0ac80004"));
+        assert!(change
+            .contains("add element inet rollbox dns0_rbx0ac80004 { 151.101.0.223 timeout 50s }"));
+        assert!(!change.contains("1.2.3.4"), "set 2 is gone: {change}");
+        let listing = "table inet rollbox {\n\tset dns0_rbx0ac80004 {\n\t\ttype ipv4_addr\n\t\tflags timeout\n\t}\n\tset dns12_rbx0ac80008 {\n\t}\n\tset dnsx_rbx0ac8000c {\n\t}\n\tset guests {\n\t}\n}\n";
+        assert_eq!(sandbox_chains(listing), ["rbx0ac80004", "rbx0ac80008"]);
+        assert_eq!(
+            delete_dns_sets_of(listing, "rbx0ac80008"),
+            ["delete set inet rollbox dns12_rbx0ac80008"]
         );
     }
 }

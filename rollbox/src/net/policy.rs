@@ -7,6 +7,10 @@
 //! `all` forwards everything but [`DENIED_UNDER_ALL`] (private, shared and link-local ranges,
 //! cloud metadata among them). Entries beside `all` (`all,10.1.0.0/16:5432`) are the
 //! operator's opt-ins: they are allowed before those ranges are dropped.
+//!
+//! An entry may name a host instead of a CIDR (`pypi.org:443`, `*.pythonhosted.org:443`):
+//! the addresses the daemon's resolver answers for it are allowed, with the entry's ports
+//! (`rollbox::net::resolver`; docs/networking.md, "Hostnames").
 
 use std::fmt;
 use std::str::FromStr;
@@ -26,6 +30,13 @@ pub const DENIED_UNDER_ALL: [&str; 5] = [
     "169.254.0.0/16",
 ];
 
+/// Addresses a hostname's answer may never add unless a CIDR entry names them (DNS
+/// rebinding): [`DENIED_UNDER_ALL`] and these.
+pub const REBINDING_ALSO: [&str; 2] = ["127.0.0.0/8", "0.0.0.0/8"];
+
+/// A hostname entry: at most this many bytes.
+pub const MAX_HOSTNAME: usize = 253;
+
 /// Why an egress policy did not parse: names the token and the reason.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PolicyError {
@@ -35,10 +46,19 @@ pub enum PolicyError {
     Token { token: String, reason: String },
 }
 
+/// Where an entry points: addresses, or a host the resolver answers for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dest {
+    Net(Ipv4Net),
+    /// Lowercase, no trailing dot; `*.example.com` matches every name under example.com (not
+    /// example.com itself).
+    Host(String),
+}
+
 /// One allowed destination.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Allow {
-    pub net: Ipv4Net,
+    pub dest: Dest,
     /// An inclusive TCP/UDP port range; `None` allows every protocol and port.
     pub ports: Option<(u16, u16)>,
 }
@@ -65,17 +85,86 @@ fn port(token: &str, text: &str) -> Result<u16, PolicyError> {
         })
 }
 
+/// Checks and normalises a hostname entry: RFC 1123 labels (letters, digits, inner
+/// hyphens; 1-63 bytes each), at least two of them, at most 253 bytes, lowercased, one
+/// trailing dot dropped, not all-numeric at the end (that is an address); `*.` may lead.
+pub fn hostname(text: &str) -> Result<String, String> {
+    let lower = text.to_ascii_lowercase();
+    let name = lower.strip_suffix('.').unwrap_or(&lower);
+    let rest = name.strip_prefix("*.").unwrap_or(name);
+    if name.len() > MAX_HOSTNAME {
+        return Err(format!(
+            "hostname is {} bytes, over {MAX_HOSTNAME}",
+            name.len()
+        ));
+    }
+    let labels: Vec<&str> = rest.split('.').collect();
+    for label in &labels {
+        if label.is_empty() || label.len() > 63 {
+            return Err(format!(
+                "hostname `{text}`: each label is 1 to 63 bytes between dots"
+            ));
+        }
+        if let Some(c) = label
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || *c == '-'))
+        {
+            return Err(format!(
+                "hostname `{text}` has `{c}`; labels are letters, digits and hyphens (a wildcard is only `*.` at the start)"
+            ));
+        }
+        if label.starts_with('-') || label.ends_with('-') {
+            return Err(format!(
+                "hostname `{text}`: a label may not start or end with `-`"
+            ));
+        }
+    }
+    if labels.len() < 2 {
+        return Err(format!(
+            "hostname `{text}` needs at least two labels (such as example.com)"
+        ));
+    }
+    if labels
+        .last()
+        .is_some_and(|l| l.chars().all(|c| c.is_ascii_digit()))
+    {
+        return Err(format!("`{text}` is not an IPv4 address nor a hostname"));
+    }
+    Ok(name.to_string())
+}
+
+/// Whether `name` (lowercase, no trailing dot) is what hostname entry `pattern` names.
+pub fn host_matches(pattern: &str, name: &str) -> bool {
+    match pattern.strip_prefix("*.") {
+        Some(domain) => name
+            .strip_suffix(domain)
+            .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+        None => pattern == name,
+    }
+}
+
 fn allow(token: &str) -> Result<Allow, PolicyError> {
     let (net_text, ports_text) = match token.split_once(':') {
         Some((net, ports)) => (net, Some(ports)),
         None => (token, None),
     };
-    let net = net_text
-        .parse::<Ipv4Net>()
-        .map_err(|e| PolicyError::Token {
-            token: token.to_string(),
-            reason: e.to_string(),
-        })?;
+    let bad = |reason: String| PolicyError::Token {
+        token: token.to_string(),
+        reason,
+    };
+    // A letter or `*` makes it a hostname; anything else is read as a CIDR.
+    let dest = if net_text
+        .chars()
+        .any(|c| c.is_ascii_alphabetic() || c == '*')
+    {
+        Dest::Host(hostname(net_text).map_err(bad)?)
+    } else {
+        Dest::Net(
+            net_text
+                .parse::<Ipv4Net>()
+                .map_err(|e| bad(e.to_string()))?,
+        )
+    };
     let ports = match ports_text {
         None => None,
         Some(text) => {
@@ -95,7 +184,51 @@ fn allow(token: &str) -> Result<Allow, PolicyError> {
             Some((lo, hi))
         }
     };
-    Ok(Allow { net, ports })
+    Ok(Allow { dest, ports })
+}
+
+impl Egress {
+    /// The entries: an allow-list's, or the opt-ins beside `all`.
+    pub fn entries(&self) -> &[Allow] {
+        match self {
+            Egress::None => &[],
+            Egress::All(entries) | Egress::Allow(entries) => entries,
+        }
+    }
+
+    /// The hostname entries, in order (the resolver's set `dns<i>_<tap>` is the i-th's).
+    pub fn hosts(&self) -> Vec<(&str, Option<(u16, u16)>)> {
+        self.entries()
+            .iter()
+            .filter_map(|entry| match &entry.dest {
+                Dest::Host(name) => Some((name.as_str(), entry.ports)),
+                Dest::Net(_) => None,
+            })
+            .collect()
+    }
+
+    /// Whether an entry names a hostname.
+    pub fn has_hosts(&self) -> bool {
+        !self.hosts().is_empty()
+    }
+
+    /// Whether a CIDR entry contains `addr` (which lets a hostname's answer hold it even when
+    /// it is private; see [`rebinding_guarded`]).
+    pub fn names_address(&self, addr: std::net::Ipv4Addr) -> bool {
+        self.entries()
+            .iter()
+            .any(|entry| matches!(&entry.dest, Dest::Net(net) if net.contains(addr)))
+    }
+}
+
+/// Whether `addr` is in a range a hostname's answer may not add by itself (DNS rebinding):
+/// private, shared, link-local, loopback, 0/8.
+pub fn rebinding_guarded(addr: std::net::Ipv4Addr) -> bool {
+    DENIED_UNDER_ALL
+        .iter()
+        .chain(REBINDING_ALSO.iter())
+        .filter_map(|range| range.parse::<Ipv4Net>().ok())
+        .any(|net| net.contains(addr))
 }
 
 impl FromStr for Egress {
@@ -147,10 +280,10 @@ impl FromStr for Egress {
 
 impl fmt::Display for Allow {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.net.prefix() == 32 {
-            write!(f, "{}", self.net.network())?;
-        } else {
-            write!(f, "{}", self.net)?;
+        match &self.dest {
+            Dest::Net(net) if net.prefix() == 32 => write!(f, "{}", net.network())?,
+            Dest::Net(net) => write!(f, "{net}")?,
+            Dest::Host(name) => f.write_str(name)?,
         }
         match self.ports {
             Some((lo, hi)) if lo == hi => write!(f, ":{lo}"),
@@ -193,7 +326,7 @@ mod tests {
         };
         assert_eq!(entries.len(), 3);
         assert_eq!(entries[0].ports, Some((443, 443)));
-        assert_eq!(entries[1].net.to_string(), "1.1.1.1/32");
+        assert_eq!(entries[1].dest, Dest::Net("1.1.1.1/32".parse().unwrap()));
         assert_eq!(entries[1].ports, None);
         assert_eq!(entries[2].ports, Some((80, 90)));
         assert_eq!(
@@ -219,8 +352,8 @@ mod tests {
             "egress policy token `10.0.0.0/8:90-80`: port range 90-80 runs backwards"
         );
         assert_eq!(
-            error("example.com:443"),
-            "egress policy token `example.com:443`: `example.com` is not an IPv4 address"
+            error("exa_mple.com:443"),
+            "egress policy token `exa_mple.com:443`: hostname `exa_mple.com` has `_`; labels are letters, digits and hyphens (a wildcard is only `*.` at the start)"
         );
         assert!(error("1.1.1.1,,2.2.2.2").contains("empty entry"));
         assert!(error("none,1.1.1.1").contains("stands alone"));
@@ -241,5 +374,77 @@ mod tests {
         assert_eq!(policy.to_string(), "all,10.1.0.0/16:5432,169.254.169.254");
         assert_eq!(policy.to_string().parse::<Egress>(), Ok(policy));
         assert_eq!(Egress::All(Vec::new()).to_string(), "all");
+    }
+
+    #[test]
+    fn hostnames_are_entries_with_ports() {
+        let policy: Egress =
+            "PyPI.org.:443,files.pythonhosted.org:443,10.0.0.0/8,*.Example.com:80-90"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            policy.to_string(),
+            "pypi.org:443,files.pythonhosted.org:443,10.0.0.0/8,*.example.com:80-90"
+        );
+        assert_eq!(policy.to_string().parse::<Egress>(), Ok(policy.clone()));
+        assert_eq!(
+            policy.hosts(),
+            [
+                ("pypi.org", Some((443, 443))),
+                ("files.pythonhosted.org", Some((443, 443))),
+                ("*.example.com", Some((80, 90)))
+            ]
+        );
+        assert!(policy.names_address("10.1.2.3".parse().unwrap()));
+        assert!(!policy.names_address("192.168.0.1".parse().unwrap()));
+        let all: Egress = "all,db.internal.example:5432".parse().unwrap();
+        assert_eq!(all.hosts(), [("db.internal.example", Some((5432, 5432)))]);
+        assert!(!Egress::All(Vec::new()).has_hosts());
+    }
+
+    #[test]
+    fn bad_hostnames_are_refused() {
+        let reason = |s: &str| s.parse::<Egress>().unwrap_err().to_string();
+        assert!(reason("localhost").contains("at least two labels"));
+        assert!(reason("a..com").contains("1 to 63 bytes"));
+        assert!(reason(&format!("{}.com", "a".repeat(64))).contains("1 to 63 bytes"));
+        let long = format!("{}.com", vec!["a".repeat(60); 5].join("."));
+        assert!(reason(&long).contains("over 253"), "{}", reason(&long));
+        assert!(reason("-a.com").contains("start or end with `-`"));
+        assert!(reason("a.*.com").contains("`*`"));
+        assert!(reason("**.a.com").contains("`*`"));
+        assert!(reason("1.2.3.4x.5").contains("not an IPv4 address nor a hostname"));
+        assert!(reason("ex ample.com").contains("` `"));
+        assert!(reason("example.com:0").contains("port `0`"));
+        assert!(reason("*.com").contains("at least two labels"));
+    }
+
+    #[test]
+    fn wildcards_match_names_under_the_domain_only() {
+        assert!(host_matches("example.com", "example.com"));
+        assert!(!host_matches("example.com", "www.example.com"));
+        assert!(host_matches("*.example.com", "www.example.com"));
+        assert!(host_matches("*.example.com", "a.b.example.com"));
+        assert!(!host_matches("*.example.com", "example.com"));
+        assert!(!host_matches("*.example.com", "badexample.com"));
+        assert!(!host_matches("*.example.com", ".example.com"));
+    }
+
+    #[test]
+    fn rebinding_ranges() {
+        for addr in [
+            "10.1.1.1",
+            "127.0.0.1",
+            "0.1.2.3",
+            "169.254.169.254",
+            "100.64.0.1",
+            "192.168.1.1",
+            "172.16.0.1",
+        ] {
+            assert!(rebinding_guarded(addr.parse().unwrap()), "{addr}");
+        }
+        for addr in ["1.1.1.1", "151.101.0.223", "172.32.0.1"] {
+            assert!(!rebinding_guarded(addr.parse().unwrap()), "{addr}");
+        }
     }
 }

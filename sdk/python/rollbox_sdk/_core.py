@@ -430,7 +430,7 @@ def network_body(
     expose: Optional[Sequence[int]] = None,
 ) -> Optional[Dict[str, Any]]:
     """``network`` of a create or template: ``egress`` (a policy string, or a list of
-    ``CIDR[:PORT[-PORT]]``) and ``expose`` (guest TCP ports) imply one; ``network=True``
+    ``CIDR|HOST[:PORT[-PORT]]``) and ``expose`` (guest TCP ports) imply one; ``network=True``
     takes the daemon's default egress."""
     if not network and egress is None and not expose:
         return None

@@ -272,7 +272,7 @@ class AsyncClient:
         ones (else Conflict at once): such a sandbox boots, and cannot be paused, snapshotted,
         forked or reset. ``network=True`` gives it a network (``eth0``, NAT through the host)
         with the daemon's default egress; ``egress`` (``"none"``, ``"all"``, a list of
-        ``CIDR[:PORT[-PORT]]``, or those comma-separated) implies one. Its snapshots, forks
+        ``CIDR|HOST[:PORT[-PORT]]``, or those comma-separated) implies one. Its snapshots, forks
         and resets keep a network (each clone its own address); a restore of a snapshot with
         a network gets one with that snapshot's egress unless ``egress`` says otherwise.
         ``expose`` (guest TCP ports; implies a network) puts each on a host port of its own:

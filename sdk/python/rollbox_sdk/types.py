@@ -182,7 +182,7 @@ class Network:
     """A sandbox's network: ``eth0`` at ``address`` on a host tap, NAT through the host."""
 
     egress: str
-    """none, all, or the allow-list (CIDR[:PORT[-PORT]],...)."""
+    """none, all, or the allow-list (CIDR|HOST[:PORT[-PORT]],...)."""
     address: str
     gateway: str
     prefix_len: int

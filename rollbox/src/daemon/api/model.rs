@@ -206,7 +206,7 @@ pub struct CreateSandbox {
 /// `network` of a create or a template.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct NetworkRequest {
-    /// The egress policy in `rollbox net`'s syntax (`none`, `all`, or `CIDR[:PORT[-PORT]],...`);
+    /// The egress policy in `rollbox net`'s syntax (`none`, `all`, or `CIDR|HOST[:PORT[-PORT]],...`);
     /// None: the server's `--default-egress`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<String>,

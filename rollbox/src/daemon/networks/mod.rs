@@ -5,14 +5,17 @@
 //! which lives in an empty namespace of its own: it cannot reach any other tap, and nothing
 //! else attaches this one. Leases are named by sandbox id in the net state directory that
 //! `rollbox net list`/`gc` read; a restarted daemon releases those of sandboxes that ended.
+//! A sandbox whose policy names hostnames also gets a resolver on its gateway
+//! (`rollbox::net::resolver`), which lives here while the sandbox does.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::api::{ApiError, ExposedPort, NetworkRequest, SandboxNetwork};
+use crate::net::resolver::{Resolver, ResolverOptions, Site};
 use crate::net::{self, Egress, LeaseRequest, LinkKind, NetError, Pool, StateDir};
 
 /// How `rollbox serve` makes networks.
@@ -22,8 +25,12 @@ pub struct NetworkOptions {
     pub state_dir: PathBuf,
     /// The /30s come from here (`--net-pool`).
     pub pool: Pool,
-    /// The DNS server guests are given, and may reach, unless their egress is `none`.
+    /// The DNS server guests are given, and may reach, unless their egress is `none` or
+    /// names hostnames (then it is their gateway, the resolver).
     pub dns: Option<Ipv4Addr>,
+    /// Where the resolvers of policies with hostnames ask (`--sandbox-dns`, else the host's
+    /// nameserver, loopback ones included); none: such policies are a 503.
+    pub upstream: Option<SocketAddr>,
     /// The egress of a `network` that names none (`--default-egress`).
     pub default_egress: Egress,
     /// Exposed ports are on 127.0.0.1, and on this address too (`--publish`): only then are
@@ -54,6 +61,10 @@ pub struct Networks {
     unavailable: Option<String>,
     /// Held while host ports are picked and leased; the next port to try.
     next_port: Mutex<u16>,
+    /// The resolvers of sandboxes whose policy at create named hostnames, by sandbox id.
+    resolvers: Mutex<HashMap<String, Arc<Resolver>>>,
+    /// Where resolvers run (the daemon's runtime; none outside one).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Networks {
@@ -68,7 +79,38 @@ impl Networks {
             next_port: Mutex::new(options.port_range.0),
             options,
             unavailable,
+            resolvers: Mutex::new(HashMap::new()),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         }
+    }
+
+    /// Starts sandbox `id`'s resolver, on its gateway.
+    fn start_resolver(&self, id: &str, site: Site, egress: &Egress) -> Result<(), ApiError> {
+        let (Some(upstream), Some(runtime)) = (self.options.upstream, &self.runtime) else {
+            return Err(ApiError::Unavailable(format!(
+                "network of sandbox {id}: its egress names hostnames, and this server has no upstream DNS server for them (--sandbox-dns, or a nameserver in /etc/resolv.conf)"
+            )));
+        };
+        let resolver = Resolver::start(
+            site,
+            egress.clone(),
+            ResolverOptions::new(upstream),
+            runtime,
+        )
+        .map_err(|e| ApiError::Unavailable(format!("network of sandbox {id}: {e}")))?;
+        self.resolvers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id.to_string(), Arc::new(resolver));
+        Ok(())
+    }
+
+    fn resolver(&self, id: &str) -> Option<Arc<Resolver>> {
+        self.resolvers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .cloned()
     }
 
     /// The egress a request gets: its own, else the server's default.
@@ -96,6 +138,13 @@ impl Networks {
     /// on error nothing of it is left. Blocking (it runs `nft` and ioctls).
     pub fn make(&self, id: &str, request: &NetworkRequest) -> Result<Made, ApiError> {
         let egress = self.egress(request)?;
+        // Hostnames need the resolver on the gateway, which asks the upstream.
+        let resolver = egress.has_hosts();
+        if resolver && (self.options.upstream.is_none() || self.runtime.is_none()) {
+            return Err(ApiError::Unavailable(format!(
+                "network of sandbox {id}: network.egress names hostnames, and this server has no upstream DNS server for them (--sandbox-dns, or a nameserver in /etc/resolv.conf)"
+            )));
+        }
         // DNS is a way out too: under `none` the guest gets none.
         let dns = self.options.dns.filter(|_| egress != Egress::None);
         let mut lease = LeaseRequest {
@@ -108,6 +157,7 @@ impl Networks {
                 .chain(self.options.publish)
                 .collect(),
             link: LinkKind::Tap,
+            resolver,
         };
         let info = if request.expose.is_empty() {
             net::lease(&self.state, &lease)
@@ -134,6 +184,18 @@ impl Networks {
             }
         };
         let info = info.map_err(|e| lease_error(id, e))?;
+        let dns = if resolver { Some(info.host_ip) } else { dns };
+        if resolver {
+            let site = Site {
+                tap: info.tap.clone(),
+                host_ip: info.host_ip,
+                guest_ip: info.guest_ip,
+            };
+            if let Err(e) = self.start_resolver(id, site, &egress) {
+                self.release(id);
+                return Err(e);
+            }
+        }
         let host_address = self.options.publish.unwrap_or(Ipv4Addr::LOCALHOST);
         let ports = lease
             .expose
@@ -211,11 +273,18 @@ impl Networks {
         )))
     }
 
-    /// Replaces sandbox `id`'s egress policy (one nftables transaction). Blocking.
+    /// Replaces sandbox `id`'s egress policy (one nftables transaction; its resolver, if it
+    /// has one, keeps what it answered for names still allowed). Blocking.
     pub fn set_egress(&self, id: &str, egress: &Egress) -> Result<(), ApiError> {
-        net::set_egress(&self.state, id, egress)
-            .map(drop)
-            .map_err(|e| lease_error(id, e))
+        let apply = |keep: &[net::nft::Resolved]| net::set_egress(&self.state, id, egress, keep);
+        let result = match self.resolver(id) {
+            Some(resolver) => resolver.set_egress(egress, apply),
+            None => apply(&[]),
+        };
+        result.map(drop).map_err(|e| match e {
+            NetError::NoResolver(_) => ApiError::Conflict(format!("network.egress: {e}")),
+            e => lease_error(id, e),
+        })
     }
 
     /// Attaches sandbox `id`'s tap again (for a new VMM of the same sandbox). Blocking.
@@ -225,8 +294,12 @@ impl Networks {
         })
     }
 
-    /// Removes sandbox `id`'s network, if it has one. Blocking.
+    /// Removes sandbox `id`'s network, if it has one (its resolver first). Blocking.
     pub fn release(&self, id: &str) {
+        self.resolvers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(id);
         match net::release(&self.state, id) {
             Ok(_) => {}
             Err(e) => log::warn!("sandbox {id}: releasing its network: {e}"),
@@ -235,7 +308,8 @@ impl Networks {
 
     /// After a restart: releases the leases of this daemon's sandboxes that are not live
     /// (`ours` tells its sandboxes from another daemon's sharing the state directory), and
-    /// returns their names.
+    /// returns their names; live ones whose DNS server is their gateway get their resolver
+    /// again (what their sets hold stays until it expires).
     pub fn reconcile(&self, live: &HashSet<String>, ours: impl Fn(&str) -> bool) -> Vec<String> {
         let leases = match net::leases(&self.state) {
             Ok(leases) => leases,
@@ -246,6 +320,17 @@ impl Networks {
         };
         let mut released = Vec::new();
         for lease in leases {
+            if live.contains(&lease.name) && lease.dns == Some(lease.host_ip) {
+                let egress = lease.egress.parse().unwrap_or(Egress::None);
+                let site = Site {
+                    tap: lease.tap.clone(),
+                    host_ip: lease.host_ip,
+                    guest_ip: lease.guest_ip,
+                };
+                if let Err(e) = self.start_resolver(&lease.name, site, &egress) {
+                    log::warn!("sandbox {}: its resolver: {e}", lease.name);
+                }
+            }
             if live.contains(&lease.name) || !ours(&lease.name) {
                 continue;
             }
@@ -266,6 +351,16 @@ fn free_on_host(port: u16) -> bool {
 pub fn host_dns() -> Option<Ipv4Addr> {
     let text = std::fs::read_to_string("/etc/resolv.conf").ok()?;
     first_nameserver(&text)
+}
+
+/// The host's first IPv4 nameserver in /etc/resolv.conf, loopback ones included: where the
+/// resolvers ask when `--sandbox-dns` names none.
+pub fn host_resolver() -> Option<Ipv4Addr> {
+    let text = std::fs::read_to_string("/etc/resolv.conf").ok()?;
+    text.lines()
+        .filter_map(|line| line.trim().strip_prefix("nameserver"))
+        .filter_map(|rest| rest.trim().parse::<Ipv4Addr>().ok())
+        .find(|ip| !ip.is_unspecified())
 }
 
 fn first_nameserver(resolv_conf: &str) -> Option<Ipv4Addr> {
@@ -297,6 +392,7 @@ mod tests {
             state_dir: PathBuf::from("/nonexistent/rollbox-net-test"),
             pool: Pool::parse("10.250.0.0/24").expect("pool"),
             dns: Some(Ipv4Addr::new(1, 1, 1, 1)),
+            upstream: None,
             default_egress: default_egress.parse().expect("egress"),
             publish: None,
             port_range: (20000, 20002),

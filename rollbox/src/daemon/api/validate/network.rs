@@ -15,11 +15,12 @@ pub struct NetworkBody {
     expose: Option<Vec<serde_json::Value>>,
 }
 
-/// `network: {egress, expose}`: `expose` lists guest TCP ports (1-65535, each once); `egress` is `"none"`, `"all"`, `{"allow": ["CIDR[:PORT[-PORT]]", ...]}`,
-/// or the same as one string, `"CIDR[:PORT[-PORT]],..."` (`rollbox net`'s policy, checked
-/// here).
+/// `network: {egress, expose}`: `expose` lists guest TCP ports (1-65535, each once); `egress`
+/// is `"none"`, `"all"`, `{"allow": ["CIDR|HOST[:PORT[-PORT]]", ...]}`, or the same as one
+/// string, `"CIDR|HOST[:PORT[-PORT]],..."` (`rollbox::net`'s policy, checked here; a
+/// hostname must be RFC 1123 labels).
 pub fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
-    let form = r#""none", "all" or {"allow": ["CIDR[:PORT[-PORT]]", ...]}"#;
+    let form = r#""none", "all" or {"allow": ["CIDR|HOST[:PORT[-PORT]]", ...]}"#;
     let egress = match body.egress {
         None => None,
         Some(serde_json::Value::String(text)) => Some(text),
@@ -36,7 +37,7 @@ pub fn network_request(body: NetworkBody) -> Result<NetworkRequest, ApiError> {
                     }
                     _ => {
                         return Err(bad(format!(
-                            "network.egress.allow: {entry} is not CIDR[:PORT[-PORT]]"
+                            "network.egress.allow: {entry} is not CIDR|HOST[:PORT[-PORT]]"
                         )))
                     }
                 }

@@ -4,8 +4,9 @@
 //!
 //! E2B's rules: `allowOut` entries win over `denyOut` ones, and `allow_internet_access: false`
 //! is `denyOut: ["0.0.0.0/0"]`. rollbox serves the deny-everything-else form only: a `denyOut`
-//! entry other than `0.0.0.0/0` is refused, as are domains (the native policy takes CIDRs),
-//! an egress proxy and transform rules.
+//! entry other than `0.0.0.0/0` is refused, as are an egress proxy and transform rules.
+//! `allowOut` domains are the native policy's hostname entries (`pypi.org`, `*.example.com`),
+//! resolved by the sandbox's resolver.
 
 use std::sync::Arc;
 
@@ -129,6 +130,15 @@ mod tests {
         assert_eq!(
             egress(None, &options(&["10.1.0.0/16"], &[])).ok(),
             Some(Some("all,10.1.0.0/16".into()))
+        );
+        // Domains are hostname entries of the native policy.
+        assert_eq!(
+            egress(
+                None,
+                &options(&["pypi.org", "*.pythonhosted.org"], &["0.0.0.0/0"])
+            )
+            .ok(),
+            Some(Some("pypi.org,*.pythonhosted.org".into()))
         );
         let err = egress(None, &options(&[], &["8.8.8.8"])).expect_err("a deny entry");
         assert!(
