@@ -1099,13 +1099,19 @@ fn egress_policy_is_enforced() {
         Some("A 10.249.1.1")
     );
     let state = rollbox::net::pool::StateDir::new(net.state());
-    rollbox::net::set_egress(&state, "guest1", &"none".parse().unwrap()).unwrap();
+    rollbox::net::set_egress(&state, "guest1", &"none".parse().unwrap(), &[]).unwrap();
     assert_eq!(
         udp_ask_from(g1n, 40001, "10.249.1.2", 8000),
         None,
         "the open flow is cut by the new policy"
     );
-    rollbox::net::set_egress(&state, "guest1", &"10.249.1.2/32:8000".parse().unwrap()).unwrap();
+    rollbox::net::set_egress(
+        &state,
+        "guest1",
+        &"10.249.1.2/32:8000".parse().unwrap(),
+        &[],
+    )
+    .unwrap();
     assert_eq!(
         udp_ask_from(g1n, 40001, "10.249.1.2", 8000).as_deref(),
         Some("A 10.249.1.1"),
