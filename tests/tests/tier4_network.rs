@@ -175,6 +175,64 @@ fn serve_in_netns(netns: &str, port: u16) {
         .expect("netns server ready");
 }
 
+/// A DNS server on UDP port 53 inside network namespace `netns`: `name` has one A record,
+/// `addr`; every other name is NXDOMAIN. Returns the names it was asked, as they come.
+fn dns_in_netns(
+    netns: &str,
+    name: &'static str,
+    addr: Ipv4Addr,
+) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = std::sync::Arc::clone(&asked);
+    let path = format!("/var/run/netns/{netns}");
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).expect("open netns");
+        // SAFETY: setns moves only this thread into the namespace; the fd is valid.
+        let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let socket = std::net::UdpSocket::bind(("0.0.0.0", 53)).expect("bind 53 in netns");
+        ready_tx.send(()).expect("ready");
+        let mut buf = [0u8; 512];
+        loop {
+            let Ok((n, peer)) = socket.recv_from(&mut buf) else {
+                continue;
+            };
+            // Header (12 bytes), then one uncompressed question: labels, type, class.
+            let mut labels = Vec::new();
+            let mut at = 12;
+            while at < n && buf[at] != 0 {
+                let len = usize::from(buf[at]);
+                let end = (at + 1 + len).min(n);
+                labels.push(String::from_utf8_lossy(&buf[at + 1..end]).to_lowercase());
+                at = end;
+            }
+            let question_end = at + 5;
+            if question_end > n {
+                continue;
+            }
+            let asked_name = labels.join(".");
+            let qtype = u16::from_be_bytes([buf[at + 1], buf[at + 2]]);
+            seen.lock().expect("names").push(asked_name.clone());
+            let mut reply = buf[..question_end].to_vec();
+            reply[2] = 0x84 | (buf[2] & 0x01); // a response, authoritative, RD copied
+            let found = asked_name == name;
+            reply[3] = if found { 0x00 } else { 0x03 }; // NOERROR or NXDOMAIN
+            reply[6..12].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
+            if found && qtype == 1 {
+                reply[7] = 1; // one answer: the question's name, A, IN, TTL 300, the address
+                reply.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 1, 0x2c, 0, 4]);
+                reply.extend_from_slice(&addr.octets());
+            }
+            let _ = socket.send_to(&reply, peer);
+        }
+    });
+    ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("netns DNS server ready");
+    asked
+}
+
 /// A stand-in for the internet: a network namespace behind a veth pair, `NET.2/24` there and
 /// `NET.1/24` on the host side. Removed on drop.
 struct Internet {
@@ -604,6 +662,9 @@ mod tier4 {
                     "10.202.0.0/24".into(),
                     "--net-state-dir".into(),
                     "/tmp/rollbox-net-lab".into(),
+                    // The internet's DNS server (dns_in_netns): sandboxes' resolvers ask it.
+                    "--sandbox-dns".into(),
+                    "198.51.100.2".into(),
                     // The lab's agents answer slowly.
                     "--agent-timeout".into(),
                     "60".into(),
@@ -713,6 +774,7 @@ mod tier4 {
         let _internet = Internet::at("rbxpub", "rbxpb", "198.51.100");
         serve_in_netns("rbxpub", 8000);
         serve_in_netns("rbxpub", 9000);
+        let asked = dns_in_netns("rbxpub", "web.rollbox.test", Ipv4Addr::new(198, 51, 100, 2));
         let daemon = NetDaemon::start();
         let started = Instant::now();
         let (status, template) = daemon.call(
@@ -795,6 +857,41 @@ mod tier4 {
         assert!(
             !daemon.fetch(listed_id, "198.51.100.2", 9000),
             "not allow-listed"
+        );
+        // A hostname: the sandbox's resolver on its gateway asks the internet's DNS server
+        // for listed names only, and lets out what it answered, on the entry's port.
+        let named = daemon.create(serde_json::json!({
+            "template": "netbox", "ttl_s": 900,
+            "network": {"egress": {"allow": ["web.rollbox.test:8000"]}},
+        }));
+        let named_id = named["id"].as_str().expect("id");
+        assert_eq!(
+            named["network"]["dns"], named["network"]["gateway"],
+            "{named}"
+        );
+        let (_, resolv) = daemon.sh(named_id, "cat /etc/resolv.conf");
+        assert!(
+            resolv.contains(named["network"]["gateway"].as_str().expect("gateway")),
+            "{resolv}"
+        );
+        assert!(
+            daemon.fetch(named_id, "web.rollbox.test", 8000),
+            "by hostname: {}",
+            daemon.log()
+        );
+        assert!(
+            !daemon.fetch(named_id, "web.rollbox.test", 9000),
+            "another port of the name"
+        );
+        assert!(
+            !daemon.fetch(named_id, "other.rollbox.test", 8000),
+            "a name not on the list"
+        );
+        let names = asked.lock().expect("names").clone();
+        assert!(names.iter().any(|n| n == "web.rollbox.test"), "{names:?}");
+        assert!(
+            !names.iter().any(|n| n.starts_with("other.")),
+            "an unlisted name reached the upstream: {names:?}"
         );
         // A fork: each clone at its own address, serving its own page, still reaching out.
         let clones_wanted = 4;
