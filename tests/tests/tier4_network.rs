@@ -1039,12 +1039,17 @@ mod tier4 {
             "template": "dockbox", "ttl_s": 900, "network": {"egress": "none"},
         }));
         let closed_id = closed["id"].as_str().expect("id").to_string();
+        let started = Instant::now();
         let (code, out) = daemon.sh_within(
             &closed_id,
             &format!("timeout 100 docker pull {image} 2>&1"),
             120,
         );
         assert_ne!(code, Some(0), "egress none pulled: {out}");
+        eprintln!(
+            "figure: under egress none docker pull gave up after {:.1} s (exit {code:?}) (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
         let (status, body) = daemon.call("DELETE", &format!("/sandboxes/{closed_id}"), None);
         assert_eq!(status, 204, "{body}");
         // A detached container, running in a fork clone and in a restore of a snapshot.
@@ -1067,6 +1072,7 @@ mod tier4 {
             );
         };
         running(&id, "in-parent");
+        let started = Instant::now();
         let (status, forked) = daemon.call(
             "POST",
             &format!("/sandboxes/{id}/fork"),
@@ -1078,6 +1084,11 @@ mod tier4 {
             .unwrap_or_else(|| panic!("{forked}\n{}", daemon.log()))
             .to_string();
         running(&clone, "in-clone");
+        eprintln!(
+            "figure: a fork clone with the container running took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
         let (status, snapshot) = daemon.call(
             "POST",
             &format!("/sandboxes/{id}/snapshots"),
@@ -1088,6 +1099,10 @@ mod tier4 {
             "snapshot": snapshot["id"].as_str().expect("snapshot id"), "ttl_s": 900,
         }));
         running(restored["id"].as_str().expect("id"), "in-restore");
+        eprintln!(
+            "figure: a snapshot and its restore with the container running took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
         let (_, list) = daemon.call("GET", "/sandboxes?limit=1000", None);
         for sandbox in list["sandboxes"].as_array().cloned().unwrap_or_default() {
             let id = sandbox["id"].as_str().expect("id");
