@@ -954,7 +954,8 @@ mod tier4 {
         assert_eq!(daemon.leases(), Vec::<String>::new());
     }
 
-    /// Docker inside through the daemon: a `docker: true` Debian template with a network (an
+    /// Docker inside through the daemon: a `docker: true` template whose guest has no dockerd
+    /// fails naming docker; a `docker: true` Debian template with a network (an
     /// allow-list of the registry) and a boot snapshot, whose start command makes dockerd take
     /// the registry as insecure; a sandbox pulls an image from a registry outside it and runs
     /// it; with egress none the pull fails; a detached container keeps running in a fork clone
@@ -978,6 +979,32 @@ mod tier4 {
         );
         let image = format!("{REGISTRY}/rollbox-test/busybox:latest");
         let daemon = NetDaemon::start();
+        // A guest without dockerd (busybox): the add fails naming docker, and leaves nothing.
+        let started = Instant::now();
+        let (status, refused) = daemon.call(
+            "POST",
+            "/templates",
+            Some(serde_json::json!({
+                "name": "nodock",
+                "kernel": fx.path("OUR_VMLINUX"),
+                "rootfs": fx.path("BUSYBOX_ROOTFS"),
+                "cmdline": agent_cmdline(""),
+                "memory_mib": 192,
+                "boot_snapshot": true,
+                "docker": true,
+            })),
+        );
+        let error = refused["error"].as_str().unwrap_or_default();
+        assert!(
+            status == 503 && error.contains("docker") && error.contains("nodock"),
+            "{status} {refused}\n{}",
+            daemon.log()
+        );
+        assert_eq!(daemon.call("GET", "/templates/nodock", None).0, 404);
+        eprintln!(
+            "figure: a docker template whose guest has no dockerd failed in {:.1} s: {error} (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
         // dockerd takes a new insecure-registries on SIGHUP; the ready command waits for it.
         let start_cmd = format!(
             "mkdir -p /etc/docker && echo '{{\"insecure-registries\":[\"{REGISTRY}\"]}}' > /etc/docker/daemon.json && kill -HUP \"$(cat /run/rollbox-dockerd.pid)\""

@@ -131,7 +131,7 @@ impl Guest {
             return Ok(());
         };
         Err(ApiError::Unavailable(format!(
-            "docker: dockerd of template {name:?} did not come up in sandbox {id} within {wait_s} s: {error}"
+            "docker: dockerd of template {name:?} did not come up in sandbox {id} (given {wait_s} s): {error}"
         )))
     }
 
