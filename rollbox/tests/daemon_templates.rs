@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::daemon::{boot_config, cmdline, exec, pid_of, wait_for, HostAgent, Server};
+use rollbox_tests::daemon::{boot_config, cli, cmdline, exec, pid_of, wait_for, HostAgent, Server};
 use rollbox_tests::{images, kvm_available, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
@@ -268,4 +268,97 @@ fn templates_run_their_start_command_after_boot_and_wait_until_ready() {
             .contains("ready_cmd"),
         "{list}"
     );
+}
+
+/// A stand-in dockerd for the host agent: answers `GET /_ping` with 200 on a Unix socket and
+/// counts the pings (the agent's DockerEnsure pings first and starts nothing when answered).
+fn fake_dockerd(sock: &std::path::Path) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind the fake dockerd");
+    let pings = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = pings.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut buf = [0u8; 512];
+            let _ = conn.read(&mut buf);
+            if buf.starts_with(b"GET /_ping") {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+            let _ = conn.write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK");
+        }
+    });
+    pings
+}
+
+#[test]
+fn docker_templates_have_the_agent_start_dockerd_after_each_boot() {
+    use std::sync::atomic::Ordering;
+    if !kvm_available() {
+        return;
+    }
+    let work = tempfile::tempdir().expect("tempdir");
+    let docker_sock = work.path().join("docker.sock");
+    let pings = fake_dockerd(&docker_sock);
+    let docker_sock = docker_sock.display().to_string();
+    let agent = HostAgent::start_with(&["--docker-socket", &docker_sock]);
+    let agent_sock = agent.sock.display().to_string();
+    let server = Server::start(&["--test-agent-socket", &agent_sock]);
+    // The boot before the boot snapshot asks the agent for dockerd.
+    let (status, template) = server.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "dock",
+            "kernel": test_guest(),
+            "cmdline": TEST_GUEST_CMDLINE,
+            "memory_mib": 32,
+            "boot_snapshot": true,
+            "docker": true,
+            "ready_timeout_s": 30,
+        })),
+    );
+    assert_eq!(status, 201, "{template}\n{}", server.log());
+    assert_eq!(template["docker"], true, "{template}");
+    assert_eq!(
+        server.call("GET", "/templates/dock", None).1["docker"],
+        true
+    );
+    let after_add = pings.load(Ordering::SeqCst);
+    assert!(
+        after_add >= 1,
+        "the template's boot did not ask for dockerd"
+    );
+    // A restore has dockerd from its snapshot: nothing asked.
+    server.create(json!({"template": "dock", "ttl_s": 300}));
+    assert_eq!(pings.load(Ordering::SeqCst), after_add);
+    // A boot (another shape) asks again before the create returns.
+    server.create(json!({"template": "dock", "ttl_s": 300, "memory_mib": 48}));
+    assert!(pings.load(Ordering::SeqCst) > after_add);
+
+    // The CLI's --docker; a template without it does not show the field.
+    let kernel = test_guest().display().to_string();
+    let added: Value = serde_json::from_str(&cli(
+        &server,
+        &[
+            "template",
+            "add",
+            "dock2",
+            "--kernel",
+            &kernel,
+            "--docker",
+            "--ready-timeout",
+            "30",
+            "--json",
+        ],
+    ))
+    .expect("template add prints JSON");
+    assert_eq!(added["docker"], true, "{added}");
+    let plain: Value = serde_json::from_str(&cli(
+        &server,
+        &["template", "add", "plain", "--kernel", &kernel, "--json"],
+    ))
+    .expect("template add prints JSON");
+    assert!(plain.get("docker").is_none(), "{plain}");
 }

@@ -469,12 +469,18 @@ pub struct HostAgent {
 
 impl HostAgent {
     pub fn start() -> HostAgent {
+        HostAgent::start_with(&[])
+    }
+
+    /// A host agent with more flags (e.g. `--docker-socket PATH`).
+    pub fn start_with(extra: &[&str]) -> HostAgent {
         let dir = tempfile::tempdir().expect("tempdir");
         let sock = dir.path().join("agent.sock");
         let child = Command::new(agent_binary())
             .arg("--listen-unix")
             .arg(&sock)
             .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -284,6 +284,109 @@ impl Drop for Internet {
     }
 }
 
+/// Pushes a `docker save` archive of one layer to a plain-HTTP registry with curl (L1 has no
+/// dockerd): the config and the gzip'ed layer as blobs, then a schema-2 manifest under the tag.
+/// Arguments: archive, registry URL, repository, tag.
+const PUSH_SCRIPT: &str = r#"set -eu
+tar=$1 base=$2 name=$3 tag=$4
+work=$(mktemp -d)
+cd "$work"
+tar -xf "$tar"
+config=$(sed -n 's/.*"Config":"\([^"]*\)".*/\1/p' manifest.json)
+layer=$(sed -n 's/.*"Layers":\["\([^"]*\)"\].*/\1/p' manifest.json)
+gzip -n -c "$layer" > layer.tar.gz
+up() {
+  digest=sha256:$(sha256sum "$1" | cut -d' ' -f1)
+  location=$(curl -sfS -D - -o /dev/null -X POST "$base/v2/$name/blobs/uploads/" | tr -d '\r' | sed -n 's/^[Ll]ocation: //p')
+  case $location in http*) ;; *) location=$base$location ;; esac
+  case $location in *\?*) sep='&' ;; *) sep='?' ;; esac
+  curl -sfS -X PUT -H 'Content-Type: application/octet-stream' --data-binary @"$1" "$location${sep}digest=$digest" >/dev/null
+  echo "$digest"
+}
+config_digest=$(up "$config")
+layer_digest=$(up layer.tar.gz)
+printf '{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json","config":{"mediaType":"application/vnd.docker.container.image.v1+json","size":%s,"digest":"%s"},"layers":[{"mediaType":"application/vnd.docker.image.rootfs.diff.tar.gzip","size":%s,"digest":"%s"}]}' \
+  "$(stat -c %s "$config")" "$config_digest" "$(stat -c %s layer.tar.gz)" "$layer_digest" > pushed.json
+curl -sfS -X PUT -H 'Content-Type: application/vnd.docker.distribution.manifest.v2+json' --data-binary @pushed.json "$base/v2/$name/manifests/$tag"
+cd /
+rm -rf "$work"
+"#;
+
+/// The host's `docker-registry` (Debian's package) serving plain HTTP on `addr` inside network
+/// namespace `netns`, its storage in a directory of its own; killed on drop.
+struct NetnsRegistry {
+    child: std::process::Child,
+    addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl NetnsRegistry {
+    fn start(netns: &str, addr: SocketAddr) -> NetnsRegistry {
+        let dir = tempfile::tempdir().expect("registry dir");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 0.0.0.0:{}\n",
+                dir.path().join("storage").display(),
+                addr.port()
+            ),
+        )
+        .expect("registry config");
+        let log = std::fs::File::create(dir.path().join("registry.log")).expect("registry log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns, "docker-registry", "serve"])
+            .arg(&config)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn docker-registry (Debian package docker-registry)");
+        let mut registry = NetnsRegistry { child, addr, dir };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err() {
+            if let Ok(Some(status)) = registry.child.try_wait() {
+                panic!("docker-registry ended ({status}):\n{}", registry.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "docker-registry did not listen on {addr}:\n{}",
+                registry.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        registry
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("registry.log")).unwrap_or_default()
+    }
+
+    /// Pushes `archive` (a `docker save` of one layer) as `repository:tag`.
+    fn push(&self, archive: &Path, repository: &str, tag: &str) {
+        let out = Command::new("sh")
+            .args(["-c", PUSH_SCRIPT, "push"])
+            .arg(archive)
+            .arg(format!("http://{}", self.addr))
+            .args([repository, tag])
+            .output()
+            .expect("run the push script");
+        assert!(
+            out.status.success(),
+            "push {repository}:{tag}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+    }
+}
+
+impl Drop for NetnsRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// `rollbox net` with a private state directory; `down` on drop.
 struct SandboxNet {
     state: tempfile::TempDir,
@@ -695,10 +798,15 @@ mod tier4 {
 
         /// `cmd` in the guest: its exit code and stdout.
         fn sh(&self, id: &str, cmd: &str) -> (Option<i64>, String) {
+            self.sh_within(id, cmd, 60)
+        }
+
+        /// `cmd` in the guest with a timeout of `timeout_s`: its exit code and stdout.
+        fn sh_within(&self, id: &str, cmd: &str, timeout_s: u64) -> (Option<i64>, String) {
             let (status, result) = self.call(
                 "POST",
                 &format!("/sandboxes/{id}/exec"),
-                Some(serde_json::json!({"cmd": cmd, "timeout_s": 60})),
+                Some(serde_json::json!({"cmd": cmd, "timeout_s": timeout_s})),
             );
             assert_eq!(status, 200, "exec {cmd}: {result}\n{}", self.log());
             let stdout = result["stdout"].as_str().unwrap_or_default().to_string();
@@ -934,6 +1042,191 @@ mod tier4 {
             "after the reset"
         );
         // Everything goes with the sandboxes.
+        let (_, list) = daemon.call("GET", "/sandboxes?limit=1000", None);
+        for sandbox in list["sandboxes"].as_array().cloned().unwrap_or_default() {
+            let id = sandbox["id"].as_str().expect("id");
+            let (status, body) = daemon.call("DELETE", &format!("/sandboxes/{id}"), None);
+            assert_eq!(status, 204, "{body}");
+        }
+        assert_eq!(daemon.leases(), Vec::<String>::new());
+    }
+
+    /// Docker inside through the daemon: a `docker: true` template whose guest has no dockerd
+    /// fails naming docker; a `docker: true` Debian template with a network (an
+    /// allow-list of the registry) and a boot snapshot, whose start command makes dockerd take
+    /// the registry as insecure; a sandbox pulls an image from a registry outside it and runs
+    /// it; with egress none the pull fails; a detached container keeps running in a fork clone
+    /// and in a restore of a snapshot.
+    #[test]
+    fn docker_templates_pull_through_the_sandbox_network_and_keep_containers_across_fork_and_restore(
+    ) {
+        let Some(fx) = fixtures(
+            "tier4::docker_templates_pull_through_the_sandbox_network_and_keep_containers_across_fork_and_restore",
+        ) else {
+            return;
+        };
+        // 203.0.113.0/24 (TEST-NET-3): the registry's "internet".
+        let _internet = Internet::at("rbxdock", "rbxdk", "203.0.113");
+        const REGISTRY: &str = "203.0.113.2:5000";
+        let registry = NetnsRegistry::start("rbxdock", REGISTRY.parse().expect("address"));
+        registry.push(
+            &fx.path("BUSYBOX_IMAGE_TAR"),
+            "rollbox-test/busybox",
+            "latest",
+        );
+        let image = format!("{REGISTRY}/rollbox-test/busybox:latest");
+        let daemon = NetDaemon::start();
+        // A guest without dockerd (busybox): the add fails naming docker, and leaves nothing.
+        let started = Instant::now();
+        let (status, refused) = daemon.call(
+            "POST",
+            "/templates",
+            Some(serde_json::json!({
+                "name": "nodock",
+                "kernel": fx.path("OUR_VMLINUX"),
+                "rootfs": fx.path("BUSYBOX_ROOTFS"),
+                "cmdline": agent_cmdline(""),
+                "memory_mib": 192,
+                "boot_snapshot": true,
+                "docker": true,
+            })),
+        );
+        let error = refused["error"].as_str().unwrap_or_default();
+        assert!(
+            status == 503 && error.contains("docker") && error.contains("nodock"),
+            "{status} {refused}\n{}",
+            daemon.log()
+        );
+        assert_eq!(daemon.call("GET", "/templates/nodock", None).0, 404);
+        eprintln!(
+            "figure: a docker template whose guest has no dockerd failed in {:.1} s: {error} (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        // dockerd takes a new insecure-registries on SIGHUP; the ready command waits for it.
+        let start_cmd = format!(
+            "mkdir -p /etc/docker && echo '{{\"insecure-registries\":[\"{REGISTRY}\"]}}' > /etc/docker/daemon.json && kill -HUP \"$(cat /run/rollbox-dockerd.pid)\""
+        );
+        let started = Instant::now();
+        let (status, template) = daemon.call(
+            "POST",
+            "/templates",
+            Some(serde_json::json!({
+                "name": "dockbox",
+                "kernel": fx.path("OUR_VMLINUX"),
+                "rootfs": fx.path("DEBIAN_ROOTFS"),
+                "cmdline": agent_cmdline(""),
+                "vcpus": 2,
+                "memory_mib": 1024,
+                "boot_snapshot": true,
+                "docker": true,
+                "start_cmd": start_cmd,
+                "ready_cmd": format!("docker info 2>/dev/null | grep -q {REGISTRY}"),
+                "ready_timeout_s": 400,
+                "network": {"egress": {"allow": [REGISTRY]}},
+            })),
+        );
+        assert_eq!(status, 201, "{template}\n{}", daemon.log());
+        assert_eq!(template["docker"], true, "{template}");
+        eprintln!(
+            "figure: a docker template (Debian, dockerd started, boot snapshot) took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
+        let sandbox = daemon.create(serde_json::json!({"template": "dockbox", "ttl_s": 900}));
+        eprintln!(
+            "figure: a create of it (restore, dockerd running) took {:.2} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let id = sandbox["id"].as_str().expect("id").to_string();
+        let (code, version) = daemon.sh(&id, "docker version --format '{{.Server.Version}}'");
+        assert_eq!(code, Some(0), "dockerd answers in a restore: {version}");
+        // The pull goes out through the sandbox's network, as its allow-list lets it.
+        let started = Instant::now();
+        let (code, out) = daemon.sh_within(
+            &id,
+            &format!("docker run --rm {image} echo rollbox-docker-pulled 2>&1"),
+            300,
+        );
+        assert_eq!(
+            (code, out.contains("rollbox-docker-pulled")),
+            (Some(0), true),
+            "docker run: {out}\n{}\n{}",
+            registry.log(),
+            daemon.log()
+        );
+        eprintln!(
+            "figure: docker run of an image pulled from the registry took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        // Egress none: the pull cannot reach the registry.
+        let closed = daemon.create(serde_json::json!({
+            "template": "dockbox", "ttl_s": 900, "network": {"egress": "none"},
+        }));
+        let closed_id = closed["id"].as_str().expect("id").to_string();
+        let started = Instant::now();
+        let (code, out) = daemon.sh_within(
+            &closed_id,
+            &format!("timeout 100 docker pull {image} 2>&1"),
+            120,
+        );
+        assert_ne!(code, Some(0), "egress none pulled: {out}");
+        eprintln!(
+            "figure: under egress none docker pull gave up after {:.1} s (exit {code:?}) (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let (status, body) = daemon.call("DELETE", &format!("/sandboxes/{closed_id}"), None);
+        assert_eq!(status, 204, "{body}");
+        // A detached container, running in a fork clone and in a restore of a snapshot.
+        let (code, out) = daemon.sh_within(
+            &id,
+            &format!("docker run -d --name sleeper {image} sleep 3600 2>&1"),
+            120,
+        );
+        assert_eq!(code, Some(0), "docker run -d: {out}");
+        let running = |id: &str, marker: &str| {
+            let (_, ps) = daemon.sh(
+                id,
+                "docker ps --filter name=sleeper --format '{{.Names}} {{.Status}}'",
+            );
+            let (code, said) = daemon.sh(id, &format!("docker exec sleeper echo {marker}"));
+            assert!(
+                ps.contains("sleeper Up") && code == Some(0) && said.contains(marker),
+                "{id}: docker ps {ps:?}, docker exec {code:?} {said:?}\n{}",
+                daemon.log()
+            );
+        };
+        running(&id, "in-parent");
+        let started = Instant::now();
+        let (status, forked) = daemon.call(
+            "POST",
+            &format!("/sandboxes/{id}/fork"),
+            Some(serde_json::json!({"count": 1})),
+        );
+        assert_eq!(status, 200, "{forked}\n{}", daemon.log());
+        let clone = forked["results"][0]["sandbox"]["id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{forked}\n{}", daemon.log()))
+            .to_string();
+        running(&clone, "in-clone");
+        eprintln!(
+            "figure: a fork clone with the container running took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
+        let (status, snapshot) = daemon.call(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(serde_json::json!({})),
+        );
+        assert_eq!(status, 201, "{snapshot}\n{}", daemon.log());
+        let restored = daemon.create(serde_json::json!({
+            "snapshot": snapshot["id"].as_str().expect("snapshot id"), "ttl_s": 900,
+        }));
+        running(restored["id"].as_str().expect("id"), "in-restore");
+        eprintln!(
+            "figure: a snapshot and its restore with the container running took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
         let (_, list) = daemon.call("GET", "/sandboxes?limit=1000", None);
         for sandbox in list["sandboxes"].as_array().cloned().unwrap_or_default() {
             let id = sandbox["id"].as_str().expect("id");

@@ -142,9 +142,14 @@ pub struct StartCommands {
     /// A shell command run until it exits 0; creates return once it has (needs --start-cmd).
     #[arg(long, value_name = "COMMAND", requires = "start_cmd")]
     ready_cmd: Option<String>,
-    /// How long --ready-cmd may take to first exit 0 [default: 300].
-    #[arg(long, value_name = "SECONDS", requires = "ready_cmd")]
+    /// How long --ready-cmd may take to first exit 0, and dockerd to come up with --docker
+    /// [default: 300] (needs one of them; the daemon says so otherwise).
+    #[arg(long, value_name = "SECONDS")]
     ready_timeout: Option<i64>,
+    /// Start dockerd in the guest after each boot, before --start-cmd and the boot snapshot
+    /// (the rootfs must have dockerd, e.g. Debian with docker.io).
+    #[arg(long)]
+    docker: bool,
 }
 
 impl StartCommands {
@@ -157,6 +162,9 @@ impl StartCommands {
         }
         if let Some(s) = self.ready_timeout {
             body["ready_timeout_s"] = json!(s);
+        }
+        if self.docker {
+            body["docker"] = json!(true);
         }
     }
 }
@@ -201,6 +209,9 @@ fn print_template(conn: &Conn, response: &Response, done: &str) -> Result<(), Cl
     }
     if let Some(snapshot) = &template.boot_snapshot {
         println!("boot snapshot: {snapshot}");
+    }
+    if template.docker {
+        println!("docker: dockerd started after each boot");
     }
     if let Some(command) = &template.start_cmd {
         println!("start command: {command}");

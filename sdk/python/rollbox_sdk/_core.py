@@ -324,6 +324,7 @@ def add_template(
     egress: Union[str, Sequence[str], None] = None,
     expose: Optional[Sequence[int]] = None,
     registry_auth: Optional[RegistryAuthArg] = None,
+    docker: bool = False,
 ) -> Call[Template]:
     body = _drop_none(
         {
@@ -347,6 +348,8 @@ def add_template(
         body["image"]["auth"] = registry_auth_json(registry_auth)
     if boot_snapshot:
         body["boot_snapshot"] = True
+    if docker:
+        body["docker"] = True
     if volumes:
         body["volumes"] = [v.to_json() if isinstance(v, Volume) else dict(v) for v in volumes]
     net = network_body(network, egress, expose)
@@ -565,6 +568,38 @@ def exec_body(
     if stdin_open:
         body["stdin_open"] = True
     return body
+
+
+def docker_run_argv(
+    image: str,
+    cmd: Optional[Command],
+    detach: bool,
+    name: Optional[str],
+    env: Optional[Mapping[str, str]],
+    network: Optional[str],
+    docker_args: Optional[Sequence[str]],
+) -> List[str]:
+    """The argv of ``docker run`` in the guest: ``--rm`` unless detached, then the flags, the
+    image and the command (a string runs under the image's ``sh -c``). An argv goes to the
+    exec as is, so nothing needs quoting."""
+    if not image or image.startswith("-") or any(c.isspace() for c in image):
+        raise ConfigError(f"image: {image!r} is not an image reference")
+    argv = ["docker", "run", "--detach" if detach else "--rm"]
+    if name is not None:
+        argv += ["--name", name]
+    for key, value in (env or {}).items():
+        if not key or "=" in key:
+            raise ConfigError(f"env: {key!r} is not a variable name")
+        argv += ["--env", f"{key}={value}"]
+    if network is not None:
+        argv += ["--network", network]
+    argv += list(docker_args or [])
+    argv.append(image)
+    if isinstance(cmd, str):
+        argv += ["sh", "-c", cmd]
+    elif cmd is not None:
+        argv += list(cmd)
+    return argv
 
 
 def exec_timeout(timeout_s: Optional[float]) -> Optional[httpx.Timeout]:

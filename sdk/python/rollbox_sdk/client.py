@@ -181,6 +181,7 @@ class Client:
         egress: Union[str, Sequence[str], None] = None,
         expose: Optional[Sequence[int]] = None,
         registry_auth: Optional[RegistryAuthArg] = None,
+        docker: bool = False,
     ) -> Template:
         """Register a template from files on the daemon's host, or build its rootfs from an
         OCI/Docker ``image``. With ``boot_snapshot`` the daemon boots it once and keeps a
@@ -194,8 +195,10 @@ class Client:
         ``registry_auth`` (a
         :class:`RegistryAuth`, or a ``(username, password)`` pair) authenticates ``image``'s
         pull for this build only (else the daemon's ``--registry-auth`` file, else anonymous);
-        a registry that refuses is :class:`Forbidden` naming it. Returns once all of it is
-        done; on an error nothing of the template is left."""
+        a registry that refuses is :class:`Forbidden` naming it. With ``docker`` the agent
+        starts dockerd after each boot, before ``start_cmd`` and the boot snapshot, so every
+        sandbox of it has Docker ready (within ``ready_timeout_s``; the rootfs needs dockerd).
+        Returns once all of it is done; on an error nothing of the template is left."""
         return self._send(
             _core.add_template(
                 name,
@@ -215,6 +218,7 @@ class Client:
                 egress,
                 expose,
                 registry_auth,
+                docker,
             )
         )
 
@@ -418,6 +422,30 @@ class Client:
         ``cmd`` is an argv or a string for ``/bin/sh -c``. At ``timeout_s`` the process group
         gets SIGTERM, then SIGKILL 2 s later (``timed_out`` set)."""
         body = _core.exec_body(cmd, env, cwd, user, stdin, False, timeout_s, max_output_bytes)
+        return self._send(_core.run(sandbox, body))
+
+    def docker_run(
+        self,
+        sandbox: SandboxRef,
+        image: str,
+        cmd: Optional[Command] = None,
+        *,
+        detach: bool = False,
+        name: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        network: Optional[str] = None,
+        docker_args: Optional[Sequence[str]] = None,
+        timeout_s: Optional[float] = None,
+        max_output_bytes: Optional[int] = None,
+    ) -> ExecResult:
+        """``docker run`` in the sandbox (a ``docker: true`` template's, or any with dockerd
+        running), through :meth:`run`: ``--rm``, or ``--detach`` (the result's stdout is the
+        container id); ``env`` is the container's; ``docker_args`` go before the image; a
+        string ``cmd`` runs under the image's ``sh -c``. The image is pulled by the guest's
+        dockerd, so the sandbox's egress policy applies to the pull. A failed pull or a
+        non-zero exit is a result, not an exception."""
+        argv = _core.docker_run_argv(image, cmd, detach, name, env, network, docker_args)
+        body = _core.exec_body(argv, None, None, None, None, False, timeout_s, max_output_bytes)
         return self._send(_core.run(sandbox, body))
 
     def stream(

@@ -145,6 +145,8 @@ class Template:
     ready_timeout_s: Optional[int] = None
     volumes: List["Volume"] = field(default_factory=list)
     """Volumes every sandbox of it mounts unless its create names others."""
+    docker: bool = False
+    """dockerd is started after each boot (before the boot snapshot)."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -164,6 +166,7 @@ class Template:
             ready_cmd=data.get("ready_cmd"),
             ready_timeout_s=data.get("ready_timeout_s"),
             volumes=_volumes(data.get("volumes")),
+            docker=bool(data.get("docker", False)),
             raw=data,
         )
 

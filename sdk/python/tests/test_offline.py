@@ -120,3 +120,32 @@ def test_registry_auth_goes_in_the_image_and_hides_in_repr() -> None:
     with pytest.raises(ConfigError, match="registry_auth"):
         _core.add_template("t", "/k", None, {"docker_archive": "/a.tar"}, False, None, None,
                            None, None, registry_auth=("u", "pw"))
+
+
+def test_docker_templates_and_docker_run_argv() -> None:
+    call = _core.add_template("d", "/k", None, None, True, None, None, None, None, docker=True)
+    assert call.json["docker"] is True
+    plain = _core.add_template("p", "/k", None, None, False, None, None, None, None)
+    assert "docker" not in plain.json
+    assert _core.Template.from_json(
+        {"name": "d", "kernel": "/k", "vcpus": 1, "memory_mib": 128, "docker": True}
+    ).docker
+    # An argv: no shell between the exec and docker, so nothing is quoted.
+    argv = _core.docker_run_argv(
+        "10.0.0.2:5000/app:1", ["echo", "a b; $x"], False, None, {"K": "v w"}, "none", ["-m", "64m"]
+    )
+    assert argv == [
+        "docker", "run", "--rm", "--env", "K=v w", "--network", "none", "-m", "64m",
+        "10.0.0.2:5000/app:1", "echo", "a b; $x",
+    ]
+    assert _core.docker_run_argv("busybox", "sleep 9 && true", True, "s", None, None, None) == [
+        "docker", "run", "--detach", "--name", "s", "busybox", "sh", "-c", "sleep 9 && true",
+    ]
+    assert _core.docker_run_argv("busybox", None, False, None, None, None, None)[-1] == "busybox"
+    body = _core.exec_body(argv, None, None, None, None, False, 30, None)
+    assert body == {"cmd": argv, "timeout_s": 30}
+    for image in ["", "--privileged", "a b"]:
+        with pytest.raises(ConfigError, match="image"):
+            _core.docker_run_argv(image, None, False, None, None, None, None)
+    with pytest.raises(ConfigError, match="env"):
+        _core.docker_run_argv("busybox", None, False, None, {"A=B": "c"}, None, None)

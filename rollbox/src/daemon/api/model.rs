@@ -118,6 +118,10 @@ pub struct Template {
     /// (its boot snapshot has the network interface, so such creates are restores).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkRequest>,
+    /// The agent starts dockerd after a boot, before the start command (and so before the
+    /// boot snapshot): every sandbox of it has Docker ready.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub docker: bool,
 }
 
 /// Where a template's rootfs image comes from: a registry reference, a `docker save` tarball

@@ -1,7 +1,7 @@
-//! After a boot: waiting for the guest's agent, and a template's start command (in the
-//! background) and ready command (until it exits 0). After a restore: the guest's address. Every agent call here is bounded: the
+//! After a boot: waiting for the guest's agent, dockerd for a `docker` template, and a
+//! template's start command (in the background) and ready command (until it exits 0). After a restore: the guest's address. Every agent call here is bounded: the
 //! connection by the agent timeout, each run by its own timeout plus the agent timeout, and
-//! the ready loop by the template's ready timeout.
+//! the ready loop and dockerd's start by the template's ready timeout.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,17 +34,23 @@ impl Guest {
         template: &Template,
         env: &BTreeMap<String, String>,
     ) -> Result<(), ApiError> {
+        if template.docker {
+            self.wait_for_agent(id, &template.name).await?;
+            self.start_docker(id, template).await?;
+        }
         let Some(start_cmd) = &template.start_cmd else {
             // A template whose guest runs the agent (built from an image, or with a boot
             // snapshot) is ready when its agent answers: a create that boots it (volumes, a
             // GPU, another shape) returns then, so its first exec does not race the boot.
-            if template.image.is_some() || template.boot_snapshot.is_some() {
+            if !template.docker && (template.image.is_some() || template.boot_snapshot.is_some()) {
                 self.wait_for_agent(id, &template.name).await?;
             }
             return Ok(());
         };
         let name = &template.name;
-        self.wait_for_agent(id, name).await?;
+        if !template.docker {
+            self.wait_for_agent(id, name).await?;
+        }
         let client = AgentClient::connect_unix_with(
             self.agent_socket(id)?,
             DEFAULT_PORT,
@@ -110,6 +116,22 @@ impl Guest {
         }
         Err(ApiError::Unavailable(format!(
             "ready_cmd of template {name:?} did not exit 0 within {wait_s} s ({last}; the start command's output is in the guest's {START_LOG})"
+        )))
+    }
+
+    /// A `docker: true` template's boot: the agent starts dockerd, within the template's ready
+    /// timeout; a dockerd that does not answer by then fails the boot.
+    async fn start_docker(&self, id: &str, template: &Template) -> Result<(), ApiError> {
+        let name = &template.name;
+        let wait_s = template.ready_timeout_s.unwrap_or(READY_WAIT_S);
+        let wait = Duration::from_secs(wait_s.into());
+        let client = self.agent(id).await?;
+        // The agent gives up after `wait`; the client after `wait` plus the agent timeout.
+        let Err(error) = client.docker_ensure(Some(wait)).await else {
+            return Ok(());
+        };
+        Err(ApiError::Unavailable(format!(
+            "docker: dockerd of template {name:?} did not come up in sandbox {id} (given {wait_s} s): {error}"
         )))
     }
 

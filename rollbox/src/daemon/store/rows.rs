@@ -216,6 +216,9 @@ pub struct TemplateRow {
     pub volumes: Vec<VolumeMount>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkRequest>,
+    /// Rows written before `docker` existed read as false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub docker: bool,
 }
 
 impl From<&Template> for TemplateRow {
@@ -237,6 +240,7 @@ impl From<&Template> for TemplateRow {
             ready_timeout_s: t.ready_timeout_s,
             volumes: t.volumes,
             network: t.network,
+            docker: t.docker,
         }
     }
 }
@@ -259,6 +263,7 @@ impl From<TemplateRow> for Template {
             ready_timeout_s: t.ready_timeout_s,
             volumes: t.volumes,
             network: t.network,
+            docker: t.docker,
         }
     }
 }
@@ -342,4 +347,23 @@ pub struct UsageRow {
     pub running_since_ms: Option<u64>,
     /// CPU time of its ended VMMs.
     pub cpu_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A template row written before `docker` existed reads as `docker: false`; a docker
+    /// template's row keeps it.
+    #[test]
+    fn template_rows_without_docker_read_as_false() {
+        let old = r#"{"name":"t","kernel":"/k","rootfs":null,"initrd":null,"cmdline":"","vcpus":1,"memory_mib":128,"created_at_ms":1}"#;
+        let row: TemplateRow = serde_json::from_str(old).expect("an old row");
+        assert!(!Template::from(row.clone()).docker);
+        let mut template = Template::from(row);
+        template.docker = true;
+        let written = serde_json::to_string(&TemplateRow::from(&template)).expect("row");
+        let read: TemplateRow = serde_json::from_str(&written).expect("read back");
+        assert!(Template::from(read).docker, "{written}");
+    }
 }

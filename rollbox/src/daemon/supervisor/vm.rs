@@ -935,6 +935,7 @@ mod tests {
             ready_timeout_s: None,
             volumes: Vec::new(),
             network: None,
+            docker: false,
         };
         let shape = Shape {
             template: &template,

@@ -30,6 +30,8 @@ struct TemplateBody {
     #[serde(default)]
     volumes: Vec<VolumeMount>,
     network: Option<super::network::NetworkBody>,
+    #[serde(default)]
+    docker: bool,
 }
 
 /// The kernel command line of templates built from images when the request gives none: our
@@ -89,8 +91,8 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
     if body.ready_cmd.is_some() && body.start_cmd.is_none() {
         return Err(bad("ready_cmd: needs a start_cmd to wait for"));
     }
-    if body.ready_timeout_s.is_some() && body.ready_cmd.is_none() {
-        return Err(bad("ready_timeout_s: needs a ready_cmd to time"));
+    if body.ready_timeout_s.is_some() && body.ready_cmd.is_none() && !body.docker {
+        return Err(bad("ready_timeout_s: needs a ready_cmd or docker to time"));
     }
     super::volume::check_mounts(&body.volumes)?;
     let network = body
@@ -114,6 +116,7 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
             ready_timeout_s: in_range(body.ready_timeout_s, "ready_timeout_s", 1, 3600)?,
             volumes: body.volumes,
             network,
+            docker: body.docker,
         },
         image: body.image,
         boot_snapshot: body.boot_snapshot,
@@ -260,6 +263,21 @@ mod tests {
         };
         assert_eq!(t.template.start_cmd.as_deref(), Some("serve &"));
         assert_eq!(t.template.ready_cmd.as_deref(), Some("curl -f :1"));
+        assert!(!t.template.docker);
+        // docker: dockerd started after each boot, timed by ready_timeout_s.
+        let Action::AddTemplate(t) = parse(
+            "POST",
+            "/templates",
+            None,
+            br#"{"name":"d","kernel":"/k","docker":true,"ready_timeout_s":120}"#,
+        )
+        .expect("parse docker") else {
+            panic!("not a template")
+        };
+        assert!(t.template.docker);
+        assert_eq!(t.template.ready_timeout_s, Some(120));
+        let shown = serde_json::to_value(&t.template).expect("template as JSON");
+        assert_eq!(shown["docker"], true, "{shown}");
         let Action::AddTemplate(t) = parse(
             "POST",
             "/templates",
@@ -292,6 +310,11 @@ mod tests {
                 r#"{"name":"g","kernel":"/k","start_cmd":"a","ready_cmd":"b","ready_timeout_s":0}"#,
                 "ready_timeout_s",
             ),
+            (
+                r#"{"name":"g","kernel":"/k","ready_timeout_s":60}"#,
+                "ready_timeout_s",
+            ),
+            (r#"{"name":"g","kernel":"/k","docker":"yes"}"#, "docker"),
             (
                 r#"{"name":"g","kernel":"/k","image":{}}"#,
                 "image.reference",
