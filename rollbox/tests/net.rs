@@ -5,8 +5,7 @@
 // Test code: a panic is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -14,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rollbox_tests::netns::{connect, in_netns, ip, Listener, Netns};
 use serde_json::Value;
 
 fn rollbox() -> PathBuf {
@@ -633,60 +633,6 @@ fn gc_removes_what_lost_state_left_behind() {
 // host sees the same packets on the same rules as from a tap; only the link type differs.
 // Two more namespaces, each behind its own veth pair, are "internet" hosts.
 
-/// A network namespace and the host-side veths made for it; removed on drop.
-struct Netns {
-    name: String,
-    links: Vec<String>,
-}
-
-impl Netns {
-    fn new(name: &str) -> Netns {
-        let _ = Command::new("ip").args(["netns", "del", name]).output();
-        ip(&["netns", "add", name]);
-        ip(&["-n", name, "link", "set", "lo", "up"]);
-        Netns {
-            name: name.to_string(),
-            links: Vec::new(),
-        }
-    }
-
-    /// A veth pair `host_side` (root namespace, `host_addr`/30) to `eth0` in this namespace
-    /// (`addr`/30, default route via `host_addr`).
-    fn uplink(&mut self, host_side: &str, host_addr: &str, addr: &str) {
-        let _ = Command::new("ip").args(["link", "del", host_side]).output();
-        ip(&[
-            "link", "add", host_side, "type", "veth", "peer", "name", "eth0", "netns", &self.name,
-        ]);
-        self.links.push(host_side.to_string());
-        ip(&["addr", "add", &format!("{host_addr}/30"), "dev", host_side]);
-        ip(&["link", "set", host_side, "up"]);
-        ip(&[
-            "-n",
-            &self.name,
-            "addr",
-            "add",
-            &format!("{addr}/30"),
-            "dev",
-            "eth0",
-        ]);
-        ip(&["-n", &self.name, "link", "set", "eth0", "up"]);
-        ip(&[
-            "-n", &self.name, "route", "add", "default", "via", host_addr,
-        ]);
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for link in &self.links {
-            let _ = Command::new("ip").args(["link", "del", link]).output();
-        }
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
-    }
-}
-
 /// A route in the root namespace, deleted when dropped.
 struct Route(String);
 
@@ -701,68 +647,6 @@ impl Route {
 impl Drop for Route {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["route", "del", &self.0]).output();
-    }
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Runs `f` on a new thread that has entered network namespace `netns` (None: stay in the
-/// root namespace). Sockets belong to the namespace of the thread that makes them.
-fn in_netns<T: Send + 'static>(netns: Option<&str>, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let netns = netns.map(|n| format!("/run/netns/{n}"));
-    std::thread::spawn(move || {
-        if let Some(path) = netns {
-            let file = std::fs::File::open(&path).unwrap();
-            // SAFETY: setns on a descriptor we hold; it changes only this thread's namespace.
-            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        }
-        f()
-    })
-    .join()
-    .unwrap()
-}
-
-/// A TCP server in a namespace that answers each connection with "<label> <peer address>".
-struct Listener {
-    stop: Arc<AtomicBool>,
-}
-
-impl Listener {
-    fn start(netns: Option<&str>, port: u16, label: &str) -> Listener {
-        let stop = Arc::new(AtomicBool::new(false));
-        let label = label.to_string();
-        let flag = Arc::clone(&stop);
-        let listener = in_netns(netns, move || {
-            let listener = TcpListener::bind(("0.0.0.0", port)).unwrap();
-            listener.set_nonblocking(true).unwrap();
-            listener
-        });
-        std::thread::spawn(move || {
-            while !flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((mut stream, peer)) => {
-                        let _ = stream.set_nonblocking(false);
-                        let _ = write!(stream, "{label} {}", peer.ip());
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
-        Listener { stop }
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -785,7 +669,7 @@ fn udp_echo(netns: &str, port: u16, label: &str) -> Listener {
             }
         }
     });
-    Listener { stop }
+    Listener::from_flag(stop)
 }
 
 /// One UDP datagram from a namespace; the answer, if one came within 700 ms.
@@ -805,23 +689,6 @@ fn udp_ask_from(netns: Option<&str>, from: u16, addr: &str, port: u16) -> Option
         let mut buf = [0u8; 64];
         let (n, _) = socket.recv_from(&mut buf).ok()?;
         Some(String::from_utf8_lossy(&buf[..n]).into_owned())
-    })
-}
-
-/// Connects from a namespace; the server's greeting, or why not.
-fn connect(netns: Option<&str>, addr: &str, port: u16) -> Result<String, String> {
-    let target = SocketAddr::new(addr.parse::<Ipv4Addr>().unwrap().into(), port);
-    in_netns(netns, move || {
-        let mut stream = TcpStream::connect_timeout(&target, Duration::from_millis(700))
-            .map_err(|e| format!("{target}: {e}"))?;
-        stream
-            .set_read_timeout(Some(Duration::from_secs(2)))
-            .map_err(|e| e.to_string())?;
-        let mut greeting = String::new();
-        stream
-            .read_to_string(&mut greeting)
-            .map_err(|e| format!("{target}: {e}"))?;
-        Ok(greeting)
     })
 }
 

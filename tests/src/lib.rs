@@ -8,6 +8,7 @@ pub mod daemon;
 #[cfg(feature = "images")]
 pub mod images;
 pub mod linux;
+pub mod netns;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
