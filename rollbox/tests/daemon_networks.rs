@@ -16,32 +16,8 @@ use std::time::{Duration, Instant};
 
 use rollbox::net::{Pool, StateDir};
 use rollbox_tests::daemon::{wait_for, Server};
+use rollbox_tests::netns::prerequisites;
 use serde_json::{json, Value};
-
-/// Whether this host can make networks: root, /dev/net/tun and nft. Records the skip (a
-/// failure under ROLLBOX_REQUIRE_ALL=1) when not.
-fn prerequisites(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let nft = Command::new("nft")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let missing = if !root {
-        Some("needs root (taps and nftables rules)")
-    } else if !Path::new("/dev/net/tun").exists() {
-        Some("needs /dev/net/tun")
-    } else if !nft {
-        Some("needs nft (apt-get install nftables)")
-    } else {
-        None
-    };
-    if let Some(reason) = missing {
-        rollbox_tests::skip(test, reason);
-        return false;
-    }
-    true
-}
 
 /// A daemon with its own pool (its leases are in the server's scratch directory, which
 /// [`Server`] releases when dropped: the test then fails on its own checks).

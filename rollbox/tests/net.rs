@@ -13,50 +13,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::netns::{connect, in_netns, ip, Listener, Netns};
+use rollbox_tests::netns::{connect, in_netns, ip, prerequisites, Listener, Netns};
 use serde_json::Value;
 
 fn rollbox() -> PathBuf {
     rollbox_tests::rollbox_binary()
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn command_works(program: &str, args: &[&str]) -> bool {
-    Command::new(program)
-        .args(args)
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Whether this host can run the tests: root, /dev/net/tun, nft and ip. Records the skip
-/// (a failure under ROLLBOX_REQUIRE_ALL=1) when not.
-fn prerequisites(test: &str) -> bool {
-    let missing = if !is_root() {
-        Some("needs root (creates taps and nftables rules)".to_string())
-    } else if let Err(e) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")
-    {
-        Some(format!("needs /dev/net/tun ({e})"))
-    } else if !command_works("nft", &["--version"]) {
-        Some("needs nft (apt-get install nftables)".to_string())
-    } else if !command_works("ip", &["-V"]) {
-        Some("needs ip (apt-get install iproute2)".to_string())
-    } else {
-        None
-    };
-    match missing {
-        Some(reason) => {
-            rollbox_tests::skip(test, &reason);
-            false
-        }
-        None => true,
-    }
 }
 
 /// One test's pool and state directory. Dropping it takes down every sandbox it brought up

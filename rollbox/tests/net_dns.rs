@@ -20,46 +20,13 @@ use std::time::Duration;
 use rollbox::net::dns;
 use rollbox::net::resolver::{Resolver, ResolverOptions, Site};
 use rollbox::net::{Egress, LeaseRequest, LinkKind, Pool, StateDir};
-use rollbox_tests::netns::{connect, in_netns, Listener, Netns};
+use rollbox_tests::netns::{connect, in_netns, prerequisites, Listener, Netns};
 
 /// Each test its own pool (gc takes what its state directory does not know for orphans).
 const POOL: &str = "10.226.0.0/24";
 const POOL_GC: &str = "10.227.0.0/24";
 /// The "internet" host, outside every range a hostname's answer may not add by itself.
 const INTERNET: &str = "198.18.24.2";
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn works(program: &str, args: &[&str]) -> bool {
-    Command::new(program)
-        .args(args)
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-fn prerequisites(test: &str) -> bool {
-    let missing = if !is_root() {
-        Some("needs root (creates interfaces and nftables rules)")
-    } else if !std::path::Path::new("/dev/net/tun").exists() {
-        Some("needs /dev/net/tun")
-    } else if !works("nft", &["--version"]) {
-        Some("needs nft (apt-get install nftables)")
-    } else if !works("ip", &["-V"]) {
-        Some("needs ip (apt-get install iproute2)")
-    } else {
-        None
-    };
-    match missing {
-        Some(reason) => {
-            rollbox_tests::skip(test, reason);
-            false
-        }
-        None => true,
-    }
-}
 
 /// The test's upstream: answers A questions from a table (name → addresses, TTL), NXDOMAIN
 /// for other names, and records every question it gets. Over UDP it answers

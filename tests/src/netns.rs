@@ -10,6 +10,41 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Whether this host can make sandbox networks: root, /dev/net/tun (opened), nft and ip.
+/// Records the skip of `test` (a failure under ROLLBOX_REQUIRE_ALL=1) when not.
+pub fn prerequisites(test: &str) -> bool {
+    let works = |program: &str, args: &[&str]| {
+        Command::new(program)
+            .args(args)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let missing = if !root {
+        Some("needs root (creates taps and nftables rules)".to_string())
+    } else if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+    {
+        Some(format!("needs /dev/net/tun ({e})"))
+    } else if !works("nft", &["--version"]) {
+        Some("needs nft (apt-get install nftables)".to_string())
+    } else if !works("ip", &["-V"]) {
+        Some("needs ip (apt-get install iproute2)".to_string())
+    } else {
+        None
+    };
+    match missing {
+        Some(reason) => {
+            crate::skip(test, &reason);
+            false
+        }
+        None => true,
+    }
+}
+
 /// Runs `ip ARGS`; panics with its stderr if it fails.
 pub fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("run ip");
