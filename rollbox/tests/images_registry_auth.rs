@@ -26,9 +26,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use oci_client::secrets::RegistryAuth;
-use rollbox_tests::daemon::{cli, Server, KEY};
+use rollbox_tests::daemon::{cli, cli_output, Server};
 use rollbox_tests::images::{self, Image, Layer};
-use rollbox_tests::{rollbox_binary, skip};
+use rollbox_tests::skip;
 use serde_json::{json, Value};
 
 const BASIC_USER: &str = "alice";
@@ -596,13 +596,7 @@ fn image_build_pulls_with_credentials_from_basic_and_token_registries() {
 
 /// `rollbox template build` against `server`, expected to fail: its output.
 fn template_build_fails(server: &Server, args: &[&str]) -> Output {
-    let output = Command::new(rollbox_binary())
-        .args(args)
-        .arg("--socket")
-        .arg(server.sock())
-        .env("ROLLBOX_API_KEY", KEY)
-        .output()
-        .expect("run rollbox");
+    let output = cli_output(server, args);
     eprintln!(
         "$ rollbox {}\n{}{}",
         args.join(" "),

@@ -416,15 +416,20 @@ pub fn cmdline(pid: u32) -> String {
         .unwrap_or_default()
 }
 
-/// Runs the `rollbox` CLI with `args` against `server`; must succeed: its stdout.
-pub fn cli(server: &Server, args: &[&str]) -> String {
-    let out = Command::new(rollbox_binary())
+/// Runs the `rollbox` CLI with `args` against `server`: its output, whatever its status.
+pub fn cli_output(server: &Server, args: &[&str]) -> std::process::Output {
+    Command::new(rollbox_binary())
         .args(args)
         .arg("--socket")
         .arg(server.sock())
         .env("ROLLBOX_API_KEY", KEY)
         .output()
-        .expect("run rollbox");
+        .expect("run rollbox")
+}
+
+/// Runs the `rollbox` CLI with `args` against `server`; must succeed: its stdout.
+pub fn cli(server: &Server, args: &[&str]) -> String {
+    let out = cli_output(server, args);
     assert!(
         out.status.success(),
         "rollbox {args:?}: {}",
