@@ -5,7 +5,8 @@ use std::ffi::CString;
 
 use crate::errors::SysError;
 
-struct Mount {
+/// An API file system and where it goes.
+pub(crate) struct Mount {
     source: &'static str,
     target: &'static str,
     fstype: &'static str,
@@ -15,14 +16,26 @@ struct Mount {
 
 const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
 
+/// proc at /proc.
+pub(crate) const PROC: Mount = Mount {
+    source: "proc",
+    target: "/proc",
+    fstype: "proc",
+    flags: NOSUID_NODEV_NOEXEC,
+    data: "",
+};
+
+/// devtmpfs at /dev.
+pub(crate) const DEV: Mount = Mount {
+    source: "devtmpfs",
+    target: "/dev",
+    fstype: "devtmpfs",
+    flags: libc::MS_NOSUID,
+    data: "mode=0755",
+};
+
 const MOUNTS: &[Mount] = &[
-    Mount {
-        source: "proc",
-        target: "/proc",
-        fstype: "proc",
-        flags: NOSUID_NODEV_NOEXEC,
-        data: "",
-    },
+    PROC,
     Mount {
         source: "sysfs",
         target: "/sys",
@@ -30,13 +43,7 @@ const MOUNTS: &[Mount] = &[
         flags: NOSUID_NODEV_NOEXEC,
         data: "",
     },
-    Mount {
-        source: "devtmpfs",
-        target: "/dev",
-        fstype: "devtmpfs",
-        flags: libc::MS_NOSUID,
-        data: "mode=0755",
-    },
+    DEV,
     Mount {
         source: "devpts",
         target: "/dev/pts",
@@ -84,41 +91,45 @@ fn mounted(target: &str) -> bool {
         .unwrap_or(false)
 }
 
-fn mount(m: &Mount) -> Result<(), SysError> {
-    if mounted(m.target) {
-        return Ok(());
-    }
-    let fail = |e| SysError::new("mount", m.target, e);
-    std::fs::create_dir_all(m.target).map_err(fail)?;
-    let c = |s: &str| {
-        CString::new(s).map_err(|_| {
-            SysError::new(
-                "mount",
-                m.target,
-                std::io::Error::from_raw_os_error(libc::EINVAL),
-            )
-        })
-    };
-    let (source, target, fstype, data) = (c(m.source)?, c(m.target)?, c(m.fstype)?, c(m.data)?);
+/// mount(2): `fstype` from `source` on `target`, with `data` as its options ("" for none).
+pub(crate) fn mount_fs(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> std::io::Result<()> {
+    let c = |s: &str| CString::new(s).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL));
+    let (source, target, fstype, data) = (c(source)?, c(target)?, c(fstype)?, c(data)?);
     // SAFETY: all pointers are NUL-terminated strings that live across the call.
     let ret = unsafe {
         libc::mount(
             source.as_ptr(),
             target.as_ptr(),
             fstype.as_ptr(),
-            m.flags,
+            flags,
             data.as_ptr().cast(),
         )
     };
-    if ret == 0 {
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Mounts `m` unless its target already is a mount point.
+pub(crate) fn mount(m: &Mount) -> Result<(), SysError> {
+    if mounted(m.target) {
         return Ok(());
     }
-    let err = std::io::Error::last_os_error();
-    // Already mounted (e.g. by the kernel's devtmpfs automount): fine.
-    if err.raw_os_error() == Some(libc::EBUSY) {
-        return Ok(());
+    let fail = |e| SysError::new("mount", m.target, e);
+    std::fs::create_dir_all(m.target).map_err(fail)?;
+    match mount_fs(m.source, m.target, m.fstype, m.flags, m.data) {
+        Ok(()) => Ok(()),
+        // Already mounted (e.g. by the kernel's devtmpfs automount): fine.
+        Err(err) if err.raw_os_error() == Some(libc::EBUSY) => Ok(()),
+        Err(err) => Err(fail(err)),
     }
-    Err(fail(err))
 }
 
 /// Mount what a Linux userland expects, and name the host. Failures are

@@ -12,6 +12,7 @@ mod fixups;
 mod generation;
 mod health;
 mod init;
+mod layers;
 mod network;
 mod pty;
 mod reaper;
@@ -147,6 +148,8 @@ fn main() {
 fn run(args: Args, is_pid1: bool) -> Result<(), String> {
     let is_init = (is_pid1 || args.init) && !args.no_init;
     if is_init {
+        // A layered template's sandbox: the root becomes the overlay first.
+        layers::enter_from_cmdline().map_err(|e| e.to_string())?;
         init::init_system(&args.hostname);
         network::setup_at_boot();
         volumes::mount_from_cmdline();
