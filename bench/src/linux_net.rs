@@ -107,7 +107,6 @@ pub struct NetReport {
     pub start_without_net: Option<StartFigures>,
     pub start_with_net: Option<StartFigures>,
     /// Part `daemon-net`: throughput on the network `rollbox::net` leases.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub daemon_network: Option<LeaseNetFigures>,
 }
 
