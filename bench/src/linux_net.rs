@@ -9,7 +9,11 @@
 //!    host -> guest (the host writes into the guest's `nc -l`, from connect until the guest
 //!    closes after the host's FIN; the guest's byte count is checked), and ICMP round trips
 //!    (`ping -c N -i 0.2` from the guest to the host: busybox has no TCP echo server).
-//! 2. Set-up per sandbox: `rollbox net up` and `rollbox net down` wall time (the CLI
+//! 2. The same on the daemon's network (`linux_net_lease.rs`): the tap, /30 and nftables
+//!    rules of `rollbox::net::lease` as the daemon makes them (egress `all`, guest port 5201
+//!    exposed on 127.0.0.1); the guest sends to a server in a network namespace (forwarded,
+//!    masqueraded) and the host writes into the guest through the exposed port (DNAT).
+//! 3. Set-up per sandbox: `rollbox net up` and `rollbox net down` wall time (the CLI
 //!    process included), and rollbox-vmm's boot with `--net` beside one without.
 
 use std::io::{Read, Write};
@@ -28,6 +32,10 @@ use crate::linux::{
 };
 use crate::stats::Summary;
 
+#[path = "linux_net_lease.rs"]
+mod lease;
+pub use lease::LeaseNetFigures;
+
 const MIB: u64 = 1 << 20;
 /// The guest's `nc -l` port for host -> guest.
 const GUEST_PORT: u16 = 5201;
@@ -39,6 +47,9 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(600);
 pub enum NetPart {
     /// TCP each way and ping, rollbox-vmm beside QEMU microvm.
     Throughput,
+    /// The same on the daemon's network: `rollbox::net`'s tap and rules, a server in a
+    /// network namespace, the host through a port exposed on 127.0.0.1.
+    DaemonNet,
     /// `rollbox net up`/`down` cycles and rollbox-vmm's boot with and without `--net`.
     Setup,
 }
@@ -95,6 +106,8 @@ pub struct NetReport {
     pub net_down_ms: Option<Summary>,
     pub start_without_net: Option<StartFigures>,
     pub start_with_net: Option<StartFigures>,
+    /// Part `daemon-net`: throughput on the network `rollbox::net` leases.
+    pub daemon_network: Option<LeaseNetFigures>,
 }
 
 /// The benchmark's tap with its /30: host `.1`, guest `.2`. Removed on drop.
@@ -121,16 +134,46 @@ impl BenchTap {
         Ok(tap)
     }
 
-    /// The guest's `ip=` argument (the agent configures eth0 from it).
-    fn kernel_arg(&self) -> String {
-        format!("ip={}::{}:255.255.255.252::eth0:off", self.guest, self.host)
+    /// The guest's device on this tap: MAC 06:00 and the guest's address, as `rollbox net`
+    /// does; `ip=` for the agent, which configures eth0 from it.
+    fn nic(&self) -> GuestNic {
+        let o = self.guest.octets();
+        GuestNic {
+            tap: self.name.clone(),
+            mac: format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", o[0], o[1], o[2], o[3]),
+            kernel_arg: format!("ip={}::{}:255.255.255.252::eth0:off", self.guest, self.host),
+        }
     }
 
-    /// 06:00 and the guest's address, as `rollbox net` does.
-    fn mac(&self) -> String {
-        let o = self.guest.octets();
-        format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", o[0], o[1], o[2], o[3])
+    /// The transfers' ends on this tap: all on the host's and the guest's addresses.
+    fn endpoints(&self) -> Endpoints {
+        Endpoints {
+            server: self.host,
+            server_netns: None,
+            guest: SocketAddr::from((self.guest, GUEST_PORT)),
+        }
     }
+}
+
+/// The guest's network device: the host tap, the MAC, the kernel's `ip=` argument.
+#[derive(Debug, Clone)]
+struct GuestNic {
+    tap: String,
+    mac: String,
+    kernel_arg: String,
+}
+
+/// Where the transfers and the pings go.
+#[derive(Debug, Clone)]
+struct Endpoints {
+    /// The guest sends to and pings this address; the host's listener is bound there.
+    server: Ipv4Addr,
+    /// The network namespace (`/var/run/netns/NAME`) the listener is made in; none: the
+    /// bench's own.
+    server_netns: Option<PathBuf>,
+    /// The host connects here for host -> guest: the guest's `nc -l` on [`GUEST_PORT`], or a
+    /// host port forwarded to it.
+    guest: SocketAddr,
 }
 
 impl Drop for BenchTap {
@@ -174,34 +217,34 @@ struct Booted {
     ready_ms: f64,
 }
 
-/// Boots the initramfs guest under `which`, on `tap` when given.
+/// Boots the initramfs guest under `which`, with `nic` when given.
 fn boot(
     config: &NetBenchConfig,
     which: Vmm,
     kernel: &Path,
     initramfs: &Path,
     work: &Path,
-    tap: Option<&BenchTap>,
+    nic: Option<&GuestNic>,
     n: usize,
 ) -> Result<Booted, LinuxBenchError> {
     let mut linux = config.linux.clone();
-    if let Some(tap) = tap {
-        linux.cmdline = format!("{} {}", linux.cmdline, tap.kernel_arg());
+    if let Some(nic) = nic {
+        linux.cmdline = format!("{} {}", linux.cmdline, nic.kernel_arg);
     }
     let sock = work.join(format!("net-{n}.sock"));
     let _ = std::fs::remove_file(&sock);
     let (program, args, addr) = match which {
         Vmm::Rollbox => {
             let mut args = rollbox_boot_args(&linux, kernel, initramfs, &sock);
-            if let Some(tap) = tap {
-                args.extend(["--net".into(), format!("{},mac={}", tap.name, tap.mac())]);
+            if let Some(nic) = nic {
+                args.extend(["--net".into(), format!("{},mac={}", nic.tap, nic.mac)]);
             }
             (&linux.vmm, args, AgentAddr::Unix(sock))
         }
         Vmm::Qemu => {
             let mut args = qemu_args(&linux, kernel, initramfs);
-            if let Some(tap) = tap {
-                args.extend(qemu_net_args(&tap.name, &tap.mac()));
+            if let Some(nic) = nic {
+                args.extend(qemu_net_args(&nic.tap, &nic.mac));
             }
             (&linux.qemu, args, AgentAddr::Vsock(linux.qemu_cid))
         }
@@ -220,11 +263,23 @@ fn boot(
     })
 }
 
-/// Guest -> host: the guest's `dd | nc` into a host listener; MiB/s from accept to the last
-/// byte.
-fn guest_to_host(shell: &GuestShell, tap: &BenchTap, bytes: u64) -> Result<f64, LinuxBenchError> {
-    let listener = TcpListener::bind((tap.host, 0))
-        .map_err(|e| LinuxBenchError::Host(format!("listening on {}: {e}", tap.host)))?;
+/// A listener on `ends.server`, port 0, in `ends.server_netns` when given.
+fn listen(ends: &Endpoints) -> Result<TcpListener, LinuxBenchError> {
+    let server = ends.server;
+    let bind = move || {
+        TcpListener::bind((server, 0))
+            .map_err(|e| LinuxBenchError::Host(format!("listening on {server}: {e}")))
+    };
+    match &ends.server_netns {
+        None => bind(),
+        Some(netns) => lease::in_netns(netns, bind),
+    }
+}
+
+/// Guest -> server: the guest's `dd | nc` into the bench's listener; MiB/s from accept to the
+/// last byte.
+fn guest_to_host(shell: &GuestShell, ends: &Endpoints, bytes: u64) -> Result<f64, LinuxBenchError> {
+    let listener = listen(ends)?;
     let port = listener
         .local_addr()
         .map_err(|e| LinuxBenchError::Host(format!("listener address: {e}")))?
@@ -268,7 +323,7 @@ fn guest_to_host(shell: &GuestShell, tap: &BenchTap, bytes: u64) -> Result<f64, 
     let script = format!(
         "busybox dd if=/dev/zero bs=65536 count={} 2>/dev/null | busybox nc {} {port}",
         bytes / 65536,
-        tap.host
+        ends.server
     );
     let sent = shell.sh(&script, COMMAND_TIMEOUT);
     let received = receiver
@@ -290,9 +345,9 @@ fn guest_to_host(shell: &GuestShell, tap: &BenchTap, bytes: u64) -> Result<f64, 
     Ok(total as f64 / MIB as f64 / took.as_secs_f64().max(1e-6))
 }
 
-/// Host -> guest: into the guest's `nc -l | wc -c`; MiB/s from connect until the guest closed
-/// after the host's FIN (so every byte was read there).
-fn host_to_guest(shell: &GuestShell, tap: &BenchTap, bytes: u64) -> Result<f64, LinuxBenchError> {
+/// Host -> guest: into the guest's `nc -l | wc -c` (at `ends.guest`); MiB/s from connect until
+/// the guest closed after the host's FIN (so every byte was read there).
+fn host_to_guest(shell: &GuestShell, ends: &Endpoints, bytes: u64) -> Result<f64, LinuxBenchError> {
     let count = format!("/tmp/rx.{GUEST_PORT}");
     // busybox nc closes at once when its stdin is at EOF: keep it open with sleep.
     shell.sh(
@@ -301,7 +356,7 @@ fn host_to_guest(shell: &GuestShell, tap: &BenchTap, bytes: u64) -> Result<f64, 
         ),
         Duration::from_secs(30),
     )?;
-    let addr = SocketAddr::from((tap.guest, GUEST_PORT));
+    let addr = ends.guest;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut conn = loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
@@ -362,8 +417,8 @@ pub fn parse_ping(stdout: &str) -> Option<(f64, f64)> {
     Some((min, avg))
 }
 
-fn ping(shell: &GuestShell, tap: &BenchTap, count: u32) -> Result<(f64, f64), LinuxBenchError> {
-    let script = format!("busybox ping -q -c {count} -i 0.2 {}", tap.host);
+fn ping(shell: &GuestShell, ends: &Endpoints, count: u32) -> Result<(f64, f64), LinuxBenchError> {
+    let script = format!("busybox ping -q -c {count} -i 0.2 {}", ends.server);
     let out = shell.sh(&script, COMMAND_TIMEOUT)?;
     parse_ping(&out).ok_or_else(|| LinuxBenchError::Guest {
         vm: shell.vm.clone(),
@@ -390,12 +445,8 @@ fn net_figures(which: Vmm, s: &NetSamples) -> Result<NetVmmFigures, LinuxBenchEr
     })
 }
 
-fn run_throughput(
-    config: &NetBenchConfig,
-    kernel: &Path,
-    initramfs: &Path,
-    work: &Path,
-) -> Result<(NetVmmFigures, NetVmmFigures), LinuxBenchError> {
+/// QEMU and the vhost-vsock device its agent connection needs.
+fn check_qemu(config: &NetBenchConfig) -> Result<(), LinuxBenchError> {
     must_exist(
         "QEMU",
         &config.linux.qemu,
@@ -408,7 +459,33 @@ fn run_throughput(
                 .into(),
         ));
     }
-    let tap = BenchTap::create(&config.tap, config.subnet)?;
+    Ok(())
+}
+
+/// What the rounds of a throughput part share: the guest, its device, the transfers' ends.
+struct Rounds<'a> {
+    config: &'a NetBenchConfig,
+    kernel: &'a Path,
+    initramfs: &'a Path,
+    work: &'a Path,
+    nic: &'a GuestNic,
+    ends: &'a Endpoints,
+    /// The part's name in progress lines.
+    part: &'a str,
+}
+
+/// Warm-up and measured rounds, alternating which VMM goes first: TCP each way and ping
+/// between the guest and `rounds.ends`.
+fn run_rounds(rounds: &Rounds<'_>) -> Result<(NetVmmFigures, NetVmmFigures), LinuxBenchError> {
+    let Rounds {
+        config,
+        kernel,
+        initramfs,
+        work,
+        nic,
+        ends,
+        part,
+    } = *rounds;
     let bytes = config.mib * MIB;
     let mut rollbox = NetSamples::default();
     let mut qemu = NetSamples::default();
@@ -421,19 +498,19 @@ fn run_throughput(
             [Vmm::Qemu, Vmm::Rollbox]
         };
         for which in order {
-            let mut booted = boot(config, which, kernel, initramfs, work, Some(&tap), round)?;
+            let mut booted = boot(config, which, kernel, initramfs, work, Some(nic), round)?;
             let shell = &booted.shell;
             // The first ping also fills both ARP caches.
             shell.sh(
-                &format!("busybox ping -c 1 -W 10 {} >/dev/null", tap.host),
+                &format!("busybox ping -c 1 -W 10 {} >/dev/null", ends.server),
                 Duration::from_secs(60),
             )?;
-            let up = guest_to_host(shell, &tap, bytes)?;
-            let down = host_to_guest(shell, &tap, bytes)?;
-            let (min, avg) = ping(shell, &tap, config.pings)?;
+            let up = guest_to_host(shell, ends, bytes)?;
+            let down = host_to_guest(shell, ends, bytes)?;
+            let (min, avg) = ping(shell, ends, config.pings)?;
             booted.vm.stop();
             eprintln!(
-                "linux-net {} {}/{total}{}: agent ready {:.0} ms; guest->host {up:.1} MiB/s, host->guest {down:.1} MiB/s, ping avg {avg:.3} ms min {min:.3} ms",
+                "linux-net {part} {} {}/{total}{}: agent ready {:.0} ms; guest->server {up:.1} MiB/s, host->guest {down:.1} MiB/s, ping avg {avg:.3} ms min {min:.3} ms",
                 which.label(),
                 round + 1,
                 if warm { " (warm-up)" } else { "" },
@@ -456,6 +533,26 @@ fn run_throughput(
         net_figures(Vmm::Rollbox, &rollbox)?,
         net_figures(Vmm::Qemu, &qemu)?,
     ))
+}
+
+/// Part `throughput`: on the bench's own tap.
+fn run_throughput(
+    config: &NetBenchConfig,
+    kernel: &Path,
+    initramfs: &Path,
+    work: &Path,
+) -> Result<(NetVmmFigures, NetVmmFigures), LinuxBenchError> {
+    check_qemu(config)?;
+    let tap = BenchTap::create(&config.tap, config.subnet)?;
+    run_rounds(&Rounds {
+        config,
+        kernel,
+        initramfs,
+        work,
+        nic: &tap.nic(),
+        ends: &tap.endpoints(),
+        part: "throughput",
+    })
 }
 
 /// `rollbox net up`/`down` cycles: wall ms of each.
@@ -504,6 +601,7 @@ fn run_start(
     work: &Path,
 ) -> Result<(StartFigures, StartFigures), LinuxBenchError> {
     let tap = BenchTap::create(&config.tap, config.subnet)?;
+    let nic = tap.nic();
     // [without, with] x [first line, ready]
     let mut samples: [[Vec<f64>; 2]; 2] = Default::default();
     for round in 0..config.start_rounds {
@@ -520,7 +618,7 @@ fn run_start(
                 kernel,
                 initramfs,
                 work,
-                with_net.then_some(&tap),
+                with_net.then_some(&nic),
                 n,
             )?;
             booted.vm.stop();
@@ -573,11 +671,15 @@ pub fn run(config: &NetBenchConfig) -> Result<NetReport, LinuxBenchError> {
         net_down_ms: None,
         start_without_net: None,
         start_with_net: None,
+        daemon_network: None,
     };
     if config.parts.contains(&NetPart::Throughput) {
         let (rollbox, qemu) = run_throughput(config, &kernel, &initramfs, &work.0)?;
         report.rollbox = Some(rollbox);
         report.qemu = Some(qemu);
+    }
+    if config.parts.contains(&NetPart::DaemonNet) {
+        report.daemon_network = Some(lease::run_daemon_net(config, &kernel, &initramfs, &work.0)?);
     }
     if config.parts.contains(&NetPart::Setup) {
         let (up, down) = run_net_cycles(config, &work.0)?;
@@ -599,48 +701,62 @@ fn mean(s: &Summary) -> f64 {
     s.samples.iter().sum::<f64>() / s.samples.len().max(1) as f64
 }
 
+/// One throughput table: `names` are the rows' (guest -> server, host -> guest, ping avg,
+/// ping min), `r` rollbox-vmm's figures and `q` QEMU's.
+fn throughput_table(
+    out: &mut String,
+    heading: &str,
+    names: [String; 4],
+    r: &NetVmmFigures,
+    q: &NetVmmFigures,
+) {
+    out.push_str(&format!("### {heading}\n\n"));
+    out.push_str("| figure | rollbox-vmm | QEMU microvm (vhost=off) | rollbox/QEMU |\n");
+    out.push_str("| --- | ---: | ---: | ---: |\n");
+    type Pick = fn(&NetVmmFigures) -> &Summary;
+    let picks: [(Pick, bool); 4] = [
+        (|f| &f.guest_to_host_mib_s, false),
+        (|f| &f.host_to_guest_mib_s, false),
+        (|f| &f.ping_avg_ms, true),
+        (|f| &f.ping_min_ms, true),
+    ];
+    for (name, (pick, small)) in names.iter().zip(picks) {
+        let (a, b) = (pick(r), pick(q));
+        let text = |s: &Summary| {
+            if small {
+                cell2(s)
+            } else {
+                format!("{:.1} ({:.1}–{:.1})", s.p50, s.min, s.max)
+            }
+        };
+        out.push_str(&format!(
+            "| {name} | {} | {} | {} |\n",
+            text(a),
+            text(b),
+            ratio(a.p50, b.p50)
+        ));
+    }
+    out.push('\n');
+}
+
 /// The tables.
 pub fn markdown(report: &NetReport) -> String {
     let mut out = String::new();
     if let (Some(r), Some(q)) = (&report.rollbox, &report.qemu) {
-        out.push_str(&format!(
-            "### virtio-net: rollbox-vmm beside QEMU microvm ({} MiB each way, {} pings, {} MiB guest, {} vCPUs; median (min–max) of {} rounds)\n\n",
+        let heading = format!(
+            "virtio-net: rollbox-vmm beside QEMU microvm ({} MiB each way, {} pings, {} MiB guest, {} vCPUs; median (min–max) of {} rounds)",
             report.mib, report.pings, report.memory_mib, report.vcpus, report.rounds
-        ));
-        out.push_str("| figure | rollbox-vmm | QEMU microvm (vhost=off) | rollbox/QEMU |\n");
-        out.push_str("| --- | ---: | ---: | ---: |\n");
-        type Pick = fn(&NetVmmFigures) -> &Summary;
-        let rows: [(&str, Pick, bool); 4] = [
-            (
-                "TCP guest → host, MiB/s (higher is better)",
-                |f| &f.guest_to_host_mib_s,
-                false,
-            ),
-            (
-                "TCP host → guest, MiB/s (higher is better)",
-                |f| &f.host_to_guest_mib_s,
-                false,
-            ),
-            ("ping guest → host, avg ms", |f| &f.ping_avg_ms, true),
-            ("ping guest → host, min ms", |f| &f.ping_min_ms, true),
+        );
+        let names = [
+            "TCP guest → host, MiB/s (higher is better)",
+            "TCP host → guest, MiB/s (higher is better)",
+            "ping guest → host, avg ms",
+            "ping guest → host, min ms",
         ];
-        for (name, pick, small) in rows {
-            let (a, b) = (pick(r), pick(q));
-            let text = |s: &Summary| {
-                if small {
-                    cell2(s)
-                } else {
-                    format!("{:.1} ({:.1}–{:.1})", s.p50, s.min, s.max)
-                }
-            };
-            out.push_str(&format!(
-                "| {name} | {} | {} | {} |\n",
-                text(a),
-                text(b),
-                ratio(a.p50, b.p50)
-            ));
-        }
-        out.push('\n');
+        throughput_table(&mut out, &heading, names.map(String::from), r, q);
+    }
+    if let Some(d) = &report.daemon_network {
+        lease::markdown(&mut out, report, d);
     }
     if let (Some(up), Some(down)) = (&report.net_up_ms, &report.net_down_ms) {
         out.push_str(&format!(

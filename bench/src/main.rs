@@ -416,7 +416,8 @@ enum Bench {
     },
     /// virtio-net with Linux guests on real KVM (run it in the nested lab:
     /// scripts/lab/bench-net-fs.sh): TCP each way and ping under rollbox-vmm and QEMU microvm
-    /// on one host tap, `rollbox net up`/`down` time, and boot with and without `--net`.
+    /// on one host tap and on the daemon's network (`rollbox::net` lease), `rollbox net
+    /// up`/`down` time, and boot with and without `--net`.
     LinuxNet {
         #[command(flatten)]
         guest: GuestArgs,
@@ -431,7 +432,7 @@ enum Bench {
             long,
             value_enum,
             value_delimiter = ',',
-            default_value = "throughput,setup"
+            default_value = "throughput,daemon-net,setup"
         )]
         parts: Vec<linux_net::NetPart>,
         /// MiB per TCP transfer (each direction).
@@ -452,7 +453,8 @@ enum Bench {
         /// The benchmark's own tap (created and removed).
         #[arg(long, default_value = "rbxbench0")]
         tap: String,
-        /// The tap's /30 is 10.199.SUBNET.0/30.
+        /// The tap's /30 is 10.199.SUBNET.0/30; part daemon-net leases that /30 from
+        /// `rollbox::net` and puts its server in 10.199.SUBNET+1.0/30.
         #[arg(long, default_value_t = 250)]
         subnet: u8,
     },

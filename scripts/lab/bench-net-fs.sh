@@ -5,6 +5,8 @@
 # the existing ones still hold the current kernel and agent). Then L1 boots
 # (scripts/lab/run.sh --memory-mib 4096 --modprobe tun --modprobe vhost_vsock) and runs the
 # benchmarks there, one after the other. The tables go to stdout; progress to stderr.
+# `linux-net` runs its default parts (throughput, daemon-net: the same on the network
+# `rollbox::net` leases, and setup); --net-arg --parts --net-arg daemon-net runs one.
 #
 # Usage:
 #   scripts/lab/bench-net-fs.sh [options]
@@ -42,7 +44,7 @@ while [[ $# -gt 0 ]]; do
         --timeout) need_value "$@"; timeout_s="$2"; shift 2 ;;
         --net-arg) need_value "$@"; net_args+=("$2"); shift 2 ;;
         --fs-arg) need_value "$@"; fs_args+=("$2"); shift 2 ;;
-        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
