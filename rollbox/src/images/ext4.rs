@@ -131,8 +131,22 @@ pub fn plan(usage: TreeUsage, requested_mib: Option<u64>, free_mib: u64) -> Plan
 /// Makes `image` from the tree at `root`. An auto-sized image that turns out too small is
 /// grown and made again.
 pub fn make(root: &Path, image: &Path, requested_mib: Option<u64>) -> Result<u64, Ext4Error> {
+    make_with_room(root, image, requested_mib, DEFAULT_FREE_MIB)
+}
+
+/// An auto-sized image with only the room it needs: for a file system mounted read-only.
+pub fn make_read_only(root: &Path, image: &Path) -> Result<u64, Ext4Error> {
+    make_with_room(root, image, None, 0)
+}
+
+fn make_with_room(
+    root: &Path,
+    image: &Path,
+    requested_mib: Option<u64>,
+    free_mib: u64,
+) -> Result<u64, Ext4Error> {
     let usage = measure(root)?;
-    let mut plan = plan(usage, requested_mib, DEFAULT_FREE_MIB);
+    let mut plan = plan(usage, requested_mib, free_mib);
     if let Some(size_mib) = requested_mib {
         if plan.needed_bytes > plan.size_bytes {
             return Err(Ext4Error::TooSmall {
