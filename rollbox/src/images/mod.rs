@@ -264,20 +264,32 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
         SourceSpec::OciLayout(path) => oci_layout::resolve(path, options.reference.as_deref())?,
     };
 
-    let mut key = cache_key(&image.image_digest, &agent.digest, options.size_mib);
+    let full_key = cache_key(&image.image_digest, &agent.digest, options.size_mib);
     let chains = options
         .share_layers
         .then(|| shared::chains(&image))
         .flatten();
-    let split = chains.as_ref().and_then(|c| shared::find_split(&cache, c));
-    if let Some(split) = &split {
-        key = shared::top_key(&key, split);
-    }
-    let base_cached = split
+    let marked = chains
         .as_ref()
-        .is_none_or(|s| cache.lookup_base(&s.base_key).is_some());
-    let (entry, cached) = match cache.lookup_rootfs(&key).filter(|_| base_cached) {
-        Some(entry) => (entry, true),
+        .map_or_else(Vec::new, |c| shared::marked_splits(&cache, c));
+    // A cached result for this image, whole or split at any marked prefix, is reused.
+    let candidates = std::iter::once(None).chain(marked.iter().map(Some));
+    let hit = candidates.map(|split| {
+        let key = split.map_or_else(|| full_key.clone(), |s| shared::top_key(&full_key, s));
+        let base_cached = split.is_none_or(|s| cache.lookup_base(&s.base_key).is_some());
+        let entry = cache.lookup_rootfs(&key).filter(|_| base_cached);
+        entry.map(|entry| (entry, split.cloned()))
+    });
+    let hit = hit.flatten().next();
+    let split = match &hit {
+        Some((_, split)) => split.clone(),
+        None => marked.first().cloned(),
+    };
+    let key = split
+        .as_ref()
+        .map_or_else(|| full_key.clone(), |s| shared::top_key(&full_key, s));
+    let (entry, cached) = match hit {
+        Some((entry, _)) => (entry, true),
         None => {
             if let Some(session) = &session {
                 session.fetch_layers(&mut image, &cache, options.progress)?;

@@ -4,7 +4,8 @@
 //! Every prefix of an image's layers has a chain id: chain_1 = H(id_1),
 //! chain_i = H(chain_{i-1} "\n" id_i), the id being the layer's diff_id, else its blob digest.
 //! A build with sharing on marks every prefix chain it saw (`<cache>/chains/<hex>`). The next
-//! such build splits at the longest prefix already marked: layers 1..k make the base
+//! such build reuses a cached result for the same image if there is one (the whole image, or
+//! a top disk over any marked prefix); otherwise it splits at the longest prefix marked: layers 1..k make the base
 //! (`<cache>/bases/<key>/base.ext4`, key = H(builder version, chain_k)), built once; the top
 //! disk holds, under `/.rollbox/upper`, what layers k+1..n, E2B's account and the agent add
 //! or change (see [`super::upper`]). Top disk layout, which the guest agent relies on:
@@ -85,18 +86,18 @@ pub fn chains(image: &ResolvedImage) -> Option<Vec<Digest>> {
     Some(out)
 }
 
-/// The longest prefix whose chain a previous build marked, if any.
-pub fn find_split(cache: &Cache, chains: &[Digest]) -> Option<Split> {
-    let (i, chain) = chains
-        .iter()
-        .enumerate()
-        .rev()
-        .find(|(_, c)| cache.has_chain(c))?;
-    Some(Split {
-        layers: i + 1,
-        chain: chain.clone(),
-        base_key: base_key(chain),
-    })
+/// Every prefix whose chain a previous build marked, longest first: a build splits at the
+/// first (the longest); a cached top disk of any of them is as good.
+pub fn marked_splits(cache: &Cache, chains: &[Digest]) -> Vec<Split> {
+    let marked = chains.iter().enumerate().rev();
+    marked
+        .filter(|(_, c)| cache.has_chain(c))
+        .map(|(i, chain)| Split {
+            layers: i + 1,
+            chain: chain.clone(),
+            base_key: base_key(chain),
+        })
+        .collect()
 }
 
 pub fn base_key(chain: &Digest) -> String {
@@ -220,13 +221,15 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let cache = Cache::open(dir.path()).unwrap();
-        assert_eq!(find_split(&cache, &b), None);
+        assert_eq!(marked_splits(&cache, &b), []);
         mark_chains(&cache, &a).unwrap();
-        let split = find_split(&cache, &b).unwrap();
+        let splits = marked_splits(&cache, &b);
+        assert_eq!(splits.iter().map(|s| s.layers).collect::<Vec<_>>(), [2, 1]);
+        let split = &splits[0];
         assert_eq!((split.layers, &split.chain), (2, &a[1]));
         assert_eq!(split.base_key, base_key(&a[1]));
-        assert_eq!(find_split(&cache, &a).unwrap().layers, 3);
-        assert_ne!(top_key("k", &split), top_key("k2", &split));
+        assert_eq!(marked_splits(&cache, &a)[0].layers, 3);
+        assert_ne!(top_key("k", split), top_key("k2", split));
         assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
     }
 }
