@@ -5,7 +5,8 @@
 //! (whiteouts, ownership, links and device nodes kept, path traversal refused), the guest
 //! agent is installed as `/.rollbox/rollbox-agent` (the sandbox's init), and
 //! `mkfs.ext4 -d` turns the tree into an image. Results are cached by image digest, agent
-//! hash and builder version, so building the same thing again is a cache lookup.
+//! hash and builder version, so building the same thing again is a cache lookup. With
+//! `share_layers`, images that start with the same layers share a base disk (shared.rs).
 
 pub mod account;
 pub mod agent;
@@ -131,6 +132,13 @@ impl ImageError {
             ImageError::Cache(CacheError::Io { source, .. }) => Some(source),
             ImageError::Account(AccountError::Io { source, .. }) => Some(source),
             ImageError::Registry(RegistryError::WriteBlob { source, .. }) => Some(source),
+            ImageError::Upper(UpperError::Io { source, .. })
+            | ImageError::Shared(SharedError::Upper(UpperError::Io { source, .. }))
+            | ImageError::Shared(SharedError::Io { source, .. })
+            | ImageError::Shared(SharedError::Cache(CacheError::Io { source, .. })) => Some(source),
+            ImageError::Shared(SharedError::Base { source, .. }) => {
+                return matches!(source, Ext4Error::NoSpace { .. })
+            }
             _ => None,
         };
         os_error.and_then(io::Error::raw_os_error) == Some(libc::ENOSPC)
@@ -269,27 +277,12 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
         .share_layers
         .then(|| shared::chains(&image))
         .flatten();
-    let marked = chains
-        .as_ref()
-        .map_or_else(Vec::new, |c| shared::marked_splits(&cache, c));
-    // A cached result for this image, whole or split at any marked prefix, is reused.
-    let candidates = std::iter::once(None).chain(marked.iter().map(Some));
-    let hit = candidates.map(|split| {
-        let key = split.map_or_else(|| full_key.clone(), |s| shared::top_key(&full_key, s));
-        let base_cached = split.is_none_or(|s| cache.lookup_base(&s.base_key).is_some());
-        let entry = cache.lookup_rootfs(&key).filter(|_| base_cached);
-        entry.map(|entry| (entry, split.cloned()))
-    });
-    let hit = hit.flatten().next();
-    let split = match &hit {
-        Some((_, split)) => split.clone(),
-        None => marked.first().cloned(),
-    };
+    let (hit, split) = shared::lookup(&cache, &full_key, chains.as_deref());
     let key = split
         .as_ref()
         .map_or_else(|| full_key.clone(), |s| shared::top_key(&full_key, s));
     let (entry, cached) = match hit {
-        Some((entry, _)) => (entry, true),
+        Some(entry) => (entry, true),
         None => {
             if let Some(session) = &session {
                 session.fetch_layers(&mut image, &cache, options.progress)?;

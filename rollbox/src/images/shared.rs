@@ -24,7 +24,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use super::agent::{AGENT_DIR, AGENT_NAME};
-use super::cache::{Cache, CacheError, BASE_FILE};
+use super::cache::{Cache, CacheError, CachedRootfs, BASE_FILE};
 use super::digest::Digest;
 use super::ext4::{self, Ext4Error};
 use super::metadata::BUILDER_VERSION;
@@ -98,6 +98,26 @@ pub fn marked_splits(cache: &Cache, chains: &[Digest]) -> Vec<Split> {
             base_key: base_key(chain),
         })
         .collect()
+}
+
+/// A cached result for the image whose whole build has the cache key `full_key`: the whole
+/// image, or a top disk over any prefix marked in `chains` whose base is cached. Then the
+/// split the build uses: that hit's, else the longest marked prefix (None: a whole image).
+pub fn lookup(
+    cache: &Cache,
+    full_key: &str,
+    chains: Option<&[Digest]>,
+) -> (Option<CachedRootfs>, Option<Split>) {
+    let marked = chains.map_or_else(Vec::new, |c| marked_splits(cache, c));
+    let candidates = std::iter::once(None).chain(marked.iter().map(Some));
+    for split in candidates {
+        let key = split.map_or_else(|| full_key.to_string(), |s| top_key(full_key, s));
+        let base_cached = split.is_none_or(|s| cache.lookup_base(&s.base_key).is_some());
+        if let Some(entry) = cache.lookup_rootfs(&key).filter(|_| base_cached) {
+            return (Some(entry), split.cloned());
+        }
+    }
+    (None, marked.into_iter().next())
 }
 
 pub fn base_key(chain: &Digest) -> String {
