@@ -865,7 +865,7 @@ fn staging_with(cache: &Path, marker: &str) -> std::path::PathBuf {
             .find_map(|e| {
                 let work = e.ok()?.path();
                 let name = work.file_name()?.to_str()?.to_string();
-                let seen = fs::symlink_metadata(work.join("tree").join(marker)).is_ok();
+                let seen = fs::symlink_metadata(work.join("stage/tree").join(marker)).is_ok();
                 (name.starts_with("build-") && seen).then_some(work)
             });
         if let Some(work) = found {
@@ -928,7 +928,9 @@ fn setuid_binaries_and_device_nodes_are_out_of_reach_during_the_build() {
     let work = staging_with(&cache, "dev/mem2");
     // Blocks until the build opens layer 2, which then waits for its data.
     let mut second = fs::OpenOptions::new().write(true).open(&fifo).unwrap();
-    let tree = work.join("tree");
+    // The locked mount is the stage directory, holding the tree (and a split build's top).
+    let stage = work.join("stage");
+    let tree = stage.join("tree");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
         fs::metadata(&work).unwrap().permissions().mode() & 0o777,
@@ -960,7 +962,7 @@ fn setuid_binaries_and_device_nodes_are_out_of_reach_during_the_build() {
         let info = fs::read_to_string(task.unwrap().path().join("mountinfo")).unwrap_or_default();
         for line in info.lines() {
             let fields: Vec<&str> = line.split(' ').collect();
-            if fields.get(4) == Some(&tree.to_str().unwrap()) {
+            if fields.get(4) == Some(&stage.to_str().unwrap()) {
                 options = Some(fields[5].to_string());
             }
         }
@@ -971,7 +973,7 @@ fn setuid_binaries_and_device_nodes_are_out_of_reach_during_the_build() {
     }
     let host = fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(
-        !host.contains(tree.to_str().unwrap()),
+        !host.contains(stage.to_str().unwrap()),
         "the mount leaked to the host"
     );
 

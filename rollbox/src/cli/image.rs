@@ -121,6 +121,7 @@ fn build(args: BuildArgs) -> Result<(), images::ImageError> {
         size_mib: args.size,
         progress: Progress::for_stderr(),
         limits,
+        share_layers: false,
     };
     let started = std::time::Instant::now();
     let built = images::build(&options)?;

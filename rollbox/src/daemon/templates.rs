@@ -298,6 +298,7 @@ impl Templates {
             size_mib: image.size_mib,
             progress: Progress::new(false),
             limits: images::BuildLimits::default(),
+            share_layers: false,
         };
         let dir = dir.to_path_buf();
         let built = tokio::task::spawn_blocking(move || {

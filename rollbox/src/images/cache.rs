@@ -3,6 +3,8 @@
 //! <cache>/blobs/sha256/<hex>          layer blobs pulled from registries, verified
 //! <cache>/rootfs/<key>/rootfs.ext4    built root filesystems, keyed by image digest,
 //! <cache>/rootfs/<key>/image.json     agent hash, builder version and size
+//! <cache>/bases/<key>/base.ext4      shared lower layers of split builds (images.md)
+//! <cache>/chains/<hex>                empty markers: layer prefixes seen by split builds
 //! <cache>/tmp/<kind>-<pid>-<n>        work in progress; renamed into place when complete
 //! ```
 //! Nothing outside `tmp/` is ever partly written: every entry appears by rename.
@@ -17,6 +19,7 @@ use super::digest::Digest;
 
 pub const ROOTFS_FILE: &str = "rootfs.ext4";
 pub const METADATA_FILE: &str = "image.json";
+pub const BASE_FILE: &str = "base.ext4";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
@@ -51,7 +54,7 @@ pub struct CachedRootfs {
 impl Cache {
     /// Creates the layout if needed and removes work left behind by dead processes.
     pub fn open(root: &Path) -> Result<Self, CacheError> {
-        for sub in ["blobs/sha256", "rootfs", "tmp"] {
+        for sub in ["blobs/sha256", "rootfs", "bases", "chains", "tmp"] {
             let dir = root.join(sub);
             fs::create_dir_all(&dir).map_err(io_error(&dir, "create"))?;
         }
@@ -142,6 +145,51 @@ impl Cache {
             action: "find the rootfs just committed",
             source: io::Error::from(io::ErrorKind::NotFound),
         })
+    }
+
+    pub fn base_dir(&self, key: &str) -> PathBuf {
+        self.root.join("bases").join(key)
+    }
+
+    /// The base.ext4 of bases/<key>, when complete.
+    pub fn lookup_base(&self, key: &str) -> Option<PathBuf> {
+        let file = self.base_dir(key).join(BASE_FILE);
+        file.is_file().then_some(file)
+    }
+
+    /// Moves a finished staging directory (holding base.ext4) to bases/<key>; an entry already
+    /// there wins.
+    pub fn commit_base(&self, staging: Staging, key: &str) -> Result<PathBuf, CacheError> {
+        let dir = self.base_dir(key);
+        match fs::rename(&staging.path, &dir) {
+            Ok(()) => staging.disarm(),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {
+                drop(staging)
+            }
+            Err(e) => return Err(io_error(&dir, "move the built base into place")(e)),
+        }
+        self.lookup_base(key).ok_or_else(|| CacheError::Io {
+            path: dir.display().to_string(),
+            action: "find the base just committed",
+            source: io::Error::from(io::ErrorKind::NotFound),
+        })
+    }
+
+    pub fn has_chain(&self, chain: &Digest) -> bool {
+        self.root.join("chains").join(chain.hex()).exists()
+    }
+
+    /// Records that a build has seen the layer prefix `chain` (an empty file, by rename).
+    pub fn mark_chain(&self, chain: &Digest) -> Result<(), CacheError> {
+        let dest = self.root.join("chains").join(chain.hex());
+        if dest.exists() {
+            return Ok(());
+        }
+        let staging = self.staging("chain");
+        fs::write(&staging.path, b"").map_err(io_error(&staging.path, "write a chain marker"))?;
+        fs::rename(&staging.path, &dest).map_err(io_error(&dest, "store a chain marker"))?;
+        staging.disarm();
+        Ok(())
     }
 
     /// Moves a verified blob file into blobs/sha256/<hex>.

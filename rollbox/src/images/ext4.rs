@@ -131,8 +131,24 @@ pub fn plan(usage: TreeUsage, requested_mib: Option<u64>, free_mib: u64) -> Plan
 /// Makes `image` from the tree at `root`. An auto-sized image that turns out too small is
 /// grown and made again.
 pub fn make(root: &Path, image: &Path, requested_mib: Option<u64>) -> Result<u64, Ext4Error> {
+    make_with_room(root, image, requested_mib, DEFAULT_FREE_MIB, true)
+}
+
+/// An auto-sized image with only the room it needs and no journal: for a file system that is
+/// only ever mounted read-only.
+pub fn make_read_only(root: &Path, image: &Path) -> Result<u64, Ext4Error> {
+    make_with_room(root, image, None, 0, false)
+}
+
+fn make_with_room(
+    root: &Path,
+    image: &Path,
+    requested_mib: Option<u64>,
+    free_mib: u64,
+    journal: bool,
+) -> Result<u64, Ext4Error> {
     let usage = measure(root)?;
-    let mut plan = plan(usage, requested_mib, DEFAULT_FREE_MIB);
+    let mut plan = plan(usage, requested_mib, free_mib);
     if let Some(size_mib) = requested_mib {
         if plan.needed_bytes > plan.size_bytes {
             return Err(Ext4Error::TooSmall {
@@ -144,7 +160,7 @@ pub fn make(root: &Path, image: &Path, requested_mib: Option<u64>) -> Result<u64
     let mut attempts = 0;
     loop {
         attempts += 1;
-        match run_mkfs(root, image, &plan) {
+        match run_mkfs(root, image, &plan, journal) {
             Err(Ext4Error::Mkfs { stderr, .. })
                 if requested_mib.is_none()
                     && attempts < 3
@@ -166,7 +182,7 @@ pub fn make(root: &Path, image: &Path, requested_mib: Option<u64>) -> Result<u64
     }
 }
 
-fn run_mkfs(root: &Path, image: &Path, plan: &Plan) -> Result<(), Ext4Error> {
+fn run_mkfs(root: &Path, image: &Path, plan: &Plan, journal: bool) -> Result<(), Ext4Error> {
     let create_error = |source| Ext4Error::Create {
         path: image.display().to_string(),
         source,
@@ -175,7 +191,11 @@ fn run_mkfs(root: &Path, image: &Path, plan: &Plan) -> Result<(), Ext4Error> {
     let file = File::create(image).map_err(create_error)?;
     file.set_len(plan.size_bytes).map_err(create_error)?;
     drop(file);
-    let output = Command::new("mkfs.ext4")
+    let mut mkfs = Command::new("mkfs.ext4");
+    if !journal {
+        mkfs.args(["-O", "^has_journal"]);
+    }
+    let output = mkfs
         .args([
             "-q",
             "-F",

@@ -48,6 +48,18 @@ pub struct ImageMetadata {
     /// Size of the ext4 image; only in the copy beside the image (unknown inside it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rootfs_size_bytes: Option<u64>,
+    /// Set for a split build: the rootfs is a top disk over this shared base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<BaseInfo>,
+}
+
+/// The shared base under a split build's top disk.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BaseInfo {
+    /// Chain id of the base's layers (images.md).
+    pub chain_id: String,
+    /// How many of the image's layers (the first ones) the base holds.
+    pub layers: usize,
 }
 
 impl ImageMetadata {
@@ -97,6 +109,7 @@ impl ImageMetadata {
             kernel_cmdline: format!("init={AGENT_PATH_IN_ROOTFS}"),
             agent_sha256: agent.digest.to_string(),
             rootfs_size_bytes: None,
+            base: None,
         }
     }
 

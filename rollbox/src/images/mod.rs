@@ -5,7 +5,8 @@
 //! (whiteouts, ownership, links and device nodes kept, path traversal refused), the guest
 //! agent is installed as `/.rollbox/rollbox-agent` (the sandbox's init), and
 //! `mkfs.ext4 -d` turns the tree into an image. Results are cached by image digest, agent
-//! hash and builder version, so building the same thing again is a cache lookup.
+//! hash and builder version, so building the same thing again is a cache lookup. With
+//! `share_layers`, images that start with the same layers share a base disk (shared.rs).
 
 pub mod account;
 pub mod agent;
@@ -20,9 +21,11 @@ pub mod metadata;
 pub mod oci_layout;
 pub mod progress;
 pub mod registry;
+pub mod shared;
 pub mod source;
 pub mod spec;
 pub mod staging;
+pub mod upper;
 
 use std::cell::Cell;
 use std::fs::{self, Permissions};
@@ -37,11 +40,13 @@ use digest::{Digest, HashingReader};
 use docker_archive::DockerArchiveError;
 use ext4::Ext4Error;
 use layer::{LayerError, RootfsBuilder};
-use metadata::{ImageMetadata, BUILDER_VERSION};
+use metadata::{BaseInfo, ImageMetadata, BUILDER_VERSION};
 use oci_layout::OciLayoutError;
 use progress::Progress;
 use registry::{RegistryError, RegistrySession};
+use shared::{SharedError, Split};
 use source::{LayerBlob, ResolvedImage};
+use upper::{Snapshot, UpperError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -57,6 +62,10 @@ pub enum ImageError {
     Account(#[from] AccountError),
     #[error(transparent)]
     Cache(#[from] CacheError),
+    #[error(transparent)]
+    Shared(#[from] SharedError),
+    #[error(transparent)]
+    Upper(#[from] UpperError),
     #[error("layer {index}/{count} of {image}: {source}")]
     Layer {
         image: String,
@@ -123,6 +132,13 @@ impl ImageError {
             ImageError::Cache(CacheError::Io { source, .. }) => Some(source),
             ImageError::Account(AccountError::Io { source, .. }) => Some(source),
             ImageError::Registry(RegistryError::WriteBlob { source, .. }) => Some(source),
+            ImageError::Upper(UpperError::Io { source, .. })
+            | ImageError::Shared(SharedError::Upper(UpperError::Io { source, .. }))
+            | ImageError::Shared(SharedError::Io { source, .. })
+            | ImageError::Shared(SharedError::Cache(CacheError::Io { source, .. })) => Some(source),
+            ImageError::Shared(SharedError::Base { source, .. }) => {
+                return matches!(source, Ext4Error::NoSpace { .. })
+            }
             _ => None,
         };
         os_error.and_then(io::Error::raw_os_error) == Some(libc::ENOSPC)
@@ -185,6 +201,9 @@ pub struct BuildOptions {
     pub size_mib: Option<u64>,
     pub progress: Progress,
     pub limits: BuildLimits,
+    /// Split the image over a shared base when an earlier build with this on had the same
+    /// first layers (shared.rs); the first image of its kind is built whole.
+    pub share_layers: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -197,6 +216,11 @@ pub struct BuildOutput {
     pub cached: bool,
     /// Set when the agent is a dynamically linked binary (it needs this loader in the guest).
     pub agent_interpreter: Option<String>,
+    /// For a split build: the shared base (read-only, in the cache) that `rootfs`, the top
+    /// disk, lies over. None for a whole image.
+    pub base: Option<PathBuf>,
+    /// How many of the image's first layers the base holds (0 without a base).
+    pub base_layers: usize,
 }
 
 /// The cache directory used when none is given: `$XDG_CACHE_HOME/rollbox`, else
@@ -248,20 +272,32 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
         SourceSpec::OciLayout(path) => oci_layout::resolve(path, options.reference.as_deref())?,
     };
 
-    let key = cache_key(&image.image_digest, &agent.digest, options.size_mib);
-    let (entry, cached) = match cache.lookup_rootfs(&key) {
+    let full_key = cache_key(&image.image_digest, &agent.digest, options.size_mib);
+    let chains = options
+        .share_layers
+        .then(|| shared::chains(&image))
+        .flatten();
+    let (hit, split) = shared::lookup(&cache, &full_key, chains.as_deref());
+    let key = split
+        .as_ref()
+        .map_or_else(|| full_key.clone(), |s| shared::top_key(&full_key, s));
+    let (entry, cached) = match hit {
         Some(entry) => (entry, true),
         None => {
             if let Some(session) = &session {
                 session.fetch_layers(&mut image, &cache, options.progress)?;
             }
             let built = staging::isolated(
-                || build_into_cache(&image, &agent, &cache, &key, options),
+                || build_into_cache(&image, &agent, &cache, &key, split.as_ref(), options),
                 |e| Err(ImageError::Isolate(e)),
             )?;
             (built, false)
         }
     };
+    if let Some(chains) = &chains {
+        shared::mark_chains(&cache, chains)?;
+    }
+    let base = split.as_ref().and_then(|s| cache.lookup_base(&s.base_key));
 
     let (rootfs, metadata) = match &options.output {
         Some(output) => copy_out(&entry.rootfs, &entry.metadata, output)?,
@@ -277,6 +313,8 @@ pub fn build(options: &BuildOptions) -> Result<BuildOutput, ImageError> {
         image_digest: image.image_digest.to_string(),
         cached,
         agent_interpreter: agent.interpreter,
+        base_layers: split.map_or(0, |s| s.layers),
+        base,
     })
 }
 
@@ -293,6 +331,7 @@ fn build_into_cache(
     agent: &Agent,
     cache: &Cache,
     key: &str,
+    split: Option<&Split>,
     options: &BuildOptions,
 ) -> Result<cache::CachedRootfs, ImageError> {
     // Every blob is checked before any is unpacked.
@@ -306,32 +345,62 @@ fn build_into_cache(
         .create(work)
         .map_err(io_error("create", work))?;
     fs::set_permissions(work, Permissions::from_mode(0o700)).map_err(io_error("chmod", work))?;
-    let tree = work.join("tree");
-    fs::create_dir(&tree).map_err(io_error("create", &tree))?;
-    fs::set_permissions(&tree, Permissions::from_mode(0o755)).map_err(io_error("chmod", &tree))?;
-    let locked = staging::LockedTree::mount(&tree).map_err(ImageError::Isolate)?;
+    // The image's tree, and for a split build the top disk's tree beside it (hard links
+    // between them): one locked mount.
+    let stage = work.join("stage");
+    let tree = stage.join("tree");
+    for dir in [&stage, &tree] {
+        fs::create_dir(dir).map_err(io_error("create", dir))?;
+        fs::set_permissions(dir, Permissions::from_mode(0o755)).map_err(io_error("chmod", dir))?;
+    }
+    let locked = staging::LockedTree::mount(&stage).map_err(ImageError::Isolate)?;
 
+    let count = image.layers.len();
+    let final_pass_error = |source| ImageError::Layer {
+        image: image.name.clone(),
+        index: count,
+        count,
+        source: Box::new(source),
+    };
     let mut rootfs = RootfsBuilder::new(&tree);
-    apply_layers(image, &mut rootfs, options.progress, options.limits)?;
+    let mut used = (0, 0);
+    let below = split.map_or(count, |s| s.layers);
+    apply_layers(image, &mut rootfs, options, 0..below, &mut used)?;
+    let snapshot = match split {
+        Some(split) => {
+            rootfs.set_dir_times().map_err(final_pass_error)?;
+            shared::ensure_base(cache, split, &tree, options.progress)?;
+            Some(Snapshot::record(&tree)?)
+        }
+        None => None,
+    };
+    apply_layers(image, &mut rootfs, options, below..count, &mut used)?;
     account::ensure_e2b_user(&tree)?;
     let mut metadata = ImageMetadata::new(image, agent);
+    metadata.base = split.map(|s| BaseInfo {
+        chain_id: s.chain.to_string(),
+        layers: s.layers,
+    });
     agent.install(&tree, &metadata.to_json())?;
-    rootfs.finish().map_err(|source| ImageError::Layer {
-        image: image.name.clone(),
-        index: image.layers.len(),
-        count: image.layers.len(),
-        source: Box::new(source),
-    })?;
+    rootfs.finish().map_err(final_pass_error)?;
+    let disk_tree = match &snapshot {
+        Some(snapshot) => {
+            let top = stage.join("top");
+            shared::assemble_top(&tree, snapshot, &top)?;
+            top
+        }
+        None => tree,
+    };
 
     let image_file = work.join(ROOTFS_FILE);
     let spinner = options.progress.spinner("making ext4 image".to_string());
-    let made = ext4::make(&tree, &image_file, options.size_mib);
+    let made = ext4::make(&disk_tree, &image_file, options.size_mib);
     spinner.finish_and_clear();
     let size_bytes = made?;
     locked
         .unmount()
-        .map_err(io_error("unmount the staging tree", &tree))?;
-    fs::remove_dir_all(&tree).map_err(io_error("remove the staging tree", &tree))?;
+        .map_err(io_error("unmount the staging tree", &stage))?;
+    fs::remove_dir_all(&stage).map_err(io_error("remove the staging tree", &stage))?;
     // Only the image and its metadata are left: the cache entry is readable again.
     fs::set_permissions(work, Permissions::from_mode(0o755)).map_err(io_error("chmod", work))?;
 
@@ -382,26 +451,36 @@ fn verify_layers(image: &ResolvedImage, progress: Progress) -> Result<(), ImageE
     Ok(())
 }
 
+/// Applies the layers `range` (0-based); `used` counts the bytes and entries unpacked so far,
+/// for the image's caps.
 fn apply_layers(
     image: &ResolvedImage,
     rootfs: &mut RootfsBuilder,
-    progress: Progress,
-    limits: BuildLimits,
+    options: &BuildOptions,
+    range: std::ops::Range<usize>,
+    used: &mut (u64, u64),
 ) -> Result<(), ImageError> {
     let count = image.layers.len();
-    let (mut bytes, mut entries) = (0u64, 0u64);
-    for (i, layer) in image.layers.iter().enumerate() {
+    let (progress, limits) = (options.progress, options.limits);
+    let (bytes, entries) = used;
+    for (i, layer) in image
+        .layers
+        .iter()
+        .enumerate()
+        .take(range.end)
+        .skip(range.start)
+    {
         let bar = progress.bytes(
             layer.size,
             format!("unpack {}/{count} {}", i + 1, short_label(layer)),
         );
-        let caps = LayerCaps::new(limits, bytes, entries);
+        let caps = LayerCaps::new(limits, *bytes, *entries);
         rootfs.set_entry_cap(caps.entries.0);
         let result = apply_one(image, i, layer, rootfs, &bar, &caps);
         bar.finish_and_clear();
         let (layer_bytes, layer_entries) = result?;
-        bytes += layer_bytes;
-        entries += layer_entries;
+        *bytes += layer_bytes;
+        *entries += layer_entries;
     }
     Ok(())
 }

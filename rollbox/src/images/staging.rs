@@ -1,7 +1,8 @@
 //! Where a build unpacks an image, kept away from the host: the staging directory is 0700, so
 //! no other uid reaches the tree inside it, and the build runs on a thread of its own that
 //! has a private mount namespace, in which the tree is bind-mounted onto itself `nosuid`,
-//! `nodev` and `noexec`. A set-id binary or a device node from the image is stored (the ext4
+//! `nodev` and `noexec` (the stage directory that holds it, and a split build's top disk
+//! tree beside it). A set-id binary or a device node from the image is stored (the ext4
 //! image keeps it) but cannot be used on the host, even by root, while the build runs. The
 //! mount is seen only by the build thread (and `mkfs.ext4`, which it starts) and goes with
 //! the thread, however the build ends.

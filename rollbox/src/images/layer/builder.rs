@@ -96,8 +96,17 @@ impl RootfsBuilder {
 
     /// Sets directory mtimes recorded from the layers. Call once, after the last change.
     pub fn finish(&mut self) -> Result<(), LayerError> {
-        for (rel, mtime) in self.dir_times.drain() {
-            let full = self.root.join(&rel);
+        self.set_dir_times()?;
+        self.dir_times.clear();
+        Ok(())
+    }
+
+    /// Sets the directory mtimes recorded so far and keeps them, so that [`Self::finish`]
+    /// sets them again after later layers: for a snapshot of the tree between layers.
+    pub fn set_dir_times(&self) -> Result<(), LayerError> {
+        for (rel, mtime) in &self.dir_times {
+            let mtime = *mtime;
+            let full = self.root.join(rel);
             match set_times_nofollow(&full, mtime) {
                 Ok(()) => {}
                 // Removed by a later layer.
