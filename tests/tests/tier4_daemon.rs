@@ -9,6 +9,9 @@
 //! the code-interpreter template (`scripts/code-interpreter-rootfs.sh`), whose start command
 //! serves `run_code` from an IPython kernel in the guest.
 //!
+//! Templates from two images that share their first layer boot and restore Linux on the
+//! overlay of a shared base and a top disk each (`templates_on_a_shared_base_boot_linux_on_an_overlay`).
+//!
 //! Linux guests need hardware virtualization: `scripts/test.sh` runs this binary in the nested
 //! lab with the fixtures of `scripts/lab/tier4-fixtures.sh` (ROLLBOX_TIER4_FIXTURES).
 
@@ -376,5 +379,236 @@ mod tier4 {
             "test_code_interpreter.py",
             "code-interpreter-v1",
         );
+    }
+
+    /// sha256 of a file, as `sha256:HEX` (coreutils' sha256sum; the tests crate has no hasher).
+    fn sha256_of(path: &Path) -> String {
+        let out = Command::new("sha256sum")
+            .arg(path)
+            .output()
+            .expect("sha256sum");
+        let text = String::from_utf8_lossy(&out.stdout);
+        format!(
+            "sha256:{}",
+            text.split_whitespace().next().expect("a digest")
+        )
+    }
+
+    /// Moves `file` into the OCI layout's blobs under its digest: (digest, size).
+    fn add_blob(layout: &Path, file: &Path) -> (String, u64) {
+        let digest = sha256_of(file);
+        let size = std::fs::metadata(file).expect("blob").len();
+        let hex = digest.trim_start_matches("sha256:");
+        std::fs::rename(file, layout.join("blobs/sha256").join(hex)).expect("blob into layout");
+        (digest, size)
+    }
+
+    /// An OCI layout (uncompressed layers) of the busybox image's layer and one of its own: it
+    /// adds `/task/id` and deletes `/bin/vi` (a whiteout).
+    fn task_image(work: &Path, busybox_layer: &Path, task: &str) -> PathBuf {
+        let layout = work.join(task);
+        std::fs::create_dir_all(layout.join("blobs/sha256")).expect("layout");
+        let lower = work.join(format!("{task}-lower.tar"));
+        std::fs::copy(busybox_layer, &lower).expect("busybox layer");
+        let tree = work.join(format!("{task}-tree"));
+        std::fs::create_dir_all(tree.join("task")).expect("task tree");
+        std::fs::create_dir_all(tree.join("bin")).expect("task tree");
+        std::fs::write(tree.join("task/id"), format!("{task}\n")).expect("task id");
+        std::fs::write(tree.join("bin/.wh.vi"), "").expect("whiteout");
+        let upper = work.join(format!("{task}-upper.tar"));
+        let tarred = Command::new("tar")
+            .args(["--owner=0", "--group=0", "--mtime=@0", "-cf"])
+            .arg(&upper)
+            .arg("-C")
+            .arg(&tree)
+            .args(["bin", "task"])
+            .status()
+            .expect("tar");
+        assert!(tarred.success(), "tar the task layer");
+        let layers: Vec<(String, u64)> = [lower, upper]
+            .iter()
+            .map(|f| add_blob(&layout, f))
+            .collect();
+        let config = serde_json::json!({
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Cmd": ["sh"]},
+            "rootfs": {"type": "layers", "diff_ids": layers.iter().map(|l| &l.0).collect::<Vec<_>>()},
+        });
+        let write_json = |name: &str, value: &serde_json::Value| {
+            let file = work.join(name);
+            std::fs::write(&file, value.to_string()).expect("json blob");
+            add_blob(&layout, &file)
+        };
+        let (config_digest, config_size) = write_json(&format!("{task}-config"), &config);
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_size},
+            "layers": layers.iter().map(|(digest, size)| serde_json::json!({
+                "mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size,
+            })).collect::<Vec<_>>(),
+        });
+        let (manifest_digest, manifest_size) = write_json(&format!("{task}-manifest"), &manifest);
+        let index = serde_json::json!({
+            "schemaVersion": 2,
+            "manifests": [{
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": manifest_digest,
+                "size": manifest_size,
+                "annotations": {"org.opencontainers.image.ref.name": "latest"},
+            }],
+        });
+        std::fs::write(layout.join("index.json"), index.to_string()).expect("index.json");
+        std::fs::write(
+            layout.join("oci-layout"),
+            r#"{"imageLayoutVersion":"1.0.0"}"#,
+        )
+        .expect("oci-layout");
+        layout
+    }
+
+    /// `cmd` in sandbox `id` through the daemon: its stdout, after checking it exited 0.
+    fn sh(daemon: &Daemon, id: &str, cmd: &str) -> String {
+        let (status, result) = daemon.call(
+            "POST",
+            &format!("/sandboxes/{id}/exec"),
+            Some(&serde_json::json!({"cmd": cmd, "timeout_s": 120})),
+        );
+        assert!(
+            status == 200 && result["exit_code"] == 0,
+            "exec {cmd}: {status} {result}\n{}",
+            daemon.log()
+        );
+        result["stdout"].as_str().unwrap_or_default().to_string()
+    }
+
+    fn create(daemon: &Daemon, body: serde_json::Value) -> String {
+        let started = Instant::now();
+        let (status, sandbox) = daemon.call("POST", "/sandboxes", Some(&body));
+        assert_eq!(status, 201, "create {body}: {sandbox}\n{}", daemon.log());
+        println!(
+            "figure: create {body} took {:.2} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
+        sandbox["id"].as_str().expect("id").to_string()
+    }
+
+    /// Two templates from images that share the busybox layer: the first is one whole disk, the
+    /// second stacks a top disk on the base of that layer. Its sandboxes run Linux on the
+    /// overlay (root is `overlay`, the task's file is there, the whiteout hides /bin/vi),
+    /// booted and restored; a write (also to a file of the base) survives snapshot, restore
+    /// and fork, and does not reach another sandbox.
+    #[test]
+    fn templates_on_a_shared_base_boot_linux_on_an_overlay() {
+        let test = "tier4::templates_on_a_shared_base_boot_linux_on_an_overlay";
+        let Some(fixtures) = fixtures(test) else {
+            return;
+        };
+        let work = tempfile::tempdir().expect("work");
+        let unpacked = work.path().join("busybox-archive");
+        std::fs::create_dir_all(&unpacked).expect("dir");
+        let untar = Command::new("tar")
+            .arg("-xf")
+            .arg(fixtures.path("BUSYBOX_IMAGE_TAR"))
+            .arg("-C")
+            .arg(&unpacked)
+            .status()
+            .expect("tar");
+        assert!(untar.success(), "unpack the busybox image archive");
+        let manifest: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(unpacked.join("manifest.json")).expect("manifest.json"),
+        )
+        .expect("manifest.json");
+        let layer = unpacked.join(manifest[0]["Layers"][0].as_str().expect("one layer"));
+        let daemon = Daemon::start("layers-lab-key", &[], None);
+        let kernel = fixtures.path("OUR_VMLINUX");
+        let cmdline = "console=ttyS0 reboot=k panic=1 loglevel=4 init=/.rollbox/rollbox-agent";
+        let mut templates = Vec::new();
+        for (task, boot_snapshot) in [("task0", false), ("task1", true)] {
+            let layout = task_image(work.path(), &layer, task);
+            let started = Instant::now();
+            let body = serde_json::json!({
+                "name": task,
+                "kernel": kernel,
+                "cmdline": cmdline,
+                "memory_mib": 192,
+                "image": {"oci_layout": layout},
+                "boot_snapshot": boot_snapshot,
+            });
+            let (status, template) = daemon.call("POST", "/templates", Some(&body));
+            assert_eq!(status, 201, "{template}\n{}", daemon.log());
+            println!(
+                "figure: template {task} (boot snapshot {boot_snapshot}) took {:.1} s in the lab",
+                started.elapsed().as_secs_f64()
+            );
+            templates.push(template);
+        }
+        assert_eq!(templates[0]["base_rootfs"], serde_json::Value::Null);
+        assert!(templates[1]["base_rootfs"].is_string(), "{}", templates[1]);
+
+        let check = |id: &str, task: &str| {
+            let mounts = sh(&daemon, id, "cat /proc/mounts");
+            assert!(
+                mounts.lines().any(|l| l.starts_with("overlay / overlay")),
+                "{mounts}"
+            );
+            assert_eq!(sh(&daemon, id, "cat /task/id"), format!("{task}\n"));
+            sh(&daemon, id, "test ! -e /bin/vi && busybox true");
+        };
+        // A restore of the boot snapshot, and a boot (another memory size).
+        let restored = create(
+            &daemon,
+            serde_json::json!({"template": "task1", "ttl_s": 900}),
+        );
+        check(&restored, "task1");
+        let booted = create(
+            &daemon,
+            serde_json::json!({"template": "task1", "ttl_s": 900, "memory_mib": 256}),
+        );
+        check(&booted, "task1");
+        // Writes go to the sandbox's own top disk, also over a file of the base.
+        sh(
+            &daemon,
+            &restored,
+            "echo mine > /root/note && echo 'extra:x:4242:4242::/:/bin/sh' >> /etc/passwd && sync",
+        );
+        assert_eq!(
+            sh(&daemon, &booted, "grep -c extra /etc/passwd || true"),
+            "0\n"
+        );
+        let (status, snapshot) =
+            daemon.call("POST", &format!("/sandboxes/{restored}/snapshots"), None);
+        assert_eq!(status, 201, "{snapshot}\n{}", daemon.log());
+        let from_snapshot = create(
+            &daemon,
+            serde_json::json!({"snapshot": snapshot["id"], "ttl_s": 900}),
+        );
+        check(&from_snapshot, "task1");
+        assert_eq!(sh(&daemon, &from_snapshot, "cat /root/note"), "mine\n");
+        let started = Instant::now();
+        let (status, forked) = daemon.call(
+            "POST",
+            &format!("/sandboxes/{restored}/fork"),
+            Some(&serde_json::json!({"count": 2})),
+        );
+        assert_eq!(status, 200, "{forked}\n{}", daemon.log());
+        println!(
+            "figure: fork into 2 on a shared base took {:.1} s in the lab",
+            started.elapsed().as_secs_f64()
+        );
+        for result in forked["results"].as_array().expect("results") {
+            let id = result["sandbox"]["id"].as_str().expect("clone id");
+            assert_eq!(sh(&daemon, id, "grep -c extra /etc/passwd"), "1\n");
+            assert_eq!(sh(&daemon, id, "cat /task/id"), "task1\n");
+        }
+        // The whole-disk template still boots as before.
+        let whole = create(
+            &daemon,
+            serde_json::json!({"template": "task0", "ttl_s": 900}),
+        );
+        assert_eq!(sh(&daemon, &whole, "cat /task/id"), "task0\n");
+        let mounts = sh(&daemon, &whole, "cat /proc/mounts");
+        assert!(!mounts.contains("overlay / overlay"), "{mounts}");
     }
 }

@@ -58,6 +58,11 @@ pub struct ServeArgs {
     /// /var/cache/rollbox/images].
     #[arg(long, value_name = "DIR")]
     image_cache: Option<PathBuf>,
+    /// Build every template from an image as one whole disk, even when its first layers are
+    /// those of an image built before (by default such templates share one read-only base
+    /// file and each keeps only the rest; rollbox/README.md, "Shared layers").
+    #[arg(long)]
+    no_layer_sharing: bool,
     /// Largest size of each sandbox's console.log in bytes: past it the VMM drops the guest's
     /// console output, counted in the file's last line.
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1024..))]
@@ -371,6 +376,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         template_dirs: args.template_dirs.into_iter().map(absolute).collect(),
         registry_allow: args.registry_allow,
         registry_auth: args.registry_auth.map(absolute),
+        share_layers: !args.no_layer_sharing,
         console_max_bytes: args.console_max_bytes,
         e2b: args
             .e2b_listen

@@ -124,6 +124,8 @@ pub struct ServeOptions {
     /// `--registry-auth`: a Docker config.json-format file of registry credentials for
     /// template builds (checked at start, read again for each build).
     pub registry_auth: Option<PathBuf>,
+    /// Templates from images that share their first layers share a base file.
+    pub share_layers: bool,
     /// Each VMM's console file stops growing at this many bytes (`--console-max-bytes`).
     pub console_max_bytes: u64,
     /// What every API connection is held to, on each listener.
@@ -356,6 +358,7 @@ pub async fn serve(
             image_cache: options.image_cache.clone(),
             policy,
             registry_auth: options.registry_auth.clone(),
+            share_layers: options.share_layers,
         },
     ));
     let core = Arc::new(Core::new(Services {

@@ -117,6 +117,41 @@ fn registry_of(reference: &str) -> Result<String, ApiError> {
     Ok(parsed.registry().to_string())
 }
 
+/// What [`Templates::build_rootfs`] made.
+struct BuiltRootfs {
+    rootfs: PathBuf,
+    base: Option<PathBuf>,
+    /// `reference@digest`, or the digest alone.
+    described: String,
+}
+
+/// The template's own name for the image cache's shared base `cached`: a hard link, so every
+/// template on it costs the base once (a copy when the cache is on another file system).
+fn link_base(cached: &Path, to: &Path) -> Result<PathBuf, ImageError> {
+    let linked = match std::fs::hard_link(cached, to) {
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            images::ext4::sparse_copy(cached, to).map(|_| ())
+        }
+        other => other.map_err(|source| images::ext4::Ext4Error::Copy {
+            from: cached.display().to_string(),
+            to: to.display().to_string(),
+            source,
+        }),
+    };
+    linked.map_err(ImageError::Ext4)?;
+    // A jailed VMM (another uid) opens it read-only through its bind mount; the directories
+    // above it stay the daemon's own (0700).
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o644)).map_err(|source| {
+        ImageError::Io {
+            action: "make readable to jailed VMMs",
+            path: to.display().to_string(),
+            source,
+        }
+    })?;
+    Ok(to.to_path_buf())
+}
+
 /// Where the templates service keeps and finds files.
 pub struct TemplateOptions {
     /// `STATE/templates`.
@@ -129,6 +164,9 @@ pub struct TemplateOptions {
     /// `--registry-auth`: registry credentials for pulls whose request gives none (read again
     /// for each build, so rotated credentials need no restart).
     pub registry_auth: Option<PathBuf>,
+    /// Templates built from images that share their first layers share one base file (off
+    /// with `--no-layer-sharing`).
+    pub share_layers: bool,
 }
 
 /// The templates.
@@ -145,6 +183,7 @@ pub struct Templates {
     image_cache: PathBuf,
     policy: TemplatePolicy,
     registry_auth: Option<PathBuf>,
+    share_layers: bool,
 }
 
 impl Templates {
@@ -161,6 +200,7 @@ impl Templates {
             image_cache,
             policy,
             registry_auth,
+            share_layers,
         } = options;
         Templates {
             db,
@@ -172,6 +212,7 @@ impl Templates {
             image_cache,
             policy,
             registry_auth,
+            share_layers,
         }
     }
 
@@ -215,10 +256,14 @@ impl Templates {
         }
         let dir = self.dir.join(&template.name);
         if let Some(image) = image {
-            match self.build_rootfs(&template.name, &dir, image).await {
-                Ok((rootfs, described)) => {
-                    template.rootfs = Some(rootfs);
-                    template.image = Some(described);
+            match self
+                .build_rootfs(&template.name, &dir, image, template.docker)
+                .await
+            {
+                Ok(built) => {
+                    template.rootfs = Some(built.rootfs);
+                    template.base_rootfs = built.base;
+                    template.image = Some(built.described);
                 }
                 Err(e) => {
                     let _ = remove_dir(&dir);
@@ -269,12 +314,17 @@ impl Templates {
         Ok(Reply::NoContent)
     }
 
+    /// Builds the template's rootfs from `image` into `dir`: `rootfs.ext4`, and `base.ext4` (a
+    /// hard link of the image cache's shared base) when the image shares its first layers with
+    /// one built before. Not for Docker templates: dockerd's overlay2 cannot sit on the
+    /// overlay root a shared base makes.
     async fn build_rootfs(
         &self,
         name: &str,
         dir: &std::path::Path,
         image: ImageSource,
-    ) -> Result<(PathBuf, String), ApiError> {
+        docker: bool,
+    ) -> Result<BuiltRootfs, ApiError> {
         let agent = self.agent.clone().ok_or_else(|| {
             ApiError::BadRequest(format!(
                 "image: this server has no guest agent to install (start it with --agent PATH) so template {name:?} cannot be built from an image"
@@ -298,16 +348,21 @@ impl Templates {
             size_mib: image.size_mib,
             progress: Progress::new(false),
             limits: images::BuildLimits::default(),
-            share_layers: false,
+            share_layers: self.share_layers && !docker,
         };
         let dir = dir.to_path_buf();
-        let built = tokio::task::spawn_blocking(move || {
+        let (built, base) = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(|source| ImageError::Io {
                 action: "create",
                 path: dir.display().to_string(),
                 source,
             })?;
-            images::build(&options)
+            let built = images::build(&options)?;
+            let base = match &built.base {
+                Some(cached) => Some(link_base(cached, &dir.join("base.ext4"))?),
+                None => None,
+            };
+            Ok::<_, ImageError>((built, base))
         })
         .await
         .map_err(internal)?
@@ -316,7 +371,11 @@ impl Templates {
             Some(reference) => format!("{reference}@{}", built.image_digest),
             None => built.image_digest,
         };
-        Ok((rootfs, described))
+        Ok(BuiltRootfs {
+            rootfs,
+            base,
+            described,
+        })
     }
 
     /// What a registry pull authenticates with: the request's credentials, else

@@ -147,6 +147,8 @@ class Template:
     """Volumes every sandbox of it mounts unless its create names others."""
     docker: bool = False
     """dockerd is started after each boot (before the boot snapshot)."""
+    base_rootfs: Optional[str] = None
+    """The read-only base its rootfs stacks on: layers shared with images built before."""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -167,6 +169,7 @@ class Template:
             ready_timeout_s=data.get("ready_timeout_s"),
             volumes=_volumes(data.get("volumes")),
             docker=bool(data.get("docker", False)),
+            base_rootfs=data.get("base_rootfs"),
             raw=data,
         )
 

@@ -89,6 +89,12 @@ pub struct Template {
     pub name: String,
     pub kernel: PathBuf,
     pub rootfs: Option<PathBuf>,
+    /// The read-only base its rootfs stacks on (`STATE/templates/NAME/base.ext4`): the layers
+    /// this template's image shares with images built before it, one file for all of them.
+    /// Then `rootfs` is the top disk (the rest of the image as an overlay upper layer) and
+    /// every sandbox of it boots with the overlay as its root. Set by image builds only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_rootfs: Option<PathBuf>,
     pub initrd: Option<PathBuf>,
     pub cmdline: String,
     pub vcpus: u32,

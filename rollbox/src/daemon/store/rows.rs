@@ -197,6 +197,9 @@ pub struct TemplateRow {
     pub name: String,
     pub kernel: PathBuf,
     pub rootfs: Option<PathBuf>,
+    /// Rows written before layer sharing read as none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_rootfs: Option<PathBuf>,
     pub initrd: Option<PathBuf>,
     pub cmdline: String,
     pub vcpus: u32,
@@ -228,6 +231,7 @@ impl From<&Template> for TemplateRow {
             name: t.name,
             kernel: t.kernel,
             rootfs: t.rootfs,
+            base_rootfs: t.base_rootfs,
             initrd: t.initrd,
             cmdline: t.cmdline,
             vcpus: t.vcpus,
@@ -251,6 +255,7 @@ impl From<TemplateRow> for Template {
             name: t.name,
             kernel: t.kernel,
             rootfs: t.rootfs,
+            base_rootfs: t.base_rootfs,
             initrd: t.initrd,
             cmdline: t.cmdline,
             vcpus: t.vcpus,

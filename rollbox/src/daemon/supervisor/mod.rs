@@ -322,6 +322,7 @@ impl Supervisor {
                     let restore = vm::Restore {
                         snapshot_dir: &dir,
                         rootfs: template.rootfs.is_some(),
+                        base: template.base_rootfs.as_deref(),
                         identity,
                         console_max_bytes,
                         nic: nic.as_ref(),

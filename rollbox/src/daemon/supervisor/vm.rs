@@ -173,6 +173,11 @@ const JAIL_FSIZE_SLACK: u64 = 512 << 20;
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a pause or resume may take.
 const STATE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A template's shared base: the VMM's second drive (after `rootfs`), so the guest's
+/// `/dev/vdb`, bind-mounted read-only at `/base.ext4` in a jail.
+const BASE_DRIVE: &str = "base";
+const BASE_DEVICE: &str = "/dev/vdb";
+const BASE_FILE: &str = "base.ext4";
 
 /// One sandbox's jail: the jail settings plus its own cgroup limits.
 pub struct JailSpec<'a> {
@@ -416,6 +421,11 @@ fn boot_config(
             tx_rate_limiter: None,
         });
     }
+    if template.rootfs.is_some() && template.base_rootfs.is_some() {
+        // The agent mounts the overlay of the top disk's upper layer over this base, and makes
+        // it the root, before anything else runs.
+        cmdline.push_str(&format!(" rollbox.lower={BASE_DEVICE}"));
+    }
     for volume in volumes {
         let mount = &volume.mount;
         cmdline.push_str(&format!(
@@ -460,13 +470,20 @@ fn boot_config(
     {
         machine.huge_pages = Some("2M".into());
     }
-    let drives = match template.rootfs {
-        Some(_) => vec![DriveConfig {
+    let mut drives = Vec::new();
+    if template.rootfs.is_some() {
+        drives.push(DriveConfig {
             is_root_device: true,
             ..DriveConfig::new("rootfs", launch.own_path(&paths.rootfs))
-        }],
-        None => Vec::new(),
-    };
+        });
+        // Shared by every sandbox of every template on it: never copied, never written.
+        if let Some(base) = &template.base_rootfs {
+            drives.push(DriveConfig {
+                is_read_only: true,
+                ..DriveConfig::new(BASE_DRIVE, launch.host_path(base, BASE_FILE))
+            });
+        }
+    }
     let console = launch.own_path(&paths.console);
     let console = console.to_str().ok_or(VmError::NotUtf8(console.clone()))?;
     Ok(ConfigFile {
@@ -551,6 +568,8 @@ pub struct Restore<'a> {
     /// The snapshot's directory: `vmstate`, `memory`, and `rootfs.img` when `rootfs`.
     pub snapshot_dir: &'a Path,
     pub rootfs: bool,
+    /// The template's shared base ([`Template::base_rootfs`]): the snapshot's second drive.
+    pub base: Option<&'a Path>,
     pub identity: Identity,
     pub console_max_bytes: u64,
     /// The sandbox's own tap for the snapshot's interface (`eth0`), with its MAC.
@@ -568,6 +587,7 @@ fn spawn_restored(
     let Restore {
         snapshot_dir,
         rootfs,
+        base,
         identity,
         console_max_bytes,
         nic,
@@ -623,6 +643,11 @@ fn spawn_restored(
             drive.push(&paths.rootfs);
         }
         launch.arg("--drive-override").arg(drive);
+        if let Some(base) = base {
+            let mut drive = std::ffi::OsString::from(format!("{BASE_DRIVE}="));
+            drive.push(launch.host_path(base, BASE_FILE));
+            launch.arg("--drive-override").arg(drive);
+        }
     }
     let (command, program) = launch.command(vmm, paths)?;
     start(command, &program, paths, &launch.keep_fds)
@@ -923,6 +948,7 @@ mod tests {
             name: "t".into(),
             kernel: PathBuf::from("/templates/vmlinux"),
             rootfs: Some(PathBuf::from("/templates/rootfs.ext4")),
+            base_rootfs: None,
             initrd: None,
             cmdline: "console=ttyS0".into(),
             vcpus: 1,

@@ -104,6 +104,7 @@ pub fn parse_template(body: &[u8]) -> Result<AddTemplate, ApiError> {
             name,
             kernel: body.kernel,
             rootfs: body.rootfs,
+            base_rootfs: None,
             initrd: body.initrd,
             cmdline,
             vcpus: in_range(body.vcpus, "vcpus", 1, MAX_VCPUS)?.unwrap_or(1),
