@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -27,6 +28,7 @@ const TIMEOUT: Duration = Duration::from_secs(600);
 const TAG: &str = "latest";
 const STATIC_AGENT: &str = "target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent";
 const MIB: usize = 1 << 20;
+const PASSWD: &[u8] = b"root:x:0:0::/root:/bin/sh\n";
 /// Base file sizes, repeated until the base is full: many files of mixed sizes.
 const SIZES: [usize; 8] = [300, 4096, 20_000, 65_536, 300_000, MIB, 3 * MIB, 200];
 
@@ -43,23 +45,19 @@ pub enum LayersBenchError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot start {rollbox}: {source}")]
+    #[error("cannot start {program}: {source}")]
     Spawn {
-        rollbox: PathBuf,
+        program: PathBuf,
         source: std::io::Error,
     },
-    #[error("rollbox serve (mode {mode}) ended ({status}) before listening; started with `{flags}`{hint}; the end of its stderr:\n{tail}")]
-    DaemonEnded {
+    #[error(
+        "rollbox serve (mode {mode}) {what}; started as `{flags}`{hint}; its stderr ends:\n{tail}"
+    )]
+    Daemon {
         mode: Mode,
-        status: String,
+        what: String,
         flags: String,
         hint: String,
-        tail: String,
-    },
-    #[error("rollbox serve (mode {mode}) did not listen on {sock} within 30 s; the end of its stderr:\n{tail}")]
-    NotListening {
-        mode: Mode,
-        sock: PathBuf,
         tail: String,
     },
     #[error("{what}: {message}")]
@@ -191,20 +189,16 @@ fn write_images(config: &Config, dir: &Path) -> Result<Vec<PathBuf>, LayersBench
     let base_bytes = a.base_mib * MIB;
     // The base: files cut from the noise, round-robin over the base layers.
     let layers_n = a.base_layers.max(1);
-    let mut layers: Vec<Layer> = (0..layers_n).map(|_| Layer::new()).collect();
+    let mut layers: Vec<Layer> = (0..layers_n)
+        .map(|l| {
+            let usr = ["etc", "usr", "usr/lib", &format!("usr/lib/base{l}")];
+            usr.iter()
+                .fold(Layer::new(), |layer, d| layer.dir(d, 0o755, 0, 0))
+        })
+        .collect();
+    layers[0] = std::mem::take(&mut layers[0]).file("etc/passwd", PASSWD, 0o644, 0, 0);
     let mut files: Vec<String> = Vec::new();
     let mut at = 0;
-    for (l, layer) in layers.iter_mut().enumerate() {
-        let mut next = std::mem::take(layer)
-            .dir("etc", 0o755, 0, 0)
-            .dir("usr", 0o755, 0, 0)
-            .dir("usr/lib", 0o755, 0, 0)
-            .dir(&format!("usr/lib/base{l}"), 0o755, 0, 0);
-        if l == 0 {
-            next = next.file("etc/passwd", b"root:x:0:0::/root:/bin/sh\n", 0o644, 0, 0);
-        }
-        *layer = next;
-    }
     let mut n = 0;
     while at < base_bytes {
         let len = SIZES[n % SIZES.len()].min(base_bytes - at);
@@ -251,15 +245,14 @@ fn write_images(config: &Config, dir: &Path) -> Result<Vec<PathBuf>, LayersBench
                 let modified = &files[i % files.len()];
                 let gone = &files[(i + files.len() / 2) % files.len()];
                 let (parent, name) = gone.rsplit_once('/').unwrap_or(("", gone));
-                layer = layer
-                    .file(
-                        modified,
-                        format!("changed by image {i}\n").as_bytes(),
-                        0o644,
-                        0,
-                        0,
-                    )
-                    .file(&format!("{parent}/.wh.{name}"), b"", 0o644, 0, 0);
+                let changed = format!("changed by image {i}\n");
+                layer = layer.file(modified, changed.as_bytes(), 0o644, 0, 0).file(
+                    &format!("{parent}/.wh.{name}"),
+                    b"",
+                    0o644,
+                    0,
+                    0,
+                );
             }
             all.push(layer.tar());
         }
@@ -393,6 +386,37 @@ fn log_tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
+/// Spawns `program args` with its stdout and stderr to `log`.
+fn spawn(program: &Path, args: &[String], log: &Path) -> Result<Child, LayersBenchError> {
+    let out = std::fs::File::create(log).map_err(io(log))?;
+    let err = out.try_clone().map_err(io(log))?;
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .env("ROLLBOX_LOG", "info")
+        .stdin(Stdio::null());
+    command.stdout(out).stderr(err).spawn().map_err(|source| {
+        let program = program.to_path_buf();
+        LayersBenchError::Spawn { program, source }
+    })
+}
+
+/// Waits until `ready`, or says why not: `child` ended, or `secs` passed.
+fn wait_ready(child: &mut Child, secs: u64, ready: impl Fn() -> bool) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !ready() {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("ended ({status}) before listening"));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("did not listen within {secs} s"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// A host agent and `rollbox serve` in `dir` for `mode`, once it listens.
 fn serve(
     config: &Config,
     mode: Mode,
@@ -401,107 +425,72 @@ fn serve(
 ) -> Result<Served, LayersBenchError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     std::fs::write(dir.join("key"), format!("{KEY}\n")).map_err(io(dir))?;
-    let log_path = dir.join("serve.log");
-    let log = std::fs::File::create(&log_path).map_err(io(&log_path))?;
-    let log2 = log.try_clone().map_err(io(&log_path))?;
-    let agent_sock = dir.join("agent.sock");
-    let agent_log = dir.join("agent.log");
-    let agent_out = std::fs::File::create(&agent_log).map_err(io(&agent_log))?;
-    let mut agent = Killed(
-        Command::new(&config.agent)
-            .arg("--listen-unix")
-            .arg(&agent_sock)
-            .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(agent_out)
-            .spawn()
-            .map_err(|source| LayersBenchError::Spawn {
-                rollbox: config.agent.clone(),
-                source,
-            })?,
-    );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !agent_sock.exists() {
-        if Instant::now() > deadline || agent.0.try_wait().is_ok_and(|s| s.is_some()) {
-            return Err(LayersBenchError::Request {
-                what: format!(
-                    "{} --listen-unix {}",
-                    config.agent.display(),
-                    agent_sock.display()
-                ),
-                message: format!(
-                    "no socket within 20 s; its stderr:\n{}",
-                    log_tail(&agent_log)
-                ),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let show = |p: &Path| p.display().to_string();
+    let (agent_sock, agent_log) = (dir.join("agent.sock"), dir.join("agent.log"));
+    let listen = [
+        &show(&agent_sock),
+        "--no-init",
+        "--no-set-clock",
+        "--no-generation-watch",
+    ];
+    let listen: Vec<String> = ["--listen-unix"]
+        .iter()
+        .chain(&listen)
+        .map(|a| a.to_string())
+        .collect();
+    let mut agent = Killed(spawn(&config.agent, &listen, &agent_log)?);
+    if let Err(why) = wait_ready(&mut agent.0, 20, || agent_sock.exists()) {
+        return Err(LayersBenchError::Request {
+            what: format!("the host agent {}", config.agent.display()),
+            message: format!("{why}; its stderr ends:\n{}", log_tail(&agent_log)),
+        });
     }
-    let mut flags: Vec<String> = vec!["serve".into()];
-    let mut flag = |name: &str, value: &Path| {
-        flags.push(name.into());
-        flags.push(value.display().to_string());
-    };
-    flag("--vmm", &config.vmm);
-    flag("--socket", &dir.join("d.sock"));
-    flag("--api-key-file", &dir.join("key"));
-    flag("--state-dir", &dir.join("state"));
-    flag("--image-cache", &dir.join("cache"));
-    flag("--agent", &config.agent);
-    flag("--template-dir", images);
-    flag("--net-state-dir", &dir.join("net"));
-    flag("--test-agent-socket", &agent_sock);
+    let sock = dir.join("d.sock");
+    let mut flags: Vec<String> = [
+        ("--vmm", show(&config.vmm)),
+        ("--socket", show(&sock)),
+        ("--api-key-file", show(&dir.join("key"))),
+        ("--state-dir", show(&dir.join("state"))),
+        ("--image-cache", show(&dir.join("cache"))),
+        ("--agent", show(&config.agent)),
+        ("--template-dir", show(images)),
+        ("--net-state-dir", show(&dir.join("net"))),
+        ("--test-agent-socket", show(&agent_sock)),
+    ]
+    .into_iter()
+    .flat_map(|(flag, value)| [flag.to_string(), value])
+    .collect();
+    flags.insert(0, "serve".into());
     if config.args.no_jailer {
         flags.push("--no-jailer".into());
     }
     if mode == Mode::Full {
         flags.push(NO_SHARING_FLAG.into());
     }
-    let child = Command::new(&config.rollbox)
-        .args(&flags)
-        .env("ROLLBOX_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(log2)
-        .spawn()
-        .map_err(|source| LayersBenchError::Spawn {
-            rollbox: config.rollbox.clone(),
-            source,
-        })?;
+    let child = spawn(&config.rollbox, &flags, &dir.join("serve.log"))?;
     let mut served = Served {
         child,
         _agent: agent,
         dir: dir.to_path_buf(),
         stopped: false,
     };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(served.sock()).is_err() {
-        if let Ok(Some(status)) = served.child.try_wait() {
-            let tail = served.tail();
-            let hint = if mode == Mode::Full && tail.contains(NO_SHARING_FLAG) {
-                format!(" (mode full needs `rollbox serve {NO_SHARING_FLAG}`, which this rollbox does not know: build one with layer sharing, or run --modes shared)")
-            } else {
-                String::new()
-            };
-            return Err(LayersBenchError::DaemonEnded {
-                mode,
-                status: status.to_string(),
-                flags: format!("{} {}", config.rollbox.display(), flags.join(" ")),
-                hint,
-                tail,
-            });
-        }
-        if Instant::now() > deadline {
-            return Err(LayersBenchError::NotListening {
-                mode,
-                sock: served.sock(),
-                tail: served.tail(),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(served)
+    let Err(what) = wait_ready(&mut served.child, 30, || UnixStream::connect(&sock).is_ok()) else {
+        return Ok(served);
+    };
+    let tail = served.tail();
+    let hint = if mode == Mode::Full && tail.contains(NO_SHARING_FLAG) {
+        format!(" (mode full needs `rollbox serve {NO_SHARING_FLAG}`, which this rollbox does not know: build one with layer sharing, or run --modes shared)")
+    } else {
+        String::new()
+    };
+    let flags = format!("{} {}", config.rollbox.display(), flags.join(" "));
+    Err(LayersBenchError::Daemon {
+        mode,
+        what,
+        flags,
+        hint,
+        tail,
+    })
 }
 
 /// Allocated bytes under `root` of inodes not yet in `seen`; entries on other file systems
@@ -647,7 +636,10 @@ pub fn run(args: LayersArgs, root: &Path) -> Result<LayersReport, LayersBenchErr
         (&config.rollbox, "cargo build --release -p rollbox"),
         (&config.vmm, "cargo build --release -p vmm"),
         (&config.guest, "cargo xtask test-guest"),
-        (&config.agent, "guest-agent/build-static.sh, or give --agent"),
+        (
+            &config.agent,
+            "guest-agent/build-static.sh, or give --agent",
+        ),
     ] {
         if !path.is_file() {
             let path = path.clone();
