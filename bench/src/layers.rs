@@ -304,22 +304,7 @@ impl Served {
         log_tail(&self.dir.join("serve.log"))
     }
 
-    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Value), String> {
-        let body = body.map(Value::to_string);
-        let auth = format!("Bearer {KEY}");
-        let response = Endpoint::Unix(self.sock())
-            .request(
-                method,
-                path,
-                &[("Authorization", auth.as_str())],
-                body.as_deref().map(str::as_bytes),
-                TIMEOUT,
-            )
-            .map_err(|e| e.to_string())?;
-        let value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
-        Ok((response.status, value))
-    }
-
+    /// A request, which must answer `status`: its JSON body.
     fn expect(
         &self,
         method: &str,
@@ -327,15 +312,29 @@ impl Served {
         body: Option<&Value>,
         status: u16,
     ) -> Result<Value, LayersBenchError> {
-        let message = match self.call(method, path, body) {
-            Ok((got, value)) if got == status => return Ok(value),
-            Ok((got, value)) => format!("{got} (wanted {status}): {value}"),
-            Err(e) => e,
+        let body = body.map(Value::to_string).map(String::into_bytes);
+        let auth = format!("Bearer {KEY}");
+        let headers = [("Authorization", auth.as_str())];
+        let message = match Endpoint::Unix(self.sock()).request(
+            method,
+            path,
+            &headers,
+            body.as_deref(),
+            TIMEOUT,
+        ) {
+            Ok(r) if r.status == status => {
+                return Ok(serde_json::from_slice(&r.body).unwrap_or(Value::Null))
+            }
+            Ok(r) => format!(
+                "{} (wanted {status}): {}",
+                r.status,
+                String::from_utf8_lossy(&r.body)
+            ),
+            Err(e) => e.to_string(),
         };
-        Err(LayersBenchError::Request {
-            what: format!("{method} {path}"),
-            message: format!("{message}; the end of the daemon's log:\n{}", self.tail()),
-        })
+        let what = format!("{method} {path}");
+        let message = format!("{message}; the end of the daemon's log:\n{}", self.tail());
+        Err(LayersBenchError::Request { what, message })
     }
 
     /// SIGTERM, then SIGKILL after 10 s.
@@ -369,11 +368,14 @@ impl Drop for Served {
         if self.stopped {
             return;
         }
-        if let Ok((200, list)) = self.call("GET", "/sandboxes?limit=1000", None) {
-            for s in list["sandboxes"].as_array().into_iter().flatten() {
-                if let Some(id) = s["id"].as_str() {
-                    let _ = self.call("DELETE", &format!("/sandboxes/{id}"), None);
-                }
+        let list = self.expect("GET", "/sandboxes?limit=1000", None, 200);
+        for s in list
+            .iter()
+            .flat_map(|l| l["sandboxes"].as_array())
+            .flatten()
+        {
+            if let Some(id) = s["id"].as_str() {
+                let _ = self.expect("DELETE", &format!("/sandboxes/{id}"), None, 204);
             }
         }
         self.stop();
@@ -719,4 +721,27 @@ pub fn markdown(report: &LayersReport) -> String {
         out.push_str(&format!("| {name} | {f} | {s} | {ratio} |\n"));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_counts_a_hard_linked_file_once_in_the_first_part() {
+        let dir = std::env::temp_dir().join(format!("layers-disk-{}", std::process::id()));
+        let (templates, sandboxes) = (dir.join("state/templates"), dir.join("state/sandboxes"));
+        for d in [&templates, &sandboxes, &dir.join("cache")] {
+            std::fs::create_dir_all(d).expect("test directories");
+        }
+        std::fs::write(templates.join("rootfs.ext4"), vec![1u8; 1 << 20]).expect("a file");
+        std::fs::hard_link(templates.join("rootfs.ext4"), dir.join("cache/rootfs.ext4"))
+            .expect("a hard link");
+        std::fs::write(sandboxes.join("copy.ext4"), vec![2u8; 1 << 20]).expect("a copy");
+        let disk = measure(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(disk.templates >= 1 << 20, "{disk:?}");
+        assert!(disk.cache < 1 << 20, "the link counted twice: {disk:?}");
+        assert!(disk.sandboxes >= 1 << 20, "{disk:?}");
+    }
 }
