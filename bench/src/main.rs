@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod daemon;
 mod guest;
 mod jailer;
+mod layers;
 mod linux;
 mod linux_fs;
 mod linux_net;
@@ -235,6 +236,10 @@ enum Bench {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Templates from images that share their base layers, through `rollbox serve` with layer
+    /// sharing off (full: --no-layer-sharing) and on (shared): disk of the templates and of
+    /// each sandbox, template build and create times. Needs root and /dev/kvm.
+    Layers(layers::LayersArgs),
     /// Networks per sandbox through `rollbox serve` (root, /dev/net/tun, nft): booted create
     /// latency without a network and with egress none and all, delete latency, and a live
     /// policy change (PATCH /sandboxes/{id}/network).
@@ -580,6 +585,11 @@ fn main() -> ExitCode {
                 volumes::markdown,
                 json.as_deref(),
             )
+        }
+        Bench::Layers(args) => {
+            let json = args.json.clone();
+            let report = layers::run(args, &workspace_root());
+            finish("layers", report, layers::markdown, json.as_deref())
         }
         Bench::Networks {
             rollbox,
