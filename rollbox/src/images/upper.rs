@@ -22,10 +22,11 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsString};
 use std::fs::{self, Metadata};
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use super::layer::sys;
 
 /// The xattr that makes an overlayfs upper directory hide the lower one.
 pub const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
@@ -245,7 +246,7 @@ impl Writer<'_> {
         fs::create_dir(&path).map_err(io_error("create", &path))?;
         self.copy_dir_meta(rel, meta)?;
         if opaque {
-            set_xattr(&path, OPAQUE_XATTR.as_bytes(), b"y")
+            sys::lsetxattr(&path, OPAQUE_XATTR.as_bytes(), b"y")
                 .map_err(io_error("mark opaque (trusted.* xattrs needed)", &path))?;
             self.stats.opaque_dirs += 1;
         }
@@ -262,7 +263,7 @@ impl Writer<'_> {
         fs::set_permissions(&to, fs::Permissions::from_mode(meta.mode() & 0o7777))
             .map_err(io_error("chmod", &to))?;
         for (name, value) in list_xattrs(&from).map_err(io_error("read the xattrs of", &from))? {
-            set_xattr(&to, &name, &value).map_err(io_error("set an xattr on", &to))?;
+            sys::lsetxattr(&to, &name, &value).map_err(io_error("set an xattr on", &to))?;
         }
         self.dir_times.push((rel.to_path_buf(), meta.clone()));
         Ok(())
@@ -279,22 +280,11 @@ impl Writer<'_> {
     fn whiteout(&mut self, rel: &Path) -> Result<(), UpperError> {
         self.ensure_parent(rel)?;
         let path = self.upper.join(rel);
-        let c = c_path(&path).map_err(io_error("make a whiteout at", &path))?;
-        // SAFETY: `c` is a valid NUL-terminated path; mknod keeps no pointer.
-        let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) };
-        if rc != 0 {
-            return Err(io_error("make a whiteout at", &path)(
-                io::Error::last_os_error(),
-            ));
-        }
+        sys::mknod(&path, libc::S_IFCHR, libc::makedev(0, 0))
+            .map_err(io_error("make a whiteout at", &path))?;
         self.stats.whiteouts += 1;
         Ok(())
     }
-}
-
-fn c_path(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
 fn c_bytes(bytes: &[u8]) -> io::Result<CString> {
@@ -304,7 +294,7 @@ fn c_bytes(bytes: &[u8]) -> io::Result<CString> {
 
 /// The xattrs of `path` itself (not a symlink's target), sorted by name.
 fn list_xattrs(path: &Path) -> io::Result<Xattrs> {
-    let c = c_path(path)?;
+    let c = sys::c_path(path)?;
     let mut names = vec![0u8; 1024];
     let len = loop {
         // SAFETY: `c` is a valid path; the buffer is writable for its whole length.
@@ -349,51 +339,12 @@ fn list_xattrs(path: &Path) -> io::Result<Xattrs> {
     Ok(out)
 }
 
-fn set_xattr(path: &Path, name: &[u8], value: &[u8]) -> io::Result<()> {
-    let (c, c_name) = (c_path(path)?, c_bytes(name)?);
-    // SAFETY: valid path and name; the value is read for its length only.
-    let rc = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            c_name.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 fn set_times(path: &Path, meta: &Metadata) -> io::Result<()> {
-    let c = c_path(path)?;
-    let times = [
-        libc::timespec {
-            tv_sec: meta.atime(),
-            tv_nsec: meta.atime_nsec(),
-        },
-        libc::timespec {
-            tv_sec: meta.mtime(),
-            tv_nsec: meta.mtime_nsec(),
-        },
-    ];
-    // SAFETY: valid path; `times` holds the two timespecs utimensat reads.
-    let rc = unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    sys::set_atime_mtime_nofollow(
+        path,
+        (meta.atime(), meta.atime_nsec()),
+        (meta.mtime(), meta.mtime_nsec()),
+    )
 }
 
 #[cfg(test)]
@@ -483,8 +434,8 @@ mod tests {
         fs::write(t("d/fresh"), b"fresh").unwrap();
         fs::hard_link(t("h1"), t("h2")).unwrap();
         fs::set_permissions(t("m"), fs::Permissions::from_mode(0o700)).unwrap();
-        set_xattr(&t("x/file"), b"user.k", b"v").unwrap();
-        set_xattr(&t("x"), b"user.d", b"w").unwrap();
+        sys::lsetxattr(&t("x/file"), b"user.k", b"v").unwrap();
+        sys::lsetxattr(&t("x"), b"user.d", b"w").unwrap();
 
         let upper = dir.path().join("upper");
         let stats = write_upper(&tree, &snapshot, &upper).unwrap();

@@ -19,7 +19,7 @@ mod entry;
 mod error;
 mod meta;
 mod path;
-mod sys;
+pub(in crate::images) mod sys;
 #[cfg(test)]
 mod test_tar;
 mod whiteout;
