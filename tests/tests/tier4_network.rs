@@ -1235,4 +1235,91 @@ mod tier4 {
         }
         assert_eq!(daemon.leases(), Vec::<String>::new());
     }
+
+    /// The stock `e2b` SDK's network options on a Linux template with a network
+    /// (`rollbox/tests/e2b/test_network.py`): `allow_internet_access=False` cannot reach a
+    /// server outside the sandbox, `update_network` opens and closes it, and
+    /// `allow_internet_access=True` reaches it.
+    #[test]
+    fn stock_e2b_sdk_allow_internet_access_and_update_network_hold_for_a_real_guest() {
+        let test =
+            "tier4::stock_e2b_sdk_allow_internet_access_and_update_network_hold_for_a_real_guest";
+        let Some(fx) = fixtures(test) else {
+            return;
+        };
+        let python = match rollbox_tests::venv_python("scripts/e2b-venv.sh", &["2.63.0"]) {
+            Ok(python) => python,
+            Err(reason) => {
+                rollbox_tests::skip(test, &format!("no e2b 2.63.0 venv: {reason}"));
+                return;
+            }
+        };
+        // 203.0.113.0/24 (TEST-NET-3, not a private range: `all` reaches it).
+        let _internet = Internet::at("rbxe2b", "rbxeb", "203.0.113");
+        serve_in_netns("rbxe2b", 8000);
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let listen = format!("127.0.0.1:{port}");
+        let lab = LabDaemon::start(
+            "e2b-net-lab-key-0123",
+            &[
+                "--net-pool",
+                "10.204.0.0/24",
+                "--net-state-dir",
+                "/tmp/rollbox-net-lab-e2b",
+                "--agent-timeout",
+                "60",
+                "--e2b-listen",
+                &listen,
+                "--e2b-domain",
+                "e2b.test",
+            ]
+            .map(String::from),
+            Some(port),
+        );
+        let started = Instant::now();
+        let (status, template) = lab.call(
+            "POST",
+            "/templates",
+            Some(&serde_json::json!({
+                "name": "netbox",
+                "kernel": fx.path("OUR_VMLINUX"),
+                // Debian: E2B's commands run through bash.
+                "rootfs": fx.path("DEBIAN_ROOTFS"),
+                "cmdline": agent_cmdline(""),
+                "memory_mib": 192,
+                "boot_snapshot": true,
+                "network": {"egress": "all"},
+            })),
+        );
+        assert_eq!(status, 201, "{template}\n{}", lab.log());
+        eprintln!(
+            "figure: a Debian template with a network and a boot snapshot took {:.1} s (nested lab)",
+            started.elapsed().as_secs_f64()
+        );
+        let scratch = tempfile::tempdir().expect("scratch");
+        let output = rollbox_tests::e2b_script(
+            &python,
+            "test_network.py",
+            &format!("http://{listen}"),
+            &lab.key,
+            "netbox",
+            scratch.path(),
+        )
+        .env("ROLLBOX_E2B_TARGET", "203.0.113.2:8000")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("run test_network.py");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        println!("{stdout}");
+        assert!(
+            output.status.success() && stdout.contains("all ok"),
+            "test_network.py failed ({}):\n{stdout}\n{}\n--- serve.log ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            lab.log()
+        );
+    }
 }
