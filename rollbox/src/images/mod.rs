@@ -25,6 +25,7 @@ pub mod shared;
 pub mod source;
 pub mod spec;
 pub mod staging;
+mod sys;
 pub mod upper;
 
 use std::cell::Cell;

@@ -26,7 +26,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::layer::sys;
+use super::sys;
 
 /// The xattr that makes an overlayfs upper directory hide the lower one.
 pub const OPAQUE_XATTR: &str = "trusted.overlay.opaque";

@@ -10,8 +10,8 @@ use super::entry::apply_entry;
 use super::error::LayerError;
 use super::meta::read_meta;
 use super::path::normalize_entry_path;
-use super::sys::set_times_nofollow;
 use super::whiteout::apply_whiteout;
+use crate::images::sys::set_times_nofollow;
 
 /// What one layer did, for progress and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

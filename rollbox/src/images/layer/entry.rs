@@ -14,7 +14,7 @@ use super::context::{unsupported, LayerCtx};
 use super::error::LayerError;
 use super::meta::{set_meta, set_xattrs, system_time, Meta};
 use super::path::{normalize_entry_path, resolve_in_root};
-use super::sys::mknod;
+use crate::images::sys::mknod;
 
 /// Creates one entry at `rel` (a file, directory, symlink, hardlink, device node or FIFO) with
 /// its metadata, replacing what lower layers put there; the file bytes written.

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use super::context::LayerCtx;
 use super::error::LayerError;
-use super::sys::{lsetxattr, set_times_nofollow};
+use crate::images::sys::{lsetxattr, set_times_nofollow};
 
 /// Entry metadata that is applied after the entry itself is created.
 pub(super) struct Meta {

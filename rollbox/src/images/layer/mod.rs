@@ -19,7 +19,6 @@ mod entry;
 mod error;
 mod meta;
 mod path;
-pub(in crate::images) mod sys;
 #[cfg(test)]
 mod test_tar;
 mod whiteout;

@@ -6,21 +6,18 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-pub(in crate::images) fn c_path(path: &Path) -> io::Result<CString> {
+pub(super) fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
-pub(in crate::images) fn set_times_nofollow(
-    path: &Path,
-    (secs, nanos): (i64, u32),
-) -> io::Result<()> {
+pub(super) fn set_times_nofollow(path: &Path, (secs, nanos): (i64, u32)) -> io::Result<()> {
     let time = (secs, i64::from(nanos));
     set_atime_mtime_nofollow(path, time, time)
 }
 
 /// Sets the access and modification times (seconds, nanoseconds) of `path` itself.
-pub(in crate::images) fn set_atime_mtime_nofollow(
+pub(super) fn set_atime_mtime_nofollow(
     path: &Path,
     atime: (i64, i64),
     mtime: (i64, i64),
@@ -44,7 +41,7 @@ pub(in crate::images) fn set_atime_mtime_nofollow(
     }
 }
 
-pub(in crate::images) fn mknod(path: &Path, mode: u32, dev: libc::dev_t) -> io::Result<()> {
+pub(super) fn mknod(path: &Path, mode: u32, dev: libc::dev_t) -> io::Result<()> {
     let c = c_path(path)?;
     // SAFETY: `c` is a valid NUL-terminated path; mknod does not keep the pointer.
     let rc = unsafe { libc::mknod(c.as_ptr(), mode, dev) };
@@ -56,7 +53,7 @@ pub(in crate::images) fn mknod(path: &Path, mode: u32, dev: libc::dev_t) -> io::
 }
 
 /// Sets the extended attribute `name` of `path` (a symlink itself, not its target).
-pub(in crate::images) fn lsetxattr(path: &Path, name: &[u8], value: &[u8]) -> io::Result<()> {
+pub(super) fn lsetxattr(path: &Path, name: &[u8], value: &[u8]) -> io::Result<()> {
     let c = c_path(path)?;
     let name = CString::new(name).map_err(|_| {
         io::Error::new(
