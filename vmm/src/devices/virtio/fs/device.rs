@@ -88,6 +88,20 @@ pub struct Fs {
     pub(super) daemon: Option<Daemon>,
 }
 
+/// `parent/name`, else `name-1`, `name-2`, ...: the first that nothing has. A killed VMM leaves
+/// its directory behind, and a later one may get its pid. ([`Daemon::start`] creates it with
+/// `mkdir`, which fails on anything made there meanwhile, so nothing is taken over.)
+fn unused_dir(parent: &Path, name: &str) -> PathBuf {
+    let mut dir = parent.join(name);
+    for n in 1..1000 {
+        if dir.symlink_metadata().is_err() {
+            break;
+        }
+        dir = parent.join(format!("{name}-{n}"));
+    }
+    dir
+}
+
 impl Fs {
     /// The `index`th volume: starts virtiofsd for it (unless the caller gave its socket) and
     /// connects; `virtiofsd` is the binary named by `--virtiofsd`, if any.
@@ -100,8 +114,8 @@ impl Fs {
             return Fs::new(config, socket.clone(), None);
         }
         let binary = locate_virtiofsd(virtiofsd)?;
-        let dir =
-            std::env::temp_dir().join(format!("rollbox-vmm-{}-fs{index}", std::process::id()));
+        let name = format!("rollbox-vmm-{}-fs{index}", std::process::id());
+        let dir = unused_dir(&std::env::temp_dir(), &name);
         let daemon = Daemon::start(&binary, config, &dir)?;
         let socket = daemon.socket().to_path_buf();
         Fs::new(config, socket, Some(daemon))
@@ -591,6 +605,20 @@ mod tests {
         assert!(
             text.contains("volume t") && text.contains("refused the saved state"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_directory_left_by_a_killed_vmm_with_the_same_pid_is_passed_over() {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let name = "rollbox-vmm-42-fs0";
+        assert_eq!(unused_dir(parent.path(), name), parent.path().join(name));
+        std::fs::create_dir(parent.path().join(name)).expect("stale dir");
+        std::os::unix::fs::symlink("/nonexistent", parent.path().join(format!("{name}-1")))
+            .expect("stale link");
+        assert_eq!(
+            unused_dir(parent.path(), name),
+            parent.path().join(format!("{name}-2"))
         );
     }
 }
