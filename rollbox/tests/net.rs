@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::netns::{connect, in_netns, ip, prerequisites, Listener, Netns};
+use rollbox_tests::netns::{connect, in_netns, ip, nft_table, prerequisites, Listener, Netns};
 use serde_json::Value;
 
 fn rollbox() -> PathBuf {
@@ -178,14 +178,6 @@ fn our_taps(pool: &rollbox::net::Pool) -> Vec<String> {
             rollbox::net::pool::slot_of_tap(name).is_some_and(|s| pool.net().contains(s.guest_ip()))
         })
         .collect()
-}
-
-fn nft_table() -> String {
-    let out = Command::new("nft")
-        .args(["list", "table", "inet", "rollbox"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn ip_brief_addr(dev: &str) -> String {

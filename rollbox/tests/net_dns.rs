@@ -12,7 +12,6 @@
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,7 +19,7 @@ use std::time::Duration;
 use rollbox::net::dns;
 use rollbox::net::resolver::{Resolver, ResolverOptions, Site};
 use rollbox::net::{Egress, LeaseRequest, LinkKind, Pool, StateDir};
-use rollbox_tests::netns::{connect, in_netns, prerequisites, Listener, Netns};
+use rollbox_tests::netns::{connect, in_netns, nft_table, prerequisites, Listener, Netns};
 
 /// Each test its own pool (gc takes what its state directory does not know for orphans).
 const POOL: &str = "10.226.0.0/24";
@@ -208,14 +207,6 @@ fn ask_tcp(netns: &str, server: Ipv4Addr, name: &str) -> Reply {
         stream.read_exact(&mut msg).unwrap();
         read_reply(&msg, 7, &name)
     })
-}
-
-fn nft_table() -> String {
-    let out = Command::new("nft")
-        .args(["list", "table", "inet", "rollbox"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The addresses in set `set` of the listing.

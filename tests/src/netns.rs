@@ -55,6 +55,15 @@ pub fn ip(args: &[&str]) {
     );
 }
 
+/// `nft list table inet rollbox`: the host's rollbox rules, as text (empty without the table).
+pub fn nft_table() -> String {
+    let out = Command::new("nft")
+        .args(["list", "table", "inet", "rollbox"])
+        .output()
+        .expect("run nft");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// A network namespace and the host-side veths made for it; removed on drop.
 pub struct Netns {
     pub name: String,
