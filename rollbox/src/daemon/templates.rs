@@ -139,8 +139,9 @@ fn link_base(cached: &Path, to: &Path) -> Result<PathBuf, ImageError> {
         }),
     };
     linked.map_err(ImageError::Ext4)?;
-    // A jailed VMM (another uid) opens it read-only through its bind mount; the directories
-    // above it stay the daemon's own (0700).
+    // A jailed VMM (another uid) opens it read-only through its bind mount. The mode is the
+    // inode's, so the cache's name for it gets 0644 too: the image's layers are then as
+    // private as the directories above each name (0700 when this daemon made them).
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o644)).map_err(|source| {
         ImageError::Io {
