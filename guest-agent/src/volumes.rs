@@ -2,8 +2,6 @@
 //! `rollbox.volume=TAG:/mnt/path[:ro]`, one argument per volume. Dotted kernel arguments are
 //! not passed to init's argv or environment, so they are read from /proc/cmdline.
 
-use std::ffi::CString;
-
 use crate::errors::SysError;
 
 /// One volume to mount.
@@ -61,25 +59,8 @@ pub fn parse(cmdline: &str) -> Vec<Result<Volume, VolumeError>> {
 fn mount(volume: &Volume) -> Result<(), SysError> {
     let fail = |e| SysError::new("mount virtiofs", volume.target.as_str(), e);
     std::fs::create_dir_all(&volume.target).map_err(fail)?;
-    let c = |s: &str| {
-        CString::new(s).map_err(|_| fail(std::io::Error::from_raw_os_error(libc::EINVAL)))
-    };
-    let (source, target, fstype) = (c(&volume.tag)?, c(&volume.target)?, c("virtiofs")?);
     let flags = if volume.read_only { libc::MS_RDONLY } else { 0 };
-    // SAFETY: all pointers are NUL-terminated strings that live across the call; no data.
-    let ret = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            std::ptr::null(),
-        )
-    };
-    if ret != 0 {
-        return Err(fail(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    crate::init::mount_fs(&volume.tag, &volume.target, "virtiofs", flags, "").map_err(fail)
 }
 
 /// Mounts every volume named on the kernel command line. Failures are logged, not fatal: the
