@@ -3,13 +3,12 @@
 
 use rollbox::images::layer::RootfsBuilder;
 
+use super::scratch::Scratch;
 use super::signature::shape;
 
 pub fn run(data: &[u8]) -> u64 {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("fuzz rig: temporary directory: {e}"));
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap_or_else(|e| panic!("fuzz rig: {}: {e}", root.display()));
-    let mut builder = RootfsBuilder::new(&root);
+    let scratch = Scratch::new();
+    let mut builder = RootfsBuilder::new(&scratch.root);
     let outcome = match builder.apply_layer("fuzz", data) {
         Ok(stats) => {
             let finish = builder.finish().err();
@@ -17,17 +16,7 @@ pub fn run(data: &[u8]) -> u64 {
         }
         Err(e) => format!("{e:?}"),
     };
-    let names: Vec<_> = std::fs::read_dir(dir.path())
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok().map(|e| e.file_name()))
-                .collect()
-        })
-        .unwrap_or_default();
-    assert!(
-        names.len() == 1 && names[0] == "root",
-        "the layer wrote outside its root: {names:?}"
-    );
+    scratch.assert_nothing_outside("the layer");
     shape(&outcome)
 }
 

@@ -5,7 +5,9 @@ mod api;
 mod devices;
 mod dns;
 mod layer;
+mod scratch;
 mod signature;
+mod snapshot_archive;
 mod snapshot_state;
 mod vsock_packet;
 
@@ -127,6 +129,14 @@ pub const ALL: &[Target] = &[
         seeds: dns::seeds,
         available: always,
         max_len: 1024,
+    },
+    Target {
+        name: "snapshot_archive",
+        about: "snapshot archives a node imports (tar headers, GNU sparse maps and their extension blocks)",
+        run: snapshot_archive::run,
+        seeds: snapshot_archive::seeds,
+        available: always,
+        max_len: 32768,
     },
 ];
 

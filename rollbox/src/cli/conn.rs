@@ -262,6 +262,14 @@ pub fn parse<T: serde::de::DeserializeOwned>(response: &Response) -> Result<T, C
     serde_json::from_slice(&response.body).map_err(CliError::Answer)
 }
 
+/// The error of an I/O failure on a host file at `path`.
+pub fn local_error(path: &std::path::Path) -> impl Fn(std::io::Error) -> CliError + '_ {
+    move |source| CliError::Local {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 pub fn print_json(response: &Response) {
     println!("{}", String::from_utf8_lossy(&response.body).trim());
 }

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use clap::Args;
 
-use super::conn::{encode, key_values, parse, CliError, Conn};
+use super::conn::{encode, key_values, local_error, parse, CliError, Conn};
 
 /// `exec`'s arguments.
 #[derive(Args)]
@@ -158,10 +158,7 @@ pub fn copy(conn: &Conn, args: &CpArgs) -> Result<(), CliError> {
         bytes: args.max_bytes,
         entries: args.max_entries,
     };
-    let local = |path: &std::path::Path| {
-        let path = path.to_path_buf();
-        move |source| CliError::Local { path, source }
-    };
+    let local = local_error;
     match (remote(src), remote(dest)) {
         (None, Some((id, to))) => {
             let from = std::path::Path::new(src);

@@ -6,8 +6,11 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use rollbox::daemon::api::{Sandbox, SandboxList, Snapshot};
+use rollbox::daemon::client::Response;
 
-use super::conn::{encode, key_values, parse, print_json, seconds_left, CliError, Conn};
+use super::conn::{
+    encode, key_values, local_error, parse, print_json, seconds_left, CliError, Conn,
+};
 use super::guest;
 
 #[derive(Subcommand)]
@@ -62,6 +65,20 @@ pub enum SandboxCommand {
     SnapshotRm {
         #[arg(required = true)]
         ids: Vec<String>,
+    },
+    /// Write a snapshot as an archive (a tar; its memory and disk sparse) for another node's
+    /// `snapshot-import`. The file appears only once the archive is whole.
+    SnapshotExport {
+        id: String,
+        /// The archive's file.
+        #[arg(short, long, value_name = "FILE")]
+        output: std::path::PathBuf,
+    },
+    /// Import a snapshot archive another node exported and print the snapshot's id (the same
+    /// as there). This node needs the CPU fingerprint, template and volumes it was taken
+    /// with; importing a snapshot that is here already answers it again.
+    SnapshotImport {
+        file: std::path::PathBuf,
     },
     /// Fork into N new sandboxes (a fresh snapshot, restored N times); prints each new id
     /// or why it failed, and fails if any did.
@@ -253,6 +270,8 @@ pub fn run(conn: &Conn, command: SandboxCommand) -> Result<u8, CliError> {
         SandboxCommand::Snapshot(args) => snapshot(conn, args),
         SandboxCommand::Snapshots { sandbox } => snapshots(conn, sandbox),
         SandboxCommand::SnapshotRm { ids } => snapshot_rm(conn, ids),
+        SandboxCommand::SnapshotExport { id, output } => snapshot_export(conn, &id, &output),
+        SandboxCommand::SnapshotImport { file } => snapshot_import(conn, &file),
         SandboxCommand::Fork(args) => fork(conn, args),
         SandboxCommand::Reset(args) => reset(conn, args),
         SandboxCommand::PortForward(args) => {
@@ -524,10 +543,15 @@ fn snapshot(conn: &Conn, args: SnapshotArgs) -> Result<u8, CliError> {
         body["ttl_s"] = json!(ttl);
     }
     let response = conn.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(body))?;
+    print_snapshot(conn, &response)
+}
+
+/// A snapshot's id, or its JSON with `--json`.
+fn print_snapshot(conn: &Conn, response: &Response) -> Result<u8, CliError> {
     if conn.json {
-        print_json(&response);
+        print_json(response);
     } else {
-        let snapshot: Snapshot = parse(&response)?;
+        let snapshot: Snapshot = parse(response)?;
         println!("{}", snapshot.id);
     }
     Ok(0)
@@ -569,6 +593,61 @@ fn snapshot_rm(conn: &Conn, ids: Vec<String>) -> Result<u8, CliError> {
         }
     }
     Ok(0)
+}
+
+/// `rollbox sandbox snapshot-export`: into a hidden file beside `output`, renamed to it once
+/// the archive ended whole (a cut download leaves no file).
+fn snapshot_export(conn: &Conn, id: &str, output: &std::path::Path) -> Result<u8, CliError> {
+    let local = local_error;
+    let name = output
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let partial = output.with_file_name(format!(".{name}.partial"));
+    let mut response = conn.open(
+        "GET",
+        &format!("/snapshots/{}/export", encode(id)),
+        None,
+        "application/json",
+    )?;
+    let mut file = std::fs::File::create(&partial).map_err(local(&partial))?;
+    let copied = std::io::copy(&mut response, &mut file)
+        .map_err(|e| CliError::Stream(format!("export of {id} cut: {e}")))
+        .and_then(|n| file.sync_all().map(|()| n).map_err(local(&partial)));
+    let bytes = match copied {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, output).map_err(local(output))?;
+    if conn.json {
+        println!(
+            "{}",
+            json!({ "snapshot": id, "file": output, "bytes": bytes })
+        );
+    } else {
+        println!("{}: {bytes} bytes", output.display());
+    }
+    Ok(0)
+}
+
+/// `rollbox sandbox snapshot-import`.
+fn snapshot_import(conn: &Conn, path: &std::path::Path) -> Result<u8, CliError> {
+    let local = local_error(path);
+    let mut file = std::fs::File::open(path).map_err(&local)?;
+    let len = file.metadata().map_err(&local)?.len();
+    let response = conn
+        .open(
+            "POST",
+            "/snapshots/import",
+            Some((&mut file, len)),
+            "application/x-tar",
+        )?
+        .into_response()
+        .map_err(CliError::Request)?;
+    print_snapshot(conn, &response)
 }
 
 /// `rollbox sandbox fork`: fails when any fork did.

@@ -11,7 +11,7 @@ use serde_json::json;
 
 use rollbox::daemon::api::{FileInfo, FileKind};
 
-use super::conn::{absolute, encode, parse, print_json, CliError, Conn};
+use super::conn::{absolute, encode, local_error, parse, print_json, CliError, Conn};
 
 #[derive(Subcommand)]
 pub enum VolumeCommand {
@@ -198,11 +198,8 @@ fn save(mut from: impl Read, output: Option<&Path>, what: &str) -> Result<(), Cl
     let broken = |e: std::io::Error| CliError::Stream(format!("{what}: {e}"));
     match output {
         Some(path) => {
-            let local = |source| CliError::Local {
-                path: path.to_path_buf(),
-                source,
-            };
-            let mut file = std::fs::File::create(path).map_err(local)?;
+            let local = local_error(path);
+            let mut file = std::fs::File::create(path).map_err(&local)?;
             if let Err(e) = std::io::copy(&mut from, &mut file).and_then(|_| file.flush()) {
                 drop(file);
                 let _ = std::fs::remove_file(path);
@@ -285,11 +282,8 @@ fn put(conn: &Conn, name: &str, path: &str, file: Option<&Path>) -> Result<(), C
     let content = "application/octet-stream";
     let response = match file.filter(|f| *f != Path::new("-")) {
         Some(from) => {
-            let local = |source| CliError::Local {
-                path: from.to_path_buf(),
-                source,
-            };
-            let meta = std::fs::metadata(from).map_err(local)?;
+            let local = local_error(from);
+            let meta = std::fs::metadata(from).map_err(&local)?;
             if !meta.is_file() {
                 return Err(CliError::Usage(format!(
                     "{}: not a regular file (put writes one file)",

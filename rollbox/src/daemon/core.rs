@@ -266,6 +266,10 @@ impl Core {
                 // The native delete of a snapshot that is gone succeeds.
                 None => return Err(no_snapshot(&id)),
             },
+            Action::ExportSnapshot(id) => match self.visible_snapshot(caller, &id)? {
+                Some(snapshot) => Action::ExportSnapshot(snapshot.id),
+                None => return Err(no_snapshot(&id)),
+            },
             Action::Reset { id, snapshot } => {
                 self.own_sandbox(caller, &id)?;
                 let snapshot = match snapshot {
@@ -299,7 +303,8 @@ impl Core {
             | Action::ListTemplates
             | Action::GetTemplate(_)
             | Action::ListVolumes
-            | Action::ListGpus => action,
+            | Action::ListGpus
+            | Action::ImportSnapshot => action,
             Action::Usage(ref id)
             | Action::GetSandbox(ref id)
             | Action::DeleteSandbox(ref id)
@@ -380,6 +385,10 @@ impl Core {
             Action::ListSnapshots { sandbox } => self.snapshots.list(sandbox.as_deref()),
             Action::GetSnapshot(id) => self.snapshots.get(&id),
             Action::DeleteSnapshot(id) => self.snapshots.delete(&id).await,
+            Action::ExportSnapshot(id) => self.snapshots.export(&id).await,
+            Action::ImportSnapshot => Err(ApiError::BadRequest(
+                "POST /snapshots/import takes the archive as its body (an upload)".into(),
+            )),
             Action::Fork {
                 id,
                 count,
@@ -434,6 +443,16 @@ impl Core {
     {
         self.own_sandbox(caller, id)?;
         self.upload(id, op, body).await
+    }
+
+    /// POST /snapshots/import for `caller`: the snapshot is the caller's (a tenant's own).
+    pub async fn import_snapshot_as<R>(&self, caller: &Caller, body: R) -> Result<Reply, ApiError>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        self.snapshots
+            .import(body, caller.tenant().map(str::to_string))
+            .await
     }
 
     /// [`Core::guest_tcp`] for `caller`.

@@ -5,7 +5,7 @@
 //!
 //! The services: [`sandboxes`] (create, end, reap, recover), the [`supervisor`] (the
 //! `rollbox-vmm` processes, their jails and host cgroups), [`snapshots`] (snapshots, fork,
-//! reset), [`templates`] (from files or built from an image, with an optional boot snapshot)
+//! reset, and export and import between nodes), [`templates`] (from files or built from an image, with an optional boot snapshot)
 //! and [`guest`] (exec, files and ports through the guest agent); [`usage`] has usage and
 //! metrics, [`retention`] the snapshot retention rules, [`store`] the SQLite state, and
 //! `keys` the API keys (admin and tenant) each request is checked against, and `node` this
@@ -39,4 +39,6 @@ pub use node::NodeOptions;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
 pub use rollbox_jailer::cgroup;
 pub use serve::{serve, DaemonError, ServeOptions};
+/// The archive snapshots move between nodes in (its reader is fuzzed).
+pub use snapshots::archive as snapshot_archive;
 pub use supervisor::{vm, JailerOptions};

@@ -182,6 +182,16 @@ impl Node {
         self.drain.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The node id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// This host's CPU fingerprint.
+    pub fn cpu(&self) -> &CpuFingerprint {
+        &self.cpu
+    }
+
     /// Whether the node takes new sandboxes (`/readyz`).
     pub fn ready(&self) -> bool {
         self.drain_state().0.is_none()

@@ -344,6 +344,7 @@ pub async fn serve(
         Arc::clone(&supervisor),
         Arc::clone(&sandboxes),
         Arc::clone(&retention),
+        Arc::clone(&node),
         dirs.snapshots.clone(),
         options.test_hold_snapshot.clone(),
     ));

@@ -900,6 +900,22 @@ def delete_snapshot(snapshot: Union[str, Snapshot]) -> Call[None]:
     return Call("DELETE", f"/snapshots/{seg(sid)}", _none)
 
 
+def export_snapshot(snapshot: Union[str, Snapshot]) -> Call[None]:
+    sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+    return Call("GET", f"/snapshots/{seg(sid)}/export", _none)
+
+
+def import_snapshot(content: Any, size: int) -> Call[Snapshot]:
+    return Call(
+        "POST",
+        "/snapshots/import",
+        _snapshot,
+        content=content,
+        headers={"Content-Type": "application/x-tar", "Content-Length": str(size)},
+        timeout=httpx.Timeout(30.0, read=None, write=None),
+    )
+
+
 def fork(
     sandbox: SandboxRef, count: int, ttl_s: Optional[int], labels: Optional[Mapping[str, str]]
 ) -> Call[List[ItemResult]]:

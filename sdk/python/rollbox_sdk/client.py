@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import (
     Any,
     Iterator,
@@ -605,6 +606,36 @@ class Client:
         """Delete a snapshot (one already gone is success; a template's boot snapshot is a
         Conflict)."""
         self._send(_core.delete_snapshot(snapshot))
+
+    def export_snapshot(
+        self, snapshot: Union[str, Snapshot], path: Union[str, "os.PathLike[str]"]
+    ) -> int:
+        """Write the snapshot as an archive (a tar; memory and disk sparse) at ``path``, for
+        :meth:`import_snapshot` on another node; returns its size in bytes. ``path`` appears
+        only once the archive is whole (a cut download raises and leaves no file)."""
+        target = os.fspath(path)
+        partial = os.path.join(os.path.dirname(target), "." + os.path.basename(target) + ".partial")
+        written = 0
+        try:
+            with open(partial, "wb") as out:
+                for chunk in self._stream_bytes(_core.export_snapshot(snapshot), 1 << 20):
+                    out.write(chunk)
+                    written += len(chunk)
+            os.replace(partial, target)
+        except BaseException:
+            if os.path.exists(partial):
+                os.unlink(partial)
+            raise
+        return written
+
+    def import_snapshot(self, path: Union[str, "os.PathLike[str]"]) -> Snapshot:
+        """Import an archive :meth:`export_snapshot` wrote on another node; the snapshot keeps
+        its id. This node needs the CPU fingerprint, template and volumes it was taken with
+        (else :class:`Conflict` saying which); importing one that is here already returns it."""
+        size = os.path.getsize(path)
+        with open(path, "rb") as archive:
+            body = _core.upload_body(archive)
+            return self._send(_core.import_snapshot(body, size))
 
     def fork(
         self,

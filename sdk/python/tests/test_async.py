@@ -124,6 +124,14 @@ async def everything(kernel: str, cmdline: str, scratch: str, template: str, tag
             await rb.fork(sb, 0)
         assert caught.value.field == "count"
         await rb.delete_sandboxes(labels={**labels, "fork": "1"})
+        archive = os.path.join(scratch, f"{snap.id}.tar")
+        assert await rb.export_snapshot(snap, archive) == os.path.getsize(archive)
+        with tarfile.open(archive) as members:
+            assert members.getnames()[:3] == ["rollbox-snapshot.json", "vmstate", "memory"]
+        assert (await rb.import_snapshot(archive)).id == snap.id
+        await rb.delete_snapshot(snap)
+        assert (await rb.import_snapshot(archive)).id == snap.id
+        os.unlink(archive)
         await rb.delete_snapshot(snap)
         with pytest.raises(NotFound):
             await rb.get_snapshot(snap.id)

@@ -402,7 +402,7 @@ def test_files(rb: Client, sandbox: str, scratch: str) -> None:
     assert caught.value.field == "mode"
 
 
-def test_snapshots_fork_and_reset(rb: Client, template: str, tag: str) -> None:
+def test_snapshots_fork_and_reset(rb: Client, template: str, tag: str, tmp_path) -> None:
     parent = rb.create_sandbox(template, ttl_s=300, labels={"test": tag})
     try:
         snap = rb.snapshot(parent, ttl_s=600)
@@ -466,6 +466,16 @@ def test_snapshots_fork_and_reset(rb: Client, template: str, tag: str) -> None:
             rb.snapshot(parent)
         with pytest.raises(Conflict):
             rb.fork(parent, 1)
+        # Export and import (here on one node): the same id comes back, once imported.
+        archive = tmp_path / "final.tar"
+        assert rb.export_snapshot(final, archive) == archive.stat().st_size
+        rb.delete_snapshot(final)
+        back = rb.import_snapshot(archive)
+        assert (back.id, back.template) == (final.id, final.template)
+        assert rb.import_snapshot(str(archive)) == back
+        with pytest.raises(NotFound):
+            rb.export_snapshot("snap-00000000000000ab", tmp_path / "none.tar")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["final.tar"]
         rb.delete_snapshot(final)
         rb.delete_snapshot(final.id)
         with pytest.raises(NotFound):

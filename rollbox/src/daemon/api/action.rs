@@ -138,6 +138,10 @@ pub enum Action {
     /// A snapshot by id, or by name.
     GetSnapshot(String),
     DeleteSnapshot(String),
+    /// The snapshot as an archive (`application/x-tar`, streamed) for another node's import.
+    ExportSnapshot(String),
+    /// An exported snapshot from the request body (an upload: only the HTTP layer has it).
+    ImportSnapshot,
     Fork {
         id: String,
         count: u32,

@@ -44,6 +44,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/snapshots"),
     ("GET", "/snapshots/{snapshot}"),
     ("DELETE", "/snapshots/{snapshot}"),
+    ("GET", "/snapshots/{snapshot}/export"),
+    ("POST", "/snapshots/import"),
     ("GET", "/sandboxes/{id}/ports/{port}"),
     ("GET", "/keys"),
     ("POST", "/keys"),
@@ -66,11 +68,14 @@ pub const ROUTES: &[(&str, &str)] = &[
 /// Whether `method path` is an upload, whose body [`parse`] does not read (it is streamed).
 pub fn is_upload(method: &str, path: &str) -> bool {
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    method == "PUT"
-        && matches!(
+    match method {
+        "PUT" => matches!(
             segments.as_slice(),
             ["sandboxes", _, "files" | "tar"] | ["volumes", _, "files"]
-        )
+        ),
+        "POST" => segments == ["snapshots", "import"],
+        _ => false,
+    }
 }
 
 /// Parses one request into an [`Action`] (the body is already capped at [`MAX_BODY`]).
@@ -139,6 +144,10 @@ pub fn parse(
         ("DELETE", ["snapshots", snapshot]) => {
             Action::DeleteSnapshot(check_snapshot_id(snapshot, "snapshot")?)
         }
+        ("GET", ["snapshots", snapshot, "export"]) => {
+            Action::ExportSnapshot(check_snapshot_id(snapshot, "snapshot")?)
+        }
+        ("POST", ["snapshots", "import"]) => Action::ImportSnapshot,
         (_, ["sandboxes", id, "files" | "tar", ..]) if file_route(method, &segments) => {
             let id = check_id(id)?;
             return Ok(Action::File {

@@ -167,11 +167,17 @@ async fn handle(core: &Core, mut request: Request<Incoming>) -> Result<Reply, Ap
     let path = request.uri().path().to_string();
     let query = request.uri().query().map(str::to_string);
     if api::is_upload(&method, &path) {
+        let action = api::parse(&method, &path, query.as_deref(), b"")?;
+        if action == Action::ImportSnapshot {
+            // Its manifest bounds each file, and a snapshot may be far over MAX_UPLOAD.
+            let body = BodyReader::new(request.into_body(), usize::MAX);
+            return core.import_snapshot_as(&caller, body).await;
+        }
         if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
             return Err(ApiError::TooLarge(MAX_UPLOAD));
         }
         let body = BodyReader::new(request.into_body(), MAX_UPLOAD);
-        return match api::parse(&method, &path, query.as_deref(), b"")? {
+        return match action {
             Action::File { id, op } => core.upload_as(&caller, &id, op, body).await,
             Action::Volume {
                 name,

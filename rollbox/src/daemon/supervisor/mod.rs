@@ -227,6 +227,11 @@ impl Supervisor {
         self.jail.as_ref().map(|j| j.uid)
     }
 
+    /// The uid and gid jailed VMMs run as; None without a jail.
+    pub fn jail_owner(&self) -> Option<(u32, u32)> {
+        self.jail.as_ref().map(|j| (j.uid, j.gid))
+    }
+
     fn children(&self) -> MutexGuard<'_, Children> {
         self.children.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -1,12 +1,17 @@
 //! The snapshots service: snapshots of running sandboxes (the VMM's Full snapshot into a
 //! daemon-owned directory), fork (a fresh snapshot, then one restore per new sandbox) and reset
-//! (same id, a new VMM restored from a snapshot, or booted afresh).
+//! (same id, a new VMM restored from a snapshot, or booted afresh); export and import
+//! ([`transfer`]) move snapshots between nodes.
+
+pub mod archive;
+mod transfer;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::api::{ApiError, CreateSandbox, ForkResult, Reply, Snapshot, State};
+use super::node::Node;
 use super::retention::{Pin, Retention};
 use super::sandboxes::{check_deterministic, Sandboxes};
 use super::store::{Db, StoreError};
@@ -19,6 +24,8 @@ pub struct Snapshots {
     supervisor: Arc<Supervisor>,
     sandboxes: Arc<Sandboxes>,
     retention: Arc<Retention>,
+    /// The node: its id and CPU go with exports, and imports are checked against them.
+    node: Arc<Node>,
     /// `STATE/snapshots`: one directory per snapshot.
     dir: PathBuf,
     /// Test only (`--test-hold-snapshot FILE`): once a snapshot's files are written, with the
@@ -42,6 +49,7 @@ impl Snapshots {
         supervisor: Arc<Supervisor>,
         sandboxes: Arc<Sandboxes>,
         retention: Arc<Retention>,
+        node: Arc<Node>,
         dir: PathBuf,
         hold: Option<PathBuf>,
     ) -> Snapshots {
@@ -50,6 +58,7 @@ impl Snapshots {
             supervisor,
             sandboxes,
             retention,
+            node,
             dir,
             hold,
         }
