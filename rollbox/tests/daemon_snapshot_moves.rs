@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use rollbox_tests::daemon::{cli, cli_output, cmdline, console, pid_of, wait_for, Server, KEY};
-use rollbox_tests::kvm_available;
+use rollbox_tests::{kvm_available, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
 fn snapshots_dir(server: &Server) -> PathBuf {
@@ -100,7 +100,23 @@ fn a_snapshot_exported_on_one_node_restores_on_another() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let a = Server::start(&["--node-id", "node-a"]);
     let mut b = Server::start(&["--node-id", "node-b"]);
-    let snap = a.guest_snapshot();
+    // A guest that writes 8 MiB of pages, and checks them once restored as a clone.
+    let template = json!({
+        "name": "guest",
+        "kernel": test_guest(),
+        "cmdline": format!("{TEST_GUEST_CMDLINE} rollbox.test.run=touch:8:7;clone-check:8:7"),
+        "memory_mib": 48,
+    });
+    let (status, body) = a.call("POST", "/templates", Some(template.clone()));
+    assert_eq!(status, 201, "{body}");
+    let parent = a.create(json!({"template": "guest", "ttl_s": 120}));
+    wait_for("the pages written", Duration::from_secs(30), || {
+        console(&parent).contains("OK 2048")
+    });
+    let parent_id = parent["id"].as_str().expect("id");
+    let (status, taken) = a.call("POST", &format!("/sandboxes/{parent_id}/snapshots"), None);
+    assert_eq!(status, 201, "{taken}");
+    let snap = taken["id"].as_str().expect("id").to_string();
     let (status, snapshot) = a.call("GET", &format!("/snapshots/{snap}"), None);
     assert_eq!(status, 200, "{snapshot}");
     let a_dir = PathBuf::from(snapshot["dir"].as_str().expect("dir"));
@@ -154,7 +170,8 @@ fn a_snapshot_exported_on_one_node_restores_on_another() {
     assert!(snapshot_dirs(&b).is_empty(), "{:?}", snapshot_dirs(&b));
 
     // With it, the CLI imports it under the same id; the files are the same bytes, holes kept.
-    b.add_guest_template("guest");
+    let (status, body) = b.call("POST", "/templates", Some(template));
+    assert_eq!(status, 201, "{body}");
     let out = cli(
         &b,
         &[
@@ -182,15 +199,18 @@ fn a_snapshot_exported_on_one_node_restores_on_another() {
     assert_eq!(status, 200);
     assert_eq!(node["snapshots"], json!([snap]), "{node}");
 
-    // A sandbox on b restores it (no boot).
+    // A sandbox on b restores it (no boot), and its guest finds every page it wrote on a.
     let restored = b.create(json!({"snapshot": snap, "ttl_s": 120}));
     let (pid, _) = pid_of(&restored);
     assert!(cmdline(pid).contains("--restore"), "{}", cmdline(pid));
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for("the clone's check", Duration::from_secs(30), || {
+        console(&restored).contains("clone OK")
+    });
+    let console_b = console(&restored);
+    assert!(console_b.contains("clone OK 0\n"), "{console_b}");
     assert!(
-        !console(&restored).contains("ready"),
-        "the imported snapshot booted: {}",
-        console(&restored)
+        !console_b.contains("ready"),
+        "the imported snapshot booted: {console_b}"
     );
     assert_eq!(
         b.get(restored["id"].as_str().expect("id"))["state"],

@@ -319,6 +319,13 @@ impl Guest {
                 None => err(b"usage: compute N"),
             },
             b"touch" | b"check" => self.cmd_workset(name, args),
+            // Once restored as a clone (a new generation), `check` of what `touch` wrote
+            // before the snapshot: memory that crossed a restore, or a move to another node.
+            b"clone-check" => {
+                snap::wait_new_generation();
+                puts(b"clone ");
+                self.cmd_workset(b"check", args);
+            }
             b"bench-pio" | b"bench-mmio" | b"bench-loop" => {
                 let Some(([n], _)) = numbers::<1>(args) else {
                     return err(b"usage: bench-pio|bench-mmio|bench-loop N");
