@@ -171,8 +171,9 @@ fn every_output_of_64_concurrent_daemon_execs_under_load_arrives() {
     for problem in wrong.iter().take(20) {
         eprintln!("  {problem}");
     }
+    // One full round at least: a round takes 5-35 s on a loaded 2-core host.
     assert!(
-        total >= CONCURRENCY * 2,
+        total >= CONCURRENCY,
         "only {total} execs ran within the budget"
     );
     assert!(

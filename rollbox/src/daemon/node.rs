@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::api::{
     ApiError, CpuFingerprint, NodeInfo, NodeMemory, NodeSlots, NodeStatus, NodeTemplate, State,
+    MAX_NODE_ID,
 };
 use super::store::Db;
 use super::util::{internal, now_ms, random_hex};
@@ -20,7 +21,7 @@ const NODE_ID_FILE: &str = "node-id";
 /// Why the node could not be set up; each names its input.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
-    #[error("--node-id {0:?}: want 1 to 63 of a-z 0-9 -, starting with a letter or digit")]
+    #[error("--node-id {0:?}: want 1 to 24 of a-z 0-9 -, starting with a letter or digit (it ends every sandbox id)")]
     BadId(String),
     #[error("{path}: {source}")]
     IdFile {
@@ -63,7 +64,7 @@ pub struct Node {
 
 fn check_node_id(id: &str) -> Result<String, NodeError> {
     let ok = !id.is_empty()
-        && id.len() <= 63
+        && id.len() <= MAX_NODE_ID
         && id
             .bytes()
             .enumerate()
@@ -185,6 +186,12 @@ impl Node {
     /// The node id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The id of a sandbox made here from 16 random hex digits: `sb-HEX-NODE`, so that a
+    /// client holding many nodes routes by id alone.
+    pub fn sandbox_id(&self, hex: &str) -> String {
+        format!("sb-{hex}-{}", self.id)
     }
 
     /// This host's CPU fingerprint.

@@ -224,10 +224,6 @@ fn make_dirs(state_dir: &Path) -> Result<Dirs, DaemonError> {
     std::fs::create_dir_all(&templates).map_err(state_error(&templates))?;
     let volumes = state.join("volumes");
     std::fs::create_dir_all(&volumes).map_err(state_error(&volumes))?;
-    // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX/vsock.sock_PORT (up to 5 digits).
-    if sandboxes.as_os_str().len() + "/sb-0123456789abcdef/vsock.sock_65535".len() >= 108 {
-        return Err(DaemonError::PathTooLong(sandboxes));
-    }
     Ok(Dirs {
         state,
         sandboxes,
@@ -312,6 +308,11 @@ pub async fn serve(
     volumes.remount();
     let counters = Arc::new(Counters::default());
     let node = Arc::new(Node::new(Arc::clone(&db), &options.node, &dirs.state)?);
+    // The longest socket path: DIR/sb-XXXXXXXXXXXXXXXX-NODE/vsock.sock_PORT (5 digits).
+    let longest = format!("/{}/vsock.sock_65535", node.sandbox_id("0123456789abcdef"));
+    if dirs.sandboxes.as_os_str().len() + longest.len() >= 108 {
+        return Err(DaemonError::PathTooLong(dirs.sandboxes.clone()));
+    }
     let guest = Arc::new(Guest::new(
         Arc::clone(&db),
         options.test_agent_socket.clone(),

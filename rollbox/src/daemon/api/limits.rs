@@ -17,6 +17,10 @@ pub const MAX_BATCH: u32 = 1000;
 /// Most ids one `ids=` query names.
 pub const MAX_IDS: usize = 1000;
 
+/// The longest node id: it ends every sandbox id, which must fit an E2B host name's label
+/// (`PORT-ID`, 63 bytes) and the sandbox's socket paths.
+pub const MAX_NODE_ID: usize = 24;
+
 /// Most vCPUs of one sandbox.
 pub const MAX_VCPUS: u32 = 32;
 /// Smallest `cpu_limit`, in cores.

@@ -303,7 +303,7 @@ impl Sandboxes {
         prepared: &Prepared,
     ) -> Result<Reply, ApiError> {
         let started = std::time::Instant::now();
-        let id = format!("sb-{}", random_hex());
+        let id = self.node.sandbox_id(&random_hex());
         let gpus = match &request.gpu {
             Some(gpu) => self
                 .gpus

@@ -16,7 +16,7 @@ pub mod volume;
 use std::collections::BTreeMap;
 
 use super::action::ApiError;
-use super::limits::{MAX_ENV, MAX_LABELS, MAX_TTL_S};
+use super::limits::{MAX_ENV, MAX_LABELS, MAX_NODE_ID, MAX_TTL_S};
 
 /// A 400 with this message.
 pub fn bad(message: impl Into<String>) -> ApiError {
@@ -41,14 +41,29 @@ pub fn from_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiEr
     Ok(value)
 }
 
-/// Sandbox ids: `sb-` and 16 lowercase hex digits.
+/// Sandbox ids: `sb-`, 16 lowercase hex digits and `-NODE`, the id of the node that made it
+/// (ids of daemons from before node ids have none).
 pub fn check_id(id: &str) -> Result<String, ApiError> {
-    let hex = id.strip_prefix("sb-").unwrap_or("");
-    if hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+    let rest = id.strip_prefix("sb-").unwrap_or("");
+    let (hex, node) = match rest.split_at_checked(16) {
+        Some((hex, node)) => (hex, node),
+        None => ("", ""),
+    };
+    let hex_ok = hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    // Since ids say their node: `-NODE` (a node id) after the hex; before, nothing.
+    let node_ok = node.is_empty()
+        || node.strip_prefix('-').is_some_and(|n| {
+            !n.is_empty()
+                && n.len() <= MAX_NODE_ID
+                && n.bytes().enumerate().all(|(i, b)| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || (i > 0 && b == b'-')
+                })
+        });
+    if hex_ok && node_ok {
         Ok(id.to_string())
     } else {
         Err(bad(format!(
-            "id: {id:?} is not a sandbox id (sb- and 16 hex digits)"
+            "id: {id:?} is not a sandbox id (sb-, 16 hex digits, then -NODE)"
         )))
     }
 }
@@ -216,4 +231,35 @@ pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_ids_end_with_their_node_and_old_ones_still_read() {
+        for good in [
+            "sb-0123456789abcdef",
+            "sb-0123456789abcdef-node-a",
+            "sb-0123456789abcdef-n",
+            "sb-0123456789abcdef-node-00112233aabbccdd",
+        ] {
+            assert_eq!(check_id(good).ok().as_deref(), Some(good));
+        }
+        for bad in [
+            "sb-0123456789abcde",
+            "sb-0123456789abcdeF",
+            "sb-0123456789abcdef-",
+            "sb-0123456789abcdef--a",
+            "sb-0123456789abcdef-Node",
+            "sb-0123456789abcdef-a/b",
+            "sb-0123456789abcdefx",
+            "sb-0123456789abcdef-0123456789012345678901234",
+            "snap-0123456789abcdef",
+        ] {
+            let error = check_id(bad).expect_err(bad).to_string();
+            assert!(error.contains("not a sandbox id"), "{bad}: {error}");
+        }
+    }
 }
