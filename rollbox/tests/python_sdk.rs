@@ -166,7 +166,7 @@ fn python_sdk_suite_against_rollbox() {
     let scratch = tempfile::tempdir().expect("scratch");
     let output = python_command(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
-        .args(["-m", "not overload and not image", "tests"])
+        .args(["-m", "not overload and not image and not ray", "tests"])
         .env("ROLLBOX_SOCKET", daemon.socket())
         .env("ROLLBOX_API_KEY", KEY)
         .env("ROLLBOX_SDK_KERNEL", test_guest())
@@ -181,6 +181,63 @@ fn python_sdk_suite_against_rollbox() {
         !stdout.contains(" skipped"),
         "the SDK suite skipped tests:\n{stdout}"
     );
+}
+
+/// rollbox_sdk.ray (tests/test_ray.py) on a Ray cluster of this host (a head and three
+/// worker nodes, `ray.cluster_utils`), each worker with its own daemon of 8 slots: discovery,
+/// spread and 429 backpressure, node-local routing, drain, a fork group over nodes through
+/// export and import, a lost node, and cleanup. The venv with Ray comes from
+/// scripts/ray-venv.sh (cached outside the repository).
+#[test]
+fn python_sdk_on_ray_places_sandboxes_over_three_daemons() {
+    if !kvm_available() {
+        return;
+    }
+    let python = match rollbox_tests::venv_python("scripts/ray-venv.sh", &[]) {
+        Ok(python) => python,
+        Err(reason) => {
+            skip(
+                "python_sdk_on_ray_places_sandboxes_over_three_daemons",
+                &reason,
+            );
+            return;
+        }
+    };
+    let daemons: Vec<Daemon> = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|id| start_daemon(None, None, &["--node-id", id, "--max-sandboxes", "8"]))
+        .collect();
+    let sockets: Vec<String> = daemons
+        .iter()
+        .map(|d| d.socket().display().to_string())
+        .collect();
+    let output = python_command(&python)
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
+        .args(["-m", "ray", "tests/test_ray.py"])
+        .env("ROLLBOX_RAY_SOCKETS", sockets.join(":"))
+        .env("ROLLBOX_API_KEY", KEY)
+        .env("ROLLBOX_SDK_KERNEL", test_guest())
+        .env("ROLLBOX_SDK_CMDLINE", TEST_GUEST_CMDLINE)
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .output()
+        .expect("run pytest");
+    check("rollbox_sdk.ray's tests", &output, &daemons[0], "4 passed");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!stdout.contains(" skipped"), "skipped tests:\n{stdout}");
+    // Every pool closed: no live sandbox on any daemon.
+    for daemon in &daemons {
+        let response = Endpoint::Unix(daemon.socket())
+            .request(
+                "GET",
+                "/sandboxes",
+                &[("Authorization", &format!("Bearer {KEY}"))],
+                None,
+                Duration::from_secs(10),
+            )
+            .expect("GET /sandboxes");
+        let list: serde_json::Value = serde_json::from_slice(&response.body).expect("json");
+        assert_eq!(list["sandboxes"], json!([]), "{}", daemon.log());
+    }
 }
 
 /// examples/rl_rollout.py (fork one warm sandbox, reset each between episodes) with a small

@@ -46,6 +46,18 @@ class RollboxError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> Tuple[object, ...]:
+        # Pickled whole (Ray hands an actor's exceptions back this way): the keyword-only
+        # fields of the subclasses are in __dict__, which a plain Exception pickle would drop.
+        return (_restore, (type(self), self.message, dict(self.__dict__)))
+
+
+def _restore(cls: Type["RollboxError"], message: str, state: Dict[str, object]) -> "RollboxError":
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class ConfigError(RollboxError):
     """The client is not configured (no API key, a bad URL)."""
