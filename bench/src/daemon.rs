@@ -176,6 +176,29 @@ impl Daemon {
         Ok((response.status, value))
     }
 
+    /// A request whose body or answer streams (a snapshot's export or import): the answer,
+    /// to read as it comes.
+    pub(crate) fn open(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&mut dyn std::io::Read, u64)>,
+    ) -> Result<rollbox::daemon::client::Streaming, DaemonBenchError> {
+        let auth = format!("Bearer {KEY}");
+        Endpoint::Unix(self.sock())
+            .open(
+                method,
+                path,
+                &[("Authorization", auth.as_str())],
+                body,
+                TIMEOUT,
+            )
+            .map_err(|e| DaemonBenchError::Request {
+                what: format!("{method} {path}"),
+                message: format!("{e}; daemon log: {}", self.log()),
+            })
+    }
+
     /// `call`, expecting `status`.
     pub(crate) fn expect(
         &self,

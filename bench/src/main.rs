@@ -17,6 +17,7 @@ mod networks;
 mod procfs;
 mod side_by_side;
 mod snapshot;
+mod snapshot_move;
 mod stats;
 mod test_guest;
 mod vmm;
@@ -259,6 +260,34 @@ enum Bench {
         /// Creates per row (and policy changes).
         #[arg(long, default_value_t = 50)]
         creates: usize,
+        /// Also write the figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// A snapshot moved between two `rollbox serve`s (export to a file, import), against
+    /// `cp --sparse=always` of its files; the restore on the second daemon checks the pages
+    /// the guest wrote. Needs root and /dev/kvm.
+    SnapshotMove {
+        /// The rollbox CLI [default: target/release/rollbox].
+        #[arg(long)]
+        rollbox: Option<PathBuf>,
+        /// The VMM binary [default: target/release/rollbox-vmm].
+        #[arg(long)]
+        vmm: Option<PathBuf>,
+        /// The test guest ELF [default: target/test-guest/test-guest].
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// Where the scratch state directories go (removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        dir: PathBuf,
+        /// Guest memory.
+        #[arg(long, default_value_t = 256)]
+        memory_mib: u64,
+        /// MiB the guest writes before the snapshot (from 32 MiB up: at most memory - 32).
+        #[arg(long, default_value_t = 200)]
+        touch_mib: u64,
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
         /// Also write the figures as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -612,6 +641,34 @@ fn main() -> ExitCode {
                 "networks",
                 networks::run(&config),
                 networks::markdown,
+                json.as_deref(),
+            )
+        }
+        Bench::SnapshotMove {
+            rollbox,
+            vmm,
+            guest,
+            dir,
+            memory_mib,
+            touch_mib,
+            rounds,
+            json,
+        } => {
+            let (default_rollbox, default_vmm, default_guest) =
+                daemon::default_paths(&workspace_root());
+            let config = snapshot_move::MoveBenchConfig {
+                rollbox: rollbox.unwrap_or(default_rollbox),
+                vmm: vmm.unwrap_or(default_vmm),
+                guest: guest.unwrap_or(default_guest),
+                dir,
+                memory_mib,
+                touch_mib: touch_mib.clamp(1, memory_mib.saturating_sub(32).max(1)),
+                rounds,
+            };
+            finish(
+                "snapshot-move",
+                snapshot_move::run(&config),
+                snapshot_move::markdown,
                 json.as_deref(),
             )
         }

@@ -240,6 +240,41 @@ fn python_sdk_on_ray_places_sandboxes_over_three_daemons() {
     }
 }
 
+/// sdk/python/bench/ray_pool.py on three daemons of 16 slots: figures only (the pool's
+/// create against a direct one, a fork group of 12 on one node against one over two).
+#[test]
+#[ignore = "benchmark: prints figures"]
+fn python_sdk_ray_pool_figures() {
+    let python = match rollbox_tests::venv_python("scripts/ray-venv.sh", &[]) {
+        Ok(python) => python,
+        Err(reason) => panic!("no Ray venv: {reason}"),
+    };
+    let daemons: Vec<Daemon> = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|id| start_daemon(None, None, &["--node-id", id, "--max-sandboxes", "16"]))
+        .collect();
+    let sockets: Vec<String> = daemons
+        .iter()
+        .map(|d| d.socket().display().to_string())
+        .collect();
+    let output = python_command(&python)
+        .args(["bench/ray_pool.py", "--slots", "16"])
+        .arg("--kernel")
+        .arg(test_guest())
+        .args(["--cmdline", TEST_GUEST_CMDLINE])
+        .env("ROLLBOX_RAY_SOCKETS", sockets.join(":"))
+        .env("ROLLBOX_API_KEY", KEY)
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .output()
+        .expect("run ray_pool.py");
+    check(
+        "ray_pool.py",
+        &output,
+        &daemons[0],
+        "fork group of 12 over two nodes",
+    );
+}
+
 /// examples/rl_rollout.py (fork one warm sandbox, reset each between episodes) with a small
 /// count, over loopback TCP through ROLLBOX_URL.
 #[test]

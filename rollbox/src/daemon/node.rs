@@ -86,7 +86,8 @@ fn node_id(given: Option<&str>, state_dir: &Path) -> Result<String, NodeError> {
     match std::fs::read_to_string(&path) {
         Ok(text) => check_node_id(text.trim()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let id = format!("node-{}", random_hex());
+            // Short: it ends every sandbox id made here (socket paths, host labels).
+            let id = format!("node-{}", &random_hex()[..8]);
             std::fs::write(&path, format!("{id}\n")).map_err(io)?;
             Ok(id)
         }

@@ -125,6 +125,12 @@ class RollboxNode:
                 out.write(archive)
             return self._client.import_snapshot(path)
 
+    def import_and_create(
+        self, archive: bytes, snapshot: str, count: int, kwargs: Dict[str, Any]
+    ) -> List[Sandbox]:
+        self.import_(archive)
+        return self.create(None, snapshot, count, kwargs)
+
     def run(self, sandbox: str, cmd: Any, kwargs: Dict[str, Any]) -> ExecResult:
         return self._client.run(sandbox, cmd, **kwargs)
 
@@ -372,7 +378,7 @@ class SandboxPool:
     def fork_group(self, parent: Lease, n: int, *, labels: Optional[Mapping[str, str]] = None) -> List[Lease]:
         """``n`` sandboxes from the parent's current state: one fork on its node when that
         node has ``n`` free slots; else one snapshot, the parent's node filled first, and the
-        rest restored on other nodes after one import each."""
+        rest restored on other nodes after one import each, all nodes at once."""
         self.refresh()
         home = self._node(parent.ray_node)
         tagged = self._labels(labels)
@@ -380,40 +386,50 @@ class SandboxPool:
             made = _call(home, "fork", parent.id, n, tagged)
             home.count(len(made))
             return [self._lease(home, s) for s in made]
+        cpu = home.info.get("cpu", {}).get("id")
         snap = _call(home, "snapshot", parent.id)
         kwargs = {"ttl_s": self._ttl_s, "labels": tagged}
+        # (node, count) per node: the parent's first, then the freest compatible ones.
+        shares = [(home, max(0, min(home.free(), n)))]
+        others = sorted(
+            (
+                o
+                for o in self._nodes.values()
+                if o is not home and o.ready() and o.info.get("cpu", {}).get("id") == cpu and o.has_template(snap.template)
+            ),
+            key=lambda o: -o.free(),
+        )
+        for other in others:
+            want = min(n - sum(c for _, c in shares), other.free())
+            if want > 0:
+                shares.append((other, want))
+        if sum(c for _, c in shares) < n:
+            raise Overloaded(f"fork group of {n}: fewer slots free in the cluster", status=429)
+        # One export, handed by reference to every importing node; the restores run at once.
+        archive = home.actor.export.remote(snap.id) if len(shares) > 1 else None
+        pending = [
+            (node, node.actor.create.remote(None, snap.id, count, kwargs))
+            if node is home
+            else (node, node.actor.import_and_create.remote(archive, snap.id, count, kwargs))
+            for node, count in shares
+            if count
+        ]
         leases: List[Lease] = []
-        archive: Optional[bytes] = None
-        try:
-            local = max(0, min(home.free(), n))
-            if local:
-                made = _call(home, "create", None, snap.id, local, kwargs)
-                home.count(len(made))
-                leases += [self._lease(home, s) for s in made]
-            others = sorted(
-                (o for o in self._nodes.values() if o is not home and o.ready()
-                 and o.info.get("cpu", {}).get("id") == home.info.get("cpu", {}).get("id")
-                 and o.has_template(snap.template)),
-                key=lambda o: -o.free(),
-            )
-            for other in others:
-                want = min(n - len(leases), other.free())
-                if want <= 0:
-                    continue
-                if archive is None:
-                    archive = _call(home, "export", snap.id)
-                _call(other, "import_", archive)
-                made = _call(other, "create", None, snap.id, want, kwargs)
-                other.count(len(made))
-                leases += [self._lease(other, s) for s in made]
-                if len(leases) == n:
-                    break
-            if len(leases) < n:
-                raise Overloaded(f"fork group of {n}: only {len(leases)} slots free in the cluster", status=429)
-        except BaseException:
+        failure: Optional[BaseException] = None
+        for node, ref in pending:
+            try:
+                made = ray.get(ref)
+                node.count(len(made))
+                leases += [self._lease(node, s) for s in made]
+            except _GONE as e:
+                node.alive = False
+                failure = failure or SandboxLost(f"rollbox node {node.node_id} is gone: {e}")
+            except BaseException as e:  # noqa: BLE001 - every restore is awaited before raising
+                failure = failure or e
+        if failure is not None:
             for lease in leases:
                 self.release(lease)
-            raise
+            raise failure
         return leases
 
     # --- ends -----------------------------------------------------------------------------
