@@ -221,7 +221,7 @@ fn python_sdk_on_ray_places_sandboxes_over_three_daemons() {
         .env("RAY_USAGE_STATS_ENABLED", "0")
         .output()
         .expect("run pytest");
-    check("rollbox_sdk.ray's tests", &output, &daemons[0], "4 passed");
+    check("rollbox_sdk.ray's tests", &output, &daemons[0], "5 passed");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(!stdout.contains(" skipped"), "skipped tests:\n{stdout}");
     // Every pool closed: no live sandbox on any daemon.

@@ -45,6 +45,9 @@ SLOTS = "rollbox_slots"
 NAMESPACE = "rollbox"
 """The Ray namespace of the pools: any driver of the cluster finds a pool by name there."""
 
+# The resource Ray gives its head node only.
+HEAD_RESOURCE = "node:__internal_head__"
+
 POOL_LABEL = "rollbox.pool"
 RUN_LABEL = "rollbox.run"
 
@@ -470,7 +473,7 @@ class SandboxPool:
 
 def pool(name: str = "default", *, run: Optional[str] = None, best_of: int = 2, ttl_s: int = 3600) -> Any:
     """The named, detached :class:`SandboxPool` actor ``rollbox-pool-NAME`` (namespace
-    ``rollbox``), made by the first caller and shared by every later one, other drivers
+    ``rollbox``, on the head node), made by the first caller and shared by every later one, other drivers
     included (``ray.get(pool().create.remote("guest", near=...))``). It outlives the driver
     that made it: a new driver closes a killed one's pool by name. ``ttl_s`` is every
     sandbox's hard TTL unless a create gives one."""
@@ -480,6 +483,8 @@ def pool(name: str = "default", *, run: Optional[str] = None, best_of: int = 2, 
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
+        # On the head node: a worker node that leaves must not take the pool with it.
+        resources={HEAD_RESOURCE: 0.001},
     ).remote(name, run, best_of, ttl_s)
 
 

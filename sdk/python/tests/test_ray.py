@@ -230,6 +230,36 @@ def test_agent_loops_run_episodes_and_a_killed_driver_is_cleaned_up(cluster) -> 
         assert live(socket, "crash") == []
 
 
+def test_the_verl_tool_and_the_grpo_example(cluster) -> None:
+    from rollbox_sdk.verl import RollboxTool
+
+    tool = RollboxTool({"template": "guest", "pool": "tool", "command": ["sh", "-c"]})
+
+    async def trajectory():
+        instance = await tool.create()
+        answer = await tool.execute(instance, {"code": "echo 42"})
+        assert await tool.calc_reward(instance) == 0.0
+        await tool.release(instance)
+        return answer
+
+    text, reward, metrics = asyncio.run(trajectory())
+    assert (text, reward, metrics["exit_code"]) == ("42\n", 0.0, 0)
+    ray.kill(pool("tool"))
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "ray_grpo.py")
+    ran = subprocess.run(
+        [sys.executable, example, "--address", cluster["cluster"].address, "--template", "guest"]
+        + ["--groups", "1", "--group", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "3 agent loops, 18 steps in groups of 6" in ran.stdout, ran.stdout
+    for socket in SOCKETS:
+        assert live(socket, "tool") == [] and live(socket, "grpo") == []
+
+
 def test_a_lost_node_raises_sandbox_lost_and_gets_no_placement(cluster) -> None:
     p = pool("loss")
     c_socket = next(s for s, n in cluster["by_socket"].items() if n == "node-c")
