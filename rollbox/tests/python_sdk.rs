@@ -183,6 +183,19 @@ fn python_sdk_suite_against_rollbox() {
     );
 }
 
+/// Daemons node-a, node-b and node-c of `slots` sandboxes each, and their sockets.
+fn three_daemons(slots: &str) -> (Vec<Daemon>, Vec<String>) {
+    let daemons: Vec<Daemon> = ["node-a", "node-b", "node-c"]
+        .iter()
+        .map(|id| start_daemon(None, None, &["--node-id", id, "--max-sandboxes", slots]))
+        .collect();
+    let sockets = daemons
+        .iter()
+        .map(|d| d.socket().display().to_string())
+        .collect();
+    (daemons, sockets)
+}
+
 /// rollbox_sdk.ray (tests/test_ray.py) on a Ray cluster of this host (a head and three
 /// worker nodes, `ray.cluster_utils`), each worker with its own daemon of 8 slots: discovery,
 /// spread and 429 backpressure, node-local routing, drain, a fork group over nodes through
@@ -203,14 +216,7 @@ fn python_sdk_on_ray_places_sandboxes_over_three_daemons() {
             return;
         }
     };
-    let daemons: Vec<Daemon> = ["node-a", "node-b", "node-c"]
-        .iter()
-        .map(|id| start_daemon(None, None, &["--node-id", id, "--max-sandboxes", "8"]))
-        .collect();
-    let sockets: Vec<String> = daemons
-        .iter()
-        .map(|d| d.socket().display().to_string())
-        .collect();
+    let (daemons, sockets) = three_daemons("8");
     let output = python_command(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
         .args(["-m", "ray", "tests/test_ray.py"])
@@ -249,14 +255,7 @@ fn python_sdk_ray_pool_figures() {
         Ok(python) => python,
         Err(reason) => panic!("no Ray venv: {reason}"),
     };
-    let daemons: Vec<Daemon> = ["node-a", "node-b", "node-c"]
-        .iter()
-        .map(|id| start_daemon(None, None, &["--node-id", id, "--max-sandboxes", "16"]))
-        .collect();
-    let sockets: Vec<String> = daemons
-        .iter()
-        .map(|d| d.socket().display().to_string())
-        .collect();
+    let (daemons, sockets) = three_daemons("16");
     let output = python_command(&python)
         .args(["bench/ray_pool.py", "--slots", "16"])
         .arg("--kernel")

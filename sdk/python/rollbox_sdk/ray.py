@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .client import Client
 from .errors import Overloaded, RollboxError, Unavailable
-from .types import ExecResult, NodeInfo, Sandbox, Snapshot
+from .types import ExecResult, ItemResult, NodeInfo, Sandbox, Snapshot
 
 SLOTS = "rollbox_slots"
 """The custom resource a Ray node with a rollbox daemon advertises (its slot count)."""
@@ -90,22 +90,19 @@ class RollboxNode:
         if count == 1:
             return [self._client.create_sandbox(template, snapshot=snapshot, **kwargs)]
         results = self._client.create_batch(count, template, snapshot=snapshot, **kwargs)
-        made = [r.sandbox for r in results if r.sandbox is not None]
-        failed = [r.error for r in results if r.sandbox is None]
-        if failed:
-            if made:
-                self._client.delete_sandboxes(ids=[s.id for s in made])
-            raise RollboxError(f"batch of {count}: {failed[0]}")
-        return made
+        return self._all_or_none(results, f"batch of {count}")
 
     def fork(self, sandbox: str, count: int, labels: Dict[str, str]) -> List[Sandbox]:
-        results = self._client.fork(sandbox, count, labels=labels)
+        return self._all_or_none(self._client.fork(sandbox, count, labels=labels), f"fork of {sandbox}")
+
+    def _all_or_none(self, results: List[ItemResult], what: str) -> List[Sandbox]:
+        """Every sandbox of a batch or fork, or none: the made ones go when one failed."""
         made = [r.sandbox for r in results if r.sandbox is not None]
         failed = [r.error for r in results if r.sandbox is None]
         if failed:
             if made:
                 self._client.delete_sandboxes(ids=[s.id for s in made])
-            raise RollboxError(f"fork of {sandbox}: {failed[0]}")
+            raise RollboxError(f"{what}: {failed[0]}")
         return made
 
     def snapshot(self, sandbox: str) -> Snapshot:
