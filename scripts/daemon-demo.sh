@@ -76,9 +76,11 @@ timed() {
 step "rollbox serve (state in $work/state)"
 # The template's image file must lie under a --template-dir (symlinks resolved).
 source_dir="$(dirname "$(realpath "${archive:-$rootfs}")")"
-# A generous VMM start timeout: under nested emulation four restores at once take seconds.
+# Generous VMM start and agent timeouts: under nested emulation four restores at once take
+# seconds, and a fork clone's agent has been seen to need more than the default 10 s while
+# the other lab's L1 took the cores.
 "$rollbox" serve --state-dir "$work/state" --default-ttl 1800 --image-cache "$work/cache" \
-    --template-dir "$source_dir" --vmm-start-timeout 60 > "$work/serve.log" 2>&1 &
+    --template-dir "$source_dir" --vmm-start-timeout 60 --agent-timeout 60 > "$work/serve.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 100); do [[ -S "$ROLLBOX_SOCKET" ]] && break; sleep 0.1; done
 [[ -S "$ROLLBOX_SOCKET" ]] || fail "rollbox serve did not listen on $ROLLBOX_SOCKET"
