@@ -13,6 +13,7 @@ use sha2::Digest as _;
 use super::api::{ApiError, KeyInfo, NewKey, Reply};
 use super::store::{Db, KeyRow, StoreError};
 use super::util::{internal, now_ms, random_hex};
+use crate::images::digest::to_hex;
 
 /// Random bytes in a new key (256 bits).
 const KEY_BYTES: usize = 32;
@@ -75,10 +76,7 @@ pub fn same_secret(given: &[u8], secret: &[u8]) -> bool {
 
 /// Hex SHA-256 of a key as given (surrounding whitespace is not part of it).
 fn hash_of(key: &str) -> String {
-    sha2::Sha256::digest(key.trim().as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    to_hex(&sha2::Sha256::digest(key.trim().as_bytes()))
 }
 
 /// A new key: [`KEY_PREFIX`] and 64 hex digits from the kernel's random source.
@@ -92,8 +90,7 @@ fn new_secret() -> Result<String, ApiError> {
             std::io::Error::last_os_error()
         )));
     }
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    Ok(format!("{KEY_PREFIX}{hex}"))
+    Ok(format!("{KEY_PREFIX}{}", to_hex(&bytes)))
 }
 
 fn info(entry: &Entry, id: &str, key: Option<String>) -> KeyInfo {

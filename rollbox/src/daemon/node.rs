@@ -14,6 +14,7 @@ use super::api::{
 };
 use super::store::Db;
 use super::util::{internal, now_ms, random_hex};
+use crate::images::digest::to_hex;
 
 /// The file in the state directory that keeps a made-up node id across restarts.
 const NODE_ID_FILE: &str = "node-id";
@@ -139,7 +140,7 @@ pub fn cpu_fingerprint() -> CpuFingerprint {
         hash.update(word.to_le_bytes());
     }
     let digest = hash.finalize();
-    let id = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let id = to_hex(&digest[..8]);
     CpuFingerprint {
         vendor,
         family,

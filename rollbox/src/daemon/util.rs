@@ -6,6 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::api::{ApiError, Reply, Sandbox};
 use super::store::Db;
+use crate::images::digest::to_hex;
 
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -23,7 +24,7 @@ pub fn random_hex() -> String {
         // Not reached on Linux >= 3.17; the time and pid still make a unique-enough id.
         bytes = (now_ms() ^ (u64::from(std::process::id()) << 40)).to_le_bytes();
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    to_hex(&bytes)
 }
 
 /// Removes a directory and what it holds; one that is not there is fine.

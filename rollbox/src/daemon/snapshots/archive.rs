@@ -42,6 +42,20 @@ fn malformed(message: String) -> ArchiveError {
     ArchiveError::Malformed(message)
 }
 
+/// A write to the archive's reader (the response stream, a file) that failed.
+fn sink(source: std::io::Error) -> ArchiveError {
+    ArchiveError::Io {
+        what: "the archive's reader".into(),
+        source,
+    }
+}
+
+/// One (offset, length) of a sparse map into its header slot.
+fn put_slot(slot: &mut tar::GnuSparseHeader, (offset, len): (u64, u64)) {
+    put_number(&mut slot.offset, offset);
+    put_number(&mut slot.numbytes, len);
+}
+
 /// A file to write as a member: its name, size and where its data is.
 #[derive(Debug)]
 pub struct Member {
@@ -133,10 +147,6 @@ pub fn write_archive(
     members: &[Member],
     mtime: u64,
 ) -> Result<(), ArchiveError> {
-    let sink = |source| ArchiveError::Io {
-        what: "the archive's reader".into(),
-        source,
-    };
     let mut header = gnu_header(
         MANIFEST,
         manifest.len() as u64,
@@ -160,10 +170,6 @@ fn pad(out: &mut impl Write, written: u64) -> std::io::Result<()> {
 }
 
 fn write_member(out: &mut impl Write, member: &Member, mtime: u64) -> Result<(), ArchiveError> {
-    let sink = |source| ArchiveError::Io {
-        what: "the archive's reader".into(),
-        source,
-    };
     let stored = member.stored();
     if !member.sparse() {
         let mut header = gnu_header(&member.name, stored, mtime, tar::EntryType::Regular)?;
@@ -183,9 +189,8 @@ fn write_member(out: &mut impl Write, member: &Member, mtime: u64) -> Result<(),
             .as_gnu_mut()
             .ok_or_else(|| malformed("a GNU header is not GNU".into()))?;
         put_number(&mut gnu.realsize, member.size);
-        for (slot, (offset, len)) in gnu.sparse.iter_mut().zip(&map) {
-            put_number(&mut slot.offset, *offset);
-            put_number(&mut slot.numbytes, *len);
+        for (slot, range) in gnu.sparse.iter_mut().zip(&map) {
+            put_slot(slot, *range);
         }
         let mut rest = map.get(HEADER_RANGES..).unwrap_or(&[]);
         gnu.isextended[0] = u8::from(!rest.is_empty());
@@ -194,9 +199,8 @@ fn write_member(out: &mut impl Write, member: &Member, mtime: u64) -> Result<(),
         while !rest.is_empty() {
             let (these, later) = rest.split_at(rest.len().min(EXTENSION_RANGES));
             let mut block = tar::GnuExtSparseHeader::new();
-            for (slot, (offset, len)) in block.sparse.iter_mut().zip(these) {
-                put_number(&mut slot.offset, *offset);
-                put_number(&mut slot.numbytes, *len);
+            for (slot, range) in block.sparse.iter_mut().zip(these) {
+                put_slot(slot, *range);
             }
             block.isextended[0] = u8::from(!later.is_empty());
             out.write_all(block.as_bytes()).map_err(sink)?;

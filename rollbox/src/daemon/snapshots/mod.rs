@@ -73,6 +73,17 @@ impl Snapshots {
         })
     }
 
+    /// A snapshot's name (its request `field`) must be no template's: E2B creates from a
+    /// snapshot by its name in `templateID`, one namespace.
+    fn name_is_free(&self, name: &str, field: &str) -> Result<(), ApiError> {
+        if self.db.lock().template(name).map_err(internal)?.is_some() {
+            return Err(ApiError::Conflict(format!(
+                "{field}: {name:?} is a template's name on this node; give the snapshot another"
+            )));
+        }
+        Ok(())
+    }
+
     /// GET /snapshots (of one sandbox when given).
     pub fn list(&self, sandbox: Option<&str>) -> Result<Reply, ApiError> {
         Ok(Reply::Snapshots(
@@ -108,12 +119,7 @@ impl Snapshots {
         name: Option<String>,
     ) -> Result<Reply, ApiError> {
         if let Some(name) = &name {
-            // E2B creates from a snapshot by its name in `templateID`: one namespace.
-            if self.db.lock().template(name).map_err(internal)?.is_some() {
-                return Err(ApiError::Conflict(format!(
-                    "name: {name:?} is a template's name; give the snapshot another"
-                )));
-            }
+            self.name_is_free(name, "name")?;
         }
         let mut snapshot = {
             let _busy = self.claim(id)?;

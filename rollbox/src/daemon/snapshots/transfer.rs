@@ -9,7 +9,6 @@
 //! a snapshot this node already has answers it again.
 
 use std::collections::BTreeSet;
-use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
@@ -17,12 +16,14 @@ use serde::{Deserialize, Serialize};
 use tokio::io::AsyncRead;
 
 use super::super::api::{
-    check_snapshot_id, check_snapshot_name, ApiError, BodyTooLarge, Chunk, CpuFingerprint, Reply,
-    Snapshot, Template, VolumeMount, MAX_MEMORY_MIB, MAX_VCPUS,
+    check_snapshot_id, check_snapshot_name, ApiError, Chunk, CpuFingerprint, Reply, Snapshot,
+    Template, VolumeMount, MAX_MEMORY_MIB, MAX_VCPUS,
 };
+use super::super::supervisor::jaildir::JailDir;
 use super::super::util::{internal, random_hex, remove_dir};
 use super::archive::{self, ArchiveError, Member, Reader, MANIFEST};
 use super::Snapshots;
+use crate::images::digest::to_hex;
 
 /// The manifest format this daemon writes and reads.
 const FORMAT: u32 = 1;
@@ -122,7 +123,7 @@ fn ext4_uuid(base: &Path) -> Result<String, ApiError> {
     std::fs::File::open(base)
         .and_then(|f| f.read_exact_at(&mut uuid, 1024 + 0x68))
         .map_err(|e| internal(format!("the shared base {}: {e}", base.display())))?;
-    Ok(uuid.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(to_hex(&uuid))
 }
 
 /// The template's shared base, by its UUID.
@@ -148,16 +149,11 @@ fn free_bytes(dir: &Path) -> Result<u64, ApiError> {
     Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
-/// An archive error as the API says it: a bad or cut archive is the client's (400).
+/// An archive error as the API says it: a bad or cut archive is the client's (400), a file
+/// that cannot be written the daemon's (500). (An import has no upload limit: its manifest
+/// bounds each file.)
 fn refused(e: ArchiveError) -> ApiError {
     match e {
-        ArchiveError::Io { ref source, .. }
-            if source
-                .get_ref()
-                .is_some_and(|inner| inner.is::<BodyTooLarge>()) =>
-        {
-            ApiError::BadRequest(e.to_string())
-        }
         ArchiveError::Io { .. } => ApiError::Internal(e.to_string()),
         ArchiveError::Malformed(_) | ArchiveError::Truncated(_) => {
             ApiError::BadRequest(e.to_string())
@@ -227,15 +223,9 @@ impl Snapshots {
         let mtime = snapshot.created_at_ms / 1000;
         let what = format!("export of snapshot {id}");
         tokio::task::spawn_blocking(move || {
+            // write_archive flushes it at the end.
             let mut out = std::io::BufWriter::with_capacity(1 << 20, ChannelWriter(tx.clone()));
-            let written =
-                archive::write_archive(&mut out, &manifest, &members, mtime).and_then(|()| {
-                    out.flush().map_err(|source| ArchiveError::Io {
-                        what: "the archive's reader".into(),
-                        source,
-                    })
-                });
-            if let Err(e) = written {
+            if let Err(e) = archive::write_archive(&mut out, &manifest, &members, mtime) {
                 log::info!("{what}: {e}");
                 // A chunked body without its end tells the client it was cut.
                 let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
@@ -382,11 +372,7 @@ impl Snapshots {
             )));
         }
         if let Some(name) = &name {
-            if self.db.lock().template(name).map_err(internal)?.is_some() {
-                return Err(ApiError::Conflict(format!(
-                    "snapshot.name: {name:?} is a template's name on this node"
-                )));
-            }
+            self.name_is_free(name, "snapshot.name")?;
         }
         // Its volumes must be here and the tenant's to mount.
         self.sandboxes.mounts(&s.volumes, tenant.as_deref())?;
@@ -425,6 +411,8 @@ impl Snapshots {
     where
         R: AsyncRead + Unpin,
     {
+        let dir = JailDir::open(staging).map_err(internal)?;
+        let owner = self.supervisor.jail_owner();
         let mut seen = BTreeSet::new();
         while let Some(entry) = reader.next().await.map_err(refused)? {
             let listed = manifest
@@ -450,13 +438,14 @@ impl Snapshots {
                 )));
             }
             let path = staging.join(&entry.name);
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&path)
-                .map_err(|e| internal(format!("{}: {e}", path.display())))?;
+            let file = dir
+                .create_file(std::ffi::OsStr::new(&entry.name))
+                .map_err(internal)?;
+            // The jail's user's, as a jailed VMM's own snapshot files are.
+            if let Some((uid, gid)) = owner {
+                std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
+                    .map_err(|e| internal(format!("{}: {e}", path.display())))?;
+            }
             let mut file = tokio::fs::File::from_std(file);
             reader
                 .copy_to(&entry, &mut file, &path)
@@ -475,21 +464,12 @@ impl Snapshots {
         Ok(())
     }
 
-    /// Makes the staged files what a jailed VMM reads (its uid's, the directory its group's),
-    /// moves them in place and records the snapshot.
+    /// Makes the staging directory one a jail reads (its group's, as a snapshot directory
+    /// is), moves it in place and records the snapshot.
     fn place(&self, staging: &Path, snapshot: &Snapshot) -> Result<(), ApiError> {
-        if let Some((uid, gid)) = self.supervisor.jail_owner() {
-            for name in std::fs::read_dir(staging)
-                .map_err(internal)?
-                .flatten()
-                .map(|e| e.path())
-            {
-                std::os::unix::fs::lchown(&name, Some(uid), Some(gid))
-                    .map_err(|e| internal(format!("{}: {e}", name.display())))?;
-            }
-            std::os::unix::fs::chown(staging, None, Some(gid)).map_err(internal)?;
-            use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(staging, std::fs::Permissions::from_mode(0o750))
+        if let Some((_, gid)) = self.supervisor.jail_owner() {
+            JailDir::open(staging)
+                .and_then(|dir| dir.set_group_mode(gid, 0o750))
                 .map_err(internal)?;
         }
         std::fs::rename(staging, &snapshot.dir).map_err(|e| {

@@ -125,13 +125,12 @@ pub fn hmac_sha256(key: &[u8], message: &[&[u8]]) -> [u8; 32] {
 /// A token for sandbox `id` derived from the daemon's `key`: hex of the first 16 bytes of
 /// HMAC-SHA256(key, label NUL id). Nothing is stored; a daemon restart gives the same token.
 pub fn derived_token(key: &str, label: &str, id: &str) -> String {
-    hmac_sha256(
-        key.trim().as_bytes(),
-        &[label.as_bytes(), b"\0", id.as_bytes()],
-    )[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::images::digest::to_hex(
+        &hmac_sha256(
+            key.trim().as_bytes(),
+            &[label.as_bytes(), b"\0", id.as_bytes()],
+        )[..16],
+    )
 }
 
 /// Now, in Unix seconds.
@@ -148,8 +147,7 @@ mod tests {
     #[test]
     fn hmac_matches_rfc_4231() {
         // RFC 4231 test cases 1 and 6 (a key longer than the block).
-        let hex =
-            |bytes: [u8; 32]| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+        let hex = |bytes: [u8; 32]| crate::images::digest::to_hex(&bytes);
         assert_eq!(
             hex(hmac_sha256(&[0x0b; 20], &[b"Hi There"])),
             "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"

@@ -74,10 +74,7 @@ impl E2b {
         hash.update(self.api_key.trim().as_bytes());
         hash.update(b"\0");
         hash.update(id.as_bytes());
-        hash.finalize()[..16]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        crate::images::digest::to_hex(&hash.finalize()[..16])
     }
 
     /// The traffic access token of sandbox `id` (E2B's `trafficAccessToken`): what a request
