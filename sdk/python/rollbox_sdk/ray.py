@@ -150,6 +150,10 @@ class RollboxNode:
         return self._client.undrain()
 
 
+# RollboxNode as an actor class, wrapped once (each actor is pinned by options()).
+_NODE_ACTOR = ray.remote(num_cpus=0, max_concurrency=32)(RollboxNode)
+
+
 @dataclass
 class NodeState:
     """What the pool knows of one node: its actor, and its daemon's last `GET /node`."""
@@ -261,10 +265,9 @@ class SandboxPool:
         """Finds nodes with ``rollbox_slots`` (an actor on each new one), forgets dead ones,
         and reads every live node's ``GET /node``."""
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOTS)}
-        actor_class = ray.remote(num_cpus=0, max_concurrency=32)(RollboxNode)
         with self._lock:
             for ray_node in alive - set(self._nodes):
-                actor = actor_class.options(scheduling_strategy=_affinity(ray_node)).remote()
+                actor = _NODE_ACTOR.options(scheduling_strategy=_affinity(ray_node)).remote()
                 self._nodes[ray_node] = NodeState(ray_node, actor, {})
             for ray_node, node in self._nodes.items():
                 if ray_node not in alive:
@@ -468,14 +471,17 @@ class SandboxPool:
         return ended
 
 
+# SandboxPool as an actor class, wrapped once.
+_POOL_ACTOR = ray.remote(num_cpus=0, max_concurrency=64)(SandboxPool)
+
+
 def pool(name: str = "default", *, run: Optional[str] = None, best_of: int = 2, ttl_s: int = 3600) -> Any:
     """The named, detached :class:`SandboxPool` actor ``rollbox-pool-NAME`` (namespace
     ``rollbox``, on the head node), made by the first caller and shared by every later one, other drivers
     included (``ray.get(pool().create.remote("guest", near=...))``). It outlives the driver
     that made it: a new driver closes a killed one's pool by name. ``ttl_s`` is every
     sandbox's hard TTL unless a create gives one."""
-    actor = ray.remote(num_cpus=0, max_concurrency=64)(SandboxPool)
-    return actor.options(
+    return _POOL_ACTOR.options(
         name=f"rollbox-pool-{name}",
         namespace=NAMESPACE,
         lifetime="detached",
