@@ -82,9 +82,11 @@ for flag in svm npt; do
     grep -qx "$flag" <<<"$cpu_flags" || cannot_start "$qemu's TCG does not emulate the '$flag' CPU flag, so L1 gets no kvm_amd"
 done
 
-silent_s="${ROLLBOX_LAB_SILENT_S:-150}"
+silent_s="${ROLLBOX_LAB_SILENT_S:-150}" kick_s="${ROLLBOX_LAB_KICK_S:-40}"
 [[ "$silent_s" =~ ^[1-9][0-9]*$ ]] ||
     { echo "lab: ROLLBOX_LAB_SILENT_S must be a whole number of seconds, not '$silent_s'" >&2; exit 2; }
+[[ "$kick_s" =~ ^[1-9][0-9]*$ ]] ||
+    { echo "lab: ROLLBOX_LAB_KICK_S must be a whole number of seconds, not '$kick_s'" >&2; exit 2; }
 kit="$("$SCRIPT_DIR/kit.sh" | tail -n 1)" || cannot_start "the L1 kit could not be built (see above)"
 [[ -f "$kit/kit-info" ]] || cannot_start "the L1 kit in $kit is incomplete"
 
@@ -131,28 +133,50 @@ args=(
     -append "console=ttyS0 loglevel=4 intel_iommu=on tsc=reliable no_timer_check panic=-1 rollbox.run=$run rollbox.kit=$kit"
     -serial "file:$run/console.log"
     -chardev stdio,id=out,signal=off -serial chardev:out
+    -monitor "unix:$run/monitor.sock,server=on,wait=off"
     -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"
     -virtfs "local,path=$run,mount_tag=labrun,security_model=none,multidevs=remap"
     "${qemu_extra[@]}"
 )
-# A wedged L1: under QEMU 7.2's TCG a CPU of L1 sometimes stays stuck inside KVM_RUN (the soft
-# lockup watchdog reports it every ~30 s, and it has never come back here: 425 s seen), and L1
-# has also frozen whole after an RCU stall, printing nothing more. Waiting for the timeout
-# wastes the rest of it; after a lockup of 60 s or more, or once L1's heartbeat (l1-init.sh,
-# every 10 s) has not moved for ROLLBOX_LAB_SILENT_S (150 s), the lab stops at once.
+# A stuck L1: its one CPU sometimes stops for good inside KVM_RUN while an L2 guest runs (seen
+# within seconds to minutes of a Linux L2 booting, L1 printing nothing more; under QEMU 7.2 with
+# two L1 CPUs the other CPU's soft-lockup watchdog reported it, 425 s and never back). Once L1's
+# heartbeat (l1-init.sh, every 10 s) has not moved for ROLLBOX_LAB_KICK_S (40 s), the watch saves
+# L1's CPU state from QEMU's monitor to the run directory's `stuck.txt` and sends L1 an NMI,
+# which forces it out of L2 (KVM always intercepts NMIs); if the heartbeat then moves, the lab
+# goes on and says so. After a soft lockup of 60 s or more, or a heartbeat silent for
+# ROLLBOX_LAB_SILENT_S (150 s) whatever the NMIs did, the lab stops at once.
+monitor() {
+    { printf '%s\n' "$1"; sleep 2; } |
+        socat -t 5 - "UNIX-CONNECT:$run/monitor.sock" 2>/dev/null |
+        sed -e 's/\x1b\[[0-9;]*[A-Za-z]//g' -e 's/\r//g' | grep -v -e '^QEMU .* monitor' -e '^(qemu)' || true
+}
 watch_for_wedged_l1() {
-    local qemu_parent="$1" beat="" last_beat="" last_change
+    local qemu_parent="$1" beat="" last_beat="" last_change kicked_beat="" silent
     last_change=$(date +%s)
     while sleep 5; do
         if grep -q -E 'soft lockup - CPU#[0-9]+ stuck for ([6-9][0-9]|[0-9]{3,})s' "$run/console.log" 2>/dev/null; then
             echo "a CPU stuck for 60 s or more" > "$run/wedged"
         fi
         beat="$(cat "$run/heartbeat" 2>/dev/null || true)"
+        silent=$(( $(date +%s) - last_change ))
         if [[ "$beat" != "$last_beat" ]]; then
+            if [[ -n "$kicked_beat" && "$last_beat" == "$kicked_beat" ]]; then
+                echo "lab: L1 went on after the NMI (heartbeat $beat, silent $silent s in all)" >&2
+                echo "went on after the NMI at heartbeat $kicked_beat" >> "$run/stuck.txt"
+            fi
             last_beat="$beat"
             last_change=$(date +%s)
-        elif [[ -n "$beat" ]] && (( $(date +%s) - last_change > silent_s )); then
-            echo "its heartbeat stopped $(( $(date +%s) - last_change )) s ago" > "$run/wedged"
+        elif [[ -n "$beat" ]] && (( silent > silent_s )); then
+            echo "its heartbeat stopped $silent s ago" > "$run/wedged"
+        elif [[ -n "$beat" && "$kicked_beat" != "$beat" ]] && (( silent > kick_s )); then
+            kicked_beat="$beat"
+            {
+                echo "== heartbeat $beat silent for $silent s; QEMU's view of L1, twice 3 s apart, then an NMI"
+                monitor "info cpus"; monitor "info registers"; sleep 1; monitor "info registers"
+            } >> "$run/stuck.txt"
+            monitor nmi > /dev/null
+            echo "lab: L1's heartbeat stopped $silent s ago; its CPU state is saved in $run/stuck.txt; sent L1 an NMI" >&2
         fi
         if [[ -f "$run/wedged" ]]; then
             pkill -TERM -P "$qemu_parent" 2>/dev/null || true
@@ -194,5 +218,7 @@ fi
 if [[ -n "${ROLLBOX_SKIP_LOG:-}" && -s "$run/skips" ]]; then
     cat "$run/skips" >> "$ROLLBOX_SKIP_LOG"
 fi
+# An L1 that went on after an NMI keeps its run directory, for the CPU state in stuck.txt.
+[[ -f "$run/stuck.txt" ]] && keep=1
 [[ "$keep" -eq 1 ]] && echo "lab: run directory kept: $run" >&2
 exit "$(cat "$run/status")"
