@@ -2,7 +2,8 @@
 //! templates, snapshots), admission against `--max-sandboxes` and `--memory-budget-mib` (429
 //! with Retry-After naming the limit, batches and forks all or nothing, idempotent repeats
 //! still answered), drain (503 for new sandboxes, running ones untouched, a deadline ends
-//! them), the unauthenticated `/livez` and `/readyz`, `/metrics` gauges and `rollbox node`.
+//! them), the unauthenticated `/livez` and `/readyz`, `/metrics` gauges, `rollbox node`, and
+//! the end of a pod's sandboxes once the kubelet removes the pod (`--kubelet-pods-dir`).
 
 use std::time::Duration;
 
@@ -312,5 +313,76 @@ fn drain_on_sigterm_refuses_creates_ends_what_is_left_and_then_exits() {
             .unwrap_or("")
             .contains("drain deadline"),
         "{ended}"
+    );
+}
+
+#[test]
+fn a_sandbox_of_a_pod_ends_once_the_kubelet_removes_the_pods_directory() {
+    if !kvm_available() {
+        return;
+    }
+    // The kubelet keeps one directory per pod UID under /var/lib/kubelet/pods; the daemon only
+    // looks at whether it is there.
+    let pods = tempfile::tempdir().expect("pods dir");
+    for uid in ["3f1c-a", "3f1c-b"] {
+        std::fs::create_dir(pods.path().join(uid)).expect("pod dir");
+    }
+    let pods_dir = pods.path().to_str().expect("utf-8").to_string();
+    let server = Server::start(&["--kubelet-pods-dir", &pods_dir]);
+    server.add_guest_template("guest");
+    let of_pod = |uid: &str| {
+        let sandbox = server.create(json!({
+            "template": "guest", "ttl_s": 300, "labels": {"rollbox.dev/pod-uid": uid}
+        }));
+        sandbox["id"].as_str().expect("id").to_string()
+    };
+    let a = of_pod("3f1c-a");
+    let b = of_pod("3f1c-b");
+    let unlabelled = server.create(json!({"template": "guest", "ttl_s": 300}));
+    let unlabelled = unlabelled["id"].as_str().expect("id").to_string();
+
+    std::fs::remove_dir(pods.path().join("3f1c-b")).expect("pod b goes");
+    wait_for(
+        "the reaper to end pod b's sandbox",
+        Duration::from_secs(30),
+        || server.get(&b)["state"] == "deleted",
+    );
+    let ended = server.get(&b);
+    assert!(
+        ended["end_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("pod 3f1c-b is gone"),
+        "{ended}"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(server.get(&a)["state"], "running", "pod a is still there");
+    assert_eq!(
+        server.get(&unlabelled)["state"],
+        "running",
+        "no pod, no reaping"
+    );
+
+    // A pods directory that is not there is refused at start, in one line: it would make
+    // every pod look gone.
+    let scratch = tempfile::tempdir().expect("scratch");
+    std::fs::write(scratch.path().join("key"), KEY).expect("key");
+    let output = std::process::Command::new(rollbox_tests::rollbox_binary())
+        .arg("serve")
+        .arg("--kubelet-pods-dir")
+        .arg(pods.path().join("no-such-dir"))
+        .arg("--socket")
+        .arg(scratch.path().join("d.sock"))
+        .arg("--api-key-file")
+        .arg(scratch.path().join("key"))
+        .arg("--state-dir")
+        .arg(scratch.path().join("state"))
+        .output()
+        .expect("rollbox serve runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--kubelet-pods-dir") && stderr.contains("not a directory"),
+        "{stderr}"
     );
 }

@@ -228,6 +228,11 @@ pub struct ServeArgs {
     /// next start re-attaches them].
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(0..=604_800))]
     drain_on_sigterm: Option<u64>,
+    /// On a Kubernetes node: the kubelet's pods directory (/var/lib/kubelet/pods). A sandbox
+    /// labelled rollbox.dev/pod-uid=UID (as `rollbox-lease` makes them) ends once DIR/UID is
+    /// gone, so a deleted pod leaves no sandbox behind
+    #[arg(long, value_name = "DIR")]
+    kubelet_pods_dir: Option<PathBuf>,
 }
 
 /// A duration flag: seconds, fractions allowed, more than 0 and at most a day.
@@ -378,6 +383,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         registry_auth: args.registry_auth.map(absolute),
         share_layers: !args.no_layer_sharing,
         console_max_bytes: args.console_max_bytes,
+        kubelet_pods_dir: args.kubelet_pods_dir,
         e2b: args
             .e2b_listen
             .map(|listen| rollbox::daemon::e2b::E2bOptions {

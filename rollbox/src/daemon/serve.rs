@@ -66,6 +66,8 @@ pub enum DaemonError {
     Node(#[from] NodeError),
     #[error(transparent)]
     Gpu(#[from] InventoryError),
+    #[error("--kubelet-pods-dir {0}: not a directory (the kubelet's pods directory is /var/lib/kubelet/pods)")]
+    KubeletPodsDir(PathBuf),
     #[error("--volume-dir {path}: {source}")]
     VolumeDir {
         path: PathBuf,
@@ -128,6 +130,8 @@ pub struct ServeOptions {
     pub share_layers: bool,
     /// Each VMM's console file stops growing at this many bytes (`--console-max-bytes`).
     pub console_max_bytes: u64,
+    /// `--kubelet-pods-dir`: end sandboxes whose pod (label [`POD_UID_LABEL`]) is gone.
+    pub kubelet_pods_dir: Option<PathBuf>,
     /// What every API connection is held to, on each listener.
     pub http: ConnLimits,
     /// `--agent-timeout`: guest agent connects, handshakes and calls without a timeout of
@@ -273,6 +277,12 @@ pub async fn serve(
             return Err(DaemonError::VolumeUid(uid));
         }
     }
+    // Checked once here: a pods directory that is not there would make every pod look gone.
+    if let Some(pods) = &options.kubelet_pods_dir {
+        if !pods.is_dir() {
+            return Err(DaemonError::KubeletPodsDir(pods.clone()));
+        }
+    }
     let mut volume_dirs = Vec::new();
     for dir in &options.volume_dirs {
         volume_dirs.push(
@@ -333,6 +343,7 @@ pub async fn serve(
             default_ttl_s: options.default_ttl_s,
             max_pending_creates: options.max_pending_creates,
             ready_timeout: options.ready_timeout,
+            kubelet_pods_dir: options.kubelet_pods_dir.clone(),
         },
     ));
     let retention = Arc::new(Retention::new(

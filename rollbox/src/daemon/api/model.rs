@@ -389,6 +389,10 @@ pub struct ListQuery {
     pub tenant: Option<String>,
 }
 
+/// The label that ties a sandbox to a Kubernetes pod (the pod's UID; `rollbox-lease` sets it):
+/// with `rollbox serve --kubelet-pods-dir`, the sandbox ends once its pod is gone.
+pub const POD_UID_LABEL: &str = "rollbox.dev/pod-uid";
+
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sandbox {

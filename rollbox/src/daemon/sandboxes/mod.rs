@@ -47,6 +47,9 @@ pub struct SandboxOptions {
     /// How long a new VMM may take to open its API socket (a repeated create waits twice that
     /// for the first).
     pub ready_timeout: Duration,
+    /// `--kubelet-pods-dir`: sandboxes labelled with a pod's UID end once the kubelet has
+    /// removed that pod's directory here.
+    pub kubelet_pods_dir: Option<std::path::PathBuf>,
 }
 
 /// What a sandbox may have attached: volumes, GPUs and a network.

@@ -1,17 +1,19 @@
-//! The reaper (VMMs that ended on their own, TTLs and idle TTLs) and the recovery after a
+//! The reaper (VMMs that ended on their own, sandboxes whose Kubernetes pod is gone, TTLs and
+//! idle TTLs) and the recovery after a
 //! restart (re-attach live VMMs, fail unfinished creates, and bring each VMM's paused or
 //! running state back to the store's: a daemon killed mid-snapshot leaves a paused VM).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
-use super::super::api::{OnTimeout, Sandbox, State};
+use super::super::api::{OnTimeout, Sandbox, State, POD_UID_LABEL};
 use super::super::store::StoreError;
 use super::super::supervisor::{self, vm};
 use super::super::util::{now_ms, remove_dir};
 use super::{RecoverError, Sandboxes};
 
 impl Sandboxes {
-    /// One reaper pass: VMMs that ended on their own, then TTLs.
+    /// One reaper pass: VMMs that ended on their own, pods gone, then TTLs.
     pub async fn reap(&self) -> Result<(), StoreError> {
         let live = self.db.lock().live()?;
         let now = now_ms();
@@ -31,6 +33,15 @@ impl Sandboxes {
                     self.supervisor.release(&sandbox);
                 }
                 continue;
+            }
+            if let Some(pods) = &self.options.kubelet_pods_dir {
+                if let Some(reason) = pod_gone(pods, &sandbox.labels) {
+                    log::info!("sandbox {}: {reason}", sandbox.id);
+                    if let Err(e) = self.end(&sandbox.id, State::Deleted, &reason).await {
+                        log::warn!("reaper: cannot end {}: {e}", sandbox.id);
+                    }
+                    continue;
+                }
             }
             let idle = sandbox.idle_ttl_s.is_some_and(|idle| {
                 now.saturating_sub(sandbox.last_active_at_ms) >= idle.saturating_mul(1000)
@@ -141,5 +152,58 @@ impl Sandboxes {
             }
             Err(e) => log::warn!("sandbox {id}: cannot ask its VMM whether it is paused: {e}"),
         }
+    }
+}
+
+/// Why a sandbox labelled with a pod's UID ([`POD_UID_LABEL`]) should end: the kubelet removed
+/// the pod's directory under `pods` (`/var/lib/kubelet/pods/UID`), so the pod is gone. None for
+/// a sandbox of no pod, one whose pod is still there, or a label that is not a plain name
+/// (never looked up outside `pods`).
+pub fn pod_gone(pods: &Path, labels: &BTreeMap<String, String>) -> Option<String> {
+    let uid = labels.get(POD_UID_LABEL)?;
+    let plain = !uid.is_empty()
+        && uid.len() <= 64
+        && uid
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    // A pods directory that is itself missing (unmounted, say) proves nothing about any pod.
+    if !plain || !pods.is_dir() {
+        return None;
+    }
+    match std::fs::symlink_metadata(pods.join(uid)) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(format!(
+            "pod: its pod {uid} is gone (no {})",
+            pods.join(uid).display()
+        )),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labelled(uid: Option<&str>) -> BTreeMap<String, String> {
+        let mut labels = BTreeMap::from([("run".to_string(), "r1".to_string())]);
+        if let Some(uid) = uid {
+            labels.insert(POD_UID_LABEL.to_string(), uid.to_string());
+        }
+        labels
+    }
+
+    #[test]
+    fn a_sandbox_ends_only_when_its_own_pod_directory_is_gone() {
+        let pods = tempfile::tempdir().unwrap();
+        std::fs::create_dir(pods.path().join("5c1d-aa")).unwrap();
+        assert_eq!(pod_gone(pods.path(), &labelled(None)), None);
+        assert_eq!(pod_gone(pods.path(), &labelled(Some("5c1d-aa"))), None);
+        let reason = pod_gone(pods.path(), &labelled(Some("77ee-bb"))).unwrap();
+        assert!(reason.contains("77ee-bb is gone"), "{reason}");
+        // Never a path outside the pods directory, whatever the label says.
+        assert_eq!(pod_gone(pods.path(), &labelled(Some("../5c1d-aa"))), None);
+        assert_eq!(pod_gone(pods.path(), &labelled(Some(".."))), None);
+        assert_eq!(pod_gone(pods.path(), &labelled(Some(""))), None);
+        let missing = pods.path().join("not-mounted");
+        assert_eq!(pod_gone(&missing, &labelled(Some("77ee-bb"))), None);
     }
 }
