@@ -1,0 +1,252 @@
+//! rollbox's container image (`scripts/k8s/image.sh`), as the DaemonSet runs it: built offline
+//! from this workspace's binaries, pushed to the local registry and run from there by dockerd,
+//! with bind mounts in place of the DaemonSet's hostPaths. The daemon in it jails and boots the
+//! test guest, `docker stop` drains it within the grace period (`--drain-on-sigterm`), and a
+//! second container on the same state directory reports how the sandbox ended.
+//!
+//! Not `--privileged`: this host's own capability bounding set lacks CAP_SYS_RESOURCE, so
+//! runc refuses a privileged container here; the test grants every other capability, no
+//! seccomp or AppArmor profile, /dev/kvm, /dev/net/tun and the host's cgroup tree, which is
+//! what `privileged: true` gives the DaemonSet on a real node.
+//!
+//! Needs dockerd (`scripts/start-dockerd.sh`) and the registry (`scripts/start-registry.sh`).
+
+// Test code: a panic on a broken fixture is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rollbox::daemon::client::Endpoint;
+use rollbox_tests::daemon::{wait_for, KEY};
+use rollbox_tests::images::{docker_works, registry_answers, REGISTRY};
+use rollbox_tests::{kvm_available, skip, test_guest, workspace_root, TEST_GUEST_CMDLINE};
+use serde_json::{json, Value};
+
+/// A container that is removed when the test ends, however it ends.
+struct Container(String);
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = Command::new("docker").args(["rm", "-f", &self.0]).output();
+    }
+}
+
+fn docker(args: &[&str]) -> String {
+    let output = Command::new("docker").args(args).output().unwrap();
+    assert!(
+        output.status.success(),
+        "docker {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_string()
+}
+
+/// Starts the daemon's container on `scratch`'s state and socket directories.
+fn run_daemon(image: &str, scratch: &Path, name: &str) -> Container {
+    let mount = |host: PathBuf, at: &str| format!("{}:{at}", host.display());
+    let target = workspace_root().join("target");
+    let target = target.to_str().unwrap();
+    docker(&[
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--cap-add",
+        "ALL",
+        "--cap-drop",
+        "SYS_RESOURCE",
+        "--security-opt",
+        "seccomp=unconfined",
+        "--security-opt",
+        "apparmor=unconfined",
+        "--device",
+        "/dev/kvm",
+        "--device",
+        "/dev/net/tun",
+        "--cgroupns",
+        "host",
+        "-v",
+        "/sys/fs/cgroup:/sys/fs/cgroup:rw",
+        "-v",
+        &mount(scratch.join("state"), "/var/lib/rollbox"),
+        "-v",
+        &mount(scratch.join("run"), "/run/rollbox"),
+        "-v",
+        &mount(scratch.join("key"), "/etc/rollbox/key:ro"),
+        // The test guest's kernel, at the same path as on the host.
+        "-v",
+        &format!("{target}:{target}:ro"),
+        image,
+        "serve",
+        "--api-key-file",
+        "/etc/rollbox/key",
+        "--template-dir",
+        target,
+        "--default-ttl",
+        "300",
+        "--drain-on-sigterm",
+        "5",
+    ]);
+    Container(name.to_string())
+}
+
+fn call(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let body = body.map(|b| b.to_string());
+    let auth = format!("Bearer {KEY}");
+    let response = Endpoint::Unix(sock.to_path_buf())
+        .request(
+            method,
+            path,
+            &[("Authorization", auth.as_str())],
+            body.as_deref().map(str::as_bytes),
+            Duration::from_secs(30),
+        )
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+    (response.status, value)
+}
+
+fn wait_ready(sock: &Path, container: &Container) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = Endpoint::Unix(sock.to_path_buf())
+            .request("GET", "/readyz", &[], None, Duration::from_secs(2))
+            .is_ok_and(|r| r.status == 200);
+        if ready {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the daemon in container {} never became ready:\n{}",
+            container.0,
+            docker(&["logs", &container.0])
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn the_image_from_the_local_registry_runs_jailed_sandboxes_and_drains_on_docker_stop() {
+    const TEST: &str = "the_image_from_the_local_registry_runs_jailed_sandboxes";
+    if !kvm_available() {
+        return;
+    }
+    if !docker_works() {
+        skip(TEST, "no dockerd answers (scripts/start-dockerd.sh)");
+        return;
+    }
+    if !registry_answers() {
+        skip(
+            TEST,
+            "no registry at 127.0.0.1:5000 (scripts/start-registry.sh)",
+        );
+        return;
+    }
+    let built = Command::new(workspace_root().join("scripts/k8s/image.sh"))
+        .args(["--profile", "debug", "--push", REGISTRY])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&built.stdout);
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let image = stdout.lines().last().unwrap().to_string();
+    assert!(
+        image.starts_with(&format!("{REGISTRY}/rollbox:")),
+        "{image}"
+    );
+    // Run what the registry holds, not the local build: drop the local names first.
+    let local = image
+        .trim_start_matches(&format!("{REGISTRY}/"))
+        .to_string();
+    docker(&["rmi", &image, &local]);
+    docker(&["pull", "-q", &image]);
+
+    let scratch = tempfile::tempdir().unwrap();
+    for dir in ["state", "run"] {
+        std::fs::create_dir(scratch.path().join(dir)).unwrap();
+    }
+    // The daemon refuses a state directory others may read.
+    std::fs::set_permissions(
+        scratch.path().join("state"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    std::fs::write(scratch.path().join("key"), format!("{KEY}\n")).unwrap();
+    let sock = scratch.path().join("run/rollbox.sock");
+    let name = format!("rollbox-test-{}", std::process::id());
+    let container = run_daemon(&image, scratch.path(), &name);
+    wait_ready(&sock, &container);
+
+    let (status, template) = call(
+        &sock,
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "guest", "kernel": test_guest(), "cmdline": TEST_GUEST_CMDLINE, "memory_mib": 32,
+        })),
+    );
+    assert_eq!(status, 201, "{template}");
+    let (status, sandbox) = call(
+        &sock,
+        "POST",
+        "/sandboxes",
+        Some(json!({"template": "guest"})),
+    );
+    assert_eq!(status, 201, "{sandbox}\n{}", docker(&["logs", &name]));
+    assert_eq!(sandbox["state"], "running", "{sandbox}");
+    let id = sandbox["id"].as_str().unwrap().to_string();
+    let (status, node) = call(&sock, "GET", "/node", None);
+    assert_eq!((status, &node["slots"]["used"]), (200, &json!(1)), "{node}");
+
+    // docker stop sends SIGTERM and waits 30 s before SIGKILL: the drain takes its 5 s.
+    let started = Instant::now();
+    docker(&["stop", "-t", "30", &name]);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(25),
+        "docker stop took {took:?}: the drain did not finish within the grace period"
+    );
+    assert_eq!(
+        docker(&["inspect", "-f", "{{.State.ExitCode}}", &name]),
+        "0"
+    );
+    let logs = docker(&["logs", &name]);
+    let logs = format!("{logs}\n{}", {
+        let out = Command::new("docker")
+            .args(["logs", &name])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stderr).to_string()
+    });
+    assert!(logs.contains("draining first"), "{logs}");
+    drop(container);
+
+    // A new container on the same state: the sandbox ended by the drain, its files gone.
+    let again = run_daemon(&image, scratch.path(), &format!("{name}-again"));
+    wait_ready(&sock, &again);
+    let (status, ended) = call(&sock, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 200, "{ended}");
+    assert_eq!(ended["state"], "deleted", "{ended}");
+    assert!(
+        ended["end_reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("drain deadline"),
+        "{ended}"
+    );
+    wait_for(
+        "the sandbox's directory to be gone",
+        Duration::from_secs(10),
+        || {
+            std::fs::read_dir(scratch.path().join("state/sandboxes"))
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(true)
+        },
+    );
+}
