@@ -250,3 +250,74 @@ fn the_image_from_the_local_registry_runs_jailed_sandboxes_and_drains_on_docker_
         },
     );
 }
+
+#[test]
+fn the_manifests_validate_offline_and_name_only_flags_the_cli_has() {
+    let venv = Command::new(workspace_root().join("scripts/k8s/validate-venv.sh"))
+        .output()
+        .unwrap();
+    assert!(
+        venv.status.success(),
+        "{}",
+        String::from_utf8_lossy(&venv.stderr)
+    );
+    let python = String::from_utf8_lossy(&venv.stdout).trim().to_string();
+    let validate = |file: &Path| {
+        Command::new(&python)
+            .args(["-m", "kubernetes_validate", "--strict", "--quiet"])
+            .arg(file)
+            .output()
+            .unwrap()
+    };
+    let manifest = workspace_root().join("deploy/kubernetes/rollbox-node.yaml");
+    let checked = validate(&manifest);
+    assert!(
+        checked.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    // The validator does refuse what the API server would: a field of the wrong type.
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("hostNetwork: true"));
+    let broken_dir = tempfile::tempdir().unwrap();
+    let broken = broken_dir.path().join("broken.yaml");
+    std::fs::write(
+        &broken,
+        text.replace("hostNetwork: true", "hostNetwork: yes-please"),
+    )
+    .unwrap();
+    assert!(
+        !validate(&broken).status.success(),
+        "a broken manifest passed"
+    );
+
+    // Every flag the manifest gives rollbox is one the CLI has.
+    let mut help = String::new();
+    for args in [
+        &["serve", "--help"][..],
+        &["node", "probe", "--help"],
+        &["node", "drain", "--help"],
+        &["node", "advertise", "--help"],
+    ] {
+        let out = Command::new(rollbox_tests::rollbox_binary())
+            .args(args)
+            .output()
+            .unwrap();
+        help.push_str(&String::from_utf8_lossy(&out.stdout));
+    }
+    // (Comments name kubectl's flags too; only the manifest's own lines count.)
+    let flags: Vec<&str> = text
+        .lines()
+        .filter(|line| !line.trim_start().starts_with('#'))
+        .flat_map(|line| line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')))
+        .filter(|word| word.starts_with("--") && word.len() > 2 && !word.starts_with("---"))
+        .collect();
+    assert!(flags.len() >= 8, "{flags:?}");
+    for flag in flags {
+        assert!(
+            help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
+            "deploy/kubernetes/rollbox-node.yaml gives {flag}, which rollbox does not have"
+        );
+    }
+}

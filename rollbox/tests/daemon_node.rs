@@ -263,6 +263,34 @@ fn probes_need_no_key_and_say_nothing_else_and_the_node_is_an_admins() {
     );
     let info = cli(&server, &["node", "info"]);
     assert!(info.contains("node      probe-node"), "{info}");
+
+    // `rollbox node probe`, a Kubernetes exec probe: no key, its status says it all.
+    let probe = |what: &str| {
+        std::process::Command::new(rollbox_tests::rollbox_binary())
+            .args(["node", "probe", what, "--socket"])
+            .arg(server.sock())
+            .env_remove("ROLLBOX_API_KEY")
+            .output()
+            .expect("rollbox node probe")
+    };
+    for what in ["live", "ready"] {
+        let out = probe(what);
+        assert!(
+            out.status.success(),
+            "probe {what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (status, _) = server.call("POST", "/node/drain", Some(json!({})));
+    assert_eq!(status, 200);
+    assert!(probe("live").status.success(), "a draining node is alive");
+    let not_ready = probe("ready");
+    assert_eq!(not_ready.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&not_ready.stderr).contains("/readyz: not ready"),
+        "{}",
+        String::from_utf8_lossy(&not_ready.stderr)
+    );
 }
 
 #[test]
@@ -384,5 +412,127 @@ fn a_sandbox_of_a_pod_ends_once_the_kubelet_removes_the_pods_directory() {
     assert!(
         stderr.contains("--kubelet-pods-dir") && stderr.contains("not a directory"),
         "{stderr}"
+    );
+}
+
+/// A stand-in for the Kubernetes API server, which cannot be installed here: Python's HTTPS
+/// server on 127.0.0.1 with a certificate of its own, which records each request in
+/// `dir/requests` (one JSON line) and refuses a node named `forbidden` with 403.
+const API_SERVER: &str = r#"
+import http.server, json, ssl, sys
+d = sys.argv[1]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_PATCH(self):
+        body = self.rfile.read(int(self.headers["Content-Length"])).decode()
+        with open(d + "/requests", "a") as f:
+            f.write(json.dumps({"path": self.path, "auth": self.headers["Authorization"],
+                                "type": self.headers["Content-Type"], "body": body}) + "\n")
+        code = 403 if "/forbidden/" in self.path else 200
+        answer = b'{"kind":"Status","reason":"Forbidden"}' if code == 403 else b'{"kind":"Node"}'
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+    def log_message(self, *args):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+c.load_cert_chain(d + "/cert.pem", d + "/key.pem")
+s.socket = c.wrap_socket(s.socket, server_side=True)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"#;
+
+#[test]
+fn advertise_publishes_the_slot_limit_on_the_kubernetes_node() {
+    use std::io::BufRead as _;
+    if !kvm_available() {
+        return;
+    }
+    let account = tempfile::tempdir().expect("service account dir");
+    let dir = account.path();
+    // A cluster CA and the API server's certificate for 127.0.0.1, signed by it.
+    let made = std::process::Command::new("sh")
+        .arg("-ec")
+        .arg(
+            "cd \"$1\"
+             openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=kube-ca -keyout ca.key -out ca.crt
+             openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout key.pem -out server.csr
+             printf 'subjectAltName=IP:127.0.0.1\\nbasicConstraints=CA:FALSE\\n' > server.ext
+             openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -extfile server.ext -out cert.pem",
+        )
+        .arg("sh")
+        .arg(dir)
+        .output()
+        .expect("openssl");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    std::fs::write(dir.join("token"), "tok-123\n").expect("token");
+    let mut api = std::process::Command::new("python3")
+        .args(["-c", API_SERVER])
+        .arg(dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut port = String::new();
+    std::io::BufReader::new(api.stdout.take().expect("stdout"))
+        .read_line(&mut port)
+        .expect("port");
+    let port = port.trim().to_string();
+
+    let server = Server::start(&["--max-sandboxes", "3"]);
+    let advertise = |node: &str| {
+        std::process::Command::new(rollbox_tests::rollbox_binary())
+            .args(["node", "advertise", "--once", "--node-name", node])
+            .arg("--service-account")
+            .arg(dir)
+            .arg("--socket")
+            .arg(server.sock())
+            .env("ROLLBOX_API_KEY", KEY)
+            .env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+            .env("KUBERNETES_SERVICE_PORT", &port)
+            .output()
+            .expect("rollbox node advertise")
+    };
+    let out = advertise("node-a");
+    let refused = advertise("forbidden");
+    let _ = api.kill();
+    let _ = api.wait();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("403"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("published rollbox.dev/slots=3 on node node-a"),
+        "{stdout}"
+    );
+    let requests = std::fs::read_to_string(dir.join("requests")).expect("requests");
+    let first: Value = serde_json::from_str(requests.lines().next().expect("a request")).unwrap();
+    assert_eq!(first["path"], "/api/v1/nodes/node-a/status");
+    assert_eq!(first["auth"], "Bearer tok-123");
+    assert_eq!(first["type"], "application/json-patch+json");
+    let patch: Value = serde_json::from_str(first["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        patch,
+        json!([{"op": "add", "path": "/status/capacity/rollbox.dev~1slots", "value": "3"}])
+    );
+    // A node name that is no DNS name never reaches the API server.
+    let bad = advertise("../nodes");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("DNS subdomain"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
     );
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds rollbox's container image offline, from this workspace's binaries and this host's
-# own copies of the tools the daemon runs (nft, ip, mkfs.ext4, mount, ldd), each with the
+# own copies of the tools the daemon runs (nft, ip, mkfs.ext4, mount, ldd, chmod), each with the
 # shared libraries it loads: no base image is pulled and nothing is downloaded. The image is
 # named rollbox:HASH, HASH being the content hash of its files, so building it again from the
 # same files is free. Its entrypoint is `rollbox`; `serve` by default.
@@ -58,7 +58,7 @@ put "$bins/rollbox-jailer" /usr/local/bin/rollbox-jailer
 install -D -m 0755 "$agent" "$rootfs/usr/local/lib/rollbox/rollbox-agent"
 put "$virtiofsd" /usr/local/libexec/virtiofsd
 # The tools the daemon and the jailer run, at this host's paths; ldd is a bash script.
-for tool in nft ip mkfs.ext4 mount umount sh bash ldd; do
+for tool in nft ip mkfs.ext4 mount umount sh bash ldd chmod; do
     path="$(command -v "$tool")" || die "$tool is not installed here (scripts/setup.sh)"
     put "$(readlink -f "$path")" "$path"
 done

@@ -54,6 +54,8 @@ pub enum CliError {
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
+    Kube(#[from] super::kube::KubeError),
+    #[error(transparent)]
     Untar(#[from] super::untar::UntarError),
     #[error("--registry-auth: {0}")]
     RegistryAuth(#[from] rollbox::images::auth::AuthError),
@@ -114,6 +116,13 @@ pub struct Conn {
 
 impl Conn {
     pub fn new(args: &ConnArgs) -> Result<Conn, CliError> {
+        let mut conn = Conn::keyless(args)?;
+        conn.key = read_key(args.api_key_file.as_ref())?;
+        Ok(conn)
+    }
+
+    /// The endpoint alone, for the routes that take no key (`/livez`, `/readyz`).
+    pub fn keyless(args: &ConnArgs) -> Result<Conn, CliError> {
         let endpoint = match (&args.url, &args.socket) {
             (Some(url), _) => Endpoint::from_url(url).map_err(|source| CliError::Url {
                 flag: "--url",
@@ -130,7 +139,7 @@ impl Conn {
         };
         Ok(Conn {
             endpoint,
-            key: read_key(args.api_key_file.as_ref())?,
+            key: String::new(),
             json: args.json,
         })
     }

@@ -8,6 +8,7 @@ mod gpu;
 mod guest;
 mod image;
 mod key;
+mod kube;
 mod net;
 mod node;
 mod sandbox;
@@ -117,7 +118,12 @@ pub fn run(cli: Cli) -> ExitCode {
             }
         }
         Command::Node { conn, command } => {
-            match conn::Conn::new(&conn).and_then(|conn| node::run(&conn, command)) {
+            let conn = if command.needs_key() {
+                conn::Conn::new(&conn)
+            } else {
+                conn::Conn::keyless(&conn)
+            };
+            match conn.and_then(|conn| node::run(&conn, command)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }
