@@ -143,8 +143,8 @@ args=(
 # two L1 CPUs the other CPU's soft-lockup watchdog reported it, 425 s and never back). Once L1's
 # heartbeat (l1-init.sh, every 10 s) has not moved for ROLLBOX_LAB_KICK_S (40 s), the watch saves
 # QEMU's view of L1's CPU to the run directory's `stuck.txt` and sends L1 an NMI (should that
-# free it, the lab goes on and says so). The one stuck L1 caught so far was an L2 vCPU spinning
-# on a spinlock with interrupts off, and the NMI did not free it (docs/testing.md). After a soft
+# free it, the lab goes on and says so). Neither of the two stuck L1s caught so far (one in an L2
+# spinning on a spinlock, one halted in its own idle loop) took the NMI (docs/testing.md). After a soft
 # lockup of 60 s or more, or a heartbeat silent for ROLLBOX_LAB_SILENT_S (100 s), the lab stops.
 monitor() {
     { printf '%s\n' "$1"; sleep 2; } |
