@@ -105,7 +105,7 @@ impl JailGroups {
             if !self.dirs.contains(&dir) {
                 let top = base.join(parent);
                 std::fs::create_dir_all(&top).map_err(JailError::step("mkdir cgroup", &top))?;
-                std::fs::create_dir(&dir).map_err(JailError::step("mkdir cgroup", &dir))?;
+                make_fresh_group(&dir)?;
                 self.dirs.push(dir.clone());
             }
             if v2 {
@@ -146,6 +146,20 @@ impl JailGroups {
 }
 
 /// Removes one (empty) cgroup directory; gone already is fine.
+/// Makes a jail's group. One that is already there was left by this sandbox's previous VMM (a
+/// reset or restore starts the next VMM right after killing the last, and on a loaded host the
+/// killed one can take longer to leave than its daemon waited): it is removed first, waiting
+/// as [`remove_group`] does for its last task to leave, so every jail starts from a fresh group.
+fn make_fresh_group(dir: &Path) -> Result<(), JailError> {
+    match std::fs::create_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            remove_group(dir)?;
+            std::fs::create_dir(dir).map_err(JailError::step("mkdir cgroup", dir))
+        }
+        made => made.map_err(JailError::step("mkdir cgroup", dir)),
+    }
+}
+
 pub fn remove_group(dir: &Path) -> Result<(), JailError> {
     let mut tries = 0;
     loop {
@@ -393,6 +407,19 @@ mod tests {
             let error = bad.parse::<Setting>().expect_err(bad);
             assert!(error.contains(bad), "{error}");
         }
+    }
+
+    #[test]
+    fn a_group_left_by_the_previous_vmm_is_replaced_and_a_busy_one_is_named() {
+        let fs = tempfile::tempdir().expect("tempdir");
+        let left = fs.path().join("sb-1");
+        std::fs::create_dir(&left).expect("mkdir");
+        make_fresh_group(&left).expect("an empty group left behind is replaced");
+        assert!(left.is_dir());
+        // A group that stays busy (here: a directory that cannot be removed) is an error.
+        std::fs::write(left.join("task"), "").expect("write");
+        let error = make_fresh_group(&left).expect_err("busy");
+        assert!(error.to_string().contains("sb-1"), "{error}");
     }
 
     #[test]
