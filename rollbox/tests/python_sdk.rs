@@ -217,9 +217,31 @@ fn python_sdk_on_ray_places_sandboxes_over_three_daemons() {
         }
     };
     let (daemons, sockets) = three_daemons("8");
+    // A fourth node is managed: its node actor starts `rollbox serve` with these flags.
+    let managed = tempfile::tempdir().expect("managed scratch");
+    let agent_sock = managed.path().join("agent.sock");
+    let mut agent = Command::new(agent_binary())
+        .arg("--listen-unix")
+        .arg(&agent_sock)
+        .args(["--no-init", "--no-set-clock", "--no-generation-watch"])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn rollbox-agent");
+    wait_for("the managed node's host agent", &daemons[0], || {
+        std::os::unix::net::UnixStream::connect(&agent_sock).is_ok()
+    });
+    let managed_args = format!(
+        "--vmm {} --template-dir {} --node-id node-m --test-agent-socket {} --net-pool 10.245.0.0/24 --net-state-dir {}",
+        vmm_binary().display(),
+        std::env::temp_dir().display(),
+        agent_sock.display(),
+        managed.path().join("net").display()
+    );
     let output = python_command(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
         .args(["-m", "ray", "tests/test_ray.py"])
+        .env("ROLLBOX_RAY_MANAGED_BIN", rollbox_binary())
+        .env("ROLLBOX_RAY_MANAGED_ARGS", managed_args)
         .env("ROLLBOX_RAY_SOCKETS", sockets.join(":"))
         .env("ROLLBOX_API_KEY", KEY)
         .env("ROLLBOX_SDK_KERNEL", test_guest())
@@ -227,7 +249,9 @@ fn python_sdk_on_ray_places_sandboxes_over_three_daemons() {
         .env("RAY_USAGE_STATS_ENABLED", "0")
         .output()
         .expect("run pytest");
-    check("rollbox_sdk.ray's tests", &output, &daemons[0], "5 passed");
+    let _ = agent.kill();
+    let _ = agent.wait();
+    check("rollbox_sdk.ray's tests", &output, &daemons[0], "6 passed");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(!stdout.contains(" skipped"), "skipped tests:\n{stdout}");
     // Every pool closed: no live sandbox on any daemon.

@@ -2,7 +2,10 @@
 
 A Ray node with a ``rollbox serve`` advertises the custom resource ``rollbox_slots``
 (``ray start --resources='{"rollbox_slots": 64}'``) and tells its workers where the daemon is
-through its environment (``ROLLBOX_SOCKET`` or ``ROLLBOX_URL``, and ``ROLLBOX_API_KEY``).
+through its environment (``ROLLBOX_SOCKET`` or ``ROLLBOX_URL``, and ``ROLLBOX_API_KEY``). Or, in
+the managed mode, ``ROLLBOX_MANAGED=1`` instead: the node's actor starts the daemon itself
+(:class:`rollbox_sdk.managed.ManagedDaemon`: ``ROLLBOX_BIN``, ``ROLLBOX_SERVE_ARGS``, and
+``--max-sandboxes`` from the node's ``rollbox_slots``), and the daemon ends with the actor.
 
 * :class:`RollboxNode`: one actor per such node, holding that node's daemon client; it serves
   the control calls (info, create, fork, snapshot export and import, delete by labels, drain).
@@ -37,6 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .client import Client
 from .errors import Overloaded, RollboxError, Unavailable
+from .managed import ManagedDaemon
 from .types import ExecResult, ItemResult, NodeInfo, Sandbox, Snapshot
 
 SLOTS = "rollbox_slots"
@@ -80,11 +84,37 @@ class RollboxNode:
     """The daemon of one Ray node (an actor pinned to it; :class:`SandboxPool` starts them)."""
 
     def __init__(self) -> None:
-        self._client = Client()
+        self._managed: Optional[ManagedDaemon] = None
+        if os.environ.get("ROLLBOX_MANAGED") == "1" and not (
+            os.environ.get("ROLLBOX_SOCKET") or os.environ.get("ROLLBOX_URL")
+        ):
+            here = _here()
+            slots = next(
+                (n["Resources"].get(SLOTS) for n in ray.nodes() if n["NodeID"] == here), None
+            )
+            self._managed = ManagedDaemon.from_env(slots=int(slots) if slots else None)
+            self._client = self._managed.client()
+        else:
+            self._client = Client()
 
     def info(self) -> Dict[str, Any]:
         node = self._client.node()
-        return {"ray_node": _here(), "node": node.raw}
+        info: Dict[str, Any] = {"ray_node": _here(), "node": node.raw}
+        if self._managed is not None:
+            info["managed"] = {"socket": self._managed.socket, "pid": self._managed.pid}
+        return info
+
+    def add_template(self, name: str, kernel: str, kwargs: Dict[str, Any]) -> bool:
+        """Registers the template here unless this node has one of that name: whether it did."""
+        if any(t.get("name") == name for t in self._client.node().templates):
+            return False
+        self._client.add_template(name, kernel, **kwargs)
+        return True
+
+    def shutdown(self) -> None:
+        """Stops the daemon this actor started (managed mode); nothing otherwise."""
+        if self._managed is not None:
+            self._managed.stop()
 
     def create(self, template: Optional[str], snapshot: Optional[str], count: int, kwargs: Dict[str, Any]) -> List[Sandbox]:
         if count == 1:
@@ -267,7 +297,15 @@ class SandboxPool:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOTS)}
         with self._lock:
             for ray_node in alive - set(self._nodes):
-                actor = _NODE_ACTOR.options(scheduling_strategy=_affinity(ray_node)).remote()
+                # One node actor per Ray node, whatever the pool: named, so every pool shares it
+                # (a managed node's actor runs the node's one daemon).
+                actor = _NODE_ACTOR.options(
+                    name=f"rollbox-node-{ray_node}",
+                    namespace=NAMESPACE,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    scheduling_strategy=_affinity(ray_node),
+                ).remote()
                 self._nodes[ray_node] = NodeState(ray_node, actor, {})
             for ray_node, node in self._nodes.items():
                 if ray_node not in alive:
@@ -446,6 +484,17 @@ class SandboxPool:
                 node.count(-1)
             except SandboxLost:
                 pass
+
+    def add_template(self, name: str, kernel: str, **kwargs: Any) -> List[str]:
+        """Registers a template on every live node that has none of that name (a managed
+        node's daemon starts empty): the node ids it was added on."""
+        self.refresh()
+        added = []
+        for node in [n for n in self._nodes.values() if n.alive]:
+            if _call(node, "add_template", name, kernel, kwargs):
+                added.append(node.node_id)
+        self._refreshed = 0.0
+        return added
 
     def drain(self, ray_node: str, deadline_s: Optional[int] = None) -> None:
         """Drains one node: it takes no new placements (nor creates from anyone)."""

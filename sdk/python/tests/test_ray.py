@@ -281,3 +281,70 @@ def test_a_lost_node_raises_sandbox_lost_and_gets_no_placement(cluster) -> None:
         # node-c's daemon outlived its Ray node: its sandboxes end by label (or their TTL).
         with Client(socket=c_socket) as client:
             client.delete_sandboxes(labels={POOL_LABEL: "loss"})
+
+
+MANAGED_BIN = os.environ.get("ROLLBOX_RAY_MANAGED_BIN", "")
+MANAGED_ARGS = os.environ.get("ROLLBOX_RAY_MANAGED_ARGS", "")
+
+
+def processes_under(path: str) -> List[int]:
+    """The pids whose command line names `path` (a managed daemon's scratch directory)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if path.encode() in f.read():
+                    found.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_a_managed_node_starts_its_own_daemon_which_ends_with_the_node(cluster) -> None:
+    """ROLLBOX_MANAGED=1: the node's actor starts `rollbox serve` itself (its slots from the
+    node's rollbox_slots), the pool adds the template there, and when the Ray node goes the
+    daemon and its sandboxes go with it."""
+    assert MANAGED_BIN, "run it through rollbox/tests/python_sdk.rs (ROLLBOX_RAY_MANAGED_BIN)"
+    import time
+
+    made = cluster["cluster"]
+    handle = made.add_node(
+        num_cpus=2,
+        resources={SLOTS: 4},
+        object_store_memory=OBJECT_STORE,
+        env_vars={"ROLLBOX_MANAGED": "1", "ROLLBOX_BIN": MANAGED_BIN, "ROLLBOX_SERVE_ARGS": MANAGED_ARGS},
+    )
+    made.wait_for_nodes()
+    p = pool("managed")
+    try:
+        nodes = {n["node_id"]: n for n in ray.get(p.refresh.remote()) if n["alive"]}
+        m = nodes["node-m"]
+        assert m["info"]["slots"]["total"] == 4, m
+        added = ray.get(
+            p.add_template.remote(
+                "guest",
+                os.environ["ROLLBOX_SDK_KERNEL"],
+                cmdline=os.environ.get("ROLLBOX_SDK_CMDLINE", ""),
+                memory_mib=32,
+            )
+        )
+        assert added == ["node-m"], added
+        lease = ray.get(p.create.remote("guest", near=m["ray_node"]))
+        assert lease.node_id == "node-m"
+        assert lease.run(["echo", "managed"]).stdout == "managed\n"
+        actor = ray.get_actor(f"rollbox-node-{m['ray_node']}", namespace="rollbox")
+        managed = ray.get(actor.info.remote())["managed"]
+        scratch = os.path.dirname(managed["socket"])
+        assert processes_under(scratch), "the managed daemon is not running"
+
+        made.remove_node(handle)
+        deadline = time.monotonic() + 60
+        while processes_under(scratch) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # The daemon, its VMMs and its jails are gone with the node.
+        assert processes_under(scratch) == [], processes_under(scratch)
+        with pytest.raises(SandboxLost):
+            lease.run(["echo", "gone"])
+    finally:
+        ray.get(p.close.remote())
+        ray.kill(p)
