@@ -19,7 +19,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox::daemon::client::Endpoint;
-use rollbox_tests::daemon::{wait_for, KEY};
+use rollbox_tests::daemon::{assert_ended, wait_for, KEY};
 use rollbox_tests::images::{docker_works, registry_answers, REGISTRY};
 use rollbox_tests::{kvm_available, skip, test_guest, workspace_root, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
@@ -164,7 +164,7 @@ fn the_image_from_the_local_registry_runs_jailed_sandboxes_and_drains_on_docker_
     let local = image
         .trim_start_matches(&format!("{REGISTRY}/"))
         .to_string();
-    docker(&["rmi", &image, &local]);
+    docker(&["rmi", "-f", &image, &local]);
     docker(&["pull", "-q", &image]);
 
     let scratch = tempfile::tempdir().unwrap();
@@ -232,14 +232,7 @@ fn the_image_from_the_local_registry_runs_jailed_sandboxes_and_drains_on_docker_
     wait_ready(&sock, &again);
     let (status, ended) = call(&sock, "GET", &format!("/sandboxes/{id}"), None);
     assert_eq!(status, 200, "{ended}");
-    assert_eq!(ended["state"], "deleted", "{ended}");
-    assert!(
-        ended["end_reason"]
-            .as_str()
-            .unwrap_or("")
-            .contains("drain deadline"),
-        "{ended}"
-    );
+    assert_ended(&ended, "deleted", "drain deadline");
     wait_for(
         "the sandbox's directory to be gone",
         Duration::from_secs(10),

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use rollbox_tests::daemon::{cli, wait_for, Server, KEY};
+use rollbox_tests::daemon::{assert_ended, cli, wait_for, Server, KEY};
 use rollbox_tests::kvm_available;
 use serde_json::{json, Value};
 
@@ -208,14 +208,7 @@ fn drain_refuses_new_sandboxes_keeps_running_ones_and_its_deadline_ends_them() {
                 .all(|id| server.get(id)["state"] == "deleted")
         },
     );
-    let ended = server.get(&a_id);
-    assert!(
-        ended["end_reason"]
-            .as_str()
-            .unwrap_or("")
-            .contains("drain deadline"),
-        "{ended}"
-    );
+    assert_ended(&server.get(&a_id), "deleted", "drain deadline");
     assert_eq!(node(&server)["slots"]["used"], 0);
     let (status, ready) = server.call("DELETE", "/node/drain", None);
     assert_eq!(
@@ -333,15 +326,7 @@ fn drain_on_sigterm_refuses_creates_ends_what_is_left_and_then_exits() {
     assert!(status.success(), "{status}\n{}", server.log());
     assert!(server.vmms().is_empty(), "a VMM outlived the drain");
     server.spawn();
-    let ended = server.get(&a_id);
-    assert_eq!(ended["state"], "deleted", "{ended}");
-    assert!(
-        ended["end_reason"]
-            .as_str()
-            .unwrap_or("")
-            .contains("drain deadline"),
-        "{ended}"
-    );
+    assert_ended(&server.get(&a_id), "deleted", "drain deadline");
 }
 
 #[test]
@@ -375,14 +360,7 @@ fn a_sandbox_of_a_pod_ends_once_the_kubelet_removes_the_pods_directory() {
         Duration::from_secs(30),
         || server.get(&b)["state"] == "deleted",
     );
-    let ended = server.get(&b);
-    assert!(
-        ended["end_reason"]
-            .as_str()
-            .unwrap_or("")
-            .contains("pod 3f1c-b is gone"),
-        "{ended}"
-    );
+    assert_ended(&server.get(&b), "deleted", "pod 3f1c-b is gone");
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(server.get(&a)["state"], "running", "pod a is still there");
     assert_eq!(

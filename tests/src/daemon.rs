@@ -365,6 +365,16 @@ pub fn pid_of(sandbox: &Value) -> (u32, u64) {
     )
 }
 
+/// A sandbox (its JSON) ended with `state`, its `end_reason` saying `why`.
+pub fn assert_ended(sandbox: &Value, state: &str, why: &str) {
+    assert_eq!(sandbox["state"], state, "{sandbox}");
+    let reason = sandbox["end_reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains(why),
+        "end_reason should say {why:?}: {sandbox}"
+    );
+}
+
 /// Polls `done` every 50 ms; panics naming `what` after `timeout`.
 pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
