@@ -54,6 +54,9 @@ fn run_daemon(image: &str, scratch: &Path, name: &str) -> Container {
         "-d",
         "--name",
         name,
+        // The DaemonSet's hostNetwork: the sandboxes' taps and rules are the node's.
+        "--network",
+        "host",
         "--cap-add",
         "ALL",
         "--cap-drop",
