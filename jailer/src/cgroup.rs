@@ -145,7 +145,6 @@ impl JailGroups {
     }
 }
 
-/// Removes one (empty) cgroup directory; gone already is fine.
 /// Makes a jail's group. One that is already there was left by this sandbox's previous VMM (a
 /// reset or restore starts the next VMM right after killing the last, and on a loaded host the
 /// killed one can take longer to leave than its daemon waited): it is removed first, waiting
@@ -160,6 +159,7 @@ fn make_fresh_group(dir: &Path) -> Result<(), JailError> {
     }
 }
 
+/// Removes one (empty) cgroup directory; gone already is fine.
 pub fn remove_group(dir: &Path) -> Result<(), JailError> {
     let mut tries = 0;
     loop {
