@@ -3,7 +3,7 @@
 //! patch of the Node's status over HTTPS, the API server's certificate checked against the
 //! service account's `ca.crt`).
 
-use std::io::{Read, Write};
+use std::io::Read as _;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,11 +12,13 @@ use std::time::Duration;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, ServerName};
 
-/// The extended resource the slots are published as.
-pub const SLOTS_RESOURCE: &str = "rollbox.dev/slots";
+use rollbox::daemon::client::{request_on, ClientError};
 
 /// Longest answer read back from the API server.
 const MAX_ANSWER: u64 = 1 << 20;
+
+/// The extended resource the slots are published as.
+pub const SLOTS_RESOURCE: &str = "rollbox.dev/slots";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {
@@ -48,8 +50,8 @@ pub enum KubeError {
         status: u16,
         body: String,
     },
-    #[error("the API server's answer is not HTTP: {0:?}")]
-    Answer(String),
+    #[error(transparent)]
+    Http(#[from] ClientError),
 }
 
 /// The API server and the service account's credentials.
@@ -126,7 +128,7 @@ impl InCluster {
         })
     }
 
-    /// One request on its own connection: the status and the body.
+    /// One request on its own TLS connection: the status and the body.
     fn request(&self, method: &str, path: &str, body: &str) -> Result<(u16, String), KubeError> {
         let addr = if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
@@ -148,32 +150,30 @@ impl InCluster {
         tcp.set_write_timeout(Some(Duration::from_secs(30)))
             .map_err(io)?;
         let conn = rustls::ClientConnection::new(Arc::clone(&self.tls), name)?;
-        let mut tls = rustls::StreamOwned::new(conn, tcp);
-        let request = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nContent-Type: application/json-patch+json\r\nAccept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            self.token,
-            body.len()
-        );
-        tls.write_all(request.as_bytes()).map_err(io)?;
+        let auth = format!("Bearer {}", self.token);
+        let mut response = request_on(
+            rustls::StreamOwned::new(conn, tcp),
+            &format!("https://{addr}"),
+            method,
+            path,
+            &[
+                ("Authorization", &auth),
+                ("Content-Type", "application/json-patch+json"),
+                ("Accept", "application/json"),
+            ],
+            body.as_bytes(),
+        )?;
         let mut answer = Vec::new();
         // A server that closes without TLS close_notify still gave its whole answer here.
-        if let Err(e) = (&mut tls).take(MAX_ANSWER).read_to_end(&mut answer) {
+        if let Err(e) = (&mut response).take(MAX_ANSWER).read_to_end(&mut answer) {
             if e.kind() != std::io::ErrorKind::UnexpectedEof || answer.is_empty() {
                 return Err(io(e));
             }
         }
-        let text = String::from_utf8_lossy(&answer).to_string();
-        let status = text
-            .strip_prefix("HTTP/1.1 ")
-            .or_else(|| text.strip_prefix("HTTP/1.0 "))
-            .and_then(|rest| rest.get(..3))
-            .and_then(|code| code.parse().ok())
-            .ok_or_else(|| KubeError::Answer(text.chars().take(100).collect()))?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_string())
-            .unwrap_or_default();
-        Ok((status, body))
+        Ok((
+            response.status,
+            String::from_utf8_lossy(&answer).to_string(),
+        ))
     }
 }
 

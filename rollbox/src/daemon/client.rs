@@ -129,7 +129,7 @@ impl Endpoint {
             endpoint: endpoint.clone(),
             source,
         };
-        let mut stream: Box<dyn Stream> = match self {
+        let stream: Box<dyn Stream> = match self {
             Endpoint::Unix(path) => {
                 let s = std::os::unix::net::UnixStream::connect(path).map_err(connect)?;
                 s.set_read_timeout(Some(timeout)).map_err(io)?;
@@ -145,41 +145,81 @@ impl Endpoint {
                 Box::new(s)
             }
         };
-        let length = body.as_ref().map_or(0, |(_, len)| *len);
-        let mut head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {length}\r\n"
-        );
-        for (name, value) in headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
-        }
-        head.push_str("\r\n");
-        let written = stream.write_all(head.as_bytes()).and_then(|()| {
-            if let Some((source, len)) = body {
-                let copied = std::io::copy(&mut source.take(len), &mut stream)?;
-                if copied != len {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("the request body ended after {copied} of {len} bytes"),
-                    ));
-                }
-            }
-            stream.flush()
-        });
-        let response = read_head(stream);
-        // A server may answer early (a body over its limit) and close: its answer wins.
-        if let (Err(e), Err(_)) = (written, &response) {
-            return Err(io(e));
-        }
-        let mut response = response.map_err(|e| match e {
-            ReadError::Io(source) => io(source),
-            ReadError::Bad(message) => ClientError::BadResponse {
-                endpoint: endpoint.clone(),
-                message,
-            },
-        })?;
-        response.endpoint = endpoint;
-        Ok(response)
+        exchange(stream, endpoint, method, path, headers, body)
     }
+}
+
+/// One request (`Connection: close`) on a connection the caller opened itself (a TLS stream to
+/// another service, say): the response with its body still to read (chunked bodies are
+/// decoded); `peer` names the other end in errors. The headers go as given (no `Content-Type`
+/// is added).
+pub fn request_on(
+    stream: impl Read + Write + 'static,
+    peer: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<Streaming, ClientError> {
+    let mut source: &[u8] = body;
+    let len = body.len() as u64;
+    exchange(
+        Box::new(stream),
+        peer.to_string(),
+        method,
+        path,
+        headers,
+        Some((&mut source, len)),
+    )
+}
+
+/// Writes the request's head and body on `stream` and reads the response's head.
+fn exchange(
+    mut stream: Box<dyn Stream>,
+    endpoint: String,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<(&mut dyn Read, u64)>,
+) -> Result<Streaming, ClientError> {
+    let io = |source| ClientError::Io {
+        endpoint: endpoint.clone(),
+        source,
+    };
+    let length = body.as_ref().map_or(0, |(_, len)| *len);
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {length}\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let written = stream.write_all(head.as_bytes()).and_then(|()| {
+        if let Some((source, len)) = body {
+            let copied = std::io::copy(&mut source.take(len), &mut stream)?;
+            if copied != len {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the request body ended after {copied} of {len} bytes"),
+                ));
+            }
+        }
+        stream.flush()
+    });
+    let response = read_head(stream);
+    // A server may answer early (a body over its limit) and close: its answer wins.
+    if let (Err(e), Err(_)) = (written, &response) {
+        return Err(io(e));
+    }
+    let mut response = response.map_err(|e| match e {
+        ReadError::Io(source) => io(source),
+        ReadError::Bad(message) => ClientError::BadResponse {
+            endpoint: endpoint.clone(),
+            message,
+        },
+    })?;
+    response.endpoint = endpoint;
+    Ok(response)
 }
 
 /// A connection a `101 Switching Protocols` answer handed over: its bytes are the upgraded
