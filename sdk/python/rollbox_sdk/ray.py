@@ -39,7 +39,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .client import Client
-from .errors import Overloaded, RollboxError, Unavailable
+from .errors import Conflict, Overloaded, RollboxError, Unavailable
 from .managed import ManagedDaemon
 from .types import ExecResult, ItemResult, NodeInfo, Sandbox, Snapshot
 
@@ -105,10 +105,11 @@ class RollboxNode:
         return info
 
     def add_template(self, name: str, kernel: str, kwargs: Dict[str, Any]) -> bool:
-        """Registers the template here unless this node has one of that name: whether it did."""
-        if any(t.get("name") == name for t in self._client.node().templates):
+        """Registers the template here: whether it did (False: this node has one of that name)."""
+        try:
+            self._client.add_template(name, kernel, **kwargs)
+        except Conflict:
             return False
-        self._client.add_template(name, kernel, **kwargs)
         return True
 
     def shutdown(self) -> None:
@@ -490,7 +491,7 @@ class SandboxPool:
         node's daemon starts empty): the node ids it was added on."""
         self.refresh()
         added = []
-        for node in [n for n in self._nodes.values() if n.alive]:
+        for node in [n for n in self._nodes.values() if n.alive and not n.has_template(name)]:
             if _call(node, "add_template", name, kernel, kwargs):
                 added.append(node.node_id)
         self._refreshed = 0.0
