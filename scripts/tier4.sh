@@ -62,11 +62,11 @@ else
     # wedged or frozen L1), a test past its 10-minute limit, a lab past 40 minutes. That is the
     # lab's failure (status 125 or 124), not a test result: the lab starts again, at most
     # ROLLBOX_LAB_STARTS - 1 times (5 starts by default: CI once lost lab A three times, each
-    # during another test), and runs only the tests with no
-    # result yet. Each loss names the test that was running; a test during which the lab was
-    # lost three times fails (twice happens: a dry run lost L1 twice during the 8-clone network
-    # fork, each time L1 halted for good in its own idle loop, docs/testing.md). QEMU 7.2 (scripts/lab/qemu-7.2.sh) lost L1 far more often than the
-    # QEMU 10 that scripts/setup.sh installs (docs/testing.md). A test that failed after a
+    # during another test), and runs only the tests with no result yet. Each loss names the
+    # test that was running; a test during which the lab was lost three times fails (twice
+    # happens: a dry run lost L1 twice during the 8-clone network fork, each time L1 halted for
+    # good in its own idle loop, docs/testing.md). QEMU 7.2 (scripts/lab/qemu-7.2.sh) lost L1
+    # far more often than the QEMU 10 that scripts/setup.sh installs (docs/testing.md). A test that failed after a
     # Linux guest triple-faulted runs once more (scripts/tier4-tests.sh), named in the log.
     lab_starts="${ROLLBOX_LAB_STARTS:-5}"
     [[ "$lab_starts" =~ ^[1-9][0-9]*$ ]] ||

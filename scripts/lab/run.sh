@@ -143,9 +143,10 @@ args=(
 # two L1 CPUs the other CPU's soft-lockup watchdog reported it, 425 s and never back). Once L1's
 # heartbeat (l1-init.sh, every 10 s) has not moved for ROLLBOX_LAB_KICK_S (40 s), the watch saves
 # QEMU's view of L1's CPU to the run directory's `stuck.txt` and sends L1 an NMI (should that
-# free it, the lab goes on and says so). Neither of the two stuck L1s caught so far (one in an L2
-# spinning on a spinlock, one halted in its own idle loop) took the NMI (docs/testing.md). After a soft
-# lockup of 60 s or more, or a heartbeat silent for ROLLBOX_LAB_SILENT_S (100 s), the lab stops.
+# free it, the lab goes on and says so). None of the five stuck L1s caught so far (one in an L2
+# spinning on a spinlock, four halted in L1's own idle loop) took the NMI (docs/testing.md).
+# After a soft lockup of 60 s or more, or a heartbeat silent for ROLLBOX_LAB_SILENT_S (100 s),
+# the lab stops.
 monitor() {
     { printf '%s\n' "$1"; sleep 2; } |
         socat -t 5 - "UNIX-CONNECT:$run/monitor.sock" 2>/dev/null |
@@ -218,7 +219,7 @@ fi
 if [[ -n "${ROLLBOX_SKIP_LOG:-}" && -s "$run/skips" ]]; then
     cat "$run/skips" >> "$ROLLBOX_SKIP_LOG"
 fi
-# An L1 that went on after an NMI keeps its run directory, for the CPU state in stuck.txt.
+# A run whose L1 was caught silent keeps its directory, for the CPU state in stuck.txt.
 [[ -f "$run/stuck.txt" ]] && keep=1
 [[ "$keep" -eq 1 ]] && echo "lab: run directory kept: $run" >&2
 exit "$(cat "$run/status")"
