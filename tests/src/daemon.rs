@@ -186,10 +186,7 @@ impl Server {
         key: Option<&str>,
         body: Option<&[u8]>,
     ) -> Result<Response, ClientError> {
-        let auth = key.map(|k| format!("Bearer {k}"));
-        let headers: Vec<(&str, &str)> =
-            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
-        Endpoint::Unix(self.sock()).request(method, path, &headers, body, Duration::from_secs(60))
+        request_at(&self.sock(), method, path, key, body)
     }
 
     /// One request with `key` as the bearer key (none without); panics when it gets no answer.
@@ -219,8 +216,7 @@ impl Server {
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         let body = body.map(|b| b.to_string());
         let response = self.raw(method, path, Some(KEY), body.as_deref().map(str::as_bytes));
-        let value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
-        (response.status, value)
+        status_and_json(&response)
     }
 
     /// Registers the test guest (32 MiB) as template `name`.
@@ -363,6 +359,46 @@ pub fn pid_of(sandbox: &Value) -> (u32, u64) {
         u32::try_from(sandbox["pid"].as_u64().expect("pid")).expect("pid fits"),
         sandbox["pid_start_time"].as_u64().expect("start time"),
     )
+}
+
+/// One request to the daemon on `sock`, with `key` as the bearer key (none without).
+fn request_at(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&[u8]>,
+) -> Result<Response, ClientError> {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    Endpoint::Unix(sock.to_path_buf()).request(
+        method,
+        path,
+        &headers,
+        body,
+        Duration::from_secs(60),
+    )
+}
+
+/// A response's status and its body as JSON (Null when it is not).
+fn status_and_json(response: &Response) -> (u16, Value) {
+    let value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+    (response.status, value)
+}
+
+/// [`Server::call`] for a daemon this harness did not start (one in a container, say) on
+/// `sock`: one request with [`KEY`], its status and JSON body; panics when it gets no answer.
+pub fn call_at(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let body = body.map(|b| b.to_string());
+    let response = request_at(
+        sock,
+        method,
+        path,
+        Some(KEY),
+        body.as_deref().map(str::as_bytes),
+    )
+    .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    status_and_json(&response)
 }
 
 /// A sandbox (its JSON) ended with `state`, its `end_reason` saying `why`.
