@@ -12,6 +12,7 @@ use rollbox::daemon::{Listen, NetworkOptions, NodeOptions, ServeOptions};
 use super::conn::{absolute, default_socket, read_key};
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("e2b").args(["e2b_listen", "e2b_socket"]).multiple(true)))]
 pub struct ServeArgs {
     /// Serve on this Unix socket [default: $ROLLBOX_SOCKET, else /run/rollbox/rollbox.sock,
     /// unless --listen].
@@ -169,13 +170,17 @@ pub struct ServeArgs {
     /// --e2b-tls-cert and --e2b-tls-key.
     #[arg(long, value_name = "ADDR")]
     e2b_listen: Option<std::net::SocketAddr>,
+    /// Also serve the E2B-compatible API on this Unix socket (mode 0600), e.g. for
+    /// `rollbox lease` in a pod that mounts it from the host.
+    #[arg(long, value_name = "PATH")]
+    e2b_socket: Option<PathBuf>,
     /// The `domain` E2B sandboxes report: data-plane traffic goes to {port}-{id}.DOMAIN unless
     /// the client sets E2B_SANDBOX_URL.
     #[arg(
         long,
         value_name = "DOMAIN",
         default_value = "e2b.localhost",
-        requires = "e2b_listen"
+        requires = "e2b"
     )]
     e2b_domain: String,
     /// Serve the E2B API over TLS with this PEM certificate chain (with --e2b-tls-key).
@@ -384,16 +389,17 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         share_layers: !args.no_layer_sharing,
         console_max_bytes: args.console_max_bytes,
         kubelet_pods_dir: args.kubelet_pods_dir,
-        e2b: args
-            .e2b_listen
-            .map(|listen| rollbox::daemon::e2b::E2bOptions {
-                listen,
+        e2b: (args.e2b_listen.is_some() || args.e2b_socket.is_some()).then(|| {
+            rollbox::daemon::e2b::E2bOptions {
+                listen: args.e2b_listen,
+                socket: args.e2b_socket.map(absolute),
                 domain: args.e2b_domain,
                 tls: args
                     .e2b_tls_cert
                     .zip(args.e2b_tls_key)
                     .map(|(cert, key)| rollbox::daemon::e2b::TlsFiles { cert, key }),
-            }),
+            }
+        }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -475,6 +475,9 @@ pub async fn serve(
     if let Listen::Unix(path) = &options.listen {
         let _ = std::fs::remove_file(path);
     }
+    if let Some(path) = options.e2b.as_ref().and_then(|e2b| e2b.socket.as_ref()) {
+        let _ = std::fs::remove_file(path);
+    }
     Ok(())
 }
 

@@ -24,7 +24,7 @@ use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::oneshot;
 
-use super::transport::Out;
+use super::transport::{accept, Io, Listener, Out};
 
 /// The default `--http-header-timeout`.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -210,6 +210,48 @@ where
     tokio::select! {
         _ = connection => {}
         () = ticket.evicted() => {}
+    }
+}
+
+/// Accepts the next connection on `listener` and serves it on its own task (TCP through `tls`
+/// when given). A connection past the gate's cap closes at once; a failed accept (EMFILE and
+/// friends) backs off instead of spinning. Cancel-safe: nothing is awaited once a connection
+/// is accepted.
+pub async fn serve_next<F, Fut>(
+    listener: &Listener,
+    tls: Option<&tokio_rustls::TlsAcceptor>,
+    gate: &Arc<Gate>,
+    limits: ConnLimits,
+    handle: F,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<Out>> + Send + 'static,
+{
+    let io = match accept(listener).await {
+        Ok(io) => io,
+        Err(e) => {
+            log::warn!("accept on {}: {e}", listener.describe());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            return;
+        }
+    };
+    // Full of connections that all have a request in progress: this one closes at once.
+    let Some(ticket) = gate.admit() else {
+        return;
+    };
+    match io {
+        Io::Tcp(stream) => {
+            tokio::spawn(serve_tcp(
+                stream.into_inner(),
+                tls.cloned(),
+                ticket,
+                limits,
+                handle,
+            ));
+        }
+        io => {
+            tokio::spawn(serve(io, ticket, limits, handle));
+        }
     }
 }
 

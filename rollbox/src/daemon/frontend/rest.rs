@@ -13,7 +13,7 @@ use super::super::api::{self, Action, ApiError, Reply, VolumeOp, MAX_BODY, MAX_U
 use super::super::core::Core;
 use super::super::keys::Caller;
 use super::conn::{self, ConnLimits, Gate};
-use super::transport::{accept, BodyReader, Io, Listener, Out};
+use super::transport::{BodyReader, Listener, Out};
 
 /// Serves connections until `shutdown` completes, each held to `limits` (see [`conn`]); TCP
 /// connections through `tls` when given.
@@ -26,43 +26,14 @@ pub async fn run(
 ) {
     let gate = Gate::new(limits.max_connections);
     tokio::pin!(shutdown);
-    loop {
-        let accepted = tokio::select! {
-            () = &mut shutdown => return,
-            accepted = accept(&listener) => accepted,
-        };
-        let io = match accepted {
-            Ok(io) => io,
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                log::warn!("accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        // Full of connections that all have a request in progress: this one closes at once.
-        let Some(ticket) = gate.admit() else {
-            continue;
-        };
+    let handle = move |request| {
         let core = Arc::clone(&core);
-        let handle = move |request| {
-            let core = Arc::clone(&core);
-            async move { respond(&core, request).await }
-        };
-        match io {
-            Io::Tcp(stream) => {
-                let tls = tls.clone();
-                tokio::spawn(conn::serve_tcp(
-                    stream.into_inner(),
-                    tls,
-                    ticket,
-                    limits,
-                    handle,
-                ));
-            }
-            io => {
-                tokio::spawn(conn::serve(io, ticket, limits, handle));
-            }
+        async move { respond(&core, request).await }
+    };
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            () = conn::serve_next(&listener, tls.as_ref(), &gate, limits, handle.clone()) => {}
         }
     }
 }

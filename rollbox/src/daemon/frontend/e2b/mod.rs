@@ -46,6 +46,7 @@ mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use hyper::body::Incoming;
@@ -54,7 +55,7 @@ use hyper::{Request, Response};
 use super::super::core::Core;
 use super::conn::{self, ConnLimits, Gate};
 pub use super::transport::TlsFiles;
-use super::transport::{accept_tcp, tls_acceptor, Listen, Listener, Out, TransportError};
+use super::transport::{tls_acceptor, Listen, Listener, Out, TransportError};
 use state::E2b;
 
 pub use wire::{DEFAULT_TIMEOUT_S, ENVD_PORT, ENVD_VERSION, ENV_VARS_KEY};
@@ -62,32 +63,42 @@ pub use wire::{DEFAULT_TIMEOUT_S, ENVD_PORT, ENVD_VERSION, ENV_VARS_KEY};
 /// `rollbox serve --e2b-*` options.
 #[derive(Debug, Clone)]
 pub struct E2bOptions {
-    /// The E2B listener's address (loopback, or any with `tls`).
-    pub listen: SocketAddr,
+    /// The E2B listener's TCP address (loopback, or any with `tls`), if any.
+    pub listen: Option<SocketAddr>,
+    /// A Unix socket for the same API (`--e2b-socket`), if any: what a `rollbox lease` in a
+    /// pod reaches through a hostPath.
+    pub socket: Option<PathBuf>,
     /// The `domain` sandboxes report: the SDK sends data-plane traffic to
     /// `https://{port}-{id}.{domain}` unless `E2B_SANDBOX_URL` is set.
     pub domain: String,
-    /// Serve TLS with this certificate chain and private key (PEM files).
+    /// Serve TLS on the TCP listener with this certificate chain and private key (PEM files).
     pub tls: Option<TlsFiles>,
 }
 
-/// The bound E2B listener, with its TLS acceptor when it serves TLS.
+/// The bound E2B listeners, the TCP one with its TLS acceptor when it serves TLS.
 pub struct E2bListener {
-    listener: Listener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    bound: Vec<(Listener, Option<tokio_rustls::TlsAcceptor>)>,
 }
 
 impl E2bListener {
     pub fn describe(&self) -> String {
-        let plain = self.listener.describe();
-        match self.tls {
-            Some(_) => plain.replacen("http://", "https://", 1),
-            None => plain,
-        }
+        let names: Vec<String> = self
+            .bound
+            .iter()
+            .map(|(listener, tls)| {
+                let plain = listener.describe();
+                match tls {
+                    Some(_) => plain.replacen("http://", "https://", 1),
+                    None => plain,
+                }
+            })
+            .collect();
+        names.join(" and ")
     }
 }
 
-/// Binds the E2B listener (a loopback address, or any with TLS) and loads its TLS files.
+/// Binds the E2B listeners (a loopback address, or any with TLS; a Unix socket) and loads
+/// the TLS files.
 pub fn bind(options: &E2bOptions) -> Result<E2bListener, TransportError> {
     let flags = ("--e2b-tls-cert", "--e2b-tls-key");
     let tls = options
@@ -95,17 +106,26 @@ pub fn bind(options: &E2bOptions) -> Result<E2bListener, TransportError> {
         .as_ref()
         .map(|files| tls_acceptor(files, flags))
         .transpose()?;
-    Ok(E2bListener {
-        listener: Listener::bind(
-            &Listen::Tcp(options.listen),
+    let mut bound = Vec::new();
+    if let Some(addr) = options.listen {
+        let listener = Listener::bind(
+            &Listen::Tcp(addr),
             tls.is_some(),
             "--e2b-tls-cert and --e2b-tls-key",
-        )?,
-        tls,
-    })
+        )?;
+        bound.push((listener, tls));
+    }
+    if let Some(path) = &options.socket {
+        bound.push((
+            Listener::bind(&Listen::Unix(path.clone()), false, "")?,
+            None,
+        ));
+    }
+    Ok(E2bListener { bound })
 }
 
-/// Serves E2B connections until the task is aborted, each held to `limits` (see [`conn`]).
+/// Serves E2B connections on every listener until the task is aborted, each held to
+/// `limits` (see [`conn`]); the listeners share one state and one connection gate.
 pub async fn run(
     listener: E2bListener,
     core: Arc<Core>,
@@ -122,35 +142,21 @@ pub async fn run(
         next_watcher: std::sync::atomic::AtomicU64::new(1),
         accounts: Mutex::new(HashMap::new()),
     });
-    let E2bListener {
-        listener: Listener::Tcp(listener),
-        tls,
-    } = listener
-    else {
-        return;
-    };
     let gate = Gate::new(limits.max_connections);
-    loop {
-        let stream = match accept_tcp(&listener).await {
-            Ok(stream) => stream,
-            Err(e) => {
-                log::warn!("e2b accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        // Full of connections that all have a request in progress: this one closes at once.
-        let Some(ticket) = gate.admit() else {
-            continue;
-        };
+    let handle = move |request| {
         let e2b = Arc::clone(&e2b);
-        let tls = tls.clone();
-        let handle = move |request| {
-            let e2b = Arc::clone(&e2b);
-            async move { respond(&e2b, request).await }
-        };
-        tokio::spawn(conn::serve_tcp(stream, tls, ticket, limits, handle));
-    }
+        async move { respond(&e2b, request).await }
+    };
+    let loops = listener.bound.into_iter().map(|(listener, tls)| {
+        let gate = Arc::clone(&gate);
+        let handle = handle.clone();
+        async move {
+            loop {
+                conn::serve_next(&listener, tls.as_ref(), &gate, limits, handle.clone()).await;
+            }
+        }
+    });
+    futures_util::future::join_all(loops).await;
 }
 
 async fn respond(e2b: &Arc<E2b>, request: Request<Incoming>) -> Response<Out> {
