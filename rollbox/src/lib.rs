@@ -3,4 +3,5 @@
 pub mod daemon;
 pub mod exec;
 pub mod images;
+pub mod lease;
 pub mod net;

@@ -10,8 +10,8 @@ mod logger;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    if cli.serves() {
-        logger::init("rollbox serve");
+    if let Some(name) = cli.logs_as() {
+        logger::init(name);
     }
     cli::run(cli)
 }

@@ -231,6 +231,23 @@ fn the_image_from_the_local_registry_runs_jailed_sandboxes_and_drains_on_docker_
     );
 }
 
+/// Reads rollbox-lease.yaml (argv 1), checks its agent-sandbox kinds, and writes its
+/// SandboxTemplate's podTemplate as a Pod to argv 2.
+const LEASE_POD: &str = r#"
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = {d["kind"]: d for d in docs}
+assert set(kinds) == {"SandboxTemplate", "SandboxWarmPool"}, list(kinds)
+for d in docs:
+    assert d["apiVersion"] == "extensions.agents.x-k8s.io/v1beta1", d["apiVersion"]
+template = kinds["SandboxTemplate"]
+assert kinds["SandboxWarmPool"]["spec"]["sandboxTemplateRef"]["name"] == template["metadata"]["name"]
+pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "lease"}}
+pod["metadata"].update(template["spec"]["podTemplate"].get("metadata", {}))
+pod["spec"] = template["spec"]["podTemplate"]["spec"]
+yaml.safe_dump(pod, open(sys.argv[2], "w"))
+"#;
+
 #[test]
 fn the_manifests_validate_offline_and_name_only_flags_the_cli_has() {
     // Not a skip when it cannot be made: the manifest check needs nothing but PyPI.
@@ -266,13 +283,44 @@ fn the_manifests_validate_offline_and_name_only_flags_the_cli_has() {
         "a broken manifest passed"
     );
 
-    // Every flag the manifest gives rollbox is one the CLI has.
+    // The lease's SandboxTemplate: agent-sandbox's kinds, no schema of theirs here, so its
+    // podTemplate is checked as the Pod it becomes, and the warm pool names the template.
+    let lease = workspace_root().join("deploy/kubernetes/rollbox-lease.yaml");
+    let pod = broken_dir.path().join("lease-pod.yaml");
+    let extracted = Command::new(&python)
+        .arg("-c")
+        .arg(LEASE_POD)
+        .arg(&lease)
+        .arg(&pod)
+        .output()
+        .unwrap();
+    assert!(
+        extracted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&extracted.stderr)
+    );
+    let checked = validate(&pod);
+    assert!(
+        checked.status.success(),
+        "the lease's podTemplate: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    let lease_text = std::fs::read_to_string(&lease).unwrap();
+    assert!(
+        text.contains("--e2b-socket=/run/rollbox/e2b.sock")
+            && lease_text.contains("--e2b-socket=/run/rollbox/e2b.sock"),
+        "the lease reaches the DaemonSet's E2B socket"
+    );
+
+    // Every flag the manifests give rollbox is one the CLI has.
     let mut help = String::new();
     for args in [
         &["serve", "--help"][..],
         &["node", "probe", "--help"],
         &["node", "drain", "--help"],
         &["node", "advertise", "--help"],
+        &["lease", "--help"],
     ] {
         let out = Command::new(rollbox_tests::rollbox_binary())
             .args(args)
@@ -281,7 +329,8 @@ fn the_manifests_validate_offline_and_name_only_flags_the_cli_has() {
         help.push_str(&String::from_utf8_lossy(&out.stdout));
     }
     // (Comments name kubectl's flags too; only the manifest's own lines count.)
-    let flags: Vec<&str> = text
+    let both = format!("{text}\n{lease_text}");
+    let flags: Vec<&str> = both
         .lines()
         .filter(|line| !line.trim_start().starts_with('#'))
         .flat_map(|line| line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')))
@@ -291,7 +340,7 @@ fn the_manifests_validate_offline_and_name_only_flags_the_cli_has() {
     for flag in flags {
         assert!(
             help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
-            "deploy/kubernetes/rollbox-node.yaml gives {flag}, which rollbox does not have"
+            "deploy/kubernetes gives {flag}, which rollbox does not have"
         );
     }
 }

@@ -24,6 +24,10 @@ mod security;
 #[path = "e2b/flood.rs"]
 mod flood;
 
+/// `rollbox lease`, an agent-sandbox pod's container, as a plain process (issue 27).
+#[path = "e2b/lease.rs"]
+mod lease;
+
 const KEY: &str = "e2b-test-key-0123";
 /// The sandbox port the code interpreter SDK calls.
 const CODE_INTERPRETER_PORT: u16 = 49999;
@@ -240,20 +244,28 @@ fn sdk_python(version: &str) -> Result<PathBuf, String> {
     venv_python("scripts/e2b-venv.sh", &[version])
 }
 
+/// What a test of the stock SDK `version` needs: /dev/kvm and the SDK's venv. None (and the
+/// test `test` reported skipped, a failure under ROLLBOX_REQUIRE_ALL=1) when one is missing.
+fn kvm_and_sdk(test: &str, version: &str) -> Option<PathBuf> {
+    if !kvm_available() {
+        return None;
+    }
+    match sdk_python(version) {
+        Ok(python) => Some(python),
+        Err(reason) => {
+            skip(test, &format!("no e2b {version} venv: {reason}"));
+            None
+        }
+    }
+}
+
 fn run_sdk_suite(test: &str, version: &str, tls: bool) {
     run_sdk_script(test, version, tls, "test_sdk.py");
 }
 
 fn run_sdk_script(test: &str, version: &str, tls: bool, script: &str) {
-    if !kvm_available() {
+    let Some(python) = kvm_and_sdk(test, version) else {
         return;
-    }
-    let python = match sdk_python(version) {
-        Ok(python) => python,
-        Err(reason) => {
-            skip(test, &format!("no e2b {version} venv: {reason}"));
-            return;
-        }
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let (ca, files) = if tls {
@@ -637,16 +649,8 @@ fn stock_e2b_code_interpreter_2_11_against_rollbox() {
 #[test]
 #[ignore = "benchmark: prints figures"]
 fn e2b_benchmark_figures() {
-    let test = "e2b_benchmark_figures";
-    if !kvm_available() {
+    let Some(python) = kvm_and_sdk("e2b_benchmark_figures", "2.63.0") else {
         return;
-    }
-    let python = match sdk_python("2.63.0") {
-        Ok(python) => python,
-        Err(reason) => {
-            skip(test, &format!("no e2b 2.63.0 venv: {reason}"));
-            return;
-        }
     };
     let (daemon, port) = start_daemon(tempfile::tempdir().expect("tempdir"), None, &[]);
     let scratch = tempfile::tempdir().expect("scratch");

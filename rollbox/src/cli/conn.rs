@@ -56,6 +56,8 @@ pub enum CliError {
     #[error(transparent)]
     Kube(#[from] super::kube::KubeError),
     #[error(transparent)]
+    Lease(#[from] rollbox::lease::LeaseError),
+    #[error(transparent)]
     Untar(#[from] super::untar::UntarError),
     #[error("--registry-auth: {0}")]
     RegistryAuth(#[from] rollbox::images::auth::AuthError),

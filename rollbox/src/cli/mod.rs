@@ -9,6 +9,7 @@ mod guest;
 mod image;
 mod key;
 mod kube;
+mod lease;
 mod net;
 mod node;
 mod sandbox;
@@ -68,6 +69,9 @@ pub enum Command {
         #[command(subcommand)]
         command: node::NodeCommand,
     },
+    /// Hold one sandbox while this runs and serve its E2B/envd API: the container of an
+    /// agent-sandbox pod (docs/kubernetes.md). SIGTERM deletes the sandbox.
+    Lease(Box<lease::LeaseArgs>),
     /// Named shared volumes (virtio-fs) that sandboxes mount, and their files, through the
     /// daemon.
     Volume {
@@ -86,9 +90,14 @@ pub enum Command {
 }
 
 impl Cli {
-    /// Whether this runs the daemon (which logs).
-    pub fn serves(&self) -> bool {
-        matches!(self.command, Command::Serve(_))
+    /// The name the log lines of a long-running command carry (the daemon, a lease); None
+    /// for a command that only prints.
+    pub fn logs_as(&self) -> Option<&'static str> {
+        match self.command {
+            Command::Serve(_) => Some("rollbox serve"),
+            Command::Lease(_) => Some("rollbox lease"),
+            _ => None,
+        }
     }
 }
 
@@ -99,6 +108,10 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Exec(args) => exec::run(args),
         Command::Net(command) => net::run(command),
         Command::Serve(args) => serve::serve(*args),
+        Command::Lease(args) => match lease::run(*args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(&e),
+        },
         Command::Sandbox { conn, command } => {
             match conn::Conn::new(&conn).and_then(|conn| sandbox::run(&conn, command)) {
                 Ok(code) => ExitCode::from(code),
