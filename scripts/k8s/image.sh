@@ -5,8 +5,10 @@
 # named rollbox:HASH, HASH being the content hash of its files, so building it again from the
 # same files is free. Its entrypoint is `rollbox`; `serve` by default.
 #
-# Usage: scripts/k8s/image.sh [--profile release|debug] [--push REGISTRY]
+# Usage: scripts/k8s/image.sh [--profile release|debug | --bins DIR] [--push REGISTRY]
 #   --profile  which cargo profile's binaries (default release: `cargo build --release`)
+#   --bins     the binaries in DIR instead: scripts/install.sh's PREFIX/bin, the lean static VMM
+#              and jailer (what a node should run)
 #   --push     also push it as REGISTRY/rollbox:HASH (e.g. 127.0.0.1:5000, scripts/start-registry.sh)
 # Needs the static guest agent (guest-agent/build-static.sh) and virtiofsd (scripts/virtiofsd.sh,
 # run here). Prints the image's reference last (the pushed one with --push).
@@ -14,24 +16,33 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 die() { echo "image: $*" >&2; exit 1; }
-profile=release push=""
+profile=release push="" bins=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --profile) profile="${2:-}"; shift 2 ;;
         --push) push="${2:-}"; shift 2 ;;
-        -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --bins) bins="${2:-}"; shift 2 ;;
+        -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
 done
 [[ "$profile" == release || "$profile" == debug ]] || die "--profile is release or debug, not '$profile'"
 command -v docker >/dev/null || die "docker is not installed (scripts/setup.sh, scripts/start-dockerd.sh)"
 
-bins="$ROOT/target/$profile"
-for bin in rollbox rollbox-vmm rollbox-jailer; do
-    [[ -x "$bins/$bin" ]] ||
-        die "$bins/$bin is missing: cargo build $([[ $profile == release ]] && echo --release) -p rollbox -p rollbox-vmm -p rollbox-jailer"
-done
-agent="${ROLLBOX_AGENT:-$ROOT/target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent}"
+if [[ -n "$bins" ]]; then
+    for bin in rollbox rollbox-vmm rollbox-jailer; do
+        [[ -x "$bins/$bin" ]] || die "$bins/$bin is missing: scripts/install.sh --prefix ${bins%/bin}"
+    done
+else
+    bins="$ROOT/target/$profile"
+    for bin in rollbox rollbox-vmm rollbox-jailer; do
+        [[ -x "$bins/$bin" ]] ||
+            die "$bins/$bin is missing: cargo build $([[ $profile == release ]] && echo --release) -p rollbox -p rollbox-vmm -p rollbox-jailer"
+    done
+fi
+agent="$ROOT/target/agent-static/x86_64-unknown-linux-gnu/release/rollbox-agent"
+[[ -x "$bins/rollbox-agent" && "$bins" != "$ROOT/target/$profile" ]] && agent="$bins/rollbox-agent"
+agent="${ROLLBOX_AGENT:-$agent}"
 [[ -x "$agent" ]] || die "the static guest agent $agent is missing: guest-agent/build-static.sh"
 virtiofsd="$("$ROOT/scripts/virtiofsd.sh" | tail -n 1)"
 

@@ -67,7 +67,9 @@ pub struct BuildArgs {
 }
 
 /// `--agent`, else `$ROLLBOX_AGENT`, else the build output: relative to the current
-/// directory, or to the workspace that holds this binary (target/<profile>/rollbox).
+/// directory, or to the workspace that holds this binary (target/<profile>/rollbox); else a
+/// static `rollbox-agent` beside this binary (scripts/install.sh puts one there; a dynamic one
+/// beside it is the workspace's host build, which no guest image can run).
 pub(crate) fn agent_path(flag: Option<PathBuf>) -> PathBuf {
     if let Some(path) = flag {
         return path;
@@ -85,8 +87,18 @@ pub(crate) fn agent_path(flag: Option<PathBuf>) -> PathBuf {
             .parent()
             .map(|root| root.join(DEFAULT_AGENT))
     });
-    match from_workspace {
-        Some(path) if path.exists() => path,
+    if let Some(path) = from_workspace.filter(|path| path.exists()) {
+        return path;
+    }
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join("rollbox-agent")));
+    match beside {
+        Some(path)
+            if rollbox_jailer::elf::shared_libraries(&path).is_ok_and(|libs| libs.is_empty()) =>
+        {
+            path
+        }
         _ => relative.to_path_buf(),
     }
 }
