@@ -23,11 +23,20 @@ impl log::Log for Logger {
         if !self.enabled(record.metadata()) {
             return;
         }
-        if record.level() >= log::Level::Debug {
-            eprintln!("{}: debug: {}", self.prefix, record.args());
+        use std::io::Write as _;
+        let kind = if record.level() >= log::Level::Debug {
+            "debug: "
         } else {
-            eprintln!("{}: {}", self.prefix, record.args());
-        }
+            ""
+        };
+        // Not eprintln!, which panics when stderr is gone (a closed pipe, a terminal that
+        // went away): a daemon whose log cannot be written keeps serving.
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "{}: {kind}{}",
+            self.prefix,
+            record.args()
+        );
     }
 
     fn flush(&self) {}

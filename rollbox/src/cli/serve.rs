@@ -322,7 +322,6 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             .and_then(|exe| exe.parent().map(|d| d.join("rollbox-vmm")))
             .unwrap_or_else(|| PathBuf::from("rollbox-vmm"))
     });
-    describe_vmm(&vmm);
     let jailer = (!args.no_jailer).then(|| rollbox::daemon::JailerOptions {
         binary: absolute(args.jailer.unwrap_or_else(|| {
             std::env::current_exe()
@@ -443,23 +442,5 @@ pub fn serve(args: ServeArgs) -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Logs which rollbox-vmm the daemon starts, and says so when it is not the lean static build
-/// (each VMM then maps the loader and libc, about 1.7 MiB more resident per sandbox, and the
-/// jailer binds them into every jail).
-fn describe_vmm(vmm: &std::path::Path) {
-    match rollbox_jailer::elf::shared_libraries(vmm) {
-        Ok(libraries) if libraries.is_empty() => {
-            log::info!("VMM: {} (static)", vmm.display());
-        }
-        Ok(libraries) => log::info!(
-            "VMM: {} (dynamic, {} libraries; scripts/install.sh installs the lean static build)",
-            vmm.display(),
-            libraries.len().saturating_sub(1)
-        ),
-        // A wrapper script, say: started as it is.
-        Err(e) => log::info!("VMM: {e}"),
     }
 }
