@@ -64,6 +64,8 @@ pub struct DaemonBenchConfig {
     pub jailer: bool,
     /// `rollbox serve --vmm-start-timeout` (none: the daemon's default).
     pub vmm_start_timeout_s: Option<u64>,
+    /// `rollbox serve --warm-pool MEMORY=N` with this N (0: no warm pool).
+    pub warm_pool: usize,
 }
 
 impl DaemonBenchConfig {
@@ -92,6 +94,7 @@ impl DaemonBenchConfig {
             live: 0,
             jailer: true,
             vmm_start_timeout_s,
+            warm_pool: 0,
         }
     }
 }
@@ -132,6 +135,11 @@ pub struct DaemonReport {
     /// (RSS with `live` sandboxes - idle RSS) / live * 1000.
     pub daemon_kib_per_1000_extrapolated: f64,
     pub vmm_rss_p50_kib: Option<f64>,
+    /// `--warm-pool`'s N (0: none), and the VMM launches that loaded a warm shell against
+    /// all launches (the daemon's debug lines).
+    pub warm_pool: usize,
+    pub warm_launches: usize,
+    pub launches: usize,
     /// Creates and deletes that failed (not in the latencies).
     pub failures: usize,
     pub first_failure: Option<String>,
@@ -324,6 +332,10 @@ pub(crate) fn start(config: &DaemonBenchConfig) -> Result<Daemon, DaemonBenchErr
         .args(["--max-pending-creates", "100000"])
         .args((!config.jailer).then_some("--no-jailer"))
         .args(
+            (config.warm_pool > 0)
+                .then(|| format!("--warm-pool={}={}", config.memory_mib, config.warm_pool)),
+        )
+        .args(
             config
                 .vmm_start_timeout_s
                 .map(|s| ["--vmm-start-timeout".to_string(), s.to_string()])
@@ -484,6 +496,7 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
 
     let mut levels = Vec::new();
     let mut deletes = Vec::new();
+    wait_for_pool(&daemon, config);
     eprintln!("daemon: {} creates at concurrency 1", config.serial);
     let mut serial = Vec::new();
     let log_from = daemon.full_log().len();
@@ -509,6 +522,7 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         let mut samples = Vec::new();
         let mut wall_total = 0.0;
         for _ in 0..config.rounds.max(1) {
+            wait_for_pool(&daemon, config);
             let (made, wall) = parallel(concurrency, concurrency, |_| {
                 Ok(daemon.try_create(&snapshot))
             })?;
@@ -531,6 +545,7 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         "daemon: {} create+delete cycles by {} workers",
         config.sustained, config.sustained_workers
     );
+    wait_for_pool(&daemon, config);
     let (made, sustained_wall) = parallel(config.sustained, config.sustained_workers, |_| {
         Ok(daemon
             .try_create(&snapshot)
@@ -542,6 +557,7 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
     let mut forks = Vec::new();
     for _ in 0..config.forks {
         eprintln!("daemon: fork({})", config.fork_count);
+        wait_for_pool(&daemon, config);
         let started = Instant::now();
         let made = daemon.expect(
             "POST",
@@ -605,6 +621,14 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     let vmm_rss_p50_kib = summarize(&vmm_rss).map(|s| s.p50);
+    let log = daemon.full_log();
+    let launch_lines = log.lines().filter(|line| line.contains("debug: launch "));
+    let (warm_launches, launches) = launch_lines.fold((0, 0), |(warm, all), line| {
+        (
+            warm + usize::from(line.contains("in a warm shell")),
+            all + 1,
+        )
+    });
 
     Ok(DaemonReport {
         jailed: config.jailer,
@@ -626,7 +650,31 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         daemon_rss_live_kib,
         daemon_kib_per_1000_extrapolated: per_1000,
         vmm_rss_p50_kib,
+        warm_pool: config.warm_pool,
+        warm_launches,
+        launches,
     })
+}
+
+/// With a warm pool, waits (up to 60 s, untimed) until it is full again: a burst takes the
+/// pool's shells, and the figures are of creates that find it as a steady trickle would.
+fn wait_for_pool(daemon: &Daemon, config: &DaemonBenchConfig) {
+    if config.warm_pool == 0 {
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok((200, node)) = daemon.call("GET", "/node", None) {
+            let full = node["warm_pool"]
+                .as_array()
+                .is_some_and(|shapes| shapes.iter().all(|shape| shape["ready"] == shape["target"]));
+            if full {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("daemon: the warm pool did not fill within 60 s; measuring anyway");
 }
 
 /// p50 of each phase in the daemon's `debug:` lines (`NAME X ms`, comma separated, after the
@@ -738,6 +786,12 @@ pub fn markdown(report: &DaemonReport) -> String {
         out.push_str(&format!(
             "\n**{} creates or deletes failed** (not in the figures); the first: {first}\n",
             report.failures
+        ));
+    }
+    if report.warm_pool > 0 {
+        out.push_str(&format!(
+            "\nWarm pool of {} shells: {} of {} VMM launches loaded a warm shell (the rest started cold: the pool was empty, or a fork's parent).\n",
+            report.warm_pool, report.warm_launches, report.launches
         ));
     }
     out.push_str(&format!(

@@ -199,6 +199,9 @@ enum Bench {
         /// Sandboxes alive at once for the memory figure (extrapolated per 1,000).
         #[arg(long, default_value_t = 200)]
         live: usize,
+        /// Keep N VMM shells warm (`rollbox serve --warm-pool MEMORY=N`); 0: none.
+        #[arg(long, default_value_t = 0)]
+        warm_pool: usize,
         /// Run the VMMs without rollbox-jailer (`rollbox serve --no-jailer`).
         #[arg(long)]
         no_jailer: bool,
@@ -559,6 +562,7 @@ fn main() -> ExitCode {
             fork_count,
             live,
             no_jailer,
+            warm_pool,
             json,
         } => {
             let (default_rollbox, default_vmm, default_guest) =
@@ -579,6 +583,7 @@ fn main() -> ExitCode {
                 live: live.max(1),
                 jailer: !no_jailer,
                 vmm_start_timeout_s: None,
+                warm_pool,
             };
             finish(
                 "daemon",

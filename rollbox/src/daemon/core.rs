@@ -63,6 +63,13 @@ fn no_snapshot(id: &str) -> ApiError {
 }
 
 impl Core {
+    /// GET /node: the node's figures and the sandboxes service's warm pool.
+    fn node_info(&self) -> Result<super::api::NodeInfo, ApiError> {
+        let mut info = self.node.info()?;
+        info.warm_pool = self.sandboxes.warm_pool_status();
+        Ok(info)
+    }
+
     pub fn new(services: Services) -> Core {
         let Services {
             db,
@@ -134,7 +141,7 @@ impl Core {
                 }
             });
         }
-        Ok(Reply::Node(self.node.info()?))
+        Ok(Reply::Node(self.node_info()?))
     }
 
     /// Who `key` (as a request gave it) belongs to; None: nobody's (401). No state is read
@@ -350,7 +357,7 @@ impl Core {
             }
             Action::DeleteSandboxes(query) => self.sandboxes.delete_matching(query).await,
             Action::Usage(id) => usage::usage(&self.db, &id),
-            Action::Metrics => usage::metrics(&self.db, &self.counters, &self.node.info()?),
+            Action::Metrics => usage::metrics(&self.db, &self.counters, &self.node_info()?),
             Action::GetSandbox(id) => self.sandboxes.get(&id),
             Action::DeleteSandbox(id) => {
                 self.sandboxes
@@ -402,11 +409,11 @@ impl Core {
             Action::AddKey(new) => self.keys.add(new),
             Action::ListKeys => Ok(self.keys.list()),
             Action::RevokeKey(id) => self.keys.revoke(&id),
-            Action::GetNode => Ok(Reply::Node(self.node.info()?)),
+            Action::GetNode => Ok(Reply::Node(self.node_info()?)),
             Action::Drain { deadline_s } => self.drain(deadline_s),
             Action::Undrain => {
                 self.node.undrain();
-                Ok(Reply::Node(self.node.info()?))
+                Ok(Reply::Node(self.node_info()?))
             }
             Action::ListVolumes => self.volumes.list(),
             Action::ListGpus => Ok(self.gpus.list()),

@@ -353,6 +353,7 @@ impl Node {
             cpu: self.cpu.clone(),
             templates,
             snapshots,
+            warm_pool: Vec::new(),
         })
     }
 }

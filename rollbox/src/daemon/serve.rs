@@ -132,6 +132,8 @@ pub struct ServeOptions {
     pub console_max_bytes: u64,
     /// `--kubelet-pods-dir`: end sandboxes whose pod (label [`POD_UID_LABEL`]) is gone.
     pub kubelet_pods_dir: Option<PathBuf>,
+    /// `--warm-pool`: VMM shells kept ready, by guest memory size (MiB).
+    pub warm_pool: std::collections::BTreeMap<u32, usize>,
     /// What every API connection is held to, on each listener.
     pub http: ConnLimits,
     /// `--agent-timeout`: guest agent connects, handshakes and calls without a timeout of
@@ -344,6 +346,7 @@ pub async fn serve(
             max_pending_creates: options.max_pending_creates,
             ready_timeout: options.ready_timeout,
             kubelet_pods_dir: options.kubelet_pods_dir.clone(),
+            warm_pool: options.warm_pool.clone(),
         },
     ));
     let retention = Arc::new(Retention::new(
@@ -416,6 +419,9 @@ pub async fn serve(
     if !kept.is_empty() {
         log::info!("re-attached {} running sandboxes", kept.len());
     }
+    // After the sweep, which ended the shells of a daemon before this one.
+    let warm_pool = sandboxes.warm_pool_refill().map(tokio::spawn);
+    let pool_owner = Arc::clone(&sandboxes);
     // The E2B listener first: its TLS files are the likelier to be wrong.
     let e2b_listener = options.e2b.as_ref().map(e2b::bind).transpose()?;
     let tls = options
@@ -470,6 +476,11 @@ pub async fn serve(
     };
     rest::run(listener, core, options.http, tls, shutdown).await;
     reaper.abort();
+    if let Some(refill) = warm_pool {
+        refill.abort();
+        let _ = refill.await;
+        pool_owner.close_warm_pool().await;
+    }
     if let Some(e2b_server) = e2b_server {
         e2b_server.abort();
     }

@@ -228,6 +228,33 @@ fn node_gauges(out: &mut String, node: &NodeInfo) {
             );
         }
     }
+    if !node.warm_pool.is_empty() {
+        for (name, help) in [
+            (
+                "rollbox_warm_shells_ready",
+                "Warm VMM shells ready, by guest memory.",
+            ),
+            (
+                "rollbox_warm_shells_target",
+                "--warm-pool's shells, by guest memory.",
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for shape in &node.warm_pool {
+                let value = if name.ends_with("ready") {
+                    shape.ready
+                } else {
+                    shape.target
+                };
+                let _ = writeln!(
+                    out,
+                    "{name}{{node=\"{}\",memory_mib=\"{}\"}} {value}",
+                    label(&node.node_id),
+                    shape.memory_mib
+                );
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -758,6 +758,19 @@ pub struct NodeInfo {
     pub templates: Vec<NodeTemplate>,
     /// The ids of the snapshots this node holds.
     pub snapshots: Vec<String>,
+    /// `--warm-pool`: the VMM shells kept ready per guest memory size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm_pool: Vec<WarmPoolShape>,
+}
+
+/// One memory size of the warm pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WarmPoolShape {
+    pub memory_mib: u32,
+    /// Shells it keeps ready (`--warm-pool MIB=N`).
+    pub target: u64,
+    /// Shells ready now.
+    pub ready: u64,
 }
 
 /// Sandboxes against `--max-sandboxes`.

@@ -4,8 +4,10 @@
 //! VMMs themselves are the [`Supervisor`]'s.
 
 mod batch;
+mod pool;
 mod reaper;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,10 +23,13 @@ use super::node::Node;
 use super::store::StoreError;
 use super::store::{Db, Inserted};
 use super::supervisor::virtiofsd::VolumeSource;
-use super::supervisor::{self, Supervisor, SupervisorError};
+use super::supervisor::{self, Shell, Supervisor, SupervisorError};
 use super::usage::Counters;
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
 use super::volumes::Volumes;
+
+pub use pool::parse_shape;
+use pool::WarmPool;
 
 /// The TTL a resumed `on_timeout: pause` sandbox gets when its row has no create TTL (rows
 /// of daemons before the column) and the daemon no `--default-ttl`.
@@ -50,6 +55,8 @@ pub struct SandboxOptions {
     /// `--kubelet-pods-dir`: sandboxes labelled with a pod's UID end once the kubelet has
     /// removed that pod's directory here.
     pub kubelet_pods_dir: Option<std::path::PathBuf>,
+    /// `--warm-pool`: VMM shells kept ready, by guest memory size (MiB).
+    pub warm_pool: BTreeMap<u32, usize>,
 }
 
 /// What a sandbox may have attached: volumes, GPUs and a network.
@@ -76,6 +83,8 @@ pub struct Sandboxes {
     networks: Arc<Networks>,
     options: SandboxOptions,
     pending: Arc<tokio::sync::Semaphore>,
+    /// `--warm-pool`'s shells; None without the flag.
+    pool: Option<Arc<WarmPool>>,
 }
 
 /// What [`Sandboxes::prepare`] found for a create.
@@ -116,10 +125,13 @@ impl Sandboxes {
             gpus,
             networks,
         } = attachable;
+        let pool = (!options.warm_pool.is_empty())
+            .then(|| Arc::new(WarmPool::new(options.warm_pool.clone())));
         Sandboxes {
             volumes,
             gpus,
             networks,
+            pool,
             pending: Arc::new(tokio::sync::Semaphore::new(options.max_pending_creates)),
             db,
             supervisor,
@@ -127,6 +139,54 @@ impl Sandboxes {
             counters,
             node,
             options,
+        }
+    }
+
+    /// The warm pool's refill, to run until the daemon stops (None without `--warm-pool`).
+    pub fn warm_pool_refill(
+        &self,
+    ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        let pool = Arc::clone(self.pool.as_ref()?);
+        let (supervisor, node) = (Arc::clone(&self.supervisor), Arc::clone(&self.node));
+        Some(pool.refill(supervisor, move || node.sandbox_id(&random_hex())))
+    }
+
+    /// Ends the warm pool's ready shells (the daemon stops).
+    pub async fn close_warm_pool(&self) {
+        if let Some(pool) = &self.pool {
+            pool.close(&self.supervisor).await;
+        }
+    }
+
+    /// GET /node's `warm_pool`.
+    pub fn warm_pool_status(&self) -> Vec<super::api::WarmPoolShape> {
+        self.pool.as_ref().map(|p| p.status()).unwrap_or_default()
+    }
+
+    /// A warm shell for this create, when it is a restore that one can run: no network,
+    /// volumes, GPUs or CPU limit (each is given to a VMM as it starts), and a disk that fits
+    /// the shell's jail.
+    fn shell_for(&self, request: &CreateSandbox, prepared: &Prepared) -> Option<Shell> {
+        let pool = self.pool.as_ref()?;
+        let snapshot = prepared.snapshot.as_ref()?;
+        let plain = prepared.network.is_none()
+            && prepared.volumes.is_empty()
+            && request.gpu.is_none()
+            && request.cpu_limit.is_none();
+        if !plain
+            || !self
+                .supervisor
+                .shell_fits(&prepared.template, snapshot, snapshot.memory_mib)
+        {
+            return None;
+        }
+        pool.take(snapshot.memory_mib)
+    }
+
+    /// A shell whose sandbox was never made: back to the pool.
+    fn return_shell(&self, shell: Option<Shell>) {
+        if let (Some(pool), Some(shell)) = (&self.pool, shell) {
+            pool.put_back(shell);
         }
     }
 
@@ -306,7 +366,12 @@ impl Sandboxes {
         prepared: &Prepared,
     ) -> Result<Reply, ApiError> {
         let started = std::time::Instant::now();
-        let id = self.node.sandbox_id(&random_hex());
+        // A warm shell was started under the id of the sandbox it becomes.
+        let shell = self.shell_for(&request, prepared);
+        let id = match &shell {
+            Some(shell) => shell.id.clone(),
+            None => self.node.sandbox_id(&random_hex()),
+        };
         let gpus = match &request.gpu {
             Some(gpu) => self
                 .gpus
@@ -316,7 +381,7 @@ impl Sandboxes {
             None => Vec::new(),
         };
         let result = self
-            .admitted_with(request, prepared, id.clone(), gpus, started)
+            .admitted_with(request, prepared, id.clone(), gpus, started, shell)
             .await;
         if result.is_err() {
             self.gpus.release(&id);
@@ -332,6 +397,7 @@ impl Sandboxes {
         id: String,
         gpus: Vec<String>,
         started: std::time::Instant,
+        shell: Option<Shell>,
     ) -> Result<Reply, ApiError> {
         let Prepared {
             snapshot,
@@ -379,6 +445,8 @@ impl Sandboxes {
         let inserted = match admitted {
             Ok(inserted) => inserted,
             Err(refused @ (ApiError::Full { .. } | ApiError::Unavailable(_))) => {
+                // Its id was not used: a shell waits for the next create.
+                self.return_shell(shell);
                 // A repeat of a create that succeeded is answered even on a full node.
                 let earlier = self
                     .db
@@ -391,19 +459,31 @@ impl Sandboxes {
                 self.counters.refused();
                 return Err(refused);
             }
-            Err(other) => return Err(other),
+            Err(other) => {
+                self.return_shell(shell);
+                return Err(other);
+            }
         };
         if let Inserted::Existing(first) = inserted {
+            self.return_shell(shell);
             // The first create holds its own GPUs, if any.
             self.gpus.release(&id);
             return self.existing(*first).await;
         }
         let inserted_ms = ms_since(started);
         self.counters.created();
+        // From here the id is the sandbox's: a shell that is not used ends with it.
+        let failed_early = |shell: Option<Shell>| async move {
+            if let Some(shell) = shell {
+                self.supervisor.discard_shell(shell).await;
+            }
+        };
         if let Some(snapshot) = snapshot {
             // Recorded before the restore: snapshot retention keeps the source of a sandbox
             // that is still `creating`.
-            if let Err(e) = self.db.lock().set_source(&id, &snapshot.id) {
+            let recorded = self.db.lock().set_source(&id, &snapshot.id);
+            if let Err(e) = recorded {
+                failed_early(shell).await;
                 let message = format!("recording its snapshot: {e}");
                 self.counters.failed();
                 self.db
@@ -417,6 +497,7 @@ impl Sandboxes {
             Some(network) => match self.make_network(&id, network).await {
                 Ok(nic) => Some(nic),
                 Err(e) => {
+                    failed_early(shell).await;
                     self.counters.failed();
                     let _ = self
                         .db
@@ -428,7 +509,7 @@ impl Sandboxes {
             None => None,
         };
         match self
-            .start_vmm(&sandbox, template, snapshot, volumes.clone(), nic)
+            .start_vmm(&sandbox, template, snapshot, volumes.clone(), nic, shell)
             .await
         {
             Ok(()) => {
@@ -601,12 +682,24 @@ impl Sandboxes {
         snapshot: Option<&Snapshot>,
         volumes: Vec<VolumeSource>,
         nic: Option<supervisor::vm::Nic>,
+        shell: Option<Shell>,
     ) -> Result<(), String> {
         let vfio = sandbox.gpus.iter().map(|bdf| sysfs_path(bdf)).collect();
-        let launched = self
-            .supervisor
-            .launch(sandbox, template, snapshot, true, volumes, vfio, nic)
-            .await?;
+        let launched = match (shell, snapshot) {
+            (Some(shell), Some(snapshot)) => {
+                self.supervisor
+                    .launch_in_shell(shell, sandbox, template, snapshot)
+                    .await?
+            }
+            (shell, _) => {
+                if let Some(shell) = shell {
+                    self.supervisor.discard_shell(shell).await;
+                }
+                self.supervisor
+                    .launch(sandbox, template, snapshot, true, volumes, vfio, nic)
+                    .await?
+            }
+        };
         let result = {
             let store = self.db.lock();
             match store.set_running(&sandbox.id, launched.pid, launched.start) {

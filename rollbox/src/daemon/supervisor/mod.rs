@@ -9,6 +9,7 @@ mod cpu;
 mod disk;
 pub mod jaildir;
 mod process;
+mod shell;
 pub mod virtiofsd;
 pub mod vm;
 
@@ -29,6 +30,7 @@ use super::util::{ms_since, remove_dir};
 use jaildir::JailDir;
 
 pub use cpu::cpu_ms;
+pub use shell::Shell;
 
 /// A supervisor that cannot start.
 #[derive(Debug, thiserror::Error)]

@@ -622,20 +622,7 @@ fn spawn_restored(
         Identity::Same => {}
     }
     if rootfs {
-        // The snapshot's own copy, made by the daemon: still opened with no symlink followed.
-        let source = JailDir::open(snapshot_dir)?.open_file("rootfs.img")?;
-        let failed = |source| VmError::Rootfs {
-            from: snapshot_dir.join("rootfs.img"),
-            to: paths.rootfs.clone(),
-            source,
-        };
-        let dest = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&paths.rootfs)
-            .map_err(failed)?;
-        copy_file(&source, &dest).map_err(failed)?;
-        launch.disk_bytes = disk_len(&paths.rootfs).map_err(failed)?;
+        launch.disk_bytes = copy_snapshot_disk(snapshot_dir, paths)?;
         let mut drive = std::ffi::OsString::from("rootfs=");
         if jail.is_some() {
             drive.push("/rootfs.img");
@@ -651,6 +638,117 @@ fn spawn_restored(
     }
     let (command, program) = launch.command(vmm, paths)?;
     start(command, &program, paths, &launch.keep_fds)
+}
+
+/// Makes the directory of a warm shell (`paths.dir`, named by the sandbox id it will serve)
+/// and starts `vmm` there (jailed when `jail` says so) with its API socket and console only:
+/// no VM until a `PUT /snapshot/load` ([`load_in_shell`]). Its jail's file size limit is the
+/// memory's ([`fsize_limit`] with no disk), so only a restore whose disk fits under it may
+/// take it ([`shell_takes_disk`]).
+pub fn spawn_shell(
+    vmm: &Path,
+    paths: &Paths,
+    jail: Option<&JailSpec>,
+    console_max_bytes: u64,
+) -> Result<Child, VmError> {
+    std::fs::create_dir(&paths.dir).map_err(|source| VmError::Dir {
+        path: paths.dir.clone(),
+        source,
+    })?;
+    let mut launch = Launch::new(jail);
+    launch
+        .own("--api-sock", &paths.api_sock)
+        .own("--console", &paths.console)
+        .arg(format!("--console-max-bytes={console_max_bytes}"));
+    let (command, program) = launch.command(vmm, paths)?;
+    start(command, &program, paths, &launch.keep_fds)
+}
+
+/// Whether a shell of `memory_mib` may run a disk of `disk_bytes` (its jail's file size
+/// limit was set without one).
+pub fn shell_takes_disk(disk_bytes: u64, memory_mib: u32) -> bool {
+    disk_bytes < fsize_limit(0, memory_mib)
+}
+
+/// Loads the snapshot in `restore.snapshot_dir` into the shell in `paths.dir` (started by
+/// [`spawn_shell`]) and runs it: the snapshot's `vmstate` and `memory` hard-linked into the
+/// shell's directory (the same filesystem: the state directory), its disk copied there, then
+/// `PUT /snapshot/load` as the shell sees those files. Blocking.
+pub fn load_in_shell(paths: &Paths, restore: &Restore, jailed: bool) -> Result<(), VmError> {
+    let seen = |name: &str| {
+        if jailed {
+            Path::new("/").join(name)
+        } else {
+            paths.dir.join(name)
+        }
+    };
+    let memory_id = format!("{SHELL_MEMORY}.id");
+    for (from, to) in [
+        ("vmstate", SHELL_VMSTATE),
+        ("memory", SHELL_MEMORY),
+        // The memory file's identity (the VMM checks the file is the one the state names).
+        ("memory.id", memory_id.as_str()),
+    ] {
+        let source = restore.snapshot_dir.join(from);
+        if from == "memory.id" && !source.exists() {
+            continue;
+        }
+        std::fs::hard_link(&source, paths.dir.join(to)).map_err(|e| VmError::Rootfs {
+            from: source.clone(),
+            to: paths.dir.join(to),
+            source: e,
+        })?;
+    }
+    let mut drive_overrides = std::collections::HashMap::new();
+    if restore.rootfs {
+        copy_snapshot_disk(restore.snapshot_dir, paths)?;
+        drive_overrides.insert("rootfs".to_string(), seen("rootfs.img"));
+    }
+    let params = vmm_api::LoadSnapshotParams {
+        snapshot_path: seen(SHELL_VMSTATE),
+        mem_backend: Some(vmm_api::MemBackend {
+            backend_type: "File".into(),
+            backend_path: seen(SHELL_MEMORY),
+        }),
+        mem_file_path: None,
+        enable_diff_snapshots: false,
+        track_dirty_pages: false,
+        resume_vm: true,
+        vsock_override: Some(vmm_api::VsockOverride {
+            uds_path: seen("vsock.sock"),
+        }),
+        network_overrides: Vec::new(),
+        rollbox: Some(vmm_api::RestoreExtension {
+            new_generation: restore.identity == Identity::Clone,
+            deterministic: restore.identity == Identity::Exact,
+            drive_overrides,
+            ..Default::default()
+        }),
+    };
+    let (client, sock) = api_client(paths, SNAPSHOT_TIMEOUT)?;
+    client.load_snapshot(&params).map_err(api_error(&sock))
+}
+
+/// The names a shell's snapshot files take in its directory.
+const SHELL_VMSTATE: &str = "restore.vmstate";
+const SHELL_MEMORY: &str = "restore.memory";
+
+/// Copies a snapshot's disk (`rootfs.img` in `snapshot_dir`, the daemon's own copy, still
+/// opened with no symlink followed) to the sandbox's new `rootfs.img`; its size.
+fn copy_snapshot_disk(snapshot_dir: &Path, paths: &Paths) -> Result<u64, VmError> {
+    let source = JailDir::open(snapshot_dir)?.open_file("rootfs.img")?;
+    let failed = |source| VmError::Rootfs {
+        from: snapshot_dir.join("rootfs.img"),
+        to: paths.rootfs.clone(),
+        source,
+    };
+    let dest = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&paths.rootfs)
+        .map_err(failed)?;
+    copy_file(&source, &dest).map_err(failed)?;
+    disk_len(&paths.rootfs).map_err(failed)
 }
 
 /// The size of a disk copy the daemon just made.

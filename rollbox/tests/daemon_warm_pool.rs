@@ -1,0 +1,152 @@
+//! `rollbox serve --warm-pool MIB=N` (issue 29): jailed VMM shells started ahead, each under
+//! the id of the sandbox it becomes; a create restoring a snapshot of that size takes one,
+//! the pool refills, a dead shell is replaced, creates a shell cannot serve start cold, and
+//! nothing of the pool outlives the daemon. Tier 2: needs /dev/kvm.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use rollbox::daemon::client::Endpoint;
+use rollbox_tests::daemon::{pid_of, wait_for, Server};
+use rollbox_tests::kvm_available;
+use serde_json::{json, Value};
+
+/// The VMM's own view of its VM ("Running", "Paused", "Not started").
+fn vmm_state(sandbox: &Value) -> String {
+    let dir = std::path::PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+    let response = Endpoint::Unix(dir.join("api.sock"))
+        .request("GET", "/", &[], None, Duration::from_secs(5))
+        .expect("GET / on the VMM");
+    let info: Value = serde_json::from_slice(&response.body).expect("json");
+    info["state"].as_str().unwrap_or("").to_string()
+}
+
+/// GET /node's warm pool: (target, ready) of the 32 MiB shells.
+fn pool(server: &Server) -> (u64, u64) {
+    let (status, node) = server.call("GET", "/node", None);
+    assert_eq!(status, 200, "{node}");
+    let shape = &node["warm_pool"][0];
+    assert_eq!(shape["memory_mib"], 32, "{node}");
+    (
+        shape["target"].as_u64().expect("target"),
+        shape["ready"].as_u64().expect("ready"),
+    )
+}
+
+fn wait_full(server: &Server) {
+    wait_for("a full warm pool", Duration::from_secs(30), || {
+        pool(server) == (2, 2)
+    });
+}
+
+/// The ids of the VMMs running now (sandboxes and shells alike).
+fn vmm_ids(server: &Server) -> BTreeSet<String> {
+    server.vmms().into_iter().map(|found| found.id).collect()
+}
+
+#[test]
+fn restores_take_warm_shells_the_pool_refills_and_nothing_outlives_the_daemon() {
+    if !kvm_available() {
+        return;
+    }
+    let mut server = Server::start(&["--warm-pool", "32=2"]);
+    let snapshot = server.guest_snapshot();
+    wait_full(&server);
+    let shells = vmm_ids(&server);
+    assert_eq!(shells.len(), 2, "two shells and nothing else: {shells:?}");
+    assert_eq!(server.dirs(), shells);
+
+    // A restore takes a shell: the sandbox has the shell's id and its VMM.
+    let restored = server.create(json!({"snapshot": snapshot, "ttl_s": 300}));
+    let id = restored["id"].as_str().expect("id").to_string();
+    assert!(shells.contains(&id), "{id} is not one of {shells:?}");
+    assert_eq!(vmm_state(&restored), "Running");
+    let (pid, _) = pid_of(&restored);
+    assert!(
+        server
+            .vmms()
+            .iter()
+            .any(|found| found.id == id && found.pid == pid),
+        "the sandbox's VMM is the shell's"
+    );
+    // It is a sandbox like any: a snapshot of it, a reset, a pause and a resume.
+    let (status, snap) = server.call("POST", &format!("/sandboxes/{id}/snapshots"), None);
+    assert_eq!(status, 201, "{snap}");
+    let (status, reset) = server.call("POST", &format!("/sandboxes/{id}/reset"), None);
+    assert_eq!(status, 200, "{reset}\n{}", server.log_tail());
+    let (status, _) = server.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(status, 200);
+    let (status, _) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+    assert_eq!(status, 200);
+    assert_eq!(vmm_state(&server.get(&id)), "Running");
+
+    // The pool starts another; /metrics shows it.
+    wait_full(&server);
+    let response = server.raw("GET", "/metrics", Some(rollbox_tests::daemon::KEY), None);
+    let text = String::from_utf8_lossy(&response.body);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("rollbox_warm_shells_ready{")
+                && l.contains("memory_mib=\"32\"")
+                && l.ends_with(" 2")),
+        "{text}"
+    );
+
+    // A create a shell cannot serve (a CPU limit is set as its VMM starts) starts cold.
+    let before = vmm_ids(&server);
+    let cold = server.create(json!({"snapshot": snapshot, "ttl_s": 300, "cpu_limit": 0.5}));
+    let cold_id = cold["id"].as_str().expect("id");
+    assert!(
+        !before.contains(cold_id),
+        "a CPU-limited create took a shell"
+    );
+    assert_eq!(pool(&server), (2, 2));
+
+    // A shell whose VMM dies is replaced.
+    let shells: Vec<_> = server
+        .vmms()
+        .into_iter()
+        .filter(|found| {
+            server
+                .call("GET", &format!("/sandboxes/{}", found.id), None)
+                .0
+                == 404
+        })
+        .collect();
+    assert_eq!(shells.len(), 2, "{shells:?}");
+    // SAFETY: kill(2) of a VMM this test's daemon started, found by pid and start time.
+    unsafe { libc::kill(shells[0].pid as i32, libc::SIGKILL) };
+    wait_for("the dead shell replaced", Duration::from_secs(30), || {
+        server.log().contains("died; replacing it")
+            && pool(&server) == (2, 2)
+            && !server.dirs().contains(&shells[0].id)
+    });
+
+    // Deleting the sandboxes leaves only the pool; stopping the daemon leaves nothing.
+    for sandbox in server.list("running") {
+        let id = sandbox["id"].as_str().expect("id");
+        let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204);
+    }
+    assert_eq!(vmm_ids(&server).len(), 2);
+    let pid = server.pid();
+    // SAFETY: kill(2) of the daemon this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let mut child = server.child.take().expect("daemon");
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "{status}\n{}", server.log_tail());
+    assert!(vmm_ids(&server).is_empty(), "{:?}", server.vmms());
+    assert!(server.dirs().is_empty(), "{:?}", server.dirs());
+
+    // A daemon killed with shells ready: the next start sweeps them and makes its own.
+    server.spawn();
+    wait_full(&server);
+    let first = vmm_ids(&server);
+    server.kill9();
+    server.spawn();
+    wait_full(&server);
+    let second = vmm_ids(&server);
+    assert_eq!(second.len(), 2, "{second:?}");
+    assert!(first.is_disjoint(&second), "{first:?} {second:?}");
+    assert_eq!(server.dirs(), second);
+}
