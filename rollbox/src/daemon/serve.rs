@@ -477,7 +477,8 @@ pub async fn serve(
     rest::run(listener, core, options.http, tls, shutdown).await;
     reaper.abort();
     if let Some(refill) = warm_pool {
-        refill.abort();
+        // Not aborted: a shell it is starting would be left running.
+        pool_owner.stop_warm_pool_refill();
         let _ = refill.await;
         pool_owner.close_warm_pool().await;
     }

@@ -304,7 +304,13 @@ pub async fn run(options: LeaseOptions) -> Result<(), LeaseError> {
     };
     let address = listener.local_addr().unwrap_or(options.listen);
     log::info!("sandbox {id} ready; its E2B/envd API is on http://{address}");
-    println!("{id}");
+    {
+        // The id on stdout for whoever started the lease; not println!, which panics when
+        // stdout is closed.
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "{id}").and_then(|()| stdout.flush());
+    }
     let pin = Arc::new(proxy::Pin {
         id: id.clone(),
         access_token,

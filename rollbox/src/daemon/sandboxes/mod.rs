@@ -151,7 +151,15 @@ impl Sandboxes {
         Some(pool.refill(supervisor, move || node.sandbox_id(&random_hex())))
     }
 
-    /// Ends the warm pool's ready shells (the daemon stops).
+    /// Tells the warm pool's refill to end (the daemon stops); it ends after the shell it may
+    /// be starting.
+    pub fn stop_warm_pool_refill(&self) {
+        if let Some(pool) = &self.pool {
+            pool.stop_refill();
+        }
+    }
+
+    /// Ends the warm pool's ready shells (the daemon stops, the refill ended).
     pub async fn close_warm_pool(&self) {
         if let Some(pool) = &self.pool {
             pool.close(&self.supervisor).await;

@@ -24,8 +24,11 @@ pub struct WarmPool {
     /// How many shells each memory size keeps ready.
     targets: BTreeMap<u32, usize>,
     ready: Mutex<BTreeMap<u32, Vec<Shell>>>,
-    /// Taken shells wake the refill.
+    /// Taken shells wake the refill, and so does the daemon's stop.
     wake: tokio::sync::Notify,
+    /// Set when the daemon stops: the refill ends after the shell it is starting, if any (a
+    /// refill cut off mid-start would leave that shell's VMM running).
+    closing: std::sync::atomic::AtomicBool,
 }
 
 impl WarmPool {
@@ -34,6 +37,7 @@ impl WarmPool {
             targets,
             ready: Mutex::new(BTreeMap::new()),
             wake: tokio::sync::Notify::new(),
+            closing: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -78,14 +82,18 @@ impl WarmPool {
             .collect()
     }
 
-    /// Keeps every memory size at its target until the task is aborted; `new_id` names each
+    fn is_closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Keeps every memory size at its target until [`WarmPool::close`]; `new_id` names each
     /// shell's future sandbox.
     pub async fn refill(
         self: Arc<Self>,
         supervisor: Arc<Supervisor>,
         new_id: impl Fn() -> String + Send + Sync,
     ) {
-        loop {
+        while !self.is_closing() {
             let dead = self.remove_dead();
             for shell in dead {
                 log::warn!(
@@ -98,7 +106,9 @@ impl WarmPool {
             }
             let mut failed = false;
             for (&memory_mib, &target) in &self.targets {
-                while self.ready().get(&memory_mib).map_or(0, Vec::len) < target {
+                while !self.is_closing()
+                    && self.ready().get(&memory_mib).map_or(0, Vec::len) < target
+                {
                     match supervisor.start_shell(new_id(), memory_mib).await {
                         Ok(shell) => self.put_back(shell),
                         Err(e) => {
@@ -134,7 +144,14 @@ impl WarmPool {
         dead
     }
 
-    /// Ends every ready shell (the daemon stops).
+    /// Stops the refill: it ends once the shell it may be starting is in the pool.
+    pub fn stop_refill(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.wake.notify_one();
+    }
+
+    /// Ends every ready shell (the daemon stops, its refill ended).
     pub async fn close(&self, supervisor: &Supervisor) {
         let all: Vec<Shell> = std::mem::take(&mut *self.ready())
             .into_values()
