@@ -455,7 +455,11 @@ impl Supervisor {
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string());
+        let started = std::time::Instant::now();
         self.release(sandbox);
+        if log::log_enabled!(log::Level::Debug) {
+            log::debug!("stop {}: release {:.2} ms", sandbox.id, ms_since(started));
+        }
         removed
     }
 
