@@ -6,62 +6,10 @@
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 
-use rollbox_tests::daemon::{boot_config, cmdline, exec, pid_of, HostAgent, Server};
-use rollbox_tests::images::{self, Image, Layer};
-use rollbox_tests::{kvm_available, test_guest, TEST_GUEST_CMDLINE};
+use rollbox_tests::daemon::{boot_config, cmdline, exec, image_server, pid_of, Server};
+use rollbox_tests::images::{self, images_on_one_base};
+use rollbox_tests::kvm_available;
 use serde_json::{json, Value};
-
-/// Three images on the same two layers, each with one of its own.
-fn images_on_one_base(dir: &Path) -> Vec<PathBuf> {
-    let os = Layer::new()
-        .dir("bin", 0o755, 0, 0)
-        .file("bin/busybox", &images::noise(256 << 10), 0o755, 0, 0)
-        .symlink("bin/sh", "busybox")
-        .dir("etc", 0o755, 0, 0)
-        .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\n", 0o644, 0, 0)
-        .file("etc/os-release", b"ID=base\n", 0o644, 0, 0)
-        .tar();
-    let runtime = Layer::new()
-        .dir("usr/lib/runtime", 0o755, 0, 0)
-        .file(
-            "usr/lib/runtime/lib.so",
-            &images::noise(1 << 20),
-            0o644,
-            0,
-            0,
-        )
-        .tar();
-    (0..3)
-        .map(|i| {
-            let task = Layer::new()
-                .dir("task", 0o755, 0, 0)
-                .file("task/id", format!("task {i}\n").as_bytes(), 0o644, 0, 0)
-                .file("etc/.wh.os-release", b"", 0o644, 0, 0)
-                .tar();
-            let file = dir.join(format!("task{i}.tar"));
-            Image::new(vec![os.clone(), runtime.clone(), task])
-                .write_docker_archive(&file, &format!("rollbox-test/task{i}:latest"));
-            file
-        })
-        .collect()
-}
-
-fn add_template(server: &Server, name: &str, archive: &Path, boot_snapshot: bool) -> Value {
-    let (status, template) = server.call(
-        "POST",
-        "/templates",
-        Some(json!({
-            "name": name,
-            "kernel": test_guest(),
-            "cmdline": TEST_GUEST_CMDLINE,
-            "memory_mib": 32,
-            "image": {"docker_archive": archive},
-            "boot_snapshot": boot_snapshot,
-        })),
-    );
-    assert_eq!(status, 201, "{template}\n{}", server.log());
-    template
-}
 
 fn path_of(value: &Value) -> PathBuf {
     PathBuf::from(value.as_str().unwrap_or_else(|| panic!("no path: {value}")))
@@ -85,25 +33,14 @@ fn templates_from_images_with_common_layers_share_one_base_file() {
     }
     let work = tempfile::tempdir().expect("tempdir");
     let archives = images_on_one_base(work.path());
-    let agent = HostAgent::start();
-    let agent_sock = agent.sock.display().to_string();
-    let cache = work.path().join("cache").display().to_string();
-    let guest_agent = images::agent().display().to_string();
-    let server = Server::start(&[
-        "--test-agent-socket",
-        &agent_sock,
-        "--agent",
-        &guest_agent,
-        "--image-cache",
-        &cache,
-    ]);
+    let (_agent, server) = image_server(work.path(), &[]);
 
     // The first image of its kind is one whole disk; the next ones stack on a base of the
     // layers they share with it, linked from the image cache, not copied.
-    let first = add_template(&server, "task0", &archives[0], false);
+    let first = server.add_image_template("task0", &archives[0], false);
     assert_eq!(first["base_rootfs"], Value::Null, "{first}");
-    let second = add_template(&server, "task1", &archives[1], true);
-    let third = add_template(&server, "task2", &archives[2], false);
+    let second = server.add_image_template("task1", &archives[1], true);
+    let third = server.add_image_template("task2", &archives[2], false);
     let base = path_of(&second["base_rootfs"]);
     let base_of_third = path_of(&third["base_rootfs"]);
     assert_eq!(base.file_name(), Some("base.ext4".as_ref()));
@@ -204,7 +141,7 @@ fn no_layer_sharing_builds_every_template_whole() {
         "--no-layer-sharing",
     ]);
     for (i, archive) in archives.iter().enumerate().take(2) {
-        let template = add_template(&server, &format!("whole{i}"), archive, false);
+        let template = server.add_image_template(&format!("whole{i}"), archive, false);
         assert_eq!(template["base_rootfs"], Value::Null, "{template}");
     }
 }

@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::daemon::{boot_config, cli, cmdline, exec, pid_of, wait_for, HostAgent, Server};
+use rollbox_tests::daemon::{
+    boot_config, cli, cmdline, exec, image_server, pid_of, wait_for, HostAgent, Server,
+};
 use rollbox_tests::{images, kvm_available, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
@@ -20,18 +22,7 @@ fn templates_built_from_an_image_with_a_boot_snapshot() {
     let work = tempfile::tempdir().expect("tempdir");
     let archive = work.path().join("image.tar");
     images::standard_image().write_docker_archive(&archive, "rollbox-test/crafted:latest");
-    let agent = HostAgent::start();
-    let agent_sock = agent.sock.display().to_string();
-    let cache = work.path().join("cache").display().to_string();
-    let guest_agent = images::agent().display().to_string();
-    let server = Server::start(&[
-        "--test-agent-socket",
-        &agent_sock,
-        "--agent",
-        &guest_agent,
-        "--image-cache",
-        &cache,
-    ]);
+    let (_agent, server) = image_server(work.path(), &[]);
     let templates_dir = std::fs::canonicalize(server.state())
         .expect("state dir")
         .join("templates");

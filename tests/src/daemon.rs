@@ -221,17 +221,24 @@ impl Server {
 
     /// Registers the test guest (32 MiB) as template `name`.
     pub fn add_guest_template(&self, name: &str) {
-        let (status, body) = self.call(
-            "POST",
-            "/templates",
-            Some(json!({
-                "name": name,
-                "kernel": test_guest(),
-                "cmdline": TEST_GUEST_CMDLINE,
-                "memory_mib": 32,
-            })),
-        );
-        assert_eq!(status, 201, "{body}");
+        self.add_template(guest_template(name));
+    }
+
+    /// Registers template `name`: the test guest (32 MiB) with the image in the `docker save`
+    /// archive `archive` as its disk, booted once for a snapshot with `boot_snapshot`. The
+    /// template's JSON.
+    pub fn add_image_template(&self, name: &str, archive: &Path, boot_snapshot: bool) -> Value {
+        let mut body = guest_template(name);
+        body["image"] = json!({"docker_archive": archive});
+        body["boot_snapshot"] = json!(boot_snapshot);
+        self.add_template(body)
+    }
+
+    /// POST /templates, which must answer 201: the template.
+    fn add_template(&self, body: Value) -> Value {
+        let (status, template) = self.call("POST", "/templates", Some(body));
+        assert_eq!(status, 201, "{template}\n{}", self.log());
+        template
     }
 
     /// POST /sandboxes, which must make a running sandbox: the sandbox.
@@ -553,6 +560,36 @@ impl Drop for HostAgent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The test guest (32 MiB) as template `name`, a `POST /templates` body.
+fn guest_template(name: &str) -> Value {
+    json!({
+        "name": name,
+        "kernel": test_guest(),
+        "cmdline": TEST_GUEST_CMDLINE,
+        "memory_mib": 32,
+    })
+}
+
+/// A daemon for image templates: its sandboxes' agent traffic goes to a host agent, templates
+/// get the static guest agent, and images are cached in `work/cache`; `extra` flags beside.
+pub fn image_server(work: &Path, extra: &[&str]) -> (HostAgent, Server) {
+    let agent = HostAgent::start();
+    let agent_sock = agent.sock.display().to_string();
+    let cache = work.join("cache").display().to_string();
+    let guest_agent = crate::images::agent().display().to_string();
+    let mut args = vec![
+        "--test-agent-socket",
+        &agent_sock,
+        "--agent",
+        &guest_agent,
+        "--image-cache",
+        &cache,
+    ];
+    args.extend_from_slice(extra);
+    let server = Server::start(&args);
+    (agent, server)
 }
 
 /// A daemon whose sandboxes' agent traffic goes to a host agent, and one running sandbox.

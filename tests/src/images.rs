@@ -644,3 +644,33 @@ pub fn assert_cache_clean(cache: &Path) {
         }
     }
 }
+
+/// Three images on the same two layers, each with one of its own (`rollbox-test/taskI:latest`
+/// in `DIR/taskI.tar`): templates of the second and third share a base with the first's.
+pub fn images_on_one_base(dir: &Path) -> Vec<PathBuf> {
+    let os = Layer::new()
+        .dir("bin", 0o755, 0, 0)
+        .file("bin/busybox", &noise(256 << 10), 0o755, 0, 0)
+        .symlink("bin/sh", "busybox")
+        .dir("etc", 0o755, 0, 0)
+        .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\n", 0o644, 0, 0)
+        .file("etc/os-release", b"ID=base\n", 0o644, 0, 0)
+        .tar();
+    let runtime = Layer::new()
+        .dir("usr/lib/runtime", 0o755, 0, 0)
+        .file("usr/lib/runtime/lib.so", &noise(1 << 20), 0o644, 0, 0)
+        .tar();
+    (0..3)
+        .map(|i| {
+            let task = Layer::new()
+                .dir("task", 0o755, 0, 0)
+                .file("task/id", format!("task {i}\n").as_bytes(), 0o644, 0, 0)
+                .file("etc/.wh.os-release", b"", 0o644, 0, 0)
+                .tar();
+            let file = dir.join(format!("task{i}.tar"));
+            Image::new(vec![os.clone(), runtime.clone(), task])
+                .write_docker_archive(&file, &format!("rollbox-test/task{i}:latest"));
+            file
+        })
+        .collect()
+}
