@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use rollbox::daemon::client::Endpoint;
-use rollbox_tests::daemon::{pid_of, wait_for, Server};
-use rollbox_tests::kvm_available;
+use rollbox_tests::daemon::{exec, image_server, pid_of, wait_for, Server};
+use rollbox_tests::{images, kvm_available};
 use serde_json::{json, Value};
 
 /// The VMM's own view of its VM ("Running", "Paused", "Not started").
@@ -149,4 +149,78 @@ fn restores_take_warm_shells_the_pool_refills_and_nothing_outlives_the_daemon() 
     assert_eq!(second.len(), 2, "{second:?}");
     assert!(first.is_disjoint(&second), "{first:?} {second:?}");
     assert_eq!(server.dirs(), second);
+}
+
+/// `--warm-pool templates=1`: a shell per template with a boot snapshot, made for its disk and
+/// shared base (bound into the shell's jail as it starts); creates of each template take
+/// theirs, and a template deleted takes its shell with it.
+#[test]
+fn each_template_with_a_boot_snapshot_gets_shells_made_for_its_disk_and_base() {
+    let test = "each_template_with_a_boot_snapshot_gets_shells_made_for_its_disk_and_base";
+    if !kvm_available() || !images::root_or_skip(test) {
+        return;
+    }
+    let work = tempfile::tempdir().expect("tempdir");
+    let archives = images::images_on_one_base(work.path());
+    let (_agent, server) = image_server(work.path(), &["--warm-pool", "templates=1"]);
+    // The first is one whole disk; the second stacks on a base of the layers they share.
+    for (name, archive) in [("whole", &archives[0]), ("layered", &archives[1])] {
+        let template = server.add_image_template(name, archive, true);
+        assert_eq!(
+            template["base_rootfs"].is_string(),
+            name == "layered",
+            "{template}"
+        );
+    }
+    let shapes = || {
+        let (_, node) = server.call("GET", "/node", None);
+        let mut shapes: Vec<(String, u64, u64)> = node["warm_pool"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|s| {
+                (
+                    s["template"].as_str().unwrap_or("").to_string(),
+                    s["target"].as_u64().unwrap_or(0),
+                    s["ready"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        shapes.sort();
+        shapes
+    };
+    let full = vec![("layered".to_string(), 1, 1), ("whole".to_string(), 1, 1)];
+    wait_for("a shell per template", Duration::from_secs(30), || {
+        shapes() == full
+    });
+    for name in ["whole", "layered"] {
+        let before = vmm_ids(&server);
+        let sandbox = server.create(json!({"template": name, "ttl_s": 300}));
+        let id = sandbox["id"].as_str().expect("id");
+        assert!(
+            before.contains(id),
+            "{name}: {id} took no shell of {before:?}"
+        );
+        assert_eq!(vmm_state(&sandbox), "Running");
+        let out = exec(&server, id, json!({"cmd": ["sh", "-c", "echo ok"]}));
+        assert_eq!(out["stdout"], "ok\n", "{out}");
+        let dir = std::path::PathBuf::from(sandbox["dir"].as_str().expect("dir"));
+        assert!(dir.join("rootfs.img").is_file(), "{name}: no disk copy");
+    }
+    wait_for("the pool refilled", Duration::from_secs(30), || {
+        shapes() == full
+    });
+
+    // A template deleted: its shells go.
+    let (status, body) = server.call("DELETE", "/templates/whole", None);
+    assert!((200..300).contains(&status), "{body}");
+    wait_for(
+        "the deleted template's shell ended",
+        Duration::from_secs(30),
+        || {
+            shapes() == vec![("layered".to_string(), 1, 1)]
+                && server.log().contains("is for a template gone or changed")
+        },
+    );
 }

@@ -238,12 +238,13 @@ pub struct ServeArgs {
     /// gone, so a deleted pod leaves no sandbox behind
     #[arg(long, value_name = "DIR")]
     kubelet_pods_dir: Option<PathBuf>,
-    /// Keep N jailed VMM shells ready for guests of MIB MiB (repeatable): a create that
-    /// restores a snapshot of that size (no network, volume, GPU or CPU limit) loads it into
-    /// one instead of starting a VMM, and the pool starts another in the background.
-    #[arg(long = "warm-pool", value_name = "MIB=N",
+    /// Keep N jailed VMM shells ready for guests of MIB MiB, or with templates=N for each
+    /// template with a boot snapshot (repeatable): a create that restores a snapshot (no
+    /// network, volume, GPU or CPU limit) loads it into one instead of starting a VMM, and the
+    /// pool starts another in the background.
+    #[arg(long = "warm-pool", value_name = "MIB=N|templates=N",
           value_parser = rollbox::daemon::parse_warm_pool)]
-    warm_pool: Vec<(u32, usize)>,
+    warm_pool: Vec<rollbox::daemon::WarmPoolSpec>,
 }
 
 /// A duration flag: seconds, fractions allowed, more than 0 and at most a day.
@@ -395,7 +396,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         share_layers: !args.no_layer_sharing,
         console_max_bytes: args.console_max_bytes,
         kubelet_pods_dir: args.kubelet_pods_dir,
-        warm_pool: args.warm_pool.into_iter().collect(),
+        warm_pool: args.warm_pool,
         e2b: (args.e2b_listen.is_some() || args.e2b_socket.is_some()).then(|| {
             rollbox::daemon::e2b::E2bOptions {
                 listen: args.e2b_listen,

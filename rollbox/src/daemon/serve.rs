@@ -27,6 +27,8 @@ use super::templates::{TemplateOptions, TemplatePolicy, Templates};
 use super::usage::Counters;
 use super::volumes::Volumes;
 
+pub use super::sandboxes::PoolSpec as WarmPoolSpec;
+
 /// A daemon that cannot start or stopped on an error.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -133,7 +135,7 @@ pub struct ServeOptions {
     /// `--kubelet-pods-dir`: end sandboxes whose pod (label [`POD_UID_LABEL`]) is gone.
     pub kubelet_pods_dir: Option<PathBuf>,
     /// `--warm-pool`: VMM shells kept ready, by guest memory size (MiB).
-    pub warm_pool: std::collections::BTreeMap<u32, usize>,
+    pub warm_pool: Vec<WarmPoolSpec>,
     /// What every API connection is held to, on each listener.
     pub http: ConnLimits,
     /// `--agent-timeout`: guest agent connects, handshakes and calls without a timeout of

@@ -246,9 +246,14 @@ fn node_gauges(out: &mut String, node: &NodeInfo) {
                 } else {
                     shape.target
                 };
+                let template = shape
+                    .template
+                    .as_deref()
+                    .map(|t| format!(",template=\"{}\"", label(t)))
+                    .unwrap_or_default();
                 let _ = writeln!(
                     out,
-                    "{name}{{node=\"{}\",memory_mib=\"{}\"}} {value}",
+                    "{name}{{node=\"{}\",memory_mib=\"{}\"{template}}} {value}",
                     label(&node.node_id),
                     shape.memory_mib
                 );

@@ -763,10 +763,14 @@ pub struct NodeInfo {
     pub warm_pool: Vec<WarmPoolShape>,
 }
 
-/// One memory size of the warm pool.
+/// One shape of the warm pool: a memory size, or a template's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WarmPoolShape {
     pub memory_mib: u32,
+    /// The template its shells are kept for (`--warm-pool templates=N`); absent: any restore
+    /// of its memory size (`MIB=N`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
     /// Shells it keeps ready (`--warm-pool MIB=N`).
     pub target: u64,
     /// Shells ready now.

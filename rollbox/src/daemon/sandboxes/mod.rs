@@ -7,7 +7,6 @@ mod batch;
 mod pool;
 mod reaper;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,13 +22,13 @@ use super::node::Node;
 use super::store::StoreError;
 use super::store::{Db, Inserted};
 use super::supervisor::virtiofsd::VolumeSource;
-use super::supervisor::{self, Shell, Supervisor, SupervisorError};
+use super::supervisor::{self, Shell, ShellShape, Supervisor, SupervisorError};
 use super::usage::Counters;
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
 use super::volumes::Volumes;
 
-pub use pool::parse_shape;
 use pool::WarmPool;
+pub use pool::{parse_shape, PoolSpec};
 
 /// The TTL a resumed `on_timeout: pause` sandbox gets when its row has no create TTL (rows
 /// of daemons before the column) and the daemon no `--default-ttl`.
@@ -55,8 +54,8 @@ pub struct SandboxOptions {
     /// `--kubelet-pods-dir`: sandboxes labelled with a pod's UID end once the kubelet has
     /// removed that pod's directory here.
     pub kubelet_pods_dir: Option<std::path::PathBuf>,
-    /// `--warm-pool`: VMM shells kept ready, by guest memory size (MiB).
-    pub warm_pool: BTreeMap<u32, usize>,
+    /// `--warm-pool`: the VMM shells kept ready.
+    pub warm_pool: Vec<PoolSpec>,
 }
 
 /// What a sandbox may have attached: volumes, GPUs and a network.
@@ -125,8 +124,7 @@ impl Sandboxes {
             gpus,
             networks,
         } = attachable;
-        let pool = (!options.warm_pool.is_empty())
-            .then(|| Arc::new(WarmPool::new(options.warm_pool.clone())));
+        let pool = WarmPool::new(&options.warm_pool).map(Arc::new);
         Sandboxes {
             volumes,
             gpus,
@@ -148,7 +146,12 @@ impl Sandboxes {
     ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
         let pool = Arc::clone(self.pool.as_ref()?);
         let (supervisor, node) = (Arc::clone(&self.supervisor), Arc::clone(&self.node));
-        Some(pool.refill(supervisor, move || node.sandbox_id(&random_hex())))
+        let db = Arc::clone(&self.db);
+        Some(pool.refill(
+            supervisor,
+            move || node.sandbox_id(&random_hex()),
+            move || template_shapes(&db),
+        ))
     }
 
     /// Tells the warm pool's refill to end (the daemon stops); it ends after the shell it may
@@ -172,8 +175,8 @@ impl Sandboxes {
     }
 
     /// A warm shell for this create, when it is a restore that one can run: no network,
-    /// volumes, GPUs or CPU limit (each is given to a VMM as it starts), and a disk that fits
-    /// the shell's jail.
+    /// volumes, GPUs or CPU limit (each is given to a VMM as it starts), and a shell of its
+    /// template or its size that was made for its disk and shared base.
     fn shell_for(&self, request: &CreateSandbox, prepared: &Prepared) -> Option<Shell> {
         let pool = self.pool.as_ref()?;
         let snapshot = prepared.snapshot.as_ref()?;
@@ -181,14 +184,17 @@ impl Sandboxes {
             && prepared.volumes.is_empty()
             && request.gpu.is_none()
             && request.cpu_limit.is_none();
-        if !plain
-            || !self
-                .supervisor
-                .shell_fits(&prepared.template, snapshot, snapshot.memory_mib)
-        {
+        if !plain {
             return None;
         }
-        pool.take(snapshot.memory_mib)
+        let template = &prepared.template;
+        let (memory_mib, disk_bytes) = Supervisor::restore_needs(template, snapshot)?;
+        pool.take(
+            &template.name,
+            memory_mib,
+            disk_bytes,
+            template.base_rootfs.as_deref(),
+        )
     }
 
     /// A shell whose sandbox was never made: back to the pool.
@@ -816,4 +822,27 @@ impl Sandboxes {
         }
         sandbox_reply(&self.db, id)
     }
+}
+
+/// The shell shape of each template with a boot snapshot (`--warm-pool templates=N`): its
+/// snapshot's memory and disk, and its shared base.
+fn template_shapes(db: &Db) -> Vec<ShellShape> {
+    let store = db.lock();
+    let Ok(templates) = store.templates() else {
+        return Vec::new();
+    };
+    templates
+        .into_iter()
+        .filter_map(|template| {
+            let boot = template.boot_snapshot.as_deref()?;
+            let snapshot = store.snapshot(boot).ok().flatten()?;
+            let (memory_mib, disk_bytes) = Supervisor::restore_needs(&template, &snapshot)?;
+            Some(ShellShape {
+                memory_mib,
+                disk_bytes,
+                base: template.base_rootfs.clone(),
+                template: Some(template.name),
+            })
+        })
+        .collect()
 }

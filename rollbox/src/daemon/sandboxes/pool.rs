@@ -1,61 +1,109 @@
-//! The warm pool (`rollbox serve --warm-pool MIB=N`): per guest memory size, N jailed VMM
-//! shells started ahead ([`Shell`]), so that a create restoring a snapshot of that size loads
-//! it into one instead of starting and jailing a VMM while the caller waits. A create takes a
-//! shell and the pool starts another in the background, one at a time; a shell whose VMM died
-//! is logged and replaced; a shell serves one sandbox, whose id it was started with. Shells
-//! hold no guest memory until taken (each is one VMM process, about 2 MiB), so they are shown
-//! in `GET /node` and `/metrics` but not counted as sandboxes.
+//! The warm pool (`rollbox serve --warm-pool MIB=N`, `--warm-pool templates=N`): jailed VMM
+//! shells started ahead ([`Shell`]), so that a create restoring a snapshot loads it into one
+//! instead of starting and jailing a VMM while the caller waits. `MIB=N` keeps N shells for
+//! guests of MIB MiB (no shared base, a disk no larger than the memory);
+//! `templates=N` keeps N for each template with a boot snapshot, made for its memory, disk and
+//! shared base. A create takes a shell and the pool starts another in the background, one at a
+//! time; a shell whose VMM died is logged and replaced; a shell serves one sandbox, whose id it
+//! was started with. Shells hold no guest memory until taken (each is one VMM process, about
+//! 2 MiB), so they are shown in `GET /node` and `/metrics` but not counted as sandboxes.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::super::api::WarmPoolShape;
-use super::super::supervisor::{Shell, Supervisor};
+use super::super::supervisor::{Shell, ShellShape, Supervisor};
 
 /// How long the refill waits after a shell failed to start (a broken VMM path, a full disk)
 /// before it tries again.
 const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(5);
-/// How often ready shells are checked for a VMM that died.
+/// How often ready shells are checked for a VMM that died, and templates for new ones.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// `--warm-pool` shells by guest memory size.
+/// One `--warm-pool` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolSpec {
+    /// `MIB=N`.
+    Memory { memory_mib: u32, count: usize },
+    /// `templates=N`.
+    Templates { count: usize },
+}
+
+/// `--warm-pool` shells by shape: a shape is a memory size, or a template.
 pub struct WarmPool {
-    /// How many shells each memory size keeps ready.
-    targets: BTreeMap<u32, usize>,
-    ready: Mutex<BTreeMap<u32, Vec<Shell>>>,
+    /// The `MIB=N` shapes.
+    fixed: BTreeMap<u32, usize>,
+    /// `templates=N`'s N (0: none).
+    per_template: usize,
+    /// What the refill keeps, by shape: the fixed ones and the templates' of its last pass.
+    targets: Mutex<Vec<(ShellShape, usize)>>,
+    ready: Mutex<Vec<Shell>>,
     /// Taken shells wake the refill, and so does the daemon's stop.
     wake: tokio::sync::Notify,
     /// Set when the daemon stops: the refill ends after the shell it is starting, if any (a
     /// refill cut off mid-start would leave that shell's VMM running).
-    closing: std::sync::atomic::AtomicBool,
+    closing: AtomicBool,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl WarmPool {
-    pub fn new(targets: BTreeMap<u32, usize>) -> WarmPool {
-        WarmPool {
-            targets,
-            ready: Mutex::new(BTreeMap::new()),
-            wake: tokio::sync::Notify::new(),
-            closing: std::sync::atomic::AtomicBool::new(false),
+    /// A pool of `specs`; None when they ask for nothing.
+    pub fn new(specs: &[PoolSpec]) -> Option<WarmPool> {
+        let mut fixed = BTreeMap::new();
+        let mut per_template = 0;
+        for spec in specs {
+            match *spec {
+                PoolSpec::Memory { memory_mib, count } => {
+                    fixed.insert(memory_mib, count);
+                }
+                PoolSpec::Templates { count } => per_template = count,
+            }
         }
-    }
-
-    fn ready(&self) -> MutexGuard<'_, BTreeMap<u32, Vec<Shell>>> {
-        self.ready.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A ready shell for a guest of `memory_mib` whose VMM still runs, if there is one.
-    pub fn take(&self, memory_mib: u32) -> Option<Shell> {
-        if !self.targets.contains_key(&memory_mib) {
+        if fixed.is_empty() && per_template == 0 {
             return None;
         }
+        let targets = fixed
+            .iter()
+            .map(|(&memory_mib, &count)| (memory_shape(memory_mib), count))
+            .collect();
+        Some(WarmPool {
+            fixed,
+            per_template,
+            targets: Mutex::new(targets),
+            ready: Mutex::new(Vec::new()),
+            wake: tokio::sync::Notify::new(),
+            closing: AtomicBool::new(false),
+        })
+    }
+
+    /// A ready shell whose VMM still runs for a restore of `template`, `memory_mib` and a
+    /// disk of `disk_bytes` over `base`: one kept for that template, else one of its size.
+    pub fn take(
+        &self,
+        template: &str,
+        memory_mib: u32,
+        disk_bytes: u64,
+        base: Option<&std::path::Path>,
+    ) -> Option<Shell> {
         let taken = {
-            let mut ready = self.ready();
-            let shells = ready.get_mut(&memory_mib)?;
-            // The newest first; a dead one is left for the refill to log and replace.
-            let live = shells.iter_mut().rposition(Shell::alive)?;
-            shells.remove(live)
+            let mut ready = lock(&self.ready);
+            let fits = |shell: &Shell| shell.shape.fits(memory_mib, disk_bytes, base);
+            let position = ready
+                .iter_mut()
+                .rposition(|s| {
+                    s.shape.template.as_deref() == Some(template) && fits(s) && s.alive()
+                })
+                .or_else(|| {
+                    ready
+                        .iter_mut()
+                        .rposition(|s| s.shape.template.is_none() && fits(s) && s.alive())
+                })?;
+            ready.remove(position)
         };
         self.wake.notify_one();
         Some(taken)
@@ -63,56 +111,77 @@ impl WarmPool {
 
     /// A shell taken but not used (its create was refused before its VMM got anything).
     pub fn put_back(&self, shell: Shell) {
-        self.ready()
-            .entry(shell.memory_mib)
-            .or_default()
-            .push(shell);
+        lock(&self.ready).push(shell);
     }
 
-    /// Each memory size's target and ready shells.
-    pub fn status(&self) -> Vec<WarmPoolShape> {
-        let ready = self.ready();
-        self.targets
+    fn ready_of(&self, shape: &ShellShape) -> usize {
+        lock(&self.ready)
             .iter()
-            .map(|(&memory_mib, &target)| WarmPoolShape {
-                memory_mib,
-                target: target as u64,
-                ready: ready.get(&memory_mib).map_or(0, Vec::len) as u64,
+            .filter(|shell| &shell.shape == shape)
+            .count()
+    }
+
+    /// Each shape's target and ready shells.
+    pub fn status(&self) -> Vec<WarmPoolShape> {
+        lock(&self.targets)
+            .iter()
+            .map(|(shape, target)| WarmPoolShape {
+                memory_mib: shape.memory_mib,
+                template: shape.template.clone(),
+                target: *target as u64,
+                ready: self.ready_of(shape) as u64,
             })
             .collect()
     }
 
     fn is_closing(&self) -> bool {
-        self.closing.load(std::sync::atomic::Ordering::SeqCst)
+        self.closing.load(Ordering::SeqCst)
     }
 
-    /// Keeps every memory size at its target until [`WarmPool::close`]; `new_id` names each
-    /// shell's future sandbox.
+    /// Keeps every shape at its target until [`WarmPool::stop_refill`]; `new_id` names each
+    /// shell's future sandbox, `templates` gives the shape of each template with a boot
+    /// snapshot (asked on every pass when `templates=N`).
     pub async fn refill(
         self: Arc<Self>,
         supervisor: Arc<Supervisor>,
         new_id: impl Fn() -> String + Send + Sync,
+        templates: impl Fn() -> Vec<ShellShape> + Send + Sync,
     ) {
         while !self.is_closing() {
-            let dead = self.remove_dead();
-            for shell in dead {
+            if self.per_template > 0 {
+                self.retarget(templates());
+            }
+            for shell in self.remove_unwanted() {
                 log::warn!(
-                    "warm shell {} (pid {}, {} MiB) died; replacing it",
+                    "warm shell {} (pid {}, {} MiB{}) {}",
                     shell.id,
                     shell.pid(),
-                    shell.memory_mib
+                    shell.shape.memory_mib,
+                    shell
+                        .shape
+                        .template
+                        .as_deref()
+                        .map(|t| format!(", template {t}"))
+                        .unwrap_or_default(),
+                    if self.wanted(&shell.shape) {
+                        "died; replacing it"
+                    } else {
+                        "is for a template gone or changed; ending it"
+                    }
                 );
                 supervisor.discard_shell(shell).await;
             }
             let mut failed = false;
-            for (&memory_mib, &target) in &self.targets {
-                while !self.is_closing()
-                    && self.ready().get(&memory_mib).map_or(0, Vec::len) < target
-                {
-                    match supervisor.start_shell(new_id(), memory_mib).await {
+            let targets = lock(&self.targets).clone();
+            for (shape, target) in targets {
+                while !self.is_closing() && self.ready_of(&shape) < target {
+                    match supervisor.start_shell(new_id(), shape.clone()).await {
                         Ok(shell) => self.put_back(shell),
                         Err(e) => {
-                            log::error!("warm pool: a {memory_mib} MiB shell did not start: {e}");
+                            log::error!(
+                                "warm pool: a {} MiB shell did not start: {e}",
+                                shape.memory_mib
+                            );
                             failed = true;
                             break;
                         }
@@ -128,55 +197,91 @@ impl WarmPool {
         }
     }
 
-    /// The ready shells whose VMM ended, taken out of the pool.
-    fn remove_dead(&self) -> Vec<Shell> {
-        let mut dead = Vec::new();
-        for shells in self.ready().values_mut() {
-            let mut index = 0;
-            while index < shells.len() {
-                if shells[index].alive() {
-                    index += 1;
-                } else {
-                    dead.push(shells.remove(index));
-                }
+    /// The fixed shapes and one per template of `templates`.
+    fn retarget(&self, templates: Vec<ShellShape>) {
+        let mut targets: Vec<(ShellShape, usize)> = self
+            .fixed
+            .iter()
+            .map(|(&memory_mib, &count)| (memory_shape(memory_mib), count))
+            .collect();
+        targets.extend(
+            templates
+                .into_iter()
+                .map(|shape| (shape, self.per_template)),
+        );
+        *lock(&self.targets) = targets;
+    }
+
+    fn wanted(&self, shape: &ShellShape) -> bool {
+        lock(&self.targets).iter().any(|(s, _)| s == shape)
+    }
+
+    /// The ready shells whose VMM ended, or whose shape no target has any more (a template
+    /// deleted, or rebuilt with another memory size, disk or base), taken out of the pool.
+    fn remove_unwanted(&self) -> Vec<Shell> {
+        let targets = lock(&self.targets).clone();
+        let mut ready = lock(&self.ready);
+        let mut gone = Vec::new();
+        let mut index = 0;
+        while index < ready.len() {
+            let shell = &mut ready[index];
+            let wanted = targets.iter().any(|(shape, _)| *shape == shell.shape);
+            if wanted && shell.alive() {
+                index += 1;
+            } else {
+                gone.push(ready.remove(index));
             }
         }
-        dead
+        gone
     }
 
     /// Stops the refill: it ends once the shell it may be starting is in the pool.
     pub fn stop_refill(&self) {
-        self.closing
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.closing.store(true, Ordering::SeqCst);
         self.wake.notify_one();
     }
 
     /// Ends every ready shell (the daemon stops, its refill ended).
     pub async fn close(&self, supervisor: &Supervisor) {
-        let all: Vec<Shell> = std::mem::take(&mut *self.ready())
-            .into_values()
-            .flatten()
-            .collect();
+        let all: Vec<Shell> = std::mem::take(&mut *lock(&self.ready));
         for shell in all {
             supervisor.discard_shell(shell).await;
         }
     }
 }
 
-/// Parses one `--warm-pool` value, `MIB=N`: N shells for guests of MIB MiB.
-pub fn parse_shape(value: &str) -> Result<(u32, usize), String> {
-    let refuse = || {
-        format!("--warm-pool {value:?}: expected MIB=N, e.g. 256=8 (8 shells for 256 MiB guests)")
-    };
-    let (memory, count) = value.split_once('=').ok_or_else(refuse)?;
-    let memory_mib: u32 = memory.trim().parse().map_err(|_| refuse())?;
-    let count: usize = count.trim().parse().map_err(|_| refuse())?;
-    if memory_mib == 0 || count == 0 || count > 256 {
-        return Err(format!(
-            "--warm-pool {value:?}: memory must be above 0 MiB and the count 1 to 256"
-        ));
+/// The shape of `MIB=N`'s shells: any restore of that size with no shared base and a disk
+/// no larger than its memory.
+fn memory_shape(memory_mib: u32) -> ShellShape {
+    ShellShape {
+        memory_mib,
+        disk_bytes: u64::from(memory_mib) << 20,
+        base: None,
+        template: None,
     }
-    Ok((memory_mib, count))
+}
+
+/// Parses one `--warm-pool` value: `MIB=N` (N shells for guests of MIB MiB) or `templates=N`
+/// (N for each template with a boot snapshot).
+pub fn parse_shape(value: &str) -> Result<PoolSpec, String> {
+    let refuse = || {
+        format!(
+            "--warm-pool {value:?}: expected MIB=N (e.g. 256=8: 8 shells for 256 MiB guests) or templates=N (N for each template with a boot snapshot)"
+        )
+    };
+    let (what, count) = value.split_once('=').ok_or_else(refuse)?;
+    let count: usize = count.trim().parse().map_err(|_| refuse())?;
+    if count == 0 || count > 256 {
+        return Err(format!("--warm-pool {value:?}: the count must be 1 to 256"));
+    }
+    if what.trim() == "templates" {
+        return Ok(PoolSpec::Templates { count });
+    }
+    let memory_mib: u32 = what.trim().parse().map_err(|_| refuse())?;
+    if memory_mib == 0 {
+        return Err(format!("--warm-pool {value:?}: memory must be above 0 MiB"));
+    }
+    Ok(PoolSpec::Memory { memory_mib, count })
 }
 
 #[cfg(test)]
@@ -185,11 +290,66 @@ mod tests {
 
     #[test]
     fn shapes_parse_and_bad_ones_name_the_flag() {
-        assert_eq!(parse_shape("256=8"), Ok((256, 8)));
-        assert_eq!(parse_shape(" 32 = 2 "), Ok((32, 2)));
-        for bad in ["256", "x=1", "256=y", "0=1", "256=0", "256=1000", "=", ""] {
+        assert_eq!(
+            parse_shape("256=8"),
+            Ok(PoolSpec::Memory {
+                memory_mib: 256,
+                count: 8
+            })
+        );
+        assert_eq!(
+            parse_shape(" 32 = 2 "),
+            Ok(PoolSpec::Memory {
+                memory_mib: 32,
+                count: 2
+            })
+        );
+        assert_eq!(
+            parse_shape("templates=4"),
+            Ok(PoolSpec::Templates { count: 4 })
+        );
+        for bad in [
+            "256",
+            "x=1",
+            "256=y",
+            "0=1",
+            "256=0",
+            "256=1000",
+            "=",
+            "",
+            "templates=0",
+        ] {
             let e = parse_shape(bad).unwrap_err();
             assert!(e.contains("--warm-pool"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_shape_fits_its_memory_base_and_disks_up_to_its_own() {
+        let base = std::path::PathBuf::from("/state/images/base.ext4");
+        let shape = ShellShape {
+            memory_mib: 256,
+            disk_bytes: 1 << 30,
+            base: Some(base.clone()),
+            template: Some("python".into()),
+        };
+        assert!(shape.fits(256, 1 << 30, Some(&base)));
+        assert!(shape.fits(256, 0, Some(&base)));
+        assert!(
+            !shape.fits(512, 1 << 30, Some(&base)),
+            "another memory size"
+        );
+        assert!(
+            !shape.fits(256, (1 << 30) + 1, Some(&base)),
+            "a larger disk"
+        );
+        assert!(!shape.fits(256, 1 << 30, None), "no base");
+        let plain = memory_shape(32);
+        assert!(plain.fits(32, 0, None));
+        assert!(plain.fits(32, 32 << 20, None));
+        assert!(
+            !plain.fits(32, (32 << 20) + 1, None),
+            "a disk larger than the memory"
+        );
     }
 }

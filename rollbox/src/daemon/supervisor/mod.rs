@@ -30,7 +30,7 @@ use super::util::{ms_since, remove_dir};
 use jaildir::JailDir;
 
 pub use cpu::cpu_ms;
-pub use shell::Shell;
+pub use shell::{Shell, ShellShape};
 
 /// A supervisor that cannot start.
 #[derive(Debug, thiserror::Error)]

@@ -10,11 +10,13 @@ use super::super::api::{Sandbox, Snapshot, Template};
 use super::super::util::remove_dir;
 use super::{reap_child, vm, Launched, Supervisor};
 
+pub use super::vm::ShellShape;
+
 /// A VMM with no VM yet, waiting to become sandbox `id`.
 pub struct Shell {
     pub id: String,
-    /// The guest memory its jail was made for.
-    pub memory_mib: u32,
+    /// What its jail was made for.
+    pub shape: ShellShape,
     child: Child,
 }
 
@@ -30,22 +32,28 @@ impl Shell {
 }
 
 impl Supervisor {
-    /// Starts a shell for a future sandbox `id` of `memory_mib`, and waits until its API
-    /// answers.
-    pub async fn start_shell(&self, id: String, memory_mib: u32) -> Result<Shell, String> {
+    /// Starts a shell of `shape` for a future sandbox `id`, and waits until its API answers.
+    pub async fn start_shell(&self, id: String, shape: ShellShape) -> Result<Shell, String> {
         let paths = vm::Paths::new(&self.sandboxes_dir.join(&id));
         let vmm = self.vmm.clone();
         let jail = self.jail.clone();
         let console_max_bytes = self.console_max_bytes;
         let spawn_paths = vm::Paths::new(&paths.dir);
+        let spawn_shape = shape.clone();
         let spawned = tokio::task::spawn_blocking(move || {
             let spec = jail.as_ref().map(|jail| vm::JailSpec {
                 jail,
                 cgroups: Vec::new(),
-                memory_mib,
+                memory_mib: spawn_shape.memory_mib,
                 vfio: Vec::new(),
             });
-            vm::spawn_shell(&vmm, &spawn_paths, spec.as_ref(), console_max_bytes)
+            vm::spawn_shell(
+                &vmm,
+                &spawn_paths,
+                &spawn_shape,
+                spec.as_ref(),
+                console_max_bytes,
+            )
         })
         .await
         .map_err(|e| e.to_string())?;
@@ -61,11 +69,7 @@ impl Supervisor {
             self.forget_shell(&id).await;
             return Err(e.to_string());
         }
-        Ok(Shell {
-            id,
-            memory_mib,
-            child,
-        })
+        Ok(Shell { id, shape, child })
     }
 
     /// Ends a shell nobody took: its VMM, its directory and its jail groups.
@@ -87,22 +91,17 @@ impl Supervisor {
         }
     }
 
-    /// Whether a restore of `snapshot` for `template` can run in a shell of `memory_mib`: its
-    /// disk fits under the shell jail's file size limit, and it has no shared base drive (a
-    /// base is bound read-only into a jail as it starts, which a shell has done already).
-    pub fn shell_fits(&self, template: &Template, snapshot: &Snapshot, memory_mib: u32) -> bool {
-        if template.base_rootfs.is_some() {
-            return false;
-        }
+    /// What a restore of `snapshot` (of `template`) needs of a shell: its memory, its disk's
+    /// size, and its template's shared base; None when its disk cannot be read.
+    pub fn restore_needs(template: &Template, snapshot: &Snapshot) -> Option<(u32, u64)> {
         let disk_bytes = if template.rootfs.is_some() {
-            match std::fs::metadata(snapshot.dir.join("rootfs.img")) {
-                Ok(meta) => meta.len(),
-                Err(_) => return false,
-            }
+            std::fs::metadata(snapshot.dir.join("rootfs.img"))
+                .ok()?
+                .len()
         } else {
             0
         };
-        vm::shell_takes_disk(disk_bytes, memory_mib)
+        Some((snapshot.memory_mib, disk_bytes))
     }
 
     /// Runs `sandbox` (whose id is the shell's) from `snapshot` in `shell`: the snapshot
@@ -124,13 +123,14 @@ impl Supervisor {
         let paths = vm::Paths::new(&sandbox.dir);
         let snapshot_dir = snapshot.dir.clone();
         let rootfs = template.rootfs.is_some();
+        let base = shell.shape.base.clone();
         let console_max_bytes = self.console_max_bytes;
         let jailed = self.jail.is_some();
         let loaded = tokio::task::spawn_blocking(move || {
             let restore = vm::Restore {
                 snapshot_dir: &snapshot_dir,
                 rootfs,
-                base: None,
+                base: base.as_deref(),
                 identity,
                 console_max_bytes,
                 nic: None,

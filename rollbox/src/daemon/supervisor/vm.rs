@@ -640,14 +640,37 @@ fn spawn_restored(
     start(command, &program, paths, &launch.keep_fds)
 }
 
+/// What a warm shell is made for: its jail's limits and binds are set as it starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShellShape {
+    pub memory_mib: u32,
+    /// The largest disk it may run (its jail's file size limit is set for it).
+    pub disk_bytes: u64,
+    /// A template's shared base, bound read-only into its jail.
+    pub base: Option<PathBuf>,
+    /// The template it is kept for (`--warm-pool templates=N`); None: any of its size.
+    pub template: Option<String>,
+}
+
+impl ShellShape {
+    /// Whether a restore of `memory_mib` with a disk of `disk_bytes` over `base` can run in a
+    /// shell of this shape.
+    pub fn fits(&self, memory_mib: u32, disk_bytes: u64, base: Option<&Path>) -> bool {
+        self.memory_mib == memory_mib
+            && self.base.as_deref() == base
+            && disk_bytes <= self.disk_bytes
+            && disk_bytes < fsize_limit(self.disk_bytes, self.memory_mib)
+    }
+}
+
 /// Makes the directory of a warm shell (`paths.dir`, named by the sandbox id it will serve)
 /// and starts `vmm` there (jailed when `jail` says so) with its API socket and console only:
-/// no VM until a `PUT /snapshot/load` ([`load_in_shell`]). Its jail's file size limit is the
-/// memory's ([`fsize_limit`] with no disk), so only a restore whose disk fits under it may
-/// take it ([`shell_takes_disk`]).
+/// no VM until a `PUT /snapshot/load` ([`load_in_shell`]). Its jail's file size limit is set
+/// for `shape`'s disk, and `shape`'s base is bound into it.
 pub fn spawn_shell(
     vmm: &Path,
     paths: &Paths,
+    shape: &ShellShape,
     jail: Option<&JailSpec>,
     console_max_bytes: u64,
 ) -> Result<Child, VmError> {
@@ -656,18 +679,16 @@ pub fn spawn_shell(
         source,
     })?;
     let mut launch = Launch::new(jail);
+    launch.disk_bytes = shape.disk_bytes;
+    if let Some(base) = &shape.base {
+        launch.host_path(base, BASE_FILE);
+    }
     launch
         .own("--api-sock", &paths.api_sock)
         .own("--console", &paths.console)
         .arg(format!("--console-max-bytes={console_max_bytes}"));
     let (command, program) = launch.command(vmm, paths)?;
     start(command, &program, paths, &launch.keep_fds)
-}
-
-/// Whether a shell of `memory_mib` may run a disk of `disk_bytes` (its jail's file size
-/// limit was set without one).
-pub fn shell_takes_disk(disk_bytes: u64, memory_mib: u32) -> bool {
-    disk_bytes < fsize_limit(0, memory_mib)
 }
 
 /// Loads the snapshot in `restore.snapshot_dir` into the shell in `paths.dir` (started by
@@ -702,7 +723,28 @@ pub fn load_in_shell(paths: &Paths, restore: &Restore, jailed: bool) -> Result<(
     let mut drive_overrides = std::collections::HashMap::new();
     if restore.rootfs {
         copy_snapshot_disk(restore.snapshot_dir, paths)?;
+        if jailed {
+            // The jailer gave its jail's files to the jail's uid as it started; this copy
+            // came after, so it is given here.
+            let (uid, gid) = JailDir::open(&paths.dir)?.owner();
+            std::os::unix::fs::chown(&paths.rootfs, Some(uid), Some(gid)).map_err(|source| {
+                VmError::Rootfs {
+                    from: restore.snapshot_dir.join("rootfs.img"),
+                    to: paths.rootfs.clone(),
+                    source,
+                }
+            })?;
+        }
         drive_overrides.insert("rootfs".to_string(), seen("rootfs.img"));
+        if let Some(base) = restore.base {
+            // Bound at /base.ext4 in the shell's jail as it started.
+            let seen_base = if jailed {
+                Path::new("/").join(BASE_FILE)
+            } else {
+                base.to_path_buf()
+            };
+            drive_overrides.insert(BASE_DRIVE.to_string(), seen_base);
+        }
     }
     let params = vmm_api::LoadSnapshotParams {
         snapshot_path: seen(SHELL_VMSTATE),
