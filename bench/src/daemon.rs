@@ -274,6 +274,15 @@ impl Drop for Daemon {
                 let _ = self.call("DELETE", &format!("/sandboxes/{id}"), None);
             }
         }
+        // SIGTERM first: a daemon that stops ends its warm pool's shells (SIGKILL would leave
+        // them running, their directories removed below).
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) of the daemon this bench started and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.scratch);
