@@ -745,16 +745,24 @@ impl Sandboxes {
             .lock()
             .end(id, state, reason, now_ms())
             .map_err(internal)?;
-        let stopped = self.stop_vmm(id, &sandbox).await;
+        // Its id is never used again: its cgroups may go after the answer.
+        let stopped = self
+            .stop_vmm(id, &sandbox, supervisor::Release::Later)
+            .await;
         if sandbox.network.is_some() {
             self.release_network(id).await;
         }
         stopped
     }
 
-    /// Records the CPU time of sandbox `id`'s VMM, then has the supervisor end it and remove
-    /// its directory.
-    pub async fn stop_vmm(&self, id: &str, sandbox: &Sandbox) -> Result<(), ApiError> {
+    /// Records the CPU time of sandbox `id`'s VMM, then has the supervisor end it, remove its
+    /// directory and release its cgroups (`release`).
+    pub async fn stop_vmm(
+        &self,
+        id: &str,
+        sandbox: &Sandbox,
+        release: supervisor::Release,
+    ) -> Result<(), ApiError> {
         if let (Some(pid), Some(start)) = (sandbox.pid, sandbox.pid_start_time) {
             if let Some(ms) = supervisor::cpu_ms(pid, start) {
                 let _ = self.db.lock().add_cpu_ms(&sandbox.id, ms);
@@ -762,7 +770,7 @@ impl Sandboxes {
         }
         let stopped = self
             .supervisor
-            .stop(id, sandbox)
+            .stop(id, sandbox, release)
             .await
             .map_err(ApiError::Internal);
         self.gpus.release(id);

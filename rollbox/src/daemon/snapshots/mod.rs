@@ -15,7 +15,7 @@ use super::node::Node;
 use super::retention::{Pin, Retention};
 use super::sandboxes::{check_deterministic, Sandboxes};
 use super::store::{Db, StoreError};
-use super::supervisor::{self, Busy, Supervisor};
+use super::supervisor::{self, Busy, Release, Supervisor};
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
 
 /// The snapshots.
@@ -419,7 +419,8 @@ impl Snapshots {
                 ))
             })?;
         // The old VMM goes first: the new one takes its sockets, directory and tap.
-        self.sandboxes.stop_vmm(id, &sandbox).await?;
+        // Its groups go before the new VMM's jail makes them again under the same id.
+        self.sandboxes.stop_vmm(id, &sandbox, Release::Now).await?;
         let nic = match self.sandboxes.reattach_network(&sandbox).await {
             Ok(nic) => nic,
             Err(e) => {

@@ -99,6 +99,15 @@ pub struct Supervisor {
     records: Records,
 }
 
+/// When a stopped VMM's cgroups go ([`Supervisor::stop`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// Before `stop` returns: the same id's groups are made again next (a reset).
+    Now,
+    /// In the background: the sandbox ended, and its caller need not wait for the kernel.
+    Later,
+}
+
 /// A VMM that runs, not yet handed back ([`Supervisor::adopt`]) or ended ([`Launched::reap`]).
 pub struct Launched {
     child: Child,
@@ -422,8 +431,8 @@ impl Supervisor {
     }
 
     /// Ends sandbox `id`'s VMM (by pid and start time, and the child handle if this daemon
-    /// started it), removes its directory and releases its cgroups.
-    pub async fn stop(&self, id: &str, sandbox: &Sandbox) -> Result<(), String> {
+    /// started it), removes its directory and releases its cgroups, now or in the background.
+    pub async fn stop(&self, id: &str, sandbox: &Sandbox, release: Release) -> Result<(), String> {
         let child = self.children().remove(id);
         let daemons = self.volume_daemons().remove(id).unwrap_or_default();
         let recorded = self.records.read(id);
@@ -455,12 +464,33 @@ impl Supervisor {
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string());
-        let started = std::time::Instant::now();
-        self.release(sandbox);
-        if log::log_enabled!(log::Level::Debug) {
-            log::debug!("stop {}: release {:.2} ms", sandbox.id, ms_since(started));
+        match release {
+            Release::Now => {
+                let started = std::time::Instant::now();
+                self.release(sandbox);
+                if log::log_enabled!(log::Level::Debug) {
+                    log::debug!("stop {}: release {:.2} ms", sandbox.id, ms_since(started));
+                }
+            }
+            Release::Later => self.release_later(sandbox),
         }
         removed
+    }
+
+    /// [`Supervisor::release`] with the jail's groups removed on a blocking thread that
+    /// nobody waits for: each rmdir waits for an RCU grace period (about 20 ms on these
+    /// hosts). One that fails is logged; a daemon stopped meanwhile sweeps them at its start.
+    fn release_later(&self, sandbox: &Sandbox) {
+        if let Some(jail) = &self.jail {
+            let (fs, parent) = (jail.cgroup_fs.clone(), jail.cgroup_parent.clone());
+            let id = sandbox.id.clone();
+            tokio::task::spawn_blocking(move || {
+                for e in cgroup::remove_jail_groups(&fs, &parent, &id) {
+                    log::warn!("sandbox {id}: {e}");
+                }
+            });
+        }
+        self.release_cpu_group(sandbox);
     }
 
     /// Why the sandbox's VMM is gone, if it ended on its own (with the end of its log: the
@@ -526,6 +556,11 @@ impl Supervisor {
                 log::warn!("sandbox {}: {e}", sandbox.id);
             }
         }
+        self.release_cpu_group(sandbox);
+    }
+
+    /// Removes the daemon's own cpu group of an unjailed VMM with a `cpu_limit`.
+    fn release_cpu_group(&self, sandbox: &Sandbox) {
         if sandbox.cpu_limit.is_none() {
             return;
         }
