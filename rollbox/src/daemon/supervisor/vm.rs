@@ -34,6 +34,17 @@ pub enum VmError {
         to: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot link snapshot file {from} into the warm shell as {to}: {source}")]
+    ShellLink {
+        from: PathBuf,
+        to: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot give {path} to the warm shell's jail: {source}")]
+    ShellOwner {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A name in the sandbox's directory refused or failed ([`super::jaildir`]).
     #[error(transparent)]
     Jail(#[from] JailDirError),
@@ -654,12 +665,12 @@ pub struct ShellShape {
 
 impl ShellShape {
     /// Whether a restore of `memory_mib` with a disk of `disk_bytes` over `base` can run in a
-    /// shell of this shape.
+    /// shell of this shape (a disk within its own is within its jail's file size limit,
+    /// [`fsize_limit`], which has room beyond it).
     pub fn fits(&self, memory_mib: u32, disk_bytes: u64, base: Option<&Path>) -> bool {
         self.memory_mib == memory_mib
             && self.base.as_deref() == base
             && disk_bytes <= self.disk_bytes
-            && disk_bytes < fsize_limit(self.disk_bytes, self.memory_mib)
     }
 }
 
@@ -714,7 +725,7 @@ pub fn load_in_shell(paths: &Paths, restore: &Restore, jailed: bool) -> Result<(
         if from == "memory.id" && !source.exists() {
             continue;
         }
-        std::fs::hard_link(&source, paths.dir.join(to)).map_err(|e| VmError::Rootfs {
+        std::fs::hard_link(&source, paths.dir.join(to)).map_err(|e| VmError::ShellLink {
             from: source.clone(),
             to: paths.dir.join(to),
             source: e,
@@ -728,9 +739,8 @@ pub fn load_in_shell(paths: &Paths, restore: &Restore, jailed: bool) -> Result<(
             // came after, so it is given here.
             let (uid, gid) = JailDir::open(&paths.dir)?.owner();
             std::os::unix::fs::chown(&paths.rootfs, Some(uid), Some(gid)).map_err(|source| {
-                VmError::Rootfs {
-                    from: restore.snapshot_dir.join("rootfs.img"),
-                    to: paths.rootfs.clone(),
+                VmError::ShellOwner {
+                    path: paths.rootfs.clone(),
                     source,
                 }
             })?;
@@ -739,7 +749,7 @@ pub fn load_in_shell(paths: &Paths, restore: &Restore, jailed: bool) -> Result<(
         if let Some(base) = restore.base {
             // Bound at /base.ext4 in the shell's jail as it started.
             let seen_base = if jailed {
-                Path::new("/").join(BASE_FILE)
+                seen(BASE_FILE)
             } else {
                 base.to_path_buf()
             };
