@@ -481,16 +481,26 @@ impl Supervisor {
     /// nobody waits for: each rmdir waits for an RCU grace period (about 20 ms on these
     /// hosts). One that fails is logged; a daemon stopped meanwhile sweeps them at its start.
     fn release_later(&self, sandbox: &Sandbox) {
-        if let Some(jail) = &self.jail {
-            let (fs, parent) = (jail.cgroup_fs.clone(), jail.cgroup_parent.clone());
-            let id = sandbox.id.clone();
-            tokio::task::spawn_blocking(move || {
-                for e in cgroup::remove_jail_groups(&fs, &parent, &id) {
-                    log::warn!("sandbox {id}: {e}");
-                }
-            });
-        }
+        let remove = self.jail_groups_remover(&sandbox.id, "sandbox");
+        tokio::task::spawn_blocking(remove);
         self.release_cpu_group(sandbox);
+    }
+
+    /// What removes the jail groups of `id` (none without a jail), logging each failure as
+    /// `what` `id`'s: blocking, for a thread of its own or the caller's.
+    fn jail_groups_remover(&self, id: &str, what: &'static str) -> impl FnOnce() + Send + 'static {
+        let jail = self
+            .jail
+            .as_ref()
+            .map(|jail| (jail.cgroup_fs.clone(), jail.cgroup_parent.clone()));
+        let id = id.to_string();
+        move || {
+            if let Some((fs, parent)) = jail {
+                for e in cgroup::remove_jail_groups(&fs, &parent, &id) {
+                    log::warn!("{what} {id}: {e}");
+                }
+            }
+        }
     }
 
     /// Why the sandbox's VMM is gone, if it ended on its own (with the end of its log: the
@@ -551,11 +561,7 @@ impl Supervisor {
     /// Removes a sandbox's cgroups after its VMM ended (logged on failure).
     pub fn release(&self, sandbox: &Sandbox) {
         // A jailer that was killed left its groups (cpu, memory, pids): they go here.
-        if let Some(jail) = &self.jail {
-            for e in cgroup::remove_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent, &sandbox.id) {
-                log::warn!("sandbox {}: {e}", sandbox.id);
-            }
-        }
+        self.jail_groups_remover(&sandbox.id, "sandbox")();
         self.release_cpu_group(sandbox);
     }
 

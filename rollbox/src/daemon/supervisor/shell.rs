@@ -78,17 +78,16 @@ impl Supervisor {
         self.forget_shell(&shell.id).await;
     }
 
-    /// Removes a shell's directory and jail groups (its VMM ended).
+    /// Removes a shell's directory and jail groups (its VMM ended), on a blocking thread:
+    /// each group's rmdir waits for an RCU grace period.
     async fn forget_shell(&self, id: &str) {
         let dir = self.sandboxes_dir.join(id);
-        let _ = tokio::task::spawn_blocking(move || remove_dir(&dir)).await;
-        if let Some(jail) = &self.jail {
-            for e in
-                rollbox_jailer::cgroup::remove_jail_groups(&jail.cgroup_fs, &jail.cgroup_parent, id)
-            {
-                log::warn!("warm shell {id}: {e}");
-            }
-        }
+        let remove_groups = self.jail_groups_remover(id, "warm shell");
+        let _ = tokio::task::spawn_blocking(move || {
+            let _ = remove_dir(&dir);
+            remove_groups();
+        })
+        .await;
     }
 
     /// What a restore of `snapshot` (of `template`) needs of a shell: its memory, its disk's
@@ -142,16 +141,16 @@ impl Supervisor {
         .and_then(|loaded| loaded.map_err(|e| e.to_string()));
         let pid = shell.pid();
         let start = match (loaded, shell.alive(), vm::start_time(pid)) {
-            (Ok(()), true, Some(start)) => start,
-            (Err(e), _, _) => {
+            (Ok(()), true, Some(start)) => Ok(start),
+            (Err(e), _, _) => Err(format!("the warm shell's load: {e}")),
+            _ => Err(vm::VmError::Vanished(pid).to_string()),
+        };
+        let start = match start {
+            Ok(start) => start,
+            Err(e) => {
                 reap_child(shell.child).await;
                 self.release(sandbox);
-                return Err(format!("the warm shell's load: {e}"));
-            }
-            _ => {
-                reap_child(shell.child).await;
-                self.release(sandbox);
-                return Err(vm::VmError::Vanished(pid).to_string());
+                return Err(e);
             }
         };
         if log::log_enabled!(log::Level::Debug) {
