@@ -835,15 +835,24 @@ impl Sandboxes {
 /// The shell shape of each template with a boot snapshot (`--warm-pool templates=N`): its
 /// snapshot's memory and disk, and its shared base.
 fn template_shapes(db: &Db) -> Vec<ShellShape> {
-    let store = db.lock();
-    let Ok(templates) = store.templates() else {
-        return Vec::new();
+    // The rows under the store's lock; the disks' sizes (a stat each) after it.
+    let with_snapshots: Vec<(Template, Snapshot)> = {
+        let store = db.lock();
+        let Ok(templates) = store.templates() else {
+            return Vec::new();
+        };
+        templates
+            .into_iter()
+            .filter_map(|template| {
+                let boot = template.boot_snapshot.as_deref()?;
+                let snapshot = store.snapshot(boot).ok().flatten()?;
+                Some((template, snapshot))
+            })
+            .collect()
     };
-    templates
+    with_snapshots
         .into_iter()
-        .filter_map(|template| {
-            let boot = template.boot_snapshot.as_deref()?;
-            let snapshot = store.snapshot(boot).ok().flatten()?;
+        .filter_map(|(template, snapshot)| {
             let (memory_mib, disk_bytes) = Supervisor::restore_needs(&template, &snapshot)?;
             Some(ShellShape {
                 memory_mib,

@@ -67,14 +67,10 @@ impl WarmPool {
         if fixed.is_empty() && per_template == 0 {
             return None;
         }
-        let targets = fixed
-            .iter()
-            .map(|(&memory_mib, &count)| (memory_shape(memory_mib), count))
-            .collect();
         Some(WarmPool {
+            targets: Mutex::new(fixed_targets(&fixed)),
             fixed,
             per_template,
-            targets: Mutex::new(targets),
             ready: Mutex::new(Vec::new()),
             wake: tokio::sync::Notify::new(),
             closing: AtomicBool::new(false),
@@ -199,11 +195,7 @@ impl WarmPool {
 
     /// The fixed shapes and one per template of `templates`.
     fn retarget(&self, templates: Vec<ShellShape>) {
-        let mut targets: Vec<(ShellShape, usize)> = self
-            .fixed
-            .iter()
-            .map(|(&memory_mib, &count)| (memory_shape(memory_mib), count))
-            .collect();
+        let mut targets = fixed_targets(&self.fixed);
         targets.extend(
             templates
                 .into_iter()
@@ -248,6 +240,14 @@ impl WarmPool {
             supervisor.discard_shell(shell).await;
         }
     }
+}
+
+/// The `MIB=N` targets.
+fn fixed_targets(fixed: &BTreeMap<u32, usize>) -> Vec<(ShellShape, usize)> {
+    fixed
+        .iter()
+        .map(|(&memory_mib, &count)| (memory_shape(memory_mib), count))
+        .collect()
 }
 
 /// The shape of `MIB=N`'s shells: any restore of that size with no shared base and a disk
