@@ -169,16 +169,8 @@ impl Daemon {
         path: &str,
         body: Option<Value>,
     ) -> Result<(u16, Value), String> {
-        let body = body.map(|b| b.to_string());
-        let auth = format!("Bearer {KEY}");
         let response = Endpoint::Unix(self.sock())
-            .request(
-                method,
-                path,
-                &[("Authorization", auth.as_str())],
-                body.as_deref().map(str::as_bytes),
-                TIMEOUT,
-            )
+            .request_json(method, path, KEY, body.as_ref(), TIMEOUT)
             .map_err(|e| e.to_string())?;
         let value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
         Ok((response.status, value))

@@ -164,17 +164,9 @@ impl Conn {
         body: Option<Value>,
         timeout: Duration,
     ) -> Result<Response, CliError> {
-        let auth = format!("Bearer {}", self.key);
-        let body = body.map(|b| b.to_string());
         let response = self
             .endpoint
-            .request(
-                method,
-                path,
-                &[("Authorization", &auth)],
-                body.as_deref().map(str::as_bytes),
-                timeout,
-            )
+            .request_json(method, path, &self.key, body.as_ref(), timeout)
             .map_err(transport_error)?;
         if (200..300).contains(&response.status) {
             return Ok(response);

@@ -110,6 +110,27 @@ impl Endpoint {
             .into_response()
     }
 
+    /// Sends one request with `key` as its bearer key and `body`, if any, as its JSON body
+    /// (the daemon's API), and reads the whole response.
+    pub fn request_json(
+        &self,
+        method: &str,
+        path: &str,
+        key: &str,
+        body: Option<&serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<Response, ClientError> {
+        let auth = format!("Bearer {key}");
+        let body = body.map(serde_json::Value::to_string);
+        self.request(
+            method,
+            path,
+            &[("Authorization", &auth)],
+            body.as_deref().map(str::as_bytes),
+            timeout,
+        )
+    }
+
     /// Sends one request whose body (of the given length) comes from a reader, and returns
     /// the response with its body still to read (chunked bodies are decoded).
     pub fn open(

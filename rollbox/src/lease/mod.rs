@@ -89,17 +89,9 @@ impl Daemon {
         body: Option<&Value>,
         timeout: Duration,
     ) -> Result<(u16, Value), LeaseError> {
-        let auth = format!("Bearer {}", self.key);
-        let body = body.map(Value::to_string);
         let response = self
             .native
-            .request(
-                method,
-                path,
-                &[("Authorization", &auth)],
-                body.as_deref().map(str::as_bytes),
-                timeout,
-            )
+            .request_json(method, path, &self.key, body, timeout)
             .map_err(|source| LeaseError::Daemon {
                 endpoint: self.native.to_string(),
                 source,
