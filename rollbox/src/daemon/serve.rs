@@ -134,7 +134,7 @@ pub struct ServeOptions {
     pub console_max_bytes: u64,
     /// `--kubelet-pods-dir`: end sandboxes whose pod (label [`POD_UID_LABEL`]) is gone.
     pub kubelet_pods_dir: Option<PathBuf>,
-    /// `--warm-pool`: VMM shells kept ready, by guest memory size (MiB).
+    /// `--warm-pool`: VMM shells kept ready, per guest memory size or per template.
     pub warm_pool: Vec<WarmPoolSpec>,
     /// What every API connection is held to, on each listener.
     pub http: ConnLimits,

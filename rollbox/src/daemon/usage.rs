@@ -13,7 +13,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::api::{ApiError, NodeInfo, NodeStatus, Reply, Usage};
+use super::api::{ApiError, NodeInfo, NodeStatus, Reply, Usage, WarmPoolShape};
 use super::store::{Db, UsageRow as Row};
 use super::supervisor::cpu_ms;
 use super::util::{internal, now_ms};
@@ -179,6 +179,9 @@ pub fn metrics(db: &Db, counters: &Counters, node: &NodeInfo) -> Result<Reply, A
     Ok(Reply::Metrics(out))
 }
 
+/// One figure of a warm pool's shape.
+type ShapeFigure = fn(&WarmPoolShape) -> u64;
+
 /// GET /node's figures as gauges (a limit that is not set is not written).
 fn node_gauges(out: &mut String, node: &NodeInfo) {
     let draining = u64::from(node.status == NodeStatus::Draining);
@@ -229,23 +232,21 @@ fn node_gauges(out: &mut String, node: &NodeInfo) {
         }
     }
     if !node.warm_pool.is_empty() {
-        for (name, help) in [
+        let gauges: [(&str, &str, ShapeFigure); 2] = [
             (
                 "rollbox_warm_shells_ready",
-                "Warm VMM shells ready, by guest memory.",
+                "Warm VMM shells ready, by guest memory and template.",
+                |shape| shape.ready,
             ),
             (
                 "rollbox_warm_shells_target",
-                "--warm-pool's shells, by guest memory.",
+                "--warm-pool's shells, by guest memory and template.",
+                |shape| shape.target,
             ),
-        ] {
+        ];
+        for (name, help, value) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
             for shape in &node.warm_pool {
-                let value = if name.ends_with("ready") {
-                    shape.ready
-                } else {
-                    shape.target
-                };
                 let template = shape
                     .template
                     .as_deref()
@@ -253,9 +254,10 @@ fn node_gauges(out: &mut String, node: &NodeInfo) {
                     .unwrap_or_default();
                 let _ = writeln!(
                     out,
-                    "{name}{{node=\"{}\",memory_mib=\"{}\"{template}}} {value}",
+                    "{name}{{node=\"{}\",memory_mib=\"{}\"{template}}} {}",
                     label(&node.node_id),
-                    shape.memory_mib
+                    shape.memory_mib,
+                    value(shape)
                 );
             }
         }
