@@ -101,14 +101,33 @@ def main():
     r.p.stdin.write(b"poweroff\n")
     r.p.stdin.flush()
     print(f"  restored guest powered off, exit status {r.p.wait()}")
-    print("== fork the running VM into 4 clones")
-    status, body = api(api_sock, "POST", "/fork", {"count": 4, "dir": os.path.join(work, "fork")})
+    print("== fork the running VM into 4 clones: a snapshot that resumes it, then 4 restores")
+    fork = os.path.join(work, "fork")
+    os.makedirs(fork)
+    t0 = time.monotonic()
+    api(api_sock, "PATCH", "/vm", {"state": "Paused"})
+    # The disk is copied while the VM is paused, so it matches the memory.
+    shutil.copyfile(disk, os.path.join(fork, "disk.img"))
+    status, body = api(api_sock, "PUT", "/snapshot/create", {
+        "snapshot_path": f"{fork}/vmstate", "mem_file_path": f"{fork}/memory",
+        "rollbox": {"resume_vm": True}})
     result = json.loads(body)
-    print(f"  fork: {status}, parent paused {result['paused_ms']:.1f} ms, all clones up in {result['elapsed_ms']:.1f} ms")
-    for c in result["clones"]:
-        ok, echo = vsock_echo(c["vsock_uds"], f"clone {c['index']}")
-        print(f"  clone {c['index']} pid {c['pid']}: vsock {ok!r} echo {echo!r}")
-        os.kill(c["pid"], 15)
+    print(f"  snapshot/create: {status}, parent paused {result['paused_ms']:.1f} ms,"
+          f" memory written in {result['elapsed_ms']:.1f} ms")
+    clones = []
+    for i in range(4):
+        copy = os.path.join(fork, f"disk-{i}.img")
+        shutil.copyfile(os.path.join(fork, "disk.img"), copy)
+        uds = os.path.join(fork, f"clone-{i}.sock")
+        clones.append((Guest(["--restore", fork, "--new-generation", "--drive-override", f"drive0={copy}",
+                              "--vsock-uds", uds]), uds))
+    for i, (c, uds) in enumerate(clones):
+        ok, echo = vsock_echo(uds, f"clone {i}")
+        print(f"  clone {i} pid {c.p.pid}: vsock {ok!r} echo {echo!r}")
+    print(f"  all 4 clones answered {(time.monotonic() - t0) * 1000:.1f} ms after the pause")
+    for c, _ in clones:
+        c.p.terminate()
+        c.p.wait()
     g.cmd("echo parent still running")
     g.p.stdin.write(b"poweroff\n")
     g.p.stdin.flush()

@@ -355,7 +355,8 @@ enum Bench {
         build: bool,
     },
     /// Snapshot and restore of rollbox-vmm: snapshot time (Full, Diff), restore latency per
-    /// memory backend, uffd working-set prefetch, fork and fan-out with memory sharing.
+    /// memory backend, uffd working-set prefetch, a fork's snapshot (the VM resumed while its
+    /// memory is written) and fan-out with memory sharing.
     Snapshot {
         /// Guest sizes in MiB.
         #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]

@@ -10,7 +10,7 @@ use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use vmm_api::{CreateSnapshotParams, ForkParams, LoadSnapshotParams, MemBackend};
+use vmm_api::{CreateSnapshotParams, LoadSnapshotParams, MemBackend};
 
 use crate::stats::{summarize, Summary};
 use crate::test_guest::TEST_GUEST_CMDLINE;
@@ -93,10 +93,12 @@ pub struct SizeReport {
     pub fanout_wall_ms: Option<f64>,
     /// Fan-out: total PSS of all clone processes, MiB.
     pub fanout_total_pss_mib: Option<f64>,
-    /// `POST /fork` of 16 clones: time until all are up, ms.
-    pub fork16_ms: Option<Summary>,
-    /// `POST /fork`: how long the parent was paused, ms.
-    pub fork16_paused_ms: Option<Summary>,
+    /// A fork's snapshot (`"rollbox": {"resume_vm": true}`): the call, until the memory
+    /// file is written, ms.
+    pub resuming_snapshot_ms: Option<Summary>,
+    /// Same: how long the VM was paused (the pause call, then the VMM's answer's figure from
+    /// the snapshot request until the VM ran again), ms.
+    pub resuming_snapshot_paused_ms: Option<Summary>,
 }
 
 fn spawn_err(what: &str) -> impl FnOnce(std::io::Error) -> SnapshotBenchError + '_ {
@@ -200,8 +202,8 @@ impl Vm {
     }
 }
 
-/// The client of the VMM API socket at `sock`; a call may take up to 10 minutes (a fork of a
-/// large guest on a slow host).
+/// The client of the VMM API socket at `sock`; a call may take up to 10 minutes (a snapshot
+/// of a large guest on a slow host).
 fn api(sock: &Path) -> vmm_api::Client {
     vmm_api::Client::new(sock).with_timeout(Duration::from_secs(600))
 }
@@ -236,12 +238,37 @@ fn snapshot_call(sock: &Path, kind: &str, dir: &Path) -> Result<f64, SnapshotBen
         snapshot_path: dir.join("vmstate"),
         mem_file_path: dir.join("memory"),
         version: None,
+        rollbox: None,
     };
     let started = Instant::now();
     api.create_snapshot(&params)?;
     let elapsed = ms(started.elapsed());
     api.resume()?;
     Ok(elapsed)
+}
+
+/// A fork's snapshot into `dir`: paused, then `PUT /snapshot/create` with `resume_vm`, which
+/// answers once the memory file is written. Returns (the create call, the pause), ms: the
+/// pause is the pause call plus the answer's `paused_ms`.
+fn resuming_snapshot_call(sock: &Path, dir: &Path) -> Result<(f64, f64), SnapshotBenchError> {
+    std::fs::create_dir_all(dir).map_err(|source| SnapshotBenchError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let api = api(sock);
+    let pausing = Instant::now();
+    api.pause()?;
+    let pause_call = ms(pausing.elapsed());
+    let params = CreateSnapshotParams {
+        snapshot_type: "Full".into(),
+        snapshot_path: dir.join("vmstate"),
+        mem_file_path: dir.join("memory"),
+        version: None,
+        rollbox: None,
+    };
+    let started = Instant::now();
+    let resumed = api.create_snapshot_resuming(&params)?;
+    Ok((ms(started.elapsed()), pause_call + resumed.paused_ms))
 }
 
 fn pss_kib(pid: u32) -> Option<f64> {
@@ -286,8 +313,6 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         "--api-sock",
         &sock.display().to_string(),
         "--track-dirty-pages",
-        "--fork-pool",
-        "16",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -330,33 +355,13 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
     parent.wait_line("OK", Duration::from_secs(300))?;
     snapshot_call(&sock, "Full", &snap)?;
 
-    let mut fork16 = Vec::new();
-    let mut fork16_paused = Vec::new();
+    let mut resuming = Vec::new();
+    let mut resuming_paused = Vec::new();
     for rep in 0..config.reps.min(5) {
-        // GET /fork-pool answers once the pool's shells (--fork-pool 16) have built their
-        // empty VMs.
-        let pool = api(&sock).fork_pool()?;
-        if pool.ready != pool.target {
-            return Err(SnapshotBenchError::Guest(format!(
-                "the fork pool did not fill within a minute: {pool:?}"
-            )));
-        }
-        let dir = base.join(format!("fork{rep}"));
-        let result = api(&sock).fork(&ForkParams {
-            count: 16,
-            dir: Some(dir.clone()),
-            new_generation: true,
-            restore_backend: None,
-            network_overrides: Vec::new(),
-        })?;
-        fork16.push(result.elapsed_ms);
-        fork16_paused.push(result.paused_ms);
-        for clone in &result.clones {
-            if let Some(pid) = clone.pid {
-                // SAFETY: ends a clone this benchmark started.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            }
-        }
+        let dir = base.join(format!("resuming{rep}"));
+        let (call, paused) = resuming_snapshot_call(&sock, &dir)?;
+        resuming.push(call);
+        resuming_paused.push(paused);
         let _ = std::fs::remove_dir_all(&dir);
     }
     parent.stop();
@@ -379,7 +384,7 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         Ok(out)
     };
     let restore_cow = restore("cow")?;
-    // A pre-built VM shell (what fork's pool uses): load call -> first serial byte.
+    // A pre-built VM shell (what the daemon's warm pool uses): load call -> first serial byte.
     let mut shell_load = Vec::new();
     let mut shell_first = Vec::new();
     for rep in 0..config.reps {
@@ -484,8 +489,8 @@ fn run_size(config: &SnapshotBenchConfig, mem_mib: u64) -> Result<SizeReport, Sn
         working_set_cow_ms: summarize(&ws_cow),
         fanout_wall_ms: Some(fanout_wall),
         fanout_total_pss_mib: Some(pss),
-        fork16_ms: summarize(&fork16),
-        fork16_paused_ms: summarize(&fork16_paused),
+        resuming_snapshot_ms: summarize(&resuming),
+        resuming_snapshot_paused_ms: summarize(&resuming_paused),
     })
 }
 
@@ -559,12 +564,12 @@ pub fn markdown(reports: &[SizeReport], config: &SnapshotBenchConfig) -> String 
                 cell(&r.working_set_cow_ms),
             ),
             (
-                "fork 16 clones (POST /fork, warm --fork-pool; all loaded and running)".into(),
-                cell(&r.fork16_ms),
+                "fork's snapshot (resume_vm; until the memory is written)".into(),
+                cell(&r.resuming_snapshot_ms),
             ),
             (
-                "fork 16 clones: parent paused".into(),
-                cell(&r.fork16_paused_ms),
+                "fork's snapshot: VM paused".into(),
+                cell(&r.resuming_snapshot_paused_ms),
             ),
             (
                 format!(
@@ -618,8 +623,8 @@ mod tests {
             working_set_cow_ms: None,
             fanout_wall_ms: Some(1.0),
             fanout_total_pss_mib: Some(2.0),
-            fork16_ms: None,
-            fork16_paused_ms: None,
+            resuming_snapshot_ms: None,
+            resuming_snapshot_paused_ms: None,
         };
         let config = SnapshotBenchConfig {
             vmm: PathBuf::new(),

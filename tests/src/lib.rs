@@ -503,18 +503,6 @@ pub fn api_client(sock: &Path) -> vmm_api::Client {
     vmm_api::Client::new(sock).with_timeout(API_TIMEOUT)
 }
 
-/// `POST /fork` of `count` clones with the VMM's defaults (a new generation each, the fork
-/// directory under /dev/shm, cow memory).
-pub fn fork_params(count: u32) -> vmm_api::ForkParams {
-    vmm_api::ForkParams {
-        count,
-        dir: None,
-        new_generation: true,
-        restore_backend: None,
-        network_overrides: Vec::new(),
-    }
-}
-
 /// `PUT /snapshot/create` of a `kind` ("Full" or "Diff") snapshot into `dir`: `dir/vmstate`
 /// and `dir/memory`.
 pub fn snapshot_params(kind: &str, dir: &Path) -> vmm_api::CreateSnapshotParams {
@@ -523,6 +511,7 @@ pub fn snapshot_params(kind: &str, dir: &Path) -> vmm_api::CreateSnapshotParams 
         snapshot_path: dir.join("vmstate"),
         mem_file_path: dir.join("memory"),
         version: None,
+        rollbox: None,
     }
 }
 

@@ -9,9 +9,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rollbox_agent_protocol::{AgentClient, DEFAULT_PORT};
-use vmm_api::{CloneInfo, ForkParams};
 
-use crate::{api_client, fork_params, skip, snapshot_params, vmm_binary};
+use crate::{api_client, skip, snapshot_params, vmm_binary};
 
 /// How long a guest may take to boot (or restore) to an answering agent in the lab.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -264,27 +263,53 @@ impl LinuxVm {
             .unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// `POST /fork` of `count` clones into `dir`; returns each clone's entry (pid, sockets,
-    /// error) after checking there are `count`, and prints how long the fork took.
-    pub fn fork(&self, count: usize, dir: &Path) -> Vec<CloneInfo> {
-        let params = ForkParams {
-            dir: Some(dir.to_path_buf()),
-            ..fork_params(count as u32)
-        };
+    /// A fork of this VM the way the daemon makes one: paused, its root drive copied, a Full
+    /// snapshot into `dir` whose memory the VMM writes while the VM runs again
+    /// (`"rollbox": {"resume_vm": true}`), then `count` restores of it named `clone-N`, each
+    /// with a new generation, its own copy of the drive and `per_clone(N)`'s flags. Returns
+    /// the clones once their processes started; prints how long the snapshot took.
+    pub fn clones(
+        &self,
+        count: usize,
+        dir: &Path,
+        per_clone: impl Fn(usize) -> Vec<String>,
+    ) -> Vec<LinuxVm> {
+        let snapshot = dir.join("snapshot");
+        std::fs::create_dir_all(&snapshot).expect("snapshot dir");
+        let api = self.api().with_timeout(Duration::from_secs(600));
         let started = Instant::now();
-        // A fork answers once every clone loaded, which on a loaded lab takes minutes.
-        let result = self
-            .api()
-            .with_timeout(Duration::from_secs(600))
-            .fork(&params)
+        api.pause()
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.report()));
+        // The drive is copied while the VM is paused, so it matches the memory.
+        let drive = self.file("ext4");
+        let has_drive = drive.exists();
+        let base = has_drive.then(|| copy_rootfs(&drive, dir, "drive0.base.img"));
+        let params = snapshot_params("Full", &snapshot);
+        let resumed = api
+            .create_snapshot_resuming(&params)
             .unwrap_or_else(|e| panic!("{e}\n{}", self.report()));
         eprintln!(
-            "{}: fork of {count}: POST /fork answered in {:.2} s",
+            "{}: snapshot for {count} clones written {:.2} s after the pause (the VMM resumed the VM {:.2} ms after its request)",
             self.name,
-            seconds(started)
+            seconds(started),
+            resumed.paused_ms
         );
-        assert_eq!(result.clones.len(), count, "{result:?}");
-        result.clones
+        (0..count)
+            .map(|index| {
+                let name = format!("clone-{index}");
+                let mut args = vec!["--new-generation".to_string()];
+                if let Some(base) = &base {
+                    let copy = copy_rootfs(base, dir, &format!("{name}.ext4"));
+                    args.extend([
+                        "--drive-override".into(),
+                        format!("drive0={}", copy.display()),
+                    ]);
+                }
+                args.extend(per_clone(index));
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                LinuxVm::restore(dir, &name, &snapshot, &args)
+            })
+            .collect()
     }
 
     pub fn kill(&mut self) {
@@ -494,26 +519,6 @@ pub fn agent_cmdline(extra: &str) -> String {
     format!("console=ttyS0 reboot=k panic=1 loglevel=4 {AGENT_INIT} {extra}")
         .trim()
         .to_string()
-}
-
-/// The processes of a fork's clones (from the `POST /fork` answer), killed however the test
-/// ends.
-pub struct ClonePids(pub Vec<u32>);
-
-impl ClonePids {
-    /// The pids of the answer's clones.
-    pub fn of(clones: &[CloneInfo]) -> ClonePids {
-        ClonePids(clones.iter().filter_map(|c| c.pid).collect())
-    }
-}
-
-impl Drop for ClonePids {
-    fn drop(&mut self) {
-        for pid in &self.0 {
-            // SAFETY: kill only sends a signal to a clone process the test started.
-            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-        }
-    }
 }
 
 /// `rollbox serve` in the lab with a scratch state directory and image cache (on L1's own

@@ -1,5 +1,5 @@
 //! Tier 2: `rollbox-jailer` around the test guest on real KVM — a jailed VMM boots, snapshots,
-//! restores with cow and uffd, and forks; it runs as the unprivileged uid with no capabilities,
+//! and restores with cow and uffd; it runs as the unprivileged uid with no capabilities,
 //! in its cgroups with their limits, sees no host file outside its directory, and killing it
 //! leaves no process, mount, namespace or cgroup behind. Also the figure: what jailing adds to
 //! start-up and restore latency.
@@ -9,10 +9,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rollbox_tests::{
-    api_client, fork_params, jailer_binary, kvm_available, raw_image, rlimit_of,
-    root_mount_options, skip, snapshot_params, test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
+    api_client, jailer_binary, kvm_available, raw_image, rlimit_of, root_mount_options, skip,
+    snapshot_params, test_guest, vmm_binary, Vm, TEST_GUEST_CMDLINE,
 };
-use vmm_api::ForkParams;
 
 const UID: u32 = 64_123;
 const GID: u32 = 64_124;
@@ -241,7 +240,7 @@ fn restore_jailed(from: &Jail, id: &str, backend: &str) -> (Jail, Vm) {
 }
 
 #[test]
-fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups() {
+fn a_jailed_vmm_boots_snapshots_and_restores_unprivileged_in_its_cgroups() {
     if !jail_possible() {
         return;
     }
@@ -368,29 +367,6 @@ fn a_jailed_vmm_boots_snapshots_restores_and_forks_unprivileged_in_its_cgroups()
             "{backend}"
         );
     }
-
-    // Fork: the clones start inside the same jail (their dirs are jail paths).
-    let api = api_client(&jail.root().join("api.sock"));
-    api.resume().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(vm.ok("echo resumed"), "resumed");
-    let answer = api
-        .fork(&ForkParams {
-            dir: Some("/fork".into()),
-            ..fork_params(2)
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-    let clones = &answer.clones;
-    assert_eq!(clones.len(), 2, "{answer:?}");
-    for clone in clones {
-        assert_eq!(clone.error, None, "{clone:?}");
-        let sock = &clone.api_sock;
-        let on_host = jail.root().join(sock.strip_prefix("/").unwrap_or(sock));
-        let info = api_client(&on_host)
-            .vm_info()
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(info.state, "Running", "{info:?}");
-    }
-    assert_eq!(vm.ok("echo parent"), "parent");
 }
 
 #[test]

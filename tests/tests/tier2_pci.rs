@@ -2,7 +2,8 @@
 //! `vmm::devices::pci::router::MsiRouter` against a real VM fd and reads vCPU 0's local APIC
 //! to see that the interrupts arrived), and `--pci` with the test guest reading configuration
 //! space through CF8/CFC and ECAM, before and after a snapshot restored with every backend and
-//! in the clones of a fork; old-format, damaged and mismatched PCI state.
+//! in the clones of a fork (a snapshot that resumes the parent, then restores); old-format,
+//! damaged and mismatched PCI state.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -259,20 +260,16 @@ fn with_pci_the_guest_finds_the_host_bridge_and_keeps_it_across_snapshot_and_res
     assert!(error.contains("PCI state is version 99"), "{error}");
 }
 
-/// Waits (up to 120 s) until `path` holds `count` lines equal to `want`; returns its text.
-fn wait_for_lines(path: &Path, want: &str, count: usize) -> String {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        if text.lines().filter(|l| *l == want).count() >= count {
-            return text;
+/// Reads `vm`'s console until it has seen `count` lines equal to `want` (up to 120 s).
+fn wait_for_lines(vm: &mut rollbox_tests::Vm, want: &str, count: usize) {
+    let mut seen = 0;
+    while seen < count {
+        let line = vm
+            .next_line(Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("no {want:?} ({seen} of {count}); {}", vm.stderr()));
+        if line == want {
+            seen += 1;
         }
-        assert!(
-            Instant::now() < deadline,
-            "{}: not {count} lines {want:?} within 120 s; it holds:\n{text}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -282,55 +279,35 @@ fn clones_of_a_pci_vm_read_the_host_bridge() {
         return;
     }
     let mut vm = rollbox_tests::boot_with_api(&["--pci"]);
-    // The reads wait in the serial FIFO behind the computation the fork interrupts, so each
-    // clone runs them after its restore.
+    // The reads wait in the serial FIFO behind the computation the snapshot interrupts, so
+    // each clone runs them after its restore.
     vm.send("compute 60000\npci-read 0 0\nmmio-read 0xe0000000\npci-read 1 0\n");
     vm.expect_line("progress 1");
-    let result = vm
-        .api()
-        .fork(&rollbox_tests::fork_params(2))
+    // A fork as the daemon makes one: a snapshot after which the parent runs on, then
+    // restores of it.
+    let snapshot = vm.path("fork");
+    std::fs::create_dir_all(&snapshot).expect("snapshot dir");
+    vm.api().pause().unwrap_or_else(|e| panic!("{e}"));
+    let params = rollbox_tests::snapshot_params("Full", &snapshot);
+    vm.api()
+        .create_snapshot_resuming(&params)
         .unwrap_or_else(|e| panic!("{e}"));
-    let clones = result.clones;
-    assert_eq!(clones.len(), 2);
-    for clone in &clones {
-        assert_eq!(clone.error, None, "{clone:?}");
-        let console = &clone.console;
+    for _ in 0..2 {
+        let args = [
+            "--restore".to_string(),
+            snapshot.display().to_string(),
+            "--new-generation".into(),
+            "--vsock-uds".into(),
+            "{dir}/v.sock".into(),
+        ];
+        let mut clone = rollbox_tests::Vm::spawn_raw(&args, tempfile::tempdir().expect("tempdir"));
         // CF8/CFC and ECAM read the host bridge; slot 1 reads all ones.
-        wait_for_lines(console, &format!("OK {HOST_BRIDGE_ID}"), 2);
-        wait_for_lines(console, "OK 0xffffffff", 1);
+        wait_for_lines(&mut clone, &format!("OK {HOST_BRIDGE_ID}"), 2);
+        wait_for_lines(&mut clone, "OK 0xffffffff", 1);
     }
     // The parent keeps its bus too.
-    loop {
-        let line = vm
-            .next_line(Duration::from_secs(120))
-            .unwrap_or_else(|| panic!("parent: no answer; {}", vm.stderr()));
-        if line == "OK 0xffffffff" {
-            break;
-        }
-    }
+    wait_for_lines(&mut vm, "OK 0xffffffff", 1);
     reads_the_host_bridge(&mut vm, "parent after the fork");
-    // Clones end cleanly (SIGTERM), so the last one removes the fork's /dev/shm directory.
-    for clone in &clones {
-        let pid = clone.pid.expect("pid") as i32;
-        // SAFETY: signals a clone this test's VMM started.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Path::new(&format!("/proc/{pid}")).exists() {
-            assert!(Instant::now() < deadline, "clone {pid} did not end");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    let prefix = format!("rollbox-fork-{}-", vm.child.id());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::fs::read_dir("/dev/shm")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-    {
-        assert!(Instant::now() < deadline, "/dev/shm/{prefix}* stays");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -1,13 +1,14 @@
 //! Tier 2: rollbox-vmm's per-thread seccomp filters on real KVM: every thread but the
-//! spawners runs filtered, a forbidden syscall kills the process with SIGSYS and the log
-//! names it, `--no-seccomp` turns the filters off, and bad filter files are refused.
+//! spawner runs filtered, a background snapshot's writer starts from the spawner, a
+//! forbidden syscall kills the process with SIGSYS and the log names it, `--no-seccomp` turns
+//! the filters off, and bad filter files are refused.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use rollbox_tests::{
-    boot_with_api, kvm_available, skip, test_guest, vmm_binary, TEST_GUEST_CMDLINE,
+    boot_with_api, kvm_available, skip, snapshot_params, test_guest, vmm_binary, TEST_GUEST_CMDLINE,
 };
 
 /// (thread name, the `Seccomp:` mode of /proc/PID/task/TID/status) for each thread of `pid`.
@@ -62,58 +63,37 @@ fn every_thread_the_spawners_too_runs_filtered_and_no_seccomp_turns_it_off() {
     assert!(off.wait(Duration::from_secs(20)).success());
 }
 
-/// Forks `vm` once; returns the clone's pid.
-fn fork_one(vm: &rollbox_tests::Vm) -> u32 {
-    let result = vm
-        .api()
-        .fork(&rollbox_tests::fork_params(1))
-        .unwrap_or_else(|e| panic!("{e}"));
-    result.clones.first().and_then(|c| c.pid).expect("pid")
-}
-
-/// Ends a clone when dropped (also when an assertion fails first).
-struct Clone(u32);
-
-impl Drop for Clone {
-    fn drop(&mut self) {
-        let pid = self.0;
-        // SAFETY: signals a clone this test started.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::path::Path::new(&format!("/proc/{pid}")).exists()
-            && std::time::Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
 #[test]
-fn fork_clones_run_filtered_and_inherit_no_seccomp() {
+fn a_filtered_vmm_writes_a_snapshot_in_the_background_from_its_spawner() {
     if !kvm_available() {
         return;
     }
-    for (flags, want) in [(&[][..], "2"), (&["--no-seccomp"][..], "0")] {
-        let mut vm = boot_with_api(flags);
-        let clone = Clone(fork_one(&vm));
-        let as_wanted = |modes: &[(String, String)]| {
-            modes.iter().any(|(n, _)| n == "vcpu0")
-                && modes
-                    .iter()
-                    .all(|(name, mode)| kernel_worker(name) || mode == want)
-        };
-        // The clone's main thread installs its filter once it runs on its own.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let mut modes = thread_modes(clone.0);
-        while !as_wanted(&modes) && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-            modes = thread_modes(clone.0);
-        }
-        assert!(as_wanted(&modes), "{flags:?}: clone threads {modes:?}");
-        drop(clone);
-        vm.send("poweroff\n");
-        assert!(vm.wait(Duration::from_secs(20)).success());
-    }
+    // The writer is a fork(2) of the VMM made on the spawner thread (the one thread whose
+    // filter allows it); the VM runs again before the memory is written.
+    let mut vm = boot_with_api(&["--memory-mib", "64"]);
+    assert_eq!(vm.ok("touch 4 7"), "1024");
+    let snapshot = tempfile::tempdir().expect("tempdir");
+    vm.api().pause().unwrap_or_else(|e| panic!("{e}"));
+    let params = snapshot_params("Full", snapshot.path());
+    vm.api()
+        .create_snapshot_resuming(&params)
+        .unwrap_or_else(|e| panic!("{e}\n{}", vm.stderr()));
+    assert_eq!(vm.ok("echo running"), "running", "{}", vm.stderr());
+    vm.send("poweroff\n");
+    assert!(
+        vm.wait(Duration::from_secs(20)).success(),
+        "{}",
+        vm.stderr()
+    );
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let args: Vec<String> = vec![
+        "--restore".into(),
+        snapshot.path().display().to_string(),
+        "--vsock-uds".into(),
+        "{dir}/v.sock".into(),
+    ];
+    let mut restored = rollbox_tests::Vm::spawn_raw(&args, scratch);
+    assert_eq!(restored.ok("check 4 7"), "0", "{}", restored.stderr());
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Tier 2: snapshots of the test guest on real KVM — pause/resume, full and diff snapshots,
 //! restore in a new process with every memory backend, deterministic reset and clone
-//! generations, and bad snapshot files (fork: tier2_fork.rs).
+//! generations, snapshots that resume while their memory is written, and bad snapshot files.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
@@ -10,10 +10,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use rollbox_tests::{
-    api_client, boot_with_api, fork_params, kvm_available, skip_even_in_ci, snapshot_params,
-    vmm_binary, Vm,
+    api_client, boot_with_api, kvm_available, skip_even_in_ci, snapshot_params, vmm_binary, Vm,
 };
-use vmm_api::ForkParams;
 
 fn pause(vm: &Vm) {
     vm.api().pause().unwrap_or_else(|e| panic!("{e}"));
@@ -776,7 +774,7 @@ fn a_diff_that_fails_on_a_full_disk_or_over_its_base_loses_nothing() {
 }
 
 #[test]
-fn a_fork_leaves_the_parents_diff_base_alone() {
+fn a_snapshot_that_resumes_while_writing_holds_its_pause_and_leaves_the_diff_base_alone() {
     if !kvm_available() {
         return;
     }
@@ -786,25 +784,46 @@ fn a_fork_leaves_the_parents_diff_base_alone() {
     snapshot(&vm, &s("s0"), "Full");
     resume(&vm);
     assert_eq!(vm.ok("touch 4 2"), "1024");
-    let params = ForkParams {
-        dir: Some(s("fork")),
-        ..fork_params(1)
-    };
-    let result = vm.api().fork(&params).unwrap_or_else(|e| panic!("{e}"));
-    for clone in &result.clones {
-        if let Some(pid) = clone.pid {
-            // SAFETY: ends a clone process this test started.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-    }
-    std::fs::remove_dir_all(s("fork")).expect("remove the fork's directory");
-    snapshot(&vm, &s("s1"), "Diff");
+    // The daemon's fork snapshot: the VM runs again once its memory is imaged.
+    std::fs::create_dir_all(s("bg")).expect("snapshot dir");
+    pause(&vm);
+    let resumed = vm
+        .api()
+        .create_snapshot_resuming(&snapshot_params("Full", &s("bg")))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        resumed.paused_ms <= resumed.elapsed_ms,
+        "the pause ends before the memory is written: {resumed:?}"
+    );
+    assert_eq!(vm.api().vm_info().expect("vm info").state, "Running");
+    assert_eq!(vm.ok("touch 2 3"), "512", "the VM runs without a resume");
+    // resume_vm on a Diff is refused by name, and the VM stays paused for the next one.
+    std::fs::create_dir_all(s("s1")).expect("snapshot dir");
+    pause(&vm);
+    let err = vm
+        .api()
+        .create_snapshot_resuming(&snapshot_params("Diff", &s("s1")))
+        .expect_err("Diff with resume_vm");
+    assert!(
+        err.to_string().contains("resume_vm needs a Full snapshot"),
+        "{err}"
+    );
+    vm.api()
+        .create_snapshot(&snapshot_params("Diff", &s("s1")))
+        .unwrap_or_else(|e| panic!("{e}"));
     let _ = vm.child.kill();
+    // The resuming snapshot holds the memory of its pause, not what came after.
+    let mut at_pause = restore(&s("bg"), &[]);
+    assert_eq!(at_pause.ok("check 4 2"), "0", "{}", at_pause.stderr());
+    assert_eq!(at_pause.ok("check 2 3"), "512", "{}", at_pause.stderr());
+    drop(at_pause);
+    // The next Diff holds everything written since s0, on top of s0.
     let mut clone = restore(&s("s1"), &[]);
+    assert_eq!(clone.ok("check 2 3"), "0", "{}", clone.stderr());
     assert_eq!(
         clone.ok("check 4 2"),
-        "0",
-        "the diff after a fork holds what was written since s0, on top of s0; {}",
+        "512",
+        "the diff after a resuming snapshot holds what was written since s0; {}",
         clone.stderr()
     );
 }

@@ -1,14 +1,13 @@
 //! Tier 2: a shared volume over virtio-fs on real KVM, with the test guest's own FUSE client
-//! (`fs-init`, `fs-append`): 64 clones forked from one snapshot, each with its own virtiofsd,
-//! append at once to their own file and to one common file. Tier 4 (`tier4_volumes.rs`) runs
+//! (`fs-init`, `fs-append`): 64 clones restored from one snapshot (each with a new
+//! generation and its own virtiofsd) append at once to their own file and to one common file. Tier 4 (`tier4_volumes.rs`) runs
 //! the same workload with Linux guests in the nested lab.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rollbox_tests::linux::ClonePids;
-use rollbox_tests::{fork_params, kvm_available, skip, virtiofsd_of, wait_for_file_line, Vm};
+use rollbox_tests::{kvm_available, skip, snapshot_params, virtiofsd_of, Vm};
 
 /// Clones of the fan-out: 64, or ROLLBOX_TIER2_VOLUME_CLONES.
 fn clone_count() -> usize {
@@ -67,33 +66,44 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
     let minor = vm.ok("fs-init");
     assert!(minor.starts_with("7."), "FUSE version {minor}");
     let wait = minor.split_once(' ').map_or("poll", |(_, wait)| wait);
-    // The parent computes while the fork snapshots it; `fs-append` waits in the serial FIFO,
-    // so every clone runs it as soon as the computation ends, all at once.
+    // The parent computes while it is snapshotted; `fs-append` waits in the serial FIFO, so
+    // every clone runs it as soon as the computation ends, all at once.
     vm.send(&format!("compute 60000\nfs-append {RECORDS}\n"));
     vm.expect_line("progress 1");
-    let fork_dir = vm.path("fork");
+    let snapshot = vm.path("fork");
+    std::fs::create_dir_all(&snapshot).expect("snapshot dir");
     let started = Instant::now();
-    let answer = vm
-        .api()
-        .fork(&vmm_api::ForkParams {
-            dir: Some(fork_dir),
-            ..fork_params(count as u32)
+    // A fork as the daemon makes one: the parent runs again once its memory is imaged.
+    vm.api().pause().unwrap_or_else(|e| panic!("{e}"));
+    let params = snapshot_params("Full", &snapshot);
+    vm.api()
+        .create_snapshot_resuming(&params)
+        .unwrap_or_else(|e| panic!("{e}\n{}", vm.stderr()));
+    let mut clones: Vec<Vm> = (0..count)
+        .map(|_| {
+            let args = [
+                "--restore".to_string(),
+                snapshot.display().to_string(),
+                "--new-generation".into(),
+                "--virtiofsd".into(),
+                virtiofsd.clone(),
+            ];
+            Vm::spawn_raw(&args, tempfile::tempdir().expect("tempdir"))
         })
-        .unwrap_or_else(|e| panic!("{e}"));
+        .collect();
     let forked = started.elapsed();
-    let clones = &answer.clones;
-    // A failed assertion below must not leave the clones running (64 of them spun on a CI
-    // host's cores for an hour once).
-    let _clones_killed = ClonePids::of(clones);
-    assert_eq!(clones.len(), count, "{answer:?}");
-    for clone in clones {
-        assert_eq!(clone.error, None, "{clone:?}");
-        let pid = clone.pid.expect("pid");
+    // Each clone's own virtiofsd, once its restore started it.
+    for (index, clone) in clones.iter().enumerate() {
+        let pid = clone.child.id();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while virtiofsd_of(pid).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         assert_eq!(
             virtiofsd_of(pid).len(),
             1,
-            "clone {}: its own virtiofsd",
-            clone.index
+            "clone {index}: its own virtiofsd; {}",
+            clone.stderr()
         );
     }
 
@@ -111,17 +121,21 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         format!("OK appended {RECORDS} as 0x0000000000000000")
     );
     let mut writers = BTreeSet::from(["0000000000000000".to_string()]);
-    for clone in clones {
-        let line = wait_for_file_line(&clone.console, Duration::from_secs(600), |l| {
-            l.starts_with("OK appended") || l.starts_with("ERR")
-        });
+    for (index, clone) in clones.iter_mut().enumerate() {
+        let line = loop {
+            let line = clone
+                .next_line(Duration::from_secs(600))
+                .unwrap_or_else(|| panic!("clone {index}: no answer; {}", clone.stderr()));
+            if line.starts_with("OK appended") || line.starts_with("ERR") {
+                break line;
+            }
+        };
         let generation = line
             .strip_prefix(&format!("OK appended {RECORDS} as 0x"))
-            .unwrap_or_else(|| panic!("clone {}: {line}", clone.index));
+            .unwrap_or_else(|| panic!("clone {index}: {line}"));
         assert!(
             writers.insert(generation.to_string()),
-            "clone {}: generation {generation} is another writer's too",
-            clone.index
+            "clone {index}: generation {generation} is another writer's too"
         );
     }
     let all_done = started.elapsed();
@@ -169,18 +183,14 @@ fn sixty_four_clones_append_to_their_own_files_and_one_common_file() {
         );
     }
     eprintln!(
-        "figure: fork of a test guest with a volume into {count} clones (each with its own virtiofsd) {:.2} s; all {} writers' {} records each to their own file and to common: {:.1} s after the fork began (guests wait for answers: {wait})",
+        "figure: snapshot of a test guest with a volume and {count} restores started (each with its own virtiofsd) {:.2} s; all {} writers' {} records each to their own file and to common: {:.1} s after the fork began (guests wait for answers: {wait})",
         forked.as_secs_f64(),
         writers.len(),
         RECORDS,
         all_done.as_secs_f64()
     );
 
-    for clone in clones {
-        let pid = clone.pid.expect("pid") as libc::pid_t;
-        // SAFETY: signals a clone this test forked.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-    }
+    drop(clones);
     vm.send("poweroff\n");
     assert!(
         vm.wait(Duration::from_secs(30)).success(),

@@ -288,24 +288,11 @@ mod tier4 {
         let agent = parent.agent();
         let parent_id = agent.sh("cat /etc/machine-id 2>/dev/null || echo none");
         drop(agent);
-        let params = vmm_api::ForkParams {
-            dir: Some(work.path().join("fork")),
-            ..rollbox_tests::fork_params(8)
-        };
         let started = Instant::now();
-        let result = parent.api().fork(&params).unwrap_or_else(|e| panic!("{e}"));
-        eprintln!(
-            "fork of 8: POST /fork answered in {:.2} s",
-            seconds(started)
-        );
-        let clones = &result.clones;
-        assert_eq!(clones.len(), 8, "{result:?}");
-        let _guard = ClonePids::of(clones);
+        let mut clones = parent.clones(8, &work.path().join("fork"), |_| Vec::new());
         let mut seen: [BTreeSet<String>; 3] = Default::default();
-        for clone in clones {
-            assert_eq!(clone.error, None, "clone failed: {clone:?}");
-            let uds = clone.vsock_uds.clone().expect("vsock_uds");
-            let agent = Agent::connect(&uds, |_| Ok(()));
+        for clone in &mut clones {
+            let agent = clone.agent();
             // Read first, before anything else could reseed on the agent's behalf.
             let random = agent.sh("head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n'");
             assert_eq!(random.len(), 64, "{random}");
@@ -319,7 +306,7 @@ mod tier4 {
             );
         }
         eprintln!(
-            "fork of 8: all clones answered {:.2} s after the fork request",
+            "fork of 8: all clones answered {:.2} s after the pause",
             seconds(started)
         );
         for (what, values) in ["/dev/urandom", "machine-id", "hostname"].iter().zip(&seen) {

@@ -100,25 +100,6 @@ fn try_http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
     }
 }
 
-/// What a fork's clone left: alive or not, and the last lines of its console and VMM log.
-fn clone_report(clone: &vmm_api::CloneInfo) -> String {
-    let alive = clone
-        .pid
-        .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
-    let console = &clone.console;
-    let mut report = format!(
-        "clone {} (pid {:?}, alive: {alive})",
-        clone.index, clone.pid
-    );
-    for file in [console.clone(), console.with_file_name("vmm.log")] {
-        let text = std::fs::read_to_string(&file).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        report.push_str(&format!("\n--- {} (last lines)\n", file.display()));
-        report.push_str(&lines[lines.len().saturating_sub(15)..].join("\n"));
-    }
-    report
-}
-
 /// Boots the busybox guest on `tap`.
 fn boot_on(work: &Path, name: &str, fx: &Fixtures, tap: &HostTap) -> LinuxVm {
     LinuxVm::boot(
@@ -682,29 +663,16 @@ mod tier4 {
         let taps: Vec<HostTap> = (0..clones_wanted)
             .map(|i| HostTap::new(&format!("rbxf{i}"), 30 + i))
             .collect();
-        let params = vmm_api::ForkParams {
-            dir: Some(work.path().join("fork")),
-            network_overrides: taps
-                .iter()
-                .map(|t| {
-                    vec![vmm_api::NetworkOverride {
-                        iface_id: "eth0".into(),
-                        host_dev_name: t.name.clone(),
-                        guest_mac: Some(t.mac()),
-                    }]
-                })
-                .collect(),
-            ..rollbox_tests::fork_params(u32::from(clones_wanted))
-        };
         let started = Instant::now();
-        let result = parent.api().fork(&params).unwrap_or_else(|e| panic!("{e}"));
-        let clones = &result.clones;
-        let _guard = ClonePids::of(clones);
-        assert_eq!(clones.len(), usize::from(clones_wanted), "{result:?}");
-        for (clone, tap) in clones.iter().zip(&taps) {
-            assert_eq!(clone.error, None, "clone failed: {clone:?}");
-            let uds = clone.vsock_uds.clone().expect("vsock_uds");
-            let agent = Agent::connect(&uds, |_| Ok(()));
+        let mut clones =
+            parent.clones(usize::from(clones_wanted), &work.path().join("fork"), |i| {
+                vec![
+                    "--net-override".into(),
+                    format!("eth0={},mac={}", taps[i].name, taps[i].mac()),
+                ]
+            });
+        for (clone, tap) in clones.iter_mut().zip(&taps) {
+            let agent = clone.agent();
             let configured = agent.runtime.block_on(async {
                 tokio::time::timeout(
                     CALL_TIMEOUT,
@@ -720,15 +688,11 @@ mod tier4 {
             });
             let applied = match configured {
                 Ok(Ok(applied)) => applied,
-                Ok(Err(e)) => panic!(
-                    "configure_network of {}: {e}\n{}",
-                    tap.name,
-                    clone_report(clone)
-                ),
+                Ok(Err(e)) => panic!("configure_network of {}: {e}\n{}", tap.name, clone.report()),
                 Err(_) => panic!(
                     "configure_network of {}: no answer within {CALL_TIMEOUT:?}\n{}",
                     tap.name,
-                    clone_report(clone)
+                    clone.report()
                 ),
             };
             assert!(applied.applied, "{applied:?}");
@@ -738,11 +702,11 @@ mod tier4 {
         // Every clone serves its own page at its own address, through its own tap.
         for (clone, tap) in clones.iter().zip(&taps) {
             let answer = try_http_get(SocketAddr::from((tap.guest, 8080)), "/index.html")
-                .unwrap_or_else(|e| panic!("{e}\n{}", clone_report(clone)));
+                .unwrap_or_else(|e| panic!("{e}\n{}", clone.report()));
             assert!(answer.contains(&tap.name), "{}: {answer}", tap.name);
         }
         eprintln!(
-            "fork of {clones_wanted} networked clones: all re-addressed and serving {:.2} s after the fork request (nested lab)",
+            "fork of {clones_wanted} networked clones: all re-addressed and serving {:.2} s after the pause (nested lab)",
             started.elapsed().as_secs_f64()
         );
         // The parent still serves at its address.

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use rollbox_tests::linux::{agent_cmdline, fixtures, seconds, Agent, ClonePids, Fixtures, LinuxVm};
+use rollbox_tests::linux::{agent_cmdline, fixtures, seconds, Agent, Fixtures, LinuxVm};
 use rollbox_tests::{api_client, skip, virtiofsd_of, vmm_binary, wait_for_socket};
 
 /// Runs rollbox-vmm with `args` and returns its status and stderr (for refusals).
@@ -233,19 +233,11 @@ impl Guest {
     }
 }
 
-/// The last lines of a fork clone's stderr and console (in its directory `dir`).
-fn clone_logs(dir: &Path) -> String {
-    let tail = |name: &str| {
-        let text = std::fs::read_to_string(dir.join(name)).unwrap_or_else(|e| format!("({e})"));
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    };
-    format!(
-        "--- {} stderr ---\n{}\n--- console ---\n{}\n",
-        dir.display(),
-        tail("stderr.log"),
-        tail("console.log")
-    )
+/// A volume guest's clone's flags: the virtiofsd its restore starts (prerequisites() checked
+/// that ROLLBOX_VIRTIOFSD is set).
+fn virtiofsd_flags(_: usize) -> Vec<String> {
+    let virtiofsd = std::env::var("ROLLBOX_VIRTIOFSD").unwrap_or_default();
+    vec!["--virtiofsd".into(), virtiofsd]
 }
 
 /// L1's MemAvailable line from /proc/meminfo, for progress reports.
@@ -657,15 +649,13 @@ mod tier4 {
             return;
         };
         let started = Instant::now();
-        let clones = guest.vm.fork(8, &work.path().join("fork"));
-        let pids: Vec<u32> = clones.iter().filter_map(|c| c.pid).collect();
-        let _guard = ClonePids(pids.clone());
+        let mut clones = guest
+            .vm
+            .clones(8, &work.path().join("fork"), virtiofsd_flags);
         let mut daemons = std::collections::BTreeSet::new();
-        for (i, clone) in clones.iter().enumerate() {
-            assert_eq!(clone.error, None, "clone failed: {clone:?}");
-            let uds = clone.vsock_uds.clone().expect("vsock_uds");
-            let agent = Agent::connect(&uds, |_| Ok(()));
-            let pid = pids[i];
+        for (i, clone) in clones.iter_mut().enumerate() {
+            let agent = clone.agent();
+            let pid = clone.pid();
             let own = virtiofsd_of(pid);
             assert_eq!(own.len(), 1, "clone {i} (pid {pid}) has virtiofsd {own:?}");
             daemons.extend(own);
@@ -674,7 +664,7 @@ mod tier4 {
             wait_for_file(&share.join(format!("done-{}", i + 10)), &guest.vm);
         }
         eprintln!(
-            "volume fork of 8: all clones wrote {:.2} s after the fork request",
+            "volume fork of 8: all clones wrote {:.2} s after the pause",
             seconds(started)
         );
         assert_eq!(daemons.len(), 8, "clones share a virtiofsd: {daemons:?}");
@@ -789,30 +779,32 @@ mod tier4 {
         parent.sh(&writer);
         parent.sh("n=0; while [ ! -p /tmp/tick ] && [ $n -lt 100 ]; do sleep 0.1; n=$((n+1)); done; [ -p /tmp/tick ]");
         let started = Instant::now();
-        let mut guard = ClonePids(Vec::new());
-        for clone in &parent.vm.fork(count, &work.path().join("fork")) {
-            if let Some(pid) = clone.pid {
-                guard.0.push(pid);
-            }
-            assert_eq!(clone.error, None, "clone failed: {clone:?}");
+        let forks = parent
+            .vm
+            .clones(count, &work.path().join("fork"), virtiofsd_flags);
+        let pids: Vec<u32> = forks.iter().map(LinuxVm::pid).collect();
+        // Each restore starts its virtiofsd before its vCPUs run.
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while pids.iter().any(|pid| virtiofsd_of(*pid).is_empty()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
         }
         eprintln!(
             "{} clones forked in {:.1} s, L1 {}",
-            guard.0.len(),
+            pids.len(),
             seconds(started),
             mem_available()
         );
-        let clones = guard.0.len();
+        let clones = pids.len();
         assert_eq!(clones, count);
         let own: std::collections::BTreeSet<u32> =
-            guard.0.iter().flat_map(|pid| virtiofsd_of(*pid)).collect();
+            pids.iter().flat_map(|pid| virtiofsd_of(*pid)).collect();
         assert_eq!(
             own.len(),
             clones,
             "each clone has its own virtiofsd: {own:?}"
         );
         parent.vm.kill();
-        for pid in &guard.0 {
+        for pid in &pids {
             assert!(
                 Path::new(&format!("/proc/{pid}")).exists(),
                 "clone {pid} is gone before the writes\n{}",
@@ -849,15 +841,16 @@ mod tier4 {
                 reported = Instant::now();
             }
             let dead: Vec<usize> = (0..clones)
-                .filter(|i| !Path::new(&format!("/proc/{}", guard.0[*i])).exists())
+                .filter(|i| !Path::new(&format!("/proc/{}", pids[*i])).exists())
                 .collect();
             assert!(
                 dead.is_empty() && Instant::now() < deadline,
                 "{done} of {clones} clones finished after {:.0} s; ended: {dead:?}\n{}",
                 seconds(writing),
                 dead.iter()
-                    .map(|i| clone_logs(&work.path().join("fork").join(format!("clone-{i}"))))
-                    .collect::<String>()
+                    .map(|i| forks[*i].report())
+                    .collect::<Vec<_>>()
+                    .join("\n")
             );
             std::thread::sleep(Duration::from_millis(500));
         }

@@ -6,14 +6,12 @@
 //! - [`machine`]: the resource bodies (`boot-source`, `machine-config`, drives, network
 //!   interfaces, vsock, virtio-fs, VFIO) and [`ConfigFile`];
 //! - [`snapshot`]: `snapshot/create` and `snapshot/load`;
-//! - [`fork`]: `fork` and `fork-pool`;
 //! - [`vm`]: `GET /`, `actions`, `PATCH /vm` and the error body;
 //! - [`route`]: method and path of each call;
 //! - [`client`]: the one client, [`Client`].
 //! - [`virtiofsd`]: where the virtiofsd binary is.
 
 pub mod client;
-pub mod fork;
 pub mod machine;
 pub mod route;
 pub mod snapshot;
@@ -21,15 +19,14 @@ pub mod virtiofsd;
 pub mod vm;
 
 pub use client::{Client, ClientError, Response, DEFAULT_TIMEOUT, MAX_BODY, MAX_HEAD};
-pub use fork::{CloneInfo, ForkParams, ForkPoolStatus, ForkResult};
 pub use machine::{
     BootSourceConfig, ConfigFile, DriveConfig, FsCache, FsConfig, MachineConfig, MachineExtension,
     NetworkInterfaceConfig, VfioDevice, VsockConfig,
 };
 pub use route::Route;
 pub use snapshot::{
-    CreateSnapshotParams, LoadSnapshotParams, MemBackend, NetworkOverride, RestoreExtension,
-    VsockOverride,
+    CreateExtension, CreateSnapshotParams, LoadSnapshotParams, MemBackend, NetworkOverride,
+    RestoreExtension, ResumedSnapshot, VsockOverride,
 };
 pub use vm::{ActionBody, ActionType, ErrorBody, VmInfo, VmState, VmStateBody};
 

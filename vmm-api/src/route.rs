@@ -33,11 +33,6 @@ pub enum Route<'a> {
     PutSnapshotCreate,
     /// `PUT /snapshot/load` with [`crate::LoadSnapshotParams`].
     PutSnapshotLoad,
-    /// `GET /fork-pool`: answers [`crate::ForkPoolStatus`] (rollbox extension).
-    GetForkPool,
-    /// `POST /fork` with [`crate::ForkParams`]: answers [`crate::ForkResult`] (rollbox
-    /// extension).
-    PostFork,
 }
 
 impl<'a> Route<'a> {
@@ -65,8 +60,6 @@ impl<'a> Route<'a> {
             ("PATCH", ["vm"]) => Route::PatchVm,
             ("PUT", ["snapshot", "create"]) => Route::PutSnapshotCreate,
             ("PUT", ["snapshot", "load"]) => Route::PutSnapshotLoad,
-            ("GET", ["fork-pool"]) => Route::GetForkPool,
-            ("POST", ["fork"]) => Route::PostFork,
             _ => return None,
         })
     }
@@ -74,9 +67,8 @@ impl<'a> Route<'a> {
     /// The request method.
     pub fn method(&self) -> &'static str {
         match self {
-            Route::GetVmInfo | Route::GetMachineConfig | Route::GetForkPool => "GET",
+            Route::GetVmInfo | Route::GetMachineConfig => "GET",
             Route::PatchNetworkInterface(_) | Route::PatchVm => "PATCH",
-            Route::PostFork => "POST",
             Route::PutBootSource
             | Route::PutMachineConfig
             | Route::PutDrive(_)
@@ -108,8 +100,6 @@ impl<'a> Route<'a> {
             Route::PatchVm => "/vm".into(),
             Route::PutSnapshotCreate => "/snapshot/create".into(),
             Route::PutSnapshotLoad => "/snapshot/load".into(),
-            Route::GetForkPool => "/fork-pool".into(),
-            Route::PostFork => "/fork".into(),
         }
     }
 
@@ -123,7 +113,7 @@ impl<'a> Route<'a> {
 mod tests {
     use super::*;
 
-    const ALL: [Route<'static>; 16] = [
+    const ALL: [Route<'static>; 14] = [
         Route::GetVmInfo,
         Route::GetMachineConfig,
         Route::PutBootSource,
@@ -138,8 +128,6 @@ mod tests {
         Route::PatchVm,
         Route::PutSnapshotCreate,
         Route::PutSnapshotLoad,
-        Route::GetForkPool,
-        Route::PostFork,
     ];
 
     #[test]
@@ -170,8 +158,6 @@ mod tests {
                 "PATCH /vm",
                 "PUT /snapshot/create",
                 "PUT /snapshot/load",
-                "GET /fork-pool",
-                "POST /fork",
             ]
         );
     }
@@ -190,6 +176,7 @@ mod tests {
             ("PUT", "/drives/a/b"),
             ("put", "/actions"),
             ("POST", "/snapshot/other"),
+            ("POST", "/fork"),
         ] {
             assert_eq!(Route::parse(method, path), None, "{method} {path}");
         }

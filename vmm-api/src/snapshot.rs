@@ -17,10 +17,36 @@ pub struct CreateSnapshotParams {
     /// Deprecated Firecracker field, accepted and ignored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
+    /// rollbox extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollbox: Option<CreateExtension>,
+}
+
+/// rollbox's snapshot extension, under `"rollbox"` in the create body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateExtension {
+    /// Full only: resume the VM as soon as its memory is imaged (a fork(2) of the VMM), while
+    /// a child process writes the memory file; the answer comes once that file is complete.
+    /// The snapshot leaves the VM's diff base and dirty pages alone. Memory shared with a
+    /// backend (virtio-fs) or served lazily is written before the VM resumes.
+    #[serde(default)]
+    pub resume_vm: bool,
 }
 
 fn default_snapshot_type() -> String {
     "Full".into()
+}
+
+/// `PUT /snapshot/create`'s answer (200) when `"rollbox": {"resume_vm": true}` asked for it;
+/// without it the answer is Firecracker's 204.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumedSnapshot {
+    /// From the request until the VM ran again, in milliseconds.
+    pub paused_ms: f64,
+    /// From the request until the memory file was written, in milliseconds.
+    pub elapsed_ms: f64,
 }
 
 /// Firecracker's `mem_backend`.
@@ -134,10 +160,24 @@ mod tests {
             snapshot_path: "/s/vmstate".into(),
             mem_file_path: "/s/memory".into(),
             version: None,
+            rollbox: None,
         };
         assert_wire(
             &params,
             r#"{"snapshot_type":"Full","snapshot_path":"/s/vmstate","mem_file_path":"/s/memory"}"#,
+        );
+        params.rollbox = Some(CreateExtension { resume_vm: true });
+        assert_wire(
+            &params,
+            r#"{"snapshot_type":"Full","snapshot_path":"/s/vmstate","mem_file_path":"/s/memory","rollbox":{"resume_vm":true}}"#,
+        );
+        params.rollbox = None;
+        assert_wire(
+            &ResumedSnapshot {
+                paused_ms: 1.5,
+                elapsed_ms: 9.25,
+            },
+            r#"{"paused_ms":1.5,"elapsed_ms":9.25}"#,
         );
         params.snapshot_type = "Diff".into();
         params.version = Some("1.0.0".into());
@@ -148,6 +188,11 @@ mod tests {
         let defaulted: CreateSnapshotParams =
             serde_json::from_str(r#"{"snapshot_path":"/a","mem_file_path":"/b"}"#).expect("parse");
         assert_eq!(defaulted.snapshot_type, "Full");
+        let err = serde_json::from_str::<CreateSnapshotParams>(
+            r#"{"snapshot_path":"/a","mem_file_path":"/b","rollbox":{"resume":true}}"#,
+        )
+        .expect_err("unknown extension field");
+        assert!(err.to_string().contains("resume"), "{err}");
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! Memory snapshots written in the background: while the VM is paused, fork(2) gives a child
 //! process a copy-on-write image of guest memory; the VM resumes at once and the child writes
-//! the image into the memory file. A fork's pause then costs the fork(2), not the write.
+//! the image into the memory file. A snapshot's pause then costs the fork(2), not the write
+//! (`PUT /snapshot/create` with `"rollbox": {"resume_vm": true}`, which the daemon's fork uses).
 //!
 //! Only private memory can be imaged this way: memory shared with a backend (virtio-fs) keeps
 //! changing under the child, and lazily served memory reads as zeros in it (the page server's
-//! userfaultfd does not follow a fork(2)). [`crate::persist::create_fork_snapshot`] decides.
+//! userfaultfd does not follow a fork(2)). [`crate::persist::create_background_snapshot`] decides.
 
 use std::fs::File;
 use std::io::Read;

@@ -7,24 +7,23 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::Duration;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::api::server::ApiRequest;
-use crate::api::{ActionError, ActionResult, VmInfo, VmmAction, VmmData};
+use crate::api::{ActionError, ActionResult, ResumedSnapshot, VmInfo, VmmAction, VmmData};
 use crate::builder::{build_microvm, MicroVm};
 use crate::devices::virtio::block::QueueWorker;
 use crate::devices::virtio::TYPE_BLOCK;
-use crate::fork::{ForkError, ForkPool, ForkPoolStatus, Launcher, ParentWord, ShellControl};
 use crate::persist::{
-    create_snapshot, restore_microvm, RestoreBackend, RestoreOptions, SnapshotType, VmShell,
+    create_background_snapshot, create_snapshot, restore_microvm, RestoreBackend, RestoreOptions,
+    SnapshotMemory, SnapshotType, VmShell,
 };
 use crate::vmm_config::{host_memory_mib, Validate, ValidateMachine, VmResources};
 use crate::vstate::bus::lock;
 use crate::vstate::vcpu::VmExit;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 /// Errors of the event loop itself.
@@ -43,8 +42,6 @@ const TOKEN_STDIN: u64 = 5;
 const TOKEN_SERIAL_ROOM: u64 = 6;
 const TOKEN_SIGNAL: u64 = 7;
 const TOKEN_PANIC: u64 = 8;
-const TOKEN_FORK_CONTROL: u64 = 9;
-const TOKEN_FORK_DONE: u64 = 10;
 const TOKEN_QUEUE: u64 = 1 << 32;
 const TOKEN_BACKEND: u64 = 2 << 32;
 const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
@@ -52,8 +49,6 @@ const TOKEN_KIND_MASK: u64 = 0xffff_ffff << 32;
 /// How long console output may sit in the buffer.
 const CONSOLE_FLUSH_MS: i32 = 5;
 const STDIN_CHUNK: usize = 4096;
-/// How long `GET /fork-pool` waits for the pool's shells to build their VMs.
-const POOL_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Ends the event loop from a signal handler (which the embedding binary installs).
 pub struct StopSignal {
@@ -76,9 +71,6 @@ enum Answer {
     Later(Box<dyn FnOnce() -> ActionResult + Send>),
 }
 
-/// What a clone does once its parent detached it (the binary clears its parent-death signal).
-pub type OnDetach = Box<dyn FnMut() + Send>;
-
 /// The VMM: resources, the microVM once started, and the event loop.
 pub struct Controller {
     resources: VmResources,
@@ -87,14 +79,11 @@ pub struct Controller {
     api_rx: Option<Receiver<ApiRequest>>,
     api_evt: Arc<EventFd>,
     stop: Arc<StopSignal>,
-    fork_done: Arc<EventFd>,
     stdin_pending: VecDeque<u8>,
     stdin_state: StdinState,
     exit_code: Option<i32>,
     host_mib: u64,
     shell: Option<VmShell>,
-    fork_pool: Option<ForkPool>,
-    fork_control: Option<(ShellControl, OnDetach)>,
     /// Block queues served by a worker thread each (true), or on the event loop.
     block_io_threads: bool,
 }
@@ -127,8 +116,6 @@ impl Controller {
         };
         add(api_evt.as_raw_fd(), TOKEN_API).map_err(ControllerError::Epoll)?;
         add(stop.evt.as_raw_fd(), TOKEN_SIGNAL).map_err(ControllerError::Epoll)?;
-        let fork_done = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(ControllerError::Epoll)?);
-        add(fork_done.as_raw_fd(), TOKEN_FORK_DONE).map_err(ControllerError::Epoll)?;
         Ok(Self {
             resources,
             microvm: None,
@@ -136,14 +123,11 @@ impl Controller {
             api_rx,
             api_evt,
             stop,
-            fork_done,
             stdin_pending: VecDeque::new(),
             stdin_state: StdinState::Unwatched,
             exit_code: None,
             host_mib: host_memory_mib(),
             shell: None,
-            fork_pool: None,
-            fork_control: None,
             block_io_threads: true,
         })
     }
@@ -178,7 +162,7 @@ impl Controller {
     }
 
     /// Builds an empty VM of `machine`'s shape now, so that a later snapshot load of that shape
-    /// skips KVM set-up (rollbox extension, used by fork).
+    /// skips KVM set-up (rollbox extension: `--shell-memory-mib`, the daemon's warm shells).
     pub fn prebuild_shell(
         &mut self,
         machine: &crate::vmm_config::MachineConfig,
@@ -212,66 +196,6 @@ impl Controller {
         );
         self.resources.machine = microvm.machine.clone();
         self.install(microvm)
-    }
-
-    /// Enables `POST /fork` (rollbox extension): clones run `vmm_binary` (a `rollbox-vmm`), and
-    /// `pool` of them (at most [`crate::fork::MAX_POOL`]) are kept ready with empty VMs.
-    /// Clones' console files are capped at `console_max_bytes`, else at this VM's console
-    /// file's cap, else at the clones' default.
-    pub fn enable_fork(
-        &mut self,
-        vmm_binary: PathBuf,
-        pool: usize,
-        console_max_bytes: Option<u64>,
-    ) -> Result<(), ForkError> {
-        let own_cap = match &self.resources.console {
-            crate::vmm_config::ConsoleConfig::File { max_bytes, .. } => Some(*max_bytes),
-            crate::vmm_config::ConsoleConfig::Stdout => None,
-        };
-        let launcher = Launcher::with_console_max_bytes(vmm_binary, console_max_bytes.or(own_cap))?;
-        let mut fork_pool = ForkPool::new(launcher, pool)?;
-        if let Some(vm) = &self.microvm {
-            fork_pool.refill(vm);
-        }
-        self.fork_pool = Some(fork_pool);
-        Ok(())
-    }
-
-    /// Watches a loaded (paused) clone's control socket: when the parent detaches the clone,
-    /// `on_detach` runs (on this thread) and the VM resumes; if the parent goes before that,
-    /// the clone stops.
-    pub fn watch_fork_control(
-        &mut self,
-        control: ShellControl,
-        on_detach: OnDetach,
-    ) -> Result<(), ControllerError> {
-        self.watch(control.as_raw_fd(), TOKEN_FORK_CONTROL)
-            .map_err(ControllerError::Epoll)?;
-        self.fork_control = Some((control, on_detach));
-        Ok(())
-    }
-
-    fn fork_control_event(&mut self) {
-        let Some((mut control, mut on_detach)) = self.fork_control.take() else {
-            return;
-        };
-        let _ = self.epoll.ctl(
-            ControlOperation::Delete,
-            control.as_raw_fd(),
-            EpollEvent::default(),
-        );
-        match control.parent_word() {
-            ParentWord::Detach => {
-                on_detach();
-                if let Some(vm) = self.microvm.as_mut().filter(|vm| vm.paused) {
-                    vm.resume();
-                }
-                if let Err(e) = control.running() {
-                    log::warn!("fork: cannot tell the parent this clone runs: {e}");
-                }
-            }
-            ParentWord::Gone => self.finish(1, "the parent ended before the fork completed"),
-        }
     }
 
     /// Registers a built or restored microVM's events with the event loop; block queues get
@@ -328,9 +252,6 @@ impl Controller {
             self.watch(fd, token).map_err(event_err)?;
         }
         microvm.queue_workers = workers;
-        if let Some(pool) = &mut self.fork_pool {
-            pool.refill(&microvm);
-        }
         self.microvm = Some(microvm);
         self.watch_stdin();
         Ok(())
@@ -511,14 +432,6 @@ impl Controller {
                 let signal = self.stop.number.load(Ordering::SeqCst);
                 self.finish(128 + signal, &format!("stopped by signal {signal}"));
             }
-            TOKEN_FORK_CONTROL => self.fork_control_event(),
-            TOKEN_FORK_DONE => {
-                let _ = self.fork_done.read();
-                // Replace the shells the fork used, now that its clones have loaded.
-                if let (Some(pool), Some(vm)) = (self.fork_pool.as_mut(), self.microvm.as_ref()) {
-                    pool.refill(vm);
-                }
-            }
             other => log::warn!("event loop: unknown token {other:#x}"),
         }
     }
@@ -560,7 +473,7 @@ impl Controller {
             let result = match self.start_action(action) {
                 Answer::Now(result) => result,
                 Answer::Later(work) => {
-                    // Slow work (a fork's clone loads) answers from a thread of its own.
+                    // Slow work (a background snapshot's write) answers from a thread of its own.
                     let spawned =
                         std::thread::Builder::new()
                             .name("api-later".into())
@@ -601,46 +514,11 @@ impl Controller {
     /// Carries out what of `action` needs the VM; what does not may be left to run elsewhere.
     fn start_action(&mut self, action: VmmAction) -> Answer {
         match action {
-            VmmAction::Fork(params) => {
-                let pool = match self.fork_pool.as_mut() {
-                    Some(pool) => pool,
-                    None => {
-                        return Answer::Now(Err(ActionError::bad_request(
-                            "fork is not enabled: Controller::enable_fork names the rollbox-vmm binary that clones run",
-                        )))
-                    }
-                };
-                let Some(vm) = self.microvm.as_mut() else {
-                    return Answer::Now(Err(ActionError::bad_request(
-                        "the microVM has not been started",
-                    )));
-                };
-                let done = Arc::clone(&self.fork_done);
-                match crate::fork::start_fork(vm, &params, pool) {
-                    Ok(pending) => Answer::Later(Box::new(move || {
-                        let result = pending.finish();
-                        if let Err(e) = done.write(1) {
-                            log::warn!("fork: cannot ask for a pool refill: {e}");
-                        }
-                        Ok(VmmData::Fork(result))
-                    })),
-                    Err(e) => Answer::Now(Err(e.into())),
-                }
+            VmmAction::CreateSnapshot(params)
+                if params.rollbox.as_ref().is_some_and(|r| r.resume_vm) =>
+            {
+                self.snapshot_resuming(&params)
             }
-            VmmAction::GetForkPool => match &mut self.fork_pool {
-                Some(pool) => {
-                    // A refill a finished fork asked for may not have run yet.
-                    if let Some(vm) = &self.microvm {
-                        pool.refill(vm);
-                    }
-                    let wait = pool.ready_waiter(POOL_READY_TIMEOUT);
-                    Answer::Later(Box::new(move || Ok(VmmData::ForkPool(wait()))))
-                }
-                None => Answer::Now(Ok(VmmData::ForkPool(ForkPoolStatus {
-                    target: 0,
-                    ready: 0,
-                }))),
-            },
             action => Answer::Now(self.handle_now(action)),
         }
     }
@@ -756,9 +634,61 @@ impl Controller {
                 self.restore(&params.snapshot_path, &options)?;
                 Ok(VmmData::Empty)
             }
-            VmmAction::Fork(_) | VmmAction::GetForkPool => Err(ActionError::bad_request(
-                "internal: answered by start_action",
-            )),
+        }
+    }
+
+    /// `PUT /snapshot/create` with `"rollbox": {"resume_vm": true}`: a Full snapshot after
+    /// which the VM runs again as soon as its memory is imaged; answered once a child process
+    /// has written the memory file. If the snapshot fails before that, the VM stays paused.
+    fn snapshot_resuming(&mut self, params: &crate::api::CreateSnapshotParams) -> Answer {
+        if params.snapshot_type != "Full" {
+            return Answer::Now(Err(ActionError::bad_request(format!(
+                "rollbox.resume_vm needs a Full snapshot, not {:?}",
+                params.snapshot_type
+            ))));
+        }
+        let vm = match self.running_mut() {
+            Ok(vm) => vm,
+            Err(e) => return Answer::Now(Err(e)),
+        };
+        let started = Instant::now();
+        let snapshot =
+            create_background_snapshot(vm, &params.snapshot_path, &params.mem_file_path, |job| {
+                crate::seccomp::spawner().start_dump(job)
+            });
+        let memory = match snapshot {
+            Ok(memory) => memory,
+            Err(e) => return Answer::Now(Err(ActionError::bad_request(e.to_string()))),
+        };
+        vm.resume();
+        let state = params.snapshot_path.clone();
+        let paused_ms = started.elapsed().as_secs_f64() * 1e3;
+        match memory {
+            SnapshotMemory::Written => {
+                log::info!(
+                    "Full snapshot {} written in {paused_ms:.2} ms, the VM resumed after it",
+                    state.display()
+                );
+                Answer::Now(Ok(VmmData::ResumedSnapshot(ResumedSnapshot {
+                    paused_ms,
+                    elapsed_ms: paused_ms,
+                })))
+            }
+            SnapshotMemory::Background(pending) => Answer::Later(Box::new(move || {
+                let written = pending
+                    .wait()
+                    .map_err(|e| ActionError::bad_request(e.to_string()))?;
+                let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+                log::info!(
+                    "Full snapshot {}: the VM resumed {paused_ms:.2} ms after the request, its memory {} written {elapsed_ms:.2} ms after it",
+                    state.display(),
+                    written.path.display(),
+                );
+                Ok(VmmData::ResumedSnapshot(ResumedSnapshot {
+                    paused_ms,
+                    elapsed_ms,
+                }))
+            })),
         }
     }
 

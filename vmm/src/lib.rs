@@ -8,7 +8,8 @@
 //! - [`device_manager`]: creates, attaches, saves and restores the devices; the one list of
 //!   virtio device kinds.
 //! - [`builder`]: builds a booting microVM; [`persist`]: snapshots and restores;
-//!   [`background_snapshot`]: a fork's memory written by a child process; [`fork`]: clones.
+//!   [`background_snapshot`]: a snapshot's memory written by a child process while the VM
+//!   runs on.
 //! - [`api`]: the control API (Firecracker's REST API where the two overlap).
 //! - [`controller`]: the event loop that ties them together.
 //! - [`seccomp`]: per-thread seccomp filters; [`logger`]: the log.
@@ -21,7 +22,6 @@ pub mod builder;
 pub mod controller;
 pub mod device_manager;
 pub mod devices;
-pub mod fork;
 pub mod logger;
 pub mod persist;
 pub mod seccomp;

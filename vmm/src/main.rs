@@ -1,11 +1,9 @@
 //! `rollbox-vmm`: one process per microVM, configured by flags, a JSON file or its API socket.
-//! Here: the process (signals, logging, seccomp) and which mode it runs in (boot, restore,
-//! fork shell); the command line is `cli/`.
+//! Here: the process (signals, logging, seccomp) and which mode it runs in (boot or
+//! restore); the command line is `cli/`.
 
 mod cli;
 
-use std::os::fd::{FromRawFd, RawFd};
-use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::channel;
@@ -13,7 +11,6 @@ use std::sync::{Arc, OnceLock};
 
 use clap::Parser;
 use vmm::controller::{Controller, StopSignal};
-use vmm::fork::{CloneGuard, ShellControl};
 use vmm::vmm_config::{MachineConfig, VmResources};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -46,8 +43,7 @@ extern "C" fn on_terminate(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut li
 }
 
 /// Catches termination signals from the start, so that none ends the process before it can
-/// clean up; then takes the ones a fork's shell is started with blocked (its parent-death
-/// signal, held pending until now).
+/// clean up; then unblocks them, should the process have been started with them blocked.
 fn install_signal_handlers() {
     const SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
     for signal in SIGNALS {
@@ -79,15 +75,10 @@ fn handle_signals(controller: &Controller) {
     }
 }
 
-/// Lets `controller` fork (clones re-run this binary) and reads the process-wide block I/O
-/// setting.
-fn enable_fork(
-    controller: &mut Controller,
-    pool: usize,
-    console_max_bytes: Option<u64>,
-) -> Result<(), String> {
-    // ROLLBOX_BLOCK_IO_THREADS=0 serves block queues on the event loop (clones inherit it):
-    // the nested lab sets it, as QEMU 7.2's TCG crashes L1 with the worker threads.
+/// Reads the process-wide block I/O setting into `controller`.
+fn set_block_io_threads(controller: &mut Controller) -> Result<(), String> {
+    // ROLLBOX_BLOCK_IO_THREADS=0 serves block queues on the event loop: the nested lab sets
+    // it, as QEMU 7.2's TCG crashes L1 with the worker threads.
     let threads = match std::env::var_os("ROLLBOX_BLOCK_IO_THREADS") {
         None => true,
         Some(v) if v == "1" => true,
@@ -100,80 +91,7 @@ fn enable_fork(
         }
     };
     controller.set_block_io_threads(threads);
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find rollbox-vmm: {e}"))?;
-    controller
-        .enable_fork(exe, pool, console_max_bytes)
-        .map_err(|e| format!("--fork-pool: {e}"))
-}
-
-/// A fork's clone: builds an empty VM, loads the snapshot its parent sends over `fd`, and
-/// once the parent detaches it runs on its own (its parent-death signal cleared).
-fn run_fork_shell(args: &Args, fd: RawFd) -> Result<i32, String> {
-    // SAFETY: `--fork-shell-fd` names the control socket the parent left open for this
-    // process alone; nothing else here owns or closes it.
-    let stream = unsafe { UnixStream::from_raw_fd(fd) };
-    let own_dir = args.fork_shell_dir.clone().unwrap_or_default();
-    let mut control = ShellControl::new(stream, &own_dir);
-    let resources = resources_from(args).inspect_err(|_| control.abandon())?;
-    let api_evt = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| format!("eventfd: {e}"))?);
-    let (api_tx, api_rx) = channel();
-    let machine = MachineConfig {
-        vcpu_count: args.shell_vcpus,
-        mem_size_mib: args.shell_memory_mib.unwrap_or_default(),
-        track_dirty_pages: args.track_dirty_pages,
-        ..Default::default()
-    };
-    let mut controller = Controller::new(resources, Some(api_rx), Arc::clone(&api_evt))
-        .map_err(|e| e.to_string())?;
-    handle_signals(&controller);
-    if let Err(e) = controller.prebuild_shell(&machine) {
-        // The parent reads the answer and removes this shell's files.
-        let _ = control.answer(&Err(e.message.clone()));
-        return Err(e.message);
-    }
-    let load = match control.ready().and_then(|()| control.receive_load()) {
-        Ok(Some(load)) => load,
-        // The pool shut down or the parent ended (the shell's files are gone already).
-        Ok(None) => return Ok(0),
-        Err(e) => {
-            control.abandon();
-            return Err(format!("control socket: {e}"));
-        }
-    };
-    let _guard = CloneGuard::new(load.cleanup.clone());
-    let loaded = controller
-        .handle(vmm::api::VmmAction::LoadSnapshot(load.load))
-        .map(|_| ())
-        .map_err(|e| e.message);
-    control
-        .answer(&loaded)
-        .map_err(|e| format!("control socket: {e}"))?;
-    loaded?;
-    enable_fork(&mut controller, 0, args.console_max_bytes)?;
-    let _api_guard = match &args.api_sock {
-        Some(sock) => {
-            Some(vmm::api::server::start(sock, api_tx, api_evt).map_err(|e| e.to_string())?)
-        }
-        None => None,
-    };
-    controller
-        .watch_fork_control(
-            control,
-            Box::new(|| {
-                // SAFETY: prctl with plain integer arguments; clears this thread's
-                // parent-death signal (the main thread's, which the launcher armed).
-                if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0) } != 0 {
-                    log::warn!(
-                        "cannot clear the parent-death signal: {}",
-                        std::io::Error::last_os_error()
-                    );
-                }
-            }),
-        )
-        .map_err(|e| e.to_string())?;
-    let code = run_filtered(&mut controller)?;
-    drop(controller);
-    Ok(code)
+    Ok(())
 }
 
 fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
@@ -185,7 +103,7 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
         Controller::new(VmResources::default(), Some(api_rx), Arc::clone(&api_evt))
             .map_err(|e| e.to_string())?;
     handle_signals(&controller);
-    enable_fork(&mut controller, args.fork_pool, args.console_max_bytes)?;
+    set_block_io_threads(&mut controller)?;
     controller
         .restore(&state, &options)
         .map_err(|e| e.message)?;
@@ -201,42 +119,13 @@ fn run_restore(args: &Args, path: &std::path::Path) -> Result<i32, String> {
     Ok(code)
 }
 
-/// A fork shell's own directory: created here, with stderr redirected into its stderr.log.
-fn take_shell_dir(dir: &std::path::Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let path = dir.join("stderr.log");
-    let stderr = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    // SAFETY: dup2 of a descriptor this function owns onto stderr; `stderr` stays valid for
-    // the call and is closed after it, leaving fd 2 open.
-    if unsafe {
-        libc::dup2(
-            std::os::fd::AsRawFd::as_raw_fd(&stderr),
-            libc::STDERR_FILENO,
-        )
-    } < 0
-    {
-        return Err(format!(
-            "{}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
-}
-
 fn run(args: Args) -> Result<i32, String> {
     install_signal_handlers();
-    if let Some(dir) = &args.fork_shell_dir {
-        take_shell_dir(dir)?;
-    }
     let level = vmm::logger::parse_level(&args.level).map_err(|e| e.to_string())?;
     vmm::logger::init(args.log_path.as_deref(), level).map_err(|e| e.to_string())?;
     // Before any thread starts: the spawner must be created unfiltered.
     vmm::seccomp::configure(&seccomp_mode(&args), vmm::logger::file_fd())
         .map_err(|e| e.to_string())?;
-    if let Some(fd) = args.fork_shell_fd {
-        return run_fork_shell(&args, fd);
-    }
     if let Some(path) = args.restore.clone() {
         return run_restore(&args, &path);
     }
@@ -267,7 +156,7 @@ fn run(args: Args) -> Result<i32, String> {
         };
         controller.prebuild_shell(&machine).map_err(|e| e.message)?;
     }
-    enable_fork(&mut controller, args.fork_pool, args.console_max_bytes)?;
+    set_block_io_threads(&mut controller)?;
     if boot_now {
         controller.start().map_err(|e| e.message)?;
     }

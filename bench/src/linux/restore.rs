@@ -124,6 +124,7 @@ pub(super) fn run_restore(
         snapshot_path: snap.join("vmstate"),
         mem_file_path: snap.join("memory"),
         version: None,
+        rollbox: None,
     };
     let started = Instant::now();
     api.create_snapshot(&params)?;

@@ -118,7 +118,11 @@ pub fn seeds_vmm() -> Vec<(String, Vec<u8>)> {
             "PUT /snapshot/load",
             r#"{"snapshot_path": "/s/vm.state", "mem_backend": {"backend_type": "File", "backend_path": "/s/mem"}}"#,
         ),
-        ("fork", "POST /fork", r#"{"count": 4}"#),
+        (
+            "snapshot-resuming",
+            "PUT /snapshot/create",
+            r#"{"snapshot_path": "/s/vm.state", "mem_file_path": "/s/mem", "rollbox": {"resume_vm": true}}"#,
+        ),
     ];
     requests
         .iter()

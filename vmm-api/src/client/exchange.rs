@@ -302,7 +302,7 @@ mod tests {
         });
         let err = Client::new(&server.sock)
             .with_timeout(Duration::from_millis(100))
-            .fork_pool()
+            .machine_config()
             .expect_err("no answer");
         assert!(matches!(err, ClientError::Deadline { .. }), "{err}");
         drop(tx);

@@ -19,9 +19,9 @@ mod test_server;
 
 use crate::route::Route;
 use crate::{
-    ActionBody, ActionType, BootSourceConfig, CreateSnapshotParams, DriveConfig, ForkParams,
-    ForkPoolStatus, ForkResult, FsConfig, LoadSnapshotParams, MachineConfig,
-    NetworkInterfaceConfig, VfioDevice, VmInfo, VmState, VmStateBody, VsockConfig,
+    ActionBody, ActionType, BootSourceConfig, CreateExtension, CreateSnapshotParams, DriveConfig,
+    FsConfig, LoadSnapshotParams, MachineConfig, NetworkInterfaceConfig, ResumedSnapshot,
+    VfioDevice, VmInfo, VmState, VmStateBody, VsockConfig,
 };
 pub use answer::{ClientError, Response, MAX_BODY, MAX_HEAD};
 use exchange::Exchange;
@@ -127,20 +127,22 @@ impl Client {
         self.call(Route::PutSnapshotCreate, params)
     }
 
+    /// `PUT /snapshot/create` of a Full snapshot with `"rollbox": {"resume_vm": true}` (set
+    /// here): the paused VM runs again once its memory is imaged; answers once the memory
+    /// file is written, with how long the VM was paused.
+    pub fn create_snapshot_resuming(
+        &self,
+        params: &CreateSnapshotParams,
+    ) -> Result<ResumedSnapshot, ClientError> {
+        let mut params = params.clone();
+        params.rollbox = Some(CreateExtension { resume_vm: true });
+        let answer = self.send(Route::PutSnapshotCreate, Some(&params))?;
+        self.decode(&Route::PutSnapshotCreate.call(), &answer)
+    }
+
     /// `PUT /snapshot/load`, into a VMM that has not started a VM.
     pub fn load_snapshot(&self, params: &LoadSnapshotParams) -> Result<(), ClientError> {
         self.call(Route::PutSnapshotLoad, params)
-    }
-
-    /// `POST /fork` (rollbox extension); answers once every clone is up or has failed.
-    pub fn fork(&self, params: &ForkParams) -> Result<ForkResult, ClientError> {
-        let answer = self.send(Route::PostFork, Some(params))?;
-        self.decode(&Route::PostFork.call(), &answer)
-    }
-
-    /// `GET /fork-pool` (rollbox extension); answers once the pool's shells are ready.
-    pub fn fork_pool(&self) -> Result<ForkPoolStatus, ClientError> {
-        self.query(Route::GetForkPool)
     }
 
     /// One raw request: any method, path and body (sent as it is, with its Content-Length).

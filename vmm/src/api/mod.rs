@@ -5,7 +5,7 @@
 //! moves bytes.
 //!
 //! The parsing stays here rather than in `vmm_api`: a [`VmmAction`] is the VMM's command
-//! set, answered with [`VmmData`] (which holds VMM types such as the fork pool's status) or
+//! set, answered with [`VmmData`] (the VMM's answers) or
 //! an [`ActionError`] (the VMM's words and status codes); a client needs only the routes and
 //! the bodies.
 
@@ -14,8 +14,8 @@ pub mod server;
 
 use vmm_api::{ActionBody, ActionType, Route, VmState, VmStateBody};
 pub use vmm_api::{
-    CloneInfo, CreateSnapshotParams, ForkParams, ForkResult, LoadSnapshotParams, MemBackend,
-    NetworkOverride, RestoreExtension, VfioDevice, VmInfo, VsockOverride,
+    CreateExtension, CreateSnapshotParams, LoadSnapshotParams, MemBackend, NetworkOverride,
+    RestoreExtension, ResumedSnapshot, VfioDevice, VmInfo, VsockOverride,
 };
 
 use crate::vmm_config::{
@@ -58,10 +58,6 @@ pub enum VmmAction {
     CreateSnapshot(CreateSnapshotParams),
     /// `PUT /snapshot/load`
     LoadSnapshot(LoadSnapshotParams),
-    /// rollbox extension: `POST /fork {"count": N}`
-    Fork(ForkParams),
-    /// rollbox extension: `GET /fork-pool`, answered once the pool's shells are ready.
-    GetForkPool,
 }
 
 /// What a successful action returns.
@@ -73,10 +69,8 @@ pub enum VmmData {
     VmInfo(VmInfo),
     /// `GET /machine-config` body.
     MachineConfig(MachineConfig),
-    /// `POST /fork` body.
-    Fork(ForkResult),
-    /// `GET /fork-pool` body.
-    ForkPool(vmm_api::ForkPoolStatus),
+    /// `PUT /snapshot/create` body with `"rollbox": {"resume_vm": true}`.
+    ResumedSnapshot(ResumedSnapshot),
 }
 
 /// A refused action: HTTP status and the `fault_message`.
@@ -183,17 +177,6 @@ pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction
         }
         Route::PutSnapshotCreate => Ok(VmmAction::CreateSnapshot(body(bytes)?)),
         Route::PutSnapshotLoad => Ok(VmmAction::LoadSnapshot(body(bytes)?)),
-        Route::GetForkPool => Ok(VmmAction::GetForkPool),
-        Route::PostFork => {
-            let params: ForkParams = body(bytes)?;
-            if params.count == 0 || params.count > 256 {
-                return Err(ActionError::bad_request(format!(
-                    "count {} is invalid: fork 1 to 256 clones",
-                    params.count
-                )));
-            }
-            Ok(VmmAction::Fork(params))
-        }
     }
 }
 
@@ -311,8 +294,8 @@ mod tests {
             "invalid request method and/or path: GET /nowhere"
         );
         assert_eq!(
-            refusal("POST", "/fork", br#"{"count":0}"#),
-            "count 0 is invalid: fork 1 to 256 clones"
+            refusal("POST", "/fork", br#"{"count":2}"#),
+            "invalid request method and/or path: POST /fork"
         );
         assert_eq!(
             refusal("PUT", "/boot-source", b""),

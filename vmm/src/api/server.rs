@@ -132,8 +132,7 @@ fn respond(out: &mut impl Write, result: ActionResult) -> std::io::Result<()> {
         Ok(VmmData::Empty) => write_response(out, 204, None),
         Ok(VmmData::VmInfo(info)) => write_response(out, 200, Some(&json(&info))),
         Ok(VmmData::MachineConfig(m)) => write_response(out, 200, Some(&json(&m))),
-        Ok(VmmData::Fork(f)) => write_response(out, 200, Some(&json(&f))),
-        Ok(VmmData::ForkPool(p)) => write_response(out, 200, Some(&json(&p))),
+        Ok(VmmData::ResumedSnapshot(r)) => write_response(out, 200, Some(&json(&r))),
         Err(e) => write_response(
             out,
             e.status,
@@ -152,6 +151,7 @@ fn json<T: serde::Serialize>(value: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::VmInfo;
 
     fn answer(result: ActionResult) -> String {
         let mut out = Vec::new();
@@ -169,19 +169,16 @@ mod tests {
             answer(Ok(VmmData::Empty)),
             "HTTP/1.1 204 No Content\r\nServer: rollbox-vmm\r\nContent-Length: 0\r\n\r\n"
         );
-        // The pool's status goes out as vmm_api's JSON.
-        let pool = answer(Ok(VmmData::ForkPool(vmm_api::ForkPoolStatus {
-            target: 2,
-            ready: 1,
-        })));
-        let body = pool.split("\r\n\r\n").nth(1).expect("body");
-        let read: vmm_api::ForkPoolStatus = serde_json::from_str(body).expect("vmm_api type");
-        assert_eq!(
-            read,
-            vmm_api::ForkPoolStatus {
-                target: 2,
-                ready: 1
-            }
-        );
+        // The VM's information goes out as vmm_api's JSON.
+        let info = VmInfo {
+            id: "anonymous-instance".into(),
+            state: "Paused".into(),
+            vmm_version: "0.1.0".into(),
+            app_name: "rollbox-vmm".into(),
+        };
+        let answered = answer(Ok(VmmData::VmInfo(info.clone())));
+        let body = answered.split("\r\n\r\n").nth(1).expect("body");
+        let read: VmInfo = serde_json::from_str(body).expect("vmm_api type");
+        assert_eq!(read, info);
     }
 }

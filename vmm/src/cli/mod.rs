@@ -129,17 +129,6 @@ pub struct Args {
     /// vCPUs of the pre-built VM.
     #[arg(long, default_value_t = 1, requires = "shell_memory_mib")]
     pub shell_vcpus: u64,
-    /// Keep this many clone processes with empty VMs ready (at most 64), so `POST /fork` only
-    /// snapshots and loads (rollbox extension; the pool refills to this size after each fork).
-    /// Without it, each fork starts exactly the clones it asks for.
-    #[arg(long, default_value_t = 0)]
-    pub fork_pool: usize,
-    /// Internal: run as a fork's clone shell, driven over this inherited control socket.
-    #[arg(long, hide = true, requires_all = ["shell_memory_mib", "fork_shell_dir"])]
-    pub fork_shell_fd: Option<RawFd>,
-    /// Internal: the clone shell's own directory, removed if it ends before its load.
-    #[arg(long, hide = true, requires = "fork_shell_fd")]
-    pub fork_shell_dir: Option<PathBuf>,
     /// Guest console: `stdout` or a file path [default: stdout].
     #[arg(long)]
     pub console: Option<String>,

@@ -1,5 +1,5 @@
-//! Taking snapshots of a paused microVM: Full and Diff, detached ones for forks, and a fork's
-//! whose memory a child process writes while the VM runs on.
+//! Taking snapshots of a paused microVM: Full and Diff, and a Full one whose memory a child
+//! process writes while the VM runs on.
 
 use std::fs::File;
 use std::path::Path;
@@ -23,7 +23,7 @@ use crate::builder::{MemoryKind, MicroVm};
 enum Base {
     /// It does (`PUT /snapshot/create`): the dirty pages it holds are cleared.
     Becomes,
-    /// It does not (a fork's snapshot): the diff base and the dirty pages stay as they were.
+    /// It does not (a background snapshot): the diff base and the dirty pages stay as they were.
     Unchanged,
 }
 
@@ -38,9 +38,8 @@ pub fn create_snapshot(
     snapshot_paused(vm, kind, state_path, mem_path, Base::Becomes)
 }
 
-/// A Full snapshot that leaves the VM's diff base and dirty pages alone (for a fork, whose
-/// snapshot directory is the clones', not the parent's next diff base).
-pub fn create_detached_snapshot(
+/// A Full snapshot that leaves the VM's diff base and dirty pages alone.
+fn create_detached_snapshot(
     vm: &mut MicroVm,
     state_path: &Path,
     mem_path: &Path,
@@ -54,8 +53,8 @@ pub fn create_detached_snapshot(
     )
 }
 
-/// How [`create_fork_snapshot`] wrote a fork's memory file.
-pub enum ForkMemory {
+/// How [`create_background_snapshot`] wrote the memory file.
+pub enum SnapshotMemory {
     /// Written while the VM was paused.
     Written,
     /// Being written by a child process from the image of the pause; wait for it before the
@@ -63,17 +62,17 @@ pub enum ForkMemory {
     Background(PendingMemory),
 }
 
-/// A Full snapshot for a fork of the paused `vm`, like [`create_detached_snapshot`], except
-/// that private guest memory is imaged by fork(2) (`start_dump` forks, from a thread that
+/// A Full snapshot of the paused `vm` that leaves its diff base and dirty pages alone, and
+/// whose private guest memory is imaged by fork(2) (`start_dump` forks, from a thread that
 /// may) and written by the child while the VM runs on. The state file is written now and
 /// names the memory file's identity in advance. Shared (virtio-fs) and lazily served memory
 /// are written while paused.
-pub fn create_fork_snapshot(
+pub fn create_background_snapshot(
     vm: &mut MicroVm,
     state_path: &Path,
     mem_path: &Path,
     start_dump: impl FnOnce(DumpJob) -> Result<StartedDump, BackgroundSnapshotError>,
-) -> Result<ForkMemory, PersistError> {
+) -> Result<SnapshotMemory, PersistError> {
     let has_fs = vm.devices.memory_mapper().is_some();
     let image = match vm.memory.kind {
         _ if has_fs => None,
@@ -85,7 +84,7 @@ pub fn create_fork_snapshot(
     };
     let Some(image) = image else {
         create_detached_snapshot(vm, state_path, mem_path)?;
-        return Ok(ForkMemory::Written);
+        return Ok(SnapshotMemory::Written);
     };
     with_backends_saved(vm, SnapshotType::Full, |vm| {
         let regions: Vec<(u64, u64)> = vm.mem.iter().map(|r| (r.start_addr().0, r.len())).collect();
@@ -101,11 +100,11 @@ pub fn create_fork_snapshot(
         let started =
             DumpJob::new(&memory, mem_path, host_regions(&vm.mem), image).and_then(start_dump);
         match started {
-            Ok(started) => Ok(ForkMemory::Background(PendingMemory::new(
+            Ok(started) => Ok(SnapshotMemory::Background(PendingMemory::new(
                 memory, mem_path, id, started,
             ))),
             Err(e) => {
-                log::warn!("fork: {e}; writing memory while paused");
+                log::warn!("background snapshot: {e}; writing memory while paused");
                 let sparseness = match image {
                     ImageKind::PrivateAnonymous => Sparseness::PrivateAnonymous,
                     ImageKind::PrivateFile => Sparseness::EveryPage,
@@ -117,7 +116,7 @@ pub fn create_fork_snapshot(
                     sparseness,
                 )?;
                 memory.commit(id)?;
-                Ok(ForkMemory::Written)
+                Ok(SnapshotMemory::Written)
             }
         }
     })

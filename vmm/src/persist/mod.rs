@@ -3,7 +3,7 @@
 //!
 //! - `state.rs`: the state file ([`MicroVmState`]).
 //! - `memory.rs`: host regions, dirty pages and the restore backends ([`RestoreBackend`]).
-//! - `create.rs`: taking snapshots ([`create_snapshot`], and those of forks).
+//! - `create.rs`: taking snapshots ([`create_snapshot`], [`create_background_snapshot`]).
 //! - `restore.rs`: restoring ([`restore_microvm`], [`RestoreOptions`], [`VmShell`]).
 
 mod create;
@@ -25,7 +25,7 @@ use crate::devices::pci::persist::PciPersistError;
 use crate::vstate::vcpu::VcpuError;
 use crate::vstate::vm::VmStateError;
 
-pub use create::{create_detached_snapshot, create_fork_snapshot, create_snapshot, ForkMemory};
+pub use create::{create_background_snapshot, create_snapshot, SnapshotMemory};
 pub use memory::RestoreBackend;
 pub use restore::{restore_microvm, RestoreOptions, VmShell};
 pub use state::{state_path_of, MicroVmState};

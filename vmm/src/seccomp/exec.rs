@@ -1,11 +1,10 @@
-//! What the threads that start child processes (the spawner, the fork launcher) may run: the
-//! binaries in two fixed descriptor slots, and nothing else.
+//! What the thread that starts child processes (the spawner) may run: the binary in one fixed
+//! descriptor slot (virtiofsd), and nothing else.
 //!
 //! seccomp cannot read a path, so those threads' filter refuses `execve` outright and allows
-//! `execveat` only on a slot's descriptor with `AT_EMPTY_PATH`; a child started from there
+//! `execveat` only on the slot's descriptor with `AT_EMPTY_PATH`; a child started from there
 //! runs the slot's binary through `execveat(slot, "", ...)` (see [`spawn_from_slot`]).
-//! Children inherit the filter, and every rollbox-vmm puts its binaries in the same slots,
-//! so a fork clone can start its own clones and virtiofsd, and nothing else, too.
+//! Children inherit the filter.
 //!
 //! What it leaves: seccomp cannot see `execveat`'s path either, and an absolute path ignores
 //! the descriptor; a thread whose control flow an attacker holds can still run any file its
@@ -25,8 +24,6 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompCmpOp, SeccompFilter, Seccom
 
 use super::rules::{arg, arg32, BackendResult, Rules};
 
-/// The descriptor slot of rollbox-vmm's own binary (fork clones).
-pub const VMM_SLOT: RawFd = 960;
 /// The descriptor slot of the virtiofsd binary.
 pub const VIRTIOFSD_SLOT: RawFd = 961;
 
@@ -127,12 +124,11 @@ pub(super) fn refused_rules() -> BackendResult<Rules> {
     let mut rules = Rules::new();
     // execve: never.
     rules.insert(libc::SYS_execve, Vec::new());
-    // execveat: refused below the slots, above them, or without AT_EMPTY_PATH.
+    // execveat: refused outside the slot, or without AT_EMPTY_PATH.
     rules.insert(
         libc::SYS_execveat,
         vec![
-            SeccompRule::new(vec![arg32(0, SeccompCmpOp::Lt, VMM_SLOT as u64)?])?,
-            SeccompRule::new(vec![arg32(0, SeccompCmpOp::Gt, VIRTIOFSD_SLOT as u64)?])?,
+            SeccompRule::new(vec![arg32(0, SeccompCmpOp::Ne, VIRTIOFSD_SLOT as u64)?])?,
             SeccompRule::new(vec![arg(
                 4,
                 SeccompCmpOp::MaskedEq(libc::AT_EMPTY_PATH as u64),
@@ -223,7 +219,7 @@ mod tests {
     }
 
     #[test]
-    fn a_spawning_thread_runs_only_the_binaries_in_its_slots() {
+    fn a_spawning_thread_runs_only_the_binary_in_its_slot() {
         // The test process's own slot numbers: free, or this test's from an earlier run.
         let true_bin = Path::new("/bin/true");
         fill_slot(VIRTIOFSD_SLOT, true_bin).expect("slot");
@@ -234,7 +230,7 @@ mod tests {
         // A shell in a descriptor outside the slots.
         let shell = std::fs::File::open("/bin/sh").expect("open /bin/sh");
         let shell_fd = std::os::fd::AsRawFd::as_raw_fd(&shell);
-        assert!(shell_fd < VMM_SLOT);
+        assert!(shell_fd < VIRTIOFSD_SLOT);
         let (plain, by_slot, shell_by_slot_path) = filtered(move || {
             let plain = Command::new("/bin/sh").args(["-c", "exit 0"]).spawn();
             let by_slot = spawn_from_slot(Command::new("virtiofsd"), VIRTIOFSD_SLOT)

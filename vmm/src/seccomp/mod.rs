@@ -8,10 +8,9 @@
 //!
 //! Threads created by a filtered thread inherit its filter, and any filter they install is
 //! added to it (a syscall must pass both). Processes inherit filters across `execve` too, so
-//! child processes (fork clones, virtiofsd) are started by threads created before any filter
-//! is installed: [`Spawner`] and the fork launcher. Those threads get a filter of their own
-//! that allows what their children need but runs only the binaries in two descriptor slots
-//! (`exec.rs`).
+//! child processes (virtiofsd, a background snapshot's writer) are started by a thread created
+//! before any filter is installed: [`Spawner`]. That thread gets a filter of its own that
+//! allows what its children need but runs only the binary in one descriptor slot (`exec.rs`).
 //!
 //! Here: the filters' set-up and installation, and the threads that start filtered. Beside
 //! it: the thread kinds (`thread_kind.rs`), the allow-lists (`rules.rs`), the syscall name
@@ -34,7 +33,7 @@ use std::sync::{Arc, OnceLock};
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
-pub use exec::{fill_slot, spawn_from_slot, SlotError, VIRTIOFSD_SLOT, VMM_SLOT};
+pub use exec::{fill_slot, spawn_from_slot, SlotError, VIRTIOFSD_SLOT};
 pub use spawner::{spawner, Spawner};
 pub use syscalls::syscall_name;
 pub use thread_kind::ThreadKind;
@@ -109,18 +108,6 @@ type Programs = HashMap<ThreadKind, BpfProgram>;
 /// The compiled filters; unset or `None` when seccomp is off.
 static FILTERS: OnceLock<Option<Programs>> = OnceLock::new();
 
-/// The mode [`configure`] was given, for the processes this one starts (fork clones).
-static MODE: OnceLock<Mode> = OnceLock::new();
-
-/// The flags that give a child `rollbox-vmm` (a fork clone) this process's filters.
-pub fn child_args() -> Vec<std::ffi::OsString> {
-    match MODE.get() {
-        Some(Mode::Off) => vec!["--no-seccomp".into()],
-        Some(Mode::File(path)) => vec!["--seccomp-filter".into(), path.clone().into()],
-        Some(Mode::BuiltIn) | None => Vec::new(),
-    }
-}
-
 /// Compiles the filters for `mode` and installs the SIGSYS handler; call once, early in
 /// `main`, before any thread that must run unfiltered (the spawner) is needed. Errors name
 /// the filter file and what is wrong with it.
@@ -134,21 +121,10 @@ pub fn configure(mode: &Mode, log_fd: Option<RawFd>) -> Result<(), SeccompError>
         sigsys::set_log_fd(fd);
     }
     let on = programs.is_some();
-    let absolute = match mode {
-        Mode::File(path) => Mode::File(std::path::absolute(path).unwrap_or_else(|_| path.clone())),
-        other => other.clone(),
-    };
-    let _ = MODE.set(absolute);
     sigsys::set_built_in(*mode == Mode::BuiltIn);
     FILTERS
         .set(programs)
         .map_err(|_| SeccompError::AlreadyConfigured)?;
-    if on {
-        // Fork clones run this binary, from its slot (early: the slot's number is free).
-        if let Err(e) = fill_slot(VMM_SLOT, Path::new("/proc/self/exe")) {
-            log::warn!("seccomp: {e}; forks will fail");
-        }
-    }
     spawner();
     if on {
         fix_malloc_arena_limit();
@@ -183,8 +159,8 @@ fn fix_malloc_arena_limit() {
     }
 }
 
-/// Installs the spawning threads' filter on the calling thread (the spawner's, the fork
-/// launcher's) when seccomp is on: `execve` refused, `execveat` only of a slot's binary
+/// Installs the spawning thread's filter on the calling thread (the spawner's) when seccomp
+/// is on: `execve` refused, `execveat` only of a slot's binary
 /// ([`spawn_from_slot`]); everything else allowed, for their children. Returns whether it is
 /// on; a thread that cannot install it ends the process.
 pub fn apply_spawner_filter() -> bool {
@@ -364,7 +340,7 @@ pub fn print_summary(out: &mut impl std::io::Write) -> std::io::Result<()> {
     }
     writeln!(
         out,
-        "spawner, fork-launcher: everything but execve, and execveat only of descriptors {VMM_SLOT} (rollbox-vmm) and {VIRTIOFSD_SLOT} (virtiofsd) with AT_EMPTY_PATH"
+        "spawner: everything but execve, and execveat only of descriptor {VIRTIOFSD_SLOT} (virtiofsd) with AT_EMPTY_PATH"
     )
 }
 

@@ -282,12 +282,11 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
             libc::SYS_ppoll,
             libc::SYS_timerfd_create,
             libc::SYS_timerfd_settime,
-            // sockets: vsock's host side, vhost-user, fork control
+            // sockets: vsock's host side, vhost-user
             libc::SYS_connect,
             libc::SYS_bind,
             libc::SYS_listen,
             libc::SYS_accept4,
-            libc::SYS_socketpair,
             libc::SYS_sendmsg,
             libc::SYS_recvmsg,
             libc::SYS_sendto,
@@ -320,18 +319,15 @@ fn vmm_rules(rules: &mut Rules) -> BackendResult<()> {
     allow_values(rules, libc::SYS_socket, 0, &[libc::AF_UNIX as u64])?;
     // ioctl: each request by its full number (see ioctls.rs).
     allow_values(rules, libc::SYS_ioctl, 1, ioctls::VMM)?;
-    // prctl: no new privileges (for the filters) and clearing a fork clone's parent-death
-    // signal (besides the common ones).
-    for (option, value) in [(libc::PR_SET_NO_NEW_PRIVS, 1), (libc::PR_SET_PDEATHSIG, 0)] {
-        add_rule(
-            rules,
-            libc::SYS_prctl,
-            vec![
-                arg32(0, SeccompCmpOp::Eq, option as u64)?,
-                arg(1, SeccompCmpOp::Eq, value)?,
-            ],
-        )?;
-    }
+    // prctl: no new privileges, for the filters (besides the common ones).
+    add_rule(
+        rules,
+        libc::SYS_prctl,
+        vec![
+            arg32(0, SeccompCmpOp::Eq, libc::PR_SET_NO_NEW_PRIVS as u64)?,
+            arg(1, SeccompCmpOp::Eq, 1)?,
+        ],
+    )?;
     Ok(())
 }
 

@@ -1,16 +1,30 @@
-//! The spawner: one long-lived thread, started before any filter exists, that starts child
-//! processes (virtiofsd) so that they do not inherit a filtered thread's filter. It runs
-//! under the spawners' filter (`exec.rs`): only the binary in the virtiofsd slot.
+//! The spawner: one long-lived thread, started before any filter exists, that creates the
+//! processes this one needs, so that they do not inherit a filtered thread's filter: child
+//! processes (virtiofsd) and the writers of background memory snapshots (a fork(2) of this
+//! process). It runs under the spawners' filter (`exec.rs`): only the binary in the virtiofsd
+//! slot may be executed.
 
 use std::process::{Child, Command};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Mutex, OnceLock};
 
-type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
+use crate::background_snapshot::{BackgroundSnapshotError, DumpJob, StartedDump};
 
-/// Starts child processes from one long-lived thread that never installs a filter (children
-/// inherit their parent thread's filters across `execve`). Started by [`super::configure`], before
-/// any filter exists.
+/// Work for the spawner thread: the processes it creates.
+enum SpawnRequest {
+    /// A child process (virtiofsd).
+    Command(Command, Sender<std::io::Result<Child>>),
+    /// A background memory snapshot's writer.
+    Dump(
+        DumpJob,
+        Sender<Result<StartedDump, BackgroundSnapshotError>>,
+    ),
+}
+
+/// Creates processes from one long-lived thread. Children inherit their parent thread's
+/// filters across `execve`, and PR_SET_PDEATHSIG follows the thread that created a child, so
+/// one thread that lives as long as the process does it. Started by [`super::configure`],
+/// before any filter exists.
 pub struct Spawner {
     requests: Mutex<Option<Sender<SpawnRequest>>>,
 }
@@ -24,13 +38,20 @@ pub fn spawner() -> &'static Spawner {
             .name("spawner".into())
             .spawn(move || {
                 let filtered = super::apply_spawner_filter();
-                for (mut command, reply) in incoming {
-                    let child = if filtered {
-                        super::spawn_from_slot(command, super::VIRTIOFSD_SLOT)
-                    } else {
-                        command.spawn()
-                    };
-                    let _ = reply.send(child);
+                for request in incoming {
+                    match request {
+                        SpawnRequest::Command(mut command, reply) => {
+                            let child = if filtered {
+                                super::spawn_from_slot(command, super::VIRTIOFSD_SLOT)
+                            } else {
+                                command.spawn()
+                            };
+                            let _ = reply.send(child);
+                        }
+                        SpawnRequest::Dump(job, reply) => {
+                            let _ = reply.send(job.start());
+                        }
+                    }
                 }
             });
         if let Err(e) = &started {
@@ -43,19 +64,41 @@ pub fn spawner() -> &'static Spawner {
 }
 
 impl Spawner {
-    /// Starts `command` from the spawner thread (from the caller if there is none).
-    pub fn spawn(&self, mut command: Command) -> std::io::Result<Child> {
-        let requests = self
-            .requests
+    fn sender(&self) -> Option<Sender<SpawnRequest>> {
+        self.requests
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let Some(requests) = requests else {
+            .clone()
+    }
+
+    /// Starts `command` from the spawner thread (from the caller if there is none).
+    pub fn spawn(&self, mut command: Command) -> std::io::Result<Child> {
+        let Some(requests) = self.sender() else {
             return command.spawn();
         };
         let ended = || std::io::Error::other("the spawner thread has ended");
         let (reply, answer) = channel();
-        requests.send((command, reply)).map_err(|_| ended())?;
+        requests
+            .send(SpawnRequest::Command(command, reply))
+            .map_err(|_| ended())?;
+        answer.recv().map_err(|_| ended())?
+    }
+
+    /// Forks the writer of a background memory snapshot from the spawner thread, which no
+    /// filter keeps from creating processes (from the caller if there is none).
+    pub fn start_dump(&self, job: DumpJob) -> Result<StartedDump, BackgroundSnapshotError> {
+        let Some(requests) = self.sender() else {
+            return job.start();
+        };
+        let path = job.path().to_path_buf();
+        let ended = || BackgroundSnapshotError::Fork {
+            path: path.clone(),
+            source: std::io::Error::other("the spawner thread has ended"),
+        };
+        let (reply, answer) = channel();
+        requests
+            .send(SpawnRequest::Dump(job, reply))
+            .map_err(|_| ended())?;
         answer.recv().map_err(|_| ended())?
     }
 }

@@ -3,8 +3,8 @@
 /// The kinds of threads that get a filter of their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ThreadKind {
-    /// The main thread (event loop, device set-up, snapshots, restores, forks) and the helper
-    /// threads it starts (console writer, fork reapers, slow API answers).
+    /// The main thread (event loop, device set-up, snapshots, restores) and the helper
+    /// threads it starts (console writer, slow API answers).
     Vmm,
     /// The API socket's listener and its connection threads.
     Api,

@@ -15,6 +15,7 @@ use super::node::Node;
 use super::retention::{Pin, Retention};
 use super::sandboxes::{check_deterministic, Sandboxes};
 use super::store::{Db, StoreError};
+use super::supervisor::snapshot::Resume;
 use super::supervisor::{self, Busy, Release, Supervisor};
 use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_reply, touch};
 
@@ -32,6 +33,14 @@ pub struct Snapshots {
     /// VM still paused and nothing recorded, write FILE and wait until it is removed (so a test
     /// can kill the daemon there).
     hold: Option<PathBuf>,
+}
+
+/// A snapshot just taken, pinned against retention while the caller uses it.
+struct Taken<'a> {
+    snapshot: Snapshot,
+    pin: Pin<'a>,
+    /// How long the sandbox's VM was paused for it (None: it was paused already).
+    paused_ms: Option<f64>,
 }
 
 /// Who a snapshot is for.
@@ -123,7 +132,7 @@ impl Snapshots {
         }
         let mut snapshot = {
             let _busy = self.claim(id)?;
-            self.take_snapshot(id, name, Purpose::Kept).await?.0
+            self.take_snapshot(id, name, Purpose::Kept).await?.snapshot
         };
         if let Some(ttl_s) = ttl_s {
             let at = snapshot
@@ -148,7 +157,7 @@ impl Snapshots {
         id: &str,
         name: Option<String>,
         purpose: Purpose,
-    ) -> Result<(Snapshot, Pin<'_>), ApiError> {
+    ) -> Result<Taken<'_>, ApiError> {
         let sandbox = touch(&self.db, id)?;
         refuse_gpus(&sandbox, "snapshotted or forked")?;
         if !matches!(sandbox.state, State::Running | State::Paused) {
@@ -202,6 +211,7 @@ impl Snapshots {
         // The pause and resume are here, not in snapshot_vm, so that a daemon killed between
         // them can be tested (`hold`); a restart resumes the VM (see `Sandboxes::recover`).
         let running = sandbox.state == State::Running;
+        let paused_at = std::time::Instant::now();
         if running {
             supervisor::set_paused(&sandbox.dir, true)
                 .await
@@ -211,8 +221,14 @@ impl Snapshots {
         let dir = snapshot.dir.clone();
         let rootfs = template.rootfs.is_some();
         let jail_uid = self.supervisor.jail_uid();
+        // A fork's parent runs again as soon as the VMM has imaged its memory.
+        let resume = if running && purpose == Purpose::Fork {
+            Resume::WhileWriting
+        } else {
+            Resume::Never
+        };
         let taken = tokio::task::spawn_blocking(move || {
-            supervisor::snapshot_vm(&sandbox_dir, &dir, false, rootfs, jail_uid)
+            supervisor::snapshot_vm(&sandbox_dir, &dir, rootfs, jail_uid, resume, paused_at)
         })
         .await
         .map_err(|e| e.to_string())
@@ -220,12 +236,18 @@ impl Snapshots {
         if taken.is_ok() {
             self.hold(&snapshot.id).await;
         }
-        let resumed = if running {
+        // A failed snapshot may have left it paused either way.
+        let resumed = if running && (resume == Resume::Never || taken.is_err()) {
             supervisor::set_paused(&sandbox.dir, false)
                 .await
                 .map_err(|e| format!("resuming it: {e}"))
         } else {
             Ok(())
+        };
+        // How long a running VM was paused: until the VMM resumed it, or until our resume.
+        let paused_ms = match &taken {
+            Ok(Some(resumed_after_ms)) => Some(*resumed_after_ms),
+            _ => running.then(|| ms_since(paused_at)),
         };
         if let Err(e) = taken.and(resumed) {
             let _ = remove_dir(&snapshot.dir);
@@ -238,7 +260,11 @@ impl Snapshots {
         if let Err(e) = self.retention.enforce().await {
             log::warn!("snapshot retention: {e}");
         }
-        Ok((snapshot, pin))
+        Ok(Taken {
+            snapshot,
+            pin,
+            paused_ms,
+        })
     }
 
     /// The test hook of `--test-hold-snapshot`: writes the file, then waits until it is gone.
@@ -288,7 +314,11 @@ impl Snapshots {
     /// A snapshot of a running sandbox for its template's boot snapshot.
     pub async fn for_template(&self, id: &str) -> Result<String, ApiError> {
         let _busy = self.claim(id)?;
-        Ok(self.take_snapshot(id, None, Purpose::Kept).await?.0.id)
+        Ok(self
+            .take_snapshot(id, None, Purpose::Kept)
+            .await?
+            .snapshot
+            .id)
     }
 
     /// A fresh snapshot of the sandbox, then `count` restores of it, each on its own. The
@@ -305,7 +335,11 @@ impl Snapshots {
         refuse_gpus(&parent, "forked")?;
         self.sandboxes.check_room(count, parent.memory_mib)?;
         let started = std::time::Instant::now();
-        let (snapshot, _pin) = {
+        let Taken {
+            snapshot,
+            pin: _pin,
+            paused_ms,
+        } = {
             let _busy = self.claim(id)?;
             self.take_snapshot(id, None, Purpose::Fork).await?
         };
@@ -351,7 +385,8 @@ impl Snapshots {
             .collect();
         if log::log_enabled!(log::Level::Debug) {
             log::debug!(
-                "fork {id}: snapshot {snapshot_ms:.2} ms, clones {:.2} ms",
+                "fork {id}: paused {:.2} ms, snapshot {snapshot_ms:.2} ms, clones {:.2} ms",
+                paused_ms.unwrap_or(0.0),
                 ms_since(started) - snapshot_ms
             );
         }

@@ -524,7 +524,7 @@ mod tests {
         // The snapshot's disk copy.
         let paths = super::super::vm::Paths::new(&scene.dir);
         let to = scene.dir.parent().expect("parent").join("snap-rootfs.img");
-        let error = super::super::vm::copy_rootfs(&paths, &to).unwrap_err();
+        let error = super::super::snapshot::copy_rootfs(&paths, &to).unwrap_err();
         assert_refused(&error, "rootfs.img", "symlink");
         assert!(
             error.to_string().contains(&scene.dir.display().to_string()),

@@ -1,5 +1,6 @@
 //! The supervisor: the `rollbox-vmm` processes, one per sandbox, each inside `rollbox-jailer`
-//! unless `--no-jailer` ([`vm`] spawns them and speaks to their API). It launches and stops
+//! unless `--no-jailer` ([`vm`] spawns them and speaks to their API, [`snapshot`] takes their
+//! snapshots). It launches and stops
 //! VMMs, knows which ones it started (so it reaps them) and which one a sandbox is being
 //! snapshotted or reset on, finds VMMs again after a restart, and owns the sandboxes' host
 //! cgroups: a jail's groups, or the daemon's own cpu group of an unjailed VMM with a
@@ -10,6 +11,7 @@ mod disk;
 pub mod jaildir;
 mod process;
 mod shell;
+pub mod snapshot;
 pub mod virtiofsd;
 pub mod vm;
 
@@ -17,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rollbox_jailer::cgroup::{self, Cgroups};
 
@@ -631,19 +633,23 @@ impl Supervisor {
     }
 }
 
-/// Pauses the VM (if it runs), takes a Full snapshot into `dir` (made here) and a copy of its
-/// rootfs (when `rootfs`), and resumes it; on error `dir` is gone. Blocking. A jailed VMM's
-/// snapshot directory is its group's to read (mode 0750): a restore binds it into a jail.
+/// Takes a copy of the paused VM's rootfs (when `rootfs`) and a Full snapshot into `dir` (made
+/// here); on error `dir` is gone. With `resume`, the VMM resumes the VM as soon as its memory
+/// is imaged and writes the memory file while it runs ([`snapshot::Resume::WhileWriting`]; a
+/// failed snapshot may leave it paused), and the answer says how long after `paused_at` it
+/// ran again, in ms. Blocking. A jailed VMM's snapshot directory is its group's to read (mode
+/// 0750): a restore binds it into a jail.
 pub fn snapshot_vm(
     sandbox_dir: &Path,
     dir: &Path,
-    running: bool,
     rootfs: bool,
     jail_uid: Option<u32>,
-) -> Result<(), String> {
+    resume: snapshot::Resume,
+    paused_at: Instant,
+) -> Result<Option<f64>, String> {
     let paths = vm::Paths::new(sandbox_dir);
     std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let result = snapshot_into(&paths, dir, running, rootfs, jail_uid);
+    let result = snapshot_into(&paths, dir, rootfs, jail_uid, resume, paused_at);
     if result.is_err() {
         let _ = remove_dir(dir);
     }
@@ -654,10 +660,11 @@ pub fn snapshot_vm(
 fn snapshot_into(
     paths: &vm::Paths,
     dir: &Path,
-    running: bool,
     rootfs: bool,
     jail_uid: Option<u32>,
-) -> Result<(), String> {
+    resume: snapshot::Resume,
+    paused_at: Instant,
+) -> Result<Option<f64>, String> {
     let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
     let (uid, gid) = sandbox.owner();
     if jail_uid == Some(uid) {
@@ -665,24 +672,14 @@ fn snapshot_into(
             .and_then(|d| d.set_group_mode(gid, 0o750))
             .map_err(|e| e.to_string())?;
     }
-    if running {
-        vm::set_vm_state(paths, VmState::Paused).map_err(|e| e.to_string())?;
+    // The disk is copied first, while the vCPUs are paused, so it matches the memory.
+    if rootfs {
+        snapshot::copy_rootfs(paths, &dir.join("rootfs.img")).map_err(|e| e.to_string())?;
     }
-    // The disk is copied while the vCPUs are paused, so it matches the memory.
-    let result = vm::create_snapshot(paths, dir, jail_uid).and_then(|()| {
-        if rootfs {
-            vm::copy_rootfs(paths, &dir.join("rootfs.img"))
-        } else {
-            Ok(())
-        }
-    });
-    if running {
-        let resumed = vm::set_vm_state(paths, VmState::Resumed);
-        if let (Ok(()), Err(e)) = (&result, resumed) {
-            return Err(e.to_string());
-        }
-    }
-    result.map_err(|e| e.to_string())
+    let calling = ms_since(paused_at);
+    let resumed =
+        snapshot::create_snapshot(paths, dir, jail_uid, resume).map_err(|e| e.to_string())?;
+    Ok(resumed.map(|r| calling + r.paused_ms))
 }
 
 /// `PATCH /vm` Paused or Resumed on the sandbox's VMM, off the async threads.
@@ -710,7 +707,7 @@ pub async fn vm_paused(sandbox_dir: &Path) -> Result<bool, String> {
 }
 
 /// Removes what a snapshot that was not finished left in the sandbox's directory (the jailed
-/// VMM's `snapshot-new/`, see [`vm::create_snapshot`]); a symlink there is removed, not
+/// VMM's `snapshot-new/`, see [`snapshot::create_snapshot`]); a symlink there is removed, not
 /// followed.
 pub fn remove_snapshot_staging(sandbox_dir: &Path) -> std::io::Result<()> {
     remove_dir(&sandbox_dir.join("snapshot-new"))

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use rollbox_jailer::cgroup;
 use vmm_api::{
-    BootSourceConfig, Client, ClientError, ConfigFile, CreateSnapshotParams, DriveConfig, FsCache,
-    FsConfig, MachineConfig, NetworkInterfaceConfig, VmState, VsockConfig,
+    BootSourceConfig, Client, ClientError, ConfigFile, DriveConfig, FsCache, FsConfig,
+    MachineConfig, NetworkInterfaceConfig, VmState, VsockConfig,
 };
 
 use super::disk::{copy_disk, copy_file};
@@ -181,7 +181,7 @@ const JAIL_NOFILE: u32 = 4096;
 /// (a snapshot's memory file, its state, the console and logs).
 const JAIL_FSIZE_SLACK: u64 = 512 << 20;
 /// How long a Full snapshot may take to write.
-const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+pub(super) const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a pause or resume may take.
 const STATE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A template's shared base: the VMM's second drive (after `rootfs`), so the guest's
@@ -866,77 +866,9 @@ pub fn agent_socket(dir: &Path) -> Result<SocketPath, VmError> {
 }
 
 /// A failed call on the socket `sock`.
-fn api_error(sock: &SocketPath) -> impl FnOnce(ClientError) -> VmError {
+pub(super) fn api_error(sock: &SocketPath) -> impl FnOnce(ClientError) -> VmError {
     let sock = sock.path().to_path_buf();
     move |source| VmError::Api { sock, source }
-}
-
-/// What the VMM may write beside a snapshot's `vmstate` and `memory` (`memory.id`, ...); never
-/// a name the daemon writes itself.
-const DAEMON_SNAPSHOT_FILES: [&str; 1] = ["rootfs.img"];
-
-/// `PUT /snapshot/create` (Full) into `dir`/vmstate and `dir`/memory; the VM must be paused.
-/// A jailed VMM (its directory owned by `jail_uid`) writes them into its own directory
-/// (`/snapshot-new/`), and they are moved to `dir` from there: regular files only, each
-/// checked through its descriptor ([`JailDir::move_file_to`]).
-pub fn create_snapshot(paths: &Paths, dir: &Path, jail_uid: Option<u32>) -> Result<(), VmError> {
-    let sandbox = JailDir::open(&paths.dir)?;
-    let (uid, gid) = sandbox.owner();
-    let jailed = jail_uid == Some(uid);
-    let seen_as = if jailed {
-        // The jail's uid writes there: the owner of the sandbox directory.
-        sandbox.fresh_subdir("snapshot-new", uid, gid)?;
-        PathBuf::from("/snapshot-new")
-    } else {
-        dir.to_path_buf()
-    };
-    let params = CreateSnapshotParams {
-        snapshot_type: "Full".into(),
-        snapshot_path: seen_as.join("vmstate"),
-        mem_file_path: seen_as.join("memory"),
-        version: None,
-    };
-    let (client, sock) = api_client(paths, SNAPSHOT_TIMEOUT)?;
-    let made = client.create_snapshot(&params).map_err(api_error(&sock));
-    if !jailed {
-        return made;
-    }
-    let moved = made.and_then(|()| {
-        let staging = sandbox.subdir("snapshot-new")?;
-        let to = JailDir::open(dir)?;
-        for name in staging.names()? {
-            if DAEMON_SNAPSHOT_FILES.iter().any(|n| name == *n) {
-                return Err(JailDirError::Refused {
-                    dir: staging.path().to_path_buf(),
-                    name: name.to_string_lossy().into_owned(),
-                    why: "the daemon writes that name itself".into(),
-                }
-                .into());
-            }
-            staging.move_file_to(&name, &to)?;
-        }
-        Ok(())
-    });
-    // remove_dir_all removes a symlink itself and follows none below it.
-    let _ = std::fs::remove_dir_all(paths.dir.join("snapshot-new"));
-    moved
-}
-
-/// Copies the sandbox's disk (`rootfs.img`, opened with no symlink followed and checked) to
-/// `to`, a new file.
-pub fn copy_rootfs(paths: &Paths, to: &Path) -> Result<(), VmError> {
-    let source = JailDir::open(&paths.dir)?.open_file("rootfs.img")?;
-    let failed = |source| VmError::Rootfs {
-        from: paths.rootfs.clone(),
-        to: to.to_path_buf(),
-        source,
-    };
-    let dest = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(to)
-        .map_err(failed)?;
-    copy_file(&source, &dest).map_err(failed)
 }
 
 /// Waits until the VMM's API answers (its VM started), or it ended.
