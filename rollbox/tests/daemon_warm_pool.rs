@@ -1,6 +1,7 @@
 //! `rollbox serve --warm-pool MIB=N` (issue 29): jailed VMM shells started ahead, each under
 //! the id of the sandbox it becomes; a create restoring a snapshot of that size takes one,
-//! the pool refills, a dead shell is replaced, creates a shell cannot serve start cold, and
+//! the pool refills, a dead shell is replaced, creates a shell cannot serve start cold, the
+//! pool holds only the room the node's limits leave, 1,000 cycles leave only the pool, and
 //! nothing of the pool outlives the daemon. Tier 2: needs /dev/kvm.
 
 use std::collections::BTreeSet;
@@ -149,6 +150,111 @@ fn restores_take_warm_shells_the_pool_refills_and_nothing_outlives_the_daemon() 
     assert_eq!(second.len(), 2, "{second:?}");
     assert!(first.is_disjoint(&second), "{first:?} {second:?}");
     assert_eq!(server.dirs(), second);
+}
+
+/// Waits until the pool has `ready` shells (its target stays 3).
+fn wait_ready(server: &Server, ready: u64) {
+    wait_for(
+        &format!("{ready} ready shells"),
+        Duration::from_secs(30),
+        || pool(server) == (3, ready),
+    );
+}
+
+/// The pool's shells count against `--max-sandboxes` and `--memory-budget-mib` beside the
+/// live sandboxes: it fills only the room the sandboxes leave, ends shells when sandboxes take
+/// their place, and never refuses a create.
+#[test]
+fn the_pool_holds_only_the_room_the_node_limits_leave() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&["--warm-pool", "32=3", "--max-sandboxes", "4"]);
+    let snapshot = server.guest_snapshot();
+    wait_ready(&server, 3);
+    let mut made = Vec::new();
+    // The second create starts cold (a CPU limit): the shells beside it no longer fit, and
+    // one ends.
+    for (sandboxes, ready) in [(1, 3), (2, 2), (3, 1), (4, 0)] {
+        let body = if sandboxes == 2 {
+            json!({"snapshot": snapshot, "ttl_s": 300, "cpu_limit": 0.5})
+        } else {
+            json!({"snapshot": snapshot, "ttl_s": 300})
+        };
+        let sandbox = server.create(body);
+        made.push(sandbox["id"].as_str().expect("id").to_string());
+        assert_eq!(made.len(), sandboxes);
+        wait_ready(&server, ready);
+        // Never more VMMs than the limit: sandboxes and shells together.
+        assert!(vmm_ids(&server).len() <= 4, "{:?}", server.vmms());
+    }
+    // The node is full: the next create is refused by the limit, not by the pool.
+    let (status, body) = server.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"snapshot": snapshot, "ttl_s": 300})),
+    );
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["limit"], "max_sandboxes", "{body}");
+    // Room again: the pool fills it back to its target.
+    for id in made.drain(..3) {
+        let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(status, 204);
+    }
+    wait_ready(&server, 3);
+    assert_eq!(
+        server.log().matches("would pass --max-sandboxes").count(),
+        1,
+        "{}",
+        server.log_tail()
+    );
+
+    // A memory budget of 64 MiB holds two 32 MiB shells, whatever the target.
+    let budget = Server::start(&["--warm-pool", "32=3", "--memory-budget-mib", "64"]);
+    wait_ready(&budget, 2);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(pool(&budget), (3, 2));
+}
+
+/// 1,000 creates and deletes from warm shells, four at a time, leave exactly the pool: no
+/// sandbox's VMM or directory behind, and no shell beyond the pool's.
+#[test]
+fn a_thousand_creates_and_deletes_leave_only_the_pool() {
+    if !kvm_available() {
+        return;
+    }
+    let server = Server::start(&["--warm-pool", "32=2"]);
+    let snapshot = server.guest_snapshot();
+    wait_full(&server);
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (server, snapshot) = (&server, snapshot.clone());
+            move || {
+                for _ in 0..250 {
+                    let sandbox = server.create(json!({"snapshot": snapshot, "ttl_s": 300}));
+                    let id = sandbox["id"].as_str().expect("id");
+                    let (status, body) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+                    assert_eq!(status, 204, "{body}");
+                }
+            }
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        for work in workers {
+            scope.spawn(work);
+        }
+    });
+    assert!(server.list("running").is_empty());
+    wait_full(&server);
+    // The background removal of each delete's cgroups has finished once the count settles.
+    wait_for(
+        "only the pool's VMMs and directories",
+        Duration::from_secs(60),
+        || {
+            let shells = vmm_ids(&server);
+            shells.len() == 2 && server.dirs() == shells
+        },
+    );
 }
 
 /// `--warm-pool templates=1`: a shell per template with a boot snapshot, made for its disk and

@@ -241,7 +241,8 @@ pub struct ServeArgs {
     /// Keep N jailed VMM shells ready for guests of MIB MiB, or with templates=N for each
     /// template with a boot snapshot (repeatable): a create that restores a snapshot (no
     /// network, volume, GPU or CPU limit) loads it into one instead of starting a VMM, and the
-    /// pool starts another in the background.
+    /// pool starts another in the background. Shells count against --max-sandboxes and
+    /// --memory-budget-mib: the pool holds only the room the sandboxes leave.
     #[arg(long = "warm-pool", value_name = "MIB=N|templates=N",
           value_parser = rollbox::daemon::parse_warm_pool)]
     warm_pool: Vec<rollbox::daemon::WarmPoolSpec>,

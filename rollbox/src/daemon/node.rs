@@ -255,6 +255,12 @@ impl Node {
         Ok(())
     }
 
+    /// Whether `count` more VMMs holding `memory_mib` in all fit beside the live sandboxes (the
+    /// warm pool's room: its shells count against the limits, and never refuse a create).
+    pub fn has_room_for(&self, count: u64, memory_mib: u64) -> bool {
+        self.fits(count, memory_mib).is_ok()
+    }
+
     /// Runs `insert` (one sandbox's row) only if a sandbox of `memory_mib` fits, with no other
     /// admission in between.
     pub fn admit<T>(

@@ -146,11 +146,13 @@ impl Sandboxes {
     ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
         let pool = Arc::clone(self.pool.as_ref()?);
         let (supervisor, node) = (Arc::clone(&self.supervisor), Arc::clone(&self.node));
+        let room = Arc::clone(&node);
         let db = Arc::clone(&self.db);
         Some(pool.refill(
             supervisor,
             move || node.sandbox_id(&random_hex()),
             move || template_shapes(&db),
+            move |count, memory_mib| room.has_room_for(count, memory_mib),
         ))
     }
 

@@ -6,7 +6,9 @@
 //! shared base. A create takes a shell and the pool starts another in the background, one at a
 //! time; a shell whose VMM died is logged and replaced; a shell serves one sandbox, whose id it
 //! was started with. Shells hold no guest memory until taken (each is one VMM process, about
-//! 2 MiB), so they are shown in `GET /node` and `/metrics` but not counted as sandboxes.
+//! 2 MiB) and are not sandboxes (`GET /node` and `/metrics` show them), but they count against
+//! the node's limits beside the live sandboxes: the pool fills only the room those leave, and
+//! ends the shells past it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -134,14 +136,17 @@ impl WarmPool {
         self.closing.load(Ordering::SeqCst)
     }
 
-    /// Keeps every shape at its target until [`WarmPool::stop_refill`]; `new_id` names each
-    /// shell's future sandbox, `templates` gives the shape of each template with a boot
-    /// snapshot (asked on every pass when `templates=N`).
+    /// Keeps every shape at its target until [`WarmPool::stop_refill`], within the node's
+    /// room: `room(count, memory_mib)` says whether that many VMMs holding that much guest
+    /// memory fit beside the live sandboxes (`--max-sandboxes`, `--memory-budget-mib`), and
+    /// shells past it end. `new_id` names each shell's future sandbox, `templates` gives the
+    /// shape of each template with a boot snapshot (asked on every pass when `templates=N`).
     pub async fn refill(
         self: Arc<Self>,
         supervisor: Arc<Supervisor>,
         new_id: impl Fn() -> String + Send + Sync,
         templates: impl Fn() -> Vec<ShellShape> + Send + Sync,
+        room: impl Fn(u64, u64) -> bool + Send + Sync,
     ) {
         while !self.is_closing() {
             if self.per_template > 0 {
@@ -167,10 +172,22 @@ impl WarmPool {
                 );
                 supervisor.discard_shell(shell).await;
             }
+            for shell in self.remove_past(&room) {
+                log::info!(
+                    "warm shell {} ({} MiB) ended: beside the node's sandboxes it would pass --max-sandboxes or --memory-budget-mib",
+                    shell.id,
+                    shell.shape.memory_mib
+                );
+                supervisor.discard_shell(shell).await;
+            }
             let mut failed = false;
             let targets = lock(&self.targets).clone();
             for (shape, target) in targets {
                 while !self.is_closing() && self.ready_of(&shape) < target {
+                    let (count, memory_mib) = self.held();
+                    if !room(count + 1, memory_mib + u64::from(shape.memory_mib)) {
+                        break;
+                    }
                     match supervisor.start_shell(new_id(), shape.clone()).await {
                         Ok(shell) => self.put_back(shell),
                         Err(e) => {
@@ -225,6 +242,29 @@ impl WarmPool {
             }
         }
         gone
+    }
+
+    /// The ready shells and the guest memory they are for.
+    fn held(&self) -> (u64, u64) {
+        let ready = lock(&self.ready);
+        let memory_mib = ready.iter().map(|s| u64::from(s.shape.memory_mib)).sum();
+        (ready.len() as u64, memory_mib)
+    }
+
+    /// The newest ready shells that do not fit `room` beside the live sandboxes (sandboxes
+    /// took their place), taken out of the pool.
+    fn remove_past(&self, room: &impl Fn(u64, u64) -> bool) -> Vec<Shell> {
+        let mut gone = Vec::new();
+        loop {
+            let (count, memory_mib) = self.held();
+            if count == 0 || room(count, memory_mib) {
+                return gone;
+            }
+            match lock(&self.ready).pop() {
+                Some(shell) => gone.push(shell),
+                None => return gone,
+            }
+        }
     }
 
     /// Stops the refill: it ends once the shell it may be starting is in the pool.
