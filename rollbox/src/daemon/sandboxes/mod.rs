@@ -858,6 +858,7 @@ fn template_shapes(db: &Db) -> Vec<ShellShape> {
             let (memory_mib, disk_bytes) = Supervisor::restore_needs(&template, &snapshot)?;
             Some(ShellShape {
                 memory_mib,
+                vcpus: snapshot.vcpus,
                 disk_bytes,
                 base: template.base_rootfs.clone(),
                 template: Some(template.name),

@@ -291,10 +291,12 @@ fn fixed_targets(fixed: &BTreeMap<u32, usize>) -> Vec<(ShellShape, usize)> {
 }
 
 /// The shape of `MIB=N`'s shells: any restore of that size with no shared base and a disk
-/// no larger than its memory.
+/// no larger than its memory; their empty VMs have one vCPU (a snapshot with more loads
+/// without it).
 fn memory_shape(memory_mib: u32) -> ShellShape {
     ShellShape {
         memory_mib,
+        vcpus: 1,
         disk_bytes: u64::from(memory_mib) << 20,
         base: None,
         template: None,
@@ -369,6 +371,7 @@ mod tests {
         let base = std::path::PathBuf::from("/state/images/base.ext4");
         let shape = ShellShape {
             memory_mib: 256,
+            vcpus: 2,
             disk_bytes: 1 << 30,
             base: Some(base.clone()),
             template: Some("python".into()),

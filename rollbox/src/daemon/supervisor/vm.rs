@@ -655,6 +655,9 @@ fn spawn_restored(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShellShape {
     pub memory_mib: u32,
+    /// The vCPUs of the empty VM it builds as it starts (`--shell-memory-mib`): a snapshot
+    /// of that shape only restores its state into it; one of another loads without it.
+    pub vcpus: u32,
     /// The largest disk it may run (its jail's file size limit is set for it).
     pub disk_bytes: u64,
     /// A template's shared base, bound read-only into its jail.
@@ -675,8 +678,9 @@ impl ShellShape {
 }
 
 /// Makes the directory of a warm shell (`paths.dir`, named by the sandbox id it will serve)
-/// and starts `vmm` there (jailed when `jail` says so) with its API socket and console only:
-/// no VM until a `PUT /snapshot/load` ([`load_in_shell`]). Its jail's file size limit is set
+/// and starts `vmm` there (jailed when `jail` says so) with its API socket and console only,
+/// building an empty VM of `shape` (KVM's VM, memory slot, irqchip and vCPUs; guest memory
+/// untouched) that a `PUT /snapshot/load` of that shape restores into ([`load_in_shell`]). Its jail's file size limit is set
 /// for `shape`'s disk, and `shape`'s base is bound into it.
 pub fn spawn_shell(
     vmm: &Path,
@@ -697,7 +701,9 @@ pub fn spawn_shell(
     launch
         .own("--api-sock", &paths.api_sock)
         .own("--console", &paths.console)
-        .arg(format!("--console-max-bytes={console_max_bytes}"));
+        .arg(format!("--console-max-bytes={console_max_bytes}"))
+        .arg(format!("--shell-memory-mib={}", shape.memory_mib))
+        .arg(format!("--shell-vcpus={}", shape.vcpus));
     let (command, program) = launch.command(vmm, paths)?;
     start(command, &program, paths, &launch.keep_fds)
 }
