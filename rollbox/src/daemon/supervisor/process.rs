@@ -1,6 +1,7 @@
 //! VMM processes in /proc: a process known again by (pid, start time), ended with its process
 //! group, and the VMMs (or jailers) that run under a sandboxes directory.
 
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -36,8 +37,50 @@ pub fn kill(pid: u32, start: u64, timeout: Duration) -> bool {
     // SAFETY: killpg only sends a signal; pgid is the VMM's own group (it was spawned with
     // process_group(0), so its pid is its group id), checked alive by start time just above.
     unsafe { libc::killpg(pgid, libc::SIGKILL) };
+    wait_gone(pgid, start, timeout)
+}
+
+/// Waits up to `timeout` for the process `pid` that started at `start` to end. Its pidfd
+/// becomes readable the moment it does; without one (a kernel before 5.3) /proc is polled.
+fn wait_gone(pid: libc::pid_t, start: u64, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
-    while is_ours(pid, start) {
+    // SAFETY: pidfd_open takes a pid and no flags, and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let Ok(fd) = std::os::fd::RawFd::try_from(fd) else {
+        return poll_gone(pid, start, deadline);
+    };
+    if fd < 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            || poll_gone(pid, start, deadline);
+    }
+    // SAFETY: the descriptor was just opened and is owned by nothing else.
+    let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // The pid may have been reused since the kill: the descriptor is the process's only if
+    // that pid still has its start time.
+    if !is_ours(pid.unsigned_abs(), start) {
+        return true;
+    }
+    let mut ready = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let left_ms = libc::c_int::try_from(left.as_millis()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: polls one pollfd on the stack, for a descriptor held open above.
+        match unsafe { libc::poll(&mut ready, 1, left_ms) } {
+            n if n > 0 => return true,
+            0 => return !is_ours(pid.unsigned_abs(), start),
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return poll_gone(pid, start, deadline),
+        }
+    }
+}
+
+/// [`wait_gone`] without a pidfd: /proc every 5 ms.
+fn poll_gone(pid: libc::pid_t, start: u64, deadline: Instant) -> bool {
+    while is_ours(pid.unsigned_abs(), start) {
         if Instant::now() >= deadline {
             return false;
         }
@@ -115,7 +158,29 @@ pub fn find_vmms(sandboxes_dir: &Path) -> Vec<Found> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::process::CommandExt;
     use std::process::Command;
+
+    #[test]
+    fn kill_ends_a_process_group_and_sees_it_gone() {
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep");
+        let start = start_time(child.id()).expect("start time");
+        assert!(kill(child.id(), start, Duration::from_secs(10)));
+        // Gone once it is a zombie, before anyone reaps it.
+        assert!(!is_ours(child.id(), start));
+        let status = child.wait().expect("wait");
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+        // Gone already (or another process's pid): nothing to do.
+        assert!(kill(child.id(), start, Duration::from_secs(1)));
+        assert!(wait_gone(libc::pid_t::MAX, 0, Duration::from_millis(10)));
+    }
 
     #[test]
     fn find_vmms_knows_a_jailer_by_its_chroot_base_and_id() {
