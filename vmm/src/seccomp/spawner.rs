@@ -85,16 +85,19 @@ impl Spawner {
     }
 
     /// Forks the writer of a background memory snapshot from the spawner thread, which no
-    /// filter keeps from creating processes (from the caller if there is none).
+    /// filter keeps from creating processes. Without that thread it is an error, not a fork
+    /// from the caller (a filtered thread's fork(2) would end the process with SIGSYS): the
+    /// snapshot then writes its memory while the VM is paused.
     pub fn start_dump(&self, job: DumpJob) -> Result<StartedDump, BackgroundSnapshotError> {
-        let Some(requests) = self.sender() else {
-            return job.start();
-        };
         let path = job.path().to_path_buf();
-        let ended = || BackgroundSnapshotError::Fork {
+        let unavailable = |why: &str| BackgroundSnapshotError::Fork {
             path: path.clone(),
-            source: std::io::Error::other("the spawner thread has ended"),
+            source: std::io::Error::other(why.to_string()),
         };
+        let Some(requests) = self.sender() else {
+            return Err(unavailable("there is no spawner thread"));
+        };
+        let ended = || unavailable("the spawner thread has ended");
         let (reply, answer) = channel();
         requests
             .send(SpawnRequest::Dump(job, reply))
