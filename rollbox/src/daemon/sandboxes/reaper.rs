@@ -113,9 +113,10 @@ impl Sandboxes {
         self.supervisor.sweep(&keep)?;
         let reconciled = kept.iter().map(|sandbox| async move {
             let dir = sandbox.dir.clone();
-            let staged =
-                tokio::task::spawn_blocking(move || supervisor::remove_snapshot_staging(&dir))
-                    .await;
+            let staged = tokio::task::spawn_blocking(move || {
+                supervisor::snapshot::remove_snapshot_staging(&dir)
+            })
+            .await;
             if let Ok(Err(e)) = staged {
                 log::warn!("sandbox {}: unfinished snapshot files: {e}", sandbox.id);
             }

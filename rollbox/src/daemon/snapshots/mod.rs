@@ -208,7 +208,7 @@ impl Snapshots {
         };
         let pin = self.retention.pin(&snapshot.id);
         let failed = |e: String| ApiError::Internal(format!("snapshot of sandbox {id}: {e}"));
-        // The pause and resume are here, not in snapshot_vm, so that a daemon killed between
+        // The pause and resume are here, not in `snapshot_vm`, so that a daemon killed between
         // them can be tested (`hold`); a restart resumes the VM (see `Sandboxes::recover`).
         let running = sandbox.state == State::Running;
         let paused_at = std::time::Instant::now();
@@ -228,7 +228,14 @@ impl Snapshots {
             Resume::Never
         };
         let taken = tokio::task::spawn_blocking(move || {
-            supervisor::snapshot_vm(&sandbox_dir, &dir, rootfs, jail_uid, resume, paused_at)
+            supervisor::snapshot::snapshot_vm(
+                &sandbox_dir,
+                &dir,
+                rootfs,
+                jail_uid,
+                resume,
+                paused_at,
+            )
         })
         .await
         .map_err(|e| e.to_string())
@@ -343,7 +350,7 @@ impl Snapshots {
             let _busy = self.claim(id)?;
             self.take_snapshot(id, None, Purpose::Fork).await?
         };
-        // The parent is paused for its snapshot, and only for that.
+        // The snapshot's part of the fork (the parent ran again within it: `paused_ms`).
         let snapshot_ms = ms_since(started);
         let parent = touch(&self.db, id)?;
         // Without a TTL the forks get what the parent has left.

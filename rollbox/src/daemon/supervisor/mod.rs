@@ -1,10 +1,10 @@
 //! The supervisor: the `rollbox-vmm` processes, one per sandbox, each inside `rollbox-jailer`
 //! unless `--no-jailer` ([`vm`] spawns them and speaks to their API, [`snapshot`] takes their
-//! snapshots). It launches and stops
-//! VMMs, knows which ones it started (so it reaps them) and which one a sandbox is being
-//! snapshotted or reset on, finds VMMs again after a restart, and owns the sandboxes' host
-//! cgroups: a jail's groups, or the daemon's own cpu group of an unjailed VMM with a
-//! `cpu_limit` (the cgroup files themselves are `rollbox_jailer::cgroup`'s).
+//! snapshots). It launches and stops VMMs, knows which ones it started (so it reaps them)
+//! and which one a sandbox is being snapshotted or reset on, finds VMMs again after a
+//! restart, and owns the sandboxes' host cgroups: a jail's groups, or the daemon's own cpu
+//! group of an unjailed VMM with a `cpu_limit` (the cgroup files themselves are
+//! `rollbox_jailer::cgroup`'s).
 
 mod cpu;
 mod disk;
@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rollbox_jailer::cgroup::{self, Cgroups};
 
@@ -633,55 +633,6 @@ impl Supervisor {
     }
 }
 
-/// Takes a copy of the paused VM's rootfs (when `rootfs`) and a Full snapshot into `dir` (made
-/// here); on error `dir` is gone. With `resume`, the VMM resumes the VM as soon as its memory
-/// is imaged and writes the memory file while it runs ([`snapshot::Resume::WhileWriting`]; a
-/// failed snapshot may leave it paused), and the answer says how long after `paused_at` it
-/// ran again, in ms. Blocking. A jailed VMM's snapshot directory is its group's to read (mode
-/// 0750): a restore binds it into a jail.
-pub fn snapshot_vm(
-    sandbox_dir: &Path,
-    dir: &Path,
-    rootfs: bool,
-    jail_uid: Option<u32>,
-    resume: snapshot::Resume,
-    paused_at: Instant,
-) -> Result<Option<f64>, String> {
-    let paths = vm::Paths::new(sandbox_dir);
-    std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let result = snapshot_into(&paths, dir, rootfs, jail_uid, resume, paused_at);
-    if result.is_err() {
-        let _ = remove_dir(dir);
-    }
-    result
-}
-
-/// [`snapshot_vm`] once `dir` is made.
-fn snapshot_into(
-    paths: &vm::Paths,
-    dir: &Path,
-    rootfs: bool,
-    jail_uid: Option<u32>,
-    resume: snapshot::Resume,
-    paused_at: Instant,
-) -> Result<Option<f64>, String> {
-    let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
-    let (uid, gid) = sandbox.owner();
-    if jail_uid == Some(uid) {
-        JailDir::open(dir)
-            .and_then(|d| d.set_group_mode(gid, 0o750))
-            .map_err(|e| e.to_string())?;
-    }
-    // The disk is copied first, while the vCPUs are paused, so it matches the memory.
-    if rootfs {
-        snapshot::copy_rootfs(paths, &dir.join("rootfs.img")).map_err(|e| e.to_string())?;
-    }
-    let calling = ms_since(paused_at);
-    let resumed =
-        snapshot::create_snapshot(paths, dir, jail_uid, resume).map_err(|e| e.to_string())?;
-    Ok(resumed.map(|r| calling + r.paused_ms))
-}
-
 /// `PATCH /vm` Paused or Resumed on the sandbox's VMM, off the async threads.
 pub async fn set_paused(sandbox_dir: &Path, pause: bool) -> Result<(), String> {
     let paths = vm::Paths::new(sandbox_dir);
@@ -704,13 +655,6 @@ pub async fn vm_paused(sandbox_dir: &Path) -> Result<bool, String> {
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
     Ok(state == "Paused")
-}
-
-/// Removes what a snapshot that was not finished left in the sandbox's directory (the jailed
-/// VMM's `snapshot-new/`, see [`snapshot::create_snapshot`]); a symlink there is removed, not
-/// followed.
-pub fn remove_snapshot_staging(sandbox_dir: &Path) -> std::io::Result<()> {
-    remove_dir(&sandbox_dir.join("snapshot-new"))
 }
 
 /// The sandbox disk's bytes in use and its size, read below the jail's directory descriptor

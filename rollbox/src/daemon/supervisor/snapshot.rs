@@ -1,14 +1,16 @@
 //! Taking a sandbox VMM's snapshot into a daemon directory: the VMM's Full snapshot (written
-//! by a jailed VMM into its own directory and moved out through checked descriptors), and the
-//! copy of the sandbox's disk beside it.
+//! by a jailed VMM into its own directory and moved out through checked descriptors), the
+//! copy of the sandbox's disk beside it, and what an unfinished one left behind.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use vmm_api::{CreateSnapshotParams, ResumedSnapshot};
 
 use super::disk::copy_file;
 use super::jaildir::{JailDir, JailDirError};
 use super::vm::{api_client, api_error, Paths, VmError, SNAPSHOT_TIMEOUT};
+use crate::daemon::util::{ms_since, remove_dir};
 
 /// What the VMM may write beside a snapshot's `vmstate` and `memory` (`memory.id`, ...); never
 /// a name the daemon writes itself.
@@ -97,4 +99,59 @@ pub fn copy_rootfs(paths: &Paths, to: &Path) -> Result<(), VmError> {
         .open(to)
         .map_err(failed)?;
     copy_file(&source, &dest).map_err(failed)
+}
+
+/// Takes a copy of the paused VM's rootfs (when `rootfs`) and a Full snapshot into `dir` (made
+/// here); on error `dir` is gone. With `resume`, the VMM resumes the VM as soon as its memory
+/// is imaged and writes the memory file while it runs ([`Resume::WhileWriting`]; a
+/// failed snapshot may leave it paused), and the answer says how long after `paused_at` it
+/// ran again, in ms. Blocking. A jailed VMM's snapshot directory is its group's to read (mode
+/// 0750): a restore binds it into a jail.
+pub fn snapshot_vm(
+    sandbox_dir: &Path,
+    dir: &Path,
+    rootfs: bool,
+    jail_uid: Option<u32>,
+    resume: Resume,
+    paused_at: Instant,
+) -> Result<Option<f64>, String> {
+    let paths = Paths::new(sandbox_dir);
+    std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let result = snapshot_into(&paths, dir, rootfs, jail_uid, resume, paused_at);
+    if result.is_err() {
+        let _ = remove_dir(dir);
+    }
+    result
+}
+
+/// [`snapshot_vm`] once `dir` is made.
+fn snapshot_into(
+    paths: &Paths,
+    dir: &Path,
+    rootfs: bool,
+    jail_uid: Option<u32>,
+    resume: Resume,
+    paused_at: Instant,
+) -> Result<Option<f64>, String> {
+    let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
+    let (uid, gid) = sandbox.owner();
+    if jail_uid == Some(uid) {
+        JailDir::open(dir)
+            .and_then(|d| d.set_group_mode(gid, 0o750))
+            .map_err(|e| e.to_string())?;
+    }
+    // The disk is copied first, while the vCPUs are paused, so it matches the memory.
+    if rootfs {
+        copy_rootfs(paths, &dir.join("rootfs.img")).map_err(|e| e.to_string())?;
+    }
+    let calling = ms_since(paused_at);
+    let resumed = create_snapshot(paths, dir, jail_uid, resume).map_err(|e| e.to_string())?;
+    Ok(resumed.map(|r| calling + r.paused_ms))
+}
+
+/// Removes what a snapshot that was not finished left in the sandbox's directory (the jailed
+/// VMM's `snapshot-new/`, see [`create_snapshot`]); a symlink there is removed, not
+/// followed.
+pub fn remove_snapshot_staging(sandbox_dir: &Path) -> std::io::Result<()> {
+    remove_dir(&sandbox_dir.join("snapshot-new"))
 }
