@@ -117,36 +117,26 @@ pub fn snapshot_vm(
 ) -> Result<Option<f64>, String> {
     let paths = Paths::new(sandbox_dir);
     std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let result = snapshot_into(&paths, dir, rootfs, jail_uid, resume, paused_at);
+    let result = (|| {
+        let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
+        let (uid, gid) = sandbox.owner();
+        if jail_uid == Some(uid) {
+            JailDir::open(dir)
+                .and_then(|d| d.set_group_mode(gid, 0o750))
+                .map_err(|e| e.to_string())?;
+        }
+        // The disk is copied first, while the vCPUs are paused, so it matches the memory.
+        if rootfs {
+            copy_rootfs(&paths, &dir.join("rootfs.img")).map_err(|e| e.to_string())?;
+        }
+        let calling = ms_since(paused_at);
+        let resumed = create_snapshot(&paths, dir, jail_uid, resume).map_err(|e| e.to_string())?;
+        Ok(resumed.map(|r| calling + r.paused_ms))
+    })();
     if result.is_err() {
         let _ = remove_dir(dir);
     }
     result
-}
-
-/// [`snapshot_vm`] once `dir` is made.
-fn snapshot_into(
-    paths: &Paths,
-    dir: &Path,
-    rootfs: bool,
-    jail_uid: Option<u32>,
-    resume: Resume,
-    paused_at: Instant,
-) -> Result<Option<f64>, String> {
-    let sandbox = JailDir::open(&paths.dir).map_err(|e| e.to_string())?;
-    let (uid, gid) = sandbox.owner();
-    if jail_uid == Some(uid) {
-        JailDir::open(dir)
-            .and_then(|d| d.set_group_mode(gid, 0o750))
-            .map_err(|e| e.to_string())?;
-    }
-    // The disk is copied first, while the vCPUs are paused, so it matches the memory.
-    if rootfs {
-        copy_rootfs(paths, &dir.join("rootfs.img")).map_err(|e| e.to_string())?;
-    }
-    let calling = ms_since(paused_at);
-    let resumed = create_snapshot(paths, dir, jail_uid, resume).map_err(|e| e.to_string())?;
-    Ok(resumed.map(|r| calling + r.paused_ms))
 }
 
 /// Removes what a snapshot that was not finished left in the sandbox's directory (the jailed
