@@ -455,8 +455,15 @@ impl Sandboxes {
             gpus,
             network: None,
         };
+        let insert = || self.db.lock().insert_sandbox(&sandbox).map_err(internal);
         let admitted = self.node.admit(u64::from(sandbox.memory_mib), || {
-            self.db.lock().insert_sandbox(&sandbox).map_err(internal)
+            match (&self.pool, &shell) {
+                // The shell counts as the pool's until the row does (its room, no more).
+                (Some(pool), Some(shell)) => {
+                    pool.insert_for(shell, insert, |i| matches!(i, Inserted::New))
+                }
+                _ => insert(),
+            }
         });
         let inserted = match admitted {
             Ok(inserted) => inserted,

@@ -42,6 +42,11 @@ pub struct WarmPool {
     /// What the refill keeps, by shape: the fixed ones and the templates' of its last pass.
     targets: Mutex<Vec<(ShellShape, usize)>>,
     ready: Mutex<Vec<Shell>>,
+    /// Shells taken by creates whose row is not in yet (count, guest MiB): until it is, they
+    /// still take their room. Also the pool's accounting lock, taken before `ready`: the refill
+    /// holds it across a room check, and a create across its row's insert
+    /// ([`WarmPool::insert_for`]), so no shell is counted twice or missed.
+    taken: Mutex<(u64, u64)>,
     /// Taken shells wake the refill, and so does the daemon's stop.
     wake: tokio::sync::Notify,
     /// Set when the daemon stops: the refill ends after the shell it is starting, if any (a
@@ -74,6 +79,7 @@ impl WarmPool {
             fixed,
             per_template,
             ready: Mutex::new(Vec::new()),
+            taken: Mutex::new((0, 0)),
             wake: tokio::sync::Notify::new(),
             closing: AtomicBool::new(false),
         })
@@ -89,6 +95,7 @@ impl WarmPool {
         base: Option<&std::path::Path>,
     ) -> Option<Shell> {
         let taken = {
+            let mut taken = lock(&self.taken);
             let mut ready = lock(&self.ready);
             let fits = |shell: &Shell| shell.shape.fits(memory_mib, disk_bytes, base);
             let position = ready
@@ -101,7 +108,9 @@ impl WarmPool {
                         .iter_mut()
                         .rposition(|s| s.shape.template.is_none() && fits(s) && s.alive())
                 })?;
-            ready.remove(position)
+            let shell = ready.remove(position);
+            count_taken(&mut taken, &shell, true);
+            shell
         };
         self.wake.notify_one();
         Some(taken)
@@ -109,7 +118,26 @@ impl WarmPool {
 
     /// A shell taken but not used (its create was refused before its VMM got anything).
     pub fn put_back(&self, shell: Shell) {
+        let mut taken = lock(&self.taken);
+        count_taken(&mut taken, &shell, false);
         lock(&self.ready).push(shell);
+    }
+
+    /// Runs `insert` (the row of the sandbox `shell` was taken for) under the pool's
+    /// accounting lock; when it made the row (`made`), the row counts from then on, not the
+    /// shell.
+    pub fn insert_for<T, E>(
+        &self,
+        shell: &Shell,
+        insert: impl FnOnce() -> Result<T, E>,
+        made: impl FnOnce(&T) -> bool,
+    ) -> Result<T, E> {
+        let mut taken = lock(&self.taken);
+        let inserted = insert()?;
+        if made(&inserted) {
+            count_taken(&mut taken, shell, false);
+        }
+        Ok(inserted)
     }
 
     fn ready_of(&self, shape: &ShellShape) -> usize {
@@ -184,12 +212,11 @@ impl WarmPool {
             let targets = lock(&self.targets).clone();
             for (shape, target) in targets {
                 while !self.is_closing() && self.ready_of(&shape) < target {
-                    let (count, memory_mib) = self.held();
-                    if !room(count + 1, memory_mib + u64::from(shape.memory_mib)) {
+                    if !self.has_room_for(&room, shape.memory_mib) {
                         break;
                     }
                     match supervisor.start_shell(new_id(), shape.clone()).await {
-                        Ok(shell) => self.put_back(shell),
+                        Ok(shell) => lock(&self.ready).push(shell),
                         Err(e) => {
                             log::error!(
                                 "warm pool: a {} MiB shell did not start: {e}",
@@ -244,19 +271,28 @@ impl WarmPool {
         gone
     }
 
-    /// The ready shells and the guest memory they are for.
-    fn held(&self) -> (u64, u64) {
+    /// The shells the pool holds (ready, and `taken` by creates whose row is not in yet)
+    /// and the guest memory they are for; `taken` is the accounting lock's guard.
+    fn held(&self, taken: &(u64, u64)) -> (u64, u64) {
         let ready = lock(&self.ready);
-        let memory_mib = ready.iter().map(|s| u64::from(s.shape.memory_mib)).sum();
-        (ready.len() as u64, memory_mib)
+        let memory_mib: u64 = ready.iter().map(|s| u64::from(s.shape.memory_mib)).sum();
+        (ready.len() as u64 + taken.0, memory_mib + taken.1)
+    }
+
+    /// Whether one more shell for `memory_mib` fits `room` beside what the pool holds.
+    fn has_room_for(&self, room: &impl Fn(u64, u64) -> bool, memory_mib: u32) -> bool {
+        let taken = lock(&self.taken);
+        let (count, held_mib) = self.held(&taken);
+        room(count + 1, held_mib + u64::from(memory_mib))
     }
 
     /// The newest ready shells that do not fit `room` beside the live sandboxes (sandboxes
     /// took their place), taken out of the pool.
     fn remove_past(&self, room: &impl Fn(u64, u64) -> bool) -> Vec<Shell> {
+        let taken = lock(&self.taken);
         let mut gone = Vec::new();
         loop {
-            let (count, memory_mib) = self.held();
+            let (count, memory_mib) = self.held(&taken);
             if count == 0 || room(count, memory_mib) {
                 return gone;
             }
@@ -280,6 +316,19 @@ impl WarmPool {
             supervisor.discard_shell(shell).await;
         }
     }
+}
+
+/// Counts `shell` into (`taken`) or out of the shells taken by creates not yet admitted.
+fn count_taken(taken: &mut (u64, u64), shell: &Shell, into: bool) {
+    let memory_mib = u64::from(shell.shape.memory_mib);
+    *taken = if into {
+        (taken.0 + 1, taken.1 + memory_mib)
+    } else {
+        (
+            taken.0.saturating_sub(1),
+            taken.1.saturating_sub(memory_mib),
+        )
+    };
 }
 
 /// The `MIB=N` targets.
