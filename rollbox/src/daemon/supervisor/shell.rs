@@ -1,5 +1,6 @@
-//! Warm shells: `rollbox-vmm` processes started ahead, jailed as any sandbox's, with no VM
-//! until a create loads its snapshot into one (issue 29's warm pool keeps them). Each shell
+//! Warm shells: `rollbox-vmm` processes started ahead, jailed as any sandbox's, each with an
+//! empty VM of its shape (no guest state) until a create loads its snapshot into one (issue
+//! 29's warm pool keeps them). Each shell
 //! is started under the id of the sandbox it will become: its directory, its jail and its jail
 //! cgroups already carry that name, so taking one renames nothing, and a shell the daemon
 //! never handed out is swept at its next start like any sandbox it does not know.
@@ -12,7 +13,7 @@ use super::{reap_child, vm, Launched, Supervisor};
 
 pub use super::vm::ShellShape;
 
-/// A VMM with no VM yet, waiting to become sandbox `id`.
+/// A VMM with an empty VM, waiting to become sandbox `id`.
 pub struct Shell {
     pub id: String,
     /// What its jail was made for.
