@@ -687,17 +687,26 @@ fn wait_for_pool(daemon: &Daemon, config: &DaemonBenchConfig) {
     eprintln!("daemon: the warm pool did not fill within 60 s; measuring anyway");
 }
 
-/// Every value of phase `name` in the daemon's `debug: KIND ID: ...` lines of `kind`.
-fn figures(log: &str, kind: &str, name: &str) -> Vec<f64> {
-    let prefix = format!("debug: {kind} ");
+/// Every (kind, phase, value) in the daemon's `debug:` lines: `KIND ID: NAME X ms, ...`.
+fn debug_figures(log: &str) -> impl Iterator<Item = (&str, &str, f64)> {
     log.lines()
-        .filter_map(|line| line.split_once(&prefix).map(|(_, rest)| rest))
-        .filter_map(|rest| rest.split_once(": ").map(|(_, figures)| figures))
-        .flat_map(|figures| figures.split(", "))
-        .filter_map(|figure| {
-            let mut words = figure.split_whitespace();
-            (words.next() == Some(name)).then(|| words.next()?.parse().ok())?
+        .filter_map(|line| line.split_once("debug: ").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.split_once(": "))
+        .flat_map(|(head, figures)| {
+            let kind = head.split_whitespace().next().unwrap_or_default();
+            figures.split(", ").filter_map(move |figure| {
+                let mut words = figure.split_whitespace();
+                let (name, value) = (words.next()?, words.next()?.parse::<f64>().ok()?);
+                Some((kind, name, value))
+            })
         })
+}
+
+/// Every value of phase `name` in the daemon's `debug:` lines of `kind`.
+fn figures(log: &str, kind: &str, name: &str) -> Vec<f64> {
+    debug_figures(log)
+        .filter(|(k, n, _)| *k == kind && *n == name)
+        .map(|(_, _, value)| value)
         .collect()
 }
 
@@ -705,27 +714,11 @@ fn figures(log: &str, kind: &str, name: &str) -> Vec<f64> {
 /// sandbox id), keyed by the line's kind and the phase name.
 fn phases(log: &str) -> Vec<(String, f64)> {
     let mut samples: Vec<(String, Vec<f64>)> = Vec::new();
-    for line in log.lines() {
-        let Some(rest) = line.split_once("debug: ").map(|(_, r)| r) else {
-            continue;
-        };
-        let Some((head, figures)) = rest.split_once(": ") else {
-            continue;
-        };
-        let kind = head.split_whitespace().next().unwrap_or_default();
-        for figure in figures.split(", ") {
-            let mut words = figure.split_whitespace();
-            let (Some(name), Some(value)) = (words.next(), words.next()) else {
-                continue;
-            };
-            let Ok(value) = value.parse::<f64>() else {
-                continue;
-            };
-            let key = format!("{kind}: {name}");
-            match samples.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, all)) => all.push(value),
-                None => samples.push((key, vec![value])),
-            }
+    for (kind, name, value) in debug_figures(log) {
+        let key = format!("{kind}: {name}");
+        match samples.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, all)) => all.push(value),
+            None => samples.push((key, vec![value])),
         }
     }
     samples
