@@ -2,14 +2,15 @@
 //! the id of the sandbox it becomes; a create restoring a snapshot of that size takes one,
 //! the pool refills, a dead shell is replaced, creates a shell cannot serve start cold, the
 //! pool holds only the room the node's limits leave, 1,000 cycles leave only the pool, and
-//! nothing of the pool outlives the daemon. Tier 2: needs /dev/kvm.
+//! nothing of the pool outlives the daemon; without the flag, each template with a boot
+//! snapshot gets shells. Tier 2: needs /dev/kvm.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use rollbox::daemon::client::Endpoint;
-use rollbox_tests::daemon::{exec, image_server, pid_of, wait_for, Server};
-use rollbox_tests::{images, kvm_available};
+use rollbox_tests::daemon::{exec, image_server, pid_of, wait_for, HostAgent, Server};
+use rollbox_tests::{images, kvm_available, test_guest, TEST_GUEST_CMDLINE};
 use serde_json::{json, Value};
 
 /// The VMM's own view of its VM ("Running", "Paused", "Not started").
@@ -332,4 +333,88 @@ fn each_template_with_a_boot_snapshot_gets_shells_made_for_its_disk_and_base() {
                 && server.log().contains("is for a template gone or changed")
         },
     );
+}
+
+/// Without `--warm-pool`, a daemon keeps two shells for each template with a boot snapshot,
+/// and its creates take them; `--no-warm-pool` keeps none, and so does `templates=0`.
+#[test]
+fn templates_with_boot_snapshots_get_shells_by_default() {
+    if !kvm_available() {
+        return;
+    }
+    let agent = HostAgent::start();
+    let socket = agent.sock.display().to_string();
+    let boot_template = |server: &Server| {
+        let (status, template) = server.call(
+            "POST",
+            "/templates",
+            Some(json!({
+                "name": "rl-env",
+                "kernel": test_guest(),
+                "cmdline": TEST_GUEST_CMDLINE,
+                "memory_mib": 32,
+                "boot_snapshot": true,
+            })),
+        );
+        assert_eq!(status, 201, "{template}\n{}", server.log_tail());
+    };
+    let shapes = |server: &Server| {
+        let (status, node) = server.call("GET", "/node", None);
+        assert_eq!(status, 200, "{node}");
+        node["warm_pool"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|s| {
+                (
+                    s["template"].as_str().unwrap_or("").to_string(),
+                    s["target"].as_u64().unwrap_or(0),
+                    s["ready"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+
+    let server = Server::start(&["--test-agent-socket", &socket]);
+    boot_template(&server);
+    let full = vec![("rl-env".to_string(), 2, 2)];
+    wait_for(
+        "two shells for the template",
+        Duration::from_secs(30),
+        || shapes(&server) == full,
+    );
+    let shells = vmm_ids(&server);
+    assert_eq!(shells.len(), 2, "two shells and nothing else: {shells:?}");
+    let sandbox = server.create(json!({"template": "rl-env", "ttl_s": 300}));
+    let id = sandbox["id"].as_str().expect("id");
+    assert!(shells.contains(id), "{id} took no shell of {shells:?}");
+    let out = exec(&server, id, json!({"cmd": ["sh", "-c", "echo ok"]}));
+    assert_eq!(out["stdout"], "ok\n", "{out}");
+    wait_for("the pool refilled", Duration::from_secs(30), || {
+        shapes(&server) == full
+    });
+    drop(server);
+
+    for off in [&["--no-warm-pool"][..], &["--warm-pool", "templates=0"]] {
+        let server = Server::start(&[&["--test-agent-socket", socket.as_str()][..], off].concat());
+        boot_template(&server);
+        // A pass of the refill (every second) would have started a shell by now.
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(shapes(&server), Vec::new(), "{off:?}");
+        assert!(
+            vmm_ids(&server).is_empty(),
+            "{off:?}: {:?}",
+            vmm_ids(&server)
+        );
+        let sandbox = server.create(json!({"template": "rl-env", "ttl_s": 300}));
+        assert_eq!(vmm_ids(&server).len(), 1, "{off:?}: {sandbox}");
+    }
+    let refused = std::process::Command::new(rollbox_tests::rollbox_binary())
+        .args(["serve", "--no-warm-pool", "--warm-pool", "32=1"])
+        .output()
+        .expect("run rollbox serve");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--no-warm-pool"), "{stderr}");
 }

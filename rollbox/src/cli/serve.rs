@@ -239,13 +239,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     kubelet_pods_dir: Option<PathBuf>,
     /// Keep N jailed VMM shells ready for guests of MIB MiB, or with templates=N for each
-    /// template with a boot snapshot (repeatable): a create that restores a snapshot (no
-    /// network, volume, GPU or CPU limit) loads it into one instead of starting a VMM, and the
-    /// pool starts another in the background. Shells count against --max-sandboxes and
-    /// --memory-budget-mib: the pool holds only the room the sandboxes leave.
+    /// template with a boot snapshot (repeatable; templates=2 unless given, templates=0 for
+    /// none): a create that restores a snapshot (no network, volume, GPU or CPU limit) loads
+    /// it into one instead of starting a VMM, and the pool starts another in the background.
+    /// Shells count against --max-sandboxes and --memory-budget-mib: the pool holds only the
+    /// room the sandboxes leave.
     #[arg(long = "warm-pool", value_name = "MIB=N|templates=N",
           value_parser = rollbox::daemon::parse_warm_pool)]
     warm_pool: Vec<rollbox::daemon::WarmPoolSpec>,
+    /// No warm pool at all: every create starts and jails its VMM while the caller waits
+    #[arg(long, conflicts_with = "warm_pool")]
+    no_warm_pool: bool,
 }
 
 /// A duration flag: seconds, fractions allowed, more than 0 and at most a day.
@@ -397,7 +401,7 @@ pub fn serve(args: ServeArgs) -> ExitCode {
         share_layers: !args.no_layer_sharing,
         console_max_bytes: args.console_max_bytes,
         kubelet_pods_dir: args.kubelet_pods_dir,
-        warm_pool: args.warm_pool,
+        warm_pool: rollbox::daemon::warm_pool_with_default(args.warm_pool, args.no_warm_pool),
         e2b: (args.e2b_listen.is_some() || args.e2b_socket.is_some()).then(|| {
             rollbox::daemon::e2b::E2bOptions {
                 listen: args.e2b_listen,

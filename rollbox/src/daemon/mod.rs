@@ -38,7 +38,7 @@ pub use networks::{host_dns, host_resolver, NetworkOptions};
 pub use node::NodeOptions;
 /// The host's cgroups (`rollbox_jailer::cgroup`), where the daemon's tools and tests find them.
 pub use rollbox_jailer::cgroup;
-pub use sandboxes::parse_shape as parse_warm_pool;
+pub use sandboxes::{parse_shape as parse_warm_pool, warm_pool_with_default};
 pub use serve::{serve, DaemonError, ServeOptions, WarmPoolSpec};
 /// The archive snapshots move between nodes in (its reader is fuzzed).
 pub use snapshots::archive as snapshot_archive;

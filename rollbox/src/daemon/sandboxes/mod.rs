@@ -28,7 +28,7 @@ use super::util::{internal, ms_since, now_ms, random_hex, remove_dir, sandbox_re
 use super::volumes::Volumes;
 
 use pool::WarmPool;
-pub use pool::{parse_shape, PoolSpec};
+pub use pool::{parse_shape, with_default as warm_pool_with_default, PoolSpec};
 
 /// The TTL a resumed `on_timeout: pause` sandbox gets when its row has no create TTL (rows
 /// of daemons before the column) and the daemon no `--default-ttl`.

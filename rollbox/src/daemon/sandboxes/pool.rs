@@ -3,7 +3,7 @@
 //! instead of starting and jailing a VMM while the caller waits. `MIB=N` keeps N shells for
 //! guests of MIB MiB (no shared base, a disk no larger than the memory);
 //! `templates=N` keeps N for each template with a boot snapshot, made for its memory, disk and
-//! shared base. A create takes a shell and the pool starts another in the background, one at a
+//! shared base (`rollbox serve` asks for [`DEFAULT_PER_TEMPLATE`] unless told). A create takes a shell and the pool starts another in the background, one at a
 //! time; a shell whose VMM died is logged and replaced; a shell serves one sandbox, whose id it
 //! was started with. Shells hold no guest memory until taken (each is one VMM process, about
 //! 2 MiB) and are not sandboxes (`GET /node` and `/metrics` show them), but they count against
@@ -352,8 +352,31 @@ fn memory_shape(memory_mib: u32) -> ShellShape {
     }
 }
 
+/// Shells kept for each template with a boot snapshot when `rollbox serve` is given no
+/// `--warm-pool templates=N` (and no `--no-warm-pool`).
+pub const DEFAULT_PER_TEMPLATE: usize = 2;
+
+/// `rollbox serve`'s pool: none with `--no-warm-pool`, else `given` with
+/// [`DEFAULT_PER_TEMPLATE`] shells per boot-snapshot template unless `given` says
+/// `templates=N` itself.
+pub fn with_default(given: Vec<PoolSpec>, off: bool) -> Vec<PoolSpec> {
+    if off {
+        return Vec::new();
+    }
+    let mut specs = given;
+    if !specs
+        .iter()
+        .any(|s| matches!(s, PoolSpec::Templates { .. }))
+    {
+        specs.push(PoolSpec::Templates {
+            count: DEFAULT_PER_TEMPLATE,
+        });
+    }
+    specs
+}
+
 /// Parses one `--warm-pool` value: `MIB=N` (N shells for guests of MIB MiB) or `templates=N`
-/// (N for each template with a boot snapshot).
+/// (N for each template with a boot snapshot; 0 for none).
 pub fn parse_shape(value: &str) -> Result<PoolSpec, String> {
     let refuse = || {
         format!(
@@ -362,11 +385,14 @@ pub fn parse_shape(value: &str) -> Result<PoolSpec, String> {
     };
     let (what, count) = value.split_once('=').ok_or_else(refuse)?;
     let count: usize = count.trim().parse().map_err(|_| refuse())?;
+    if what.trim() == "templates" {
+        if count > 256 {
+            return Err(format!("--warm-pool {value:?}: the count must be 0 to 256"));
+        }
+        return Ok(PoolSpec::Templates { count });
+    }
     if count == 0 || count > 256 {
         return Err(format!("--warm-pool {value:?}: the count must be 1 to 256"));
-    }
-    if what.trim() == "templates" {
-        return Ok(PoolSpec::Templates { count });
     }
     let memory_mib: u32 = what.trim().parse().map_err(|_| refuse())?;
     if memory_mib == 0 {
@@ -408,11 +434,32 @@ mod tests {
             "256=1000",
             "=",
             "",
-            "templates=0",
+            "templates=257",
         ] {
             let e = parse_shape(bad).unwrap_err();
             assert!(e.contains("--warm-pool"), "{bad}: {e}");
         }
+        assert_eq!(
+            parse_shape("templates=0"),
+            Ok(PoolSpec::Templates { count: 0 })
+        );
+    }
+
+    #[test]
+    fn templates_get_shells_unless_told_otherwise() {
+        let default = PoolSpec::Templates {
+            count: DEFAULT_PER_TEMPLATE,
+        };
+        let sized = PoolSpec::Memory {
+            memory_mib: 256,
+            count: 8,
+        };
+        assert_eq!(with_default(Vec::new(), false), vec![default]);
+        assert_eq!(with_default(vec![sized], false), vec![sized, default]);
+        let none = PoolSpec::Templates { count: 0 };
+        assert_eq!(with_default(vec![none], false), vec![none]);
+        assert!(WarmPool::new(&with_default(vec![none], false)).is_none());
+        assert_eq!(with_default(vec![sized], true), Vec::new());
     }
 
     #[test]
