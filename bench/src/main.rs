@@ -319,6 +319,10 @@ enum Bench {
         /// Rounds (each runs every VMM once).
         #[arg(long, default_value_t = 5)]
         rounds: usize,
+        /// Also run rollbox-vmm restoring into a warm shell (--shell-memory-mib), as the
+        /// daemon's warm pool does, in a column of its own.
+        #[arg(long)]
+        warm_shell: bool,
         /// Where snapshots go.
         #[arg(long, default_value = "/dev/shm/rollbox-side-by-side")]
         snapdir: PathBuf,
@@ -849,6 +853,7 @@ fn main() -> ExitCode {
             fcbench,
             mem,
             rounds,
+            warm_shell,
             snapdir,
             json,
         } => {
@@ -883,6 +888,7 @@ fn main() -> ExitCode {
                 other: other.map(|path| (path, other_name)),
                 mem_mib: mem.max(1),
                 rounds: rounds.max(1),
+                warm_shell,
             };
             finish(
                 "side-by-side",

@@ -1,6 +1,9 @@
 //! `rollbox-bench side-by-side`: rollbox-vmm beside any other VMM that speaks Firecracker's
 //! API, measured by `../shared/bench/fcbench.py` in one run, alternating VMM by VMM round by
 //! round. Every figure comes from this run; without `--other` only rollbox-vmm's are printed.
+//! With `--warm-shell`, a second rollbox-vmm column restores into a warm shell, the way the
+//! daemon's warm pool does: fcbench's restore VMM is started with `--shell-memory-mib`, so its
+//! empty VM is built before its API answers, and the load only restores state.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -67,7 +70,12 @@ pub struct SideBySideConfig {
     pub other: Option<(PathBuf, String)>,
     pub mem_mib: u64,
     pub rounds: usize,
+    /// Add the warm-shell column.
+    pub warm_shell: bool,
 }
+
+/// The warm-shell column's name.
+pub const WARM_SHELL: &str = "rollbox-vmm, warm shell";
 
 /// One VMM's samples per figure (in [`FIGURES`] order).
 #[derive(Debug, Clone, Serialize)]
@@ -175,8 +183,30 @@ fn one_rep(
     parse_result(&stdout, name)
 }
 
-/// Runs every round: rollbox-vmm and the other VMM alternate, and which goes first alternates
-/// too. A figure a repetition could not measure is left out of that VMM's samples.
+/// A script that runs `vmm`, with a warm shell of `mem_mib` for fcbench's restore VMM (the
+/// one whose API socket fcbench names `m<MEM>r<REP>b.sock`; its boot VMM is `...a.sock`).
+fn warm_shell_script(vmm: &Path, mem_mib: u64) -> String {
+    let vmm = vmm.display().to_string().replace('\'', "'\\''");
+    format!(
+        "#!/bin/sh\n# fcbench's restore VMM gets a warm shell; its boot VMM runs as it is.\ncase \"$*\" in\n  *b.sock*) exec '{vmm}' \"$@\" --shell-memory-mib {mem_mib} --shell-vcpus 1 ;;\nesac\nexec '{vmm}' \"$@\"\n"
+    )
+}
+
+fn write_warm_shell_script(config: &SideBySideConfig) -> Result<PathBuf, SideBySideError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = config.work.join("rollbox-vmm-warm-shell");
+    let io = |source| SideBySideError::Io {
+        path: path.clone(),
+        source,
+    };
+    std::fs::write(&path, warm_shell_script(&config.rollbox, config.mem_mib)).map_err(io)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
+    Ok(path)
+}
+
+/// Runs every round: rollbox-vmm (and its warm-shell column) and the other VMM alternate, and
+/// their order reverses every other round. A figure a repetition could not measure is left
+/// out of that VMM's samples.
 pub fn run(config: &SideBySideConfig) -> Result<Vec<VmmFigures>, SideBySideError> {
     let (guest, tsreader) = build_tools(config)?;
     let mut vmms = vec![VmmFigures {
@@ -184,6 +214,13 @@ pub fn run(config: &SideBySideConfig) -> Result<Vec<VmmFigures>, SideBySideError
         path: config.rollbox.clone(),
         samples: vec![Vec::new(); FIGURES.len()],
     }];
+    if config.warm_shell {
+        vmms.push(VmmFigures {
+            name: WARM_SHELL.into(),
+            path: write_warm_shell_script(config)?,
+            samples: vec![Vec::new(); FIGURES.len()],
+        });
+    }
     if let Some((path, name)) = &config.other {
         vmms.push(VmmFigures {
             name: name.clone(),
@@ -216,8 +253,9 @@ fn cell(summary: Option<&Summary>) -> String {
     })
 }
 
-/// The table: one column per VMM (p50 / p90 / min) and, with another VMM, the ratio of its
-/// p50 to rollbox-vmm's (above 1: rollbox-vmm is faster or smaller).
+/// The table: one column per VMM (p50 / p90 / min) and, with another VMM (the last column),
+/// the ratio of its p50 to each rollbox-vmm column's (above 1: rollbox-vmm is faster or
+/// smaller).
 pub fn markdown(vmms: &[VmmFigures], config: &SideBySideConfig) -> String {
     let mut out = format!(
         "fcbench.py side by side (this run only): {} MiB guest, {} rounds, {}\n\n",
@@ -234,12 +272,20 @@ pub fn markdown(vmms: &[VmmFigures], config: &SideBySideConfig) -> String {
         "| figure (p50 / p90 / min) | {} |",
         names.join(" | ")
     ));
-    let other = vmms.get(1);
+    // The other VMM is the last column; each rollbox column before it gets a ratio.
+    let ours = if config.other.is_some() {
+        vmms.len().saturating_sub(1)
+    } else {
+        0
+    };
+    let other = vmms.get(ours).filter(|_| ours > 0);
     if let Some(other) = other {
-        out.push_str(&format!(" {} / rollbox-vmm (p50) |", other.name));
+        for name in &names[..ours] {
+            out.push_str(&format!(" {} / {name} (p50) |", other.name));
+        }
     }
     out.push('\n');
-    out.push_str(&"| --- ".repeat(names.len() + 1 + usize::from(other.is_some())));
+    out.push_str(&"| --- ".repeat(names.len() + 1 + ours));
     out.push_str("|\n");
     for (index, (_, label)) in FIGURES.iter().enumerate() {
         let summaries: Vec<Option<Summary>> = vmms
@@ -249,13 +295,15 @@ pub fn markdown(vmms: &[VmmFigures], config: &SideBySideConfig) -> String {
         let cells: Vec<String> = summaries.iter().map(|s| cell(s.as_ref())).collect();
         out.push_str(&format!("| {label} | {} |", cells.join(" | ")));
         if other.is_some() {
-            let ratio = match (summaries.first(), summaries.get(1)) {
-                (Some(Some(ours)), Some(Some(theirs))) if ours.p50 > 0.0 => {
-                    format!("{:.2}", theirs.p50 / ours.p50)
-                }
-                _ => "n/a".into(),
-            };
-            out.push_str(&format!(" {ratio} |"));
+            for mine in &summaries[..ours] {
+                let ratio = match (mine, summaries.get(ours)) {
+                    (Some(mine), Some(Some(theirs))) if mine.p50 > 0.0 => {
+                        format!("{:.2}", theirs.p50 / mine.p50)
+                    }
+                    _ => "n/a".into(),
+                };
+                out.push_str(&format!(" {ratio} |"));
+            }
         }
         out.push('\n');
     }
@@ -278,6 +326,7 @@ mod tests {
             other: other.then(|| (PathBuf::from("fc"), "firecracker".to_string())),
             mem_mib: 64,
             rounds: 2,
+            warm_shell: false,
         }
     }
 
@@ -337,5 +386,50 @@ mod tests {
             .expect("row");
         assert!(row.ends_with("| 2.50 |"), "{row}");
         assert!(table.contains("firecracker / rollbox-vmm (p50)"), "{table}");
+    }
+
+    #[test]
+    fn the_warm_shell_column_gets_its_own_ratio() {
+        let mut with_shell = config(true);
+        with_shell.warm_shell = true;
+        let table = markdown(
+            &[
+                figures("rollbox-vmm", 2.0),
+                figures(WARM_SHELL, 1.0),
+                figures("firecracker", 5.0),
+            ],
+            &with_shell,
+        );
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("| snapshot create"))
+            .expect("row");
+        assert!(row.ends_with("| 2.50 | 5.00 |"), "{row}");
+        assert!(
+            table.contains(&format!("firecracker / {WARM_SHELL} (p50)")),
+            "{table}"
+        );
+        // Without another VMM the shell column is a column, with no ratio.
+        let mut alone = config(false);
+        alone.warm_shell = true;
+        let table = markdown(
+            &[figures("rollbox-vmm", 2.0), figures(WARM_SHELL, 1.0)],
+            &alone,
+        );
+        assert!(!table.contains("(p50) |"), "{table}");
+    }
+
+    #[test]
+    fn the_warm_shell_script_shells_only_the_restore_vmm() {
+        let script = warm_shell_script(Path::new("/opt/it's/rollbox-vmm"), 256);
+        assert!(script.starts_with("#!/bin/sh\n"), "{script}");
+        assert!(
+            script.contains("*b.sock*) exec '/opt/it'\\''s/rollbox-vmm' \"$@\" --shell-memory-mib 256 --shell-vcpus 1 ;;"),
+            "{script}"
+        );
+        assert!(
+            script.ends_with("exec '/opt/it'\\''s/rollbox-vmm' \"$@\"\n"),
+            "{script}"
+        );
     }
 }
