@@ -261,6 +261,26 @@ fn a_thousand_creates_and_deletes_leave_only_the_pool() {
     );
 }
 
+/// GET /node's warm pool as (template, target, ready), sorted.
+fn template_shapes(server: &Server) -> Vec<(String, u64, u64)> {
+    let (_, node) = server.call("GET", "/node", None);
+    let mut shapes: Vec<(String, u64, u64)> = node["warm_pool"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|s| {
+            (
+                s["template"].as_str().unwrap_or("").to_string(),
+                s["target"].as_u64().unwrap_or(0),
+                s["ready"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    shapes.sort();
+    shapes
+}
+
 /// `--warm-pool templates=1`: a shell per template with a boot snapshot, made for its disk and
 /// shared base (bound into the shell's jail as it starts); creates of each template take
 /// theirs, and a template deleted takes its shell with it.
@@ -282,24 +302,7 @@ fn each_template_with_a_boot_snapshot_gets_shells_made_for_its_disk_and_base() {
             "{template}"
         );
     }
-    let shapes = || {
-        let (_, node) = server.call("GET", "/node", None);
-        let mut shapes: Vec<(String, u64, u64)> = node["warm_pool"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .iter()
-            .map(|s| {
-                (
-                    s["template"].as_str().unwrap_or("").to_string(),
-                    s["target"].as_u64().unwrap_or(0),
-                    s["ready"].as_u64().unwrap_or(0),
-                )
-            })
-            .collect();
-        shapes.sort();
-        shapes
-    };
+    let shapes = || template_shapes(&server);
     let full = vec![("layered".to_string(), 1, 1), ("whole".to_string(), 1, 1)];
     wait_for("a shell per template", Duration::from_secs(30), || {
         shapes() == full
@@ -358,23 +361,6 @@ fn templates_with_boot_snapshots_get_shells_by_default() {
         );
         assert_eq!(status, 201, "{template}\n{}", server.log_tail());
     };
-    let shapes = |server: &Server| {
-        let (status, node) = server.call("GET", "/node", None);
-        assert_eq!(status, 200, "{node}");
-        node["warm_pool"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .iter()
-            .map(|s| {
-                (
-                    s["template"].as_str().unwrap_or("").to_string(),
-                    s["target"].as_u64().unwrap_or(0),
-                    s["ready"].as_u64().unwrap_or(0),
-                )
-            })
-            .collect::<Vec<_>>()
-    };
 
     let server = Server::start(&["--test-agent-socket", &socket]);
     boot_template(&server);
@@ -382,7 +368,7 @@ fn templates_with_boot_snapshots_get_shells_by_default() {
     wait_for(
         "two shells for the template",
         Duration::from_secs(30),
-        || shapes(&server) == full,
+        || template_shapes(&server) == full,
     );
     let shells = vmm_ids(&server);
     assert_eq!(shells.len(), 2, "two shells and nothing else: {shells:?}");
@@ -392,7 +378,7 @@ fn templates_with_boot_snapshots_get_shells_by_default() {
     let out = exec(&server, id, json!({"cmd": ["sh", "-c", "echo ok"]}));
     assert_eq!(out["stdout"], "ok\n", "{out}");
     wait_for("the pool refilled", Duration::from_secs(30), || {
-        shapes(&server) == full
+        template_shapes(&server) == full
     });
     drop(server);
 
@@ -401,7 +387,7 @@ fn templates_with_boot_snapshots_get_shells_by_default() {
         boot_template(&server);
         // A pass of the refill (every second) would have started a shell by now.
         std::thread::sleep(Duration::from_millis(1500));
-        assert_eq!(shapes(&server), Vec::new(), "{off:?}");
+        assert_eq!(template_shapes(&server), Vec::new(), "{off:?}");
         assert!(
             vmm_ids(&server).is_empty(),
             "{off:?}: {:?}",
