@@ -55,6 +55,11 @@ pub struct DaemonBenchConfig {
     /// Creates of the sustained figure and the workers that make them.
     pub sustained: usize,
     pub sustained_workers: usize,
+    /// Instead of `sustained` cycles: as many as fit this long.
+    pub sustained_for: Option<Duration>,
+    /// Boot the test guest in its idle mode (`rollbox.test.run=idle`): between commands it
+    /// halts until an interrupt, as Linux does, instead of polling the serial port.
+    pub idle_guest: bool,
     /// Fork(16) repetitions and the fork's count.
     pub forks: usize,
     pub fork_count: usize,
@@ -89,6 +94,8 @@ impl DaemonBenchConfig {
             rounds: 0,
             sustained: 0,
             sustained_workers: 0,
+            sustained_for: None,
+            idle_guest: false,
             forks: 0,
             fork_count: 0,
             live: 0,
@@ -110,12 +117,82 @@ pub struct ConcurrencyFigure {
     pub creates_per_s: f64,
 }
 
+/// CPU time per sustained create + delete cycle, over all CPUs, from `/proc`.
+#[derive(Debug, Clone, Serialize)]
+pub struct CycleCpu {
+    pub cpus: usize,
+    pub total_ms: f64,
+    pub daemon_ms: f64,
+    /// The daemon's children that ended and were reaped meanwhile: the jailers and the VMMs
+    /// they became (shells still in the pool count only once they end).
+    pub reaped_vmms_ms: f64,
+    /// The bench's own HTTP clients.
+    pub client_ms: f64,
+}
+
+impl CycleCpu {
+    /// What neither the daemon, its reaped children nor the client spent: the kernel's
+    /// threads (cgroup and namespace teardown), VMMs still running, other processes.
+    pub fn rest_ms(&self) -> f64 {
+        (self.total_ms - self.daemon_ms - self.reaped_vmms_ms - self.client_ms).max(0.0)
+    }
+
+    /// Cycles per second if every CPU did nothing else.
+    pub fn ceiling_per_s(&self) -> f64 {
+        self.cpus as f64 * 1000.0 / self.total_ms.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Clock ticks at the start of the sustained phase.
+struct CpuTicks {
+    busy: u64,
+    daemon: (u64, u64),
+    client: u64,
+}
+
+fn self_ticks() -> Option<u64> {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| crate::procfs::process_ticks(&s))
+}
+
+fn busy_ticks() -> Option<u64> {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| crate::procfs::busy_ticks(&s))
+}
+
+impl CpuTicks {
+    fn now(daemon: &Daemon) -> Option<CpuTicks> {
+        Some(CpuTicks {
+            busy: busy_ticks()?,
+            daemon: daemon.cpu_ticks()?,
+            client: self_ticks()?,
+        })
+    }
+
+    /// The ticks since, per cycle of `cycles`.
+    fn per_cycle(&self, daemon: &Daemon, cycles: usize) -> Option<CycleCpu> {
+        let now = CpuTicks::now(daemon)?;
+        let per = crate::procfs::ms_per_tick() / cycles.max(1) as f64;
+        Some(CycleCpu {
+            cpus: std::thread::available_parallelism().map_or(1, usize::from),
+            total_ms: now.busy.saturating_sub(self.busy) as f64 * per,
+            daemon_ms: now.daemon.0.saturating_sub(self.daemon.0) as f64 * per,
+            reaped_vmms_ms: now.daemon.1.saturating_sub(self.daemon.1) as f64 * per,
+            client_ms: now.client.saturating_sub(self.client) as f64 * per,
+        })
+    }
+}
+
 /// Everything measured.
 #[derive(Debug, Serialize)]
 pub struct DaemonReport {
     pub memory_mib: u64,
     /// Whether the VMMs ran inside rollbox-jailer.
     pub jailed: bool,
+    /// The test guest booted in its idle mode (`--idle-guest`).
+    pub idle_guest: bool,
     pub template_boot_ms: f64,
     pub snapshot_ms: f64,
     pub levels: Vec<ConcurrencyFigure>,
@@ -127,6 +204,9 @@ pub struct DaemonReport {
     pub sustained_creates: usize,
     pub sustained_workers: usize,
     pub sustained_creates_per_s: f64,
+    pub sustained_wall_s: f64,
+    /// The machine's CPU time per sustained cycle, and whose.
+    pub sustained_cpu: Option<CycleCpu>,
     pub fork_count: usize,
     pub fork_ms: Option<Summary>,
     /// How long the fork's parent was paused (the daemon's `fork` debug lines).
@@ -250,6 +330,16 @@ impl Daemon {
 
     fn full_log(&self) -> String {
         std::fs::read_to_string(self.scratch.join("serve.log")).unwrap_or_default()
+    }
+
+    /// The daemon's user + system clock ticks so far, and those of its children it reaped
+    /// (jailers and the VMMs they became).
+    fn cpu_ticks(&self) -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        Some((
+            crate::procfs::process_ticks(&stat)?,
+            crate::procfs::children_ticks(&stat)?,
+        ))
     }
 
     fn rss_kib(&self) -> u64 {
@@ -390,6 +480,51 @@ pub(crate) fn delete(daemon: &Daemon, id: &str) -> Result<f64, DaemonBenchError>
 
 /// `count` creates from `threads` threads at once (each takes the next index); the results in
 /// index order and the wall time in seconds.
+/// Runs `work` on `threads` threads, again and again, until `duration` has passed since they
+/// all started; the results and the wall time until the last one ended.
+fn for_duration<T: Send>(
+    threads: usize,
+    duration: Duration,
+    work: impl Fn() -> Result<T, DaemonBenchError> + Sync,
+) -> Result<(Vec<T>, f64), DaemonBenchError> {
+    let threads = threads.max(1);
+    let barrier = Barrier::new(threads);
+    let started = std::sync::OnceLock::new();
+    let results: Vec<Result<Vec<T>, DaemonBenchError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (barrier, work, started) = (&barrier, &work, &started);
+                scope.spawn(move || {
+                    barrier.wait();
+                    let start = *started.get_or_init(Instant::now);
+                    let mut mine = Vec::new();
+                    while start.elapsed() < duration {
+                        mine.push(work()?);
+                    }
+                    Ok(mine)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(DaemonBenchError::Request {
+                        what: "a worker thread".into(),
+                        message: "panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let wall = started.get().map_or(0.0, |s| s.elapsed().as_secs_f64());
+    let mut all = Vec::new();
+    for result in results {
+        all.extend(result?);
+    }
+    Ok((all, wall))
+}
+
 pub(crate) fn parallel<T: Send>(
     count: usize,
     threads: usize,
@@ -466,7 +601,11 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         Some(json!({
             "name": "guest",
             "kernel": config.guest,
-            "cmdline": TEST_GUEST_CMDLINE,
+            "cmdline": if config.idle_guest {
+                format!("{TEST_GUEST_CMDLINE} rollbox.test.run=idle")
+            } else {
+                TEST_GUEST_CMDLINE.to_string()
+            },
             "memory_mib": config.memory_mib,
         })),
         201,
@@ -544,18 +683,31 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         });
     }
 
-    eprintln!(
-        "daemon: {} create+delete cycles by {} workers",
-        config.sustained, config.sustained_workers
-    );
+    match config.sustained_for {
+        Some(duration) => eprintln!(
+            "daemon: create+delete cycles by {} workers for {} s",
+            config.sustained_workers,
+            duration.as_secs()
+        ),
+        None => eprintln!(
+            "daemon: {} create+delete cycles by {} workers",
+            config.sustained, config.sustained_workers
+        ),
+    }
     wait_for_pool(&daemon, config);
-    let (made, sustained_wall) = parallel(config.sustained, config.sustained_workers, |_| {
+    let cpu_before = CpuTicks::now(&daemon);
+    let cycle = || {
         Ok(daemon
             .try_create(&snapshot)
             .map(|(id, _)| daemon.try_delete(&id)))
-    })?;
+    };
+    let (made, sustained_wall) = match config.sustained_for {
+        Some(duration) => for_duration(config.sustained_workers, duration, cycle)?,
+        None => parallel(config.sustained, config.sustained_workers, |_| cycle())?,
+    };
     let sustained_made = made.iter().flatten().count();
     let sustained_creates_per_s = sustained_made as f64 / sustained_wall.max(f64::MIN_POSITIVE);
+    let sustained_cpu = cpu_before.and_then(|before| before.per_cycle(&daemon, sustained_made));
 
     let mut forks = Vec::new();
     let forks_log_from = daemon.full_log().len();
@@ -641,6 +793,7 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
 
     Ok(DaemonReport {
         jailed: config.jailer,
+        idle_guest: config.idle_guest,
         memory_mib: config.memory_mib,
         template_boot_ms,
         snapshot_ms,
@@ -650,6 +803,8 @@ pub fn run(config: &DaemonBenchConfig) -> Result<DaemonReport, DaemonBenchError>
         sustained_creates: sustained_made,
         sustained_workers: config.sustained_workers,
         sustained_creates_per_s,
+        sustained_wall_s: sustained_wall,
+        sustained_cpu,
         fork_count: config.fork_count,
         fork_ms: summarize(&forks),
         fork_paused_ms: summarize(&fork_paused),
@@ -735,7 +890,8 @@ fn mib(kib: f64) -> String {
 pub fn markdown(report: &DaemonReport) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "## rollbox-bench daemon (test guest, {} MiB, VMMs {}; create = POST /sandboxes from a snapshot → 201)\n\n",
+        "## rollbox-bench daemon (test guest{}, {} MiB, VMMs {}; create = POST /sandboxes from a snapshot → 201)\n\n",
+        if report.idle_guest { " halting when idle" } else { " polling its serial port" },
         report.memory_mib,
         if report.jailed { "jailed (rollbox-jailer)" } else { "not jailed (--no-jailer)" }
     ));
@@ -755,9 +911,15 @@ pub fn markdown(report: &DaemonReport) -> String {
         ));
     }
     out.push_str(&format!(
-        "| sustained: create + delete cycles, {} by {} workers | {:.0} creates/s | ≥ 300 creates/s | Firecracker 150 microVMs/s/host |\n",
-        report.sustained_creates, report.sustained_workers, report.sustained_creates_per_s
+        "| sustained: create + delete cycles, {} by {} workers in {:.1} s | {:.0} creates/s | ≥ 300 creates/s | Firecracker 150 microVMs/s/host |\n",
+        report.sustained_creates, report.sustained_workers, report.sustained_wall_s, report.sustained_creates_per_s
     ));
+    if let Some(cpu) = &report.sustained_cpu {
+        out.push_str(&format!(
+            "| sustained: CPU time per create + delete, all CPUs | {:.1} ms: daemon {:.1}, its reaped jailers and VMMs {:.1}, this bench's client {:.1}, the rest (kernel threads, other processes) {:.1} | | at most {:.0} creates/s on these {} CPUs |\n",
+            cpu.total_ms, cpu.daemon_ms, cpu.reaped_vmms_ms, cpu.client_ms, cpu.rest_ms(), cpu.ceiling_per_s(), cpu.cpus
+        ));
+    }
     out.push_str(&format!(
         "| delete: p50 / p90 / max | {:.1} / {:.1} / {:.1} ms | | |\n",
         report.delete_ms.p50, report.delete_ms.p90, report.delete_ms.max

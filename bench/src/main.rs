@@ -190,6 +190,15 @@ enum Bench {
         /// Workers of the sustained figure.
         #[arg(long, default_value_t = 16)]
         sustained_workers: usize,
+        /// Run the sustained figure for this many seconds instead of --sustained cycles
+        /// (the figure is over 60 s).
+        #[arg(long, value_name = "SECONDS")]
+        sustained_for: Option<u64>,
+        /// Boot the test guest in its idle mode (rollbox.test.run=idle): between commands it
+        /// halts until an interrupt, as Linux does, instead of polling the serial port (each
+        /// poll an exit to the VMM)
+        #[arg(long)]
+        idle_guest: bool,
         /// Fork repetitions.
         #[arg(long, default_value_t = 3)]
         forks: usize,
@@ -563,6 +572,8 @@ fn main() -> ExitCode {
             rounds,
             sustained,
             sustained_workers,
+            sustained_for,
+            idle_guest,
             forks,
             fork_count,
             live,
@@ -583,6 +594,8 @@ fn main() -> ExitCode {
                 rounds: rounds.max(1),
                 sustained: sustained.max(1),
                 sustained_workers: sustained_workers.max(1),
+                sustained_for: sustained_for.map(|s| std::time::Duration::from_secs(s.max(1))),
+                idle_guest,
                 forks,
                 fork_count: fork_count.max(1),
                 live: live.max(1),

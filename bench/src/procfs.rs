@@ -1,4 +1,5 @@
-//! Reading a process's memory figures from `/proc/PID/smaps` and `/proc/PID/status`.
+//! Reading a process's memory figures from `/proc/PID/smaps` and `/proc/PID/status`, and CPU
+//! time from `/proc/stat` and `/proc/PID/stat`.
 
 /// One mapping of `/proc/PID/smaps`: its size, whether it is anonymous, its Rss.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,9 +70,79 @@ pub fn guest_memory_rss_kib(mappings: &[Mapping], size_bytes: u64) -> Option<u64
     (!matching.is_empty()).then(|| matching.iter().map(|m| m.rss_kib).sum())
 }
 
+/// Clock ticks the machine's CPUs spent busy (all but idle and iowait), from the text of
+/// `/proc/stat`.
+pub fn busy_ticks(stat: &str) -> Option<u64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let values: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let busy: u64 = values
+        .iter()
+        .take(8)
+        .enumerate()
+        .filter(|(i, _)| *i != 3 && *i != 4)
+        .map(|(_, v)| v)
+        .sum();
+    Some(busy)
+}
+
+/// A process's user + system clock ticks, from the text of `/proc/PID/stat`.
+pub fn process_ticks(stat: &str) -> Option<u64> {
+    // The command name may hold spaces and parentheses: the fields start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is the state (field 3); utime and stime are fields 14 and 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// The user + system clock ticks of a process's children it has waited for (and theirs),
+/// from the text of `/proc/PID/stat`.
+pub fn children_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // cutime and cstime are fields 16 and 17.
+    let cutime: u64 = fields.get(13)?.parse().ok()?;
+    let cstime: u64 = fields.get(14)?.parse().ok()?;
+    Some(cutime + cstime)
+}
+
+/// Milliseconds per clock tick (USER_HZ).
+pub fn ms_per_tick() -> f64 {
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        1000.0 / hz as f64
+    } else {
+        10.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn busy_ticks_leave_out_idle_and_iowait() {
+        let stat = "cpu  100 5 50 1000 20 3 2 1 0 0\ncpu0 50 2 25 500 10 1 1 0 0 0\n";
+        assert_eq!(busy_ticks(stat), Some(100 + 5 + 50 + 3 + 2 + 1));
+        assert_eq!(busy_ticks("intr 1 2 3\n"), None);
+    }
+
+    #[test]
+    fn process_ticks_read_past_a_name_with_spaces() {
+        let stat = "42 (rollbox (x) y) S 1 42 42 0 -1 4194560 100 0 0 0 70 30 0 0 20 0 3 0 5";
+        assert_eq!(process_ticks(stat), Some(100));
+        assert_eq!(children_ticks(stat), Some(0));
+        assert_eq!(process_ticks("42 (cut"), None);
+        let waited = "7 (d) S 1 7 7 0 -1 0 0 0 0 0 10 20 300 400 20 0 3 0 5";
+        assert_eq!(children_ticks(waited), Some(700));
+    }
 
     const SMAPS: &str = "\
 55d0c0a00000-55d0c0b00000 r-xp 00000000 08:01 1234   /work/main/target/release/rollbox-vmm
