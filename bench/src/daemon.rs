@@ -123,18 +123,18 @@ pub struct CycleCpu {
     pub cpus: usize,
     pub total_ms: f64,
     pub daemon_ms: f64,
-    /// The daemon's children that ended and were reaped meanwhile: the jailers and the VMMs
-    /// they became (shells still in the pool count only once they end).
-    pub reaped_vmms_ms: f64,
+    /// The daemon's children that ended and were reaped meanwhile: the jailer processes it
+    /// waited for (the VMMs are the jailers' children, in the rest).
+    pub reaped_ms: f64,
     /// The bench's own HTTP clients.
     pub client_ms: f64,
 }
 
 impl CycleCpu {
-    /// What neither the daemon, its reaped children nor the client spent: the kernel's
-    /// threads (cgroup and namespace teardown), VMMs still running, other processes.
+    /// What neither the daemon, its reaped children nor the client spent: the VMMs, the
+    /// kernel's threads (cgroup and namespace teardown), other processes.
     pub fn rest_ms(&self) -> f64 {
-        (self.total_ms - self.daemon_ms - self.reaped_vmms_ms - self.client_ms).max(0.0)
+        (self.total_ms - self.daemon_ms - self.reaped_ms - self.client_ms).max(0.0)
     }
 
     /// Cycles per second if every CPU did nothing else.
@@ -179,7 +179,7 @@ impl CpuTicks {
             cpus: std::thread::available_parallelism().map_or(1, usize::from),
             total_ms: now.busy.saturating_sub(self.busy) as f64 * per,
             daemon_ms: now.daemon.0.saturating_sub(self.daemon.0) as f64 * per,
-            reaped_vmms_ms: now.daemon.1.saturating_sub(self.daemon.1) as f64 * per,
+            reaped_ms: now.daemon.1.saturating_sub(self.daemon.1) as f64 * per,
             client_ms: now.client.saturating_sub(self.client) as f64 * per,
         })
     }
@@ -332,8 +332,7 @@ impl Daemon {
         std::fs::read_to_string(self.scratch.join("serve.log")).unwrap_or_default()
     }
 
-    /// The daemon's user + system clock ticks so far, and those of its children it reaped
-    /// (jailers and the VMMs they became).
+    /// The daemon's user + system clock ticks so far, and those of its children it reaped.
     fn cpu_ticks(&self) -> Option<(u64, u64)> {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
         Some((
@@ -916,8 +915,8 @@ pub fn markdown(report: &DaemonReport) -> String {
     ));
     if let Some(cpu) = &report.sustained_cpu {
         out.push_str(&format!(
-            "| sustained: CPU time per create + delete, all CPUs | {:.1} ms: daemon {:.1}, its reaped jailers and VMMs {:.1}, this bench's client {:.1}, the rest (kernel threads, other processes) {:.1} | | at most {:.0} creates/s on these {} CPUs |\n",
-            cpu.total_ms, cpu.daemon_ms, cpu.reaped_vmms_ms, cpu.client_ms, cpu.rest_ms(), cpu.ceiling_per_s(), cpu.cpus
+            "| sustained: CPU time per create + delete, all CPUs | {:.1} ms: daemon {:.1}, its reaped children (jailers) {:.1}, this bench's client {:.1}, the rest (VMMs, kernel threads) {:.1} | | at most {:.0} creates/s on these {} CPUs |\n",
+            cpu.total_ms, cpu.daemon_ms, cpu.reaped_ms, cpu.client_ms, cpu.rest_ms(), cpu.ceiling_per_s(), cpu.cpus
         ));
     }
     out.push_str(&format!(
