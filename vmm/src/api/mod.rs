@@ -108,6 +108,11 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ActionError> 
 pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<VmmAction, ActionError> {
     let path = path.split('?').next().unwrap_or(path);
     let Some(route) = Route::parse(method, path) else {
+        if path == "/fork" || path == "/fork-pool" {
+            return Err(ActionError::bad_request(format!(
+                "{method} {path}: rollbox-vmm's own fork was removed; snapshot with PUT /snapshot/create and \"rollbox\": {{\"resume_vm\": true}}, then load that snapshot into new VMMs (what the daemon's POST /sandboxes/{{id}}/fork does)"
+            )));
+        }
         return Err(ActionError::bad_request(format!(
             "invalid request method and/or path: {method} {path}"
         )));
@@ -293,10 +298,13 @@ mod tests {
             refusal("GET", "/nowhere?x=1", b""),
             "invalid request method and/or path: GET /nowhere"
         );
-        assert_eq!(
-            refusal("POST", "/fork", br#"{"count":2}"#),
-            "invalid request method and/or path: POST /fork"
+        let fork = refusal("POST", "/fork", br#"{"count":2}"#);
+        assert!(
+            fork.starts_with("POST /fork: rollbox-vmm's own fork was removed; snapshot with PUT /snapshot/create and \"rollbox\": {\"resume_vm\": true}"),
+            "{fork}"
         );
+        assert!(refusal("GET", "/fork-pool", b"")
+            .starts_with("GET /fork-pool: rollbox-vmm's own fork was removed"));
         assert_eq!(
             refusal("PUT", "/boot-source", b""),
             "the request needs a JSON body"
