@@ -177,9 +177,18 @@ done
 "$rollbox" sandbox rm "$id"   # deleting one that is gone is success
 left="$("$rollbox" sandbox ls --json | jq '.sandboxes | length')"
 [[ "$left" -eq 0 ]] || fail "$left sandboxes left after delete"
+# The warm pool (on by default) keeps VMM shells for a template with a boot snapshot; they
+# end with the template.
+shells="$("$rollbox" node info --json | jq '[.warm_pool[]? | .ready] | add // 0')"
+echo "warm pool: $shells shell(s) ready for the next creates of $name"
+timed template rm "$name"
+for _ in $(seq 100); do
+    pgrep -f "rollbox-vmm .*$work/state" >/dev/null || break
+    sleep 0.1
+done
 if pgrep -f "rollbox-vmm .*$work/state" >/dev/null; then
     fail "a rollbox-vmm of this demo is still running"
 fi
-echo "no sandbox and no VMM left"
+echo "no sandbox, no template and no VMM left"
 echo
 echo "daemon demo: ok ($name)"
