@@ -477,30 +477,21 @@ pub(crate) fn delete(daemon: &Daemon, id: &str) -> Result<f64, DaemonBenchError>
     Ok(ms(started))
 }
 
-/// `count` creates from `threads` threads at once (each takes the next index); the results in
-/// index order and the wall time in seconds.
-/// Runs `work` on `threads` threads, again and again, until `duration` has passed since they
-/// all started; the results and the wall time until the last one ended.
-fn for_duration<T: Send>(
+/// Starts `threads` workers together and joins them: each runs `worker` from the shared start
+/// instant; their results, flattened, and the wall time from the start until the last ended.
+fn run_workers<T: Send>(
     threads: usize,
-    duration: Duration,
-    work: impl Fn() -> Result<T, DaemonBenchError> + Sync,
+    worker: impl Fn(Instant) -> Result<Vec<T>, DaemonBenchError> + Sync,
 ) -> Result<(Vec<T>, f64), DaemonBenchError> {
-    let threads = threads.max(1);
     let barrier = Barrier::new(threads);
     let started = std::sync::OnceLock::new();
     let results: Vec<Result<Vec<T>, DaemonBenchError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
-                let (barrier, work, started) = (&barrier, &work, &started);
+                let (barrier, worker, started) = (&barrier, &worker, &started);
                 scope.spawn(move || {
                     barrier.wait();
-                    let start = *started.get_or_init(Instant::now);
-                    let mut mine = Vec::new();
-                    while start.elapsed() < duration {
-                        mine.push(work()?);
-                    }
-                    Ok(mine)
+                    worker(*started.get_or_init(Instant::now))
                 })
             })
             .collect();
@@ -524,50 +515,40 @@ fn for_duration<T: Send>(
     Ok((all, wall))
 }
 
+/// Runs `work` on `threads` threads, again and again, until `duration` has passed since they
+/// all started; the results and the wall time until the last one ended.
+fn for_duration<T: Send>(
+    threads: usize,
+    duration: Duration,
+    work: impl Fn() -> Result<T, DaemonBenchError> + Sync,
+) -> Result<(Vec<T>, f64), DaemonBenchError> {
+    run_workers(threads.max(1), |start| {
+        let mut mine = Vec::new();
+        while start.elapsed() < duration {
+            mine.push(work()?);
+        }
+        Ok(mine)
+    })
+}
+
+/// `count` creates from `threads` threads at once (each takes the next index); the results in
+/// index order and the wall time in seconds.
 pub(crate) fn parallel<T: Send>(
     count: usize,
     threads: usize,
     work: impl Fn(usize) -> Result<T, DaemonBenchError> + Sync,
 ) -> Result<(Vec<T>, f64), DaemonBenchError> {
     let next = AtomicUsize::new(0);
-    let threads = threads.clamp(1, count.max(1));
-    let barrier = Barrier::new(threads);
-    let started = std::sync::OnceLock::new();
-    let results: Vec<Result<Vec<(usize, T)>, DaemonBenchError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                let (next, barrier, work, started) = (&next, &barrier, &work, &started);
-                scope.spawn(move || {
-                    barrier.wait();
-                    started.get_or_init(Instant::now);
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= count {
-                            return Ok(mine);
-                        }
-                        mine.push((i, work(i)?));
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(DaemonBenchError::Request {
-                        what: "a worker thread".into(),
-                        message: "panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    });
-    let wall = started.get().map_or(0.0, |s| s.elapsed().as_secs_f64());
-    let mut all = Vec::with_capacity(count);
-    for result in results {
-        all.extend(result?);
-    }
+    let (mut all, wall) = run_workers(threads.clamp(1, count.max(1)), |_| {
+        let mut mine = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= count {
+                return Ok(mine);
+            }
+            mine.push((i, work(i)?));
+        }
+    })?;
     all.sort_by_key(|(i, _)| *i);
     Ok((all.into_iter().map(|(_, t)| t).collect(), wall))
 }

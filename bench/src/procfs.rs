@@ -90,26 +90,26 @@ pub fn busy_ticks(stat: &str) -> Option<u64> {
     Some(busy)
 }
 
-/// A process's user + system clock ticks, from the text of `/proc/PID/stat`.
-pub fn process_ticks(stat: &str) -> Option<u64> {
-    // The command name may hold spaces and parentheses: the fields start after the last ')'.
+/// The sum of two numeric fields of `/proc/PID/stat`'s text, by their numbers in proc(5).
+fn stat_fields_sum(stat: &str, first: usize, second: usize) -> Option<u64> {
+    // The command name (field 2) may hold spaces and parentheses: field 3 starts after the
+    // last ')'.
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // fields[0] is the state (field 3); utime and stime are fields 14 and 15.
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
+    let field = |number: usize| -> Option<u64> { fields.get(number.checked_sub(3)?)?.parse().ok() };
+    Some(field(first)? + field(second)?)
 }
 
-/// The user + system clock ticks of a process's children it has waited for (and theirs),
-/// from the text of `/proc/PID/stat`.
+/// A process's user + system clock ticks (utime and stime, fields 14 and 15), from the text
+/// of `/proc/PID/stat`.
+pub fn process_ticks(stat: &str) -> Option<u64> {
+    stat_fields_sum(stat, 14, 15)
+}
+
+/// The user + system clock ticks of a process's children it has waited for (and theirs:
+/// cutime and cstime, fields 16 and 17), from the text of `/proc/PID/stat`.
 pub fn children_ticks(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // cutime and cstime are fields 16 and 17.
-    let cutime: u64 = fields.get(13)?.parse().ok()?;
-    let cstime: u64 = fields.get(14)?.parse().ok()?;
-    Some(cutime + cstime)
+    stat_fields_sum(stat, 16, 17)
 }
 
 /// Milliseconds per clock tick (USER_HZ).
